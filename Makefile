@@ -1,0 +1,37 @@
+# Two commands on a fresh machine (python3 and make are all it needs):
+#   make demo    set up, then train the small GPT on 2 CPU ranks, checkpoint, resume
+#   make check   set up, then ruff, mypy --strict and pytest
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo check test lint bench clean
+
+$(STAMP): constraints.txt packages/*/pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables ruff mypy pytest pytest-benchmark
+	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
+		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python demo/run_demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
+
+check: lint test
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q --benchmark-autosave
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,24 @@
+"""shardkit.core: fully sharded data parallel training, a drop-in for torch's ``fully_shard``.
+
+``from shardkit.core import fully_shard`` in place of ``from torch.distributed.fsdp import
+fully_shard``: same signature, same semantics, our own engine.
+"""
+
+from shardkit.core.__about__ import __version__
+from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from shardkit.core.observe import CollectiveEvent, StateTransitionEvent, subscribe
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "CollectiveEvent",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "StateTransitionEvent",
+    "UnshardHandle",
+    "__version__",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "subscribe",
+]

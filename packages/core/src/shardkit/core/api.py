@@ -1,0 +1,326 @@
+"""The public entry point: ``fully_shard`` and the FSDPModule methods it adds to a module.
+
+Everything is validated before anything is changed, so a failed call leaves the module as it
+was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from types import MethodType
+from typing import Any, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from shardkit.core.mesh_info import MeshInfo, default_mesh, mesh_info_for
+from shardkit.core.options import GroupOptions
+from shardkit.core.param import FSDPParam
+from shardkit.core.param_group import FSDPParamGroup, GroupConfig
+from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
+from shardkit.core.state import FSDPState
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+logger = logging.getLogger(__name__)
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+_FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    state = _STATES.get(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
+    return state
+
+
+def _states_under(module: nn.Module) -> list[FSDPState]:
+    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
+    seen: dict[int, FSDPState] = {}
+    for sub in module.modules():
+        state = _STATES.get(sub)
+        if state is not None:
+            seen.setdefault(id(state), state)
+    return list(seen.values())
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Block until the full parameters are gathered and registered."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Methods that ``fully_shard`` adds to a module (by swapping in an ``FSDP<Cls>`` class)."""
+
+    def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
+        assert isinstance(self, nn.Module)
+        states = _states_under(self) if recurse else [_state_of(self)]
+        return [s.group for s in states if s.group is not None]
+
+    def _own_group(self) -> FSDPParamGroup | None:
+        assert isinstance(self, nn.Module)
+        return _state_of(self).group
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters (not its children's); async returns a handle."""
+        assert isinstance(self, nn.Module)
+        state = _state_of(self)
+        state.lazy_init()
+        group = state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's full parameters and register the sharded ones."""
+        group = self._own_group()
+        if group is not None:
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward (call on the root)."""
+        assert isinstance(self, nn.Module)
+        state = _state_of(self)
+        if not state.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        state.reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backward leaves gradient reductions to a later one (microbatches)."""
+        for group in self._groups_under(recurse=True):
+            group.options.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: accumulate full gradients locally instead of reducing them (no_sync)."""
+        for group in self._groups_under(recurse):
+            group.options.reduce_grads = requires_gradient_sync
+            group.options.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but defers the all-reduce across replicas."""
+        for group in self._groups_under(recurse):
+            group.options.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change whether full parameters are freed after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError("set_reshard_after_forward takes a bool")
+        for group in self._groups_under(recurse):
+            group.options.reshard_after_forward = reshard_after_forward
+            group.options.reshard_after_forward_is_default = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps full parameters after backward (saves the next forward's all-gather)."""
+        for group in self._groups_under(recurse):
+            group.options.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters right after this module's pre-forward."""
+        self._set_prefetch(modules, forward=True)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters right after this module's pre-backward."""
+        self._set_prefetch(modules, forward=False)
+
+    def _set_prefetch(self, modules: list[FSDPModule], *, forward: bool) -> None:
+        group = self._own_group()
+        targets: list[FSDPParamGroup] = []
+        for module in modules:
+            if not isinstance(module, FSDPModule) or not isinstance(module, nn.Module):
+                raise ValueError(f"prefetch targets must be FSDP modules, got {type(module)}")
+            target = _state_of(module).group
+            if target is not None:
+                targets.append(target)
+        if group is not None:
+            if forward:
+                group.forward_prefetch = targets
+            else:
+                group.backward_prefetch = targets
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        group = self._own_group()
+        if group is not None:
+            group.options.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for compatibility: shardkit always sums in the collective, then divides."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not gather this module's parameters for backward (unused there)."""
+        group = self._own_group()
+        if group is not None:
+            group.options.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for compatibility: collectives are ordered after the optimizer already."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # .to(), .to_empty(), .float() replace local tensors: reshard first, re-adopt after.
+        groups = self._groups_under(recurse=True)
+        for group in groups:
+            group.reshard()
+        result = nn.Module._apply(self, fn, recurse)  # type: ignore[arg-type]  # mixin on Module
+        for group in groups:
+            group.resync_sharded_storage()
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError("FSDP modules cannot be deep-copied; copy the model before fully_shard")
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(  # noqa: D417  (keyword arguments documented together below)
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008  (frozen)
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard a module's parameters across the data-parallel mesh (a drop-in for torch's).
+
+    Args:
+        module: a module, or a list of modules whose parameters form one group.
+        mesh: a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh with dim names (HSDP);
+            default: every rank of the default process group.
+        reshard_after_forward: True frees full parameters after forward, False keeps them,
+            None means True except for the root; an int n keeps a 1/n slice.
+        shard_placement_fn: returns ``Shard(dim)`` for a parameter, or None for ``Shard(0)``.
+        mp_policy: mixed precision.
+        offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
+        ignored_params: parameters left alone: not sharded, not moved, not reduced.
+        dp_mesh_dims: not supported by the core; see shardkit.tp.
+
+    Returns:
+        The same module(s), now also instances of ``FSDPModule``.
+    """
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("dp_mesh_dims is not supported by shardkit.core yet")
+    _check_modules(modules)
+    mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
+    options = GroupOptions(
+        reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
+        reshard_after_forward_is_default=reshard_after_forward is None,
+    )
+    managed = collect_params(modules, set(ignored_params or ()), _STATES, shard_placement_fn, mesh_info)
+    group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
+    # Nothing above changed the modules; from here on it cannot fail on user input.
+    _move_buffers(modules, mesh_info, set(ignored_params or ()))
+    if group is not None:
+        for p in group.params:
+            p.register(unsharded=False)
+        mark_owned(group.params, type(modules[0]).__name__)
+    state = FSDPState(modules, group, mp_policy, mesh_info.device, _states_under)
+    for m in modules:
+        _STATES[m] = state
+        m.__class__ = _fsdp_class(type(m))
+    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+
+
+def _check_modules(modules: tuple[nn.Module, ...]) -> None:
+    for m in modules:
+        name = type(m).__name__
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if m in _STATES:
+            raise ValueError(f"fully_shard was already applied to this {name}")
+        if _managed_by_torch_fsdp(m):
+            raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support {name}, which has no forward (a container); "
+                "apply it to the modules inside"
+            )
+
+
+def _managed_by_torch_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(
+        isinstance(m, TorchFSDPModule | FullyShardedDataParallel) for m in module.modules()
+    )
+
+
+def _build_group(
+    managed: list[FSDPParam],
+    modules: tuple[nn.Module, ...],
+    mesh_info: MeshInfo,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    options: GroupOptions,
+) -> FSDPParamGroup | None:
+    if not managed:
+        return None
+    config = GroupConfig(modules, mesh_info, mp_policy, offload_policy)
+    return FSDPParamGroup(managed, config, options)
+
+
+def _move_buffers(
+    modules: Iterable[nn.Module], mesh_info: MeshInfo, ignored: set[nn.Parameter]
+) -> None:
+    device = mesh_info.device
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta and buf.device != device:
+                    sub._buffers[name] = buf.to(device)
+
+
+def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if issubclass(cls, FSDPModule):
+        return cls
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    return fsdp_cls
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run FSDP's pre/post-forward logic around ``module.<method_name>`` (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        return
+    state = _state_of(module)
+    original = getattr(type(module), method_name)
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        out = original(self, *args, **kwargs)
+        return state._post_forward(self, args, out)
+
+    setattr(module, method_name, MethodType(wrapped, module))

@@ -1,0 +1,76 @@
+"""What a parameter group needs to know about its device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from shardkit.core.runtime.device import device_for_mesh_type
+
+__all__ = ["MeshInfo", "default_mesh", "mesh_info_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshInfo:
+    """A 1-D (FSDP) or 2-D (HSDP: replicate x shard) data-parallel mesh."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: dist.ProcessGroup | None
+    """Set for HSDP only: gradients are all-reduced over it after the reduce-scatter."""
+    replicate_size: int
+    device: torch.device
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: the default gradient divide factor."""
+        return self.shard_size * self.replicate_size
+
+    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
+        """DTensor placements of a parameter sharded on ``shard_dim``."""
+        if self.replicate_group is None:
+            return (Shard(shard_dim),)
+        return (Replicate(), Shard(shard_dim))
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole default process group on the default device type."""
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
+    """Validate ``mesh`` for fully_shard and describe it."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    device = device_for_mesh_type(mesh.device_type)
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+        return MeshInfo(mesh, group, mesh.get_local_rank(0), mesh.size(0), None, 1, device)
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                "fully_shard on a 2-D (HSDP) mesh needs mesh_dim_names, e.g. "
+                "init_device_mesh('cpu', (2, 2), mesh_dim_names=('replicate', 'shard'))"
+            )
+        return MeshInfo(
+            mesh,
+            mesh.get_group(1),
+            mesh.get_local_rank(1),
+            mesh.size(1),
+            mesh.get_group(0),
+            mesh.size(0),
+            device,
+        )
+    raise ValueError(
+        f"fully_shard supports a 1-D (FSDP) or 2-D (HSDP) mesh, got a {mesh.ndim}-D mesh; "
+        "for tensor parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
+    )

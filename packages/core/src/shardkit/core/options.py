@@ -1,0 +1,31 @@
+"""Runtime switches of one parameter group, set through FSDPModule methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GroupOptions"]
+
+
+@dataclass(slots=True)
+class GroupOptions:
+    """Per-group switches that change between steps (gradient accumulation, prefetch...)."""
+
+    reshard_after_forward: bool | int
+    """True frees the full parameters after forward; False keeps them; an int n keeps a
+    1/n slice so that backward gathers within n ranks only."""
+    reshard_after_forward_is_default: bool = False
+    """Set when the user passed None: the root then keeps its parameters after forward."""
+    reshard_after_backward: bool = True
+    """Free the full parameters after backward (False keeps them for the next microbatch)."""
+    reduce_grads: bool = True
+    """Reduce-scatter gradients after backward; False accumulates full gradients (no sync)."""
+    all_reduce_grads: bool = True
+    """HSDP: all-reduce across replicas after the reduce-scatter; False accumulates the
+    partial result until a backward that does."""
+    gradient_divide_factor: float | None = None
+    """Divide summed gradients by this; None means the data-parallel world size."""
+    unshard_in_backward: bool = True
+    """Gather parameters before this group's backward (False if backward does not use them)."""
+    is_last_backward: bool = True
+    """False defers end-of-backward finalization (microbatching, pipeline schedules)."""

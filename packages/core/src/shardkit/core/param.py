@@ -1,0 +1,173 @@
+"""FSDPParam: the sharded and unsharded views of one parameter.
+
+A parameter has two lives. Sharded: an ``nn.Parameter`` wrapping a DTensor whose local tensor
+is a view into its group's flat sharded buffer; this object is what the optimizer and the
+state dict see, and it never changes identity. Unsharded: a plain ``nn.Parameter`` viewing the
+group's unsharded buffer, registered on the module only between unshard and reshard. Both
+buffers belong to the group (see [Note: flat group buffers]); this class holds the views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
+
+__all__ = ["FSDPParam", "ParamSlot"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """One place the parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+class FSDPParam:
+    """Sharded and unsharded views of one parameter, and where it is registered."""
+
+    fqn: str
+    slots: tuple[ParamSlot, ...]  # a tied parameter has several
+    geometry: ShardGeometry
+    orig_dtype: torch.dtype
+    comm_dtype: torch.dtype  # dtype of the unsharded parameter (param_dtype or original)
+    requires_grad: bool
+    sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
+    unsharded_param: nn.Parameter | None  # created at the first unshard
+    accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        slots: tuple[ParamSlot, ...],
+        shard_dim: int,
+        mesh_info: MeshInfo,
+    ) -> None:
+        self.fqn = fqn
+        self.slots = slots
+        self.mesh_info = mesh_info
+        self.geometry = shard_geometry(param.shape, shard_dim, mesh_info.shard_size)
+        self.orig_dtype = param.dtype
+        self.comm_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.unsharded_param = None
+        self.accumulated_grad = None
+        self._source = param  # the original full tensor, until the group copies its shard
+        self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
+
+    # --- sharded side ---------------------------------------------------------------------
+
+    def padded_shard_of_source(self) -> torch.Tensor:
+        """This rank's padded shard of the original parameter, flat (for the first copy-in)."""
+        geo = self.geometry
+        source = self._source.detach()
+        rank = self.mesh_info.shard_rank
+        start = rank * geo.chunk
+        length = geo.local_length(rank)
+        if source.is_meta:
+            return torch.empty(geo.shard_numel, dtype=self.orig_dtype, device="meta")
+        shard = source.narrow(geo.dim, min(start, geo.shape[geo.dim]), length)
+        if length == geo.chunk:
+            return shard.contiguous().view(-1)
+        padded = source.new_zeros(geo.padded_shard_shape)
+        padded.narrow(geo.dim, 0, length).copy_(shard)
+        return padded.view(-1)
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The unpadded local shard as a view of this parameter's slot in the flat buffer."""
+        geo = self.geometry
+        rank = self.mesh_info.shard_rank
+        padded = flat.view(geo.padded_shard_shape)
+        return padded.narrow(geo.dim, 0, geo.local_length(rank))
+
+    def bind_sharded(self, flat: torch.Tensor) -> None:
+        """Make the sharded DTensor parameter view ``flat`` (this param's padded shard)."""
+        local = self.local_view(flat)
+        if isinstance(self.sharded_param, DTensor):
+            # Keep the Parameter object (optimizers and the state dict hold it); re-point it.
+            self.sharded_param._local_tensor = local
+            return
+        geo = self.geometry
+        placements = self.mesh_info.placements(geo.dim)
+        spec = DTensorSpec(
+            self.mesh_info.mesh,
+            placements,
+            tensor_meta=TensorMeta(geo.shape, _contiguous_strides(geo.shape), self.orig_dtype),
+        )
+        dtensor = DTensor(local, spec, requires_grad=False)
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        del self._source  # the group's buffer now holds the only copy we keep
+
+    def current_local(self) -> torch.Tensor:
+        """The local tensor that the registered sharded parameter holds right now."""
+        param = self.slots[0].module._parameters[self.slots[0].name]
+        if isinstance(param, DTensor) and param is not self.sharded_param:
+            # load_state_dict(assign=True) put a new object in place: adopt it.
+            self.sharded_param = param  # type: ignore[assignment]  # an nn.Parameter DTensor
+        local: torch.Tensor = self.sharded_param._local_tensor
+        return local
+
+    # --- unsharded side -------------------------------------------------------------------
+
+    def bind_unsharded(self, padded_flat: torch.Tensor) -> None:
+        """Create the unsharded Parameter once, viewing ``padded_flat`` (W * shard_numel)."""
+        numel = self.geometry.shape.numel()
+        view = padded_flat[:numel].view(self.geometry.shape)
+        param = nn.Parameter(view, requires_grad=self.requires_grad)
+        self.unsharded_param = param
+
+    def register(self, unsharded: bool) -> None:
+        """Put the sharded or the unsharded Parameter on every module slot."""
+        param = self.unsharded_param if unsharded else self.sharded_param
+        assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
+        for slot in self.slots:
+            # Bypass nn.Module.__setattr__: it is slow and we only swap like for like.
+            slot.module._parameters[slot.name] = param
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The full gradient accumulated so far (no-sync steps included); clears it."""
+        param = self.unsharded_param
+        grad = param.grad if param is not None else None
+        if param is not None:
+            param.grad = None
+        acc = self.accumulated_grad
+        self.accumulated_grad = None
+        if acc is None:
+            return grad
+        if grad is not None:
+            acc.add_(grad)
+        return acc
+
+    def stash_unsharded_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Between no-sync backwards: keep the full gradient, accumulated in ``reduce_dtype``."""
+        param = self.unsharded_param
+        if param is None or param.grad is None:
+            return
+        if param.grad.dtype == reduce_dtype and self.accumulated_grad is None:
+            return  # autograd keeps accumulating into .grad in this dtype
+        grad = param.grad
+        param.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self.accumulated_grad.add_(grad)
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,399 @@
+"""FSDPParamGroup: one communication bucket and its state machine.
+
+unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
+backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardkit.core import observe
+from shardkit.core.context import CommContext
+from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.options import GroupOptions
+from shardkit.core.param import FSDPParam
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
+from shardkit.core.runtime.device import pin
+from shardkit.core.runtime.protocol import CollectiveHandle
+from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
+
+__all__ = ["FSDPParamGroup", "GroupConfig", "PendingReduce"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """What a group is built from (besides its parameters)."""
+
+    modules: tuple[nn.Module, ...]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+
+
+@dataclass(slots=True)
+class _PendingGather:
+    handle: CollectiveHandle
+    output: torch.Tensor  # (W * comm bytes) uint8, from the pool
+
+
+@dataclass(slots=True)
+class PendingReduce:
+    """A gradient reduce-scatter in flight, finished by ``FSDPParamGroup.finish_reduce``."""
+
+    group: FSDPParamGroup
+    handle: CollectiveHandle
+    output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
+    buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call, gathered and reduced together."""
+
+    def __init__(self, params: list[FSDPParam], config: GroupConfig, options: GroupOptions):
+        self.params = params
+        self.modules = config.modules
+        self.mesh_info = config.mesh_info
+        self.options = options
+        self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload and getattr(config.offload_policy, "pin_memory", False)
+        self.fqn = ""  # set at the root's lazy init, for messages and profiles
+        self.comm: CommContext | None = None  # set at the root's lazy init
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.registered_unsharded = False
+        self._pending_gather: _PendingGather | None = None
+        self._grads_ready = 0
+        self._partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
+        self.forward_prefetch: list[FSDPParamGroup] | None = None
+        self.backward_prefetch: list[FSDPParamGroup] | None = None
+        # Set by the root: queues the end-of-backward callback if no hook has yet.
+        self.ensure_final_callback: Callable[[], None] = _nothing
+        self._resolve_dtypes(config.mp_policy)
+        self.trainable = [p for p in params if p.requires_grad]
+        self._build_layouts()
+        self._init_sharded_storage()
+
+    # --- construction -----------------------------------------------------------------------
+
+    def _resolve_dtypes(self, mp: MixedPrecisionPolicy) -> None:
+        for p in self.params:
+            if mp.param_dtype is not None and p.orig_dtype.is_floating_point:
+                p.comm_dtype = mp.param_dtype
+        grad_dtypes = {p.comm_dtype for p in self.params if p.requires_grad}
+        if mp.reduce_dtype is not None:
+            self.reduce_dtype = mp.reduce_dtype
+        elif len(grad_dtypes) > 1:
+            names = ", ".join(f"{p.fqn}: {p.comm_dtype}" for p in self.params if p.requires_grad)
+            raise ValueError(
+                "fully_shard needs one dtype for the trainable parameters of a group so that "
+                f"their gradients reduce together; got {names}. Set "
+                "MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls."
+            )
+        else:
+            self.reduce_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
+        self.orig_grad_dtype = next((p.orig_dtype for p in self.params if p.requires_grad), None)
+
+    def _build_layouts(self) -> None:
+        world = self.mesh_info.shard_size
+        numels = [p.geometry.shard_numel for p in self.params]
+        self.storage_layout = FlatLayout.build(numels, [p.orig_dtype for p in self.params])
+        self.comm_layout = FlatLayout.build(numels, [p.comm_dtype for p in self.params])
+        self.unsharded_layout = FlatLayout.build(
+            [n * world for n in numels], [p.comm_dtype for p in self.params]
+        )
+        # Reduce-scatter rows: the trainable parameters' padded shards, in the reduce dtype.
+        offsets: list[int] = []
+        cursor = 0
+        for p in self.trainable:
+            offsets.append(cursor)
+            cursor += p.geometry.shard_numel
+        self.reduce_offsets = tuple(offsets)
+        self.reduce_numel = cursor
+        # The all-gather reads the sharded storage directly unless it must be cast or moved.
+        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
+
+    def _init_sharded_storage(self) -> None:
+        shards = [p.padded_shard_of_source() for p in self.params]
+        is_meta = any(s.is_meta for s in shards)
+        device = torch.device("meta") if is_meta else self.storage_device
+        buffer = torch.empty(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
+        if not is_meta:
+            for i, shard in enumerate(shards):
+                self.storage_layout.view(buffer, i).copy_(shard)
+            if self.pin_memory:
+                buffer = pin(buffer)
+        self.sharded_buffer = buffer
+        for i, p in enumerate(self.params):
+            p.bind_sharded(self.storage_layout.view(buffer, i))
+        self._unsharded_buffer: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def storage_device(self) -> torch.device:
+        """Where sharded parameters live: the mesh device, or the CPU when offloading."""
+        return torch.device("cpu") if self.offload else self.mesh_info.device
+
+    def resync_sharded_storage(self) -> None:
+        """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads.
+
+        Those replace a parameter's local tensor with new storage; the group copies the values
+        back into one flat buffer (on their new device) and re-points every DTensor at it.
+        """
+        locals_ = [p.current_local() for p in self.params]
+        if any(t.is_meta for t in locals_):
+            return
+        aliased = all(
+            t.untyped_storage().data_ptr() == self.sharded_buffer.untyped_storage().data_ptr()
+            for t in locals_
+            if t.numel() > 0
+        )
+        device = torch.device("cpu") if self.offload else locals_[0].device
+        if aliased and self.sharded_buffer.device == device:
+            return
+        buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
+        for i, (p, local) in enumerate(zip(self.params, locals_, strict=True)):
+            p.local_view(self.storage_layout.view(buffer, i)).copy_(local)
+        if self.pin_memory:
+            buffer = pin(buffer)
+        self.sharded_buffer = buffer
+        for i, p in enumerate(self.params):
+            p.bind_sharded(self.storage_layout.view(buffer, i))
+        self._unsharded_buffer = None
+        self._staging = None
+        for p in self.params:
+            p.unsharded_param = None  # rebuilt on the new device at the next unshard
+
+    # --- unshard / reshard ----------------------------------------------------------------
+
+    def _gather_input(self) -> torch.Tensor:
+        if not self.needs_staging:
+            return self.sharded_buffer
+        if self._staging is None:
+            self._staging = torch.empty(
+                self.comm_layout.nbytes, dtype=torch.uint8, device=self.mesh_info.device
+            )
+        for i in range(len(self.params)):
+            # One copy per parameter casts to param_dtype and moves host to device if offloaded.
+            self.comm_layout.view(self._staging, i).copy_(
+                self.storage_layout.view(self.sharded_buffer, i), non_blocking=self.pin_memory
+            )
+        return self._staging
+
+    def check_materialized(self) -> None:
+        """Raise if parameters are still on the meta device at the first collective."""
+        if self.sharded_buffer.is_meta:
+            names = ", ".join(p.fqn for p in self.params)
+            raise RuntimeError(
+                f"FSDP module {self.fqn or '<root>'}: parameters are still on the meta device "
+                f"({names}); call module.to_empty(device=...) and initialise them first"
+            )
+
+    def unshard(self) -> None:
+        """Issue the all-gather of this group's parameters (async; ``wait_for_unshard`` ends it)."""
+        if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
+            return
+        assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
+        self.check_materialized()
+        source = self._gather_input()
+        world = self.mesh_info.shard_size
+        output = self.comm.pool.get(world * self.comm_layout.nbytes, self.mesh_info.device)
+        handle = self.comm.runtime.all_gather(output, source, self.mesh_info.shard_group)
+        self._pending_gather = _PendingGather(handle, output)
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
+
+    def wait_for_unshard(self) -> None:
+        """Finish a pending all-gather: copy out into the full parameters and register them."""
+        pending = self._pending_gather
+        if pending is None:
+            if self.sharded_state is not ShardedState.UNSHARDED:
+                self.unshard()
+                self.wait_for_unshard()
+            elif not self.registered_unsharded:
+                self._register(unsharded=True)
+            return
+        assert self.comm is not None
+        self._pending_gather = None
+        pending.handle.wait()
+        unsharded = self._alloc_unsharded()
+        rows = pending.output.view(self.mesh_info.shard_size, self.comm_layout.nbytes)
+        for i, p in enumerate(self.params):
+            copy_out_unsharded(
+                self.comm_layout.row_view(rows, i),
+                p.geometry,
+                self.unsharded_layout.view(unsharded, i),
+            )
+        self.comm.pool.put(pending.output)
+        check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
+        self.sharded_state = ShardedState.UNSHARDED
+        self._register(unsharded=True)
+
+    def _alloc_unsharded(self) -> torch.Tensor:
+        nbytes = self.unsharded_layout.nbytes
+        buffer = self._unsharded_buffer
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
+            self._unsharded_buffer = buffer
+            self._bind_unsharded_params(buffer)
+        elif buffer.untyped_storage().nbytes() == 0:
+            # See [Note: unsharded storage]: same storage object, memory re-allocated.
+            buffer.untyped_storage().resize_(nbytes)
+        return buffer
+
+    def _bind_unsharded_params(self, buffer: torch.Tensor) -> None:
+        storage = buffer.untyped_storage()
+        for i, p in enumerate(self.params):
+            # A fresh tensor set onto the storage gets its own version counter, so writing the
+            # next gather through the buffer does not look like an in-place change to autograd.
+            flat = torch.empty(0, dtype=p.comm_dtype, device=buffer.device)
+            offset = self.unsharded_layout.offsets[i] // p.comm_dtype.itemsize
+            flat.set_(storage, offset, (self.unsharded_layout.numels[i],))
+            p.bind_unsharded(flat)
+            if p.requires_grad:
+                assert p.unsharded_param is not None
+                p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def reshard(self) -> None:
+        """Free the full parameters and register the sharded ones."""
+        if self._pending_gather is not None:
+            # An unshard (e.g. a prefetch) that nobody consumed: finish it so buffers return.
+            self.wait_for_unshard()
+        if self.sharded_state is ShardedState.SHARDED:
+            if self.registered_unsharded:
+                self._register(unsharded=False)
+            return
+        check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
+        self._register(unsharded=False)
+        if self._unsharded_buffer is not None:
+            self._unsharded_buffer.untyped_storage().resize_(0)
+        self.sharded_state = ShardedState.SHARDED
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(self.fqn, "reshard"))
+
+    def _register(self, *, unsharded: bool) -> None:
+        for p in self.params:
+            p.register(unsharded)
+        self.registered_unsharded = unsharded
+
+    def register_sharded_for_state_dict(self) -> None:
+        """Show the sharded DTensors to ``state_dict``/``load_state_dict`` without freeing."""
+        if self.registered_unsharded:
+            self._register(unsharded=False)
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the full parameters are materialised (or being gathered)."""
+        return self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        """Reset the per-backward count of accumulated gradients."""
+        self._grads_ready = 0
+
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        # Runs after autograd accumulated one unsharded gradient; the last one triggers the
+        # reduce-scatter as early as possible. See [Note: post-backward trigger].
+        self.ensure_final_callback()
+        self._grads_ready += 1
+        if self._grads_ready == len(self.trainable) and self.training_state in (
+            TrainingState.PRE_BACKWARD,
+            TrainingState.FORWARD,
+            TrainingState.IDLE,
+        ):
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Start reducing this group's gradients and reshard (per the options)."""
+        self.training_state = TrainingState.POST_BACKWARD
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(self.fqn, "post_backward"))
+        if not self.options.reduce_grads:
+            for p in self.trainable:
+                p.stash_unsharded_grad(self.reduce_dtype)
+        else:
+            grads = [p.take_unsharded_grad() for p in self.trainable]
+            if any(g is not None for g in grads):
+                self._start_reduce(grads)
+        if self.options.reshard_after_backward:
+            self.reshard()
+
+    def _start_reduce(self, grads: Sequence[torch.Tensor | None]) -> None:
+        assert self.comm is not None
+        world = self.mesh_info.shard_size
+        nbytes = world * self.reduce_numel * self.reduce_dtype.itemsize
+        device = self.mesh_info.device
+        send = self.comm.pool.get(nbytes, device)
+        rows = send.view(self.reduce_dtype).view(world, self.reduce_numel)  # (W, S)
+        pack_grads_rank_major(grads, [p.geometry for p in self.trainable], self.reduce_offsets, rows)
+        output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
+        buffers: tuple[torch.Tensor, ...] = (send,)
+        handle = self.comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
+        self.comm.pending_reduces.append(PendingReduce(self, handle, output, buffers))
+        while len(self.comm.pending_reduces) > self.comm.max_reduces_in_flight:
+            oldest = self.comm.pending_reduces.popleft()
+            oldest.group.finish_reduce(oldest)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for a reduce-scatter, all-reduce across replicas, and assign sharded grads."""
+        assert self.comm is not None
+        pending.handle.wait()
+        for buffer in pending.buffers:
+            self.comm.pool.put(buffer)
+        reduced = pending.output
+        if self.mesh_info.replicate_group is not None:
+            if self._partial_reduce is not None:
+                reduced.add_(self._partial_reduce)
+                self._partial_reduce = None
+            if not self.options.all_reduce_grads:
+                self._partial_reduce = reduced
+                return
+            self.comm.runtime.all_reduce(reduced, self.mesh_info.replicate_group).wait()
+        factor = self.options.gradient_divide_factor or self.mesh_info.dp_size
+        if factor != 1:
+            reduced.div_(factor)
+        self._assign_sharded_grads(reduced)
+
+    def _assign_sharded_grads(self, reduced: torch.Tensor) -> None:
+        if self.orig_grad_dtype is not None and reduced.dtype != self.orig_grad_dtype:
+            reduced = reduced.to(self.orig_grad_dtype)
+        if self.offload and reduced.device.type != "cpu":
+            reduced = reduced.to("cpu", non_blocking=self.pin_memory)
+        for p, offset in zip(self.trainable, self.reduce_offsets, strict=True):
+            local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
+            param = p.sharded_param
+            if param.grad is None:
+                param.grad = DTensor(local, param._spec, requires_grad=False)
+            else:
+                param.grad._local_tensor.add_(local)
+
+    def drop_pending_state(self) -> None:
+        """Forget in-flight work and unreduced gradients (recovery after an exception)."""
+        if self._pending_gather is not None:
+            self._pending_gather.handle.wait()
+            assert self.comm is not None
+            self.comm.pool.put(self._pending_gather.output)
+            self._pending_gather = None
+        for p in self.trainable:
+            p.take_unsharded_grad()
+        self._partial_reduce = None
+        self._grads_ready = 0
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroup({self.fqn or '<root>'}, params={len(self.params)})"
+
+
+def _nothing() -> None:
+    """Default for callbacks installed at the root's lazy init."""

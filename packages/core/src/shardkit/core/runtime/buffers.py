@@ -1,0 +1,179 @@
+"""Pure tensor operations on flat buffers: shard geometry, copy-out and gradient packing.
+
+Nothing here knows about process groups, so all of it is testable in one process.
+See [Note: flat group buffers] in docs/notes/001-flat-group-buffers.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FlatLayout",
+    "ShardGeometry",
+    "copy_out_unsharded",
+    "pack_grads_rank_major",
+    "shard_geometry",
+]
+
+_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGeometry:
+    """How one parameter is cut into ``world`` shards along ``dim`` (torch.chunk semantics)."""
+
+    shape: torch.Size
+    """The full (unsharded) shape."""
+    dim: int
+    """The tensor dim that is sharded (non-negative)."""
+    world: int
+    """Number of shards."""
+    chunk: int
+    """Size of every padded shard along ``dim``: ceil(shape[dim] / world)."""
+
+    @property
+    def padded_shard_shape(self) -> torch.Size:
+        """Shape of one padded shard; every rank sends this many elements."""
+        dims = list(self.shape)
+        dims[self.dim] = self.chunk
+        return torch.Size(dims)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements in one padded shard."""
+        return math.prod(self.padded_shard_shape)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per index of the sharded dim in one shard (dim-0 sharding only)."""
+        return math.prod(self.shape[1:])
+
+    def local_length(self, rank: int) -> int:
+        """Size along ``dim`` of the real (unpadded) shard held by ``rank``."""
+        return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
+
+    def local_shape(self, rank: int) -> torch.Size:
+        """The unpadded shard shape of ``rank``: what the DTensor's local tensor shows."""
+        dims = list(self.shape)
+        dims[self.dim] = self.local_length(rank)
+        return torch.Size(dims)
+
+    @property
+    def is_even(self) -> bool:
+        """Whether every rank's shard is full (no padding at all)."""
+        return self.chunk * self.world == self.shape[self.dim]
+
+
+def shard_geometry(shape: torch.Size, dim: int, world: int) -> ShardGeometry:
+    """Geometry of ``shape`` cut into ``world`` shards along ``dim`` (``dim`` non-negative)."""
+    size = shape[dim]
+    return ShardGeometry(shape=torch.Size(shape), dim=dim, world=world, chunk=-(-size // world))
+
+
+@dataclass(frozen=True, slots=True)
+class FlatLayout:
+    """Where each tensor of a group lives in one flat byte buffer.
+
+    Offsets are aligned to 16 bytes so that any dtype can be viewed in place; a group of one
+    dtype whose sizes are multiples of 16 bytes has no gaps at all.
+    """
+
+    numels: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]
+    """Byte offset of each tensor."""
+    nbytes: int
+    """Total bytes, including alignment gaps."""
+
+    @staticmethod
+    def build(numels: Sequence[int], dtypes: Sequence[torch.dtype]) -> FlatLayout:
+        """Lay out tensors of the given sizes and dtypes one after another."""
+        offsets: list[int] = []
+        cursor = 0
+        for numel, dtype in zip(numels, dtypes, strict=True):
+            cursor = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+            offsets.append(cursor)
+            cursor += numel * dtype.itemsize
+        total = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+        return FlatLayout(tuple(numels), tuple(dtypes), tuple(offsets), total)
+
+    def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """The 1-D typed view of tensor ``index`` inside a uint8 ``buffer`` of this layout."""
+        start = self.offsets[index]
+        dtype = self.dtypes[index]
+        return buffer[start : start + self.numels[index] * dtype.itemsize].view(dtype)
+
+    def row_view(self, rows: torch.Tensor, index: int) -> torch.Tensor:
+        """The (W, numel) typed view of tensor ``index`` in a (W, nbytes) uint8 buffer."""
+        start = self.offsets[index]
+        dtype = self.dtypes[index]
+        return rows[:, start : start + self.numels[index] * dtype.itemsize].view(dtype)
+
+
+def _as_rank_major(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:
+    """View a full (padded-to-even) tensor as (W, *padded_shard_shape), rank first."""
+    split = (*geo.shape[: geo.dim], geo.world, geo.chunk, *geo.shape[geo.dim + 1 :])
+    return full.reshape(split).movedim(geo.dim, 0)
+
+
+def copy_out_unsharded(gathered: torch.Tensor, geo: ShardGeometry, out: torch.Tensor) -> None:
+    """Copy one parameter's shards from the all-gather output into its unsharded storage.
+
+    Args:
+        gathered: (W, shard_numel) typed view of this parameter in the all-gather output.
+        geo: the parameter's shard geometry.
+        out: the parameter's padded unsharded storage, W * shard_numel elements, 1-D.
+    """
+    if geo.dim == 0:
+        # Rank-major rows of dim-0 shards are exactly the padded full tensor, in order.
+        out.view(geo.world, geo.shard_numel).copy_(gathered)
+        return
+    full_padded = out.view(geo.world * geo.shard_numel)
+    target = _as_rank_major(full_padded, geo)
+    target.copy_(gathered.view(geo.world, *geo.padded_shard_shape))
+
+
+def pack_grads_rank_major(
+    grads: Sequence[torch.Tensor | None],
+    geometries: Sequence[ShardGeometry],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """Write full gradients into a (W, S) buffer whose row r holds rank r's padded shards.
+
+    This is the input of the reduce-scatter: row r goes to rank r. A missing gradient is sent
+    as zeros so that every rank issues the same collective. Casting to ``out``'s dtype happens
+    in the copy.
+
+    Args:
+        grads: full gradients (or None), one per parameter.
+        geometries: the shard geometry of each parameter.
+        offsets: element offset of each parameter within a row of ``out``.
+        out: the (W, S) reduce-scatter input, typed in the reduce dtype.
+    """
+    for grad, geo, offset in zip(grads, geometries, offsets, strict=True):
+        block = out[:, offset : offset + geo.shard_numel]
+        if grad is None:
+            block.zero_()
+        elif geo.is_even:
+            block.view(geo.world, *geo.padded_shard_shape).copy_(_as_rank_major(grad, geo))
+        else:
+            _pack_uneven_dim0(grad, geo, block)
+
+
+def _pack_uneven_dim0(grad: torch.Tensor, geo: ShardGeometry, block: torch.Tensor) -> None:
+    """Rank-major packing for a dim-0 shard whose last ranks are short (zero padded)."""
+    flat = grad.reshape(-1)
+    row = geo.row_numel
+    for rank in range(geo.world):
+        length = geo.local_length(rank) * row
+        start = rank * geo.chunk * row
+        if length:
+            block[rank, :length].copy_(flat[start : start + length])
+        if length < geo.shard_numel:
+            block[rank, length:].zero_()

@@ -1,0 +1,44 @@
+"""Everything that differs between devices lives here, and nowhere else.
+
+On CPU, collectives run in gloo's own threads and their async work handles give overlap where
+cores are free. On CUDA, NCCL runs collectives on its internal streams and ``Work.wait()``
+makes the current stream wait, so the same async-handle protocol overlaps compute with
+communication there too; what remains device specific is pinned memory and the device choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "can_pin_memory",
+    "device_for_mesh_type",
+    "is_accelerator",
+    "pin",
+]
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is an accelerator (anything but the CPU and meta)."""
+    return device.type not in ("cpu", "meta")
+
+
+def device_for_mesh_type(device_type: str) -> torch.device:
+    """The device that a mesh of ``device_type`` computes on, for this rank."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type)
+
+
+def can_pin_memory() -> bool:
+    """Whether pinned host memory exists on this build (it needs an accelerator)."""
+    return bool(torch.cuda.is_available())
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """Pinned copy of a CPU tensor, or the tensor itself where pinning does not exist."""
+    if not can_pin_memory() or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()

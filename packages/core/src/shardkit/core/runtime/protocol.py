@@ -1,0 +1,37 @@
+"""The boundary between parameter groups and the collective runtime.
+
+Parameter groups call only this protocol; the runtime knows nothing about modules.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveHandle", "CollectiveRuntime"]
+
+
+class CollectiveHandle(Protocol):
+    """An issued collective. ``wait()`` blocks until its output may be read."""
+
+    def wait(self) -> None:
+        """Block until the collective's output is ready (idempotent)."""
+
+
+class CollectiveRuntime(Protocol):
+    """Issues collectives on flat buffers and returns handles."""
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    ) -> CollectiveHandle:
+        """Gather ``input`` (N bytes) from every rank into ``output`` (W * N, rank-major)."""
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    ) -> CollectiveHandle:
+        """Sum row r of ``input`` (W, S) over ranks into ``output`` (S) on rank r."""
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> CollectiveHandle:
+        """Sum ``tensor`` over the ranks of ``group`` in place."""

@@ -1,0 +1,154 @@
+"""Choosing what a ``fully_shard`` call manages, and validating it before anything changes."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.param import FSDPParam, ParamSlot
+
+__all__ = ["collect_params", "mark_owned", "validate_reshard_after_forward"]
+
+logger = logging.getLogger(__name__)
+
+# Sharded parameters already owned by a group, with that group's description, so that a
+# parameter shared across two fully_shard calls is caught with both names.
+_OWNER: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+
+
+def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> bool | int:
+    """Resolve ``reshard_after_forward`` (None means True; the root later overrides it)."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+    size = mesh_info.shard_size
+    if value < 1 or size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size {size} "
+            "(an int n keeps 1/n of the parameters after forward)"
+        )
+    if value == 1:
+        logger.warning("reshard_after_forward=1 keeps full parameters: same as False")
+        return False
+    if value == size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value} (resharding to a smaller world) is not supported yet; "
+        "use True or False"
+    )
+
+
+def collect_params(
+    modules: tuple[nn.Module, ...],
+    ignored: set[nn.Parameter],
+    states: Mapping[nn.Module, Any],
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mesh_info: MeshInfo,
+) -> list[FSDPParam]:
+    """The parameters this call shards: those in its modules' trees, minus already-sharded
+    submodules and ignored parameters. Raises before any module is changed."""
+    slots: dict[int, list[ParamSlot]] = {}
+    params: dict[int, nn.Parameter] = {}
+    names: dict[int, str] = {}
+    for index, root in enumerate(modules):
+        prefix = f"[{index}]." if len(modules) > 1 else ""
+        for mod_name, module in _unmanaged_modules(root, states):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                key = id(param)
+                if key not in params:
+                    params[key] = param
+                    names[key] = f"{prefix}{mod_name}{'.' if mod_name else ''}{name}"
+                slots.setdefault(key, []).append(ParamSlot(module, name))
+    _check_params(params, names)
+    managed: list[FSDPParam] = []
+    for key, param in params.items():
+        dim = _shard_dim(param, names[key], shard_placement_fn, mesh_info)
+        managed.append(FSDPParam(param, names[key], tuple(slots[key]), dim, mesh_info))
+    return managed
+
+
+def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
+    """Remember the sharded parameters of a successful call (for the shared-param check)."""
+    for fsdp_param in managed:
+        _OWNER[fsdp_param.sharded_param] = f"{group_name}.{fsdp_param.fqn}"
+
+
+def _unmanaged_modules(
+    root: nn.Module, states: Mapping[nn.Module, Any]
+) -> list[tuple[str, nn.Module]]:
+    """Modules under ``root`` (itself included) not inside an already-sharded submodule."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        name, module = stack.pop()
+        found.append((name, module))
+        for child_name, child in reversed(list(module.named_children())):
+            if child in states:
+                continue
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return found
+
+
+def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> None:
+    devices: dict[torch.device, str] = {}
+    for key, param in params.items():
+        name = names[key]
+        owner = _OWNER.get(param)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {name} is already sharded by another fully_shard call ({owner}); "
+                "a parameter shared by two groups must be in one group: apply fully_shard to "
+                "a module that contains every user of it, or pass the modules as one list"
+            )
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name} is already a DTensor; tensor-parallel parameters are "
+                "handled by shardkit.tp, not the core"
+            )
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard cannot shard the 0-dim parameter {name}; pass it in "
+                "ignored_params or make it 1-dim"
+            )
+        devices.setdefault(param.device, name)
+    if len(devices) > 1:
+        listed = ", ".join(f"{name} on {device}" for device, name in devices.items())
+        raise ValueError(f"fully_shard needs every parameter on one device, found {listed}")
+
+
+def _shard_dim(
+    param: nn.Parameter,
+    name: str,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mesh_info: MeshInfo,
+) -> int:
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(f"shard_placement_fn must return Shard(dim) or None for {name}")
+    dim = placement.dim
+    if not -param.dim() <= dim < param.dim():
+        raise ValueError(
+            f"shard_placement_fn returned Shard({dim}) for {name} of shape "
+            f"{tuple(param.shape)}: dim out of range"
+        )
+    dim %= param.dim()
+    if dim != 0 and param.shape[dim] % mesh_info.shard_size != 0:
+        raise ValueError(
+            f"Shard({dim}) of {name} needs its size {param.shape[dim]} along dim {dim} to be "
+            f"divisible by the shard group size {mesh_info.shard_size} (dim 0 may be uneven)"
+        )
+    return dim

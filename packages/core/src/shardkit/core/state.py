@@ -1,0 +1,295 @@
+"""FSDPState: the hooks of one ``fully_shard`` call, and the root's lazy init.
+
+The first state to run forward becomes the root: it collects every state in its module tree
+into one RootContext, and queues the end-of-backward callback that finishes reductions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from shardkit.core import observe
+from shardkit.core.context import CommContext, RootContext
+from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.policies import MixedPrecisionPolicy
+from shardkit.core.runtime.collectives import ProcessGroupRuntime
+from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.states import TrainingState
+
+__all__ = ["FSDPState"]
+
+logger = logging.getLogger(__name__)
+
+
+class FSDPState:
+    """Forward/backward hooks for the module(s) of one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        device: torch.device,
+        states_of: Callable[[nn.Module], list[FSDPState]],
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.device = device
+        self.is_root: bool | None = None
+        self.ctx: RootContext | None = None
+        self.fqn = ""
+        self._states_of = states_of  # finds every state under a module (set by the API)
+        self._forward_pending: set[int] = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_pre_hook(self._before_load)
+            module.register_load_state_dict_post_hook(self._after_load)
+
+    # --- lazy init --------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state in its tree (first forward only)."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        root_module = self.modules[0]
+        states = self._states_of(root_module)
+        ctx = RootContext(states=states, comm=CommContext(runtime=ProcessGroupRuntime()))
+        names = {id(m): name for name, m in root_module.named_modules()}
+        for state in states:
+            if state is not self:
+                state.is_root = False
+            state.ctx = ctx
+            state.fqn = ", ".join(names.get(id(m), "") or "<root>" for m in state.modules)
+            group = state.group
+            if group is not None:
+                group.fqn = state.fqn
+                group.comm = ctx.comm
+                group.ensure_final_callback = self._ensure_final_callback
+                group.resync_sharded_storage()
+        if self.group is not None and self.group.options.reshard_after_forward_is_default:
+            # The root's parameters are needed again first thing in backward: keep them.
+            self.group.options.reshard_after_forward = False
+        self.ctx = ctx
+
+    @property
+    def groups(self) -> list[FSDPParamGroup]:
+        """Every parameter group under this root."""
+        assert self.ctx is not None
+        return [s.group for s in self.ctx.states if s.group is not None]
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        group = self.group
+        recomputing = group is not None and group.training_state is TrainingState.PRE_BACKWARD
+        if not recomputing:
+            self.lazy_init()
+            if self.is_root:
+                self._root_pre_forward()
+                if is_accelerator(self.device):
+                    args, kwargs = _move_to(args, kwargs, self.device)
+            if group is not None:
+                self._group_pre_forward(group, module)
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        assert self.ctx is not None
+        if self.ctx.forward_order:
+            self.ctx.previous_forward_order = self.ctx.forward_order
+            self.ctx.forward_order = []
+
+    def _group_pre_forward(self, group: FSDPParamGroup, module: nn.Module) -> None:
+        assert self.ctx is not None
+        if not self._forward_pending:
+            self._forward_pending = {id(m) for m in self.modules}
+            group.training_state = TrainingState.FORWARD
+            group.unshard()
+            group.wait_for_unshard()
+            self.ctx.forward_order.append(group)
+            if observe.has_subscribers():
+                observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
+            for target in self._forward_prefetch_targets(group):
+                target.unshard()
+        elif not group.registered_unsharded:
+            group.wait_for_unshard()
+
+    def _forward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
+        if group.forward_prefetch is not None:
+            return group.forward_prefetch
+        assert self.ctx is not None
+        previous = self.ctx.previous_forward_order
+        position = len(self.ctx.forward_order)
+        if position < len(previous) and previous[position] is not group:
+            return [previous[position]]
+        return []
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        group = self.group
+        if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
+            return output  # recomputation under activation checkpointing: keep parameters
+        if group is not None:
+            self._forward_pending.discard(id(module))
+            if not self._forward_pending:
+                self._group_post_forward(group)
+        output = self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        if self.is_root:
+            self._root_post_forward()
+        return output
+
+    def _group_post_forward(self, group: FSDPParamGroup) -> None:
+        assert self.ctx is not None
+        if group.options.reshard_after_forward is True:
+            group.reshard()
+        group.training_state = TrainingState.IDLE
+        self.ctx.post_forward_order.append(group)
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(group.fqn, "post_forward"))
+
+    def _root_post_forward(self) -> None:
+        # Groups that were prefetched but never ran, or list groups only partly run.
+        for group in self.groups:
+            if group.is_unsharded and group.options.reshard_after_forward is True:
+                if group.training_state is TrainingState.FORWARD:
+                    continue  # still inside its forward (the root is nested in it)
+                group.reshard()
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)
+        return output
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self._ensure_final_callback()
+        group = self.group
+        if group is None or group.training_state in (
+            TrainingState.PRE_BACKWARD,
+            TrainingState.POST_BACKWARD,
+        ):
+            return
+        group.training_state = TrainingState.PRE_BACKWARD
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(group.fqn, "pre_backward"))
+        if group.options.unshard_in_backward:
+            group.unshard()
+            group.wait_for_unshard()
+        for target in self._backward_prefetch_targets(group):
+            if target.training_state not in (
+                TrainingState.PRE_BACKWARD,
+                TrainingState.POST_BACKWARD,
+            ):
+                target.unshard()
+
+    def _backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
+        if group.backward_prefetch is not None:
+            return group.backward_prefetch
+        assert self.ctx is not None
+        order = self.ctx.post_forward_order
+        for index in range(len(order) - 1, 0, -1):
+            if order[index] is group:
+                previous = order[index - 1]
+                return [] if previous is group else [previous]
+        return []
+
+    def _ensure_final_callback(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.final_callback_queued:
+            return
+        ctx.final_callback_queued = True
+        root = next(s for s in ctx.states if s.is_root)
+        Variable._execution_engine.queue_callback(root._root_final_callback)
+
+    def _root_final_callback(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.final_callback_queued = False
+        for group in self.groups:
+            if group.training_state is TrainingState.PRE_BACKWARD or _has_unreduced(group):
+                group.post_backward()
+        if all(g.options.is_last_backward for g in self.groups):
+            self.finish_reductions()
+        for group in self.groups:
+            if group.options.reshard_after_backward:
+                group.reshard()
+            group.training_state = TrainingState.IDLE
+            group.begin_backward()
+        ctx.post_forward_order.clear()
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduce-scatter in flight and assign the sharded gradients."""
+        assert self.ctx is not None
+        pending = self.ctx.comm.pending_reduces
+        while pending:
+            item = pending.popleft()
+            item.group.finish_reduce(item)
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
+        assert self.ctx is not None
+        self.finish_reductions()
+        for group in self.groups:
+            group.drop_pending_state()
+        for state in self.ctx.states:
+            state._forward_pending.clear()
+        self.ctx.forward_order.clear()
+        self.ctx.post_forward_order.clear()
+        self.ctx.final_callback_queued = False
+
+    # --- state dict -------------------------------------------------------------------------
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.group is not None:
+            self.group.register_sharded_for_state_dict()
+
+    def _before_load(self, module: nn.Module, *args: Any) -> None:
+        if self.group is not None:
+            self.group.register_sharded_for_state_dict()
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if self.group is not None:
+            self.group.resync_sharded_storage()
+
+
+def _has_unreduced(group: FSDPParamGroup) -> bool:
+    return any(
+        p.unsharded_param is not None and p.unsharded_param.grad is not None
+        for p in group.trainable
+    )
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return pytree.tree_map_only(torch.Tensor, cast, tree)
+
+
+def _move_to(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    moved: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
+    )
+    return moved
