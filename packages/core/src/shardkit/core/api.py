@@ -108,7 +108,9 @@ class FSDPModule:
         for group in self._groups_under(recurse=True):
             group.options.is_last_backward = is_last_backward
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """False: accumulate full gradients locally instead of reducing them (no_sync)."""
         for group in self._groups_under(recurse):
             group.options.reduce_grads = requires_gradient_sync
@@ -127,7 +129,9 @@ class FSDPModule:
             group.options.reshard_after_forward = reshard_after_forward
             group.options.reshard_after_forward_is_default = False
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """False keeps full parameters after backward (saves the next forward's all-gather)."""
         for group in self._groups_under(recurse):
             group.options.reshard_after_backward = reshard_after_backward
@@ -184,7 +188,8 @@ class FSDPModule:
         groups = self._groups_under(recurse=True)
         for group in groups:
             group.reshard()
-        result = nn.Module._apply(self, fn, recurse)  # type: ignore[arg-type]  # mixin on Module
+        assert isinstance(self, nn.Module)
+        result = nn.Module._apply(self, fn, recurse)
         for group in groups:
             group.resync_sharded_storage()
         return result
@@ -193,18 +198,41 @@ class FSDPModule:
         raise RuntimeError("FSDP modules cannot be deep-copied; copy the model before fully_shard")
 
 
-@overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
-@overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+_Placement = Callable[[nn.Parameter], Shard | None] | None
 
 
-def fully_shard(  # noqa: D417  (keyword arguments documented together below)
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: _Placement = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+) -> FSDPModule: ...
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: _Placement = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: _Placement = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008  (frozen)
     ignored_params: set[nn.Parameter] | None = None,
@@ -236,7 +264,9 @@ def fully_shard(  # noqa: D417  (keyword arguments documented together below)
         reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
         reshard_after_forward_is_default=reshard_after_forward is None,
     )
-    managed = collect_params(modules, set(ignored_params or ()), _STATES, shard_placement_fn, mesh_info)
+    managed = collect_params(
+        modules, set(ignored_params or ()), _STATES, shard_placement_fn, mesh_info
+    )
     group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
     # Nothing above changed the modules; from here on it cannot fail on user input.
     _move_buffers(modules, mesh_info, set(ignored_params or ()))
@@ -248,7 +278,8 @@ def fully_shard(  # noqa: D417  (keyword arguments documented together below)
     for m in modules:
         _STATES[m] = state
         m.__class__ = _fsdp_class(type(m))
-    return list(modules) if isinstance(module, list) else modules[0]  # type: ignore[return-value]
+    fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
+    return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -271,9 +302,7 @@ def _managed_by_torch_fsdp(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return any(
-        isinstance(m, TorchFSDPModule | FullyShardedDataParallel) for m in module.modules()
-    )
+    return any(isinstance(m, TorchFSDPModule | FullyShardedDataParallel) for m in module.modules())
 
 
 def _build_group(

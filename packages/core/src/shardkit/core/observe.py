@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["CollectiveEvent", "Event", "StateTransitionEvent", "emit", "has_subscribers", "subscribe"]
+__all__ = [
+    "CollectiveEvent",
+    "Event",
+    "StateTransitionEvent",
+    "emit",
+    "has_subscribers",
+    "subscribe",
+]
 
 
 @dataclass(frozen=True, slots=True)

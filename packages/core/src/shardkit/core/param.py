@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 
-__all__ = ["FSDPParam", "ParamSlot"]
+__all__ = ["FSDPParam", "ParamSlot", "as_dtensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class FSDPParam:
         local = self.local_view(flat)
         if isinstance(self.sharded_param, DTensor):
             # Keep the Parameter object (optimizers and the state dict hold it); re-point it.
-            self.sharded_param._local_tensor = local
+            as_dtensor(self.sharded_param)._local_tensor = local
             return
         geo = self.geometry
         placements = self.mesh_info.placements(geo.dim)
@@ -111,8 +111,8 @@ class FSDPParam:
         param = self.slots[0].module._parameters[self.slots[0].name]
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) put a new object in place: adopt it.
-            self.sharded_param = param  # type: ignore[assignment]  # an nn.Parameter DTensor
-        local: torch.Tensor = self.sharded_param._local_tensor
+            self.sharded_param = param
+        local: torch.Tensor = as_dtensor(self.sharded_param)._local_tensor
         return local
 
     # --- unsharded side -------------------------------------------------------------------
@@ -171,3 +171,9 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(running)
         running *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def as_dtensor(param: torch.Tensor) -> DTensor:
+    """A sharded parameter, typed as the DTensor it is."""
+    assert isinstance(param, DTensor), f"expected a DTensor parameter, got {type(param)}"
+    return param

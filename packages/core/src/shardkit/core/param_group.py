@@ -18,7 +18,7 @@ from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
+from shardkit.core.param import FSDPParam, as_dtensor
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
 from shardkit.core.runtime.device import pin
@@ -257,7 +257,7 @@ class FSDPParamGroup:
             # next gather through the buffer does not look like an in-place change to autograd.
             flat = torch.empty(0, dtype=p.comm_dtype, device=buffer.device)
             offset = self.unsharded_layout.offsets[i] // p.comm_dtype.itemsize
-            flat.set_(storage, offset, (self.unsharded_layout.numels[i],))
+            flat.set_(storage, offset, (self.unsharded_layout.numels[i],), (1,))
             p.bind_unsharded(flat)
             if p.requires_grad:
                 assert p.unsharded_param is not None
@@ -335,7 +335,9 @@ class FSDPParamGroup:
         device = self.mesh_info.device
         send = self.comm.pool.get(nbytes, device)
         rows = send.view(self.reduce_dtype).view(world, self.reduce_numel)  # (W, S)
-        pack_grads_rank_major(grads, [p.geometry for p in self.trainable], self.reduce_offsets, rows)
+        pack_grads_rank_major(
+            grads, [p.geometry for p in self.trainable], self.reduce_offsets, rows
+        )
         output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
         buffers: tuple[torch.Tensor, ...] = (send,)
         handle = self.comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
@@ -371,11 +373,11 @@ class FSDPParamGroup:
             reduced = reduced.to("cpu", non_blocking=self.pin_memory)
         for p, offset in zip(self.trainable, self.reduce_offsets, strict=True):
             local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
-            param = p.sharded_param
+            param = as_dtensor(p.sharded_param)
             if param.grad is None:
                 param.grad = DTensor(local, param._spec, requires_grad=False)
             else:
-                param.grad._local_tensor.add_(local)
+                as_dtensor(param.grad)._local_tensor.add_(local)
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

@@ -55,8 +55,11 @@ def collect_params(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     mesh_info: MeshInfo,
 ) -> list[FSDPParam]:
-    """The parameters this call shards: those in its modules' trees, minus already-sharded
-    submodules and ignored parameters. Raises before any module is changed."""
+    """The parameters this call shards, validated; raises before any module is changed.
+
+    Those are the parameters in the modules' trees, minus already-sharded submodules and
+    ignored parameters.
+    """
     slots: dict[int, list[ParamSlot]] = {}
     params: dict[int, nn.Parameter] = {}
     names: dict[int, str] = {}

@@ -39,13 +39,15 @@ class TrainingState(Enum):
 SHARDED_TRANSITIONS: dict[ShardedState, frozenset[ShardedState]] = {
     ShardedState.SHARDED: frozenset({ShardedState.UNSHARDED}),
     ShardedState.SHARDED_POST_FORWARD: frozenset({ShardedState.UNSHARDED, ShardedState.SHARDED}),
-    ShardedState.UNSHARDED: frozenset(
-        {ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD}
-    ),
+    ShardedState.UNSHARDED: frozenset({ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD}),
 }
 
+
 def check_transition(
-    table: dict[ShardedState, frozenset[ShardedState]], old: ShardedState, new: ShardedState, where: str
+    table: dict[ShardedState, frozenset[ShardedState]],
+    old: ShardedState,
+    new: ShardedState,
+    where: str,
 ) -> None:
     """Raise if ``old -> new`` is not an allowed sharded-state transition."""
     if new not in table[old]:

@@ -110,9 +110,7 @@ class ProcessGroupRuntime:
             )
         )
 
-    def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup
-    ) -> WorkHandle | DoneHandle:
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""
         size = group.size()
         if observe.has_subscribers():
