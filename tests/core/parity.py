@@ -1,0 +1,177 @@
+"""The differential oracle: train shardkit, torch's fully_shard and a single process alike.
+
+Every implementation starts from the same seed and sees the same global batch each step;
+distributed runs take their rank's slice. A body returns, per implementation, the global loss
+of every step and every parameter (full tensors) after the last step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from tests.core import models
+
+Trace = dict[str, Any]  # {"losses": list[float], "params": dict[str, Tensor]}
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One differential experiment."""
+
+    model: str = "mlp"
+    steps: int = 5
+    wrap: str = "blocks"  # "blocks": each block, then the root; "root": the root only
+    shard_kwargs: dict[str, Any] = field(default_factory=dict)  # for every fully_shard call
+    root_kwargs: dict[str, Any] = field(default_factory=dict)  # for the root call only
+    hsdp: tuple[int, int] | None = None  # (replicate, shard) mesh shape
+    impls: tuple[str, ...] = ("shardkit", "torch", "local")
+    lr: float = 0.05
+    per_rank_batch: int = 2
+    loop: str = "plain"  # "plain", "accumulate", "multi_forward"
+    prepare: str | None = None  # name of a function in tests.core.prepare run before sharding
+
+
+def fully_shard_of(impl: str) -> Callable[..., Any]:
+    """The ``fully_shard`` of an implementation."""
+    if impl == "shardkit":
+        from shardkit.core import fully_shard
+
+        return fully_shard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return torch_fully_shard
+
+
+def make_mesh(run: Run, world_size: int) -> DeviceMesh:
+    if run.hsdp is None:
+        return init_device_mesh("cpu", (world_size,))
+    return init_device_mesh("cpu", run.hsdp, mesh_dim_names=("replicate", "shard"))
+
+
+def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
+    """Shard ``model`` the way ``run.wrap`` says."""
+    fs = fully_shard_of(impl)
+    kwargs = dict(run.shard_kwargs, mesh=mesh)
+    kwargs = {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
+    blocks = getattr(model, "blocks", [])
+    if run.wrap == "blocks":
+        for block in blocks:
+            fs(block, **kwargs)
+    fs(model, **dict(kwargs, **run.root_kwargs))
+
+
+def _policy_for(impl: str, policy: Any) -> Any:
+    """Translate a shardkit policy object into torch's equivalent (same fields)."""
+    if impl == "shardkit":
+        return policy
+    import torch.distributed.fsdp as tfsdp
+
+    cls = getattr(tfsdp, type(policy).__name__)
+    fields = {name: getattr(policy, name) for name in policy.__dataclass_fields__}
+    return cls(**fields)
+
+
+def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
+    """Train one implementation and return its trace."""
+    model = models.build(run.model)
+    if run.prepare is not None:
+        from tests.core import prepare
+
+        getattr(prepare, run.prepare)(model)
+    distributed = impl != "local"
+    if distributed:
+        apply(impl, model, make_mesh(run, world_size), run)
+    opt = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=run.lr, momentum=0.9
+    )
+    losses: list[float] = []
+    for step in range(run.steps):
+        x, y = models.batch(run.model, step, world_size * run.per_rank_batch)
+        if distributed:
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        loss = _step(model, run, x, y)
+        opt.step()
+        opt.zero_grad()
+        if distributed:
+            dist.all_reduce(loss)
+            loss /= world_size
+        losses.append(loss.item())
+    return {"losses": losses, "params": full_params(model)}
+
+
+def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one step; returns the (detached) loss of this rank's data."""
+    if run.loop == "plain":
+        loss = models.loss_of(run.model, model(x), y)
+        loss.backward()
+        return loss.detach()
+    if run.loop in ("accumulate", "multi_forward"):
+        # Two microbatches: split each rank's rows in two halves.
+        xs, ys = x.chunk(2), y.chunk(2)
+        if run.loop == "multi_forward":
+            total = sum(models.loss_of(run.model, model(a), b) for a, b in zip(xs, ys)) / 2
+            assert isinstance(total, torch.Tensor)
+            total.backward()
+            return total.detach()
+        total_loss = torch.zeros(())
+        for micro, (a, b) in enumerate(zip(xs, ys)):
+            last = micro == len(xs) - 1
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(last)
+            loss = models.loss_of(run.model, model(a), b) / 2
+            loss.backward()
+            total_loss += loss.detach()
+        return total_loss
+    raise ValueError(run.loop)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full, plain tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = value.detach().clone().float()
+    return out
+
+
+def parity_body(rank: int, world_size: int, run: Run) -> dict[str, Trace]:
+    """Runs on every rank: all implementations of ``run``, one after another."""
+    return {impl: train(impl, run, rank, world_size) for impl in run.impls}
+
+
+def assert_parity(
+    results: list[dict[str, Trace]], *, rtol: float = 1e-5, atol: float = 1e-6, vs: str = "both"
+) -> None:
+    """Rank 0's shardkit trace equals torch's and the single process's within tolerance."""
+    traces = results[0]
+    ours = traces["shardkit"]
+    for peer in [k for k in traces if k != "shardkit"]:
+        theirs = traces[peer]
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]),
+            torch.tensor(theirs["losses"]),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, peer=peer: f"losses differ from {peer}: {m}",
+        )
+        assert ours["params"].keys() == theirs["params"].keys()
+        for name, value in ours["params"].items():
+            torch.testing.assert_close(
+                value,
+                theirs["params"][name],
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, name=name, peer=peer: f"{name} differs from {peer}: {m}",
+            )
+    # Every rank must agree on the full parameters.
+    for other in results[1:]:
+        for name, value in ours["params"].items():
+            torch.testing.assert_close(value, other["shardkit"]["params"][name], rtol=0, atol=0)
