@@ -1,0 +1,20 @@
+"""Frozen parameters mixed with trainable ones, and tied (shared) parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.core.parity import Run, assert_parity, parity_body
+from tests.harness.pool import run_on_ranks
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_frozen_params_match(world_size: int) -> None:
+    run = Run(prepare="freeze_first_block")
+    assert_parity(run_on_ranks(world_size, parity_body, run=run))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tied_embedding_and_head_match(world_size: int) -> None:
+    run = Run(model="gpt_tied")
+    assert_parity(run_on_ranks(world_size, parity_body, run=run))

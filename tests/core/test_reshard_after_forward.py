@@ -1,0 +1,55 @@
+"""reshard_after_forward: True, False and None (root keeps its parameters) match torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.core import models
+from tests.core.parity import Run, assert_parity, parity_body
+from tests.harness.pool import run_on_ranks
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("value", [True, False, None])
+def test_reshard_after_forward_matches(world_size: int, value: bool | None) -> None:
+    run = Run(model="gpt", shard_kwargs={"reshard_after_forward": value})
+    assert_parity(run_on_ranks(world_size, parity_body, run=run))
+
+
+def _states_after_forward(rank: int, world_size: int, value: bool | None) -> dict[str, bool]:
+    from shardkit.core import fully_shard
+
+    model = models.build("gpt")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=value)
+    fully_shard(model, mesh=mesh, reshard_after_forward=value)
+    x, _ = models.batch("gpt", 0, 2)
+    model(x).sum()
+    dist.barrier()
+    # Which parameters are registered unsharded (plain tensors) right after forward.
+    from torch.distributed.tensor import DTensor
+
+    return {
+        "root": not isinstance(model.tok.weight, DTensor),
+        "block": not isinstance(model.blocks[0].ln1.weight, DTensor),
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "root_kept", "block_kept"),
+    [(True, False, False), (False, True, True), (None, True, False)],
+)
+def test_what_stays_unsharded_after_forward(value: bool | None, root_kept: bool, block_kept: bool) -> None:
+    states = run_on_ranks(2, _states_after_forward, value=value)
+    assert states[0] == {"root": root_kept, "block": block_kept}
+
+
+def test_int_equal_to_world_means_true() -> None:
+    run = Run(shard_kwargs={"reshard_after_forward": 2})
+    assert_parity(run_on_ranks(2, parity_body, run=run))
+
+

@@ -1,0 +1,350 @@
+"""Run a function on W gloo ranks from a test, on worker processes kept for the whole session.
+
+Starting torch costs about 1.5 s a process and a 2-rank launch about 5 s, so multi-rank tests
+share one pool of workers per world size. A pool starts on its first task, survives failing
+tasks, and is killed and started afresh only when its ranks can no longer be trusted (a hang,
+a dead worker, collectives left out of step). ``tests/conftest.py`` shuts the pools down at
+the end of the session.
+
+Usage::
+
+    def _body(rank: int, world_size: int, lr: float) -> float:  # module level
+        ...  # the default gloo process group is initialised
+
+    def test_something() -> None:
+        losses = run_on_ranks(2, _body, lr=0.1)  # one value per rank, in rank order
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar, cast
+
+from tests.harness import protocol
+from tests.harness.processes import WorkerProcess, wait_for_message
+from tests.harness.report import RankTaskError, RankTaskTimeout, TaskFailure, output_tail
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RankPool",
+    "RankTaskError",
+    "RankTaskTimeout",
+    "get_pool",
+    "run_on_ranks",
+    "shutdown_pools",
+]
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 120.0
+"""How long a task may run on all ranks before the test fails and its pool is killed."""
+
+# Four ranks importing torch on two busy cores take seconds each; generous, as it is paid once.
+_START_TIMEOUT_S = 300.0
+# From the last rank's Outcome to every rank's Ready is one barrier: milliseconds when healthy.
+_RESET_TIMEOUT_S = 10.0
+# Once one rank has failed, how long to wait for the others. They are usually blocked in a
+# collective with the failed rank and would only return when gloo's 30-minute timeout fires.
+_GRACE_S = 5.0
+# faulthandler writes from a signal handler; this is ample for it to reach the log.
+_STACK_DUMP_WAIT_S = 0.5
+
+Replies = dict[int, protocol.Message | None]
+"""One message per rank that answered, by rank; None for a rank whose worker exited."""
+
+
+class RankPool:
+    """The worker processes of one world size, started on the first task."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._workers: list[WorkerProcess] = []  # (W,) in rank order; empty when not started
+        # The rendezvous TCPStore, hosted here as torchrun's agent hosts it; held only to keep
+        # its server alive as long as the workers.
+        self._store: object | None = None
+        self._log_dir: Path | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids in rank order (empty when not started)."""
+        return [worker.process.pid for worker in self._workers]
+
+    def run(self, task: protocol.Task, *, timeout_s: float) -> list[object]:
+        """Runs ``task`` on every rank and returns the values in rank order.
+
+        Raises:
+            RankTaskError: the task raised on some rank, a worker died, or the ranks could not
+                be brought back to a clean state after it.
+            RankTaskTimeout: some rank was still running after ``timeout_s``.
+        """
+        __tracebackhide__ = True  # pytest: show the test's frame, not the harness's
+        if any(worker.exit_code() is not None for worker in self._workers):
+            self.kill()  # a worker died between tasks (the OOM killer, say): start afresh
+        try:
+            if not self._workers:
+                self._start()
+            replies = self._dispatch(task, timeout_s)
+        except BaseException:
+            # Ctrl-C while starting or mid-task: the ranks are busy, and waiting for them to
+            # finish would only delay the exit.
+            self.kill()
+            raise
+        running = [rank for rank in range(self.world_size) if rank not in replies]
+        # Hung or dead ranks cannot run another task; otherwise the barrier after it decides.
+        healthy = not running and None not in replies.values()
+        stuck = self._settle() if healthy else []
+        outputs = self._print_output()
+        failure = TaskFailure(
+            name=f"{task.module}.{task.qualname}",
+            world_size=self.world_size,
+            timeout_s=timeout_s,
+            errors=self._errors(replies, outputs),
+            running=running,
+            stuck=stuck,
+            outputs=outputs,
+        )
+        if not healthy or stuck:
+            self.kill()
+        if failure.failed:
+            raise failure.exception()
+        return [_value_of(rank, replies[rank]) for rank in range(self.world_size)]
+
+    def kill(self) -> None:
+        """Kills the workers at once; the next task starts a fresh pool."""
+        for worker in self._workers:
+            worker.kill()
+        self._forget()
+
+    def close(self) -> None:
+        """Shuts the workers down cleanly, killing those that do not exit in time."""
+        # All at once: a worker's exit does not wait for the others, so neither should we.
+        for worker in self._workers:
+            worker.request_stop()
+        deadline = time.monotonic() + _RESET_TIMEOUT_S
+        for worker in self._workers:
+            worker.wait_exit(max(deadline - time.monotonic(), 0.0))
+        self.kill()  # reaps them all, and kills any still busy with a task
+
+    def _start(self) -> None:
+        # Deferred: importing torch here would make every pytest run pay for it at conftest time.
+        import torch.distributed as dist
+
+        self._log_dir = Path(tempfile.mkdtemp(prefix=f"shardkit-pool-w{self.world_size}-"))
+        # Port 0: the OS picks a free port, with no window in which another process can take it.
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but re-exported without "as"
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        self._store = store
+        self._workers = [
+            WorkerProcess(
+                rank=rank,
+                world_size=self.world_size,
+                master_port=store.port,
+                log_dir=self._log_dir,
+            )
+            for rank in range(self.world_size)
+        ]
+        replies = self._gather(_START_TIMEOUT_S, grace_s=_GRACE_S)
+        ready = [rank for rank, reply in replies.items() if isinstance(reply, protocol.Ready)]
+        if len(ready) < self.world_size:
+            outputs = self._print_output()
+            self.kill()
+            tails = [f"--- rank {rank} ---\n{output_tail(text)}" for rank, text in outputs.items()]
+            raise RankTaskError(
+                f"the pool for world_size={self.world_size} did not start; only rank(s) {ready} "
+                "got through init_process_group and the first barrier.\n\n" + "\n\n".join(tails)
+            )
+
+    def _dispatch(self, task: protocol.Task, timeout_s: float) -> Replies:
+        """Sends ``task`` to every rank and gathers the Outcomes; dumps the stacks of the rest."""
+        for worker in self._workers:
+            with contextlib.suppress(OSError):  # a dead worker: _gather reports it
+                worker.send(task)
+        replies = self._gather(timeout_s, grace_s=min(_GRACE_S, timeout_s))
+        running = [worker for worker in self._workers if worker.rank not in replies]
+        for worker in running:
+            worker.dump_stacks()
+        if running:
+            time.sleep(_STACK_DUMP_WAIT_S)
+        return replies
+
+    def _gather(self, timeout_s: float, *, grace_s: float) -> Replies:
+        """Receives one message from each rank, until ``timeout_s`` has passed.
+
+        After the first failure (an error Outcome or a dead worker) it waits at most ``grace_s``
+        more: the other ranks are then usually blocked in a collective with the failed one.
+        """
+        deadline = time.monotonic() + timeout_s
+        replies: Replies = {}
+        pending = list(self._workers)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for worker in wait_for_message(pending, left):
+                pending.remove(worker)
+                try:
+                    reply: protocol.Message | None = worker.receive()
+                except (EOFError, OSError):
+                    reply = None
+                replies[worker.rank] = reply
+                if _is_failure(reply):
+                    deadline = min(deadline, time.monotonic() + grace_s)
+        return replies
+
+    def _settle(self) -> list[int]:
+        """Waits for every rank's Ready after a task; returns the ranks that did not send it."""
+        replies = self._gather(_RESET_TIMEOUT_S, grace_s=0.0)
+        ready = [rank for rank, reply in replies.items() if isinstance(reply, protocol.Ready)]
+        return sorted(set(range(self.world_size)) - set(ready))
+
+    def _errors(self, replies: Replies, outputs: dict[int, str]) -> dict[int, str]:
+        """Rank → what went wrong there, for the ranks whose reply is not a returned value."""
+        errors: dict[int, str] = {}
+        for rank, reply in replies.items():
+            if reply is None:
+                code = self._workers[rank].wait_exit(_GRACE_S)
+                errors[rank] = (
+                    f"the worker process exited (code {code}) during the task; the end of its "
+                    f"output:\n{output_tail(outputs[rank])}"
+                )
+            elif not isinstance(reply, protocol.Outcome):
+                errors[rank] = f"harness protocol error: expected an Outcome, got {reply!r}"
+            elif reply.error is not None:
+                errors[rank] = reply.error
+        return errors
+
+    def _print_output(self) -> dict[int, str]:
+        """Prints each rank's new output, prefixed by rank, so pytest shows it with the test."""
+        outputs = {worker.rank: worker.take_output() for worker in self._workers}
+        for rank, text in outputs.items():
+            for line in text.splitlines():
+                print(f"[rank {rank}] {line}")
+        return outputs
+
+    def _forget(self) -> None:
+        self._workers = []
+        self._store = None  # dropping the last reference stops the store's server
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+
+
+class _Pools:
+    """The session's pools, one per world size, each created on first use."""
+
+    def __init__(self) -> None:
+        self._by_world_size: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        if world_size not in self._by_world_size:
+            self._by_world_size[world_size] = RankPool(world_size)
+        return self._by_world_size[world_size]
+
+    def close(self) -> None:
+        for pool in self._by_world_size.values():
+            pool.close()
+        self._by_world_size.clear()
+
+
+_POOLS = _Pools()
+
+
+def get_pool(world_size: int) -> RankPool:
+    """Returns the session's pool for ``world_size`` (not started until its first task)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return _POOLS.get(world_size)
+
+
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., T],
+    /,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **kwargs: object,
+) -> list[T]:
+    """Calls ``fn(rank, world_size, **kwargs)`` on every rank of the session's pool.
+
+    Args:
+        world_size: How many ranks; each world size has its own pool of processes.
+        fn: A module-level function, imported by name in the workers, where the default gloo
+            process group is initialised and ``init_device_mesh("cpu", ...)`` works.
+        timeout_s: How long the task may take on all ranks; then the test fails and the pool
+            is killed (the next task starts a fresh one).
+        **kwargs: Passed to ``fn``; pickled, as its return value is.
+
+    Returns:
+        ``fn``'s return values, in rank order.
+
+    Raises:
+        RankTaskError: ``fn`` raised on some rank (the message holds the remote tracebacks).
+        RankTaskTimeout: some rank did not finish in time (the message holds its stacks).
+        TypeError: ``fn`` cannot be imported by name or called with these arguments.
+    """
+    __tracebackhide__ = True
+    task = _make_task(fn, world_size, kwargs)
+    values = get_pool(world_size).run(task, timeout_s=timeout_s)
+    return cast("list[T]", values)  # the workers ran fn, so each value is a T
+
+
+def shutdown_pools() -> None:
+    """Shuts down every pool of the session; the next task would start new ones."""
+    _POOLS.close()
+
+
+# Outside pytest (a script using the pools) nothing else would stop the workers.
+atexit.register(shutdown_pools)
+
+
+def _make_task(
+    fn: Callable[..., object], world_size: int, kwargs: dict[str, object]
+) -> protocol.Task:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not (isinstance(module, str) and isinstance(qualname, str)) or (
+        _lookup(module, qualname) is not fn
+    ):
+        raise TypeError(
+            f"run_on_ranks needs a module-level function that the workers can import by name, "
+            f"got {fn!r}"
+        )
+    try:
+        inspect.signature(fn).bind(0, world_size, **kwargs)
+    except TypeError as exc:
+        call = f"fn(rank, world_size, **{sorted(kwargs)})"
+        raise TypeError(f"{module}.{qualname} cannot be called as {call}: {exc}") from None
+    return protocol.Task(
+        module=module, qualname=qualname, kwargs=pickle.dumps(kwargs), sys_path=tuple(sys.path)
+    )
+
+
+def _lookup(module: str, qualname: str) -> object:
+    """What a worker would import as ``module.qualname``, or None if there is no such thing."""
+    target: object = sys.modules.get(module)
+    for name in qualname.split("."):  # a closure's "<locals>" part fails here, as it should
+        target = getattr(target, name, None)
+    return target
+
+
+def _is_failure(reply: protocol.Message | None) -> bool:
+    """Whether a reply means the other ranks may never answer: a raise or a dead worker."""
+    return reply is None or (isinstance(reply, protocol.Outcome) and reply.error is not None)
+
+
+def _value_of(rank: int, reply: protocol.Message | None) -> object:
+    # run() has raised unless every reply is an Outcome holding a value.
+    assert isinstance(reply, protocol.Outcome) and reply.value is not None
+    try:
+        return pickle.loads(reply.value)
+    except Exception as exc:
+        raise RankTaskError(
+            f"rank {rank}'s return value cannot be unpickled here: {exc!r}"
+        ) from exc

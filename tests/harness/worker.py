@@ -1,0 +1,148 @@
+"""One rank of a pool: joins the gloo process group once, then runs tasks until told to stop.
+
+Started by ``tests.harness.processes`` as ``python -m tests.harness.worker`` with the repo root
+as working directory. The pool sets the environment before the interpreter starts (so that
+``OMP_NUM_THREADS`` is in place before torch is imported): ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them,
+and ``protocol.FD_ENV_VAR``, the worker's end of its socket pair to the pool.
+
+Stdout and stderr go to a log file that the pool reads after each task, so a task's prints and
+faulthandler's stack dumps reach the test report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib
+import os
+import pickle
+import random
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import protocol
+
+__all__ = ["main"]
+
+# How long a worker waits for the pool's TCPStore at start-up. Four ranks importing torch on
+# two busy cores can take several seconds; this only has to cover that.
+_STORE_TIMEOUT = timedelta(seconds=120)
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def main() -> None:
+    """Runs the worker until the pool sends Shutdown or goes away."""
+    # Ctrl-C in a terminal reaches the whole process group; the pool (the pytest process)
+    # handles it and shuts the workers down, which must not die mid-reply meanwhile.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Stack dumps into the log: on a crash, and on SIGUSR1, which the pool sends to ranks that
+    # are still running when a task times out, to show where they hang.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _exit_with_parent()
+
+    conn = Connection(int(os.environ[protocol.FD_ENV_VAR]))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but re-exported without "as"
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=_STORE_TIMEOUT,
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    _reset()
+    protocol.send(conn, protocol.Ready())
+    while True:
+        try:
+            message = protocol.receive(conn)
+        except EOFError:  # The pool has gone without saying goodbye: nothing left to do.
+            break
+        if isinstance(message, protocol.Shutdown):
+            break
+        if not isinstance(message, protocol.Task):
+            raise TypeError(f"rank {rank}: expected a Task, got {message!r}")
+        protocol.send(conn, _run(message, rank, world_size))
+        # A reset that raises (say the task destroyed the process group) ends the worker; the
+        # pool sees the pipe close instead of Ready and restarts the pool.
+        _reset()
+        protocol.send(conn, protocol.Ready())
+    dist.destroy_process_group()
+    # Skip the interpreter's teardown: with torch loaded it costs about 0.5 s of CPU a worker,
+    # paid by every test run, and a worker has nothing left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _exit_with_parent() -> None:
+    """Has the kernel kill this worker when the pool's process dies (Linux only).
+
+    So a killed pytest leaves no orphans: an idle worker would see its socket close anyway, but
+    one stuck in a task would not. A kernel setting rather than a watchdog thread, which would
+    show up in every stack dump.
+    """
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _reset() -> None:
+    """Undoes the global state a task may leave behind, then waits for the other ranks.
+
+    The barrier doubles as a health check: if a task left the ranks' collectives out of step,
+    it hangs or raises, and the pool restarts rather than run the next task on a broken group.
+    """
+    torch.manual_seed(0)
+    random.seed(0)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    dist.barrier()
+
+
+def _run(task: protocol.Task, rank: int, world_size: int) -> protocol.Outcome:
+    """Calls the task's function; every exception becomes an Outcome, none escapes."""
+    # Prepend what the pool has and we lack: the folders pytest inserted for test modules.
+    sys.path[:0] = [path for path in task.sys_path if path not in sys.path]
+    try:
+        fn = _resolve(task.module, task.qualname)
+        kwargs = pickle.loads(task.kwargs)
+        value = fn(rank, world_size, **kwargs)
+    # BaseException: pytest.fail() and pytest.skip() raise BaseException subclasses, and a
+    # SystemExit from a task must not end the worker either.
+    except BaseException as exc:
+        return protocol.Outcome(error=_format_error(exc))
+    try:
+        return protocol.Outcome(value=pickle.dumps(value))
+    except Exception as exc:
+        message = f"rank {rank} returned a {type(value).__name__} that cannot be pickled:\n"
+        return protocol.Outcome(error=message + _format_error(exc))
+
+
+def _resolve(module: str, qualname: str) -> Callable[..., object]:
+    """Imports ``module`` and walks ``qualname`` (``fn`` or ``Class.fn``) inside it."""
+    target: object = importlib.import_module(module)
+    for name in qualname.split("."):
+        target = getattr(target, name)
+    if not callable(target):
+        raise TypeError(f"{module}.{qualname} is not callable")
+    return target
+
+
+def _format_error(exc: BaseException) -> str:
+    """Formats a traceback without its first frame, which is only this module calling the task."""
+    if exc.__traceback__ is not None:
+        exc = exc.with_traceback(exc.__traceback__.tb_next)
+    return "".join(traceback.format_exception(exc))
+
+
+if __name__ == "__main__":
+    main()
