@@ -37,6 +37,10 @@ class Run:
     per_rank_batch: int = 2
     loop: str = "plain"  # "plain", "accumulate", "multi_forward"
     prepare: str | None = None  # name of a function in tests.core.prepare run before sharding
+    ignored: tuple[str, ...] = ()  # parameter names passed as ignored_params
+    setup: str | None = None  # name of a function in tests.core.prepare run after sharding
+    eval_each_step: bool = False  # also record a no_grad eval loss after every step
+    local_lr_scale: float = 1.0  # the single process's lr multiplier (divide-factor tests)
 
 
 def fully_shard_of(impl: str) -> Callable[..., Any]:
@@ -61,10 +65,16 @@ def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
     fs = fully_shard_of(impl)
     kwargs = dict(run.shard_kwargs, mesh=mesh)
     kwargs = {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
+    if run.ignored:
+        named = dict(model.named_parameters())
+        kwargs["ignored_params"] = {named[name] for name in run.ignored}
     blocks = getattr(model, "blocks", [])
-    if run.wrap == "blocks":
+    if run.wrap in ("blocks", "grouped"):
         for block in blocks:
             fs(block, **kwargs)
+    if run.wrap == "grouped":
+        # The final norm and the head as one group (one all-gather for both).
+        fs([getattr(model, "ln_f"), getattr(model, "head")], **kwargs)
     fs(model, **dict(kwargs, **run.root_kwargs))
 
 
@@ -89,9 +99,12 @@ def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
     distributed = impl != "local"
     if distributed:
         apply(impl, model, make_mesh(run, world_size), run)
-    opt = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=run.lr, momentum=0.9
-    )
+        if run.setup is not None:
+            from tests.core import prepare
+
+            getattr(prepare, run.setup)(model)
+    lr = run.lr if distributed else run.lr * run.local_lr_scale
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
     losses: list[float] = []
     for step in range(run.steps):
         x, y = models.batch(run.model, step, world_size * run.per_rank_batch)
@@ -104,7 +117,25 @@ def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
             dist.all_reduce(loss)
             loss /= world_size
         losses.append(loss.item())
+        if run.eval_each_step:
+            losses.append(_eval_loss(model, run, rank, world_size, distributed))
     return {"losses": losses, "params": full_params(model)}
+
+
+def _eval_loss(
+    model: nn.Module, run: Run, rank: int, world_size: int, distributed: bool
+) -> float:
+    x, y = models.batch(run.model, 10_000, world_size * run.per_rank_batch)
+    if distributed:
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    model.eval()
+    with torch.no_grad():
+        loss = models.loss_of(run.model, model(x), y)
+    model.train()
+    if distributed:
+        dist.all_reduce(loss)
+        loss /= world_size
+    return loss.item()
 
 
 def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -113,7 +144,14 @@ def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch
         loss = models.loss_of(run.model, model(x), y)
         loss.backward()
         return loss.detach()
-    if run.loop in ("accumulate", "multi_forward"):
+    if run.loop == "explicit_unshard":
+        # Gather every block up front, asynchronously; forward waits where it needs them.
+        handles = [b.unshard(async_op=True) for b in getattr(model, "blocks", []) if hasattr(b, "unshard")]
+        assert all(h is not None for h in handles)
+        loss = models.loss_of(run.model, model(x), y)
+        loss.backward()
+        return loss.detach()
+    if run.loop in ("accumulate", "multi_forward", "accumulate_keep", "accumulate_hsdp", "last_backward"):
         # Two microbatches: split each rank's rows in two halves.
         xs, ys = x.chunk(2), y.chunk(2)
         if run.loop == "multi_forward":
@@ -124,8 +162,7 @@ def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch
         total_loss = torch.zeros(())
         for micro, (a, b) in enumerate(zip(xs, ys)):
             last = micro == len(xs) - 1
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(last)
+            _set_microbatch_switches(model, run.loop, last)
             loss = models.loss_of(run.model, model(a), b) / 2
             loss.backward()
             total_loss += loss.detach()
@@ -148,7 +185,11 @@ def parity_body(rank: int, world_size: int, run: Run) -> dict[str, Trace]:
 
 
 def assert_parity(
-    results: list[dict[str, Trace]], *, rtol: float = 1e-5, atol: float = 1e-6, vs: str = "both"
+    results: list[dict[str, Trace]],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    ignored: tuple[str, ...] = (),
 ) -> None:
     """Rank 0's shardkit trace equals torch's and the single process's within tolerance."""
     traces = results[0]
@@ -171,7 +212,24 @@ def assert_parity(
                 atol=atol,
                 msg=lambda m, name=name, peer=peer: f"{name} differs from {peer}: {m}",
             )
-    # Every rank must agree on the full parameters.
+    # Every rank must agree on the full parameters (ignored ones are each rank's own).
     for other in results[1:]:
         for name, value in ours["params"].items():
+            if name in ignored:
+                continue
             torch.testing.assert_close(value, other["shardkit"]["params"][name], rtol=0, atol=0)
+
+
+def _set_microbatch_switches(model: nn.Module, loop: str, last: bool) -> None:
+    """The FSDP switches a microbatch loop flips (the single process has none)."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return
+    if loop == "accumulate":
+        model.set_requires_gradient_sync(last)
+    elif loop == "accumulate_keep":
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+    elif loop == "accumulate_hsdp":
+        model.set_requires_all_reduce(last)
+    elif loop == "last_backward":
+        model.set_is_last_backward(last)

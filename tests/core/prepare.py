@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def freeze_first_block(model: nn.Module) -> None:
@@ -11,3 +13,47 @@ def freeze_first_block(model: nn.Module) -> None:
     for p in blocks[0].parameters():
         p.requires_grad_(False)
     getattr(model, "inp").bias.requires_grad_(False)
+
+
+class Checkpointed(nn.Module):
+    """Recomputes ``inner`` in backward (non-reentrant activation checkpointing)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def checkpoint_inside_blocks(model: nn.Module) -> None:
+    """Activation checkpointing of submodules inside each (sharded) block."""
+    for block in getattr(model, "blocks"):
+        block.mlp = Checkpointed(block.mlp)
+        block.attn = Checkpointed(block.attn)
+
+
+def checkpoint_whole_blocks(model: nn.Module) -> None:
+    """Activation checkpointing around each block (fully_shard then wraps the wrapper)."""
+    blocks = getattr(model, "blocks")
+    for i in range(len(blocks)):
+        blocks[i] = Checkpointed(blocks[i])
+
+
+def explicit_prefetch(model: nn.Module) -> None:
+    """Each block prefetches the next in forward and the previous in backward."""
+    blocks = list(getattr(model, "blocks"))
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+def divide_by_three(model: nn.Module) -> None:
+    """Sum gradients and divide by 3 instead of the world size, on every module."""
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(3.0)

@@ -21,12 +21,9 @@ import atexit
 import contextlib
 import inspect
 import pickle
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar, cast
 
 from tests.harness import protocol
@@ -71,7 +68,6 @@ class RankPool:
         # The rendezvous TCPStore, hosted here as torchrun's agent hosts it; held only to keep
         # its server alive as long as the workers.
         self._store: object | None = None
-        self._log_dir: Path | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -138,7 +134,6 @@ class RankPool:
         # Deferred: importing torch here would make every pytest run pay for it at conftest time.
         import torch.distributed as dist
 
-        self._log_dir = Path(tempfile.mkdtemp(prefix=f"shardkit-pool-w{self.world_size}-"))
         # Port 0: the OS picks a free port, with no window in which another process can take it.
         store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but re-exported without "as"
             "127.0.0.1", 0, is_master=True, wait_for_workers=False
@@ -149,7 +144,6 @@ class RankPool:
                 rank=rank,
                 world_size=self.world_size,
                 master_port=store.port,
-                log_dir=self._log_dir,
             )
             for rank in range(self.world_size)
         ]
@@ -231,9 +225,6 @@ class RankPool:
     def _forget(self) -> None:
         self._workers = []
         self._store = None  # dropping the last reference stops the store's server
-        if self._log_dir is not None:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-            self._log_dir = None
 
 
 class _Pools:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -33,9 +34,12 @@ _FIXED_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "1
 class WorkerProcess:
     """One rank's worker process, started on construction."""
 
-    def __init__(self, *, rank: int, world_size: int, master_port: int, log_dir: Path) -> None:
+    def __init__(self, *, rank: int, world_size: int, master_port: int) -> None:
         self.rank = rank
-        self.log_path = log_dir / f"rank{rank}.log"
+        # The worker's stdout and stderr: an unnamed temporary file, so nothing is left behind
+        # even when pytest is killed. Read with pread, which leaves the offset the worker
+        # writes at (the file description is shared) where it is.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by kill(), not a block)
         self._log_offset = 0  # bytes of the log already handed out by take_output()
         ours, theirs = socket.socketpair()
         env = {
@@ -47,14 +51,15 @@ class WorkerProcess:
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             protocol.FD_ENV_VAR: str(theirs.fileno()),
+            protocol.POOL_PID_ENV_VAR: str(os.getpid()),
         }
-        with self.log_path.open("wb") as log, theirs:
+        with theirs:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tests.harness.worker"],
                 cwd=REPO_ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=self._log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),),
             )
@@ -70,9 +75,8 @@ class WorkerProcess:
 
     def take_output(self) -> str:
         """Returns what the worker printed since the last call."""
-        with self.log_path.open("rb") as log:
-            log.seek(self._log_offset)
-            data = log.read()
+        fd = self._log.fileno()
+        data = os.pread(fd, os.fstat(fd).st_size - self._log_offset, self._log_offset)
         self._log_offset += len(data)
         return data.decode(errors="replace")
 
@@ -97,6 +101,7 @@ class WorkerProcess:
         self.process.kill()
         self.process.wait()
         self.conn.close()
+        self._log.close()
 
     def request_stop(self) -> None:
         """Asks the worker to leave the process group and exit; see ``wait_exit``."""

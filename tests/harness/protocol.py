@@ -17,10 +17,22 @@ import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-__all__ = ["FD_ENV_VAR", "Message", "Outcome", "Ready", "Shutdown", "Task", "receive", "send"]
+__all__ = [
+    "FD_ENV_VAR",
+    "POOL_PID_ENV_VAR",
+    "Message",
+    "Outcome",
+    "Ready",
+    "Shutdown",
+    "Task",
+    "receive",
+    "send",
+]
 
 FD_ENV_VAR = "SHARDKIT_POOL_FD"
 """Names the environment variable that gives a worker the file descriptor of its socket."""
+POOL_PID_ENV_VAR = "SHARDKIT_POOL_PID"
+"""Names the environment variable that gives a worker the process id of its pool."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

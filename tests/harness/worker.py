@@ -4,7 +4,8 @@ Started by ``tests.harness.processes`` as ``python -m tests.harness.worker`` wit
 as working directory. The pool sets the environment before the interpreter starts (so that
 ``OMP_NUM_THREADS`` is in place before torch is imported): ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them,
-and ``protocol.FD_ENV_VAR``, the worker's end of its socket pair to the pool.
+``protocol.FD_ENV_VAR``, the worker's end of its socket pair to the pool, and
+``protocol.POOL_PID_ENV_VAR``.
 
 Stdout and stderr go to a log file that the pool reads after each task, so a task's prints and
 faulthandler's stack dumps reach the test report.
@@ -92,6 +93,10 @@ def _exit_with_parent() -> None:
     """
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The pool may have died before the line above (importing torch takes seconds): then this
+    # process has been handed to another parent already, and the kernel will not signal it.
+    if os.getppid() != int(os.environ[protocol.POOL_PID_ENV_VAR]):
+        os._exit(1)
 
 
 def _reset() -> None:

@@ -346,6 +346,18 @@ class FSDPParamGroup:
             oldest = self.comm.pending_reduces.popleft()
             oldest.group.finish_reduce(oldest)
 
+    @property
+    def _pre_divide(self) -> float:
+        # fp16 sums of many ranks can overflow: divide by about sqrt(factor) before the sum
+        # and the rest after. fp32 and bf16 have the range to divide once, after.
+        if self.reduce_dtype != torch.float16:
+            return 1.0
+        factor = self.options.gradient_divide_factor or self.mesh_info.dp_size
+        pre = 1.0
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return pre
+
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for a reduce-scatter, all-reduce across replicas, and assign sharded grads."""
         assert self.comm is not None
@@ -361,7 +373,7 @@ class FSDPParamGroup:
                 self._partial_reduce = reduced
                 return
             self.comm.runtime.all_reduce(reduced, self.mesh_info.replicate_group).wait()
-        factor = self.options.gradient_divide_factor or self.mesh_info.dp_size
+        factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self._pre_divide
         if factor != 1:
             reduced.div_(factor)
         self._assign_sharded_grads(reduced)
