@@ -13,6 +13,16 @@ Usage::
 
     def test_something() -> None:
         losses = run_on_ranks(2, _body, lr=0.1)  # one value per rank, in rank order
+
+Task functions run in other processes, hence:
+
+- They are defined at module level: workers import them as ``module.qualname``.
+- Arguments and return values are pickled. Return plain tensors and numbers, not DTensors
+  (``.full_tensor()`` or ``.to_local()`` them first), modules or optimizers.
+- pytest does not rewrite ``assert`` in workers: return values and assert in the test, or give
+  the assert a message.
+- Leave the default process group as it is (creating new groups is fine); the next task
+  reuses it. Each task starts with seed 0, float32 as default dtype and grad mode on.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ _RESET_TIMEOUT_S = 10.0
 # Once one rank has failed, how long to wait for the others. They are usually blocked in a
 # collective with the failed rank and would only return when gloo's 30-minute timeout fires.
 _GRACE_S = 5.0
+# How long shutting a pool down waits for its workers to exit before killing them.
+_EXIT_TIMEOUT_S = 10.0
 # faulthandler writes from a signal handler; this is ample for it to reach the log.
 _STACK_DUMP_WAIT_S = 0.5
 
@@ -125,7 +137,7 @@ class RankPool:
         # All at once: a worker's exit does not wait for the others, so neither should we.
         for worker in self._workers:
             worker.request_stop()
-        deadline = time.monotonic() + _RESET_TIMEOUT_S
+        deadline = time.monotonic() + _EXIT_TIMEOUT_S
         for worker in self._workers:
             worker.wait_exit(max(deadline - time.monotonic(), 0.0))
         self.kill()  # reaps them all, and kills any still busy with a task
@@ -312,9 +324,11 @@ def _make_task(
     except TypeError as exc:
         call = f"fn(rank, world_size, **{sorted(kwargs)})"
         raise TypeError(f"{module}.{qualname} cannot be called as {call}: {exc}") from None
-    return protocol.Task(
-        module=module, qualname=qualname, kwargs=pickle.dumps(kwargs), sys_path=tuple(sys.path)
-    )
+    try:
+        payload = pickle.dumps(kwargs)
+    except Exception as exc:
+        raise TypeError(f"the arguments for {module}.{qualname} cannot be pickled: {exc}") from exc
+    return protocol.Task(module=module, qualname=qualname, kwargs=payload, sys_path=tuple(sys.path))
 
 
 def _lookup(module: str, qualname: str) -> object:

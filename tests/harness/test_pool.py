@@ -217,3 +217,5 @@ def test_function_must_be_importable_by_name() -> None:
 def test_arguments_are_checked_before_dispatch() -> None:
     with pytest.raises(TypeError, match=r"_all_reduce cannot be called as .*\['scael'\]"):
         run_on_ranks(1, _all_reduce, scael=1.0)
+    with pytest.raises(TypeError, match=r"arguments for .*_all_reduce cannot be pickled"):
+        run_on_ranks(1, _all_reduce, scale=lambda: 1.0)

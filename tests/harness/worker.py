@@ -33,16 +33,16 @@ from tests.harness import protocol
 
 __all__ = ["main"]
 
-# How long a worker waits for the pool's TCPStore at start-up. Four ranks importing torch on
-# two busy cores can take several seconds; this only has to cover that.
+# How long store operations wait. In init_process_group each rank waits for the slowest one
+# to import torch, which takes seconds with four ranks on two busy cores.
 _STORE_TIMEOUT = timedelta(seconds=120)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def main() -> None:
     """Runs the worker until the pool sends Shutdown or goes away."""
-    # Ctrl-C in a terminal reaches the whole process group; the pool (the pytest process)
-    # handles it and shuts the workers down, which must not die mid-reply meanwhile.
+    # Ctrl-C in a terminal signals the whole process group. The pool (the pytest process)
+    # handles it by killing its workers; here it would only turn into a spurious task failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Stack dumps into the log: on a crash, and on SIGUSR1, which the pool sends to ranks that
     # are still running when a task times out, to show where they hang.

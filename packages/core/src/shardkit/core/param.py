@@ -9,6 +9,7 @@ buffers belong to the group (see [Note: flat group buffers]); this class holds t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ class FSDPParam:
         self.unsharded_param = None
         self.accumulated_grad = None
         self._source = param  # the original full tensor, until the group copies its shard
+        # Weak: users elsewhere may still hold the original (a tie across groups is an error).
+        self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
 
     # --- sharded side ---------------------------------------------------------------------

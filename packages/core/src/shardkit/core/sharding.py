@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 # Sharded parameters already owned by a group, with that group's description, so that a
 # parameter shared across two fully_shard calls is caught with both names.
-_OWNER: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+# Keyed by identity: tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them.
+_OWNER = WeakIdKeyDictionary()
 
 
 def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> bool | int:
@@ -85,7 +86,12 @@ def collect_params(
 def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
     """Remember the sharded parameters of a successful call (for the shared-param check)."""
     for fsdp_param in managed:
-        _OWNER[fsdp_param.sharded_param] = f"{group_name}.{fsdp_param.fqn}"
+        owner = f"{group_name}.{fsdp_param.fqn}"
+        _OWNER[fsdp_param.sharded_param] = owner
+        original = fsdp_param.original_ref()
+        if original is not None:
+            # A module outside this call that still holds the original shares it.
+            _OWNER[original] = owner
 
 
 def _unmanaged_modules(
