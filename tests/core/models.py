@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,7 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return cast(torch.Tensor, x + self.fc2(F.gelu(self.fc1(self.norm(x)))))
 
 
 class MLPNet(nn.Module):
@@ -32,7 +34,7 @@ class MLPNet(nn.Module):
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm(h))
+        return cast(torch.Tensor, self.head(self.norm(h)))
 
 
 class Attention(nn.Module):
@@ -48,7 +50,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return cast(torch.Tensor, self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
 class GPTBlock(nn.Module):
@@ -61,7 +63,7 @@ class GPTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return cast(torch.Tensor, x + self.mlp(self.ln2(x)))
 
 
 class TinyGPT(nn.Module):
@@ -85,11 +87,11 @@ class TinyGPT(nn.Module):
         h = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
             h = block(h)
-        return self.head(self.ln_f(h)) * self.scale
+        return cast(torch.Tensor, self.head(self.ln_f(h)) * self.scale)
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """A fresh model with deterministic initial weights."""
+def build(name: str, seed: int = 0) -> Any:
+    """A fresh model with deterministic initial weights (typed Any: tests reach into it)."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLPNet()

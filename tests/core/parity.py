@@ -74,7 +74,7 @@ def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
             fs(block, **kwargs)
     if run.wrap == "grouped":
         # The final norm and the head as one group (one all-gather for both).
-        fs([getattr(model, "ln_f"), getattr(model, "head")], **kwargs)
+        fs([model.ln_f, model.head], **kwargs)
     fs(model, **dict(kwargs, **run.root_kwargs))
 
 
@@ -122,9 +122,7 @@ def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
     return {"losses": losses, "params": full_params(model)}
 
 
-def _eval_loss(
-    model: nn.Module, run: Run, rank: int, world_size: int, distributed: bool
-) -> float:
+def _eval_loss(model: nn.Module, run: Run, rank: int, world_size: int, distributed: bool) -> float:
     x, y = models.batch(run.model, 10_000, world_size * run.per_rank_batch)
     if distributed:
         x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -138,7 +136,7 @@ def _eval_loss(
     return loss.item()
 
 
-def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _step(model: Any, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Forward and backward of one step; returns the (detached) loss of this rank's data."""
     if run.loop == "plain":
         loss = models.loss_of(run.model, model(x), y)
@@ -146,21 +144,31 @@ def _step(model: nn.Module, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch
         return loss.detach()
     if run.loop == "explicit_unshard":
         # Gather every block up front, asynchronously; forward waits where it needs them.
-        handles = [b.unshard(async_op=True) for b in getattr(model, "blocks", []) if hasattr(b, "unshard")]
+        handles = [
+            b.unshard(async_op=True) for b in getattr(model, "blocks", []) if hasattr(b, "unshard")
+        ]
         assert all(h is not None for h in handles)
         loss = models.loss_of(run.model, model(x), y)
         loss.backward()
         return loss.detach()
-    if run.loop in ("accumulate", "multi_forward", "accumulate_keep", "accumulate_hsdp", "last_backward"):
+    if run.loop in (
+        "accumulate",
+        "multi_forward",
+        "accumulate_keep",
+        "accumulate_hsdp",
+        "last_backward",
+    ):
         # Two microbatches: split each rank's rows in two halves.
         xs, ys = x.chunk(2), y.chunk(2)
         if run.loop == "multi_forward":
-            total = sum(models.loss_of(run.model, model(a), b) for a, b in zip(xs, ys)) / 2
+            total = (
+                sum(models.loss_of(run.model, model(a), b) for a, b in zip(xs, ys, strict=True)) / 2
+            )
             assert isinstance(total, torch.Tensor)
             total.backward()
             return total.detach()
         total_loss = torch.zeros(())
-        for micro, (a, b) in enumerate(zip(xs, ys)):
+        for micro, (a, b) in enumerate(zip(xs, ys, strict=True)):
             last = micro == len(xs) - 1
             _set_microbatch_switches(model, run.loop, last)
             loss = models.loss_of(run.model, model(a), b) / 2
@@ -196,22 +204,10 @@ def assert_parity(
     ours = traces["shardkit"]
     for peer in [k for k in traces if k != "shardkit"]:
         theirs = traces[peer]
-        torch.testing.assert_close(
-            torch.tensor(ours["losses"]),
-            torch.tensor(theirs["losses"]),
-            rtol=rtol,
-            atol=atol,
-            msg=lambda m, peer=peer: f"losses differ from {peer}: {m}",
-        )
+        _close(ours["losses"], theirs["losses"], rtol, atol, f"losses differ from {peer}")
         assert ours["params"].keys() == theirs["params"].keys()
         for name, value in ours["params"].items():
-            torch.testing.assert_close(
-                value,
-                theirs["params"][name],
-                rtol=rtol,
-                atol=atol,
-                msg=lambda m, name=name, peer=peer: f"{name} differs from {peer}: {m}",
-            )
+            _close(value, theirs["params"][name], rtol, atol, f"{name} differs from {peer}")
     # Every rank must agree on the full parameters (ignored ones are each rank's own).
     for other in results[1:]:
         for name, value in ours["params"].items():
@@ -220,7 +216,7 @@ def assert_parity(
             torch.testing.assert_close(value, other["shardkit"]["params"][name], rtol=0, atol=0)
 
 
-def _set_microbatch_switches(model: nn.Module, loop: str, last: bool) -> None:
+def _set_microbatch_switches(model: Any, loop: str, last: bool) -> None:
     """The FSDP switches a microbatch loop flips (the single process has none)."""
     if not hasattr(model, "set_requires_gradient_sync"):
         return
@@ -233,3 +229,12 @@ def _set_microbatch_switches(model: nn.Module, loop: str, last: bool) -> None:
         model.set_requires_all_reduce(last)
     elif loop == "last_backward":
         model.set_is_last_backward(last)
+
+
+def _close(ours: Any, theirs: Any, rtol: float, atol: float, what: str) -> None:
+    try:
+        torch.testing.assert_close(
+            torch.as_tensor(ours), torch.as_tensor(theirs), rtol=rtol, atol=atol
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None

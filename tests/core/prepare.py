@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def freeze_first_block(model: nn.Module) -> None:
+def freeze_first_block(model: Any) -> None:
     """Frozen parameters next to trainable ones (in the same groups too)."""
-    blocks = getattr(model, "blocks")
+    blocks = model.blocks
     for p in blocks[0].parameters():
         p.requires_grad_(False)
-    getattr(model, "inp").bias.requires_grad_(False)
+    model.inp.bias.requires_grad_(False)
 
 
 class Checkpointed(nn.Module):
@@ -27,23 +29,23 @@ class Checkpointed(nn.Module):
         return out
 
 
-def checkpoint_inside_blocks(model: nn.Module) -> None:
+def checkpoint_inside_blocks(model: Any) -> None:
     """Activation checkpointing of submodules inside each (sharded) block."""
-    for block in getattr(model, "blocks"):
+    for block in model.blocks:
         block.mlp = Checkpointed(block.mlp)
         block.attn = Checkpointed(block.attn)
 
 
-def checkpoint_whole_blocks(model: nn.Module) -> None:
+def checkpoint_whole_blocks(model: Any) -> None:
     """Activation checkpointing around each block (fully_shard then wraps the wrapper)."""
-    blocks = getattr(model, "blocks")
+    blocks = model.blocks
     for i in range(len(blocks)):
         blocks[i] = Checkpointed(blocks[i])
 
 
-def explicit_prefetch(model: nn.Module) -> None:
+def explicit_prefetch(model: Any) -> None:
     """Each block prefetches the next in forward and the previous in backward."""
-    blocks = list(getattr(model, "blocks"))
+    blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         if i + 1 < len(blocks):
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
@@ -51,7 +53,7 @@ def explicit_prefetch(model: nn.Module) -> None:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
-def divide_by_three(model: nn.Module) -> None:
+def divide_by_three(model: Any) -> None:
     """Sum gradients and divide by 3 instead of the world size, on every module."""
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):

@@ -55,13 +55,13 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict[str, str] = {}
 
-    m = models.MLPNet()
+    m: Any = models.MLPNet()
     fully_shard(m.blocks[0], mesh=mesh)
     out["twice"] = _expect_error(
         m.blocks[0].fc1, lambda: fully_shard(m.blocks[0], mesh=mesh), "already applied"
     )
 
-    t = models.MLPNet()
+    t: Any = models.MLPNet()
     torch_fully_shard(t.blocks[0], mesh=mesh)
     out["torch_managed"] = _expect_error(
         t.blocks[1], lambda: fully_shard(t, mesh=mesh), "already managed by torch's FSDP"
@@ -106,10 +106,17 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
     )
 
     m = models.MLPNet()
-    out["uneven_dim1"] = _expect_error(
-        m, lambda: fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.dim() > 1 else None),
-        "divisible",
-    ) if world_size == 4 else "ok"
+    out["uneven_dim1"] = (
+        _expect_error(
+            m,
+            lambda: fully_shard(
+                m, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.dim() > 1 else None
+            ),
+            "divisible",
+        )
+        if world_size == 4
+        else "ok"
+    )
 
     # After all of those, a valid call still works on a fresh model.
     m = models.MLPNet()

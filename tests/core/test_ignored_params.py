@@ -18,4 +18,6 @@ def test_ignored_params_match_torch(world_size: int) -> None:
     for name in IGNORED:
         # Not reduced: each rank trained its own copy on its own data.
         if world_size > 1:
-            assert not results[0]["shardkit"]["params"][name].equal(results[1]["shardkit"]["params"][name])
+            assert not results[0]["shardkit"]["params"][name].equal(
+                results[1]["shardkit"]["params"][name]
+            )

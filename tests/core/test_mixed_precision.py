@@ -24,10 +24,14 @@ POLICIES = {
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_mixed_precision_matches_torch(world_size: int, policy: str) -> None:
-    run = Run(model="gpt", shard_kwargs={"mp_policy": POLICIES[policy]}, impls=("shardkit", "torch"))
+    run = Run(
+        model="gpt", shard_kwargs={"mp_policy": POLICIES[policy]}, impls=("shardkit", "torch")
+    )
     results = run_on_ranks(world_size, parity_body, run=run)
     # Low-precision compute: equal to torch up to the reduction order of the collectives.
-    assert_parity(results, rtol=1e-2 if world_size == 4 else 1e-5, atol=1e-3 if world_size == 4 else 1e-6)
+    assert_parity(
+        results, rtol=1e-2 if world_size == 4 else 1e-5, atol=1e-3 if world_size == 4 else 1e-6
+    )
 
 
 def test_policy_validation() -> None:

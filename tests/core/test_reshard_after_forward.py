@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -43,7 +42,9 @@ def _states_after_forward(rank: int, world_size: int, value: bool | None) -> dic
     ("value", "root_kept", "block_kept"),
     [(True, False, False), (False, True, True), (None, True, False)],
 )
-def test_what_stays_unsharded_after_forward(value: bool | None, root_kept: bool, block_kept: bool) -> None:
+def test_what_stays_unsharded_after_forward(
+    value: bool | None, root_kept: bool, block_kept: bool
+) -> None:
     states = run_on_ranks(2, _states_after_forward, value=value)
     assert states[0] == {"root": root_kept, "block": block_kept}
 
@@ -51,5 +52,3 @@ def test_what_stays_unsharded_after_forward(value: bool | None, root_kept: bool,
 def test_int_equal_to_world_means_true() -> None:
     run = Run(shard_kwargs={"reshard_after_forward": 2})
     assert_parity(run_on_ranks(2, parity_body, run=run))
-
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,8 +21,23 @@ logger = logging.getLogger(__name__)
 
 # Sharded parameters already owned by a group, with that group's description, so that a
 # parameter shared across two fully_shard calls is caught with both names.
-# Keyed by identity: tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them.
-_OWNER = WeakIdKeyDictionary()
+# Original parameters that a call sharded, keyed by identity (tensors compare elementwise):
+# another module that still holds one shares it with that group, which is an error.
+_ORIGINAL_OWNER = WeakIdKeyDictionary()
+# Sharded parameters by id. No weakref may point at them: swap_tensors (used by to_empty and
+# .to() on DTensor parameters) refuses tensors with weakrefs. The FSDPParam is checked by
+# identity, so a reused id cannot be mistaken for ownership.
+_SHARDED_OWNER: dict[int, tuple[weakref.ref[FSDPParam], str]] = {}
+
+
+def _owner_of(param: nn.Parameter) -> str | None:
+    entry = _SHARDED_OWNER.get(id(param))
+    if entry is not None:
+        fsdp_param = entry[0]()
+        if fsdp_param is not None and fsdp_param.sharded_param is param:
+            return entry[1]
+    owner: str | None = _ORIGINAL_OWNER.get(param)
+    return owner
 
 
 def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> bool | int:
@@ -85,13 +101,14 @@ def collect_params(
 
 def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
     """Remember the sharded parameters of a successful call (for the shared-param check)."""
+    for key in [k for k, (ref, _) in _SHARDED_OWNER.items() if ref() is None]:
+        del _SHARDED_OWNER[key]  # groups that were garbage collected
     for fsdp_param in managed:
         owner = f"{group_name}.{fsdp_param.fqn}"
-        _OWNER[fsdp_param.sharded_param] = owner
+        _SHARDED_OWNER[id(fsdp_param.sharded_param)] = (weakref.ref(fsdp_param), owner)
         original = fsdp_param.original_ref()
         if original is not None:
-            # A module outside this call that still holds the original shares it.
-            _OWNER[original] = owner
+            _ORIGINAL_OWNER[original] = owner
 
 
 def _unmanaged_modules(
@@ -114,7 +131,7 @@ def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> Non
     devices: dict[torch.device, str] = {}
     for key, param in params.items():
         name = names[key]
-        owner = _OWNER.get(param)
+        owner = _owner_of(param)
         if owner is not None:
             raise ValueError(
                 f"parameter {name} is already sharded by another fully_shard call ({owner}); "

@@ -1,0 +1,102 @@
+"""The demo's contract for exact resumption, checked in one process with no process group.
+
+`make demo` checks the whole story on 2 ranks (about 40 s); these check its pieces in about a
+second: batches are a function of the step alone and tile across ranks, the learning rate does
+not depend on where a run stops, the model is causal, and the checkpoint pointer is read right.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from demo.train_gpt import (
+    GPT,
+    BatchSampler,
+    ModelConfig,
+    TrainConfig,
+    latest_checkpoint,
+    lr_at,
+    resolve_fully_shard,
+)
+
+DATA = (torch.arange(5_000) % 251).to(torch.uint8)  # (N,) no period that divides seq_len
+
+
+def sampler(rank: int, world: int, batch_per_rank: int, seed: int = 0) -> BatchSampler:
+    return BatchSampler(
+        data=DATA, seq_len=16, batch_per_rank=batch_per_rank, rank=rank, world=world, seed=seed
+    )
+
+
+def test_rank_rows_tile_the_global_batch() -> None:
+    inputs, targets = sampler(rank=0, world=1, batch_per_rank=8).batch(step=7)
+    parts = [sampler(rank=r, world=2, batch_per_rank=4).batch(step=7) for r in range(2)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), inputs)
+    assert torch.equal(torch.cat([y for _, y in parts]), targets)
+
+
+def test_batch_is_a_function_of_seed_and_step() -> None:
+    a, b = sampler(0, 2, 4), sampler(0, 2, 4)
+    assert torch.equal(a.batch(12)[0], b.batch(12)[0])
+    assert not torch.equal(a.batch(12)[0], a.batch(13)[0])
+    assert not torch.equal(a.batch(12)[0], sampler(0, 2, 4, seed=1).batch(12)[0])
+
+
+def test_targets_are_the_next_bytes() -> None:
+    inputs, targets = sampler(1, 2, 4).batch(3)
+    assert inputs.shape == targets.shape == (4, 16)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_lr_does_not_depend_on_where_the_run_stops() -> None:
+    short, long = TrainConfig(steps=30), TrainConfig(steps=45)
+    assert [lr_at(s, short) for s in range(1, 31)] == [lr_at(s, long) for s in range(1, 31)]
+    assert lr_at(short.warmup_steps, short) == short.lr
+
+
+def test_model_is_causal() -> None:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    idx = torch.randint(0, 256, (2, 16))
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    logits, logits_changed = model(idx), model(changed)
+    assert logits.shape == (2, 16, 256)
+    assert torch.equal(logits[:, :10], logits_changed[:, :10])
+    assert not torch.equal(logits[:, 10:], logits_changed[:, 10:])
+
+
+def test_model_config_rejects_heads_that_do_not_divide_the_width() -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        ModelConfig(d_model=30, n_heads=4)
+
+
+def test_resume_needs_a_checkpoint_dir() -> None:
+    with pytest.raises(ValueError, match="--ckpt-dir"):
+        TrainConfig(resume=True)
+
+
+def test_latest_checkpoint_follows_the_pointer(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "step_000030").mkdir()
+    (tmp_path / "step_000040").mkdir()  # an interrupted save: the pointer never moved to it
+    (tmp_path / "latest").write_text("step_000030\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000030"
+
+
+def test_torch_impl_resolves() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    assert resolve_fully_shard("torch") is fully_shard
+
+
+def test_shardkit_impl_resolves_or_says_how_to_run_without_it() -> None:
+    try:
+        fully_shard = resolve_fully_shard("shardkit")
+    except ImportError as err:
+        assert "--impl torch" in str(err)
+    else:
+        assert callable(fully_shard)
