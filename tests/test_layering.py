@@ -1,0 +1,46 @@
+"""Dependencies point one way: core imports none of the other shardkit packages, and the
+others use only what core exports in ``__all__``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shardkit.core
+
+ROOT = Path(__file__).resolve().parents[1] / "packages"
+PACKAGES = {"core": "core", "tp_adapter": "tp", "legacy_fsdp_compat": "legacy", "tools": "tools"}
+ALLOWED = {"core": set(), "tp": {"core"}, "legacy": {"core", "tp"}, "tools": {"core"}}
+
+
+def _shardkit_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) for every ``shardkit.*`` import in a file."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardkit."):
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("shardkit.")]
+    return found
+
+
+@pytest.mark.parametrize("folder", list(PACKAGES))
+def test_dependencies_point_one_way(folder: str) -> None:
+    package = PACKAGES[folder]
+    for path in (ROOT / folder / "src").rglob("*.py"):
+        for module, names in _shardkit_imports(path):
+            target = module.split(".")[1]
+            if target == package:
+                continue
+            assert target in ALLOWED[package], f"{path}: {package} may not import {module}"
+            if target == "core":
+                assert module == "shardkit.core", f"{path}: import from shardkit.core only"
+                missing = set(names) - set(shardkit.core.__all__)
+                assert not missing, f"{path}: {missing} are not public in shardkit.core"
+
+
+def test_no_namespace_init() -> None:
+    # shardkit is a namespace package: no shardkit/__init__.py in any distribution.
+    assert not list(ROOT.glob("*/src/shardkit/__init__.py"))

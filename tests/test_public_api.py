@@ -1,0 +1,70 @@
+"""The public API of every package, as a snapshot: changing it is a deliberate act."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+EXPECTED = {
+    "shardkit.core": [
+        "CPUOffloadPolicy",
+        "CollectiveEvent",
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "StateTransitionEvent",
+        "UnshardHandle",
+        "__version__",
+        "fully_shard",
+        "register_fsdp_forward_method",
+        "subscribe",
+    ],
+    "shardkit.tp": ["__version__"],
+    "shardkit.legacy": ["__version__"],
+    "shardkit.tools": ["__version__"],
+}
+
+
+@pytest.mark.parametrize("module", list(EXPECTED))
+def test_all_is_the_snapshot(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(EXPECTED[module])
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name} listed in __all__ but missing"
+
+
+def test_drop_in_for_torch_fully_shard() -> None:
+    """Every name and keyword of torch.distributed.fsdp's FSDP2 API that we promise exists."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import shardkit.core as ours
+
+    for name in [
+        "fully_shard",
+        "FSDPModule",
+        "UnshardHandle",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+        "register_fsdp_forward_method",
+    ]:
+        assert hasattr(ours, name), name
+    theirs_params = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours_params = inspect.signature(ours.fully_shard).parameters
+    assert list(ours_params) == list(theirs_params)
+    for policy in ["MixedPrecisionPolicy", "CPUOffloadPolicy"]:
+        their_fields = set(getattr(torch_fsdp, policy).__dataclass_fields__)
+        assert set(getattr(ours, policy).__dataclass_fields__) == their_fields
+    methods = [
+        "unshard", "reshard", "reset_iter_state", "set_is_last_backward",
+        "set_requires_gradient_sync", "set_requires_all_reduce", "set_reshard_after_forward",
+        "set_reshard_after_backward", "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
+        "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
+        "set_unshard_in_backward", "set_post_optim_event",
+    ]  # fmt: skip
+    for method in methods:
+        assert hasattr(ours.FSDPModule, method), method
+        assert hasattr(torch_fsdp.FSDPModule, method), method
