@@ -52,3 +52,35 @@ def test_what_stays_unsharded_after_forward(
 def test_int_equal_to_world_means_true() -> None:
     run = Run(shard_kwargs={"reshard_after_forward": 2})
     assert_parity(run_on_ranks(2, parity_body, run=run))
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_int_reshards_to_a_smaller_world(model: str) -> None:
+    # W=4, keep 1/2 after forward: backward gathers within pairs of ranks.
+    run = Run(model=model, shard_kwargs={"reshard_after_forward": 2})
+    assert_parity(run_on_ranks(4, parity_body, run=run))
+
+
+def _gather_sizes_body(rank: int, world_size: int) -> list[tuple[str, int]]:
+    from shardkit.core import fully_shard, subscribe
+
+    model = models.build("gpt")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    seen: list[tuple[str, int]] = []
+    unsubscribe = subscribe(
+        lambda e: seen.append((e.kind, e.group_size)) if hasattr(e, "kind") else None
+    )
+    x, y = models.batch("gpt", 0, 2)
+    models.loss_of("gpt", model(x), y).backward()
+    unsubscribe()
+    return seen
+
+
+def test_int_backward_gathers_within_the_subgroup() -> None:
+    seen = run_on_ranks(4, _gather_sizes_body)[0]
+    gathers = [size for kind, size in seen if kind == "all_gather"]
+    # Root once (size 4, kept), 2 blocks in forward (4) and again in backward (2).
+    assert sorted(gathers) == [2, 2, 4, 4, 4]

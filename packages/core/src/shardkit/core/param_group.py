@@ -20,6 +20,7 @@ from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam, as_dtensor
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import CollectiveHandle
@@ -44,6 +45,7 @@ class GroupConfig:
 class _PendingGather:
     handle: CollectiveHandle
     output: torch.Tensor  # (W * comm bytes) uint8, from the pool
+    from_post_forward: bool  # gathered within the post-forward subgroup
 
 
 @dataclass(slots=True)
@@ -80,6 +82,7 @@ class FSDPParamGroup:
         self.ensure_final_callback: Callable[[], None] = _nothing
         self._resolve_dtypes(config.mp_policy)
         self.trainable = [p for p in params if p.requires_grad]
+        self.post_forward = self._make_post_forward(options.reshard_after_forward)
         self._build_layouts()
         self._init_sharded_storage()
 
@@ -103,14 +106,28 @@ class FSDPParamGroup:
             self.reduce_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
         self.orig_grad_dtype = next((p.orig_dtype for p in self.params if p.requires_grad), None)
 
+    def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
+        if isinstance(reshard_after_forward, bool):
+            return None
+        return PostForwardShard(
+            reshard_after_forward,
+            [p.geometry.shape for p in self.params],
+            [p.geometry.dim for p in self.params],
+            [p.comm_dtype for p in self.params],
+            self.mesh_info,
+        )
+
     def _build_layouts(self) -> None:
         world = self.mesh_info.shard_size
         numels = [p.geometry.shard_numel for p in self.params]
         self.storage_layout = FlatLayout.build(numels, [p.orig_dtype for p in self.params])
         self.comm_layout = FlatLayout.build(numels, [p.comm_dtype for p in self.params])
-        self.unsharded_layout = FlatLayout.build(
-            [n * world for n in numels], [p.comm_dtype for p in self.params]
-        )
+        unsharded = [n * world for n in numels]
+        if self.post_forward is not None:
+            # Padding differs between W and n shards: the slot must hold either copy-out.
+            pf = self.post_forward
+            unsharded = [max(u, pf.unsharded_numel(i)) for i, u in enumerate(unsharded)]
+        self.unsharded_layout = FlatLayout.build(unsharded, [p.comm_dtype for p in self.params])
         # Reduce-scatter rows: the trainable parameters' padded shards, in the reduce dtype.
         offsets: list[int] = []
         cursor = 0
@@ -204,11 +221,19 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
-        source = self._gather_input()
-        world = self.mesh_info.shard_size
-        output = self.comm.pool.get(world * self.comm_layout.nbytes, self.mesh_info.device)
-        handle = self.comm.runtime.all_gather(output, source, self.mesh_info.shard_group)
-        self._pending_gather = _PendingGather(handle, output)
+        device = self.mesh_info.device
+        pf = self.post_forward
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
+            assert pf.buffer is not None
+            output = self.comm.pool.get(pf.size * pf.layout.nbytes, device)
+            handle = self.comm.runtime.all_gather(output, pf.buffer, pf.group)
+            self._pending_gather = _PendingGather(handle, output, from_post_forward=True)
+        else:
+            source = self._gather_input()
+            world = self.mesh_info.shard_size
+            output = self.comm.pool.get(world * self.comm_layout.nbytes, device)
+            handle = self.comm.runtime.all_gather(output, source, self.mesh_info.shard_group)
+            self._pending_gather = _PendingGather(handle, output, from_post_forward=False)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -226,13 +251,16 @@ class FSDPParamGroup:
         self._pending_gather = None
         pending.handle.wait()
         unsharded = self._alloc_unsharded()
-        rows = pending.output.view(self.mesh_info.shard_size, self.comm_layout.nbytes)
-        for i, p in enumerate(self.params):
-            copy_out_unsharded(
-                self.comm_layout.row_view(rows, i),
-                p.geometry,
-                self.unsharded_layout.view(unsharded, i),
-            )
+        pf = self.post_forward
+        if pending.from_post_forward and pf is not None:
+            layout, geometries = pf.layout, pf.geometries
+            pf.free()
+        else:
+            layout, geometries = self.comm_layout, [p.geometry for p in self.params]
+        rows = pending.output.view(-1, layout.nbytes)
+        for i, geo in enumerate(geometries):
+            target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
+            copy_out_unsharded(layout.row_view(rows, i), geo, target)
         self.comm.pool.put(pending.output)
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
         self.sharded_state = ShardedState.UNSHARDED
@@ -276,9 +304,29 @@ class FSDPParamGroup:
         self._register(unsharded=False)
         if self._unsharded_buffer is not None:
             self._unsharded_buffer.untyped_storage().resize_(0)
+        if self.post_forward is not None:
+            self.post_forward.free()
         self.sharded_state = ShardedState.SHARDED
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "reshard"))
+
+    def reshard_post_forward(self) -> None:
+        """After forward: keep this rank's 1/n slices, free the full parameters."""
+        pf = self.post_forward
+        if pf is None or self.sharded_state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        if self._pending_gather is not None:
+            self.wait_for_unshard()
+        buffer = self._unsharded_buffer
+        assert buffer is not None
+        pf.capture([self.unsharded_layout.view(buffer, i) for i in range(len(self.params))])
+        check_transition(
+            SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED_POST_FORWARD, self.fqn
+        )
+        self._register(unsharded=False)
+        buffer.untyped_storage().resize_(0)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _register(self, *, unsharded: bool) -> None:
         for p in self.params:

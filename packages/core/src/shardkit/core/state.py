@@ -21,7 +21,7 @@ from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
-from shardkit.core.states import TrainingState
+from shardkit.core.states import ShardedState, TrainingState
 
 __all__ = ["FSDPState"]
 
@@ -64,7 +64,8 @@ class FSDPState:
         self.is_root = True
         root_module = self.modules[0]
         states = self._states_of(root_module)
-        ctx = RootContext(states=states, comm=CommContext(runtime=ProcessGroupRuntime()))
+        runtime = ProcessGroupRuntime()
+        ctx = RootContext(states=states, comm=CommContext(runtime=runtime, pool=runtime.pool))
         names = {id(m): name for name, m in root_module.named_modules()}
         for state in states:
             if state is not self:
@@ -109,6 +110,9 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
+        for group in self.groups:
+            if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                group.reshard()  # its slices predate any optimizer step since: drop them
         if self.ctx.forward_order:
             self.ctx.previous_forward_order = self.ctx.forward_order
             self.ctx.forward_order = []
@@ -155,8 +159,11 @@ class FSDPState:
 
     def _group_post_forward(self, group: FSDPParamGroup) -> None:
         assert self.ctx is not None
-        if group.options.reshard_after_forward is True:
+        policy = group.options.reshard_after_forward
+        if policy is True:
             group.reshard()
+        elif policy is not False:
+            group.reshard_post_forward()
         group.training_state = TrainingState.IDLE
         self.ctx.post_forward_order.append(group)
         if observe.has_subscribers():
@@ -165,10 +172,14 @@ class FSDPState:
     def _root_post_forward(self) -> None:
         # Groups that were prefetched but never ran, or list groups only partly run.
         for group in self.groups:
-            if group.is_unsharded and group.options.reshard_after_forward is True:
+            policy = group.options.reshard_after_forward
+            if group.is_unsharded and policy is not False:
                 if group.training_state is TrainingState.FORWARD:
                     continue  # still inside its forward (the root is nested in it)
-                group.reshard()
+                if policy is True:
+                    group.reshard()
+                else:
+                    group.reshard_post_forward()
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():

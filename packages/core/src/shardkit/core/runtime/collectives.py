@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core import observe
+from shardkit.core.runtime.pool import BufferPool
 
 __all__ = ["DoneHandle", "ProcessGroupRuntime", "WorkHandle"]
 
@@ -44,6 +45,8 @@ class _SumRowsHandle:
     work: dist.Work | None
     received: torch.Tensor  # (W, S): row j is rank j's contribution to this rank's shard
     output: torch.Tensor  # (S,)
+    scratch: torch.Tensor  # the pool buffer behind ``received``
+    pool: BufferPool
 
     def wait(self) -> None:
         """Wait for the exchange, then sum the rows into ``output`` (once)."""
@@ -56,6 +59,7 @@ class _SumRowsHandle:
             torch.add(rows[0], rows[1], out=self.output)
         else:
             torch.sum(rows, dim=0, out=self.output)
+        self.pool.put(self.scratch)
 
 
 def _uses_gloo(group: dist.ProcessGroup) -> bool:
@@ -64,6 +68,9 @@ def _uses_gloo(group: dist.ProcessGroup) -> bool:
 
 class ProcessGroupRuntime:
     """Collectives on c10d process groups (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, pool: BufferPool | None = None) -> None:
+        self.pool = pool if pool is not None else BufferPool()
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
@@ -101,9 +108,10 @@ class ProcessGroupRuntime:
             output.copy_(input[0])
             return DoneHandle()
         if gloo:
-            received = torch.empty_like(input)
+            scratch = self.pool.get(input.numel() * input.element_size(), input.device)
+            received = scratch.view(input.dtype).view(input.shape)
             work = dist.all_to_all_single(received, input, group=group, async_op=True)
-            return _SumRowsHandle(work, received, output)
+            return _SumRowsHandle(work, received, output, scratch, self.pool)
         return WorkHandle(
             dist.reduce_scatter_single(
                 output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True

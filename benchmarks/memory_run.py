@@ -1,0 +1,39 @@
+"""One implementation's peak RSS per rank: run under torchrun with MALLOC_MMAP_THRESHOLD_ set.
+
+Usage: torchrun --nproc-per-node 2 benchmarks/memory_run.py IMPL SIZE STEPS
+Prints one JSON line per rank: {"rank", "baseline_mib", "peak_mib"}.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import gpt
+
+
+def main() -> None:
+    impl, size, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open("/proc/self/status") as f:
+        baseline_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    model, opt = gpt.build(impl, size, world)
+    for step in range(steps):
+        gpt.train_step(model, opt, gpt.batch(size, step, rank, world))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    record = {"rank": rank, "baseline_mib": baseline_kib / 1024, "peak_mib": peak_kib / 1024}
+    sys.stdout.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Resharding to a smaller world after forward (``reshard_after_forward=n``).
+
+After forward each rank keeps 1/n of every full parameter instead of 1/W: the slice for its
+position within a subgroup of n consecutive shard ranks. Backward then gathers within that
+subgroup only (fewer bytes and hops, e.g. within a node), at the cost of W/n times the
+sharded memory between forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
+
+__all__ = ["PostForwardShard"]
+
+# One subgroup per set of ranks, shared by every group that uses it.
+_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
+    ranks = dist.get_process_group_ranks(mesh_info.shard_group)
+    start = (mesh_info.shard_rank // size) * size
+    members = tuple(ranks[start : start + size])
+    group = _SUBGROUPS.get(members)
+    if group is None:
+        # Only the members create it, so different subgroups need no global agreement.
+        created = dist.new_group(list(members), use_local_synchronization=True)
+        assert created is not None
+        group = created
+        _SUBGROUPS[members] = group
+    return group
+
+
+class PostForwardShard:
+    """The 1/n slices a group keeps between forward and backward."""
+
+    def __init__(
+        self,
+        size: int,
+        shapes: list[torch.Size],
+        dims: list[int],
+        dtypes: list[torch.dtype],
+        mesh_info: MeshInfo,
+    ) -> None:
+        self.size = size
+        self.index = mesh_info.shard_rank % size
+        self.mesh_info = mesh_info
+        self.geometries: list[ShardGeometry] = [
+            shard_geometry(shape, dim, size) for shape, dim in zip(shapes, dims, strict=True)
+        ]
+        self.layout = FlatLayout.build([g.shard_numel for g in self.geometries], dtypes)
+        self.buffer: torch.Tensor | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The subgroup this rank gathers with in backward (created on first use)."""
+        if self._group is None:
+            self._group = _subgroup(self.mesh_info, self.size)
+        return self._group
+
+    def unsharded_numel(self, index: int) -> int:
+        """Elements the padded full tensor needs in this world (copy-out target size)."""
+        return self.size * self.geometries[index].shard_numel
+
+    def capture(self, full_padded: list[torch.Tensor]) -> None:
+        """Keep this rank's slice of each full parameter (given as padded flat tensors)."""
+        first = full_padded[0]
+        buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=first.device)
+        for i, (flat, geo) in enumerate(zip(full_padded, self.geometries, strict=True)):
+            target = self.layout.view(buffer, i).view(geo.padded_shard_shape)
+            target.copy_(_slice_of(flat, geo, self.index))
+        self.buffer = buffer
+
+    def free(self) -> None:
+        """Drop the slices (after the backward gather, or when resharding fully)."""
+        self.buffer = None
+
+
+def _slice_of(flat: torch.Tensor, geo: ShardGeometry, index: int) -> torch.Tensor:
+    """Shard ``index`` of a padded full tensor (flat, at least world * shard_numel long)."""
+    if geo.dim == 0:
+        return flat[: geo.world * geo.shard_numel].view(geo.world, *geo.padded_shard_shape)[index]
+    split = (*geo.shape[: geo.dim], geo.world, geo.chunk, *geo.shape[geo.dim + 1 :])
+    return flat[: geo.shape.numel()].view(split).select(geo.dim, index)
