@@ -62,7 +62,7 @@ def test_int_reshards_to_a_smaller_world(model: str) -> None:
 
 
 def _gather_sizes_body(rank: int, world_size: int) -> list[tuple[str, int]]:
-    from shardkit.core import fully_shard, subscribe
+    from shardkit.core import CollectiveEvent, fully_shard, subscribe
 
     model = models.build("gpt")
     mesh = init_device_mesh("cpu", (world_size,))
@@ -71,7 +71,7 @@ def _gather_sizes_body(rank: int, world_size: int) -> list[tuple[str, int]]:
     fully_shard(model, mesh=mesh)
     seen: list[tuple[str, int]] = []
     unsubscribe = subscribe(
-        lambda e: seen.append((e.kind, e.group_size)) if hasattr(e, "kind") else None
+        lambda e: seen.append((e.kind, e.group_size)) if isinstance(e, CollectiveEvent) else None
     )
     x, y = models.batch("gpt", 0, 2)
     models.loss_of("gpt", model(x), y).backward()
