@@ -22,6 +22,7 @@ from shardkit.core.param import FSDPParam, as_dtensor
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
+from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import CollectiveHandle
 from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
@@ -228,6 +229,10 @@ class FSDPParamGroup:
             output = self.comm.pool.get(pf.size * pf.layout.nbytes, device)
             handle = self.comm.runtime.all_gather(output, pf.buffer, pf.group)
             self._pending_gather = _PendingGather(handle, output, from_post_forward=True)
+        elif self.mesh_info.shard_size == 1:
+            # Nothing to gather: copy-out reads the (staged) shard itself.
+            source = self._gather_input()
+            self._pending_gather = _PendingGather(DoneHandle(), source, from_post_forward=False)
         else:
             source = self._gather_input()
             world = self.mesh_info.shard_size
@@ -261,7 +266,8 @@ class FSDPParamGroup:
         for i, geo in enumerate(geometries):
             target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
             copy_out_unsharded(layout.row_view(rows, i), geo, target)
-        self.comm.pool.put(pending.output)
+        if pending.output is not self.sharded_buffer and pending.output is not self._staging:
+            self.comm.pool.put(pending.output)
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
         self.sharded_state = ShardedState.UNSHARDED
         self._register(unsharded=True)
@@ -381,15 +387,27 @@ class FSDPParamGroup:
         world = self.mesh_info.shard_size
         nbytes = world * self.reduce_numel * self.reduce_dtype.itemsize
         device = self.mesh_info.device
+        geometries = [p.geometry for p in self.trainable]
+        if world == 1:
+            # Nothing to scatter: pack straight into the output.
+            output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
+            pack_grads_rank_major(grads, geometries, self.reduce_offsets, output.view(1, -1))
+            if self._pre_divide != 1:
+                output.div_(self._pre_divide)
+            self.comm.pending_reduces.append(PendingReduce(self, DoneHandle(), output, ()))
+            self._bound_reduces_in_flight()
+            return
         send = self.comm.pool.get(nbytes, device)
         rows = send.view(self.reduce_dtype).view(world, self.reduce_numel)  # (W, S)
-        pack_grads_rank_major(
-            grads, [p.geometry for p in self.trainable], self.reduce_offsets, rows
-        )
+        pack_grads_rank_major(grads, geometries, self.reduce_offsets, rows)
         output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
         buffers: tuple[torch.Tensor, ...] = (send,)
         handle = self.comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
         self.comm.pending_reduces.append(PendingReduce(self, handle, output, buffers))
+        self._bound_reduces_in_flight()
+
+    def _bound_reduces_in_flight(self) -> None:
+        assert self.comm is not None
         while len(self.comm.pending_reduces) > self.comm.max_reduces_in_flight:
             oldest = self.comm.pending_reduces.popleft()
             oldest.group.finish_reduce(oldest)

@@ -1,0 +1,237 @@
+"""`make demo`: train a small GPT on 2 CPU ranks, stop, resume from the checkpoint in a new job,
+and show that training went on exactly where it stopped.
+
+Three torchrun jobs of demo/train_gpt.py (gloo, one thread per rank):
+
+1. train steps 1..30, saving a DCP checkpoint every 10 steps;
+2. a new job resumes from the latest checkpoint and trains steps 31..45;
+3. a reference job trains steps 1..45 without stopping.
+
+Then it checks that job 2 started at step 31 with the loss where job 1 left it, and that jobs 1+2
+computed the same loss as the reference at every step, bit for bit. Exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEMO_DIR = Path(__file__).resolve().parent
+REPO = DEMO_DIR.parent
+TRAIN_SCRIPT = DEMO_DIR / "train_gpt.py"
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """What run_demo.py runs; the defaults are what `make demo` shows."""
+
+    impl: str = "shardkit"
+    """Whose fully_shard trains: shardkit's engine or torch's."""
+    stop_at: int = 30
+    """The first job stops (and checkpoints) here."""
+    total_steps: int = 45
+    """The resumed job and the reference train up to here."""
+    ckpt_every: int = 10
+    """The first job also checkpoints every this many steps; the resume uses the latest."""
+    nproc: int = 2
+    """Ranks per job."""
+    reference: bool = True
+    """Also train without stopping and compare every step's loss."""
+    runs: Path = DEMO_DIR / "runs"
+    """Checkpoints and metrics go to runs/<impl>/ (demo/runs/ is git-ignored)."""
+
+    @property
+    def out(self) -> Path:
+        return self.runs / self.impl
+
+    def __post_init__(self) -> None:
+        if self.impl not in ("shardkit", "torch"):
+            raise ValueError(f"impl must be 'shardkit' or 'torch', got {self.impl!r}")
+        if not 0 < self.stop_at < self.total_steps:
+            raise ValueError(
+                f"need 0 < stop_at < total_steps, got {self.stop_at}, {self.total_steps}"
+            )
+
+
+@dataclass(slots=True)
+class RunLog:
+    """What one job's rank 0 wrote to its metrics file."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global loss
+    events: list[dict[str, Any]] = field(default_factory=list)  # resumed / saved
+
+    @classmethod
+    def read(cls, path: Path) -> RunLog:
+        log = cls()
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "event" in record:
+                log.events.append(record)
+            else:
+                log.losses[int(record["step"])] = float(record["loss"])
+        return log
+
+
+def require_impl(impl: str) -> None:
+    """Fail early and readably, before torchrun prints one traceback per rank."""
+    if impl != "shardkit":
+        return
+    try:
+        from shardkit.core import fully_shard  # noqa: F401  (probing the name only)
+    except ImportError as err:
+        sys.exit(
+            f"run_demo: --impl shardkit needs `from shardkit.core import fully_shard`, which is "
+            f"not importable yet ({type(err).__name__}: {err}).\n"
+            f"Run the demo on torch's engine meanwhile: {sys.executable} demo/run_demo.py "
+            "--impl torch"
+        )
+
+
+def torchrun(cfg: DemoConfig, title: str, name: str, args: list[str]) -> RunLog:
+    """Run train_gpt.py as a fresh torchrun job; return what its rank 0 recorded."""
+    metrics = cfg.out / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *(f"--nproc-per-node={cfg.nproc}", str(TRAIN_SCRIPT)),
+        # args come last so that they may override --log-every (argparse keeps the last).
+        *(f"--impl={cfg.impl}", f"--metrics-file={metrics}", "--log-every=5", *args),
+    ]
+    # One thread per rank: the ranks already take the cores, and torchrun would warn otherwise.
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    print(f"\n=== {title}", flush=True)
+    start = time.perf_counter()
+    returncode = subprocess.run(command, env=env, cwd=REPO, check=False).returncode
+    seconds = time.perf_counter() - start
+    if returncode != 0:
+        sys.exit(f"run_demo: the job '{title}' failed with exit status {returncode}")
+    print(f"--- {seconds:.1f} s, torchrun start-up included", flush=True)
+    return RunLog.read(metrics)
+
+
+class Checks:
+    """Collects pass/fail lines so that every check is printed before the verdict."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+    def check(self, ok: bool, message: str) -> None:
+        self.failed += not ok
+        print(f"  [{'ok' if ok else 'FAIL'}] {message}")
+
+
+def check_resume(cfg: DemoConfig, first: RunLog, resumed: RunLog, checks: Checks) -> None:
+    resumes = [e for e in resumed.events if e["event"] == "resumed"]
+    checks.check(
+        len(resumes) == 1 and resumes[0]["step"] == cfg.stop_at,
+        f"job 2 resumed from {resumes[0]['path'] if resumes else 'nothing'} "
+        f"at step {resumes[0]['step'] if resumes else '?'}",
+    )
+    expected = list(range(cfg.stop_at + 1, cfg.total_steps + 1))
+    checks.check(
+        list(resumed.losses) == expected,
+        f"job 2's step counter went on from {cfg.stop_at + 1} to {cfg.total_steps}",
+    )
+    fresh, last = first.losses[1], first.losses[cfg.stop_at]
+    at_resume = resumed.losses.get(cfg.stop_at + 1, float("nan"))
+    checks.check(
+        abs(at_resume - last) < abs(at_resume - fresh),
+        f"the loss went on from {last:.4f} (step {cfg.stop_at}) to {at_resume:.4f} "
+        f"(step {cfg.stop_at + 1}), not back to a fresh model's {fresh:.4f}",
+    )
+
+
+def check_reference(cfg: DemoConfig, stitched: dict[int, float], reference: RunLog) -> bool:
+    """Print the losses around the restart next to the reference's; True if all steps agree."""
+    lo, hi = max(1, cfg.stop_at - 2), min(cfg.total_steps, cfg.stop_at + 3)
+    shown = [*range(lo, hi + 1), *([cfg.total_steps] if hi < cfg.total_steps else [])]
+    print(f"\n  {'step':>5}  {'stopped+resumed':>18}  {'uninterrupted':>18}  equal")
+    nan = float("nan")  # a missing step compares unequal to everything
+    for step in shown:
+        if step == cfg.total_steps and hi + 1 < cfg.total_steps:
+            print(f"  {'...':>5}")
+        ours, ref = stitched.get(step, nan), reference.losses.get(step, nan)
+        marker = "   <- restart" if step == cfg.stop_at + 1 else ""
+        print(f"  {step:>5}  {ours:>18.10f}  {ref:>18.10f}  {ours == ref!s:5}{marker}")
+    steps = range(1, cfg.total_steps + 1)
+    missing = [s for s in steps if s not in stitched or s not in reference.losses]
+    diffs = [abs(stitched[s] - reference.losses[s]) for s in steps if s not in missing]
+    print(f"  max |loss difference| over steps 1..{cfg.total_steps}: {max(diffs, default=nan):g}")
+    if missing:
+        print(f"  steps missing from a run: {missing}")
+    print()
+    return not missing and all(d == 0.0 for d in diffs)
+
+
+def run(cfg: DemoConfig) -> int:
+    require_impl(cfg.impl)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    ckpt = str(cfg.out / "ckpt")
+    shutil.rmtree(ckpt, ignore_errors=True)  # a demo starts from scratch
+    started = time.perf_counter()
+    first = torchrun(
+        cfg,
+        f"job 1: train steps 1..{cfg.stop_at}, checkpoint every {cfg.ckpt_every}",
+        "job1",
+        [f"--steps={cfg.stop_at}", f"--ckpt-dir={ckpt}", f"--ckpt-every={cfg.ckpt_every}"],
+    )
+    resumed = torchrun(
+        cfg,
+        f"job 2 (a new torchrun): resume from the latest checkpoint, train to {cfg.total_steps}",
+        "job2",
+        [f"--steps={cfg.total_steps}", f"--ckpt-dir={ckpt}", "--resume"],
+    )
+    print("\n=== checks")
+    checks = Checks()
+    check_resume(cfg, first, resumed, checks)
+    if cfg.reference:
+        reference = torchrun(
+            cfg,
+            f"reference: train steps 1..{cfg.total_steps} without stopping",
+            "reference",
+            [f"--steps={cfg.total_steps}", "--log-every=15"],
+        )
+        print("\n=== checks, against the uninterrupted reference")
+        equal = check_reference(cfg, first.losses | resumed.losses, reference)
+        checks.check(equal, "jobs 1+2 computed the reference's loss at every step, bit for bit")
+    total = time.perf_counter() - started
+    print(f"\nimpl={cfg.impl}: {total:.0f} s in all; checkpoints and metrics in {cfg.out}")
+    if checks.failed:
+        print(f"FAILED: {checks.failed} check(s) did not hold")
+        return 1
+    print("PASSED: training continued exactly where it stopped")
+    return 0
+
+
+def parse_args() -> DemoConfig:
+    defaults = DemoConfig()
+    p = argparse.ArgumentParser(description="Train, stop, resume, and check the resume is exact.")
+    p.add_argument("--impl", choices=["shardkit", "torch"], default=defaults.impl)
+    p.add_argument("--stop-at", type=int, default=defaults.stop_at)
+    p.add_argument("--total-steps", type=int, default=defaults.total_steps)
+    p.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every)
+    p.add_argument("--nproc", type=int, default=defaults.nproc)
+    p.add_argument("--no-reference", dest="reference", action="store_false")
+    p.add_argument("--runs", type=Path, default=defaults.runs)
+    a = p.parse_args()
+    return DemoConfig(
+        impl=a.impl,
+        stop_at=a.stop_at,
+        total_steps=a.total_steps,
+        ckpt_every=a.ckpt_every,
+        nproc=a.nproc,
+        reference=a.reference,
+        runs=a.runs,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(run(parse_args()))

@@ -1,0 +1,539 @@
+"""Train a small byte-level GPT with fully sharded data parallelism, checkpoint it, resume it.
+
+One story, top to bottom: configuration, the model, how it is parallelized, the data, the
+checkpoint, the training loop. Launch it with torchrun (demo/run_demo.py does this for you):
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
+        --impl torch --steps 30 --ckpt-dir demo/runs/manual/ckpt
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
+        --impl torch --steps 45 --ckpt-dir demo/runs/manual/ckpt --resume
+
+Resuming is exact: every step's batch and learning rate are functions of the step number alone,
+and the checkpoint holds everything else that changes (parameters, optimizer moments, the step
+counter, the RNG), so a resumed run computes the same losses as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# From the submodules: the package re-exports save and load without an __all__, which
+# mypy --strict does not count as an export.
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+DEMO_DIR = Path(__file__).resolve().parent
+Impl = Literal["shardkit", "torch"]
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The GPT's shape. The defaults give about 1.3M parameters: a step takes about 0.25 s on
+    two CPU cores."""
+
+    vocab_size: int = 256
+    """Bytes are the tokens, so 256 covers any UTF-8 text."""
+    seq_len: int = 128
+    """Context length in tokens; also the length of every training sequence."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 6
+    """Number of transformer blocks; each becomes one fully_shard unit."""
+    n_heads: int = 4
+    """Attention heads per block; must divide d_model."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if min(self.vocab_size, self.seq_len, self.d_model, self.n_layers, self.n_heads) <= 0:
+            raise ValueError(f"every size in {self} must be positive")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How to train. Nothing here may depend on --steps except where training stops: a run to
+    step 30 then resumed to 45 must see what a run straight to 45 sees."""
+
+    impl: Impl = "shardkit"
+    """Whose fully_shard to use: ours (shardkit.core) or torch's (the reference)."""
+    steps: int = 30
+    """The step to stop at (a total, not a count of more steps when resuming)."""
+    batch_size: int = 8
+    """Sequences per rank per step; the global batch is batch_size * world size."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warmup and then held."""
+    warmup_steps: int = 10
+    """Steps of linear learning-rate warmup."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold on the global norm."""
+    seed: int = 0
+    """Seeds the initial weights and, with the step number, every batch."""
+    corpus: Path = DEMO_DIR / "data" / "corpus.txt"
+    """The training text."""
+    ckpt_dir: Path | None = None
+    """Where checkpoints go; None saves none."""
+    ckpt_every: int = 10
+    """Save every this many steps (and at the last step); 0 saves only at the last step."""
+    keep_ckpts: int = 2
+    """How many recent checkpoints to keep on disk."""
+    resume: bool = False
+    """Start from the latest checkpoint in ckpt_dir (it must exist)."""
+    log_every: int = 1
+    """Print a progress line every this many steps (rank 0)."""
+    metrics_file: Path | None = None
+    """If set, rank 0 appends one JSON line per step and per event, for run_demo.py to check."""
+
+    def __post_init__(self) -> None:
+        if self.resume and self.ckpt_dir is None:
+            raise ValueError("--resume needs --ckpt-dir")
+        if self.steps < 1 or self.batch_size < 1 or self.log_every < 1 or self.keep_ckpts < 1:
+            raise ValueError("--steps, --batch-size, --log-every and --keep-ckpts must be >= 1")
+        if self.ckpt_every < 0:
+            raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: token + position embeddings, pre-LN blocks, final LN, linear head.
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, D)
+        b, t, d = x.shape
+        q, k, v = (  # each (B, H, T, D/H)
+            z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for z in self.qkv(x).split(d, dim=2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D/H)
+        out: Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))  # (B, T, D)
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, D)
+        out: Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, D)
+        x = x + self.attn(self.ln1(x))
+        out: Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        # Not tied to tok_emb: both sit in the root's fully_shard unit either way, but untied
+        # weights keep the state dict free of aliases.
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(_init_weights)
+        # GPT-2's scaling: each residual branch adds to the stream once per block, so shrink its
+        # output projection to keep the stream's variance flat in depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def forward(self, idx: Tensor) -> Tensor:  # idx: (B, T) int64 → logits (B, T, V)
+        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, D)
+        for block in self.blocks:
+            x = block(x)
+        logits: Tensor = self.head(self.ln_f(x))
+        return logits
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallelism, applied from outside the model.
+
+
+class FullyShard(Protocol):
+    """The part of `fully_shard`'s signature the demo uses; torch's and shardkit's both fit."""
+
+    def __call__(self, module: nn.Module, *, mesh: DeviceMesh | None = ...) -> object: ...
+
+
+def resolve_fully_shard(impl: Impl) -> FullyShard:
+    """Import the chosen `fully_shard`, with a clear error if shardkit's is not there yet."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard
+    try:
+        from shardkit.core import fully_shard as shardkit_fully_shard
+    except ImportError as err:
+        raise ImportError(
+            "--impl shardkit needs `from shardkit.core import fully_shard`, which is not "
+            f"importable in this environment ({err}). Install the core package (make setup) "
+            "or run the demo on torch's engine with --impl torch."
+        ) from err
+    return shardkit_fully_shard
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, fully_shard: FullyShard) -> None:
+    """Shard every block on its own, then the root (embeddings, final LN, head).
+
+    One unit per block means one all-gather per block in forward and one reduce-scatter per
+    block in backward, so only one block's full parameters exist at a time and the next block's
+    all-gather can be in flight while the current one computes.
+    """
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: the batch of step s is a pure function of (seed, s); rank r takes its slice.
+
+
+def load_corpus(path: Path) -> Tensor:
+    """The corpus as a 1-D uint8 tensor of bytes (the tokenizer is the identity on bytes)."""
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)  # (N,)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSampler:
+    """Cuts step s's global batch out of the corpus and hands this rank its rows.
+
+    The global batch's start offsets come from a generator seeded by (seed, step) alone, so
+    resuming at step k replays exactly the batches an uninterrupted run sees, with no data-loader
+    state to checkpoint. Every rank draws the whole global batch (a few integers) and keeps its
+    rows, so the global batch is the same at any world size.
+    """
+
+    data: Tensor  # (N,) uint8
+    seq_len: int
+    batch_per_rank: int
+    rank: int
+    world: int
+    seed: int
+
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """Inputs and next-byte targets, each (batch_per_rank, seq_len) int64."""
+        n_windows = self.data.numel() - self.seq_len - 1
+        rng = np.random.default_rng((self.seed, step))
+        starts = rng.integers(0, n_windows, size=self.batch_per_rank * self.world)  # (W*B,)
+        mine = starts[self.rank * self.batch_per_rank : (self.rank + 1) * self.batch_per_rank]
+        offsets = torch.from_numpy(mine)[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
+        window = self.data[offsets].long()  # (B, T+1)
+        return window[:, :-1], window[:, 1:]  # (B, T) inputs, (B, T) targets
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then constant: a function of the step alone, never of --steps."""
+    return cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: DCP, one directory per save, made current by an atomic rename of a pointer file.
+
+LATEST = "latest"
+
+
+class TrainState:
+    """Everything a checkpoint holds, as one DCP `Stateful`.
+
+    DCP calls `state_dict()` to learn what to save or what to load into, then `load_state_dict()`
+    after loading. Model and optimizer states are the sharded DTensors (each rank writes its own
+    shards); the step is replicated; the RNG state is keyed by rank because ranks may differ.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.rank = rank
+        self.step = 0  # steps completed
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng = {f"rank{self.rank}": torch.get_rng_state()}
+        return {"model": model_sd, "optim": optim_sd, "step": self.step, "rng": rng}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+        self.step = int(state_dict["step"])
+        torch.set_rng_state(state_dict["rng"][f"rank{self.rank}"])
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The checkpoint the pointer names, or None if no save has completed yet."""
+    pointer = ckpt_dir / LATEST
+    return ckpt_dir / pointer.read_text().strip() if pointer.exists() else None
+
+
+def save_checkpoint(state: TrainState, ckpt_dir: Path, keep: int) -> Path:
+    """Save into a fresh directory, then repoint `latest` at it; an interrupted save leaves the
+    previous checkpoint current. Collective: every rank calls it."""
+    target = ckpt_dir / f"step_{state.step:06d}"
+    assert target != latest_checkpoint(ckpt_dir), "a step is saved once: steps only grow"
+    if state.rank == 0:
+        shutil.rmtree(target, ignore_errors=True)  # the remains of an interrupted save
+    dist.barrier()
+    # dcp.save returns on every rank only after the coordinator has written the metadata.
+    dcp_save({"train": state}, checkpoint_id=target)
+    if state.rank == 0:
+        tmp = ckpt_dir / f".{LATEST}.tmp"
+        with tmp.open("w") as f:
+            f.write(target.name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ckpt_dir / LATEST)  # atomic on POSIX
+        _fsync_dir(ckpt_dir)
+        # Zero-padded names sort by step. Names after ours are leftovers of a run that went
+        # further and was then resumed from an earlier checkpoint: that future is abandoned.
+        saves = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+        older, abandoned = [p for p in saves if p <= target], [p for p in saves if p > target]
+        for path in older[:-keep] + abandoned:
+            shutil.rmtree(path)
+    dist.barrier()  # nobody trains on (or saves over) a half-published checkpoint
+    return target
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+class StepResult(NamedTuple):
+    loss: float  # the global batch's mean loss
+    grad_norm: float  # global, before clipping
+    seconds: float
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # Decay matrices only: pulling LayerNorm gains and biases towards 0 only hurts.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def train_step(state: TrainState, batch: tuple[Tensor, Tensor], cfg: TrainConfig) -> StepResult:
+    """One optimizer step on this rank's rows of the global batch."""
+    t0 = time.perf_counter()
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr_at(state.step + 1, cfg)
+    inputs, targets = batch  # (B, T), (B, T)
+    logits = state.model(inputs)  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.autograd.backward(loss)  # = loss.backward(), which torch leaves untyped
+    grad_norm = nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    # Averaged for the log only; the gradients were already averaged by the reduce-scatter.
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    if isinstance(grad_norm, DTensor):  # sharded grads give a replicated DTensor norm
+        grad_norm = grad_norm.full_tensor()
+    return StepResult(
+        loss=global_loss.item() / dist.get_world_size(),
+        grad_norm=grad_norm.item(),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+class Reporter:
+    """Progress for people (printed by rank 0) and for run_demo.py (JSON lines)."""
+
+    def __init__(self, cfg: TrainConfig, tokens_per_step: int) -> None:
+        self.cfg = cfg
+        self.tokens_per_step = tokens_per_step
+        self.rank0 = dist.get_rank() == 0
+
+    def say(self, message: str) -> None:
+        if self.rank0:
+            print(message, flush=True)
+
+    def record(self, **fields: object) -> None:
+        if self.rank0 and self.cfg.metrics_file is not None:
+            with self.cfg.metrics_file.open("a") as f:
+                f.write(json.dumps(fields) + "\n")
+
+    def step(self, step: int, result: StepResult) -> None:
+        tokens_per_s = self.tokens_per_step / result.seconds
+        self.record(step=step, **result._asdict(), tokens_per_s=tokens_per_s)
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            self.say(
+                f"step {step:4d} | loss {result.loss:.4f} | grad norm {result.grad_norm:6.3f} | "
+                f"lr {lr_at(step, self.cfg):.2e} | {tokens_per_s:7,.0f} tok/s"
+            )
+
+
+def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
+    """Load the latest checkpoint if --resume; refuse to mix a fresh run into an old directory."""
+    if cfg.ckpt_dir is None:
+        return
+    cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    latest = latest_checkpoint(cfg.ckpt_dir)
+    if not cfg.resume:
+        if latest is not None:
+            raise FileExistsError(
+                f"{cfg.ckpt_dir} already holds {latest.name}: pass --resume or a new --ckpt-dir"
+            )
+        return
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {cfg.ckpt_dir}")
+    dcp_load({"train": state}, checkpoint_id=latest)
+    reporter.record(event="resumed", step=state.step, path=str(latest))
+    reporter.say(f"resumed from {latest} at step {state.step}")
+
+
+def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fully_shard = resolve_fully_shard(cfg.impl)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before sharding
+    model = GPT(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    parallelize(model, mesh, fully_shard)
+    state = TrainState(model, build_optimizer(model, cfg), rank)
+    sampler = BatchSampler(
+        data=load_corpus(cfg.corpus),
+        seq_len=model_cfg.seq_len,
+        batch_per_rank=cfg.batch_size,
+        rank=rank,
+        world=world,
+        seed=cfg.seed,
+    )
+    reporter = Reporter(cfg, tokens_per_step=cfg.batch_size * world * model_cfg.seq_len)
+    reporter.say(
+        f"impl={cfg.impl} ranks={world} params={n_params:,} corpus={sampler.data.numel():,} "
+        f"bytes tokens/step={reporter.tokens_per_step:,}"
+    )
+    restore(state, cfg, reporter)
+    while state.step < cfg.steps:
+        result = train_step(state, sampler.batch(state.step + 1), cfg)
+        reporter.step(state.step, result)
+        due = cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0
+        if cfg.ckpt_dir is not None and (due or state.step == cfg.steps):
+            path = save_checkpoint(state, cfg.ckpt_dir, cfg.keep_ckpts)
+            reporter.record(event="saved", step=state.step, path=str(path))
+            reporter.say(f"saved {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args() -> tuple[ModelConfig, TrainConfig]:
+    model_defaults, train_defaults = ModelConfig(), TrainConfig()
+    p = argparse.ArgumentParser(description="Train a small GPT with fully_shard on CPU ranks.")
+    p.add_argument("--impl", choices=["shardkit", "torch"], default=train_defaults.impl)
+    p.add_argument("--steps", type=int, default=train_defaults.steps, help="the step to stop at")
+    p.add_argument("--ckpt-dir", type=Path, default=None)
+    p.add_argument("--ckpt-every", type=int, default=train_defaults.ckpt_every)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=train_defaults.seed)
+    p.add_argument("--batch-size", type=int, default=train_defaults.batch_size)
+    p.add_argument("--lr", type=float, default=train_defaults.lr)
+    p.add_argument("--log-every", type=int, default=train_defaults.log_every)
+    p.add_argument("--metrics-file", type=Path, default=None)
+    p.add_argument("--corpus", type=Path, default=train_defaults.corpus)
+    p.add_argument("--seq-len", type=int, default=model_defaults.seq_len)
+    p.add_argument("--d-model", type=int, default=model_defaults.d_model)
+    p.add_argument("--n-layers", type=int, default=model_defaults.n_layers)
+    p.add_argument("--n-heads", type=int, default=model_defaults.n_heads)
+    a = p.parse_args()
+    model_cfg = ModelConfig(
+        seq_len=a.seq_len, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads
+    )
+    train_cfg = TrainConfig(
+        impl=a.impl,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        seed=a.seed,
+        corpus=a.corpus,
+        ckpt_dir=a.ckpt_dir,
+        ckpt_every=a.ckpt_every,
+        resume=a.resume,
+        log_every=a.log_every,
+        metrics_file=a.metrics_file,
+    )
+    return model_cfg, train_cfg
+
+
+def main() -> None:
+    model_cfg, train_cfg = parse_args()
+    dist.init_process_group("gloo")
+    try:
+        train(model_cfg, train_cfg)
+        # Leave together. A rank that runs ahead into interpreter shutdown while a gloo worker
+        # thread still holds the last reference to a finished collective's tensor aborts with
+        # "terminate called without an active exception": freeing the tensor's Python object needs
+        # the GIL of an interpreter that is going away (seen about 1 run in 8 without this).
+        # The barrier itself holds no tensor, and waiting for the slower rank gives the worker
+        # thread time to let go of the last one.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
