@@ -156,6 +156,16 @@ class FSDPParamGroup:
         self._unsharded_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
 
+    def comm_buffer_sizes(self) -> set[int]:
+        """Byte sizes of the pooled buffers this group requests (all-gather, reduce-scatter)."""
+        world = self.mesh_info.shard_size
+        sizes = {world * self.comm_layout.nbytes}
+        if self.trainable:
+            sizes.add(world * self.reduce_numel * self.reduce_dtype.itemsize)
+        if self.post_forward is not None:
+            sizes.add(self.post_forward.size * self.post_forward.layout.nbytes)
+        return sizes
+
     @property
     def storage_device(self) -> torch.device:
         """Where sharded parameters live: the mesh device, or the CPU when offloading."""

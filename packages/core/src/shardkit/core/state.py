@@ -76,6 +76,8 @@ class FSDPState:
             if group is not None:
                 group.fqn = state.fqn
                 group.comm = ctx.comm
+                for nbytes in group.comm_buffer_sizes():
+                    ctx.comm.pool.add_user(nbytes, group)
                 group.ensure_final_callback = self._ensure_final_callback
                 group.resync_sharded_storage()
         if self.group is not None and self.group.options.reshard_after_forward_is_default:
@@ -170,6 +172,10 @@ class FSDPState:
             observe.emit(observe.StateTransitionEvent(group.fqn, "post_forward"))
 
     def _root_post_forward(self) -> None:
+        assert self.ctx is not None
+        # Activations peak now, at the turn to backward: idle communication buffers would add
+        # to that peak, so they go back to the allocator (backward refills the pool).
+        self.ctx.comm.pool.clear()
         # Groups that were prefetched but never ran, or list groups only partly run.
         for group in self.groups:
             policy = group.options.reshard_after_forward

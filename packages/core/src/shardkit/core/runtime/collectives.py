@@ -1,7 +1,7 @@
 """The collective runtime: the only module that calls ``torch.distributed`` collectives.
 
 Collectives are issued asynchronously and return handles; ``wait()`` comes right before the
-output is used. On gloo, a reduce-scatter is carried out as an all-to-all plus a local sum,
+output is used. On gloo, a reduce-scatter is carried out as an exchange of rows plus a local sum,
 because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an all-reduce).
 """
 
@@ -40,25 +40,26 @@ class WorkHandle:
 
 @dataclass(slots=True)
 class _SumRowsHandle:
-    """Reduce-scatter via all-to-all: after the exchange, sum the received rows."""
+    """Reduce-scatter by exchanging rows: after the exchange, add the other ranks' rows."""
 
-    work: dist.Work | None
-    received: torch.Tensor  # (W, S): row j is rank j's contribution to this rank's shard
-    output: torch.Tensor  # (S,)
-    scratch: torch.Tensor  # the pool buffer behind ``received``
+    works: list[dist.Work]
+    own: torch.Tensor  # (S,): this rank's own row of the input, never sent
+    received: torch.Tensor  # (W-1, S): the other ranks' rows for this rank's shard
+    output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
+    scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
     pool: BufferPool
 
     def wait(self) -> None:
-        """Wait for the exchange, then sum the rows into ``output`` (once)."""
-        if self.work is None:
+        """Wait for the exchange, then sum into ``output`` (once)."""
+        if not self.works:
             return
-        self.work.wait()
-        self.work = None
-        rows = self.received
-        if rows.size(0) == 2:
-            torch.add(rows[0], rows[1], out=self.output)
-        else:
-            torch.sum(rows, dim=0, out=self.output)
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.scratch is None:
+            self.output.add_(self.own)  # received straight into the output (W == 2)
+            return
+        torch.add(self.own, self.received.sum(dim=0), out=self.output)
         self.pool.put(self.scratch)
 
 
@@ -101,22 +102,41 @@ class ProcessGroupRuntime:
                     size,
                     row_bytes * size,
                     row_bytes * (size - 1),
-                    "all_to_all+sum" if gloo else "native",
+                    "exchange+sum" if gloo else "native",
                 )
             )
         if size == 1:
             output.copy_(input[0])
             return DoneHandle()
         if gloo:
-            scratch = self.pool.get(input.numel() * input.element_size(), input.device)
-            received = scratch.view(input.dtype).view(input.shape)
-            work = dist.all_to_all_single(received, input, group=group, async_op=True)
-            return _SumRowsHandle(work, received, output, scratch, self.pool)
+            return self._reduce_scatter_by_exchange(output, input, group)
         return WorkHandle(
             dist.reduce_scatter_single(
                 output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
             )
         )
+
+    def _reduce_scatter_by_exchange(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    ) -> _SumRowsHandle:
+        # Row j of ``input`` goes to rank j and rank j's row for us comes back: the bytes of an
+        # all-to-all, but a rank's own row stays put, so only W-1 rows are received. At W=2
+        # the one received row lands in ``output`` directly: no scratch buffer at all.
+        size, rank = group.size(), group.rank()
+        row = input.size(1)
+        scratch: torch.Tensor | None = None
+        if size == 2:
+            received = output.view(1, row)
+        else:
+            scratch = self.pool.get((size - 1) * row * input.element_size(), input.device)
+            received = scratch.view(input.dtype).view(size - 1, row)
+        works: list[dist.Work] = []
+        peers = [j for j in range(size) if j != rank]
+        for slot, peer in enumerate(peers):
+            recv = dist.irecv(received[slot], group=group, group_src=peer)
+            send = dist.isend(input[peer], group=group, group_dst=peer)
+            works += [w for w in (recv, send) if w is not None]
+        return _SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""

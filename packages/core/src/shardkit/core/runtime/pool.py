@@ -1,8 +1,11 @@
-"""Persistent communication buffers, reused across groups and steps.
+"""Communication buffers reused across groups within a step.
 
-Fresh multi-megabyte allocations every collective cost page faults and kernel time (torch's
-FSDP2 pays about 3x the page faults of single-process training on CPU); a pool keeps the few
-buffers that are in flight at once and hands them out again.
+Fresh multi-megabyte allocations for every collective cost page faults and kernel time; a
+pool hands the buffer one group just finished with to the next group of the same size. A
+buffer is kept only for a size that several groups use (the repeated blocks of a model),
+where the next user comes soon. A size that one group alone uses (say the root's) would sit
+idle from one of its collectives to the next, across the activation peak, so its buffer goes
+back to the allocator instead: reusing it would cost more peak memory than it saves time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: defaultdict[tuple[int, torch.device], list[torch.Tensor]] = defaultdict(list)
+        self._users: defaultdict[int, set[int]] = defaultdict(set)
+
+    def add_user(self, nbytes: int, user: object) -> None:
+        """Record that ``user`` (a parameter group) requests buffers of ``nbytes``."""
+        self._users[nbytes].add(id(user))
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` on ``device`` (contents undefined)."""
@@ -29,7 +37,12 @@ class BufferPool:
 
     def put(self, buffer: torch.Tensor) -> None:
         """Return a buffer obtained from ``get``; the caller must not use it afterwards."""
-        self._free[(buffer.numel(), buffer.device)].append(buffer)
+        nbytes = buffer.numel()
+        if len(self._users[nbytes]) < 2:
+            return  # one user only: its next request is far away (see the module docstring)
+        free = self._free[(nbytes, buffer.device)]
+        if not free:  # one idle buffer per size is enough for groups that run one by one
+            free.append(buffer)
 
     def clear(self) -> None:
         """Drop every free buffer (their memory goes back to the allocator)."""
