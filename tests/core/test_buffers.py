@@ -42,7 +42,7 @@ def test_pack_then_gather_round_trips(shape: tuple[int, int], dim: int, world: i
     pack_grads_rank_major([full], [geo], [0], rows)
     # Each row is that rank's padded shard; copy-out must rebuild the full tensor.
     out = torch.empty(world * geo.shard_numel)
-    copy_out_unsharded(rows, geo, out)
+    copy_out_unsharded(list(rows.unbind(0)), geo, out)
     rebuilt = out[: full.numel()].view(shape) if dim == 0 else out.view(shape)
     assert rebuilt.equal(full)
     for rank, chunk in enumerate(torch.chunk(full, world, dim)):

@@ -24,7 +24,7 @@ from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import pin
-from shardkit.core.runtime.protocol import CollectiveHandle
+from shardkit.core.runtime.protocol import CollectiveHandle, GatheredRows
 from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
 
 __all__ = ["FSDPParamGroup", "GroupConfig", "PendingReduce"]
@@ -44,8 +44,7 @@ class GroupConfig:
 
 @dataclass(slots=True)
 class _PendingGather:
-    handle: CollectiveHandle
-    output: torch.Tensor  # (W * comm bytes) uint8, from the pool
+    handle: GatheredRows
     from_post_forward: bool  # gathered within the post-forward subgroup
 
 
@@ -83,6 +82,7 @@ class FSDPParamGroup:
         self.ensure_final_callback: Callable[[], None] = _nothing
         self._resolve_dtypes(config.mp_policy)
         self.trainable = [p for p in params if p.requires_grad]
+        self._geometries = [p.geometry for p in params]
         self.post_forward = self._make_post_forward(options.reshard_after_forward)
         self._build_layouts()
         self._init_sharded_storage()
@@ -159,11 +159,12 @@ class FSDPParamGroup:
     def comm_buffer_sizes(self) -> set[int]:
         """Byte sizes of the pooled buffers this group requests (all-gather, reduce-scatter)."""
         world = self.mesh_info.shard_size
-        sizes = {world * self.comm_layout.nbytes}
+        sizes = {(world - 1) * self.comm_layout.nbytes, world * self.comm_layout.nbytes}
         if self.trainable:
             sizes.add(world * self.reduce_numel * self.reduce_dtype.itemsize)
         if self.post_forward is not None:
-            sizes.add(self.post_forward.size * self.post_forward.layout.nbytes)
+            pf = self.post_forward
+            sizes |= {(pf.size - 1) * pf.layout.nbytes, pf.size * pf.layout.nbytes}
         return sizes
 
     @property
@@ -232,23 +233,15 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
-        device = self.mesh_info.device
         pf = self.post_forward
+        runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
             assert pf.buffer is not None
-            output = self.comm.pool.get(pf.size * pf.layout.nbytes, device)
-            handle = self.comm.runtime.all_gather(output, pf.buffer, pf.group)
-            self._pending_gather = _PendingGather(handle, output, from_post_forward=True)
-        elif self.mesh_info.shard_size == 1:
-            # Nothing to gather: copy-out reads the (staged) shard itself.
-            source = self._gather_input()
-            self._pending_gather = _PendingGather(DoneHandle(), source, from_post_forward=False)
+            handle = runtime.all_gather(pf.buffer, pf.group)
+            self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
-            source = self._gather_input()
-            world = self.mesh_info.shard_size
-            output = self.comm.pool.get(world * self.comm_layout.nbytes, device)
-            handle = self.comm.runtime.all_gather(output, source, self.mesh_info.shard_group)
-            self._pending_gather = _PendingGather(handle, output, from_post_forward=False)
+            handle = runtime.all_gather(self._gather_input(), self.mesh_info.shard_group)
+            self._pending_gather = _PendingGather(handle, from_post_forward=False)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -262,22 +255,19 @@ class FSDPParamGroup:
             elif not self.registered_unsharded:
                 self._register(unsharded=True)
             return
-        assert self.comm is not None
         self._pending_gather = None
-        pending.handle.wait()
+        rows = pending.handle.wait()  # W rows in rank order; ours is the gather input itself
         unsharded = self._alloc_unsharded()
         pf = self.post_forward
-        if pending.from_post_forward and pf is not None:
-            layout, geometries = pf.layout, pf.geometries
-            pf.free()
-        else:
-            layout, geometries = self.comm_layout, [p.geometry for p in self.params]
-        rows = pending.output.view(-1, layout.nbytes)
+        from_pf = pending.from_post_forward and pf is not None
+        layout = pf.layout if from_pf and pf is not None else self.comm_layout
+        geometries = pf.geometries if from_pf and pf is not None else self._geometries
         for i, geo in enumerate(geometries):
             target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
-            copy_out_unsharded(layout.row_view(rows, i), geo, target)
-        if pending.output is not self.sharded_buffer and pending.output is not self._staging:
-            self.comm.pool.put(pending.output)
+            copy_out_unsharded([layout.view(row, i) for row in rows], geo, target)
+        pending.handle.release()
+        if from_pf and pf is not None:
+            pf.free()
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
         self.sharded_state = ShardedState.UNSHARDED
         self._register(unsharded=True)
@@ -471,8 +461,7 @@ class FSDPParamGroup:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""
         if self._pending_gather is not None:
             self._pending_gather.handle.wait()
-            assert self.comm is not None
-            self.comm.pool.put(self._pending_gather.output)
+            self._pending_gather.handle.release()
             self._pending_gather = None
         for p in self.trainable:
             p.take_unsharded_grad()

@@ -108,12 +108,6 @@ class FlatLayout:
         dtype = self.dtypes[index]
         return buffer[start : start + self.numels[index] * dtype.itemsize].view(dtype)
 
-    def row_view(self, rows: torch.Tensor, index: int) -> torch.Tensor:
-        """The (W, numel) typed view of tensor ``index`` in a (W, nbytes) uint8 buffer."""
-        start = self.offsets[index]
-        dtype = self.dtypes[index]
-        return rows[:, start : start + self.numels[index] * dtype.itemsize].view(dtype)
-
 
 def _as_rank_major(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:
     """View a full (padded-to-even) tensor as (W, *padded_shard_shape), rank first."""
@@ -121,21 +115,26 @@ def _as_rank_major(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:
     return full.reshape(split).movedim(geo.dim, 0)
 
 
-def copy_out_unsharded(gathered: torch.Tensor, geo: ShardGeometry, out: torch.Tensor) -> None:
-    """Copy one parameter's shards from the all-gather output into its unsharded storage.
+def copy_out_unsharded(
+    shards: Sequence[torch.Tensor], geo: ShardGeometry, out: torch.Tensor
+) -> None:
+    """Copy one parameter's gathered shards into its unsharded storage.
 
     Args:
-        gathered: (W, shard_numel) typed view of this parameter in the all-gather output.
+        shards: W typed 1-D views (shard_numel each) of this parameter's padded shard, one
+            per rank in rank order, wherever each arrived.
         geo: the parameter's shard geometry.
         out: the parameter's padded unsharded storage, W * shard_numel elements, 1-D.
     """
     if geo.dim == 0:
         # Rank-major rows of dim-0 shards are exactly the padded full tensor, in order.
-        out.view(geo.world, geo.shard_numel).copy_(gathered)
+        target = out.view(geo.world, geo.shard_numel)
+        for rank, shard in enumerate(shards):
+            target[rank].copy_(shard)
         return
-    full_padded = out.view(geo.world * geo.shard_numel)
-    target = _as_rank_major(full_padded, geo)
-    target.copy_(gathered.view(geo.world, *geo.padded_shard_shape))
+    target = _as_rank_major(out.view(geo.world * geo.shard_numel), geo)
+    for rank, shard in enumerate(shards):
+        target[rank].copy_(shard.view(geo.padded_shard_shape))
 
 
 def pack_grads_rank_major(

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardkit.core import observe
 from shardkit.core.runtime.pool import BufferPool
 
-__all__ = ["DoneHandle", "ProcessGroupRuntime", "WorkHandle"]
+__all__ = ["DoneHandle", "GatherHandle", "ProcessGroupRuntime", "WorkHandle"]
 
 
 class DoneHandle:
@@ -63,6 +63,34 @@ class _SumRowsHandle:
         self.pool.put(self.scratch)
 
 
+@dataclass(slots=True)
+class GatherHandle:
+    """An all-gather in flight; ``wait()`` returns every rank's row, in rank order."""
+
+    works: list[dist.Work]
+    rows: list[torch.Tensor]  # W uint8 rows of N bytes; this rank's own row is its input
+    buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
+    pool: BufferPool
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every row has arrived; returns the rows."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.rows
+
+    def release(self) -> None:
+        """Give the receive buffer back (after the rows were copied out)."""
+        if self.buffer is not None:
+            self.pool.put(self.buffer)
+            self.buffer = None
+
+
+# Point-to-point tags: gathers and reductions in flight to the same peer never cross.
+_GATHER_TAG = 1
+_REDUCE_TAG = 2
+
+
 def _uses_gloo(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == dist.Backend.GLOO
 
@@ -73,20 +101,41 @@ class ProcessGroupRuntime:
     def __init__(self, pool: BufferPool | None = None) -> None:
         self.pool = pool if pool is not None else BufferPool()
 
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-    ) -> WorkHandle | DoneHandle:
-        """Gather ``input`` from every rank into ``output`` (rank-major), asynchronously."""
-        size = group.size()
+    def all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
+        """Gather every rank's ``input`` (N uint8 bytes), asynchronously.
+
+        On gloo this is a direct exchange with each peer: the same bytes as a ring all-gather,
+        about twice as fast there, and this rank's own row is never copied (it stays
+        ``input``), so only W-1 rows need a buffer.
+        """
+        size, rank = group.size(), group.rank()
+        nbytes = input.numel()
         if observe.has_subscribers():
-            nbytes = input.numel() * input.element_size()
+            algorithm = "exchange" if size > 1 and _uses_gloo(group) else "native"
             observe.emit(
-                observe.CollectiveEvent("all_gather", size, nbytes, nbytes * (size - 1), "ring")
+                observe.CollectiveEvent("all_gather", size, nbytes, nbytes * (size - 1), algorithm)
             )
         if size == 1:
-            output.copy_(input)
-            return DoneHandle()
-        return WorkHandle(dist.all_gather_single(output, input, group=group, async_op=True))
+            return GatherHandle([], [input], None, self.pool)
+        if not _uses_gloo(group):
+            buffer = self.pool.get(size * nbytes, input.device)
+            work = dist.all_gather_single(buffer, input, group=group, async_op=True)
+            native = list(buffer.view(size, nbytes).unbind(0))
+            return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)
+        buffer = self.pool.get((size - 1) * nbytes, input.device)
+        received = buffer.view(size - 1, nbytes)
+        rows: list[torch.Tensor] = []
+        works: list[dist.Work] = []
+        for peer in range(size):
+            if peer == rank:
+                rows.append(input)
+                continue
+            row = received[peer if peer < rank else peer - 1]
+            rows.append(row)
+            recv = dist.irecv(row, group=group, group_src=peer, tag=_GATHER_TAG)
+            send = dist.isend(input, group=group, group_dst=peer, tag=_GATHER_TAG)
+            works += [w for w in (recv, send) if w is not None]
+        return GatherHandle(works, rows, buffer, self.pool)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
@@ -133,8 +182,8 @@ class ProcessGroupRuntime:
         works: list[dist.Work] = []
         peers = [j for j in range(size) if j != rank]
         for slot, peer in enumerate(peers):
-            recv = dist.irecv(received[slot], group=group, group_src=peer)
-            send = dist.isend(input[peer], group=group, group_dst=peer)
+            recv = dist.irecv(received[slot], group=group, group_src=peer, tag=_REDUCE_TAG)
+            send = dist.isend(input[peer], group=group, group_dst=peer, tag=_REDUCE_TAG)
             works += [w for w in (recv, send) if w is not None]
         return _SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
 

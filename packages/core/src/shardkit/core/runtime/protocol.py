@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveHandle", "CollectiveRuntime"]
+__all__ = ["CollectiveHandle", "CollectiveRuntime", "GatheredRows"]
 
 
 class CollectiveHandle(Protocol):
@@ -20,13 +20,21 @@ class CollectiveHandle(Protocol):
         """Block until the collective's output is ready (idempotent)."""
 
 
+class GatheredRows(Protocol):
+    """An all-gather in flight."""
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until done; returns the W rows (N bytes each) in rank order."""
+
+    def release(self) -> None:
+        """Return the buffers behind the rows once they were copied out."""
+
+
 class CollectiveRuntime(Protocol):
     """Issues collectives on flat buffers and returns handles."""
 
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
-    ) -> CollectiveHandle:
-        """Gather ``input`` (N bytes) from every rank into ``output`` (W * N, rank-major)."""
+    def all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatheredRows:
+        """Gather ``input`` (N uint8 bytes) from every rank; the handle yields the W rows."""
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
