@@ -10,7 +10,8 @@ from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import CollectiveRuntime
 
 if TYPE_CHECKING:
-    from shardkit.core.param_group import FSDPParamGroup, PendingReduce
+    from shardkit.core.grad_reduce import PendingReduce
+    from shardkit.core.param_group import FSDPParamGroup
     from shardkit.core.state import FSDPState
 
 __all__ = ["CommContext", "RootContext"]

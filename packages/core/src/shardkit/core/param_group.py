@@ -7,27 +7,26 @@ backward, one reduce-scatter of all the group's gradients. See [Note: flat group
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext
+from shardkit.core.grad_reduce import GroupReducer
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam, as_dtensor
+from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded, pack_grads_rank_major
-from shardkit.core.runtime.collectives import DoneHandle
+from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded
 from shardkit.core.runtime.device import pin
-from shardkit.core.runtime.protocol import CollectiveHandle, GatheredRows
+from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
 
-__all__ = ["FSDPParamGroup", "GroupConfig", "PendingReduce"]
+__all__ = ["FSDPParamGroup", "GroupConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +47,6 @@ class _PendingGather:
     from_post_forward: bool  # gathered within the post-forward subgroup
 
 
-@dataclass(slots=True)
-class PendingReduce:
-    """A gradient reduce-scatter in flight, finished by ``FSDPParamGroup.finish_reduce``."""
-
-    group: FSDPParamGroup
-    handle: CollectiveHandle
-    output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
-    buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
-
-
 class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call, gathered and reduced together."""
 
@@ -75,7 +64,6 @@ class FSDPParamGroup:
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
         self._grads_ready = 0
-        self._partial_reduce: torch.Tensor | None = None  # HSDP without all-reduce
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set by the root: queues the end-of-backward callback if no hook has yet.
@@ -86,6 +74,13 @@ class FSDPParamGroup:
         self.post_forward = self._make_post_forward(options.reshard_after_forward)
         self._build_layouts()
         self._init_sharded_storage()
+        self.reducer = GroupReducer(
+            self.trainable,
+            self.reduce_dtype,
+            self.mesh_info,
+            options,
+            (self.offload, self.pin_memory),
+        )
 
     # --- construction -----------------------------------------------------------------------
 
@@ -105,7 +100,6 @@ class FSDPParamGroup:
             )
         else:
             self.reduce_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
-        self.orig_grad_dtype = next((p.orig_dtype for p in self.params if p.requires_grad), None)
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -129,14 +123,6 @@ class FSDPParamGroup:
             pf = self.post_forward
             unsharded = [max(u, pf.unsharded_numel(i)) for i, u in enumerate(unsharded)]
         self.unsharded_layout = FlatLayout.build(unsharded, [p.comm_dtype for p in self.params])
-        # Reduce-scatter rows: the trainable parameters' padded shards, in the reduce dtype.
-        offsets: list[int] = []
-        cursor = 0
-        for p in self.trainable:
-            offsets.append(cursor)
-            cursor += p.geometry.shard_numel
-        self.reduce_offsets = tuple(offsets)
-        self.reduce_numel = cursor
         # The all-gather reads the sharded storage directly unless it must be cast or moved.
         self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
 
@@ -161,7 +147,7 @@ class FSDPParamGroup:
         world = self.mesh_info.shard_size
         sizes = {(world - 1) * self.comm_layout.nbytes, world * self.comm_layout.nbytes}
         if self.trainable:
-            sizes.add(world * self.reduce_numel * self.reduce_dtype.itemsize)
+            sizes.add(self.reducer.send_nbytes)
         if self.post_forward is not None:
             pf = self.post_forward
             sizes |= {(pf.size - 1) * pf.layout.nbytes, pf.size * pf.layout.nbytes}
@@ -378,84 +364,10 @@ class FSDPParamGroup:
         else:
             grads = [p.take_unsharded_grad() for p in self.trainable]
             if any(g is not None for g in grads):
-                self._start_reduce(grads)
+                assert self.comm is not None
+                self.reducer.start(grads, self.comm)
         if self.options.reshard_after_backward:
             self.reshard()
-
-    def _start_reduce(self, grads: Sequence[torch.Tensor | None]) -> None:
-        assert self.comm is not None
-        world = self.mesh_info.shard_size
-        nbytes = world * self.reduce_numel * self.reduce_dtype.itemsize
-        device = self.mesh_info.device
-        geometries = [p.geometry for p in self.trainable]
-        if world == 1:
-            # Nothing to scatter: pack straight into the output.
-            output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
-            pack_grads_rank_major(grads, geometries, self.reduce_offsets, output.view(1, -1))
-            if self._pre_divide != 1:
-                output.div_(self._pre_divide)
-            self.comm.pending_reduces.append(PendingReduce(self, DoneHandle(), output, ()))
-            self._bound_reduces_in_flight()
-            return
-        send = self.comm.pool.get(nbytes, device)
-        rows = send.view(self.reduce_dtype).view(world, self.reduce_numel)  # (W, S)
-        pack_grads_rank_major(grads, geometries, self.reduce_offsets, rows)
-        output = torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=device)
-        buffers: tuple[torch.Tensor, ...] = (send,)
-        handle = self.comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
-        self.comm.pending_reduces.append(PendingReduce(self, handle, output, buffers))
-        self._bound_reduces_in_flight()
-
-    def _bound_reduces_in_flight(self) -> None:
-        assert self.comm is not None
-        while len(self.comm.pending_reduces) > self.comm.max_reduces_in_flight:
-            oldest = self.comm.pending_reduces.popleft()
-            oldest.group.finish_reduce(oldest)
-
-    @property
-    def _pre_divide(self) -> float:
-        # fp16 sums of many ranks can overflow: divide by about sqrt(factor) before the sum
-        # and the rest after. fp32 and bf16 have the range to divide once, after.
-        if self.reduce_dtype != torch.float16:
-            return 1.0
-        factor = self.options.gradient_divide_factor or self.mesh_info.dp_size
-        pre = 1.0
-        while factor % pre == 0 and factor / pre > pre:
-            pre *= 2
-        return pre
-
-    def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduce-scatter, all-reduce across replicas, and assign sharded grads."""
-        assert self.comm is not None
-        pending.handle.wait()
-        for buffer in pending.buffers:
-            self.comm.pool.put(buffer)
-        reduced = pending.output
-        if self.mesh_info.replicate_group is not None:
-            if self._partial_reduce is not None:
-                reduced.add_(self._partial_reduce)
-                self._partial_reduce = None
-            if not self.options.all_reduce_grads:
-                self._partial_reduce = reduced
-                return
-            self.comm.runtime.all_reduce(reduced, self.mesh_info.replicate_group).wait()
-        factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self._pre_divide
-        if factor != 1:
-            reduced.div_(factor)
-        self._assign_sharded_grads(reduced)
-
-    def _assign_sharded_grads(self, reduced: torch.Tensor) -> None:
-        if self.orig_grad_dtype is not None and reduced.dtype != self.orig_grad_dtype:
-            reduced = reduced.to(self.orig_grad_dtype)
-        if self.offload and reduced.device.type != "cpu":
-            reduced = reduced.to("cpu", non_blocking=self.pin_memory)
-        for p, offset in zip(self.trainable, self.reduce_offsets, strict=True):
-            local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
-            param = as_dtensor(p.sharded_param)
-            if param.grad is None:
-                param.grad = DTensor(local, param._spec, requires_grad=False)
-            else:
-                as_dtensor(param.grad)._local_tensor.add_(local)
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""
@@ -465,7 +377,7 @@ class FSDPParamGroup:
             self._pending_gather = None
         for p in self.trainable:
             p.take_unsharded_grad()
-        self._partial_reduce = None
+        self.reducer.partial = None
         self._grads_ready = 0
         self.reshard()
         self.training_state = TrainingState.IDLE

@@ -260,7 +260,7 @@ class FSDPState:
         pending = self.ctx.comm.pending_reduces
         while pending:
             item = pending.popleft()
-            item.group.finish_reduce(item)
+            item.reducer.finish(item, self.ctx.comm)
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
