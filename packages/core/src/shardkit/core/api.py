@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import MethodType
 from typing import Any, overload
 
@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardkit.core.load_validation import check_state_dict, format_problems, shard_full_tensors
 from shardkit.core.mesh_info import MeshInfo, default_mesh, mesh_info_for
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
@@ -193,6 +194,33 @@ class FSDPModule:
         for group in groups:
             group.resync_sharded_storage()
         return result
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load all of ``state_dict`` or nothing: every key is checked before any write.
+
+        Sharded parameters accept DTensors (the sharded state dict) or plain full tensors
+        (each rank keeps its own shard). One error lists every missing, unexpected,
+        wrongly shaped or typed key, and leaves the module exactly as it was.
+        """
+        assert isinstance(self, nn.Module)
+        groups = self._groups_under(recurse=True)
+        names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
+        by_key = {
+            f"{names[id(slot.module)]}.{slot.name}".lstrip("."): p
+            for g in groups
+            for p in g.params
+            for slot in p.slots
+            if id(slot.module) in names
+        }
+        expected = self.state_dict(keep_vars=True)
+        cpu_only = any(g.offload for g in groups)
+        problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)
+        if problems:
+            raise RuntimeError(format_problems(self, problems))
+        converted = shard_full_tensors(state_dict, by_key)
+        return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise RuntimeError("FSDP modules cannot be deep-copied; copy the model before fully_shard")

@@ -1,0 +1,113 @@
+"""All-or-nothing ``load_state_dict`` for FSDP modules.
+
+``nn.Module.load_state_dict`` writes parameter by parameter and reports shape mismatches
+only at the end, so a bad checkpoint leaves a model half-loaded (torch's own fully_shard too).
+Here every key is checked first, and one error lists every problem before anything is written.
+Plain full tensors are accepted for sharded parameters: each rank takes its own shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from shardkit.core.param import FSDPParam
+
+__all__ = ["LoadProblem", "as_spec", "check_state_dict", "format_problems", "shard_full_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProblem:
+    """One offending key of a state dict."""
+
+    key: str
+    problem: str  # "missing", "unexpected", "shape", "dtype" or "device"
+    expected: str
+    found: str
+
+    def __str__(self) -> str:
+        if self.problem in ("missing", "unexpected"):
+            return f"  {self.key}: {self.problem} key ({self.expected or self.found})"
+        return (
+            f"  {self.key}: {self.problem} mismatch, expected {self.expected}, found {self.found}"
+        )
+
+
+def _describe(value: torch.Tensor) -> str:
+    return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+
+
+def check_state_dict(
+    expected: Mapping[str, Any],
+    given: Mapping[str, Any],
+    *,
+    strict: bool,
+    cpu_only: bool,
+) -> list[LoadProblem]:
+    """Every problem of loading ``given`` into a module whose state dict is ``expected``."""
+    problems: list[LoadProblem] = []
+    for key, want in expected.items():
+        if not isinstance(want, torch.Tensor):
+            continue
+        if key not in given:
+            if strict:
+                problems.append(LoadProblem(key, "missing", _describe(want), ""))
+            continue
+        value = given[key]
+        if not isinstance(value, torch.Tensor):
+            problems.append(LoadProblem(key, "type", "a tensor", type(value).__name__))
+            continue
+        if value.shape != want.shape:
+            problems.append(LoadProblem(key, "shape", _describe(want), _describe(value)))
+        elif value.dtype != want.dtype:
+            problems.append(LoadProblem(key, "dtype", _describe(want), _describe(value)))
+        elif cpu_only and value.device.type != "cpu":
+            found = str(value.device)
+            problems.append(LoadProblem(key, "device", "cpu (CPUOffloadPolicy)", found))
+    if strict:
+        for key, value in given.items():
+            if key not in expected and isinstance(value, torch.Tensor):
+                problems.append(LoadProblem(key, "unexpected", "", _describe(value)))
+    return problems
+
+
+def format_problems(module: nn.Module, problems: list[LoadProblem]) -> str:
+    """One message listing every problem, for the error raised before anything is written."""
+    lines = "\n".join(str(p) for p in problems)
+    return (
+        f"load_state_dict into {type(module).__name__} found {len(problems)} problem(s); "
+        f"nothing was loaded, every parameter is as it was:\n{lines}"
+    )
+
+
+def shard_full_tensors(
+    given: Mapping[str, Any], params_by_key: Mapping[str, FSDPParam]
+) -> dict[str, Any]:
+    """Replace plain full tensors of sharded parameters by this rank's shard, as DTensors."""
+    out = dict(given)
+    for key, fsdp_param in params_by_key.items():
+        value = given.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        geo = fsdp_param.geometry
+        rank = fsdp_param.mesh_info.shard_rank
+        start = min(rank * geo.chunk, geo.shape[geo.dim])
+        local = value.narrow(geo.dim, start, geo.local_length(rank)).contiguous()
+        spec = as_spec(fsdp_param)
+        out[key] = DTensor(local, spec, requires_grad=False)
+    return out
+
+
+def as_spec(fsdp_param: FSDPParam) -> DTensorSpec:
+    """The DTensor spec of a sharded parameter (mesh, placements, global shape)."""
+    spec = fsdp_param.sharded_param._spec  # type: ignore[attr-defined]  # a DTensor parameter
+    assert isinstance(spec, DTensorSpec)
+    meta = spec.tensor_meta
+    assert isinstance(meta, TensorMeta)
+    return spec
