@@ -6,6 +6,7 @@ fully_shard``: same signature, same semantics, our own engine.
 
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from shardkit.core.full_state_dict import load_full_state_dict, save_full_state_dict
 from shardkit.core.observe import CollectiveEvent, StateTransitionEvent, subscribe
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -19,6 +20,8 @@ __all__ = [
     "UnshardHandle",
     "__version__",
     "fully_shard",
+    "load_full_state_dict",
     "register_fsdp_forward_method",
+    "save_full_state_dict",
     "subscribe",
 ]

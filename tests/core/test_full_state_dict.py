@@ -1,0 +1,153 @@
+"""Full state dicts in one file, streamed through rank 0 group by group, both formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.core import models
+from tests.core.parity import Run, apply, full_params
+from tests.harness.pool import run_on_ranks
+
+FORMATS = ["model.safetensors", "model.pt"]
+
+
+def _sharded(world_size: int, seed: int = 0, hsdp: tuple[int, int] | None = None, **kw: Any) -> Any:
+    model = models.build("gpt", seed=seed)
+    run = Run(model="gpt", hsdp=hsdp, **kw)
+    from tests.core.parity import make_mesh
+
+    apply("shardkit", model, make_mesh(run, world_size), run)
+    return model
+
+
+def _save_body(
+    rank: int, world_size: int, path: str, hsdp: tuple[int, int] | None
+) -> dict[str, torch.Tensor]:
+    from shardkit.core import save_full_state_dict
+
+    model = _sharded(world_size, seed=4, hsdp=hsdp)
+    x, y = models.batch("gpt", 0, 2)
+    models.loss_of("gpt", model(x), y).backward()  # after a step's worth of hooks
+    save_full_state_dict(model, path)
+    return full_params(model)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(("world_size", "hsdp"), [(1, None), (2, None), (4, (2, 2))])
+def test_save_writes_the_full_state_dict(
+    world_size: int, hsdp: tuple[int, int] | None, name: str, tmp_path: Path
+) -> None:
+    path = tmp_path / name
+    params = run_on_ranks(world_size, _save_body, path=str(path), hsdp=hsdp)[0]
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        loaded = load_file(path)
+    else:
+        loaded = torch.load(path, weights_only=True)
+    reference = models.build("gpt", seed=4).state_dict()
+    if name.endswith(".pt"):
+        assert list(loaded) == list(reference)  # every key, in the model's order
+    assert set(loaded) == set(reference)
+    for key, value in params.items():
+        assert loaded[key].equal(value), key
+    assert loaded["scale"].equal(reference["scale"])  # buffers too
+    assert not path.with_name(path.name + ".partial").exists()
+
+
+def _load_body(
+    rank: int, world_size: int, path: str, hsdp: tuple[int, int] | None
+) -> dict[str, torch.Tensor]:
+    from shardkit.core import load_full_state_dict
+
+    model = _sharded(world_size, seed=0, hsdp=hsdp)
+    ptrs = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+    load_full_state_dict(model, path)
+    moved = [
+        n
+        for n, p in model.named_parameters()
+        if p.to_local().numel() and p.to_local().data_ptr() != ptrs[n]
+    ]
+    assert not moved, f"load replaced storage of {moved}"
+    x, y = models.batch("gpt", 0, 2)
+    out = full_params(model)
+    out["__loss__"] = models.loss_of("gpt", model(x), y).detach().reshape(1)
+    return out
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(("world_size", "hsdp"), [(1, None), (2, None), (4, None), (4, (2, 2))])
+def test_load_from_a_single_process_file(
+    world_size: int, hsdp: tuple[int, int] | None, name: str, tmp_path: Path
+) -> None:
+    reference = models.build("gpt", seed=11)
+    path = tmp_path / name
+    if name.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(reference.state_dict(), path)
+    else:
+        torch.save(reference.state_dict(), path)
+    results = run_on_ranks(world_size, _load_body, path=str(path), hsdp=hsdp)
+    x, y = models.batch("gpt", 0, 2)
+    expected_loss = models.loss_of("gpt", reference(x), y)
+    for key, value in reference.state_dict().items():
+        if key != "scale":
+            assert results[0][key].equal(value), key
+    torch.testing.assert_close(results[0]["__loss__"][0], expected_loss, rtol=1e-6, atol=0)
+
+
+def _reshard_body(rank: int, world_size: int, path: str, save: bool) -> dict[str, torch.Tensor]:
+    from shardkit.core import load_full_state_dict, save_full_state_dict
+
+    model = _sharded(world_size, seed=6 if save else 0)
+    if save:
+        save_full_state_dict(model, path)
+    else:
+        load_full_state_dict(model, path)
+    return full_params(model)
+
+
+def test_save_at_two_ranks_load_at_four(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt.safetensors")
+    saved = run_on_ranks(2, _reshard_body, path=path, save=True)[0]
+    loaded = run_on_ranks(4, _reshard_body, path=path, save=False)[0]
+    for key, value in saved.items():
+        assert loaded[key].equal(value), key
+
+
+def _bad_file_body(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from shardkit.core import load_full_state_dict
+
+    model = _sharded(world_size)
+    before = full_params(model)
+    try:
+        load_full_state_dict(model, path)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    after = full_params(model)
+    return {"message": message, "unchanged": all(after[k].equal(v) for k, v in before.items())}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_bad_file_is_refused_before_any_write(name: str, tmp_path: Path) -> None:
+    sd = models.build("gpt", seed=2).state_dict()
+    sd["blocks.1.mlp.0.weight"] = torch.zeros(3, 3)
+    del sd["ln_f.bias"]
+    path = tmp_path / name
+    if name.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(sd, path)
+    else:
+        torch.save(sd, path)
+    results = run_on_ranks(2, _bad_file_body, path=str(path))
+    for result in results:  # every rank raises the same error
+        assert "blocks.1.mlp.0.weight: shape mismatch" in result["message"]
+        assert "ln_f.bias: missing" in result["message"]
+        assert result["unchanged"]
