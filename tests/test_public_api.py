@@ -10,8 +10,10 @@ import pytest
 EXPECTED = {
     "shardkit.core": [
         "CPUOffloadPolicy",
+        "CheckpointManager",
         "CollectiveEvent",
         "FSDPModule",
+        "IncompleteCheckpointError",
         "MixedPrecisionPolicy",
         "OffloadPolicy",
         "StateTransitionEvent",
