@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-# From the submodules: the package re-exports save and load without an __all__, which
-# mypy --strict does not count as an export.
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+
+from shardkit.core import CheckpointManager
 
 DEMO_DIR = Path(__file__).resolve().parent
 Impl = Literal["shardkit", "torch"]
@@ -276,9 +271,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: DCP, one directory per save, made current by an atomic rename of a pointer file.
-
-LATEST = "latest"
+# Checkpoints: DCP through shardkit.core.CheckpointManager (one directory per save, published by
+# atomic renames once every rank has finished, the newest --keep-ckpts kept).
 
 
 class TrainState:
@@ -309,48 +303,6 @@ class TrainState:
         )
         self.step = int(state_dict["step"])
         torch.set_rng_state(state_dict["rng"][f"rank{self.rank}"])
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The checkpoint the pointer names, or None if no save has completed yet."""
-    pointer = ckpt_dir / LATEST
-    return ckpt_dir / pointer.read_text().strip() if pointer.exists() else None
-
-
-def save_checkpoint(state: TrainState, ckpt_dir: Path, keep: int) -> Path:
-    """Save into a fresh directory, then repoint `latest` at it; an interrupted save leaves the
-    previous checkpoint current. Collective: every rank calls it."""
-    target = ckpt_dir / f"step_{state.step:06d}"
-    assert target != latest_checkpoint(ckpt_dir), "a step is saved once: steps only grow"
-    if state.rank == 0:
-        shutil.rmtree(target, ignore_errors=True)  # the remains of an interrupted save
-    dist.barrier()
-    # dcp.save returns on every rank only after the coordinator has written the metadata.
-    dcp_save({"train": state}, checkpoint_id=target)
-    if state.rank == 0:
-        tmp = ckpt_dir / f".{LATEST}.tmp"
-        with tmp.open("w") as f:
-            f.write(target.name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ckpt_dir / LATEST)  # atomic on POSIX
-        _fsync_dir(ckpt_dir)
-        # Zero-padded names sort by step. Names after ours are leftovers of a run that went
-        # further and was then resumed from an earlier checkpoint: that future is abandoned.
-        saves = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-        older, abandoned = [p for p in saves if p <= target], [p for p in saves if p > target]
-        for path in older[:-keep] + abandoned:
-            shutil.rmtree(path)
-    dist.barrier()  # nobody trains on (or saves over) a half-published checkpoint
-    return target
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +382,8 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
     if cfg.ckpt_dir is None:
         return
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    latest = latest_checkpoint(cfg.ckpt_dir)
+    manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts)
+    latest = manager.latest()
     if not cfg.resume:
         if latest is not None:
             raise FileExistsError(
@@ -439,7 +392,7 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
         return
     if latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {cfg.ckpt_dir}")
-    dcp_load({"train": state}, checkpoint_id=latest)
+    manager.load({"train": state}, latest)
     reporter.record(event="resumed", step=state.step, path=str(latest))
     reporter.say(f"resumed from {latest} at step {state.step}")
 
@@ -467,12 +420,14 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
         f"bytes tokens/step={reporter.tokens_per_step:,}"
     )
     restore(state, cfg, reporter)
+    manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts) if cfg.ckpt_dir else None
     while state.step < cfg.steps:
         result = train_step(state, sampler.batch(state.step + 1), cfg)
         reporter.step(state.step, result)
         due = cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0
-        if cfg.ckpt_dir is not None and (due or state.step == cfg.steps):
-            path = save_checkpoint(state, cfg.ckpt_dir, cfg.keep_ckpts)
+        if manager is not None and (due or state.step == cfg.steps):
+            # Atomic: a save killed part-way leaves the previous checkpoint current.
+            path = manager.save(state.step, {"train": state})
             reporter.record(event="saved", step=state.step, path=str(path))
             reporter.say(f"saved {path}")
 

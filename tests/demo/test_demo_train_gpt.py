@@ -7,8 +7,6 @@ not depend on where a run stops, the model is causal, and the checkpoint pointer
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from demo.train_gpt import (
@@ -16,7 +14,6 @@ from demo.train_gpt import (
     BatchSampler,
     ModelConfig,
     TrainConfig,
-    latest_checkpoint,
     lr_at,
     resolve_fully_shard,
 )
@@ -77,14 +74,6 @@ def test_model_config_rejects_heads_that_do_not_divide_the_width() -> None:
 def test_resume_needs_a_checkpoint_dir() -> None:
     with pytest.raises(ValueError, match="--ckpt-dir"):
         TrainConfig(resume=True)
-
-
-def test_latest_checkpoint_follows_the_pointer(tmp_path: Path) -> None:
-    assert latest_checkpoint(tmp_path) is None
-    (tmp_path / "step_000030").mkdir()
-    (tmp_path / "step_000040").mkdir()  # an interrupted save: the pointer never moved to it
-    (tmp_path / "latest").write_text("step_000030\n")
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_000030"
 
 
 def test_torch_impl_resolves() -> None:
