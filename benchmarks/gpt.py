@@ -103,3 +103,11 @@ def train_step(model: Any, opt: torch.optim.Optimizer, idx: torch.Tensor) -> dic
 
 def param_count(size_name: str) -> int:
     return sum(p.numel() for p in GPT(SIZES[size_name]).parameters())
+
+
+def largest_group_params(size_name: str) -> int:
+    """Parameters of the largest fully_shard group (the root: embeddings, final norm, head)."""
+    model = GPT(SIZES[size_name])
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - block * len(model.blocks)
+    return max(block, root)
