@@ -14,6 +14,7 @@ computed the same loss as the reference at every step, bit for bit. Exits 1 if a
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -176,6 +177,7 @@ def run(cfg: DemoConfig) -> int:
     cfg.out.mkdir(parents=True, exist_ok=True)
     ckpt = str(cfg.out / "ckpt")
     shutil.rmtree(ckpt, ignore_errors=True)  # a demo starts from scratch
+    shutil.rmtree(cfg.out / "reference_ckpt", ignore_errors=True)
     started = time.perf_counter()
     first = torchrun(
         cfg,
@@ -197,11 +199,25 @@ def run(cfg: DemoConfig) -> int:
             cfg,
             f"reference: train steps 1..{cfg.total_steps} without stopping",
             "reference",
-            [f"--steps={cfg.total_steps}", "--log-every=15"],
+            [
+                f"--steps={cfg.total_steps}",
+                "--log-every=15",
+                f"--ckpt-dir={cfg.out / 'reference_ckpt'}",
+                "--ckpt-every=0",
+            ],
         )
         print("\n=== checks, against the uninterrupted reference")
         equal = check_reference(cfg, first.losses | resumed.losses, reference)
         checks.check(equal, "jobs 1+2 computed the reference's loss at every step, bit for bit")
+        if cfg.impl == "shardkit":
+            ours, theirs = (
+                Path(ckpt) / "model.safetensors",
+                cfg.out / "reference_ckpt" / "model.safetensors",
+            )
+            same = ours.is_file() and theirs.is_file() and filecmp.cmp(ours, theirs, shallow=False)
+            checks.check(
+                same, "the exported full models (model.safetensors) are identical, byte for byte"
+            )
     total = time.perf_counter() - started
     print(f"\nimpl={cfg.impl}: {total:.0f} s in all; checkpoints and metrics in {cfg.out}")
     if checks.failed:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from shardkit.core import CheckpointManager
+from shardkit.core import CheckpointManager, save_full_state_dict
 
 DEMO_DIR = Path(__file__).resolve().parent
 Impl = Literal["shardkit", "torch"]
@@ -430,6 +430,13 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
             path = manager.save(state.step, {"train": state})
             reporter.record(event="saved", step=state.step, path=str(path))
             reporter.say(f"saved {path}")
+    if cfg.ckpt_dir is not None and cfg.impl == "shardkit":
+        # The model alone, as one consolidated file any single process can load: streamed
+        # through rank 0 one parameter group at a time (shardkit.core.save_full_state_dict).
+        export = cfg.ckpt_dir / "model.safetensors"
+        save_full_state_dict(model, export)
+        reporter.record(event="exported", step=state.step, path=str(export))
+        reporter.say(f"exported the full model to {export}")
 
 
 # ---------------------------------------------------------------------------------------------
