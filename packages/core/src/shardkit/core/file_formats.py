@@ -70,6 +70,9 @@ class FileWriter(Protocol):
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next entry's data (a CPU tensor of the announced shape and dtype)."""
 
+    def write_chunks(self, name: str, chunks: list[torch.Tensor]) -> None:
+        """Write the next entry's data given as consecutive pieces of its flat bytes."""
+
     def close(self) -> None:
         """Finish the file."""
 
@@ -128,9 +131,15 @@ class SafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor's bytes."""
+        self.write_chunks(name, [tensor])
+
+    def write_chunks(self, name: str, chunks: list[torch.Tensor]) -> None:
+        """Append the next tensor's bytes, piece by piece (no copy to join them)."""
         entry = next(self._pending)
         assert entry.name == name, f"expected {entry.name} next, got {name}"
-        self._file.write(_tensor_bytes(tensor))
+        assert sum(c.numel() * c.element_size() for c in chunks) == entry.nbytes, name
+        for chunk in chunks:
+            self._file.write(_tensor_bytes(chunk))
 
     def close(self) -> None:
         """Flush to disk."""
@@ -189,6 +198,10 @@ class TorchSaveWriter:
         self._order = key_order or [e.name for e in entries]
         self._pending: Iterator[Entry] = iter(entries)
         self._refs: dict[str, _TensorRef] = {}
+
+    def write_chunks(self, name: str, chunks: list[torch.Tensor]) -> None:
+        """A record is written in one piece: join the chunks first."""
+        self.write(name, torch.cat([c.reshape(-1) for c in chunks]))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next tensor's storage as its own record."""

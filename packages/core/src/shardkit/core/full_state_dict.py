@@ -25,6 +25,11 @@ from shardkit.core.file_formats import Entry, format_of, open_writer, read_entri
 from shardkit.core.load_validation import check_state_dict, format_problems
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded, pack_grads_rank_major
+from shardkit.core.runtime.collectives import (
+    broadcast_from_first,
+    gather_to_first,
+    scatter_from_first,
+)
 
 __all__ = ["load_full_state_dict", "save_full_state_dict"]
 
@@ -88,11 +93,11 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
         writer = open_writer(partial, plan.entries, format_of(target), list(plan.expected))
     started = time.perf_counter()
     for number, group in enumerate(groups, start=1):
-        full = _gather_group(group)  # full tensors by param index, on rank 0 only
+        rows = _gather_rows(group)  # each rank's shard bytes, on rank 0 only
         for key in [k for k in plan.sharded if plan.sharded[k][0] is group]:
-            if writer is not None and full is not None:
-                writer.write(key, full[plan.sharded[key][1]])
-        del full
+            if writer is not None and rows is not None:
+                writer.write_chunks(key, _param_chunks(group, plan.sharded[key][1], rows))
+        del rows
         logger.info("saved group %d/%d (%s)", number, len(groups), group.fqn or "<root>")
     for key, tensor in plan.plain.items():
         if writer is not None:
@@ -104,28 +109,34 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     dist.barrier()
 
 
-def _gather_group(group: FSDPParamGroup) -> list[torch.Tensor] | None:
-    """Every full parameter of ``group`` on rank 0 (CPU), None elsewhere."""
+def _gather_rows(group: FSDPParamGroup) -> list[torch.Tensor] | None:
+    """Every shard rank's sharded buffer (bytes), on rank 0 (CPU); None elsewhere."""
     mesh_info = group.mesh_info
     replicate = mesh_info.replicate_group
     if replicate is not None and replicate.rank() != 0:
         return None  # one replica is enough
-    shard_group = mesh_info.shard_group
-    source = group.sharded_buffer
-    receiving = shard_group.rank() == 0
-    rows = [torch.empty_like(source) for _ in range(mesh_info.shard_size)] if receiving else None
-    dist.gather(source, rows, group=shard_group, group_dst=0)
+    rows = gather_to_first(group.sharded_buffer, mesh_info.shard_group)
     if rows is None or dist.get_rank() != 0:
         return None
-    layout = group.storage_layout
-    rows = [row.cpu() for row in rows]
-    out: list[torch.Tensor] = []
-    for i, p in enumerate(group.params):
-        geo = p.geometry
-        padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype)
-        copy_out_unsharded([layout.view(row, i) for row in rows], geo, padded)
-        out.append(padded[: geo.shape.numel()].view(geo.shape))
-    return out
+    return [row.cpu() for row in rows]
+
+
+def _param_chunks(
+    group: FSDPParamGroup, index: int, rows: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The full parameter ``index`` as pieces of its flat data, from the gathered rows.
+
+    A dim-0 shard is a run of whole rows of the full tensor, so the full tensor is just each
+    rank's unpadded shard in rank order: written straight from the rows, nothing rebuilt.
+    """
+    p = group.params[index]
+    geo = p.geometry
+    shards = [group.storage_layout.view(row, index) for row in rows]
+    if geo.dim == 0:
+        return [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]
+    padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype)
+    copy_out_unsharded(shards, geo, padded)
+    return [padded[: geo.shape.numel()]]
 
 
 def load_full_state_dict(
@@ -165,14 +176,14 @@ def _broadcast_entries(entries: list[Entry]) -> list[Entry]:
         [[e.name, list(e.shape), str(e.dtype).removeprefix("torch.")] for e in entries]
     ).encode()
     size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, group_src=0)
+    broadcast_from_first(size)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
     buffer = (
         data
         if dist.get_rank() == 0 and data is not None
         else torch.empty(int(size.item()), dtype=torch.uint8)
     )
-    dist.broadcast(buffer, group_src=0)
+    broadcast_from_first(buffer)
     decoded = json.loads(bytes(buffer.tolist()).decode())
     return [Entry(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in decoded]
 
@@ -204,9 +215,9 @@ def _scatter_group(
         rows = list(rows_buffer.to(group.sharded_buffer.device).unbind(0))
     received = torch.empty_like(group.sharded_buffer)
     if first_replica:
-        dist.scatter(received, rows, group=mesh_info.shard_group, group_src=0)
+        scatter_from_first(received, rows, mesh_info.shard_group)
     if replicate is not None:
-        dist.broadcast(received, group=replicate, group_src=0)
+        broadcast_from_first(received, replicate)
     _write_shards(group, received, keys, by_name)
 
 
@@ -228,6 +239,6 @@ def _broadcast_plain(tensor: torch.Tensor, entry: Entry, source: Path, handle: o
         if dist.get_rank() == 0
         else torch.empty(entry.shape, dtype=entry.dtype)
     )
-    dist.broadcast(value, group_src=0)
+    broadcast_from_first(value)
     with torch.no_grad():
         tensor.copy_(value)

@@ -200,3 +200,56 @@ class ProcessGroupRuntime:
         if size == 1:
             return DoneHandle()
         return WorkHandle(dist.all_reduce(tensor, group=group, async_op=True))
+
+
+# --- whole-state transfers through the first rank (full state dicts) -----------------------
+
+_STATE_TAG = 3
+
+
+def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` on the group's first rank (rank order), None elsewhere.
+
+    Point to point rather than ``dist.gather``: gloo's gather stages all rows in one more
+    flat buffer, which would double the first rank's memory. Its own row is not copied.
+    """
+    size, rank = group.size(), group.rank()
+    if rank != 0:
+        work = dist.isend(tensor, group=group, group_dst=0, tag=_STATE_TAG)
+        if work is not None:
+            work.wait()
+        return None
+    rows = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
+    works = [
+        dist.irecv(rows[peer], group=group, group_src=peer, tag=_STATE_TAG)
+        for peer in range(1, size)
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+    return rows
+
+
+def scatter_from_first(
+    out: torch.Tensor, rows: list[torch.Tensor] | None, group: dist.ProcessGroup
+) -> None:
+    """Row r of the first rank's ``rows`` into ``out`` on rank r (``rows`` only on the first)."""
+    if group.rank() != 0:
+        work = dist.irecv(out, group=group, group_src=0, tag=_STATE_TAG)
+        if work is not None:
+            work.wait()
+        return
+    assert rows is not None and len(rows) == group.size()
+    works = [
+        dist.isend(rows[peer], group=group, group_dst=peer, tag=_STATE_TAG)
+        for peer in range(1, group.size())
+    ]
+    out.copy_(rows[0])
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """The first rank's ``tensor`` on every rank of ``group`` (default: the world), in place."""
+    dist.broadcast(tensor, group=group, group_src=0)
