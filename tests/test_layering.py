@@ -44,3 +44,26 @@ def test_dependencies_point_one_way(folder: str) -> None:
 def test_no_namespace_init() -> None:
     # shardkit is a namespace package: no shardkit/__init__.py in any distribution.
     assert not list(ROOT.glob("*/src/shardkit/__init__.py"))
+
+
+COLLECTIVES = {
+    "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_to_all",
+    "all_to_all_single", "broadcast", "gather", "scatter", "isend", "irecv", "send", "recv",
+    "batch_isend_irecv",
+}  # fmt: skip
+
+
+def test_only_the_runtime_calls_collectives() -> None:
+    core = ROOT / "core" / "src" / "shardkit" / "core"
+    for path in core.rglob("*.py"):
+        if path == core / "runtime" / "collectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in COLLECTIVES
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "dist"
+            ):
+                raise AssertionError(f"{path}:{node.lineno} calls dist.{node.attr}")
