@@ -175,6 +175,7 @@ class FSDPParamGroup:
         device = torch.device("cpu") if self.offload else locals_[0].device
         if aliased and self.sharded_buffer.device == device:
             return
+        self.reshard()  # any full copy predates the new values
         buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         for i, (p, local) in enumerate(zip(self.params, locals_, strict=True)):
             p.local_view(self.storage_layout.view(buffer, i)).copy_(local)

@@ -282,7 +282,9 @@ class FSDPState:
 
     def _before_load(self, module: nn.Module, *args: Any) -> None:
         if self.group is not None:
-            self.group.register_sharded_for_state_dict()
+            # Free the full parameters: the load changes the shards, so a full copy kept from
+            # an earlier forward (root, or reshard_after_forward=False) would be stale.
+            self.group.reshard()
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
