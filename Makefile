@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check test lint bench clean
+.PHONY: setup demo check test lint bench bench-compare clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,7 +31,11 @@ test: $(STAMP)
 check: lint test
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q --benchmark-autosave
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave
+
+# Fails when a ratio against the peer worsened by more than 10% since the previous saved run.
+bench-compare: $(STAMP)
+	$(BIN)/python scripts/bench_compare.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

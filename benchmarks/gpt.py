@@ -44,33 +44,99 @@ class GPT(nn.Module):
         return cast(torch.Tensor, self.head(self.ln_f(h)))
 
 
-def build(impl: str, size_name: str, world_size: int) -> tuple[Any, torch.optim.Optimizer]:
-    """The model wrapped by ``impl`` ('shardkit', 'torch', 'ddp' or 'local'), and AdamW."""
+class TinyLayers(nn.Module):
+    """Many tiny layers (48 x [LayerNorm(32), Linear(32, 32)]): per-call overhead dominates."""
+
+    def __init__(self, depth: int = 48, dim: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim)) for _ in range(depth)
+        )
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return cast(torch.Tensor, self.head(x))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """How the FSDPs are applied in a scenario."""
+
+    reshard_after_forward: bool = True
+    bf16: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+
+
+def build(
+    impl: str, size_name: str, world_size: int, options: Options | None = None
+) -> tuple[Any, torch.optim.Optimizer]:
+    """The model wrapped by ``impl`` and AdamW.
+
+    ``impl``: 'shardkit', 'torch' (torch's fully_shard), 'fsdp1' (torch's
+    FullyShardedDataParallel), 'ddp' or 'local' (no wrapper).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
+    options = options or Options()
     torch.manual_seed(0)
-    model: Any = GPT(SIZES[size_name])
+    model: Any = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name])
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
+    elif impl == "fsdp1":
+        model = _wrap_fsdp1(model, options)
     elif impl in ("shardkit", "torch"):
         import torch.distributed.fsdp as torch_fsdp
 
         import shardkit.core as shardkit_core
 
-        shard: Any = (shardkit_core if impl == "shardkit" else torch_fsdp).fully_shard
+        api: Any = shardkit_core if impl == "shardkit" else torch_fsdp
+        kwargs: dict[str, Any] = {"reshard_after_forward": options.reshard_after_forward}
+        if options.bf16:
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         mesh = init_device_mesh("cpu", (world_size,))
         for block in model.blocks:
-            shard(block, mesh=mesh, reshard_after_forward=True)
-        shard(model, mesh=mesh, reshard_after_forward=True)
+            api.fully_shard(block, mesh=mesh, **kwargs)
+        api.fully_shard(model, mesh=mesh, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def _wrap_fsdp1(model: nn.Module, options: Options) -> Any:
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    blocks: Any = model.blocks
+    block_type: type[nn.Module] = type(blocks[0])
+    strategy = (
+        ShardingStrategy.FULL_SHARD
+        if options.reshard_after_forward
+        else ShardingStrategy.SHARD_GRAD_OP
+    )
+    mp = (
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if options.bf16
+        else None
+    )
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({block_type}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        sharding_strategy=strategy,
+        mixed_precision=mp,
+    )
 
 
 def batch(size_name: str, step: int, rank: int, world_size: int) -> torch.Tensor:
     """This rank's rows of the global batch of ``step``."""
-    size = SIZES[size_name]
     gen = torch.Generator().manual_seed(step)
+    if size_name == "tiny":
+        return torch.randn(8 * world_size, 32, generator=gen)[rank * 8 : (rank + 1) * 8]
+    size = SIZES[size_name]
     idx = torch.randint(0, size.vocab, (size.batch * world_size, size.seq + 1), generator=gen)
     return idx[rank * size.batch : (rank + 1) * size.batch]
 
@@ -84,13 +150,16 @@ def wire_bytes() -> int:
     return 0
 
 
-def train_step(model: Any, opt: torch.optim.Optimizer, idx: torch.Tensor) -> dict[str, float]:
+def train_step(model: Any, opt: torch.optim.Optimizer, data: torch.Tensor) -> dict[str, float]:
     """One timed step: zero_grad, forward, loss, backward, optimizer step, loss.item()."""
     start_bytes = wire_bytes()
     start = time.perf_counter()
     opt.zero_grad()
-    out = model(idx[:, :-1])
-    loss = F.cross_entropy(out.reshape(-1, out.size(-1)), idx[:, 1:].reshape(-1))
+    if data.is_floating_point():  # the tiny-layers model: a regression loss
+        loss = model(data).float().pow(2).mean()
+    else:
+        out = model(data[:, :-1])
+        loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), data[:, 1:].reshape(-1))
     loss.backward()
     opt.step()
     value = loss.item()
@@ -102,7 +171,8 @@ def train_step(model: Any, opt: torch.optim.Optimizer, idx: torch.Tensor) -> dic
 
 
 def param_count(size_name: str) -> int:
-    return sum(p.numel() for p in GPT(SIZES[size_name]).parameters())
+    model = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name])
+    return sum(p.numel() for p in model.parameters())
 
 
 def largest_group_params(size_name: str) -> int:

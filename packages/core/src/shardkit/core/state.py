@@ -112,6 +112,7 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
+        self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 group.reshard()  # its slices predate any optimizer step since: drop them
@@ -174,7 +175,8 @@ class FSDPState:
     def _root_post_forward(self) -> None:
         assert self.ctx is not None
         # Activations peak now, at the turn to backward: idle communication buffers would add
-        # to that peak, so they go back to the allocator (backward refills the pool).
+        # to that peak, so they go back to the allocator and backward keeps none.
+        self.ctx.comm.pool.retain = False
         self.ctx.comm.pool.clear()
         # Groups that were prefetched but never ran, or list groups only partly run.
         for group in self.groups:
