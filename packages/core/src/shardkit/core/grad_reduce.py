@@ -84,6 +84,12 @@ class GroupReducer:
         """Pack ``grads`` (one per trainable parameter, or None) and issue the reduction."""
         world = self.mesh_info.shard_size
         device = self.mesh_info.device
+        # Bound the memory of reductions in flight: finish the oldest before allocating this
+        # one's buffers, so two send buffers never coexist at backward's memory peak. The
+        # oldest had a whole group's backward to complete: waiting here is (almost) free.
+        while len(comm.pending_reduces) >= comm.max_reduces_in_flight:
+            oldest = comm.pending_reduces.popleft()
+            oldest.reducer.finish(oldest, comm)
         output = torch.empty(self.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.
@@ -99,10 +105,6 @@ class GroupReducer:
                 rows.div_(self.pre_divide)
             handle = comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
             comm.pending_reduces.append(PendingReduce(self, handle, output, (send,)))
-        # Bound the memory of reductions in flight: finish the oldest ones.
-        while len(comm.pending_reduces) > comm.max_reduces_in_flight:
-            oldest = comm.pending_reduces.popleft()
-            oldest.reducer.finish(oldest, comm)
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
         """Wait for a reduction, all-reduce across replicas, divide, assign sharded grads."""
