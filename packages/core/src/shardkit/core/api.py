@@ -17,7 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit.core.load_validation import check_state_dict, format_problems, shard_full_tensors
+from shardkit.core.load_validation import (
+    check_state_dict,
+    format_problems,
+    param_keys,
+    shard_full_tensors,
+)
 from shardkit.core.mesh_info import MeshInfo, default_mesh, mesh_info_for
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
@@ -206,14 +211,7 @@ class FSDPModule:
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)
-        names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
-        by_key = {
-            f"{names[id(slot.module)]}.{slot.name}".lstrip("."): p
-            for g in groups
-            for p in g.params
-            for slot in p.slots
-            if id(slot.module) in names
-        }
+        by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups).items()}
         expected = self.state_dict(keep_vars=True)
         cpu_only = any(g.offload for g in groups)
         problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)

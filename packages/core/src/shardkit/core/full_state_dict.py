@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.core.file_formats import Entry, format_of, open_writer, read_entries, read_tensor
-from shardkit.core.load_validation import check_state_dict, format_problems
+from shardkit.core.load_validation import check_state_dict, format_problems, param_keys
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded, pack_grads_rank_major
 from shardkit.core.runtime.collectives import (
@@ -49,13 +49,7 @@ class _Plan:
 
 def _plan(model: nn.Module, groups: list[FSDPParamGroup]) -> _Plan:
     expected = model.state_dict(keep_vars=True)
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    owner: dict[str, tuple[FSDPParamGroup, int]] = {}
-    for group in groups:
-        for index, p in enumerate(group.params):
-            for slot in p.slots:
-                if id(slot.module) in names:
-                    owner[f"{names[id(slot.module)]}.{slot.name}".lstrip(".")] = (group, index)
+    owner = param_keys(model, groups)
     sharded = {k: owner[k] for k in expected if k in owner}
     plain = {k: v for k, v in expected.items() if k not in owner and isinstance(v, torch.Tensor)}
     order = [k for g in groups for k in sharded if sharded[k][0] is g] + list(plain)

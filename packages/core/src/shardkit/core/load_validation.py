@@ -18,8 +18,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.core.param import FSDPParam
+from shardkit.core.param_group import FSDPParamGroup
 
-__all__ = ["LoadProblem", "as_spec", "check_state_dict", "format_problems", "shard_full_tensors"]
+__all__ = [
+    "LoadProblem",
+    "as_spec",
+    "check_state_dict",
+    "format_problems",
+    "param_keys",
+    "shard_full_tensors",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +45,23 @@ class LoadProblem:
         return (
             f"  {self.key}: {self.problem} mismatch, expected {self.expected}, found {self.found}"
         )
+
+
+def param_keys(
+    root: nn.Module, groups: list[FSDPParamGroup]
+) -> dict[str, tuple[FSDPParamGroup, int]]:
+    """State-dict key (relative to ``root``) of every slot of every sharded parameter.
+
+    A tied parameter has one key per slot; each maps to (its group, its index there).
+    """
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    keys: dict[str, tuple[FSDPParamGroup, int]] = {}
+    for group in groups:
+        for index, p in enumerate(group.params):
+            for slot in p.slots:
+                if id(slot.module) in names:
+                    keys[f"{names[id(slot.module)]}.{slot.name}".lstrip(".")] = (group, index)
+    return keys
 
 
 def _describe(value: torch.Tensor) -> str:
