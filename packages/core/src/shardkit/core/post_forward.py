@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
+from shardkit.core.runtime.buffers import (
+    FlatLayout,
+    ShardGeometry,
+    rank_major_view,
+    shard_geometry,
+)
 
 __all__ = ["PostForwardShard"]
 
@@ -84,5 +89,4 @@ def _slice_of(flat: torch.Tensor, geo: ShardGeometry, index: int) -> torch.Tenso
     """Shard ``index`` of a padded full tensor (flat, at least world * shard_numel long)."""
     if geo.dim == 0:
         return flat[: geo.world * geo.shard_numel].view(geo.world, *geo.padded_shard_shape)[index]
-    split = (*geo.shape[: geo.dim], geo.world, geo.chunk, *geo.shape[geo.dim + 1 :])
-    return flat[: geo.shape.numel()].view(split).select(geo.dim, index)
+    return rank_major_view(flat[: geo.shape.numel()], geo)[index]

@@ -17,6 +17,7 @@ __all__ = [
     "ShardGeometry",
     "copy_out_unsharded",
     "pack_grads_rank_major",
+    "rank_major_view",
     "shard_geometry",
 ]
 
@@ -109,7 +110,7 @@ class FlatLayout:
         return buffer[start : start + self.numels[index] * dtype.itemsize].view(dtype)
 
 
-def _as_rank_major(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:
+def rank_major_view(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:
     """View a full (padded-to-even) tensor as (W, *padded_shard_shape), rank first."""
     split = (*geo.shape[: geo.dim], geo.world, geo.chunk, *geo.shape[geo.dim + 1 :])
     return full.reshape(split).movedim(geo.dim, 0)
@@ -132,7 +133,7 @@ def copy_out_unsharded(
         for rank, shard in enumerate(shards):
             target[rank].copy_(shard)
         return
-    target = _as_rank_major(out.view(geo.world * geo.shard_numel), geo)
+    target = rank_major_view(out.view(geo.world * geo.shard_numel), geo)
     for rank, shard in enumerate(shards):
         target[rank].copy_(shard.view(geo.padded_shard_shape))
 
@@ -160,7 +161,7 @@ def pack_grads_rank_major(
         if grad is None:
             block.zero_()
         elif geo.is_even:
-            block.view(geo.world, *geo.padded_shard_shape).copy_(_as_rank_major(grad, geo))
+            block.view(geo.world, *geo.padded_shard_shape).copy_(rank_major_view(grad, geo))
         else:
             _pack_uneven_dim0(grad, geo, block)
 
