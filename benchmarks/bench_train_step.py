@@ -1,8 +1,11 @@
 """Training steps: shardkit against torch's fully_shard, FSDP1, DDP and a single process.
 
-Each scenario runs its implementations one after another in the same session, on a
-persistent pool of worker processes (so start-up is never timed). Every round is one
-training step, and a step's time is that of its slowest rank.
+Each scenario runs its implementations in the same session, on a persistent pool of worker
+processes (so start-up is never timed). Every round is one training step, and a step's time is
+that of its slowest rank. An implementation other than the peer is measured in pairs: each
+round runs one step of it and one of the peer (built side by side in the same workers),
+alternating which goes first, and the ratio recorded is the median of the per-round ratios.
+Drift in the machine's load then hits both sides of a ratio alike.
 
 Recorded in each result's ``extra_info``:
 - bytes written to gloo's sockets per rank per step, against the theoretical minimum;
@@ -73,17 +76,22 @@ _STATE: dict[str, Any] = {}
 _CASES = [(name, impl) for name, sc in SCENARIOS.items() for impl in sc.impls]
 
 
-def _setup(rank: int, world_size: int, impl: str, size: str, options: gpt.Options) -> None:
+def _setup(
+    rank: int, world_size: int, impls: tuple[str, ...], size: str, options: gpt.Options
+) -> None:
     _STATE.clear()
-    model, opt = gpt.build(impl, size, world_size, options)
-    _STATE.update(model=model, opt=opt, size=size)
-    for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
-        gpt.train_step(model, opt, gpt.batch(size, step, rank, world_size))
+    _STATE["size"] = size
+    for impl in impls:
+        model, opt = gpt.build(impl, size, world_size, options)
+        _STATE[impl] = (model, opt)
+        for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
+            gpt.train_step(model, opt, gpt.batch(size, step, rank, world_size))
 
 
-def _step(rank: int, world_size: int, step: int) -> dict[str, float]:
+def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
     data = gpt.batch(_STATE["size"], step, rank, world_size)
-    return gpt.train_step(_STATE["model"], _STATE["opt"], data)
+    model, opt = _STATE[impl]
+    return gpt.train_step(model, opt, data)
 
 
 def _teardown(rank: int, world_size: int) -> None:
@@ -93,17 +101,27 @@ def _teardown(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize(("scenario", "impl"), _CASES, ids=[f"{s}-{i}" for s, i in _CASES])
 def test_train_step(benchmark: Any, scenario: str, impl: str) -> None:
     sc = SCENARIOS[scenario]
-    run_on_ranks(sc.world, _setup, impl=impl, size=sc.size, options=sc.options)
+    peer = sc.impls[0]
+    paired = impl != peer
+    impls = (impl, peer) if paired else (impl,)
+    run_on_ranks(sc.world, _setup, impls=impls, size=sc.size, options=sc.options)
     records: list[list[dict[str, float]]] = []
+    peer_records: list[list[dict[str, float]]] = []
     counter = [10]
 
     def one_step() -> None:
         counter[0] += 1
-        records.append(run_on_ranks(sc.world, _step, step=counter[0]))
+        peer_first = paired and counter[0] % 2 == 0
+        if peer_first:
+            peer_records.append(run_on_ranks(sc.world, _step, impl=peer, step=counter[0]))
+        records.append(run_on_ranks(sc.world, _step, impl=impl, step=counter[0]))
+        if paired and not peer_first:
+            peer_records.append(run_on_ranks(sc.world, _step, impl=peer, step=counter[0]))
 
     benchmark.pedantic(one_step, rounds=sc.rounds, iterations=1, warmup_rounds=1)
     run_on_ranks(sc.world, _teardown)
-    step_s = statistics.median(max(r["seconds"] for r in ranks) for ranks in records)
+    times = [max(r["seconds"] for r in ranks) for ranks in records]
+    step_s = statistics.median(times)
     wire = statistics.median(ranks[0]["wire_bytes"] for ranks in records)
     result = {"step_s": step_s, "wire_bytes": wire}
     info: dict[str, Any] = {"scenario": scenario, "median_step_s": step_s}
@@ -111,39 +129,44 @@ def test_train_step(benchmark: Any, scenario: str, impl: str) -> None:
         result["wire_over_min"] = wire / sc.theoretical_min()
         info["wire_bytes_per_rank"] = wire
         info["wire_over_theoretical_min"] = result["wire_over_min"]
-    peer = sc.impls[0]
-    measured = _RESULTS.setdefault(scenario, {})
-    measured[impl] = result
-    if impl != peer and peer in measured:
-        info[f"ratio_vs_{peer}"] = step_s / measured[peer]["step_s"]
-        info["ratio_vs_peer"] = info[f"ratio_vs_{peer}"]
+    if paired:
+        peer_times = [max(r["seconds"] for r in ranks) for ranks in peer_records]
+        ratio = statistics.median(t / p for t, p in zip(times, peer_times, strict=True))
+        result["ratio"] = ratio
+        info.update({f"ratio_vs_{peer}": ratio, "ratio_vs_peer": ratio})
+        info["peer_median_step_s"] = statistics.median(peer_times)
+    _RESULTS.setdefault(scenario, {})[impl] = result
     benchmark.extra_info.update(info)
 
 
 MEMORY = {"gpt8m-w2": ("torch", "shardkit", "fsdp1", "ddp"), "gpt35m-w2": ("torch", "shardkit")}
 
 
-def _peak_rss(impl: str, size: str) -> float:
+def _peak_rss(impl: str, size: str) -> list[float]:
+    """Peak RSS of each rank (MiB), in rank order."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(ROOT / "benchmarks" / "memory_run.py"), impl, size, "4"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600)
-    peaks = [float(json.loads(x)["peak_mib"]) for x in out.stdout.splitlines() if x[:1] == "{"]
-    return max(peaks)
+    records = [json.loads(x) for x in out.stdout.splitlines() if x[:1] == "{"]
+    return [float(r["peak_mib"]) for r in sorted(records, key=lambda r: int(r["rank"]))]
 
 
 @pytest.mark.parametrize("scenario", list(MEMORY))
 def test_peak_rss(benchmark: Any, scenario: str) -> None:
-    peaks: dict[str, float] = {}
+    peaks: dict[str, list[float]] = {}
 
     def measure() -> None:
         for impl in MEMORY[scenario]:
             peaks[impl] = _peak_rss(impl, SCENARIOS[scenario].size)
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
-    benchmark.extra_info.update({f"peak_rss_mib_{k}": v for k, v in peaks.items()})
-    benchmark.extra_info["peak_rss_ratio_vs_peer"] = peaks["shardkit"] / peaks["torch"]
-    _RESULTS.setdefault(f"{scenario}-memory", {})["rss"] = dict(peaks)
+    for impl, ranks in peaks.items():
+        benchmark.extra_info[f"peak_rss_mib_{impl}"] = max(ranks)
+        benchmark.extra_info[f"peak_rss_mib_{impl}_per_rank"] = ranks
+    peaks_max = {impl: max(ranks) for impl, ranks in peaks.items()}
+    benchmark.extra_info["peak_rss_ratio_vs_peer"] = peaks_max["shardkit"] / peaks_max["torch"]
+    _RESULTS.setdefault(f"{scenario}-memory", {})["rss"] = peaks_max
 
 
 def test_summary() -> None:
@@ -159,7 +182,7 @@ def test_summary() -> None:
             continue
         peer = SCENARIOS[scenario].impls[0]
         for impl, r in measured.items():
-            ratio = r["step_s"] / measured[peer]["step_s"] if peer in measured else float("nan")
+            ratio = r.get("ratio", 1.0 if impl == peer else float("nan"))
             wire = f"{r['wire_over_min']:.3f}" if "wire_over_min" in r else ""
             lines.append(
                 f"| {scenario} | {impl} | {1e3 * r['step_s']:.1f} | {ratio:.3f} | {wire} |"

@@ -19,7 +19,13 @@ def _ratios(path: Path) -> dict[str, float]:
     data = json.loads(path.read_text())
     found: dict[str, float] = {}
     for bench in data["benchmarks"]:
-        if "[" in bench["name"] and "shardkit" not in bench["name"] and "rss" not in bench["name"]:
+        ours = (
+            bench["extra_info"].get("subject") == "shardkit"
+            or "shardkit" in bench["name"]
+            or "rss" in bench["name"]
+            or "[" not in bench["name"]
+        )
+        if not ours:
             continue  # another implementation's ratio to the peer is not ours to guard
         for key in RATIO_KEYS:
             if key in bench["extra_info"]:
