@@ -38,7 +38,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(size.dim, size.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        h = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
         for block in self.blocks:
             h = block(h)
         return cast(torch.Tensor, self.head(self.ln_f(h)))
@@ -69,24 +69,30 @@ class Options:
 
 
 def build(
-    impl: str, size_name: str, world_size: int, options: Options | None = None
+    impl: str,
+    size_name: str,
+    world_size: int,
+    options: Options | None = None,
+    device: str = "cpu",
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The model wrapped by ``impl`` and AdamW.
 
     ``impl``: 'shardkit', 'torch' (torch's fully_shard), 'fsdp1' (torch's
-    FullyShardedDataParallel), 'ddp' or 'local' (no wrapper).
+    FullyShardedDataParallel), 'ddp' or 'local' (no wrapper). ``device``: 'cpu' (gloo) or
+    'cuda' (NCCL; the current CUDA device must be set already).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     options = options or Options()
     torch.manual_seed(0)
     model: Any = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name])
+    model = model.to(device)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
     elif impl == "fsdp1":
-        model = _wrap_fsdp1(model, options)
+        model = _wrap_fsdp1(model, options, device)
     elif impl in ("shardkit", "torch"):
         import torch.distributed.fsdp as torch_fsdp
 
@@ -98,14 +104,14 @@ def build(
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device, (world_size,))
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh, **kwargs)
         api.fully_shard(model, mesh=mesh, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def _wrap_fsdp1(model: nn.Module, options: Options) -> Any:
+def _wrap_fsdp1(model: nn.Module, options: Options, device: str) -> Any:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -125,7 +131,7 @@ def _wrap_fsdp1(model: nn.Module, options: Options) -> Any:
         model,
         auto_wrap_policy=ModuleWrapPolicy({block_type}),
         use_orig_params=True,
-        device_id=torch.device("cpu"),
+        device_id=torch.device(device) if device == "cpu" else torch.cuda.current_device(),
         sharding_strategy=strategy,
         mixed_precision=mp,
     )
