@@ -12,6 +12,7 @@ EXPECTED = {
         "CPUOffloadPolicy",
         "CheckpointManager",
         "CollectiveEvent",
+        "CollectiveIssuedEvent",
         "FSDPModule",
         "IncompleteCheckpointError",
         "MixedPrecisionPolicy",

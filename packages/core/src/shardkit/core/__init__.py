@@ -8,13 +8,19 @@ from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
 from shardkit.core.full_state_dict import load_full_state_dict, save_full_state_dict
-from shardkit.core.observe import CollectiveEvent, StateTransitionEvent, subscribe
+from shardkit.core.observe import (
+    CollectiveEvent,
+    CollectiveIssuedEvent,
+    StateTransitionEvent,
+    subscribe,
+)
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "CPUOffloadPolicy",
     "CheckpointManager",
     "CollectiveEvent",
+    "CollectiveIssuedEvent",
     "FSDPModule",
     "IncompleteCheckpointError",
     "MixedPrecisionPolicy",

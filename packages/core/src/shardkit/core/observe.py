@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CollectiveEvent",
+    "CollectiveIssuedEvent",
     "Event",
     "StateTransitionEvent",
     "emit",
@@ -36,6 +37,17 @@ class CollectiveEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveIssuedEvent:
+    """The runtime finished issuing the collective announced by the last CollectiveEvent.
+
+    Between the two, on the same thread, come the c10d calls that carry it out (on gloo, one
+    send and one receive per peer), so a tracker can tell them from the program's own.
+    """
+
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
 class StateTransitionEvent:
     """A parameter group moved between phases or sharded states."""
 
@@ -44,7 +56,7 @@ class StateTransitionEvent:
     """'unshard', 'reshard', 'pre_forward', 'post_forward', 'pre_backward' or 'post_backward'."""
 
 
-Event = CollectiveEvent | StateTransitionEvent
+Event = CollectiveEvent | CollectiveIssuedEvent | StateTransitionEvent
 _subscribers: list[Callable[[Event], None]] = []
 
 

@@ -102,7 +102,14 @@ class ProcessGroupRuntime:
         self.pool = pool if pool is not None else BufferPool()
 
     def all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
-        """Gather every rank's ``input`` (N uint8 bytes), asynchronously.
+        """Gather every rank's ``input`` (N uint8 bytes), asynchronously."""
+        handle = self._all_gather(input, group)
+        if observe.has_subscribers():
+            observe.emit(observe.CollectiveIssuedEvent("all_gather"))
+        return handle
+
+    def _all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
+        """See :meth:`all_gather`.
 
         On gloo this is a direct exchange with each peer: the same bytes as a ring all-gather,
         about twice as fast there, and this rank's own row is never copied (it stays
@@ -141,6 +148,14 @@ class ProcessGroupRuntime:
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
+        handle = self._reduce_scatter(output, input, group)
+        if observe.has_subscribers():
+            observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
+        return handle
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
         if observe.has_subscribers():
@@ -189,6 +204,14 @@ class ProcessGroupRuntime:
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""
+        handle = self._all_reduce(tensor, group)
+        if observe.has_subscribers():
+            observe.emit(observe.CollectiveIssuedEvent("all_reduce"))
+        return handle
+
+    def _all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> WorkHandle | DoneHandle:
         size = group.size()
         if observe.has_subscribers():
             nbytes = tensor.numel() * tensor.element_size()
