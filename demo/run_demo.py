@@ -48,10 +48,16 @@ class DemoConfig:
     """Also train without stopping and compare every step's loss."""
     runs: Path = DEMO_DIR / "runs"
     """Checkpoints and metrics go to runs/<impl>/ (demo/runs/ is git-ignored)."""
+    profile: bool = False
+    """Profile job 1 with shardkit.tools; its report goes to runs/<impl>/profile/."""
 
     @property
     def out(self) -> Path:
         return self.runs / self.impl
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.out / "profile"
 
     def __post_init__(self) -> None:
         if self.impl not in ("shardkit", "torch"):
@@ -179,11 +185,20 @@ def run(cfg: DemoConfig) -> int:
     shutil.rmtree(ckpt, ignore_errors=True)  # a demo starts from scratch
     shutil.rmtree(cfg.out / "reference_ckpt", ignore_errors=True)
     started = time.perf_counter()
+    # Profiling job 1 also shows that the profiler leaves the numbers alone: its losses must
+    # still match the unprofiled reference bit for bit.
+    profile = [f"--profile={cfg.profile_dir}"] if cfg.profile else []
     first = torchrun(
         cfg,
-        f"job 1: train steps 1..{cfg.stop_at}, checkpoint every {cfg.ckpt_every}",
+        f"job 1: train steps 1..{cfg.stop_at}, checkpoint every {cfg.ckpt_every}"
+        + (", profiled" if cfg.profile else ""),
         "job1",
-        [f"--steps={cfg.stop_at}", f"--ckpt-dir={ckpt}", f"--ckpt-every={cfg.ckpt_every}"],
+        [
+            f"--steps={cfg.stop_at}",
+            f"--ckpt-dir={ckpt}",
+            f"--ckpt-every={cfg.ckpt_every}",
+            *profile,
+        ],
     )
     resumed = torchrun(
         cfg,
@@ -220,6 +235,8 @@ def run(cfg: DemoConfig) -> int:
             )
     total = time.perf_counter() - started
     print(f"\nimpl={cfg.impl}: {total:.0f} s in all; checkpoints and metrics in {cfg.out}")
+    if cfg.profile:
+        print(f"job 1's profile (summary.txt, trace.json, memory.png, ...): {cfg.profile_dir}")
     if checks.failed:
         print(f"FAILED: {checks.failed} check(s) did not hold")
         return 1
@@ -237,6 +254,9 @@ def parse_args() -> DemoConfig:
     p.add_argument("--nproc", type=int, default=defaults.nproc)
     p.add_argument("--no-reference", dest="reference", action="store_false")
     p.add_argument("--runs", type=Path, default=defaults.runs)
+    p.add_argument(
+        "--profile", action="store_true", help="profile job 1 into <runs>/<impl>/profile/"
+    )
     a = p.parse_args()
     return DemoConfig(
         impl=a.impl,
@@ -246,6 +266,7 @@ def parse_args() -> DemoConfig:
         nproc=a.nproc,
         reference=a.reference,
         runs=a.runs,
+        profile=a.profile,
     )
 
 

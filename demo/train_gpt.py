@@ -8,6 +8,9 @@ checkpoint, the training loop. Launch it with torchrun (demo/run_demo.py does th
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
         --impl torch --steps 45 --ckpt-dir demo/runs/manual/ckpt --resume
 
+Add `--profile DIR` to profile the training loop with shardkit.tools: DIR gets a terminal summary,
+JSON, a Perfetto trace and plots of memory and of compute vs communication per rank.
+
 Resuming is exact: every step's batch and learning rate are functions of the step number alone,
 and the checkpoint holds everything else that changes (parameters, optimizer moments, the step
 counter, the RNG), so a resumed run computes the same losses as one that never stopped.
@@ -21,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -33,6 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardkit.core import CheckpointManager, save_full_state_dict
+
+if TYPE_CHECKING:
+    from shardkit.tools.profiler import Profiler
 
 DEMO_DIR = Path(__file__).resolve().parent
 Impl = Literal["shardkit", "torch"]
@@ -99,6 +105,9 @@ class TrainConfig:
     """Print a progress line every this many steps (rank 0)."""
     metrics_file: Path | None = None
     """If set, rank 0 appends one JSON line per step and per event, for run_demo.py to check."""
+    profile_dir: Path | None = None
+    """If set, profile the training loop with shardkit.tools: every rank writes its records
+    there (rank-N.json), then rank 0 writes the report (summary, JSON, trace, plots)."""
 
     def __post_init__(self) -> None:
         if self.resume and self.ckpt_dir is None:
@@ -397,6 +406,41 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
     reporter.say(f"resumed from {latest} at step {state.step}")
 
 
+def start_profiler(cfg: TrainConfig) -> Profiler | None:
+    """With --profile: a started profiler (shardkit.tools is imported only then)."""
+    if cfg.profile_dir is None:
+        return None
+    from shardkit.tools.profiler import Profiler
+
+    if dist.get_rank() == 0:  # files of ranks this run lacks, left by a bigger earlier run
+        for path in cfg.profile_dir.glob("rank-*.json"):
+            number = path.stem.removeprefix("rank-")
+            if number.isdigit() and int(number) >= dist.get_world_size():
+                path.unlink()
+    profiler = Profiler(comm=True, memory=True)
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler: Profiler, folder: Path, reporter: Reporter) -> None:
+    """Every rank writes its records; then rank 0 merges them into the report folder."""
+    from shardkit.tools.report import write_report
+    from shardkit.tools.report_json import load_rank_reports, rank_report_path, write_rank_report
+    from shardkit.tools.report_text import summarize
+
+    profiler.stop()
+    report = profiler.rank_report()
+    write_rank_report(rank_report_path(folder, report.rank), report)
+    dist.barrier()  # every rank's file is in place before rank 0 reads the folder
+    if reporter.rank0:
+        reports = load_rank_reports(folder)
+        write_report(folder, reports)
+        reporter.say(
+            f"\n{summarize(reports)}\nprofile report (summary, JSON, trace, plots): {folder}"
+        )
+        reporter.record(event="profiled", path=str(folder))
+
+
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     fully_shard = resolve_fully_shard(cfg.impl)
@@ -421,6 +465,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     )
     restore(state, cfg, reporter)
     manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts) if cfg.ckpt_dir else None
+    profiler = start_profiler(cfg)
     while state.step < cfg.steps:
         result = train_step(state, sampler.batch(state.step + 1), cfg)
         reporter.step(state.step, result)
@@ -430,6 +475,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
             path = manager.save(state.step, {"train": state})
             reporter.record(event="saved", step=state.step, path=str(path))
             reporter.say(f"saved {path}")
+    if profiler is not None:
+        assert cfg.profile_dir is not None  # start_profiler returns one only then
+        write_profile(profiler, cfg.profile_dir, reporter)
     if cfg.ckpt_dir is not None and cfg.impl == "shardkit":
         # The model alone, as one consolidated file any single process can load: streamed
         # through rank 0 one parameter group at a time (shardkit.core.save_full_state_dict).
@@ -456,6 +504,13 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
     p.add_argument("--lr", type=float, default=train_defaults.lr)
     p.add_argument("--log-every", type=int, default=train_defaults.log_every)
     p.add_argument("--metrics-file", type=Path, default=None)
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="profile the training loop; write the report (summary, JSON, trace, plots) to DIR",
+    )
     p.add_argument("--corpus", type=Path, default=train_defaults.corpus)
     p.add_argument("--seq-len", type=int, default=model_defaults.seq_len)
     p.add_argument("--d-model", type=int, default=model_defaults.d_model)
@@ -477,6 +532,7 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
         resume=a.resume,
         log_every=a.log_every,
         metrics_file=a.metrics_file,
+        profile_dir=a.profile,
     )
     return model_cfg, train_cfg
 

@@ -1,0 +1,187 @@
+"""What each torch.distributed operator is, and how many bytes it moves.
+
+Every c10d collective, whoever calls it (torch's ``fully_shard``, FSDP1, DDP's reducer, user
+code), reaches the dispatcher as one of the ``c10d::`` operators below, and functional
+collectives (DTensor, torch.compile) as ``_c10d_functional::`` ones. A dispatch mode sees
+their arguments; this module turns them into a kind and byte counts.
+
+Bytes sent per rank are those of a bandwidth-optimal algorithm (a ring, for instance), not what
+a given backend happens to send: they are what the theoretical minimum is stated in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OpInfo", "describe"]
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """One operator call, described."""
+
+    kind: str
+    group_size: int
+    group: str
+    input_bytes: int
+    sent_bytes: int
+    blocking: bool = False
+    """The call itself waits for completion (``async_op=False``: the backend syncs in C++)."""
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+# Per operator: kind, and (input bytes, sent bytes) from (args by name, group size, rank).
+_Bytes = Callable[[dict[str, Any], int, int], tuple[int, int]]
+
+
+def _gather(key: str) -> _Bytes:
+    def count(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
+        n = _nbytes(a[key])
+        return n, n * (w - 1)
+
+    return count
+
+
+def _scatter_reduce(key: str) -> _Bytes:
+    # The output is this rank's shard: a ring sends W-1 shards.
+    def count(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
+        out = _nbytes(a[key])
+        return out * w, out * (w - 1)
+
+    return count
+
+
+def _all_reduce(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
+    n = _nbytes(a["tensors"])
+    return n, 2 * n * (w - 1) // w
+
+
+def _broadcast(a: dict[str, Any], _w: int, r: int) -> tuple[int, int]:
+    n = _nbytes(a["tensors"])
+    return n, n  # a pipelined chain: every rank forwards the whole tensor once
+
+
+def _all_to_all(key: str) -> _Bytes:
+    def count(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
+        n = _nbytes(a[key])
+        return n, n * (w - 1) // w
+
+    return count
+
+
+def _send(a: dict[str, Any], _w: int, _r: int) -> tuple[int, int]:
+    n = _nbytes(a["tensors"])
+    return n, n
+
+
+def _recv(a: dict[str, Any], _w: int, _r: int) -> tuple[int, int]:
+    return _nbytes(a["tensors"]), 0
+
+
+def _to_root(a: dict[str, Any], _w: int, r: int) -> tuple[int, int]:
+    key = "input_tensors" if "input_tensors" in a else "tensors"
+    n = _nbytes(a[key])
+    return n, 0 if r == a["root_rank"] else n
+
+
+def _from_root(a: dict[str, Any], _w: int, r: int) -> tuple[int, int]:
+    out = _nbytes(a["output_tensors"])
+    return out, _nbytes(a["input_tensors"]) - out if r == a["root_rank"] else 0
+
+
+def _nothing(_a: dict[str, Any], _w: int, _r: int) -> tuple[int, int]:
+    return 0, 0
+
+
+_C10D: dict[str, tuple[str, _Bytes]] = {
+    "_allgather_base_": ("all_gather", _gather("input_tensor")),
+    "allgather_": ("all_gather", _gather("input_tensors")),
+    "allgather_into_tensor_coalesced_": ("all_gather", _gather("inputs")),
+    "allgather_coalesced_": ("all_gather", _gather("input_list")),
+    "_reduce_scatter_base_": ("reduce_scatter", _scatter_reduce("output_tensor")),
+    "reduce_scatter_": ("reduce_scatter", _scatter_reduce("output_tensors")),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _scatter_reduce("outputs")),
+    "allreduce_": ("all_reduce", _all_reduce),
+    "allreduce_coalesced_": ("all_reduce", _all_reduce),
+    "broadcast_": ("broadcast", _broadcast),
+    "alltoall_base_": ("all_to_all", _all_to_all("input")),
+    "alltoall_": ("all_to_all", _all_to_all("input_tensors")),
+    "send": ("send", _send),
+    "recv_": ("recv", _recv),
+    "recv_any_source_": ("recv", _recv),
+    "gather_": ("gather", _to_root),
+    "reduce_": ("reduce", _to_root),
+    "scatter_": ("scatter", _from_root),
+    "barrier": ("barrier", _nothing),
+    "monitored_barrier_": ("barrier", _nothing),
+}
+
+_FUNCTIONAL: dict[str, str] = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
+
+
+def _named_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    named = dict(kwargs)
+    for arg, value in zip(func._schema.arguments, args, strict=False):
+        named[arg.name] = value
+    return named
+
+
+def _describe_c10d(name: str, named: dict[str, Any]) -> OpInfo:
+    kind, count = _C10D[name]
+    group = dist.ProcessGroup.unbox(named["process_group"])
+    size, rank = group.size(), group.rank()
+    input_bytes, sent = count(named, size, rank)
+    blocking = named.get("async_op", True) is False
+    return OpInfo(kind, size, group.group_name, input_bytes, sent, blocking)
+
+
+def _describe_functional(name: str, named: dict[str, Any]) -> OpInfo:
+    kind = _FUNCTIONAL[name]
+    group_name = str(named["group_name"])
+    size = int(named.get("group_size") or _group_size(group_name))
+    n = _nbytes(named["input"])
+    sent = {
+        "all_gather": n * (size - 1),
+        "reduce_scatter": n * (size - 1) // max(size, 1),
+        "all_reduce": 2 * n * (size - 1) // max(size, 1),
+        "broadcast": n,
+        "all_to_all": n * (size - 1) // max(size, 1),
+    }[kind]
+    return OpInfo(kind, size, group_name, n, sent)
+
+
+def _group_size(group_name: str) -> int:
+    # Functional collectives name their group; c10d resolves names only through this helper.
+    from torch.distributed import distributed_c10d
+
+    resolve: Any = distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
+    return int(resolve(group_name).size())
+
+
+def describe(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> OpInfo | None:
+    """The collective ``func`` (an OpOverload) performs, or None if it is not one."""
+    namespace, name = func.namespace, func._opname
+    if namespace == "c10d" and name in _C10D:
+        return _describe_c10d(name, _named_args(func, args, kwargs))
+    if namespace == "_c10d_functional" and name in _FUNCTIONAL:
+        return _describe_functional(name, _named_args(func, args, kwargs))
+    return None

@@ -1,0 +1,283 @@
+"""CommTracker: every collective a program runs, with its bytes, time, module and phase.
+
+How it sees them (see [Note: observing torch programs] in docs/notes/004):
+
+- Issue: a dispatch mode catches every c10d and functional-collective operator (whoever
+  calls it: torch's ``fully_shard``, FSDP1, DDP's reducer, shardkit, user code).
+- Completion: the Work's future, where the backend offers one; otherwise the return of the
+  wait on it.
+- Exposed time: the time the training thread spends inside ``Work.wait`` (wrapped while
+  tracking) and in functional ``wait_tensor``. Waits made inside C++ (DDP's reducer) are not
+  visible, so DDP's exposed time reads as zero.
+- shardkit's engine announces each collective on its event stream, so the point-to-point
+  messages that carry one on gloo are reported as the one all-gather or reduce-scatter they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardkit.tools import comm_summary
+from shardkit.tools.c10d_ops import OpInfo, describe
+from shardkit.tools.records import CollectiveRecord, CommSummary, Phase, RankReport
+from shardkit.tools.scope import ModuleScope
+from shardkit.tools.tracking import LightDispatchMode, MethodWrap, Tracker
+
+__all__ = ["CommTracker", "rank_and_world"]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A collective being tracked, until it is finished."""
+
+    info: OpInfo
+    op: str
+    start_s: float
+    module: str
+    phase: Phase
+    step: int
+    issued_s: float = 0.0
+    wait_s: float = 0.0
+    done_s: list[float] = field(default_factory=list)  # completion of each of its works
+
+    def record(self) -> CollectiveRecord:
+        end = max([self.issued_s, *self.done_s])
+        return CollectiveRecord(
+            kind=self.info.kind,
+            op=self.op,
+            group_size=self.info.group_size,
+            group=self.info.group,
+            input_bytes=self.info.input_bytes,
+            sent_bytes=self.info.sent_bytes,
+            start_s=self.start_s,
+            end_s=end,
+            wait_s=self.wait_s,
+            module=self.module,
+            phase=self.phase,
+            step=self.step,
+        )
+
+
+def _timed_wait(original: Any, trackers: list[CommTracker]) -> Any:
+    def wait(work: dist.Work, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(work, *args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            for active in tuple(trackers):
+                active._on_wait(work, started, ended)
+
+    return wait
+
+
+_WAIT_WRAP: MethodWrap[CommTracker] = MethodWrap(dist.Work, "wait", _timed_wait)
+
+
+class _Dispatch(LightDispatchMode):
+    def __init__(self, tracker: CommTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not self.is_comm(func):
+            return func(*args, **kwargs)
+        return self.tracker._on_op(func, args, kwargs)
+
+
+class CommTracker(Tracker):
+    """Records every collective run inside it, on this rank.
+
+    Use as a context manager around training steps::
+
+        with CommTracker() as comm:
+            for batch in data:
+                train_step(batch)
+        print(comm.summary().steps[-1].sent_bytes)
+
+    Args:
+        theoretical_min_bytes: the bytes a rank must send per training step for this model and
+            sharding (``shardkit.tools.theory`` or the planner give it); reports then show how
+            far each step is from it.
+        scope: a started :class:`ModuleScope` to share with other trackers; by default the
+            tracker makes and runs its own.
+    """
+
+    def __init__(
+        self, *, theoretical_min_bytes: int | None = None, scope: ModuleScope | None = None
+    ) -> None:
+        self.theoretical_min_bytes = theoretical_min_bytes
+        self._own_scope = scope is None
+        self.scope = scope if scope is not None else ModuleScope()
+        self._pending: list[_Pending] = []
+        self._by_work: dict[int, tuple[_Pending, object]] = {}  # id(work) -> (owner, work)
+        self._by_output: dict[int, _Pending] = {}  # functional output data_ptr -> owner
+        self._logical: _Pending | None = None  # a shardkit collective being issued
+        self._mode: _Dispatch | None = None
+        self._unsubscribe: Any = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> CommTracker:
+        """Start recording (what ``with`` does)."""
+        if self._mode is not None:
+            raise RuntimeError("CommTracker is already running")
+        if self._own_scope:
+            self.scope.start()
+        self._subscribe_to_shardkit()
+        _WAIT_WRAP.add(self)
+        self._mode = _Dispatch(self)
+        self._mode.enter()
+        return self
+
+    def stop(self) -> None:
+        """Stop recording; what was recorded stays available."""
+        if self._mode is None:
+            return
+        self._mode.exit()
+        self._mode = None
+        _WAIT_WRAP.remove(self)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._own_scope:
+            self.scope.stop()
+
+    # -- results -----------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        """Every collective so far, in issue order."""
+        with self._lock:
+            return [p.record() for p in self._pending]
+
+    def summary(self) -> CommSummary:
+        """Totals per training step, against the theoretical minimum when known."""
+        return comm_summary.summarize(self.records, self.scope, self.theoretical_min_bytes)
+
+    def rank_report(self) -> RankReport:
+        """This rank's records, compute spans and summary, ready for the reports."""
+        rank, world = rank_and_world()
+        return RankReport(
+            rank=rank,
+            world_size=world,
+            collectives=self.records,
+            spans=list(self.scope.spans),
+            comm=self.summary(),
+        )
+
+    # -- observation -------------------------------------------------------------------------
+
+    def _subscribe_to_shardkit(self) -> None:
+        try:
+            from shardkit.core import CollectiveEvent, CollectiveIssuedEvent, subscribe
+        except ImportError:  # shardkit-core is optional: other engines are seen all the same
+            return
+
+        def on_event(event: object) -> None:
+            if isinstance(event, CollectiveEvent):
+                self._logical = None
+                if event.group_size > 1:
+                    info = OpInfo(
+                        event.kind, event.group_size, "", event.input_bytes, event.sent_bytes
+                    )
+                    self._logical = self._new(info, f"shardkit.{event.kind}")
+            elif isinstance(event, CollectiveIssuedEvent) and self._logical is not None:
+                self._logical.issued_s = self.scope.now()
+                self._logical = None
+
+        self._unsubscribe = subscribe(on_event)
+
+    def _new(self, info: OpInfo, op: str) -> _Pending:
+        module, phase = self.scope.current()
+        now = self.scope.now()
+        pending = _Pending(info, op, now, module, phase, self.scope.step, issued_s=now)
+        with self._lock:
+            self._pending.append(pending)
+        return pending
+
+    def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func._opname == "wait_tensor":
+            return self._on_wait_tensor(func, args, kwargs)
+        info = describe(func, args, kwargs)
+        if info is None:
+            return func(*args, **kwargs)
+        if self._logical is not None:
+            owner = self._logical  # one of the messages that carry a shardkit collective
+            if not owner.info.group:
+                owner.info = dataclasses.replace(owner.info, group=info.group)
+        else:
+            owner = self._new(info, f"{func.namespace}.{func._opname}")
+        called = time.perf_counter()
+        out = func(*args, **kwargs)
+        returned = time.perf_counter()
+        owner.issued_s = returned - self.scope.t0
+        if info.blocking:
+            owner.wait_s += returned - called
+        for work in _works(out):
+            self._watch(owner, work)
+        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+            self._by_output[out.data_ptr()] = owner
+        return out
+
+    def _watch(self, owner: _Pending, script_work: torch.ScriptObject) -> None:
+        work = dist.Work.unbox(script_work)
+        self._by_work[id(work)] = (owner, work)
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return  # no future on this backend's work (gloo send/recv): the wait tells
+        future.add_done_callback(lambda _f: self._on_done(work))
+
+    def _on_done(self, work: dist.Work) -> None:
+        # Runs on the backend's thread when the work finishes.
+        entry = self._by_work.pop(id(work), None)
+        if entry is not None:
+            entry[0].done_s.append(time.perf_counter() - self.scope.t0)
+
+    def _on_wait(self, work: dist.Work, started: float, ended: float) -> None:
+        entry = self._by_work.get(id(work))
+        if entry is None:
+            return
+        owner = entry[0]
+        owner.wait_s += ended - started
+        if self._by_work.pop(id(work), None) is not None:  # finished, and no future told us
+            owner.done_s.append(ended - self.scope.t0)
+
+    def _on_wait_tensor(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        started = time.perf_counter()
+        out = func(*args, **kwargs)
+        ended = time.perf_counter()
+        tensor = args[0] if args else kwargs.get("tensor")
+        owner = self._by_output.pop(tensor.data_ptr(), None) if tensor is not None else None
+        if owner is not None:
+            owner.wait_s += ended - started
+            owner.done_s.append(ended - self.scope.t0)
+        return out
+
+
+def _works(out: Any) -> list[torch.ScriptObject]:
+    items = out if isinstance(out, tuple | list) else (out,)
+    return [item for item in items if isinstance(item, torch.ScriptObject)]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

@@ -1,0 +1,105 @@
+"""What every tracker shares: lifecycle, a light dispatch mode, process-wide method wraps.
+
+The wraps are installed only while some tracker needs them.
+
+See [Note: observing torch programs] in docs/notes/004-observing-torch-programs.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["COMM_NAMESPACES", "LightDispatchMode", "MethodWrap", "Tracker"]
+
+COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+"""Operator namespaces of collectives: c10d's and the functional ones (DTensor, compile)."""
+
+T = TypeVar("T", bound="Tracker")
+
+
+class Tracker:
+    """start() / stop() plus their ``with`` form; subclasses implement the two."""
+
+    def start(self: T) -> T:
+        """Start tracking."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop tracking; what was recorded stays available."""
+        raise NotImplementedError
+
+    def __enter__(self: T) -> T:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LightDispatchMode(TorchDispatchMode):
+    """A dispatch mode with as little per-operator cost as a Python mode can have."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling decorator unless told
+        # otherwise; that wrapper alone costs about 3 us per operator. Nothing here is ever
+        # compiled, so the wrapper buys nothing.
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._comm: dict[Any, bool] = {}  # OpOverload -> is it a collective
+
+    def is_comm(self, func: Any) -> bool:
+        """Whether ``func`` (an OpOverload) is a collective's operator (cached per operator)."""
+        is_comm = self._comm.get(func)
+        if is_comm is None:
+            is_comm = self._comm[func] = func.namespace in COMM_NAMESPACES
+        return is_comm
+
+    def enter(self) -> None:
+        """Push the mode on this thread's mode stack."""
+        self.__enter__()  # type: ignore[no-untyped-call]
+
+    def exit(self) -> None:
+        """Pop it."""
+        self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+L = TypeVar("L")
+
+
+class MethodWrap(Generic[L]):
+    """Replaces ``owner.name`` by ``make(original, listeners)`` while listeners exist.
+
+    Process-wide: the first listener installs the wrapper, the last one restores the
+    original, so nested and concurrent trackers share one wrapper.
+    """
+
+    def __init__(
+        self, owner: type, name: str, make: Callable[[Any, list[L]], Callable[..., Any]]
+    ) -> None:
+        self.owner, self.name, self._make = owner, name, make
+        self.listeners: list[L] = []
+        self._original: Any = None
+
+    def add(self, listener: L) -> None:
+        """Start telling ``listener`` (installing the wrapper if it is the first)."""
+        if not self.listeners:
+            self._original = getattr(self.owner, self.name)
+            setattr(self.owner, self.name, self._make(self._original, self.listeners))
+        self.listeners.append(listener)
+
+    def remove(self, listener: L) -> None:
+        """Stop telling ``listener`` (restoring the original if it was the last)."""
+        self.listeners.remove(listener)
+        if not self.listeners:
+            setattr(self.owner, self.name, self._original)

@@ -1,0 +1,253 @@
+"""Rank reports as JSON: atomic per-rank files, loading a folder in rank order, the merged file.
+
+Also home of ``make_report``, the synthetic two-step rank report the other report tests share:
+its numbers are round so that the tests can assert on exactly what the reports must show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from shardkit.tools.records import (
+    Category,
+    CollectiveRecord,
+    CommSummary,
+    MemoryReport,
+    MemorySample,
+    ModulePeak,
+    Phase,
+    PhaseSpan,
+    RankReport,
+    StepComm,
+)
+from shardkit.tools.report_json import (
+    FORMAT,
+    load_merged_report,
+    load_rank_reports,
+    rank_report_path,
+    write_merged_report,
+    write_rank_report,
+)
+
+MiB = 1024 * 1024
+STEP_S = 0.06
+"""Each synthetic step starts this long after the previous one."""
+
+
+# One step of the synthetic run: (kind, module, phase, start, end, sent MiB, wait).
+_COLLECTIVES = [
+    # The first all-gather is all exposed; the prefetched second overlaps it partly.
+    ("all_gather", "blocks.0", Phase.FORWARD, 0.000, 0.006, 1, 0.006),
+    ("all_gather", "blocks.1", Phase.FORWARD, 0.005, 0.012, 1, 0.002),
+    ("reduce_scatter", "blocks.1", Phase.BACKWARD, 0.030, 0.043, 2, 0.0),
+    ("reduce_scatter", "blocks.0", Phase.BACKWARD, 0.045, 0.055, 2, 0.002),
+]
+# (module, phase, start, end)
+_SPANS = [
+    ("blocks.0", Phase.FORWARD, 0.000, 0.010),
+    ("blocks.1", Phase.FORWARD, 0.010, 0.020),
+    ("blocks.1", Phase.BACKWARD, 0.020, 0.035),
+    ("blocks.0", Phase.BACKWARD, 0.035, 0.050),
+    ("", Phase.OPTIMIZER, 0.050, 0.055),
+]
+# (t, phase, module, MiB by category)
+_SP, _UP, _ACT, _GRAD, _OPT = (
+    "sharded_params",
+    "unsharded_params",
+    "activations",
+    "gradients",
+    "optimizer_state",
+)
+_SAMPLES = [
+    (0.000, Phase.FORWARD, "blocks.0", {_SP: 4}),
+    (0.010, Phase.FORWARD, "blocks.1", {_SP: 4, _UP: 2, _ACT: 4}),
+    (0.030, Phase.BACKWARD, "blocks.1", {_SP: 4, _UP: 2, _ACT: 8, _GRAD: 1}),  # the peak
+    (0.050, Phase.OPTIMIZER, "", {_SP: 4, _GRAD: 2, _OPT: 8}),
+]
+
+
+def _sample(t: float, phase: Phase, module: str, step: int, mib: dict[str, int]) -> MemorySample:
+    by_category = {Category(name): n * MiB for name, n in mib.items()}
+    return MemorySample(t_s=t, by_category=by_category, module=module, phase=phase, step=step)
+
+
+def make_report(rank: int = 0, world_size: int = 2, steps: int = 2) -> RankReport:
+    """Two blocks, per step: forward, backward, optimizer; two all-gathers, two reduce-scatters.
+
+    Per step: 4 collectives sending 6 MiB (twice the 3 MiB minimum), 40 ms of communication of
+    which 10 ms exposed, in a 55 ms step. The memory peak is 15 MiB (8 MiB activations) during
+    blocks.1's backward.
+    """
+    spans: list[PhaseSpan] = []
+    collectives: list[CollectiveRecord] = []
+    timeline: list[MemorySample] = []
+    for step in range(steps):
+        t = step * STEP_S
+        for module, phase, lo, hi in _SPANS:
+            spans.append(
+                PhaseSpan(module=module, phase=phase, start_s=t + lo, end_s=t + hi, step=step)
+            )
+        for kind, module, phase, lo, hi, sent, wait in _COLLECTIVES:
+            collectives.append(
+                CollectiveRecord(
+                    kind=kind,
+                    op=f"c10d.{kind}",
+                    group_size=2,
+                    group="0",
+                    input_bytes=MiB // 2,
+                    sent_bytes=sent * MiB,
+                    start_s=t + lo,
+                    end_s=t + hi,
+                    wait_s=wait,
+                    module=module,
+                    phase=phase,
+                    step=step,
+                )
+            )
+        timeline += [_sample(t + dt, phase, m, step, mib) for dt, phase, m, mib in _SAMPLES]
+    peak = timeline[2]
+    steps_comm = [
+        StepComm(
+            step=s,
+            collectives=4,
+            sent_bytes=6 * MiB,
+            comm_s=0.040,
+            exposed_s=0.010,
+            step_s=0.055,
+            sent_bytes_by_kind={"all_gather": 2 * MiB, "reduce_scatter": 4 * MiB},
+        )
+        for s in range(steps)
+    ]
+    module_peaks = [
+        ModulePeak(module="blocks.1", phase=Phase.BACKWARD, peak=peak),
+        ModulePeak(module="blocks.1", phase=Phase.FORWARD, peak=timeline[1]),
+        ModulePeak(module="", phase=Phase.OPTIMIZER, peak=timeline[3]),
+    ]
+    return RankReport(
+        rank=rank,
+        world_size=world_size,
+        collectives=collectives,
+        spans=spans,
+        comm=CommSummary(steps=steps_comm, theoretical_min_bytes=3 * MiB),
+        memory=MemoryReport(device="cpu", timeline=timeline, peak=peak, module_peaks=module_peaks),
+    )
+
+
+def make_reports(world_size: int = 2) -> list[RankReport]:
+    return [make_report(rank, world_size) for rank in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rank_file_round_trips(tmp_path: Path) -> None:
+    report = make_report(rank=1)
+    path = write_rank_report(rank_report_path(tmp_path / "new", 1), report)
+    assert path == tmp_path / "new" / "rank-1.json"
+    assert json.loads(path.read_text())["rank"] == 1
+    assert load_rank_reports(tmp_path / "new") == [report]
+
+
+def test_loads_sorted_by_rank_and_skips_other_files(tmp_path: Path) -> None:
+    for rank in (10, 2, 0, 1):
+        write_rank_report(rank_report_path(tmp_path, rank), make_report(rank, world_size=11))
+    (tmp_path / "report.json").write_text("{}")  # not a rank file
+    (tmp_path / ".rank-3.json.x1y2.tmp").write_text("{half a")  # a write in progress
+    (tmp_path / "rank-4.json.bak").write_text("junk")
+    assert [r.rank for r in load_rank_reports(tmp_path)] == [0, 1, 2, 10]
+
+
+def test_write_is_atomic_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = rank_report_path(tmp_path, 0)
+    write_rank_report(path, make_report(0))
+    write_rank_report(path, make_report(0, world_size=4))  # replaces
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json"]
+    assert load_rank_reports(tmp_path)[0].world_size == 4
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any new file, not 0600
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    path = rank_report_path(tmp_path, 0)
+    write_rank_report(path, make_report(0))
+    unserializable = dataclasses.replace(make_report(0), world_size=object())  # type: ignore[arg-type]  # a bad value on purpose
+    with pytest.raises(TypeError):
+        write_rank_report(path, unserializable)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json"]
+    assert load_rank_reports(tmp_path) == [make_report(0)]
+
+
+def test_bad_json_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "rank-0.json").write_text('{"rank": 0,')
+    with pytest.raises(ValueError, match=r"rank-0\.json is not valid JSON"):
+        load_rank_reports(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("[1, 2]", "expected a JSON object"),
+        ('{"world_size": 2}', "missing the key 'rank'"),
+        (
+            '{"rank": 0, "world_size": 1, "spans": [{"module": "m", "phase": "forward", '
+            '"start_s": 0, "end_s": 1, "step": 0, "colour": "red"}]}',
+            "colour",
+        ),
+        ('{"rank": 0, "world_size": 1, "spans": [{"phase": "sideways"}]}', "sideways"),
+    ],
+)
+def test_a_file_that_is_not_a_report_is_named(tmp_path: Path, content: str, problem: str) -> None:
+    (tmp_path / "rank-0.json").write_text(content)
+    with pytest.raises(ValueError, match=r"rank-0\.json is not a rank report") as err:
+        load_rank_reports(tmp_path)
+    assert problem in str(err.value)
+
+
+def test_file_name_and_rank_must_agree(tmp_path: Path) -> None:
+    write_rank_report(tmp_path / "rank-1.json", make_report(0))
+    with pytest.raises(ValueError, match=r"rank-1\.json holds the report of rank 0"):
+        load_rank_reports(tmp_path)
+
+
+def test_two_files_of_one_rank_are_refused(tmp_path: Path) -> None:
+    write_rank_report(tmp_path / "rank-1.json", make_report(1))
+    write_rank_report(tmp_path / "rank-01.json", make_report(1))
+    with pytest.raises(ValueError, match="both hold rank 1"):
+        load_rank_reports(tmp_path)
+
+
+def test_missing_folder_and_empty_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_rank_reports(tmp_path / "nowhere")
+    assert load_rank_reports(tmp_path) == []
+
+
+def test_missing_ranks_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_rank_report(rank_report_path(tmp_path, 1), make_report(1, world_size=4))
+    with caplog.at_level(logging.WARNING, logger="shardkit.tools.report_json"):
+        assert len(load_rank_reports(tmp_path)) == 1
+    assert "no report from ranks [0, 2, 3] of 4" in caplog.text
+
+
+def test_merged_report_round_trips(tmp_path: Path) -> None:
+    reports = make_reports()
+    path = write_merged_report(tmp_path / "report.json", list(reversed(reports)))
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT
+    assert data["world_size"] == 2
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert load_merged_report(path) == reports
+
+
+def test_merged_report_refuses_other_json(tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(make_report().to_dict()))  # a rank file, not a merged one
+    with pytest.raises(ValueError, match="not a merged shardkit report"):
+        load_merged_report(path)
