@@ -22,7 +22,7 @@ from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["GroupReducer", "PendingReduce"]
+__all__ = ["GroupReducer", "PendingReduce", "finish_oldest"]
 
 
 @dataclass(slots=True)
@@ -33,6 +33,17 @@ class PendingReduce:
     handle: CollectiveHandle
     output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
     buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
+
+
+def finish_oldest(comm: CommContext) -> None:
+    """Finish the oldest reduction in flight.
+
+    A function of its own so that nothing refers to the finished reduction once it returns:
+    a loop variable holding it would keep its send buffer (and, on gloo, its received rows)
+    alive while the next reduction allocates its own.
+    """
+    pending = comm.pending_reduces.popleft()
+    pending.reducer.finish(pending, comm)
 
 
 class GroupReducer:
@@ -88,8 +99,7 @@ class GroupReducer:
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
         while len(comm.pending_reduces) >= comm.max_reduces_in_flight:
-            oldest = comm.pending_reduces.popleft()
-            oldest.reducer.finish(oldest, comm)
+            finish_oldest(comm)
         output = torch.empty(self.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.

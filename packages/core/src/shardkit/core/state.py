@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext, RootContext
+from shardkit.core.grad_reduce import finish_oldest
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
@@ -259,10 +260,8 @@ class FSDPState:
     def finish_reductions(self) -> None:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
         assert self.ctx is not None
-        pending = self.ctx.comm.pending_reduces
-        while pending:
-            item = pending.popleft()
-            item.reducer.finish(item, self.ctx.comm)
+        while self.ctx.comm.pending_reduces:
+            finish_oldest(self.ctx.comm)
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""

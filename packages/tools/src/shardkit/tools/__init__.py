@@ -9,6 +9,9 @@ Trackers (context managers; they observe torch, so they work on shardkit, torch'
   peak per module and phase.
 - :class:`Profiler`: both, sharing one view of modules and phases.
 
+Planning before launch: :func:`plan` (and the ``shardkit-plan`` command) predicts per-rank
+memory by category and the bytes of every collective of a step from a meta-device model.
+
 Reports: :func:`summarize` (terminal tables), :func:`write_report` (a folder with the summary,
 JSON, a Perfetto trace and PNG plots), and the ``shardkit-profile`` command.
 """
@@ -16,6 +19,15 @@ JSON, a Perfetto trace and PNG plots), and the ``shardkit-profile`` command.
 from shardkit.tools.__about__ import __version__
 from shardkit.tools.comm_tracker import CommTracker
 from shardkit.tools.memory_tracker import MemoryTracker
+from shardkit.tools.plan_options import PlanOptions
+from shardkit.tools.plan_records import (
+    CollectiveCall,
+    CollectivePlan,
+    GroupPlan,
+    MemoryPlan,
+    MemoryPoint,
+)
+from shardkit.tools.planner import Plan, plan
 from shardkit.tools.profiler import Profiler
 from shardkit.tools.records import (
     Category,
@@ -36,9 +48,14 @@ from shardkit.tools.scope import ModuleScope
 
 __all__ = [
     "Category",
+    "CollectiveCall",
+    "CollectivePlan",
     "CollectiveRecord",
     "CommSummary",
     "CommTracker",
+    "GroupPlan",
+    "MemoryPlan",
+    "MemoryPoint",
     "MemoryReport",
     "MemorySample",
     "MemoryTracker",
@@ -46,12 +63,15 @@ __all__ = [
     "ModuleScope",
     "Phase",
     "PhaseSpan",
+    "Plan",
+    "PlanOptions",
     "Profiler",
     "RankReport",
     "StepComm",
     "__version__",
     "load_merged_report",
     "load_rank_reports",
+    "plan",
     "summarize",
     "write_rank_report",
     "write_report",

@@ -1,0 +1,90 @@
+"""The planner's bookkeeping of live buffers, and a replica of the engine's buffer pool."""
+
+from __future__ import annotations
+
+from shardkit.tools.plan_records import MemoryPoint
+from shardkit.tools.records import Category, Phase
+
+__all__ = ["Key", "Ledger", "Pool"]
+
+Key = tuple[str, int]
+"""Names one live buffer: (what, whose index)."""
+
+
+class Ledger:
+    """Live buffers by key; samples the totals at each allocation."""
+
+    def __init__(self) -> None:
+        self.live: dict[Key, tuple[Category, int]] = {}
+        self.totals = dict.fromkeys(Category, 0)
+        self.points: list[MemoryPoint] = []
+        self.phase = Phase.OTHER
+        self.module = ""
+
+    def alloc(self, key: Key, category: Category, nbytes: int, label: str) -> None:
+        """Add a live buffer and sample the totals (``label`` says what happened)."""
+        assert key not in self.live, f"planner bug: {key} allocated twice"
+        self.live[key] = (category, nbytes)
+        self.totals[category] += nbytes
+        self.points.append(
+            MemoryPoint(
+                label=label, module=self.module, phase=self.phase, by_category=dict(self.totals)
+            )
+        )
+
+    def set(self, key: Key, category: Category, nbytes: int, label: str) -> None:
+        """Make ``key`` hold ``nbytes`` (sampled only if that is more than before)."""
+        before = self.live.pop(key, (category, 0))[1]
+        self.totals[category] -= before
+        if nbytes > before:
+            self.alloc(key, category, nbytes, label)
+        elif nbytes:
+            self.live[key] = (category, nbytes)
+            self.totals[category] += nbytes
+
+    def free(self, key: Key) -> None:
+        """Drop a live buffer."""
+        category, nbytes = self.live.pop(key)
+        self.totals[category] -= nbytes
+
+    def move(self, key: Key, new_key: Key, category: Category | None = None) -> None:
+        """Rename a live buffer (and recategorise it): same memory, a new owner."""
+        old_category, nbytes = self.live.pop(key)
+        self.totals[old_category] -= nbytes
+        category = category or old_category
+        self.live[new_key] = (category, nbytes)
+        self.totals[category] += nbytes
+
+
+class Pool:
+    """shardkit.core's BufferPool: one idle buffer per size used by two or more groups."""
+
+    def __init__(self, ledger: Ledger, users: dict[int, int]) -> None:
+        """``users``: how many groups request buffers of each size."""
+        self.ledger = ledger
+        self.users = users
+        self.idle: set[int] = set()
+        self.retain = True
+        """Off from the end of forward to the next forward, as in the engine."""
+
+    def get(self, nbytes: int, key: Key, label: str) -> None:
+        """Hand out an idle buffer of this size as ``key``, or allocate one."""
+        if nbytes in self.idle:
+            self.idle.discard(nbytes)
+            self.ledger.move(("pool", nbytes), key)
+        else:
+            self.ledger.alloc(key, Category.COMM_BUFFERS, nbytes, label)
+
+    def put(self, nbytes: int, key: Key) -> None:
+        """Take ``key`` back: keep it idle if its size has several users, else free it."""
+        if not self.retain or self.users.get(nbytes, 0) < 2 or nbytes in self.idle:
+            self.ledger.free(key)
+        else:
+            self.idle.add(nbytes)
+            self.ledger.move(key, ("pool", nbytes))
+
+    def clear(self) -> None:
+        """Free every idle buffer."""
+        for nbytes in self.idle:
+            self.ledger.free(("pool", nbytes))
+        self.idle.clear()

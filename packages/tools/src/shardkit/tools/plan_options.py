@@ -1,0 +1,123 @@
+"""What the planner is asked to plan: the fully_shard options, the optimizer and the inputs.
+
+The options mirror ``shardkit.core.fully_shard``'s (``reshard_after_forward``, and
+``MixedPrecisionPolicy``'s ``param_dtype`` / ``reduce_dtype``) so a plan describes the same
+training step the engine will run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy"]
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+"""A model on the meta device, or a factory that returns one."""
+
+WrapPolicy = Collection[str] | Callable[[str, nn.Module], bool]
+"""Which modules get their own ``fully_shard`` call: class names, or ``(fqn, module) -> bool``."""
+
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+"""Tensors of optimizer state per parameter, each shaped like the local shard."""
+
+_BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """How the model is sharded and trained, for :func:`shardkit.tools.plan`."""
+
+    mesh_shape: tuple[int, int] | None = None
+    """HSDP: (replicas, shard). Parameters are sharded over ``shard`` ranks and gradients
+    all-reduced across ``replicas``; their product must be the world size. None is 1-D FSDP."""
+    wrap: WrapPolicy | None = None
+    """Modules sharded on their own (the root is always one more). None: every element of an
+    ``nn.ModuleList`` that is not inside another such element (torchtitan's per-block wrap).
+    A collection of class names selects modules by ``type(m).__name__``; a callable gets each
+    module's FQN and the module."""
+    reshard_after_forward: bool | None = None
+    """As for fully_shard on every module: True frees parameters after forward (the root too),
+    False keeps them until after backward, None is True except for the root, which keeps its
+    parameters because backward needs them first."""
+    param_dtype: torch.dtype | None = None
+    """dtype of the all-gathered parameters (MixedPrecisionPolicy.param_dtype)."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); None: the
+    gathered parameters' dtype."""
+    optimizer: Literal["adamw", "adam", "sgd", "sgd_momentum"] = "adamw"
+    """Optimizer whose state is counted: Adam/AdamW keep two tensors per parameter plus a
+    float32 ``step`` scalar, SGD with momentum one, plain SGD none."""
+    inputs: Callable[[], Any] | None = None
+    """Returns one rank's example inputs as meta tensors: a tensor, a tuple of positional
+    arguments or a dict of keyword arguments. With it the planner runs forward on the meta
+    device to measure activations and the order modules run in; without it activations are
+    not counted and modules are assumed to run in registration order."""
+    loss: Callable[[Any], torch.Tensor] | None = None
+    """Maps the model's output to the scalar loss, on the meta device (make targets there with
+    ``device="meta"``); its saved tensors and backward count too. None: a loss whose gradient
+    is a ones tensor per output (the logits' gradient, but none of a real loss's own memory,
+    such as cross-entropy's float32 log-softmax). Only used with ``inputs``."""
+    bandwidth_gbps: float = 100.0
+    """Per-rank bandwidth in GB/s (1e9 bytes per second) for the communication time."""
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """Process-group backend: sizes of the engine's receive buffers differ (NCCL gathers into
+    a W-row buffer, gloo into W-1 rows plus a scratch for reduce-scatters), and so does the
+    optimizer's scratch (foreach on GPUs, per-tensor on the CPU)."""
+    rank: int = 0
+    """Whose memory to report. Rank 0 holds the largest unpadded shards when dims do not
+    divide evenly, which only changes the optimizer state."""
+
+    def __post_init__(self) -> None:
+        if self.mesh_shape is not None:
+            shape = self.mesh_shape
+            if (
+                not isinstance(shape, tuple)
+                or len(shape) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+                or min(shape) < 1
+            ):
+                raise ValueError(
+                    f"PlanOptions.mesh_shape must be (replicas, shard) positive ints, got {shape!r}"
+                )
+        if self.reshard_after_forward is not None and not isinstance(
+            self.reshard_after_forward, bool
+        ):
+            raise TypeError(
+                "PlanOptions.reshard_after_forward must be a bool or None, got "
+                f"{self.reshard_after_forward!r}"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"PlanOptions.{name} must be a torch.dtype or None, got {value!r}")
+            if value is not None and not value.is_floating_point:
+                raise ValueError(f"PlanOptions.{name} must be a floating dtype, got {value}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            known = ", ".join(OPTIMIZER_STATES)
+            raise ValueError(f"PlanOptions.optimizer must be one of {known}: {self.optimizer!r}")
+        if self.inputs is not None and not callable(self.inputs):
+            raise TypeError("PlanOptions.inputs must be a callable returning meta tensors")
+        if self.loss is not None and not callable(self.loss):
+            raise TypeError("PlanOptions.loss must be a callable mapping the output to a loss")
+        if self.wrap is not None and not callable(self.wrap) and isinstance(self.wrap, str):
+            raise TypeError("PlanOptions.wrap must be a collection of class names, not one str")
+        if isinstance(self.bandwidth_gbps, bool) or not isinstance(
+            self.bandwidth_gbps, int | float
+        ):
+            raise TypeError(f"PlanOptions.bandwidth_gbps must be a number: {self.bandwidth_gbps!r}")
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(f"PlanOptions.bandwidth_gbps must be positive: {self.bandwidth_gbps}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"PlanOptions.backend must be 'nccl' or 'gloo': {self.backend!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"PlanOptions.rank must be a non-negative int: {self.rank!r}")
+
+    @property
+    def num_states(self) -> int:
+        """Optimizer state tensors per parameter."""
+        return OPTIMIZER_STATES[self.optimizer]

@@ -1,0 +1,103 @@
+"""What a plan reports: frozen, JSON-friendly results of :func:`shardkit.tools.plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardkit.tools.records import Category, Phase
+
+__all__ = ["CollectiveCall", "CollectivePlan", "GroupPlan", "MemoryPlan", "MemoryPoint"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPlan:
+    """One FSDP group (one ``fully_shard`` call) and its per-rank buffer sizes."""
+
+    fqn: str
+    """The module's FQN; '<root>' for the root."""
+    param_count: int
+    """Elements of its parameters (unsharded, unpadded)."""
+    trainable_count: int
+    """Elements of its trainable parameters."""
+    sharded_bytes: int
+    """Padded shard bytes per rank: the flat sharded buffer, alignment included."""
+    unsharded_bytes: int
+    """Bytes of the flat unsharded buffer while the parameters are gathered."""
+    gather_input_bytes: int
+    """What one rank contributes to the all-gather (the padded shard in the gather dtype)."""
+    reduce_output_bytes: int
+    """One rank's reduce-scatter output (padded gradient shards in the reduce dtype)."""
+    reshard_after_forward: bool
+    """Whether this group frees its parameters after forward (the root may keep them)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCall:
+    """One collective of a training step, in the order the engine issues them."""
+
+    kind: str
+    """'all_gather', 'reduce_scatter' or 'all_reduce' (HSDP)."""
+    group: str
+    """FQN of the FSDP group it serves."""
+    group_size: int
+    """Ranks in the process group."""
+    input_bytes: int
+    """What this rank contributes (as ``shardkit.core.CollectiveEvent.input_bytes``)."""
+    sent_bytes: int
+    """What this rank sends under a bandwidth-optimal algorithm."""
+    phase: Phase
+    """Forward or backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectivePlan:
+    """The calls of one kind for one group in a step."""
+
+    kind: str
+    """'all_gather', 'reduce_scatter' or 'all_reduce'."""
+    group: str
+    """FQN of the FSDP group."""
+    group_size: int
+    """Ranks in the process group."""
+    input_bytes: int
+    """Bytes this rank contributes per call."""
+    sent_bytes: int
+    """Bytes this rank sends per call."""
+    calls: int
+    """Calls per training step."""
+
+    @property
+    def sent_bytes_per_step(self) -> int:
+        """Bytes this rank sends for these calls in one step."""
+        return self.sent_bytes * self.calls
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPoint:
+    """Live bytes by category at one moment of the simulated step."""
+
+    label: str
+    """What just happened, e.g. 'all-gather blocks.3 (prefetch)'."""
+    module: str
+    """The group whose event or compute it is ('' outside any)."""
+    phase: Phase
+    """Forward, backward or optimizer."""
+    by_category: dict[Category, int]
+    """Bytes per category (every category present)."""
+
+    @property
+    def total(self) -> int:
+        """All live bytes."""
+        return sum(self.by_category.values())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPlan:
+    """Per-rank memory over one steady-state training step."""
+
+    peak: MemoryPoint
+    """The moment of the highest total, with its breakdown."""
+    category_max: dict[Category, int]
+    """The highest value each category reaches (at different moments)."""
+    timeline: tuple[MemoryPoint, ...]
+    """Every allocation of the step, in order."""

@@ -1,0 +1,409 @@
+"""One steady-state training step of shardkit's engine, simulated from shapes alone.
+
+The simulation follows the engine's hooks over the forward's segments (see ``plan_trace``):
+forward through the group events in order, backward through them mirrored, then the optimizer.
+It issues the collectives the engine issues, in its order, and keeps a ledger of every buffer
+the engine allocates, sampling live bytes by category at each allocation (frees only lower the
+total, so the peak is always at an allocation).
+
+Modelling assumptions (each one what the engine does, unless marked *approximate*):
+
+- Steady state: the second or a later step. Optimizer state exists; gradients were set to None
+  by ``zero_grad()``; forward prefetches the next group in last step's order (the first step
+  has no order yet and does not prefetch); backward prefetches the previous group in
+  post-forward order.
+- Parameters are gathered at pre-forward (or found prefetched), freed at post-forward when the
+  group reshards after forward, gathered again at pre-backward, and freed after the group's
+  reduce-scatter; the root keeps its parameters through backward unless
+  ``reshard_after_forward=True`` is given explicitly. Groups that get no gradient (frozen)
+  stay gathered until the end-of-backward callback.
+- Buffers: sharded parameters (one aligned flat buffer per group); the cast staging copy of it
+  when ``param_dtype`` differs (kept for the run); the all-gather receive buffer from issue to
+  copy-out; the unsharded flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
+  with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle receive buffer
+  per size that two or more groups share, in forward only.
+- At most one reduce-scatter is in flight: the next group's reduction first finishes it
+  (all-reduce across HSDP replicas, divide, assign the sharded gradients). The finished
+  reduction's buffers are released only after the new one's are allocated (the engine's
+  loop variable holds them until then).
+- Gradients: autograd's unsharded gradients (gather dtype) appear when backward reaches a
+  parameter's last use and are freed once the group's reduce-scatter has packed them; the
+  reduce-scatter output is the sharded gradient (cast to the parameters' dtype if the reduce
+  dtype differs) and lives until ``zero_grad()``.
+- Optimizer: AdamW's two states and a 4-byte ``step`` per trainable parameter, each state the
+  size of the rank's unpadded local shard. *Approximate*: the step's scratch (two
+  largest-shard temporaries per tensor on the CPU, one state's worth for foreach on GPUs).
+- Activations (*approximate*, from the meta forward and backward of ``plan_trace``): forward
+  adds each segment's saved bytes at the segment's end; backward follows the measured live
+  saved bytes and activation gradients (category OTHER) segment by segment. Allocator
+  rounding and caching are not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shardkit.tools.plan_groups import GroupSpec
+from shardkit.tools.plan_ledger import Key, Ledger, Pool
+from shardkit.tools.plan_options import PlanOptions
+from shardkit.tools.plan_records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan_trace import StepTrace, gradient_schedule
+from shardkit.tools.records import Category, Phase
+
+__all__ = ["StepInputs", "StepResult", "simulate_step"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepInputs:
+    """What the simulation needs."""
+
+    groups: list[GroupSpec]
+    """The FSDP groups, root last."""
+    root: int | None
+    """Index of the root module's group (None when the root holds no parameters)."""
+    trace: StepTrace
+    """Event order and activations of the forward."""
+    options: PlanOptions
+    """Dtypes, optimizer, backend and rank."""
+    replicas: int
+    """HSDP replica groups (1 for plain FSDP)."""
+    buffer_bytes: int
+    """Module buffers (``model.buffers()``), resident for the whole step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """The simulated step."""
+
+    schedule: tuple[CollectiveCall, ...]
+    """Every collective, in issue order."""
+    memory: MemoryPlan
+    """The ledger's samples, peak and per-category maxima."""
+    reshard_after_forward: tuple[bool, ...]
+    """Per group: whether it frees its parameters after forward."""
+
+
+def simulate_step(inputs: StepInputs) -> StepResult:
+    """Run the step: forward, backward, optimizer."""
+    step = _Step(inputs)
+    step.setup()
+    step.forward()
+    step.backward()
+    step.optimizer()
+    points = tuple(step.ledger.points)
+    peak = max(points, key=lambda p: p.total)
+    category_max = {c: max(p.by_category[c] for p in points) for c in Category}
+    return StepResult(
+        schedule=tuple(step.calls),
+        memory=MemoryPlan(peak=peak, category_max=category_max, timeline=points),
+        reshard_after_forward=tuple(step.raf),
+    )
+
+
+class _Step:
+    """The engine's hooks, replayed on sizes."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        self.inputs = inputs
+        self.groups = inputs.groups
+        self.world = self.groups[0].world
+        self.gloo = inputs.options.backend == "gloo"
+        self.ledger = Ledger()
+        self.pool = Pool(self.ledger, self._pool_users())
+        self.calls: list[CollectiveCall] = []
+        count = len(self.groups)
+        self.raf = [self._reshards_after_forward(i) for i in range(count)]
+        self.unsharded = [False] * count
+        self.pending = [False] * count
+        self.state = ["idle"] * count
+        self.reduces: deque[int] = deque()
+        events = inputs.trace.events
+        self.forward_order = [e.group for e in events if e.kind == "pre"]
+        self.post_order = [e.group for e in events if e.kind == "post"]
+        self.forward_done = 0
+
+    def _reshards_after_forward(self, index: int) -> bool:
+        value = self.inputs.options.reshard_after_forward
+        if value is None:
+            return index != self.inputs.root  # the root keeps what backward needs first
+        return value
+
+    def _pool_users(self) -> dict[int, int]:
+        users: dict[int, int] = {}
+        for g in self.groups:
+            for nbytes in {(self.world - 1) * g.comm_nbytes, self.world * g.comm_nbytes}:
+                users[nbytes] = users.get(nbytes, 0) + 1
+        return users
+
+    # --- persistent state ------------------------------------------------------------------
+
+    def setup(self) -> None:
+        options = self.inputs.options
+        shard_rank = options.rank % self.world
+        ledger = self.ledger
+        if self.inputs.buffer_bytes:
+            ledger.alloc(("buffers", 0), Category.OTHER, self.inputs.buffer_bytes, "module buffers")
+        for i, g in enumerate(self.groups):
+            ledger.module = g.fqn
+            ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, g.storage_nbytes, "sharded")
+            if g.needs_staging:
+                ledger.alloc(("staging", i), Category.COMM_BUFFERS, g.comm_nbytes, "cast copy")
+            state = sum(
+                options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
+                + (4 if options.num_states == 2 else 0)  # Adam's float32 step
+                for p in g.trainable
+            )
+            if state:
+                ledger.alloc(("optim", i), Category.OPTIMIZER_STATE, state, "optimizer state")
+
+    # --- forward ---------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        ledger, trace = self.ledger, self.inputs.trace
+        ledger.phase = Phase.FORWARD
+        self.pool.retain = True
+        owners = self._segment_owners()
+        for j, nbytes in enumerate(trace.activation_bytes):
+            ledger.module = owners[j]
+            if nbytes:
+                ledger.alloc(("act", j), Category.ACTIVATIONS, nbytes, "activations")
+            if j < len(trace.events):
+                event = trace.events[j]
+                ledger.module = self.groups[event.group].fqn
+                if event.kind == "pre":
+                    self._pre_forward(event.group)
+                elif self.raf[event.group]:
+                    self._reshard(event.group)
+        # The root's post-forward: idle buffers go back, prefetched-but-unused groups reshard.
+        self.pool.retain = False
+        self.pool.clear()
+        for i in range(len(self.groups)):
+            if self.raf[i]:
+                self._reshard(i)
+        ledger.module = ""
+        if trace.loss_bytes:  # then the loss, outside the model; backward takes it over
+            ledger.alloc(("loss", 0), Category.OTHER, trace.loss_bytes, "loss")
+            ledger.free(("loss", 0))
+
+    def _segment_owners(self) -> list[str]:
+        """The innermost group running in each segment ('' outside every group)."""
+        owners, stack = [], [""]
+        for event in self.inputs.trace.events:
+            owners.append(stack[-1])
+            if event.kind == "pre":
+                stack.append(self.groups[event.group].fqn)
+            elif len(stack) > 1:
+                stack.pop()
+        return [*owners, stack[-1]]
+
+    def _pre_forward(self, g: int) -> None:
+        self._unshard(g, "all-gather")
+        self._wait(g)
+        self.forward_done += 1
+        position, order = self.forward_done, self.forward_order
+        if position < len(order) and order[position] != g:
+            self._unshard(order[position], "all-gather (prefetch)")
+
+    # --- unshard / reshard -----------------------------------------------------------------
+
+    def _receive_bytes(self, g: int) -> int:
+        rows = self.world - 1 if self.gloo else self.world
+        return rows * self.groups[g].comm_nbytes
+
+    def _unshard(self, g: int, label: str) -> None:
+        if self.unsharded[g] or self.pending[g]:
+            return
+        self.pending[g] = True
+        if self.world == 1:
+            return  # nothing to gather: the engine copies its own shard out
+        group = self.groups[g]
+        nbytes = group.comm_nbytes
+        self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
+        self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
+
+    def _wait(self, g: int) -> None:
+        if not self.pending[g]:
+            if not self.unsharded[g]:
+                self._unshard(g, "all-gather")
+                self._wait(g)
+            return
+        self.pending[g] = False
+        group = self.groups[g]
+        label = f"unshard {group.fqn}"
+        self.ledger.alloc(
+            ("unsharded", g), Category.UNSHARDED_PARAMS, group.unsharded_nbytes, label
+        )
+        if self.world > 1:
+            self.pool.put(self._receive_bytes(g), ("gather", g))
+        self.unsharded[g] = True
+
+    def _reshard(self, g: int) -> None:
+        if self.pending[g]:
+            self._wait(g)
+        if self.unsharded[g]:
+            self.ledger.free(("unsharded", g))
+            self.unsharded[g] = False
+
+    def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
+        self.calls.append(
+            CollectiveCall(
+                kind=kind,
+                group=self.groups[g].fqn,
+                group_size=size,
+                input_bytes=input_bytes,
+                sent_bytes=sent,
+                phase=self.ledger.phase,
+            )
+        )
+
+    # --- backward --------------------------------------------------------------------------
+
+    def backward(self) -> None:
+        ledger, trace = self.ledger, self.inputs.trace
+        ledger.phase = Phase.BACKWARD
+        schedule = gradient_schedule(trace, self.groups)
+        owners = self._segment_owners()
+        for j in range(len(trace.events), -1, -1):
+            ledger.module = owners[j]
+            for g, p in schedule.appear.get(j, []):
+                param = self.groups[g].params[p]
+                nbytes = param.numel * param.comm_dtype.itemsize
+                ledger.alloc(self._grad_key(g, p), Category.GRADIENTS, nbytes, "gradient")
+            self._backward_segment(j)
+            for g in schedule.reduce.get(j, []):
+                self._post_backward(g)
+            event = trace.events[j - 1] if j > 0 else None
+            if event is not None and event.kind == "post" and event.needs_grad:
+                self._pre_backward(event.group)
+        for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
+            ledger.free(key)  # autograd is done: the graph and its gradients are gone
+        self._final_callback()
+
+    def _grad_key(self, g: int, p: int) -> Key:
+        """The key of the unsharded gradient of parameter ``p`` of group ``g``."""
+        return ("grad", sum(len(group.params) for group in self.groups[:g]) + p)
+
+    def _backward_segment(self, j: int) -> None:
+        """Activations and activation gradients while backward runs segment ``j``."""
+        ledger, trace = self.ledger, self.inputs.trace
+        if trace.backward is None:
+            if trace.activation_bytes[j]:  # freed as backward leaves the segment
+                ledger.free(("act", j))
+            return
+        profile = trace.backward[j]
+        # Backward's measured levels replace forward's per-segment records: one key from now.
+        for key in [k for k in ledger.live if k[0] == "act" and k[1] >= 0]:
+            ledger.free(key)
+        activations, scratch = ("act", -1), ("backward_scratch", 0)
+        ledger.set(scratch, Category.OTHER, 0, "")  # the measured pair replaces what was left
+        ledger.set(activations, Category.ACTIVATIONS, profile.activations, "activations")
+        ledger.set(scratch, Category.OTHER, profile.scratch, "activation gradients")
+        # What is left when the segment is done stays through the group's reduce-scatter.
+        ledger.set(activations, Category.ACTIVATIONS, profile.activations_after, "activations")
+        ledger.set(scratch, Category.OTHER, profile.scratch_after, "activation gradients")
+
+    def _pre_backward(self, g: int) -> None:
+        if self.state[g] != "idle":
+            return
+        self.state[g] = "pre_backward"
+        self.ledger.module = self.groups[g].fqn
+        self._unshard(g, "all-gather")
+        self._wait(g)
+        order = self.post_order
+        index = len(order) - 1 - order[::-1].index(g)
+        if index > 0 and order[index - 1] != g and self.state[order[index - 1]] == "idle":
+            self._unshard(order[index - 1], "all-gather (prefetch)")
+
+    def _grad_keys(self, g: int) -> list[Key]:
+        keys = [self._grad_key(g, p) for p in range(len(self.groups[g].params))]
+        return [k for k in keys if k in self.ledger.live]
+
+    def _post_backward(self, g: int) -> None:
+        self.state[g] = "post_backward"
+        self.ledger.module = self.groups[g].fqn
+        keys = self._grad_keys(g)
+        if keys:
+            self._start_reduce(g)
+        for key in keys:
+            self.ledger.free(key)
+        self._reshard(g)
+
+    def _start_reduce(self, g: int) -> None:
+        while self.reduces:  # at most one reduction in flight (max_reduces_in_flight = 1)
+            # The engine drops a finished reduction's buffers before allocating the next.
+            self._release(self._finish_reduce(self.reduces.popleft()))
+        group = self.groups[g]
+        row = group.reduce_nbytes
+        label = f"reduce-scatter {group.fqn}"
+        # The output becomes the sharded gradient: it counts as one from the start.
+        self.ledger.alloc(("reduce_out", g), Category.GRADIENTS, row, label)
+        if self.world > 1:
+            self.pool.get(self.world * row, ("reduce_send", g), label)
+            self._record("reduce_scatter", g, self.world, self.world * row, (self.world - 1) * row)
+            if self.gloo and self.world > 2:
+                self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
+        self.reduces.append(g)
+
+    def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
+        """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
+        group = self.groups[g]
+        row = group.reduce_nbytes
+        held: list[tuple[Key, int]] = []
+        if self.world > 1:
+            if self.gloo and self.world > 2:
+                # The received rows are summed into a temporary, then added to the output.
+                self.ledger.alloc(("reduce_sum", g), Category.COMM_BUFFERS, row, "row sum")
+                self.ledger.free(("reduce_sum", g))
+                held.append((("reduce_scatter_rows", g), (self.world - 1) * row))
+            held.append((("reduce_send", g), self.world * row))
+        if self.inputs.replicas > 1:
+            replicas = self.inputs.replicas
+            self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
+        if group.reduce_dtype == group.grad_dtype:
+            self.ledger.move(("reduce_out", g), ("sharded_grad", g))
+        else:
+            label = f"sharded gradients {group.fqn}"
+            nbytes = group.sharded_grad_nbytes
+            self.ledger.alloc(("sharded_grad", g), Category.GRADIENTS, nbytes, label)
+            held.append((("reduce_out", g), 0))
+        return held
+
+    def _release(self, held: list[tuple[Key, int]]) -> None:
+        for key, pool_size in held:
+            if pool_size:
+                self.pool.put(pool_size, key)
+            else:
+                self.ledger.free(key)
+
+    def _final_callback(self) -> None:
+        self.ledger.module = ""
+        for g in range(len(self.groups)):
+            if self.state[g] == "pre_backward" or self._grad_keys(g):
+                self._post_backward(g)
+        while self.reduces:
+            self._release(self._finish_reduce(self.reduces.popleft()))
+        for g in range(len(self.groups)):
+            self._reshard(g)
+            self.state[g] = "idle"
+
+    # --- optimizer -------------------------------------------------------------------------
+
+    def optimizer(self) -> None:
+        options, ledger = self.inputs.options, self.ledger
+        ledger.phase, ledger.module = Phase.OPTIMIZER, ""
+        shard_rank = options.rank % self.world
+        sizes = [
+            p.local_numel(shard_rank) * p.dtype.itemsize for g in self.groups for p in g.trainable
+        ]
+        scratch = 0
+        if options.num_states == 2 and sizes:
+            # Adam's denominator: per tensor on the CPU (sqrt, then divide: two temporaries),
+            # one foreach list for all parameters on GPUs.
+            scratch = sum(sizes) if not self.gloo else 2 * max(sizes)
+        if scratch:
+            ledger.alloc(("optim_scratch", 0), Category.OTHER, scratch, "optimizer step scratch")
+            ledger.free(("optim_scratch", 0))
+        for g in range(len(self.groups)):
+            if ("sharded_grad", g) in ledger.live:
+                ledger.free(("sharded_grad", g))

@@ -1,0 +1,385 @@
+"""The order groups run in and what activations cost: from a step on the meta device.
+
+A forward is cut into *segments* by the groups' pre- and post-forward events: segment ``j``
+lies between event ``j-1`` and event ``j``. Backward walks the same segments in reverse, so
+the engine's backward events are the forward ones mirrored (a post-forward becomes the
+pre-backward hook on that module's output).
+
+With example inputs, :func:`trace_step` runs the model forward on the meta device (nothing is
+allocated) with the parameters replaced by meta tensors of the gather dtype, and records:
+
+- the events, in the order the forward hooks fire (inputs cast to ``param_dtype`` at each
+  group, as the engine does);
+- the bytes autograd saves for backward, counted by unique storage in the segment that first
+  saved it, *excluding* parameter and buffer storages (those are not activations), plus the
+  model's output (what the loss saves is counted apart); ``scaled_dot_product_attention``
+  counts what a fused (flash) kernel saves, not the math fallback's (B, H, T, T) scores;
+- for each parameter, the segments where it is first and last used: its gradient appears
+  when backward reaches the last use and is complete at the first;
+- then the loss (``PlanOptions.loss``, or a unit loss on the outputs) and backward, also on
+  the meta device, for the memory of each segment's backward (see ``plan_backward``).
+
+Without inputs, :func:`assumed_trace` orders events as the module tree is registered and saves
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardkit.tools.plan_backward import (
+    BackwardSegment,
+    FusedAttention,
+    SegmentCursor,
+    backward_profile,
+    unit_loss,
+)
+from shardkit.tools.plan_groups import GroupSpec
+from shardkit.tools.plan_options import PlanOptions
+
+__all__ = [
+    "GradientSchedule",
+    "GroupEvent",
+    "StepTrace",
+    "assumed_trace",
+    "gradient_schedule",
+    "trace_step",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupEvent:
+    """A group's pre- or post-forward, by index into the plan's groups."""
+
+    kind: Literal["pre", "post"]
+    group: int
+    needs_grad: bool = True
+    """Whether a tensor crossing it requires grad. The engine's pre-backward hook sits on
+    the outputs that do: a post-forward with none is never mirrored in backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTrace:
+    """What the forward did, segment by segment."""
+
+    events: tuple[GroupEvent, ...]
+    """Group events in forward order."""
+    activation_bytes: tuple[int, ...]
+    """Bytes first saved in each segment (``len(events) + 1`` of them)."""
+    loss_bytes: int = 0
+    """What the loss saves for backward (after forward: not activations of the model)."""
+    backward: tuple[BackwardSegment, ...] | None = None
+    """Memory while backward runs each segment (None: not measured; then each segment's
+    activations are freed when backward leaves it and nothing else is counted)."""
+    uses: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Parameter FQN -> (first, last) segment using it; empty when not traced."""
+    traced: bool = False
+    """Whether this came from a real (meta) forward."""
+
+
+def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
+    """Events in module registration order (a group runs its children in order), no saves."""
+    index = {id(g.module): i for i, g in enumerate(groups)}
+    events: list[GroupEvent] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        group = index.get(id(module))
+        if group is not None:
+            events.append(GroupEvent("pre", group))
+        for child in module.children():
+            visit(child)
+        if group is not None:
+            events.append(GroupEvent("post", group))
+
+    visit(model)
+    return StepTrace(events=tuple(events), activation_bytes=(0,) * (len(events) + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class GradientSchedule:
+    """Where in backward each unsharded gradient appears and each group reduces."""
+
+    appear: dict[int, list[tuple[int, int]]]
+    """Segment -> (group, parameter) pairs whose gradient backward makes there."""
+    reduce: dict[int, list[int]]
+    """Segment -> groups whose last gradient is complete there: the engine reduces them.
+    A group with a trainable parameter backward never reaches is left out (the engine
+    reduces it in its end-of-backward callback)."""
+
+
+def gradient_schedule(trace: StepTrace, groups: list[GroupSpec]) -> GradientSchedule:
+    """A gradient appears at its parameter's last use; a group's last is done at its first.
+
+    Untraced, a group's gradients all appear at the end of its backward, just before it
+    reduces (the segment after its pre-forward).
+    """
+    appear: dict[int, list[tuple[int, int]]] = {}
+    reduce: dict[int, list[int]] = {}
+    pre_index: dict[int, int] = {}
+    for index, event in enumerate(trace.events):
+        if event.kind == "pre":
+            pre_index.setdefault(event.group, index)
+    for g, group in enumerate(groups):
+        trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
+        if not trace.traced:
+            segment = pre_index[g] + 1
+            appear.setdefault(segment, []).extend((g, i) for i in trainable)
+            if trainable:
+                reduce.setdefault(segment, []).append(g)
+            continue
+        uses = [trace.uses.get(group.params[i].fqn) for i in trainable]
+        for i, use in zip(trainable, uses, strict=True):
+            if use is not None:
+                appear.setdefault(use[1], []).append((g, i))
+        if trainable and all(u is not None for u in uses):
+            first = min(u[0] for u in uses if u is not None)
+            reduce.setdefault(first, []).append(g)
+    return GradientSchedule(appear, reduce)
+
+
+class _Recorder:
+    """Collects events, saved storages and parameter uses during the meta forward."""
+
+    def __init__(self, excluded: set[int], params: dict[int, str]) -> None:
+        self.events: list[GroupEvent] = []
+        # Saved storages -> segment of the first save. Weak: a storage freed in forward
+        # (never saved again) must not be mistaken for a new one that reuses its address.
+        self.saved = WeakIdKeyDictionary()  # storage -> (segment, saved by the loss)
+        self.in_loss = False  # what the loss saves is not the model's activations
+        self.excluded = excluded  # parameter and buffer storages (alive all along)
+        self.params = params  # id of a replacement parameter tensor -> FQN
+        self.uses: dict[str, tuple[int, int]] = {}
+        self.cursor = SegmentCursor()  # backward's position, moved by hooks set here
+
+    @property
+    def segment(self) -> int:
+        return len(self.events)
+
+    def save(self, tensor: torch.Tensor, segment: int | None = None) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # sparse or opaque tensors: no storage to count
+        if storage._cdata not in self.excluded and storage not in self.saved:
+            self.saved[storage] = (self.segment if segment is None else segment, self.in_loss)
+
+    def event(self, kind: Literal["pre", "post"], group: int, crossing: Any) -> None:
+        """A group event; ``crossing`` holds the tensors passed across it."""
+        needs_grad = False
+        for t in pytree.tree_leaves(crossing):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                # Hooked, not kept: holding the tensor would keep it alive through backward.
+                t.register_hook(self.cursor.hook(self.segment))
+                needs_grad = True
+        self.events.append(GroupEvent(kind, group, needs_grad))
+
+    def use(self, tensors: list[Any]) -> None:
+        for t in tensors:
+            name = self.params.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is not None:
+                first = self.uses.get(name, (self.segment, self.segment))[0]
+                self.uses[name] = (first, self.segment)
+
+    def activation_bytes(self) -> tuple[int, ...]:
+        per_segment = [0] * (len(self.events) + 1)
+        for storage, (segment, in_loss) in self.saved.items():
+            if not in_loss:
+                per_segment[segment] += storage.nbytes()
+        return tuple(per_segment)
+
+    def loss_bytes(self) -> int:
+        return sum(st.nbytes() for st, (_, in_loss) in self.saved.items() if in_loss)
+
+
+class _TraceMode(TorchFunctionMode):
+    """Notes every torch call that takes a (replacement) parameter; runs attention as fused.
+
+    On the meta device ``scaled_dot_product_attention`` would fall back to the math kernel,
+    which saves (and in backward differentiates) the (B, H, T, T) scores; GPUs run a fused
+    kernel, which :class:`FusedAttention` stands in for.
+    """
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self.recorder.use(pytree.tree_leaves((args, kwargs)))
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value")
+            qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
+            if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
+                return FusedAttention.apply(*qkv)  # type: ignore[no-untyped-call]  # torch's
+        return func(*args, **kwargs)
+
+
+def trace_step(
+    model: nn.Module,
+    groups: list[GroupSpec],
+    options: PlanOptions,
+) -> StepTrace:
+    """Run ``model`` forward, the loss and backward on the meta device, and record.
+
+    Raises:
+        TypeError: ``options.inputs`` returns something other than a tensor, tuple or dict.
+        RuntimeError: the forward or the loss fails on the meta device (the message says so).
+    """
+    assert options.inputs is not None
+    args, kwargs = _as_call(options.inputs())
+    replacements: dict[str, torch.Tensor] = {}
+    param_names: dict[int, str] = {}
+    for g in groups:
+        for p in g.params:
+            fake = torch.empty(p.shape, dtype=p.comm_dtype, device="meta")
+            fake.requires_grad_(p.requires_grad)
+            replacements[p.fqn] = fake
+            param_names[id(fake)] = p.fqn
+    excluded = {t.untyped_storage()._cdata for t in replacements.values()}
+    excluded |= {b.untyped_storage()._cdata for b in model.buffers()}
+    recorder = _Recorder(excluded, param_names)
+    root_is_group = any(g.module is model for g in groups)
+    with ExitStack() as stack:
+        stack.enter_context(_group_hooks(model, groups, recorder, options.param_dtype))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
+        stack.enter_context(_TraceMode(recorder))
+        output = _run(
+            "forward", lambda: functional_call(model, replacements, args, kwargs, strict=False)
+        )
+        # The output exists before the root's post-forward event (when the root is a group).
+        _save_output(recorder, output, recorder.segment - (1 if root_is_group else 0))
+        recorder.in_loss = True
+        loss = _loss(output, options.loss)
+    del output  # only the loss's graph holds it now, as in training
+    activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
+    profile = None
+    if loss is not None:
+        leaves = list(replacements.values())
+        profile = backward_profile(loss, recorder.cursor, recorder.saved, leaves, len(activations))
+    return StepTrace(
+        events=tuple(recorder.events),
+        activation_bytes=activations,
+        loss_bytes=loss_bytes,
+        backward=profile,
+        uses=dict(recorder.uses),
+        traced=True,
+    )
+
+
+def _save_output(recorder: _Recorder, output: Any, segment: int) -> None:
+    # A function of its own: a loop variable left behind would keep the output alive.
+    for tensor in pytree.tree_leaves(output):
+        if isinstance(tensor, torch.Tensor):
+            recorder.save(tensor, segment)
+
+
+def _run(what: str, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as err:
+        raise RuntimeError(
+            f"shardkit.tools.plan: the {what} failed on the meta device: {err}"
+        ) from err
+
+
+def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
+    """The scalar to backpropagate, or None when nothing in the output needs a gradient."""
+    if loss_fn is not None:
+        loss = _run("loss", lambda: loss_fn(output))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("shardkit.tools.plan: PlanOptions.loss must return a scalar tensor")
+        return loss if loss.requires_grad else None
+    leaves = pytree.tree_leaves(output)
+    differentiable = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return unit_loss(differentiable) if differentiable else None
+
+
+def _packer(recorder: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        recorder.save(tensor)
+        return tensor
+
+    return pack
+
+
+@contextmanager
+def _group_hooks(
+    model: nn.Module,
+    groups: list[GroupSpec],
+    recorder: _Recorder,
+    param_dtype: torch.dtype | None,
+) -> Iterator[None]:
+    """Forward hooks on every group module: record events, cast inputs as the engine does."""
+    handles = []
+    for index, group in enumerate(groups):
+
+        def pre(
+            module: nn.Module,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            index: int = index,
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if param_dtype is not None:
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor,
+                    lambda t: t.to(param_dtype) if t.is_floating_point() else t,
+                    (args, kwargs),
+                )
+            recorder.event("pre", index, (args, kwargs))
+            return args, kwargs
+
+        def post(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
+            recorder.event("post", index, output)
+
+        handles.append(group.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(group.module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments from what ``inputs()`` returned, moved to meta."""
+    if isinstance(value, torch.Tensor):
+        args: tuple[Any, ...] = (value,)
+        kwargs: dict[str, Any] = {}
+    elif isinstance(value, tuple | list):
+        args, kwargs = tuple(value), {}
+    elif isinstance(value, dict):
+        args, kwargs = (), dict(value)
+    else:
+        raise TypeError(
+            "shardkit.tools.plan: inputs() must return a tensor, a tuple of positional "
+            f"arguments or a dict of keyword arguments, got {type(value).__name__}"
+        )
+    # Real tensors are fine to pass (say, a batch from the data loader): meta copies of them
+    # are what the forward needs, and they allocate nothing.
+    moved: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(
+        torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), (args, kwargs)
+    )
+    return moved

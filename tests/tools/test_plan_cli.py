@@ -1,0 +1,108 @@
+"""shardkit-plan: tables, JSON, and clear errors for factories that do not work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from shardkit.tools.plan_cli import human_bytes, load_factory, main
+
+TINY = "shardkit.tools.examples:llama_tiny"
+
+
+def cpu_model() -> nn.Module:
+    """A factory that forgets the meta device."""
+    return nn.Linear(4, 4)
+
+
+def test_json_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([TINY, "--world-size", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["factory"] == TINY and data["world_size"] == 4
+    assert [g["fqn"] for g in data["groups"]] == [*(f"layers.{i}" for i in range(4)), "<root>"]
+    assert data["param_count"] == sum(g["param_count"] for g in data["groups"])
+    assert data["sent_bytes_per_step"] == sum(c["sent_bytes_per_step"] for c in data["collectives"])
+    assert data["options"]["reshard_after_forward"] is None
+    assert data["memory"]["category_max"]["activations"] == 0
+
+
+def test_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [TINY, "--world-size", "4", "--mesh", "2,2", "--param-dtype", "bf16"]
+    argv += ["--reduce-dtype", "fp32", "--no-reshard-after-forward", "--optimizer", "sgd"]
+    argv += ["--inputs", "shardkit.tools.examples:llama_tiny_inputs", "--backend", "gloo"]
+    argv += ["--bandwidth-gbps", "10", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["replicas"], data["shard_size"]) == (2, 2)
+    options = data["options"]
+    assert (options["param_dtype"], options["reduce_dtype"]) == ("bfloat16", "float32")
+    assert options["reshard_after_forward"] is False and options["optimizer"] == "sgd"
+    assert data["activations_traced"] and data["memory"]["category_max"]["activations"] > 0
+    assert data["memory"]["category_max"]["optimizer_state"] == 0
+    assert {c["kind"] for c in data["collectives"]} == {
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+    }
+    assert data["comm_seconds"] == pytest.approx(data["sent_bytes_per_step"] / 10e9)
+
+
+def test_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([TINY, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 ranks (FSDP)" in out
+    assert "layers.0 .. layers.3 (x4)" in out  # identical blocks fold into one row
+    assert "all_gather" in out and "reduce_scatter" in out
+    for category in ("sharded_params", "unsharded_params", "optimizer_state", "comm_buffers"):
+        assert category in out
+    assert "activations not counted" in out
+    assert main([TINY, "--world-size", "2", "--all-groups"]) == 0
+    assert "layers.3  " in capsys.readouterr().out
+
+
+def test_wrap_by_class_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([TINY, "--world-size", "2", "--wrap", "Attention,FeedForward", "--json"]) == 0
+    groups = [g["fqn"] for g in json.loads(capsys.readouterr().out)["groups"]]
+    assert groups[:2] == ["layers.0.attention", "layers.0.feed_forward"] and len(groups) == 9
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+        ("shardkit.tools.examples:nothing", "has no attribute 'nothing'"),
+        ("shardkit.tools.examples", "is not of the form module:function"),
+        ("shardkit.tools.examples:llama_tiny_inputs", "returned Tensor, not an nn.Module"),
+        ("shardkit.tools.examples:__doc__", "not a callable"),
+    ],
+)
+def test_bad_factories_are_named(
+    factory: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([factory, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and factory in err
+
+
+def test_a_model_that_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tests.tools.test_plan_cli:cpu_model", "--world-size", "2"]) == 1
+    assert "weight is on cpu" in capsys.readouterr().err
+    assert main([TINY, "--world-size", "4", "--mesh", "2,3"]) == 1
+    assert "mesh_shape" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        main([TINY, "--world-size", "2", "--param-dtype", "int7"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        main([TINY])  # --world-size is required
+
+
+def test_helpers() -> None:
+    assert load_factory("shardkit.tools.examples:llama_tiny")().__class__.__name__ == "Llama"
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(3 * 1024**2) == "3.00 MiB"
+    assert human_bytes(1.5 * 1024**3) == "1.50 GiB"
