@@ -62,7 +62,7 @@ def test_tracking_overhead(benchmark: Any, tracker: str) -> None:
         for which in order:
             times[which].append(max(run_on_ranks(2, _step, step=counter[0], tracker=which)))
 
-    benchmark.pedantic(one_round, rounds=12, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(one_round, rounds=20, iterations=1, warmup_rounds=1)
     run_on_ranks(2, _teardown)
     ratio = statistics.median(t / b for t, b in zip(times[tracker], times["none"], strict=True))
     benchmark.extra_info.update(

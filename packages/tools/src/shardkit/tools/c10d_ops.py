@@ -1,9 +1,8 @@
 """What each torch.distributed operator is, and how many bytes it moves.
 
 Every c10d collective, whoever calls it (torch's ``fully_shard``, FSDP1, DDP's reducer, user
-code), reaches the dispatcher as one of the ``c10d::`` operators below, and functional
-collectives (DTensor, torch.compile) as ``_c10d_functional::`` ones. A dispatch mode sees
-their arguments; this module turns them into a kind and byte counts.
+code), reaches the dispatcher as one of the ``c10d::`` operators below. A kernel registered
+for them sees their arguments; this module turns those into a kind and byte counts.
 
 Bytes sent per rank are those of a bandwidth-optimal algorithm (a ring, for instance), not what
 a given backend happens to send: they are what the theoretical minimum is stated in.
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["OpInfo", "describe"]
+__all__ = ["OPERATORS", "OpInfo", "describe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +127,10 @@ _C10D: dict[str, tuple[str, _Bytes]] = {
     "monitored_barrier_": ("barrier", _nothing),
 }
 
-_FUNCTIONAL: dict[str, str] = {
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-    "all_to_all_single": "all_to_all",
-}
+OPERATORS: dict[str, tuple[str, ...]] = {"c10d": tuple(_C10D)}
+"""The collective operators a tracker hooks, by namespace. Functional collectives
+(``_c10d_functional``: DTensor redistribution, compiled code) are not among them yet: they
+have an autograd kernel of their own, which a hook at that key would replace."""
 
 
 def _named_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -154,34 +149,9 @@ def _describe_c10d(name: str, named: dict[str, Any]) -> OpInfo:
     return OpInfo(kind, size, group.group_name, input_bytes, sent, blocking)
 
 
-def _describe_functional(name: str, named: dict[str, Any]) -> OpInfo:
-    kind = _FUNCTIONAL[name]
-    group_name = str(named["group_name"])
-    size = int(named.get("group_size") or _group_size(group_name))
-    n = _nbytes(named["input"])
-    sent = {
-        "all_gather": n * (size - 1),
-        "reduce_scatter": n * (size - 1) // max(size, 1),
-        "all_reduce": 2 * n * (size - 1) // max(size, 1),
-        "broadcast": n,
-        "all_to_all": n * (size - 1) // max(size, 1),
-    }[kind]
-    return OpInfo(kind, size, group_name, n, sent)
-
-
-def _group_size(group_name: str) -> int:
-    # Functional collectives name their group; c10d resolves names only through this helper.
-    from torch.distributed import distributed_c10d
-
-    resolve: Any = distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
-    return int(resolve(group_name).size())
-
-
 def describe(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> OpInfo | None:
     """The collective ``func`` (an OpOverload) performs, or None if it is not one."""
     namespace, name = func.namespace, func._opname
     if namespace == "c10d" and name in _C10D:
         return _describe_c10d(name, _named_args(func, args, kwargs))
-    if namespace == "_c10d_functional" and name in _FUNCTIONAL:
-        return _describe_functional(name, _named_args(func, args, kwargs))
     return None

@@ -2,13 +2,15 @@
 
 How it sees them (see [Note: observing torch programs] in docs/notes/004):
 
-- Issue: a dispatch mode catches every c10d and functional-collective operator (whoever
-  calls it: torch's ``fully_shard``, FSDP1, DDP's reducer, shardkit, user code).
+- Issue: a kernel registered at the Autograd key of every c10d collective operator sees each
+  call (whoever makes it: torch's ``fully_shard``, FSDP1, DDP's reducer, shardkit, user
+  code), and nothing else, so other operators cost nothing. Functional collectives (DTensor
+  redistribution, compiled code) are not seen yet.
 - Completion: the Work's future, where the backend offers one; otherwise the return of the
   wait on it.
 - Exposed time: the time the training thread spends inside ``Work.wait`` (wrapped while
-  tracking) and in functional ``wait_tensor``. Waits made inside C++ (DDP's reducer) are not
-  visible, so DDP's exposed time reads as zero.
+  tracking), or in the call itself for a blocking (``async_op=False``) collective. Waits
+  made inside C++ (DDP's reducer) are not visible, so DDP's exposed time reads as zero.
 - shardkit's engine announces each collective on its event stream, so the point-to-point
   messages that carry one on gloo are reported as the one all-gather or reduce-scatter they are.
 """
@@ -25,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from shardkit.tools import comm_summary
-from shardkit.tools.c10d_ops import OpInfo, describe
+from shardkit.tools.c10d_ops import OPERATORS, OpInfo, describe
 from shardkit.tools.records import CollectiveRecord, CommSummary, Phase, RankReport
 from shardkit.tools.scope import ModuleScope
-from shardkit.tools.tracking import LightDispatchMode, MethodWrap, Tracker
+from shardkit.tools.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
 
 __all__ = ["CommTracker", "rank_and_world"]
 
@@ -81,22 +83,7 @@ def _timed_wait(original: Any, trackers: list[CommTracker]) -> Any:
 _WAIT_WRAP: MethodWrap[CommTracker] = MethodWrap(dist.Work, "wait", _timed_wait)
 
 
-class _Dispatch(LightDispatchMode):
-    def __init__(self, tracker: CommTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not self.is_comm(func):
-            return func(*args, **kwargs)
-        return self.tracker._on_op(func, args, kwargs)
+_COLLECTIVE_OPS = CollectiveOps(OPERATORS)
 
 
 class CommTracker(Tracker):
@@ -125,9 +112,8 @@ class CommTracker(Tracker):
         self.scope = scope if scope is not None else ModuleScope()
         self._pending: list[_Pending] = []
         self._by_work: dict[int, tuple[_Pending, object]] = {}  # id(work) -> (owner, work)
-        self._by_output: dict[int, _Pending] = {}  # functional output data_ptr -> owner
         self._logical: _Pending | None = None  # a shardkit collective being issued
-        self._mode: _Dispatch | None = None
+        self._running = False
         self._unsubscribe: Any = None
         self._lock = threading.Lock()
 
@@ -135,22 +121,22 @@ class CommTracker(Tracker):
 
     def start(self) -> CommTracker:
         """Start recording (what ``with`` does)."""
-        if self._mode is not None:
+        if self._running:
             raise RuntimeError("CommTracker is already running")
         if self._own_scope:
             self.scope.start()
         self._subscribe_to_shardkit()
         _WAIT_WRAP.add(self)
-        self._mode = _Dispatch(self)
-        self._mode.enter()
+        _COLLECTIVE_OPS.add(self)
+        self._running = True
         return self
 
     def stop(self) -> None:
         """Stop recording; what was recorded stays available."""
-        if self._mode is None:
+        if not self._running:
             return
-        self._mode.exit()
-        self._mode = None
+        self._running = False
+        _COLLECTIVE_OPS.remove(self)
         _WAIT_WRAP.remove(self)
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -203,37 +189,31 @@ class CommTracker(Tracker):
 
         self._unsubscribe = subscribe(on_event)
 
-    def _new(self, info: OpInfo, op: str) -> _Pending:
+    def _new(self, info: OpInfo, op: str, started: float | None = None) -> _Pending:
         module, phase = self.scope.current()
-        now = self.scope.now()
+        now = self.scope.now() if started is None else started - self.scope.t0
         pending = _Pending(info, op, now, module, phase, self.scope.step, issued_s=now)
         with self._lock:
             self._pending.append(pending)
         return pending
 
-    def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if func._opname == "wait_tensor":
-            return self._on_wait_tensor(func, args, kwargs)
-        info = describe(func, args, kwargs)
+    def on_collective(self, call: OpCall) -> None:
+        """Record one collective operator call (see ``CollectiveOps``)."""
+        func = call.func
+        info = describe(func, call.args, call.kwargs)
         if info is None:
-            return func(*args, **kwargs)
+            return
         if self._logical is not None:
             owner = self._logical  # one of the messages that carry a shardkit collective
             if not owner.info.group:
                 owner.info = dataclasses.replace(owner.info, group=info.group)
         else:
-            owner = self._new(info, f"{func.namespace}.{func._opname}")
-        called = time.perf_counter()
-        out = func(*args, **kwargs)
-        returned = time.perf_counter()
-        owner.issued_s = returned - self.scope.t0
+            owner = self._new(info, f"{func.namespace}.{func._opname}", call.called_s)
+        owner.issued_s = call.returned_s - self.scope.t0
         if info.blocking:
-            owner.wait_s += returned - called
-        for work in _works(out):
+            owner.wait_s += call.returned_s - call.called_s
+        for work in _works(call.out):
             self._watch(owner, work)
-        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
-            self._by_output[out.data_ptr()] = owner
-        return out
 
     def _watch(self, owner: _Pending, script_work: torch.ScriptObject) -> None:
         work = dist.Work.unbox(script_work)
@@ -258,17 +238,6 @@ class CommTracker(Tracker):
         owner.wait_s += ended - started
         if self._by_work.pop(id(work), None) is not None:  # finished, and no future told us
             owner.done_s.append(ended - self.scope.t0)
-
-    def _on_wait_tensor(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        started = time.perf_counter()
-        out = func(*args, **kwargs)
-        ended = time.perf_counter()
-        tensor = args[0] if args else kwargs.get("tensor")
-        owner = self._by_output.pop(tensor.data_ptr(), None) if tensor is not None else None
-        if owner is not None:
-            owner.wait_s += ended - started
-            owner.done_s.append(ended - self.scope.t0)
-        return out
 
 
 def _works(out: Any) -> list[torch.ScriptObject]:

@@ -38,6 +38,8 @@ from shardkit.tools.tracking import LightDispatchMode, MethodWrap, Tracker
 
 __all__ = ["MemoryTracker"]
 
+_NO_SHAPES: frozenset[tuple[int, ...]] = frozenset()
+
 
 def _logged_resize(original: Any, ledgers: list[StorageLedger]) -> Any:
     def resize_(storage: torch.UntypedStorage, size: int) -> Any:
@@ -66,9 +68,8 @@ class _Dispatch(LightDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.tracker._on_op(func, args, kwargs, out, self.is_comm(func))
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self.tracker._on_op(func, args, kwargs or {}, out, self.is_comm(func))
         return out
 
 
@@ -228,28 +229,39 @@ class MemoryTracker(Tracker):
                     ledger.track_tensor(value, Category.COMM_BUFFERS)
             return
         for value in args:
-            kind = type(value)
-            if kind is torch.Tensor or not isinstance(value, nn.Parameter):
-                continue  # (plain tensors first: Parameter's isinstance check is slow)
-            if has_own_storage(value):
+            # Cheap tests first: most arguments are plain tensors or not tensors at all, and
+            # Parameter's own isinstance check runs in Python.
+            if (
+                type(value) is not torch.Tensor
+                and isinstance(value, torch.Tensor)
+                and isinstance(value, nn.Parameter)
+                and has_own_storage(value)
+            ):
                 # A parameter in use that is not a sharded one: FSDP's unsharded form (the
                 # resident parameters of an unsharded model keep their higher category).
                 ledger.track(value.untyped_storage(), Category.UNSHARDED_PARAMS)
+        if type(out) is torch.Tensor and not self.scope.in_backward:
+            # The common case, on the fastest path: one plain tensor made in forward or outside
+            # backward, very often a view of a storage already known.
+            storage = out.untyped_storage()
+            if not ledger.knows(storage) and not out.is_meta:
+                ledger.track(storage)
+            return
         outputs = _tensors(out)
         if not outputs:
             return
-        shapes = self._param_grad_shapes()
+        shapes = self._param_grad_shapes() if self.scope.in_backward else _NO_SHAPES
         for tensor in outputs:
             if not has_own_storage(tensor):
                 continue
             hint = Category.GRADIENTS if shapes and tuple(tensor.shape) in shapes else None
             ledger.track(tensor.untyped_storage(), hint)
 
-    def _param_grad_shapes(self) -> set[tuple[int, ...]]:
+    def _param_grad_shapes(self) -> set[tuple[int, ...]] | frozenset[tuple[int, ...]]:
         """Shapes of the parameters whose gradient the running autograd node produces."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return set()
+            return _NO_SHAPES
         cached = self._grad_shapes.get(id(node))
         if cached is not None:
             return cached[1]

@@ -83,6 +83,7 @@ class ModuleScope:
         self._step_owner: weakref.ref[torch.optim.Optimizer] | None = None
         self._handles: list[RemovableHandle] = []
         self._listeners: list[Callable[[ScopeChange], None]] = []
+        self._here: tuple[str, Phase] | None = None  # current(), until the next change
 
     def now(self) -> float:
         """Seconds since this scope was created."""
@@ -112,9 +113,21 @@ class ModuleScope:
         for frame in [*self._backward, *self._forward]:
             self._close(frame, end)
         self._forward, self._backward = [], []
+        self._in_backward, self._optimizer, self._here = False, None, None
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass is running."""
+        return self._in_backward
 
     def current(self) -> tuple[str, Phase]:
         """The innermost running module ('' for none) and the phase."""
+        # Asked for at every allocation by MemoryTracker: cached until the next change.
+        if self._here is None:
+            self._here = self._find_current()
+        return self._here
+
+    def _find_current(self) -> tuple[str, Phase]:
         if self._optimizer is not None:
             return "", Phase.OPTIMIZER
         if self._in_backward:
@@ -238,6 +251,7 @@ class ModuleScope:
         )
 
     def _notify(self, what: str, module: str, phase: Phase) -> None:
+        self._here = None  # every change of module or phase comes through here
         if self._listeners:
             change = ScopeChange(what, module, phase, self.now())
             for listener in self._listeners:

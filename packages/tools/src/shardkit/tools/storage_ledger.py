@@ -13,7 +13,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,12 +37,14 @@ class Entry:
     created_phase: Phase
     hint: Category | None = None
     freed_s: float | None = None
-    ref: Any = None  # the weakref whose callback logs the free
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Live bytes changed by ``delta`` for storage ``key`` at ``t_s``."""
+class Event(NamedTuple):
+    """Live bytes changed by ``delta`` for storage ``key`` at ``t_s``.
+
+    A named tuple rather than a dataclass: one is made per allocation and free, and tuples
+    are the cheapest objects to make.
+    """
 
     t_s: float
     key: int
@@ -64,7 +66,14 @@ class StorageLedger:
         # id(storage) -> Entry. A storage's Python object lives exactly as long as the storage
         # (torch preserves it), and the free callback removes the id, so ids are never stale.
         self._by_id: dict[int, Entry] = {}
+        # The weak references whose callbacks log frees -> (entry, id of its storage). One
+        # bound method serves every storage: no closure made per allocation.
+        self._by_ref: dict[Any, tuple[Entry, int]] = {}
         self._keys = itertools.count()
+
+    def knows(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is tracked already."""
+        return id(storage) in self._by_id
 
     def track(self, storage: torch.UntypedStorage, hint: Category | None = None) -> Entry | None:
         """Know ``storage`` (logging its bytes as live now if new) and apply ``hint``."""
@@ -74,7 +83,8 @@ class StorageLedger:
         if entry is None:
             t, module, phase, step = self.where()
             entry = Entry(next(self._keys), storage.nbytes(), t, phase)
-            entry.ref = weakref.ref(storage, self._freed_callback(entry, id(storage)))
+            ref = weakref.ref(storage, self._freed)
+            self._by_ref[ref] = (entry, id(storage))
             self._by_id[id(storage)] = entry
             self.entries[entry.key] = entry
             if entry.nbytes:
@@ -101,15 +111,16 @@ class StorageLedger:
             self.events.append(Event(t, entry.key, nbytes - entry.nbytes, module, phase, step))
             entry.nbytes = nbytes
 
-    def _freed_callback(self, entry: Entry, storage_id: int) -> Any:
-        def freed(_ref: Any) -> None:
-            self._by_id.pop(storage_id, None)
-            t, module, phase, step = self.where()
-            entry.freed_s = t
-            if entry.nbytes:
-                self.events.append(Event(t, entry.key, -entry.nbytes, module, phase, step))
-
-        return freed
+    def _freed(self, ref: Any) -> None:
+        found = self._by_ref.pop(ref, None)
+        if found is None:
+            return
+        entry, storage_id = found
+        self._by_id.pop(storage_id, None)
+        t, module, phase, step = self.where()
+        entry.freed_s = t
+        if entry.nbytes:
+            self.events.append(Event(t, entry.key, -entry.nbytes, module, phase, step))
 
     def take_events(self) -> list[Event]:
         """The events logged since the last call, oldest first."""

@@ -7,13 +7,24 @@ See [Note: observing torch programs] in docs/notes/004-observing-torch-programs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COMM_NAMESPACES", "LightDispatchMode", "MethodWrap", "Tracker"]
+__all__ = [
+    "COMM_NAMESPACES",
+    "CollectiveListener",
+    "CollectiveOps",
+    "LightDispatchMode",
+    "MethodWrap",
+    "OpCall",
+    "Tracker",
+]
 
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 """Operator namespaces of collectives: c10d's and the functional ones (DTensor, compile)."""
@@ -103,3 +114,71 @@ class MethodWrap(Generic[L]):
         self.listeners.remove(listener)
         if not self.listeners:
             setattr(self.owner, self.name, self._original)
+
+
+class CollectiveListener(Protocol):
+    """What :class:`CollectiveOps` tells: each collective operator call, after it returned."""
+
+    def on_collective(self, call: OpCall) -> None:
+        """``call`` ran (issued, for an asynchronous collective)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """One call of a collective operator, as the hook saw it."""
+
+    func: Any  # the OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    called_s: float  # time.perf_counter() before the call
+    returned_s: float  # and after
+
+
+class CollectiveOps:
+    """Python kernels at the Autograd key of every collective operator, while listeners exist.
+
+    Collective operators have no autograd kernel of their own, so a kernel registered there
+    runs first for every call (from Python or from C++, such as DDP's reducer), and only for
+    those calls: unlike a dispatch mode, the other operators cost nothing. The kernel calls
+    the operator below autograd, then tells the listeners. The registration is removed when
+    the last listener leaves.
+    """
+
+    def __init__(self, ops: dict[str, tuple[str, ...]]) -> None:
+        self._ops = ops  # namespace -> operator names
+        self.listeners: list[CollectiveListener] = []
+        self._libraries: list[torch.library.Library] = []
+
+    def add(self, listener: CollectiveListener) -> None:
+        """Start telling ``listener`` (registering the kernels if it is the first)."""
+        if not self.listeners:
+            for namespace, names in self._ops.items():
+                library = torch.library.Library(namespace, "IMPL")
+                for name in names:
+                    func = getattr(getattr(torch.ops, namespace), name).default
+                    library.impl(name, self._kernel(func), "Autograd")
+                self._libraries.append(library)
+        self.listeners.append(listener)
+
+    def remove(self, listener: CollectiveListener) -> None:
+        """Stop telling ``listener`` (removing the kernels if it was the last)."""
+        self.listeners.remove(listener)
+        if not self.listeners:
+            for library in self._libraries:
+                library._destroy()
+            self._libraries = []
+
+    def _kernel(self, func: Any) -> Callable[..., Any]:
+        listeners = self.listeners
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            called = time.perf_counter()
+            with torch._C._AutoDispatchBelowAutograd():
+                out = func(*args, **kwargs)
+            call = OpCall(func, args, kwargs, out, called, time.perf_counter())
+            for listener in tuple(listeners):
+                listener.on_collective(call)
+            return out
+
+        return kernel
