@@ -87,6 +87,7 @@ def test_dcp(benchmark: Any, op: str, tmp_path: Path) -> None:
     ratios = [s / t for s, t in zip(times["shardkit"], times["torch"], strict=True)]
     benchmark.extra_info.update(
         subject="shardkit",
+        method="paired",
         median_s=statistics.median(times["shardkit"]),
         peer_median_s=statistics.median(times["torch"]),
         ratio_vs_peer=statistics.median(ratios),

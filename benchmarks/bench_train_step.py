@@ -124,7 +124,7 @@ def test_train_step(benchmark: Any, scenario: str, impl: str) -> None:
     step_s = statistics.median(times)
     wire = statistics.median(ranks[0]["wire_bytes"] for ranks in records)
     result = {"step_s": step_s, "wire_bytes": wire}
-    info: dict[str, Any] = {"scenario": scenario, "median_step_s": step_s}
+    info: dict[str, Any] = {"scenario": scenario, "median_step_s": step_s, "method": "paired"}
     if sc.world > 1 and impl != "ddp":
         result["wire_over_min"] = wire / sc.theoretical_min()
         info["wire_bytes_per_rank"] = wire

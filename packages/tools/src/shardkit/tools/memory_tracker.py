@@ -7,7 +7,7 @@ How it sees memory (see [Note: observing torch programs] in docs/notes/004):
 - ``UntypedStorage.resize_`` is wrapped while tracking, since FSDP engines (torch's and ours)
   grow and free unsharded storages by resizing, which no operator reports.
 - Categories come from what a storage is seen to be: the modules' parameters when first seen
-  (sharded parameters), other ``nn.Parameter`` arguments of operators (unsharded parameters),
+  (sharded parameters), a running module's other parameters (unsharded parameters),
   ``.grad`` of the optimizer's parameters and gradients computed for a parameter in backward
   (gradients), the optimizer's state, tensors handed to collectives (communication buffers);
   the rest is an activation if made in forward and alive after it, else "other".
@@ -33,7 +33,12 @@ from torch.utils.hooks import RemovableHandle
 from shardkit.tools.memory_replay import Replay
 from shardkit.tools.records import Category, MemoryReport, MemorySample, Phase
 from shardkit.tools.scope import ModuleScope, ScopeChange
-from shardkit.tools.storage_ledger import StorageLedger, Where, has_own_storage
+from shardkit.tools.storage_ledger import (
+    StorageLedger,
+    Where,
+    has_own_storage,
+    keeps_own_storage,
+)
 from shardkit.tools.tracking import LightDispatchMode, MethodWrap, Tracker
 
 __all__ = ["MemoryTracker"]
@@ -69,7 +74,21 @@ class _Dispatch(LightDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
-        self.tracker._on_op(func, args, kwargs or {}, out, self.is_comm(func))
+        # Runs for every operator: the common case is kept to a few cheap tests, inline.
+        for kind in types:
+            if kind is not torch.Tensor and not keeps_own_storage(kind):
+                # A wrapper subclass's op (DTensor's, in FSDP's optimizer step): its outputs
+                # hold no storage of their own, and its local ops are not ours to see.
+                return out
+        tracker = self.tracker
+        is_comm = self.is_comm(func)
+        if not is_comm and type(out) is torch.Tensor and not tracker.scope.in_backward:
+            # One plain tensor out, outside backward: very often a view of a known storage.
+            storage = out.untyped_storage()
+            if not tracker.ledger.knows(storage) and not out.is_meta:
+                tracker.ledger.track(storage)
+            return out
+        tracker._on_op(args, kwargs or {}, out, is_comm)
         return out
 
 
@@ -132,6 +151,7 @@ class MemoryTracker(Tracker):
             register_optimizer_step_pre_hook(lambda opt, a, k: self._learn_optimizer(opt)),
             register_optimizer_step_post_hook(lambda opt, a, k: self._learn_optimizer(opt)),
             nn.modules.module.register_module_forward_pre_hook(self._on_forward),
+            nn.modules.module.register_module_forward_hook(self._after_forward),
         ]
         _RESIZE_WRAP.add(self.ledger)
         self._mode = _Dispatch(self)
@@ -202,6 +222,19 @@ class MemoryTracker(Tracker):
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if id(module) not in self._seen_modules:
             self._learn_module(module)  # an outermost module's first forward: still sharded
+        self._note_unsharded(module)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._note_unsharded(module)
+
+    def _note_unsharded(self, module: nn.Module) -> None:
+        # The module's own parameters while it runs: not the sharded ones already known, so
+        # FSDP's unsharded form (resident parameters of an unsharded model keep their higher
+        # category). Seen before and after its forward, since global hooks run before an
+        # FSDP module's own unshard hook and before its reshard hook.
+        for param in module._parameters.values():
+            if param is not None and has_own_storage(param):
+                self.ledger.track(param.untyped_storage(), Category.UNSHARDED_PARAMS)
 
     def _learn_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
@@ -216,7 +249,6 @@ class MemoryTracker(Tracker):
 
     def _on_op(
         self,
-        func: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: Any,
@@ -227,25 +259,6 @@ class MemoryTracker(Tracker):
             for value in tree_leaves((args, kwargs)):
                 if isinstance(value, torch.Tensor):
                     ledger.track_tensor(value, Category.COMM_BUFFERS)
-            return
-        for value in args:
-            # Cheap tests first: most arguments are plain tensors or not tensors at all, and
-            # Parameter's own isinstance check runs in Python.
-            if (
-                type(value) is not torch.Tensor
-                and isinstance(value, torch.Tensor)
-                and isinstance(value, nn.Parameter)
-                and has_own_storage(value)
-            ):
-                # A parameter in use that is not a sharded one: FSDP's unsharded form (the
-                # resident parameters of an unsharded model keep their higher category).
-                ledger.track(value.untyped_storage(), Category.UNSHARDED_PARAMS)
-        if type(out) is torch.Tensor and not self.scope.in_backward:
-            # The common case, on the fastest path: one plain tensor made in forward or outside
-            # backward, very often a view of a storage already known.
-            storage = out.untyped_storage()
-            if not ledger.knows(storage) and not out.is_meta:
-                ledger.track(storage)
             return
         outputs = _tensors(out)
         if not outputs:

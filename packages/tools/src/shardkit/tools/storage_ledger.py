@@ -19,7 +19,15 @@ import torch
 
 from shardkit.tools.records import Category, Phase
 
-__all__ = ["PRIORITY", "Entry", "Event", "StorageLedger", "Where", "has_own_storage"]
+__all__ = [
+    "PRIORITY",
+    "Entry",
+    "Event",
+    "StorageLedger",
+    "Where",
+    "has_own_storage",
+    "keeps_own_storage",
+]
 
 Where = tuple[float, str, Phase, int]
 
@@ -142,8 +150,12 @@ def has_own_storage(tensor: torch.Tensor) -> bool:
     Not for meta tensors, nor for wrapper subclasses (DTensor, fake or functional tensors),
     whose storage is a stand-in.
     """
-    kind = type(tensor)
+    return keeps_own_storage(type(tensor)) and not tensor.is_meta
+
+
+def keeps_own_storage(kind: type[torch.Tensor]) -> bool:
+    """Whether tensors of class ``kind`` keep their data in their storage (see above)."""
     own = _OWN_STORAGE.get(kind)
     if own is None:
         own = _OWN_STORAGE[kind] = kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
-    return own and not tensor.is_meta
+    return own
