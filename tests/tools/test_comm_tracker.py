@@ -119,6 +119,22 @@ def test_local_training_records_nothing() -> None:
     assert torch.is_grad_enabled()
 
 
+def _hooks() -> tuple[bool, int, int]:
+    from torch.nn.modules import module
+
+    kernel = torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Autograd")
+    return kernel, len(module._global_forward_pre_hooks), len(module._global_forward_hooks)
+
+
+def test_nothing_stays_installed_when_not_tracking() -> None:
+    before = _hooks()
+    assert before[0] is False  # no kernel of ours (nor anyone's) at the Autograd key
+    with CommTracker():
+        during = _hooks()
+    assert during[0] is True and during[1] == before[1] + 1 and during[2] == before[2] + 1
+    assert _hooks() == before
+
+
 def test_tracker_refuses_to_start_twice() -> None:
     tracker = CommTracker().start()
     try:
