@@ -161,7 +161,7 @@ def test_missing_comm_and_memory() -> None:
     text = summarize(half)
     assert "no communication summary from ranks 1" in text
     assert "no memory data from ranks 1" in text
-    assert "(summed over 2 ranks)" in text  # rank 1's collectives still count
+    assert "(summed over 2 ranks;" in text  # rank 1's collectives still count
 
 
 def test_a_step_without_time_shows_no_percentages() -> None:
@@ -174,3 +174,14 @@ def test_a_step_without_time_shows_no_percentages() -> None:
 
 def test_no_reports() -> None:
     assert summarize([]) == "shardkit profile: no rank reports\n"
+
+
+def test_collectives_are_grouped_by_the_module_they_serve_where_known() -> None:
+    report = make_report(0, 1)
+    served = [
+        dataclasses.replace(c, serves="blocks.7") if c.module == "blocks.0" else c
+        for c in report.collectives
+    ]
+    text = summarize([dataclasses.replace(report, collectives=served)])
+    assert _line(text, "all_gather", "blocks.7").startswith("all_gather blocks.7 forward")
+    assert "all_gather blocks.0" not in " ".join(text.split())

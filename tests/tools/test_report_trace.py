@@ -79,6 +79,7 @@ def test_collectives_carry_their_details_and_exposed_wait() -> None:
         "group": "0",
         "group_size": 2,
         "module": "blocks.0",
+        "serves": None,
         "phase": "backward",
         "step": 0,
         "exposed_us": 2_000.0,

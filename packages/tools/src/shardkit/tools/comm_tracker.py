@@ -47,6 +47,7 @@ class _Pending:
     step: int
     issued_s: float = 0.0
     wait_s: float = 0.0
+    serves: str | None = None
     done_s: list[float] = field(default_factory=list)  # completion of each of its works
 
     def record(self) -> CollectiveRecord:
@@ -64,6 +65,7 @@ class _Pending:
             module=self.module,
             phase=self.phase,
             step=self.step,
+            serves=self.serves,
         )
 
 
@@ -171,18 +173,38 @@ class CommTracker(Tracker):
 
     def _subscribe_to_shardkit(self) -> None:
         try:
-            from shardkit.core import CollectiveEvent, CollectiveIssuedEvent, subscribe
+            from shardkit.core import (
+                CollectiveEvent,
+                CollectiveIssuedEvent,
+                StateTransitionEvent,
+                subscribe,
+            )
         except ImportError:  # shardkit-core is optional: other engines are seen all the same
             return
+        # Which group a collective is for: a group announces "post_backward" just before it
+        # reduces, and "unshard" just after it issued its gather.
+        reducing: list[str | None] = [None]
+        gathering: list[_Pending | None] = [None]
 
         def on_event(event: object) -> None:
-            if isinstance(event, CollectiveEvent):
+            if isinstance(event, StateTransitionEvent):
+                fqn = "" if event.module_fqn == "<root>" else event.module_fqn
+                if event.what == "post_backward":
+                    reducing[0] = fqn
+                elif event.what == "unshard" and gathering[0] is not None:
+                    gathering[0].serves = fqn
+                    gathering[0] = None
+            elif isinstance(event, CollectiveEvent):
                 self._logical = None
                 if event.group_size > 1:
                     info = OpInfo(
                         event.kind, event.group_size, "", event.input_bytes, event.sent_bytes
                     )
                     self._logical = self._new(info, f"shardkit.{event.kind}")
+                    if event.kind == "reduce_scatter":
+                        self._logical.serves, reducing[0] = reducing[0], None
+                    elif event.kind == "all_gather":
+                        gathering[0] = self._logical
             elif isinstance(event, CollectiveIssuedEvent) and self._logical is not None:
                 self._logical.issued_s = self.scope.now()
                 self._logical = None

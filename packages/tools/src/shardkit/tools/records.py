@@ -74,6 +74,10 @@ class CollectiveRecord:
     phase: Phase
     step: int
     """The optimizer steps completed before it was issued."""
+    serves: str | None = None
+    """The module (FQN, '' for the root) whose parameters it gathers or whose gradients it
+    reduces, where the engine says (shardkit's does); None when unknown. A prefetch serves
+    another module than the one running."""
 
     @property
     def duration_s(self) -> float:

@@ -12,7 +12,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardkit.tools.records import Category, CommSummary, ModulePeak, Phase, RankReport, StepComm
+from shardkit.tools.records import (
+    Category,
+    CollectiveRecord,
+    CommSummary,
+    ModulePeak,
+    Phase,
+    RankReport,
+    StepComm,
+)
 
 __all__ = ["format_bytes", "format_seconds", "format_table", "module_label", "summarize"]
 
@@ -210,7 +218,7 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
     groups: dict[tuple[str, str, str], _Group] = defaultdict(_Group)
     for report in reports:
         for c in report.collectives:
-            group = groups[(c.kind, module_label(c.module, c.phase), c.phase.value)]
+            group = groups[(c.kind, module_label(_for(c), c.phase), c.phase.value)]
             group.calls += 1
             group.sent_bytes += c.sent_bytes
             group.time_s += c.duration_s
@@ -231,7 +239,10 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
         ]
         for (kind, module, phase), g in ranked[:MAX_GROUP_ROWS]
     ]
-    title = f"collectives by kind, module and phase (summed over {len(reports)} ranks)"
+    title = (
+        f"collectives by kind, module and phase (summed over {len(reports)} ranks; the module"
+        " a collective is for where the engine says, else the one running)"
+    )
     text = title + "\n" + format_table(headers, rows, align="lllrrrr")
     rest = ranked[MAX_GROUP_ROWS:]
     if rest:
@@ -322,3 +333,8 @@ def _allocator_table(reports: Sequence[RankReport]) -> str:
         )
     table = format_table(["rank", *keys], rows, align="r" * (len(keys) + 1))
     return "allocator (CUDA caching allocator)\n" + table
+
+
+def _for(c: CollectiveRecord) -> str:
+    """The module a collective is for: the one it serves where known, else the one running."""
+    return c.serves if c.serves is not None else c.module

@@ -111,7 +111,7 @@ def _span_slice(span: PhaseSpan) -> _Slice:
 
 def _collective_slice(c: CollectiveRecord) -> _Slice:
     return _Slice(
-        name=f"{c.kind}: {module_label(c.module, c.phase)}",
+        name=f"{c.kind}: {module_label(_for(c), c.phase)}",
         cat="communication",
         start_us=_us(c.start_s),
         end_us=_us(c.end_s),
@@ -123,6 +123,7 @@ def _collective_slice(c: CollectiveRecord) -> _Slice:
             "group": c.group,
             "group_size": c.group_size,
             "module": c.module,
+            "serves": c.serves,
             "phase": c.phase.value,
             "step": c.step,
             "exposed_us": _us(c.wait_s),
@@ -247,3 +248,8 @@ def _memory_counters(report: RankReport) -> list[dict[str, Any]]:
             }
         )
     return events
+
+
+def _for(c: CollectiveRecord) -> str:
+    """The module a collective is for: the one it serves where known, else the one running."""
+    return c.serves if c.serves is not None else c.module
