@@ -251,3 +251,21 @@ def test_merged_report_refuses_other_json(tmp_path: Path) -> None:
     path.write_text(json.dumps(make_report().to_dict()))  # a rank file, not a merged one
     with pytest.raises(ValueError, match="not a merged shardkit report"):
         load_merged_report(path)
+
+
+def test_aligned_lines_ranks_up_on_the_wall_clock() -> None:
+    from shardkit.tools.records import aligned
+
+    early = dataclasses.replace(make_report(0, 2), clock_origin_unix_s=1000.0)
+    late = dataclasses.replace(make_report(1, 2), clock_origin_unix_s=1000.5)
+    a, b = aligned([early, late])
+    assert a == early  # the earliest rank is the reference
+    assert b.clock_origin_unix_s == 1000.0
+    shift = [y.start_s - x.start_s for x, y in zip(late.collectives, b.collectives, strict=True)]
+    assert shift == [pytest.approx(0.5)] * len(shift)
+    assert b.spans[0].start_s == pytest.approx(late.spans[0].start_s + 0.5)
+    assert b.memory is not None and late.memory is not None
+    assert b.memory.peak.t_s == pytest.approx(late.memory.peak.t_s + 0.5)
+    assert RankReport.from_dict(b.to_dict()) == b
+    unknown = make_report(0, 1)
+    assert aligned([unknown]) == [unknown]  # no origin: left as it is

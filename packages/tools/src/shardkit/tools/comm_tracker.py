@@ -164,6 +164,7 @@ class CommTracker(Tracker):
         return RankReport(
             rank=rank,
             world_size=world,
+            clock_origin_unix_s=self.scope.t0_unix,
             collectives=self.records,
             spans=list(self.scope.spans),
             comm=self.summary(),

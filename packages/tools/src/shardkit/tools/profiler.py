@@ -75,6 +75,7 @@ class Profiler(Tracker):
         return RankReport(
             rank=rank,
             world_size=world,
+            clock_origin_unix_s=self.scope.t0_unix,
             collectives=self.comm.records if self.comm is not None else [],
             spans=list(self.scope.spans),
             comm=self.comm.summary() if self.comm is not None else None,

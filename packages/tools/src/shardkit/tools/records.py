@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ __all__ = [
     "PhaseSpan",
     "RankReport",
     "StepComm",
+    "aligned",
 ]
 
 
@@ -182,6 +184,9 @@ class RankReport:
     spans: list[PhaseSpan] = field(default_factory=list)
     comm: CommSummary | None = None
     memory: MemoryReport | None = None
+    clock_origin_unix_s: float = 0.0
+    """The wall-clock time (``time.time()``) its times count from; 0.0 when unknown. Ranks
+    start their trackers at different moments: this lines them up (see ``aligned``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (enums become their values)."""
@@ -201,9 +206,50 @@ class RankReport:
                 spans=[_build(PhaseSpan, s) for s in data.get("spans", [])],
                 comm=None if comm is None else _comm_from_dict(comm),
                 memory=None if memory is None else _memory_from_dict(memory),
+                clock_origin_unix_s=float(data.get("clock_origin_unix_s", 0.0)),
             )
         except KeyError as err:
             raise ValueError(f"rank report is missing the key {err}") from err
+
+
+def aligned(reports: Sequence[RankReport]) -> list[RankReport]:
+    """The reports with every time counted from the earliest rank's origin.
+
+    Reports without a known origin are left as they are.
+    """
+    origins = [r.clock_origin_unix_s for r in reports if r.clock_origin_unix_s]
+    if not origins:
+        return list(reports)
+    first = min(origins)
+    return [
+        _shifted(r, r.clock_origin_unix_s - first) if r.clock_origin_unix_s else r for r in reports
+    ]
+
+
+def _shifted(report: RankReport, by: float) -> RankReport:
+    def sample(s: MemorySample) -> MemorySample:
+        return dataclasses.replace(s, t_s=s.t_s + by)
+
+    memory = report.memory
+    if memory is not None:
+        memory = dataclasses.replace(
+            memory,
+            timeline=[sample(s) for s in memory.timeline],
+            peak=sample(memory.peak),
+            module_peaks=[dataclasses.replace(p, peak=sample(p.peak)) for p in memory.module_peaks],
+        )
+    return dataclasses.replace(
+        report,
+        collectives=[
+            dataclasses.replace(c, start_s=c.start_s + by, end_s=c.end_s + by)
+            for c in report.collectives
+        ],
+        spans=[
+            dataclasses.replace(s, start_s=s.start_s + by, end_s=s.end_s + by) for s in report.spans
+        ],
+        memory=memory,
+        clock_origin_unix_s=report.clock_origin_unix_s - by,
+    )
 
 
 def _plain(value: Any) -> Any:

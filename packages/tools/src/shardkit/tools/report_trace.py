@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.tools.records import Category, CollectiveRecord, PhaseSpan, RankReport
+from shardkit.tools.records import Category, CollectiveRecord, PhaseSpan, RankReport, aligned
 from shardkit.tools.report_text import module_label
 
 __all__ = ["build_trace", "write_trace"]
@@ -59,9 +59,10 @@ def build_trace(reports: Sequence[RankReport]) -> dict[str, Any]:
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``.
+        Ranks are lined up on the wall clock where their reports say when they started.
     """
     events: list[dict[str, Any]] = []
-    for report in sorted(reports, key=lambda r: r.rank):
+    for report in sorted(aligned(reports), key=lambda r: r.rank):
         pid = report.rank
         events += [
             _meta(pid, 0, "process_name", {"name": f"rank {pid}"}),

@@ -69,6 +69,8 @@ class ModuleScope:
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
+        """The same instant as ``t0`` on the wall clock, to line ranks up."""
         self.step = 0
         self.spans: list[PhaseSpan] = []
         self.forward_ends: list[float] = []
