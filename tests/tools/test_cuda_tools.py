@@ -1,0 +1,35 @@
+"""The trackers on CUDA with NCCL; skipped where CUDA is absent (CI and CPU machines)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_trackers_on_cuda() -> None:
+    nproc = min(2, torch.cuda.device_count())
+    script = Path(__file__).with_name("cuda_tools_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == nproc
+    for record in records:
+        assert record["device"] == "cuda"
+        assert record["allocator"]["peak_allocated_bytes"] > 0
+        assert record["activations_peak"] > 0 and record["unsharded_peak"] > 0
+        if nproc > 1:
+            assert record["kinds"] == ["all_gather", "reduce_scatter"]
+            steps = record["sent_per_step"]
+            assert len(steps) == 2 and steps[0] == steps[1] > 0
