@@ -151,3 +151,20 @@ def test_tracker_refuses_to_start_twice() -> None:
             tracker.start()
     finally:
         tracker.stop()
+
+
+def test_an_exception_inside_leaves_nothing_installed() -> None:
+    before = _hooks()
+    original_wait = dist.Work.wait
+    with pytest.raises(ZeroDivisionError), CommTracker():
+        _ = 1 / 0
+    assert _hooks() == before and dist.Work.wait is original_wait
+
+
+def test_nested_trackers_share_one_installation() -> None:
+    before = _hooks()
+    with CommTracker():
+        with CommTracker():
+            assert _hooks()[0] is True
+        assert _hooks()[0] is True  # the outer one still needs the kernels
+    assert _hooks() == before
