@@ -58,6 +58,7 @@ class GroupReducer:
         offload: tuple[bool, bool],
     ) -> None:
         self.trainable = trainable
+        self.label = ""  # the group's module, named in its collectives' events (see start)
         self.dtype = reduce_dtype
         self.mesh_info = mesh_info
         self.options = options  # shared with the group: set_* methods change it
@@ -91,8 +92,14 @@ class GroupReducer:
             pre *= 2
         return pre
 
-    def start(self, grads: Sequence[torch.Tensor | None], comm: CommContext) -> None:
-        """Pack ``grads`` (one per trainable parameter, or None) and issue the reduction."""
+    def start(
+        self, grads: Sequence[torch.Tensor | None], comm: CommContext, label: str = ""
+    ) -> None:
+        """Pack ``grads`` (one per trainable parameter, or None) and issue the reduction.
+
+        ``label`` names the group's module to observers (known only after lazy init).
+        """
+        self.label = label
         world = self.mesh_info.shard_size
         device = self.mesh_info.device
         # Bound the memory of reductions in flight: finish the oldest before allocating this
@@ -113,7 +120,9 @@ class GroupReducer:
             pack_grads_rank_major(grads, self.geometries, self.offsets, rows)
             if self.pre_divide != 1:
                 rows.div_(self.pre_divide)
-            handle = comm.runtime.reduce_scatter(output, rows, self.mesh_info.shard_group)
+            handle = comm.runtime.reduce_scatter(
+                output, rows, self.mesh_info.shard_group, label=self.label
+            )
             comm.pending_reduces.append(PendingReduce(self, handle, output, (send,)))
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
@@ -129,7 +138,9 @@ class GroupReducer:
             if not self.options.all_reduce_grads:
                 self.partial = reduced
                 return
-            comm.runtime.all_reduce(reduced, self.mesh_info.replicate_group).wait()
+            comm.runtime.all_reduce(
+                reduced, self.mesh_info.replicate_group, label=self.label
+            ).wait()
         factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
         if factor != 1:
             reduced.div_(factor)

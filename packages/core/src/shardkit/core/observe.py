@@ -34,6 +34,9 @@ class CollectiveEvent:
     """Bytes this rank must send for a bandwidth-optimal algorithm."""
     algorithm: str
     """How it was carried out, e.g. 'all_to_all+sum' for gloo's reduce-scatter."""
+    module_fqn: str = ""
+    """The module whose parameters it gathers or whose gradients it reduces ('<root>' for
+    the root, '' when not given)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,10 +227,12 @@ class FSDPParamGroup:
         runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
             assert pf.buffer is not None
-            handle = runtime.all_gather(pf.buffer, pf.group)
+            handle = runtime.all_gather(pf.buffer, pf.group, label=self.fqn)
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
-            handle = runtime.all_gather(self._gather_input(), self.mesh_info.shard_group)
+            handle = runtime.all_gather(
+                self._gather_input(), self.mesh_info.shard_group, label=self.fqn
+            )
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
@@ -369,7 +371,7 @@ class FSDPParamGroup:
             grads = [p.take_unsharded_grad() for p in self.trainable]
             if any(g is not None for g in grads):
                 assert self.comm is not None
-                self.reducer.start(grads, self.comm)
+                self.reducer.start(grads, self.comm, self.fqn)
         if self.options.reshard_after_backward:
             self.reshard()
 

@@ -96,7 +96,7 @@ class CommTracker(Tracker):
         with CommTracker() as comm:
             for batch in data:
                 train_step(batch)
-        print(comm.summary().steps[-1].sent_bytes)
+        sent = comm.summary().steps[-1].sent_bytes
 
     Args:
         theoretical_min_bytes: the bytes a rank must send per training step for this model and
@@ -156,56 +156,43 @@ class CommTracker(Tracker):
 
     def summary(self) -> CommSummary:
         """Totals per training step, against the theoretical minimum when known."""
-        return comm_summary.summarize(self.records, self.scope, self.theoretical_min_bytes)
+        return self._summarize(self.records)
+
+    def _summarize(self, records: list[CollectiveRecord]) -> CommSummary:
+        return comm_summary.summarize(records, self.scope, self.theoretical_min_bytes)
 
     def rank_report(self) -> RankReport:
         """This rank's records, compute spans and summary, ready for the reports."""
         rank, world = rank_and_world()
+        records = self.records  # built once: the summary is made from the same list
         return RankReport(
             rank=rank,
             world_size=world,
             clock_origin_unix_s=self.scope.t0_unix,
-            collectives=self.records,
+            collectives=records,
             spans=list(self.scope.spans),
-            comm=self.summary(),
+            comm=self._summarize(records),
         )
 
     # -- observation -------------------------------------------------------------------------
 
     def _subscribe_to_shardkit(self) -> None:
         try:
-            from shardkit.core import (
-                CollectiveEvent,
-                CollectiveIssuedEvent,
-                StateTransitionEvent,
-                subscribe,
-            )
+            from shardkit.core import CollectiveEvent, CollectiveIssuedEvent, subscribe
         except ImportError:  # shardkit-core is optional: other engines are seen all the same
             return
-        # Which group a collective is for: a group announces "post_backward" just before it
-        # reduces, and "unshard" just after it issued its gather.
-        reducing: list[str | None] = [None]
-        gathering: list[_Pending | None] = [None]
 
         def on_event(event: object) -> None:
-            if isinstance(event, StateTransitionEvent):
-                fqn = "" if event.module_fqn == "<root>" else event.module_fqn
-                if event.what == "post_backward":
-                    reducing[0] = fqn
-                elif event.what == "unshard" and gathering[0] is not None:
-                    gathering[0].serves = fqn
-                    gathering[0] = None
-            elif isinstance(event, CollectiveEvent):
+            if isinstance(event, CollectiveEvent):
                 self._logical = None
                 if event.group_size > 1:
                     info = OpInfo(
                         event.kind, event.group_size, "", event.input_bytes, event.sent_bytes
                     )
                     self._logical = self._new(info, f"shardkit.{event.kind}")
-                    if event.kind == "reduce_scatter":
-                        self._logical.serves, reducing[0] = reducing[0], None
-                    elif event.kind == "all_gather":
-                        gathering[0] = self._logical
+                    # The engine names the group it serves ('<root>' is our '').
+                    fqn = event.module_fqn
+                    self._logical.serves = "" if fqn == "<root>" else fqn or None
             elif isinstance(event, CollectiveIssuedEvent) and self._logical is not None:
                 self._logical.issued_s = self.scope.now()
                 self._logical = None

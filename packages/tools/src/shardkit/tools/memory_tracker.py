@@ -99,8 +99,7 @@ class MemoryTracker(Tracker):
 
         with MemoryTracker(model, optimizer) as mem:
             train_step()
-        report = mem.report()
-        print(report.peak.by_category)
+        peak_by_category = mem.report().peak.by_category
 
     Args:
         modules: the models to attribute parameters to (found by themselves on their first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -71,13 +72,14 @@ class Profiler(Tracker):
 
     def rank_report(self) -> RankReport:
         """Everything recorded on this rank."""
+        memory = self.memory.report() if self.memory is not None else None
+        if self.comm is not None:  # it shares our scope: its spans and origin are ours
+            return dataclasses.replace(self.comm.rank_report(), memory=memory)
         rank, world = rank_and_world()
         return RankReport(
             rank=rank,
             world_size=world,
             clock_origin_unix_s=self.scope.t0_unix,
-            collectives=self.comm.records if self.comm is not None else [],
             spans=list(self.scope.spans),
-            comm=self.comm.summary() if self.comm is not None else None,
-            memory=self.memory.report() if self.memory is not None else None,
+            memory=memory,
         )

@@ -138,11 +138,6 @@ class ModuleScope:
             return self._forward[-1].module, Phase.FORWARD
         return "", Phase.OTHER
 
-    def fqn(self, module: nn.Module) -> str:
-        """The module's cleaned fully qualified name (its class name if never seen in a tree)."""
-        name = self._names.get(module)
-        return name if name is not None else type(module).__name__
-
     # -- forward ---------------------------------------------------------------------------
 
     def _learn_names(self, root: nn.Module) -> None:

@@ -101,14 +101,18 @@ class ProcessGroupRuntime:
     def __init__(self, pool: BufferPool | None = None) -> None:
         self.pool = pool if pool is not None else BufferPool()
 
-    def all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
+    def all_gather(
+        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> GatherHandle:
         """Gather every rank's ``input`` (N uint8 bytes), asynchronously."""
-        handle = self._all_gather(input, group)
+        handle = self._all_gather(input, group, label)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_gather"))
         return handle
 
-    def _all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatherHandle:
+    def _all_gather(
+        self, input: torch.Tensor, group: dist.ProcessGroup, label: str
+    ) -> GatherHandle:
         """See :meth:`all_gather`.
 
         On gloo this is a direct exchange with each peer: the same bytes as a ring all-gather,
@@ -120,7 +124,9 @@ class ProcessGroupRuntime:
         if observe.has_subscribers():
             algorithm = "exchange" if size > 1 and _uses_gloo(group) else "native"
             observe.emit(
-                observe.CollectiveEvent("all_gather", size, nbytes, nbytes * (size - 1), algorithm)
+                observe.CollectiveEvent(
+                    "all_gather", size, nbytes, nbytes * (size - 1), algorithm, label
+                )
             )
         if size == 1:
             return GatherHandle([], [input], None, self.pool)
@@ -145,16 +151,21 @@ class ProcessGroupRuntime:
         return GatherHandle(works, rows, buffer, self.pool)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
-        handle = self._reduce_scatter(output, input, group)
+        handle = self._reduce_scatter(output, input, group, label)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
         return handle
 
     def _reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
@@ -167,6 +178,7 @@ class ProcessGroupRuntime:
                     row_bytes * size,
                     row_bytes * (size - 1),
                     "exchange+sum" if gloo else "native",
+                    label,
                 )
             )
         if size == 1:
@@ -202,22 +214,29 @@ class ProcessGroupRuntime:
             works += [w for w in (recv, send) if w is not None]
         return _SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> WorkHandle | DoneHandle:
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""
-        handle = self._all_reduce(tensor, group)
+        handle = self._all_reduce(tensor, group, label)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_reduce"))
         return handle
 
     def _all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str
     ) -> WorkHandle | DoneHandle:
         size = group.size()
         if observe.has_subscribers():
             nbytes = tensor.numel() * tensor.element_size()
             observe.emit(
                 observe.CollectiveEvent(
-                    "all_reduce", size, nbytes, 2 * nbytes * (size - 1) // max(size, 1), "ring"
+                    "all_reduce",
+                    size,
+                    nbytes,
+                    2 * nbytes * (size - 1) // max(size, 1),
+                    "ring",
+                    label,
                 )
             )
         if size == 1:

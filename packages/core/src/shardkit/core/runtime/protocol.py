@@ -33,13 +33,24 @@ class GatheredRows(Protocol):
 class CollectiveRuntime(Protocol):
     """Issues collectives on flat buffers and returns handles."""
 
-    def all_gather(self, input: torch.Tensor, group: dist.ProcessGroup) -> GatheredRows:
+    # ``label``: the module the collective serves, passed on to observers (CollectiveEvent).
+
+    def all_gather(
+        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> GatheredRows:
         """Gather ``input`` (N uint8 bytes) from every rank; the handle yields the W rows."""
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
     ) -> CollectiveHandle:
         """Sum row r of ``input`` (W, S) over ranks into ``output`` (S) on rank r."""
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> CollectiveHandle:
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> CollectiveHandle:
         """Sum ``tensor`` over the ranks of ``group`` in place."""
