@@ -26,6 +26,18 @@ EXPECTED = {
         "save_full_state_dict",
         "subscribe",
     ],
+    "shardkit.core.layout": [
+        "ALIGN_BYTES",
+        "GroupLayout",
+        "GroupView",
+        "ParamLayout",
+        "ParamSpec",
+        "ShardGeometry",
+        "ShardedParamView",
+        "group_layout",
+        "layout_of",
+        "pooled_sizes",
+    ],
     "shardkit.tp": ["__version__"],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [

@@ -7,7 +7,6 @@ was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MethodType
 from typing import Any, overload
@@ -17,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardkit.core import registry
 from shardkit.core.load_validation import (
     check_state_dict,
     format_problems,
@@ -35,25 +35,7 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 
 logger = logging.getLogger(__name__)
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-def _state_of(module: nn.Module) -> FSDPState:
-    state = _STATES.get(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
-    return state
-
-
-def _states_under(module: nn.Module) -> list[FSDPState]:
-    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
-    seen: dict[int, FSDPState] = {}
-    for sub in module.modules():
-        state = _STATES.get(sub)
-        if state is not None:
-            seen.setdefault(id(state), state)
-    return list(seen.values())
 
 
 class UnshardHandle:
@@ -74,17 +56,17 @@ class FSDPModule:
 
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
-        states = _states_under(self) if recurse else [_state_of(self)]
+        states = registry.states_under(self) if recurse else [registry.state_of(self)]
         return [s.group for s in states if s.group is not None]
 
     def _own_group(self) -> FSDPParamGroup | None:
         assert isinstance(self, nn.Module)
-        return _state_of(self).group
+        return registry.state_of(self).group
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters (not its children's); async returns a handle."""
         assert isinstance(self, nn.Module)
-        state = _state_of(self)
+        state = registry.state_of(self)
         state.lazy_init()
         group = state.group
         if group is not None:
@@ -104,7 +86,7 @@ class FSDPModule:
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (call on the root)."""
         assert isinstance(self, nn.Module)
-        state = _state_of(self)
+        state = registry.state_of(self)
         if not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         state.reset_iter_state()
@@ -156,7 +138,7 @@ class FSDPModule:
         for module in modules:
             if not isinstance(module, FSDPModule) or not isinstance(module, nn.Module):
                 raise ValueError(f"prefetch targets must be FSDP modules, got {type(module)}")
-            target = _state_of(module).group
+            target = registry.state_of(module).group
             if target is not None:
                 targets.append(target)
         if group is not None:
@@ -290,9 +272,7 @@ def fully_shard(
         reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
         reshard_after_forward_is_default=reshard_after_forward is None,
     )
-    managed = collect_params(
-        modules, set(ignored_params or ()), _STATES, shard_placement_fn, mesh_info
-    )
+    managed = collect_params(modules, set(ignored_params or ()), shard_placement_fn, mesh_info)
     group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
     # Nothing above changed the modules; from here on it cannot fail on user input.
     _move_buffers(modules, mesh_info, set(ignored_params or ()))
@@ -300,9 +280,9 @@ def fully_shard(
         for p in group.params:
             p.register(unsharded=False)
         mark_owned(group.params, type(modules[0]).__name__)
-    state = FSDPState(modules, group, mp_policy, mesh_info.device, _states_under)
+    state = FSDPState(modules, group, mp_policy, mesh_info.device)
     for m in modules:
-        _STATES[m] = state
+        registry.register(m, state)
         m.__class__ = _fsdp_class(type(m))
     fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
@@ -313,7 +293,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         name = type(m).__name__
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if m in _STATES:
+        if registry.is_managed(m):
             raise ValueError(f"fully_shard was already applied to this {name}")
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
@@ -370,7 +350,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run FSDP's pre/post-forward logic around ``module.<method_name>`` (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
         return
-    state = _state_of(module)
+    state = registry.state_of(module)
     original = getattr(type(module), method_name)
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardkit.core.layout import ParamSpec
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 
@@ -65,6 +66,18 @@ class FSDPParam:
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
+
+    @property
+    def spec(self) -> ParamSpec:
+        """What the layout needs of this parameter."""
+        geo = self.geometry
+        return ParamSpec(
+            fqn=self.fqn,
+            shape=tuple(geo.shape),
+            dtype=self.orig_dtype,
+            requires_grad=self.requires_grad,
+            shard_dim=geo.dim,
+        )
 
     # --- sharded side ---------------------------------------------------------------------
 

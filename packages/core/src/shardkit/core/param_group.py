@@ -16,12 +16,13 @@ from torch import nn
 from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.grad_reduce import GroupReducer
+from shardkit.core.layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded
+from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
@@ -68,10 +69,11 @@ class FSDPParamGroup:
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set by the root: queues the end-of-backward callback if no hook has yet.
         self.ensure_final_callback: Callable[[], None] = _nothing
-        self._resolve_dtypes(config.mp_policy)
+        rsf = options.reshard_after_forward
+        self._resolve_layout(config.mp_policy, None if isinstance(rsf, bool) else rsf)
         self.trainable = [p for p in params if p.requires_grad]
         self._geometries = [p.geometry for p in params]
-        self.post_forward = self._make_post_forward(options.reshard_after_forward)
+        self.post_forward = self._make_post_forward(rsf)
         self._build_layouts()
         self._init_sharded_storage()
         self.reducer = GroupReducer(
@@ -84,22 +86,19 @@ class FSDPParamGroup:
 
     # --- construction -----------------------------------------------------------------------
 
-    def _resolve_dtypes(self, mp: MixedPrecisionPolicy) -> None:
-        for p in self.params:
-            if mp.param_dtype is not None and p.orig_dtype.is_floating_point:
-                p.comm_dtype = mp.param_dtype
-        grad_dtypes = {p.comm_dtype for p in self.params if p.requires_grad}
-        if mp.reduce_dtype is not None:
-            self.reduce_dtype = mp.reduce_dtype
-        elif len(grad_dtypes) > 1:
-            names = ", ".join(f"{p.fqn}: {p.comm_dtype}" for p in self.params if p.requires_grad)
-            raise ValueError(
-                "fully_shard needs one dtype for the trainable parameters of a group so that "
-                f"their gradients reduce together; got {names}. Set "
-                "MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls."
-            )
-        else:
-            self.reduce_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
+    def _resolve_layout(self, mp: MixedPrecisionPolicy, post_forward_world: int | None) -> None:
+        # One function lays out the engine's buffers and the planner's predictions alike.
+        self.layout = group_layout(
+            [p.spec for p in self.params],
+            shard_world=self.mesh_info.shard_size,
+            replicate_world=self.mesh_info.replicate_size,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            post_forward_world=post_forward_world,
+        )
+        for p, param_layout in zip(self.params, self.layout.params, strict=True):
+            p.comm_dtype = param_layout.comm_dtype
+        self.reduce_dtype = self.layout.reduce_dtype
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -113,16 +112,9 @@ class FSDPParamGroup:
         )
 
     def _build_layouts(self) -> None:
-        world = self.mesh_info.shard_size
-        numels = [p.geometry.shard_numel for p in self.params]
-        self.storage_layout = FlatLayout.build(numels, [p.orig_dtype for p in self.params])
-        self.comm_layout = FlatLayout.build(numels, [p.comm_dtype for p in self.params])
-        unsharded = [n * world for n in numels]
-        if self.post_forward is not None:
-            # Padding differs between W and n shards: the slot must hold either copy-out.
-            pf = self.post_forward
-            unsharded = [max(u, pf.unsharded_numel(i)) for i, u in enumerate(unsharded)]
-        self.unsharded_layout = FlatLayout.build(unsharded, [p.comm_dtype for p in self.params])
+        self.storage_layout = self.layout.storage
+        self.comm_layout = self.layout.comm
+        self.unsharded_layout = self.layout.unsharded
         # The all-gather reads the sharded storage directly unless it must be cast or moved.
         self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
 
@@ -149,8 +141,7 @@ class FSDPParamGroup:
         when activations peak, and an idle one kept there costs more peak memory than the
         allocation it saves (measured: +4% peak RSS on a 35M-parameter GPT).
         """
-        world = self.mesh_info.shard_size
-        sizes = {(world - 1) * self.comm_layout.nbytes, world * self.comm_layout.nbytes}
+        sizes = set(self.layout.pool_sizes)
         if self.post_forward is not None:
             pf = self.post_forward
             sizes |= {(pf.size - 1) * pf.layout.nbytes, pf.size * pf.layout.nbytes}

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.core import registry
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot
 
@@ -65,7 +65,6 @@ def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
 def collect_params(
     modules: tuple[nn.Module, ...],
     ignored: set[nn.Parameter],
-    states: Mapping[nn.Module, Any],
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     mesh_info: MeshInfo,
 ) -> list[FSDPParam]:
@@ -79,7 +78,7 @@ def collect_params(
     names: dict[int, str] = {}
     for index, root in enumerate(modules):
         prefix = f"[{index}]." if len(modules) > 1 else ""
-        for mod_name, module in _unmanaged_modules(root, states):
+        for mod_name, module in _unmanaged_modules(root):
             for name, param in module._parameters.items():
                 if param is None or param in ignored:
                     continue
@@ -108,9 +107,7 @@ def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
             _ORIGINAL_OWNER[original] = owner
 
 
-def _unmanaged_modules(
-    root: nn.Module, states: Mapping[nn.Module, Any]
-) -> list[tuple[str, nn.Module]]:
+def _unmanaged_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules under ``root`` (itself included) not inside an already-sharded submodule."""
     found: list[tuple[str, nn.Module]] = []
     stack: list[tuple[str, nn.Module]] = [("", root)]
@@ -118,7 +115,7 @@ def _unmanaged_modules(
         name, module = stack.pop()
         found.append((name, module))
         for child_name, child in reversed(list(module.named_children())):
-            if child in states:
+            if registry.is_managed(child):
                 continue
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return found

@@ -7,7 +7,6 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from shardkit.core import observe
+from shardkit.core import observe, registry
 from shardkit.core.context import CommContext, RootContext
 from shardkit.core.grad_reduce import finish_oldest
 from shardkit.core.param_group import FSDPParamGroup
@@ -38,7 +37,6 @@ class FSDPState:
         group: FSDPParamGroup | None,
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
-        states_of: Callable[[nn.Module], list[FSDPState]],
     ) -> None:
         self.modules = modules
         self.group = group
@@ -47,7 +45,6 @@ class FSDPState:
         self.is_root: bool | None = None
         self.ctx: RootContext | None = None
         self.fqn = ""
-        self._states_of = states_of  # finds every state under a module (set by the API)
         self._forward_pending: set[int] = set()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -64,7 +61,7 @@ class FSDPState:
             return
         self.is_root = True
         root_module = self.modules[0]
-        states = self._states_of(root_module)
+        states = registry.states_under(root_module)
         runtime = ProcessGroupRuntime()
         ctx = RootContext(states=states, comm=CommContext(runtime=runtime, pool=runtime.pool))
         names = {id(m): name for name, m in root_module.named_modules()}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "ALIGN_BYTES",
     "FlatLayout",
     "ShardGeometry",
     "copy_out_unsharded",
@@ -21,7 +22,8 @@ __all__ = [
     "shard_geometry",
 ]
 
-_ALIGN_BYTES = 16
+ALIGN_BYTES = 16
+"""Every slot of a flat buffer starts at a multiple of this, so any dtype views it in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +99,10 @@ class FlatLayout:
         offsets: list[int] = []
         cursor = 0
         for numel, dtype in zip(numels, dtypes, strict=True):
-            cursor = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+            cursor = -(-cursor // ALIGN_BYTES) * ALIGN_BYTES
             offsets.append(cursor)
             cursor += numel * dtype.itemsize
-        total = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+        total = -(-cursor // ALIGN_BYTES) * ALIGN_BYTES
         return FlatLayout(tuple(numels), tuple(dtypes), tuple(offsets), total)
 
     def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
