@@ -7,7 +7,9 @@ fully_shard``: same signature, same semantics, our own engine.
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
+from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
 from shardkit.core.full_state_dict import load_full_state_dict, save_full_state_dict
+from shardkit.core.layout import layout_of
 from shardkit.core.observe import (
     CollectiveEvent,
     CollectiveIssuedEvent,
@@ -25,11 +27,15 @@ __all__ = [
     "IncompleteCheckpointError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ParamShardingSpec",
+    "ShardingExtension",
     "StateTransitionEvent",
     "UnshardHandle",
     "__version__",
     "fully_shard",
+    "layout_of",
     "load_full_state_dict",
+    "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "subscribe",

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkit.core.context import CommContext
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam, as_dtensor
+from shardkit.core.param import FSDPParam
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import DoneHandle
+from shardkit.core.runtime.dtensors import dtensor_like, local_of
 from shardkit.core.runtime.protocol import CollectiveHandle
 
 __all__ = ["GroupReducer", "PendingReduce", "finish_oldest"]
@@ -153,8 +153,8 @@ class GroupReducer:
             reduced = reduced.to("cpu", non_blocking=self.pin_memory)
         for p, offset in zip(self.trainable, self.offsets, strict=True):
             local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
-            param = as_dtensor(p.sharded_param)
+            param = p.sharded_param
             if param.grad is None:
-                param.grad = DTensor(local, param._spec, requires_grad=False)
+                param.grad = dtensor_like(local, param)
             else:
-                as_dtensor(param.grad)._local_tensor.add_(local)
+                local_of(param.grad).add_(local)

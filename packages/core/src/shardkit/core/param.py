@@ -10,18 +10,19 @@ buffers belong to the group (see [Note: flat group buffers]); this class holds t
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardkit.core.extensions import ParamShardingSpec, ShardingExtension
 from shardkit.core.layout import ParamSpec
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
+from shardkit.core.runtime.dtensors import local_of, set_local
 
-__all__ = ["FSDPParam", "ParamSlot", "as_dtensor"]
+__all__ = ["FSDPParam", "ParamSlot", "Sharding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,14 @@ class ParamSlot:
 
     module: nn.Module
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """How a parameter is sharded: the extension that handles it and its description."""
+
+    extension: ShardingExtension
+    spec: ParamShardingSpec
 
 
 class FSDPParam:
@@ -50,19 +59,23 @@ class FSDPParam:
         param: nn.Parameter,
         fqn: str,
         slots: tuple[ParamSlot, ...],
-        shard_dim: int,
+        sharding: Sharding,
         mesh_info: MeshInfo,
     ) -> None:
         self.fqn = fqn
         self.slots = slots
         self.mesh_info = mesh_info
-        self.geometry = shard_geometry(param.shape, shard_dim, mesh_info.shard_size)
-        self.orig_dtype = param.dtype
-        self.comm_dtype = param.dtype
+        self.extension = sharding.extension
+        self.sharding_spec = sharding.spec
+        local = sharding.spec.local
+        self.geometry = shard_geometry(local.shape, sharding.spec.shard_dim, mesh_info.shard_size)
+        self.orig_dtype = local.dtype
+        self.comm_dtype = local.dtype
         self.requires_grad = param.requires_grad
         self.unsharded_param = None
         self.accumulated_grad = None
-        self._source = param  # the original full tensor, until the group copies its shard
+        # The tensor dp shards, until the group has copied this rank's shard of it.
+        self._source: torch.Tensor | None = local
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
@@ -83,19 +96,11 @@ class FSDPParam:
 
     def padded_shard_of_source(self) -> torch.Tensor:
         """This rank's padded shard of the original parameter, flat (for the first copy-in)."""
-        geo = self.geometry
+        assert self._source is not None, f"{self.fqn}: the source was already copied"
         source = self._source.detach()
-        rank = self.mesh_info.shard_rank
-        start = rank * geo.chunk
-        length = geo.local_length(rank)
         if source.is_meta:
-            return torch.empty(geo.shard_numel, dtype=self.orig_dtype, device="meta")
-        shard = source.narrow(geo.dim, min(start, geo.shape[geo.dim]), length)
-        if length == geo.chunk:
-            return shard.contiguous().view(-1)
-        padded = source.new_zeros(geo.padded_shard_shape)
-        padded.narrow(geo.dim, 0, length).copy_(shard)
-        return padded.view(-1)
+            return torch.empty(self.geometry.shard_numel, dtype=self.orig_dtype, device="meta")
+        return self.geometry.padded_shard(source, self.mesh_info.shard_rank)
 
     def local_view(self, flat: torch.Tensor) -> torch.Tensor:
         """The unpadded local shard as a view of this parameter's slot in the flat buffer."""
@@ -107,20 +112,16 @@ class FSDPParam:
     def bind_sharded(self, flat: torch.Tensor) -> None:
         """Make the sharded DTensor parameter view ``flat`` (this param's padded shard)."""
         local = self.local_view(flat)
-        if isinstance(self.sharded_param, DTensor):
+        if self._source is None:
             # Keep the Parameter object (optimizers and the state dict hold it); re-point it.
-            as_dtensor(self.sharded_param)._local_tensor = local
+            set_local(self.sharded_param, local)
             return
-        geo = self.geometry
-        placements = self.mesh_info.placements(geo.dim)
-        spec = DTensorSpec(
-            self.mesh_info.mesh,
-            placements,
-            tensor_meta=TensorMeta(geo.shape, _contiguous_strides(geo.shape), self.orig_dtype),
-        )
-        dtensor = DTensor(local, spec, requires_grad=False)
+        dtensor = self.extension.make_sharded(local, self.sharding_spec)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
-        del self._source  # the group's buffer now holds the only copy we keep
+        # The group's buffer now holds the only copy we keep: let the original go.
+        self._source = None
+        spec = self.sharding_spec
+        self.sharding_spec = replace(spec, local=torch.empty_like(spec.local, device="meta"))
 
     def current_local(self) -> torch.Tensor:
         """The local tensor that the registered sharded parameter holds right now."""
@@ -128,8 +129,7 @@ class FSDPParam:
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) put a new object in place: adopt it.
             self.sharded_param = param
-        local: torch.Tensor = as_dtensor(self.sharded_param)._local_tensor
-        return local
+        return local_of(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------
 
@@ -137,7 +137,8 @@ class FSDPParam:
         """Create the unsharded Parameter once, viewing ``padded_flat`` (W * shard_numel)."""
         numel = self.geometry.shape.numel()
         view = padded_flat[:numel].view(self.geometry.shape)
-        param = nn.Parameter(view, requires_grad=self.requires_grad)
+        unsharded = self.extension.make_unsharded(view, self.sharding_spec)
+        param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
         self.unsharded_param = param
 
     def register(self, unsharded: bool) -> None:
@@ -178,18 +179,3 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def as_dtensor(param: torch.Tensor) -> DTensor:
-    """A sharded parameter, typed as the DTensor it is."""
-    assert isinstance(param, DTensor), f"expected a DTensor parameter, got {type(param)}"
-    return param
