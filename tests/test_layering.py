@@ -69,3 +69,58 @@ def test_only_the_runtime_calls_collectives() -> None:
                 and node.value.id == "dist"
             ):
                 raise AssertionError(f"{path}:{node.lineno} calls dist.{node.attr}")
+
+
+CORE = ROOT / "core" / "src" / "shardkit" / "core"
+# Process-group calls other than collectives: who we are, groups, barriers, setup.
+PROCESS_GROUP_CALLS = {
+    "barrier", "new_group", "get_rank", "get_world_size", "init_process_group",
+    "destroy_process_group", "is_initialized", "get_backend", "get_process_group_ranks",
+}  # fmt: skip
+
+
+def _dist_calls(path: Path, names: set[str]) -> list[str]:
+    return [
+        f"{path}:{node.lineno} calls dist.{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in names
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "dist"
+    ]
+
+
+def test_only_the_runtime_talks_to_process_groups() -> None:
+    found = [
+        call
+        for path in CORE.rglob("*.py")
+        if path.parent != CORE / "runtime"
+        for call in _dist_calls(path, PROCESS_GROUP_CALLS)
+    ]
+    assert not found, "\n".join(found)
+
+
+PRIVATE_DTENSOR = {"_local_tensor", "_spec", "DTensorSpec", "TensorMeta"}
+
+
+def test_only_one_module_touches_dtensor_internals() -> None:
+    found: list[str] = []
+    for path in CORE.rglob("*.py"):
+        if path == CORE / "runtime" / "dtensors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "torch.distributed.tensor._"
+            ):
+                found.append(f"{path}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_DTENSOR:
+                found.append(f"{path}:{node.lineno} uses .{node.attr}")
+            elif isinstance(node, ast.Name) and node.id in PRIVATE_DTENSOR:
+                found.append(f"{path}:{node.lineno} uses {node.id}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "DTensor"
+            ):
+                found.append(f"{path}:{node.lineno} calls DTensor(...) (private constructor)")
+    assert not found, "\n".join(found)

@@ -23,6 +23,7 @@ EXPECTED = {
         "UnshardHandle",
         "__version__",
         "fully_shard",
+        "iter_full_state_dict",
         "layout_of",
         "load_full_state_dict",
         "register_extension",

@@ -16,20 +16,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit.core import registry
-from shardkit.core.load_validation import (
+from shardkit.core.mesh_info import MeshInfo, mesh_info_for
+from shardkit.core.options import GroupOptions
+from shardkit.core.param import FSDPParam
+from shardkit.core.param_group import FSDPParamGroup, GroupConfig
+from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.groups import default_mesh
+from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
+from shardkit.core.state import FSDPState, is_managed, register_state, state_of, states_under
+from shardkit.core.state_dict.validation import (
     check_state_dict,
     format_problems,
     param_keys,
     shard_full_tensors,
 )
-from shardkit.core.mesh_info import MeshInfo, default_mesh, mesh_info_for
-from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup, GroupConfig
-from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
-from shardkit.core.state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -56,17 +56,17 @@ class FSDPModule:
 
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
-        states = registry.states_under(self) if recurse else [registry.state_of(self)]
+        states = states_under(self) if recurse else [state_of(self)]
         return [s.group for s in states if s.group is not None]
 
     def _own_group(self) -> FSDPParamGroup | None:
         assert isinstance(self, nn.Module)
-        return registry.state_of(self).group
+        return state_of(self).group
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters (not its children's); async returns a handle."""
         assert isinstance(self, nn.Module)
-        state = registry.state_of(self)
+        state = state_of(self)
         state.lazy_init()
         group = state.group
         if group is not None:
@@ -86,7 +86,7 @@ class FSDPModule:
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (call on the root)."""
         assert isinstance(self, nn.Module)
-        state = registry.state_of(self)
+        state = state_of(self)
         if not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         state.reset_iter_state()
@@ -138,7 +138,7 @@ class FSDPModule:
         for module in modules:
             if not isinstance(module, FSDPModule) or not isinstance(module, nn.Module):
                 raise ValueError(f"prefetch targets must be FSDP modules, got {type(module)}")
-            target = registry.state_of(module).group
+            target = state_of(module).group
             if target is not None:
                 targets.append(target)
         if group is not None:
@@ -282,7 +282,7 @@ def fully_shard(
         mark_owned(group.params, type(modules[0]).__name__)
     state = FSDPState(modules, group, mp_policy, mesh_info.device)
     for m in modules:
-        registry.register(m, state)
+        register_state(m, state)
         m.__class__ = _fsdp_class(type(m))
     fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
@@ -293,7 +293,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         name = type(m).__name__
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if registry.is_managed(m):
+        if is_managed(m):
             raise ValueError(f"fully_shard was already applied to this {name}")
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
@@ -350,7 +350,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run FSDP's pre/post-forward logic around ``module.<method_name>`` (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
         return
-    state = registry.state_of(module)
+    state = state_of(module)
     original = getattr(type(module), method_name)
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

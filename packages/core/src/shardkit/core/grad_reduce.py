@@ -22,7 +22,7 @@ from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.dtensors import dtensor_like, local_of
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["GroupReducer", "PendingReduce", "finish_oldest"]
+__all__ = ["GroupReducer", "PendingReduce"]
 
 
 @dataclass(slots=True)
@@ -34,16 +34,9 @@ class PendingReduce:
     output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
     buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
 
-
-def finish_oldest(comm: CommContext) -> None:
-    """Finish the oldest reduction in flight.
-
-    A function of its own so that nothing refers to the finished reduction once it returns:
-    a loop variable holding it would keep its send buffer (and, on gloo, its received rows)
-    alive while the next reduction allocates its own.
-    """
-    pending = comm.pending_reduces.popleft()
-    pending.reducer.finish(pending, comm)
+    def finish(self, comm: CommContext) -> None:
+        """Wait, all-reduce across replicas, divide and assign the sharded gradients."""
+        self.reducer.finish(self, comm)
 
 
 class GroupReducer:
@@ -106,7 +99,7 @@ class GroupReducer:
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
         while len(comm.pending_reduces) >= comm.max_reduces_in_flight:
-            finish_oldest(comm)
+            comm.finish_oldest()
         output = torch.empty(self.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.

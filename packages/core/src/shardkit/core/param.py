@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension
-from shardkit.core.layout import ParamSpec
+from shardkit.core.group_layout import ParamSpec
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import local_of, set_local

@@ -16,7 +16,7 @@ from torch import nn
 from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.grad_reduce import GroupReducer
-from shardkit.core.layout import group_layout
+from shardkit.core.group_layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
@@ -25,7 +25,13 @@ from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
-from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
+from shardkit.core.states import (
+    SHARDED_TRANSITIONS,
+    TRAINING_TRANSITIONS,
+    ShardedState,
+    TrainingState,
+    check_transition,
+)
 
 __all__ = ["FSDPParamGroup", "GroupConfig"]
 
@@ -61,7 +67,7 @@ class FSDPParamGroup:
         self.fqn = ""  # set at the root's lazy init, for messages and profiles
         self.comm: CommContext | None = None  # set at the root's lazy init
         self.sharded_state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
+        self._training_state = TrainingState.IDLE
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
         self._grads_ready = 0
@@ -83,6 +89,16 @@ class FSDPParamGroup:
             options,
             (self.offload, self.pin_memory),
         )
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What the group is doing now, as its hooks see it."""
+        return self._training_state
+
+    @training_state.setter
+    def training_state(self, new: TrainingState) -> None:
+        check_transition(TRAINING_TRANSITIONS, self._training_state, new, self.fqn)
+        self._training_state = new
 
     # --- construction -----------------------------------------------------------------------
 

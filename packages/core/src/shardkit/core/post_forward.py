@@ -18,6 +18,7 @@ from shardkit.core.runtime.buffers import (
     rank_major_view,
     shard_geometry,
 )
+from shardkit.core.runtime.groups import group_ranks, new_subgroup
 
 __all__ = ["PostForwardShard"]
 
@@ -26,15 +27,13 @@ _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
-    ranks = dist.get_process_group_ranks(mesh_info.shard_group)
+    ranks = group_ranks(mesh_info.shard_group)
     start = (mesh_info.shard_rank // size) * size
     members = tuple(ranks[start : start + size])
     group = _SUBGROUPS.get(members)
     if group is None:
         # Only the members create it, so different subgroups need no global agreement.
-        created = dist.new_group(list(members), use_local_synchronization=True)
-        assert created is not None
-        group = created
+        group = new_subgroup(list(members))
         _SUBGROUPS[members] = group
     return group
 

@@ -11,10 +11,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.core import registry
 from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot, Sharding
+from shardkit.core.state import is_managed
 
 __all__ = ["collect_params", "mark_owned", "validate_reshard_after_forward"]
 
@@ -137,7 +137,7 @@ def _unmanaged_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
         name, module = stack.pop()
         found.append((name, module))
         for child_name, child in reversed(list(module.named_children())):
-            if registry.is_managed(child):
+            if is_managed(child):
                 continue
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return found

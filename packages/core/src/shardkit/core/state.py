@@ -7,6 +7,8 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,18 +16,40 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from shardkit.core import observe, registry
-from shardkit.core.context import CommContext, RootContext
-from shardkit.core.grad_reduce import finish_oldest
+from shardkit.core import observe
+from shardkit.core.context import CommContext
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.states import ShardedState, TrainingState
 
-__all__ = ["FSDPState"]
+__all__ = [
+    "FSDPState",
+    "RootContext",
+    "is_managed",
+    "register_state",
+    "state_of",
+    "states_under",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RootContext:
+    """Iteration state of one root: every state, and the order groups ran in."""
+
+    states: list[FSDPState]
+    comm: CommContext
+    forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Groups in pre-forward order this iteration."""
+    previous_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Last iteration's order: what implicit forward prefetch follows."""
+    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Groups in post-forward order: backward runs it in reverse (backward prefetch)."""
+    final_callback_queued: bool = False
 
 
 class FSDPState:
@@ -55,14 +79,20 @@ class FSDPState:
 
     # --- lazy init --------------------------------------------------------------------------
 
-    def lazy_init(self) -> None:
-        """Make this state the root of every state in its tree (first forward only)."""
+    def lazy_init(self, runtime: CollectiveRuntime | None = None) -> None:
+        """Make this state the root of every state in its tree (first forward only).
+
+        Args:
+            runtime: the collective runtime every group under this root uses; default a
+                ``ProcessGroupRuntime`` on c10d. Tests pass a recording one.
+        """
         if self.is_root is not None:
             return
         self.is_root = True
         root_module = self.modules[0]
-        states = registry.states_under(root_module)
-        runtime = ProcessGroupRuntime()
+        states = states_under(root_module)
+        if runtime is None:
+            runtime = ProcessGroupRuntime()
         ctx = RootContext(states=states, comm=CommContext(runtime=runtime, pool=runtime.pool))
         names = {id(m): name for name, m in root_module.named_modules()}
         for state in states:
@@ -258,7 +288,7 @@ class FSDPState:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
         assert self.ctx is not None
         while self.ctx.comm.pending_reduces:
-            finish_oldest(self.ctx.comm)
+            self.ctx.comm.finish_oldest()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -310,3 +340,43 @@ def _move_to(
         torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
     )
     return moved
+
+
+# --- which state manages which module ----------------------------------------------------
+
+# Weak keys: a sharded module that the user drops takes its state with it.
+_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+# Which FSDPState manages which module: the one table fully_shard writes. The layout view and
+# the state-dict code find a model's groups through it.
+
+
+def register_state(module: nn.Module, state: FSDPState) -> None:
+    """Record that ``state`` manages ``module``."""
+    _STATES[module] = state
+
+
+def is_managed(module: nn.Module) -> bool:
+    """Whether a ``fully_shard`` call manages ``module`` itself."""
+    return module in _STATES
+
+
+def state_of(module: nn.Module) -> FSDPState:
+    """The state managing ``module``.
+
+    Raises:
+        RuntimeError: ``module`` is not managed by shardkit's ``fully_shard``.
+    """
+    state = _STATES.get(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
+    return state
+
+
+def states_under(module: nn.Module) -> list[FSDPState]:
+    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
+    seen: dict[int, FSDPState] = {}
+    for sub in module.modules():
+        state = _STATES.get(sub)
+        if state is not None:
+            seen.setdefault(id(state), state)
+    return list(seen.values())
