@@ -54,6 +54,20 @@ class UnshardHandle:
 class FSDPModule:
     """Methods that ``fully_shard`` adds to a module (by swapping in an ``FSDP<Cls>`` class)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Build the original class: a new module is not sharded, whatever built it.
+
+        Code that makes a module of its own type (``model[:2]`` on a Sequential builds
+        ``type(self)(...)``) gets a plain module, not an FSDP class with no FSDP state.
+        """
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        if original.__new__ is object.__new__:
+            module = object.__new__(original)
+        else:
+            module = original.__new__(original, *args, **kwargs)
+        original.__init__(module, *args, **kwargs)
+        return module
+
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
         states = states_under(self) if recurse else [state_of(self)]
