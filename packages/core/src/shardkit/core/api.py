@@ -123,6 +123,18 @@ class FSDPModule:
         for group in self._groups_under(recurse):
             group.options.all_reduce_grads = requires_all_reduce
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: trainable parameters unused in a backward are reduced as zeros.
+
+        They then get a zero gradient on every rank, and ranks whose control flow uses
+        different parameters (mixture of experts) still issue the same collective. By default
+        (False) an unused parameter's gradient stays None and optimizers skip it.
+        """
+        for group in self._groups_under(recurse):
+            group.options.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether full parameters are freed after forward."""
         if not isinstance(reshard_after_forward, bool):

@@ -10,6 +10,7 @@ buffers belong to the group (see [Note: flat group buffers]); this class holds t
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,7 +50,6 @@ class FSDPParam:
     geometry: ShardGeometry
     orig_dtype: torch.dtype
     comm_dtype: torch.dtype  # dtype of the unsharded parameter (param_dtype or original)
-    requires_grad: bool
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype
@@ -71,7 +71,7 @@ class FSDPParam:
         self.geometry = shard_geometry(local.shape, sharding.spec.shard_dim, mesh_info.shard_size)
         self.orig_dtype = local.dtype
         self.comm_dtype = local.dtype
-        self.requires_grad = param.requires_grad
+        self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
         self.accumulated_grad = None
         # The tensor dp shards, until the group has copied this rank's shard of it.
@@ -79,6 +79,11 @@ class FSDPParam:
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains now: the user may change it at any time."""
+        return self.sharded_param.requires_grad
 
     @property
     def spec(self) -> ParamSpec:
@@ -140,6 +145,22 @@ class FSDPParam:
         unsharded = self.extension.make_unsharded(view, self.sharding_spec)
         param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
         self.unsharded_param = param
+
+    def follow_requires_grad(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
+        """Give the unsharded parameter the sharded one's ``requires_grad``, as it is now.
+
+        Users freeze and unfreeze parameters between steps (fine-tuning schedules) on the
+        parameters they see, the sharded ones; the engine follows at each unshard. A trainable
+        parameter's gradient hook calls ``on_grad_ready`` (added once, on first need).
+        """
+        param = self.unsharded_param
+        assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
+        wanted = self.sharded_param.requires_grad
+        if param.requires_grad != wanted:
+            param.requires_grad_(wanted)
+        if wanted and not self._grad_hook_added:
+            param.register_post_accumulate_grad_hook(on_grad_ready)
+            self._grad_hook_added = True
 
     def register(self, unsharded: bool) -> None:
         """Put the sharded or the unsharded Parameter on every module slot."""

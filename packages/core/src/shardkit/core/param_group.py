@@ -77,17 +77,13 @@ class FSDPParamGroup:
         self.ensure_final_callback: Callable[[], None] = _nothing
         rsf = options.reshard_after_forward
         self._resolve_layout(config.mp_policy, None if isinstance(rsf, bool) else rsf)
-        self.trainable = [p for p in params if p.requires_grad]
+        self._expected_grads: int | None = None  # trainable parameters, counted per backward
         self._geometries = [p.geometry for p in params]
         self.post_forward = self._make_post_forward(rsf)
         self._build_layouts()
         self._init_sharded_storage()
         self.reducer = GroupReducer(
-            self.trainable,
-            self.reduce_dtype,
-            self.mesh_info,
-            options,
-            (self.offload, self.pin_memory),
+            self.reduce_dtype, self.mesh_info, options, (self.offload, self.pin_memory)
         )
 
     @property
@@ -292,9 +288,6 @@ class FSDPParamGroup:
             offset = self.unsharded_layout.offsets[i] // p.comm_dtype.itemsize
             flat.set_(storage, offset, (self.unsharded_layout.numels[i],), (1,))
             p.bind_unsharded(flat)
-            if p.requires_grad:
-                assert p.unsharded_param is not None
-                p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def reshard(self) -> None:
         """Free the full parameters and register the sharded ones."""
@@ -335,8 +328,15 @@ class FSDPParamGroup:
 
     def _register(self, *, unsharded: bool) -> None:
         for p in self.params:
+            if unsharded:
+                p.follow_requires_grad(self._on_grad_ready)
             p.register(unsharded)
         self.registered_unsharded = unsharded
+
+    @property
+    def trainable(self) -> list[FSDPParam]:
+        """The parameters that train now (``requires_grad`` as the user last set it)."""
+        return [p for p in self.params if p.requires_grad]
 
     def register_sharded_for_state_dict(self) -> None:
         """Show the sharded DTensors to ``state_dict``/``load_state_dict`` without freeing."""
@@ -353,13 +353,16 @@ class FSDPParamGroup:
     def begin_backward(self) -> None:
         """Reset the per-backward count of accumulated gradients."""
         self._grads_ready = 0
+        self._expected_grads = None
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         # Runs after autograd accumulated one unsharded gradient; the last one triggers the
         # reduce-scatter as early as possible. See [Note: post-backward trigger].
         self.ensure_final_callback()
         self._grads_ready += 1
-        if self._grads_ready == len(self.trainable) and self.training_state in (
+        if self._expected_grads is None:
+            self._expected_grads = len(self.trainable)
+        if self._grads_ready == self._expected_grads and self.training_state in (
             TrainingState.PRE_BACKWARD,
             TrainingState.FORWARD,
             TrainingState.IDLE,
@@ -375,12 +378,19 @@ class FSDPParamGroup:
             for p in self.trainable:
                 p.stash_unsharded_grad(self.reduce_dtype)
         else:
-            grads = [p.take_unsharded_grad() for p in self.trainable]
-            if any(g is not None for g in grads):
-                assert self.comm is not None
-                self.reducer.start(grads, self.comm, self.fqn)
+            self._start_reduction()
         if self.options.reshard_after_backward:
             self.reshard()
+
+    def _start_reduction(self) -> None:
+        # As torch: a parameter that took no part in this backward gets no gradient (None, so
+        # optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        with_zeros = self.options.reduce_scatter_unused_params
+        grads = [(p, p.take_unsharded_grad()) for p in self.trainable]
+        chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
+        if any(g is not None for _, g in chosen):
+            assert self.comm is not None
+            self.reducer.start(chosen, self.comm, self.fqn)
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

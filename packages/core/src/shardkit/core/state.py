@@ -321,8 +321,7 @@ class FSDPState:
 
 def _has_unreduced(group: FSDPParamGroup) -> bool:
     return any(
-        p.unsharded_param is not None and p.unsharded_param.grad is not None
-        for p in group.trainable
+        p.unsharded_param is not None and p.unsharded_param.grad is not None for p in group.params
     )
 
 
