@@ -80,6 +80,13 @@ class FSDPParam:
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
 
+    def retype(self, dtype: torch.dtype) -> None:
+        """The parameter now has ``dtype`` (a module ``.to(dtype)``); unshard anew."""
+        self.orig_dtype = dtype
+        self.comm_dtype = dtype  # the group applies param_dtype again
+        self.unsharded_param = None
+        self._grad_hook_added = False
+
     @property
     def requires_grad(self) -> bool:
         """Whether the parameter trains now: the user may change it at any time."""

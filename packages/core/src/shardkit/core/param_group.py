@@ -75,16 +75,11 @@ class FSDPParamGroup:
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set by the root: queues the end-of-backward callback if no hook has yet.
         self.ensure_final_callback: Callable[[], None] = _nothing
-        rsf = options.reshard_after_forward
-        self._resolve_layout(config.mp_policy, None if isinstance(rsf, bool) else rsf)
+        self.mp_policy = config.mp_policy
         self._expected_grads: int | None = None  # trainable parameters, counted per backward
         self._geometries = [p.geometry for p in params]
-        self.post_forward = self._make_post_forward(rsf)
-        self._build_layouts()
+        self._plan_buffers()
         self._init_sharded_storage()
-        self.reducer = GroupReducer(
-            self.reduce_dtype, self.mesh_info, options, (self.offload, self.pin_memory)
-        )
 
     @property
     def training_state(self) -> TrainingState:
@@ -98,7 +93,10 @@ class FSDPParamGroup:
 
     # --- construction -----------------------------------------------------------------------
 
-    def _resolve_layout(self, mp: MixedPrecisionPolicy, post_forward_world: int | None) -> None:
+    def _plan_buffers(self) -> None:
+        """Lay out the buffers for the parameters' current dtypes; everything derived too."""
+        rsf = self.options.reshard_after_forward
+        mp = self.mp_policy
         # One function lays out the engine's buffers and the planner's predictions alike.
         self.layout = group_layout(
             [p.spec for p in self.params],
@@ -106,11 +104,23 @@ class FSDPParamGroup:
             replicate_world=self.mesh_info.replicate_size,
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
-            post_forward_world=post_forward_world,
+            post_forward_world=None if isinstance(rsf, bool) else rsf,
         )
         for p, param_layout in zip(self.params, self.layout.params, strict=True):
             p.comm_dtype = param_layout.comm_dtype
         self.reduce_dtype = self.layout.reduce_dtype
+        self.post_forward = self._make_post_forward(rsf)
+        self.storage_layout = self.layout.storage
+        self.comm_layout = self.layout.comm
+        self.unsharded_layout = self.layout.unsharded
+        # The all-gather reads the sharded storage directly unless it must be cast or moved.
+        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
+        self.reducer = GroupReducer(
+            self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
+        )
+        if self.comm is not None:
+            for nbytes in self.comm_buffer_sizes():
+                self.comm.pool.add_user(nbytes, self)
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -122,13 +132,6 @@ class FSDPParamGroup:
             [p.comm_dtype for p in self.params],
             self.mesh_info,
         )
-
-    def _build_layouts(self) -> None:
-        self.storage_layout = self.layout.storage
-        self.comm_layout = self.layout.comm
-        self.unsharded_layout = self.layout.unsharded
-        # The all-gather reads the sharded storage directly unless it must be cast or moved.
-        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
 
     def _init_sharded_storage(self) -> None:
         shards = [p.padded_shard_of_source() for p in self.params]
@@ -179,9 +182,15 @@ class FSDPParamGroup:
             if t.numel() > 0
         )
         device = torch.device("cpu") if self.offload else locals_[0].device
-        if aliased and self.sharded_buffer.device == device:
+        retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
+        if aliased and self.sharded_buffer.device == device and not retyped:
             return
         self.reshard()  # any full copy predates the new values
+        if retyped:
+            # model.to(dtype), .double(), .half(): the buffers follow the new dtypes.
+            for p, local in zip(self.params, locals_, strict=True):
+                p.retype(local.dtype)
+            self._plan_buffers()
         buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         for i, (p, local) in enumerate(zip(self.params, locals_, strict=True)):
             p.local_view(self.storage_layout.view(buffer, i)).copy_(local)
