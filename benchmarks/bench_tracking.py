@@ -11,9 +11,9 @@ import statistics
 from typing import Any
 
 import pytest
-from tests.harness.pool import run_on_ranks
 
 from benchmarks import gpt
+from harness.pool import run_on_ranks
 from shardkit.tools.comm_tracker import CommTracker
 from shardkit.tools.memory_tracker import MemoryTracker
 from shardkit.tools.profiler import Profiler

@@ -54,50 +54,67 @@ COLLECTIVES = {
     "all_to_all_single", "broadcast", "gather", "scatter", "isend", "irecv", "send", "recv",
     "batch_isend_irecv",
 }  # fmt: skip
-
-
-def test_only_the_runtime_calls_collectives() -> None:
-    core = ROOT / "core" / "src" / "shardkit" / "core"
-    for path in core.rglob("*.py"):
-        if path == core / "runtime" / "collectives.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in COLLECTIVES
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "dist"
-            ):
-                raise AssertionError(f"{path}:{node.lineno} calls dist.{node.attr}")
-
-
-CORE = ROOT / "core" / "src" / "shardkit" / "core"
-# Process-group calls other than collectives: who we are, groups, barriers, setup.
+# Process-group calls other than collectives (who we are, groups, barriers, setup) belong to
+# the runtime too: runtime/groups.py.
 PROCESS_GROUP_CALLS = {
     "barrier", "new_group", "get_rank", "get_world_size", "init_process_group",
     "destroy_process_group", "is_initialized", "get_backend", "get_process_group_ranks",
 }  # fmt: skip
+CORE = ROOT / "core" / "src" / "shardkit" / "core"
 
 
-def _dist_calls(path: Path, names: set[str]) -> list[str]:
-    return [
-        f"{path}:{node.lineno} calls dist.{node.attr}"
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Attribute)
-        and node.attr in names
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "dist"
-    ]
+def _dist_uses(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each of ``names`` taken from torch.distributed in ``source``.
+
+    Finds ``dist.name`` under any alias of the module (``import torch.distributed as dist``,
+    ``from torch import distributed``), ``torch.distributed.name``, and
+    ``from torch.distributed import name``.
+    """
+    tree = ast.parse(source)
+    aliases: set[str] = set()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0:
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [(node.lineno, a.name) for a in node.names if a.name in names]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            owner = ast.unparse(node.value)
+            if owner in aliases or owner == "torch.distributed":
+                found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def test_the_dist_check_sees_every_spelling() -> None:
+    source = (
+        "import torch\nimport torch.distributed as d\nfrom torch import distributed\n"
+        "from torch.distributed import barrier\n"
+        "d.get_rank()\ndistributed.new_group([0])\ntorch.distributed.barrier()\nd.is_initialized()\n"
+    )
+    assert _dist_uses(source, PROCESS_GROUP_CALLS) == [
+        (4, "barrier"), (5, "get_rank"), (6, "new_group"), (7, "barrier"), (8, "is_initialized"),
+    ]  # fmt: skip
+
+
+def test_only_the_runtime_calls_collectives() -> None:
+    for path in CORE.rglob("*.py"):
+        if path == CORE / "runtime" / "collectives.py":
+            continue
+        for line, name in _dist_uses(path.read_text(), COLLECTIVES):
+            raise AssertionError(f"{path}:{line} calls dist.{name}")
 
 
 def test_only_the_runtime_talks_to_process_groups() -> None:
-    found = [
-        call
-        for path in CORE.rglob("*.py")
-        if path.parent != CORE / "runtime"
-        for call in _dist_calls(path, PROCESS_GROUP_CALLS)
+    calls = [
+        f"{path.relative_to(CORE)}:{line} dist.{name}"
+        for path in sorted(CORE.rglob("*.py"))
+        if CORE / "runtime" not in path.parents
+        for line, name in _dist_uses(path.read_text(), PROCESS_GROUP_CALLS)
     ]
-    assert not found, "\n".join(found)
+    assert not calls, "outside runtime/:\n" + "\n".join(calls)
 
 
 PRIVATE_DTENSOR = {"_local_tensor", "_spec", "DTensorSpec", "TensorMeta"}

@@ -61,7 +61,7 @@ def _body(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_to_float64_after_fully_shard_trains_in_float64(world_size: int) -> None:
-    from tests.harness.pool import run_on_ranks
+    from harness.pool import run_on_ranks
 
     result = run_on_ranks(world_size, _body, dtype=torch.float64)[0]
     for ours, peer in (

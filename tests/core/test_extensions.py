@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
+from harness.pool import run_on_ranks
 from shardkit.core.extensions import (
     DataParallelSharding,
     ShardingExtension,
@@ -22,7 +23,6 @@ from shardkit.core.extensions import (
 )
 from tests.core import models
 from tests.core.extension_support import RecordingSharding, ReplicatedDTensorSharding
-from tests.harness.pool import run_on_ranks
 
 
 def _train(model: Any, rank: int, world_size: int) -> list[float]:

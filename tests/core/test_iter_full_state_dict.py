@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply, make_mesh
-from tests.harness.pool import run_on_ranks
 
 
 def _body(rank: int, world_size: int, hsdp: tuple[int, int] | None, tie: bool) -> dict[str, Any]:

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from harness.pool import run_on_ranks
 from shardkit.core.layout import ALIGN_BYTES, ParamSpec, group_layout, pooled_sizes
 from tests.core import models
 from tests.core.parity import Run, apply
-from tests.harness.pool import run_on_ranks
 
 
 def test_uneven_shards_are_padded_and_slots_aligned() -> None:

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness.pool import run_on_ranks
 from tests.core.parity import fully_shard_of
-from tests.harness.pool import run_on_ranks
 
 
 def _slice_body(rank: int, world_size: int) -> dict[str, Any]:

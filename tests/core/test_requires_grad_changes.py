@@ -57,7 +57,7 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_requires_grad_set_after_fully_shard_is_followed(world_size: int) -> None:
-    from tests.harness.pool import run_on_ranks
+    from harness.pool import run_on_ranks
 
     results = run_on_ranks(world_size, _body)
     assert_parity(results)

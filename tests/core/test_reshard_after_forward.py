@@ -6,9 +6,9 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, assert_parity, parity_body
-from tests.harness.pool import run_on_ranks
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -69,7 +69,7 @@ def _body(rank: int, world_size: int, unused_as_zeros: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_unused_parameters_get_no_gradient(world_size: int) -> None:
-    from tests.harness.pool import run_on_ranks
+    from harness.pool import run_on_ranks
 
     result = run_on_ranks(world_size, _body, unused_as_zeros=False)[0]
     for impl in ("shardkit", "torch", "local"):
@@ -81,7 +81,7 @@ def test_unused_parameters_get_no_gradient(world_size: int) -> None:
 
 
 def test_unused_parameters_reduced_as_zeros_on_request_match_torch() -> None:
-    from tests.harness.pool import run_on_ranks
+    from harness.pool import run_on_ranks
 
     result = run_on_ranks(2, _body, unused_as_zeros=True)[0]
     ours, theirs = result["shardkit"], result["torch"]

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.pool import run_on_ranks
 from shardkit.tools.comm_tracker import CommTracker
 from shardkit.tools.records import CollectiveRecord, Phase, RankReport
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 from tests.tools import workloads
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.pool import run_on_ranks
 from shardkit.tools.memory_tracker import MemoryTracker
 from shardkit.tools.records import Category, Phase, RankReport
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 from tests.tools import workloads
 
 
