@@ -21,14 +21,15 @@ def _slice_body(rank: int, world_size: int) -> dict[str, Any]:
         for layer in (model[0], model[2], model[3]):
             fully_shard_of(impl)(layer, mesh=mesh)
         fully_shard_of(impl)(model, mesh=mesh)
-        head = model[:2]  # a pipeline stage: the first two layers
+        head: Any = model[:2]  # a pipeline stage: the first two layers
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
         out[impl] = {
             "type": type(head).__name__,
             "layer_types": [type(m).__name__ for m in head],
             "output": head(x).detach(),
         }
-        model[0].reshard()  # the sharded layer inside is still an FSDP module
+        first: Any = model[0]
+        first.reshard()  # the sharded layer inside is still an FSDP module
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
     out["local"] = plain(torch.randn(2, 4, generator=torch.Generator().manual_seed(1))).detach()
