@@ -14,13 +14,18 @@ EXPECTED = {
         "CollectiveEvent",
         "CollectiveIssuedEvent",
         "FSDPModule",
+        "FullyShardUsageError",
         "IncompleteCheckpointError",
+        "InvalidShardDimError",
         "MixedPrecisionPolicy",
         "OffloadPolicy",
         "ParamShardingSpec",
         "ShardingExtension",
+        "ShardkitError",
         "StateTransitionEvent",
+        "UnevenShardingError",
         "UnshardHandle",
+        "UnsupportedCopyError",
         "__version__",
         "fully_shard",
         "iter_full_state_dict",
@@ -123,7 +128,7 @@ def test_drop_in_for_torch_fully_shard() -> None:
         "set_reshard_after_backward", "set_modules_to_forward_prefetch",
         "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
         "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
-        "set_unshard_in_backward", "set_post_optim_event",
+        "set_unshard_in_backward", "set_post_optim_event", "set_reduce_scatter_unused_params",
     ]  # fmt: skip
     for method in methods:
         assert hasattr(ours.FSDPModule, method), method

@@ -58,7 +58,7 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
     m: Any = models.MLPNet()
     fully_shard(m.blocks[0], mesh=mesh)
     out["twice"] = _expect_error(
-        m.blocks[0].fc1, lambda: fully_shard(m.blocks[0], mesh=mesh), "already applied"
+        m.blocks[0].fc1, lambda: fully_shard(m.blocks[0], mesh=mesh), "already been applied"
     )
 
     t: Any = models.MLPNet()

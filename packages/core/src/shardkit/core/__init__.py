@@ -7,6 +7,13 @@ fully_shard``: same signature, same semantics, our own engine.
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
+from shardkit.core.errors import (
+    FullyShardUsageError,
+    InvalidShardDimError,
+    ShardkitError,
+    UnevenShardingError,
+    UnsupportedCopyError,
+)
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
 from shardkit.core.layout import layout_of
 from shardkit.core.observe import (
@@ -28,13 +35,18 @@ __all__ = [
     "CollectiveEvent",
     "CollectiveIssuedEvent",
     "FSDPModule",
+    "FullyShardUsageError",
     "IncompleteCheckpointError",
+    "InvalidShardDimError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParamShardingSpec",
     "ShardingExtension",
+    "ShardkitError",
     "StateTransitionEvent",
+    "UnevenShardingError",
     "UnshardHandle",
+    "UnsupportedCopyError",
     "__version__",
     "fully_shard",
     "iter_full_state_dict",

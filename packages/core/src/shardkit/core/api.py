@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardkit.core.errors import FullyShardUsageError, UnsupportedCopyError
 from shardkit.core.mesh_info import MeshInfo, mesh_info_for
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
@@ -229,7 +230,11 @@ class FSDPModule:
         return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise RuntimeError("FSDP modules cannot be deep-copied; copy the model before fully_shard")
+        raise UnsupportedCopyError(
+            "FSDP does not support deepcopy. Please use state dict for serialization. "
+            f"({type(self).__name__}: deep-copy the model before fully_shard, or load a copy "
+            "through model.state_dict())"
+        )
 
 
 _Placement = Callable[[nn.Parameter], Shard | None] | None
@@ -320,13 +325,16 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if is_managed(m):
-            raise ValueError(f"fully_shard was already applied to this {name}")
+            raise FullyShardUsageError(
+                "fully_shard has already been applied to the following module: "
+                f"{name}; apply it once per module"
+            )
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
         if type(m).forward is nn.Module.forward:
             raise ValueError(
-                f"fully_shard does not support {name}, which has no forward (a container); "
-                "apply it to the modules inside"
+                "fully_shard does not support containers that do not implement forward: "
+                f"{name} has no forward; apply fully_shard to the modules inside it"
             )
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.runtime.device import device_for_mesh_type
 
 __all__ = ["MeshInfo", "mesh_info_for"]
@@ -49,8 +50,8 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         return MeshInfo(mesh, group, mesh.get_local_rank(0), mesh.size(0), None, 1, device)
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
-            raise ValueError(
-                "fully_shard on a 2-D (HSDP) mesh needs mesh_dim_names, e.g. "
+            raise FullyShardUsageError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
                 "init_device_mesh('cpu', (2, 2), mesh_dim_names=('replicate', 'shard'))"
             )
         return MeshInfo(
@@ -63,6 +64,6 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
             device,
         )
     raise ValueError(
-        f"fully_shard supports a 1-D (FSDP) or 2-D (HSDP) mesh, got a {mesh.ndim}-D mesh; "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh ({mesh}); "
         "for tensor parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
     )

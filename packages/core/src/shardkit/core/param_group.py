@@ -223,10 +223,12 @@ class FSDPParamGroup:
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
         if self.sharded_buffer.is_meta:
-            names = ", ".join(p.fqn for p in self.params)
+            names = [p.fqn for p in self.params]
             raise RuntimeError(
-                f"FSDP module {self.fqn or '<root>'}: parameters are still on the meta device "
-                f"({names}); call module.to_empty(device=...) and initialise them first"
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names}. FSDP module "
+                f"{self.fqn or '<root>'}: call module.to_empty(device=...) and initialise "
+                "them first"
             )
 
     def unshard(self) -> None:

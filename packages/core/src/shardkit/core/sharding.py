@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.core.errors import InvalidShardDimError, UnevenShardingError
 from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot, Sharding
@@ -110,9 +111,11 @@ def _sharding_of(
     )
     size = spec.local.shape[dim]
     if dim != 0 and size % mesh_info.shard_size != 0:
-        raise ValueError(
-            f"Shard({dim}) of {name} needs its size {size} along dim {dim} to be "
-            f"divisible by the shard group size {mesh_info.shard_size} (dim 0 may be uneven)"
+        raise UnevenShardingError(
+            f"FSDP does not support uneven sharding on dim {dim}: {spec.local.shape} "
+            f"(world size: {mesh_info.shard_size}). Shard({dim}) of {name} needs its size "
+            f"{size} along dim {dim} to be divisible by the shard group size (dim 0 may be "
+            "uneven)"
         )
     return Sharding(extension, spec)
 
@@ -157,8 +160,8 @@ def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> Non
         extension_for(param, name)  # a DTensor that nothing handles fails here
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard cannot shard the 0-dim parameter {name}; pass it in "
-                "ignored_params or make it 1-dim"
+                "fully_shard doesn't support scalar parameters. Change "
+                f"{name} to a 1D tensor with numel equal to 1 (or pass it in ignored_params)"
             )
         devices.setdefault(param.device, name)
     if len(devices) > 1:
@@ -178,8 +181,8 @@ def _shard_dim(
         raise TypeError(f"shard_placement_fn must return Shard(dim) or None for {name}")
     dim = placement.dim
     if not -param.dim() <= dim < param.dim():
-        raise ValueError(
-            f"shard_placement_fn returned Shard({dim}) for {name} of shape "
-            f"{tuple(param.shape)}: dim out of range"
+        raise InvalidShardDimError(
+            f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape} "
+            f"(shard_placement_fn returned Shard({dim}) for {name})"
         )
     return dim % param.dim()

@@ -1,0 +1,38 @@
+"""The exception types of user errors, compatible with torch's ``fully_shard``.
+
+Code and test suites written for torch catch torch's exception types, some of which are
+unusual for user errors (``AssertionError`` for a second ``fully_shard``, say). Each class
+here is both the type a user error should have and the type torch raises in the same case,
+so ``except ValueError`` and ``except AssertionError`` both work. Messages start with torch's
+own wording of the problem, then say more.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FullyShardUsageError",
+    "InvalidShardDimError",
+    "ShardkitError",
+    "UnevenShardingError",
+    "UnsupportedCopyError",
+]
+
+
+class ShardkitError(Exception):
+    """Base of the errors raised by type (not every error of the core derives from it)."""
+
+
+class FullyShardUsageError(ShardkitError, ValueError, AssertionError):
+    """A call torch refuses with an AssertionError: ``fully_shard`` twice, an unnamed 2-D mesh."""
+
+
+class InvalidShardDimError(ShardkitError, ValueError, AssertionError):
+    """``shard_placement_fn`` returned a dim the parameter does not have."""
+
+
+class UnevenShardingError(ShardkitError, ValueError, NotImplementedError):
+    """A dim other than 0 whose size the shard group does not divide."""
+
+
+class UnsupportedCopyError(ShardkitError, RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module."""
