@@ -129,6 +129,9 @@ def test_drop_in_for_torch_fully_shard() -> None:
         "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
         "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
         "set_unshard_in_backward", "set_post_optim_event", "set_reduce_scatter_unused_params",
+        "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+        "set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter",
+        "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
     ]  # fmt: skip
     for method in methods:
         assert hasattr(ours.FSDPModule, method), method

@@ -22,7 +22,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup, GroupConfig
 from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.runtime.groups import default_mesh
+from shardkit.core.runtime.groups import default_mesh, group_ranks, subgroup_of
 from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
 from shardkit.core.state import FSDPState, is_managed, register_state, state_of, states_under
 from shardkit.core.state_dict.validation import (
@@ -135,6 +135,88 @@ class FSDPModule:
         """
         for group in self._groups_under(recurse):
             group.options.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Let up to ``max_input_buffers`` gradient reductions be in flight at once.
+
+        1 (the default) finishes a group's reduction before the next group allocates its
+        send buffer; more lets communication run behind more of backward, at the cost of
+        that many send buffers alive at backward's memory peak.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups_under(recurse):
+            group.options.max_reduces_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce gradients on a process group of their own, so they overlap all-gathers.
+
+        One group per set of shard ranks is created (collectively: call it on every rank of
+        the mesh); False goes back to sharing the shard group.
+        """
+        for group in self._groups_under(recurse):
+            shard_group = group.mesh_info.shard_group
+            group.options.reduce_scatter_group = (
+                subgroup_of(shard_group, tuple(group_ranks(shard_group))) if enable else None
+            )
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Run ``hook(reduced)`` on this module's reduced gradient, in place.
+
+        ``reduced`` is the reduce-scatter output with plain FSDP, or the all-reduce output
+        with HSDP: the sum over ranks, before the division by the data-parallel size. A
+        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is accepted for
+        plain FSDP only, as torch's; the hook runs where the reduction finishes.
+        """
+        for group in self._groups_under(recurse=False):
+            if stream is not None and group.mesh_info.replicate_group is not None:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.options.all_reduce_hook = hook
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Gather this module's parameters with ``comm`` (torch's ``AllGather`` interface).
+
+        ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
+        ``comm(output, input, group, async_op=)`` runs the gather of the flat uint8 shards.
+        """
+        for group in self._groups_under(recurse=False):
+            group.options.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce this module's gradients with ``comm`` (torch's ``ReduceScatter`` interface).
+
+        ``comm.allocate`` makes the input and output buffers and
+        ``comm(output, input, group, op, async_op=)`` sums the (W * S) input into each rank's
+        S elements.
+        """
+        for group in self._groups_under(recurse=False):
+            group.options.custom_reduce_scatter = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for compatibility; communication buffers come from shardkit's own pool.
+
+        On gloo there is no process-group allocator to use; on NCCL the pool's buffers are
+        reused across groups and steps, which is what this option is for.
+        """
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for compatibility; symmetric-memory all-gathers are not used.
+
+        Raises:
+            ValueError: ``backend`` is not ``"NCCL"`` (torch's only backend too).
+        """
+        if backend != "NCCL":
+            raise ValueError(f"only the NCCL symmetric memory backend exists, got {backend!r}")
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether full parameters are freed after forward."""

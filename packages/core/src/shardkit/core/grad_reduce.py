@@ -125,25 +125,35 @@ class GroupReducer:
         # Bound the memory of reductions in flight: finish the oldest before allocating this
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
-        while len(comm.pending_reduces) >= comm.max_reduces_in_flight:
+        in_flight = max(comm.max_reduces_in_flight, self.options.max_reduces_in_flight)
+        while len(comm.pending_reduces) >= in_flight:
             comm.finish_oldest()
-        output = torch.empty(packing.numel, dtype=self.dtype, device=device)
+        custom = self.options.custom_reduce_scatter
+        if custom is not None:
+            output = custom.allocate((packing.numel,), dtype=self.dtype, device=device)
+        else:
+            output = torch.empty(packing.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.
             pack_grads_rank_major(full, geometries, packing.offsets, output.view(1, -1))
             if self.pre_divide != 1:
                 output.div_(self.pre_divide)
             comm.pending_reduces.append(PendingReduce(self, packing, DoneHandle(), output, ()))
+            return
+        nbytes = world * packing.numel * self.dtype.itemsize
+        if custom is not None:
+            send = custom.allocate((nbytes,), dtype=torch.uint8, device=device)
+            pooled: tuple[torch.Tensor, ...] = ()  # the user's memory: not ours to pool
         else:
-            send = comm.pool.get(world * packing.numel * self.dtype.itemsize, device)
-            rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
-            pack_grads_rank_major(full, geometries, packing.offsets, rows)
-            if self.pre_divide != 1:
-                rows.div_(self.pre_divide)
-            handle = comm.runtime.reduce_scatter(
-                output, rows, self.mesh_info.shard_group, label=self.label
-            )
-            comm.pending_reduces.append(PendingReduce(self, packing, handle, output, (send,)))
+            send = comm.pool.get(nbytes, device)
+            pooled = (send,)
+        rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
+        pack_grads_rank_major(full, geometries, packing.offsets, rows)
+        if self.pre_divide != 1:
+            rows.div_(self.pre_divide)
+        group = self.options.reduce_scatter_group or self.mesh_info.shard_group
+        handle = comm.runtime.reduce_scatter(output, rows, group, label=self.label, custom=custom)
+        comm.pending_reduces.append(PendingReduce(self, packing, handle, output, pooled))
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
         """Wait for a reduction, all-reduce across replicas, divide, assign sharded grads."""
@@ -169,6 +179,8 @@ class GroupReducer:
             comm.runtime.all_reduce(
                 reduced, self.mesh_info.replicate_group, label=self.label
             ).wait()
+        if self.options.all_reduce_hook is not None:
+            self.options.all_reduce_hook(reduced)  # the sum, before the division
         factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
         if factor != 1:
             reduced.div_(factor)

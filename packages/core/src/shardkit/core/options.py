@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 __all__ = ["GroupOptions"]
 
@@ -32,3 +37,13 @@ class GroupOptions:
     gradient); False leaves their gradient None, as torch does by default."""
     is_last_backward: bool = True
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    """Runs on each reduced gradient (after the HSDP all-reduce, before the division)."""
+    max_reduces_in_flight: int = 1
+    """Reductions of this group's gradients left in flight before the oldest is finished."""
+    reduce_scatter_group: dist.ProcessGroup | None = None
+    """A process group of its own for the reduce-scatter; None shares the shard group."""
+    custom_all_gather: Any = None
+    """A user all-gather (torch's ``AllGather``: ``allocate`` and ``__call__``), or None."""
+    custom_reduce_scatter: Any = None
+    """A user reduce-scatter (torch's ``ReduceScatter``), or None."""

@@ -241,11 +241,16 @@ class FSDPParamGroup:
         runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
             assert pf.buffer is not None
-            handle = runtime.all_gather(pf.buffer, pf.group, label=self.fqn)
+            handle = runtime.all_gather(
+                pf.buffer, pf.group, label=self.fqn, custom=self.options.custom_all_gather
+            )
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
             handle = runtime.all_gather(
-                self._gather_input(), self.mesh_info.shard_group, label=self.fqn
+                self._gather_input(),
+                self.mesh_info.shard_group,
+                label=self.fqn,
+                custom=self.options.custom_all_gather,
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
         if observe.has_subscribers():

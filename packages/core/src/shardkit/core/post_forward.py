@@ -8,8 +8,6 @@ sharded memory between forward and backward.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
@@ -20,30 +18,17 @@ from shardkit.core.runtime.buffers import (
     rank_major_view,
     shard_geometry,
 )
-from shardkit.core.runtime.groups import group_ranks, new_subgroup
+from shardkit.core.runtime.groups import group_ranks, subgroup_of
 
 __all__ = ["PostForwardShard"]
 
+
 # One subgroup per set of ranks, shared by every group that uses it.
-# Subgroups by their parent shard group, then by member ranks: groups that share a parent
-# share its subgroups. Weak keys: after destroy_process_group() and a new init (tests, elastic
-# restarts) the parent is a new object, so no subgroup of the dead world is ever handed out.
-_SUBGROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]
-_SUBGROUPS = weakref.WeakKeyDictionary()
-
-
 def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
     parent = mesh_info.shard_group
     ranks = group_ranks(parent)
     start = (mesh_info.shard_rank // size) * size
-    members = tuple(ranks[start : start + size])
-    known = _SUBGROUPS.setdefault(parent, {})
-    group = known.get(members)
-    if group is None:
-        # Only the members create it, so different subgroups need no global agreement.
-        group = new_subgroup(list(members))
-        known[members] = group
-    return group
+    return subgroup_of(parent, tuple(ranks[start : start + size]))
 
 
 class PostForwardShard:

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core import observe
+from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.protocol import CustomComm
 
 __all__ = [
     "DoneHandle",
@@ -111,13 +113,37 @@ class ProcessGroupRuntime:
         self.pool = pool if pool is not None else BufferPool()
 
     def all_gather(
-        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        custom: CustomComm | None = None,
     ) -> GatherHandle:
         """Gather every rank's ``input`` (N uint8 bytes), asynchronously."""
-        handle = self._all_gather(input, group, label)
+        if custom is not None:
+            self._announce("all_gather", group, input.numel(), "custom", label)
+            rows, work = custom_all_gather_rows(custom, input, group)
+            handle = GatherHandle([w for w in (work,) if w is not None], rows, None, self.pool)
+        else:
+            handle = self._all_gather(input, group, label)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_gather"))
         return handle
+
+    @staticmethod
+    def _announce(
+        kind: str, group: dist.ProcessGroup, input_bytes: int, algorithm: str, label: str
+    ) -> None:
+        """Tell observers about a collective (with the minimum bytes it must send)."""
+        if observe.has_subscribers():
+            size = group.size()
+            sent = (
+                input_bytes * (size - 1)
+                if kind == "all_gather"
+                else input_bytes // size * (size - 1)
+            )
+            observe.emit(observe.CollectiveEvent(kind, size, input_bytes, sent, algorithm, label))
 
     def _all_gather(
         self, input: torch.Tensor, group: dist.ProcessGroup, label: str
@@ -166,9 +192,16 @@ class ProcessGroupRuntime:
         group: dist.ProcessGroup,
         *,
         label: str = "",
+        custom: CustomComm | None = None,
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
-        handle = self._reduce_scatter(output, input, group, label)
+        handle: WorkHandle | DoneHandle | _SumRowsHandle
+        if custom is not None:
+            row_bytes = output.numel() * output.element_size()
+            self._announce("reduce_scatter", group, row_bytes * group.size(), "custom", label)
+            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group))
+        else:
+            handle = self._reduce_scatter(output, input, group, label)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
         return handle

@@ -6,10 +6,20 @@ backend quirk or an API change is handled once.
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["barrier", "default_mesh", "global_rank", "group_ranks", "new_subgroup", "world_size"]
+__all__ = [
+    "barrier",
+    "default_mesh",
+    "global_rank",
+    "group_ranks",
+    "new_subgroup",
+    "subgroup_of",
+    "world_size",
+]
 
 
 def global_rank() -> int:
@@ -41,6 +51,22 @@ def default_mesh() -> DeviceMesh:
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
     return dist.get_process_group_ranks(group)
+
+
+# Subgroups by their parent group, then by member ranks: callers that share a parent share its
+# subgroups. Weak keys: after destroy_process_group() and a new init (tests, elastic restarts)
+# the parent is a new object, so no subgroup of a dead world is ever handed out.
+_SUBGROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]
+_SUBGROUPS = weakref.WeakKeyDictionary()
+
+
+def subgroup_of(parent: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup:
+    """The subgroup of ``parent`` with these global ranks, created on first use (members only)."""
+    known = _SUBGROUPS.setdefault(parent, {})
+    group = known.get(members)
+    if group is None:
+        group = known[members] = new_subgroup(list(members))
+    return group
 
 
 def new_subgroup(members: list[int]) -> dist.ProcessGroup:

@@ -5,14 +5,15 @@ Parameter groups call only this protocol; the runtime knows nothing about module
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
 
-__all__ = ["CollectiveHandle", "CollectiveRuntime", "GatheredRows"]
+__all__ = ["CollectiveHandle", "CollectiveRuntime", "CustomComm", "GatheredRows"]
 
 
 class CollectiveHandle(Protocol):
@@ -32,6 +33,18 @@ class GatheredRows(Protocol):
         """Return the buffers behind the rows once they were copied out."""
 
 
+class CustomComm(Protocol):
+    """A user collective in the shape of torch's ``AllGather`` / ``ReduceScatter``."""
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A buffer for the collective (the user chooses where its memory comes from)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        """Run the collective: ``(output, input, group[, op], async_op=...)``."""
+
+
 class CollectiveRuntime(Protocol):
     """Issues collectives on flat buffers and returns handles."""
 
@@ -41,9 +54,17 @@ class CollectiveRuntime(Protocol):
     # ``label``: the module the collective serves, passed on to observers (CollectiveEvent).
 
     def all_gather(
-        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        custom: CustomComm | None = None,
     ) -> GatheredRows:
-        """Gather ``input`` (N uint8 bytes) from every rank; the handle yields the W rows."""
+        """Gather ``input`` (N uint8 bytes) from every rank; the handle yields the W rows.
+
+        ``custom``: a user all-gather to run instead of the runtime's own.
+        """
 
     def reduce_scatter(
         self,
@@ -52,8 +73,12 @@ class CollectiveRuntime(Protocol):
         group: dist.ProcessGroup,
         *,
         label: str = "",
+        custom: CustomComm | None = None,
     ) -> CollectiveHandle:
-        """Sum row r of ``input`` (W, S) over ranks into ``output`` (S) on rank r."""
+        """Sum row r of ``input`` (W, S) over ranks into ``output`` (S) on rank r.
+
+        ``custom``: a user reduce-scatter to run instead of the runtime's own.
+        """
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""

@@ -1,0 +1,113 @@
+"""FSDP2's communication switches: the all-reduce hook, custom collectives, a separate
+reduce-scatter group and more reductions in flight, each against torch's fully_shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.pool import run_on_ranks
+from tests.core.comm_support import AllReduceScatter, CountingAllGather, halve
+from tests.core.parity import Run, assert_parity, train
+
+
+def _body(rank: int, world_size: int, switch: str, hsdp: tuple[int, int] | None) -> Any:
+    import tests.core.parity as parity
+
+    counts: dict[str, int] = {}
+
+    def configure(model: Any) -> None:
+        if switch == "all_reduce_hook":
+            model.set_all_reduce_hook(halve)
+            for block in model.blocks:
+                block.set_all_reduce_hook(halve)
+        elif switch == "custom_comms":
+            gather, scatter = CountingAllGather(), AllReduceScatter()
+            counts["objects"] = id(gather)
+            for module in (model, *model.blocks):
+                module.set_custom_all_gather(gather)
+                module.set_custom_reduce_scatter(scatter)
+            counts_ref.append((gather, scatter))
+        elif switch == "separate_group":
+            model.set_separate_reduce_scatter_group(True)
+        elif switch == "two_in_flight":
+            model.set_reduce_scatter_max_input_buffers(2)
+        elif switch == "process_group_memory":
+            model.set_allocate_memory_from_process_group_for_comm(True)
+        elif switch == "symm_mem":
+            model.set_symm_mem_for_comm("NCCL")
+
+    counts_ref: list[tuple[CountingAllGather, AllReduceScatter]] = []
+    original = parity.apply
+
+    def apply(impl: str, model: Any, mesh: Any, run: Run) -> None:
+        original(impl, model, mesh, run)
+        configure(model)
+
+    parity.apply = apply
+    try:
+        # torch's symmetric memory needs NCCL: there ours is checked against the single process.
+        peer = "local" if switch == "symm_mem" else "torch"
+        run = Run(model="mlp", hsdp=hsdp, impls=("shardkit", peer), steps=4)
+        traces = {impl: train(impl, run, rank, world_size) for impl in run.impls}
+    finally:
+        parity.apply = original
+    traces["calls"] = {
+        "gather": [g.calls for g, _ in counts_ref],
+        "scatter": [s.calls for _, s in counts_ref],
+    }
+    return traces
+
+
+@pytest.mark.parametrize(
+    ("switch", "world_size", "hsdp"),
+    [
+        ("all_reduce_hook", 2, None),
+        ("all_reduce_hook", 4, (2, 2)),
+        ("custom_comms", 2, None),
+        ("separate_group", 2, None),
+        ("two_in_flight", 2, None),
+        ("process_group_memory", 2, None),
+        ("symm_mem", 2, None),
+    ],
+)
+def test_switch_matches_torch(switch: str, world_size: int, hsdp: tuple[int, int] | None) -> None:
+    results = run_on_ranks(world_size, _body, switch=switch, hsdp=hsdp)
+    calls = results[0].pop("calls")
+    for result in results[1:]:
+        result.pop("calls")
+    assert_parity(results)
+    if switch == "custom_comms":
+        # Both engines ran the user's collectives: 4 steps, 4 groups, forward and backward.
+        gathers, scatters = calls["gather"], calls["scatter"]
+        assert len(gathers) == 2 and all(n >= 4 * 4 for n in gathers), gathers
+        assert scatters == [4 * 4, 4 * 4], scatters
+
+
+def test_bad_switch_values_are_refused() -> None:
+    results = run_on_ranks(1, _refusals_body)
+    assert results[0] == ["TypeError", "ValueError", "ValueError"]
+
+
+def _refusals_body(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardkit.core import fully_shard
+    from tests.core import models
+
+    model: Any = models.build("mlp")
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    seen = []
+    calls: list[Callable[[], None]] = [
+        lambda: model.set_reduce_scatter_max_input_buffers(True),
+        lambda: model.set_reduce_scatter_max_input_buffers(0),
+        lambda: model.set_symm_mem_for_comm("NVSHMEM"),
+    ]
+    for call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            seen.append(type(error).__name__)
+    return seen
