@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.protocol import CustomComm
 
 
 @dataclass
@@ -39,7 +40,12 @@ class RecordingRuntime:
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
     def all_gather(
-        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        custom: CustomComm | None = None,
     ) -> _Rows:
         self.calls.append(("all_gather", label, input.numel()))
         return _Rows([input] + [input.clone() for _ in range(group.size() - 1)])
@@ -51,6 +57,7 @@ class RecordingRuntime:
         group: dist.ProcessGroup,
         *,
         label: str = "",
+        custom: CustomComm | None = None,
     ) -> _Done:
         self.calls.append(("reduce_scatter", label, input.numel() * input.element_size()))
         output.copy_(input[group.rank()] * group.size())

@@ -19,9 +19,9 @@ from harness.pool import run_on_ranks
 from tests.core.parity import full_params
 
 
-def _convnet() -> nn.Module:
+def _convnet() -> Any:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    net: Any = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
     return net.to(memory_format=torch.channels_last)
 
 
