@@ -19,7 +19,11 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import DoneHandle
-from shardkit.core.runtime.dtensors import dtensor_like, local_of
+from shardkit.core.runtime.dtensors import (
+    dtensor_like,
+    local_of,
+    run_post_accumulate_grad_hooks,
+)
 from shardkit.core.runtime.protocol import CollectiveHandle
 
 __all__ = ["GroupReducer", "Packing", "PendingReduce"]
@@ -201,3 +205,4 @@ class GroupReducer:
                 param.grad = dtensor_like(local, param)
             else:
                 local_of(param.grad).add_(local)
+            run_post_accumulate_grad_hooks(param)

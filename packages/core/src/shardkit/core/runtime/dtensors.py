@@ -15,6 +15,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "as_dtensor",
+    "run_post_accumulate_grad_hooks",
     "contiguous_strides",
     "dtensor_like",
     "local_of",
@@ -66,3 +67,15 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 def set_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
     """Re-point a DTensor (a Parameter, kept by the optimizer) at a new local tensor."""
     as_dtensor(tensor)._local_tensor = local
+
+
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Run the hooks registered with ``param.register_post_accumulate_grad_hook``.
+
+    Autograd never accumulates into a sharded parameter (the unsharded one takes part in
+    backward), so the engine runs its hooks itself once the reduced gradient is assigned:
+    optimizer-in-backward relies on them. torch keeps them in a private dict.
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    for hook in tuple(hooks.values()):
+        hook(param)
