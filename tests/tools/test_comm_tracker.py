@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardkit.tools.comm_tracker import CommTracker
 from shardkit.tools.records import CollectiveRecord, Phase, RankReport
+from shardkit.tools.track.comm import CommTracker
 from tests.core import models
 from tests.harness.pool import run_on_ranks
 from tests.tools import workloads

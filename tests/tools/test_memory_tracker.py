@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.tools.memory_tracker import MemoryTracker
 from shardkit.tools.records import Category, Phase, RankReport
+from shardkit.tools.track.memory import MemoryTracker
 from tests.core import models
 from tests.harness.pool import run_on_ranks
 from tests.tools import workloads

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.tools import theory
-from shardkit.tools.examples import llama_8b, llama_tiny, llama_tiny_inputs
-from shardkit.tools.plan_groups import flat_nbytes
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import Plan, plan
+from shardkit.tools.plan import theory
+from shardkit.tools.plan.examples import llama_8b, llama_tiny, llama_tiny_inputs
+from shardkit.tools.plan.groups import flat_nbytes
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.records import Category, Phase
 
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardkit.tools.examples import Llama, LlamaConfig
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import plan
+from shardkit.tools.plan.examples import Llama, LlamaConfig
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import plan
 from tests.core import models
 from tests.harness.pool import run_on_ranks
 

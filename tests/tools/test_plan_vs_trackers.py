@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from shardkit.tools import Category, Profiler, RankReport
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import Plan, plan
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
 from tests.core import models
 from tests.harness.pool import run_on_ranks
 from tests.tools import workloads

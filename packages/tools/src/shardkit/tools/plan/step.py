@@ -1,6 +1,6 @@
 """One steady-state training step of shardkit's engine, simulated from shapes alone.
 
-The simulation follows the engine's hooks over the forward's segments (see ``plan_trace``):
+The simulation follows the engine's hooks over the forward's segments (see ``trace``):
 forward through the group events in order, backward through them mirrored, then the optimizer.
 It issues the collectives the engine issues, in its order, and keeps a ledger of every buffer
 the engine allocates, sampling live bytes by category at each allocation (frees only lower the
@@ -33,7 +33,7 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Optimizer: AdamW's two states and a 4-byte ``step`` per trainable parameter, each state the
   size of the rank's unpadded local shard. *Approximate*: the step's scratch (two
   largest-shard temporaries per tensor on the CPU, one state's worth for foreach on GPUs).
-- Activations (*approximate*, from the meta forward and backward of ``plan_trace``): forward
+- Activations (*approximate*, from the meta forward and backward of ``trace``): forward
   adds each segment's saved bytes at the segment's end; backward follows the measured live
   saved bytes and activation gradients (category OTHER) segment by segment. Allocator
   rounding and caching are not modelled.
@@ -44,11 +44,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shardkit.tools.plan_groups import GroupSpec
-from shardkit.tools.plan_ledger import Key, Ledger, Pool
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.plan_records import CollectiveCall, MemoryPlan
-from shardkit.tools.plan_trace import StepTrace, gradient_schedule
+from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.ledger import Key, Ledger, Pool
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan.trace import StepTrace, gradient_schedule
 from shardkit.tools.records import Category, Phase
 
 __all__ = ["StepInputs", "StepResult", "simulate_step"]

@@ -8,12 +8,12 @@ sizes from the parameter shapes, and simulates one steady-state training step of
   sends per step, exactly as the engine reports them in ``shardkit.core.CollectiveEvent``;
 - the communication time at a given bandwidth (bytes / bandwidth, nothing overlapped);
 - per-rank memory by category over the step: its peak, the breakdown at the peak and each
-  category's maximum (see ``plan_step`` for what is modelled and what is approximate);
+  category's maximum (see ``step`` for what is modelled and what is approximate);
 - the theoretical minimum of both (``theory``), for comparison.
 
 Nothing is allocated: parameters stay on the meta device, and activations, when example
 inputs are given, come from a forward, the loss and backward run on the meta device
-(``plan_trace``).
+(``trace``).
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.tools import theory
-from shardkit.tools.plan_groups import GroupSpec, build_groups
-from shardkit.tools.plan_options import ModelSource, PlanOptions
-from shardkit.tools.plan_records import (
+from shardkit.tools.plan import theory
+from shardkit.tools.plan.groups import GroupSpec, build_groups
+from shardkit.tools.plan.options import ModelSource, PlanOptions
+from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
     GroupPlan,
     MemoryPlan,
     MemoryPoint,
 )
-from shardkit.tools.plan_step import StepInputs, simulate_step
-from shardkit.tools.plan_trace import assumed_trace, trace_step
+from shardkit.tools.plan.step import StepInputs, simulate_step
+from shardkit.tools.plan.trace import assumed_trace, trace_step
 
 __all__ = ["Plan", "plan"]
 

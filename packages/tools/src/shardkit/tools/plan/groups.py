@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardkit.tools.plan_options import PlanOptions, WrapPolicy
+from shardkit.tools.plan.options import PlanOptions, WrapPolicy
 
 __all__ = ["GroupSpec", "ParamSpec", "build_groups", "flat_nbytes", "select_group_modules"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardkit.tools.plan_records import MemoryPoint
+from shardkit.tools.plan.records import MemoryPoint
 from shardkit.tools.records import Category, Phase
 
 __all__ = ["Key", "Ledger", "Pool"]
