@@ -7,6 +7,8 @@ They live in :mod:`shardkit.tools.plan.examples`; this module keeps the short sp
 from shardkit.tools.plan.examples import (
     Llama,
     LlamaConfig,
+    gpt_small,
+    gpt_small_inputs,
     llama_8b,
     llama_8b_inputs,
     llama_tiny,
@@ -16,6 +18,8 @@ from shardkit.tools.plan.examples import (
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "gpt_small",
+    "gpt_small_inputs",
     "llama_8b",
     "llama_8b_inputs",
     "llama_tiny",

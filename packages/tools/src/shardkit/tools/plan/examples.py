@@ -1,10 +1,11 @@
-"""Model factories for the planner: a small Llama-style decoder, built on the meta device.
+"""Model factories for the planner: Llama-style and GPT-style decoders, built on the meta device.
 
 ``shardkit-plan shardkit.tools.examples:llama_8b --world-size 64`` plans an 8B-parameter
 configuration without allocating it: every factory here builds its model under
 ``torch.device("meta")``, so parameters have shapes and dtypes but no storage.
 
-The model is the usual pre-norm decoder: token embedding, blocks of (RMSNorm, attention with
+The GPT is :mod:`shardkit.tools.plan.gpt`, the model of shardkit's tests and benchmarks. The
+Llama is the usual pre-norm decoder: token embedding, blocks of (RMSNorm, attention with
 grouped-query heads and rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied
 output projection. Blocks live in ``layers`` (an ``nn.ModuleList``), which is what the planner
 shards one by one by default.
@@ -18,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.tools.plan.gpt import GPT, GPTConfig
+
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "gpt_small",
+    "gpt_small_inputs",
     "llama_8b",
     "llama_8b_inputs",
     "llama_tiny",
@@ -208,4 +213,16 @@ def llama_tiny() -> Llama:
 
 def llama_tiny_inputs(batch: int = 2, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`llama_tiny`."""
+    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+
+
+def gpt_small() -> GPT:
+    """The benchmarks' GPT (8 blocks of width 256, about 8.45e6 params) on the meta device."""
+    config = GPTConfig(vocab_size=4096, dim=256, n_layers=8, n_heads=4, max_seq_len=128)
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def gpt_small_inputs(batch: int = 4, seq_len: int = 128) -> torch.Tensor:
+    """Meta token ids (batch, seq_len) for :func:`gpt_small`: one rank's micro-batch."""
     return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
