@@ -6,11 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check test lint bench bench-compare clean
+.PHONY: setup demo check test lint check-hatch bench bench-compare clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables ruff mypy pytest pytest-benchmark matplotlib
+	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark matplotlib
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 	touch $(STAMP)
@@ -29,6 +29,11 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 
 check: lint test
+
+# The hatch workflow from nothing: four wheels, and CPU torch in a fresh `hatch test` environment
+# (about a minute; CI runs it after `check`).
+check-hatch: $(STAMP)
+	$(BIN)/python scripts/check_hatch.py
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave

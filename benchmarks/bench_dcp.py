@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from tests.harness.pool import run_on_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from benchmarks import gpt
+from harness.pool import run_on_ranks
 
 IMPLS = ("torch", "shardkit")
 _STATE: dict[str, Any] = {}

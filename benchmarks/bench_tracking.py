@@ -11,9 +11,9 @@ import statistics
 from typing import Any
 
 import pytest
-from tests.harness.pool import run_on_ranks
 
 from benchmarks import gpt
+from harness.pool import run_on_ranks
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.memory import MemoryTracker
 from shardkit.tools.track.profiler import Profiler

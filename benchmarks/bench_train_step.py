@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.harness.pool import run_on_ranks
 
 from benchmarks import gpt
+from harness.pool import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,14 +2,14 @@
 
 pytest finds this file in the ``tests`` package and puts the repo root on ``sys.path`` (its
 "prepend" import mode), so test modules import as ``tests.<package>.test_<feature>`` and the
-harness as ``tests.harness``, by the same names the pool's workers use.
+harness (``harness/`` at the repo root) as ``harness``, by the same names the pool's workers use.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness.pool import shutdown_pools
+from harness.pool import shutdown_pools
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:

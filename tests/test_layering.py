@@ -1,18 +1,19 @@
 """Dependencies point one way: core imports none of the other shardkit packages, and the
-others use only what core exports in ``__all__``."""
+others use only what the core's published modules export in ``__all__``."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
-import shardkit.core
-
 ROOT = Path(__file__).resolve().parents[1] / "packages"
 PACKAGES = {"core": "core", "tp_adapter": "tp", "legacy_fsdp_compat": "legacy", "tools": "tools"}
 ALLOWED = {"core": set(), "tp": {"core"}, "legacy": {"core", "tp"}, "tools": {"core"}}
+# The core's published modules: its API and the seams the other packages plug into.
+SEAMS = {"shardkit.core", "shardkit.core.layout", "shardkit.core.extensions"}
 
 
 def _shardkit_imports(path: Path) -> list[tuple[str, list[str]]]:
@@ -36,9 +37,10 @@ def test_dependencies_point_one_way(folder: str) -> None:
                 continue
             assert target in ALLOWED[package], f"{path}: {package} may not import {module}"
             if target == "core":
-                assert module == "shardkit.core", f"{path}: import from shardkit.core only"
-                missing = set(names) - set(shardkit.core.__all__)
-                assert not missing, f"{path}: {missing} are not public in shardkit.core"
+                assert module in SEAMS, f"{path}: import from {sorted(SEAMS)} only"
+                public = importlib.import_module(module).__all__
+                missing = set(names) - set(public)
+                assert not missing, f"{path}: {missing} are not public in {module}"
 
 
 def test_no_namespace_init() -> None:
@@ -52,18 +54,90 @@ COLLECTIVES = {
     "all_to_all_single", "broadcast", "gather", "scatter", "isend", "irecv", "send", "recv",
     "batch_isend_irecv",
 }  # fmt: skip
+# Process-group calls other than collectives (who we are, groups, barriers, setup) belong to
+# the runtime too: runtime/groups.py.
+PROCESS_GROUP_CALLS = {
+    "barrier", "new_group", "get_rank", "get_world_size", "init_process_group",
+    "destroy_process_group", "is_initialized", "get_backend", "get_process_group_ranks",
+}  # fmt: skip
+CORE = ROOT / "core" / "src" / "shardkit" / "core"
+
+
+def _dist_uses(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each of ``names`` taken from torch.distributed in ``source``.
+
+    Finds ``dist.name`` under any alias of the module (``import torch.distributed as dist``,
+    ``from torch import distributed``), ``torch.distributed.name``, and
+    ``from torch.distributed import name``.
+    """
+    tree = ast.parse(source)
+    aliases: set[str] = set()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0:
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [(node.lineno, a.name) for a in node.names if a.name in names]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            owner = ast.unparse(node.value)
+            if owner in aliases or owner == "torch.distributed":
+                found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def test_the_dist_check_sees_every_spelling() -> None:
+    source = (
+        "import torch\nimport torch.distributed as d\nfrom torch import distributed\n"
+        "from torch.distributed import barrier\n"
+        "d.get_rank()\ndistributed.new_group([0])\ntorch.distributed.barrier()\nd.is_initialized()\n"
+    )
+    assert _dist_uses(source, PROCESS_GROUP_CALLS) == [
+        (4, "barrier"), (5, "get_rank"), (6, "new_group"), (7, "barrier"), (8, "is_initialized"),
+    ]  # fmt: skip
 
 
 def test_only_the_runtime_calls_collectives() -> None:
-    core = ROOT / "core" / "src" / "shardkit" / "core"
-    for path in core.rglob("*.py"):
-        if path == core / "runtime" / "collectives.py":
+    for path in CORE.rglob("*.py"):
+        if path == CORE / "runtime" / "collectives.py":
+            continue
+        for line, name in _dist_uses(path.read_text(), COLLECTIVES):
+            raise AssertionError(f"{path}:{line} calls dist.{name}")
+
+
+def test_only_the_runtime_talks_to_process_groups() -> None:
+    calls = [
+        f"{path.relative_to(CORE)}:{line} dist.{name}"
+        for path in sorted(CORE.rglob("*.py"))
+        if CORE / "runtime" not in path.parents
+        for line, name in _dist_uses(path.read_text(), PROCESS_GROUP_CALLS)
+    ]
+    assert not calls, "outside runtime/:\n" + "\n".join(calls)
+
+
+PRIVATE_DTENSOR = {"_local_tensor", "_spec", "DTensorSpec", "TensorMeta"}
+
+
+def test_only_one_module_touches_dtensor_internals() -> None:
+    found: list[str] = []
+    for path in CORE.rglob("*.py"):
+        if path == CORE / "runtime" / "dtensors.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in COLLECTIVES
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "dist"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "torch.distributed.tensor._"
             ):
-                raise AssertionError(f"{path}:{node.lineno} calls dist.{node.attr}")
+                found.append(f"{path}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_DTENSOR:
+                found.append(f"{path}:{node.lineno} uses .{node.attr}")
+            elif isinstance(node, ast.Name) and node.id in PRIVATE_DTENSOR:
+                found.append(f"{path}:{node.lineno} uses {node.id}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "DTensor"
+            ):
+                found.append(f"{path}:{node.lineno} calls DTensor(...) (private constructor)")
+    assert not found, "\n".join(found)

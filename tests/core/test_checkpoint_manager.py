@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply
-from tests.harness.pool import run_on_ranks
 
 
 class _App:

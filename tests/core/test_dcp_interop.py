@@ -15,8 +15,8 @@ import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from harness.pool import run_on_ranks
 from tests.core.ckpt_helpers import load_body, save_body
-from tests.harness.pool import run_on_ranks
 
 WORLD_SIZE = 2
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from harness.pool import run_on_ranks
 from tests.core.ckpt_helpers import load_body, save_body
-from tests.harness.pool import run_on_ranks
 
 Values = dict[str, torch.Tensor]
 

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.ckpt_helpers import (
     RESUMED,
@@ -36,7 +37,6 @@ from tests.core.ckpt_helpers import (
     snapshot,
     train,
 )
-from tests.harness.pool import run_on_ranks
 
 
 def _equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> list[str]:

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from harness.pool import run_on_ranks
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 
 
 def _untouched(

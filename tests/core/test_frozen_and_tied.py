@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.pool import run_on_ranks
 from tests.core.parity import Run, assert_parity, parity_body
-from tests.harness.pool import run_on_ranks
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply, full_params
-from tests.harness.pool import run_on_ranks
 
 FORMATS = ["model.safetensors", "model.pt"]
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply, full_params
-from tests.harness.pool import run_on_ranks
 
 
 def _meta_body(rank: int, world_size: int) -> dict[str, object]:

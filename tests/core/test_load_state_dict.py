@@ -9,9 +9,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply, full_params
-from tests.harness.pool import run_on_ranks
 
 
 def _sharded(world_size: int, impl: str = "shardkit", seed: int = 0, **kw: Any) -> Any:

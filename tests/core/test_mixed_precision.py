@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.pool import run_on_ranks
 from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import Run, assert_parity, parity_body
-from tests.harness.pool import run_on_ranks
 
 POLICIES = {
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),

@@ -6,9 +6,9 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, assert_parity, parity_body
-from tests.harness.pool import run_on_ranks
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -84,3 +84,35 @@ def test_int_backward_gathers_within_the_subgroup() -> None:
     gathers = [size for kind, size in seen if kind == "all_gather"]
     # Root once (size 4, kept), 2 blocks in forward (4) and again in backward (2).
     assert sorted(gathers) == [2, 2, 4, 4, 4]
+
+
+def _subgroup_after_reinit(world: int) -> list[int]:
+    """Train a step with reshard_after_forward=2 in a fresh (fake) world of ``world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardkit.core import fully_shard
+    from shardkit.core.state import state_of
+    from tests.core.recording_runtime import RecordingRuntime
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = models.build("mlp")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=2)
+        fully_shard(model, mesh=mesh)
+        state_of(model).lazy_init(runtime=RecordingRuntime())
+        x, y = models.batch("mlp", 0, 2)
+        models.loss_of("mlp", model(x), y).backward()  # backward gathers within the subgroup
+        group = state_of(model.blocks[0]).group
+        assert group is not None and group.post_forward is not None
+        return dist.get_process_group_ranks(group.post_forward.group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_subgroups_do_not_outlive_their_process_group() -> None:
+    # Tests and elastic restarts destroy the default group and make a new one: the subgroups
+    # of the old world must not be handed to the new one.
+    assert _subgroup_after_reinit(4) == [0, 1]
+    assert _subgroup_after_reinit(4) == [0, 1]

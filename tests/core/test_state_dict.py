@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from harness.pool import run_on_ranks
 from tests.core import models
 from tests.core.parity import Run, apply
-from tests.harness.pool import run_on_ranks
 
 
 def _sharded_gpt(world_size: int, reshard: bool | None = None) -> Any:

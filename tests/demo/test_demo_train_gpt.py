@@ -7,6 +7,8 @@ not depend on where a run stops, the model is causal, and the checkpoint pointer
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from demo.train_gpt import (
@@ -82,10 +84,16 @@ def test_torch_impl_resolves() -> None:
     assert resolve_fully_shard("torch") is fully_shard
 
 
-def test_shardkit_impl_resolves_or_says_how_to_run_without_it() -> None:
-    try:
-        fully_shard = resolve_fully_shard("shardkit")
-    except ImportError as err:
-        assert "--impl torch" in str(err)
-    else:
-        assert callable(fully_shard)
+def test_shardkit_impl_resolves() -> None:
+    import shardkit.core
+
+    assert resolve_fully_shard("shardkit") is shardkit.core.fully_shard
+
+
+def test_without_shardkit_the_error_says_how_to_run_on_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # None in sys.modules makes the import raise ImportError, as on a machine without the core.
+    monkeypatch.setitem(sys.modules, "shardkit.core", None)
+    with pytest.raises(ImportError, match="--impl torch"):
+        resolve_fully_shard("shardkit")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.harness.compare import assert_all_close, assert_all_equal
+from harness.compare import assert_all_close, assert_all_equal
 
 
 def test_equal_values_pass() -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness.compare import assert_all_equal
-from tests.harness.pool import RankTaskError, RankTaskTimeout, get_pool, run_on_ranks
+from harness.compare import assert_all_equal
+from harness.pool import RankTaskError, RankTaskTimeout, get_pool, run_on_ranks
 
 WORLD_SIZES = [1, 2, 4]
 _ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")

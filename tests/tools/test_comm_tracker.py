@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.pool import run_on_ranks
 from shardkit.tools.records import CollectiveRecord, Phase, RankReport
 from shardkit.tools.track.comm import CommTracker
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 from tests.tools import workloads
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.pool import run_on_ranks
 from shardkit.tools.records import Category, Phase, RankReport
 from shardkit.tools.track.memory import MemoryTracker
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 from tests.tools import workloads
 
 

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness.pool import run_on_ranks
 from shardkit.tools.plan.examples import Llama, LlamaConfig
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import plan
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 
 Call = tuple[str, int, int, int]  # (kind, group size, input bytes, sent bytes)
 

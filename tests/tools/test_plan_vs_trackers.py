@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.pool import run_on_ranks
 from shardkit.tools import Category, Profiler, RankReport
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from tests.core import models
-from tests.harness.pool import run_on_ranks
 from tests.tools import workloads
 
 _ROWS, _SEQ, _VOCAB = 2, 8, 37  # per rank: the tiny GPT of tests.core.models

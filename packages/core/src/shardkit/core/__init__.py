@@ -7,7 +7,8 @@ fully_shard``: same signature, same semantics, our own engine.
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
-from shardkit.core.full_state_dict import load_full_state_dict, save_full_state_dict
+from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
+from shardkit.core.layout import layout_of
 from shardkit.core.observe import (
     CollectiveEvent,
     CollectiveIssuedEvent,
@@ -15,6 +16,11 @@ from shardkit.core.observe import (
     subscribe,
 )
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.state_dict import (
+    iter_full_state_dict,
+    load_full_state_dict,
+    save_full_state_dict,
+)
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -25,11 +31,16 @@ __all__ = [
     "IncompleteCheckpointError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ParamShardingSpec",
+    "ShardingExtension",
     "StateTransitionEvent",
     "UnshardHandle",
     "__version__",
     "fully_shard",
+    "iter_full_state_dict",
+    "layout_of",
     "load_full_state_dict",
+    "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "subscribe",

@@ -7,7 +7,6 @@ was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MethodType
 from typing import Any, overload
@@ -17,43 +16,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit.core.load_validation import (
+from shardkit.core.mesh_info import MeshInfo, mesh_info_for
+from shardkit.core.options import GroupOptions
+from shardkit.core.param import FSDPParam
+from shardkit.core.param_group import FSDPParamGroup, GroupConfig
+from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.groups import default_mesh
+from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
+from shardkit.core.state import FSDPState, is_managed, register_state, state_of, states_under
+from shardkit.core.state_dict.validation import (
     check_state_dict,
     format_problems,
     param_keys,
     shard_full_tensors,
 )
-from shardkit.core.mesh_info import MeshInfo, default_mesh, mesh_info_for
-from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup, GroupConfig
-from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
-from shardkit.core.state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
 logger = logging.getLogger(__name__)
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-def _state_of(module: nn.Module) -> FSDPState:
-    state = _STATES.get(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
-    return state
-
-
-def _states_under(module: nn.Module) -> list[FSDPState]:
-    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
-    seen: dict[int, FSDPState] = {}
-    for sub in module.modules():
-        state = _STATES.get(sub)
-        if state is not None:
-            seen.setdefault(id(state), state)
-    return list(seen.values())
 
 
 class UnshardHandle:
@@ -72,19 +54,33 @@ class UnshardHandle:
 class FSDPModule:
     """Methods that ``fully_shard`` adds to a module (by swapping in an ``FSDP<Cls>`` class)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Build the original class: a new module is not sharded, whatever built it.
+
+        Code that makes a module of its own type (``model[:2]`` on a Sequential builds
+        ``type(self)(...)``) gets a plain module, not an FSDP class with no FSDP state.
+        """
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        if original.__new__ is object.__new__:
+            module = object.__new__(original)
+        else:
+            module = original.__new__(original, *args, **kwargs)
+        original.__init__(module, *args, **kwargs)
+        return module
+
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
-        states = _states_under(self) if recurse else [_state_of(self)]
+        states = states_under(self) if recurse else [state_of(self)]
         return [s.group for s in states if s.group is not None]
 
     def _own_group(self) -> FSDPParamGroup | None:
         assert isinstance(self, nn.Module)
-        return _state_of(self).group
+        return state_of(self).group
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters (not its children's); async returns a handle."""
         assert isinstance(self, nn.Module)
-        state = _state_of(self)
+        state = state_of(self)
         state.lazy_init()
         group = state.group
         if group is not None:
@@ -104,7 +100,7 @@ class FSDPModule:
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (call on the root)."""
         assert isinstance(self, nn.Module)
-        state = _state_of(self)
+        state = state_of(self)
         if not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         state.reset_iter_state()
@@ -126,6 +122,18 @@ class FSDPModule:
         """HSDP: False reduce-scatters but defers the all-reduce across replicas."""
         for group in self._groups_under(recurse):
             group.options.all_reduce_grads = requires_all_reduce
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: trainable parameters unused in a backward are reduced as zeros.
+
+        They then get a zero gradient on every rank, and ranks whose control flow uses
+        different parameters (mixture of experts) still issue the same collective. By default
+        (False) an unused parameter's gradient stays None and optimizers skip it.
+        """
+        for group in self._groups_under(recurse):
+            group.options.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether full parameters are freed after forward."""
@@ -156,7 +164,7 @@ class FSDPModule:
         for module in modules:
             if not isinstance(module, FSDPModule) or not isinstance(module, nn.Module):
                 raise ValueError(f"prefetch targets must be FSDP modules, got {type(module)}")
-            target = _state_of(module).group
+            target = state_of(module).group
             if target is not None:
                 targets.append(target)
         if group is not None:
@@ -290,9 +298,7 @@ def fully_shard(
         reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
         reshard_after_forward_is_default=reshard_after_forward is None,
     )
-    managed = collect_params(
-        modules, set(ignored_params or ()), _STATES, shard_placement_fn, mesh_info
-    )
+    managed = collect_params(modules, set(ignored_params or ()), shard_placement_fn, mesh_info)
     group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
     # Nothing above changed the modules; from here on it cannot fail on user input.
     _move_buffers(modules, mesh_info, set(ignored_params or ()))
@@ -300,9 +306,9 @@ def fully_shard(
         for p in group.params:
             p.register(unsharded=False)
         mark_owned(group.params, type(modules[0]).__name__)
-    state = FSDPState(modules, group, mp_policy, mesh_info.device, _states_under)
+    state = FSDPState(modules, group, mp_policy, mesh_info.device)
     for m in modules:
-        _STATES[m] = state
+        register_state(m, state)
         m.__class__ = _fsdp_class(type(m))
     fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
@@ -313,7 +319,7 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         name = type(m).__name__
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if m in _STATES:
+        if is_managed(m):
             raise ValueError(f"fully_shard was already applied to this {name}")
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
@@ -370,7 +376,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run FSDP's pre/post-forward logic around ``module.<method_name>`` (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
         return
-    state = _state_of(module)
+    state = state_of(module)
     original = getattr(type(module), method_name)
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

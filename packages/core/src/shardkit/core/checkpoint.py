@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from shardkit.core.runtime.groups import barrier, global_rank, world_size
 
 __all__ = ["CheckpointManager", "IncompleteCheckpointError"]
 
@@ -96,22 +97,22 @@ class CheckpointManager:
         """Save ``state`` (DCP state: tensors, DTensors, ``Stateful`` objects) as ``step``."""
         target = self.path_for(step)
         partial = self.root / f".{target.name}.partial"
-        rank0 = dist.get_rank() == 0
+        rank0 = global_rank() == 0
         started = time.perf_counter()
         if rank0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # remains of an interrupted save
-        dist.barrier()
+        barrier()
         dcp_save(state, checkpoint_id=partial)
-        dist.barrier()  # every rank's shards are written
+        barrier()  # every rank's shards are written
         if rank0:
             self._publish(step, partial, target)
-        dist.barrier()  # nobody goes on before the checkpoint is current
+        barrier()  # nobody goes on before the checkpoint is current
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
         return target
 
     def _publish(self, step: int, partial: Path, target: Path) -> None:
-        marker = {"step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
+        marker = {"step": step, "world_size": world_size(), "saved_at": time.time()}
         _write_atomic(partial / _COMPLETE, json.dumps(marker) + "\n")
         if target.exists():
             shutil.rmtree(target)  # the same step saved again

@@ -1,20 +1,26 @@
-"""State shared by every FSDP state under one root, built at the root's lazy init."""
+"""The communication state shared by every parameter group under one root.
+
+Built at the root's lazy init and passed down to the groups. It knows the runtime, the pool
+and the reductions in flight, but nothing of groups or states (so nothing here imports them).
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import CollectiveRuntime
 
-if TYPE_CHECKING:
-    from shardkit.core.grad_reduce import PendingReduce
-    from shardkit.core.param_group import FSDPParamGroup
-    from shardkit.core.state import FSDPState
+__all__ = ["CommContext", "InFlightReduction"]
 
-__all__ = ["CommContext", "RootContext"]
+
+class InFlightReduction(Protocol):
+    """A gradient reduction issued and not yet finished."""
+
+    def finish(self, comm: CommContext) -> None:
+        """Wait for it, then assign the reduced gradients."""
 
 
 @dataclass(slots=True)
@@ -23,21 +29,15 @@ class CommContext:
 
     runtime: CollectiveRuntime
     pool: BufferPool = field(default_factory=BufferPool)
-    pending_reduces: deque[PendingReduce] = field(default_factory=deque)
+    pending_reduces: deque[InFlightReduction] = field(default_factory=deque)
     max_reduces_in_flight: int = 1
     """Gradient reductions left running while backward goes on; older ones are finished."""
 
+    def finish_oldest(self) -> None:
+        """Finish the oldest reduction in flight.
 
-@dataclass(slots=True)
-class RootContext:
-    """Iteration state of one root: every state, and the order groups ran in."""
-
-    states: list[FSDPState]
-    comm: CommContext
-    forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Groups in pre-forward order this iteration."""
-    previous_forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Last iteration's order: what implicit forward prefetch follows."""
-    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Groups in post-forward order: backward runs it in reverse (backward prefetch)."""
-    final_callback_queued: bool = False
+        Nothing may refer to the finished reduction once this returns: a variable holding it
+        would keep its send buffer (and, on gloo, its received rows) alive while the next
+        reduction allocates its own.
+        """
+        self.pending_reduces.popleft().finish(self)

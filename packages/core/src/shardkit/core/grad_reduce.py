@@ -12,17 +12,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkit.core.context import CommContext
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam, as_dtensor
+from shardkit.core.param import FSDPParam
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import DoneHandle
+from shardkit.core.runtime.dtensors import dtensor_like, local_of
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["GroupReducer", "PendingReduce", "finish_oldest"]
+__all__ = ["GroupReducer", "Packing", "PendingReduce"]
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Which parameters one reduction carries, and where each sits in a row of it."""
+
+    params: tuple[FSDPParam, ...]
+    offsets: tuple[int, ...]
+    """Element offset of each parameter's padded shard within a row."""
+    numel: int
+    """S: one rank's padded shards of these parameters, back to back."""
+
+    @staticmethod
+    def of(params: Sequence[FSDPParam]) -> Packing:
+        """Lay ``params`` out one after another."""
+        offsets: list[int] = []
+        cursor = 0
+        for p in params:
+            offsets.append(cursor)
+            cursor += p.geometry.shard_numel
+        return Packing(tuple(params), tuple(offsets), cursor)
 
 
 @dataclass(slots=True)
@@ -30,54 +51,47 @@ class PendingReduce:
     """A gradient reduction in flight, finished by ``GroupReducer.finish``."""
 
     reducer: GroupReducer
+    packing: Packing
     handle: CollectiveHandle
     output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
     buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
 
-
-def finish_oldest(comm: CommContext) -> None:
-    """Finish the oldest reduction in flight.
-
-    A function of its own so that nothing refers to the finished reduction once it returns:
-    a loop variable holding it would keep its send buffer (and, on gloo, its received rows)
-    alive while the next reduction allocates its own.
-    """
-    pending = comm.pending_reduces.popleft()
-    pending.reducer.finish(pending, comm)
+    def finish(self, comm: CommContext) -> None:
+        """Wait, all-reduce across replicas, divide and assign the sharded gradients."""
+        self.reducer.finish(self, comm)
 
 
 class GroupReducer:
-    """Reduces the gradients of one group's trainable parameters."""
+    """Reduces the gradients of a group's parameters that have one.
+
+    Which parameters those are can change from one backward to the next (``requires_grad``
+    set by the user, a parameter unused in a forward), so the packing is chosen per reduction.
+    Every rank must reduce the same parameters: a parameter used on some ranks only is not
+    supported (see [Note: post-backward trigger]).
+    """
 
     def __init__(
         self,
-        trainable: list[FSDPParam],
         reduce_dtype: torch.dtype,
         mesh_info: MeshInfo,
         options: GroupOptions,
         offload: tuple[bool, bool],
     ) -> None:
-        self.trainable = trainable
         self.label = ""  # the group's module, named in its collectives' events (see start)
         self.dtype = reduce_dtype
         self.mesh_info = mesh_info
         self.options = options  # shared with the group: set_* methods change it
         self.offload, self.pin_memory = offload
-        self.orig_dtype = trainable[0].orig_dtype if trainable else None
-        offsets: list[int] = []
-        cursor = 0
-        for p in trainable:
-            offsets.append(cursor)
-            cursor += p.geometry.shard_numel
-        self.offsets = tuple(offsets)
-        self.numel = cursor  # S: one rank's padded shards of every trainable parameter
-        self.geometries = [p.geometry for p in trainable]
-        self.partial: torch.Tensor | None = None  # HSDP: reduced but not yet all-reduced
+        self._packings: dict[tuple[int, ...], Packing] = {}
+        # HSDP: reduced but not yet all-reduced, with the packing it was reduced in.
+        self.partial: tuple[Packing, torch.Tensor] | None = None
 
-    @property
-    def send_nbytes(self) -> int:
-        """Bytes of the (W, S) buffer a reduction sends from."""
-        return self.mesh_info.shard_size * self.numel * self.dtype.itemsize
+    def _packing_of(self, params: Sequence[FSDPParam]) -> Packing:
+        key = tuple(id(p) for p in params)
+        packing = self._packings.get(key)
+        if packing is None:
+            packing = self._packings[key] = Packing.of(params)
+        return packing
 
     @property
     def pre_divide(self) -> float:
@@ -93,37 +107,43 @@ class GroupReducer:
         return pre
 
     def start(
-        self, grads: Sequence[torch.Tensor | None], comm: CommContext, label: str = ""
+        self,
+        grads: Sequence[tuple[FSDPParam, torch.Tensor | None]],
+        comm: CommContext,
+        label: str = "",
     ) -> None:
-        """Pack ``grads`` (one per trainable parameter, or None) and issue the reduction.
+        """Pack the full gradients (None: zeros) and issue one reduction for them.
 
         ``label`` names the group's module to observers (known only after lazy init).
         """
         self.label = label
+        packing = self._packing_of([p for p, _ in grads])
+        geometries = [p.geometry for p in packing.params]
+        full = [g for _, g in grads]
         world = self.mesh_info.shard_size
         device = self.mesh_info.device
         # Bound the memory of reductions in flight: finish the oldest before allocating this
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
         while len(comm.pending_reduces) >= comm.max_reduces_in_flight:
-            finish_oldest(comm)
-        output = torch.empty(self.numel, dtype=self.dtype, device=device)
+            comm.finish_oldest()
+        output = torch.empty(packing.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.
-            pack_grads_rank_major(grads, self.geometries, self.offsets, output.view(1, -1))
+            pack_grads_rank_major(full, geometries, packing.offsets, output.view(1, -1))
             if self.pre_divide != 1:
                 output.div_(self.pre_divide)
-            comm.pending_reduces.append(PendingReduce(self, DoneHandle(), output, ()))
+            comm.pending_reduces.append(PendingReduce(self, packing, DoneHandle(), output, ()))
         else:
-            send = comm.pool.get(self.send_nbytes, device)
-            rows = send.view(self.dtype).view(world, self.numel)  # (W, S)
-            pack_grads_rank_major(grads, self.geometries, self.offsets, rows)
+            send = comm.pool.get(world * packing.numel * self.dtype.itemsize, device)
+            rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
+            pack_grads_rank_major(full, geometries, packing.offsets, rows)
             if self.pre_divide != 1:
                 rows.div_(self.pre_divide)
             handle = comm.runtime.reduce_scatter(
                 output, rows, self.mesh_info.shard_group, label=self.label
             )
-            comm.pending_reduces.append(PendingReduce(self, handle, output, (send,)))
+            comm.pending_reduces.append(PendingReduce(self, packing, handle, output, (send,)))
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
         """Wait for a reduction, all-reduce across replicas, divide, assign sharded grads."""
@@ -133,10 +153,18 @@ class GroupReducer:
         reduced = pending.output
         if self.mesh_info.replicate_group is not None:
             if self.partial is not None:
-                reduced.add_(self.partial)
+                packing, partial = self.partial
+                if packing is not pending.packing:
+                    raise RuntimeError(
+                        f"FSDP module {self.label or '<root>'}: the parameters with gradients "
+                        "changed between backwards that deferred the all-reduce across "
+                        "replicas (set_requires_all_reduce(False)); keep requires_grad and "
+                        "the parameters used fixed until the backward that all-reduces"
+                    )
+                reduced.add_(partial)
                 self.partial = None
             if not self.options.all_reduce_grads:
-                self.partial = reduced
+                self.partial = (pending.packing, reduced)
                 return
             comm.runtime.all_reduce(
                 reduced, self.mesh_info.replicate_group, label=self.label
@@ -144,17 +172,20 @@ class GroupReducer:
         factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
         if factor != 1:
             reduced.div_(factor)
-        self._assign(reduced)
+        self._assign(reduced, pending.packing)
 
-    def _assign(self, reduced: torch.Tensor) -> None:
-        if self.orig_dtype is not None and reduced.dtype != self.orig_dtype:
-            reduced = reduced.to(self.orig_dtype)
+    def _assign(self, reduced: torch.Tensor, packing: Packing) -> None:
+        dtypes = {p.orig_dtype for p in packing.params}
+        if len(dtypes) == 1 and reduced.dtype not in dtypes:
+            reduced = reduced.to(dtypes.pop())  # one cast for the whole group
         if self.offload and reduced.device.type != "cpu":
             reduced = reduced.to("cpu", non_blocking=self.pin_memory)
-        for p, offset in zip(self.trainable, self.offsets, strict=True):
+        for p, offset in zip(packing.params, packing.offsets, strict=True):
             local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
-            param = as_dtensor(p.sharded_param)
+            if local.dtype != p.orig_dtype:
+                local = local.to(p.orig_dtype)
+            param = p.sharded_param
             if param.grad is None:
-                param.grad = DTensor(local, param._spec, requires_grad=False)
+                param.grad = dtensor_like(local, param)
             else:
-                as_dtensor(param.grad)._local_tensor.add_(local)
+                local_of(param.grad).add_(local)

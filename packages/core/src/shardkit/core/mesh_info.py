@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardkit.core.runtime.device import device_for_mesh_type
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_info_for"]
+__all__ = ["MeshInfo", "mesh_info_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +37,6 @@ class MeshInfo:
         if self.replicate_group is None:
             return (Shard(shard_dim),)
         return (Replicate(), Shard(shard_dim))
-
-
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole default process group on the default device type."""
-    if not dist.is_initialized():
-        dist.init_process_group()
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:

@@ -27,5 +27,8 @@ class GroupOptions:
     """Divide summed gradients by this; None means the data-parallel world size."""
     unshard_in_backward: bool = True
     """Gather parameters before this group's backward (False if backward does not use them)."""
+    reduce_scatter_unused_params: bool = False
+    """Reduce trainable parameters that got no gradient as zeros (they then get a zero
+    gradient); False leaves their gradient None, as torch does by default."""
     is_last_backward: bool = True
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""

@@ -10,17 +10,20 @@ buffers belong to the group (see [Note: flat group buffers]); this class holds t
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardkit.core.extensions import ParamShardingSpec, ShardingExtension
+from shardkit.core.group_layout import ParamSpec
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
+from shardkit.core.runtime.dtensors import local_of, set_local
 
-__all__ = ["FSDPParam", "ParamSlot", "as_dtensor"]
+__all__ = ["FSDPParam", "ParamSlot", "Sharding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,14 @@ class ParamSlot:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """How a parameter is sharded: the extension that handles it and its description."""
+
+    extension: ShardingExtension
+    spec: ParamShardingSpec
+
+
 class FSDPParam:
     """Sharded and unsharded views of one parameter, and where it is registered."""
 
@@ -39,7 +50,6 @@ class FSDPParam:
     geometry: ShardGeometry
     orig_dtype: torch.dtype
     comm_dtype: torch.dtype  # dtype of the unsharded parameter (param_dtype or original)
-    requires_grad: bool
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype
@@ -49,40 +59,60 @@ class FSDPParam:
         param: nn.Parameter,
         fqn: str,
         slots: tuple[ParamSlot, ...],
-        shard_dim: int,
+        sharding: Sharding,
         mesh_info: MeshInfo,
     ) -> None:
         self.fqn = fqn
         self.slots = slots
         self.mesh_info = mesh_info
-        self.geometry = shard_geometry(param.shape, shard_dim, mesh_info.shard_size)
-        self.orig_dtype = param.dtype
-        self.comm_dtype = param.dtype
-        self.requires_grad = param.requires_grad
+        self.extension = sharding.extension
+        self.sharding_spec = sharding.spec
+        local = sharding.spec.local
+        self.geometry = shard_geometry(local.shape, sharding.spec.shard_dim, mesh_info.shard_size)
+        self.orig_dtype = local.dtype
+        self.comm_dtype = local.dtype
+        self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
         self.accumulated_grad = None
-        self._source = param  # the original full tensor, until the group copies its shard
+        # The tensor dp shards, until the group has copied this rank's shard of it.
+        self._source: torch.Tensor | None = local
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
+
+    def retype(self, dtype: torch.dtype) -> None:
+        """The parameter now has ``dtype`` (a module ``.to(dtype)``); unshard anew."""
+        self.orig_dtype = dtype
+        self.comm_dtype = dtype  # the group applies param_dtype again
+        self.unsharded_param = None
+        self._grad_hook_added = False
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains now: the user may change it at any time."""
+        return self.sharded_param.requires_grad
+
+    @property
+    def spec(self) -> ParamSpec:
+        """What the layout needs of this parameter."""
+        geo = self.geometry
+        return ParamSpec(
+            fqn=self.fqn,
+            shape=tuple(geo.shape),
+            dtype=self.orig_dtype,
+            requires_grad=self.requires_grad,
+            shard_dim=geo.dim,
+        )
 
     # --- sharded side ---------------------------------------------------------------------
 
     def padded_shard_of_source(self) -> torch.Tensor:
         """This rank's padded shard of the original parameter, flat (for the first copy-in)."""
-        geo = self.geometry
+        assert self._source is not None, f"{self.fqn}: the source was already copied"
         source = self._source.detach()
-        rank = self.mesh_info.shard_rank
-        start = rank * geo.chunk
-        length = geo.local_length(rank)
         if source.is_meta:
-            return torch.empty(geo.shard_numel, dtype=self.orig_dtype, device="meta")
-        shard = source.narrow(geo.dim, min(start, geo.shape[geo.dim]), length)
-        if length == geo.chunk:
-            return shard.contiguous().view(-1)
-        padded = source.new_zeros(geo.padded_shard_shape)
-        padded.narrow(geo.dim, 0, length).copy_(shard)
-        return padded.view(-1)
+            return torch.empty(self.geometry.shard_numel, dtype=self.orig_dtype, device="meta")
+        return self.geometry.padded_shard(source, self.mesh_info.shard_rank)
 
     def local_view(self, flat: torch.Tensor) -> torch.Tensor:
         """The unpadded local shard as a view of this parameter's slot in the flat buffer."""
@@ -94,20 +124,16 @@ class FSDPParam:
     def bind_sharded(self, flat: torch.Tensor) -> None:
         """Make the sharded DTensor parameter view ``flat`` (this param's padded shard)."""
         local = self.local_view(flat)
-        if isinstance(self.sharded_param, DTensor):
+        if self._source is None:
             # Keep the Parameter object (optimizers and the state dict hold it); re-point it.
-            as_dtensor(self.sharded_param)._local_tensor = local
+            set_local(self.sharded_param, local)
             return
-        geo = self.geometry
-        placements = self.mesh_info.placements(geo.dim)
-        spec = DTensorSpec(
-            self.mesh_info.mesh,
-            placements,
-            tensor_meta=TensorMeta(geo.shape, _contiguous_strides(geo.shape), self.orig_dtype),
-        )
-        dtensor = DTensor(local, spec, requires_grad=False)
+        dtensor = self.extension.make_sharded(local, self.sharding_spec)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
-        del self._source  # the group's buffer now holds the only copy we keep
+        # The group's buffer now holds the only copy we keep: let the original go.
+        self._source = None
+        spec = self.sharding_spec
+        self.sharding_spec = replace(spec, local=torch.empty_like(spec.local, device="meta"))
 
     def current_local(self) -> torch.Tensor:
         """The local tensor that the registered sharded parameter holds right now."""
@@ -115,8 +141,7 @@ class FSDPParam:
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) put a new object in place: adopt it.
             self.sharded_param = param
-        local: torch.Tensor = as_dtensor(self.sharded_param)._local_tensor
-        return local
+        return local_of(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------
 
@@ -124,8 +149,25 @@ class FSDPParam:
         """Create the unsharded Parameter once, viewing ``padded_flat`` (W * shard_numel)."""
         numel = self.geometry.shape.numel()
         view = padded_flat[:numel].view(self.geometry.shape)
-        param = nn.Parameter(view, requires_grad=self.requires_grad)
+        unsharded = self.extension.make_unsharded(view, self.sharding_spec)
+        param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
         self.unsharded_param = param
+
+    def follow_requires_grad(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
+        """Give the unsharded parameter the sharded one's ``requires_grad``, as it is now.
+
+        Users freeze and unfreeze parameters between steps (fine-tuning schedules) on the
+        parameters they see, the sharded ones; the engine follows at each unshard. A trainable
+        parameter's gradient hook calls ``on_grad_ready`` (added once, on first need).
+        """
+        param = self.unsharded_param
+        assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
+        wanted = self.sharded_param.requires_grad
+        if param.requires_grad != wanted:
+            param.requires_grad_(wanted)
+        if wanted and not self._grad_hook_added:
+            param.register_post_accumulate_grad_hook(on_grad_ready)
+            self._grad_hook_added = True
 
     def register(self, unsharded: bool) -> None:
         """Put the sharded or the unsharded Parameter on every module slot."""
@@ -165,18 +207,3 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def as_dtensor(param: torch.Tensor) -> DTensor:
-    """A sharded parameter, typed as the DTensor it is."""
-    assert isinstance(param, DTensor), f"expected a DTensor parameter, got {type(param)}"
-    return param

@@ -16,15 +16,22 @@ from torch import nn
 from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.grad_reduce import GroupReducer
+from shardkit.core.group_layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import FlatLayout, copy_out_unsharded
+from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
-from shardkit.core.states import SHARDED_TRANSITIONS, ShardedState, TrainingState, check_transition
+from shardkit.core.states import (
+    SHARDED_TRANSITIONS,
+    TRAINING_TRANSITIONS,
+    ShardedState,
+    TrainingState,
+    check_transition,
+)
 
 __all__ = ["FSDPParamGroup", "GroupConfig"]
 
@@ -60,7 +67,7 @@ class FSDPParamGroup:
         self.fqn = ""  # set at the root's lazy init, for messages and profiles
         self.comm: CommContext | None = None  # set at the root's lazy init
         self.sharded_state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
+        self._training_state = TrainingState.IDLE
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
         self._grads_ready = 0
@@ -68,38 +75,52 @@ class FSDPParamGroup:
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set by the root: queues the end-of-backward callback if no hook has yet.
         self.ensure_final_callback: Callable[[], None] = _nothing
-        self._resolve_dtypes(config.mp_policy)
-        self.trainable = [p for p in params if p.requires_grad]
+        self.mp_policy = config.mp_policy
+        self._expected_grads: int | None = None  # trainable parameters, counted per backward
         self._geometries = [p.geometry for p in params]
-        self.post_forward = self._make_post_forward(options.reshard_after_forward)
-        self._build_layouts()
+        self._plan_buffers()
         self._init_sharded_storage()
-        self.reducer = GroupReducer(
-            self.trainable,
-            self.reduce_dtype,
-            self.mesh_info,
-            options,
-            (self.offload, self.pin_memory),
-        )
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What the group is doing now, as its hooks see it."""
+        return self._training_state
+
+    @training_state.setter
+    def training_state(self, new: TrainingState) -> None:
+        check_transition(TRAINING_TRANSITIONS, self._training_state, new, self.fqn)
+        self._training_state = new
 
     # --- construction -----------------------------------------------------------------------
 
-    def _resolve_dtypes(self, mp: MixedPrecisionPolicy) -> None:
-        for p in self.params:
-            if mp.param_dtype is not None and p.orig_dtype.is_floating_point:
-                p.comm_dtype = mp.param_dtype
-        grad_dtypes = {p.comm_dtype for p in self.params if p.requires_grad}
-        if mp.reduce_dtype is not None:
-            self.reduce_dtype = mp.reduce_dtype
-        elif len(grad_dtypes) > 1:
-            names = ", ".join(f"{p.fqn}: {p.comm_dtype}" for p in self.params if p.requires_grad)
-            raise ValueError(
-                "fully_shard needs one dtype for the trainable parameters of a group so that "
-                f"their gradients reduce together; got {names}. Set "
-                "MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls."
-            )
-        else:
-            self.reduce_dtype = grad_dtypes.pop() if grad_dtypes else torch.float32
+    def _plan_buffers(self) -> None:
+        """Lay out the buffers for the parameters' current dtypes; everything derived too."""
+        rsf = self.options.reshard_after_forward
+        mp = self.mp_policy
+        # One function lays out the engine's buffers and the planner's predictions alike.
+        self.layout = group_layout(
+            [p.spec for p in self.params],
+            shard_world=self.mesh_info.shard_size,
+            replicate_world=self.mesh_info.replicate_size,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            post_forward_world=None if isinstance(rsf, bool) else rsf,
+        )
+        for p, param_layout in zip(self.params, self.layout.params, strict=True):
+            p.comm_dtype = param_layout.comm_dtype
+        self.reduce_dtype = self.layout.reduce_dtype
+        self.post_forward = self._make_post_forward(rsf)
+        self.storage_layout = self.layout.storage
+        self.comm_layout = self.layout.comm
+        self.unsharded_layout = self.layout.unsharded
+        # The all-gather reads the sharded storage directly unless it must be cast or moved.
+        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
+        self.reducer = GroupReducer(
+            self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
+        )
+        if self.comm is not None:
+            for nbytes in self.comm_buffer_sizes():
+                self.comm.pool.add_user(nbytes, self)
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -111,20 +132,6 @@ class FSDPParamGroup:
             [p.comm_dtype for p in self.params],
             self.mesh_info,
         )
-
-    def _build_layouts(self) -> None:
-        world = self.mesh_info.shard_size
-        numels = [p.geometry.shard_numel for p in self.params]
-        self.storage_layout = FlatLayout.build(numels, [p.orig_dtype for p in self.params])
-        self.comm_layout = FlatLayout.build(numels, [p.comm_dtype for p in self.params])
-        unsharded = [n * world for n in numels]
-        if self.post_forward is not None:
-            # Padding differs between W and n shards: the slot must hold either copy-out.
-            pf = self.post_forward
-            unsharded = [max(u, pf.unsharded_numel(i)) for i, u in enumerate(unsharded)]
-        self.unsharded_layout = FlatLayout.build(unsharded, [p.comm_dtype for p in self.params])
-        # The all-gather reads the sharded storage directly unless it must be cast or moved.
-        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
 
     def _init_sharded_storage(self) -> None:
         shards = [p.padded_shard_of_source() for p in self.params]
@@ -149,8 +156,7 @@ class FSDPParamGroup:
         when activations peak, and an idle one kept there costs more peak memory than the
         allocation it saves (measured: +4% peak RSS on a 35M-parameter GPT).
         """
-        world = self.mesh_info.shard_size
-        sizes = {(world - 1) * self.comm_layout.nbytes, world * self.comm_layout.nbytes}
+        sizes = set(self.layout.pool_sizes)
         if self.post_forward is not None:
             pf = self.post_forward
             sizes |= {(pf.size - 1) * pf.layout.nbytes, pf.size * pf.layout.nbytes}
@@ -176,9 +182,15 @@ class FSDPParamGroup:
             if t.numel() > 0
         )
         device = torch.device("cpu") if self.offload else locals_[0].device
-        if aliased and self.sharded_buffer.device == device:
+        retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
+        if aliased and self.sharded_buffer.device == device and not retyped:
             return
         self.reshard()  # any full copy predates the new values
+        if retyped:
+            # model.to(dtype), .double(), .half(): the buffers follow the new dtypes.
+            for p, local in zip(self.params, locals_, strict=True):
+                p.retype(local.dtype)
+            self._plan_buffers()
         buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         for i, (p, local) in enumerate(zip(self.params, locals_, strict=True)):
             p.local_view(self.storage_layout.view(buffer, i)).copy_(local)
@@ -285,9 +297,6 @@ class FSDPParamGroup:
             offset = self.unsharded_layout.offsets[i] // p.comm_dtype.itemsize
             flat.set_(storage, offset, (self.unsharded_layout.numels[i],), (1,))
             p.bind_unsharded(flat)
-            if p.requires_grad:
-                assert p.unsharded_param is not None
-                p.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def reshard(self) -> None:
         """Free the full parameters and register the sharded ones."""
@@ -328,8 +337,15 @@ class FSDPParamGroup:
 
     def _register(self, *, unsharded: bool) -> None:
         for p in self.params:
+            if unsharded:
+                p.follow_requires_grad(self._on_grad_ready)
             p.register(unsharded)
         self.registered_unsharded = unsharded
+
+    @property
+    def trainable(self) -> list[FSDPParam]:
+        """The parameters that train now (``requires_grad`` as the user last set it)."""
+        return [p for p in self.params if p.requires_grad]
 
     def register_sharded_for_state_dict(self) -> None:
         """Show the sharded DTensors to ``state_dict``/``load_state_dict`` without freeing."""
@@ -346,13 +362,16 @@ class FSDPParamGroup:
     def begin_backward(self) -> None:
         """Reset the per-backward count of accumulated gradients."""
         self._grads_ready = 0
+        self._expected_grads = None
 
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         # Runs after autograd accumulated one unsharded gradient; the last one triggers the
         # reduce-scatter as early as possible. See [Note: post-backward trigger].
         self.ensure_final_callback()
         self._grads_ready += 1
-        if self._grads_ready == len(self.trainable) and self.training_state in (
+        if self._expected_grads is None:
+            self._expected_grads = len(self.trainable)
+        if self._grads_ready == self._expected_grads and self.training_state in (
             TrainingState.PRE_BACKWARD,
             TrainingState.FORWARD,
             TrainingState.IDLE,
@@ -368,12 +387,19 @@ class FSDPParamGroup:
             for p in self.trainable:
                 p.stash_unsharded_grad(self.reduce_dtype)
         else:
-            grads = [p.take_unsharded_grad() for p in self.trainable]
-            if any(g is not None for g in grads):
-                assert self.comm is not None
-                self.reducer.start(grads, self.comm, self.fqn)
+            self._start_reduction()
         if self.options.reshard_after_backward:
             self.reshard()
+
+    def _start_reduction(self) -> None:
+        # As torch: a parameter that took no part in this backward gets no gradient (None, so
+        # optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        with_zeros = self.options.reduce_scatter_unused_params
+        grads = [(p, p.take_unsharded_grad()) for p in self.trainable]
+        chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
+        if any(g is not None for _, g in chosen):
+            assert self.comm is not None
+            self.reducer.start(chosen, self.comm, self.fqn)
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

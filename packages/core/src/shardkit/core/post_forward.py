@@ -8,6 +8,8 @@ sharded memory between forward and backward.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -18,24 +20,29 @@ from shardkit.core.runtime.buffers import (
     rank_major_view,
     shard_geometry,
 )
+from shardkit.core.runtime.groups import group_ranks, new_subgroup
 
 __all__ = ["PostForwardShard"]
 
 # One subgroup per set of ranks, shared by every group that uses it.
-_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Subgroups by their parent shard group, then by member ranks: groups that share a parent
+# share its subgroups. Weak keys: after destroy_process_group() and a new init (tests, elastic
+# restarts) the parent is a new object, so no subgroup of the dead world is ever handed out.
+_SUBGROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]
+_SUBGROUPS = weakref.WeakKeyDictionary()
 
 
 def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
-    ranks = dist.get_process_group_ranks(mesh_info.shard_group)
+    parent = mesh_info.shard_group
+    ranks = group_ranks(parent)
     start = (mesh_info.shard_rank // size) * size
     members = tuple(ranks[start : start + size])
-    group = _SUBGROUPS.get(members)
+    known = _SUBGROUPS.setdefault(parent, {})
+    group = known.get(members)
     if group is None:
         # Only the members create it, so different subgroups need no global agreement.
-        created = dist.new_group(list(members), use_local_synchronization=True)
-        assert created is not None
-        group = created
-        _SUBGROUPS[members] = group
+        group = new_subgroup(list(members))
+        known[members] = group
     return group
 
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.param import FSDPParam, ParamSlot
+from shardkit.core.param import FSDPParam, ParamSlot, Sharding
+from shardkit.core.state import is_managed
 
 __all__ = ["collect_params", "mark_owned", "validate_reshard_after_forward"]
 
@@ -65,7 +66,6 @@ def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
 def collect_params(
     modules: tuple[nn.Module, ...],
     ignored: set[nn.Parameter],
-    states: Mapping[nn.Module, Any],
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     mesh_info: MeshInfo,
 ) -> list[FSDPParam]:
@@ -79,7 +79,7 @@ def collect_params(
     names: dict[int, str] = {}
     for index, root in enumerate(modules):
         prefix = f"[{index}]." if len(modules) > 1 else ""
-        for mod_name, module in _unmanaged_modules(root, states):
+        for mod_name, module in _unmanaged_modules(root):
             for name, param in module._parameters.items():
                 if param is None or param in ignored:
                     continue
@@ -91,9 +91,30 @@ def collect_params(
     _check_params(params, names)
     managed: list[FSDPParam] = []
     for key, param in params.items():
-        dim = _shard_dim(param, names[key], shard_placement_fn, mesh_info)
-        managed.append(FSDPParam(param, names[key], tuple(slots[key]), dim, mesh_info))
+        sharding = _sharding_of(param, names[key], shard_placement_fn, mesh_info)
+        managed.append(FSDPParam(param, names[key], tuple(slots[key]), sharding, mesh_info))
     return managed
+
+
+def _sharding_of(
+    param: nn.Parameter,
+    name: str,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mesh_info: MeshInfo,
+) -> Sharding:
+    """The extension that shards ``param`` and its description, validated."""
+    extension = extension_for(param, name)
+    dim = _shard_dim(param, name, shard_placement_fn)
+    spec = extension.param_spec(
+        param, shard_dim=dim, dp_mesh=mesh_info.mesh, dp_placements=mesh_info.placements(dim)
+    )
+    size = spec.local.shape[dim]
+    if dim != 0 and size % mesh_info.shard_size != 0:
+        raise ValueError(
+            f"Shard({dim}) of {name} needs its size {size} along dim {dim} to be "
+            f"divisible by the shard group size {mesh_info.shard_size} (dim 0 may be uneven)"
+        )
+    return Sharding(extension, spec)
 
 
 def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
@@ -108,9 +129,7 @@ def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
             _ORIGINAL_OWNER[original] = owner
 
 
-def _unmanaged_modules(
-    root: nn.Module, states: Mapping[nn.Module, Any]
-) -> list[tuple[str, nn.Module]]:
+def _unmanaged_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules under ``root`` (itself included) not inside an already-sharded submodule."""
     found: list[tuple[str, nn.Module]] = []
     stack: list[tuple[str, nn.Module]] = [("", root)]
@@ -118,7 +137,7 @@ def _unmanaged_modules(
         name, module = stack.pop()
         found.append((name, module))
         for child_name, child in reversed(list(module.named_children())):
-            if child in states:
+            if is_managed(child):
                 continue
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return found
@@ -135,11 +154,7 @@ def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> Non
                 "a parameter shared by two groups must be in one group: apply fully_shard to "
                 "a module that contains every user of it, or pass the modules as one list"
             )
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"parameter {name} is already a DTensor; tensor-parallel parameters are "
-                "handled by shardkit.tp, not the core"
-            )
+        extension_for(param, name)  # a DTensor that nothing handles fails here
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the 0-dim parameter {name}; pass it in "
@@ -155,7 +170,6 @@ def _shard_dim(
     param: nn.Parameter,
     name: str,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    mesh_info: MeshInfo,
 ) -> int:
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
@@ -168,10 +182,4 @@ def _shard_dim(
             f"shard_placement_fn returned Shard({dim}) for {name} of shape "
             f"{tuple(param.shape)}: dim out of range"
         )
-    dim %= param.dim()
-    if dim != 0 and param.shape[dim] % mesh_info.shard_size != 0:
-        raise ValueError(
-            f"Shard({dim}) of {name} needs its size {param.shape[dim]} along dim {dim} to be "
-            f"divisible by the shard group size {mesh_info.shard_size} (dim 0 may be uneven)"
-        )
-    return dim
+    return dim % param.dim()

@@ -7,7 +7,8 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,17 +17,39 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
-from shardkit.core.context import CommContext, RootContext
-from shardkit.core.grad_reduce import finish_oldest
+from shardkit.core.context import CommContext
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.states import ShardedState, TrainingState
 
-__all__ = ["FSDPState"]
+__all__ = [
+    "FSDPState",
+    "RootContext",
+    "is_managed",
+    "register_state",
+    "state_of",
+    "states_under",
+]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RootContext:
+    """Iteration state of one root: every state, and the order groups ran in."""
+
+    states: list[FSDPState]
+    comm: CommContext
+    forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Groups in pre-forward order this iteration."""
+    previous_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Last iteration's order: what implicit forward prefetch follows."""
+    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    """Groups in post-forward order: backward runs it in reverse (backward prefetch)."""
+    final_callback_queued: bool = False
 
 
 class FSDPState:
@@ -38,7 +61,6 @@ class FSDPState:
         group: FSDPParamGroup | None,
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
-        states_of: Callable[[nn.Module], list[FSDPState]],
     ) -> None:
         self.modules = modules
         self.group = group
@@ -47,7 +69,6 @@ class FSDPState:
         self.is_root: bool | None = None
         self.ctx: RootContext | None = None
         self.fqn = ""
-        self._states_of = states_of  # finds every state under a module (set by the API)
         self._forward_pending: set[int] = set()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -58,14 +79,20 @@ class FSDPState:
 
     # --- lazy init --------------------------------------------------------------------------
 
-    def lazy_init(self) -> None:
-        """Make this state the root of every state in its tree (first forward only)."""
+    def lazy_init(self, runtime: CollectiveRuntime | None = None) -> None:
+        """Make this state the root of every state in its tree (first forward only).
+
+        Args:
+            runtime: the collective runtime every group under this root uses; default a
+                ``ProcessGroupRuntime`` on c10d. Tests pass a recording one.
+        """
         if self.is_root is not None:
             return
         self.is_root = True
         root_module = self.modules[0]
-        states = self._states_of(root_module)
-        runtime = ProcessGroupRuntime()
+        states = states_under(root_module)
+        if runtime is None:
+            runtime = ProcessGroupRuntime()
         ctx = RootContext(states=states, comm=CommContext(runtime=runtime, pool=runtime.pool))
         names = {id(m): name for name, m in root_module.named_modules()}
         for state in states:
@@ -261,7 +288,7 @@ class FSDPState:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
         assert self.ctx is not None
         while self.ctx.comm.pending_reduces:
-            finish_oldest(self.ctx.comm)
+            self.ctx.comm.finish_oldest()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -294,8 +321,7 @@ class FSDPState:
 
 def _has_unreduced(group: FSDPParamGroup) -> bool:
     return any(
-        p.unsharded_param is not None and p.unsharded_param.grad is not None
-        for p in group.trainable
+        p.unsharded_param is not None and p.unsharded_param.grad is not None for p in group.params
     )
 
 
@@ -313,3 +339,43 @@ def _move_to(
         torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
     )
     return moved
+
+
+# --- which state manages which module ----------------------------------------------------
+
+# Weak keys: a sharded module that the user drops takes its state with it.
+_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+# Which FSDPState manages which module: the one table fully_shard writes. The layout view and
+# the state-dict code find a model's groups through it.
+
+
+def register_state(module: nn.Module, state: FSDPState) -> None:
+    """Record that ``state`` manages ``module``."""
+    _STATES[module] = state
+
+
+def is_managed(module: nn.Module) -> bool:
+    """Whether a ``fully_shard`` call manages ``module`` itself."""
+    return module in _STATES
+
+
+def state_of(module: nn.Module) -> FSDPState:
+    """The state managing ``module``.
+
+    Raises:
+        RuntimeError: ``module`` is not managed by shardkit's ``fully_shard``.
+    """
+    state = _STATES.get(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
+    return state
+
+
+def states_under(module: nn.Module) -> list[FSDPState]:
+    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
+    seen: dict[int, FSDPState] = {}
+    for sub in module.modules():
+        state = _STATES.get(sub)
+        if state is not None:
+            seen.setdefault(id(state), state)
+    return list(seen.values())

@@ -7,9 +7,11 @@ the error names the module it happened in.
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TypeVar
 
 __all__ = [
     "SHARDED_TRANSITIONS",
+    "TRAINING_TRANSITIONS",
     "ShardedState",
     "TrainingState",
     "check_transition",
@@ -43,12 +45,31 @@ SHARDED_TRANSITIONS: dict[ShardedState, frozenset[ShardedState]] = {
 }
 
 
-def check_transition(
-    table: dict[ShardedState, frozenset[ShardedState]],
-    old: ShardedState,
-    new: ShardedState,
-    where: str,
-) -> None:
-    """Raise if ``old -> new`` is not an allowed sharded-state transition."""
+S = TypeVar("S", bound=Enum)
+
+_IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+_PRE, _POST = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
+
+# Staying in a state is always allowed (a hook that finds the work done). Backward may start
+# from FORWARD: a root nested inside a group's forward finishes its own forward first. A
+# group's reduction may start from any state: its last gradient decides, and the final
+# callback reduces whatever backward left unreduced. Every path ends in IDLE.
+TRAINING_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    _IDLE: frozenset({_IDLE, _FORWARD, _PRE, _POST}),
+    _FORWARD: frozenset({_FORWARD, _IDLE, _PRE, _POST}),
+    _PRE: frozenset({_PRE, _POST, _IDLE}),
+    _POST: frozenset({_POST, _IDLE}),
+}
+
+
+def check_transition(table: dict[S, frozenset[S]], old: S, new: S, where: str) -> None:
+    """Raise if ``old -> new`` is not in ``table`` (a bug in the engine or a hook order).
+
+    Raises:
+        RuntimeError: naming the module ``where`` it happened.
+    """
     if new not in table[old]:
-        raise RuntimeError(f"FSDP state error in {where}: {old.name} -> {new.name} is not allowed")
+        raise RuntimeError(
+            f"FSDP state error in {where or '<root>'}: {type(old).__name__} "
+            f"{old.name} -> {new.name} is not allowed"
+        )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "ALIGN_BYTES",
     "FlatLayout",
     "ShardGeometry",
     "copy_out_unsharded",
@@ -21,7 +22,8 @@ __all__ = [
     "shard_geometry",
 ]
 
-_ALIGN_BYTES = 16
+ALIGN_BYTES = 16
+"""Every slot of a flat buffer starts at a multiple of this, so any dtype views it in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,23 @@ class ShardGeometry:
         dims[self.dim] = self.local_length(rank)
         return torch.Size(dims)
 
+    def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s unpadded shard of ``full`` (a tensor of ``shape``), as a view."""
+        start = min(rank * self.chunk, self.shape[self.dim])
+        return full.narrow(self.dim, start, self.local_length(rank))
+
+    def padded_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s shard of ``full`` zero padded to ``padded_shard_shape``, flat.
+
+        A view where no padding is needed and the shard is contiguous, else a new tensor.
+        """
+        shard = self.local_shard(full, rank)
+        if shard.shape[self.dim] == self.chunk:
+            return shard.contiguous().view(-1)
+        padded = full.new_zeros(self.padded_shard_shape)
+        padded.narrow(self.dim, 0, shard.shape[self.dim]).copy_(shard)
+        return padded.view(-1)
+
     @property
     def is_even(self) -> bool:
         """Whether every rank's shard is full (no padding at all)."""
@@ -97,10 +116,10 @@ class FlatLayout:
         offsets: list[int] = []
         cursor = 0
         for numel, dtype in zip(numels, dtypes, strict=True):
-            cursor = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+            cursor = -(-cursor // ALIGN_BYTES) * ALIGN_BYTES
             offsets.append(cursor)
             cursor += numel * dtype.itemsize
-        total = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
+        total = -(-cursor // ALIGN_BYTES) * ALIGN_BYTES
         return FlatLayout(tuple(numels), tuple(dtypes), tuple(offsets), total)
 
     def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:

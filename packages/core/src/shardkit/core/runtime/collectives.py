@@ -15,7 +15,16 @@ import torch.distributed as dist
 from shardkit.core import observe
 from shardkit.core.runtime.pool import BufferPool
 
-__all__ = ["DoneHandle", "GatherHandle", "ProcessGroupRuntime", "WorkHandle"]
+__all__ = [
+    "DoneHandle",
+    "GatherHandle",
+    "ProcessGroupRuntime",
+    "WorkHandle",
+    "broadcast_from",
+    "broadcast_from_first",
+    "gather_to_first",
+    "scatter_from_first",
+]
 
 
 class DoneHandle:
@@ -290,6 +299,11 @@ def scatter_from_first(
     for work in works:
         if work is not None:
             work.wait()
+
+
+def broadcast_from(tensor: torch.Tensor, src: int) -> None:
+    """Global rank ``src``'s ``tensor`` on every rank of the world, in place."""
+    dist.broadcast(tensor, src=src)
 
 
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -10,6 +10,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from shardkit.core.runtime.pool import BufferPool
+
 __all__ = ["CollectiveHandle", "CollectiveRuntime", "GatheredRows"]
 
 
@@ -32,6 +34,9 @@ class GatheredRows(Protocol):
 
 class CollectiveRuntime(Protocol):
     """Issues collectives on flat buffers and returns handles."""
+
+    pool: BufferPool
+    """The buffers the runtime and the groups share (receive and send buffers)."""
 
     # ``label``: the module the collective serves, passed on to observers (CollectiveEvent).
 

@@ -15,14 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.runtime.dtensors import dtensor_like
 
 __all__ = [
     "LoadProblem",
-    "as_spec",
     "check_state_dict",
     "format_problems",
     "param_keys",
@@ -120,19 +119,8 @@ def shard_full_tensors(
         value = given.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             continue
-        geo = fsdp_param.geometry
+        dp_full = fsdp_param.extension.chunk_full(value, fsdp_param.sharding_spec)
         rank = fsdp_param.mesh_info.shard_rank
-        start = min(rank * geo.chunk, geo.shape[geo.dim])
-        local = value.narrow(geo.dim, start, geo.local_length(rank)).contiguous()
-        spec = as_spec(fsdp_param)
-        out[key] = DTensor(local, spec, requires_grad=False)
+        local = fsdp_param.geometry.local_shard(dp_full, rank).contiguous()
+        out[key] = dtensor_like(local, fsdp_param.sharded_param)
     return out
-
-
-def as_spec(fsdp_param: FSDPParam) -> DTensorSpec:
-    """The DTensor spec of a sharded parameter (mesh, placements, global shape)."""
-    spec = fsdp_param.sharded_param._spec  # type: ignore[attr-defined]  # a DTensor parameter
-    assert isinstance(spec, DTensorSpec)
-    meta = spec.tensor_meta
-    assert isinstance(meta, TensorMeta)
-    return spec

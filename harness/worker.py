@@ -1,7 +1,7 @@
 """One rank of a pool: joins the gloo process group once, then runs tasks until told to stop.
 
-Started by ``tests.harness.processes`` as ``python -m tests.harness.worker`` with the repo root
-as working directory. The pool sets the environment before the interpreter starts (so that
+Started by ``harness.processes`` as ``python -m harness.worker`` with the repo root as
+working directory. The pool sets the environment before the interpreter starts (so that
 ``OMP_NUM_THREADS`` is in place before torch is imported): ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them,
 ``protocol.FD_ENV_VAR``, the worker's end of its socket pair to the pool, and
@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from tests.harness import protocol
+from harness import protocol
 
 __all__ = ["main"]
 

@@ -1,10 +1,10 @@
-"""Run a function on W gloo ranks from a test, on worker processes kept for the whole session.
+"""Run a function on W gloo ranks from a test or a benchmark, on workers kept for the session.
 
 Starting torch costs about 1.5 s a process and a 2-rank launch about 5 s, so multi-rank tests
 share one pool of workers per world size. A pool starts on its first task, survives failing
 tasks, and is killed and started afresh only when its ranks can no longer be trusted (a hang,
 a dead worker, collectives left out of step). ``tests/conftest.py`` shuts the pools down at
-the end of the session.
+the end of the session, and an ``atexit`` hook does wherever no conftest does (benchmarks).
 
 Usage::
 
@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from tests.harness import protocol
-from tests.harness.processes import WorkerProcess, wait_for_message
-from tests.harness.report import RankTaskError, RankTaskTimeout, TaskFailure, output_tail
+from harness import protocol
+from harness.processes import WorkerProcess, wait_for_message
+from harness.report import RankTaskError, RankTaskTimeout, TaskFailure, output_tail
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

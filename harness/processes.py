@@ -1,6 +1,6 @@
 """One worker process as the pool sees it: the process, its socket and its log.
 
-Workers are plain subprocesses (``python -m tests.harness.worker``) rather than multiprocessing
+Workers are plain subprocesses (``python -m harness.worker``) rather than multiprocessing
 children: the environment is set before the interpreter starts, and a spawned multiprocessing
 child would re-import pytest's ``__main__``. Each worker talks to the pool over its own
 ``socket.socketpair``, so there is no listener, address or authentication to manage.
@@ -18,12 +18,13 @@ import tempfile
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from tests.harness import protocol
+from harness import protocol
 
 __all__ = ["REPO_ROOT", "WorkerProcess", "wait_for_message"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-"""The folder holding the ``tests`` package: the workers' working directory."""
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The repo root, which holds ``harness``, ``tests`` and ``benchmarks``: the workers' working
+directory, so they import task modules by the names the pool's process uses."""
 
 # The environment a worker gets on top of the pool's own. OMP_NUM_THREADS must be set before
 # torch is imported, hence here and not in the worker. PYTHONUNBUFFERED makes a task's prints
@@ -55,7 +56,7 @@ class WorkerProcess:
         }
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.harness.worker"],
+                [sys.executable, "-m", "harness.worker"],
                 cwd=REPO_ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

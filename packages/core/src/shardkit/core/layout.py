@@ -1,0 +1,126 @@
+"""The layout of sharded parameters, as a read-only view: what lives where, and how big.
+
+Two halves share one piece of arithmetic:
+
+- :func:`group_layout` computes a group's layout from parameter shapes alone (no process
+  group, no allocation). The engine builds its own buffers from it, and the planner in
+  ``shardkit.tools`` calls it for a model it has never run, so their sizes cannot drift.
+- :func:`layout_of` describes a live sharded module: its groups, each parameter's state-dict
+  keys, geometry, a view of its local shard, and the mesh. The FSDP1 layer reads flat-parameter
+  layouts and key mappings from it.
+
+Nothing here changes the engine's state. See [Note: flat group buffers].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.core.group_layout import (
+    ALIGN_BYTES,
+    GroupLayout,
+    ParamLayout,
+    ParamSpec,
+    ShardGeometry,
+    group_layout,
+    pooled_sizes,
+)
+from shardkit.core.param import ParamSlot
+from shardkit.core.state import states_under
+
+__all__ = [
+    "ALIGN_BYTES",
+    "GroupLayout",
+    "GroupView",
+    "ParamLayout",
+    "ParamSpec",
+    "ShardGeometry",
+    "ShardedParamView",
+    "group_layout",
+    "layout_of",
+    "pooled_sizes",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedParamView:
+    """One sharded parameter of a live module."""
+
+    layout: ParamLayout
+    """Its geometry and offsets."""
+    keys: tuple[str, ...]
+    """Its state-dict keys relative to the module given to :func:`layout_of` (a tied
+    parameter has several)."""
+    param: nn.Parameter
+    """The sharded parameter (a DTensor): what the optimizer and the state dict see."""
+    shard_rank: int
+    """This rank's index on the shard axis."""
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's unpadded shard, a detached view of the group's sharded buffer.
+
+        Read it; writing through it changes the parameter without autograd knowing.
+        """
+        local: torch.Tensor = self.param.to_local()  # type: ignore[attr-defined]  # DTensor
+        return local.detach()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """One parameter group of a live module: its layout, mesh and parameters."""
+
+    fqn: str
+    """The group's module(s) relative to the module given to :func:`layout_of`
+    (``'<root>'`` for that module itself)."""
+    modules: tuple[nn.Module, ...]
+    """The modules of the ``fully_shard`` call."""
+    layout: GroupLayout
+    """Its buffers."""
+    mesh: DeviceMesh
+    """The data-parallel mesh it is sharded on."""
+    shard_rank: int
+    """This rank's index on the shard axis."""
+    params: tuple[ShardedParamView, ...]
+    """Its parameters, in the layout's order."""
+
+
+def layout_of(module: nn.Module) -> tuple[GroupView, ...]:
+    """The parameter groups of every ``fully_shard`` call in ``module``'s tree, outermost first.
+
+    Raises:
+        TypeError: nothing in ``module``'s tree was sharded with shardkit's ``fully_shard``.
+    """
+    states = states_under(module)
+    if not states:
+        raise TypeError(
+            f"{type(module).__name__}: no module in its tree is sharded with shardkit's fully_shard"
+        )
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    views: list[GroupView] = []
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        rank = group.mesh_info.shard_rank
+        params = tuple(
+            ShardedParamView(pl, _keys_of(p.slots, names), p.sharded_param, rank)
+            for pl, p in zip(group.layout.params, group.params, strict=True)
+        )
+        fqn = ", ".join(names.get(id(m), "") or "<root>" for m in group.modules)
+        views.append(
+            GroupView(fqn, group.modules, group.layout, group.mesh_info.mesh, rank, params)
+        )
+    return tuple(views)
+
+
+def _keys_of(slots: Iterable[ParamSlot], names: dict[int, str]) -> tuple[str, ...]:
+    return tuple(
+        f"{names[id(slot.module)]}.{slot.name}".lstrip(".")
+        for slot in slots
+        if id(slot.module) in names
+    )

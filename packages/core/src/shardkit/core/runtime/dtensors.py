@@ -1,0 +1,68 @@
+"""The one module that touches DTensor internals.
+
+The engine builds DTensors around local tensors it owns (views of its flat buffers) and
+re-points them when those buffers move. Public DTensor constructors copy or redistribute, so
+this needs DTensor's private spec types and fields; keeping every such use here means a torch
+upgrade that changes them breaks one file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+__all__ = [
+    "as_dtensor",
+    "contiguous_strides",
+    "dtensor_like",
+    "local_of",
+    "make_dtensor",
+    "set_local",
+]
+
+
+def as_dtensor(tensor: torch.Tensor) -> DTensor:
+    """``tensor``, typed as the DTensor it must be."""
+    assert isinstance(tensor, DTensor), f"expected a DTensor, got {type(tensor).__name__}"
+    return tensor
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    global_shape: torch.Size,
+    global_stride: tuple[int, ...] | None = None,
+) -> DTensor:
+    """A DTensor whose local tensor is ``local`` itself (no copy, no communication)."""
+    stride = global_stride if global_stride is not None else contiguous_strides(global_shape)
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(global_shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local``."""
+    return DTensor(local, as_dtensor(like)._spec, requires_grad=False)
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor a DTensor holds, itself (``to_local()`` would add an autograd view)."""
+    local: torch.Tensor = as_dtensor(tensor)._local_tensor
+    return local
+
+
+def set_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Re-point a DTensor (a Parameter, kept by the optimizer) at a new local tensor."""
+    as_dtensor(tensor)._local_tensor = local

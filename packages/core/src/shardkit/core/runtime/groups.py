@@ -1,0 +1,54 @@
+"""Process groups: who this rank is, the default group, subgroups and barriers.
+
+With ``collectives.py`` this is the only place the core talks to ``torch.distributed``, so a
+backend quirk or an API change is handled once.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["barrier", "default_mesh", "global_rank", "group_ranks", "new_subgroup", "world_size"]
+
+
+def global_rank() -> int:
+    """This process's rank in the default process group."""
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    """Ranks in the default process group."""
+    return dist.get_world_size()
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Block until every rank of ``group`` (default: all) arrives."""
+    dist.barrier(group=group)
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole default process group, on the device type it serves.
+
+    The default group is initialised from the environment (as torchrun sets it) if needed.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+def new_subgroup(members: list[int]) -> dist.ProcessGroup:
+    """A process group of ``members`` (global ranks), created by the members alone.
+
+    Local synchronisation: ranks outside it need not take part, so disjoint subgroups are
+    created without any global agreement on their order.
+    """
+    group = dist.new_group(members, use_local_synchronization=True)
+    assert isinstance(group, dist.ProcessGroup), f"not a member of the subgroup {members}"
+    return group

@@ -1,0 +1,14 @@
+"""State dicts: full tensors group by group, files, and all-or-nothing validation.
+
+- :mod:`~shardkit.core.state_dict.full`: the one generator of ``(key, full tensor)``;
+- :mod:`~shardkit.core.state_dict.full_file`: one file, streamed through the coordinator;
+- :mod:`~shardkit.core.state_dict.file_formats`: safetensors and torch.save's format;
+- :mod:`~shardkit.core.state_dict.validation`: every key checked before anything is written.
+
+The sharded state dict needs no code here: it is the sharded DTensors themselves.
+"""
+
+from shardkit.core.state_dict.full import iter_full_state_dict
+from shardkit.core.state_dict.full_file import load_full_state_dict, save_full_state_dict
+
+__all__ = ["iter_full_state_dict", "load_full_state_dict", "save_full_state_dict"]

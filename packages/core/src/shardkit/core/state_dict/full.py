@@ -1,0 +1,172 @@
+"""Full state dicts, one parameter group at a time: the one generator every consumer shares.
+
+:func:`iter_full_state_dict` yields ``(key, full tensor)`` pairs. For each group it gathers
+the shards of its parameters (to the coordinator, or to every rank), rebuilds their full
+tensors, yields them and lets them go before the next group, so no rank ever holds more than
+one group beyond what the consumer keeps. The file writer is its first consumer; FSDP1's
+FULL_STATE_DICT is the second.
+
+The *coordinator* is the rank at the first coordinate of the parameters' mesh: the global
+rank 0 for a mesh over the whole world, but under tensor parallelism the first rank of one
+data-parallel group only, so nothing here asks for global rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.runtime.buffers import copy_out_unsharded
+from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
+from shardkit.core.runtime.groups import global_rank
+from shardkit.core.state import is_managed, states_under
+from shardkit.core.state_dict.validation import param_keys
+
+__all__ = [
+    "FullStateDictPlan",
+    "coordinator_rank",
+    "iter_full_state_dict",
+    "plan_full_state_dict",
+    "sharded_groups",
+]
+
+
+def coordinator_rank(mesh: DeviceMesh) -> int:
+    """The global rank at the first coordinate of ``mesh``: the one that writes and reads."""
+    return int(mesh.mesh.flatten()[0])
+
+
+@dataclass(frozen=True, slots=True)
+class FullStateDictPlan:
+    """A model's state dict as groups of sharded parameters plus plain tensors, in order."""
+
+    keys: list[str]
+    """Every key, in the order the generator yields them: group by group, then the plain
+    tensors (buffers, ignored parameters), each in the model's state-dict order."""
+    sharded: dict[str, tuple[FSDPParamGroup, int]]
+    """A sharded parameter's key -> (its group, its index there)."""
+    plain: dict[str, torch.Tensor]
+    """Buffers and parameters that no group shards."""
+    groups: list[FSDPParamGroup]
+    """The groups, in the order they are gathered."""
+    expected: dict[str, torch.Tensor]
+    """The model's own state dict (sharded parameters as DTensors), for validation."""
+    coordinator: int
+    """The global rank that writes and reads files for this model."""
+
+    def keys_of(self, group: FSDPParamGroup) -> list[str]:
+        """The keys of ``group``'s parameters, in yield order."""
+        return [k for k in self.keys if k in self.sharded and self.sharded[k][0] is group]
+
+
+def sharded_groups(model: nn.Module) -> list[FSDPParamGroup]:
+    """The parameter groups in ``model``'s tree, resharded (the shards are the truth).
+
+    Raises:
+        TypeError: ``model`` is not sharded with shardkit's ``fully_shard``.
+        RuntimeError: a group's parameters are still on the meta device.
+    """
+    if not is_managed(model):
+        raise TypeError(f"{type(model).__name__} is not sharded with shardkit's fully_shard")
+    groups = [s.group for s in states_under(model) if s.group is not None]
+    for group in groups:
+        group.reshard()
+        group.check_materialized()
+    return groups
+
+
+def plan_full_state_dict(model: nn.Module, groups: list[FSDPParamGroup]) -> FullStateDictPlan:
+    """Which key comes from where, and in which order the generator yields it."""
+    expected = model.state_dict(keep_vars=True)
+    owner = param_keys(model, groups)
+    sharded = {k: owner[k] for k in expected if k in owner}
+    plain = {k: v for k, v in expected.items() if k not in owner and isinstance(v, torch.Tensor)}
+    keys = [k for g in groups for k in sharded if sharded[k][0] is g] + list(plain)
+    if groups:
+        first = groups[0].params[0].sharding_spec.sharded_mesh
+        coordinator = coordinator_rank(first)
+    else:
+        coordinator = 0
+    return FullStateDictPlan(keys, sharded, plain, groups, dict(expected), coordinator)
+
+
+def iter_full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` for every entry of ``model``'s state dict.
+
+    Every rank must run the generator to its end: it gathers shards with collectives.
+
+    Args:
+        model: a model sharded with shardkit's ``fully_shard`` (the root).
+        rank0_only: True yields only on the coordinator (the others get nothing); False
+            yields on every rank.
+        cpu_offload: True yields CPU tensors; False leaves them on the parameters' device.
+
+    Raises:
+        TypeError: ``model`` is not sharded with shardkit's ``fully_shard``.
+    """
+    plan = plan_full_state_dict(model, sharded_groups(model))
+    yield from iter_planned(plan, rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+
+def iter_planned(
+    plan: FullStateDictPlan, *, rank0_only: bool, cpu_offload: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_full_state_dict` for a plan already made (the file writer needs it first)."""
+    for group in plan.groups:
+        rows = _gather_rows(group, to_all=not rank0_only, cpu=cpu_offload)
+        if rows is None:
+            continue  # this rank only sent
+        built: dict[int, torch.Tensor] = {}  # a tied parameter has several keys
+        for key in plan.keys_of(group):
+            index = plan.sharded[key][1]
+            if index not in built:
+                built[index] = _full_param(group, index, rows)
+            yield key, built[index]
+        del rows, built
+    if rank0_only and global_rank() != plan.coordinator:
+        return
+    for key, tensor in plan.plain.items():
+        value = tensor.detach()
+        yield key, value.cpu() if cpu_offload else value
+
+
+def _gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch.Tensor] | None:
+    """Every shard rank's sharded buffer (bytes), in rank order; None where not wanted."""
+    mesh_info = group.mesh_info
+    if to_all:
+        handle = ProcessGroupRuntime().all_gather(
+            group.sharded_buffer, mesh_info.shard_group, label=group.fqn
+        )
+        rows = handle.wait()
+    else:
+        replicate = mesh_info.replicate_group
+        if replicate is not None and replicate.rank() != 0:
+            return None  # one replica is enough
+        gathered = gather_to_first(group.sharded_buffer, mesh_info.shard_group)
+        if gathered is None:
+            return None
+        rows = gathered
+    return [row.cpu() for row in rows] if cpu else rows
+
+
+def _full_param(group: FSDPParamGroup, index: int, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Parameter ``index`` of ``group`` as one full tensor, rebuilt from the gathered rows."""
+    p = group.params[index]
+    geo = p.geometry
+    shards = [group.storage_layout.view(row, index) for row in rows]
+    if geo.dim == 0:
+        # A dim-0 shard is a run of whole rows of the full tensor: join the unpadded ones.
+        pieces = [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]
+        dp_full = torch.cat(pieces).view(geo.shape)
+    else:
+        padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype, device=rows[0].device)
+        copy_out_unsharded(shards, geo, padded)
+        dp_full = padded[: geo.shape.numel()].view(geo.shape)
+    return p.extension.gather_full(dp_full, p.sharding_spec)

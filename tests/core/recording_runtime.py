@@ -1,0 +1,63 @@
+"""A collective runtime that records what the engine asks of it, for one-process tests.
+
+It stands in for every rank at once: each "other rank" holds the same shard as this one, so
+an all-gather returns this rank's row W times and a reduce-scatter sums W equal rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardkit.core.runtime.pool import BufferPool
+
+
+@dataclass
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@dataclass
+class _Rows:
+    rows: list[torch.Tensor]
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.rows
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
+class RecordingRuntime:
+    """Records ``(kind, label, bytes)`` for every collective issued."""
+
+    pool: BufferPool = field(default_factory=BufferPool)
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def all_gather(
+        self, input: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> _Rows:
+        self.calls.append(("all_gather", label, input.numel()))
+        return _Rows([input] + [input.clone() for _ in range(group.size() - 1)])
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+    ) -> _Done:
+        self.calls.append(("reduce_scatter", label, input.numel() * input.element_size()))
+        output.copy_(input[group.rank()] * group.size())
+        return _Done()
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+    ) -> _Done:
+        self.calls.append(("all_reduce", label, tensor.numel() * tensor.element_size()))
+        return _Done()

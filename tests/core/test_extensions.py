@@ -1,0 +1,163 @@
+"""The sharding extension point: the engine goes through it, DTensor parameters need one, and
+installed extensions are found through their entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+
+from harness.pool import run_on_ranks
+from shardkit.core.extensions import (
+    DataParallelSharding,
+    ShardingExtension,
+    register_extension,
+)
+from tests.core import models
+from tests.core.extension_support import RecordingSharding, ReplicatedDTensorSharding
+
+
+def _train(model: Any, rank: int, world_size: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        x, y = models.batch("mlp", step, 2 * world_size)
+        loss = models.loss_of("mlp", model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _mlp(mesh: Any, *, replicate_as_dtensors: bool) -> Any:
+    torch.manual_seed(0)
+    model = models.MLPNet()
+    if replicate_as_dtensors:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    dt = distribute_tensor(param.detach(), mesh, [Replicate()])
+                    module._parameters[name] = nn.Parameter(dt)
+    return model
+
+
+def _sharded(mesh: Any, *, replicate_as_dtensors: bool) -> Any:
+    from shardkit.core import fully_shard
+
+    model = _mlp(mesh, replicate_as_dtensors=replicate_as_dtensors)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _recording_body(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    plain = _train(_sharded(mesh, replicate_as_dtensors=False), rank, world_size)
+    recording = RecordingSharding()
+    unregister = register_extension(recording)
+    try:
+        model = _sharded(mesh, replicate_as_dtensors=False)
+        losses = _train(model, rank, world_size)
+        full = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+        model.load_state_dict(full)
+        zeroed = all(float(v.to_local().abs().sum()) == 0 for v in model.state_dict().values())
+    finally:
+        unregister()
+    return {"plain": plain, "ours": losses, "calls": dict(recording.calls), "zeroed": zeroed}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_engine_shards_through_the_extension(world_size: int) -> None:
+    result = run_on_ranks(world_size, _recording_body)[0]
+    assert result["ours"] == result["plain"]
+    params = 2 + 6 * 3 + 2 + 2  # inp, three blocks, norm, head
+    calls = result["calls"]
+    assert calls["param_spec"] == calls["make_sharded"] == params
+    assert calls["make_unsharded"] == params  # once each, at the first unshard
+    assert calls["chunk_full"] == params  # load_state_dict of plain full tensors
+    assert result["zeroed"]
+
+
+def _dtensor_params_body(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    reference = _train(_sharded(mesh, replicate_as_dtensors=False), rank, world_size)
+    from shardkit.core import FSDPModule, fully_shard
+
+    model = _mlp(mesh, replicate_as_dtensors=True)
+    before = list(model.parameters())
+    with pytest.raises(ValueError) as refused:
+        fully_shard(model.blocks[0], mesh=mesh)
+    assert not isinstance(model.blocks[0], FSDPModule)
+    assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
+    unregister = register_extension(ReplicatedDTensorSharding())
+    try:
+        model = _sharded(mesh, replicate_as_dtensors=True)
+        losses = _train(model, rank, world_size)
+        placements = {str(p.placements) for p in model.parameters()}
+    finally:
+        unregister()
+    return {
+        "error": str(refused.value),
+        "reference": reference,
+        "losses": losses,
+        "placements": placements,
+    }
+
+
+def test_dtensor_parameters_need_an_extension_and_train_through_one() -> None:
+    result = run_on_ranks(2, _dtensor_params_body)[0]
+    assert "parameter norm.weight is already a DTensor" in result["error"]
+    assert "install shardkit-tp" in result["error"]
+    assert result["losses"] == result["reference"]
+    assert result["placements"] == {"(Shard(dim=0),)"}
+
+
+def test_register_refuses_what_is_not_an_extension() -> None:
+    with pytest.raises(TypeError, match="object does not implement"):
+        register_extension(object())  # type: ignore[arg-type]
+    assert isinstance(DataParallelSharding(), ShardingExtension)
+
+
+def test_installed_extensions_are_found_by_entry_point(tmp_path: Path) -> None:
+    # A distribution's metadata on sys.path is what an installed package leaves behind.
+    dist_info = tmp_path / "fake_sharding-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fake-sharding\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[shardkit.core.extensions]\n"
+        "replicated = tests.core.extension_support:ReplicatedDTensorSharding\n"
+    )
+    script = textwrap.dedent(
+        """
+        from shardkit.core.extensions import extension_for, registered_extensions
+        from tests.core.extension_support import ReplicatedDTensorSharding
+        import torch
+        found = registered_extensions()
+        assert [type(e) for e in found] == [ReplicatedDTensorSharding], found
+        plain = torch.nn.Parameter(torch.ones(2))
+        assert type(extension_for(plain, "w")).__name__ == "DataParallelSharding"
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={"PYTHONPATH": f"{tmp_path}:{root}", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
