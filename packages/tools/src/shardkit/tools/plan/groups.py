@@ -1,105 +1,52 @@
-"""The planner's FSDP groups: which modules are sharded, and the engine's buffer arithmetic.
+"""The planner's FSDP groups: which modules are sharded, and the layout of each.
 
-Everything here reproduces shardkit.core's sizes from parameter shapes alone (no process group,
-no allocation), so that a plan's bytes equal what the engine reports:
-
-- each parameter is cut along dim 0 into W chunks of ``ceil(dim0 / W)`` rows (torch.chunk),
-  the last ones zero padded: a padded shard has ``chunk * prod(shape[1:])`` elements;
-- a group keeps its padded shards in one flat buffer whose slots start at 16-byte aligned
-  offsets, total rounded up to 16 bytes; the all-gather sends that flat buffer (in
-  ``param_dtype`` when one is set) and the unsharded buffer holds W padded shards per
-  parameter, laid out the same way;
-- the reduce-scatter output is one rank's padded shards of the trainable parameters back to
-  back, with no alignment, in the reduce dtype.
+The sizes come from shardkit.core's layout view (:func:`shardkit.core.layout.group_layout`),
+the same arithmetic the engine builds its buffers from, fed with parameter shapes alone (no
+process group, no allocation); so a plan's bytes equal what the engine reports. What the
+planner adds is which modules become groups, and the few facts about a group's buffers that
+the step needs beyond their sizes (the cast copy, the sharded gradients' dtype).
 
 See docs/notes/001-flat-group-buffers.md.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from shardkit.core.layout import GroupLayout, ParamLayout, ParamSpec, group_layout
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
 
-__all__ = ["GroupSpec", "ParamSpec", "build_groups", "flat_nbytes", "select_group_modules"]
-
-_ALIGN_BYTES = 16  # shardkit.core.runtime.buffers aligns every slot to 16 bytes
-
-
-def flat_nbytes(numels: Sequence[int], dtypes: Sequence[torch.dtype]) -> int:
-    """Bytes of a flat buffer holding these tensors at 16-byte aligned offsets."""
-    cursor = 0
-    for numel, dtype in zip(numels, dtypes, strict=True):
-        cursor = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
-        cursor += numel * dtype.itemsize
-    return -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParamSpec:
-    """One parameter as the engine shards it."""
-
-    fqn: str
-    """Its name in the model."""
-    shape: tuple[int, ...]
-    """The full shape."""
-    dtype: torch.dtype
-    """Its own dtype: what the sharded parameter, its gradient and optimizer state use."""
-    comm_dtype: torch.dtype
-    """dtype of the unsharded parameter and the all-gather (``param_dtype`` for floats)."""
-    requires_grad: bool
-    """Whether it is trained (reduce-scattered, with optimizer state)."""
-    world: int
-    """Shard count."""
-
-    @property
-    def numel(self) -> int:
-        """Elements of the full parameter."""
-        return math.prod(self.shape)
-
-    @property
-    def chunk(self) -> int:
-        """Rows of dim 0 in every padded shard."""
-        return -(-self.shape[0] // self.world)
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of one padded shard (what every rank sends)."""
-        return self.chunk * math.prod(self.shape[1:])
-
-    def local_numel(self, rank: int) -> int:
-        """Elements of ``rank``'s unpadded shard (what the DTensor's local tensor holds)."""
-        rows = max(0, min(self.chunk, self.shape[0] - rank * self.chunk))
-        return rows * math.prod(self.shape[1:])
+__all__ = ["GroupSpec", "build_groups", "select_group_modules"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupSpec:
-    """The parameters of one ``fully_shard`` call and the sizes of its buffers."""
+    """One ``fully_shard`` call: its module and the core's layout of its parameters."""
 
     fqn: str
     """The module's FQN, '<root>' for the root (as the engine names groups)."""
     module: nn.Module
     """The sharded module."""
-    params: tuple[ParamSpec, ...]
-    """Its parameters, in the engine's order (module tree pre-order)."""
-    reduce_dtype: torch.dtype
-    """dtype of the gradient reduce-scatter."""
+    layout: GroupLayout
+    """Every size and offset of its buffers, as the engine computes them."""
+
+    @property
+    def params(self) -> tuple[ParamLayout, ...]:
+        """Its parameters, in the engine's order (module tree pre-order)."""
+        return self.layout.params
 
     @property
     def world(self) -> int:
         """Shard count."""
-        return self.params[0].world
+        return self.layout.shard_world
 
     @property
-    def trainable(self) -> tuple[ParamSpec, ...]:
+    def trainable(self) -> tuple[ParamLayout, ...]:
         """Parameters that get gradients."""
-        return tuple(p for p in self.params if p.requires_grad)
+        return self.layout.trainable
 
     @property
     def param_count(self) -> int:
@@ -107,38 +54,9 @@ class GroupSpec:
         return sum(p.numel for p in self.params)
 
     @property
-    def storage_nbytes(self) -> int:
-        """The flat sharded buffer (padded shards in their own dtypes)."""
-        return flat_nbytes([p.shard_numel for p in self.params], [p.dtype for p in self.params])
-
-    @property
-    def comm_nbytes(self) -> int:
-        """What one rank contributes to the all-gather (padded shards in the gather dtype)."""
-        return flat_nbytes(
-            [p.shard_numel for p in self.params], [p.comm_dtype for p in self.params]
-        )
-
-    @property
-    def unsharded_nbytes(self) -> int:
-        """The flat unsharded buffer (W padded shards per parameter, gather dtype)."""
-        return flat_nbytes(
-            [p.world * p.shard_numel for p in self.params], [p.comm_dtype for p in self.params]
-        )
-
-    @property
     def needs_staging(self) -> bool:
         """Whether the gather input is a separate cast copy of the sharded buffer."""
         return any(p.comm_dtype != p.dtype for p in self.params)
-
-    @property
-    def reduce_numel(self) -> int:
-        """Elements of one rank's reduce-scatter output (trainable padded shards)."""
-        return sum(p.shard_numel for p in self.trainable)
-
-    @property
-    def reduce_nbytes(self) -> int:
-        """Bytes of one rank's reduce-scatter output."""
-        return self.reduce_numel * self.reduce_dtype.itemsize
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -149,7 +67,7 @@ class GroupSpec:
     @property
     def sharded_grad_nbytes(self) -> int:
         """The sharded gradients: the reduce output, in the parameters' own dtype."""
-        return self.reduce_numel * self.grad_dtype.itemsize
+        return self.layout.reduce_scatter_output_numel * self.grad_dtype.itemsize
 
 
 def select_group_modules(model: nn.Module, wrap: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
@@ -195,7 +113,9 @@ def _module_list_elements(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda item: order[id(item[1])])
 
 
-def build_groups(model: nn.Module, options: PlanOptions, shard_size: int) -> list[GroupSpec]:
+def build_groups(
+    model: nn.Module, options: PlanOptions, shard_size: int, replicas: int = 1
+) -> list[GroupSpec]:
     """One GroupSpec per selected module that manages parameters, root last.
 
     A module's group holds the parameters in its tree that no selected submodule holds, as
@@ -213,7 +133,7 @@ def build_groups(model: nn.Module, options: PlanOptions, shard_size: int) -> lis
     groups: list[GroupSpec] = []
     for name, module in selected:
         fqn = name or "<root>"
-        params: list[ParamSpec] = []
+        specs: list[ParamSpec] = []
         for param in _own_params(module, is_group):
             pname = names.get(id(param), "?")
             if id(param) in owner:
@@ -222,16 +142,10 @@ def build_groups(model: nn.Module, options: PlanOptions, shard_size: int) -> lis
                     f"{owner[id(param)]} and {fqn}; fully_shard needs it in one group"
                 )
             owner[id(param)] = fqn
-            params.append(_param_spec(pname, param, options, shard_size))
-        if params:
-            groups.append(
-                GroupSpec(
-                    fqn=fqn,
-                    module=module,
-                    params=tuple(params),
-                    reduce_dtype=_reduce(fqn, params, options),
-                )
-            )
+            specs.append(_param_spec(pname, param))
+        if specs:
+            layout = _layout(fqn, specs, options, shard_size, replicas)
+            groups.append(GroupSpec(fqn=fqn, module=module, layout=layout))
     return groups
 
 
@@ -250,7 +164,7 @@ def _own_params(module: nn.Module, is_group: set[int]) -> list[nn.Parameter]:
     return found
 
 
-def _param_spec(name: str, param: nn.Parameter, options: PlanOptions, shard_size: int) -> ParamSpec:
+def _param_spec(name: str, param: nn.Parameter) -> ParamSpec:
     if param.dim() == 0:
         raise ValueError(
             f"shardkit.tools.plan: parameter {name} is 0-dim, which fully_shard cannot shard"
@@ -260,27 +174,21 @@ def _param_spec(name: str, param: nn.Parameter, options: PlanOptions, shard_size
             f"shardkit.tools.plan: parameter {name} is on {param.device}; build the model "
             "under torch.device('meta') so that planning allocates nothing"
         )
-    comm = param.dtype
-    if options.param_dtype is not None and param.dtype.is_floating_point:
-        comm = options.param_dtype
     return ParamSpec(
-        fqn=name,
-        shape=tuple(param.shape),
-        dtype=param.dtype,
-        comm_dtype=comm,
-        requires_grad=param.requires_grad,
-        world=shard_size,
+        fqn=name, shape=tuple(param.shape), dtype=param.dtype, requires_grad=param.requires_grad
     )
 
 
-def _reduce(fqn: str, params: list[ParamSpec], options: PlanOptions) -> torch.dtype:
-    if options.reduce_dtype is not None:
-        return options.reduce_dtype
-    dtypes = {p.comm_dtype for p in params if p.requires_grad}
-    if len(dtypes) > 1:
-        listed = ", ".join(f"{p.fqn}: {p.comm_dtype}" for p in params if p.requires_grad)
-        raise ValueError(
-            f"shardkit.tools.plan: group {fqn} has trainable parameters of several dtypes "
-            f"({listed}); fully_shard needs one, so set param_dtype or reduce_dtype"
+def _layout(
+    fqn: str, specs: list[ParamSpec], options: PlanOptions, shard_size: int, replicas: int
+) -> GroupLayout:
+    try:
+        return group_layout(
+            specs,
+            shard_world=shard_size,
+            replicate_world=replicas,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
         )
-    return dtypes.pop() if dtypes else torch.float32
+    except ValueError as err:  # the engine's refusal, said of the group it concerns
+        raise ValueError(f"shardkit.tools.plan: group {fqn}: {err}") from err

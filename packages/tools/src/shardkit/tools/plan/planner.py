@@ -1,8 +1,9 @@
 """The planner: per-rank memory and communication of a sharded training step, before running it.
 
 ``plan(model, world_size=64)`` takes a model built on the meta device (or a factory for one),
-decides the FSDP groups as a per-block ``fully_shard`` would, reproduces shardkit.core's buffer
-sizes from the parameter shapes, and simulates one steady-state training step of the engine:
+decides the FSDP groups as a per-block ``fully_shard`` would, asks shardkit.core's layout view
+(``shardkit.core.layout.group_layout``) for every buffer size from the parameter shapes, and
+simulates one steady-state training step of the engine:
 
 - the collectives it issues (kind, group, bytes per call, calls per step) and the bytes a rank
   sends per step, exactly as the engine reports them in ``shardkit.core.CollectiveEvent``;
@@ -140,7 +141,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     options = options if options is not None else PlanOptions()
     module = _resolve(model)
     replicas, shard = _mesh(world_size, options)
-    groups = build_groups(module, options, shard)
+    groups = build_groups(module, options, shard, replicas)
     if not groups:
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
     if options.inputs is not None:
@@ -229,10 +230,10 @@ def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
         fqn=group.fqn,
         param_count=group.param_count,
         trainable_count=sum(p.numel for p in group.trainable),
-        sharded_bytes=group.storage_nbytes,
-        unsharded_bytes=group.unsharded_nbytes,
-        gather_input_bytes=group.comm_nbytes,
-        reduce_output_bytes=group.reduce_nbytes,
+        sharded_bytes=group.layout.sharded_bytes,
+        unsharded_bytes=group.layout.unsharded_bytes,
+        gather_input_bytes=group.layout.all_gather_input_bytes,
+        reduce_output_bytes=group.layout.reduce_scatter_output_bytes,
         reshard_after_forward=reshard_after_forward,
     )
 
@@ -258,7 +259,7 @@ def _theory_bytes(groups: list[GroupSpec], reshards: tuple[bool, ...], replicas:
         world = group.world
         # Counted in bytes (bytes_per_element=1) so that groups mixing dtypes stay exact.
         gathered = sum(p.numel * p.comm_dtype.itemsize for p in group.params)
-        reduced = sum(p.numel for p in group.trainable) * group.reduce_dtype.itemsize
+        reduced = sum(p.numel for p in group.trainable) * group.layout.reduce_dtype.itemsize
         total += (2 if reshard else 1) * theory.all_gather_bytes(gathered, world, 1)
         if reduced:
             total += theory.reduce_scatter_bytes(reduced, world, 1)
@@ -275,7 +276,7 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
             trained = p.requires_grad
             total += theory.zero_memory_per_rank(
                 p.numel,
-                p.world,
+                p.shard_world,
                 stage=3,
                 param_bytes=size,
                 grad_bytes=size if trained else 0,
