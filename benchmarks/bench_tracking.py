@@ -14,9 +14,9 @@ import pytest
 
 from benchmarks import gpt
 from harness.pool import run_on_ranks
-from shardkit.tools.comm_tracker import CommTracker
-from shardkit.tools.memory_tracker import MemoryTracker
-from shardkit.tools.profiler import Profiler
+from shardkit.tools.track.comm import CommTracker
+from shardkit.tools.track.memory import MemoryTracker
+from shardkit.tools.track.profiler import Profiler
 
 _STATE: dict[str, Any] = {}
 TRACKERS = ("comm", "memory", "both")

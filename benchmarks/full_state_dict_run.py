@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import gpt
+from shardkit.tools.plan.gpt import GPT
 
 
 def _status(field: str) -> float:
@@ -61,7 +62,7 @@ def main() -> None:
         _save(impl, model, path)
         times.append(time.perf_counter() - started)
         peaks.append(_status("VmHWM") - start_rss)
-    model_mib = sum(p.numel() * p.element_size() for p in gpt.GPT(gpt.SIZES[size]).parameters())
+    model_mib = sum(p.numel() * p.element_size() for p in GPT(gpt.SIZES[size].model).parameters())
     if dist.get_rank() == 0:
         record = {
             "impl": impl,

@@ -1,4 +1,4 @@
-"""The benchmark model and workload: a GPT-style decoder (about 8.45M parameters by default)."""
+"""The benchmark model and workload: shardkit.tools' GPT (about 8.45M parameters by default)."""
 
 from __future__ import annotations
 
@@ -8,40 +8,25 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from tests.core.models import GPTBlock
 from torch import nn
+
+from shardkit.tools.plan.gpt import GPT, GPTConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Size:
-    vocab: int
-    dim: int
-    depth: int
-    heads: int
-    seq: int
+    model: GPTConfig
     batch: int  # per rank
 
 
 SIZES = {
-    "small": Size(vocab=4096, dim=256, depth=8, heads=4, seq=128, batch=4),
-    "medium": Size(vocab=8192, dim=512, depth=8, heads=8, seq=128, batch=2),
+    "small": Size(
+        model=GPTConfig(vocab_size=4096, dim=256, n_layers=8, n_heads=4, max_seq_len=128), batch=4
+    ),
+    "medium": Size(
+        model=GPTConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=128), batch=2
+    ),
 }
-
-
-class GPT(nn.Module):
-    def __init__(self, size: Size) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(size.vocab, size.dim)
-        self.pos = nn.Embedding(size.seq, size.dim)
-        self.blocks = nn.ModuleList(GPTBlock(size.dim, size.heads) for _ in range(size.depth))
-        self.ln_f = nn.LayerNorm(size.dim)
-        self.head = nn.Linear(size.dim, size.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
-        for block in self.blocks:
-            h = block(h)
-        return cast(torch.Tensor, self.head(self.ln_f(h)))
 
 
 class TinyLayers(nn.Module):
@@ -85,7 +70,7 @@ def build(
 
     options = options or Options()
     torch.manual_seed(0)
-    model: Any = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name])
+    model: Any = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name].model)
     model = model.to(device)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -143,7 +128,8 @@ def batch(size_name: str, step: int, rank: int, world_size: int) -> torch.Tensor
     if size_name == "tiny":
         return torch.randn(8 * world_size, 32, generator=gen)[rank * 8 : (rank + 1) * 8]
     size = SIZES[size_name]
-    idx = torch.randint(0, size.vocab, (size.batch * world_size, size.seq + 1), generator=gen)
+    shape = (size.batch * world_size, size.model.max_seq_len + 1)
+    idx = torch.randint(0, size.model.vocab_size, shape, generator=gen)
     return idx[rank * size.batch : (rank + 1) * size.batch]
 
 
@@ -177,13 +163,13 @@ def train_step(model: Any, opt: torch.optim.Optimizer, data: torch.Tensor) -> di
 
 
 def param_count(size_name: str) -> int:
-    model = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name])
+    model = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name].model)
     return sum(p.numel() for p in model.parameters())
 
 
 def largest_group_params(size_name: str) -> int:
     """Parameters of the largest fully_shard group (the root: embeddings, final norm, head)."""
-    model = GPT(SIZES[size_name])
+    model = GPT(SIZES[size_name].model)
     block = sum(p.numel() for p in model.blocks[0].parameters())
     root = sum(p.numel() for p in model.parameters()) - block * len(model.blocks)
     return max(block, root)

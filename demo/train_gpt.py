@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.core import CheckpointManager, save_full_state_dict
 
 if TYPE_CHECKING:
-    from shardkit.tools.profiler import Profiler
+    from shardkit.tools.track.profiler import Profiler
 
 DEMO_DIR = Path(__file__).resolve().parent
 Impl = Literal["shardkit", "torch"]
@@ -410,7 +410,7 @@ def start_profiler(cfg: TrainConfig) -> Profiler | None:
     """With --profile: a started profiler (shardkit.tools is imported only then)."""
     if cfg.profile_dir is None:
         return None
-    from shardkit.tools.profiler import Profiler
+    from shardkit.tools.track.profiler import Profiler
 
     if dist.get_rank() == 0:  # files of ranks this run lacks, left by a bigger earlier run
         for path in cfg.profile_dir.glob("rank-*.json"):
@@ -424,9 +424,9 @@ def start_profiler(cfg: TrainConfig) -> Profiler | None:
 
 def write_profile(profiler: Profiler, folder: Path, reporter: Reporter) -> None:
     """Every rank writes its records; then rank 0 merges them into the report folder."""
-    from shardkit.tools.report import write_report
-    from shardkit.tools.report_json import load_rank_reports, rank_report_path, write_rank_report
-    from shardkit.tools.report_text import summarize
+    from shardkit.tools.report.folder import write_report
+    from shardkit.tools.report.json_io import load_rank_reports, rank_report_path, write_rank_report
+    from shardkit.tools.report.text import summarize
 
     profiler.stop()
     report = profiler.rank_report()

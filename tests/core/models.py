@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.tools.plan.gpt import GPT, GPTConfig
+
 
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -37,57 +39,28 @@ class MLPNet(nn.Module):
         return cast(torch.Tensor, self.head(self.norm(h)))
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+class TinyGPT(GPT):
+    """shardkit.tools' GPT, tiny, plus a persistent buffer (state dicts carry buffers too);
+    ``tie=True`` shares the embedding with the head."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return cast(torch.Tensor, self.proj(y.transpose(1, 2).reshape(b, t, d)))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return cast(torch.Tensor, x + self.mlp(self.ln2(x)))
-
-
-class TinyGPT(nn.Module):
-    """A GPT-style decoder; ``tie=True`` shares the embedding with the head."""
+    scale: torch.Tensor  # (1,), a buffer
 
     def __init__(
         self, vocab: int = 37, dim: int = 16, depth: int = 2, seq: int = 8, tie: bool = False
     ) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, 2) for _ in range(depth))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        if tie:
-            self.head.weight = self.tok.weight
+        config = GPTConfig(
+            vocab_size=vocab,
+            dim=dim,
+            n_layers=depth,
+            n_heads=2,
+            max_seq_len=seq,
+            tie_embeddings=tie,
+        )
+        super().__init__(config)
         self.register_buffer("scale", torch.tensor([1.0 + 0.5]), persistent=True)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
-        h = self.tok(idx) + self.pos(pos)
-        for block in self.blocks:
-            h = block(h)
-        return cast(torch.Tensor, self.head(self.ln_f(h)) * self.scale)
+        return super().forward(idx) * self.scale
 
 
 def build(name: str, seed: int = 0) -> Any:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
-from shardkit.tools.comm_tracker import CommTracker
 from shardkit.tools.records import CollectiveRecord, Phase, RankReport
+from shardkit.tools.track.comm import CommTracker
 from tests.core import models
 from tests.tools import workloads
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from harness.pool import run_on_ranks
-from shardkit.tools.memory_tracker import MemoryTracker
 from shardkit.tools.records import Category, Phase, RankReport
+from shardkit.tools.track.memory import MemoryTracker
 from tests.core import models
 from tests.tools import workloads
 

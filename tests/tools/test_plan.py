@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.tools import theory
-from shardkit.tools.examples import llama_8b, llama_tiny, llama_tiny_inputs
-from shardkit.tools.plan_groups import flat_nbytes
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import Plan, plan
+from shardkit.core.layout import ParamSpec, group_layout
+from shardkit.tools.plan import theory
+from shardkit.tools.plan.examples import llama_8b, llama_tiny, llama_tiny_inputs
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.records import Category, Phase
 
 
@@ -58,13 +58,19 @@ BLOCK_SHARD, BLOCK_SHARD_BF16, BLOCK_FULL, BLOCK_REDUCE = 128, 96, 416, 104
 ROOT_SHARD, ROOT_FULL, ROOT_REDUCE = 96, 224, 56
 
 
-def test_flat_buffers_align_every_slot_to_16_bytes() -> None:
-    fp32, bf16 = torch.float32, torch.bfloat16
-    assert flat_nbytes([10, 2, 12, 2], [fp32] * 4) == BLOCK_SHARD
-    assert flat_nbytes([10, 2, 12, 2], [bf16] * 4) == BLOCK_SHARD_BF16
-    assert flat_nbytes([40, 8, 48, 8], [fp32] * 4) == BLOCK_FULL
-    assert flat_nbytes([1], [fp32]) == 16
-    assert flat_nbytes([], []) == 0
+def test_the_core_layout_gives_the_hand_computed_sizes() -> None:
+    """The planner asks shardkit.core.layout; its sizes are the hand-computed ones above."""
+    shapes = {"fc1.weight": (6, 5), "fc1.bias": (6,), "fc2.weight": (5, 6), "fc2.bias": (5,)}
+    specs = [ParamSpec(fqn=n, shape=s, dtype=torch.float32) for n, s in shapes.items()]
+    fp32 = group_layout(specs, shard_world=4)
+    assert (fp32.sharded_bytes, fp32.unsharded_bytes) == (BLOCK_SHARD, BLOCK_FULL)
+    assert [p.storage_offset for p in fp32.params] == [0, 48, 64, 112]
+    assert fp32.reduce_scatter_output_bytes == BLOCK_REDUCE
+    bf16 = group_layout(specs, shard_world=4, param_dtype=torch.bfloat16)
+    assert bf16.all_gather_input_bytes == BLOCK_SHARD_BF16
+    assert [p.comm_offset for p in bf16.params] == [0, 32, 48, 80]
+    one = group_layout([ParamSpec(fqn="w", shape=(1,), dtype=torch.float32)], shard_world=1)
+    assert one.sharded_bytes == 16  # a 4-byte parameter still fills an aligned slot
 
 
 def test_groups_have_the_engines_padded_sizes() -> None:
@@ -396,7 +402,7 @@ def test_mixed_dtypes_in_a_group_need_a_reduce_dtype() -> None:
     with torch.device("meta"):
         model = Net()
     model.head.half()
-    with pytest.raises(ValueError, match=r"<root> has trainable parameters of several dtypes"):
+    with pytest.raises(ValueError, match=r"group <root>: fully_shard needs one dtype"):
         plan(model, world_size=2)
     result = plan(model, world_size=2, options=PlanOptions(reduce_dtype=torch.float32))
     assert result.groups[-1].reduce_output_bytes > 0

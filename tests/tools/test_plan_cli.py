@@ -7,7 +7,8 @@ import json
 import pytest
 from torch import nn
 
-from shardkit.tools.plan_cli import human_bytes, load_factory, main
+from shardkit.tools.plan.cli import load_factory, main
+from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 TINY = "shardkit.tools.examples:llama_tiny"
 
@@ -25,6 +26,7 @@ def test_json_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["param_count"] == sum(g["param_count"] for g in data["groups"])
     assert data["sent_bytes_per_step"] == sum(c["sent_bytes_per_step"] for c in data["collectives"])
     assert data["options"]["reshard_after_forward"] is None
+    assert data["options"]["bandwidth_gbps"] == DEFAULT_BANDWIDTH_GBPS
     assert data["memory"]["category_max"]["activations"] == 0
 
 
@@ -103,6 +105,3 @@ def test_bad_arguments_exit_2() -> None:
 
 def test_helpers() -> None:
     assert load_factory("shardkit.tools.examples:llama_tiny")().__class__.__name__ == "Llama"
-    assert human_bytes(512) == "512 B"
-    assert human_bytes(3 * 1024**2) == "3.00 MiB"
-    assert human_bytes(1.5 * 1024**3) == "1.50 GiB"

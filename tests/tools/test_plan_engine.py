@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from harness.pool import run_on_ranks
-from shardkit.tools.examples import Llama, LlamaConfig
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import plan
+from shardkit.tools.plan.examples import Llama, LlamaConfig
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import plan
 from tests.core import models
 
 Call = tuple[str, int, int, int]  # (kind, group size, input bytes, sent bytes)

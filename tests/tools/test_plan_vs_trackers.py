@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from harness.pool import run_on_ranks
 from shardkit.tools import Category, Profiler, RankReport
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.planner import Plan, plan
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
 from tests.core import models
 from tests.tools import workloads
 

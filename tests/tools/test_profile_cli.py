@@ -1,12 +1,11 @@
 """``shardkit-profile``: arguments, the environment it gives the command, the start-up hook,
-exit statuses, and (once the profiler exists) whole runs: one process, and torchrun with 2 ranks.
+exit statuses, and whole runs: one process, and torchrun with 2 ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,19 +16,17 @@ from types import ModuleType
 
 import pytest
 
-from shardkit.tools import profile_cli
-from shardkit.tools.profile_cli import AUTOPROFILE_DIR, ProfileOptions, main, profile_env
-from shardkit.tools.report import REPORT_FILES
-from shardkit.tools.report_json import load_merged_report, load_rank_reports, rank_report_path
-from tests.tools.test_report_json import make_report
-
-HAS_PROFILER = importlib.util.find_spec("shardkit.tools.profiler") is not None
-needs_profiler = pytest.mark.skipif(not HAS_PROFILER, reason="shardkit.tools.profiler not there")
+import shardkit.tools.track.profiler  # noqa: F401  # the runs below start one in each process
+from shardkit.tools.report import cli as profile_cli
+from shardkit.tools.report.cli import AUTOPROFILE_DIR, ProfileOptions, main, profile_env
+from shardkit.tools.report.folder import REPORT_FILES
+from shardkit.tools.report.json_io import load_merged_report, load_rank_reports, rank_report_path
+from tests.tools.reports import make_report
 
 
 def _hook() -> ModuleType:
     """The start-up hook as a module of shardkit.tools (so importing it starts nothing)."""
-    return importlib.import_module("shardkit.tools._autoprofile.sitecustomize")
+    return importlib.import_module("shardkit.tools.report._autoprofile.sitecustomize")
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -190,7 +187,7 @@ def test_an_earlier_runs_files_go(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Whole runs (they need shardkit.tools.profiler)
+# Whole runs
 
 SINGLE = """
 import torch
@@ -229,7 +226,6 @@ dist.destroy_process_group()
 """
 
 
-@needs_profiler
 def test_a_process_that_runs_no_module_writes_nothing(tmp_path: Path) -> None:
     """Like a data-loader worker: imports torch (the profiler starts), but trains nothing."""
     env = profile_env(ProfileOptions(command=("x",), out=tmp_path), os.environ)
@@ -241,7 +237,6 @@ def test_a_process_that_runs_no_module_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@needs_profiler
 def test_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SINGLE))
@@ -254,13 +249,12 @@ def test_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert f"report folder: {out}" in capsys.readouterr().out
 
 
-@needs_profiler
 def test_torchrun_two_ranks(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(DISTRIBUTED))
     out = tmp_path / "prof"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command = [sys.executable, "-m", "shardkit.tools.profile_cli", "--out", str(out), "--"]
+    command = [sys.executable, "-m", "shardkit.tools.report.cli", "--out", str(out), "--"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*command, *torchrun, str(script)],

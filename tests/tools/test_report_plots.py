@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.tools.report import REPORT_FILES, write_report
-from shardkit.tools.report_json import load_merged_report
-from shardkit.tools.report_plots import MAX_RANKS, plot_memory, plot_timeline
-from tests.tools.test_report_json import make_report, make_reports
+from shardkit.tools.report.folder import REPORT_FILES, write_report
+from shardkit.tools.report.json_io import load_merged_report
+from shardkit.tools.report.plots import MAX_RANKS, plot_memory, plot_timeline
+from tests.tools.reports import make_report, make_reports
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -61,7 +61,7 @@ def test_memory_plot_needs_memory(tmp_path: Path) -> None:
 
 def test_many_ranks_are_capped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     reports = make_reports(world_size=MAX_RANKS + 2)
-    with caplog.at_level(logging.INFO, logger="shardkit.tools.report_plots"):
+    with caplog.at_level(logging.INFO, logger="shardkit.tools.report.plots"):
         plot_timeline(reports, tmp_path / "timeline.png")
     assert f"left out ranks [{MAX_RANKS}, {MAX_RANKS + 1}]" in caplog.text
 
@@ -101,7 +101,7 @@ def test_write_report_skips_plots_it_cannot_draw(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reports = [dataclasses.replace(r, memory=None) for r in make_reports()]
-    with caplog.at_level(logging.WARNING, logger="shardkit.tools.report"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.tools.report.folder"):
         written = write_report(tmp_path, reports)
     assert "memory_plot" not in written
     assert "timeline_plot" in written
@@ -114,7 +114,7 @@ def test_write_report_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with caplog.at_level(logging.WARNING, logger="shardkit.tools.report"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.tools.report.folder"):
         written = write_report(tmp_path, make_reports())
     assert set(written) == {"summary", "json", "trace"}
     assert "skipping the plots" in caplog.text

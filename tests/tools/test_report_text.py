@@ -7,14 +7,13 @@ import dataclasses
 import pytest
 
 from shardkit.tools.records import CommSummary, Phase, RankReport, StepComm
-from shardkit.tools.report_text import (
-    format_bytes,
+from shardkit.tools.report.text import (
     format_seconds,
     format_table,
     module_label,
     summarize,
 )
-from tests.tools.test_report_json import MiB, make_report, make_reports
+from tests.tools.reports import MiB, make_report, make_reports
 
 
 def _line(text: str, *starts: str) -> str:
@@ -22,21 +21,6 @@ def _line(text: str, *starts: str) -> str:
     hits = [ln for ln in text.splitlines() if ln.split()[: len(starts)] == list(starts)]
     assert len(hits) == 1, f"{starts} found on {len(hits)} lines of:\n{text}"
     return " ".join(hits[0].split())
-
-
-@pytest.mark.parametrize(
-    ("n", "text"),
-    [
-        (0, "0 B"),
-        (1023, "1023 B"),
-        (1536, "1.50 KiB"),
-        (3 * MiB, "3.00 MiB"),
-        (5 * 1024 * MiB + 512 * MiB, "5.50 GiB"),
-        (3 * 1024**5, "3072.00 TiB"),
-    ],
-)
-def test_format_bytes(n: int, text: str) -> None:
-    assert format_bytes(n) == text
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from shardkit.tools.records import RankReport
-from shardkit.tools.report_trace import _assign_lanes, build_trace, write_trace
-from tests.tools.test_report_json import STEP_S, MiB, make_report, make_reports
+from shardkit.tools.report.trace import _assign_lanes, build_trace, write_trace
+from tests.tools.reports import STEP_S, MiB, make_report, make_reports
 
 Event = dict[str, Any]
 

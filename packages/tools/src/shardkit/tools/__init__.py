@@ -1,34 +1,32 @@
 """shardkit.tools: memory and communication profiling of any torch training program.
 
-Trackers (context managers; they observe torch, so they work on shardkit, torch's
-``fully_shard``, FSDP1, DDP and plain code alike):
+The tools live in three rooms, with the records they share (:mod:`shardkit.tools.records`,
+:mod:`shardkit.tools.units`) at the top:
 
-- :class:`CommTracker`: every collective with its kind, group, bytes, time, module and phase;
-  per-step totals, exposed vs overlapped communication.
-- :class:`MemoryTracker`: live tensor memory by category, its timeline, the peak and the
-  peak per module and phase.
-- :class:`Profiler`: both, sharing one view of modules and phases.
-
-Planning before launch: :func:`plan` (and the ``shardkit-plan`` command) predicts per-rank
-memory by category and the bytes of every collective of a step from a meta-device model.
-
-Reports: :func:`summarize` (terminal tables), :func:`write_report` (a folder with the summary,
-JSON, a Perfetto trace and PNG plots), and the ``shardkit-profile`` command.
+- :mod:`shardkit.tools.track`, what happened. Trackers are context managers that observe
+  torch, so they work on shardkit, torch's ``fully_shard``, FSDP1, DDP and plain code alike:
+  :class:`CommTracker` (every collective with its kind, group, bytes, time, module and phase;
+  per-step totals, exposed vs overlapped communication), :class:`MemoryTracker` (live tensor
+  memory by category, its timeline, the peak and the peak per module and phase) and
+  :class:`Profiler` (both, sharing one view of modules and phases).
+- :mod:`shardkit.tools.plan`, what will happen: :func:`plan` (and the ``shardkit-plan``
+  command) predicts per-rank memory by category and the bytes of every collective of a step
+  from a meta-device model.
+- :mod:`shardkit.tools.report`, showing it: :func:`summarize` (terminal tables),
+  :func:`write_report` (a folder with the summary, JSON, a Perfetto trace and PNG plots), and
+  the ``shardkit-profile`` command.
 """
 
 from shardkit.tools.__about__ import __version__
-from shardkit.tools.comm_tracker import CommTracker
-from shardkit.tools.memory_tracker import MemoryTracker
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.plan_records import (
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
     GroupPlan,
     MemoryPlan,
     MemoryPoint,
 )
-from shardkit.tools.planner import Plan, plan
-from shardkit.tools.profiler import Profiler
 from shardkit.tools.records import (
     Category,
     CollectiveRecord,
@@ -41,10 +39,13 @@ from shardkit.tools.records import (
     RankReport,
     StepComm,
 )
-from shardkit.tools.report import write_report
-from shardkit.tools.report_json import load_merged_report, load_rank_reports, write_rank_report
-from shardkit.tools.report_text import summarize
-from shardkit.tools.scope import ModuleScope
+from shardkit.tools.report.folder import write_report
+from shardkit.tools.report.json_io import load_merged_report, load_rank_reports, write_rank_report
+from shardkit.tools.report.text import summarize
+from shardkit.tools.track.comm import CommTracker
+from shardkit.tools.track.memory import MemoryTracker
+from shardkit.tools.track.profiler import Profiler
+from shardkit.tools.track.scope import ModuleScope
 
 __all__ = [
     "Category",

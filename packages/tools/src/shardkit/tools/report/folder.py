@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardkit.tools.records import RankReport
-from shardkit.tools.report_json import write_merged_report
-from shardkit.tools.report_text import summarize
-from shardkit.tools.report_trace import write_trace
+from shardkit.tools.report.json_io import write_merged_report
+from shardkit.tools.report.text import summarize
+from shardkit.tools.report.trace import write_trace
 
 __all__ = ["REPORT_FILES", "write_report"]
 
@@ -66,7 +66,7 @@ def _write_plots(root: Path, reports: Sequence[RankReport]) -> dict[str, Path]:
     try:
         import matplotlib  # noqa: F401  (probing only: the plots import it when drawing)
 
-        from shardkit.tools.report_plots import plot_memory, plot_timeline
+        from shardkit.tools.report.plots import plot_memory, plot_timeline
     except ImportError as err:
         logger.warning('skipping the plots: %s; pip install "shardkit-tools[plots]"', err)
         return {}

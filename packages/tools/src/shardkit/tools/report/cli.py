@@ -5,10 +5,10 @@
 The command runs unchanged, with two additions to its environment: ``SHARDKIT_PROFILE_*``
 variables saying where and what to record, and the ``_autoprofile`` folder first on
 ``PYTHONPATH``. Python imports that folder's ``sitecustomize`` at start-up in every process of
-the command; in each training process it starts a :class:`~shardkit.tools.profiler.Profiler`
+the command; in each training process it starts a :class:`~shardkit.tools.track.profiler.Profiler`
 once torch is imported and writes ``rank-<RANK>.json`` at exit (see its docstring for which
 processes it leaves alone). When the command is over, this merges the rank files and writes
-the report folder (``shardkit.tools.report.write_report``), prints the summary, and exits
+the report folder (``shardkit.tools.report.folder.write_report``), prints the summary, and exits
 with the command's own exit status.
 
 Limitations: Python started with ``-S``, ``-E`` or ``-I`` skips ``sitecustomize`` or ignores
@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.tools.report import REPORT_FILES, write_report
-from shardkit.tools.report_json import load_rank_reports
-from shardkit.tools.report_text import summarize
+from shardkit.tools.report.folder import REPORT_FILES, write_report
+from shardkit.tools.report.json_io import load_rank_reports
+from shardkit.tools.report.text import summarize
 
 __all__ = [
     "AUTOPROFILE_DIR",
@@ -118,7 +118,7 @@ def run_profiled(options: ProfileOptions) -> int:
 
 _DESCRIPTIONS = {
     "summary": "this summary",
-    "json": "every rank's records (shardkit.tools.report_json.load_merged_report)",
+    "json": "every rank's records (shardkit.tools.report.json_io.load_merged_report)",
     "trace": "open in https://ui.perfetto.dev or chrome://tracing",
     "memory_plot": "memory over time by category, per rank",
     "timeline_plot": "compute vs communication per rank, exposed waits in red",

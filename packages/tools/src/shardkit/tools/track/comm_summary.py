@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from shardkit.tools.records import CollectiveRecord, CommSummary, StepComm
-from shardkit.tools.scope import ModuleScope
+from shardkit.tools.track.scope import ModuleScope
 
 __all__ = ["busy_time", "summarize"]
 

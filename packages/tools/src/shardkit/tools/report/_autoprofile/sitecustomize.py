@@ -32,12 +32,12 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
-    from shardkit.tools.profiler import Profiler
     from shardkit.tools.records import RankReport
+    from shardkit.tools.track.profiler import Profiler
 
 __all__ = ["is_launcher", "should_profile"]
 
-# The names shardkit.tools.profile_cli sets; repeated here because importing that module would
+# The names shardkit.tools.report.cli sets; repeated here because importing that module would
 # import more than a start-up hook should (a test checks they agree).
 ENV_DIR = "SHARDKIT_PROFILE_DIR"
 ENV_MEMORY = "SHARDKIT_PROFILE_MEMORY"
@@ -157,7 +157,7 @@ class _WhenTorchImports:
 
 def _start() -> None:
     try:
-        from shardkit.tools.profiler import Profiler
+        from shardkit.tools.track.profiler import Profiler
 
         profiler = Profiler(
             comm=os.environ.get(ENV_COMM, "1") != "0",
@@ -204,7 +204,7 @@ def _size(report: RankReport) -> int:
 
 
 def _write(folder: str, report: RankReport) -> None:
-    from shardkit.tools.report_json import rank_report_path, write_rank_report
+    from shardkit.tools.report.json_io import rank_report_path, write_rank_report
 
     path = rank_report_path(folder, report.rank)
     if path.exists():

@@ -1,6 +1,6 @@
 """One steady-state training step of shardkit's engine, simulated from shapes alone.
 
-The simulation follows the engine's hooks over the forward's segments (see ``plan_trace``):
+The simulation follows the engine's hooks over the forward's segments (see ``trace``):
 forward through the group events in order, backward through them mirrored, then the optimizer.
 It issues the collectives the engine issues, in its order, and keeps a ledger of every buffer
 the engine allocates, sampling live bytes by category at each allocation (frees only lower the
@@ -17,15 +17,17 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   reduce-scatter; the root keeps its parameters through backward unless
   ``reshard_after_forward=True`` is given explicitly. Groups that get no gradient (frozen)
   stay gathered until the end-of-backward callback.
-- Buffers: sharded parameters (one aligned flat buffer per group); the cast staging copy of it
-  when ``param_dtype`` differs (kept for the run); the all-gather receive buffer from issue to
-  copy-out; the unsharded flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
+- Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
+  aligned flat buffer per group); the cast staging copy of it when ``param_dtype`` differs
+  (kept for the run); the all-gather receive buffer from issue to copy-out; the unsharded
+  flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
   with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle receive buffer
-  per size that two or more groups share, in forward only.
-- At most one reduce-scatter is in flight: the next group's reduction first finishes it
-  (all-reduce across HSDP replicas, divide, assign the sharded gradients). The finished
-  reduction's buffers are released only after the new one's are allocated (the engine's
-  loop variable holds them until then).
+  per size that two or more groups share (the core's ``pooled_sizes``), in forward only.
+- At most one reduction is in flight (the engine's ``max_reduces_in_flight = 1``): when the
+  next group's reduction starts, it first finishes the one in flight (wait, all-reduce across
+  HSDP replicas, divide, assign the output as the sharded gradients) and returns that one's
+  send buffer, and only then allocates its own buffers. The root's end-of-backward callback
+  (``finish_reductions``) finishes the last reduction the same way.
 - Gradients: autograd's unsharded gradients (gather dtype) appear when backward reaches a
   parameter's last use and are freed once the group's reduce-scatter has packed them; the
   reduce-scatter output is the sharded gradient (cast to the parameters' dtype if the reduce
@@ -33,7 +35,7 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Optimizer: AdamW's two states and a 4-byte ``step`` per trainable parameter, each state the
   size of the rank's unpadded local shard. *Approximate*: the step's scratch (two
   largest-shard temporaries per tensor on the CPU, one state's worth for foreach on GPUs).
-- Activations (*approximate*, from the meta forward and backward of ``plan_trace``): forward
+- Activations (*approximate*, from the meta forward and backward of ``trace``): forward
   adds each segment's saved bytes at the segment's end; backward follows the measured live
   saved bytes and activation gradients (category OTHER) segment by segment. Allocator
   rounding and caching are not modelled.
@@ -44,11 +46,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shardkit.tools.plan_groups import GroupSpec
-from shardkit.tools.plan_ledger import Key, Ledger, Pool
-from shardkit.tools.plan_options import PlanOptions
-from shardkit.tools.plan_records import CollectiveCall, MemoryPlan
-from shardkit.tools.plan_trace import StepTrace, gradient_schedule
+from shardkit.core.layout import pooled_sizes
+from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.ledger import Key, Ledger, Pool
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan.trace import StepTrace, gradient_schedule
 from shardkit.tools.records import Category, Phase
 
 __all__ = ["StepInputs", "StepResult", "simulate_step"]
@@ -110,7 +113,7 @@ class _Step:
         self.world = self.groups[0].world
         self.gloo = inputs.options.backend == "gloo"
         self.ledger = Ledger()
-        self.pool = Pool(self.ledger, self._pool_users())
+        self.pool = Pool(self.ledger, pooled_sizes(g.layout for g in self.groups))
         self.calls: list[CollectiveCall] = []
         count = len(self.groups)
         self.raf = [self._reshards_after_forward(i) for i in range(count)]
@@ -129,13 +132,6 @@ class _Step:
             return index != self.inputs.root  # the root keeps what backward needs first
         return value
 
-    def _pool_users(self) -> dict[int, int]:
-        users: dict[int, int] = {}
-        for g in self.groups:
-            for nbytes in {(self.world - 1) * g.comm_nbytes, self.world * g.comm_nbytes}:
-                users[nbytes] = users.get(nbytes, 0) + 1
-        return users
-
     # --- persistent state ------------------------------------------------------------------
 
     def setup(self) -> None:
@@ -146,9 +142,11 @@ class _Step:
             ledger.alloc(("buffers", 0), Category.OTHER, self.inputs.buffer_bytes, "module buffers")
         for i, g in enumerate(self.groups):
             ledger.module = g.fqn
-            ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, g.storage_nbytes, "sharded")
+            layout = g.layout
+            ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, layout.sharded_bytes, "sharded")
             if g.needs_staging:
-                ledger.alloc(("staging", i), Category.COMM_BUFFERS, g.comm_nbytes, "cast copy")
+                nbytes = layout.all_gather_input_bytes
+                ledger.alloc(("staging", i), Category.COMM_BUFFERS, nbytes, "cast copy")
             state = sum(
                 options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
                 + (4 if options.num_states == 2 else 0)  # Adam's float32 step
@@ -208,8 +206,8 @@ class _Step:
     # --- unshard / reshard -----------------------------------------------------------------
 
     def _receive_bytes(self, g: int) -> int:
-        rows = self.world - 1 if self.gloo else self.world
-        return rows * self.groups[g].comm_nbytes
+        # gloo gathers by direct exchange, where this rank's own row never needs a buffer.
+        return self.groups[g].layout.all_gather_receive_bytes(exchange=self.gloo)
 
     def _unshard(self, g: int, label: str) -> None:
         if self.unsharded[g] or self.pending[g]:
@@ -218,7 +216,7 @@ class _Step:
         if self.world == 1:
             return  # nothing to gather: the engine copies its own shard out
         group = self.groups[g]
-        nbytes = group.comm_nbytes
+        nbytes = group.layout.all_gather_input_bytes
         self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
         self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
 
@@ -232,7 +230,7 @@ class _Step:
         group = self.groups[g]
         label = f"unshard {group.fqn}"
         self.ledger.alloc(
-            ("unsharded", g), Category.UNSHARDED_PARAMS, group.unsharded_nbytes, label
+            ("unsharded", g), Category.UNSHARDED_PARAMS, group.layout.unsharded_bytes, label
         )
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
@@ -334,13 +332,14 @@ class _Step:
             # The engine drops a finished reduction's buffers before allocating the next.
             self._release(self._finish_reduce(self.reduces.popleft()))
         group = self.groups[g]
-        row = group.reduce_nbytes
+        layout = group.layout
+        row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
         label = f"reduce-scatter {group.fqn}"
         # The output becomes the sharded gradient: it counts as one from the start.
         self.ledger.alloc(("reduce_out", g), Category.GRADIENTS, row, label)
         if self.world > 1:
-            self.pool.get(self.world * row, ("reduce_send", g), label)
-            self._record("reduce_scatter", g, self.world, self.world * row, (self.world - 1) * row)
+            self.pool.get(send, ("reduce_send", g), label)
+            self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
             if self.gloo and self.world > 2:
                 self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
         self.reduces.append(g)
@@ -348,7 +347,7 @@ class _Step:
     def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
         """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
         group = self.groups[g]
-        row = group.reduce_nbytes
+        row = group.layout.reduce_scatter_output_bytes
         held: list[tuple[Key, int]] = []
         if self.world > 1:
             if self.gloo and self.world > 2:
@@ -356,11 +355,11 @@ class _Step:
                 self.ledger.alloc(("reduce_sum", g), Category.COMM_BUFFERS, row, "row sum")
                 self.ledger.free(("reduce_sum", g))
                 held.append((("reduce_scatter_rows", g), (self.world - 1) * row))
-            held.append((("reduce_send", g), self.world * row))
+            held.append((("reduce_send", g), group.layout.reduce_scatter_input_bytes))
         if self.inputs.replicas > 1:
             replicas = self.inputs.replicas
             self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
-        if group.reduce_dtype == group.grad_dtype:
+        if group.layout.reduce_dtype == group.grad_dtype:
             self.ledger.move(("reduce_out", g), ("sharded_grad", g))
         else:
             label = f"sharded gradients {group.fqn}"

@@ -1,8 +1,12 @@
-"""The planner's bookkeeping of live buffers, and a replica of the engine's buffer pool."""
+"""The planner's bookkeeping of live buffers, and the engine's buffer pool replayed on sizes.
+
+Which sizes the pool keeps is the core's rule (``shardkit.core.layout.pooled_sizes``); when
+buffers come and go is the planner's step model (``step``).
+"""
 
 from __future__ import annotations
 
-from shardkit.tools.plan_records import MemoryPoint
+from shardkit.tools.plan.records import MemoryPoint
 from shardkit.tools.records import Category, Phase
 
 __all__ = ["Key", "Ledger", "Pool"]
@@ -57,12 +61,12 @@ class Ledger:
 
 
 class Pool:
-    """shardkit.core's BufferPool: one idle buffer per size used by two or more groups."""
+    """shardkit.core's BufferPool on sizes: at most one idle buffer per size it keeps."""
 
-    def __init__(self, ledger: Ledger, users: dict[int, int]) -> None:
-        """``users``: how many groups request buffers of each size."""
+    def __init__(self, ledger: Ledger, kept: frozenset[int]) -> None:
+        """``kept``: the sizes it keeps buffers of (``shardkit.core.layout.pooled_sizes``)."""
         self.ledger = ledger
-        self.users = users
+        self.kept = kept
         self.idle: set[int] = set()
         self.retain = True
         """Off from the end of forward to the next forward, as in the engine."""
@@ -76,8 +80,8 @@ class Pool:
             self.ledger.alloc(key, Category.COMM_BUFFERS, nbytes, label)
 
     def put(self, nbytes: int, key: Key) -> None:
-        """Take ``key`` back: keep it idle if its size has several users, else free it."""
-        if not self.retain or self.users.get(nbytes, 0) < 2 or nbytes in self.idle:
+        """Take ``key`` back: keep it idle if the pool keeps its size and has none, else free it."""
+        if not self.retain or nbytes not in self.kept or nbytes in self.idle:
             self.ledger.free(key)
         else:
             self.idle.add(nbytes)

@@ -17,7 +17,7 @@ allocated) with the parameters replaced by meta tensors of the gather dtype, and
 - for each parameter, the segments where it is first and last used: its gradient appears
   when backward reaches the last use and is complete at the first;
 - then the loss (``PlanOptions.loss``, or a unit loss on the outputs) and backward, also on
-  the meta device, for the memory of each segment's backward (see ``plan_backward``).
+  the meta device, for the memory of each segment's backward (see ``backward``).
 
 Without inputs, :func:`assumed_trace` orders events as the module tree is registered and saves
 nothing.
@@ -39,15 +39,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.tools.plan_backward import (
+from shardkit.tools.plan.backward import (
     BackwardSegment,
     FusedAttention,
     SegmentCursor,
     backward_profile,
     unit_loss,
 )
-from shardkit.tools.plan_groups import GroupSpec
-from shardkit.tools.plan_options import PlanOptions
+from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.options import PlanOptions
 
 __all__ = [
     "GradientSchedule",

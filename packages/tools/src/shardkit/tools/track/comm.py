@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.tools import comm_summary
-from shardkit.tools.c10d_ops import OPERATORS, OpInfo, describe
 from shardkit.tools.records import CollectiveRecord, CommSummary, Phase, RankReport
-from shardkit.tools.scope import ModuleScope
-from shardkit.tools.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
+from shardkit.tools.track import comm_summary
+from shardkit.tools.track.c10d_ops import OPERATORS, OpInfo, describe
+from shardkit.tools.track.scope import ModuleScope
+from shardkit.tools.track.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
 
 __all__ = ["CommTracker", "rank_and_world"]
 
@@ -100,7 +100,7 @@ class CommTracker(Tracker):
 
     Args:
         theoretical_min_bytes: the bytes a rank must send per training step for this model and
-            sharding (``shardkit.tools.theory`` or the planner give it); reports then show how
+            sharding (``shardkit.tools.plan.theory`` or the planner give it); reports then show how
             far each step is from it.
         scope: a started :class:`ModuleScope` to share with other trackers; by default the
             tracker makes and runs its own.

@@ -21,8 +21,9 @@ from shardkit.tools.records import (
     RankReport,
     StepComm,
 )
+from shardkit.tools.units import format_bytes
 
-__all__ = ["format_bytes", "format_seconds", "format_table", "module_label", "summarize"]
+__all__ = ["format_seconds", "format_table", "module_label", "summarize"]
 
 MAX_STEP_ROWS = 12
 """Ranks with more steps show the first and last few, so long runs stay one screen."""
@@ -30,18 +31,6 @@ MAX_GROUP_ROWS = 15
 """Collective groups shown, the most expensive first."""
 MAX_MODULE_ROWS = 10
 """Modules shown in the memory ranking."""
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units, three significant digits or so: ``1536`` → ``'1.50 KiB'``."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "TiB":
-            break
-    return f"{value:.2f} {unit}"
 
 
 def format_seconds(s: float) -> str:

@@ -30,16 +30,16 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.tools.memory_replay import Replay
 from shardkit.tools.records import Category, MemoryReport, MemorySample, Phase
-from shardkit.tools.scope import ModuleScope, ScopeChange
-from shardkit.tools.storage_ledger import (
+from shardkit.tools.track.memory_replay import Replay
+from shardkit.tools.track.scope import ModuleScope, ScopeChange
+from shardkit.tools.track.storage_ledger import (
     StorageLedger,
     Where,
     has_own_storage,
     keeps_own_storage,
 )
-from shardkit.tools.tracking import LightDispatchMode, MethodWrap, Tracker
+from shardkit.tools.track.tracking import LightDispatchMode, MethodWrap, Tracker
 
 __all__ = ["MemoryTracker"]
 
@@ -181,7 +181,7 @@ class MemoryTracker(Tracker):
         )
         allocator: dict[str, int] = {}
         if self.device == "cuda":
-            from shardkit.tools import cuda_allocator
+            from shardkit.tools.track import cuda_allocator
 
             allocator = cuda_allocator.figures()
         return MemoryReport(

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.tools.records import Category, CollectiveRecord, PhaseSpan, RankReport, aligned
-from shardkit.tools.report_text import module_label
+from shardkit.tools.report.text import module_label
+from shardkit.tools.units import MIB
 
 __all__ = ["build_trace", "write_trace"]
 
@@ -220,11 +221,10 @@ def _memory_counters(report: RankReport) -> list[dict[str, Any]]:
         return []
     timeline = report.memory.timeline
     present = [c for c in Category if any(s.by_category.get(c, 0) for s in timeline)]
-    mib = 1024.0 * 1024.0
     events: list[dict[str, Any]] = []
     for sample in timeline:
         ts = _us(sample.t_s)
-        by_category = {c.value: round(sample.by_category.get(c, 0) / mib, 3) for c in present}
+        by_category = {c.value: round(sample.by_category.get(c, 0) / MIB, 3) for c in present}
         # Every sample names every category, so a stacked counter view never carries a stale
         # value over from an earlier sample.
         events.append(
@@ -237,7 +237,7 @@ def _memory_counters(report: RankReport) -> list[dict[str, Any]]:
                 "args": by_category,
             }
         )
-        total = {"total": round(sample.total / mib, 3)}
+        total = {"total": round(sample.total / MIB, 3)}
         events.append(
             {
                 "ph": "C",

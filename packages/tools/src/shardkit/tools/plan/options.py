@@ -14,6 +14,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
+
 __all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy"]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
@@ -62,7 +64,7 @@ class PlanOptions:
     ``device="meta"``); its saved tensors and backward count too. None: a loss whose gradient
     is a ones tensor per output (the logits' gradient, but none of a real loss's own memory,
     such as cross-entropy's float32 log-softmax). Only used with ``inputs``."""
-    bandwidth_gbps: float = 100.0
+    bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
     """Per-rank bandwidth in GB/s (1e9 bytes per second) for the communication time."""
     backend: Literal["nccl", "gloo"] = "nccl"
     """Process-group backend: sizes of the engine's receive buffers differ (NCCL gathers into

@@ -1,19 +1,20 @@
 """The planner: per-rank memory and communication of a sharded training step, before running it.
 
 ``plan(model, world_size=64)`` takes a model built on the meta device (or a factory for one),
-decides the FSDP groups as a per-block ``fully_shard`` would, reproduces shardkit.core's buffer
-sizes from the parameter shapes, and simulates one steady-state training step of the engine:
+decides the FSDP groups as a per-block ``fully_shard`` would, asks shardkit.core's layout view
+(``shardkit.core.layout.group_layout``) for every buffer size from the parameter shapes, and
+simulates one steady-state training step of the engine:
 
 - the collectives it issues (kind, group, bytes per call, calls per step) and the bytes a rank
   sends per step, exactly as the engine reports them in ``shardkit.core.CollectiveEvent``;
 - the communication time at a given bandwidth (bytes / bandwidth, nothing overlapped);
 - per-rank memory by category over the step: its peak, the breakdown at the peak and each
-  category's maximum (see ``plan_step`` for what is modelled and what is approximate);
+  category's maximum (see ``step`` for what is modelled and what is approximate);
 - the theoretical minimum of both (``theory``), for comparison.
 
 Nothing is allocated: parameters stay on the meta device, and activations, when example
 inputs are given, come from a forward, the loss and backward run on the meta device
-(``plan_trace``).
+(``trace``).
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.tools import theory
-from shardkit.tools.plan_groups import GroupSpec, build_groups
-from shardkit.tools.plan_options import ModelSource, PlanOptions
-from shardkit.tools.plan_records import (
+from shardkit.tools.plan import theory
+from shardkit.tools.plan.groups import GroupSpec, build_groups
+from shardkit.tools.plan.options import ModelSource, PlanOptions
+from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
     GroupPlan,
     MemoryPlan,
     MemoryPoint,
 )
-from shardkit.tools.plan_step import StepInputs, simulate_step
-from shardkit.tools.plan_trace import assumed_trace, trace_step
+from shardkit.tools.plan.step import StepInputs, simulate_step
+from shardkit.tools.plan.trace import assumed_trace, trace_step
 
 __all__ = ["Plan", "plan"]
 
@@ -140,7 +141,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     options = options if options is not None else PlanOptions()
     module = _resolve(model)
     replicas, shard = _mesh(world_size, options)
-    groups = build_groups(module, options, shard)
+    groups = build_groups(module, options, shard, replicas)
     if not groups:
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
     if options.inputs is not None:
@@ -229,10 +230,10 @@ def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
         fqn=group.fqn,
         param_count=group.param_count,
         trainable_count=sum(p.numel for p in group.trainable),
-        sharded_bytes=group.storage_nbytes,
-        unsharded_bytes=group.unsharded_nbytes,
-        gather_input_bytes=group.comm_nbytes,
-        reduce_output_bytes=group.reduce_nbytes,
+        sharded_bytes=group.layout.sharded_bytes,
+        unsharded_bytes=group.layout.unsharded_bytes,
+        gather_input_bytes=group.layout.all_gather_input_bytes,
+        reduce_output_bytes=group.layout.reduce_scatter_output_bytes,
         reshard_after_forward=reshard_after_forward,
     )
 
@@ -258,7 +259,7 @@ def _theory_bytes(groups: list[GroupSpec], reshards: tuple[bool, ...], replicas:
         world = group.world
         # Counted in bytes (bytes_per_element=1) so that groups mixing dtypes stay exact.
         gathered = sum(p.numel * p.comm_dtype.itemsize for p in group.params)
-        reduced = sum(p.numel for p in group.trainable) * group.reduce_dtype.itemsize
+        reduced = sum(p.numel for p in group.trainable) * group.layout.reduce_dtype.itemsize
         total += (2 if reshard else 1) * theory.all_gather_bytes(gathered, world, 1)
         if reduced:
             total += theory.reduce_scatter_bytes(reduced, world, 1)
@@ -275,7 +276,7 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
             trained = p.requires_grad
             total += theory.zero_memory_per_rank(
                 p.numel,
-                p.world,
+                p.shard_world,
                 stage=3,
                 param_bytes=size,
                 grad_bytes=size if trained else 0,

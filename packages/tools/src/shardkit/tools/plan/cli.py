@@ -6,7 +6,7 @@
 FACTORY is ``module:function``: a function returning the model built on the meta device
 (``with torch.device("meta"): ...``). The current directory is importable, as with
 ``python -m``. Prints tables (groups, collectives, memory by category) or, with ``--json``,
-:meth:`shardkit.tools.planner.Plan.to_dict`. Exit status: 0 planned, 1 the model could not be
+:meth:`shardkit.tools.plan.planner.Plan.to_dict`. Exit status: 0 planned, 1 the model could not be
 planned, 2 bad arguments (including a factory that cannot be imported).
 """
 
@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.tools.plan_options import OPTIMIZER_STATES, PlanOptions
-from shardkit.tools.plan_records import CollectivePlan, GroupPlan
-from shardkit.tools.planner import Plan, plan
+from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.records import CollectivePlan, GroupPlan
 from shardkit.tools.records import Category
+from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS, format_bytes
 
 __all__ = ["format_plan", "load_factory", "main"]
 
@@ -120,7 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--inputs", metavar="FACTORY", help="module:function returning inputs")
     parser.add_argument("--loss", metavar="FACTORY", help="module:function mapping output to loss")
     parser.add_argument("--wrap", help="comma-separated class names to shard one by one")
-    parser.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank")
+    parser.add_argument(
+        "--bandwidth-gbps", type=float, default=DEFAULT_BANDWIDTH_GBPS, help="GB/s per rank"
+    )
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
@@ -166,15 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # --- tables ---------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in binary units (B, KiB, MiB, GiB, TiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def _count(n: int) -> str:
@@ -231,9 +225,9 @@ def _group_table(groups: tuple[GroupPlan, ...], all_groups: bool) -> list[str]:
         g = groups[i]
         times = f" (x{count})" if count > 1 else ""
         lines.append(
-            f"{label + times:<28} {_count(g.param_count):>9} {human_bytes(g.sharded_bytes):>11} "
-            f"{human_bytes(g.unsharded_bytes):>11} {human_bytes(g.gather_input_bytes):>11} "
-            f"{human_bytes(g.reduce_output_bytes):>11}  {_yes(g.reshard_after_forward)}"
+            f"{label + times:<28} {_count(g.param_count):>9} {format_bytes(g.sharded_bytes):>11} "
+            f"{format_bytes(g.unsharded_bytes):>11} {format_bytes(g.gather_input_bytes):>11} "
+            f"{format_bytes(g.reduce_output_bytes):>11}  {_yes(g.reshard_after_forward)}"
         )
     return lines
 
@@ -255,17 +249,17 @@ def _comm_table(collectives: tuple[CollectivePlan, ...], all_groups: bool) -> li
         c = ordered[i]
         times = f" (x{count})" if count > 1 else ""
         lines.append(
-            f"{c.kind:<15} {label + times:<28} {c.group_size:>5} {human_bytes(c.sent_bytes):>11} "
-            f"{c.calls:>5} {human_bytes(c.sent_bytes_per_step * count):>11}"
+            f"{c.kind:<15} {label + times:<28} {c.group_size:>5} {format_bytes(c.sent_bytes):>11} "
+            f"{c.calls:>5} {format_bytes(c.sent_bytes_per_step * count):>11}"
         )
     return lines
 
 
 def _comm_totals(result: Plan) -> list[str]:
     ratio = result.sent_over_theory
-    versus = f" (theory {human_bytes(result.theory_sent_bytes)}, x{ratio:.4f})" if ratio else ""
+    versus = f" (theory {format_bytes(result.theory_sent_bytes)}, x{ratio:.4f})" if ratio else ""
     return [
-        f"sent per rank per step: {human_bytes(result.sent_bytes_per_step)}{versus}",
+        f"sent per rank per step: {format_bytes(result.sent_bytes_per_step)}{versus}",
         f"communication time at {result.options.bandwidth_gbps:g} GB/s: "
         f"{result.comm_seconds * 1e3:.1f} ms (not overlapped)",
     ]
@@ -281,15 +275,15 @@ def _memory_table(result: Plan) -> list[str]:
     ]
     for category in Category:
         lines.append(
-            f"{category.value:<18} {human_bytes(peak.by_category[category]):>11} "
-            f"{human_bytes(memory.category_max[category]):>11}"
+            f"{category.value:<18} {format_bytes(peak.by_category[category]):>11} "
+            f"{format_bytes(memory.category_max[category]):>11}"
         )
-    lines.append(f"{'total':<18} {human_bytes(peak.total):>11}")
+    lines.append(f"{'total':<18} {format_bytes(peak.total):>11}")
     if not result.activations_traced:
         lines.append("activations not counted: pass --inputs to trace a forward on meta")
     lines.append(
         "theory, sharded params + grads + optimizer state: "
-        f"{human_bytes(result.theory_memory_bytes)}"
+        f"{format_bytes(result.theory_memory_bytes)}"
     )
     return lines
 

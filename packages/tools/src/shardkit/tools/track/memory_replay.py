@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Sequence
 
 from shardkit.tools.records import Category, MemorySample, ModulePeak, Phase
-from shardkit.tools.storage_ledger import Entry, Event, StorageLedger
+from shardkit.tools.track.storage_ledger import Entry, Event, StorageLedger
 
 __all__ = ["Replay"]
 

@@ -33,9 +33,9 @@ __all__ = [
 
 def _check(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"shardkit.tools.theory: {name} must be an int, got {value!r}")
+        raise TypeError(f"shardkit.tools.plan.theory: {name} must be an int, got {value!r}")
     if value < minimum:
-        raise ValueError(f"shardkit.tools.theory: {name} must be >= {minimum}, got {value}")
+        raise ValueError(f"shardkit.tools.plan.theory: {name} must be >= {minimum}, got {value}")
 
 
 def all_gather_bytes(num_params: int, world_size: int, bytes_per_element: int) -> int:
@@ -129,7 +129,7 @@ def zero_memory_per_rank(
     _check("num_params", num_params, 0)
     _check("world_size", world_size, 1)
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"shardkit.tools.theory: stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise ValueError(f"shardkit.tools.plan.theory: stage must be 0, 1, 2 or 3, got {stage!r}")
     replicated = (param_bytes, grad_bytes, optimizer_bytes)
     # Stage s shards the last s of (optimizer, gradients, parameters), counting from optimizer.
     full = sum(b for i, b in enumerate(reversed(replicated)) if i >= stage)
@@ -145,6 +145,6 @@ def comm_seconds(num_bytes: int, bandwidth_gbps: float) -> float:
     """
     if not bandwidth_gbps > 0:
         raise ValueError(
-            f"shardkit.tools.theory: bandwidth_gbps must be positive, got {bandwidth_gbps}"
+            f"shardkit.tools.plan.theory: bandwidth_gbps must be positive, got {bandwidth_gbps}"
         )
     return num_bytes / (bandwidth_gbps * 1e9)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardkit.tools.records import Category, MemoryReport, Phase, RankReport
-from shardkit.tools.report_text import format_bytes, module_label
+from shardkit.tools.report.text import module_label
+from shardkit.tools.units import BYTE_UNITS, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,7 +32,6 @@ MAX_RANKS = 16
 TIMELINE_STEPS = 3
 """Steps the timeline shows by default: the last ones, past any warm-up."""
 
-_UNITS = (("B", 1.0), ("KiB", 1024.0), ("MiB", 1024.0**2), ("GiB", 1024.0**3), ("TiB", 1024.0**4))
 _CATEGORY_COLORS = {
     Category.SHARDED_PARAMS: "#1f77b4",
     Category.UNSHARDED_PARAMS: "#aec7e8",
@@ -92,7 +92,7 @@ def plot_memory(reports: Sequence[RankReport], path: str | os.PathLike[str]) -> 
     shown = _shown(with_memory, "memory plot")
     highest = max(s.total for r in shown if r.memory for s in [*r.memory.timeline, r.memory.peak])
     # One unit for every rank, the largest that keeps the peak at 1 or more.
-    unit = [u for u in _UNITS if u[1] <= max(highest, 1)][-1]
+    unit = [u for u in BYTE_UNITS if u[1] <= max(highest, 1)][-1]
     fig = _new_figure(10.0, 1.2 + 2.4 * len(shown))
     axes = fig.subplots(len(shown), 1, sharex=True, squeeze=False)[:, 0]
     for ax, report in zip(axes, shown, strict=True):

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from shardkit.tools.comm_tracker import CommTracker, rank_and_world
-from shardkit.tools.memory_tracker import MemoryTracker
 from shardkit.tools.records import RankReport
-from shardkit.tools.scope import ModuleScope
-from shardkit.tools.tracking import Tracker
+from shardkit.tools.track.comm import CommTracker, rank_and_world
+from shardkit.tools.track.memory import MemoryTracker
+from shardkit.tools.track.scope import ModuleScope
+from shardkit.tools.track.tracking import Tracker
 
 __all__ = ["Profiler"]
 

@@ -1,0 +1,30 @@
+"""What will happen: the planner, which predicts a sharded training step before it runs.
+
+:func:`plan` builds the model on the meta device, decides the FSDP groups as a per-block
+``fully_shard`` would, takes every buffer size from the core's layout view (the arithmetic
+the engine builds its buffers with) and replays the engine's step to predict per-rank memory
+by category and the bytes of every collective. ``theory`` holds the closed-form minima it
+compares with, ``gpt`` and ``examples`` the models that the ``shardkit-plan`` command
+(``cli``) accepts.
+"""
+
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.records import (
+    CollectiveCall,
+    CollectivePlan,
+    GroupPlan,
+    MemoryPlan,
+    MemoryPoint,
+)
+
+__all__ = [
+    "CollectiveCall",
+    "CollectivePlan",
+    "GroupPlan",
+    "MemoryPlan",
+    "MemoryPoint",
+    "Plan",
+    "PlanOptions",
+    "plan",
+]

@@ -1,0 +1,194 @@
+"""The planner's FSDP groups: which modules are sharded, and the layout of each.
+
+The sizes come from shardkit.core's layout view (:func:`shardkit.core.layout.group_layout`),
+the same arithmetic the engine builds its buffers from, fed with parameter shapes alone (no
+process group, no allocation); so a plan's bytes equal what the engine reports. What the
+planner adds is which modules become groups, and the few facts about a group's buffers that
+the step needs beyond their sizes (the cast copy, the sharded gradients' dtype).
+
+See docs/notes/001-flat-group-buffers.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardkit.core.layout import GroupLayout, ParamLayout, ParamSpec, group_layout
+from shardkit.tools.plan.options import PlanOptions, WrapPolicy
+
+__all__ = ["GroupSpec", "build_groups", "select_group_modules"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupSpec:
+    """One ``fully_shard`` call: its module and the core's layout of its parameters."""
+
+    fqn: str
+    """The module's FQN, '<root>' for the root (as the engine names groups)."""
+    module: nn.Module
+    """The sharded module."""
+    layout: GroupLayout
+    """Every size and offset of its buffers, as the engine computes them."""
+
+    @property
+    def params(self) -> tuple[ParamLayout, ...]:
+        """Its parameters, in the engine's order (module tree pre-order)."""
+        return self.layout.params
+
+    @property
+    def world(self) -> int:
+        """Shard count."""
+        return self.layout.shard_world
+
+    @property
+    def trainable(self) -> tuple[ParamLayout, ...]:
+        """Parameters that get gradients."""
+        return self.layout.trainable
+
+    @property
+    def param_count(self) -> int:
+        """Elements of all parameters, unsharded and unpadded."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def needs_staging(self) -> bool:
+        """Whether the gather input is a separate cast copy of the sharded buffer."""
+        return any(p.comm_dtype != p.dtype for p in self.params)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The sharded gradients' dtype: the first trainable parameter's own."""
+        trainable = self.trainable
+        return trainable[0].dtype if trainable else torch.float32
+
+    @property
+    def sharded_grad_nbytes(self) -> int:
+        """The sharded gradients: the reduce output, in the parameters' own dtype."""
+        return self.layout.reduce_scatter_output_numel * self.grad_dtype.itemsize
+
+
+def select_group_modules(model: nn.Module, wrap: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
+    """The (FQN, module) pairs that get a ``fully_shard`` call, root last.
+
+    Raises:
+        ValueError: a selected module has no forward of its own (a container), which
+            ``fully_shard`` refuses.
+    """
+    chosen: list[tuple[str, nn.Module]] = []
+    if wrap is None:
+        chosen = _module_list_elements(model)
+    else:
+        for name, module in model.named_modules():
+            if module is model:
+                continue
+            hit = wrap(name, module) if callable(wrap) else type(module).__name__ in wrap
+            if hit:
+                chosen.append((name, module))
+    for name, module in chosen:
+        if type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"shardkit.tools.plan: module {name} ({type(module).__name__}) has no forward "
+                "(a container), which fully_shard refuses; select the modules inside it"
+            )
+    return [*chosen, ("", model)]
+
+
+def _module_list_elements(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Elements of ``nn.ModuleList``s, outermost only (a block's own lists stay inside it)."""
+    found: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        for child_name, child in reversed(list(module.named_children())):
+            fqn = f"{name}.{child_name}" if name else child_name
+            if isinstance(module, nn.ModuleList):
+                found.append((fqn, child))  # an element: sharded whole, not entered
+            else:
+                stack.append((fqn, child))
+    # The stack visits children in registration order; keep that order (forward order).
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(found, key=lambda item: order[id(item[1])])
+
+
+def build_groups(
+    model: nn.Module, options: PlanOptions, shard_size: int, replicas: int = 1
+) -> list[GroupSpec]:
+    """One GroupSpec per selected module that manages parameters, root last.
+
+    A module's group holds the parameters in its tree that no selected submodule holds, as
+    when ``fully_shard`` is applied bottom-up.
+
+    Raises:
+        ValueError: a parameter is shared by two groups, or is 0-dim; the trainable
+            parameters of a group have different gather dtypes and no ``reduce_dtype`` is
+            set (the engine refuses all three).
+    """
+    selected = select_group_modules(model, options.wrap)
+    is_group = {id(m) for _, m in selected}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    owner: dict[int, str] = {}
+    groups: list[GroupSpec] = []
+    for name, module in selected:
+        fqn = name or "<root>"
+        specs: list[ParamSpec] = []
+        for param in _own_params(module, is_group):
+            pname = names.get(id(param), "?")
+            if id(param) in owner:
+                raise ValueError(
+                    f"shardkit.tools.plan: parameter {pname} is shared by the groups "
+                    f"{owner[id(param)]} and {fqn}; fully_shard needs it in one group"
+                )
+            owner[id(param)] = fqn
+            specs.append(_param_spec(pname, param))
+        if specs:
+            layout = _layout(fqn, specs, options, shard_size, replicas)
+            groups.append(GroupSpec(fqn=fqn, module=module, layout=layout))
+    return groups
+
+
+def _own_params(module: nn.Module, is_group: set[int]) -> list[nn.Parameter]:
+    """Parameters under ``module`` not under another group module, each once, pre-order."""
+    seen: set[int] = set()
+    found: list[nn.Parameter] = []
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        for param in current._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                found.append(param)
+        stack.extend(c for c in reversed(list(current.children())) if id(c) not in is_group)
+    return found
+
+
+def _param_spec(name: str, param: nn.Parameter) -> ParamSpec:
+    if param.dim() == 0:
+        raise ValueError(
+            f"shardkit.tools.plan: parameter {name} is 0-dim, which fully_shard cannot shard"
+        )
+    if not param.is_meta:
+        raise ValueError(
+            f"shardkit.tools.plan: parameter {name} is on {param.device}; build the model "
+            "under torch.device('meta') so that planning allocates nothing"
+        )
+    return ParamSpec(
+        fqn=name, shape=tuple(param.shape), dtype=param.dtype, requires_grad=param.requires_grad
+    )
+
+
+def _layout(
+    fqn: str, specs: list[ParamSpec], options: PlanOptions, shard_size: int, replicas: int
+) -> GroupLayout:
+    try:
+        return group_layout(
+            specs,
+            shard_world=shard_size,
+            replicate_world=replicas,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+        )
+    except ValueError as err:  # the engine's refusal, said of the group it concerns
+        raise ValueError(f"shardkit.tools.plan: group {fqn}: {err}") from err
