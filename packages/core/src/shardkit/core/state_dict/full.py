@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
@@ -31,6 +32,8 @@ __all__ = [
     "FullStateDictPlan",
     "coordinator_rank",
     "iter_full_state_dict",
+    "iter_pieces",
+    "iter_planned",
     "plan_full_state_dict",
     "sharded_groups",
 ]
@@ -119,22 +122,32 @@ def iter_planned(
     plan: FullStateDictPlan, *, rank0_only: bool, cpu_offload: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`iter_full_state_dict` for a plan already made (the file writer needs it first)."""
+    for key, pieces in iter_pieces(plan, rank0_only=rank0_only, cpu_offload=cpu_offload):
+        shape = plan.expected[key].shape
+        yield key, pieces[0].view(shape) if len(pieces) == 1 else torch.cat(pieces).view(shape)
+
+
+def iter_pieces(
+    plan: FullStateDictPlan, *, rank0_only: bool, cpu_offload: bool
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """The generator under :func:`iter_full_state_dict`: each full tensor as flat pieces.
+
+    The pieces, joined in order, are the tensor's data. A parameter sharded on dim 0 comes as
+    each rank's unpadded shard, straight from the gathered rows: a consumer that streams them
+    (the file writer) never copies the tensor whole.
+    """
     for group in plan.groups:
         rows = _gather_rows(group, to_all=not rank0_only, cpu=cpu_offload)
         if rows is None:
             continue  # this rank only sent
-        built: dict[int, torch.Tensor] = {}  # a tied parameter has several keys
         for key in plan.keys_of(group):
-            index = plan.sharded[key][1]
-            if index not in built:
-                built[index] = _full_param(group, index, rows)
-            yield key, built[index]
-        del rows, built
+            yield key, _param_pieces(group, plan.sharded[key][1], rows)
+        del rows
     if rank0_only and global_rank() != plan.coordinator:
         return
     for key, tensor in plan.plain.items():
         value = tensor.detach()
-        yield key, value.cpu() if cpu_offload else value
+        yield key, [value.cpu() if cpu_offload else value]
 
 
 def _gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch.Tensor] | None:
@@ -156,17 +169,21 @@ def _gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torc
     return [row.cpu() for row in rows] if cpu else rows
 
 
-def _full_param(group: FSDPParamGroup, index: int, rows: list[torch.Tensor]) -> torch.Tensor:
-    """Parameter ``index`` of ``group`` as one full tensor, rebuilt from the gathered rows."""
+def _param_pieces(
+    group: FSDPParamGroup, index: int, rows: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Parameter ``index`` of ``group`` as pieces of its flat data, from the gathered rows."""
     p = group.params[index]
     geo = p.geometry
     shards = [group.storage_layout.view(row, index) for row in rows]
     if geo.dim == 0:
-        # A dim-0 shard is a run of whole rows of the full tensor: join the unpadded ones.
+        # A dim-0 shard is a run of whole rows of the full tensor: the unpadded ones, in order.
         pieces = [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]
-        dp_full = torch.cat(pieces).view(geo.shape)
     else:
         padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype, device=rows[0].device)
         copy_out_unsharded(shards, geo, padded)
-        dp_full = padded[: geo.shape.numel()].view(geo.shape)
-    return p.extension.gather_full(dp_full, p.sharding_spec)
+        pieces = [padded[: geo.shape.numel()]]
+    if isinstance(p.extension, DataParallelSharding):
+        return pieces  # the dp-gathered tensor is the full tensor
+    dp_full = pieces[0].view(geo.shape) if len(pieces) == 1 else torch.cat(pieces).view(geo.shape)
+    return [p.extension.gather_full(dp_full, p.sharding_spec).reshape(-1)]

@@ -38,7 +38,7 @@ from shardkit.core.state_dict.file_formats import (
 )
 from shardkit.core.state_dict.full import (
     FullStateDictPlan,
-    iter_planned,
+    iter_pieces,
     plan_full_state_dict,
     sharded_groups,
 )
@@ -82,9 +82,9 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
         target.parent.mkdir(parents=True, exist_ok=True)
         writer = open_writer(partial, _entries(plan), format_of(target), list(plan.expected))
     started = time.perf_counter()
-    for key, tensor in iter_planned(plan, rank0_only=True, cpu_offload=True):
+    for key, pieces in iter_pieces(plan, rank0_only=True, cpu_offload=True):
         assert writer is not None, "only the coordinator receives full tensors"
-        writer.write(key, tensor)
+        writer.write_chunks(key, pieces)
     if writer is not None:
         writer.close()
         partial.replace(target)
