@@ -34,6 +34,7 @@ EXPECTED = {
         "register_extension",
         "register_fsdp_forward_method",
         "save_full_state_dict",
+        "share_comm_ctx",
         "subscribe",
     ],
     "shardkit.core.extensions": [

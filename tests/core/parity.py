@@ -89,6 +89,26 @@ def _policy_for(impl: str, policy: Any) -> Any:
     return cls(**fields)
 
 
+def rank_batch(
+    model: str, step: int, rank: int, world_size: int, impl: str, per_rank: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch, or this rank's slice of it for a distributed ``impl``."""
+    x, y = models.batch(model, step, world_size * per_rank)
+    if impl == "local":
+        return x, y
+    return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+
+def global_loss(loss: torch.Tensor, impl: str, world_size: int) -> float:
+    """The mean of every rank's loss (the loss itself for the single process)."""
+    loss = loss.detach()
+    if impl != "local":
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= world_size
+    return loss.item()
+
+
 def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
     """Train one implementation and return its trace."""
     model = models.build(run.model)
@@ -107,16 +127,11 @@ def train(impl: str, run: Run, rank: int, world_size: int) -> Trace:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
     losses: list[float] = []
     for step in range(run.steps):
-        x, y = models.batch(run.model, step, world_size * run.per_rank_batch)
-        if distributed:
-            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        x, y = rank_batch(run.model, step, rank, world_size, impl, run.per_rank_batch)
         loss = _step(model, run, x, y)
         opt.step()
         opt.zero_grad()
-        if distributed:
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(global_loss(loss, impl, world_size))
         if run.eval_each_step:
             losses.append(_eval_loss(model, run, rank, world_size, distributed))
     return {"losses": losses, "params": full_params(model)}

@@ -6,11 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.core import models
-from tests.core.parity import Run, apply, full_params
+from tests.core.parity import Run, apply, full_params, global_loss, rank_batch
 
 
 def _train(impl: str, rank: int, world_size: int, dtype: torch.dtype, warm: bool) -> dict[str, Any]:
@@ -25,19 +24,13 @@ def _train(impl: str, rank: int, world_size: int, dtype: torch.dtype, warm: bool
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for step in range(3):
-        x, y = models.batch("mlp", step, 2 * world_size)
-        if impl != "local":
-            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        x, y = rank_batch("mlp", step, rank, world_size, impl)
         out = model(x.to(dtype))
         loss = torch.nn.functional.mse_loss(out, y.to(dtype))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if impl != "local":
-            loss = loss.detach()
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(global_loss(loss, impl, world_size))
     dtypes = {str(p.dtype) for p in model.parameters()}
     local_dtypes = {
         str(p.to_local().dtype) if hasattr(p, "to_local") else str(p.dtype)

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from harness.pool import run_on_ranks
 from tests.core import models
-from tests.core.parity import Run, apply, full_params
+from tests.core.parity import Run, apply, full_params, global_loss, rank_batch
 
 
 def _train(impl: str, rank: int, world_size: int) -> dict[str, Any]:
@@ -34,16 +33,10 @@ def _train(impl: str, rank: int, world_size: int) -> dict[str, Any]:
         p.register_post_accumulate_grad_hook(step)
     losses = []
     for s in range(3):
-        x, y = models.batch("mlp", s, 2 * world_size)
-        if impl != "local":
-            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        x, y = rank_batch("mlp", s, rank, world_size, impl)
         loss = models.loss_of("mlp", model(x), y)
         loss.backward()
-        if impl != "local":
-            loss = loss.detach()
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(global_loss(loss, impl, world_size))
     grads_left = [p.grad is not None for p in model.parameters()]
     return {"losses": losses, "params": full_params(model), "hooks": seen, "left": grads_left}
 

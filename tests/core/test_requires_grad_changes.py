@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.core import models
-from tests.core.parity import Run, apply, assert_parity, full_params
+from tests.core.parity import Run, apply, assert_parity, full_params, global_loss, rank_batch
 
 
 def _set_trainable(model: Any, phase: int) -> None:
@@ -36,18 +35,12 @@ def _train(impl: str, rank: int, world_size: int) -> dict[str, Any]:
     losses: list[float] = []
     for step in range(6):
         _set_trainable(model, phase=step // 3)
-        x, y = models.batch("mlp", step, 2 * world_size)
-        if impl != "local":
-            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        x, y = rank_batch("mlp", step, rank, world_size, impl)
         loss = models.loss_of("mlp", model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if impl != "local":
-            loss = loss.detach()
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(global_loss(loss, impl, world_size))
     return {"losses": losses, "params": full_params(model)}
 
 

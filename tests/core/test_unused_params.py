@@ -11,12 +11,11 @@ from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.core import models
-from tests.core.parity import full_params, fully_shard_of
+from tests.core.parity import full_params, fully_shard_of, global_loss, rank_batch
 
 
 class TwoHeads(nn.Module):
@@ -46,19 +45,13 @@ def _train(impl: str, rank: int, world_size: int, unused_as_zeros: bool) -> dict
     losses: list[float] = []
     grads_none: list[bool] = []
     for step in range(4):
-        x, y = models.batch("mlp", step, 2 * world_size)
-        if impl != "local":
-            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        x, y = rank_batch("mlp", step, rank, world_size, impl)
         loss = nn.functional.mse_loss(model(x, "a" if step % 2 == 0 else "b"), y)
         loss.backward()
         grads_none.append(model.head_b.weight.grad is None if step == 0 else False)
         opt.step()
         opt.zero_grad()
-        if impl != "local":
-            loss = loss.detach()
-            dist.all_reduce(loss)
-            loss /= world_size
-        losses.append(loss.item())
+        losses.append(global_loss(loss, impl, world_size))
     return {"losses": losses, "params": full_params(model), "head_b_none": grads_none[0]}
 
 

@@ -7,6 +7,7 @@ fully_shard``: same signature, same semantics, our own engine.
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
+from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
     FullyShardUsageError,
     InvalidShardDimError,
@@ -55,5 +56,6 @@ __all__ = [
     "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
+    "share_comm_ctx",
     "subscribe",
 ]

@@ -41,3 +41,8 @@ class CommContext:
         reduction allocates its own.
         """
         self.pending_reduces.popleft().finish(self)
+
+    def finish_all(self) -> None:
+        """Finish every reduction in flight."""
+        while self.pending_reduces:
+            self.finish_oldest()

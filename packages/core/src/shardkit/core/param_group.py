@@ -119,8 +119,7 @@ class FSDPParamGroup:
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
         )
         if self.comm is not None:
-            for nbytes in self.comm_buffer_sizes():
-                self.comm.pool.add_user(nbytes, self)
+            self.attach_comm(self.comm)  # the pool learns the new sizes
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -148,6 +147,12 @@ class FSDPParamGroup:
             p.bind_sharded(self.storage_layout.view(buffer, i))
         self._unsharded_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
+
+    def attach_comm(self, comm: CommContext) -> None:
+        """Use ``comm`` for this group's collectives and tell its pool our buffer sizes."""
+        self.comm = comm
+        for nbytes in self.comm_buffer_sizes():
+            comm.pool.add_user(nbytes, self)
 
     def comm_buffer_sizes(self) -> set[int]:
         """Byte sizes of the all-gather receive buffers, which the pool may keep for reuse.

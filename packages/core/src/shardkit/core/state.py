@@ -28,6 +28,7 @@ from shardkit.core.states import ShardedState, TrainingState
 __all__ = [
     "FSDPState",
     "RootContext",
+    "new_comm_context",
     "is_managed",
     "register_state",
     "state_of",
@@ -68,6 +69,8 @@ class FSDPState:
         self.device = device
         self.is_root: bool | None = None
         self.ctx: RootContext | None = None
+        # Set by share_comm_ctx before the first forward: the communication context to use.
+        self.shared_comm: CommContext | None = None
         self.fqn = ""
         self._forward_pending: set[int] = set()
         for module in modules:
@@ -91,9 +94,13 @@ class FSDPState:
         self.is_root = True
         root_module = self.modules[0]
         states = states_under(root_module)
-        if runtime is None:
-            runtime = ProcessGroupRuntime()
-        ctx = RootContext(states=states, comm=CommContext(runtime=runtime, pool=runtime.pool))
+        if runtime is not None:
+            comm = CommContext(runtime=runtime, pool=runtime.pool)
+        elif self.shared_comm is not None:
+            comm = self.shared_comm
+        else:
+            comm = new_comm_context()
+        ctx = RootContext(states=states, comm=comm)
         names = {id(m): name for name, m in root_module.named_modules()}
         for state in states:
             if state is not self:
@@ -103,9 +110,7 @@ class FSDPState:
             group = state.group
             if group is not None:
                 group.fqn = state.fqn
-                group.comm = ctx.comm
-                for nbytes in group.comm_buffer_sizes():
-                    ctx.comm.pool.add_user(nbytes, group)
+                group.attach_comm(ctx.comm)
                 group.ensure_final_callback = self._ensure_final_callback
                 group.resync_sharded_storage()
         if self.group is not None and self.group.options.reshard_after_forward_is_default:
@@ -287,8 +292,7 @@ class FSDPState:
     def finish_reductions(self) -> None:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
         assert self.ctx is not None
-        while self.ctx.comm.pending_reduces:
-            self.ctx.comm.finish_oldest()
+        self.ctx.comm.finish_all()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -339,6 +343,12 @@ def _move_to(
         torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
     )
     return moved
+
+
+def new_comm_context() -> CommContext:
+    """A communication context on c10d process groups (the default runtime)."""
+    runtime = ProcessGroupRuntime()
+    return CommContext(runtime=runtime, pool=runtime.pool)
 
 
 # --- which state manages which module ----------------------------------------------------
