@@ -43,6 +43,7 @@ EXPECTED = {
         "ParamShardingSpec",
         "ShardingExtension",
         "extension_for",
+        "make_dtensor",
         "register_extension",
         "registered_extensions",
     ],

@@ -43,6 +43,10 @@ class RecordingSharding(DataParallelSharding):
         self.calls["chunk_full"] += 1
         return super().chunk_full(full, spec)
 
+    def grad_local(self, grad: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
+        self.calls["grad_local"] += 1
+        return super().grad_local(grad, spec)
+
 
 class ReplicatedDTensorSharding:
     """Parameters that are DTensors replicated on the data-parallel mesh itself.
@@ -94,3 +98,6 @@ class ReplicatedDTensorSharding:
 
     def gather_full(self, full_local: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
         return full_local
+
+    def grad_local(self, grad: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
+        return grad

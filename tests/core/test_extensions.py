@@ -85,6 +85,7 @@ def test_the_engine_shards_through_the_extension(world_size: int) -> None:
     assert calls["param_spec"] == calls["make_sharded"] == params
     assert calls["make_unsharded"] == params  # once each, at the first unshard
     assert calls["chunk_full"] == params  # load_state_dict of plain full tensors
+    assert calls["grad_local"] == 3 * params  # each gradient, each of the 3 steps
     assert result["zeroed"]
 
 

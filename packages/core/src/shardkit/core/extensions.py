@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from shardkit.core.runtime.dtensors import make_dtensor
+from shardkit.core.runtime import dtensors
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -32,6 +32,7 @@ __all__ = [
     "ParamShardingSpec",
     "ShardingExtension",
     "extension_for",
+    "make_dtensor",
     "register_extension",
     "registered_extensions",
 ]
@@ -98,6 +99,36 @@ class ShardingExtension(Protocol):
     def gather_full(self, full_local: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
         """From ``local`` gathered over dp (a save), the full tensor of ``global_shape``."""
 
+    def grad_local(self, grad: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
+        """The gradient of the unsharded parameter as a tensor shaped like ``local``.
+
+        This is what the data-parallel reduction sums. Under TP the gradient is a DTensor
+        whose placements may differ from the parameter's (a Partial sum after a
+        sequence-parallel norm): the extension settles it on the unsharded placements first.
+        """
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    global_shape: torch.Size,
+    global_stride: tuple[int, ...] | None = None,
+) -> DTensor:
+    """A DTensor around ``local`` itself: no copy, no communication, no autograd edge.
+
+    Extensions build the sharded parameter around a view of the engine's flat buffer, which
+    the optimizer must write through; ``DTensor.from_local`` would add an autograd view.
+
+    Args:
+        local: this rank's part.
+        mesh: the DTensor's mesh.
+        placements: one per mesh axis.
+        global_shape: the full shape.
+        global_stride: the full tensor's strides (default: contiguous).
+    """
+    return dtensors.make_dtensor(local, mesh, placements, global_shape, global_stride)
+
 
 class DataParallelSharding:
     """The core's own sharding: a plain tensor, sharded on the data-parallel mesh alone."""
@@ -143,6 +174,10 @@ class DataParallelSharding:
     def gather_full(self, full_local: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
         """The gathered tensor itself."""
         return full_local
+
+    def grad_local(self, grad: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
+        """The gradient itself: the unsharded parameter is a plain tensor."""
+        return grad
 
 
 _DEFAULT = DataParallelSharding()

@@ -183,6 +183,8 @@ class FSDPParam:
         grad = param.grad if param is not None else None
         if param is not None:
             param.grad = None
+        if grad is not None:
+            grad = self.extension.grad_local(grad, self.sharding_spec)
         acc = self.accumulated_grad
         self.accumulated_grad = None
         if acc is None:
@@ -198,7 +200,7 @@ class FSDPParam:
             return
         if param.grad.dtype == reduce_dtype and self.accumulated_grad is None:
             return  # autograd keeps accumulating into .grad in this dtype
-        grad = param.grad
+        grad = self.extension.grad_local(param.grad, self.sharding_spec)
         param.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)
