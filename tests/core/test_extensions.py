@@ -117,8 +117,9 @@ def _dtensor_params_body(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_dtensor_parameters_need_an_extension_and_train_through_one() -> None:
     result = run_on_ranks(2, _dtensor_params_body)[0]
-    assert "parameter norm.weight is already a DTensor" in result["error"]
-    assert "install shardkit-tp" in result["error"]
+    # shardkit-tp is installed here, and refuses a DTensor on the dp mesh itself; without
+    # it, the core's own message says to install it (below).
+    assert "norm.weight" in result["error"]
     assert result["losses"] == result["reference"]
     assert result["placements"] == {"(Shard(dim=0),)"}
 
@@ -127,6 +128,50 @@ def test_register_refuses_what_is_not_an_extension() -> None:
     with pytest.raises(TypeError, match="object does not implement"):
         register_extension(object())  # type: ignore[arg-type]
     assert isinstance(DataParallelSharding(), ShardingExtension)
+
+
+# Run before shardkit.core is imported: the process then sees no installed shardkit-tp.
+_WITHOUT_SHARDKIT_TP = """
+import importlib.metadata as md
+_entry_points = md.entry_points
+def _without_tp(**selection):
+    found = _entry_points(**selection)
+    return md.EntryPoints(e for e in found if e.dist is None or e.dist.name != "shardkit-tp")
+md.entry_points = _without_tp
+"""
+
+
+def _run_python(script: str, extra_path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parents[2]
+    path = f"{extra_path}:{root}" if extra_path is not None else str(root)
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_SHARDKIT_TP + textwrap.dedent(script)],
+        env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_without_shardkit_tp_a_dtensor_parameter_says_to_install_it() -> None:
+    script = """
+        import pytest, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        from shardkit.core import fully_shard
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = torch.nn.Linear(2, 2)
+        weight = distribute_tensor(model.weight.detach(), mesh, [Replicate()])
+        model.weight = torch.nn.Parameter(weight)
+        with pytest.raises(ValueError) as refused:
+            fully_shard(model, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+        print(refused.value)
+        """
+    out = _run_python(script)
+    assert out.returncode == 0, out.stderr
+    assert "parameter weight is already a DTensor" in out.stdout
+    assert "install shardkit-tp" in out.stdout
 
 
 def test_installed_extensions_are_found_by_entry_point(tmp_path: Path) -> None:
@@ -140,8 +185,7 @@ def test_installed_extensions_are_found_by_entry_point(tmp_path: Path) -> None:
         "[shardkit.core.extensions]\n"
         "replicated = tests.core.extension_support:ReplicatedDTensorSharding\n"
     )
-    script = textwrap.dedent(
-        """
+    script = """
         from shardkit.core.extensions import extension_for, registered_extensions
         from tests.core.extension_support import ReplicatedDTensorSharding
         import torch
@@ -151,14 +195,6 @@ def test_installed_extensions_are_found_by_entry_point(tmp_path: Path) -> None:
         assert type(extension_for(plain, "w")).__name__ == "DataParallelSharding"
         print("ok")
         """
-    )
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env={"PYTHONPATH": f"{tmp_path}:{root}", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _run_python(script, extra_path=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -106,9 +106,13 @@ def _sharding_of(
     """The extension that shards ``param`` and its description, validated."""
     extension = extension_for(param, name)
     dim = _shard_dim(param, name, shard_placement_fn)
-    spec = extension.param_spec(
-        param, shard_dim=dim, dp_mesh=mesh_info.mesh, dp_placements=mesh_info.placements(dim)
-    )
+    try:
+        spec = extension.param_spec(
+            param, shard_dim=dim, dp_mesh=mesh_info.mesh, dp_placements=mesh_info.placements(dim)
+        )
+    except ValueError as error:
+        # The extension knows the tensor, not its name: say which parameter it refused.
+        raise ValueError(f"fully_shard cannot shard parameter {name}: {error}") from error
     size = spec.local.shape[dim]
     if dim != 0 and size % mesh_info.shard_size != 0:
         raise UnevenShardingError(
