@@ -25,6 +25,7 @@ __all__ = [
     "broadcast_from",
     "broadcast_from_first",
     "gather_to_first",
+    "ranks_where",
     "scatter_from_first",
 ]
 
@@ -334,9 +335,17 @@ def scatter_from_first(
             work.wait()
 
 
-def broadcast_from(tensor: torch.Tensor, src: int) -> None:
-    """Global rank ``src``'s ``tensor`` on every rank of the world, in place."""
-    dist.broadcast(tensor, src=src)
+def broadcast_from(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Global rank ``src``'s ``tensor`` on every rank of ``group`` (default: the world)."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def ranks_where(flag: bool) -> list[int]:
+    """The global ranks whose ``flag`` is True (every rank of the world must call it)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
+    mine = torch.tensor([int(flag)], dtype=torch.uint8)
+    dist.all_gather_into_tensor(flags, mine)
+    return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "group_ranks",
     "new_subgroup",
     "subgroup_of",
+    "world_subgroup",
     "world_size",
 ]
 
@@ -78,3 +79,10 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
     group = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup), f"not a member of the subgroup {members}"
     return group
+
+
+def world_subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:
+    """The subgroup of the default group with these global ranks (members only call it)."""
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    return subgroup_of(world, members)

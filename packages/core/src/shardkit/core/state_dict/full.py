@@ -136,14 +136,21 @@ def iter_pieces(
     each rank's unpadded shard, straight from the gathered rows: a consumer that streams them
     (the file writer) never copies the tensor whole.
     """
+    receives = not rank0_only or global_rank() == plan.coordinator
     for group in plan.groups:
-        rows = _gather_rows(group, to_all=not rank0_only, cpu=cpu_offload)
+        # An extension's gather (across TP) runs on the mesh's device: offload after it.
+        plain = all(isinstance(p.extension, DataParallelSharding) for p in group.params)
+        rows = _gather_rows(group, to_all=not rank0_only, cpu=cpu_offload and plain)
         if rows is None:
             continue  # this rank only sent
         for key in plan.keys_of(group):
-            yield key, _param_pieces(group, plan.sharded[key][1], rows)
+            # Under TP every data-parallel group has a first rank holding rows, and they all
+            # take part in the extension's gather across TP; only the coordinator keeps it.
+            pieces = _param_pieces(group, plan.sharded[key][1], rows)
+            if receives:
+                yield key, [piece.cpu() for piece in pieces] if cpu_offload else pieces
         del rows
-    if rank0_only and global_rank() != plan.coordinator:
+    if not receives:
         return
     for key, tensor in plan.plain.items():
         value = tensor.detach()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.core.param_group import FSDPParamGroup
@@ -26,9 +27,10 @@ from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import (
     broadcast_from,
     broadcast_from_first,
+    ranks_where,
     scatter_from_first,
 )
-from shardkit.core.runtime.groups import barrier, global_rank
+from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
 from shardkit.core.state_dict.file_formats import (
     Entry,
     format_of,
@@ -51,14 +53,45 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _FileSource:
-    """The file being loaded, open on the coordinator only."""
+    """The file being loaded, open on the coordinator only.
+
+    Every data-parallel group's first rank packs its group's shards. Without TP that is the
+    coordinator alone; under TP each TP rank's data-parallel group has one, and each needs
+    the full tensors to take its TP part: the coordinator reads and broadcasts to them.
+    """
 
     path: Path
     handle: Any  # from read_entries; None away from the coordinator
     is_reader: bool
+    coordinator: int
+    packers: dist.ProcessGroup | None  # first ranks of the dp groups; None: the coordinator only
 
     def read(self, entry: Entry) -> torch.Tensor:
-        return read_tensor(self.path, self.handle, entry)
+        """The full tensor of ``entry`` (call on a packing rank)."""
+        if self.is_reader:
+            value = read_tensor(self.path, self.handle, entry)
+        else:
+            value = torch.empty(entry.shape, dtype=entry.dtype)
+        if self.packers is not None:
+            broadcast_from(value, self.coordinator, self.packers)
+        return value
+
+
+def _packers(groups: list[FSDPParamGroup], coordinator: int) -> dist.ProcessGroup | None:
+    """The process group of the ranks that pack shards (see :class:`_FileSource`)."""
+    packs = any(_packs(g) for g in groups)
+    ranks = ranks_where(packs)
+    if len(ranks) <= 1 or not packs:
+        return None
+    assert coordinator in ranks, (coordinator, ranks)
+    return world_subgroup(tuple(ranks))
+
+
+def _packs(group: FSDPParamGroup) -> bool:
+    """Whether this rank is the first of ``group``'s data-parallel ranks (first replica)."""
+    replicate = group.mesh_info.replicate_group
+    first_replica = replicate is None or replicate.rank() == 0
+    return first_replica and group.mesh_info.shard_group.rank() == 0
 
 
 def _entries(plan: FullStateDictPlan) -> list[Entry]:
@@ -116,12 +149,15 @@ def load_full_state_dict(
     if problems:
         raise RuntimeError(format_problems(model, problems))
     by_name = {e.name: e for e in entries}
+    packers = _packers(groups, plan.coordinator)
+    file = _FileSource(source, handle, reader, plan.coordinator, packers)
     for group in groups:
         keys = {plan.sharded[k][1]: k for k in plan.keys_of(group)}
-        _scatter_group(group, keys, by_name, _FileSource(source, handle, reader))
+        _scatter_group(group, keys, by_name, file)
+    plain = _FileSource(source, handle, reader, plan.coordinator, None)
     for key, tensor in plan.plain.items():
         if key in by_name:
-            _broadcast_plain(tensor, by_name[key], _FileSource(source, handle, reader), plan)
+            _broadcast_plain(tensor, by_name[key], plain, plan)
     barrier()
 
 
@@ -151,7 +187,7 @@ def _scatter_group(
     replicate = mesh_info.replicate_group
     first_replica = replicate is None or replicate.rank() == 0
     rows: list[torch.Tensor] | None = None
-    if source.is_reader:
+    if _packs(group):
         rows_buffer = torch.zeros(mesh_info.shard_size, layout.nbytes, dtype=torch.uint8)
         for index, p in enumerate(group.params):
             key = keys.get(index)
