@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 
 SEQ = 4  # divisible by the TP degree: sequence parallelism shards it
 DIM = 6  # LayerNorm and residual width
-HIDDEN = 10  # fc1's rows: 5 per TP rank, cut 3 + 2 across dp (uneven on purpose)
+HIDDEN = 12  # fc1's rows: 6 per rank at TP 2; at TP 4, 3 cut 2 + 1 across dp (uneven)
 
 
 class UnevenMLP(nn.Module):

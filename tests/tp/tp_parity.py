@@ -62,13 +62,21 @@ def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
     return index, int(torch.tensor(sizes).prod())
 
 
-def build_sharded(impl: str, run: TPRun, mesh: DeviceMesh) -> nn.Module:
+def build_sharded(impl: str, run: TPRun, mesh: DeviceMesh, seed: int = 0) -> nn.Module:
     """The run's model with its TP plan on the "tp" axis, then sharded on the dp axes."""
-    model: nn.Module = tp_models.build(run.model)
+    model: nn.Module = tp_models.build(run.model, seed=seed)
     tp_models.parallelize(run.model, model, mesh["tp"])
     _checkpoint_blocks(model, run)
+    shard_blocks_and_root(impl, model, dp_mesh_of(mesh), run.shard_kwargs)
+    return model
+
+
+def shard_blocks_and_root(
+    impl: str, model: nn.Module, dp_mesh: DeviceMesh, shard_kwargs: dict[str, Any]
+) -> None:
+    """``fully_shard`` each block, then the root, by ``impl`` (policies translated for torch)."""
     shard = fully_shard_of(impl)
-    kwargs = dict(run.shard_kwargs, mesh=dp_mesh_of(mesh))
+    kwargs = dict(shard_kwargs, mesh=dp_mesh)
     if "mp_policy" in kwargs and impl != "shardkit":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -79,7 +87,6 @@ def build_sharded(impl: str, run: TPRun, mesh: DeviceMesh) -> nn.Module:
     for block in getattr(model, "blocks", []):
         shard(block, **kwargs)
     shard(model, **kwargs)
-    return model
 
 
 def _checkpoint_blocks(model: nn.Module, run: TPRun) -> None:

@@ -9,7 +9,7 @@ DTensor's business and the engine's all-gather and reduce-scatter run over dp on
 When dp and TP shard the same tensor dim, TP shards first (each TP rank's rows are cut again
 across dp), which DTensor spells ``_StridedShard(dim, split_factor=<TP shards of dim>)`` on the
 dp axis; ``full_tensor()`` then puts every row back where it belongs, even for uneven sizes.
-See [Note: tensor parallelism] in docs/notes/006-tensor-parallelism.md.
+See [Note: tensor parallelism] in docs/notes/009-tensor-parallelism.md.
 """
 
 from __future__ import annotations
