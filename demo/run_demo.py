@@ -9,6 +9,10 @@ Three torchrun jobs of demo/train_gpt.py (gloo, one thread per rank):
 
 Then it checks that job 2 started at step 31 with the loss where job 1 left it, and that jobs 1+2
 computed the same loss as the reference at every step, bit for bit. Exits 1 if a check fails.
+
+With ``--tp 2`` every job runs on 4 ranks as dp 2 x tp 2 (tensor parallelism inside each
+layer, shardkit-tp finding the TP parameters), and a fourth job resumes job 1's checkpoint
+at dp 4 x tp 1, on plain FSDP: DCP reshards it, and the loss goes on as in the 2D run.
 """
 
 from __future__ import annotations
@@ -42,8 +46,13 @@ class DemoConfig:
     """The resumed job and the reference train up to here."""
     ckpt_every: int = 10
     """The first job also checkpoints every this many steps; the resume uses the latest."""
-    nproc: int = 2
-    """Ranks per job."""
+    tp: int = 1
+    """Tensor-parallel degree: with tp > 1 each job runs dp 2 x tp ranks, and a last job
+    resumes the same checkpoint at dp (2 * tp) x tp 1, on plain FSDP."""
+    batch_size: int = 8
+    """Sequences per data-parallel rank."""
+    nproc: int = 0
+    """Ranks per job; 0 means 2 * tp."""
     reference: bool = True
     """Also train without stopping and compare every step's loss."""
     runs: Path = DEMO_DIR / "runs"
@@ -65,6 +74,13 @@ class DemoConfig:
         if not 0 < self.stop_at < self.total_steps:
             raise ValueError(
                 f"need 0 < stop_at < total_steps, got {self.stop_at}, {self.total_steps}"
+            )
+        if self.nproc == 0:
+            self.nproc = 2 * self.tp
+        if self.tp < 1 or self.nproc % self.tp != 0 or self.batch_size % self.tp != 0:
+            raise ValueError(
+                f"--tp {self.tp} must divide --nproc ({self.nproc}) and --batch-size "
+                f"({self.batch_size}), so that the 1D job sees the same global batch"
             )
 
 
@@ -110,7 +126,8 @@ def torchrun(cfg: DemoConfig, title: str, name: str, args: list[str]) -> RunLog:
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         *(f"--nproc-per-node={cfg.nproc}", str(TRAIN_SCRIPT)),
         # args come last so that they may override --log-every (argparse keeps the last).
-        *(f"--impl={cfg.impl}", f"--metrics-file={metrics}", "--log-every=5", *args),
+        *(f"--impl={cfg.impl}", f"--metrics-file={metrics}", "--log-every=5"),
+        *(f"--tp={cfg.tp}", f"--batch-size={cfg.batch_size}", *args),
     ]
     # One thread per rank: the ranks already take the cores, and torchrun would warn otherwise.
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -178,6 +195,38 @@ def check_reference(cfg: DemoConfig, stitched: dict[int, float], reference: RunL
     return not missing and all(d == 0.0 for d in diffs)
 
 
+def check_other_layout(cfg: DemoConfig, at_stop: Path, reference: RunLog, checks: Checks) -> None:
+    """Resume job 1's checkpoint on plain FSDP over every rank (dp nproc x tp 1).
+
+    DCP reshards the 2D checkpoint on load. The global batch is the same (batch_size / tp
+    sequences per rank), so the loss goes on as in the 2D run, up to summation order.
+    """
+    dp = cfg.nproc
+    other = torchrun(
+        cfg,
+        f"job 4: resume the step-{cfg.stop_at} checkpoint at dp {dp} x tp 1 (plain FSDP)",
+        "job4",
+        [
+            f"--steps={cfg.total_steps}",
+            f"--ckpt-dir={at_stop}",
+            "--resume",
+            "--tp=1",
+            f"--batch-size={cfg.batch_size // cfg.tp}",
+        ],
+    )
+    steps = range(cfg.stop_at + 1, cfg.total_steps + 1)
+    print(f"\n  {'step':>5}  {'dp x tp 1':>14}  {'2D run':>14}")
+    for step in steps:
+        print(f"  {step:>5}  {other.losses.get(step, float('nan')):>14.6f}  "
+              f"{reference.losses.get(step, float('nan')):>14.6f}")  # fmt: skip
+    known = [s for s in steps if s in other.losses and s in reference.losses]
+    worst = max((abs(other.losses[s] - reference.losses[s]) for s in known), default=1.0)
+    checks.check(
+        len(known) == len(steps) and worst < 1e-3,
+        f"at dp {dp} x tp 1 the loss went on as in the 2D run (max |difference| {worst:.1e})",
+    )
+
+
 def run(cfg: DemoConfig) -> int:
     require_impl(cfg.impl)
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +249,10 @@ def run(cfg: DemoConfig) -> int:
             *profile,
         ],
     )
+    at_stop = cfg.out / "ckpt_at_stop"
+    if cfg.tp > 1:  # kept for the last job: job 2 adds newer checkpoints to ckpt/
+        shutil.rmtree(at_stop, ignore_errors=True)
+        shutil.copytree(ckpt, at_stop)
     resumed = torchrun(
         cfg,
         f"job 2 (a new torchrun): resume from the latest checkpoint, train to {cfg.total_steps}",
@@ -233,6 +286,8 @@ def run(cfg: DemoConfig) -> int:
             checks.check(
                 same, "the exported full models (model.safetensors) are identical, byte for byte"
             )
+    if cfg.tp > 1:
+        check_other_layout(cfg, at_stop, reference if cfg.reference else first, checks)
     total = time.perf_counter() - started
     print(f"\nimpl={cfg.impl}: {total:.0f} s in all; checkpoints and metrics in {cfg.out}")
     if cfg.profile:
@@ -251,7 +306,14 @@ def parse_args() -> DemoConfig:
     p.add_argument("--stop-at", type=int, default=defaults.stop_at)
     p.add_argument("--total-steps", type=int, default=defaults.total_steps)
     p.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every)
-    p.add_argument("--nproc", type=int, default=defaults.nproc)
+    p.add_argument("--nproc", type=int, default=0, help="ranks per job (default: 2 * tp)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=defaults.tp,
+        help="tensor-parallel degree: dp 2 x tp ranks, then a resume at dp (2 * tp) x tp 1",
+    )
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--no-reference", dest="reference", action="store_false")
     p.add_argument("--runs", type=Path, default=defaults.runs)
     p.add_argument(
@@ -264,6 +326,8 @@ def parse_args() -> DemoConfig:
         total_steps=a.total_steps,
         ckpt_every=a.ckpt_every,
         nproc=a.nproc,
+        tp=a.tp,
+        batch_size=a.batch_size,
         reference=a.reference,
         runs=a.runs,
         profile=a.profile,

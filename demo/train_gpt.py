@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from shardkit.core import CheckpointManager, save_full_state_dict
 
@@ -80,7 +88,9 @@ class TrainConfig:
     steps: int = 30
     """The step to stop at (a total, not a count of more steps when resuming)."""
     batch_size: int = 8
-    """Sequences per rank per step; the global batch is batch_size * world size."""
+    """Sequences per data-parallel rank per step; the global batch is batch_size * dp."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each layer (dp = world size / tp)."""
     lr: float = 3e-3
     """Peak learning rate, reached after the warmup and then held."""
     warmup_steps: int = 10
@@ -116,6 +126,8 @@ class TrainConfig:
             raise ValueError("--steps, --batch-size, --log-every and --keep-ckpts must be >= 1")
         if self.ckpt_every < 0:
             raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,18 +137,22 @@ class TrainConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        # Separate projections, so that tensor parallelism can give each rank whole heads.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, D)
-        b, t, d = x.shape
-        q, k, v = (  # each (B, H, T, D/H)
-            z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-            for z in self.qkv(x).split(d, dim=2)
+        b, t = x.shape[:2]
+        # Under TP each rank holds H/tp heads: its projections are D/tp wide (H' = local heads).
+        q, k, v = (  # each (B, H', T, D/H)
+            z.view(b, t, -1, self.head_dim).transpose(1, 2)
+            for z in (self.q(x), self.k(x), self.v(x))
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D/H)
-        out: Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))  # (B, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H', T, D/H)
+        out: Tensor = self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
         return out
 
 
@@ -225,16 +241,55 @@ def resolve_fully_shard(impl: Impl) -> FullyShard:
     return shardkit_fully_shard
 
 
+def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
+    """Megatron-style TP with sequence parallelism, as torchtitan applies it.
+
+    Attention heads and MLP columns are split across the "tp" axis (colwise in, rowwise out);
+    between them the activations are split along the sequence (Shard(1)), so that the layer
+    norms run on 1/tp of the tokens; embeddings split the table by rows, and the head gathers
+    the full logits for the loss.
+    """
+    plan: dict[str, ParallelStyle] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.blocks)):
+        gather_sequence = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        plan |= {
+            f"blocks.{i}.ln1": SequenceParallel(),
+            f"blocks.{i}.attn": gather_sequence,
+            f"blocks.{i}.attn.q": ColwiseParallel(),
+            f"blocks.{i}.attn.k": ColwiseParallel(),
+            f"blocks.{i}.attn.v": ColwiseParallel(),
+            f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"blocks.{i}.ln2": SequenceParallel(),
+            f"blocks.{i}.mlp": gather_sequence,
+            f"blocks.{i}.mlp.fc": ColwiseParallel(),
+            f"blocks.{i}.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    return plan
+
+
 def parallelize(model: GPT, mesh: DeviceMesh, fully_shard: FullyShard) -> None:
-    """Shard every block on its own, then the root (embeddings, final LN, head).
+    """Tensor parallelism on the "tp" axis if the mesh has one; then shard every block on its
+    own over "dp", then the root (embeddings, final LN, head).
 
     One unit per block means one all-gather per block in forward and one reduce-scatter per
     block in backward, so only one block's full parameters exist at a time and the next block's
-    all-gather can be in flight while the current one computes.
+    all-gather can be in flight while the current one computes. Under TP each parameter is a
+    DTensor on "tp" before fully_shard, and one DTensor on ("dp", "tp") after it.
     """
+    dp_mesh = mesh
+    if mesh.mesh_dim_names is not None and "tp" in mesh.mesh_dim_names:
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+        dp_mesh = mesh["dp"]
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,10 +496,26 @@ def write_profile(profiler: Profiler, folder: Path, reporter: Reporter) -> None:
         reporter.record(event="profiled", path=str(folder))
 
 
+def build_mesh(model_cfg: ModelConfig, cfg: TrainConfig) -> DeviceMesh:
+    """("dp",) over every rank, or ("dp", "tp") with tp ranks splitting each layer."""
+    world = dist.get_world_size()
+    if cfg.tp == 1:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    sizes = {"the world size": world, "n_heads": model_cfg.n_heads, "seq_len": model_cfg.seq_len}
+    sizes |= {"vocab_size": model_cfg.vocab_size}
+    for what, size in sizes.items():
+        if size % cfg.tp != 0:
+            raise ValueError(f"--tp {cfg.tp} must divide {what} ({size})")
+    return init_device_mesh("cpu", (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+
+
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     fully_shard = resolve_fully_shard(cfg.impl)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = build_mesh(model_cfg, cfg)
+    # The ranks of one TP group work on the same rows: data follows the "dp" axis only.
+    dp_mesh = mesh["dp"]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before sharding
     model = GPT(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -454,14 +525,14 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
         data=load_corpus(cfg.corpus),
         seq_len=model_cfg.seq_len,
         batch_per_rank=cfg.batch_size,
-        rank=rank,
-        world=world,
+        rank=dp_rank,
+        world=dp_size,
         seed=cfg.seed,
     )
-    reporter = Reporter(cfg, tokens_per_step=cfg.batch_size * world * model_cfg.seq_len)
+    reporter = Reporter(cfg, tokens_per_step=cfg.batch_size * dp_size * model_cfg.seq_len)
     reporter.say(
-        f"impl={cfg.impl} ranks={world} params={n_params:,} corpus={sampler.data.numel():,} "
-        f"bytes tokens/step={reporter.tokens_per_step:,}"
+        f"impl={cfg.impl} ranks={world} (dp {dp_size} x tp {cfg.tp}) params={n_params:,} "
+        f"corpus={sampler.data.numel():,} bytes tokens/step={reporter.tokens_per_step:,}"
     )
     restore(state, cfg, reporter)
     manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts) if cfg.ckpt_dir else None
@@ -501,6 +572,9 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=train_defaults.seed)
     p.add_argument("--batch-size", type=int, default=train_defaults.batch_size)
+    p.add_argument(
+        "--tp", type=int, default=train_defaults.tp, help="tensor-parallel degree (dp = W / tp)"
+    )
     p.add_argument("--lr", type=float, default=train_defaults.lr)
     p.add_argument("--log-every", type=int, default=train_defaults.log_every)
     p.add_argument("--metrics-file", type=Path, default=None)
@@ -524,6 +598,7 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
         impl=a.impl,
         steps=a.steps,
         batch_size=a.batch_size,
+        tp=a.tp,
         lr=a.lr,
         seed=a.seed,
         corpus=a.corpus,

@@ -58,6 +58,7 @@ class _FileSource:
     Every data-parallel group's first rank packs its group's shards. Without TP that is the
     coordinator alone; under TP each TP rank's data-parallel group has one, and each needs
     the full tensors to take its TP part: the coordinator reads and broadcasts to them.
+    See [Note: tensor parallelism].
     """
 
     path: Path
