@@ -21,6 +21,11 @@ def test_2d_sequence_parallel_matches() -> None:
     assert_parity(run_on_ranks(4, parity_body, run=TPRun(model="sp")))
 
 
+def test_2d_loss_parallel_matches() -> None:
+    run = TPRun(model="sp_loss_parallel")
+    assert_parity(run_on_ranks(4, parity_body, run=run))
+
+
 @pytest.mark.parametrize("mesh", [(1, 2, 2), (2, 1, 2)])
 def test_hsdp_x_tp_matches(mesh: tuple[int, int, int]) -> None:
     assert_parity(run_on_ranks(4, parity_body, run=TPRun(model="sp", mesh=mesh)))

@@ -78,7 +78,7 @@ def build(name: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     if name == "mlp":
         return UnevenMLP()
-    if name == "sp":
+    if name in ("sp", "sp_loss_parallel"):
         return SPNet()
     raise ValueError(f"unknown TP test model {name!r}")
 
@@ -91,10 +91,17 @@ def plan(name: str, model: nn.Module) -> dict[str, ParallelStyle]:
             "b": RowwiseParallel(),
             "c": ColwiseParallel(output_layouts=Replicate()),
         }
+    # With loss parallelism the head's logits stay split by class (a DTensor) and the loss is
+    # computed on the shards, under torch's loss_parallel() context.
+    split = name == "sp_loss_parallel"
     styles: dict[str, ParallelStyle] = {
         "inp": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "head": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if split else Replicate(),
+            use_local_output=not split,
+        ),
     }
     for i in range(len(cast(nn.ModuleList, model.blocks))):
         styles[f"blocks.{i}.norm"] = SequenceParallel()
@@ -119,4 +126,13 @@ def batch(name: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.
             global_batch, 10, generator=gen
         )
     x = torch.randn(global_batch, SEQ, 7, generator=gen)
+    if name == "sp_loss_parallel":
+        return x, torch.randint(0, 3, (global_batch, SEQ), generator=gen)  # classes
     return x, torch.randn(global_batch, SEQ, 3, generator=gen)
+
+
+def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training loss: cross-entropy over 3 classes for the loss-parallel model, else MSE."""
+    if name == "sp_loss_parallel":
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+    return F.mse_loss(out.float(), target)

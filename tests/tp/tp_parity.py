@@ -8,15 +8,16 @@ takes its slice of the batch (TP ranks of one dp group see the same slice).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.core.parity import fully_shard_of
 from tests.core.prepare import Checkpointed
@@ -122,8 +123,15 @@ def train(impl: str, run: TPRun, rank: int, world_size: int) -> Trace:
     for step in range(run.steps):
         x, y = tp_models.batch(run.model, step, global_batch)
         x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
+        with (
+            loss_parallel()
+            if run.model == "sp_loss_parallel" and impl != "local"
+            else nullcontext()
+        ):
+            loss = tp_models.loss_of(run.model, model(x), y)
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
         opt.step()
         opt.zero_grad()
         value = loss.detach().clone()
