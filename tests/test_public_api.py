@@ -50,6 +50,7 @@ EXPECTED = {
         "ALIGN_BYTES",
         "GroupLayout",
         "GroupView",
+        "HookInput",
         "ParamLayout",
         "ParamSpec",
         "ShardGeometry",
