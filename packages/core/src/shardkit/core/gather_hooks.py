@@ -95,8 +95,12 @@ class AllGatherHooks:
         self._writers: list[torch.Tensor] = []  # the outputs' storage, own version counters
         self._inner: tuple[torch.Tensor, ...] = ()  # the post hook's tensors to free
 
-    def pre_all_gather(self, local: torch.Tensor, call: HookCall) -> list[torch.Tensor]:
+    def pre_all_gather(
+        self, local: torch.Tensor, call: HookCall, module_fqn: str
+    ) -> list[torch.Tensor]:
         """Call ``fsdp_pre_all_gather`` on the sharded local tensor; its tensors, flat.
+
+        ``module_fqn`` names the group's module in errors.
 
         Raises:
             AllGatherHookError: the hook takes neither one nor five arguments.
@@ -105,19 +109,20 @@ class AllGatherHooks:
         if call.device is not None:
             local = local.to(call.device, non_blocking=True)
         hook = getattr(local, _PRE)
+        name = f"{self.fqn} of FSDP module {module_fqn or '<root>'}"
         if self._long_form is None:
-            self._long_form = _takes_five_arguments(hook, self.fqn)
+            self._long_form = _takes_five_arguments(hook, name)
         shape = self.geometry.shape
         if self._long_form:
             stride = contiguous_strides(shape)
             tensors, self._metadata = hook(call.mesh, shape, stride, call.module, call.mp_policy)
         else:
             tensors, self._metadata = hook(call.mesh)
-        self._check(tensors)
+        self._check(tensors, name)
         self._sizes = tuple(t.size() for t in tensors)
         return [t.view(-1) for t in tensors]
 
-    def _check(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _check(self, tensors: Sequence[torch.Tensor], name: str) -> None:
         geo = self.geometry
         sizes = [t.size() for t in tensors]
         if not geo.is_even and any(size != geo.padded_shard_shape for size in sizes):
@@ -127,11 +132,11 @@ class AllGatherHooks:
                 "When a parameter is unevenly sharded by FSDP (orig size="
                 f"{geo.shape}, FSDP world size={geo.world}), fsdp_pre_all_gather must return "
                 f"all-gather inputs with the padded sharded size {geo.padded_shard_shape} but "
-                f"got {sizes} (parameter {self.fqn}: pad the shard's tensors to that size)"
+                f"got {sizes} (parameter {name}: pad the shard's tensors to that size)"
             )
         if geo.dim != 0 and any(t.numel() != geo.shard_numel for t in tensors):
             raise AllGatherInputError(
-                f"parameter {self.fqn} is sharded on dim {geo.dim}: fsdp_pre_all_gather must "
+                f"parameter {name} is sharded on dim {geo.dim}: fsdp_pre_all_gather must "
                 f"return tensors of the shard's size {geo.padded_shard_shape} (torch's "
                 f"fully_shard puts them back together along that dim too), got {sizes}"
             )
@@ -140,7 +145,7 @@ class AllGatherHooks:
             self.inputs = found
         elif found != self.inputs:
             raise AllGatherInputError(
-                f"fsdp_pre_all_gather of parameter {self.fqn} returned {found}, but "
+                f"fsdp_pre_all_gather of parameter {name} returned {found}, but "
                 f"{self.inputs} at the first unshard: the group's all-gather is laid out once, "
                 "so the hook must return the same sizes and dtypes every time"
             )
@@ -293,12 +298,13 @@ class GroupHooks:
         calls = {i: HookCall(mesh, p.slots[0].module, mp_policy, device) for i, p in hooked.items()}
         return GroupHooks(hooked, calls)
 
-    def pre_all_gather(self) -> dict[int, list[torch.Tensor]]:
-        """What each pre hook sends, flat, by parameter index."""
+    def pre_all_gather(self, module_fqn: str) -> dict[int, list[torch.Tensor]]:
+        """What each pre hook sends, flat, by parameter index (``module_fqn``: for errors)."""
         sent: dict[int, list[torch.Tensor]] = {}
         for i, p in self.params.items():
             assert p.hooks is not None
-            sent[i] = p.hooks.pre_all_gather(local_of(p.sharded_param), self.calls[i])
+            local = local_of(p.sharded_param)
+            sent[i] = p.hooks.pre_all_gather(local, self.calls[i], module_fqn)
         return sent
 
     def copy_in(

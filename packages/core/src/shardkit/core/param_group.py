@@ -254,7 +254,7 @@ class FSDPParamGroup:
         """What the pre-all-gather hooks send, by parameter index (flat tensors)."""
         if self._hooks is None:
             return {}
-        sent = self._hooks.pre_all_gather()
+        sent = self._hooks.pre_all_gather(self.fqn)
         if self.layout.hooks_pending:
             # The hooks' sizes are known now (their first call): lay the all-gather out once.
             self._lay_out()
