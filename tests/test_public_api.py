@@ -9,6 +9,8 @@ import pytest
 
 EXPECTED = {
     "shardkit.core": [
+        "AllGatherHookError",
+        "AllGatherInputError",
         "CPUOffloadPolicy",
         "CheckpointManager",
         "CollectiveEvent",
@@ -26,6 +28,7 @@ EXPECTED = {
         "UnevenShardingError",
         "UnshardHandle",
         "UnsupportedCopyError",
+        "UnsupportedWithHooksError",
         "__version__",
         "fully_shard",
         "iter_full_state_dict",
@@ -51,6 +54,7 @@ EXPECTED = {
         "ALIGN_BYTES",
         "GroupLayout",
         "GroupView",
+        "HookInput",
         "ParamLayout",
         "ParamSpec",
         "ShardGeometry",

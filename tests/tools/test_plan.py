@@ -14,6 +14,7 @@ from shardkit.tools.plan.examples import llama_8b, llama_tiny, llama_tiny_inputs
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.records import Category, Phase
+from tests.core.quant_support import QuantTensor
 
 
 class Block(nn.Module):
@@ -381,6 +382,14 @@ def test_bad_input_is_refused() -> None:
         scalar.register_parameter("s", nn.Parameter(torch.tensor(1.0)))
     with pytest.raises(ValueError, match="0-dim"):
         plan(scalar, world_size=2)
+
+
+def test_parameters_with_all_gather_hooks_are_not_modelled() -> None:
+    # What they send and hold unsharded is what their hooks return, known only at run time.
+    model = meta_net()
+    model.head.weight = nn.Parameter(QuantTensor(torch.empty(2, 5, device="meta")))
+    with pytest.raises(ValueError, match=r"head\.weight \(QuantTensor\) is gathered through"):
+        plan(model, world_size=2)
 
 
 def test_bad_options_are_refused() -> None:

@@ -9,11 +9,14 @@ from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_f
 from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
+    AllGatherHookError,
+    AllGatherInputError,
     FullyShardUsageError,
     InvalidShardDimError,
     ShardkitError,
     UnevenShardingError,
     UnsupportedCopyError,
+    UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
 from shardkit.core.layout import layout_of
@@ -31,6 +34,8 @@ from shardkit.core.state_dict import (
 )
 
 __all__ = [
+    "AllGatherHookError",
+    "AllGatherInputError",
     "CPUOffloadPolicy",
     "CheckpointManager",
     "CollectiveEvent",
@@ -48,6 +53,7 @@ __all__ = [
     "UnevenShardingError",
     "UnshardHandle",
     "UnsupportedCopyError",
+    "UnsupportedWithHooksError",
     "__version__",
     "fully_shard",
     "iter_full_state_dict",

@@ -23,7 +23,12 @@ from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup, GroupConfig
 from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.groups import default_mesh, group_ranks, subgroup_of
-from shardkit.core.sharding import collect_params, mark_owned, validate_reshard_after_forward
+from shardkit.core.sharding import (
+    check_hooked_params,
+    collect_params,
+    mark_owned,
+    validate_reshard_after_forward,
+)
 from shardkit.core.state import FSDPState, is_managed, register_state, state_of, states_under
 from shardkit.core.state_dict.validation import (
     check_state_dict,
@@ -386,6 +391,7 @@ def fully_shard(
         reshard_after_forward_is_default=reshard_after_forward is None,
     )
     managed = collect_params(modules, set(ignored_params or ()), shard_placement_fn, mesh_info)
+    check_hooked_params(managed, options.reshard_after_forward, type(modules[0]).__name__)
     group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
     # Nothing above changed the modules; from here on it cannot fail on user input.
     _move_buffers(modules, mesh_info, set(ignored_params or ()))

@@ -10,11 +10,14 @@ own wording of the problem, then say more.
 from __future__ import annotations
 
 __all__ = [
+    "AllGatherHookError",
+    "AllGatherInputError",
     "FullyShardUsageError",
     "InvalidShardDimError",
     "ShardkitError",
     "UnevenShardingError",
     "UnsupportedCopyError",
+    "UnsupportedWithHooksError",
 ]
 
 
@@ -36,3 +39,26 @@ class UnevenShardingError(ShardkitError, ValueError, NotImplementedError):
 
 class UnsupportedCopyError(ShardkitError, RuntimeError, AssertionError):
     """``copy.deepcopy`` of a sharded module."""
+
+
+class AllGatherHookError(ShardkitError, TypeError, AssertionError):
+    """A tensor subclass's all-gather hooks that break torch's protocol.
+
+    One hook without the other, or an ``fsdp_pre_all_gather`` that takes neither ``(mesh)``
+    nor the five-argument form.
+    """
+
+
+class AllGatherInputError(ShardkitError, ValueError, AssertionError):
+    """``fsdp_pre_all_gather`` returned tensors that the all-gather cannot carry.
+
+    Not the padded shard size of an unevenly sharded parameter, or other sizes than at the
+    first unshard.
+    """
+
+
+class UnsupportedWithHooksError(ShardkitError, NotImplementedError, AssertionError):
+    """A feature that parameters with all-gather hooks do not support, as with torch.
+
+    ``reshard_after_forward=int``.
+    """

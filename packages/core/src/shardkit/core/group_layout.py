@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,12 +20,20 @@ from shardkit.core.runtime.buffers import ALIGN_BYTES, FlatLayout, ShardGeometry
 __all__ = [
     "ALIGN_BYTES",
     "GroupLayout",
+    "HookInput",
     "ParamLayout",
     "ParamSpec",
     "ShardGeometry",
     "group_layout",
     "pooled_sizes",
 ]
+
+
+class HookInput(NamedTuple):
+    """One tensor that a parameter's ``fsdp_pre_all_gather`` hook returns for the all-gather."""
+
+    numel: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +50,13 @@ class ParamSpec:
     """Whether it is trained (its gradient is reduce-scattered)."""
     shard_dim: int = 0
     """The tensor dim the data-parallel axis shards (non-negative)."""
+    all_gather_hooks: bool = False
+    """Whether it is a tensor subclass gathered through its ``fsdp_pre_all_gather`` and
+    ``fsdp_post_all_gather`` hooks: then it keeps its own storage, and what the all-gather
+    sends is what the hook returns. See [Note: all-gather extensions]."""
+    all_gather_inputs: tuple[HookInput, ...] | None = None
+    """With hooks: the tensors the pre-all-gather hook returns, once known (the engine learns
+    them at the group's first unshard); None before, or without hooks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +70,9 @@ class ParamLayout:
     dtype: torch.dtype
     """Its own dtype (sharded parameter, gradient, optimizer state)."""
     comm_dtype: torch.dtype
-    """The dtype of the all-gather and of the unsharded parameter (``param_dtype`` if set)."""
+    """The dtype of the all-gather and of the unsharded parameter (``param_dtype`` if set).
+    With all-gather hooks, the dtype the post-all-gather hook is asked for; the all-gather
+    sends the dtypes of ``all_gather_inputs``."""
     requires_grad: bool
     """Whether it is trained."""
     storage_offset: int
@@ -63,6 +81,15 @@ class ParamLayout:
     """Byte offset of its padded shard in one rank's all-gather input."""
     unsharded_offset: int
     """Byte offset of its padded full tensor in the group's unsharded buffer."""
+    all_gather_hooks: bool = False
+    """Whether it is gathered through its subclass's all-gather hooks. Then its slot in the
+    sharded and unsharded buffers is empty (it keeps its own storage, and the hooks' outputs
+    and unsharded tensor are its own), and its slot in the all-gather input is the bytes of
+    ``all_gather_inputs``."""
+    all_gather_inputs: FlatLayout | None = None
+    """With hooks, once known: where each tensor the pre-all-gather hook returns lies in this
+    parameter's slot of the all-gather input (16-byte aligned). Its all-gather output ``k``
+    holds ``shard_world`` times input ``k``."""
 
     @property
     def shape(self) -> torch.Size:
@@ -127,9 +154,22 @@ class GroupLayout:
     storage: FlatLayout
     """The sharded buffer: each padded shard in its own dtype."""
     comm: FlatLayout
-    """One rank's all-gather input: each padded shard in its ``comm_dtype``."""
+    """One rank's all-gather input: each padded shard in its ``comm_dtype`` (a parameter
+    gathered through hooks: its inputs' bytes, as uint8)."""
     unsharded: FlatLayout
     """The unsharded buffer: each padded full tensor in its ``comm_dtype``."""
+
+    @property
+    def hooks_pending(self) -> tuple[str, ...]:
+        """Parameters gathered through all-gather hooks whose inputs are not known yet.
+
+        Their all-gather bytes are known only once the hook has run (the engine plans the
+        group's layout again at its first unshard); until then they count as 0 bytes in
+        ``comm`` and every all-gather size.
+        """
+        return tuple(
+            p.fqn for p in self.params if p.all_gather_hooks and p.all_gather_inputs is None
+        )
 
     @property
     def sharded_bytes(self) -> int:
@@ -180,6 +220,14 @@ class GroupLayout:
     def pool_sizes(self) -> frozenset[int]:
         """The receive-buffer sizes this group registers with the engine's buffer pool."""
         return frozenset(self.all_gather_receive_bytes(exchange=e) for e in (True, False))
+
+
+def _hook_inputs(spec: ParamSpec) -> FlatLayout | None:
+    """Where the pre-all-gather hook's tensors lie in the parameter's all-gather slot."""
+    if spec.all_gather_inputs is None:
+        return None
+    inputs = spec.all_gather_inputs
+    return FlatLayout.build([i.numel for i in inputs], [i.dtype for i in inputs])
 
 
 def _comm_dtype(spec: ParamSpec, param_dtype: torch.dtype | None) -> torch.dtype:
@@ -233,9 +281,17 @@ def group_layout(
     geometries = [shard_geometry(torch.Size(s.shape), s.shard_dim, shard_world) for s in params]
     comm_dtypes = [_comm_dtype(s, param_dtype) for s in params]
     numels = [g.shard_numel for g in geometries]
-    storage = FlatLayout.build(numels, [s.dtype for s in params])
-    comm = FlatLayout.build(numels, comm_dtypes)
-    unsharded_numels = [n * shard_world for n in numels]
+    # A parameter gathered through hooks has no slot in the flat sharded and unsharded
+    # buffers, and sends its hook's tensors as bytes. See [Note: all-gather extensions].
+    hooked = [s.all_gather_hooks for s in params]
+    hook_inputs = [_hook_inputs(s) for s in params]
+    flat_numels = [0 if h else n for n, h in zip(numels, hooked, strict=True)]
+    storage = FlatLayout.build(flat_numels, [s.dtype for s in params])
+    comm = FlatLayout.build(
+        [i.nbytes if i is not None else n for n, i in zip(flat_numels, hook_inputs, strict=True)],
+        [torch.uint8 if h else c for c, h in zip(comm_dtypes, hooked, strict=True)],
+    )
+    unsharded_numels = [n * shard_world for n in flat_numels]
     if post_forward_world is not None:
         unsharded_numels = [
             max(
@@ -255,6 +311,8 @@ def group_layout(
             storage_offset=storage.offsets[i],
             comm_offset=comm.offsets[i],
             unsharded_offset=unsharded.offsets[i],
+            all_gather_hooks=s.all_gather_hooks,
+            all_gather_inputs=hook_inputs[i],
         )
         for i, (s, g, c) in enumerate(zip(params, geometries, comm_dtypes, strict=True))
     )

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.group_layout import (
     ALIGN_BYTES,
     GroupLayout,
+    HookInput,
     ParamLayout,
     ParamSpec,
     ShardGeometry,
@@ -37,6 +38,7 @@ __all__ = [
     "ALIGN_BYTES",
     "GroupLayout",
     "GroupView",
+    "HookInput",
     "ParamLayout",
     "ParamSpec",
     "ShardGeometry",
@@ -64,7 +66,9 @@ class ShardedParamView:
     def local_shard(self) -> torch.Tensor:
         """This rank's unpadded shard, a detached view of the group's sharded buffer.
 
-        Read it; writing through it changes the parameter without autograd knowing.
+        A parameter with all-gather hooks keeps its own storage: this is then its local
+        tensor subclass, detached. Read it; writing through it changes the parameter without
+        autograd knowing.
         """
         local: torch.Tensor = self.param.to_local()  # type: ignore[attr-defined]  # DTensor
         return local.detach()

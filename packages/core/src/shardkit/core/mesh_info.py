@@ -33,6 +33,14 @@ class MeshInfo:
         """Ranks that see different data: the default gradient divide factor."""
         return self.shard_size * self.replicate_size
 
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh of the shard axis alone (the mesh itself without HSDP)."""
+        names = self.mesh.mesh_dim_names
+        if self.mesh.ndim == 1 or names is None:
+            return self.mesh
+        return self.mesh[names[-1]]
+
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         """DTensor placements of a parameter sharded on ``shard_dim``."""
         if self.replicate_group is None:

@@ -5,6 +5,10 @@ is a view into its group's flat sharded buffer; this object is what the optimize
 state dict see, and it never changes identity. Unsharded: a plain ``nn.Parameter`` viewing the
 group's unsharded buffer, registered on the module only between unshard and reshard. Both
 buffers belong to the group (see [Note: flat group buffers]); this class holds the views.
+
+A tensor subclass with all-gather hooks is the exception: its local tensor is the subclass,
+with storage of its own, and its unsharded parameter is what its post-all-gather hook builds
+(see [Note: all-gather extensions]).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.extensions import ParamShardingSpec, ShardingExtension
+from shardkit.core.errors import UnsupportedWithHooksError
+from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
+from shardkit.core.gather_hooks import AllGatherHooks, has_all_gather_hooks
 from shardkit.core.group_layout import ParamSpec
 from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
-from shardkit.core.runtime.dtensors import local_of, set_local
+from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
+from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
 
 __all__ = ["FSDPParam", "ParamSlot", "Sharding"]
 
@@ -53,6 +59,7 @@ class FSDPParam:
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype
+    hooks: AllGatherHooks | None  # a subclass gathered through its all-gather hooks
 
     def __init__(
         self,
@@ -71,6 +78,7 @@ class FSDPParam:
         self.geometry = shard_geometry(local.shape, sharding.spec.shard_dim, mesh_info.shard_size)
         self.orig_dtype = local.dtype
         self.comm_dtype = local.dtype
+        self.hooks = self._hooks_of(local, sharding.extension)
         self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
         self.accumulated_grad = None
@@ -79,6 +87,18 @@ class FSDPParam:
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
+        self._own: torch.Tensor | None = None  # a hooked parameter's local tensor, as bound
+
+    def _hooks_of(self, local: torch.Tensor, extension: ShardingExtension) -> AllGatherHooks | None:
+        if not has_all_gather_hooks(local, self.fqn):
+            return None
+        if not isinstance(extension, DataParallelSharding):
+            raise UnsupportedWithHooksError(
+                f"parameter {self.fqn}: all-gather hooks (fsdp_pre_all_gather) on a parameter "
+                f"that {type(extension).__name__} shards (tensor parallelism) are not "
+                "supported yet"
+            )
+        return AllGatherHooks(self.fqn, self.geometry)
 
     def retype(self, dtype: torch.dtype) -> None:
         """The parameter now has ``dtype`` (a module ``.to(dtype)``); unshard anew."""
@@ -86,6 +106,8 @@ class FSDPParam:
         self.comm_dtype = dtype  # the group applies param_dtype again
         self.unsharded_param = None
         self._grad_hook_added = False
+        if self.hooks is not None:
+            self.hooks.reset(inputs=True)  # the hook may send other tensors now
 
     @property
     def requires_grad(self) -> bool:
@@ -102,6 +124,8 @@ class FSDPParam:
             dtype=self.orig_dtype,
             requires_grad=self.requires_grad,
             shard_dim=geo.dim,
+            all_gather_hooks=self.hooks is not None,
+            all_gather_inputs=self.hooks.inputs if self.hooks is not None else None,
         )
 
     # --- sharded side ---------------------------------------------------------------------
@@ -123,7 +147,52 @@ class FSDPParam:
 
     def bind_sharded(self, flat: torch.Tensor) -> None:
         """Make the sharded DTensor parameter view ``flat`` (this param's padded shard)."""
-        local = self.local_view(flat)
+        self._bind_local(self.local_view(flat))
+
+    def bind_own_storage(self, device: torch.device) -> None:
+        """Give a parameter with all-gather hooks its shard in storage of its own.
+
+        The shard stays the subclass (its hooks run on it, the optimizer steps it), which a
+        view of the group's byte buffer cannot be. As torch does, the subclass's own
+        operators zero-pad the shard, and the local tensor is its unpadded part.
+        """
+        assert self._source is not None, f"{self.fqn}: the source was already copied"
+        shard = self.geometry.local_shard(self._source.detach(), self.mesh_info.shard_rank)
+        self._bind_local(self._padded_own(shard, device))
+
+    def adopt_own_local(self, local: torch.Tensor) -> None:
+        """A hooked parameter's new local tensor (after ``_apply`` or an ``assign=True`` load).
+
+        Raises:
+            TypeError: the new local tensor has no all-gather hooks.
+        """
+        if local is self._own or local.is_meta:
+            return
+        if not has_all_gather_hooks(local, self.fqn):
+            raise TypeError(
+                f"parameter {self.fqn} is gathered through all-gather hooks, but its new "
+                f"local tensor ({type(local).__name__}) has none: load or convert it as the "
+                "same tensor subclass"
+            )
+        with torch.no_grad():
+            self._bind_local(self._padded_own(local, local.device))
+        self.unsharded_param = None
+        assert self.hooks is not None
+        self.hooks.reset(inputs=False)
+
+    def _padded_own(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``shard`` (this rank's, unpadded) zero padded in new storage; its unpadded part."""
+        geo = self.geometry
+        length = shard.shape[geo.dim]
+        padded = shard.new_zeros(
+            geo.padded_shard_shape, device=shard.device if shard.is_meta else device
+        )
+        if not shard.is_meta:
+            padded.narrow(geo.dim, 0, length).copy_(shard)
+        self._own = padded.narrow(geo.dim, 0, length)
+        return self._own
+
+    def _bind_local(self, local: torch.Tensor) -> None:
         if self._source is None:
             # Keep the Parameter object (optimizers and the state dict hold it); re-point it.
             set_local(self.sharded_param, local)
@@ -152,6 +221,28 @@ class FSDPParam:
         unsharded = self.extension.make_unsharded(view, self.sharding_spec)
         param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
         self.unsharded_param = param
+
+    def finish_hooked_unshard(self, slots: list[torch.Tensor], layout: FlatLayout) -> None:
+        """Build or refresh the unsharded parameter from the gathered hook tensors.
+
+        Args:
+            slots: this parameter's slot of every rank's all-gather row, in rank order.
+            layout: where each of the pre hook's tensors lies in a slot.
+        """
+        hooks = self.hooks
+        assert hooks is not None, f"{self.fqn}: no all-gather hooks"
+        outputs = hooks.copy_out(slots, layout)
+        local = local_of(self.sharded_param)
+        if self.unsharded_param is not None:
+            hooks.post_all_gather(local, outputs, self.comm_dtype, out=self.unsharded_param)
+            return
+        tensor = hooks.post_all_gather(local, outputs, self.comm_dtype, out=None)
+        assert tensor is not None
+        shape = self.geometry.shape
+        # Padding rows past the full size (an uneven dim 0) are cut off here, as torch does.
+        full = torch.as_strided(tensor, shape, contiguous_strides(shape), 0)
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._grad_hook_added = False
 
     def follow_requires_grad(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
         """Give the unsharded parameter the sharded one's ``requires_grad``, as it is now.

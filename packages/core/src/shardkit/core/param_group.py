@@ -2,12 +2,13 @@
 
 unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
 backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
+Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext
+from shardkit.core.gather_hooks import GroupHooks
 from shardkit.core.grad_reduce import GroupReducer
 from shardkit.core.group_layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
@@ -22,7 +24,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import copy_out_unsharded
+from shardkit.core.runtime.buffers import ShardGeometry, copy_out_unsharded
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import (
@@ -78,6 +80,11 @@ class FSDPParamGroup:
         self.mp_policy = config.mp_policy
         self._expected_grads: int | None = None  # trainable parameters, counted per backward
         self._geometries = [p.geometry for p in params]
+        # Parameters with all-gather hooks, and the rest: those in the flat buffers.
+        device = self.mesh_info.device if self.offload else None
+        self._hooks = GroupHooks.of(params, self.mesh_info.shard_mesh, self.mp_policy, device)
+        self._flat = tuple(i for i, p in enumerate(params) if p.hooks is None)
+        self._flat_geometries = [(i, self._geometries[i]) for i in self._flat]
         self._plan_buffers()
         self._init_sharded_storage()
 
@@ -95,6 +102,25 @@ class FSDPParamGroup:
 
     def _plan_buffers(self) -> None:
         """Lay out the buffers for the parameters' current dtypes; everything derived too."""
+        self._lay_out()
+        rsf = self.options.reshard_after_forward
+        for p, param_layout in zip(self.params, self.layout.params, strict=True):
+            p.comm_dtype = param_layout.comm_dtype
+        self.reduce_dtype = self.layout.reduce_dtype
+        self.post_forward = self._make_post_forward(rsf)
+        # The all-gather reads the sharded storage directly unless it must be cast or moved,
+        # or hooks give what it sends.
+        self.needs_staging = (
+            self.offload
+            or self._hooks is not None
+            or any(p.comm_dtype != p.orig_dtype for p in self.params)
+        )
+        self.reducer = GroupReducer(
+            self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
+        )
+
+    def _lay_out(self) -> None:
+        """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""
         rsf = self.options.reshard_after_forward
         mp = self.mp_policy
         # One function lays out the engine's buffers and the planner's predictions alike.
@@ -106,18 +132,9 @@ class FSDPParamGroup:
             reduce_dtype=mp.reduce_dtype,
             post_forward_world=None if isinstance(rsf, bool) else rsf,
         )
-        for p, param_layout in zip(self.params, self.layout.params, strict=True):
-            p.comm_dtype = param_layout.comm_dtype
-        self.reduce_dtype = self.layout.reduce_dtype
-        self.post_forward = self._make_post_forward(rsf)
         self.storage_layout = self.layout.storage
         self.comm_layout = self.layout.comm
         self.unsharded_layout = self.layout.unsharded
-        # The all-gather reads the sharded storage directly unless it must be cast or moved.
-        self.needs_staging = self.offload or any(p.comm_dtype != p.orig_dtype for p in self.params)
-        self.reducer = GroupReducer(
-            self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
-        )
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 
@@ -133,18 +150,20 @@ class FSDPParamGroup:
         )
 
     def _init_sharded_storage(self) -> None:
-        shards = [p.padded_shard_of_source() for p in self.params]
-        is_meta = any(s.is_meta for s in shards)
+        shards = {i: self.params[i].padded_shard_of_source() for i in self._flat}
+        is_meta = any(s.is_meta for s in shards.values())
         device = torch.device("meta") if is_meta else self.storage_device
         buffer = torch.empty(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         if not is_meta:
-            for i, shard in enumerate(shards):
+            for i, shard in shards.items():
                 self.storage_layout.view(buffer, i).copy_(shard)
             if self.pin_memory:
                 buffer = pin(buffer)
         self.sharded_buffer = buffer
-        for i, p in enumerate(self.params):
-            p.bind_sharded(self.storage_layout.view(buffer, i))
+        for i in self._flat:
+            self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
+        if self._hooks is not None:
+            self._hooks.bind_own_storage(self.storage_device)
         self._unsharded_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
 
@@ -181,10 +200,13 @@ class FSDPParamGroup:
         locals_ = [p.current_local() for p in self.params]
         if any(t.is_meta for t in locals_):
             return
+        if self._hooks is not None:
+            self._hooks.adopt(locals_)
         aliased = all(
-            t.untyped_storage().data_ptr() == self.sharded_buffer.untyped_storage().data_ptr()
-            for t in locals_
-            if t.numel() > 0
+            locals_[i].untyped_storage().data_ptr()
+            == self.sharded_buffer.untyped_storage().data_ptr()
+            for i in self._flat
+            if locals_[i].numel() > 0
         )
         device = torch.device("cpu") if self.offload else locals_[0].device
         retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
@@ -197,13 +219,13 @@ class FSDPParamGroup:
                 p.retype(local.dtype)
             self._plan_buffers()
         buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
-        for i, (p, local) in enumerate(zip(self.params, locals_, strict=True)):
-            p.local_view(self.storage_layout.view(buffer, i)).copy_(local)
+        for i in self._flat:
+            self.params[i].local_view(self.storage_layout.view(buffer, i)).copy_(locals_[i])
         if self.pin_memory:
             buffer = pin(buffer)
         self.sharded_buffer = buffer
-        for i, p in enumerate(self.params):
-            p.bind_sharded(self.storage_layout.view(buffer, i))
+        for i in self._flat:
+            self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
         self._unsharded_buffer = None
         self._staging = None
         for p in self.params:
@@ -214,16 +236,30 @@ class FSDPParamGroup:
     def _gather_input(self) -> torch.Tensor:
         if not self.needs_staging:
             return self.sharded_buffer
+        sent = self._hook_inputs()
         if self._staging is None:
             self._staging = torch.empty(
                 self.comm_layout.nbytes, dtype=torch.uint8, device=self.mesh_info.device
             )
-        for i in range(len(self.params)):
+        for i in self._flat:
             # One copy per parameter casts to param_dtype and moves host to device if offloaded.
             self.comm_layout.view(self._staging, i).copy_(
                 self.storage_layout.view(self.sharded_buffer, i), non_blocking=self.pin_memory
             )
+        if self._hooks is not None:
+            self._hooks.copy_in(sent, self._staging, self.layout)
         return self._staging
+
+    def _hook_inputs(self) -> dict[int, list[torch.Tensor]]:
+        """What the pre-all-gather hooks send, by parameter index (flat tensors)."""
+        if self._hooks is None:
+            return {}
+        sent = self._hooks.pre_all_gather(self.fqn)
+        if self.layout.hooks_pending:
+            # The hooks' sizes are known now (their first call): lay the all-gather out once.
+            self._lay_out()
+            self._staging = None
+        return sent
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
@@ -277,10 +313,14 @@ class FSDPParamGroup:
         pf = self.post_forward
         from_pf = pending.from_post_forward and pf is not None
         layout = pf.layout if from_pf and pf is not None else self.comm_layout
-        geometries = pf.geometries if from_pf and pf is not None else self._geometries
-        for i, geo in enumerate(geometries):
+        geometries: Iterable[tuple[int, ShardGeometry]] = (
+            enumerate(pf.geometries) if from_pf and pf is not None else self._flat_geometries
+        )
+        for i, geo in geometries:
             target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
             copy_out_unsharded([layout.view(row, i) for row in rows], geo, target)
+        if self._hooks is not None:
+            self._hooks.finish_unshard(rows, self.layout)
         pending.handle.release()
         if from_pf and pf is not None:
             pf.free()
@@ -302,7 +342,8 @@ class FSDPParamGroup:
 
     def _bind_unsharded_params(self, buffer: torch.Tensor) -> None:
         storage = buffer.untyped_storage()
-        for i, p in enumerate(self.params):
+        for i in self._flat:
+            p = self.params[i]
             # A fresh tensor set onto the storage gets its own version counter, so writing the
             # next gather through the buffer does not look like an in-place change to autograd.
             flat = torch.empty(0, dtype=p.comm_dtype, device=buffer.device)
@@ -323,6 +364,8 @@ class FSDPParamGroup:
         self._register(unsharded=False)
         if self._unsharded_buffer is not None:
             self._unsharded_buffer.untyped_storage().resize_(0)
+        if self._hooks is not None:
+            self._hooks.free()
         if self.post_forward is not None:
             self.post_forward.free()
         self.sharded_state = ShardedState.SHARDED

@@ -11,13 +11,22 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.core.errors import InvalidShardDimError, UnevenShardingError
+from shardkit.core.errors import (
+    InvalidShardDimError,
+    UnevenShardingError,
+    UnsupportedWithHooksError,
+)
 from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot, Sharding
 from shardkit.core.state import is_managed
 
-__all__ = ["collect_params", "mark_owned", "validate_reshard_after_forward"]
+__all__ = [
+    "check_hooked_params",
+    "collect_params",
+    "mark_owned",
+    "validate_reshard_after_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,26 @@ def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
     if value == size:
         return True
     return value
+
+
+def check_hooked_params(
+    managed: list[FSDPParam], reshard_after_forward: bool | int, module_name: str
+) -> None:
+    """Refuse what parameters with all-gather hooks cannot do, before anything changes.
+
+    Raises:
+        UnsupportedWithHooksError: ``reshard_after_forward`` is an int (n < world size).
+    """
+    hooked = [p.fqn for p in managed if p.hooks is not None]
+    if hooked and not isinstance(reshard_after_forward, bool):
+        # torch's fully_shard fails too: an AssertionError after forward (several hook
+        # tensors) or a NotImplementedError in backward's gather (one).
+        raise UnsupportedWithHooksError(
+            f"reshard_after_forward={reshard_after_forward} is not supported for parameters "
+            f"with all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): "
+            f"fully_shard({module_name}) manages {hooked}, and torch's fully_shard cannot "
+            "reshard them to a smaller world either; pass True or False for this module"
+        )
 
 
 def collect_params(

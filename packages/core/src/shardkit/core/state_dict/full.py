@@ -84,9 +84,24 @@ def sharded_groups(model: nn.Module) -> list[FSDPParamGroup]:
 
 
 def plan_full_state_dict(model: nn.Module, groups: list[FSDPParamGroup]) -> FullStateDictPlan:
-    """Which key comes from where, and in which order the generator yields it."""
+    """Which key comes from where, and in which order the generator yields it.
+
+    Raises:
+        NotImplementedError: a parameter is gathered through all-gather hooks.
+    """
     expected = model.state_dict(keep_vars=True)
     owner = param_keys(model, groups)
+    hooked = [k for k, (g, i) in owner.items() if g.params[i].hooks is not None]
+    if hooked:
+        # Their shards are tensor subclasses, not bytes of the group's buffer; only the
+        # subclass knows its values. DTensor's full_tensor() asks it, as torch's DSD does.
+        raise NotImplementedError(
+            f"full state dicts of {type(model).__name__} through shardkit (iter_full_state_dict, "
+            "save_full_state_dict, load_full_state_dict) do not support parameters with "
+            f"all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): {hooked}. Use "
+            "torch.distributed.checkpoint (dcp.save / dcp.load, or get_model_state_dict("
+            "full_state_dict=True)), which handles them as with torch's fully_shard"
+        )
     sharded = {k: owner[k] for k in expected if k in owner}
     plain = {k: v for k, v in expected.items() if k not in owner and isinstance(v, torch.Tensor)}
     keys = [k for g in groups for k in sharded if sharded[k][0] is g] + list(plain)

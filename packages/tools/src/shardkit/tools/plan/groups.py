@@ -174,6 +174,15 @@ def _param_spec(name: str, param: nn.Parameter) -> ParamSpec:
             f"shardkit.tools.plan: parameter {name} is on {param.device}; build the model "
             "under torch.device('meta') so that planning allocates nothing"
         )
+    if hasattr(param, "fsdp_pre_all_gather") or hasattr(param, "fsdp_post_all_gather"):
+        # What such a parameter sends and holds unsharded is whatever its hooks return, known
+        # only once the engine calls them (the core's layout lists it in hooks_pending).
+        raise ValueError(
+            f"shardkit.tools.plan: parameter {name} ({type(param).__name__}) is gathered "
+            "through its all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather), which "
+            "the planner does not model; plan the model with plain parameters of the same "
+            "shapes for an estimate, or measure it with CommTracker and MemoryTracker"
+        )
     return ParamSpec(
         fqn=name, shape=tuple(param.shape), dtype=param.dtype, requires_grad=param.requires_grad
     )

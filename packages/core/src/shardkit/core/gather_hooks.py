@@ -1,0 +1,340 @@
+"""Parameters gathered through their tensor subclass's all-gather hooks (Float8, NF4).
+
+A tensor-subclass parameter may define ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``,
+torch's ``fully_shard`` protocol for gathering something other than the parameter's own
+values: before each all-gather the engine asks the sharded local tensor (still the subclass)
+for the tensors to send (int8 data and scales, say), and after it hands the gathered tensors
+to the post hook, which builds the unsharded parameter. :class:`AllGatherHooks` calls both
+hooks for one parameter and owns what they produce from one unshard to the next;
+:class:`GroupHooks` does a group's part of each unshard and reshard for such parameters.
+See [Note: all-gather extensions].
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.core.errors import AllGatherHookError, AllGatherInputError
+from shardkit.core.group_layout import GroupLayout, HookInput
+from shardkit.core.policies import MixedPrecisionPolicy
+from shardkit.core.runtime.buffers import (
+    FlatLayout,
+    ShardGeometry,
+    copy_out_unsharded,
+    shard_geometry,
+)
+from shardkit.core.runtime.dtensors import contiguous_strides, local_of
+
+if TYPE_CHECKING:  # param.py imports this module
+    from shardkit.core.param import FSDPParam
+
+__all__ = ["AllGatherHooks", "GroupHooks", "HookCall", "has_all_gather_hooks"]
+
+_PRE = "fsdp_pre_all_gather"
+_POST = "fsdp_post_all_gather"
+
+
+def has_all_gather_hooks(tensor: torch.Tensor, fqn: str) -> bool:
+    """Whether ``tensor`` (the parameter named ``fqn``) is gathered through its hooks.
+
+    Raises:
+        AllGatherHookError: it defines one hook without the other.
+    """
+    pre, post = hasattr(tensor, _PRE), hasattr(tensor, _POST)
+    if pre != post:
+        have, lack = (_PRE, _POST) if pre else (_POST, _PRE)
+        raise AllGatherHookError(
+            f"Both {_PRE} and {_POST} should be defined if using all-gather extensions: "
+            f"parameter {fqn} ({type(tensor).__name__}) defines {have} but not {lack}; define "
+            "both, or neither to be gathered as a plain tensor"
+        )
+    return pre
+
+
+@dataclass(frozen=True, slots=True)
+class HookCall:
+    """What ``fsdp_pre_all_gather`` is given besides the tensor (its five-argument form)."""
+
+    mesh: DeviceMesh
+    """The mesh of the shard axis (1-D; the shard sub-mesh under HSDP)."""
+    module: nn.Module
+    """The module that holds the parameter."""
+    mp_policy: MixedPrecisionPolicy
+    """The group's mixed precision policy."""
+    device: torch.device | None
+    """Where the local tensor is moved before the hook (CPU offloading), or None."""
+
+
+class AllGatherHooks:
+    """One parameter's all-gather hooks, and what they produce from unshard to reshard.
+
+    The all-gather outputs are allocated at the first unshard and kept: reshard frees their
+    memory and unshard re-allocates it (storage resizing), as for the tensors the post hook
+    returned, so the objects stay the same. Subclasses rely on that: the post hook's ``out=``
+    form finds its earlier outputs (NF4 checks they are the same storage), and autograd may
+    have saved the unsharded parameter that views them.
+    """
+
+    def __init__(self, fqn: str, geometry: ShardGeometry) -> None:
+        self.fqn = fqn
+        self.geometry = geometry
+        self.inputs: tuple[HookInput, ...] | None = None
+        """Numel and dtype of each tensor the pre hook returns; learnt at its first call."""
+        self._sizes: tuple[torch.Size, ...] = ()  # of the pre hook's tensors (post hook views)
+        self._metadata: Any = None  # from the pre hook, for the next post hook
+        self._long_form: bool | None = None  # the pre hook takes five arguments
+        self._outputs: list[torch.Tensor] = []  # 1D, W times each input: what the hook sees
+        self._writers: list[torch.Tensor] = []  # the outputs' storage, own version counters
+        self._inner: tuple[torch.Tensor, ...] = ()  # the post hook's tensors to free
+
+    def pre_all_gather(
+        self, local: torch.Tensor, call: HookCall, module_fqn: str
+    ) -> list[torch.Tensor]:
+        """Call ``fsdp_pre_all_gather`` on the sharded local tensor; its tensors, flat.
+
+        ``module_fqn`` names the group's module in errors.
+
+        Raises:
+            AllGatherHookError: the hook takes neither one nor five arguments.
+            AllGatherInputError: its tensors cannot be gathered (see ``_check``).
+        """
+        if call.device is not None:
+            local = local.to(call.device, non_blocking=True)
+        hook = getattr(local, _PRE)
+        name = f"{self.fqn} of FSDP module {module_fqn or '<root>'}"
+        if self._long_form is None:
+            self._long_form = _takes_five_arguments(hook, name)
+        shape = self.geometry.shape
+        if self._long_form:
+            stride = contiguous_strides(shape)
+            tensors, self._metadata = hook(call.mesh, shape, stride, call.module, call.mp_policy)
+        else:
+            tensors, self._metadata = hook(call.mesh)
+        self._check(tensors, name)
+        self._sizes = tuple(t.size() for t in tensors)
+        return [t.view(-1) for t in tensors]
+
+    def _check(self, tensors: Sequence[torch.Tensor], name: str) -> None:
+        geo = self.geometry
+        sizes = [t.size() for t in tensors]
+        if not geo.is_even and any(size != geo.padded_shard_shape for size in sizes):
+            # torch checks this on the ranks with a short shard only, and the others then wait
+            # in the all-gather; every rank checks here, so all of them raise.
+            raise AllGatherInputError(
+                "When a parameter is unevenly sharded by FSDP (orig size="
+                f"{geo.shape}, FSDP world size={geo.world}), fsdp_pre_all_gather must return "
+                f"all-gather inputs with the padded sharded size {geo.padded_shard_shape} but "
+                f"got {sizes} (parameter {name}: pad the shard's tensors to that size)"
+            )
+        if geo.dim != 0 and any(t.numel() != geo.shard_numel for t in tensors):
+            raise AllGatherInputError(
+                f"parameter {name} is sharded on dim {geo.dim}: fsdp_pre_all_gather must "
+                f"return tensors of the shard's size {geo.padded_shard_shape} (torch's "
+                f"fully_shard puts them back together along that dim too), got {sizes}"
+            )
+        found = tuple(HookInput(t.numel(), t.dtype) for t in tensors)
+        if self.inputs is None:
+            self.inputs = found
+        elif found != self.inputs:
+            raise AllGatherInputError(
+                f"fsdp_pre_all_gather of parameter {name} returned {found}, but "
+                f"{self.inputs} at the first unshard: the group's all-gather is laid out once, "
+                "so the hook must return the same sizes and dtypes every time"
+            )
+
+    @staticmethod
+    def copy_in(flat: Sequence[torch.Tensor], slot: torch.Tensor, layout: FlatLayout) -> None:
+        """Write the pre hook's tensors into this parameter's slot (bytes) of the gather input."""
+        for k, tensor in enumerate(flat):
+            layout.view(slot, k).copy_(tensor)
+
+    def copy_out(
+        self, slots: Sequence[torch.Tensor], layout: FlatLayout
+    ) -> tuple[torch.Tensor, ...]:
+        """Put every rank's tensors (this parameter's slot of each row) into the outputs.
+
+        Returns:
+            The outputs as the post hook expects them: output k viewed as
+            ``(-1, *size_k[1:])``, ``size_k`` the size of the pre hook's tensor k.
+        """
+        world = len(slots)
+        if not self._outputs:
+            device = slots[0].device
+            self._outputs = [
+                torch.empty(world * n, dtype=dtype, device=device)
+                for n, dtype in zip(layout.numels, layout.dtypes, strict=True)
+            ]
+            self._writers = [_alias(t) for t in self._outputs]
+        else:
+            for tensor in self._outputs:
+                _allocate(tensor)
+        for k, writer in enumerate(self._writers):
+            shards = [layout.view(slot, k) for slot in slots]
+            copy_out_unsharded(shards, self._output_geometry(layout.numels[k], world), writer)
+        return tuple(
+            t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._sizes, strict=True)
+        )
+
+    def _output_geometry(self, numel: int, world: int) -> ShardGeometry:
+        # On dim 0 the rows of every rank follow each other; on another dim each tensor has
+        # the shard's size (checked) and goes back together along that dim, as torch does.
+        if self.geometry.dim == 0:
+            return shard_geometry(torch.Size([world * numel]), 0, world)
+        return self.geometry
+
+    def post_all_gather(
+        self,
+        local: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+        dtype: torch.dtype,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Call ``fsdp_post_all_gather``: the first time for a new tensor, later ``out=``.
+
+        Returns:
+            The tensor it built (first call), or None (it wrote into ``out``).
+        """
+        hook = getattr(local, _POST)
+        metadata, self._metadata = self._metadata, None
+        if out is None:
+            tensor, inner = hook(outputs, metadata, dtype)
+            self._inner = tuple(inner)
+            return tensor  # type: ignore[no-any-return]  # the hook's protocol
+        for tensor in self._inner:
+            _allocate(tensor)
+        hook(outputs, metadata, dtype, out=out)
+        return None
+
+    def free(self) -> None:
+        """Free the memory of the outputs and of the post hook's tensors (on reshard)."""
+        for tensor in chain(self._outputs, self._inner):
+            storage = tensor.untyped_storage()
+            if storage.size() != 0:
+                storage.resize_(0)
+
+    def reset(self, *, inputs: bool) -> None:
+        """Drop the outputs and the post hook's tensors (the parameter's storage changed).
+
+        Args:
+            inputs: also forget the pre hook's tensor sizes (its dtype changed, so they may).
+        """
+        if inputs:
+            self.inputs = None
+        self._sizes = ()
+        self._metadata = None
+        self._outputs, self._writers, self._inner = [], [], ()
+
+
+def _takes_five_arguments(hook: Any, fqn: str) -> bool:
+    signature = inspect.signature(hook)
+    count = len(signature.parameters)
+    if count not in (1, 5):
+        raise AllGatherHookError(
+            f"Invalid fsdp_pre_all_gather: {signature}\nExpects fsdp_pre_all_gather(self, "
+            "mesh: DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], "
+            f"module: nn.Module, mp_policy: MixedPrecisionPolicy) (parameter {fqn}; the older "
+            "fsdp_pre_all_gather(self, mesh) works too)"
+        )
+    return count == 5
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor on ``tensor``'s storage: writing through it leaves ``tensor``'s version.
+
+    The copy-out writes each gather into the outputs; if the post hook's tensor views them
+    and autograd saved it in forward, a version bump would fail backward.
+    """
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    alias.set_(tensor.untyped_storage(), 0, tensor.shape, (1,))
+    return alias
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    """Give a tensor whose memory was freed by ``free`` its memory back."""
+    nbytes = tensor.numel() * tensor.itemsize
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class GroupHooks:
+    """A group's parameters with all-gather hooks: their part of its unshards and reshards.
+
+    They join the group's one all-gather: each sends its pre hook's tensors in its slot of
+    the group's (byte) gather input, and builds its unsharded parameter from its slot of
+    every rank's row.
+    """
+
+    def __init__(self, params: Mapping[int, FSDPParam], calls: Mapping[int, HookCall]) -> None:
+        self.params = dict(params)  # by index in the group
+        self.calls = dict(calls)
+
+    @staticmethod
+    def of(
+        params: Sequence[FSDPParam],
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        device: torch.device | None,
+    ) -> GroupHooks | None:
+        """The hooked parameters among a group's ``params`` (None if there is none).
+
+        Args:
+            params: the group's parameters.
+            mesh: the shard axis's mesh.
+            mp_policy: the group's mixed precision policy.
+            device: where local tensors move before the pre hook (offloading), or None.
+        """
+        hooked = {i: p for i, p in enumerate(params) if p.hooks is not None}
+        if not hooked:
+            return None
+        calls = {i: HookCall(mesh, p.slots[0].module, mp_policy, device) for i, p in hooked.items()}
+        return GroupHooks(hooked, calls)
+
+    def pre_all_gather(self, module_fqn: str) -> dict[int, list[torch.Tensor]]:
+        """What each pre hook sends, flat, by parameter index (``module_fqn``: for errors)."""
+        sent: dict[int, list[torch.Tensor]] = {}
+        for i, p in self.params.items():
+            assert p.hooks is not None
+            local = local_of(p.sharded_param)
+            sent[i] = p.hooks.pre_all_gather(local, self.calls[i], module_fqn)
+        return sent
+
+    def copy_in(
+        self, sent: Mapping[int, list[torch.Tensor]], staging: torch.Tensor, layout: GroupLayout
+    ) -> None:
+        """Write what the pre hooks returned into their slots of the gather input."""
+        for i, tensors in sent.items():
+            inputs = layout.params[i].all_gather_inputs
+            assert inputs is not None, f"{self.params[i].fqn}: hook inputs not laid out"
+            AllGatherHooks.copy_in(tensors, layout.comm.view(staging, i), inputs)
+
+    def finish_unshard(self, rows: Sequence[torch.Tensor], layout: GroupLayout) -> None:
+        """Build or refresh each unsharded parameter from every rank's row (rank order)."""
+        for i, p in self.params.items():
+            inputs = layout.params[i].all_gather_inputs
+            assert inputs is not None, f"{p.fqn}: hook inputs not laid out"
+            p.finish_hooked_unshard([layout.comm.view(row, i) for row in rows], inputs)
+
+    def bind_own_storage(self, device: torch.device) -> None:
+        """Give each parameter its shard in storage of its own, on ``device``."""
+        for p in self.params.values():
+            p.bind_own_storage(device)
+
+    def adopt(self, locals_: Sequence[torch.Tensor]) -> None:
+        """Take up new local tensors (``_apply``, ``assign=True`` loads), by group index."""
+        for i, p in self.params.items():
+            p.adopt_own_local(locals_[i])
+
+    def free(self) -> None:
+        """Free the hooks' outputs and unsharded tensors (reshard)."""
+        for p in self.params.values():
+            assert p.hooks is not None
+            p.hooks.free()
