@@ -184,3 +184,31 @@ def _forward_method_body(rank: int, world_size: int) -> dict[str, bool]:
 def test_register_fsdp_forward_method(world_size: int) -> None:
     results = run_on_ranks(world_size, _forward_method_body)
     assert all(all(r.values()) for r in results), results
+
+
+def _hooks_after_assign_body(rank: int, world_size: int) -> list[str]:
+    from shardkit.core import fully_shard
+
+    torch.manual_seed(0)
+    model = models.MLPNet()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    x, y = models.batch("mlp", 0, 2 * world_size)
+    models.loss_of("mlp", model(x), y).backward()
+    # New local tensors for every parameter: the groups rebuild their buffers and their
+    # unsharded parameters, which need their gradient hooks again (not only the end-of-backward
+    # callback), so that reductions still start while backward runs.
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    models.loss_of("mlp", model(x), y).backward()
+    model(x)  # reshard_after_forward=False: the unsharded parameters stay registered
+    return [
+        name
+        for name, p in model.blocks.named_parameters()
+        if not getattr(p, "_post_accumulate_grad_hooks", None)
+    ]
+
+
+def test_unsharded_parameters_rebuilt_after_an_assign_load_keep_their_gradient_hooks() -> None:
+    assert run_on_ranks(2, _hooks_after_assign_body)[0] == []

@@ -221,6 +221,7 @@ class FSDPParam:
         unsharded = self.extension.make_unsharded(view, self.sharding_spec)
         param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
         self.unsharded_param = param
+        self._grad_hook_added = False  # a new Parameter: its gradient hook is still to add
 
     def finish_hooked_unshard(self, slots: list[torch.Tensor], layout: FlatLayout) -> None:
         """Build or refresh the unsharded parameter from the gathered hook tensors.
