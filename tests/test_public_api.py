@@ -59,7 +59,13 @@ EXPECTED = {
         "layout_of",
         "pooled_sizes",
     ],
-    "shardkit.tp": ["__version__"],
+    "shardkit.tp": [
+        "DTensorExtensions",
+        "DTensorMetadata",
+        "TensorParallelSharding",
+        "__version__",
+        "spmd_mesh",
+    ],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [
         "Category",
