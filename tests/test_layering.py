@@ -141,3 +141,64 @@ def test_only_one_module_touches_dtensor_internals() -> None:
             ):
                 found.append(f"{path}:{node.lineno} calls DTensor(...) (private constructor)")
     assert not found, "\n".join(found)
+
+
+TP = ROOT / "tp_adapter" / "src" / "shardkit" / "tp"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own(node: ast.Attribute) -> bool:
+    """Whether ``node`` reads an attribute of the object itself (``self._x``, ``cls._x``)."""
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def _private_torch_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each private torch name ``source`` reaches.
+
+    A private module (``torch.distributed._shard``), a private name imported from torch, or a
+    private attribute of anything but ``self`` or ``cls`` (``mesh._get_root_mesh()``).
+    """
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [
+                (node.lineno, f"import {a.name}")
+                for a in node.names
+                if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))
+            ]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            module = node.module or ""
+            names = [a.name for a in node.names]
+            if any(map(_is_private, module.split("."))):
+                found.append((node.lineno, f"from {module} import ..."))
+            found += [(node.lineno, f"from {module} import {n}") for n in names if _is_private(n)]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr) and not _own(node):
+            found.append((node.lineno, f".{node.attr}"))
+    return sorted(found)
+
+
+def test_the_private_torch_check_sees_every_spelling() -> None:
+    source = (
+        "import torch._dynamo\nfrom torch.distributed._shard import api\n"
+        "from torch.distributed.tensor.placement_types import _StridedShard, Shard\n"
+        "mesh._get_root_mesh()\nself._cache\nfrom torch.distributed.tensor import DTensor\n"
+    )
+    assert _private_torch_uses(source) == [
+        (1, "import torch._dynamo"),
+        (2, "from torch.distributed._shard import ..."),
+        (3, "from torch.distributed.tensor.placement_types import _StridedShard"),
+        (4, "._get_root_mesh"),
+    ]
+
+
+def test_only_torch_internals_touches_private_torch_in_tp() -> None:
+    uses = [
+        f"{path.relative_to(TP)}:{line} {what}"
+        for path in sorted(TP.rglob("*.py"))
+        if path.name != "torch_internals.py"
+        for line, what in _private_torch_uses(path.read_text())
+    ]
+    assert not uses, "private torch outside shardkit.tp's torch_internals.py:\n" + "\n".join(uses)

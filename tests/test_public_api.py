@@ -63,7 +63,13 @@ EXPECTED = {
         "layout_of",
         "pooled_sizes",
     ],
-    "shardkit.tp": ["TensorParallelSharding", "__version__", "spmd_mesh"],
+    "shardkit.tp": [
+        "DTensorExtensions",
+        "DTensorMetadata",
+        "TensorParallelSharding",
+        "__version__",
+        "spmd_mesh",
+    ],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [
         "Category",
