@@ -59,7 +59,7 @@ EXPECTED = {
         "layout_of",
         "pooled_sizes",
     ],
-    "shardkit.tp": ["__version__"],
+    "shardkit.tp": ["TensorParallelSharding", "__version__", "spmd_mesh"],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [
         "Category",
