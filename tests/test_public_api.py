@@ -62,6 +62,7 @@ EXPECTED = {
     "shardkit.tp": ["TensorParallelSharding", "__version__", "spmd_mesh"],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [
+        "AxisComm",
         "Category",
         "CollectiveCall",
         "CollectivePlan",

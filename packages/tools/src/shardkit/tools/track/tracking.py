@@ -7,11 +7,12 @@ See [Note: observing torch programs] in docs/notes/004-observing-torch-programs.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +21,7 @@ __all__ = [
     "COMM_NAMESPACES",
     "CollectiveListener",
     "CollectiveOps",
+    "HookedOps",
     "LightDispatchMode",
     "MethodWrap",
     "OpCall",
@@ -135,29 +137,45 @@ class OpCall:
     returned_s: float  # and after
 
 
-class CollectiveOps:
-    """Python kernels at the Autograd key of every collective operator, while listeners exist.
+@dataclass(frozen=True, slots=True)
+class HookedOps:
+    """Operators of one namespace, and the dispatch key our kernel for them goes to."""
 
-    Collective operators have no autograd kernel of their own, so a kernel registered there
-    runs first for every call (from Python or from C++, such as DDP's reducer), and only for
-    those calls: unlike a dispatch mode, the other operators cost nothing. The kernel calls
-    the operator below autograd, then tells the listeners. The registration is removed when
-    the last listener leaves.
+    namespace: str
+    names: tuple[str, ...]
+    key: Literal["Autograd", "ADInplaceOrView"]
+    """``Autograd`` for operators without an autograd kernel (c10d's): ours runs first, for
+    every caller. ``ADInplaceOrView`` for operators with one (the functional collectives):
+    ours runs right below it, where every other operator has a fallthrough.
+    See [Note: observing torch programs]."""
+
+
+class CollectiveOps:
+    """Python kernels for the collective operators, registered while listeners exist.
+
+    Each kernel sits at a dispatch key where the operator has no kernel of its own (see
+    :class:`HookedOps`), so it runs for every call (from Python or from C++, such as DDP's
+    reducer), and only for those calls: unlike a dispatch mode, the other operators cost
+    nothing. It passes the call on to the keys below its own, then tells the listeners. A
+    collective called while another is running (c10d's operator carrying out a functional
+    collective) is part of that one and is not told. The registrations are removed when the
+    last listener leaves.
     """
 
-    def __init__(self, ops: dict[str, tuple[str, ...]]) -> None:
-        self._ops = ops  # namespace -> operator names
+    def __init__(self, ops: Sequence[HookedOps]) -> None:
+        self._ops = ops
         self.listeners: list[CollectiveListener] = []
         self._libraries: list[torch.library.Library] = []
+        self._running = threading.local()  # .depth: hooked calls running on this thread
 
     def add(self, listener: CollectiveListener) -> None:
         """Start telling ``listener`` (registering the kernels if it is the first)."""
         if not self.listeners:
-            for namespace, names in self._ops.items():
-                library = torch.library.Library(namespace, "IMPL")
-                for name in names:
-                    func = getattr(getattr(torch.ops, namespace), name).default
-                    library.impl(name, self._kernel(func), "Autograd")
+            for ops in self._ops:
+                library = torch.library.Library(ops.namespace, "IMPL")
+                for name in ops.names:
+                    func = getattr(getattr(torch.ops, ops.namespace), name).default
+                    library.impl(name, self._kernel(func, ops.key), ops.key, with_keyset=True)
                 self._libraries.append(library)
         self.listeners.append(listener)
 
@@ -169,16 +187,26 @@ class CollectiveOps:
                 library._destroy()
             self._libraries = []
 
-    def _kernel(self, func: Any) -> Callable[..., Any]:
-        listeners = self.listeners
+    def _kernel(self, func: Any, key: str) -> Callable[..., Any]:
+        listeners, running = self.listeners, self._running
+        below = (
+            torch._C._after_autograd_keyset
+            if key == "Autograd"
+            else torch._C._after_ADInplaceOrView_keyset
+        )
 
-        def kernel(*args: Any, **kwargs: Any) -> Any:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             called = time.perf_counter()
-            with torch._C._AutoDispatchBelowAutograd():
-                out = func(*args, **kwargs)
-            call = OpCall(func, args, kwargs, out, called, time.perf_counter())
-            for listener in tuple(listeners):
-                listener.on_collective(call)
+            depth = getattr(running, "depth", 0)
+            running.depth = depth + 1
+            try:
+                out = func.redispatch(keyset & below, *args, **kwargs)
+            finally:
+                running.depth = depth
+            if depth == 0:
+                call = OpCall(func, args, kwargs, out, called, time.perf_counter())
+                for listener in tuple(listeners):
+                    listener.on_collective(call)
             return out
 
         return kernel
