@@ -22,8 +22,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
 from torch.distributed.distributed_c10d import GroupName
 
-from shardkit.tools.track.tracking import HookedOps
-
 __all__ = ["FUNCTIONAL", "OPERATORS", "WAIT_TENSOR", "OpInfo", "describe", "outputs"]
 
 
@@ -161,12 +159,11 @@ _FUNCTIONAL: dict[str, tuple[str, _Bytes]] = {
     "broadcast_": ("broadcast", _broadcast("input")),
 }
 
-OPERATORS = (
-    HookedOps("c10d", tuple(_C10D), "Autograd"),
-    HookedOps(FUNCTIONAL, (*_FUNCTIONAL, WAIT_TENSOR), "ADInplaceOrView"),
-)
-"""The operators a tracker hooks. The functional collectives have an autograd kernel of their
-own, so theirs is hooked below it (see [Note: observing torch programs])."""
+OPERATORS: dict[str, tuple[str, ...]] = {
+    "c10d": tuple(_C10D),
+    FUNCTIONAL: (*_FUNCTIONAL, WAIT_TENSOR),
+}
+"""The operators a tracker hooks, by namespace."""
 
 
 def _named_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -2,11 +2,10 @@
 
 How it sees them (see [Note: observing torch programs] in docs/notes/004):
 
-- Issue: a kernel registered at the Autograd key of every c10d collective operator sees each
-  call (whoever makes it: torch's ``fully_shard``, FSDP1, DDP's reducer, shardkit, user
-  code); one just below the autograd kernel of every functional collective (DTensor
-  redistribution, tensor parallelism, compiled code) sees those. Nothing else is hooked, so
-  other operators cost nothing.
+- Issue: a kernel registered at the BackendSelect key of every c10d and functional collective
+  operator sees each call (whoever makes it: torch's ``fully_shard``, FSDP1, DDP's reducer,
+  shardkit, DTensor's redistributions for tensor parallelism, compiled code, user code).
+  Nothing else is hooked, so other operators cost nothing.
 - Completion: the Work's future, where the backend offers one; otherwise the return of the
   wait on it; for a functional collective, the return of ``wait_tensor`` on its result.
 - Exposed time: the time the training thread spends inside ``Work.wait`` (wrapped while

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,7 +21,6 @@ __all__ = [
     "COMM_NAMESPACES",
     "CollectiveListener",
     "CollectiveOps",
-    "HookedOps",
     "LightDispatchMode",
     "MethodWrap",
     "OpCall",
@@ -118,6 +117,9 @@ class MethodWrap(Generic[L]):
             setattr(self.owner, self.name, self._original)
 
 
+_KEY = "BackendSelect"
+
+
 class CollectiveListener(Protocol):
     """What :class:`CollectiveOps` tells: each collective operator call, after it returned."""
 
@@ -137,33 +139,24 @@ class OpCall:
     returned_s: float  # and after
 
 
-@dataclass(frozen=True, slots=True)
-class HookedOps:
-    """Operators of one namespace, and the dispatch key our kernel for them goes to."""
-
-    namespace: str
-    names: tuple[str, ...]
-    key: Literal["Autograd", "ADInplaceOrView"]
-    """``Autograd`` for operators without an autograd kernel (c10d's): ours runs first, for
-    every caller. ``ADInplaceOrView`` for operators with one (the functional collectives):
-    ours runs right below it, where every other operator has a fallthrough.
-    See [Note: observing torch programs]."""
-
-
 class CollectiveOps:
     """Python kernels for the collective operators, registered while listeners exist.
 
-    Each kernel sits at a dispatch key where the operator has no kernel of its own (see
-    :class:`HookedOps`), so it runs for every call (from Python or from C++, such as DDP's
-    reducer), and only for those calls: unlike a dispatch mode, the other operators cost
-    nothing. It passes the call on to the keys below its own, then tells the listeners. A
-    collective called while another is running (c10d's operator carrying out a functional
-    collective) is part of that one and is not told. The registrations are removed when the
-    last listener leaves.
+    The kernels sit at the ``BackendSelect`` key. Every dispatch goes through it (it is in
+    every thread's included keys, and stays there under autograd's exclusions, inference
+    mode, and inside DTensor's own dispatch, where redistributions run with every key above
+    ``Python`` excluded), just above the backend kernel; every other operator has a
+    fallthrough there (only factory functions have kernels, and collectives are none). So a
+    kernel there sees every call of a collective operator (from Python or from C++, such as
+    DDP's reducer, funcol or DTensor), and the other operators cost nothing: unlike a dispatch
+    mode, nothing runs for them. It passes the call on to the backend, then tells the
+    listeners. A collective called while another is running (c10d's operator carrying out a
+    functional collective) is part of that one and is not told. The registrations are
+    removed when the last listener leaves. See [Note: observing torch programs].
     """
 
-    def __init__(self, ops: Sequence[HookedOps]) -> None:
-        self._ops = ops
+    def __init__(self, ops: dict[str, tuple[str, ...]]) -> None:
+        self._ops = ops  # namespace -> operator names
         self.listeners: list[CollectiveListener] = []
         self._libraries: list[torch.library.Library] = []
         self._running = threading.local()  # .depth: hooked calls running on this thread
@@ -171,11 +164,11 @@ class CollectiveOps:
     def add(self, listener: CollectiveListener) -> None:
         """Start telling ``listener`` (registering the kernels if it is the first)."""
         if not self.listeners:
-            for ops in self._ops:
-                library = torch.library.Library(ops.namespace, "IMPL")
-                for name in ops.names:
-                    func = getattr(getattr(torch.ops, ops.namespace), name).default
-                    library.impl(name, self._kernel(func, ops.key), ops.key, with_keyset=True)
+            for namespace, names in self._ops.items():
+                library = torch.library.Library(namespace, "IMPL")
+                for name in names:
+                    func = getattr(getattr(torch.ops, namespace), name).default
+                    library.impl(name, self._kernel(func), _KEY, with_keyset=True)
                 self._libraries.append(library)
         self.listeners.append(listener)
 
@@ -187,13 +180,9 @@ class CollectiveOps:
                 library._destroy()
             self._libraries = []
 
-    def _kernel(self, func: Any, key: str) -> Callable[..., Any]:
+    def _kernel(self, func: Any) -> Callable[..., Any]:
         listeners, running = self.listeners, self._running
-        below = (
-            torch._C._after_autograd_keyset
-            if key == "Autograd"
-            else torch._C._after_ADInplaceOrView_keyset
-        )
+        below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
 
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             called = time.perf_counter()
