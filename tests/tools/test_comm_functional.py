@@ -39,7 +39,9 @@ def _redistribute(rank: int, world_size: int) -> dict[str, Any]:
         row = torch.ones(1 - tp.get_local_rank(), 4)
         weight = DTensor.from_local(row, tp, [Shard(0)], shape=torch.Size([1, 4]), stride=(4, 1))
         x = DTensor.from_local(torch.ones(2, 4), tp, [Replicate()])
-        projected = F.linear(x, weight).to_local()
+        product = F.linear(x, weight)
+        assert isinstance(product, DTensor)
+        projected = product.to_local()
         on_dp = DTensor.from_local(torch.ones(2), dp, [Shard(0)]).full_tensor()
         total = torch.ones(1)
         dist.all_reduce(total)  # c10d, on the default group: no mesh axis
