@@ -192,9 +192,6 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
-    by_axis: dict[str, int] = {}
-    for call in step.schedule:
-        by_axis[call.axis] = by_axis.get(call.axis, 0) + call.sent_bytes
     logger.debug(
         "planned %s on %d ranks: %d groups, %d collectives, peak %d bytes",
         type(module).__name__,
@@ -217,7 +214,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         schedule=step.schedule,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
-        sent_bytes_by_axis=by_axis,
+        sent_bytes_by_axis=_by_axis(step.schedule),
         comm_seconds=theory.comm_seconds(sent, options.bandwidth_gbps),
         memory=step.memory,
         theory_sent_bytes=_theory_bytes(groups, step.reshard_after_forward, replicas),
@@ -319,6 +316,14 @@ def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
         reduce_output_bytes=group.layout.reduce_scatter_output_bytes,
         reshard_after_forward=reshard_after_forward,
     )
+
+
+def _by_axis(schedule: tuple[CollectiveCall, ...]) -> dict[str, int]:
+    """Bytes sent per mesh axis, axes in order of first appearance."""
+    sent: dict[str, int] = {}
+    for call in schedule:
+        sent[call.axis] = sent.get(call.axis, 0) + call.sent_bytes
+    return sent
 
 
 def _summarise(schedule: tuple[CollectiveCall, ...]) -> tuple[CollectivePlan, ...]:
