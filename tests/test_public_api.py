@@ -72,6 +72,7 @@ EXPECTED = {
     ],
     "shardkit.legacy": ["__version__"],
     "shardkit.tools": [
+        "AxisComm",
         "Category",
         "CollectiveCall",
         "CollectivePlan",

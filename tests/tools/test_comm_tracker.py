@@ -15,6 +15,7 @@ from shardkit.tools.records import CollectiveRecord, Phase, RankReport
 from shardkit.tools.track.comm import CommTracker
 from tests.core import models
 from tests.tools import workloads
+from tests.tools.hooks import installed_hooks
 
 
 def _tracked_steps(rank: int, world_size: int, engine: str, steps: int) -> dict[str, Any]:
@@ -128,20 +129,13 @@ def test_local_training_records_nothing() -> None:
     assert torch.is_grad_enabled()
 
 
-def _hooks() -> tuple[bool, int, int]:
-    from torch.nn.modules import module
-
-    kernel = torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "Autograd")
-    return kernel, len(module._global_forward_pre_hooks), len(module._global_forward_hooks)
-
-
 def test_nothing_stays_installed_when_not_tracking() -> None:
-    before = _hooks()
-    assert before[0] is False  # no kernel of ours (nor anyone's) at the Autograd key
+    before = installed_hooks()
+    assert before[0] is False  # no kernel of ours (nor anyone's) at those keys
     with CommTracker():
-        during = _hooks()
+        during = installed_hooks()
     assert during[0] is True and during[1] == before[1] + 1 and during[2] == before[2] + 1
-    assert _hooks() == before
+    assert installed_hooks() == before
 
 
 def test_tracker_refuses_to_start_twice() -> None:
@@ -154,17 +148,17 @@ def test_tracker_refuses_to_start_twice() -> None:
 
 
 def test_an_exception_inside_leaves_nothing_installed() -> None:
-    before = _hooks()
+    before = installed_hooks()
     original_wait = dist.Work.wait
     with pytest.raises(ZeroDivisionError), CommTracker():
         _ = 1 / 0
-    assert _hooks() == before and dist.Work.wait is original_wait
+    assert installed_hooks() == before and dist.Work.wait is original_wait
 
 
 def test_nested_trackers_share_one_installation() -> None:
-    before = _hooks()
+    before = installed_hooks()
     with CommTracker():
         with CommTracker():
-            assert _hooks()[0] is True
-        assert _hooks()[0] is True  # the outer one still needs the kernels
-    assert _hooks() == before
+            assert installed_hooks()[0] is True
+        assert installed_hooks()[0] is True  # the outer one still needs the kernels
+    assert installed_hooks() == before

@@ -64,6 +64,25 @@ def test_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert "layers.3  " in capsys.readouterr().out
 
 
+def test_tensor_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [TINY, "--world-size", "4", "--tp", "2"]
+    argv += ["--tp-plan", "shardkit.tools.examples:llama_tp_plan"]
+    assert main(argv) == 2  # the tp collectives need activations: --inputs
+    assert "tp_plan needs inputs" in capsys.readouterr().err
+    argv += ["--inputs", "shardkit.tools.examples:llama_tiny_inputs"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["tp_degree"], data["shard_size"]) == (2, 2)
+    assert set(data["sent_bytes_by_axis"]) == {"dp", "tp"}
+    assert {c["axis"] for c in data["collectives"]} == {"dp", "tp"}
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on 4 ranks (FSDP x TP 2)" in out and "by mesh axis: dp" in out
+    # The sequence-parallel norms' gradients, all-reduced over tp: 2 per block and the last.
+    norms = [ln.split() for ln in out.splitlines() if ln.split()[:2] == ["all_reduce", "tp"]]
+    assert len(norms) == 1 and "(x9)" in norms[0]
+
+
 def test_wrap_by_class_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([TINY, "--world-size", "2", "--wrap", "Attention,FeedForward", "--json"]) == 0
     groups = [g["fqn"] for g in json.loads(capsys.readouterr().out)["groups"]]

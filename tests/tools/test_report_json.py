@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardkit.tools.records import (
+    AxisComm,
     RankReport,
 )
 from shardkit.tools.report.json_io import (
@@ -30,6 +31,20 @@ def test_rank_file_round_trips(tmp_path: Path) -> None:
     assert path == tmp_path / "new" / "rank-1.json"
     assert json.loads(path.read_text())["rank"] == 1
     assert load_rank_reports(tmp_path / "new") == [report]
+
+
+def test_mesh_axes_round_trip(tmp_path: Path) -> None:
+    report = make_report(rank=0)
+    assert report.comm is not None
+    tagged = [dataclasses.replace(c, axis="tp") for c in report.collectives]
+    parts = [AxisComm(axis="tp", collectives=3, sent_bytes=9, comm_s=0.5, exposed_s=0.25)]
+    parts.append(dataclasses.replace(parts[0], axis=None))
+    steps = [dataclasses.replace(s, by_axis=parts) for s in report.comm.steps]
+    comm = dataclasses.replace(report.comm, steps=steps)
+    report = dataclasses.replace(report, collectives=tagged, comm=comm)
+    path = write_rank_report(rank_report_path(tmp_path, 0), report)
+    assert load_rank_reports(tmp_path) == [report]
+    assert json.loads(path.read_text())["comm"]["steps"][0]["by_axis"][1]["axis"] is None
 
 
 def test_loads_sorted_by_rank_and_skips_other_files(tmp_path: Path) -> None:

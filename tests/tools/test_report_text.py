@@ -13,6 +13,7 @@ from shardkit.tools.report.text import (
     module_label,
     summarize,
 )
+from shardkit.tools.track.comm_summary import by_axis
 from tests.tools.reports import MiB, make_report, make_reports
 
 
@@ -169,3 +170,29 @@ def test_collectives_are_grouped_by_the_module_they_serve_where_known() -> None:
     text = summarize([dataclasses.replace(report, collectives=served)])
     assert _line(text, "all_gather", "blocks.7").startswith("all_gather blocks.7 forward")
     assert "all_gather blocks.0" not in " ".join(text.split())
+
+
+def test_communication_by_mesh_axis() -> None:
+    report = make_report(0, 1)
+    assert report.comm is not None
+    # The all-gathers on the tp axis, the reduce-scatters on dp (a made-up split).
+    tagged = [
+        dataclasses.replace(c, axis="tp" if c.kind == "all_gather" else "dp")
+        for c in report.collectives
+    ]
+    steps = [
+        dataclasses.replace(s, by_axis=by_axis([c for c in tagged if c.step == s.step]))
+        for s in report.comm.steps
+    ]
+    comm = dataclasses.replace(report.comm, steps=steps)
+    text = summarize([dataclasses.replace(report, collectives=tagged, comm=comm)])
+    # Per step, tp: 2 MiB, busy 12 ms of which 8 exposed; dp: 4 MiB, busy 23 ms, 2 exposed.
+    assert _line(text, "0", "dp") == "0 dp 4 8.00 MiB 46.0 ms 4.0 ms (9%)"
+    assert _line(text, "tp") == "tp 4 4.00 MiB 24.0 ms 16.0 ms (67%)"
+    assert _line(text, "all_gather", "tp", "blocks.0").startswith(
+        "all_gather tp blocks.0 forward 2 2.00 MiB"
+    )
+    assert "collectives by kind, axis, module and phase" in text
+    # Without mesh axes neither the section nor the column shows.
+    plain = summarize(make_reports())
+    assert "by mesh axis" not in plain and "kind, module and phase" in plain

@@ -78,6 +78,7 @@ def test_collectives_carry_their_details_and_exposed_wait() -> None:
         "input_bytes": MiB // 2,
         "group": "0",
         "group_size": 2,
+        "axis": None,
         "module": "blocks.0",
         "serves": None,
         "phase": "backward",

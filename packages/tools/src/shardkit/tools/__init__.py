@@ -5,8 +5,9 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
 
 - :mod:`shardkit.tools.track`, what happened. Trackers are context managers that observe
   torch, so they work on shardkit, torch's ``fully_shard``, FSDP1, DDP and plain code alike:
-  :class:`CommTracker` (every collective with its kind, group, bytes, time, module and phase;
-  per-step totals, exposed vs overlapped communication), :class:`MemoryTracker` (live tensor
+  :class:`CommTracker` (every collective, c10d's and the functional ones of DTensor, with
+  its kind, group, mesh axis, bytes, time, module and phase; per-step totals, per axis too,
+  exposed vs overlapped communication), :class:`MemoryTracker` (live tensor
   memory by category, its timeline, the peak and the peak per module and phase) and
   :class:`Profiler` (both, sharing one view of modules and phases).
 - :mod:`shardkit.tools.plan`, what will happen: :func:`plan` (and the ``shardkit-plan``
@@ -28,6 +29,7 @@ from shardkit.tools.plan.records import (
     MemoryPoint,
 )
 from shardkit.tools.records import (
+    AxisComm,
     Category,
     CollectiveRecord,
     CommSummary,
@@ -48,6 +50,7 @@ from shardkit.tools.track.profiler import Profiler
 from shardkit.tools.track.scope import ModuleScope
 
 __all__ = [
+    "AxisComm",
     "Category",
     "CollectiveCall",
     "CollectivePlan",

@@ -13,6 +13,7 @@ from shardkit.tools.plan.examples import (
     llama_8b_inputs,
     llama_tiny,
     llama_tiny_inputs,
+    llama_tp_plan,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "llama_8b_inputs",
     "llama_tiny",
     "llama_tiny_inputs",
+    "llama_tp_plan",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 __all__ = [
+    "AxisComm",
     "Category",
     "CollectiveRecord",
     "CommSummary",
@@ -80,6 +81,9 @@ class CollectiveRecord:
     """The module (FQN, '' for the root) whose parameters it gathers or whose gradients it
     reduces, where the engine says (shardkit's does); None when unknown. A prefetch serves
     another module than the one running."""
+    axis: str | None = None
+    """The DeviceMesh axis its process group serves, by the mesh's dim name ('dp', 'tp',
+    'dp_shard', ...); None when no known mesh with dim names has that group."""
 
     @property
     def duration_s(self) -> float:
@@ -99,6 +103,20 @@ class PhaseSpan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AxisComm:
+    """The part of one training step's communication on one mesh axis."""
+
+    axis: str | None
+    """The mesh axis (see ``CollectiveRecord.axis``); None for groups of no known axis."""
+    collectives: int
+    sent_bytes: int
+    comm_s: float
+    """Wall time during which at least one of its collectives was in flight."""
+    exposed_s: float
+    """Time the training thread was blocked on its collectives."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepComm:
     """Communication totals of one training step on one rank."""
 
@@ -112,6 +130,8 @@ class StepComm:
     step_s: float
     """Wall time of the step (from its first recorded event to its last)."""
     sent_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    by_axis: list[AxisComm] = field(default_factory=list)
+    """The same step per mesh axis, named axes first (alphabetically), then None."""
 
     @property
     def overlapped_s(self) -> float:
@@ -283,9 +303,14 @@ def _sample(data: dict[str, Any]) -> MemorySample:
     )
 
 
+def _step_from_dict(data: dict[str, Any]) -> StepComm:
+    by_axis = [AxisComm(**a) for a in data.get("by_axis", [])]
+    return StepComm(**{**data, "by_axis": by_axis})
+
+
 def _comm_from_dict(data: dict[str, Any]) -> CommSummary:
     return CommSummary(
-        steps=[StepComm(**s) for s in data["steps"]],
+        steps=[_step_from_dict(s) for s in data["steps"]],
         theoretical_min_bytes=data.get("theoretical_min_bytes"),
     )
 

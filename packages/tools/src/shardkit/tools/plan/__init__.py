@@ -3,9 +3,10 @@
 :func:`plan` builds the model on the meta device, decides the FSDP groups as a per-block
 ``fully_shard`` would, takes every buffer size from the core's layout view (the arithmetic
 the engine builds its buffers with) and replays the engine's step to predict per-rank memory
-by category and the bytes of every collective. ``theory`` holds the closed-form minima it
-compares with, ``gpt`` and ``examples`` the models that the ``shardkit-plan`` command
-(``cli``) accepts.
+by category and the bytes of every collective; with a tensor-parallel plan, on both axes
+(``tp_styles`` reads the plan, ``tp_comm`` prices DTensor's collectives). ``theory`` holds the
+closed-form minima it compares with, ``gpt`` and ``examples`` the models that the
+``shardkit-plan`` command (``cli``) accepts.
 """
 
 from shardkit.tools.plan.options import PlanOptions

@@ -5,7 +5,9 @@
 
 FACTORY is ``module:function``: a function returning the model built on the meta device
 (``with torch.device("meta"): ...``). The current directory is importable, as with
-``python -m``. Prints tables (groups, collectives, memory by category) or, with ``--json``,
+``python -m``. With tensor parallelism, ``--tp N --tp-plan module:function`` names a function
+of the model returning the plan ``parallelize_module`` would get (and ``--inputs``). Prints
+tables (groups, collectives, memory by category) or, with ``--json``,
 :meth:`shardkit.tools.plan.planner.Plan.to_dict`. Exit status: 0 planned, 1 the model could not be
 planned, 2 bad arguments (including a factory that cannot be imported).
 """
@@ -108,7 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("factory", metavar="FACTORY", help="module:function returning the model")
     parser.add_argument("--world-size", type=int, required=True, help="ranks in all")
-    parser.add_argument("--mesh", type=_mesh, help="HSDP mesh REPLICAS,SHARD (product: world)")
+    parser.add_argument("--mesh", type=_mesh, help="HSDP mesh REPLICAS,SHARD (product: world / tp)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument(
+        "--tp-plan", metavar="FACTORY", help="module:function mapping the model to its TP plan"
+    )
     parser.add_argument(
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
@@ -141,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = _build_model(args.factory)
         options = PlanOptions(
             mesh_shape=args.mesh,
+            tp_degree=args.tp,
+            tp_plan=None if args.tp_plan is None else load_factory(args.tp_plan),
             wrap=None if args.wrap is None else frozenset(args.wrap.split(",")),
             reshard_after_forward=args.reshard_after_forward,
             param_dtype=args.param_dtype,
@@ -182,6 +190,8 @@ def format_plan(result: Plan, *, title: str = "model", all_groups: bool = False)
     """The plan as readable tables (what ``shardkit-plan`` prints)."""
     o = result.options
     mesh = f"HSDP {result.replicas}x{result.shard_size}" if result.replicas > 1 else "FSDP"
+    if result.tp_degree > 1:
+        mesh += f" x TP {result.tp_degree}"
     dtypes = f"param_dtype {_name(o.param_dtype)}, reduce_dtype {_name(o.reduce_dtype)}"
     lines = [
         f"{title} on {result.world_size} ranks ({mesh}); {dtypes}; {o.optimizer}; {o.backend}",
@@ -239,18 +249,22 @@ def _yes(flag: bool) -> str:
 def _comm_table(collectives: tuple[CollectivePlan, ...], all_groups: bool) -> list[str]:
     if not collectives:
         return ["collectives: none (one rank per shard group)"]
+    # Stable: the groups' order within an axis and kind.
+    ordered = sorted(collectives, key=lambda c: (c.axis, c.kind))
+    keys = [(c.kind, c.axis, c.group_size, c.sent_bytes, c.calls) for c in ordered]
+    runs = _runs([c.group for c in ordered], keys, not all_groups)
+    labels = [label + (f" (x{count})" if count > 1 else "") for label, _, count in runs]
+    width = max([28, *(len(label) for label in labels)])
     lines = [
-        f"{'collective':<15} {'group':<28} {'ranks':>5} {'sent/call':>11} {'calls':>5} "
-        f"{'sent/step':>11}"
+        f"{'collective':<15} {'axis':<12} {'group':<{width}} {'ranks':>5} {'sent/call':>11} "
+        f"{'calls':>5} {'sent/step':>11}"
     ]
-    ordered = sorted(collectives, key=lambda c: c.kind)  # stable: group order within a kind
-    keys = [(c.kind, c.group_size, c.sent_bytes, c.calls) for c in ordered]
-    for label, i, count in _runs([c.group for c in ordered], keys, not all_groups):
+    for label, (_, i, count) in zip(labels, runs, strict=True):
         c = ordered[i]
-        times = f" (x{count})" if count > 1 else ""
         lines.append(
-            f"{c.kind:<15} {label + times:<28} {c.group_size:>5} {format_bytes(c.sent_bytes):>11} "
-            f"{c.calls:>5} {format_bytes(c.sent_bytes_per_step * count):>11}"
+            f"{c.kind:<15} {c.axis:<12} {label:<{width}} {c.group_size:>5} "
+            f"{format_bytes(c.sent_bytes):>11} {c.calls:>5} "
+            f"{format_bytes(c.sent_bytes_per_step * count):>11}"
         )
     return lines
 
@@ -258,8 +272,14 @@ def _comm_table(collectives: tuple[CollectivePlan, ...], all_groups: bool) -> li
 def _comm_totals(result: Plan) -> list[str]:
     ratio = result.sent_over_theory
     versus = f" (theory {format_bytes(result.theory_sent_bytes)}, x{ratio:.4f})" if ratio else ""
+    axes = []
+    if len(result.sent_bytes_by_axis) > 1:
+        parts = ", ".join(f"{a} {format_bytes(n)}" for a, n in result.sent_bytes_by_axis.items())
+        axes = [f"  by mesh axis: {parts}"]
+        versus = versus.replace("(theory", "(data-parallel axes' theory")
     return [
         f"sent per rank per step: {format_bytes(result.sent_bytes_per_step)}{versus}",
+        *axes,
         f"communication time at {result.options.bandwidth_gbps:g} GB/s: "
         f"{result.comm_seconds * 1e3:.1f} ms (not overlapped)",
     ]
@@ -281,6 +301,8 @@ def _memory_table(result: Plan) -> list[str]:
     lines.append(f"{'total':<18} {format_bytes(peak.total):>11}")
     if not result.activations_traced:
         lines.append("activations not counted: pass --inputs to trace a forward on meta")
+    elif result.tp_degree > 1:
+        lines.append("activations: those of the model without tensor parallelism (an upper bound)")
     lines.append(
         "theory, sharded params + grads + optimizer state: "
         f"{format_bytes(result.theory_memory_bytes)}"

@@ -8,7 +8,8 @@ The GPT is :mod:`shardkit.tools.plan.gpt`, the model of shardkit's tests and ben
 Llama is the usual pre-norm decoder: token embedding, blocks of (RMSNorm, attention with
 grouped-query heads and rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied
 output projection. Blocks live in ``layers`` (an ``nn.ModuleList``), which is what the planner
-shards one by one by default.
+shards one by one by default. :func:`llama_tp_plan` is torchtitan's tensor-parallel plan for
+it (``--tp-plan shardkit.tools.examples:llama_tp_plan``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 
@@ -30,6 +39,7 @@ __all__ = [
     "llama_8b_inputs",
     "llama_tiny",
     "llama_tiny_inputs",
+    "llama_tp_plan",
 ]
 
 
@@ -214,6 +224,36 @@ def llama_tiny() -> Llama:
 def llama_tiny_inputs(batch: int = 2, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`llama_tiny`."""
     return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+
+
+def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Tensor and sequence parallelism for :class:`Llama`, as torchtitan applies it.
+
+    Embedding rows and the MLP's and attention's inner projections are split over the tp axis
+    (colwise in, rowwise out); norms run on sequence shards. The logits are gathered (no loss
+    parallelism). A real run would also divide each block's head counts by the TP degree.
+    """
+    del model  # every Llama gets the same plan: the blocks are matched by pattern
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+    }
 
 
 def gpt_small() -> GPT:

@@ -11,6 +11,7 @@ See docs/notes/001-flat-group-buffers.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -114,12 +115,17 @@ def _module_list_elements(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def build_groups(
-    model: nn.Module, options: PlanOptions, shard_size: int, replicas: int = 1
+    model: nn.Module,
+    options: PlanOptions,
+    shard_size: int,
+    replicas: int = 1,
+    local_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[GroupSpec]:
     """One GroupSpec per selected module that manages parameters, root last.
 
     A module's group holds the parameters in its tree that no selected submodule holds, as
-    when ``fully_shard`` is applied bottom-up.
+    when ``fully_shard`` is applied bottom-up. ``local_shapes`` gives the TP-local shape of
+    the parameters tensor parallelism distributes: what the data-parallel axis shards.
 
     Raises:
         ValueError: a parameter is shared by two groups, or is 0-dim; the trainable
@@ -142,7 +148,7 @@ def build_groups(
                     f"{owner[id(param)]} and {fqn}; fully_shard needs it in one group"
                 )
             owner[id(param)] = fqn
-            specs.append(_param_spec(pname, param))
+            specs.append(_param_spec(pname, param, (local_shapes or {}).get(pname)))
         if specs:
             layout = _layout(fqn, specs, options, shard_size, replicas)
             groups.append(GroupSpec(fqn=fqn, module=module, layout=layout))
@@ -164,7 +170,7 @@ def _own_params(module: nn.Module, is_group: set[int]) -> list[nn.Parameter]:
     return found
 
 
-def _param_spec(name: str, param: nn.Parameter) -> ParamSpec:
+def _param_spec(name: str, param: nn.Parameter, local: tuple[int, ...] | None) -> ParamSpec:
     if param.dim() == 0:
         raise ValueError(
             f"shardkit.tools.plan: parameter {name} is 0-dim, which fully_shard cannot shard"
@@ -183,9 +189,8 @@ def _param_spec(name: str, param: nn.Parameter) -> ParamSpec:
             "the planner does not model; plan the model with plain parameters of the same "
             "shapes for an estimate, or measure it with CommTracker and MemoryTracker"
         )
-    return ParamSpec(
-        fqn=name, shape=tuple(param.shape), dtype=param.dtype, requires_grad=param.requires_grad
-    )
+    shape = tuple(param.shape) if local is None else local
+    return ParamSpec(fqn=name, shape=shape, dtype=param.dtype, requires_grad=param.requires_grad)
 
 
 def _layout(

@@ -2,18 +2,20 @@
 
 The options mirror ``shardkit.core.fully_shard``'s (``reshard_after_forward``, and
 ``MixedPrecisionPolicy``'s ``param_dtype`` / ``reduce_dtype``) so a plan describes the same
-training step the engine will run.
+training step the engine will run; with tensor parallelism, the TP degree and the plan
+``parallelize_module`` is given before ``fully_shard``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from shardkit.tools.plan.tp_styles import TPPlan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 __all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy"]
@@ -36,7 +38,15 @@ class PlanOptions:
 
     mesh_shape: tuple[int, int] | None = None
     """HSDP: (replicas, shard). Parameters are sharded over ``shard`` ranks and gradients
-    all-reduced across ``replicas``; their product must be the world size. None is 1-D FSDP."""
+    all-reduced across ``replicas``; their product must be the data-parallel size (the world
+    size over ``tp_degree``). None is 1-D FSDP."""
+    tp_degree: int = 1
+    """Ranks of the tensor-parallel axis, the innermost of the mesh (torchtitan's layout:
+    (dp_replicate, dp_shard, tp), so a rank's tp index is ``rank % tp_degree``)."""
+    tp_plan: TPPlan | None = None
+    """What ``parallelize_module`` is given on the tp axis before ``fully_shard``: module
+    path -> ParallelStyle (Colwise, Rowwise, SequenceParallel, PrepareModuleInput), or a
+    function of the model returning that. Needs ``inputs``: tp collectives move activations."""
     wrap: WrapPolicy | None = None
     """Modules sharded on their own (the root is always one more). None: every element of an
     ``nn.ModuleList`` that is not inside another such element (torchtitan's per-block wrap).
@@ -118,6 +128,28 @@ class PlanOptions:
             raise ValueError(f"PlanOptions.backend must be 'nccl' or 'gloo': {self.backend!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"PlanOptions.rank must be a non-negative int: {self.rank!r}")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        degree = self.tp_degree
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"PlanOptions.tp_degree must be a positive int: {degree!r}")
+        if self.tp_plan is None:
+            if degree > 1:
+                raise ValueError(
+                    f"PlanOptions.tp_degree is {degree} but no tp_plan says what to shard"
+                )
+            return
+        if not callable(self.tp_plan) and not isinstance(self.tp_plan, Mapping):
+            raise TypeError(
+                "PlanOptions.tp_plan must be a dict of ParallelStyles or a function of the "
+                f"model returning one, got {type(self.tp_plan).__name__}"
+            )
+        if self.inputs is None:
+            raise ValueError(
+                "PlanOptions.tp_plan needs inputs: the tensor-parallel collectives move "
+                "activations, whose sizes come from a forward on the meta device"
+            )
 
     @property
     def num_states(self) -> int:

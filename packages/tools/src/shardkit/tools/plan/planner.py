@@ -7,6 +7,9 @@ simulates one steady-state training step of the engine:
 
 - the collectives it issues (kind, group, bytes per call, calls per step) and the bytes a rank
   sends per step, exactly as the engine reports them in ``shardkit.core.CollectiveEvent``;
+- with a tensor-parallel plan on a (dp, tp) mesh, the engine's collectives over the TP-local
+  shards (the layout is asked with TP-local shapes: ``tp_styles``) and DTensor's own on the tp
+  axis in forward and backward, with their bytes (``tp_comm``), each call naming its axis;
 - the communication time at a given bandwidth (bytes / bandwidth, nothing overlapped);
 - per-rank memory by category over the step: its peak, the breakdown at the peak and each
   category's maximum (see ``step`` for what is modelled and what is approximate);
@@ -37,6 +40,13 @@ from shardkit.tools.plan.records import (
     MemoryPoint,
 )
 from shardkit.tools.plan.step import StepInputs, simulate_step
+from shardkit.tools.plan.tp_comm import TPTracer
+from shardkit.tools.plan.tp_styles import (
+    check_shardable,
+    param_placements,
+    resolve_plan,
+    tp_local_shape,
+)
 from shardkit.tools.plan.trace import assumed_trace, trace_step
 
 __all__ = ["Plan", "plan"]
@@ -51,13 +61,15 @@ class Plan:
     world_size: int
     """Ranks in all."""
     shard_size: int
-    """Ranks each parameter is sharded over (the world size, or the HSDP shard axis)."""
+    """Ranks each parameter is sharded over (the data-parallel size, or the HSDP shard axis)."""
     replicas: int
     """HSDP replica groups (1 for FSDP)."""
+    tp_degree: int
+    """Ranks of the tensor-parallel axis (1: no tensor parallelism)."""
     options: PlanOptions
     """What was planned."""
     param_count: int
-    """Parameters of the model (unique elements)."""
+    """Parameters of the model (unique elements, before any sharding)."""
     trainable_count: int
     """Of which trainable."""
     groups: tuple[GroupPlan, ...]
@@ -67,13 +79,15 @@ class Plan:
     collectives: tuple[CollectivePlan, ...]
     """The schedule summed up per (kind, group)."""
     sent_bytes_per_step: int
-    """Bytes one rank sends per step."""
+    """Bytes one rank sends per step, on every axis."""
+    sent_bytes_by_axis: dict[str, int]
+    """The same by mesh axis ('dp', or 'dp_shard' and 'dp_replicate'; 'tp')."""
     comm_seconds: float
     """``sent_bytes_per_step`` at ``options.bandwidth_gbps``, with no overlap."""
     memory: MemoryPlan
     """Per-rank memory over the step."""
     theory_sent_bytes: int
-    """The same schedule's bytes without padding or alignment (``theory``)."""
+    """The data-parallel schedule's bytes without padding or alignment (``theory``)."""
     theory_memory_bytes: int
     """Sharded parameters, gradients and optimizer state without padding: 16Ψ/W for fp32
     AdamW (``theory.zero_memory_per_rank`` at stage 3)."""
@@ -82,8 +96,14 @@ class Plan:
 
     @property
     def sent_over_theory(self) -> float | None:
-        """Planned bytes over the theoretical minimum (1.0 is optimal; None if nothing sent)."""
-        return self.sent_bytes_per_step / self.theory_sent_bytes if self.theory_sent_bytes else None
+        """Planned data-parallel bytes over their minimum (1.0 is optimal; None: none sent).
+
+        Tensor parallelism's bytes are what its plan asks for, with no minimum: left out.
+        """
+        if not self.theory_sent_bytes:
+            return None
+        dp_bytes = self.sent_bytes_per_step - self.sent_bytes_by_axis.get("tp", 0)
+        return dp_bytes / self.theory_sent_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (dtypes and enums as strings; the memory timeline left out)."""
@@ -92,6 +112,7 @@ class Plan:
             "world_size": self.world_size,
             "shard_size": self.shard_size,
             "replicas": self.replicas,
+            "tp_degree": self.tp_degree,
             "options": {
                 "reshard_after_forward": options.reshard_after_forward,
                 "param_dtype": _dtype_name(options.param_dtype),
@@ -110,6 +131,7 @@ class Plan:
                 for c in self.collectives
             ],
             "sent_bytes_per_step": self.sent_bytes_per_step,
+            "sent_bytes_by_axis": self.sent_bytes_by_axis,
             "comm_seconds": self.comm_seconds,
             "theory_sent_bytes": self.theory_sent_bytes,
             "theory_memory_bytes": self.theory_memory_bytes,
@@ -125,8 +147,9 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     """Plan per-rank memory and communication of FSDP training, allocating nothing.
 
     Args:
-        model: An ``nn.Module`` on the meta device, or a callable returning one.
-        world_size: Ranks in all (replicas x shard for HSDP).
+        model: An ``nn.Module`` on the meta device, or a callable returning one; with
+            ``options.tp_plan``, the model before ``parallelize_module``.
+        world_size: Ranks in all (replicas x shard for HSDP, times ``options.tp_degree``).
         options: How it is sharded and trained; defaults to ``PlanOptions()`` (fp32, AdamW,
             per-block wrap, the root keeping its parameters after forward).
 
@@ -136,16 +159,20 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     Raises:
         TypeError: ``model`` is not a module nor returns one; an option has the wrong type.
         ValueError: bad world size, mesh shape or rank; a parameter not on the meta device,
-            0-dim or shared by two groups; a model with no parameters.
+            0-dim or shared by two groups; a model with no parameters; a TP plan key that
+            matches no module, or a style that is not modelled.
     """
     options = options if options is not None else PlanOptions()
     module = _resolve(model)
-    replicas, shard = _mesh(world_size, options)
-    groups = build_groups(module, options, shard, replicas)
+    mesh = _mesh(world_size, options)
+    replicas, shard = mesh.replicas, mesh.shard
+    tp = _tensor_parallel(module, options, mesh.tp_rank(options.rank))
+    local_shapes = tp.local_shapes if tp is not None else None
+    groups = build_groups(module, options, shard, replicas, local_shapes)
     if not groups:
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
     if options.inputs is not None:
-        trace = trace_step(module, groups, options)
+        trace = trace_step(module, groups, options, tp.tracer if tp is not None else None)
     else:
         trace = assumed_trace(module, groups)
     root = next((i for i, g in enumerate(groups) if g.module is module), None)
@@ -158,6 +185,10 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             options=options,
             replicas=replicas,
             buffer_bytes=buffers,
+            shard_rank=mesh.shard_rank(options.rank),
+            hsdp=options.mesh_shape is not None,
+            tp=tp.tracer.schedule() if tp is not None else None,
+            tp_degree=options.tp_degree,
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
@@ -173,15 +204,17 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         world_size=world_size,
         shard_size=shard,
         replicas=replicas,
+        tp_degree=options.tp_degree,
         options=options,
-        param_count=sum(g.param_count for g in groups),
-        trainable_count=sum(p.numel for g in groups for p in g.trainable),
+        param_count=sum(p.numel() for p in module.parameters()),
+        trainable_count=sum(p.numel() for p in module.parameters() if p.requires_grad),
         groups=tuple(
             _group_plan(g, raf) for g, raf in zip(groups, step.reshard_after_forward, strict=True)
         ),
         schedule=step.schedule,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
+        sent_bytes_by_axis=_by_axis(step.schedule),
         comm_seconds=theory.comm_seconds(sent, options.bandwidth_gbps),
         memory=step.memory,
         theory_sent_bytes=_theory_bytes(groups, step.reshard_after_forward, replicas),
@@ -208,21 +241,68 @@ def _resolve(model: ModelSource) -> nn.Module:
     return built
 
 
-def _mesh(world_size: int, options: PlanOptions) -> tuple[int, int]:
-    """(replicas, shard) of the data-parallel mesh, validated against the world size."""
+@dataclass(frozen=True, slots=True)
+class _Mesh:
+    """The (replicas, shard, tp) mesh, tp innermost as torchtitan lays it out."""
+
+    replicas: int
+    shard: int
+    tp: int
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def shard_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.shard
+
+
+def _mesh(world_size: int, options: PlanOptions) -> _Mesh:
+    """The mesh, validated against the world size."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"shardkit.tools.plan: world_size must be a positive int: {world_size!r}")
-    replicas, shard = options.mesh_shape or (1, world_size)
-    if replicas * shard != world_size:
+    tp = options.tp_degree
+    if world_size % tp:
         raise ValueError(
-            f"shardkit.tools.plan: mesh_shape {options.mesh_shape} has {replicas * shard} "
-            f"ranks, not the world size {world_size}"
+            f"shardkit.tools.plan: tp_degree {tp} does not divide the world size {world_size}"
+        )
+    replicas, shard = options.mesh_shape or (1, world_size // tp)
+    if replicas * shard * tp != world_size:
+        tp_note = f" x tp_degree {tp}" if tp > 1 else ""
+        raise ValueError(
+            f"shardkit.tools.plan: mesh_shape {options.mesh_shape}{tp_note} has "
+            f"{replicas * shard * tp} ranks, not the world size {world_size}"
         )
     if options.rank >= world_size:
         raise ValueError(
             f"shardkit.tools.plan: rank {options.rank} is outside the world size {world_size}"
         )
-    return replicas, shard
+    return _Mesh(replicas, shard, tp)
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorParallel:
+    local_shapes: dict[str, tuple[int, ...]]
+    """Parameter FQN -> the planned rank's TP-local shape, for the parameters TP distributes."""
+    tracer: TPTracer
+    """Records the tp collectives during the meta forward."""
+
+
+def _tensor_parallel(
+    module: nn.Module, options: PlanOptions, tp_rank: int
+) -> _TensorParallel | None:
+    if options.tp_plan is None:
+        return None
+    resolved = resolve_plan(module, options.tp_plan)
+    params = dict(module.named_parameters())
+    local_shapes: dict[str, tuple[int, ...]] = {}
+    for name, placement in param_placements(resolved).items():
+        if name not in params:
+            continue  # a tied parameter is known by its first name
+        shape = tuple(params[name].shape)
+        check_shardable(f"parameter {name}", shape, placement, options.tp_degree)
+        local_shapes[name] = tp_local_shape(shape, placement, tp_rank, options.tp_degree)
+    tracer = TPTracer(resolved, options.tp_degree, gloo=options.backend == "gloo")
+    return _TensorParallel(local_shapes, tracer)
 
 
 def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
@@ -238,17 +318,31 @@ def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
     )
 
 
+def _by_axis(schedule: tuple[CollectiveCall, ...]) -> dict[str, int]:
+    """Bytes sent per mesh axis, axes in order of first appearance."""
+    sent: dict[str, int] = {}
+    for call in schedule:
+        sent[call.axis] = sent.get(call.axis, 0) + call.sent_bytes
+    return sent
+
+
 def _summarise(schedule: tuple[CollectiveCall, ...]) -> tuple[CollectivePlan, ...]:
-    """Count the calls per (kind, group, sizes), in order of first appearance."""
-    counts: dict[tuple[str, str, int, int, int], int] = {}
+    """Count the calls per (kind, group, axis, sizes), in order of first appearance."""
+    counts: dict[tuple[str, str, str, int, int, int], int] = {}
     for c in schedule:
-        key = (c.kind, c.group, c.group_size, c.input_bytes, c.sent_bytes)
+        key = (c.kind, c.group, c.axis, c.group_size, c.input_bytes, c.sent_bytes)
         counts[key] = counts.get(key, 0) + 1
     return tuple(
         CollectivePlan(
-            kind=kind, group=group, group_size=size, input_bytes=inp, sent_bytes=sent, calls=n
+            kind=kind,
+            group=group,
+            axis=axis,
+            group_size=size,
+            input_bytes=inp,
+            sent_bytes=sent,
+            calls=n,
         )
-        for (kind, group, size, inp, sent), n in counts.items()
+        for (kind, group, axis, size, inp, sent), n in counts.items()
     )
 
 

@@ -36,13 +36,18 @@ class CollectiveCall:
     """One collective of a training step, in the order the engine issues them."""
 
     kind: str
-    """'all_gather', 'reduce_scatter' or 'all_reduce' (HSDP)."""
+    """'all_gather', 'reduce_scatter' or 'all_reduce' (HSDP, or tensor parallelism)."""
     group: str
-    """FQN of the FSDP group it serves."""
+    """FQN of the FSDP group it serves; on the tp axis, of the module whose ParallelStyle
+    converts the tensor (of the parameter, for a partial gradient's all-reduce)."""
+    axis: str
+    """The mesh axis it runs on, by torchtitan's names: 'dp' (FSDP), 'dp_shard' and
+    'dp_replicate' (HSDP), 'tp'."""
     group_size: int
     """Ranks in the process group."""
     input_bytes: int
-    """What this rank contributes (as ``shardkit.core.CollectiveEvent.input_bytes``)."""
+    """What this rank contributes (as ``shardkit.core.CollectiveEvent.input_bytes``, or
+    the functional collective's input on tp)."""
     sent_bytes: int
     """What this rank sends under a bandwidth-optimal algorithm."""
     phase: Phase
@@ -51,12 +56,14 @@ class CollectiveCall:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectivePlan:
-    """The calls of one kind for one group in a step."""
+    """The calls of one kind, size and axis for one group in a step."""
 
     kind: str
     """'all_gather', 'reduce_scatter' or 'all_reduce'."""
     group: str
-    """FQN of the FSDP group."""
+    """FQN of the FSDP group, or of the styled module on tp (see ``CollectiveCall``)."""
+    axis: str
+    """The mesh axis (see ``CollectiveCall.axis``)."""
     group_size: int
     """Ranks in the process group."""
     input_bytes: int

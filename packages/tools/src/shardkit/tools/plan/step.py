@@ -35,6 +35,11 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Optimizer: AdamW's two states and a 4-byte ``step`` per trainable parameter, each state the
   size of the rank's unpadded local shard. *Approximate*: the step's scratch (two
   largest-shard temporaries per tensor on the CPU, one state's worth for foreach on GPUs).
+- Tensor parallelism (``tp_comm``): each forward segment's tp collectives are issued in it,
+  backward's while backward runs that segment; the partial gradients of sequence-parallel
+  parameters are all-reduced over tp as their group starts its reduction (the engine's
+  sharding extension settles them first). Buffers are the TP-local ones (the layout is asked
+  with TP-local shapes); activations are the unparallelized model's (*approximate*, high).
 - Activations (*approximate*, from the meta forward and backward of ``trace``): forward
   adds each segment's saved bytes at the segment's end; backward follows the measured live
   saved bytes and activation gradients (category OTHER) segment by segment. Allocator
@@ -51,6 +56,7 @@ from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan.tp_comm import TPCall, TPSchedule
 from shardkit.tools.plan.trace import StepTrace, gradient_schedule
 from shardkit.tools.records import Category, Phase
 
@@ -73,6 +79,14 @@ class StepInputs:
     """HSDP replica groups (1 for plain FSDP)."""
     buffer_bytes: int
     """Module buffers (``model.buffers()``), resident for the whole step."""
+    shard_rank: int
+    """The planned rank's index on the shard axis."""
+    hsdp: bool = False
+    """Whether the data-parallel mesh is 2-D (its axes: dp_replicate, dp_shard; else dp)."""
+    tp: TPSchedule | None = None
+    """The tensor-parallel collectives, placed on the forward's segments (None: no TP)."""
+    tp_degree: int = 1
+    """Ranks of the tp axis."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,7 +150,7 @@ class _Step:
 
     def setup(self) -> None:
         options = self.inputs.options
-        shard_rank = options.rank % self.world
+        shard_rank = self.inputs.shard_rank
         ledger = self.ledger
         if self.inputs.buffer_bytes:
             ledger.alloc(("buffers", 0), Category.OTHER, self.inputs.buffer_bytes, "module buffers")
@@ -166,6 +180,7 @@ class _Step:
             ledger.module = owners[j]
             if nbytes:
                 ledger.alloc(("act", j), Category.ACTIVATIONS, nbytes, "activations")
+            self._record_tp(self.inputs.tp.forward.get(j, []) if self.inputs.tp else [])
             if j < len(trace.events):
                 event = trace.events[j]
                 ledger.module = self.groups[event.group].fqn
@@ -244,10 +259,24 @@ class _Step:
             self.unsharded[g] = False
 
     def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
+        # torchtitan's axis names: "dp" alone, "dp_shard" and "dp_replicate" under HSDP.
+        axis = "dp_shard" if self.inputs.hsdp else "dp"
+        if kind == "all_reduce":
+            axis = "dp_replicate"
+        self._append(kind, self.groups[g].fqn, axis, size, input_bytes, sent)
+
+    def _record_tp(self, calls: list[TPCall]) -> None:
+        for c in calls:
+            self._append(c.kind, c.module, "tp", self.inputs.tp_degree, c.input_bytes, c.sent_bytes)
+
+    def _append(
+        self, kind: str, group: str, axis: str, size: int, input_bytes: int, sent: int
+    ) -> None:
         self.calls.append(
             CollectiveCall(
                 kind=kind,
-                group=self.groups[g].fqn,
+                group=group,
+                axis=axis,
                 group_size=size,
                 input_bytes=input_bytes,
                 sent_bytes=sent,
@@ -283,7 +312,8 @@ class _Step:
         return ("grad", sum(len(group.params) for group in self.groups[:g]) + p)
 
     def _backward_segment(self, j: int) -> None:
-        """Activations and activation gradients while backward runs segment ``j``."""
+        """Activations, activation gradients and tp collectives while backward runs ``j``."""
+        self._record_tp(self.inputs.tp.backward.get(j, []) if self.inputs.tp else [])
         ledger, trace = self.ledger, self.inputs.trace
         if trace.backward is None:
             if trace.activation_bytes[j]:  # freed as backward leaves the segment
@@ -322,10 +352,21 @@ class _Step:
         self.ledger.module = self.groups[g].fqn
         keys = self._grad_keys(g)
         if keys:
+            self._settle_partial_grads(g)
             self._start_reduce(g)
         for key in keys:
             self.ledger.free(key)
         self._reshard(g)
+
+    def _settle_partial_grads(self, g: int) -> None:
+        """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
+        tp, size = self.inputs.tp, self.inputs.tp_degree
+        if tp is None or size == 1:
+            return
+        for p, param in enumerate(self.groups[g].params):
+            if param.fqn in tp.partial_grads and self._grad_key(g, p) in self.ledger.live:
+                n = param.numel * param.comm_dtype.itemsize
+                self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
 
     def _start_reduce(self, g: int) -> None:
         while self.reduces:  # at most one reduction in flight (max_reduces_in_flight = 1)
@@ -391,7 +432,7 @@ class _Step:
     def optimizer(self) -> None:
         options, ledger = self.inputs.options, self.ledger
         ledger.phase, ledger.module = Phase.OPTIMIZER, ""
-        shard_rank = options.rank % self.world
+        shard_rank = self.inputs.shard_rank
         sizes = [
             p.local_numel(shard_rank) * p.dtype.itemsize for g in self.groups for p in g.trainable
         ]

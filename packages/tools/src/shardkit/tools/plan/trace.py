@@ -26,9 +26,9 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,7 @@ from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 
 __all__ = [
+    "ForwardWatch",
     "GradientSchedule",
     "GroupEvent",
     "StepTrace",
@@ -236,12 +237,24 @@ class _TraceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class ForwardWatch(Protocol):
+    """Something else to hook during the meta forward (the tensor-parallel tracer)."""
+
+    def hooks(self, segment: Callable[[], int]) -> AbstractContextManager[None]:
+        """Hooks held while the forward runs; ``segment()`` is the current segment."""
+
+
 def trace_step(
     model: nn.Module,
     groups: list[GroupSpec],
     options: PlanOptions,
+    watch: ForwardWatch | None = None,
 ) -> StepTrace:
     """Run ``model`` forward, the loss and backward on the meta device, and record.
+
+    The model runs unparallelized: parameters are replaced by meta tensors of their full
+    shape, in the gather dtype. ``watch``'s hooks, installed before the group events', run
+    first, as tensor parallelism's (applied before ``fully_shard``) do.
 
     Raises:
         TypeError: ``options.inputs`` returns something other than a tensor, tuple or dict.
@@ -251,9 +264,10 @@ def trace_step(
     args, kwargs = _as_call(options.inputs())
     replacements: dict[str, torch.Tensor] = {}
     param_names: dict[int, str] = {}
+    shapes = {name: param.shape for name, param in model.named_parameters()}
     for g in groups:
         for p in g.params:
-            fake = torch.empty(p.shape, dtype=p.comm_dtype, device="meta")
+            fake = torch.empty(shapes[p.fqn], dtype=p.comm_dtype, device="meta")
             fake.requires_grad_(p.requires_grad)
             replacements[p.fqn] = fake
             param_names[id(fake)] = p.fqn
@@ -262,6 +276,8 @@ def trace_step(
     recorder = _Recorder(excluded, param_names)
     root_is_group = any(g.module is model for g in groups)
     with ExitStack() as stack:
+        if watch is not None:
+            stack.enter_context(watch.hooks(lambda: recorder.segment))
         stack.enter_context(_group_hooks(model, groups, recorder, options.param_dtype))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))

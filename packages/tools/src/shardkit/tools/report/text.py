@@ -1,9 +1,11 @@
 """The terminal summary: plain-text tables that answer the profiling questions at a glance.
 
 Three questions shape the sections: is communication hidden behind compute (per rank and step:
-bytes against the theoretical minimum, exposed against overlapped time), which collectives
-cost the most (grouped by kind, module and phase), and where the memory goes (each rank's peak
-by category, the modules at the top of the peak, the CUDA allocator's own figures).
+bytes against the theoretical minimum, exposed against overlapped time; per mesh axis, such as
+data against tensor parallelism, where the collectives' groups belong to a named mesh), which
+collectives cost the most (grouped by kind, axis, module and phase), and where the memory goes
+(each rank's peak by category, the modules at the top of the peak, the CUDA allocator's own
+figures).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardkit.tools.records import (
+    AxisComm,
     Category,
     CollectiveRecord,
     CommSummary,
@@ -106,6 +109,7 @@ def summarize(reports: Sequence[RankReport]) -> str:
     sections = [
         f"shardkit profile: {len(reports)} of {world} ranks (ranks {ranks})",
         _comm_section(reports),
+        _axis_section(reports),
         _collective_groups_section(reports),
         _memory_section(reports),
     ]
@@ -193,6 +197,42 @@ def _comm_row(label: str, s: StepComm, ratio: str) -> list[str]:
     ]
 
 
+def _axis_section(reports: Sequence[RankReport]) -> str:
+    """Bytes and time per mesh axis and rank, over the reported steps; '' without axes."""
+    rows: list[list[str]] = []
+    for report in reports:
+        steps = report.comm.steps if report.comm is not None else []
+        totals: dict[str | None, list[AxisComm]] = defaultdict(list)
+        for step in steps:
+            for part in step.by_axis:
+                totals[part.axis].append(part)
+        if all(axis is None for axis in totals):
+            continue
+        first = len(rows)
+        for axis, parts in totals.items():
+            comm_s, exposed_s = sum(p.comm_s for p in parts), sum(p.exposed_s for p in parts)
+            rows.append(
+                [
+                    "",
+                    _axis_label(axis),
+                    str(sum(p.collectives for p in parts)),
+                    format_bytes(sum(p.sent_bytes for p in parts)),
+                    format_seconds(comm_s),
+                    f"{format_seconds(exposed_s)} ({_percent(exposed_s, comm_s)})",
+                ]
+            )
+        rows[first][0] = str(report.rank)
+    if not rows:
+        return ""
+    headers = ["rank", "axis", "collectives", "sent", "comm", "exposed"]
+    table = format_table(headers, rows, align="rlrrrr")
+    return "communication by mesh axis (each rank's steps together)\n" + table
+
+
+def _axis_label(axis: str | None) -> str:
+    return "(no mesh axis)" if axis is None else axis
+
+
 @dataclass(kw_only=True, slots=True)
 class _Group:
     """Running totals of one (kind, module, phase) group of collectives."""
@@ -204,10 +244,10 @@ class _Group:
 
 
 def _collective_groups_section(reports: Sequence[RankReport]) -> str:
-    groups: dict[tuple[str, str, str], _Group] = defaultdict(_Group)
+    groups: dict[tuple[str, str | None, str, str], _Group] = defaultdict(_Group)
     for report in reports:
         for c in report.collectives:
-            group = groups[(c.kind, module_label(_for(c), c.phase), c.phase.value)]
+            group = groups[(c.kind, c.axis, module_label(_for(c), c.phase), c.phase.value)]
             group.calls += 1
             group.sent_bytes += c.sent_bytes
             group.time_s += c.duration_s
@@ -215,10 +255,13 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
     if not groups:
         return "collectives: none recorded"
     ranked = sorted(groups.items(), key=lambda kv: kv[1].time_s, reverse=True)
-    headers = ["kind", "module", "phase", "calls", "sent", "time", "exposed"]
+    with_axis = any(axis is not None for _, axis, _, _ in groups)
+    headers = ["kind", *(["axis"] if with_axis else []), "module", "phase"]
+    headers += ["calls", "sent", "time", "exposed"]
     rows = [
         [
             kind,
+            *([_axis_label(axis)] if with_axis else []),
             module,
             phase,
             str(g.calls),
@@ -226,13 +269,15 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
             format_seconds(g.time_s),
             f"{format_seconds(g.wait_s)} ({_percent(g.wait_s, g.time_s)})",
         ]
-        for (kind, module, phase), g in ranked[:MAX_GROUP_ROWS]
+        for (kind, axis, module, phase), g in ranked[:MAX_GROUP_ROWS]
     ]
+    what = "kind, axis, module and phase" if with_axis else "kind, module and phase"
     title = (
-        f"collectives by kind, module and phase (summed over {len(reports)} ranks; the module"
+        f"collectives by {what} (summed over {len(reports)} ranks; the module"
         " a collective is for where the engine says, else the one running)"
     )
-    text = title + "\n" + format_table(headers, rows, align="lllrrrr")
+    align = "llll" if with_axis else "lll"
+    text = title + "\n" + format_table(headers, rows, align=align + "rrrr")
     rest = ranked[MAX_GROUP_ROWS:]
     if rest:
         calls = sum(g.calls for _, g in rest)

@@ -124,6 +124,7 @@ def _collective_slice(c: CollectiveRecord) -> _Slice:
             "input_bytes": c.input_bytes,
             "group": c.group,
             "group_size": c.group_size,
+            "axis": c.axis,
             "module": c.module,
             "serves": c.serves,
             "phase": c.phase.value,

@@ -1,8 +1,11 @@
 """What each torch.distributed operator is, and how many bytes it moves.
 
 Every c10d collective, whoever calls it (torch's ``fully_shard``, FSDP1, DDP's reducer, user
-code), reaches the dispatcher as one of the ``c10d::`` operators below. A kernel registered
-for them sees their arguments; this module turns those into a kind and byte counts.
+code), reaches the dispatcher as one of the ``c10d::`` operators below; every functional
+collective (DTensor redistribution, tensor parallelism, compiled code) as one of the
+``_c10d_functional::`` ones, whose result is ready once ``wait_tensor`` on it returns. A
+kernel registered for them sees their arguments; this module turns those into a kind and
+byte counts.
 
 Bytes sent per rank are those of a bandwidth-optimal algorithm (a ring, for instance), not what
 a given backend happens to send: they are what the theoretical minimum is stated in.
@@ -16,8 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import GroupName
 
-__all__ = ["OPERATORS", "OpInfo", "describe"]
+__all__ = ["FUNCTIONAL", "OPERATORS", "WAIT_TENSOR", "OpInfo", "describe", "outputs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +67,24 @@ def _scatter_reduce(key: str) -> _Bytes:
     return count
 
 
-def _all_reduce(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
-    n = _nbytes(a["tensors"])
-    return n, 2 * n * (w - 1) // w
+def _all_reduce(key: str) -> _Bytes:
+    def count(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
+        n = _nbytes(a[key])
+        return n, 2 * n * (w - 1) // w
+
+    return count
 
 
-def _broadcast(a: dict[str, Any], _w: int, r: int) -> tuple[int, int]:
-    n = _nbytes(a["tensors"])
-    return n, n  # a pipelined chain: every rank forwards the whole tensor once
+def _broadcast(key: str) -> _Bytes:
+    def count(a: dict[str, Any], _w: int, _r: int) -> tuple[int, int]:
+        n = _nbytes(a[key])
+        return n, n  # a pipelined chain: every rank forwards the whole tensor once
+
+    return count
 
 
-def _all_to_all(key: str) -> _Bytes:
+def _all_but_own_share(key: str) -> _Bytes:
+    # An all-to-all, or a reduce-scatter given its whole input: this rank keeps 1/W of it.
     def count(a: dict[str, Any], w: int, _r: int) -> tuple[int, int]:
         n = _nbytes(a[key])
         return n, n * (w - 1) // w
@@ -112,11 +124,11 @@ _C10D: dict[str, tuple[str, _Bytes]] = {
     "_reduce_scatter_base_": ("reduce_scatter", _scatter_reduce("output_tensor")),
     "reduce_scatter_": ("reduce_scatter", _scatter_reduce("output_tensors")),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", _scatter_reduce("outputs")),
-    "allreduce_": ("all_reduce", _all_reduce),
-    "allreduce_coalesced_": ("all_reduce", _all_reduce),
-    "broadcast_": ("broadcast", _broadcast),
-    "alltoall_base_": ("all_to_all", _all_to_all("input")),
-    "alltoall_": ("all_to_all", _all_to_all("input_tensors")),
+    "allreduce_": ("all_reduce", _all_reduce("tensors")),
+    "allreduce_coalesced_": ("all_reduce", _all_reduce("tensors")),
+    "broadcast_": ("broadcast", _broadcast("tensors")),
+    "alltoall_base_": ("all_to_all", _all_but_own_share("input")),
+    "alltoall_": ("all_to_all", _all_but_own_share("input_tensors")),
     "send": ("send", _send),
     "recv_": ("recv", _recv),
     "recv_any_source_": ("recv", _recv),
@@ -127,10 +139,31 @@ _C10D: dict[str, tuple[str, _Bytes]] = {
     "monitored_barrier_": ("barrier", _nothing),
 }
 
-OPERATORS: dict[str, tuple[str, ...]] = {"c10d": tuple(_C10D)}
-"""The collective operators a tracker hooks, by namespace. Functional collectives
-(``_c10d_functional``: DTensor redistribution, compiled code) are not among them yet: they
-have an autograd kernel of their own, which a hook at that key would replace."""
+FUNCTIONAL = "_c10d_functional"
+WAIT_TENSOR = "wait_tensor"
+"""The functional operator that waits for a functional collective's result."""
+
+_FUNCTIONAL: dict[str, tuple[str, _Bytes]] = {
+    "all_gather_into_tensor": ("all_gather", _gather("input")),
+    "all_gather_into_tensor_out": ("all_gather", _gather("input")),
+    "all_gather_into_tensor_coalesced": ("all_gather", _gather("inputs")),
+    "reduce_scatter_tensor": ("reduce_scatter", _all_but_own_share("input")),
+    "reduce_scatter_tensor_out": ("reduce_scatter", _all_but_own_share("input")),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", _all_but_own_share("inputs")),
+    "all_reduce": ("all_reduce", _all_reduce("input")),
+    "all_reduce_": ("all_reduce", _all_reduce("input")),
+    "all_reduce_coalesced": ("all_reduce", _all_reduce("inputs")),
+    "all_reduce_coalesced_": ("all_reduce", _all_reduce("inputs")),
+    "all_to_all_single": ("all_to_all", _all_but_own_share("input")),
+    "broadcast": ("broadcast", _broadcast("input")),
+    "broadcast_": ("broadcast", _broadcast("input")),
+}
+
+OPERATORS: dict[str, tuple[str, ...]] = {
+    "c10d": tuple(_C10D),
+    FUNCTIONAL: (*_FUNCTIONAL, WAIT_TENSOR),
+}
+"""The operators a tracker hooks, by namespace."""
 
 
 def _named_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -149,9 +182,27 @@ def _describe_c10d(name: str, named: dict[str, Any]) -> OpInfo:
     return OpInfo(kind, size, group.group_name, input_bytes, sent, blocking)
 
 
+def _describe_functional(name: str, named: dict[str, Any]) -> OpInfo:
+    kind, count = _FUNCTIONAL[name]
+    group = named["group_name"]
+    if isinstance(group, str):  # DTensor passes the name; a ProcessGroup is accepted too
+        group = _resolve_process_group(GroupName(group))
+    size, rank = group.size(), group.rank()
+    input_bytes, sent = count(named, size, rank)
+    return OpInfo(kind, size, group.group_name, input_bytes, sent)
+
+
 def describe(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> OpInfo | None:
     """The collective ``func`` (an OpOverload) performs, or None if it is not one."""
     namespace, name = func.namespace, func._opname
     if namespace == "c10d" and name in _C10D:
         return _describe_c10d(name, _named_args(func, args, kwargs))
+    if namespace == FUNCTIONAL and name in _FUNCTIONAL:
+        return _describe_functional(name, _named_args(func, args, kwargs))
     return None
+
+
+def outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors a functional collective returned: ``wait_tensor`` is called on each."""
+    items = out if isinstance(out, tuple | list) else (out,)
+    return [item for item in items if isinstance(item, torch.Tensor)]

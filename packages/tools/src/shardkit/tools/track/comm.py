@@ -2,17 +2,20 @@
 
 How it sees them (see [Note: observing torch programs] in docs/notes/004):
 
-- Issue: a kernel registered at the Autograd key of every c10d collective operator sees each
-  call (whoever makes it: torch's ``fully_shard``, FSDP1, DDP's reducer, shardkit, user
-  code), and nothing else, so other operators cost nothing. Functional collectives (DTensor
-  redistribution, compiled code) are not seen yet.
+- Issue: a kernel registered at the BackendSelect key of every c10d and functional collective
+  operator sees each call (whoever makes it: torch's ``fully_shard``, FSDP1, DDP's reducer,
+  shardkit, DTensor's redistributions for tensor parallelism, compiled code, user code).
+  Nothing else is hooked, so other operators cost nothing.
 - Completion: the Work's future, where the backend offers one; otherwise the return of the
-  wait on it.
+  wait on it; for a functional collective, the return of ``wait_tensor`` on its result.
 - Exposed time: the time the training thread spends inside ``Work.wait`` (wrapped while
-  tracking), or in the call itself for a blocking (``async_op=False``) collective. Waits
-  made inside C++ (DDP's reducer) are not visible, so DDP's exposed time reads as zero.
+  tracking) or ``wait_tensor``, or in the call itself for a blocking (``async_op=False``)
+  collective. Waits made inside C++ (DDP's reducer) are not visible, so DDP's exposed time
+  reads as zero.
 - shardkit's engine announces each collective on its event stream, so the point-to-point
   messages that carry one on gloo are reported as the one all-gather or reduce-scatter they are.
+- Axis: the mesh axis each collective's process group serves (``mesh_axes``), worked out when
+  records are read, not while the program runs.
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.tools.records import CollectiveRecord, CommSummary, Phase, RankReport
 from shardkit.tools.track import comm_summary
-from shardkit.tools.track.c10d_ops import OPERATORS, OpInfo, describe
+from shardkit.tools.track.c10d_ops import (
+    FUNCTIONAL,
+    OPERATORS,
+    WAIT_TENSOR,
+    OpInfo,
+    describe,
+    outputs,
+)
+from shardkit.tools.track.mesh_axes import axis_of_groups, meshes_of
 from shardkit.tools.track.scope import ModuleScope
 from shardkit.tools.track.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
 
@@ -50,7 +64,7 @@ class _Pending:
     serves: str | None = None
     done_s: list[float] = field(default_factory=list)  # completion of each of its works
 
-    def record(self) -> CollectiveRecord:
+    def record(self, axes: dict[str, str]) -> CollectiveRecord:
         end = max([self.issued_s, *self.done_s])
         return CollectiveRecord(
             kind=self.info.kind,
@@ -66,6 +80,7 @@ class _Pending:
             phase=self.phase,
             step=self.step,
             serves=self.serves,
+            axis=axes.get(self.info.group),
         )
 
 
@@ -104,17 +119,26 @@ class CommTracker(Tracker):
             far each step is from it.
         scope: a started :class:`ModuleScope` to share with other trackers; by default the
             tracker makes and runs its own.
+        meshes: DeviceMeshes whose axes to name collectives by, besides those found on the
+            DTensor parameters of the modules that ran (needed only for collectives on a mesh
+            no such parameter lives on).
     """
 
     def __init__(
-        self, *, theoretical_min_bytes: int | None = None, scope: ModuleScope | None = None
+        self,
+        *,
+        theoretical_min_bytes: int | None = None,
+        scope: ModuleScope | None = None,
+        meshes: Iterable[DeviceMesh] = (),
     ) -> None:
         self.theoretical_min_bytes = theoretical_min_bytes
+        self.meshes = tuple(meshes)
         self._own_scope = scope is None
         self.scope = scope if scope is not None else ModuleScope()
         self._pending: list[_Pending] = []
         self._by_work: dict[int, tuple[_Pending, object]] = {}  # id(work) -> (owner, work)
         self._logical: _Pending | None = None  # a shardkit collective being issued
+        self._results = WeakIdKeyDictionary()  # a functional collective's result -> _Pending
         self._running = False
         self._unsubscribe: Any = None
         self._lock = threading.Lock()
@@ -151,8 +175,9 @@ class CommTracker(Tracker):
     @property
     def records(self) -> list[CollectiveRecord]:
         """Every collective so far, in issue order."""
+        axes = axis_of_groups([*self.meshes, *meshes_of(self.scope.modules())])
         with self._lock:
-            return [p.record() for p in self._pending]
+            return [p.record(axes) for p in self._pending]
 
     def summary(self) -> CommSummary:
         """Totals per training step, against the theoretical minimum when known."""
@@ -210,6 +235,9 @@ class CommTracker(Tracker):
     def on_collective(self, call: OpCall) -> None:
         """Record one collective operator call (see ``CollectiveOps``)."""
         func = call.func
+        if func.namespace == FUNCTIONAL:
+            self._on_functional(call)
+            return
         info = describe(func, call.args, call.kwargs)
         if info is None:
             return
@@ -224,6 +252,24 @@ class CommTracker(Tracker):
             owner.wait_s += call.returned_s - call.called_s
         for work in _works(call.out):
             self._watch(owner, work)
+
+    def _on_functional(self, call: OpCall) -> None:
+        # A functional collective returns its result at once; it is complete when
+        # wait_tensor on that result returns, and the time spent there is exposed.
+        func = call.func
+        if func._opname == WAIT_TENSOR:
+            pending = self._results.pop(call.args[0], None)
+            if pending is not None:
+                pending.wait_s += call.returned_s - call.called_s
+                pending.done_s.append(call.returned_s - self.scope.t0)
+            return
+        info = describe(func, call.args, call.kwargs)
+        if info is None:
+            return
+        pending = self._new(info, f"{func.namespace}.{func._opname}", call.called_s)
+        pending.issued_s = call.returned_s - self.scope.t0
+        for result in outputs(call.out):
+            self._results[result] = pending
 
     def _watch(self, owner: _Pending, script_work: torch.ScriptObject) -> None:
         work = dist.Work.unbox(script_work)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from shardkit.tools.records import CollectiveRecord, CommSummary, StepComm
+from shardkit.tools.records import AxisComm, CollectiveRecord, CommSummary, StepComm
 from shardkit.tools.track.scope import ModuleScope
 
-__all__ = ["busy_time", "summarize"]
+__all__ = ["by_axis", "busy_time", "summarize"]
 
 
 def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
@@ -20,6 +20,24 @@ def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+def by_axis(records: Sequence[CollectiveRecord]) -> list[AxisComm]:
+    """Totals per mesh axis: named axes in alphabetical order, then the unknown one (None)."""
+    rows: dict[str | None, list[CollectiveRecord]] = defaultdict(list)
+    for record in records:
+        rows[record.axis].append(record)
+    order = sorted(rows, key=lambda axis: (axis is None, axis or ""))
+    return [
+        AxisComm(
+            axis=axis,
+            collectives=len(rows[axis]),
+            sent_bytes=sum(r.sent_bytes for r in rows[axis]),
+            comm_s=busy_time([(r.start_s, r.end_s) for r in rows[axis]]),
+            exposed_s=sum(r.wait_s for r in rows[axis]),
+        )
+        for axis in order
+    ]
 
 
 def summarize(
@@ -51,6 +69,7 @@ def summarize(
                 exposed_s=sum(r.wait_s for r in rows),
                 step_s=end - begin,
                 sent_bytes_by_kind=dict(kinds),
+                by_axis=by_axis(rows),
             )
         )
     return CommSummary(steps=steps, theoretical_min_bytes=theoretical_min_bytes)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.tools.records import RankReport
 from shardkit.tools.track.comm import CommTracker, rank_and_world
@@ -26,6 +27,7 @@ class Profiler(Tracker):
         comm: track collectives.
         memory: track memory.
         theoretical_min_bytes: bytes a rank must send per step, for the comparison.
+        meshes: DeviceMeshes whose axes name the collectives (see :class:`CommTracker`).
     """
 
     def __init__(
@@ -35,10 +37,13 @@ class Profiler(Tracker):
         comm: bool = True,
         memory: bool = True,
         theoretical_min_bytes: int | None = None,
+        meshes: Iterable[DeviceMesh] = (),
     ) -> None:
         self.scope = ModuleScope()
         self.comm = (
-            CommTracker(theoretical_min_bytes=theoretical_min_bytes, scope=self.scope)
+            CommTracker(
+                theoretical_min_bytes=theoretical_min_bytes, scope=self.scope, meshes=meshes
+            )
             if comm
             else None
         )

@@ -91,6 +91,10 @@ class ModuleScope:
         """Seconds since this scope was created."""
         return time.perf_counter() - self.t0
 
+    def modules(self) -> list[nn.Module]:
+        """Every module seen running so far (with all the modules in its tree)."""
+        return list(self._names.keys())
+
     def add_listener(self, listener: Callable[[ScopeChange], None]) -> None:
         """Call ``listener`` on every change of module, phase or step."""
         self._listeners.append(listener)

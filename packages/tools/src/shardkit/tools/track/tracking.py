@@ -7,6 +7,7 @@ See [Note: observing torch programs] in docs/notes/004-observing-torch-programs.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,9 @@ class MethodWrap(Generic[L]):
             setattr(self.owner, self.name, self._original)
 
 
+_KEY = "BackendSelect"
+
+
 class CollectiveListener(Protocol):
     """What :class:`CollectiveOps` tells: each collective operator call, after it returned."""
 
@@ -136,19 +140,26 @@ class OpCall:
 
 
 class CollectiveOps:
-    """Python kernels at the Autograd key of every collective operator, while listeners exist.
+    """Python kernels for the collective operators, registered while listeners exist.
 
-    Collective operators have no autograd kernel of their own, so a kernel registered there
-    runs first for every call (from Python or from C++, such as DDP's reducer), and only for
-    those calls: unlike a dispatch mode, the other operators cost nothing. The kernel calls
-    the operator below autograd, then tells the listeners. The registration is removed when
-    the last listener leaves.
+    The kernels sit at the ``BackendSelect`` key. Every dispatch goes through it (it is in
+    every thread's included keys, and stays there under autograd's exclusions, inference
+    mode, and inside DTensor's own dispatch, where redistributions run with every key above
+    ``Python`` excluded), just above the backend kernel; every other operator has a
+    fallthrough there (only factory functions have kernels, and collectives are none). So a
+    kernel there sees every call of a collective operator (from Python or from C++, such as
+    DDP's reducer, funcol or DTensor), and the other operators cost nothing: unlike a dispatch
+    mode, nothing runs for them. It passes the call on to the backend, then tells the
+    listeners. A collective called while another is running (c10d's operator carrying out a
+    functional collective) is part of that one and is not told. The registrations are
+    removed when the last listener leaves. See [Note: observing torch programs].
     """
 
     def __init__(self, ops: dict[str, tuple[str, ...]]) -> None:
         self._ops = ops  # namespace -> operator names
         self.listeners: list[CollectiveListener] = []
         self._libraries: list[torch.library.Library] = []
+        self._running = threading.local()  # .depth: hooked calls running on this thread
 
     def add(self, listener: CollectiveListener) -> None:
         """Start telling ``listener`` (registering the kernels if it is the first)."""
@@ -157,7 +168,7 @@ class CollectiveOps:
                 library = torch.library.Library(namespace, "IMPL")
                 for name in names:
                     func = getattr(getattr(torch.ops, namespace), name).default
-                    library.impl(name, self._kernel(func), "Autograd")
+                    library.impl(name, self._kernel(func), _KEY, with_keyset=True)
                 self._libraries.append(library)
         self.listeners.append(listener)
 
@@ -170,15 +181,21 @@ class CollectiveOps:
             self._libraries = []
 
     def _kernel(self, func: Any) -> Callable[..., Any]:
-        listeners = self.listeners
+        listeners, running = self.listeners, self._running
+        below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
 
-        def kernel(*args: Any, **kwargs: Any) -> Any:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             called = time.perf_counter()
-            with torch._C._AutoDispatchBelowAutograd():
-                out = func(*args, **kwargs)
-            call = OpCall(func, args, kwargs, out, called, time.perf_counter())
-            for listener in tuple(listeners):
-                listener.on_collective(call)
+            depth = getattr(running, "depth", 0)
+            running.depth = depth + 1
+            try:
+                out = func.redispatch(keyset & below, *args, **kwargs)
+            finally:
+                running.depth = depth
+            if depth == 0:
+                call = OpCall(func, args, kwargs, out, called, time.perf_counter())
+                for listener in tuple(listeners):
+                    listener.on_collective(call)
             return out
 
         return kernel

@@ -1,0 +1,46 @@
+"""Which mesh axis a process group serves: data parallelism, tensor parallelism, ...
+
+A DeviceMesh keeps one process group per axis and names its axes (``mesh_dim_names``), so a
+collective's group says which axis it runs on, once the mesh is known. The meshes come from
+two places, both public torch: the ones a caller names, and those of the DTensor parameters of
+the modules that ran (after ``fully_shard`` a parameter lives on the data-parallel mesh, or on
+the (dp, tp) mesh with tensor parallelism; after ``parallelize_module`` on the tp mesh).
+Nothing is asked of the engine, so this works for any program that uses DeviceMesh; groups of
+no known mesh, and meshes without dim names, have no axis (None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["axis_of_groups", "meshes_of"]
+
+
+def meshes_of(modules: Iterable[nn.Module]) -> list[DeviceMesh]:
+    """The meshes of the modules' DTensor parameters, each once, in the order found."""
+    found: dict[int, DeviceMesh] = {}
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            if isinstance(param, DTensor):
+                found.setdefault(id(param.device_mesh), param.device_mesh)
+    return list(found.values())
+
+
+def axis_of_groups(meshes: Iterable[DeviceMesh]) -> dict[str, str]:
+    """Process group name -> the dim name of the mesh axis it serves.
+
+    A group that two meshes name differently keeps the first name (pass the meshes that
+    should win first).
+    """
+    axes: dict[str, str] = {}
+    for mesh in meshes:
+        names = mesh.mesh_dim_names
+        if names is None:
+            continue
+        for name, group in zip(names, mesh.get_all_groups(), strict=True):
+            axes.setdefault(group.group_name, name)
+    return axes
