@@ -133,3 +133,41 @@ def test_a_2d_checkpoint_loads_into_one_process(saved: Saver, tmp_path: Path) ->
     x, y = tp_models.batch("sp", RESUMED[0], 4)
     loss = F.mse_loss(model(x), y)
     assert loss.item() == pytest.approx(saver["after"][0], rel=1e-5)
+
+
+def _writeback(rank: int, world_size: int) -> dict[str, Any]:
+    from tests.tp.tp_ckpt import adamw, build, train
+
+    model, *dp = build("shardkit", (2, 2))
+    opt = adamw(model)
+    train(model, opt, range(1), (dp[0], dp[1]))
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    # The state dict holds the sharded DTensors themselves (detached): no copy.
+    aliases = all(
+        state[name].placements == p.placements
+        and state[name].to_local().data_ptr() == p.to_local().data_ptr()
+        for name, p in params.items()
+    )
+    doubled = {name: (2 * value).detach() for name, value in state.items()}
+    model.load_state_dict(doubled)
+    after = dict(model.named_parameters())
+    in_place = all(after[name] is p for name, p in params.items())
+    # The optimizer still holds the same objects, and sees the loaded values.
+    seen = all(any(q is p for q in opt.param_groups[0]["params"]) for p in after.values())
+    values = {name: p.full_tensor() for name, p in after.items()}
+    expected = {name: v.full_tensor() for name, v in doubled.items()}
+    return {
+        "aliases": aliases,
+        "in_place": in_place,
+        "seen": seen,
+        "values": values,
+        "expected": expected,
+    }
+
+
+def test_2d_state_dict_is_the_parameters_and_loads_in_place() -> None:
+    result = run_on_ranks(4, _writeback)[0]
+    assert result["aliases"] and result["in_place"] and result["seen"]
+    for name, value in result["expected"].items():
+        assert torch.equal(result["values"][name], value), name
