@@ -22,6 +22,7 @@ EXPECTED = {
         "ParamShardingSpec",
         "ShardingExtension",
         "ShardkitError",
+        "StateDictFileError",
         "StateTransitionEvent",
         "UnevenShardingError",
         "UnshardHandle",

@@ -12,6 +12,7 @@ from shardkit.core.errors import (
     FullyShardUsageError,
     InvalidShardDimError,
     ShardkitError,
+    StateDictFileError,
     UnevenShardingError,
     UnsupportedCopyError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "ParamShardingSpec",
     "ShardingExtension",
     "ShardkitError",
+    "StateDictFileError",
     "StateTransitionEvent",
     "UnevenShardingError",
     "UnshardHandle",

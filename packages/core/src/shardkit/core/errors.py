@@ -13,6 +13,7 @@ __all__ = [
     "FullyShardUsageError",
     "InvalidShardDimError",
     "ShardkitError",
+    "StateDictFileError",
     "UnevenShardingError",
     "UnsupportedCopyError",
 ]
@@ -36,3 +37,10 @@ class UnevenShardingError(ShardkitError, ValueError, NotImplementedError):
 
 class UnsupportedCopyError(ShardkitError, RuntimeError, AssertionError):
     """``copy.deepcopy`` of a sharded module."""
+
+
+class StateDictFileError(ShardkitError, ValueError):
+    """A state dict file that cannot be loaded as it is: truncated, malformed or unsafe.
+
+    Raised on every rank with the same message, which names the file and what is wrong where.
+    """

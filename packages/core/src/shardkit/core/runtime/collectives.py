@@ -22,6 +22,8 @@ __all__ = [
     "GatherHandle",
     "ProcessGroupRuntime",
     "WorkHandle",
+    "all_gather_bytes",
+    "broadcast_bytes",
     "broadcast_from",
     "broadcast_from_first",
     "gather_to_first",
@@ -342,3 +344,34 @@ def broadcast_from(tensor: torch.Tensor, src: int) -> None:
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """The first rank's ``tensor`` on every rank of ``group`` (default: the world), in place."""
     dist.broadcast(tensor, group=group, group_src=0)
+
+
+# --- small messages between ranks (outcomes, agreements) -----------------------------------
+
+
+def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
+    """Global rank ``src``'s ``payload`` on every rank of the world (the others pass None)."""
+    mine = payload if dist.get_rank() == src and payload is not None else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.broadcast(size, src=src)
+    buffer = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else None
+    if buffer is None:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src)
+    return bytes(buffer.numpy())
+
+
+def all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank of the world."""
+    world = dist.get_world_size()
+    sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([len(payload)], dtype=torch.int64))
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = torch.empty(world, longest, dtype=torch.uint8)
+    if longest:
+        dist.all_gather_into_tensor(rows, mine)
+    return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]

@@ -101,12 +101,16 @@ def check_state_dict(
     return problems
 
 
-def format_problems(module: nn.Module, problems: list[LoadProblem]) -> str:
-    """One message listing every problem, for the error raised before anything is written."""
+def format_problems(module: nn.Module, problems: list[LoadProblem], source: str = "") -> str:
+    """One message listing every problem, for the error raised before anything is written.
+
+    ``source`` names the file the state dict comes from, if any.
+    """
     lines = "\n".join(str(p) for p in problems)
+    origin = f" from {source}" if source else ""
     return (
-        f"load_state_dict into {type(module).__name__} found {len(problems)} problem(s); "
-        f"nothing was loaded, every parameter is as it was:\n{lines}"
+        f"load_state_dict{origin} into {type(module).__name__} found {len(problems)} "
+        f"problem(s); nothing was loaded, every parameter is as it was:\n{lines}"
     )
 
 
