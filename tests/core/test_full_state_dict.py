@@ -127,6 +127,20 @@ def test_save_at_two_ranks_load_at_four(tmp_path: Path) -> None:
         assert loaded[key].equal(value), key
 
 
+@pytest.mark.parametrize("name", LOAD_FORMATS)
+def test_bf16_file_loads_into_an_fp32_model(name: str, tmp_path: Path) -> None:
+    # Hugging Face weights often come in bf16; load_state_dict converts them, so does this.
+    reference = {
+        k: v.to(torch.bfloat16) for k, v in models.build("gpt", seed=11).state_dict().items()
+    }
+    path = tmp_path / name
+    _write(reference, path)
+    loaded = run_on_ranks(2, _load_body, path=str(path), hsdp=None)[0]
+    for key, value in reference.items():
+        if key != "scale":
+            assert loaded[key].dtype == torch.float32 and loaded[key].equal(value.float()), key
+
+
 def _bad_file_body(rank: int, world_size: int, path: str) -> dict[str, Any]:
     from shardkit.core import load_full_state_dict
 

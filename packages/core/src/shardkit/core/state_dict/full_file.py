@@ -85,12 +85,13 @@ def load_full_state_dict(
     Call on every rank; only the coordinator (global rank 0 for a mesh over the whole world)
     needs the file. The whole file is checked first (a truncated or malformed file, offsets
     outside it, unknown dtypes, pickled objects), then every key (shape, missing or
-    unexpected): on any problem, every rank raises the same error and nothing is loaded.
+    unexpected; other dtypes are converted, as ``nn.Module.load_state_dict`` does): on any
+    problem, every rank raises the same error and nothing is loaded.
 
     Raises:
         StateDictFileError: the file is malformed (the message says what, and where).
         OSError: the coordinator cannot open the file.
-        RuntimeError: keys are missing, unexpected or of another shape or dtype (all listed).
+        RuntimeError: keys are missing, unexpected or of another shape (all listed).
     """
     source = Path(path)
     groups = sharded_groups(model)
@@ -105,7 +106,9 @@ def load_full_state_dict(
         listed = from_rank(plan.coordinator, open_file)
         entries = [Entry(name, tuple(shape), getattr(torch, dt)) for name, shape, dt in listed]
         given = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
-        problems = check_state_dict(plan.expected, given, strict=strict, cpu_only=False)
+        problems = check_state_dict(
+            plan.expected, given, strict=strict, cpu_only=False, placeholders=True
+        )
         if problems:
             raise RuntimeError(format_problems(model, problems, source=str(source)))
         _load_entries(plan, groups, {e.name: e for e in entries}, opened[0] if opened else None)
