@@ -130,7 +130,13 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.group
-        recomputing = group is not None and group.training_state is TrainingState.PRE_BACKWARD
+        # A forward inside backward is activation checkpointing's recomputation. Outside one, a
+        # group left in PRE_BACKWARD is what a failed backward leaves: the root says so below.
+        recomputing = (
+            group is not None
+            and group.training_state is TrainingState.PRE_BACKWARD
+            and _in_backward()
+        )
         if not recomputing:
             self.lazy_init()
             if self.is_root:
@@ -145,6 +151,17 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
+        if self.ctx.final_callback_queued and not _in_backward():
+            # A backward began (its end-of-backward callback is queued) and never finished:
+            # an exception escaped it. Its groups are mid-backward; going on would fail deep
+            # inside (a state error, ``setStorage: ... out of bounds``) or silently drop the
+            # reductions of every later backward.
+            raise RuntimeError(
+                f"FSDP module {self.fqn or '<root>'}: the previous backward did not finish "
+                "(an exception was raised in it?), so this forward cannot start. After "
+                "catching an exception in forward or backward, call reset_iter_state() on "
+                "the root module (model.reset_iter_state()) before the next step"
+            )
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
@@ -321,6 +338,12 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread now."""
+    # Private torch, as torch's own fully_shard uses it: no public API tells.
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _has_unreduced(group: FSDPParamGroup) -> bool:
