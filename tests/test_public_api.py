@@ -10,6 +10,7 @@ import pytest
 EXPECTED = {
     "shardkit.core": [
         "CPUOffloadPolicy",
+        "CheckpointLoadError",
         "CheckpointManager",
         "CollectiveEvent",
         "CollectiveIssuedEvent",

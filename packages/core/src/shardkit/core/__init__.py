@@ -6,7 +6,11 @@ fully_shard``: same signature, same semantics, our own engine.
 
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
+from shardkit.core.checkpoint import (
+    CheckpointLoadError,
+    CheckpointManager,
+    IncompleteCheckpointError,
+)
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
     FullyShardUsageError,
@@ -33,6 +37,7 @@ from shardkit.core.state_dict import (
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CheckpointLoadError",
     "CheckpointManager",
     "CollectiveEvent",
     "CollectiveIssuedEvent",

@@ -16,6 +16,7 @@ __all__ = [
     "StateDictFileError",
     "UnevenShardingError",
     "UnsupportedCopyError",
+    "first_sentence",
 ]
 
 
@@ -44,3 +45,10 @@ class StateDictFileError(ShardkitError, ValueError):
 
     Raised on every rank with the same message, which names the file and what is wrong where.
     """
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a library's message, for ours (the rest is often advice)."""
+    line = text.strip().splitlines()[0] if text.strip() else "no reason given"
+    end = line.find(". ")
+    return line if end < 0 else line[: end + 1]

@@ -366,12 +366,12 @@ def all_gather_bytes(payload: bytes) -> list[bytes]:
     """Every rank's ``payload``, in rank order, on every rank of the world."""
     world = dist.get_world_size()
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_into_tensor(sizes, torch.tensor([len(payload)], dtype=torch.int64))
+    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64))
     longest = int(sizes.max().item())
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     rows = torch.empty(world, longest, dtype=torch.uint8)
     if longest:
-        dist.all_gather_into_tensor(rows, mine)
+        dist.all_gather_single(rows.view(-1), mine)
     return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from shardkit.core.errors import StateDictFileError
+from shardkit.core.errors import StateDictFileError, first_sentence
 from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, format_of
 from shardkit.core.state_dict.safetensors_explain import explain_safetensors
 
@@ -149,7 +149,7 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
         kind = "zip" if mappable else "legacy (non-zip)"
         raise StateDictFileError(
             f"{path} is not a readable torch.save file ({kind} format, {size} bytes): "
-            f"{type(error).__name__}: {_first_sentence(str(error))}"
+            f"{type(error).__name__}: {first_sentence(str(error))}"
         ) from None
     if not isinstance(loaded, dict):
         raise StateDictFileError(
@@ -163,10 +163,4 @@ def _reason(error: pickle.UnpicklingError) -> str:
     # The message is paragraphs of advice around one that names the refused global.
     paragraphs = [p.strip() for p in str(error).split("\n\n") if p.strip()]
     found = [p for p in paragraphs if "GLOBAL" in p]
-    return _first_sentence((found or paragraphs or ["no reason given"])[0])
-
-
-def _first_sentence(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else "no reason given"
-    end = line.find(". ")
-    return line if end < 0 else line[: end + 1]
+    return first_sentence((found or paragraphs or ["no reason given"])[0])
