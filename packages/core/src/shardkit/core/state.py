@@ -7,6 +7,7 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,7 @@ class FSDPState:
             # The root's parameters are needed again first thing in backward: keep them.
             self.group.options.reshard_after_forward = False
         self.ctx = ctx
+        _warn_if_replaced_params_are_held(self.groups)
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -338,6 +340,31 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
+
+
+def _warn_if_replaced_params_are_held(groups: list[FSDPParamGroup]) -> None:
+    """Warn (once per root) when the parameters that fully_shard replaced are still alive.
+
+    fully_shard puts new (sharded) Parameter objects on the modules. An optimizer built
+    before it still holds the old ones and trains them, not the model: training changes
+    nothing, and nothing fails. By the first forward nothing else should hold them.
+    """
+    held = [
+        p.fqn if g.fqn in ("", "<root>") else f"{g.fqn}.{p.fqn}"
+        for g in groups
+        for p in g.params
+        if p.original_ref() is not None
+    ]
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        warnings.warn(
+            f"fully_shard replaced {len(held)} parameter(s) ({shown}) that something else "
+            "still references, most likely an optimizer built before fully_shard. Such an "
+            "optimizer updates the old tensors and trains nothing: build the optimizer "
+            "after fully_shard, from model.parameters()",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _in_backward() -> bool:
