@@ -7,7 +7,6 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,11 @@ from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.states import ShardedState, TrainingState
+from shardkit.core.usage_checks import (
+    check_backward_finished,
+    in_backward,
+    warn_if_replaced_params_are_held,
+)
 
 __all__ = [
     "FSDPState",
@@ -118,7 +122,7 @@ class FSDPState:
             # The root's parameters are needed again first thing in backward: keep them.
             self.group.options.reshard_after_forward = False
         self.ctx = ctx
-        _warn_if_replaced_params_are_held(self.groups)
+        warn_if_replaced_params_are_held(self.groups)
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -137,7 +141,7 @@ class FSDPState:
         recomputing = (
             group is not None
             and group.training_state is TrainingState.PRE_BACKWARD
-            and _in_backward()
+            and in_backward()
         )
         if not recomputing:
             self.lazy_init()
@@ -153,17 +157,7 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
-        if self.ctx.final_callback_queued and not _in_backward():
-            # A backward began (its end-of-backward callback is queued) and never finished:
-            # an exception escaped it. Its groups are mid-backward; going on would fail deep
-            # inside (a state error, ``setStorage: ... out of bounds``) or silently drop the
-            # reductions of every later backward.
-            raise RuntimeError(
-                f"FSDP module {self.fqn or '<root>'}: the previous backward did not finish "
-                "(an exception was raised in it?), so this forward cannot start. After "
-                "catching an exception in forward or backward, call reset_iter_state() on "
-                "the root module (model.reset_iter_state()) before the next step"
-            )
+        check_backward_finished(self.ctx.final_callback_queued, self.fqn)
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
@@ -340,37 +334,6 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
-
-
-def _warn_if_replaced_params_are_held(groups: list[FSDPParamGroup]) -> None:
-    """Warn (once per root) when the parameters that fully_shard replaced are still alive.
-
-    fully_shard puts new (sharded) Parameter objects on the modules. An optimizer built
-    before it still holds the old ones and trains them, not the model: training changes
-    nothing, and nothing fails. By the first forward nothing else should hold them.
-    """
-    held = [
-        p.fqn if g.fqn in ("", "<root>") else f"{g.fqn}.{p.fqn}"
-        for g in groups
-        for p in g.params
-        if p.original_ref() is not None
-    ]
-    if held:
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        warnings.warn(
-            f"fully_shard replaced {len(held)} parameter(s) ({shown}) that something else "
-            "still references, most likely an optimizer built before fully_shard. Such an "
-            "optimizer updates the old tensors and trains nothing: build the optimizer "
-            "after fully_shard, from model.parameters()",
-            UserWarning,
-            stacklevel=2,
-        )
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread now."""
-    # Private torch, as torch's own fully_shard uses it: no public API tells.
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _has_unreduced(group: FSDPParamGroup) -> bool:
