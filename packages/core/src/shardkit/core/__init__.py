@@ -13,6 +13,7 @@ from shardkit.core.checkpoint import (
 )
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
+    DesyncError,
     FullyShardUsageError,
     InvalidShardDimError,
     ShardkitError,
@@ -29,6 +30,7 @@ from shardkit.core.observe import (
     subscribe,
 )
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.progress import set_debug
 from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
@@ -41,6 +43,7 @@ __all__ = [
     "CheckpointManager",
     "CollectiveEvent",
     "CollectiveIssuedEvent",
+    "DesyncError",
     "FSDPModule",
     "FullyShardUsageError",
     "IncompleteCheckpointError",
@@ -63,6 +66,7 @@ __all__ = [
     "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
+    "set_debug",
     "share_comm_ctx",
     "subscribe",
 ]

@@ -10,6 +10,7 @@ own wording of the problem, then say more.
 from __future__ import annotations
 
 __all__ = [
+    "DesyncError",
     "FullyShardUsageError",
     "InvalidShardDimError",
     "ShardkitError",
@@ -45,6 +46,10 @@ class StateDictFileError(ShardkitError, ValueError):
 
     Raised on every rank with the same message, which names the file and what is wrong where.
     """
+
+
+class DesyncError(ShardkitError, RuntimeError):
+    """Ranks about to run different collectives (``SHARDKIT_DEBUG``); names what each runs."""
 
 
 def first_sentence(text: str) -> str:

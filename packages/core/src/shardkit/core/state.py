@@ -22,6 +22,7 @@ from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.states import ShardedState, TrainingState
 from shardkit.core.usage_checks import (
@@ -123,6 +124,7 @@ class FSDPState:
             self.group.options.reshard_after_forward = False
         self.ctx = ctx
         warn_if_replaced_params_are_held(self.groups)
+        PROGRESS.count_optimizer_steps()  # the step that hang reports and desync checks show
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -158,6 +160,7 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
+        PROGRESS.enter("forward")
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
@@ -246,6 +249,7 @@ class FSDPState:
     # --- backward ---------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        PROGRESS.enter("backward")
         self._ensure_final_callback()
         group = self.group
         if group is None or group.training_state in (
@@ -301,6 +305,7 @@ class FSDPState:
             group.training_state = TrainingState.IDLE
             group.begin_backward()
         ctx.post_forward_order.clear()
+        PROGRESS.enter("idle")
 
     def finish_reductions(self) -> None:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
@@ -318,6 +323,7 @@ class FSDPState:
         self.ctx.forward_order.clear()
         self.ctx.post_forward_order.clear()
         self.ctx.final_callback_queued = False
+        PROGRESS.enter("idle")
 
     # --- state dict -------------------------------------------------------------------------
 

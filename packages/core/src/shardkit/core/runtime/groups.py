@@ -13,7 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "barrier",
+    "cpu_world",
     "default_mesh",
+    "fingerprint_group",
     "global_rank",
     "group_ranks",
     "new_subgroup",
@@ -78,3 +80,31 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
     group = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup), f"not a member of the subgroup {members}"
     return group
+
+
+# Gloo groups with the same members as another group, for small CPU messages whatever that
+# group's backend: fingerprints (desync checks) and outcomes (agreement).
+_GLOO_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_GLOO_TWINS = weakref.WeakKeyDictionary()
+
+
+def fingerprint_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo twin of ``group`` that desync checks use, created by its members on first use.
+
+    Always a group of its own, even for a gloo group: a rank out of step must not be able to
+    pair a fingerprint with a collective of the program's own on ``group``.
+    """
+    twin = _GLOO_TWINS.get(group)
+    if twin is None:
+        members = dist.get_process_group_ranks(group)
+        made = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup), f"not a member of {members}"
+        twin = _GLOO_TWINS[group] = made
+    return twin
+
+
+def cpu_world() -> dist.ProcessGroup:
+    """A group of every rank that takes CPU tensors: the default group on gloo, else a twin."""
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
