@@ -38,6 +38,7 @@ EXPECTED = {
         "register_fsdp_forward_method",
         "save_full_state_dict",
         "set_debug",
+        "set_hang_timeout",
         "share_comm_ctx",
         "subscribe",
     ],

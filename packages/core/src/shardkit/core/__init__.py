@@ -30,7 +30,7 @@ from shardkit.core.observe import (
     subscribe,
 )
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.runtime.progress import set_debug
+from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
@@ -67,6 +67,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "set_debug",
+    "set_hang_timeout",
     "share_comm_ctx",
     "subscribe",
 ]

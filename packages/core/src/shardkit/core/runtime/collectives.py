@@ -18,6 +18,7 @@ from shardkit.core import observe
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.desync import check_fingerprints
 from shardkit.core.runtime.groups import cpu_world, fingerprint_group
+from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 from shardkit.core.runtime.protocol import CustomComm
@@ -154,6 +155,7 @@ class ProcessGroupRuntime:
         step = PROGRESS.steps_taken - self._steps_before + 1
         info = CollectiveInfo(seq, kind, label, nbytes, dtype, PROGRESS.phase, step)
         PROGRESS.issued(info)
+        ensure_watching()
         if SETTINGS.desync_checks and group.size() > 1:
             _check_in_step(info, group)
         return info

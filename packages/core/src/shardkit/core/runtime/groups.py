@@ -10,6 +10,7 @@ import weakref
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_store
 
 __all__ = [
     "barrier",
@@ -18,7 +19,9 @@ __all__ = [
     "fingerprint_group",
     "global_rank",
     "group_ranks",
+    "is_distributed",
     "new_subgroup",
+    "progress_store",
     "subgroup_of",
     "world_size",
 ]
@@ -32,6 +35,11 @@ def global_rank() -> int:
 def world_size() -> int:
     """Ranks in the default process group."""
     return dist.get_world_size()
+
+
+def is_distributed() -> bool:
+    """Whether the default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -108,3 +116,13 @@ def cpu_world() -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
+
+
+def progress_store() -> Store | None:
+    """The store where ranks post their progress for hang reports (the default group's).
+
+    None when there is no default group. torch has no public accessor for it.
+    """
+    if not is_distributed():
+        return None
+    return PrefixStore("shardkit/progress/", _get_default_store())
