@@ -42,9 +42,14 @@ def _bad_load_body(rank: int, world_size: int, impl: str) -> dict[str, Any]:
     bad["ln_f.weight"] = good["ln_f.weight"].to("meta")  # no data
     del bad["head.weight"]  # missing
     bad["extra.weight"] = torch.zeros(2)  # unexpected
+    return _attempt_load(model, bad)
+
+
+def _attempt_load(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Load ``state_dict``: the error message ("no error") and whether nothing changed."""
     snap = _snapshot(model)
     try:
-        model.load_state_dict(bad)
+        model.load_state_dict(state_dict)
         message = "no error"
     except RuntimeError as error:
         message = str(error)
@@ -82,13 +87,7 @@ def _one_bad_value_body(rank: int, world_size: int, bad: str) -> dict[str, Any]:
 
         mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("a", "b"))
         sd[key] = distribute_tensor(sd[key].full_tensor(), mesh, [Replicate(), Shard(0)])
-    snap = _snapshot(model)
-    try:
-        model.load_state_dict(sd)
-        message = "no error"
-    except RuntimeError as error:
-        message = str(error)
-    return {"message": message, "unchanged": _unchanged(model, snap)}
+    return _attempt_load(model, sd)
 
 
 @pytest.mark.parametrize("bad", ["meta", "meta_dtensor", "other_mesh"])
