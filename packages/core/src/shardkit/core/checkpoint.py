@@ -213,13 +213,17 @@ class CheckpointManager:
     @staticmethod
     def _verify(checkpoint: Path) -> str:
         """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank."""
-        marker = json.loads((checkpoint / _COMPLETE).read_text())
-        files: dict[str, FileSum] | None = marker.get("files")
-        if files is None:
-            logger.info("%s was saved without checksums; its files are not checked", checkpoint)
-            return ""
-        mine = share(sorted(files), global_rank(), world_size())
-        found = everyone(lambda: problems_with(checkpoint, {n: files[n] for n in mine}))
+
+        def check_my_share() -> list[str]:
+            marker = json.loads((checkpoint / _COMPLETE).read_text())
+            files: dict[str, FileSum] | None = marker.get("files")
+            if files is None:
+                logger.info("%s was saved without checksums: its files are not checked", checkpoint)
+                return []
+            mine = share(sorted(files), global_rank(), world_size())
+            return problems_with(checkpoint, {name: files[name] for name in mine})
+
+        found = everyone(check_my_share)  # a marker one rank cannot read fails it for all
         problems: list[str] = []
         for rank, outcome in enumerate(found):
             failed = [f"rank {rank} could not check its files: {outcome.message}"]
