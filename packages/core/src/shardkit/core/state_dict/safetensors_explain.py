@@ -48,6 +48,8 @@ def explain_safetensors(path: Path) -> str:
         return f"its header is not UTF-8 text (byte {8 + error.start} of the file)"
     except json.JSONDecodeError as error:
         return f"its header is not JSON ({error.msg} at byte {8 + error.pos} of the file)"
+    except (ValueError, RecursionError) as error:  # a 5000-digit number, arrays nested deep
+        return f"its header is JSON that cannot be read ({error})"
     if not isinstance(header, dict):
         return f"its header is a JSON {type(header).__name__}, not an object of tensors"
     return _explain_entries(header, data_bytes=size - 8 - length)
