@@ -13,6 +13,18 @@ from tests.core import models
 from tests.core.parity import Run, apply, full_params
 
 FORMATS = ["model.safetensors", "model.pt"]
+# Loading also reads torch.save's legacy (non-zip) format, as torch.load(weights_only=True) does.
+LOAD_FORMATS = [*FORMATS, "legacy.pt"]
+
+
+def _write(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """``state_dict`` in the format ``path``'s name asks for."""
+    if path.name.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state_dict, path)
+    else:
+        torch.save(state_dict, path, _use_new_zipfile_serialization=path.name != "legacy.pt")
 
 
 def _sharded(world_size: int, seed: int = 0, hsdp: tuple[int, int] | None = None, **kw: Any) -> Any:
@@ -79,19 +91,14 @@ def _load_body(
     return out
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", LOAD_FORMATS)
 @pytest.mark.parametrize(("world_size", "hsdp"), [(1, None), (2, None), (4, None), (4, (2, 2))])
 def test_load_from_a_single_process_file(
     world_size: int, hsdp: tuple[int, int] | None, name: str, tmp_path: Path
 ) -> None:
     reference = models.build("gpt", seed=11)
     path = tmp_path / name
-    if name.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(reference.state_dict(), path)
-    else:
-        torch.save(reference.state_dict(), path)
+    _write(reference.state_dict(), path)
     results = run_on_ranks(world_size, _load_body, path=str(path), hsdp=hsdp)
     x, y = models.batch("gpt", 0, 2)
     expected_loss = models.loss_of("gpt", reference(x), y)
@@ -120,6 +127,20 @@ def test_save_at_two_ranks_load_at_four(tmp_path: Path) -> None:
         assert loaded[key].equal(value), key
 
 
+@pytest.mark.parametrize("name", LOAD_FORMATS)
+def test_bf16_file_loads_into_an_fp32_model(name: str, tmp_path: Path) -> None:
+    # Hugging Face weights often come in bf16; load_state_dict converts them, so does this.
+    reference = {
+        k: v.to(torch.bfloat16) for k, v in models.build("gpt", seed=11).state_dict().items()
+    }
+    path = tmp_path / name
+    _write(reference, path)
+    loaded = run_on_ranks(2, _load_body, path=str(path), hsdp=None)[0]
+    for key, value in reference.items():
+        if key != "scale":
+            assert loaded[key].dtype == torch.float32 and loaded[key].equal(value.float()), key
+
+
 def _bad_file_body(rank: int, world_size: int, path: str) -> dict[str, Any]:
     from shardkit.core import load_full_state_dict
 
@@ -140,12 +161,7 @@ def test_bad_file_is_refused_before_any_write(name: str, tmp_path: Path) -> None
     sd["blocks.1.mlp.0.weight"] = torch.zeros(3, 3)
     del sd["ln_f.bias"]
     path = tmp_path / name
-    if name.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(sd, path)
-    else:
-        torch.save(sd, path)
+    _write(sd, path)
     results = run_on_ranks(2, _bad_file_body, path=str(path))
     for result in results:  # every rank raises the same error
         assert "blocks.1.mlp.0.weight: shape mismatch" in result["message"]

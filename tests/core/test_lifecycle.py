@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -155,6 +156,35 @@ def _reset_body(rank: int, world_size: int, where: str) -> dict[str, list[float]
 def test_reset_iter_state_after_exception(world_size: int, where: str) -> None:
     results = run_on_ranks(world_size, _reset_body, where=where)
     assert results[0]["shardkit"] == pytest.approx(results[0]["local"], rel=1e-5)
+
+
+def _no_reset_body(rank: int, world_size: int, where: str) -> str:
+    """An exception in backward, not followed by reset_iter_state: the next forward says so."""
+    model = models.build("gpt")
+    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="gpt"))
+    x, y = models.batch("gpt", 0, 2)
+    models.loss_of("gpt", model(x), y).backward()  # a healthy step first
+    hook = model.get_submodule(where).register_forward_hook(
+        lambda module, args, out: (
+            out.register_hook(lambda g: (_ for _ in ()).throw(_Boom())) and None
+        )
+    )
+    with contextlib.suppress(_Boom):
+        models.loss_of("gpt", model(x), y).backward()
+    hook.remove()
+    try:
+        models.loss_of("gpt", model(x), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("where", ["blocks.0", "blocks.1", "head"])
+def test_a_step_after_a_failed_backward_asks_for_reset_iter_state(where: str) -> None:
+    # Depending on where backward failed, the next step used to fail with an internal state
+    # error or `setStorage: ... out of bounds`, or run on with stale state.
+    for message in run_on_ranks(2, _no_reset_body, where=where):
+        assert "reset_iter_state()" in message, message
 
 
 def _forward_method_body(rank: int, world_size: int) -> dict[str, bool]:

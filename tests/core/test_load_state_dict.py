@@ -39,12 +39,17 @@ def _bad_load_body(rank: int, world_size: int, impl: str) -> dict[str, Any]:
     good = _sharded(world_size, impl, seed=3).state_dict()
     bad = dict(good)
     bad["blocks.0.attn.qkv.weight"] = torch.zeros(5, 5)  # wrong shape
-    bad["ln_f.weight"] = good["ln_f.weight"].full_tensor().double()  # wrong dtype
+    bad["ln_f.weight"] = good["ln_f.weight"].to("meta")  # no data
     del bad["head.weight"]  # missing
     bad["extra.weight"] = torch.zeros(2)  # unexpected
+    return _attempt_load(model, bad)
+
+
+def _attempt_load(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Load ``state_dict``: the error message ("no error") and whether nothing changed."""
     snap = _snapshot(model)
     try:
-        model.load_state_dict(bad)
+        model.load_state_dict(state_dict)
         message = "no error"
     except RuntimeError as error:
         message = str(error)
@@ -58,7 +63,7 @@ def test_failed_load_lists_every_key_and_changes_nothing(world_size: int) -> Non
     for key in ["blocks.0.attn.qkv.weight", "ln_f.weight", "head.weight", "extra.weight"]:
         assert key in message, message
     assert "(48, 16)" in message and "(5, 5)" in message  # expected and found shapes
-    assert "float64" in message and "nothing was loaded" in message
+    assert "meta tensor" in message and "nothing was loaded" in message
     assert result["unchanged"]
 
 
@@ -67,6 +72,56 @@ def test_torch_fully_shard_writes_before_raising() -> None:
     result = run_on_ranks(2, _bad_load_body, impl="torch")[0]
     assert result["message"] != "no error"
     assert not result["unchanged"]
+
+
+def _one_bad_value_body(rank: int, world_size: int, bad: str) -> dict[str, Any]:
+    model = _sharded(world_size)
+    sd = dict(_sharded(world_size, seed=3).state_dict())
+    key = "head.weight"  # the last key: every other one would be written before it fails
+    if bad == "meta":
+        sd[key] = sd[key].full_tensor().to("meta")
+    elif bad == "meta_dtensor":
+        sd[key] = sd[key].to("meta")
+    else:  # a DTensor on another mesh: (1, W) instead of (W,)
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("a", "b"))
+        sd[key] = distribute_tensor(sd[key].full_tensor(), mesh, [Replicate(), Shard(0)])
+    return _attempt_load(model, sd)
+
+
+@pytest.mark.parametrize("bad", ["meta", "meta_dtensor", "other_mesh"])
+def test_a_value_that_cannot_be_copied_is_refused_before_any_write(bad: str) -> None:
+    for result in run_on_ranks(2, _one_bad_value_body, bad=bad):
+        assert "head.weight" in result["message"], result["message"]
+        assert "nothing was loaded" in result["message"]
+        assert result["unchanged"]
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _bf16_body(rank: int, world_size: int, impl: str, full: bool) -> dict[str, Any]:
+    model = _sharded(world_size, impl)
+    source = _sharded(world_size, impl, seed=3).state_dict()
+    sd = {k: (_full(v) if full else v).to(torch.bfloat16) for k, v in source.items()}
+    model.load_state_dict(sd)
+    params = full_params(model)
+    expected = {k: _full(v).float() for k, v in sd.items()}
+    return {
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "converted": all(params[k].equal(expected[k]) for k in params),
+    }
+
+
+@pytest.mark.parametrize(
+    ("impl", "full"), [("torch", False), ("shardkit", False), ("shardkit", True)]
+)
+def test_bf16_state_dict_loads_into_fp32_model_as_torch_does(impl: str, full: bool) -> None:
+    # torch converts (its own fully_shard refuses plain full tensors of any dtype: not run).
+    for result in run_on_ranks(2, _bf16_body, impl=impl, full=full):
+        assert result == {"dtypes": ["torch.float32"], "converted": True}, result
 
 
 def _other_model_body(rank: int, world_size: int) -> str:

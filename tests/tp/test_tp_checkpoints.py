@@ -141,7 +141,7 @@ def _writeback(rank: int, world_size: int) -> dict[str, Any]:
     model, *dp = build("shardkit", (2, 2))
     opt = adamw(model)
     train(model, opt, range(1), (dp[0], dp[1]))
-    params = dict(model.named_parameters())
+    params: dict[str, Any] = dict(model.named_parameters())
     state = model.state_dict()
     # The state dict holds the sharded DTensors themselves (detached): no copy.
     aliases = all(
@@ -151,7 +151,7 @@ def _writeback(rank: int, world_size: int) -> dict[str, Any]:
     )
     doubled = {name: (2 * value).detach() for name, value in state.items()}
     model.load_state_dict(doubled)
-    after = dict(model.named_parameters())
+    after: dict[str, Any] = dict(model.named_parameters())
     in_place = all(after[name] is p for name, p in params.items())
     # The optimizer still holds the same objects, and sees the loaded values.
     seen = all(any(q is p for q in opt.param_groups[0]["params"]) for p in after.values())

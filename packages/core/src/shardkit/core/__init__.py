@@ -6,14 +6,20 @@ fully_shard``: same signature, same semantics, our own engine.
 
 from shardkit.core.__about__ import __version__
 from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from shardkit.core.checkpoint import CheckpointManager, IncompleteCheckpointError
+from shardkit.core.checkpoint import (
+    CheckpointLoadError,
+    CheckpointManager,
+    IncompleteCheckpointError,
+)
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
     AllGatherHookError,
     AllGatherInputError,
+    DesyncError,
     FullyShardUsageError,
     InvalidShardDimError,
     ShardkitError,
+    StateDictFileError,
     UnevenShardingError,
     UnsupportedCopyError,
     UnsupportedWithHooksError,
@@ -27,6 +33,7 @@ from shardkit.core.observe import (
     subscribe,
 )
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
@@ -37,9 +44,11 @@ __all__ = [
     "AllGatherHookError",
     "AllGatherInputError",
     "CPUOffloadPolicy",
+    "CheckpointLoadError",
     "CheckpointManager",
     "CollectiveEvent",
     "CollectiveIssuedEvent",
+    "DesyncError",
     "FSDPModule",
     "FullyShardUsageError",
     "IncompleteCheckpointError",
@@ -49,6 +58,7 @@ __all__ = [
     "ParamShardingSpec",
     "ShardingExtension",
     "ShardkitError",
+    "StateDictFileError",
     "StateTransitionEvent",
     "UnevenShardingError",
     "UnshardHandle",
@@ -62,6 +72,8 @@ __all__ = [
     "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
+    "set_debug",
+    "set_hang_timeout",
     "share_comm_ctx",
     "subscribe",
 ]

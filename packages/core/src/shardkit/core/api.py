@@ -299,11 +299,13 @@ class FSDPModule:
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load all of ``state_dict`` or nothing: every key is checked before any write.
+        """Load all of ``state_dict`` or nothing: every value is checked before any write.
 
         Sharded parameters accept DTensors (the sharded state dict) or plain full tensors
-        (each rank keeps its own shard). One error lists every missing, unexpected,
-        wrongly shaped or typed key, and leaves the module exactly as it was.
+        (each rank keeps its own shard). Other dtypes are converted, as torch's
+        ``load_state_dict`` does (bf16 weights into an fp32 model). One error lists every
+        missing, unexpected or wrongly shaped key and every value that cannot be copied (a
+        meta tensor, a DTensor on another mesh), and leaves the module exactly as it was.
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)

@@ -1,10 +1,14 @@
-"""Checkpoint directories that an interrupted save can never break.
+"""Checkpoint directories that an interrupted save or a corrupt file can never break.
 
 Each save is a torch.distributed.checkpoint (DCP) save into a fresh hidden directory. Only
-when every rank has finished does rank 0 mark it complete, rename it into place and repoint
-``latest`` (each an atomic rename). A save killed part-way leaves a ``.step_N.partial``
-directory that nothing loads, and the previous checkpoint stays current. The newest
-``keep`` checkpoints are kept.
+when every rank has finished does rank 0 mark it complete, with every file's size and
+checksum, rename it into place and repoint ``latest`` (each an atomic rename). A save killed
+part-way leaves a ``.step_N.partial`` directory that nothing loads, and the previous
+checkpoint stays current. The newest ``keep`` checkpoints are kept.
+
+Loading checks a checkpoint's files against their checksums before DCP reads any of them,
+so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
+``agreement.everyone``, on which checkpoint they load.
 """
 
 from __future__ import annotations
@@ -17,21 +21,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from shardkit.core.agreement import everyone, from_rank, raise_shared
+from shardkit.core.checkpoint_files import FileSum, checksum, list_files, problems_with, share
+from shardkit.core.errors import first_sentence
 from shardkit.core.runtime.groups import barrier, global_rank, world_size
 
-__all__ = ["CheckpointManager", "IncompleteCheckpointError"]
+__all__ = ["CheckpointLoadError", "CheckpointManager", "IncompleteCheckpointError"]
 
 logger = logging.getLogger(__name__)
 
 _COMPLETE = "COMPLETE"
 _LATEST = "latest"
+_MARKERS = frozenset({_COMPLETE, f".{_COMPLETE}.tmp"})  # the manager's own, not the save's
 
 
 class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory whose save never finished."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """No checkpoint could be loaded on every rank; the message says why, for each."""
 
 
 def _step_of(path: Path) -> int:
@@ -105,14 +118,28 @@ class CheckpointManager:
         barrier()
         dcp_save(state, checkpoint_id=partial)
         barrier()  # every rank's shards are written
+        files = self._checksums(partial)
         if rank0:
-            self._publish(step, partial, target)
+            self._publish(step, partial, target, files)
         barrier()  # nobody goes on before the checkpoint is current
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
         return target
 
-    def _publish(self, step: int, partial: Path, target: Path) -> None:
-        marker = {"step": step, "world_size": world_size(), "saved_at": time.time()}
+    @staticmethod
+    def _checksums(directory: Path) -> dict[str, FileSum]:
+        """Every file's size and checksum; each rank hashes its share of the files."""
+        names: list[str] = from_rank(0, lambda: list_files(directory, leave_out=_MARKERS))
+        mine = share(names, global_rank(), world_size())
+        parts = raise_shared(everyone(lambda: {n: checksum(directory / n) for n in mine}))
+        return {name: part[name] for part in parts for name in part}
+
+    def _publish(self, step: int, partial: Path, target: Path, files: dict[str, FileSum]) -> None:
+        marker = {
+            "step": step,
+            "world_size": world_size(),
+            "saved_at": time.time(),
+            "files": files,  # size and SHA-256 of each, checked before a load
+        }
         _write_atomic(partial / _COMPLETE, json.dumps(marker) + "\n")
         if target.exists():
             shutil.rmtree(target)  # the same step saved again
@@ -134,21 +161,104 @@ class CheckpointManager:
     def load(
         self, state: dict[str, Any], path: str | os.PathLike[str] | None = None
     ) -> Path | None:
-        """Load the newest complete checkpoint (or ``path``) into ``state``, in place.
+        """Load the newest complete checkpoint that loads on every rank (or ``path``) in place.
 
-        Returns the path loaded, or None if there is no complete checkpoint (a fresh start).
+        A checkpoint whose files do not match the checksums recorded at save, or that DCP
+        fails to load, is passed over with a warning that says why, for the one before it.
+        Every rank loads the same one.
+
+        Returns:
+            The path loaded, or None if there is no complete checkpoint (a fresh start).
 
         Raises:
             IncompleteCheckpointError: ``path`` names a save that never finished.
+            CheckpointLoadError: no candidate loads (``path`` when given); the message says
+                why for each. Checkpoints found corrupt were never loaded from, so the state
+                is as it was unless a load was attempted and failed (the message says so).
         """
-        chosen = Path(path) if path is not None else self.latest()
-        if chosen is None:
+        if path is not None:
+            chosen = Path(path)
+            if not (chosen / _COMPLETE).is_file():
+                alternatives = ", ".join(p.name for p in self.complete()) or "none"
+                raise IncompleteCheckpointError(
+                    f"checkpoint {chosen} is incomplete: its save was interrupted before every "
+                    f"rank finished (no {_COMPLETE} marker). Complete checkpoints here: "
+                    f"{alternatives}"
+                )
+            candidates = [chosen]
+        else:
+            names: list[str] = from_rank(0, lambda: [p.name for p in self._newest_first()])
+            candidates = [self.root / name for name in names]
+        reasons: list[str] = []
+        attempted = False
+        for candidate in candidates:
+            reason = self._verify(candidate)
+            if not reason:
+                attempted = True
+                reason = self._try_load(state, candidate)
+            if not reason:
+                return candidate
+            reasons.append(f"{candidate.name}: {reason}")
+            logger.warning("checkpoint %s does not load, passed over: %s", candidate, reason)
+        if not reasons:
             return None
-        if not (chosen / _COMPLETE).is_file():
-            alternatives = ", ".join(p.name for p in self.complete()) or "none"
-            raise IncompleteCheckpointError(
-                f"checkpoint {chosen} is incomplete: its save was interrupted before every rank "
-                f"finished (no {_COMPLETE} marker). Complete checkpoints here: {alternatives}"
-            )
-        dcp_load(state, checkpoint_id=chosen)
-        return chosen
+        raise CheckpointLoadError(_no_checkpoint_loads(self.root, reasons, attempted))
+
+    def _newest_first(self) -> list[Path]:
+        """The complete checkpoints, ``latest``'s first, then the others newest first."""
+        done = self.complete()[::-1]
+        latest = self.latest()
+        return [latest, *(p for p in done if p != latest)] if latest is not None else done
+
+    @staticmethod
+    def _verify(checkpoint: Path) -> str:
+        """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank."""
+
+        def check_my_share() -> list[str]:
+            marker = json.loads((checkpoint / _COMPLETE).read_text())
+            files: dict[str, FileSum] | None = marker.get("files")
+            if files is None:
+                logger.info("%s was saved without checksums: its files are not checked", checkpoint)
+                return []
+            mine = share(sorted(files), global_rank(), world_size())
+            return problems_with(checkpoint, {name: files[name] for name in mine})
+
+        found = everyone(check_my_share)  # a marker one rank cannot read fails it for all
+        problems: list[str] = []
+        for rank, outcome in enumerate(found):
+            failed = [f"rank {rank} could not check its files: {outcome.message}"]
+            problems += failed if outcome.failed else outcome.value
+        return "; ".join(sorted(problems))
+
+    @staticmethod
+    def _try_load(state: dict[str, Any], checkpoint: Path) -> str:
+        """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank)."""
+
+        def load() -> None:
+            try:
+                dcp_load(state, checkpoint_id=checkpoint)
+            except CheckpointException as error:  # a BaseException: `except Exception` misses it
+                raise RuntimeError(_describe(error)) from None
+
+        by_message: dict[str, list[int]] = {}  # DCP raises the same error on every rank
+        for rank, outcome in enumerate(everyone(load)):
+            if outcome.failed:
+                by_message.setdefault(f"{outcome.error_type}: {outcome.message}", []).append(rank)
+        return "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())
+
+
+def _describe(error: CheckpointException) -> str:
+    """DCP's failures, one line per rank (its str is every rank's traceback)."""
+    failures = error.failures.items()
+    lines = [f"rank {r}: {type(e).__name__}: {first_sentence(str(e))}" for r, (e, _) in failures]
+    return "DCP failed to load: " + "; ".join(lines)
+
+
+def _no_checkpoint_loads(root: Path, reasons: list[str], attempted: bool) -> str:
+    state = (
+        "A load was attempted and failed part-way, so the state may be partly loaded."
+        if attempted
+        else "Nothing was loaded: the model and optimizer are as they were."
+    )
+    listed = "\n".join(f"  {reason}" for reason in reasons)
+    return f"no checkpoint under {root} loads on every rank. {state}\n{listed}"

@@ -12,12 +12,15 @@ from __future__ import annotations
 __all__ = [
     "AllGatherHookError",
     "AllGatherInputError",
+    "DesyncError",
     "FullyShardUsageError",
     "InvalidShardDimError",
     "ShardkitError",
+    "StateDictFileError",
     "UnevenShardingError",
     "UnsupportedCopyError",
     "UnsupportedWithHooksError",
+    "first_sentence",
 ]
 
 
@@ -62,3 +65,21 @@ class UnsupportedWithHooksError(ShardkitError, NotImplementedError, AssertionErr
 
     ``reshard_after_forward=int``.
     """
+
+
+class StateDictFileError(ShardkitError, ValueError):
+    """A state dict file that cannot be loaded as it is: truncated, malformed or unsafe.
+
+    Raised on every rank with the same message, which names the file and what is wrong where.
+    """
+
+
+class DesyncError(ShardkitError, RuntimeError):
+    """Ranks about to run different collectives (``SHARDKIT_DEBUG``); names what each runs."""
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of a library's message, for ours (the rest is often advice)."""
+    line = text.strip().splitlines()[0] if text.strip() else "no reason given"
+    end = line.find(". ")
+    return line if end < 0 else line[: end + 1]

@@ -23,8 +23,14 @@ from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.states import ShardedState, TrainingState
+from shardkit.core.usage_checks import (
+    check_backward_finished,
+    in_backward,
+    warn_if_replaced_params_are_held,
+)
 
 __all__ = [
     "FSDPState",
@@ -119,6 +125,8 @@ class FSDPState:
             # The root's parameters are needed again first thing in backward: keep them.
             self.group.options.reshard_after_forward = False
         self.ctx = ctx
+        warn_if_replaced_params_are_held(self.groups)
+        PROGRESS.count_optimizer_steps()  # the step that hang reports and desync checks show
 
     @property
     def groups(self) -> list[FSDPParamGroup]:
@@ -132,7 +140,13 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.group
-        recomputing = group is not None and group.training_state is TrainingState.PRE_BACKWARD
+        # A forward inside backward is activation checkpointing's recomputation. Outside one, a
+        # group left in PRE_BACKWARD is what a failed backward leaves: the root says so below.
+        recomputing = (
+            group is not None
+            and group.training_state is TrainingState.PRE_BACKWARD
+            and in_backward()
+        )
         if not recomputing:
             self.lazy_init()
             if self.is_root:
@@ -147,6 +161,8 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
+        check_backward_finished(self.ctx.final_callback_queued, self.fqn)
+        PROGRESS.enter("forward")
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
@@ -235,6 +251,7 @@ class FSDPState:
     # --- backward ---------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        PROGRESS.enter("backward")
         self._ensure_final_callback()
         group = self.group
         if group is None or group.training_state in (
@@ -290,6 +307,7 @@ class FSDPState:
             group.training_state = TrainingState.IDLE
             group.begin_backward()
         ctx.post_forward_order.clear()
+        PROGRESS.enter("idle")
 
     def finish_reductions(self) -> None:
         """Wait for every reduce-scatter in flight and assign the sharded gradients."""
@@ -307,6 +325,7 @@ class FSDPState:
         self.ctx.forward_order.clear()
         self.ctx.post_forward_order.clear()
         self.ctx.final_callback_queued = False
+        PROGRESS.enter("idle")
 
     # --- state dict -------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an a
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,11 @@ import torch.distributed as dist
 
 from shardkit.core import observe
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
+from shardkit.core.runtime.desync import check_fingerprints
+from shardkit.core.runtime.groups import cpu_world, fingerprint_group
+from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 from shardkit.core.runtime.protocol import CustomComm
 
 __all__ = [
@@ -22,6 +28,8 @@ __all__ = [
     "GatherHandle",
     "ProcessGroupRuntime",
     "WorkHandle",
+    "all_gather_bytes",
+    "broadcast_bytes",
     "broadcast_from",
     "broadcast_from_first",
     "gather_to_first",
@@ -37,16 +45,30 @@ class DoneHandle:
         """Nothing to wait for."""
 
 
+def _wait_all(works: Sequence[dist.Work | None], info: CollectiveInfo | None) -> None:
+    """Wait for ``works``, recorded as a wait on ``info`` for the hang watch."""
+    if info is not None:
+        PROGRESS.begin_wait(info)
+    try:
+        for work in works:
+            if work is not None:
+                work.wait()
+    finally:
+        if info is not None:
+            PROGRESS.end_wait()
+
+
 @dataclass(slots=True)
 class WorkHandle:
     """Wraps a c10d ``Work``; waits at most once."""
 
     work: dist.Work | None
+    info: CollectiveInfo | None = None
 
     def wait(self) -> None:
         """Block until the collective is done."""
         if self.work is not None:
-            self.work.wait()
+            _wait_all([self.work], self.info)
             self.work = None
 
 
@@ -60,13 +82,13 @@ class _SumRowsHandle:
     output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
     scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
     pool: BufferPool
+    info: CollectiveInfo | None = None
 
     def wait(self) -> None:
         """Wait for the exchange, then sum into ``output`` (once)."""
         if not self.works:
             return
-        for work in self.works:
-            work.wait()
+        _wait_all(self.works, self.info)
         self.works = []
         if self.scratch is None:
             self.output.add_(self.own)  # received straight into the output (W == 2)
@@ -83,11 +105,12 @@ class GatherHandle:
     rows: list[torch.Tensor]  # W uint8 rows of N bytes; this rank's own row is its input
     buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
     pool: BufferPool
+    info: CollectiveInfo | None = None
 
     def wait(self) -> list[torch.Tensor]:
         """Block until every row has arrived; returns the rows."""
-        for work in self.works:
-            work.wait()
+        if self.works:
+            _wait_all(self.works, self.info)
         self.works = []
         return self.rows
 
@@ -112,6 +135,31 @@ class ProcessGroupRuntime:
 
     def __init__(self, pool: BufferPool | None = None) -> None:
         self.pool = pool if pool is not None else BufferPool()
+        # Collectives issued per process group: the sequence number of each fingerprint.
+        self._issued: weakref.WeakKeyDictionary[dist.ProcessGroup, int]
+        self._issued = weakref.WeakKeyDictionary()
+        # Steps are counted from this runtime's creation (a root's first forward), so that
+        # ranks agree on them even in a process that trained other models before.
+        self._steps_before = PROGRESS.steps_taken
+
+    def _begin(
+        self, kind: str, group: dist.ProcessGroup, label: str, data: torch.Tensor
+    ) -> CollectiveInfo:
+        """Record the collective about to be issued; with desync checks, compare it first.
+
+        See [Note: desync checks].
+        """
+        seq = self._issued.get(group, 0) + 1
+        self._issued[group] = seq
+        nbytes = data.numel() * data.element_size()
+        dtype = str(data.dtype).removeprefix("torch.")
+        step = PROGRESS.steps_taken - self._steps_before + 1
+        info = CollectiveInfo(seq, kind, label, nbytes, dtype, PROGRESS.phase, step)
+        PROGRESS.issued(info)
+        ensure_watching()
+        if SETTINGS.desync_checks and group.size() > 1:
+            _check_in_step(info, group)
+        return info
 
     def all_gather(
         self,
@@ -122,12 +170,14 @@ class ProcessGroupRuntime:
         custom: CustomComm | None = None,
     ) -> GatherHandle:
         """Gather every rank's ``input`` (N uint8 bytes), asynchronously."""
+        info = self._begin("all_gather", group, label, input)
         if custom is not None:
             self._announce("all_gather", group, input.numel(), "custom", label)
             rows, work = custom_all_gather_rows(custom, input, group)
             handle = GatherHandle([w for w in (work,) if w is not None], rows, None, self.pool)
         else:
             handle = self._all_gather(input, group, label)
+        handle.info = info
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_gather"))
         return handle
@@ -197,12 +247,15 @@ class ProcessGroupRuntime:
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
         handle: WorkHandle | DoneHandle | _SumRowsHandle
+        info = self._begin("reduce_scatter", group, label, input)
         if custom is not None:
             row_bytes = output.numel() * output.element_size()
             self._announce("reduce_scatter", group, row_bytes * group.size(), "custom", label)
-            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group))
+            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group), info)
         else:
             handle = self._reduce_scatter(output, input, group, label)
+            if not isinstance(handle, DoneHandle):
+                handle.info = info
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
         return handle
@@ -261,7 +314,10 @@ class ProcessGroupRuntime:
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
     ) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""
+        info = self._begin("all_reduce", group, label, tensor)
         handle = self._all_reduce(tensor, group, label)
+        if isinstance(handle, WorkHandle):
+            handle.info = info
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_reduce"))
         return handle
@@ -285,6 +341,18 @@ class ProcessGroupRuntime:
         if size == 1:
             return DoneHandle()
         return WorkHandle(dist.all_reduce(tensor, group=group, async_op=True))
+
+
+def _check_in_step(info: CollectiveInfo, group: dist.ProcessGroup) -> None:
+    """Every member's fingerprint of its next collective, compared (raises if they differ)."""
+    size = group.size()
+    gathered = torch.empty(size * FINGERPRINT_BYTES, dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(info.encode()), dtype=torch.uint8)
+    work = dist.all_gather_single(gathered, mine, group=fingerprint_group(group), async_op=True)
+    _wait_all([work], info)
+    rows = gathered.view(size, FINGERPRINT_BYTES)
+    infos = [CollectiveInfo.decode(row.numpy().tobytes()) for row in rows]
+    check_fingerprints(infos, dist.get_process_group_ranks(group))
 
 
 # --- whole-state transfers through the first rank (full state dicts) -----------------------
@@ -351,3 +419,36 @@ def ranks_where(flag: bool) -> list[int]:
 def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """The first rank's ``tensor`` on every rank of ``group`` (default: the world), in place."""
     dist.broadcast(tensor, group=group, group_src=0)
+
+
+# --- small messages between ranks (outcomes, agreements) -----------------------------------
+
+
+def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
+    """Global rank ``src``'s ``payload`` on every rank of the world (the others pass None)."""
+    group = cpu_world()
+    mine = payload if dist.get_rank() == src and payload is not None else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buffer = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else None
+    if buffer is None:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src, group=group)
+    return bytes(buffer.numpy())
+
+
+def all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank of the world."""
+    group = cpu_world()
+    world = group.size()
+    sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = torch.empty(world, longest, dtype=torch.uint8)
+    if longest:
+        dist.all_gather_single(rows.view(-1), mine, group=group)
+    return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]

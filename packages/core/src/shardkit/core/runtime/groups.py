@@ -10,13 +10,18 @@ import weakref
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_store
 
 __all__ = [
     "barrier",
+    "cpu_world",
     "default_mesh",
+    "fingerprint_group",
     "global_rank",
     "group_ranks",
+    "is_distributed",
     "new_subgroup",
+    "progress_store",
     "subgroup_of",
     "world_subgroup",
     "world_size",
@@ -31,6 +36,11 @@ def global_rank() -> int:
 def world_size() -> int:
     """Ranks in the default process group."""
     return dist.get_world_size()
+
+
+def is_distributed() -> bool:
+    """Whether the default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -86,3 +96,41 @@ def world_subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return subgroup_of(world, members)
+
+
+# Gloo groups with the same members as another group, for small CPU messages whatever that
+# group's backend: fingerprints (desync checks) and outcomes (agreement).
+_GLOO_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_GLOO_TWINS = weakref.WeakKeyDictionary()
+
+
+def fingerprint_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo twin of ``group`` that desync checks use, created by its members on first use.
+
+    Always a group of its own, even for a gloo group: a rank out of step must not be able to
+    pair a fingerprint with a collective of the program's own on ``group``.
+    """
+    twin = _GLOO_TWINS.get(group)
+    if twin is None:
+        members = dist.get_process_group_ranks(group)
+        made = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup), f"not a member of {members}"
+        twin = _GLOO_TWINS[group] = made
+    return twin
+
+
+def cpu_world() -> dist.ProcessGroup:
+    """A group of every rank that takes CPU tensors: the default group on gloo, else a twin."""
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
+
+
+def progress_store() -> Store | None:
+    """The store where ranks post their progress for hang reports (the default group's).
+
+    None when there is no default group. torch has no public accessor for it.
+    """
+    if not is_distributed():
+        return None
+    return PrefixStore("shardkit/progress/", _get_default_store())

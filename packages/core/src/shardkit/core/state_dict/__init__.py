@@ -2,7 +2,9 @@
 
 - :mod:`~shardkit.core.state_dict.full`: the one generator of ``(key, full tensor)``;
 - :mod:`~shardkit.core.state_dict.full_file`: one file, streamed through the coordinator;
-- :mod:`~shardkit.core.state_dict.file_formats`: safetensors and torch.save's format;
+- :mod:`~shardkit.core.state_dict.file_formats`: writing safetensors and torch.save's format;
+- :mod:`~shardkit.core.state_dict.file_readers`: reading them, the whole file checked first;
+- :mod:`~shardkit.core.state_dict.safetensors_explain`: where a refused safetensors file is wrong;
 - :mod:`~shardkit.core.state_dict.validation`: every key checked before anything is written.
 
 The sharded state dict needs no code here: it is the sharded DTensors themselves.

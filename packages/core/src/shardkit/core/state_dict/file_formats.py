@@ -2,8 +2,8 @@
 
 Both writers take the list of entries (names, shapes, dtypes) up front and then the tensors
 in that order, so a full state dict streams to disk without ever being whole in memory.
-Reading never unpickles arbitrary data: safetensors is parsed here (JSON header + raw bytes),
-and the torch format is read with ``torch.load(weights_only=True)``.
+Neither library writes that way (both want every tensor at once), hence writers of our own;
+reading goes through the libraries (``file_readers.py``). See [Note: file readers].
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ __all__ = [
     "FileWriter",
     "SafetensorsWriter",
     "TorchSaveWriter",
+    "SAFETENSORS_DTYPES",
     "format_of",
     "open_writer",
-    "read_entries",
-    "read_tensor",
 ]
 
-_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -42,12 +41,16 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.int32: "I32",
     torch.int16: "I16",
     torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
 }
-_DTYPES_BY_NAME = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+"""The safetensors name of every dtype both formats know."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +117,11 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for entry in entries:
-            if entry.dtype not in _SAFETENSORS_DTYPES:
+            if entry.dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"{entry.name}: dtype {entry.dtype} has no safetensors name")
             end = offset + entry.nbytes
             header[entry.name] = {
-                "dtype": _SAFETENSORS_DTYPES[entry.dtype],
+                "dtype": SAFETENSORS_DTYPES[entry.dtype],
                 "shape": list(entry.shape),
                 "data_offsets": [offset, end],
             }
@@ -239,46 +242,3 @@ class _PickleBuffer:
     def write(self, chunk: bytes) -> int:
         self.data += chunk
         return len(chunk)
-
-
-def read_entries(path: Path) -> tuple[list[Entry], Any]:
-    """The entries of a state dict file, and a handle for ``read_tensor``."""
-    if format_of(path) == "safetensors":
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        entries = [
-            Entry(name, tuple(info["shape"]), _dtype_named(name, info["dtype"]))
-            for name, info in header.items()
-        ]
-        return entries, ("safetensors", 8 + length, header)
-    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{path} does not hold a state dict (a dict of tensors)")
-    entries = [
-        Entry(name, tuple(t.shape), t.dtype)
-        for name, t in loaded.items()
-        if isinstance(t, torch.Tensor)
-    ]
-    return entries, ("torch", 0, loaded)
-
-
-def _dtype_named(key: str, name: str) -> torch.dtype:
-    if name not in _DTYPES_BY_NAME:
-        raise ValueError(f"{key}: unsupported safetensors dtype {name}")
-    return _DTYPES_BY_NAME[name]
-
-
-def read_tensor(path: Path, handle: Any, entry: Entry) -> torch.Tensor:
-    """Read one entry's tensor (a fresh CPU tensor)."""
-    kind, data_start, table = handle
-    if kind == "torch":
-        tensor: torch.Tensor = table[entry.name]
-        return tensor.clone()
-    begin, end = table[entry.name]["data_offsets"]
-    out = torch.empty(end - begin, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(data_start + begin)
-        f.readinto(_as_buffer(out))
-    return out.view(entry.dtype).view(entry.shape)

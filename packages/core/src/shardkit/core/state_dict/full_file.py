@@ -4,24 +4,28 @@ Saving consumes :func:`iter_full_state_dict`: the coordinator receives one group
 tensors at a time and writes them, while the other ranks only send. Loading reads one group on
 the coordinator, scatters each rank its shard and writes it into the sharded parameters in
 place. The file is safetensors (``.safetensors``) or torch.save's format (anything else);
-loading never unpickles arbitrary data. Every key is validated before anything is loaded, and
-a save goes to a temporary file renamed into place when complete.
+loading never unpickles arbitrary data. The whole file and every key are validated before
+anything is loaded, and a save goes to a temporary file renamed into place when complete.
+
+Only the coordinator reads the file, so whatever it finds wrong is shared before any tensor
+is sent (``agreement.from_rank``): every rank raises the same error instead of waiting in a
+collective for data that never comes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.core.agreement import from_rank
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import (
@@ -31,13 +35,8 @@ from shardkit.core.runtime.collectives import (
     scatter_from_first,
 )
 from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
-from shardkit.core.state_dict.file_formats import (
-    Entry,
-    format_of,
-    open_writer,
-    read_entries,
-    read_tensor,
-)
+from shardkit.core.state_dict.file_formats import Entry, format_of, open_writer
+from shardkit.core.state_dict.file_readers import StateDictReader, open_reader
 from shardkit.core.state_dict.full import (
     FullStateDictPlan,
     iter_pieces,
@@ -49,50 +48,6 @@ from shardkit.core.state_dict.validation import check_state_dict, format_problem
 __all__ = ["load_full_state_dict", "save_full_state_dict"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _FileSource:
-    """The file being loaded, open on the coordinator only.
-
-    Every data-parallel group's first rank packs its group's shards. Without TP that is the
-    coordinator alone; under TP each TP rank's data-parallel group has one, and each needs
-    the full tensors to take its TP part: the coordinator reads and broadcasts to them.
-    See [Note: tensor parallelism].
-    """
-
-    path: Path
-    handle: Any  # from read_entries; None away from the coordinator
-    is_reader: bool
-    coordinator: int
-    packers: dist.ProcessGroup | None  # first ranks of the dp groups; None: the coordinator only
-
-    def read(self, entry: Entry) -> torch.Tensor:
-        """The full tensor of ``entry`` (call on a packing rank)."""
-        if self.is_reader:
-            value = read_tensor(self.path, self.handle, entry)
-        else:
-            value = torch.empty(entry.shape, dtype=entry.dtype)
-        if self.packers is not None:
-            broadcast_from(value, self.coordinator, self.packers)
-        return value
-
-
-def _packers(groups: list[FSDPParamGroup], coordinator: int) -> dist.ProcessGroup | None:
-    """The process group of the ranks that pack shards (see :class:`_FileSource`)."""
-    packs = any(_packs(g) for g in groups)
-    ranks = ranks_where(packs)
-    if len(ranks) <= 1 or not packs:
-        return None
-    assert coordinator in ranks, (coordinator, ranks)
-    return world_subgroup(tuple(ranks))
-
-
-def _packs(group: FSDPParamGroup) -> bool:
-    """Whether this rank is the first of ``group``'s data-parallel ranks (first replica)."""
-    replicate = group.mesh_info.replicate_group
-    first_replica = replicate is None or replicate.rank() == 0
-    return first_replica and group.mesh_info.shard_group.rank() == 0
 
 
 def _entries(plan: FullStateDictPlan) -> list[Entry]:
@@ -132,79 +87,160 @@ def load_full_state_dict(
     """Load a full state dict file, read by the coordinator, into a sharded model, group by group.
 
     Call on every rank; only the coordinator (global rank 0 for a mesh over the whole world)
-    needs the file. Every key is checked first (shape,
-    dtype, missing or unexpected): on any problem one error lists them all, on every rank,
-    and nothing is loaded.
+    needs the file. The whole file is checked first (a truncated or malformed file, offsets
+    outside it, unknown dtypes, pickled objects), then every key (shape, missing or
+    unexpected; other dtypes are converted, as ``nn.Module.load_state_dict`` does): on any
+    problem, every rank raises the same error and nothing is loaded.
+
+    Raises:
+        StateDictFileError: the file is malformed (the message says what, and where).
+        OSError: the coordinator cannot open the file.
+        RuntimeError: keys are missing, unexpected or of another shape (all listed).
     """
     source = Path(path)
     groups = sharded_groups(model)
     plan = plan_full_state_dict(model, groups)
-    reader = global_rank() == plan.coordinator
-    handle = None
-    entries: list[Entry] = []
-    if reader:
-        entries, handle = read_entries(source)
-    entries = _broadcast_entries(entries, plan.coordinator)
-    given = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
-    problems = check_state_dict(plan.expected, given, strict=strict, cpu_only=False)
-    if problems:
-        raise RuntimeError(format_problems(model, problems))
-    by_name = {e.name: e for e in entries}
-    packers = _packers(groups, plan.coordinator)
-    file = _FileSource(source, handle, reader, plan.coordinator, packers)
-    for group in groups:
-        keys = {plan.sharded[k][1]: k for k in plan.keys_of(group)}
-        _scatter_group(group, keys, by_name, file)
-    plain = _FileSource(source, handle, reader, plan.coordinator, None)
-    for key, tensor in plan.plain.items():
-        if key in by_name:
-            _broadcast_plain(tensor, by_name[key], plain, plan)
+    opened: list[StateDictReader] = []  # the coordinator's reader, once open
+
+    def open_file() -> list[list[object]]:
+        opened.append(open_reader(source))
+        return [[e.name, list(e.shape), _dtype_name(e.dtype)] for e in opened[0].entries]
+
+    try:
+        listed = from_rank(plan.coordinator, open_file)
+        entries = [Entry(name, tuple(shape), getattr(torch, dt)) for name, shape, dt in listed]
+        given = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}
+        problems = check_state_dict(
+            plan.expected, given, strict=strict, cpu_only=False, placeholders=True
+        )
+        if problems:
+            raise RuntimeError(format_problems(model, problems, source=str(source)))
+        _load_entries(plan, groups, {e.name: e for e in entries}, opened[0] if opened else None)
+    finally:
+        for reader in opened:
+            reader.close()
     barrier()
 
 
-def _broadcast_entries(entries: list[Entry], src: int) -> list[Entry]:
-    """The coordinator's entries on every rank, as JSON bytes (no pickling)."""
-    payload = json.dumps(
-        [[e.name, list(e.shape), str(e.dtype).removeprefix("torch.")] for e in entries]
-    ).encode()
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_from(size, src)
-    buffer = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if global_rank() == src and payload
-        else torch.empty(int(size.item()), dtype=torch.uint8)
-    )
-    broadcast_from(buffer, src)
-    decoded = json.loads(bytes(buffer.tolist()).decode())
-    return [Entry(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in decoded]
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _load_entries(
+    plan: FullStateDictPlan,
+    groups: list[FSDPParamGroup],
+    by_name: dict[str, Entry],
+    reader: StateDictReader | None,
+) -> None:
+    """Scatter each group's shards, then broadcast the plain tensors, from the reader."""
+    source = _Source(reader, plan.coordinator, _packers(groups, plan.coordinator))
+    for group in groups:
+        keys = {plan.sharded[k][1]: k for k in plan.keys_of(group)}
+        _scatter_group(group, keys, by_name, source)
+    plain = [(tensor, by_name[key]) for key, tensor in plan.plain.items() if key in by_name]
+    values: list[torch.Tensor] = []
+
+    def read_plain() -> None:
+        assert reader is not None, "the coordinator has the file open"
+        values.extend(reader.read(entry) for _, entry in plain)
+
+    from_rank(plan.coordinator, read_plain)
+    for index, (tensor, entry) in enumerate(plain):
+        value = values[index] if values else torch.empty(entry.shape, dtype=entry.dtype)
+        broadcast_from(value, plan.coordinator)
+        with torch.no_grad():
+            tensor.copy_(value)  # converts the file's dtype, as load_state_dict does
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where the full tensors come from: the coordinator's reader, and who packs shards.
+
+    Every data-parallel group's first rank packs its group's shards into rows. Without TP that
+    is the coordinator alone; under TP each TP rank's data-parallel group has one, and each
+    needs the full tensors to take its TP part: the coordinator reads and broadcasts to them.
+    See [Note: tensor parallelism].
+    """
+
+    reader: StateDictReader | None  # open on the coordinator only
+    coordinator: int
+    packers: dist.ProcessGroup | None  # the dp groups' first ranks; None: the coordinator only
+
+
+def _packers(groups: list[FSDPParamGroup], coordinator: int) -> dist.ProcessGroup | None:
+    """The process group of the ranks that pack shards (see :class:`_Source`)."""
+    packs = any(_packs(g) for g in groups)
+    ranks = ranks_where(packs)  # every rank takes part: a collective over the world
+    if len(ranks) <= 1 or not packs:
+        return None
+    assert coordinator in ranks, (coordinator, ranks)
+    return world_subgroup(tuple(ranks))
+
+
+def _packs(group: FSDPParamGroup) -> bool:
+    """Whether this rank is the first of ``group``'s data-parallel ranks (first replica)."""
+    replicate = group.mesh_info.replicate_group
+    first_replica = replicate is None or replicate.rank() == 0
+    return first_replica and group.mesh_info.shard_group.rank() == 0
 
 
 def _scatter_group(
-    group: FSDPParamGroup, keys: dict[int, str], by_name: dict[str, Entry], source: _FileSource
+    group: FSDPParamGroup, keys: dict[int, str], by_name: dict[str, Entry], source: _Source
 ) -> None:
-    """The coordinator reads a group's full tensors and scatters each rank its padded shards."""
+    """The packing ranks turn a group's full tensors into rows; each rank gets its shards."""
     mesh_info = group.mesh_info
-    layout = group.storage_layout
+    packed: list[torch.Tensor] = []  # the coordinator's rows (no TP)
+    fulls: dict[int, torch.Tensor] = {}  # the coordinator's full tensors by index (TP)
+
+    def read_group() -> None:
+        reader = source.reader
+        assert reader is not None, "the coordinator has the file open"
+        if source.packers is None:
+            packed.append(_pack_rows(group, keys, by_name, lambda _, entry: reader.read(entry)))
+        else:
+            fulls.update({i: reader.read(by_name[k]) for i, k in keys.items() if k in by_name})
+
+    # A read that fails after the file was checked (an I/O error) is shared before any data.
+    from_rank(source.coordinator, read_group)
+    if source.packers is not None and _packs(group):
+
+        def shared(index: int, entry: Entry) -> torch.Tensor:
+            value = fulls.pop(index, None)
+            if value is None:
+                value = torch.empty(entry.shape, dtype=entry.dtype)
+            broadcast_from(value, source.coordinator, source.packers)
+            return value
+
+        packed.append(_pack_rows(group, keys, by_name, shared))
+    rows = list(packed[0].to(group.sharded_buffer.device).unbind(0)) if packed else None
     replicate = mesh_info.replicate_group
-    first_replica = replicate is None or replicate.rank() == 0
-    rows: list[torch.Tensor] | None = None
-    if _packs(group):
-        rows_buffer = torch.zeros(mesh_info.shard_size, layout.nbytes, dtype=torch.uint8)
-        for index, p in enumerate(group.params):
-            key = keys.get(index)
-            if key is None or key not in by_name:
-                continue  # absent (strict=False): every rank keeps its current shard
-            dp_full = p.extension.chunk_full(source.read(by_name[key]), p.sharding_spec)
-            start = layout.offsets[index]
-            typed = rows_buffer[:, start : start + p.geometry.shard_numel * p.orig_dtype.itemsize]
-            pack_grads_rank_major([dp_full], [p.geometry], [0], typed.view(p.orig_dtype))
-        rows = list(rows_buffer.to(group.sharded_buffer.device).unbind(0))
     received = torch.empty_like(group.sharded_buffer)
-    if first_replica:
+    if replicate is None or replicate.rank() == 0:
         scatter_from_first(received, rows, mesh_info.shard_group)
     if replicate is not None:
         broadcast_from_first(received, replicate)
     _write_shards(group, received, keys, by_name)
+
+
+def _pack_rows(
+    group: FSDPParamGroup,
+    keys: dict[int, str],
+    by_name: dict[str, Entry],
+    full_of: Callable[[int, Entry], torch.Tensor],
+) -> torch.Tensor:
+    """A group's full tensors as (W, bytes) rows of each rank's padded shards."""
+    layout = group.storage_layout
+    rows = torch.zeros(group.mesh_info.shard_size, layout.nbytes, dtype=torch.uint8)
+    for index, p in enumerate(group.params):
+        key = keys.get(index)
+        if key is None or key not in by_name:
+            continue  # absent (strict=False): every rank keeps its current shard
+        dp_full = p.extension.chunk_full(full_of(index, by_name[key]), p.sharding_spec)
+        start = layout.offsets[index]
+        typed = rows[:, start : start + p.geometry.shard_numel * p.orig_dtype.itemsize]
+        # The copy converts the file's dtype to the parameter's, as load_state_dict does.
+        pack_grads_rank_major([dp_full], [p.geometry], [0], typed.view(p.orig_dtype))
+    return rows
 
 
 def _write_shards(
@@ -217,12 +253,3 @@ def _write_shards(
             continue
         target = layout.view(group.sharded_buffer, index)
         target.copy_(layout.view(received, index))
-
-
-def _broadcast_plain(
-    tensor: torch.Tensor, entry: Entry, source: _FileSource, plan: FullStateDictPlan
-) -> None:
-    value = source.read(entry) if source.is_reader else torch.empty(entry.shape, dtype=entry.dtype)
-    broadcast_from(value, plan.coordinator)
-    with torch.no_grad():
-        tensor.copy_(value)

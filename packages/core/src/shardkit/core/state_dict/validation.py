@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup
-from shardkit.core.runtime.dtensors import dtensor_like
+from shardkit.core.runtime.dtensors import as_dtensor, make_dtensor
 
 __all__ = [
     "LoadProblem",
@@ -34,7 +34,7 @@ class LoadProblem:
     """One offending key of a state dict."""
 
     key: str
-    problem: str  # "missing", "unexpected", "shape", "dtype" or "device"
+    problem: str  # "missing", "unexpected", "type", "shape", "data", "mesh" or "device"
     expected: str
     found: str
 
@@ -73,8 +73,22 @@ def check_state_dict(
     *,
     strict: bool,
     cpu_only: bool,
+    placeholders: bool = False,
 ) -> list[LoadProblem]:
-    """Every problem of loading ``given`` into a module whose state dict is ``expected``."""
+    """Every problem of loading ``given`` into a module whose state dict is ``expected``.
+
+    Everything that would make the load fail part-way is a problem here, so that nothing is
+    written when the load cannot finish. Another dtype is not: the copy converts it, as
+    ``nn.Module.load_state_dict`` does (bf16 weights into an fp32 model).
+
+    Args:
+        expected: the module's own state dict (``keep_vars=True``).
+        given: the state dict to load.
+        strict: missing and unexpected keys are problems.
+        cpu_only: tensors off the CPU are problems (``CPUOffloadPolicy``).
+        placeholders: ``given`` holds meta tensors standing for a file's entries: only keys
+            and shapes are checked.
+    """
     problems: list[LoadProblem] = []
     for key, want in expected.items():
         if not isinstance(want, torch.Tensor):
@@ -83,17 +97,9 @@ def check_state_dict(
             if strict:
                 problems.append(LoadProblem(key, "missing", _describe(want), ""))
             continue
-        value = given[key]
-        if not isinstance(value, torch.Tensor):
-            problems.append(LoadProblem(key, "type", "a tensor", type(value).__name__))
-            continue
-        if value.shape != want.shape:
-            problems.append(LoadProblem(key, "shape", _describe(want), _describe(value)))
-        elif value.dtype != want.dtype:
-            problems.append(LoadProblem(key, "dtype", _describe(want), _describe(value)))
-        elif cpu_only and value.device.type != "cpu":
-            found = str(value.device)
-            problems.append(LoadProblem(key, "device", "cpu (CPUOffloadPolicy)", found))
+        problem = _value_problem(key, want, given[key], cpu_only, placeholders)
+        if problem is not None:
+            problems.append(problem)
     if strict:
         for key, value in given.items():
             if key not in expected and isinstance(value, torch.Tensor):
@@ -101,12 +107,40 @@ def check_state_dict(
     return problems
 
 
-def format_problems(module: nn.Module, problems: list[LoadProblem]) -> str:
-    """One message listing every problem, for the error raised before anything is written."""
+def _value_problem(
+    key: str, want: torch.Tensor, value: Any, cpu_only: bool, placeholders: bool
+) -> LoadProblem | None:
+    """What would make copying (or assigning) ``value`` into ``want`` fail, if anything."""
+    if not isinstance(value, torch.Tensor):
+        return LoadProblem(key, "type", "a tensor", type(value).__name__)
+    if value.shape != want.shape:
+        return LoadProblem(key, "shape", _describe(want), _describe(value))
+    if placeholders:
+        return None
+    if cpu_only and value.device.type != "cpu":
+        return LoadProblem(key, "device", "cpu (CPUOffloadPolicy)", str(value.device))
+    if value.is_meta and not want.is_meta:
+        return LoadProblem(key, "data", "a tensor with values", "a meta tensor (no data)")
+    if isinstance(value, DTensor):
+        if not isinstance(want, DTensor):
+            return LoadProblem(key, "type", "a plain tensor (not sharded)", "a DTensor")
+        if value.device_mesh != want.device_mesh:
+            return LoadProblem(
+                key, "mesh", str(want.device_mesh), f"{value.device_mesh} (load it through DCP)"
+            )
+    return None
+
+
+def format_problems(module: nn.Module, problems: list[LoadProblem], source: str = "") -> str:
+    """One message listing every problem, for the error raised before anything is written.
+
+    ``source`` names the file the state dict comes from, if any.
+    """
     lines = "\n".join(str(p) for p in problems)
+    origin = f" from {source}" if source else ""
     return (
-        f"load_state_dict into {type(module).__name__} found {len(problems)} problem(s); "
-        f"nothing was loaded, every parameter is as it was:\n{lines}"
+        f"load_state_dict{origin} into {type(module).__name__} found {len(problems)} "
+        f"problem(s); nothing was loaded, every parameter is as it was:\n{lines}"
     )
 
 
@@ -122,5 +156,7 @@ def shard_full_tensors(
         dp_full = fsdp_param.extension.chunk_full(value, fsdp_param.sharding_spec)
         rank = fsdp_param.mesh_info.shard_rank
         local = fsdp_param.geometry.local_shard(dp_full, rank).contiguous()
-        out[key] = dtensor_like(local, fsdp_param.sharded_param)
+        like = as_dtensor(fsdp_param.sharded_param)
+        # In the given dtype: a copy converts it, an assign keeps it (as nn.Module's load).
+        out[key] = make_dtensor(local, like.device_mesh, like.placements, like.shape, like.stride())
     return out

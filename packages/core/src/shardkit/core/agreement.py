@@ -1,0 +1,106 @@
+"""Outcomes shared between ranks, so that every rank raises the same error, at once.
+
+Work that one rank does for all (the coordinator reading a file) or that each rank does for
+itself (verifying its share of a checkpoint) can fail on some ranks only. A rank that raises
+while the others go on to a collective leaves them waiting for the process group's timeout
+(30 minutes by default). Here the outcome, a JSON value or an error, is shared first, and
+every rank raises the same exception type with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shardkit.core.errors import StateDictFileError
+from shardkit.core.runtime.collectives import all_gather_bytes, broadcast_bytes
+from shardkit.core.runtime.groups import global_rank
+
+__all__ = ["Outcome", "everyone", "from_rank", "raise_shared"]
+
+# Exception types rebuilt as themselves on the other ranks; any other becomes a RuntimeError
+# that names its type. Their constructors take one message.
+_SHAREABLE: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        StateDictFileError,
+        FileNotFoundError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        OSError,
+        ValueError,
+        RuntimeError,
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one rank's work gave: a JSON value, or an error (its type name and message)."""
+
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Whether the work raised."""
+        return bool(self.error_type)
+
+    def to_json(self) -> bytes:
+        """The outcome as JSON bytes."""
+        return json.dumps([self.value, self.error_type, self.message]).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> Outcome:
+        """The outcome that ``to_json`` wrote."""
+        value, error_type, message = json.loads(data)
+        return Outcome(value, error_type, message)
+
+    def exception(self) -> Exception:
+        """The error, rebuilt: the same type where it is shareable, else a RuntimeError."""
+        cls = _SHAREABLE.get(self.error_type)
+        if cls is None:
+            return RuntimeError(f"{self.error_type}: {self.message}")
+        return cls(self.message)
+
+
+def _attempt(work: Callable[[], Any]) -> tuple[Outcome, Exception | None]:
+    try:
+        return Outcome(value=work()), None
+    except Exception as error:
+        return Outcome(error_type=type(error).__name__, message=str(error)), error
+
+
+def from_rank(src: int, work: Callable[[], Any]) -> Any:
+    """Run ``work`` on global rank ``src`` only; every rank returns its value or raises its error.
+
+    Collective: every rank calls it (the others' ``work`` is not run).
+    """
+    original: Exception | None = None
+    payload: bytes | None = None
+    if global_rank() == src:
+        outcome, original = _attempt(work)
+        payload = outcome.to_json()
+    shared = Outcome.from_json(broadcast_bytes(payload, src))
+    if shared.failed:
+        raise shared.exception() from original
+    return shared.value
+
+
+def everyone(work: Callable[[], Any]) -> list[Outcome]:
+    """Run ``work`` on every rank; every rank gets every rank's outcome, in rank order."""
+    outcome, _ = _attempt(work)
+    return [Outcome.from_json(data) for data in all_gather_bytes(outcome.to_json())]
+
+
+def raise_shared(outcomes: list[Outcome]) -> list[Any]:
+    """The values of ``everyone``'s outcomes, or the first failure's error, naming its rank."""
+    for rank, outcome in enumerate(outcomes):
+        if outcome.failed:
+            failed = Outcome(None, outcome.error_type, f"rank {rank}: {outcome.message}")
+            raise failed.exception()
+    return [o.value for o in outcomes]

@@ -1,0 +1,166 @@
+"""Reading state dict files: the whole file is checked at open, then tensors are read one by one.
+
+- safetensors (``.safetensors``): the safetensors library's ``safe_open``. It validates the
+  whole header before anything is read (its size against a limit and the file, JSON, known
+  dtypes, offsets contiguous, inside the file and equal to shape x dtype) and reads each
+  tensor completely from a memory map. When it refuses a file, the error says where, from
+  :func:`~shardkit.core.state_dict.safetensors_explain.explain_safetensors`.
+- torch.save's format (anything else): ``torch.load(weights_only=True)``, so nothing but
+  tensors and plain containers is ever unpickled; memory-mapped for the zip format, read whole
+  for the legacy (pre-1.6, non-zip) one, which cannot be mapped.
+
+Every problem with the file's content raises :class:`StateDictFileError` naming the file and
+what is wrong where. See [Note: file readers].
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from shardkit.core.errors import StateDictFileError, first_sentence
+from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, format_of
+from shardkit.core.state_dict.safetensors_explain import explain_safetensors
+
+__all__ = ["SafetensorsReader", "StateDictReader", "TorchFileReader", "open_reader"]
+
+_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
+
+
+class StateDictReader(Protocol):
+    """An open state dict file whose every entry was checked when it was opened."""
+
+    path: Path
+    entries: list[Entry]
+    """Every tensor in the file, in file order."""
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """One entry's tensor, complete (a CPU tensor of the entry's shape and dtype)."""
+
+    def close(self) -> None:
+        """Release the file."""
+
+
+def open_reader(path: Path) -> StateDictReader:
+    """Open a state dict file, checking all of it before any tensor is read.
+
+    Raises:
+        StateDictFileError: the file is malformed, truncated, or holds more than tensors.
+        OSError: the file cannot be opened (missing, a directory, no permission).
+    """
+    if not path.is_file():
+        path.open("rb").close()  # the OSError that says why, naming the file
+    if format_of(path) == "safetensors":
+        return SafetensorsReader(path)
+    return TorchFileReader(path)
+
+
+class SafetensorsReader:
+    """A safetensors file, through the safetensors library."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._file = safe_open(path, framework="pt", device="cpu")
+            names: list[str] = self._file.offset_keys()
+            slices = [(name, self._file.get_slice(name)) for name in names]
+        except SafetensorError as error:
+            where = explain_safetensors(path) or str(error)
+            raise StateDictFileError(f"{path} is not a valid safetensors file: {where}") from None
+        self.entries = [
+            Entry(name, tuple(piece.get_shape()), self._dtype(name, piece.get_dtype()))
+            for name, piece in slices
+        ]
+
+    def _dtype(self, name: str, dtype_name: str) -> torch.dtype:
+        if dtype_name not in _DTYPES_BY_NAME:
+            known = ", ".join(_DTYPES_BY_NAME)
+            raise StateDictFileError(
+                f"{self.path}: tensor {name!r} has dtype {dtype_name}, which torch cannot load "
+                f"here (known: {known})"
+            )
+        return _DTYPES_BY_NAME[dtype_name]
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """One tensor, read whole by the library."""
+        try:
+            tensor: torch.Tensor = self._file.get_tensor(entry.name)
+        except SafetensorError as error:
+            message = f"{self.path}: reading {entry.name!r} failed: {error}"
+            raise StateDictFileError(message) from None
+        return tensor
+
+    def close(self) -> None:
+        """Unmap the file."""
+        self._file.__exit__(None, None, None)
+
+
+class TorchFileReader:
+    """A torch.save file, read with ``weights_only=True`` (never unpickles arbitrary objects)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tensors = _load_weights_only(path)
+        self.entries = [Entry(k, tuple(t.shape), t.dtype) for k, t in self._tensors.items()]
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        """One tensor (from the memory map, for the zip format)."""
+        return self._tensors[entry.name].contiguous()
+
+    def close(self) -> None:
+        """Drop the tensors (and with them the memory map)."""
+        self._tensors = {}
+
+
+def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a torch.save file, by key.
+
+    Raises:
+        StateDictFileError: the file is not a readable torch.save file of a dict, or holds
+            objects that only arbitrary unpickling could build.
+    """
+    with open(path, "rb") as f:
+        # The legacy format cannot be memory-mapped. The magic number, unlike
+        # zipfile.is_zipfile, also tells a truncated zip file (no central directory) apart.
+        mappable = f.read(4) == _ZIP_MAGIC
+    size = path.stat().st_size
+    if size == 0:
+        raise StateDictFileError(f"{path} is empty (0 bytes), not a torch.save file")
+    if mappable and not zipfile.is_zipfile(path):
+        raise StateDictFileError(
+            f"{path} starts as a zip archive (torch.save's format) but has no central "
+            f"directory at its end ({size} bytes): the file is truncated"
+        )
+    try:
+        loaded = torch.load(path, map_location="cpu", mmap=mappable, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise StateDictFileError(
+            f"{path} holds something other than tensors and plain containers, or is not a "
+            f"torch.save file: torch.load with weights_only=True refused it "
+            f"({_reason(error)}), and shardkit never unpickles arbitrary objects"
+        ) from None
+    except Exception as error:  # torch reports a broken file with many types (EOFError, ...)
+        kind = "zip" if mappable else "legacy (non-zip)"
+        raise StateDictFileError(
+            f"{path} is not a readable torch.save file ({kind} format, {size} bytes): "
+            f"{type(error).__name__}: {first_sentence(str(error))}"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise StateDictFileError(
+            f"{path} holds a {type(loaded).__name__}, not a state dict (a dict of tensors)"
+        )
+    return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
+def _reason(error: pickle.UnpicklingError) -> str:
+    """The line of torch's weights_only refusal that says what it refused."""
+    # The message is paragraphs of advice around one that names the refused global.
+    paragraphs = [p.strip() for p in str(error).split("\n\n") if p.strip()]
+    found = [p for p in paragraphs if "GLOBAL" in p]
+    return first_sentence((found or paragraphs or ["no reason given"])[0])

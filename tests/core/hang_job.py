@@ -1,0 +1,46 @@
+"""A training job in which rank 1 runs one forward and backward more than rank 0, at the end.
+
+Run under torchrun by ``test_hang_report.py`` with a small ``SHARDKIT_HANG_TIMEOUT``: rank 1
+waits in the extra forward's first all-gather for a rank 0 that waits in a final barrier.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.core import models
+from tests.core.parity import Run, apply, rank_batch
+
+STEPS = 3
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = rank_batch("mlp", step, rank, world, "shardkit")
+    models.loss_of("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def extra_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The bug the report must point at: one more forward and backward on this rank only."""
+    train_step(model, opt, STEPS)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    model = models.build("mlp")
+    apply("shardkit", model, init_device_mesh("cpu", (dist.get_world_size(),)), Run(model="mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        train_step(model, opt, step)
+    if dist.get_rank() == 1:
+        extra_step(model, opt)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
