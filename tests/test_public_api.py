@@ -39,6 +39,7 @@ EXPECTED = {
         "save_full_state_dict",
         "share_comm_ctx",
         "subscribe",
+        "write_state_dict_file",
     ],
     "shardkit.core.extensions": [
         "DataParallelSharding",

@@ -31,6 +31,7 @@ from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
     save_full_state_dict,
+    write_state_dict_file,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "save_full_state_dict",
     "share_comm_ctx",
     "subscribe",
+    "write_state_dict_file",
 ]
