@@ -71,7 +71,15 @@ EXPECTED = {
         "__version__",
         "spmd_mesh",
     ],
-    "shardkit.legacy": ["__version__"],
+    "shardkit.legacy": [
+        "FlatParamEntry",
+        "FlatParamLayout",
+        "FlatParamUnit",
+        "ShardPiece",
+        "WrapPolicy",
+        "__version__",
+        "flat_param_layout",
+    ],
     "shardkit.tools": [
         "Category",
         "CollectiveCall",
