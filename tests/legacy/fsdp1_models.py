@@ -8,17 +8,13 @@ alignment pads between them, differently for fp32 (4 elements) and bf16 (8).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardkit.tools.plan.gpt import GPTBlock
 from tests.core.models import TinyGPT
 
-VOCAB = 37
-GLOBAL_BATCH = 4  # divisible by 1, 2 and 4
+VOCAB = 37  # that of tests.core.models' "gpt" batches, which the runs train on
 
 
 def tiny_gpt(seed: int = 0) -> TinyGPT:
@@ -40,20 +36,6 @@ def deeper_gpt() -> TinyGPT:
 def block_class() -> type[nn.Module]:
     """The class FSDP1 wraps one by one."""
     return GPTBlock
-
-
-def batch(step: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch of ``step`` (the same global batch at any W)."""
-    gen = torch.Generator().manual_seed(500 + step)
-    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 9), generator=gen)
-    x, y = idx[:, :-1], idx[:, 1:]
-    return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
-
-
-def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of the next token, in fp32."""
-    logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
 class NormNet(nn.Module):

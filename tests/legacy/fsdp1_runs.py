@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import (
@@ -34,11 +33,12 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from shardkit.legacy import WrapPolicy
+from tests.core.ckpt_helpers import train
 from tests.legacy import fsdp1_models
 
-LR = 0.1
+LR = 0.1  # plain SGD: no optimizer state to carry over, so the weights decide the losses
 SAVED_AFTER = range(2)  # the steps trained before the checkpoints
-RESUMED = range(2, 5)  # the steps trained after them
+RESUMED = range(2, 5)  # the steps trained after them (ckpt_helpers.train's global batches)
 
 
 def mixed_precision(name: str | None) -> MixedPrecision | None:
@@ -100,21 +100,6 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def train(model: Any, opt: torch.optim.Optimizer, steps: range, rank: int, ws: int) -> list[float]:
-    """SGD steps on the global batch; returns each step's loss over the whole batch."""
-    losses: list[float] = []
-    for step in steps:
-        x, y = fsdp1_models.batch(step, ws, rank)
-        loss = fsdp1_models.loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
 
 
 def write_checkpoints(
@@ -185,3 +170,27 @@ def _describe(unit: Any, name: str) -> dict[str, Any]:
 
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
+
+
+def write_stack_checkpoints(rank: int, world_size: int, out: str) -> int:
+    """FSDP1 shards the many-layer stack (each Linear a unit) and saves all three forms.
+
+    Returns the stack's parameter bytes.
+    """
+    model = fsdp1_models.stack()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    with quiet():
+        fsdp = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu")
+        )
+        os.makedirs(f"{out}/local", exist_ok=True)
+        with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
+            torch.save(fsdp.state_dict(), f"{out}/local/rank{rank}.pt")
+        with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT):
+            dcp_save(fsdp.state_dict(), checkpoint_id=f"{out}/sharded")
+        config = FullStateDictConfig(rank0_only=True, offload_to_cpu=False)
+        with FullyShardedDataParallel.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, config):
+            full = fsdp.state_dict()
+        if rank == 0:
+            torch.save(full, f"{out}/full.pt")
+    return total
