@@ -154,6 +154,8 @@ def test_sharded_checkpoints_that_do_not_match(
              capsys, "model.safetensors")  # fmt: skip
     deeper = ["sharded", folder, "--model", "tests.legacy.fsdp1_models:deeper_gpt"]
     _refused(deeper, "blocks.3.ln1.weight: missing", out, capsys, "converted")
+    other = ["sharded", folder, "--model", "tests.legacy.fsdp1_models:stack"]
+    _refused(other, "none of the model's keys (['layers.0.bias',", out, capsys, "converted")
 
 
 def _data_files(folder: Path) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -161,16 +162,19 @@ def select_prefix(keys: Iterable[str], prefix: str | None, model: nn.Module | No
         return f"{prefix.rstrip('.')}." if prefix else ""
     if model is None:
         return ""
+    wanted = set(model.state_dict())
+    found: Counter[str] = Counter()
     keys = list(keys)
-    wanted = list(model.state_dict())
-    candidates = {""} | {k[: -len(w)] for w in wanted[:1] for k in keys if k.endswith(f".{w}")}
-    best = max(sorted(candidates), key=lambda p: sum(f"{p}{w}" in keys for w in wanted))
-    if not any(f"{best}{w}" in keys for w in wanted):
+    for key in keys:
+        found.update(key[: i + 1] for i, c in enumerate(key) if c == "." and key[i + 1 :] in wanted)
+        if key in wanted:
+            found[""] += 1
+    if not found:
         raise CheckpointError(
-            f"none of the model's keys ({wanted[:3]}, ...) is in the checkpoint, under any "
-            f"prefix; it holds {sorted(keys)[:5]}{' ...' if len(keys) > 5 else ''}"
+            f"none of the model's keys ({sorted(wanted)[:3]}, ...) is in the checkpoint, under "
+            f"any prefix; it holds {sorted(keys)[:5]}{' ...' if len(keys) > 5 else ''}"
         )
-    return best
+    return max(sorted(found), key=lambda p: found[p])
 
 
 def by_layer(key: str) -> str:
