@@ -38,6 +38,7 @@ from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
     save_full_state_dict,
+    write_state_dict_file,
 )
 
 __all__ = [
@@ -76,4 +77,5 @@ __all__ = [
     "set_hang_timeout",
     "share_comm_ctx",
     "subscribe",
+    "write_state_dict_file",
 ]

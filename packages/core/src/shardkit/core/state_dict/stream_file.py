@@ -1,0 +1,77 @@
+"""A state dict written to one file from tensors produced one at a time.
+
+For state dicts that never exist whole in memory: a converter that rebuilds one tensor at a
+time from another checkpoint, say. The writers of ``file_formats.py`` take the entries up
+front (that fixes the safetensors header) and then each tensor's bytes as it comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
+
+__all__ = ["write_state_dict_file"]
+
+
+def write_state_dict_file(
+    path: str | os.PathLike[str],
+    expected: Mapping[str, torch.Tensor],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """Write a state dict to one file from tensors produced one at a time.
+
+    ``expected`` announces every entry, in file order: its key and a tensor of its shape and
+    dtype (meta tensors do; nothing is read from them). ``tensors`` then yields ``(key,
+    tensor)`` in that same order; each is written and let go before the next is asked for,
+    so a state dict larger than memory streams through one tensor at a time.
+
+    ``.safetensors`` paths are written as safetensors, other paths in torch.save's format
+    (``torch.load(path, weights_only=True)`` reads them). The file appears complete or not
+    at all: it is written under a temporary name (``<name>.partial``) and renamed; on any
+    error, including one raised by ``tensors``, the temporary file is removed.
+
+    Raises:
+        ValueError: ``tensors`` yields a key out of order or never announced, or a tensor
+            whose shape or dtype differs from the announcement (naming the key), or ends early.
+    """
+    target = Path(path)
+    entries = [Entry(k, tuple(v.shape), v.dtype) for k, v in expected.items()]
+    partial = target.with_name(target.name + ".partial")
+    writer = open_writer(partial, entries, format_of(target))
+    try:
+        _write_in_order(writer, entries, tensors, target)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            writer.close()  # lets go of the file, which is then removed
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    partial.replace(target)
+
+
+def _write_in_order(
+    writer: FileWriter, entries: list[Entry], tensors: Iterable[tuple[str, torch.Tensor]], at: Path
+) -> None:
+    pending = iter(entries)
+    for key, tensor in tensors:
+        entry = next(pending, None)
+        if entry is None or key != entry.name:
+            wanted = "no more keys" if entry is None else repr(entry.name)
+            raise ValueError(f"{at}: got {key!r} where {wanted} was announced")
+        found = Entry(key, tuple(tensor.shape), tensor.dtype)
+        if found != entry:
+            raise ValueError(
+                f"{at}: {key} was announced as {list(entry.shape)} {entry.dtype}, "
+                f"got {list(found.shape)} {found.dtype}"
+            )
+        writer.write(key, tensor.detach().cpu())
+        del tensor  # on disk now: the producer may free it before making the next
+    missing = [e.name for e in pending]
+    if missing:
+        raise ValueError(f"{at}: the tensors ended before {missing} were written")

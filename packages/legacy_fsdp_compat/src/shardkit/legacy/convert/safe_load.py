@@ -1,0 +1,227 @@
+"""Reading FSDP1's files without unpickling anything but tensors and plain data.
+
+- torch.save files go through ``torch.load(weights_only=True)``, memory-mapped. LOCAL state
+  dicts hold ShardedTensors, which weights_only refuses: they are allowed through
+  ``torch.serialization.safe_globals`` as exactly the types their pickles name, with two
+  stand-ins. A real ShardedTensor cannot be rebuilt here (its ``__setstate__`` wants the
+  process group it was saved from), so its name maps to :class:`ShardedTensorRecord`, which
+  only keeps the pickled state; and the one ``getattr`` such a pickle makes (to reach
+  ``ShardedTensor.ProcessGroupState``) maps to a function that allows exactly that lookup.
+- DCP's ``.metadata`` is a plain pickle, which torch reads with ``pickle.load``; here a
+  restricted unpickler admits DCP's metadata classes, torch dtypes and sizes, and nothing else.
+
+This is the one module of shardkit.legacy that names torch's private ShardedTensor classes.
+See [Note: FSDP1 checkpoints] (docs/notes/010-fsdp1-checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    MEM_FORMAT_ENCODING,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.remote_device import _remote_device
+
+from shardkit.legacy.convert.plan import CheckpointError
+
+__all__ = ["LocalShard", "ShardedTensorRecord", "load_torch_file", "read_dcp_metadata"]
+
+logger = logging.getLogger(__name__)
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+_LEGACY_MAGIC = b"\x80\x02\x8a\n"  # before it: a protocol-2 pickle of a 10-byte magic number
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+class ShardedTensorRecord(torch.Tensor):
+    """What a pickled ShardedTensor loads as here: its pickled state, and no process group."""
+
+    pickled_state: tuple[Any, ...]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares a plain function
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        # torch requires it of a wrapper subclass; a record is never computed with.
+        raise TypeError(f"{func}: a ShardedTensor read for conversion holds data, not a tensor")
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.pickled_state = state
+
+
+def _nested_class(owner: object, name: str) -> type:
+    """The ``getattr`` a ShardedTensor pickle makes, and no other."""
+    if owner is ShardedTensorRecord and name == "ProcessGroupState":
+        return ShardedTensor.ProcessGroupState
+    raise pickle.UnpicklingError(f"refused getattr({owner!r}, {name!r})")
+
+
+_LOCAL_STATE_DICT_TYPES: list[Any] = [
+    Shard,
+    ShardMetadata,
+    ShardedTensorMetadata,
+    TensorProperties,
+    MEM_FORMAT_ENCODING,
+    ChunkShardingSpec,
+    _remote_device,
+    (ShardedTensorRecord, _SHARDED_TENSOR),
+    (ShardedTensor.ProcessGroupState, f"{_SHARDED_TENSOR}.ProcessGroupState"),
+    (_nested_class, "builtins.getattr"),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """One rank's piece of a 1-D ShardedTensor, as FSDP1's LOCAL_STATE_DICT stores it."""
+
+    data: torch.Tensor | None
+    """The local shard (1-D); None when the rank holds none of it."""
+    offset: int
+    """Where it starts in the whole tensor."""
+    numel: int
+    """Elements of the whole tensor."""
+    rank: int
+    """The rank that saved it, in FSDP1's process group."""
+    world_size: int
+    """The size of that process group when it was saved."""
+
+    @classmethod
+    def of(cls, record: ShardedTensorRecord, key: str, path: Path) -> LocalShard:
+        """Read a record, checking it is the 1-D ShardedTensor with one local shard FSDP1 makes.
+
+        Raises:
+            CheckpointError: naming the file and key, when it is not.
+        """
+        try:
+            local_shards, metadata, group, _spec, _rrefs = record.pickled_state
+            (numel,) = tuple(metadata.size)
+            rank, world_size = int(group.local_rank), int(group.local_world_size)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"{path}: {key} is not a 1-D ShardedTensor as FSDP1 saves it ({err})"
+            ) from err
+        if not local_shards:
+            return cls(data=None, offset=0, numel=numel, rank=rank, world_size=world_size)
+        if len(local_shards) != 1 or local_shards[0].tensor.dim() != 1:
+            raise CheckpointError(
+                f"{path}: {key} has {len(local_shards)} local shard(s); FSDP1 saves one, 1-D"
+            )
+        (shard,) = local_shards
+        (offset,) = shard.metadata.shard_offsets
+        return cls(shard.tensor, offset, numel, rank, world_size)
+
+
+def load_torch_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``, memory-mapped, ShardedTensors as records.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing, truncated or corrupt, or holds
+            pickled objects that weights_only refuses.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    mapped = zipfile.is_zipfile(path)
+    if head == _ZIP_MAGIC and not mapped:
+        raise CheckpointError(
+            f"{path}: truncated or corrupt (a torch.save zip file without its directory)"
+        )
+    if not mapped and head != _LEGACY_MAGIC:
+        raise CheckpointError(f"{path}: not a torch.save file (neither zip nor legacy format)")
+    if not mapped:
+        logger.warning("%s: torch's legacy format (torch < 1.6): read whole, not mapped", path)
+    try:
+        with torch.serialization.safe_globals(_LOCAL_STATE_DICT_TYPES):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as err:
+        reason = _weights_only_reason(str(err))
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled objects that torch.load(weights_only=True) "
+            f"does not load, and shardkit-convert unpickles nothing else ({reason})"
+        ) from err
+    except Exception as err:  # torch's reader raises RuntimeError and others on bad bytes
+        raise CheckpointError(
+            f"{path}: cannot be read as a torch.save file (truncated or corrupt?): {err}"
+        ) from err
+
+
+def _weights_only_reason(message: str) -> str:
+    """The part of torch's weights_only error that says what was refused."""
+    _, found, reason = message.partition("WeightsUnpickler error:")
+    reason = reason.split("Check the documentation")[0] if found else message
+    return " ".join(reason.split()) or "no reason given"
+
+
+_DCP_CLASSES = {
+    (dcp_metadata.__name__, name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    (_StorageInfo.__module__, "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("collections", "OrderedDict"),
+    *((pathlib.__name__, kind) for kind in ("PosixPath", "WindowsPath", "PurePosixPath")),
+}
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A global outside the allowlist (other unpickling errors mean damaged bytes)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own dataclasses, torch sizes and dtypes, paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _RefusedGlobal(f"refused global {module}.{name}")
+
+
+def read_dcp_metadata(checkpoint: Path) -> dcp_metadata.Metadata:
+    """The ``.metadata`` of a DCP checkpoint directory, read with the restricted unpickler.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing, truncated, or names any other
+            global.
+    """
+    path = checkpoint / ".metadata"
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint}: not a DCP checkpoint (no .metadata file)")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _RefusedGlobal as err:
+        raise CheckpointError(f"{path}: refused: {err}") from err
+    except Exception as err:  # UnpicklingError or EOFError when truncated, and the like
+        raise CheckpointError(f"{path}: truncated or corrupt: {type(err).__name__}: {err}") from err
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
