@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,9 @@ class TrainConfig:
     """How many recent checkpoints to keep on disk."""
     resume: bool = False
     """Start from the latest checkpoint in ckpt_dir (it must exist)."""
+    auto_resume: bool = False
+    """Start from the latest checkpoint in ckpt_dir if there is one, else from scratch: what a
+    job restarted by torchrun --max-restarts needs (the same command line runs every time)."""
     log_every: int = 1
     """Print a progress line every this many steps (rank 0)."""
     metrics_file: Path | None = None
@@ -120,8 +124,8 @@ class TrainConfig:
     there (rank-N.json), then rank 0 writes the report (summary, JSON, trace, plots)."""
 
     def __post_init__(self) -> None:
-        if self.resume and self.ckpt_dir is None:
-            raise ValueError("--resume needs --ckpt-dir")
+        if (self.resume or self.auto_resume) and self.ckpt_dir is None:
+            raise ValueError("--resume and --auto-resume need --ckpt-dir")
         if self.steps < 1 or self.batch_size < 1 or self.log_every < 1 or self.keep_ckpts < 1:
             raise ValueError("--steps, --batch-size, --log-every and --keep-ckpts must be >= 1")
         if self.ckpt_every < 0:
@@ -448,17 +452,20 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
     manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts)
     latest = manager.latest()
-    if not cfg.resume:
+    if not (cfg.resume or cfg.auto_resume):
         if latest is not None:
             raise FileExistsError(
                 f"{cfg.ckpt_dir} already holds {latest.name}: pass --resume or a new --ckpt-dir"
             )
         return
     if latest is None:
+        if cfg.auto_resume:
+            return  # the job's first start
         raise FileNotFoundError(f"--resume: no checkpoint in {cfg.ckpt_dir}")
-    manager.load({"train": state}, latest)
-    reporter.record(event="resumed", step=state.step, path=str(latest))
-    reporter.say(f"resumed from {latest} at step {state.step}")
+    # The newest checkpoint that loads on every rank (a corrupt one is passed over).
+    loaded = manager.load({"train": state})
+    reporter.record(event="resumed", step=state.step, path=str(loaded))
+    reporter.say(f"resumed from {loaded} at step {state.step}")
 
 
 def start_profiler(cfg: TrainConfig) -> Profiler | None:
@@ -570,6 +577,11 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
     p.add_argument("--ckpt-dir", type=Path, default=None)
     p.add_argument("--ckpt-every", type=int, default=train_defaults.ckpt_every)
     p.add_argument("--resume", action="store_true")
+    p.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume from the latest checkpoint if there is one (for torchrun --max-restarts)",
+    )
     p.add_argument("--seed", type=int, default=train_defaults.seed)
     p.add_argument("--batch-size", type=int, default=train_defaults.batch_size)
     p.add_argument(
@@ -605,6 +617,7 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
         ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every,
         resume=a.resume,
+        auto_resume=a.auto_resume,
         log_every=a.log_every,
         metrics_file=a.metrics_file,
         profile_dir=a.profile,
@@ -612,9 +625,31 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
     return model_cfg, train_cfg
 
 
+def init_distributed() -> None:
+    """The gloo process group, on keys of this restart attempt only.
+
+    Under `torchrun --max-restarts`, the workers of every attempt share the launcher's store,
+    and torch's default init (env://) uses the same keys each time: a restarted worker can
+    read the address its dead predecessor published and fail to connect ("Connection
+    refused"), or wait forever in the store's barrier. Scoping the keys by the restart count
+    makes every attempt rendezvous afresh. (Launching with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    does the same from outside: a new store per attempt.)
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # torch.distributed exports both stores at run time, without declaring them to type checkers.
+    store = dist.TCPStore(host, port, world, is_master=False)  # type: ignore[attr-defined]
+    scoped = dist.PrefixStore(f"demo/attempt_{attempt}", store)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=scoped, rank=rank, world_size=world)
+
+
 def main() -> None:
     model_cfg, train_cfg = parse_args()
-    dist.init_process_group("gloo")
+    init_distributed()
     try:
         train(model_cfg, train_cfg)
         # Leave together. A rank that runs ahead into interpreter shutdown while a gloo worker
