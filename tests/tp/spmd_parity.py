@@ -131,6 +131,13 @@ def build(impl: str, run: SpmdRun, seed: int = 0) -> tuple[nn.Module, int]:
     mesh = first.device_mesh
     shard = fully_shard_of(impl)
     kwargs = dict(run.shard_kwargs, mesh=mesh, dp_mesh_dims=mesh_dims(impl, run))
+    if "mp_policy" in kwargs and impl == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = kwargs["mp_policy"]
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            **{name: getattr(policy, name) for name in policy.__dataclass_fields__}
+        )
     for layer in ("a", "b"):  # then the root, with "c": three groups
         shard(getattr(model, layer), **kwargs)
     shard(model, **kwargs)
@@ -238,3 +245,22 @@ def load_body(rank: int, world_size: int, impl: str, run: SpmdRun, path: str) ->
         "optim": optim_values(model, opt),
         "after": train(model, opt, RESUMED, (index, run.dp_size)),
     }
+
+
+def full_state_dict_body(rank: int, world_size: int, runs: list[SpmdRun]) -> list[bool]:
+    """Per run: whether shardkit's and DCP's full state dicts are the single model's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from shardkit.core import iter_full_state_dict
+
+    found: list[bool] = []
+    for run in runs:
+        model, _ = build("shardkit", run)
+        ours = dict(iter_full_state_dict(model, rank0_only=False, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True)
+        dcp: dict[str, Any] = dict(get_model_state_dict(model, options=options))
+        expected = tp_models.build("mlp").state_dict()
+        found.append(
+            all(torch.equal(ours[k], v) and torch.equal(dcp[k], v) for k, v in expected.items())
+        )
+    return found

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -17,8 +18,15 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.pool import run_on_ranks
+from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import assert_parity
-from tests.tp.spmd_parity import SpmdRun, load_body, parity_body, save_body
+from tests.tp.spmd_parity import (
+    SpmdRun,
+    full_state_dict_body,
+    load_body,
+    parity_body,
+    save_body,
+)
 
 LAYOUTS: dict[str, SpmdRun] = {
     # FSDP on "dp", TP on "tp": dp shards the TP-local rows (strided), uneven
@@ -51,6 +59,17 @@ def test_training_matches_torch_and_one_process(layout: str) -> None:
     assert_parity(traces)
     # The same sharded parameters as torch's: mesh axes and placements (strided ones too).
     assert traces[0]["shardkit"]["layout"] == traces[0]["torch"]["layout"]
+
+
+def test_bf16_mixed_precision_matches_torch() -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    run = SpmdRun(shard_kwargs={"mp_policy": policy}, impls=("shardkit", "torch"))
+    assert_parity(run_on_ranks(4, parity_body, run=run))
+
+
+def test_full_state_dicts_are_the_single_models() -> None:
+    runs = [LAYOUTS[name] for name in ("shard 2x2", "replicate 2x2", "hsdp flattened 2x1x2x1")]
+    assert run_on_ranks(4, full_state_dict_body, runs=runs)[0] == [True, True, True]
 
 
 CHECKPOINTED = LAYOUTS["shard 2x2"]
