@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
@@ -32,9 +28,9 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tests.core.ckpt_helpers import model_values, optim_values
+from tests.core.ckpt_helpers import dcp_load_all, dcp_save_all
 from tests.core.parity import fully_shard_of
-from tests.tp import tp_models
+from tests.tp import tp_ckpt, tp_models
 from tests.tp.tp_parity import Trace, full_params
 
 Names = str | tuple[str, ...] | None
@@ -154,20 +150,7 @@ def train(
     model: nn.Module, opt: torch.optim.Optimizer, steps: range, dp: tuple[int, int]
 ) -> list[float]:
     """Train ``steps`` (the dp rank's slice of each global batch); each step's mean loss."""
-    dp_rank, dp_size = dp
-    losses: list[float] = []
-    for step in steps:
-        x, y = tp_models.batch("mlp", step, 2 * dp_size)
-        loss = F.mse_loss(model(x.chunk(dp_size)[dp_rank]), y.chunk(dp_size)[dp_rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(total)  # TP ranks repeat their dp group's loss: the mean is right
-            total /= dist.get_world_size()
-        losses.append(total.item())
-    return losses
+    return tp_ckpt.train(model, opt, steps, dp, name="mlp", global_batch=2 * dp[1])
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -227,9 +210,7 @@ def save_body(rank: int, world_size: int, impl: str, run: SpmdRun, path: str) ->
     dp = (index, run.dp_size)
     opt = _adamw(model)
     train(model, opt, range(SAVE_AFTER), dp)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    saved = {"model": model_values(model), "optim": optim_values(model, opt)}
+    saved = dcp_save_all(model, opt, path)
     return {"after": train(model, opt, RESUMED, dp), **saved}
 
 
@@ -237,14 +218,8 @@ def load_body(rank: int, world_size: int, impl: str, run: SpmdRun, path: str) ->
     """Load ``path`` into a fresh model (another seed) and optimizer; values and losses after."""
     model, index = build(impl, run, seed=7)
     opt = _adamw(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return {
-        "model": model_values(model),
-        "optim": optim_values(model, opt),
-        "after": train(model, opt, RESUMED, (index, run.dp_size)),
-    }
+    loaded = dcp_load_all(model, opt, path)
+    return {**loaded, "after": train(model, opt, RESUMED, (index, run.dp_size))}
 
 
 def full_state_dict_body(rank: int, world_size: int, runs: list[SpmdRun]) -> list[bool]:
