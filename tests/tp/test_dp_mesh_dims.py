@@ -252,3 +252,24 @@ def test_errors_are_torchs_and_change_nothing(
         if fs is fully_shard and module is not None:
             assert not isinstance(module, FSDPModule)
             assert all(p is before[name] for name, p in module.named_parameters())
+
+
+def test_an_all_reduce_hook_stream_is_refused_with_hsdp_only(fake_world: None) -> None:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit.core import DataParallelMeshDims, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("r", "s", "tp"))
+    placements = (Replicate(), Replicate(), Shard(0))
+    impls: list[tuple[Any, Any]] = [
+        (torch_fully_shard, TorchDims),
+        (fully_shard, DataParallelMeshDims),
+    ]
+    for fs, dims in impls:
+        replicated = fs(_linear(mesh, placements), mesh=mesh, dp_mesh_dims=dims(replicate="r"))
+        stream: Any = object()  # a CUDA stream, as far as the check goes
+        replicated.set_all_reduce_hook(lambda grad: None, stream=stream)  # as torch: accepted
+        hsdp = fs(_linear(mesh, placements), mesh=mesh, dp_mesh_dims=dims(shard="s", replicate="r"))
+        with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
+            hsdp.set_all_reduce_hook(lambda grad: None, stream=stream)

@@ -182,11 +182,12 @@ class FSDPModule:
 
         ``reduced`` is the reduce-scatter output with plain FSDP, or the all-reduce output
         with HSDP: the sum over ranks, before the division by the data-parallel size. A
-        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is accepted for
-        plain FSDP only, as torch's; the hook runs where the reduction finishes.
+        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is refused with
+        HSDP, as torch's; the hook runs where the reduction finishes.
         """
         for group in self._groups_under(recurse=False):
-            if stream is not None and group.mesh_info.replicate_group is not None:
+            info = group.mesh_info
+            if stream is not None and info.replicate_group is not None and info.has_shard_axis:
                 raise ValueError("stream cannot be set when using native HSDP")
             group.options.all_reduce_hook = hook
 
