@@ -113,6 +113,27 @@ def test_dcp_checkpoints_interchange_with_torch(
     assert _metadata(saved["shardkit"]["path"]) == _metadata(saved["torch"]["path"])
 
 
+def test_data_parallel_mesh_dims_reads_as_torchs() -> None:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+    from shardkit.core import DataParallelMeshDims
+
+    given: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("dp",), {}),  # positional: shard
+        ((), {"replicate": "dp"}),
+        ((), {"shard": ("dp_shard", "cp"), "replicate": "dp_replicate"}),
+        ((), {"shard": ["dp", "cp"]}),  # a list, as torch's takes
+    ]
+    for args, kwargs in given:
+        ours, theirs = DataParallelMeshDims(*args, **kwargs), TorchDims(*args, **kwargs)
+        assert (ours.shard_names, ours.replicate_names) == (
+            theirs.shard_names,
+            theirs.replicate_names,
+        )
+    with pytest.raises(TypeError, match="must be a mesh axis name"):
+        DataParallelMeshDims(shard=0)  # type: ignore[arg-type]  # the mistake under test
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

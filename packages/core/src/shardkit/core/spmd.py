@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.core.extensions import ShardingExtension, SpmdMeshAxes, SpmdShardingExtension
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import Sharding
+from shardkit.core.policies import DataParallelMeshDims
 from shardkit.core.runtime.device import device_for_mesh_type
 from shardkit.core.runtime.groups import own_group
 from shardkit.core.runtime.meshes import concatenate, flattened
@@ -38,13 +39,8 @@ def _axis_names(dp_mesh_dims: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if shard is None and replicate is None:
         # Only reachable with torch's class, whose instances can be changed after creation.
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
-    return _tuple(shard), _tuple(replicate)
-
-
-def _tuple(names: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    if names is None:
-        return ()
-    return (names,) if isinstance(names, str) else tuple(names)
+    ours = DataParallelMeshDims(shard=shard, replicate=replicate)  # checks torch's too
+    return ours.shard_names, ours.replicate_names
 
 
 def _check_names(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]) -> None:
