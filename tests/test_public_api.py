@@ -16,6 +16,7 @@ EXPECTED = {
         "CheckpointManager",
         "CollectiveEvent",
         "CollectiveIssuedEvent",
+        "DataParallelMeshDims",
         "DesyncError",
         "FSDPModule",
         "FullyShardUsageError",
@@ -51,6 +52,8 @@ EXPECTED = {
         "ENTRY_POINT_GROUP",
         "ParamShardingSpec",
         "ShardingExtension",
+        "SpmdMeshAxes",
+        "SpmdShardingExtension",
         "extension_for",
         "make_dtensor",
         "register_extension",
@@ -147,13 +150,14 @@ def test_drop_in_for_torch_fully_shard() -> None:
         "MixedPrecisionPolicy",
         "OffloadPolicy",
         "CPUOffloadPolicy",
+        "DataParallelMeshDims",
         "register_fsdp_forward_method",
     ]:
         assert hasattr(ours, name), name
     theirs_params = inspect.signature(torch_fsdp.fully_shard).parameters
     ours_params = inspect.signature(ours.fully_shard).parameters
     assert list(ours_params) == list(theirs_params)
-    for policy in ["MixedPrecisionPolicy", "CPUOffloadPolicy"]:
+    for policy in ["MixedPrecisionPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]:
         their_fields = set(getattr(torch_fsdp, policy).__dataclass_fields__)
         assert set(getattr(ours, policy).__dataclass_fields__) == their_fields
     methods = [

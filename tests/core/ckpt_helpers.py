@@ -134,6 +134,21 @@ def devices_of(tree: Any) -> set[str]:
     return {x.device.type for x in leaves}
 
 
+def dcp_save_all(model: Any, opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
+    """Save model and optimizer to ``path`` with DCP; their full values as saved."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return {"model": model_values(model), "optim": optim_values(model, opt)}
+
+
+def dcp_load_all(model: Any, opt: torch.optim.Optimizer, path: str) -> dict[str, Any]:
+    """Load model and optimizer from ``path`` with DCP; their full values as loaded."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return {"model": model_values(model), "optim": optim_values(model, opt)}
+
+
 def save_body(
     rank: int, world_size: int, impl: str, hsdp: tuple[int, int] | None, path: str
 ) -> dict[str, Any]:
@@ -144,9 +159,7 @@ def save_body(
     model = sharded_gpt(impl, mesh_of(world_size, hsdp))
     opt = adamw(model)
     before = train(model, opt, range(SAVE_AFTER), rank, world_size)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    saved = {"model": model_values(model), "optim": optim_values(model, opt)}
+    saved = dcp_save_all(model, opt, path)
     return {"before": before, "after": train(model, opt, RESUMED, rank, world_size), **saved}
 
 
@@ -166,12 +179,9 @@ def load_body(
     opt = adamw(model)  # before any forward: after one, the root's full parameters show
     if eval_first:
         eval_forward(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded = dcp_load_all(model, opt, path)
     return {
-        "model": model_values(model),
-        "optim": optim_values(model, opt),
+        **loaded,
         "param_kinds": kinds_of(dict(model.named_parameters())),
         "after": train(model, opt, RESUMED, rank, world_size),
     }

@@ -7,9 +7,9 @@ from collections import Counter
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec
+from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, SpmdMeshAxes
 
 
 class RecordingSharding(DataParallelSharding):
@@ -101,3 +101,33 @@ class ReplicatedDTensorSharding:
 
     def grad_local(self, grad: torch.Tensor, spec: ParamShardingSpec) -> torch.Tensor:
         return grad
+
+
+class SpmdReplicatedSharding(ReplicatedDTensorSharding):
+    """DTensors replicated on a 1-D mesh given whole to ``fully_shard(..., dp_mesh_dims=)``.
+
+    Implements the SPMD seam only as far as a 1-D mesh needs: the sharded parameter is on
+    the whole mesh, Shard(dim) when the axis is sharded and Replicate() when it is only
+    replicated; the unsharded parameter is a plain tensor. It records the axes it was given.
+    """
+
+    def __init__(self) -> None:
+        self.axes: list[SpmdMeshAxes] = []
+
+    def spmd_param_spec(
+        self, param: nn.Parameter, *, shard_dim: int, axes: SpmdMeshAxes
+    ) -> ParamShardingSpec:
+        assert isinstance(param, DTensor)
+        self.axes.append(axes)
+        placement: Placement = Shard(shard_dim) if axes.shard else Replicate()
+        return ParamShardingSpec(
+            local=param.to_local(),
+            shard_dim=shard_dim,
+            sharded_mesh=axes.mesh,
+            sharded_placements=(placement,),
+            unsharded_mesh=None,
+            unsharded_placements=(),
+            global_shape=param.shape,
+            global_stride=tuple(param.stride()),
+            dp_axes=(0,),
+        )

@@ -22,7 +22,11 @@ from shardkit.core.extensions import (
     register_extension,
 )
 from tests.core import models
-from tests.core.extension_support import RecordingSharding, ReplicatedDTensorSharding
+from tests.core.extension_support import (
+    RecordingSharding,
+    ReplicatedDTensorSharding,
+    SpmdReplicatedSharding,
+)
 
 
 def _train(model: Any, rank: int, world_size: int) -> list[float]:
@@ -122,6 +126,59 @@ def test_dtensor_parameters_need_an_extension_and_train_through_one() -> None:
     assert "norm.weight" in result["error"]
     assert result["losses"] == result["reference"]
     assert result["placements"] == {"(Shard(dim=0),)"}
+
+
+def _spmd_mesh_body(rank: int, world_size: int) -> dict[str, Any]:
+    from shardkit.core import DataParallelMeshDims, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    out: dict[str, Any] = {
+        "reference": _train(_sharded(mesh, replicate_as_dtensors=False), rank, world_size)
+    }
+    unregister = register_extension(ReplicatedDTensorSharding())  # no spmd_param_spec
+    try:
+        with pytest.raises(ValueError) as refused:
+            fully_shard(
+                _mlp(mesh, replicate_as_dtensors=True),
+                mesh=mesh,
+                dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+            )
+        out["refused"] = str(refused.value)
+    finally:
+        unregister()
+    for mode in ("shard", "replicate"):
+        dims = DataParallelMeshDims(**{mode: "dp"})
+        extension = SpmdReplicatedSharding()
+        unregister = register_extension(extension)
+        try:
+            model = _mlp(mesh, replicate_as_dtensors=True)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+            fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+            out[mode] = _train(model, rank, world_size)
+            out[f"{mode} placements"] = {str(p.placements) for p in model.parameters()}
+            axes = extension.axes[0]
+            out[f"{mode} axes"] = (
+                axes.shard,
+                axes.replicate,
+                axes.mesh is mesh,
+                axes.dp_mesh.shape,
+            )
+        finally:
+            unregister()
+    return out
+
+
+def test_parameters_on_the_whole_mesh_go_through_the_spmd_seam() -> None:
+    result = run_on_ranks(2, _spmd_mesh_body)[0]
+    assert "does not support dp_mesh_dims" in result["refused"]
+    # Sharded or replicated over "dp", training is plain FSDP's (sums of 2 are exact).
+    assert result["shard"] == pytest.approx(result["reference"], rel=1e-6)
+    assert result["replicate"] == pytest.approx(result["reference"], rel=1e-6)
+    assert result["shard placements"] == {"(Shard(dim=0),)"}
+    assert result["replicate placements"] == {"(Replicate(),)"}
+    assert result["shard axes"] == (("dp",), (), True, (2,))
+    assert result["replicate axes"] == ((), ("dp",), True, (2,))
 
 
 def test_register_refuses_what_is_not_an_extension() -> None:

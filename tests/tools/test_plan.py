@@ -72,6 +72,10 @@ def test_the_core_layout_gives_the_hand_computed_sizes() -> None:
     assert [p.comm_offset for p in bf16.params] == [0, 32, 48, 80]
     one = group_layout([ParamSpec(fqn="w", shape=(1,), dtype=torch.float32)], shard_world=1)
     assert one.sharded_bytes == 16  # a 4-byte parameter still fills an aligned slot
+    # One shard rank: the unsharded parameters view the shards, unless cast.
+    assert one.unsharded_views_storage and not fp32.unsharded_views_storage
+    cast = group_layout(specs, shard_world=1, param_dtype=torch.bfloat16)
+    assert not cast.unsharded_views_storage
 
 
 def test_groups_have_the_engines_padded_sizes() -> None:

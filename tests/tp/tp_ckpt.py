@@ -13,12 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.core.ckpt_helpers import model_values, optim_values
+from tests.core.ckpt_helpers import dcp_load_all, dcp_save_all
 from tests.tp import tp_models
 from tests.tp.tp_parity import (
     TPRun,
@@ -49,13 +46,19 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(
-    model: nn.Module, opt: torch.optim.Optimizer, steps: range, dp: tuple[int, int]
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    dp: tuple[int, int],
+    *,
+    name: str = "sp",
+    global_batch: int = GLOBAL_BATCH,
 ) -> list[float]:
-    """Train ``steps``; each step's mean loss over the global batch."""
+    """Train ``steps`` of the ``name`` model; each step's mean loss over the global batch."""
     dp_rank, dp_size = dp
     losses: list[float] = []
     for step in steps:
-        x, y = tp_models.batch("sp", step, GLOBAL_BATCH)
+        x, y = tp_models.batch(name, step, global_batch)
         x, y = x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -76,9 +79,7 @@ def save_body(
     model, *dp = build(impl, layout)
     opt = adamw(model)
     before = train(model, opt, range(SAVE_AFTER), (dp[0], dp[1]))
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    saved = {"model": model_values(model), "optim": optim_values(model, opt)}
+    saved = dcp_save_all(model, opt, path)
     return {"before": before, "after": train(model, opt, RESUMED, (dp[0], dp[1])), **saved}
 
 
@@ -88,11 +89,5 @@ def load_body(
     """Load ``path`` into a fresh model and optimizer in ``layout``; values and losses after."""
     model, *dp = build(impl, layout, seed=7)
     opt = adamw(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return {
-        "model": model_values(model),
-        "optim": optim_values(model, opt),
-        "after": train(model, opt, RESUMED, (dp[0], dp[1])),
-    }
+    loaded = dcp_load_all(model, opt, path)
+    return {**loaded, "after": train(model, opt, RESUMED, (dp[0], dp[1]))}

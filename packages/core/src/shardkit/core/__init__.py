@@ -32,7 +32,12 @@ from shardkit.core.observe import (
     StateTransitionEvent,
     subscribe,
 )
-from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.state_dict import (
     iter_full_state_dict,
@@ -49,6 +54,7 @@ __all__ = [
     "CheckpointManager",
     "CollectiveEvent",
     "CollectiveIssuedEvent",
+    "DataParallelMeshDims",
     "DesyncError",
     "FSDPModule",
     "FullyShardUsageError",

@@ -14,6 +14,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.tensor import Shard
 
 from shardkit.core.errors import FullyShardUsageError, UnsupportedCopyError
@@ -21,7 +22,7 @@ from shardkit.core.mesh_info import MeshInfo, mesh_info_for
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup, GroupConfig
-from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.groups import default_mesh, group_ranks, subgroup_of
 from shardkit.core.sharding import (
     check_hooked_params,
@@ -29,6 +30,7 @@ from shardkit.core.sharding import (
     mark_owned,
     validate_reshard_after_forward,
 )
+from shardkit.core.spmd import spmd_mesh_info
 from shardkit.core.state import FSDPState, is_managed, register_state, state_of, states_under
 from shardkit.core.state_dict.validation import (
     check_state_dict,
@@ -180,11 +182,12 @@ class FSDPModule:
 
         ``reduced`` is the reduce-scatter output with plain FSDP, or the all-reduce output
         with HSDP: the sum over ranks, before the division by the data-parallel size. A
-        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is accepted for
-        plain FSDP only, as torch's; the hook runs where the reduction finishes.
+        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is refused with
+        HSDP, as torch's; the hook runs where the reduction finishes.
         """
         for group in self._groups_under(recurse=False):
-            if stream is not None and group.mesh_info.replicate_group is not None:
+            info = group.mesh_info
+            if stream is not None and info.replicate_group is not None and info.has_shard_axis:
                 raise ValueError("stream cannot be set when using native HSDP")
             group.options.all_reduce_hook = hook
 
@@ -327,6 +330,8 @@ class FSDPModule:
 
 
 _Placement = Callable[[nn.Parameter], Shard | None] | None
+# Code written for torch passes torch's class; ours has the same fields.
+_MeshDims = DataParallelMeshDims | TorchDataParallelMeshDims | None
 
 
 @overload
@@ -339,7 +344,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: _MeshDims = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
@@ -351,7 +356,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: _MeshDims = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -364,30 +369,35 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008  (frozen)
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: _MeshDims = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard a module's parameters across the data-parallel mesh (a drop-in for torch's).
 
     Args:
         module: a module, or a list of modules whose parameters form one group.
         mesh: a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh with dim names (HSDP);
-            default: every rank of the default process group.
+            default: every rank of the default process group. With ``dp_mesh_dims``, the
+            whole SPMD mesh the parameters are DTensors on.
         reshard_after_forward: True frees full parameters after forward, False keeps them,
             None means True except for the root; an int n keeps a 1/n slice.
         shard_placement_fn: returns ``Shard(dim)`` for a parameter, or None for ``Shard(0)``.
         mp_policy: mixed precision.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
         ignored_params: parameters left alone: not sharded, not moved, not reduced.
-        dp_mesh_dims: not supported by the core; see shardkit.tp.
+        dp_mesh_dims: the data-parallel axes of ``mesh`` (``DataParallelMeshDims``, ours or
+            torch's), when the parameters are already DTensors on the whole mesh,
+            ``Replicate()`` on those axes; sharding them takes an extension (shardkit.tp).
 
     Returns:
         The same module(s), now also instances of ``FSDPModule``.
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("dp_mesh_dims is not supported by shardkit.core yet")
     _check_modules(modules)
-    mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
+    mesh = mesh if mesh is not None else default_mesh()
+    if dp_mesh_dims is not None:
+        mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)
+    else:
+        mesh_info = mesh_info_for(mesh)
     options = GroupOptions(
         reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
         reshard_after_forward_is_default=reshard_after_forward is None,

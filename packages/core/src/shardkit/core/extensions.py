@@ -9,6 +9,11 @@ Extensions are found through the packaging entry-point group ``shardkit.core.ext
 (each entry names a zero-argument callable, a class for instance, that returns one), so an
 installed ``shardkit-tp`` is used with no call from the user. :func:`register_extension`
 adds one by hand. Plain tensors go to :class:`DataParallelSharding`, the core's own behaviour.
+
+With ``fully_shard(..., dp_mesh_dims=...)`` every parameter is a DTensor on the whole SPMD mesh
+already, replicated on the data-parallel axes; the extension that claims it must then also be
+a :class:`SpmdShardingExtension`, which the core asks for the parameter's description given
+the mesh's data-parallel axes (:class:`SpmdMeshAxes`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ __all__ = [
     "DataParallelSharding",
     "ParamShardingSpec",
     "ShardingExtension",
+    "SpmdMeshAxes",
+    "SpmdShardingExtension",
     "extension_for",
     "make_dtensor",
     "register_extension",
@@ -64,6 +71,26 @@ class ParamShardingSpec:
     """The parameter's full shape across every axis."""
     global_stride: tuple[int, ...]
     """The strides of the full parameter."""
+    dp_axes: tuple[int, ...] = ()
+    """Axes of ``unsharded_mesh`` that are data-parallel (``dp_mesh_dims``). The core's
+    reduction sums gradients over them, so ``grad_local`` leaves a gradient's placements on
+    these axes as they are: a ``Partial`` sum there is what the reduction adds up, and settling
+    it first would be an all-reduce the reduction repeats."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpmdMeshAxes:
+    """The whole SPMD mesh and its data-parallel axes, from ``fully_shard``'s ``dp_mesh_dims``."""
+
+    mesh: DeviceMesh
+    """The mesh passed to ``fully_shard``: every parameter is a DTensor on it."""
+    shard: tuple[str, ...]
+    """Its axes the parameters are sharded on (flattened into one when several; may be empty)."""
+    replicate: tuple[str, ...]
+    """Its axes the parameters are replicated across (likewise; may be empty)."""
+    dp_mesh: DeviceMesh
+    """The mesh the core gathers and reduces over, built from those axes: the shard axis, the
+    replicate axis (replicate only), or (replicate, shard) for HSDP."""
 
 
 @runtime_checkable
@@ -105,6 +132,24 @@ class ShardingExtension(Protocol):
         This is what the data-parallel reduction sums. Under TP the gradient is a DTensor
         whose placements may differ from the parameter's (a Partial sum after a
         sequence-parallel norm): the extension settles it on the unsharded placements first.
+        """
+
+
+@runtime_checkable
+class SpmdShardingExtension(ShardingExtension, Protocol):
+    """An extension that also takes parameters given on the whole SPMD mesh (``dp_mesh_dims``)."""
+
+    def spmd_param_spec(
+        self, param: nn.Parameter, *, shard_dim: int, axes: SpmdMeshAxes
+    ) -> ParamShardingSpec:
+        """Describe ``param``, a DTensor on ``axes.mesh``, sharded along ``shard_dim`` on dp.
+
+        The spec's ``unsharded_mesh`` is ``axes.mesh`` and its ``dp_axes`` are the indices of
+        the data-parallel axes there.
+
+        Raises:
+            ValueError: the parameter cannot be sharded so (not ``Replicate()`` on a
+                data-parallel axis, say); the message says why.
         """
 
 

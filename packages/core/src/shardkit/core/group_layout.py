@@ -187,6 +187,19 @@ class GroupLayout:
         return self.unsharded.nbytes
 
     @property
+    def unsharded_views_storage(self) -> bool:
+        """Whether the unsharded parameters view the sharded buffer itself: no second copy.
+
+        So it is on a shard axis of one rank (one process, HSDP or ``dp_mesh_dims`` with a
+        shard axis of size 1, replicate only): each shard is its whole parameter, and the two
+        buffers have one layout. A cast to ``param_dtype`` or all-gather hooks need a buffer
+        of their own; so does CPU offloading, which the engine adds to this.
+        """
+        return self.shard_world == 1 and all(
+            p.comm_dtype == p.dtype and not p.all_gather_hooks for p in self.params
+        )
+
+    @property
     def trainable(self) -> tuple[ParamLayout, ...]:
         """The parameters whose gradients are reduced."""
         return tuple(p for p in self.params if p.requires_grad)

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardkit.core.errors import FullyShardUsageError
+from shardkit.core.extensions import SpmdMeshAxes
 from shardkit.core.runtime.device import device_for_mesh_type
 
 __all__ = ["MeshInfo", "mesh_info_for"]
@@ -17,7 +18,11 @@ __all__ = ["MeshInfo", "mesh_info_for"]
 
 @dataclass(frozen=True, slots=True)
 class MeshInfo:
-    """A 1-D (FSDP) or 2-D (HSDP: replicate x shard) data-parallel mesh."""
+    """A 1-D (FSDP) or 2-D (HSDP: replicate x shard) data-parallel mesh.
+
+    With ``dp_mesh_dims`` it may also be replicate only: ``mesh`` is then the replicate axis
+    and the shard group is this rank alone (``shard_size`` 1).
+    """
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
@@ -27,6 +32,14 @@ class MeshInfo:
     """Set for HSDP only: gradients are all-reduced over it after the reduce-scatter."""
     replicate_size: int
     device: torch.device
+    spmd: SpmdMeshAxes | None = None
+    """Set with ``dp_mesh_dims``: the whole SPMD mesh the parameters are DTensors on, and the
+    data-parallel axes ``mesh`` was built from."""
+
+    @property
+    def has_shard_axis(self) -> bool:
+        """False for replicate only (``dp_mesh_dims`` naming no shard axis)."""
+        return self.spmd is None or bool(self.spmd.shard)
 
     @property
     def dp_size(self) -> int:
@@ -43,6 +56,8 @@ class MeshInfo:
 
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         """DTensor placements of a parameter sharded on ``shard_dim``."""
+        if not self.has_shard_axis:
+            return (Replicate(),)
         if self.replicate_group is None:
             return (Shard(shard_dim),)
         return (Replicate(), Shard(shard_dim))

@@ -115,6 +115,10 @@ class FSDPParamGroup:
             or self._hooks is not None
             or any(p.comm_dtype != p.orig_dtype for p in self.params)
         )
+        # One shard rank: the unsharded parameters view the shards (see [Note: unsharded
+        # storage]); the all-gather of one rank still runs, for observers, and copies nothing.
+        self.aliases_shards = self.layout.unsharded_views_storage and not self.offload
+        assert not self.aliases_shards or self.unsharded_layout == self.storage_layout
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
         )
@@ -316,6 +320,8 @@ class FSDPParamGroup:
         geometries: Iterable[tuple[int, ShardGeometry]] = (
             enumerate(pf.geometries) if from_pf and pf is not None else self._flat_geometries
         )
+        if self.aliases_shards:
+            geometries = ()  # the one row is the sharded buffer, which the parameters view
         for i, geo in geometries:
             target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
             copy_out_unsharded([layout.view(row, i) for row in rows], geo, target)
@@ -332,7 +338,10 @@ class FSDPParamGroup:
         nbytes = self.unsharded_layout.nbytes
         buffer = self._unsharded_buffer
         if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
+            if self.aliases_shards:
+                buffer = self.sharded_buffer
+            else:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
             self._unsharded_buffer = buffer
             self._bind_unsharded_params(buffer)
         elif buffer.untyped_storage().nbytes() == 0:
@@ -362,7 +371,7 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        if self._unsharded_buffer is not None:
+        if self._unsharded_buffer is not None and not self.aliases_shards:
             self._unsharded_buffer.untyped_storage().resize_(0)
         if self._hooks is not None:
             self._hooks.free()

@@ -1,4 +1,4 @@
-"""User-facing policies: mixed precision and offloading.
+"""User-facing policies: mixed precision, offloading, and the data-parallel axes of a mesh.
 
 These mirror ``torch.distributed.fsdp``'s policies field for field, so code written for torch's
 ``fully_shard`` passes them unchanged.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,3 +56,58 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
     """Pin the CPU shards for faster, asynchronous host-to-device copies. On a build without an
     accelerator there is nothing to pin for, and this is ignored rather than failing."""
+
+
+AxisNames = str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelMeshDims:
+    """Which axes of the whole SPMD mesh are data-parallel: ``fully_shard(..., dp_mesh_dims=)``.
+
+    The mesh passed to ``fully_shard`` is then the whole mesh, and every parameter is already
+    a DTensor on it, ``Replicate()`` on these axes. Shard only is FSDP, replicate only is
+    DDP-style replication, both is HSDP. Positional arguments work, as with torch's class
+    (``DataParallelMeshDims("dp")`` shards on "dp"); torch's own instances are accepted too.
+    """
+
+    shard: AxisNames = None
+    """The axis name(s) the parameters are sharded on; several are flattened into one axis."""
+
+    replicate: AxisNames = None
+    """The axis name(s) the parameters are replicated across; several are flattened too."""
+
+    def __post_init__(self) -> None:
+        for field in ("shard", "replicate"):
+            value = getattr(self, field)
+            if isinstance(value, list):
+                value = tuple(value)  # torch's accepts a list: keep the instance hashable
+                object.__setattr__(self, field, value)
+            names = (value,) if isinstance(value, str) else value
+            if names is not None and not (
+                isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+            ):
+                raise TypeError(
+                    f"DataParallelMeshDims.{field} must be a mesh axis name, a tuple of names "
+                    f"or None, got {value!r}"
+                )
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """``shard`` as a tuple of names (empty when None)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """``replicate`` as a tuple of names (empty when None)."""
+        return _names(self.replicate)
+
+
+def _names(value: AxisNames) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -19,6 +19,7 @@ from shardkit.core.errors import (
 from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot, Sharding
+from shardkit.core.spmd import check_spmd_param, spmd_sharding
 from shardkit.core.state import is_managed
 
 __all__ = [
@@ -59,6 +60,13 @@ def validate_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
         return value
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+    if mesh_info.spmd is not None:
+        if mesh_info.has_shard_axis:
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh "
+                f"(dp_mesh_dims); pass True or False (got {value})"
+            )
+        return False  # replicate only: nothing is sharded, as torch treats it
     size = mesh_info.shard_size
     if value < 1 or size % value != 0:
         raise ValueError(
@@ -118,7 +126,7 @@ def collect_params(
                     params[key] = param
                     names[key] = f"{prefix}{mod_name}{'.' if mod_name else ''}{name}"
                 slots.setdefault(key, []).append(ParamSlot(module, name))
-    _check_params(params, names)
+    _check_params(params, names, mesh_info)
     managed: list[FSDPParam] = []
     for key, param in params.items():
         sharding = _sharding_of(param, names[key], shard_placement_fn, mesh_info)
@@ -135,13 +143,21 @@ def _sharding_of(
     """The extension that shards ``param`` and its description, validated."""
     extension = extension_for(param, name)
     dim = _shard_dim(param, name, shard_placement_fn)
-    try:
-        spec = extension.param_spec(
-            param, shard_dim=dim, dp_mesh=mesh_info.mesh, dp_placements=mesh_info.placements(dim)
-        )
-    except ValueError as error:
-        # The extension knows the tensor, not its name: say which parameter it refused.
-        raise ValueError(f"fully_shard cannot shard parameter {name}: {error}") from error
+    if mesh_info.spmd is not None:
+        sharding = spmd_sharding(extension, param, name, dim, mesh_info.spmd)
+    else:
+        try:
+            spec = extension.param_spec(
+                param,
+                shard_dim=dim,
+                dp_mesh=mesh_info.mesh,
+                dp_placements=mesh_info.placements(dim),
+            )
+        except ValueError as error:
+            # The extension knows the tensor, not its name: say which parameter it refused.
+            raise ValueError(f"fully_shard cannot shard parameter {name}: {error}") from error
+        sharding = Sharding(extension, spec)
+    spec = sharding.spec
     size = spec.local.shape[dim]
     if dim != 0 and size % mesh_info.shard_size != 0:
         raise UnevenShardingError(
@@ -150,7 +166,7 @@ def _sharding_of(
             f"{size} along dim {dim} to be divisible by the shard group size (dim 0 may be "
             "uneven)"
         )
-    return Sharding(extension, spec)
+    return sharding
 
 
 def mark_owned(managed: list[FSDPParam], group_name: str) -> None:
@@ -179,7 +195,9 @@ def _unmanaged_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> None:
+def _check_params(
+    params: dict[int, nn.Parameter], names: dict[int, str], mesh_info: MeshInfo
+) -> None:
     devices: dict[torch.device, str] = {}
     for key, param in params.items():
         name = names[key]
@@ -190,6 +208,8 @@ def _check_params(params: dict[int, nn.Parameter], names: dict[int, str]) -> Non
                 "a parameter shared by two groups must be in one group: apply fully_shard to "
                 "a module that contains every user of it, or pass the modules as one list"
             )
+        if mesh_info.spmd is not None:
+            check_spmd_param(param, name, mesh_info.spmd)
         extension_for(param, name)  # a DTensor that nothing handles fails here
         if param.dim() == 0:
             raise ValueError(

@@ -9,7 +9,9 @@ DTensor's business and the engine's all-gather and reduce-scatter run over dp on
 When dp and TP shard the same tensor dim, TP shards first (each TP rank's rows are cut again
 across dp), which DTensor spells ``_StridedShard(dim, split_factor=<TP shards of dim>)`` on the
 dp axis; ``full_tensor()`` then puts every row back where it belongs, even for uneven sizes.
-See [Note: tensor parallelism] in docs/notes/009-tensor-parallelism.md.
+With ``fully_shard(..., dp_mesh_dims=...)`` the parameters are DTensors on the whole SPMD mesh
+instead, which ``spmd_param_spec`` describes (see ``spmd_sharding.py``). See
+[Note: tensor parallelism] in docs/notes/009-tensor-parallelism.md.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
-from shardkit.core.extensions import ParamShardingSpec, make_dtensor
+from shardkit.core.extensions import ParamShardingSpec, SpmdMeshAxes, make_dtensor
+from shardkit.tp.spmd_sharding import settled_placements, spmd_param_spec
 from shardkit.tp.torch_internals import concatenate_meshes, is_shard_on, strided_shard, waited
 
 __all__ = ["TensorParallelSharding", "spmd_mesh"]
@@ -108,6 +111,16 @@ class TensorParallelSharding:
             global_stride=tuple(param.stride()),
         )
 
+    def spmd_param_spec(
+        self, param: nn.Parameter, *, shard_dim: int, axes: SpmdMeshAxes
+    ) -> ParamShardingSpec:
+        """A DTensor on the whole SPMD mesh (``dp_mesh_dims``), sharded on its dp axes.
+
+        Raises:
+            ValueError: not ``Replicate()`` on a data-parallel axis, or a partial sum.
+        """
+        return spmd_param_spec(param, shard_dim, axes)
+
     def make_sharded(self, local_shard: torch.Tensor, spec: ParamShardingSpec) -> DTensor:
         """A DTensor on the SPMD mesh around the engine's shard (a view: no copy)."""
         return make_dtensor(
@@ -151,11 +164,14 @@ class TensorParallelSharding:
         """The local gradient, once settled on the parameter's TP placements.
 
         A norm under SequenceParallel, for one, gets a Partial gradient (each TP rank saw
-        part of the sequence): it is summed over TP here, before dp reduces it.
+        part of the sequence): it is summed over TP here, before dp reduces it. On the whole
+        SPMD mesh (``dp_mesh_dims``) the data-parallel axes are left as they are: the core's
+        reduction sums a Partial there.
         """
         if not isinstance(grad, DTensor):
             return grad
         with torch.no_grad():
-            if tuple(grad.placements) != spec.unsharded_placements:
-                grad = grad.redistribute(placements=spec.unsharded_placements)
+            target = settled_placements(tuple(grad.placements), spec)
+            if tuple(grad.placements) != target:
+                grad = grad.redistribute(placements=target)
             return waited(grad.to_local())

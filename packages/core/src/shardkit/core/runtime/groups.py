@@ -21,6 +21,7 @@ __all__ = [
     "group_ranks",
     "is_distributed",
     "new_subgroup",
+    "own_group",
     "progress_store",
     "subgroup_of",
     "world_subgroup",
@@ -96,6 +97,14 @@ def world_subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return subgroup_of(world, members)
+
+
+def own_group() -> dist.ProcessGroup:
+    """A process group of this rank alone: the shard group when nothing is sharded.
+
+    Created by this rank only (no other rank takes part) and reused after.
+    """
+    return world_subgroup((global_rank(),))
 
 
 # Gloo groups with the same members as another group, for small CPU messages whatever that

@@ -229,7 +229,7 @@ class _Step:
             return
         self.pending[g] = True
         if self.world == 1:
-            return  # nothing to gather: the engine copies its own shard out
+            return  # nothing to gather: the unsharded parameters view the shards
         group = self.groups[g]
         nbytes = group.layout.all_gather_input_bytes
         self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
@@ -244,9 +244,9 @@ class _Step:
         self.pending[g] = False
         group = self.groups[g]
         label = f"unshard {group.fqn}"
-        self.ledger.alloc(
-            ("unsharded", g), Category.UNSHARDED_PARAMS, group.layout.unsharded_bytes, label
-        )
+        layout = group.layout
+        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+        self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
         self.unsharded[g] = True
