@@ -30,6 +30,7 @@ EXPECTED = {
         "UnsupportedCopyError",
         "UnsupportedWithHooksError",
         "__version__",
+        "full_params",
         "fully_shard",
         "iter_full_state_dict",
         "layout_of",
