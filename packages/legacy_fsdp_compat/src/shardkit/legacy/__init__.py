@@ -1,5 +1,58 @@
-"""shardkit.legacy: not built yet; the public API is empty until it really works."""
+"""shardkit.legacy: FSDP1's API (``FullyShardedDataParallel``) on shardkit's engine.
+
+``from shardkit.legacy import FullyShardedDataParallel as FSDP`` in place of
+``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP``: FSDP1 training code
+runs with the import changed. See the package README for what maps to what.
+"""
 
 from shardkit.legacy.__about__ import __version__
+from shardkit.legacy.configs import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from shardkit.legacy.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "CustomPolicy",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "ModuleWrapPolicy",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "__version__",
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+]
