@@ -202,3 +202,16 @@ def test_only_torch_internals_touches_private_torch_in_tp() -> None:
         for line, what in _private_torch_uses(path.read_text())
     ]
     assert not uses, "private torch outside shardkit.tp's torch_internals.py:\n" + "\n".join(uses)
+
+
+LEGACY = ROOT / "legacy_fsdp_compat" / "src" / "shardkit" / "legacy"
+
+
+def test_only_torch_compat_touches_private_torch_in_legacy() -> None:
+    uses = [
+        f"{path.relative_to(LEGACY)}:{line} {what}"
+        for path in sorted(LEGACY.rglob("*.py"))
+        if path.name != "torch_compat.py"
+        for line, what in _private_torch_uses(path.read_text())
+    ]
+    assert not uses, "private torch outside shardkit.legacy's torch_compat.py:\n" + "\n".join(uses)

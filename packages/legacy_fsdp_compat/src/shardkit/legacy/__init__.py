@@ -31,13 +31,19 @@ from shardkit.legacy.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
+from shardkit.legacy.wrapper import FullyShardedDataParallel
+
+FSDP = FullyShardedDataParallel
+"""The name FSDP1 code usually imports it under."""
 
 __all__ = [
+    "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
     "CustomPolicy",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
+    "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",

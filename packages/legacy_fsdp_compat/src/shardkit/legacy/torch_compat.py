@@ -11,9 +11,11 @@ keeping each use here means a torch upgrade that changes them breaks one file.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -21,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     ActivationWrapper,
 )
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "BATCH_NORM",
@@ -31,6 +34,8 @@ __all__ = [
     "checkpoint_inner",
     "clean_name",
     "is_torch_policy",
+    "map_tensors",
+    "renamed_keys",
     "torch_policy_targets",
     "translate",
 ]
@@ -62,6 +67,19 @@ def checkpoint_inner(module: nn.Module) -> nn.Module:
         assert isinstance(inner, nn.Module)
         return inner
     return module
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``tree`` (args, kwargs, outputs) with ``fn`` applied to every tensor in it."""
+    return pytree.tree_map_only(torch.Tensor, fn, tree)
+
+
+def renamed_keys(result: Any, rename: Callable[[str], str]) -> Any:
+    """``load_state_dict``'s missing and unexpected keys (a named tuple), renamed."""
+    return result._replace(
+        missing_keys=[rename(k) for k in result.missing_keys],
+        unexpected_keys=[rename(k) for k in result.unexpected_keys],
+    )
 
 
 def _is_torch_fsdp1(value: object) -> bool:

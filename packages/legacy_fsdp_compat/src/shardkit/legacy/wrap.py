@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from shardkit.legacy.torch_compat import is_torch_policy, torch_policy_targets
+from shardkit.legacy.torch_compat import is_torch_policy, map_tensors, torch_policy_targets
 
 __all__ = [
     "CustomPolicy",
@@ -248,9 +247,7 @@ def _to_float32(
         _INPUT_DTYPES[id(module)] = t.dtype
         return t.float()
 
-    cast_args: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(
-        torch.Tensor, cast, (args, kwargs)
-    )
+    cast_args: tuple[tuple[Any, ...], dict[str, Any]] = map_tensors(cast, (args, kwargs))
     return cast_args
 
 
@@ -260,6 +257,4 @@ def _back_to_input_dtype(
     dtype = _INPUT_DTYPES.pop(id(module), None)
     if dtype is None:
         return output
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output
-    )
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
