@@ -36,6 +36,7 @@ class LegacyRun:
     lr: float = 0.05
     per_rank_batch: int = 2
     extra: dict[str, Any] = field(default_factory=dict)  # more FSDP1 arguments
+    ignored: tuple[str, ...] = ()  # submodules passed as ignored_states
     impls: tuple[str, ...] = ("shardkit", "torch")
 
 
@@ -93,9 +94,12 @@ def fsdp_kwargs(impl: str, run: LegacyRun) -> dict[str, Any]:
 def wrap_model(impl: str, run: LegacyRun, model: nn.Module | None = None) -> Any:
     """A fresh model of ``run`` wrapped by ``impl``'s FSDP1."""
     model = model if model is not None else models.build(run.model)
+    kwargs = fsdp_kwargs(impl, run)
+    if run.ignored:
+        kwargs["ignored_states"] = [model.get_submodule(name) for name in run.ignored]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return lib(impl).FSDP(model, **fsdp_kwargs(impl, run))
+        return lib(impl).FSDP(model, **kwargs)
 
 
 def make_optimizer(run: LegacyRun, model: nn.Module) -> torch.optim.Optimizer:

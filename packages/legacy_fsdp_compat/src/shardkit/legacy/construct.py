@@ -197,6 +197,8 @@ def _compute_device(module: nn.Module, args: Fsdp1Args) -> torch.device:
         if tensor.device.type not in ("cpu", "meta"):
             return tensor.device
     group = args.process_group[0] if isinstance(args.process_group, tuple) else args.process_group
+    if not isinstance(group, dist.ProcessGroup):
+        group = None  # a wrong argument: resolve_mesh names it
     return torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
 
 
