@@ -30,14 +30,24 @@ class FullStateDict:
 
     def save(self, wrapper: nn.Module, config: StateDictConfig) -> dict[str, Any]:
         """Clean name -> full tensor (on the coordinator only with ``rank0_only``)."""
-        module = unit_of(wrapper).module
+        unit = unit_of(wrapper)
+        module = unit.module
         state = RawState(module)
         live = _storages(state.values.values())
+        rank0_only = bool(getattr(config, "rank0_only", False))
+        # FSDP1's "rank 0" is the first rank of the shard group: with a replicate axis (HSDP)
+        # the first rank of every replica receives, so every rank gathers.
+        replicated = unit.unit.mesh.ndim > 1
+        if rank0_only and replicated and unit.unit.process_group.rank() != 0:
+            with plain_state_dicts():
+                for _ in iter_full_state_dict(module, rank0_only=False, cpu_offload=False):
+                    pass  # take part in the gathers, keep nothing
+            return {}
         found: dict[str, torch.Tensor] = {}
         with plain_state_dicts():
             for key, value in iter_full_state_dict(
                 module,
-                rank0_only=bool(getattr(config, "rank0_only", False)),
+                rank0_only=rank0_only and not replicated,
                 cpu_offload=config.offload_to_cpu,
             ):
                 if key in state.params and _storage_of(value) in live:

@@ -59,16 +59,14 @@ HANDLERS: dict[StateDictType, StateDictHandler] = {
 def _handler(wrapper: nn.Module) -> tuple[StateDictHandler, StateDictConfig]:
     state = unit_of(wrapper)
     settings = state.settings
-    if (
-        state.unit.strategy is ShardingStrategy.NO_SHARD
-        and settings.state_dict_type is not StateDictType.FULL_STATE_DICT
-    ):
+    if state.unit.strategy is ShardingStrategy.NO_SHARD:
+        # As FSDP1: a NO_SHARD unit always gives a FULL state dict, with the default config
+        # (every rank, no offload), whatever was set, and says so.
         warnings.warn(
             "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
             stacklevel=4,
         )
-        offload = settings.state_dict_config.offload_to_cpu
-        return HANDLERS[StateDictType.FULL_STATE_DICT], FullStateDictConfig(offload)
+        return HANDLERS[StateDictType.FULL_STATE_DICT], FullStateDictConfig()
     return HANDLERS[settings.state_dict_type], settings.state_dict_config
 
 
