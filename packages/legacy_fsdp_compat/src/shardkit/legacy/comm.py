@@ -1,8 +1,8 @@
 """The collectives shardkit.legacy runs itself, outside the core's training path.
 
 FSDP1 features the core has no counterpart for (``sync_module_states``, the gradient norm of
-``clip_grad_norm_``) issue their few collectives here, so every call to ``torch.distributed``
-of this package is in one file.
+``clip_grad_norm_``, optimizer state scattered from rank 0) issue their few collectives
+here, so every collective of this package is in one file.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "broadcast_from_first", "group_rank", "group_size"]
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "broadcast_from_first",
+    "broadcast_object",
+    "group_rank",
+    "group_size",
+]
 
 
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -49,3 +56,17 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
     """Reduce ``tensor`` over ``group`` in place (sum or max)."""
     if group.size() > 1:
         dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """The first rank of ``group``'s ``tensor`` on every rank (default: the world), in place."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, group=group, group_src=0)
+
+
+def broadcast_object(value: object, group: dist.ProcessGroup | None = None) -> object:
+    """The first rank of ``group``'s ``value`` (picklable) on every rank."""
+    holder = [value]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(holder, group=group, group_src=0)
+    return holder[0]
