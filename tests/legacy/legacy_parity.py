@@ -32,7 +32,7 @@ class LegacyRun:
     mixed_precision: dict[str, Any] | None = None  # MixedPrecision's fields
     cpu_offload: bool = False
     hybrid_mesh: tuple[int, int] | None = None  # device_mesh (replicate, shard) for HYBRID
-    optimizer: str = "sgd"  # "sgd" (momentum) or "adamw"
+    optimizer: str = "sgd"  # "sgd" (momentum), "plain" (SGD, no momentum) or "adamw"
     lr: float = 0.05
     per_rank_batch: int = 2
     extra: dict[str, Any] = field(default_factory=dict)  # more FSDP1 arguments
@@ -106,6 +106,8 @@ def make_optimizer(run: LegacyRun, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer of ``run`` over ``model.parameters()``."""
     if run.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=0.1)
+    if run.optimizer == "plain":
+        return torch.optim.SGD(model.parameters(), lr=run.lr)
     return torch.optim.SGD(model.parameters(), lr=run.lr, momentum=0.9)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardkit.core import fully_shard
 from shardkit.legacy import configs
@@ -126,6 +127,10 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
             offload_policy=core.offload_policy,
             ignored_params=set(ignored_params),
         )
+    mp = args.mixed_precision
+    if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
+        sharded = [p for m in own for p in m.parameters(recurse=False) if p not in ignored_params]
+        _round_grads(sharded, mp.param_dtype)
     shard_group = mesh.get_group(mesh.ndim - 1)
     return Unit(
         strategy=strategy,
@@ -140,6 +145,24 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         has_params=bool(managed),
         use_orig_params=args.use_orig_params,
     )
+
+
+def _round_grads(params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    """``keep_low_precision_grads``: gradients with ``param_dtype``'s values, as FSDP1's.
+
+    FSDP1 hands the optimizer gradients in ``param_dtype``; a DTensor parameter cannot hold a
+    gradient of another dtype, so each reduced gradient is rounded to ``param_dtype`` in place
+    and keeps the parameter's dtype (the values FSDP1's optimizer sees, not its memory).
+    """
+
+    def round_in_place(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.copy_(local.to(dtype))
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(round_in_place)
 
 
 def own_modules(
