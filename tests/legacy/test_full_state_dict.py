@@ -128,3 +128,35 @@ def test_local_state_dict_and_bad_input_are_refused_by_name() -> None:
     assert "LOCAL_STATE_DICT is not supported by shardkit.legacy yet" in out["local"]
     assert "head.weight: shape mismatch" in out["bad"] and "extra: unexpected" in out["bad"]
     assert "Expected state_dict_config of type" in out["config"]
+
+
+def _checkpointed_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    from tests.core import models
+    from tests.legacy.ckpt_support import train_steps
+
+    run = LegacyRun()
+    out: dict[str, Any] = {}
+    for impl in ("shardkit", "torch"):
+        model = wrap_model(impl, run)
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, models.Block))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        out[f"{impl}/losses"] = train_steps(model, opt, run, range(2))
+        out[f"{impl}/keys"] = list(state_dict_of(impl, model, "FULL_STATE_DICT"))
+        with lib(impl).FSDP.state_dict_type(model, lib(impl).StateDictType.FULL_STATE_DICT):
+            osd = lib(impl).FSDP.optim_state_dict(model, opt)
+        out[f"{impl}/optim_keys"] = sorted(osd["state"])
+        out[f"{impl}/inner"] = type(model.blocks[0].module).__name__
+    return out
+
+
+def test_activation_checkpoint_prefixes_are_stripped_as_fsdp1_does() -> None:
+    out = run_on_ranks(2, _checkpointed_body)[0]
+    torch.testing.assert_close(out["shardkit/losses"], out["torch/losses"])
+    for what in ("keys", "optim_keys"):
+        assert out[f"shardkit/{what}"] == out[f"torch/{what}"], what
+    assert "blocks.0.fc1.weight" in out["shardkit/keys"]
+    assert out["shardkit/inner"].endswith("Block") and out["torch/inner"] == "Block"
