@@ -6,8 +6,6 @@ Prints one JSON line per rank: {"rank", "baseline_mib", "peak_mib"}.
 
 from __future__ import annotations
 
-import json
-import resource
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import legacy_workload
+from benchmarks.memory_run import report_peak, rss_kib
 
 
 def main() -> None:
@@ -24,15 +23,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    with open("/proc/self/status") as f:
-        baseline_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    baseline_kib = rss_kib()
     model, opt = legacy_workload.setup(impl, rank)
     for step in range(steps):
         legacy_workload.timed_step(model, opt, legacy_workload.batch(step, rank, world))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    record = {"rank": rank, "baseline_mib": baseline_kib / 1024, "peak_mib": peak_kib / 1024}
-    sys.stdout.write(json.dumps(record) + "\n")
-    dist.destroy_process_group()
+    report_peak(rank, baseline_kib)
 
 
 if __name__ == "__main__":

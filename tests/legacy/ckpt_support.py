@@ -9,23 +9,9 @@ import torch
 from torch import nn
 
 from tests.core import models
-from tests.legacy.legacy_parity import LegacyRun, global_loss, lib, rank_batch, wrap_model
+from tests.legacy.legacy_parity import LegacyRun, lib, train_steps, wrap_model
 
-
-def train_steps(
-    model: nn.Module, opt: torch.optim.Optimizer, run: LegacyRun, steps: range
-) -> list[float]:
-    """Train ``model`` on steps ``steps`` of ``run``'s data; the global losses."""
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    losses = []
-    for step in steps:
-        x, y = rank_batch(run, step, rank, world_size)
-        loss = models.loss_of(run.model, model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_loss(loss, world_size))
-    return losses
+__all__ = ["describe", "fresh", "load_into", "plain_sgd", "state_dict_of", "train_steps"]
 
 
 def plain_sgd(model: nn.Module) -> torch.optim.Optimizer:

@@ -130,18 +130,26 @@ def full_params(impl: str, model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone().float() for name, p in model.named_parameters()}
 
 
-def train(impl: str, run: LegacyRun, rank: int, world_size: int) -> Trace:
-    """Train ``impl`` for ``run.steps`` steps and return its trace."""
-    model = wrap_model(impl, run)
-    opt = make_optimizer(run, model)
-    losses: list[float] = []
-    for step in range(run.steps):
+def train_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, run: LegacyRun, steps: range
+) -> list[float]:
+    """Train ``model`` on steps ``steps`` of ``run``'s data; the global losses."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
         x, y = rank_batch(run, step, rank, world_size)
         loss = models.loss_of(run.model, model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(global_loss(loss, world_size))
+    return losses
+
+
+def train(impl: str, run: LegacyRun, rank: int, world_size: int) -> Trace:
+    """Train ``impl`` for ``run.steps`` steps and return its trace."""
+    model = wrap_model(impl, run)
+    losses = train_steps(model, make_optimizer(run, model), run, range(run.steps))
     return {"losses": losses, "params": full_params(impl, model)}
 
 
