@@ -1,12 +1,12 @@
 """shardkit.legacy against torch's FSDP1: the FSDP1 script's training step and peak RSS.
 
 The workload is demo/train_fsdp1.py's step (transformer auto-wrap, bf16 mixed precision,
-clipping, AdamW) on a 6.4M-parameter GPT at W=2, built by each implementation side by side in
-the same pool workers. Rounds are paired as in ``bench_train_step.py``: each runs one step of
-each, alternating which goes first, and the ratio is the median of per-round ratios. Peak RSS
-comes from one torchrun launch per implementation with MALLOC_MMAP_THRESHOLD_=65536. The
-target (issue 14) is at most 0.85 of FSDP1's step time; nothing is asserted on time (the
-machine is shared and noisy).
+clipping, AdamW) on a 6.4M-parameter GPT at W=2 (and the same model with NO_SHARD in fp32),
+built by each implementation side by side in the same pool workers. Rounds are paired as in
+``bench_train_step.py``: each runs one step of each, alternating which goes first, and the
+ratio is the median of per-round ratios. Peak RSS comes from one torchrun launch per
+implementation with MALLOC_MMAP_THRESHOLD_=65536. The target (issue 14) is at most 0.85 of
+FSDP1's step time; nothing is asserted on time (the machine is shared and noisy).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks import legacy_workload
 from harness.pool import run_on_ranks
 
@@ -28,10 +30,10 @@ ROUNDS = 12
 _STATE: dict[str, Any] = {}
 
 
-def _setup(rank: int, world_size: int) -> None:
+def _setup(rank: int, world_size: int, scenario: str) -> None:
     _STATE.clear()
     for impl in IMPLS:
-        model, opt = legacy_workload.setup(impl, rank)
+        model, opt = legacy_workload.setup(impl, rank, scenario)
         _STATE[impl] = (model, opt)
         for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
             legacy_workload.timed_step(model, opt, legacy_workload.batch(step, rank, world_size))
@@ -46,8 +48,9 @@ def _teardown(rank: int, world_size: int) -> None:
     _STATE.clear()
 
 
-def test_fsdp1_script_step(benchmark: Any) -> None:
-    run_on_ranks(2, _setup)
+@pytest.mark.parametrize("scenario", ["script", "no_shard"])
+def test_fsdp1_step(benchmark: Any, scenario: str) -> None:
+    run_on_ranks(2, _setup, scenario=scenario)
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     counter = [10]
 
@@ -62,10 +65,13 @@ def test_fsdp1_script_step(benchmark: Any) -> None:
     ratio = statistics.median(
         ours / theirs for ours, theirs in zip(times["shardkit"], times["torch"], strict=True)
     )
-    info = {f"median_step_s_{impl}": statistics.median(t) for impl, t in times.items()}
+    info: dict[str, Any] = {
+        f"median_step_s_{impl}": statistics.median(t) for impl, t in times.items()
+    }
     info["ratio_vs_fsdp1"] = ratio
+    info["scenario"] = scenario
     benchmark.extra_info.update(info)
-    sys.stdout.write(f"\nFSDP1 script step: {info} (target ratio <= 0.85)\n")
+    sys.stdout.write(f"\nFSDP1 {scenario} step: {info} (target ratio <= 0.85)\n")
 
 
 def _peak_rss(impl: str) -> list[float]:

@@ -6,11 +6,12 @@ one torchrun launch per implementation).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
-from demo.train_fsdp1 import Config, build, train_step
-from demo.train_gpt import ModelConfig
+from demo.train_fsdp1 import Config, build, fsdp1, train_step
+from demo.train_gpt import GPT, Block, ModelConfig
 from torch import nn
 
 MODEL = ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_layers=8, n_heads=8)
@@ -19,9 +20,28 @@ BATCH = 8
 """Sequences per rank per step."""
 
 
-def setup(impl: str, rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The script's model and optimizer for ``impl`` ("shardkit" or "torch")."""
-    return build(Config(fsdp=impl, batch_size=BATCH, model=MODEL), rank)
+def setup(
+    impl: str, rank: int, scenario: str = "script"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and optimizer for ``impl`` ("shardkit" or "torch").
+
+    Scenarios: "script", the FSDP1 script's own (FULL_SHARD, bf16); "no_shard", the same
+    model in float32 with ``ShardingStrategy.NO_SHARD`` (DDP-like: what shardkit.legacy runs
+    as a (W, 1) mesh).
+    """
+    if scenario == "script":
+        return build(Config(fsdp=impl, batch_size=BATCH, model=MODEL), rank)
+    api = fsdp1(impl)
+    torch.manual_seed(0)
+    model = api.FullyShardedDataParallel(
+        GPT(MODEL),
+        auto_wrap_policy=functools.partial(
+            api.transformer_auto_wrap_policy, transformer_layer_cls={Block}
+        ),
+        sharding_strategy=api.ShardingStrategy.NO_SHARD,
+        device_id=torch.device("cpu"),
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
