@@ -31,7 +31,7 @@ from shardkit.legacy.configs import (
     ShardingStrategy,
 )
 from shardkit.legacy.mapping import core_args, resolve_mesh
-from shardkit.legacy.torch_compat import translate
+from shardkit.legacy.torch_compat import root_mesh, translate
 from shardkit.legacy.wrap import auto_wrap_targets
 
 __all__ = ["Fsdp1Args", "Unit", "build_unit", "own_modules"]
@@ -86,6 +86,9 @@ class Unit:
     """The compute device."""
     device_mesh_given: bool
     """Whether the user passed ``device_mesh`` (sharded state dicts are then DTensors)."""
+    two_d: bool
+    """Whether ``device_mesh`` is a slice of a larger mesh (FSDP x TP): FSDP1 then shapes
+    sharded state dicts with its DTensor extensions (``shardkit.tp.DTensorExtensions``)."""
     ignored_modules: frozenset[nn.Module]
     ignored_params: frozenset[nn.Parameter]
     has_params: bool
@@ -140,6 +143,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         cpu_offload=args.cpu_offload or CPUOffload(),
         device=device,
         device_mesh_given=args.device_mesh is not None,
+        two_d=args.device_mesh is not None and root_mesh(args.device_mesh) != args.device_mesh,
         ignored_modules=frozenset(ignored_modules),
         ignored_params=frozenset(ignored_params),
         has_params=bool(managed),

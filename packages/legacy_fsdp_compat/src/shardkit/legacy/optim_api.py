@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.legacy import configs
 from shardkit.legacy.configs import OptimStateKeyType, StateDictType
@@ -52,6 +53,11 @@ def _device_mesh_given(model: nn.Module) -> bool:
     return any(unit_of(w).unit.device_mesh_given for w in units_in(model))
 
 
+def _two_d_mesh(model: nn.Module) -> DeviceMesh | None:
+    units = [unit_of(w).unit for w in units_in(model)]
+    return next((u.mesh for u in units if u.two_d), None)
+
+
 def optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -71,6 +77,7 @@ def optim_state_dict(
         rank0_only=full and bool(getattr(config, "rank0_only", False)),
         offload_to_cpu=config.offload_to_cpu,
         use_dtensor=bool(getattr(config, "_use_dtensor", False)) or _device_mesh_given(model),
+        two_d_mesh=_two_d_mesh(model),
     )
     osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
     return named_state(model, params_by_id(optim), osd, form, group)
@@ -122,7 +129,12 @@ def sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """This rank's shards of the optimizer state, name-keyed; FSDP1's legacy API."""
     _deprecated("sharded_optim_state_dict", "optim_state_dict")
-    form = SaveForm(full=False, offload_to_cpu=True, use_dtensor=_device_mesh_given(model))
+    form = SaveForm(
+        full=False,
+        offload_to_cpu=True,
+        use_dtensor=_device_mesh_given(model),
+        two_d_mesh=_two_d_mesh(model),
+    )
     return named_state(model, params_by_id(optim), optim.state_dict(), form, group)
 
 

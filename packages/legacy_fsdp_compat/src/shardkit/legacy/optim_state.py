@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.legacy.comm import broadcast, broadcast_object
 from shardkit.legacy.optim_keys import names_by_param
-from shardkit.legacy.sharded_state_dict import chunk_like, local_of_loaded
+from shardkit.legacy.sharded_state_dict import chunk_2d, chunk_like, local_of_loaded
 from shardkit.legacy.torch_compat import ShardedTensor
 
 __all__ = ["SaveForm", "load_ready", "named_state", "receive_from_first"]
@@ -42,6 +43,8 @@ class SaveForm:
     """Tensors on the CPU."""
     use_dtensor: bool = False
     """SHARDED only: DTensors instead of ShardedTensors."""
+    two_d_mesh: DeviceMesh | None = None
+    """SHARDED of a 2D (FSDP x TP) model: the data-parallel mesh FSDP1's extension shards on."""
 
 
 def _is_sharded(value: object) -> bool:
@@ -58,6 +61,8 @@ def _saved(value: Any, form: SaveForm) -> Any:
     elif isinstance(value, DTensor):
         if form.full:
             value = value.full_tensor()
+        elif form.two_d_mesh is not None:
+            value = chunk_2d(value.full_tensor(), value, form.two_d_mesh)
         elif not form.use_dtensor:
             value = chunk_like(value.full_tensor(), value)
         else:

@@ -7,7 +7,8 @@ are plain tensors. DCP saves, loads and reshards both. Loading takes either form
 tensors, and gives each rank's shard to the core.
 
 The ShardedTensors are built by ``shardkit.tp.DTensorExtensions.chunk_tensor``, FSDP1's
-extension hook, from full tensors gathered one group at a time.
+extension hook, from full tensors gathered one group at a time. A 2D (FSDP x TP) model's
+values are its ``chunk_dtensor``'s, as FSDP1's are: DTensors on the whole (dp, tp) mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.core import iter_full_state_dict
 from shardkit.legacy.configs import StateDictConfig
@@ -26,7 +28,7 @@ from shardkit.legacy.torch_compat import ShardedTensor
 from shardkit.legacy.units import unit_of
 from shardkit.tp import DTensorExtensions
 
-__all__ = ["HANDLER", "ShardedStateDict", "chunk_like", "local_of_loaded"]
+__all__ = ["HANDLER", "ShardedStateDict", "chunk_2d", "chunk_like", "local_of_loaded"]
 
 _EXTENSIONS = DTensorExtensions()
 
@@ -46,6 +48,21 @@ def chunk_like(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     )
 
 
+def chunk_2d(full: torch.Tensor, like: DTensor, dp_mesh: DeviceMesh) -> DTensor:
+    """``full`` as FSDP1's value for a 2D (FSDP x TP) model: its extension's DTensor.
+
+    A tensor-parallel parameter (``like`` on the (dp, tp) mesh) goes to its TP layout first,
+    then ``chunk_dtensor`` shards its TP part on dp; another parameter goes as it is.
+    """
+    mesh = like.device_mesh
+    if mesh.ndim > dp_mesh.ndim:
+        names = mesh.mesh_dim_names
+        assert names is not None, "a (dp, tp) mesh has axis names"
+        tp = distribute_tensor(full, mesh[names[-1]], [like.placements[-1]], src_data_rank=None)
+        return _EXTENSIONS.chunk_dtensor(tp, 0, dp_mesh)
+    return _EXTENSIONS.chunk_dtensor(full, 0, dp_mesh)
+
+
 def _devices_per_node(device: torch.device) -> int:
     return 1 if device.type == "cpu" else max(1, torch.accelerator.device_count())
 
@@ -61,15 +78,18 @@ class ShardedStateDict:
         use_dtensor = bool(getattr(config, "_use_dtensor", False))
         use_dtensor = use_dtensor or state_of.unit.device_mesh_given
         found: dict[str, Any] = {}
-        if use_dtensor:
+        two_d = state_of.unit.two_d
+        if use_dtensor and not two_d:
             for key, value in state.values.items():
                 if isinstance(value, DTensor):
-                    found[key] = value.detach()
+                    found[key] = value.detach()  # already FSDP1's DTensor: Shard(0) on dp
         with plain_state_dicts():
             for key, full in iter_full_state_dict(module, rank0_only=False, cpu_offload=False):
                 value = state.values[key]
                 if isinstance(value, DTensor):
-                    if not use_dtensor:
+                    if two_d:
+                        found[key] = chunk_2d(full, value, state_of.unit.mesh)
+                    elif not use_dtensor:
                         found[key] = chunk_like(full, value)
                     continue
                 dtype = state.buffer_dtypes.get(key)

@@ -22,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
     ActivationWrapper,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
@@ -36,6 +37,7 @@ __all__ = [
     "is_torch_policy",
     "map_tensors",
     "renamed_keys",
+    "root_mesh",
     "torch_policy_targets",
     "translate",
 ]
@@ -72,6 +74,11 @@ def checkpoint_inner(module: nn.Module) -> nn.Module:
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` (args, kwargs, outputs) with ``fn`` applied to every tensor in it."""
     return pytree.tree_map_only(torch.Tensor, fn, tree)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it was not)."""
+    return mesh._get_root_mesh()
 
 
 def renamed_keys(result: Any, rename: Callable[[str], str]) -> Any:
