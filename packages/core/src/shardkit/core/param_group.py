@@ -118,6 +118,14 @@ class FSDPParamGroup:
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
         )
+        # One shard rank and nothing to cast or move: the shard is the full parameter, and
+        # the unsharded parameters view the sharded buffer itself. See [Note: unsharded
+        # storage] (replicate-only groups).
+        self.replicated = (
+            self.mesh_info.shard_size == 1 and not self.needs_staging and self.post_forward is None
+        )
+        if self.replicated:
+            assert self.unsharded_layout == self.storage_layout, f"{self.fqn}: layouts differ"
 
     def _lay_out(self) -> None:
         """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""
@@ -278,6 +286,9 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
+        if self.replicated:
+            self._unshard_in_place()
+            return
         pf = self.post_forward
         runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
@@ -294,6 +305,17 @@ class FSDPParamGroup:
                 custom=self.options.custom_all_gather,
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
+
+    def _unshard_in_place(self) -> None:
+        """A replicate-only group: the full parameters are the shards; no collective, no copy."""
+        if self._unsharded_buffer is not self.sharded_buffer:
+            self._unsharded_buffer = self.sharded_buffer
+            self._bind_unsharded_params(self.sharded_buffer)
+        check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
+        self.sharded_state = ShardedState.UNSHARDED
+        self._register(unsharded=True)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -362,7 +384,7 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        if self._unsharded_buffer is not None:
+        if self._unsharded_buffer is not None and not self.replicated:
             self._unsharded_buffer.untyped_storage().resize_(0)
         if self._hooks is not None:
             self._hooks.free()
