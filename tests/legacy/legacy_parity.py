@@ -32,6 +32,7 @@ class LegacyRun:
     mixed_precision: dict[str, Any] | None = None  # MixedPrecision's fields
     cpu_offload: bool = False
     hybrid_mesh: tuple[int, int] | None = None  # device_mesh (replicate, shard) for HYBRID
+    hybrid_groups: bool = False  # with hybrid_mesh: pass its (shard, replicate) process groups
     optimizer: str = "sgd"  # "sgd" (momentum), "plain" (SGD, no momentum) or "adamw"
     lr: float = 0.05
     per_rank_batch: int = 2
@@ -85,9 +86,11 @@ def fsdp_kwargs(impl: str, run: LegacyRun) -> dict[str, Any]:
         # accelerator; offloading moves no value, so FSDP1 without it is the oracle.
         kwargs["cpu_offload"] = ns.CPUOffload(offload_params=True)
     if run.hybrid_mesh is not None:
-        kwargs["device_mesh"] = init_device_mesh(
-            "cpu", run.hybrid_mesh, mesh_dim_names=("replicate", "shard")
-        )
+        mesh = init_device_mesh("cpu", run.hybrid_mesh, mesh_dim_names=("replicate", "shard"))
+        if run.hybrid_groups:  # FSDP1's other way: (intra-node, inter-node) process groups
+            kwargs["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
+        else:
+            kwargs["device_mesh"] = mesh
     return kwargs
 
 

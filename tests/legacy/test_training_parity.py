@@ -27,7 +27,13 @@ BF16 = {
         (2, [LegacyRun(strategy="NO_SHARD", model="gpt", optimizer="adamw")]),
         (4, [LegacyRun(strategy="FULL_SHARD", model="gpt"), LegacyRun(strategy="NO_SHARD")]),
         (4, [LegacyRun(strategy="SHARD_GRAD_OP", optimizer="adamw")]),
-        (4, [LegacyRun(strategy="HYBRID_SHARD", hybrid_mesh=(2, 2), model="gpt")]),
+        (
+            4,
+            [
+                LegacyRun(strategy="HYBRID_SHARD", hybrid_mesh=(2, 2), model="gpt"),
+                LegacyRun(strategy="_HYBRID_SHARD_ZERO2", hybrid_mesh=(2, 2), hybrid_groups=True),
+            ],
+        ),
     ],
     ids=["2-full-zero2", "2-noshard", "4-full-noshard", "4-zero2", "4-hybrid"],
 )
