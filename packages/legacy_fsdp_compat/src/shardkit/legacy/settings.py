@@ -68,7 +68,7 @@ def set_state_dict_type(
         "use APIs, get_state_dict() and set_state_dict(), which can support different "
         "parallelisms, FSDP1, FSDP2, DDP.",
         FutureWarning,
-        stacklevel=3,
+        stacklevel=2,
     )
     kind = translate(state_dict_type, _OURS)
     if kind not in SUPPORTED:

@@ -24,11 +24,7 @@ from shardkit.legacy.configs import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
-    OptimStateDictConfig,
     ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
 )
 from shardkit.legacy.construct import Fsdp1Args, build_unit, own_modules
 from shardkit.legacy.torch_compat import (
@@ -268,19 +264,8 @@ class FullyShardedDataParallel(nn.Module):
             _apply_post_order(self, fn)
         return self
 
-    @staticmethod
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Full parameters (and gradients) on the modules inside the context; see FSDP1."""
-        return summon.summon_full_params(
-            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
-        )
+    # Full parameters inside a context: FSDP1's signature (see shardkit.legacy.summon).
+    summon_full_params = staticmethod(summon.summon_full_params)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Not supported: shardkit's engine reduces gradients its own way.
@@ -304,34 +289,10 @@ class FullyShardedDataParallel(nn.Module):
         """Load a state dict of the type set by ``state_dict_type`` (FULL by default)."""
         return state_dicts.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set the state-dict type of every wrapper in ``module``; returns the previous."""
-        return settings.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state-dict settings of the wrappers in ``module`` (they must agree)."""
-        return settings.get_state_dict_type(module)
-
-    @staticmethod
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Use a state-dict type within the context; the previous one comes back after."""
-        return settings.state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
+    # The state-dict type of a model's wrappers (see shardkit.legacy.settings).
+    set_state_dict_type = staticmethod(settings.set_state_dict_type)
+    get_state_dict_type = staticmethod(settings.get_state_dict_type)
+    state_dict_type = staticmethod(settings.state_dict_type)
 
     # --- optimizer state (see shardkit.legacy.optim_api) ----------------------------------
 
