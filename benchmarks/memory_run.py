@@ -19,20 +19,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import gpt
 
 
+def rss_kib() -> int:
+    """This process's resident set size now (KiB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def report_peak(rank: int, baseline_kib: int) -> None:
+    """Print this rank's JSON record (baseline and peak RSS, MiB) and leave the group."""
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    record = {"rank": rank, "baseline_mib": baseline_kib / 1024, "peak_mib": peak_kib / 1024}
+    sys.stdout.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     impl, size, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    with open("/proc/self/status") as f:
-        baseline_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    baseline_kib = rss_kib()
     model, opt = gpt.build(impl, size, world)
     for step in range(steps):
         gpt.train_step(model, opt, gpt.batch(size, step, rank, world))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    record = {"rank": rank, "baseline_mib": baseline_kib / 1024, "peak_mib": peak_kib / 1024}
-    sys.stdout.write(json.dumps(record) + "\n")
-    dist.destroy_process_group()
+    report_peak(rank, baseline_kib)
 
 
 if __name__ == "__main__":

@@ -216,11 +216,17 @@ def test_the_private_torch_check_sees_every_spelling() -> None:
     ]
 
 
-def test_only_torch_internals_touches_private_torch_in_tp() -> None:
+LEGACY = ROOT / "legacy_fsdp_compat" / "src" / "shardkit" / "legacy"
+
+
+@pytest.mark.parametrize(
+    ("package", "allowed"), [(TP, "torch_internals.py"), (LEGACY, "torch_compat.py")]
+)
+def test_one_module_per_package_touches_private_torch(package: Path, allowed: str) -> None:
     uses = [
-        f"{path.relative_to(TP)}:{line} {what}"
-        for path in sorted(TP.rglob("*.py"))
-        if path.name != "torch_internals.py"
+        f"{path.relative_to(package)}:{line} {what}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != allowed
         for line, what in _private_torch_uses(path.read_text())
     ]
-    assert not uses, "private torch outside shardkit.tp's torch_internals.py:\n" + "\n".join(uses)
+    assert not uses, f"private torch outside {package.name}/{allowed}:\n" + "\n".join(uses)

@@ -25,6 +25,7 @@ from shardkit.core.errors import (
     UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
+from shardkit.core.full_params import full_params
 from shardkit.core.layout import layout_of
 from shardkit.core.observe import (
     CollectiveEvent,
@@ -72,6 +73,7 @@ __all__ = [
     "UnsupportedCopyError",
     "UnsupportedWithHooksError",
     "__version__",
+    "full_params",
     "fully_shard",
     "iter_full_state_dict",
     "layout_of",

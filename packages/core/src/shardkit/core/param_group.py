@@ -115,9 +115,12 @@ class FSDPParamGroup:
             or self._hooks is not None
             or any(p.comm_dtype != p.orig_dtype for p in self.params)
         )
-        # One shard rank: the unsharded parameters view the shards (see [Note: unsharded
-        # storage]); the all-gather of one rank still runs, for observers, and copies nothing.
-        self.aliases_shards = self.layout.unsharded_views_storage and not self.offload
+        # One shard rank and nothing to cast or move: each shard is its full parameter, and
+        # the unsharded parameters view the sharded buffer itself; unsharding runs no
+        # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
+        self.aliases_shards = (
+            self.layout.unsharded_views_storage and not self.offload and self.post_forward is None
+        )
         assert not self.aliases_shards or self.unsharded_layout == self.storage_layout
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
@@ -282,6 +285,9 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
+        if self.aliases_shards:
+            self._unshard_in_place()
+            return
         pf = self.post_forward
         runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
@@ -298,6 +304,17 @@ class FSDPParamGroup:
                 custom=self.options.custom_all_gather,
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
+        if observe.has_subscribers():
+            observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
+
+    def _unshard_in_place(self) -> None:
+        """One shard rank: the full parameters are the shards; no collective, no copy."""
+        if self._unsharded_buffer is not self.sharded_buffer:
+            self._unsharded_buffer = self.sharded_buffer
+            self._bind_unsharded_params(self.sharded_buffer)
+        check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
+        self.sharded_state = ShardedState.UNSHARDED
+        self._register(unsharded=True)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -320,8 +337,6 @@ class FSDPParamGroup:
         geometries: Iterable[tuple[int, ShardGeometry]] = (
             enumerate(pf.geometries) if from_pf and pf is not None else self._flat_geometries
         )
-        if self.aliases_shards:
-            geometries = ()  # the one row is the sharded buffer, which the parameters view
         for i, geo in geometries:
             target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
             copy_out_unsharded([layout.view(row, i) for row in rows], geo, target)
@@ -338,10 +353,7 @@ class FSDPParamGroup:
         nbytes = self.unsharded_layout.nbytes
         buffer = self._unsharded_buffer
         if buffer is None:
-            if self.aliases_shards:
-                buffer = self.sharded_buffer
-            else:
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
             self._unsharded_buffer = buffer
             self._bind_unsharded_params(buffer)
         elif buffer.untyped_storage().nbytes() == 0:

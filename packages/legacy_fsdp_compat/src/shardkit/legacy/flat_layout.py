@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+from shardkit.legacy.torch_compat import classes_kept_in_full_precision, torch_policy_targets
 
 __all__ = [
     "FlatParamEntry",
@@ -183,7 +185,7 @@ def flat_param_layout(
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     kept: tuple[type[nn.Module], ...] = ()  # classes kept in full precision, units of their own
     if mixed_precision is not None and auto_wrap_policy is not None:
-        kept = tuple(mixed_precision._module_classes_to_ignore)
+        kept = classes_kept_in_full_precision(mixed_precision)
     param_dtype = None if mixed_precision is None else mixed_precision.param_dtype
     claimed: set[int] = set()  # ids of parameters already in a unit
     units: list[FlatParamUnit] = []
@@ -341,7 +343,7 @@ def _policy_targets(model: nn.Module, policy: ModuleWrapPolicy | CustomPolicy) -
 
     The policy's own ``_run_policy`` decides, as in FSDP1: torch's one entry point to it.
     """
-    chosen: dict[nn.Module, dict[str, Any]] = policy._run_policy(model, set(), {})
+    chosen = torch_policy_targets(policy, model, set(), {})
     for module, arguments in chosen.items():
         changed = _LAYOUT_ARGUMENTS & set(arguments)
         if changed:

@@ -31,9 +31,12 @@ from shardkit.core.state_dict.validation import param_keys
 __all__ = [
     "FullStateDictPlan",
     "coordinator_rank",
+    "dp_pieces",
+    "gather_rows",
     "iter_full_state_dict",
     "iter_pieces",
     "iter_planned",
+    "param_pieces",
     "plan_full_state_dict",
     "sharded_groups",
 ]
@@ -155,13 +158,13 @@ def iter_pieces(
     for group in plan.groups:
         # An extension's gather (across TP) runs on the mesh's device: offload after it.
         plain = all(isinstance(p.extension, DataParallelSharding) for p in group.params)
-        rows = _gather_rows(group, to_all=not rank0_only, cpu=cpu_offload and plain)
+        rows = gather_rows(group, to_all=not rank0_only, cpu=cpu_offload and plain)
         if rows is None:
             continue  # this rank only sent
         for key in plan.keys_of(group):
             # Under TP every data-parallel group has a first rank holding rows, and they all
             # take part in the extension's gather across TP; only the coordinator keeps it.
-            pieces = _param_pieces(group, plan.sharded[key][1], rows)
+            pieces = param_pieces(group, plan.sharded[key][1], rows)
             if receives:
                 yield key, [piece.cpu() for piece in pieces] if cpu_offload else pieces
         del rows
@@ -172,7 +175,7 @@ def iter_pieces(
         yield key, [value.cpu() if cpu_offload else value]
 
 
-def _gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch.Tensor] | None:
+def gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch.Tensor] | None:
     """Every shard rank's sharded buffer (bytes), in rank order; None where not wanted."""
     mesh_info = group.mesh_info
     if to_all:
@@ -191,20 +194,27 @@ def _gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torc
     return [row.cpu() for row in rows] if cpu else rows
 
 
-def _param_pieces(
-    group: FSDPParamGroup, index: int, rows: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Parameter ``index`` of ``group`` as pieces of its flat data, from the gathered rows."""
+def dp_pieces(group: FSDPParamGroup, index: int, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Parameter ``index`` of ``group`` gathered over dp, as pieces of its flat data.
+
+    That is the full tensor, except under tensor parallelism: there, this rank's TP part.
+    """
     p = group.params[index]
     geo = p.geometry
     shards = [group.storage_layout.view(row, index) for row in rows]
     if geo.dim == 0:
         # A dim-0 shard is a run of whole rows of the full tensor: the unpadded ones, in order.
-        pieces = [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]
-    else:
-        padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype, device=rows[0].device)
-        copy_out_unsharded(shards, geo, padded)
-        pieces = [padded[: geo.shape.numel()]]
+        return [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]
+    padded = torch.empty(geo.world * geo.shard_numel, dtype=p.orig_dtype, device=rows[0].device)
+    copy_out_unsharded(shards, geo, padded)
+    return [padded[: geo.shape.numel()]]
+
+
+def param_pieces(group: FSDPParamGroup, index: int, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Parameter ``index`` of ``group`` as pieces of its flat data, from the gathered rows."""
+    p = group.params[index]
+    geo = p.geometry
+    pieces = dp_pieces(group, index, rows)
     if isinstance(p.extension, DataParallelSharding):
         return pieces  # the dp-gathered tensor is the full tensor
     dp_full = pieces[0].view(geo.shape) if len(pieces) == 1 else torch.cat(pieces).view(geo.shape)

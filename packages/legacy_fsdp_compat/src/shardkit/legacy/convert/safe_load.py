@@ -10,7 +10,7 @@
 - DCP's ``.metadata`` is a plain pickle, which torch reads with ``pickle.load``; here a
   restricted unpickler admits DCP's metadata classes, torch dtypes and sizes, and nothing else.
 
-This is the one module of shardkit.legacy that names torch's private ShardedTensor classes.
+torch's private ShardedTensor classes themselves are named in ``torch_compat.py`` only.
 See [Note: FSDP1 checkpoints] (docs/notes/010-fsdp1-checkpoints.md).
 """
 
@@ -26,19 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    MEM_FORMAT_ENCODING,
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed._shard.sharding_spec import ChunkShardingSpec
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.remote_device import _remote_device
 
 from shardkit.legacy.convert.plan import CheckpointError
+from shardkit.legacy.torch_compat import (
+    SHARDED_TENSOR_CLASS,
+    dcp_storage_info_module,
+    process_group_state_type,
+    sharded_tensor_pickle_types,
+)
 
 __all__ = ["LocalShard", "ShardedTensorRecord", "load_torch_file", "read_dcp_metadata"]
 
@@ -46,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
 _LEGACY_MAGIC = b"\x80\x02\x8a\n"  # before it: a protocol-2 pickle of a 10-byte magic number
-_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+_SHARDED_TENSOR = SHARDED_TENSOR_CLASS
 
 
 class ShardedTensorRecord(torch.Tensor):
@@ -68,20 +63,14 @@ class ShardedTensorRecord(torch.Tensor):
 def _nested_class(owner: object, name: str) -> type:
     """The ``getattr`` a ShardedTensor pickle makes, and no other."""
     if owner is ShardedTensorRecord and name == "ProcessGroupState":
-        return ShardedTensor.ProcessGroupState
+        return process_group_state_type()
     raise pickle.UnpicklingError(f"refused getattr({owner!r}, {name!r})")
 
 
 _LOCAL_STATE_DICT_TYPES: list[Any] = [
-    Shard,
-    ShardMetadata,
-    ShardedTensorMetadata,
-    TensorProperties,
-    MEM_FORMAT_ENCODING,
-    ChunkShardingSpec,
-    _remote_device,
+    *sharded_tensor_pickle_types(),
     (ShardedTensorRecord, _SHARDED_TENSOR),
-    (ShardedTensor.ProcessGroupState, f"{_SHARDED_TENSOR}.ProcessGroupState"),
+    (process_group_state_type(), f"{_SHARDED_TENSOR}.ProcessGroupState"),
     (_nested_class, "builtins.getattr"),
 ]
 
@@ -182,7 +171,7 @@ _DCP_CLASSES = {
         "_MEM_FORMAT_ENCODING",
     )
 } | {
-    (_StorageInfo.__module__, "_StorageInfo"),
+    (dcp_storage_info_module(), "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout by its name
     ("collections", "OrderedDict"),

@@ -42,7 +42,7 @@ from shardkit.tools.track.c10d_ops import (
     describe,
     outputs,
 )
-from shardkit.tools.track.mesh_axes import axis_of_groups, meshes_of
+from shardkit.tools.track.mesh_axes import axis_of_groups, engine_meshes, meshes_of
 from shardkit.tools.track.scope import ModuleScope
 from shardkit.tools.track.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
 
@@ -175,7 +175,8 @@ class CommTracker(Tracker):
     @property
     def records(self) -> list[CollectiveRecord]:
         """Every collective so far, in issue order."""
-        axes = axis_of_groups([*self.meshes, *meshes_of(self.scope.modules())])
+        modules = list(self.scope.modules())
+        axes = axis_of_groups([*self.meshes, *engine_meshes(modules), *meshes_of(modules)])
         with self._lock:
             return [p.record(axes) for p in self._pending]
 

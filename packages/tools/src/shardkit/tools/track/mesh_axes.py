@@ -5,8 +5,13 @@ collective's group says which axis it runs on, once the mesh is known. The meshe
 two places, both public torch: the ones a caller names, and those of the DTensor parameters of
 the modules that ran (after ``fully_shard`` a parameter lives on the data-parallel mesh, or on
 the (dp, tp) mesh with tensor parallelism; after ``parallelize_module`` on the tp mesh).
-Nothing is asked of the engine, so this works for any program that uses DeviceMesh; groups of
-no known mesh, and meshes without dim names, have no axis (None).
+Nothing else is asked of the engine, so this works for any program that uses DeviceMesh;
+groups of no known mesh, and meshes without dim names, have no axis (None).
+
+A parameter's mesh can be another object than the one its engine communicates on: DTensor's
+in-place operators (the optimizer's) replace a parameter's spec with one from its sharding
+cache, whose equal mesh may be an older object with older groups. shardkit's own groups are
+therefore also read from the core's published layout view (``engine_meshes``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["axis_of_groups", "meshes_of"]
+__all__ = ["axis_of_groups", "engine_meshes", "meshes_of"]
 
 
 def meshes_of(modules: Iterable[nn.Module]) -> list[DeviceMesh]:
@@ -27,6 +32,24 @@ def meshes_of(modules: Iterable[nn.Module]) -> list[DeviceMesh]:
         for param in module.parameters(recurse=False):
             if isinstance(param, DTensor):
                 found.setdefault(id(param.device_mesh), param.device_mesh)
+    return list(found.values())
+
+
+def engine_meshes(modules: Iterable[nn.Module]) -> list[DeviceMesh]:
+    """The data-parallel meshes that shardkit's engine shards these modules on, each once.
+
+    Empty when shardkit-core is not installed or no module is sharded with it.
+    """
+    try:
+        from shardkit.core import FSDPModule
+        from shardkit.core.layout import layout_of
+    except ImportError:  # shardkit-core is optional
+        return []
+    found: dict[int, DeviceMesh] = {}
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            for group in layout_of(module):
+                found.setdefault(id(group.mesh), group.mesh)
     return list(found.values())
 
 

@@ -1,0 +1,82 @@
+"""``clip_grad_norm_``: FSDP1's gradient clipping over sharded and replicated gradients.
+
+Each rank holds a shard of every sharded gradient: its local norms are summed (p-th powers)
+or maxed over the process group, as FSDP1 does; gradients that every rank holds whole
+(``NO_SHARD``, ignored parameters) are counted once, locally.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from shardkit.legacy.comm import all_reduce
+from shardkit.legacy.units import unit_of
+
+__all__ = ["clip_grad_norm"]
+
+
+@torch.no_grad()
+def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Clip every gradient of ``root`` so that their total norm is at most ``max_norm``.
+
+    Returns:
+        The total norm before clipping, in the gradients' promoted dtype.
+    """
+    unit = unit_of(root).unit
+    sharded: list[torch.Tensor] = []
+    whole: list[torch.Tensor] = []
+    for param in root.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            (sharded if _is_sharded(grad) else whole).append(grad.to_local())
+        else:
+            whole.append(grad)
+    zero = torch.tensor(0.0, device=unit.device)
+    local_sharded = _norm(sharded, norm_type, zero)
+    local_whole = _norm(whole, norm_type, zero) if whole else None
+    if not sharded:
+        total = local_whole if local_whole is not None else zero
+    elif norm_type == math.inf:
+        total = local_sharded if local_whole is None else torch.maximum(local_sharded, local_whole)
+        all_reduce(total, unit.process_group, dist.ReduceOp.MAX)
+    else:
+        total = local_sharded**norm_type
+        all_reduce(total, unit.process_group, dist.ReduceOp.SUM)
+        if local_whole is not None:
+            total = total + local_whole**norm_type
+        total = total ** (1.0 / norm_type)
+    if unit.cpu_offload.offload_params:
+        total = total.cpu()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = sharded + whole
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    if not grads:
+        return total
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+
+def _is_sharded(grad: DTensor) -> bool:
+    mesh = grad.device_mesh
+    return any(
+        isinstance(p, Shard) and mesh.size(axis) > 1 for axis, p in enumerate(grad.placements)
+    )
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, zero: torch.Tensor) -> torch.Tensor:
+    # FSDP1's arithmetic: each gradient's norm in float32, then the norm of those norms.
+    if not grads:
+        return zero
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    total: torch.Tensor = torch.linalg.vector_norm(
+        torch.stack(norms), norm_type, dtype=torch.float32
+    )
+    return total.to(zero.device)

@@ -1,0 +1,157 @@
+"""SHARDED_STATE_DICT: each parameter's shard, in the form FSDP1 gives it.
+
+Without a device mesh a parameter is a ShardedTensor of its dim-0 chunks over the group it
+is sharded on, this rank holding its own (torch.chunk's cut, which is the core's too); with
+a device mesh (or ``_use_dtensor``) it is a DTensor, ``Shard(0)`` on the shard axis. Buffers
+are plain tensors. DCP saves, loads and reshards both. Loading takes either form, or full
+tensors, and gives each rank's shard to the core.
+
+The ShardedTensors are built by ``shardkit.tp.DTensorExtensions.chunk_tensor``, FSDP1's
+extension hook, from full tensors gathered one group at a time. A 2D (FSDP x TP) model's
+values are its ``chunk_dtensor``'s, as FSDP1's are: DTensors on the whole (dp, tp) mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardkit.core import iter_full_state_dict
+from shardkit.legacy.configs import StateDictConfig
+from shardkit.legacy.raw_state import RawState, plain_state_dicts
+from shardkit.legacy.torch_compat import ShardedTensor
+from shardkit.legacy.units import unit_of
+from shardkit.tp import DTensorExtensions
+
+__all__ = ["HANDLER", "ShardedStateDict", "chunk_2d", "chunk_like", "local_of_loaded"]
+
+_EXTENSIONS = DTensorExtensions()
+
+
+def chunk_like(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """``full`` as FSDP1's ShardedTensor over the shard axis of ``like``'s mesh."""
+    mesh = like.device_mesh
+    axis = mesh.ndim - 1
+    group = mesh.get_group(axis)
+    return _EXTENSIONS.chunk_tensor(
+        full,
+        mesh.get_local_rank(axis),
+        mesh.size(axis),
+        _devices_per_node(full.device),
+        group,
+        device=full.device,
+    )
+
+
+def chunk_2d(full: torch.Tensor, like: DTensor, dp_mesh: DeviceMesh) -> DTensor:
+    """``full`` as FSDP1's value for a 2D (FSDP x TP) model: its extension's DTensor.
+
+    A tensor-parallel parameter (``like`` on the (dp, tp) mesh) goes to its TP layout first,
+    then ``chunk_dtensor`` shards its TP part on dp; another parameter goes as it is.
+    """
+    mesh = like.device_mesh
+    if mesh.ndim > dp_mesh.ndim:
+        names = mesh.mesh_dim_names
+        assert names is not None, "a (dp, tp) mesh has axis names"
+        tp = distribute_tensor(full, mesh[names[-1]], [like.placements[-1]], src_data_rank=None)
+        return _EXTENSIONS.chunk_dtensor(tp, 0, dp_mesh)
+    return _EXTENSIONS.chunk_dtensor(full, 0, dp_mesh)
+
+
+def _devices_per_node(device: torch.device) -> int:
+    return 1 if device.type == "cpu" else max(1, torch.accelerator.device_count())
+
+
+class ShardedStateDict:
+    """The SHARDED_STATE_DICT handler."""
+
+    def save(self, wrapper: nn.Module, config: StateDictConfig) -> dict[str, Any]:
+        """Clean name -> ShardedTensor or DTensor (parameters), tensor (buffers)."""
+        state_of = unit_of(wrapper)
+        module = state_of.module
+        state = RawState(module)
+        use_dtensor = bool(getattr(config, "_use_dtensor", False))
+        use_dtensor = use_dtensor or state_of.unit.device_mesh_given
+        found: dict[str, Any] = {}
+        two_d = state_of.unit.two_d
+        if use_dtensor and not two_d:
+            for key, value in state.values.items():
+                if isinstance(value, DTensor):
+                    found[key] = value.detach()  # already FSDP1's DTensor: Shard(0) on dp
+        with plain_state_dicts():
+            for key, full in iter_full_state_dict(module, rank0_only=False, cpu_offload=False):
+                value = state.values[key]
+                if isinstance(value, DTensor):
+                    if two_d:
+                        found[key] = chunk_2d(full, value, state_of.unit.mesh)
+                    elif not use_dtensor:
+                        found[key] = chunk_like(full, value)
+                    continue
+                dtype = state.buffer_dtypes.get(key)
+                found[key] = full.to(dtype) if dtype is not None else full
+        if config.offload_to_cpu:
+            found = {k: v.cpu() for k, v in found.items()}
+        return {clean: found[raw] for clean, raw in state.raw_of.items() if raw in found}
+
+    def to_full(
+        self, wrapper: nn.Module, state: RawState, given: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Raw name -> the core's DTensor for each loaded shard (full tensors pass).
+
+        Raises:
+            ValueError: a loaded shard does not have this rank's shape.
+        """
+        out: dict[str, Any] = {}
+        for clean, value in given.items():
+            raw = state.raw_of.get(clean)
+            if raw is None:
+                continue
+            live = state.values[raw]
+            if isinstance(value, ShardedTensor) and isinstance(live, DTensor):
+                value = _as_live(clean, local_of_loaded(value, live), live)
+            elif (
+                isinstance(value, DTensor)
+                and isinstance(live, DTensor)
+                and (value.placements != live.placements or value.device_mesh != live.device_mesh)
+            ):
+                value = value.full_tensor()  # another layout: the core takes its shard
+            out[raw] = value
+        return out
+
+
+def local_of_loaded(value: ShardedTensor, like: DTensor) -> torch.Tensor:
+    """This rank's chunk in a loaded ShardedTensor (empty where the rank holds none)."""
+    _, shards = _EXTENSIONS.pre_load_state_dict_transform(value)
+    if shards:
+        local: torch.Tensor = shards[0].tensor
+        return local
+    shape = (0, *like.shape[1:])
+    return torch.empty(shape, dtype=like.dtype, device=like.to_local().device)
+
+
+def _as_live(key: str, local: torch.Tensor, live: DTensor) -> DTensor:
+    expected = live.to_local().shape
+    if local.shape != expected:
+        raise ValueError(
+            f"SHARDED_STATE_DICT entry {key}: this rank's shard has shape {tuple(local.shape)}, "
+            f"the parameter's is {tuple(expected)} (saved on another number of ranks? load "
+            "through torch.distributed.checkpoint, which reshards)"
+        )
+    device = live.to_local().device
+    return DTensor.from_local(
+        local.to(device, live.dtype),
+        live.device_mesh,
+        live.placements,
+        run_check=False,
+        shape=live.shape,
+        stride=live.stride(),
+    )
+
+
+HANDLER = ShardedStateDict()
+"""The one instance (stateless)."""

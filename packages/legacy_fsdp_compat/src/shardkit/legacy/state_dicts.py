@@ -1,0 +1,107 @@
+"""Model state dicts: one handler per ``StateDictType``, chosen by the wrapper's settings.
+
+A wrapper answers ``state_dict()`` for its whole subtree: the handler reads the wrapped
+module's raw state (where inner wrappers still show as ``_fsdp_wrapped_module``) under
+:func:`plain_state_dicts`, and returns it under FSDP1's clean names. Loading maps the clean
+names back and lets the core load, all keys checked before anything is written.
+
+LOCAL_STATE_DICT has no handler yet; ``settings.set_state_dict_type`` refuses it, and its
+handler joins :data:`HANDLERS` once FSDP1's flat-parameter layout exists.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from shardkit.legacy import full_state_dict, sharded_state_dict
+from shardkit.legacy.configs import (
+    FullStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
+from shardkit.legacy.raw_state import PLAIN, RawState, plain_state_dicts, raw_state
+from shardkit.legacy.torch_compat import clean_name, renamed_keys
+from shardkit.legacy.units import unit_of
+
+__all__ = [
+    "HANDLERS",
+    "StateDictHandler",
+    "load_state_dict",
+    "state_dict",
+]
+
+
+class StateDictHandler(Protocol):
+    """One state-dict type: saving and loading a wrapper's subtree."""
+
+    def save(self, wrapper: nn.Module, config: StateDictConfig) -> dict[str, Any]:
+        """Clean name -> value, in state-dict order."""
+
+    def to_full(
+        self, wrapper: nn.Module, state: RawState, given: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Raw name -> value the core loads (its DTensors, or full tensors)."""
+
+
+HANDLERS: dict[StateDictType, StateDictHandler] = {
+    StateDictType.FULL_STATE_DICT: full_state_dict.HANDLER,
+    StateDictType.SHARDED_STATE_DICT: sharded_state_dict.HANDLER,
+}
+
+
+def _handler(wrapper: nn.Module) -> tuple[StateDictHandler, StateDictConfig]:
+    state = unit_of(wrapper)
+    settings = state.settings
+    if state.unit.strategy is ShardingStrategy.NO_SHARD:
+        # As FSDP1: a NO_SHARD unit always gives a FULL state dict, with the default config
+        # (every rank, no offload), whatever was set, and says so.
+        warnings.warn(
+            "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+            stacklevel=4,
+        )
+        return HANDLERS[StateDictType.FULL_STATE_DICT], FullStateDictConfig()
+    return HANDLERS[settings.state_dict_type], settings.state_dict_config
+
+
+def state_dict(wrapper: nn.Module, plain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``wrapper.state_dict(...)``: FSDP1's form for the type set on it."""
+    if PLAIN.get():
+        return plain(wrapper, *args, **kwargs)
+    destination = kwargs.pop("destination", args[0] if args else None)
+    prefix = kwargs.pop("prefix", args[1] if len(args) > 1 else "")
+    if destination is None:
+        destination = OrderedDict()
+    handler, config = _handler(wrapper)
+    for key, value in handler.save(wrapper, config).items():
+        destination[prefix + key] = value
+    return destination
+
+
+def load_state_dict(
+    wrapper: nn.Module, given: Mapping[str, Any], *, strict: bool, assign: bool
+) -> Any:
+    """``wrapper.load_state_dict(...)``: every key checked first, then loaded by the core.
+
+    Returns:
+        ``nn.Module``'s missing and unexpected keys, under clean names.
+    """
+    handler, _ = _handler(wrapper)
+    state = raw_state(wrapper)
+    converted = handler.to_full(wrapper, state, given)
+    for key, value in given.items():
+        if key not in state.raw_of:
+            converted[key] = value  # unexpected: the core reports it (strict)
+    for raw, dtype in state.buffer_dtypes.items():
+        live = state.values[raw]
+        if raw in converted and isinstance(converted[raw], torch.Tensor) and dtype != live.dtype:
+            converted[raw] = converted[raw].to(live.dtype)  # trained in buffer_dtype
+    with plain_state_dicts():
+        result = unit_of(wrapper).module.load_state_dict(converted, strict=strict, assign=assign)
+    return renamed_keys(result, clean_name)
