@@ -1,6 +1,7 @@
 """One implementation's peak RSS per rank: run under torchrun with MALLOC_MMAP_THRESHOLD_ set.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/memory_run.py IMPL SIZE STEPS
+Usage: torchrun --nproc-per-node 2 benchmarks/memory_run.py IMPL SIZE STEPS [OPTION ...]
+OPTION: ``bf16`` (bf16 parameters, fp32 reduction) or ``keep`` (reshard_after_forward=False).
 Prints one JSON line per rank: {"rank", "baseline_mib", "peak_mib"}.
 """
 
@@ -35,11 +36,14 @@ def report_peak(rank: int, baseline_kib: int) -> None:
 
 def main() -> None:
     impl, size, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = gpt.Options(
+        bf16="bf16" in sys.argv[4:], reshard_after_forward="keep" not in sys.argv[4:]
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline_kib = rss_kib()
-    model, opt = gpt.build(impl, size, world)
+    model, opt = gpt.build(impl, size, world, options)
     for step in range(steps):
         gpt.train_step(model, opt, gpt.batch(size, step, rank, world))
     report_peak(rank, baseline_kib)

@@ -18,11 +18,12 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   ``reshard_after_forward=True`` is given explicitly. Groups that get no gradient (frozen)
   stay gathered until the end-of-backward callback.
 - Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
-  aligned flat buffer per group); the cast staging copy of it when ``param_dtype`` differs
-  (kept for the run); the all-gather receive buffer from issue to copy-out; the unsharded
+  aligned flat buffer per group); the all-gather's staging copy of it when ``param_dtype``
+  differs (the core's ``stages_gather_input``) and its receive buffer, both from issue to
+  copy-out (on one shard rank a cast goes straight into the unsharded buffer); the unsharded
   flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
-  with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle receive buffer
-  per size that two or more groups share (the core's ``pooled_sizes``), in forward only.
+  with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle buffer per
+  size that two or more groups borrow (the core's ``pooled_sizes``), in forward only.
 - At most one reduction is in flight (the engine's ``max_reduces_in_flight = 1``): when the
   next group's reduction starts, it first finishes the one in flight (wait, all-reduce across
   HSDP replicas, divide, assign the output as the sharded gradients) and returns that one's
@@ -127,7 +128,9 @@ class _Step:
         self.world = self.groups[0].world
         self.gloo = inputs.options.backend == "gloo"
         self.ledger = Ledger()
-        self.pool = Pool(self.ledger, pooled_sizes(g.layout for g in self.groups))
+        self.pool = Pool(
+            self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
+        )
         self.calls: list[CollectiveCall] = []
         count = len(self.groups)
         self.raf = [self._reshards_after_forward(i) for i in range(count)]
@@ -158,9 +161,6 @@ class _Step:
             ledger.module = g.fqn
             layout = g.layout
             ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, layout.sharded_bytes, "sharded")
-            if g.needs_staging:
-                nbytes = layout.all_gather_input_bytes
-                ledger.alloc(("staging", i), Category.COMM_BUFFERS, nbytes, "cast copy")
             state = sum(
                 options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
                 + (4 if options.num_states == 2 else 0)  # Adam's float32 step
@@ -228,10 +228,14 @@ class _Step:
         if self.unsharded[g] or self.pending[g]:
             return
         self.pending[g] = True
-        if self.world == 1:
-            return  # nothing to gather: the unsharded parameters view the shards
         group = self.groups[g]
-        nbytes = group.layout.all_gather_input_bytes
+        layout = group.layout
+        if layout.stages_gather_input():
+            nbytes = layout.all_gather_input_bytes
+            self.pool.get(nbytes, ("staging", g), f"{label} {group.fqn}: staging copy")
+        if self.world == 1:
+            return  # nothing to gather: the shards are (or are copied into) the parameters
+        nbytes = layout.all_gather_input_bytes
         self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
         self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
 
@@ -249,6 +253,8 @@ class _Step:
         self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
+        if layout.stages_gather_input():
+            self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
     def _reshard(self, g: int) -> None:
