@@ -22,17 +22,41 @@ from tests.tools import workloads
 _ROWS, _SEQ, _VOCAB = 2, 8, 37  # per rank: the tiny GPT of tests.core.models
 
 
-def _measured(rank: int, world_size: int) -> dict[str, Any]:
-    model, opt = workloads.build("shardkit", world_size, "gpt")
+def _freeze_bottom(model: torch.nn.Module) -> None:
+    """Embeddings and the first block frozen: backward never reaches that block."""
+    for module in (model.tok, model.pos, model.blocks[0]):  # type: ignore[union-attr]
+        module.requires_grad_(False)  # type: ignore[operator]
+
+
+def _freeze_first_block(model: torch.nn.Module) -> None:
+    """The first block frozen: backward passes through it to the embeddings."""
+    model.blocks[0].requires_grad_(False)  # type: ignore[index]
+
+
+_FREEZE = {"bottom": _freeze_bottom, "first_block": _freeze_first_block}
+
+
+def _measured(
+    rank: int, world_size: int, freeze: str | None = None, bf16: bool = False
+) -> dict[str, Any]:
+    model, opt = workloads.build(
+        "shardkit",
+        world_size,
+        "gpt",
+        freeze=_FREEZE[freeze] if freeze else None,
+        param_dtype=torch.bfloat16 if bf16 else None,
+    )
     workloads.train_step(model, opt, 0, rank, world_size, "gpt")  # steady state from here
     with Profiler(model, optimizers=[opt]) as profiler:
         workloads.train_step(model, opt, 1, rank, world_size, "gpt")
     return profiler.rank_report().to_dict()
 
 
-def _meta_model() -> torch.nn.Module:
+def _meta_model(freeze: str | None = None) -> torch.nn.Module:
     with torch.device("meta"):
         model: torch.nn.Module = models.build("gpt")
+    if freeze:
+        _FREEZE[freeze](model)
     return model
 
 
@@ -45,16 +69,32 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().reshape(-1, _VOCAB), targets)
 
 
-def _planned(world_size: int, rank: int) -> Plan:
-    options = PlanOptions(inputs=_inputs, loss=_loss, backend="gloo", rank=rank)
-    return plan(_meta_model, world_size=world_size, options=options)
+def _planned(world_size: int, rank: int, freeze: str | None, bf16: bool) -> Plan:
+    options = PlanOptions(
+        inputs=_inputs,
+        loss=_loss,
+        backend="gloo",
+        rank=rank,
+        param_dtype=torch.bfloat16 if bf16 else None,
+    )
+    return plan(lambda: _meta_model(freeze), world_size=world_size, options=options)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_plan_matches_trackers(world_size: int) -> None:
-    reports = [RankReport.from_dict(r) for r in run_on_ranks(world_size, _measured)]
+@pytest.mark.parametrize(
+    ("world_size", "freeze", "bf16"),
+    [
+        (2, None, False),
+        (4, None, False),
+        (2, None, True),
+        (2, "bottom", False),
+        (2, "first_block", True),
+    ],
+)
+def test_plan_matches_trackers(world_size: int, freeze: str | None, bf16: bool) -> None:
+    measured = run_on_ranks(world_size, _measured, freeze=freeze, bf16=bf16)
+    reports = [RankReport.from_dict(r) for r in measured]
     for rank, report in enumerate(reports):
-        predicted = _planned(world_size, rank)
+        predicted = _planned(world_size, rank, freeze, bf16)
         # Communication: every collective of the step, in issue order, byte for byte.
         measured_calls = [(c.kind, c.input_bytes, c.sent_bytes) for c in report.collectives]
         planned_calls = [(c.kind, c.input_bytes, c.sent_bytes) for c in predicted.schedule]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,10 +15,21 @@ ENGINES = ("shardkit", "torch", "fsdp1", "ddp")
 
 
 def build(
-    engine: str, world_size: int, model_name: str = "mlp"
+    engine: str,
+    world_size: int,
+    model_name: str = "mlp",
+    *,
+    freeze: Callable[[nn.Module], None] | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW."""
+    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW.
+
+    ``freeze`` sets ``requires_grad`` before sharding; ``param_dtype`` is the mixed-precision
+    gather dtype (shardkit and torch's ``fully_shard`` only).
+    """
     model = models.build(model_name)
+    if freeze is not None:
+        freeze(model)
     if engine == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif engine == "fsdp1":
@@ -38,9 +50,10 @@ def build(
 
         api: Any = shardkit_core if engine == "shardkit" else torch_fsdp
         mesh = init_device_mesh("cpu", (world_size,))
+        mp = api.MixedPrecisionPolicy(param_dtype=param_dtype)
         for block in model.blocks:
-            api.fully_shard(block, mesh=mesh)
-        api.fully_shard(model, mesh=mesh)
+            api.fully_shard(block, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
     elif engine != "local":
         raise ValueError(f"unknown engine {engine!r}")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

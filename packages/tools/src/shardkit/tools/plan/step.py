@@ -15,8 +15,10 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Parameters are gathered at pre-forward (or found prefetched), freed at post-forward when the
   group reshards after forward, gathered again at pre-backward, and freed after the group's
   reduce-scatter; the root keeps its parameters through backward unless
-  ``reshard_after_forward=True`` is given explicitly. Groups that get no gradient (frozen)
-  stay gathered until the end-of-backward callback.
+  ``reshard_after_forward=True`` is given explicitly. A group with no trainable parameter
+  reshards once backward has passed its (first) pre-forward, where its inputs' gradients are
+  made; one whose inputs need none stays gathered until the end-of-backward callback. A
+  group whose outputs need no gradient is never gathered in backward (not even prefetched).
 - Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
   aligned flat buffer per group); the all-gather's staging copy of it when ``param_dtype``
   differs (the core's ``stages_gather_input``) and its receive buffer, both from issue to
@@ -141,6 +143,11 @@ class _Step:
         events = inputs.trace.events
         self.forward_order = [e.group for e in events if e.kind == "pre"]
         self.post_order = [e.group for e in events if e.kind == "post"]
+        self.backward_reaches = {e.group for e in events if e.kind == "post" and e.needs_grad}
+        self.first_pre: dict[int, int] = {}
+        for index, event in enumerate(events):
+            if event.kind == "pre":
+                self.first_pre.setdefault(event.group, index)
         self.forward_done = 0
 
     def _reshards_after_forward(self, index: int) -> bool:
@@ -309,6 +316,8 @@ class _Step:
             event = trace.events[j - 1] if j > 0 else None
             if event is not None and event.kind == "post" and event.needs_grad:
                 self._pre_backward(event.group)
+            elif event is not None and event.needs_grad and self._frozen_done(event.group, j - 1):
+                self._post_backward(event.group)  # its inputs' gradients are made
         for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
         self._final_callback()
@@ -346,8 +355,17 @@ class _Step:
         self._wait(g)
         order = self.post_order
         index = len(order) - 1 - order[::-1].index(g)
-        if index > 0 and order[index - 1] != g and self.state[order[index - 1]] == "idle":
-            self._unshard(order[index - 1], "all-gather (prefetch)")
+        previous = order[index - 1] if index > 0 else g
+        if previous != g and self.state[previous] == "idle" and previous in self.backward_reaches:
+            self._unshard(previous, "all-gather (prefetch)")
+
+    def _frozen_done(self, g: int, index: int) -> bool:
+        """Whether backward is through group ``g``, which has no gradient, at event ``index``."""
+        return (
+            self.state[g] == "pre_backward"
+            and not self.groups[g].trainable
+            and self.first_pre[g] == index
+        )
 
     def _grad_keys(self, g: int) -> list[Key]:
         keys = [self._grad_key(g, p) for p in range(len(self.groups[g].params))]
