@@ -400,8 +400,12 @@ class _Step:
         layout = group.layout
         row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
         label = f"reduce-scatter {group.fqn}"
-        # The output becomes the sharded gradient: it counts as one from the start.
-        self.ledger.alloc(("reduce_out", g), Category.GRADIENTS, row, label)
+        # The output becomes the sharded gradient: it counts as one from the start. In another
+        # dtype it is cast into the gradient and stays a collective's output buffer.
+        category = (
+            Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
+        )
+        self.ledger.alloc(("reduce_out", g), category, row, label)
         if self.world > 1:
             self.pool.get(send, ("reduce_send", g), label)
             self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
