@@ -139,14 +139,27 @@ def test_train_step(benchmark: Any, scenario: str, impl: str) -> None:
     benchmark.extra_info.update(info)
 
 
-MEMORY = {"gpt8m-w2": ("torch", "shardkit", "fsdp1", "ddp"), "gpt35m-w2": ("torch", "shardkit")}
+MEMORY = {
+    "gpt8m-w2": ("torch", "shardkit", "fsdp1", "ddp"),
+    "gpt35m-w2": ("torch", "shardkit"),
+    "gpt8m-w2-bf16": ("torch", "shardkit"),
+    "gpt35m-w2-bf16": ("torch", "shardkit"),
+}
+# bf16 parameters, fp32 reduction: the 35M model's memory-only scenario (no step timing).
+_MEMORY_ONLY = {
+    "gpt35m-w2-bf16": Scenario(
+        size="medium", world=2, impls=("torch", "shardkit"), options=gpt.Options(bf16=True)
+    )
+}
 
 
-def _peak_rss(impl: str, size: str) -> list[float]:
+def _peak_rss(impl: str, sc: Scenario) -> list[float]:
     """Peak RSS of each rank (MiB), in rank order."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "benchmarks" / "memory_run.py"), impl, size, "4"]
+    cmd += [str(ROOT / "benchmarks" / "memory_run.py"), impl, sc.size, "4"]
+    cmd += ["bf16"] if sc.options.bf16 else []
+    cmd += [] if sc.options.reshard_after_forward else ["keep"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600)
     records = [json.loads(x) for x in out.stdout.splitlines() if x[:1] == "{"]
     return [float(r["peak_mib"]) for r in sorted(records, key=lambda r: int(r["rank"]))]
@@ -158,7 +171,7 @@ def test_peak_rss(benchmark: Any, scenario: str) -> None:
 
     def measure() -> None:
         for impl in MEMORY[scenario]:
-            peaks[impl] = _peak_rss(impl, SCENARIOS[scenario].size)
+            peaks[impl] = _peak_rss(impl, SCENARIOS.get(scenario) or _MEMORY_ONLY[scenario])
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     for impl, ranks in peaks.items():

@@ -139,3 +139,32 @@ def test_one_shard_rank_emits_no_collective_events() -> None:
     for mp in (False, True):
         assert run_on_ranks(1, _collective_events, mp=mp) == [[]]
     assert "all_gather" in run_on_ranks(2, _collective_events, mp=True)[0]  # the probe works
+
+
+def _post_backward_order(rank: int, world_size: int) -> list[tuple[str, str]]:
+    torch.manual_seed(0)
+    model = _sharded_mlp(world_size)
+    _step(model, rank)
+    events: list[tuple[str, str]] = []
+
+    def record(event: observe.Event) -> None:
+        if isinstance(event, observe.StateTransitionEvent):
+            events.append((event.module_fqn, event.what))
+        elif isinstance(event, observe.CollectiveEvent) and event.kind == "reduce_scatter":
+            events.append((event.module_fqn, "reduce_scatter"))
+
+    unsubscribe = observe.subscribe(record)
+    try:
+        _step(model, rank)
+    finally:
+        unsubscribe()
+    return events
+
+
+def test_full_parameters_are_freed_before_the_reduction_allocates() -> None:
+    # Once its gradients are taken, a group's full parameters are not needed: freed first,
+    # they never coexist with the reduce-scatter's send buffer (backward's memory peak).
+    events = run_on_ranks(2, _post_backward_order)[0]
+    for block in ("blocks.0", "blocks.1", "blocks.2"):
+        after = events[events.index((block, "post_backward")) :]
+        assert after.index((block, "reshard")) < after.index((block, "reduce_scatter")), block

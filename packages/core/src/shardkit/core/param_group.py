@@ -443,23 +443,30 @@ class FSDPParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "post_backward"))
+        chosen = []
         if not self.options.reduce_grads:
             for p in self.trainable:
                 p.stash_unsharded_grad(self.reduce_dtype)
         else:
-            self._start_reduction()
+            chosen = self._take_grads()
+        # The gradients are taken: the full parameters are done with. Free them before the
+        # reduction allocates its buffers (as torch does), or both would peak together.
         if self.options.reshard_after_backward:
             self.reshard()
+        if chosen:
+            assert self.comm is not None
+            self.reducer.start(chosen, self.comm, self.fqn)
 
-    def _start_reduction(self) -> None:
-        # As torch: a parameter that took no part in this backward gets no gradient (None, so
-        # optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+    def _take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]]:
+        """The gradients to reduce (none if no parameter got one), taken off the parameters.
+
+        As torch: a parameter that took no part in this backward gets no gradient (None, so
+        optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        """
         with_zeros = self.options.reduce_scatter_unused_params
         grads = [(p, p.take_unsharded_grad()) for p in self.trainable]
         chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
-        if any(g is not None for _, g in chosen):
-            assert self.comm is not None
-            self.reducer.start(chosen, self.comm, self.fqn)
+        return chosen if any(g is not None for _, g in chosen) else []
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

@@ -375,12 +375,12 @@ class _Step:
         self.state[g] = "post_backward"
         self.ledger.module = self.groups[g].fqn
         keys = self._grad_keys(g)
+        self._reshard(g)  # the gradients are taken: the full parameters go before the reduction
         if keys:
             self._settle_partial_grads(g)
             self._start_reduce(g)
         for key in keys:
             self.ledger.free(key)
-        self._reshard(g)
 
     def _settle_partial_grads(self, g: int) -> None:
         """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
