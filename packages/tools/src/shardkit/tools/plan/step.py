@@ -378,9 +378,7 @@ class _Step:
         self._reshard(g)  # the gradients are taken: the full parameters go before the reduction
         if keys:
             self._settle_partial_grads(g)
-            self._start_reduce(g)
-        for key in keys:
-            self.ledger.free(key)
+            self._start_reduce(g, keys)
 
     def _settle_partial_grads(self, g: int) -> None:
         """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
@@ -392,7 +390,7 @@ class _Step:
                 n = param.numel * param.comm_dtype.itemsize
                 self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
 
-    def _start_reduce(self, g: int) -> None:
+    def _start_reduce(self, g: int, grad_keys: list[Key]) -> None:
         while self.reduces:  # at most one reduction in flight (max_reduces_in_flight = 1)
             # The engine drops a finished reduction's buffers before allocating the next.
             self._release(self._finish_reduce(self.reduces.popleft()))
@@ -405,13 +403,22 @@ class _Step:
         category = (
             Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
         )
-        self.ledger.alloc(("reduce_out", g), category, row, label)
         if self.world > 1:
+            # The gradients are packed into the send buffer and freed before the output comes.
             self.pool.get(send, ("reduce_send", g), label)
+            self._free_all(grad_keys)
+            self.ledger.alloc(("reduce_out", g), category, row, label)
             self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
             if self.gloo and self.world > 2:
                 self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
+        else:
+            self.ledger.alloc(("reduce_out", g), category, row, label)  # packed into directly
+            self._free_all(grad_keys)
         self.reduces.append(g)
+
+    def _free_all(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.ledger.free(key)
 
     def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
         """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
