@@ -306,6 +306,19 @@ def parallelize(model: GPT, mesh: DeviceMesh, fully_shard: FullyShard) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
+def plan_model() -> GPT:
+    """The default model on the meta device, for the planner (README: "past one machine"):
+    shardkit-plan demo.train_gpt:plan_model --inputs demo.train_gpt:plan_inputs ..."""
+    with torch.device("meta"):
+        return GPT(ModelConfig())
+
+
+def plan_inputs() -> Tensor:
+    """One rank's default batch of token ids on the meta device, (batch_size, seq_len)."""
+    return torch.zeros(TrainConfig().batch_size, ModelConfig().seq_len, dtype=torch.long,
+                       device="meta")  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Data: the batch of step s is a pure function of (seed, s); rank r takes its slice.
 
