@@ -8,6 +8,12 @@ checkpoint, the training loop. Launch it with torchrun (demo/run_demo.py does th
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
         --impl torch --steps 45 --ckpt-dir demo/runs/manual/ckpt --resume
 
+On several nodes (or several torchrun launches on one machine) it trains with HSDP: sharded
+within a node, replicated across nodes. Run the same line on each node:
+
+    OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint localhost:29500 --rdzv-id demo demo/train_gpt.py --steps 30
+
 Add `--profile DIR` to profile the training loop with shardkit.tools: DIR gets a terminal summary,
 JSON, a Perfetto trace and plots of memory and of compute vs communication per rank.
 
