@@ -1,6 +1,7 @@
 """The demo past one machine: two torchrun "nodes" of 2 ranks, joined by a c10d rendezvous on
 localhost, train with HSDP (sharded within a node, replicated across nodes), checkpoint, and
-compute the losses of one node of 4 ranks training with plain FSDP on the same global batch.
+compute the losses of torch's fully_shard on the same two-node layout bit for bit, and those of
+one node of 4 ranks training with plain FSDP on the same global batch.
 
 HSDP sums gradients within a node, then across nodes, and reduces the gradient norm per mesh
 axis, so the losses may differ from plain FSDP's in the last bits; 1e-5 relative is far
@@ -21,9 +22,9 @@ from demo.run_demo import REPO, TRAIN_SCRIPT, launch_lines
 SMALL = ["--d-model=64", "--n-layers=2", "--seq-len=32", "--batch-size=4", "--steps=4"]
 
 
-def _train(nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dict[int, float], str]:
+def _train(name: str, nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dict[int, float], str]:
     """Run one job on `nodes` launches of 4 / nodes ranks; its losses and rank 0's output."""
-    metrics = tmp_path / f"nodes{nodes}.jsonl"
+    metrics = tmp_path / f"{name}.jsonl"
     script = [str(TRAIN_SCRIPT), *SMALL, f"--metrics-file={metrics}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launches = [
@@ -35,7 +36,7 @@ def _train(nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dict[int, floa
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for line in launch_lines(nodes, 4 // nodes, f"test-{tmp_path.name}")
+        for line in launch_lines(nodes, 4 // nodes, f"test-{name}-{tmp_path.name}")
     ]
     outputs = [launch.communicate(timeout=300)[0] for launch in launches]
     for launch, output in zip(launches, outputs, strict=True):
@@ -47,8 +48,10 @@ def _train(nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dict[int, floa
 
 def test_two_nodes_train_with_hsdp_as_one_node_trains_with_fsdp(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    two, two_output = _train(2, tmp_path, [f"--ckpt-dir={ckpt}", "--ckpt-every=2"])
-    one, one_output = _train(1, tmp_path, ["--replicas=1"])
+    two, two_output = _train("hsdp", 2, tmp_path, [f"--ckpt-dir={ckpt}", "--ckpt-every=2"])
+    torch_two, _ = _train("torch_hsdp", 2, tmp_path, ["--impl=torch"])
+    one, one_output = _train("fsdp", 1, tmp_path, ["--replicas=1"])
+    assert two == torch_two  # torch's fully_shard on the same mesh: bit for bit
     # The runs are what they claim: HSDP across the launches, plain FSDP on one.
     assert "ranks=4 (dp_replicate 2 x dp_shard 2)" in two_output
     assert "ranks=4 (dp 4)" in one_output
