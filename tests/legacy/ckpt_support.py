@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,3 +89,15 @@ def assert_same_form(ours: Any, theirs: Any, where: str) -> None:
             assert_same_form(a, b, where)
     else:
         assert ours == theirs, where
+
+
+def forms_after_training(
+    run: LegacyRun, kind: str, form: Callable[[Any], Any] = sharded_form
+) -> dict[str, dict[str, Any]]:
+    """Each implementation's ``kind`` state dict after two steps, as ``form`` describes it."""
+    out: dict[str, dict[str, Any]] = {}
+    for impl in ("shardkit", "torch"):
+        model = wrap_model(impl, run)
+        train_steps(model, plain_sgd(model), run, range(2))
+        out[impl] = {k: form(v) for k, v in state_dict_of(impl, model, kind).items()}
+    return out

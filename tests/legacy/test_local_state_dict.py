@@ -19,6 +19,7 @@ from harness.pool import run_on_ranks
 from shardkit.legacy.torch_compat import ShardedTensor, flat_sharded_tensor
 from tests.legacy.ckpt_support import (
     assert_same_form,
+    forms_after_training,
     fresh,
     load_into,
     plain_sgd,
@@ -46,13 +47,7 @@ def _form(value: Any) -> Any:
 
 
 def _form_body(rank: int, world_size: int, run: LegacyRun) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for impl in ("shardkit", "torch"):
-        model = wrap_model(impl, run)
-        train_steps(model, plain_sgd(model), run, range(2))
-        local = state_dict_of(impl, model, "LOCAL_STATE_DICT")
-        out[impl] = {k: _form(v) for k, v in local.items()}
-    return out
+    return forms_after_training(run, "LOCAL_STATE_DICT", _form)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -12,10 +12,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from harness.pool import run_on_ranks
 from tests.legacy.ckpt_support import (
     assert_same_form,
+    forms_after_training,
     fresh,
     load_into,
     plain_sgd,
-    sharded_form,
     state_dict_of,
     train_steps,
 )
@@ -23,13 +23,7 @@ from tests.legacy.legacy_parity import LegacyRun, full_params, wrap_model
 
 
 def _form_body(rank: int, world_size: int, run: LegacyRun) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for impl in ("shardkit", "torch"):
-        model = wrap_model(impl, run)
-        train_steps(model, plain_sgd(model), run, range(2))
-        sharded = state_dict_of(impl, model, "SHARDED_STATE_DICT")
-        out[impl] = {k: sharded_form(v) for k, v in sharded.items()}
-    return out
+    return forms_after_training(run, "SHARDED_STATE_DICT")
 
 
 @pytest.mark.parametrize(
