@@ -222,6 +222,20 @@ class CheckpointManager:
         )
         return pending.target
 
+    def poll(self) -> Path | None:
+        """Publish the pending save if every rank's write has finished; its path, else None.
+
+        Collective (one small exchange while a save is pending, none otherwise): call it on
+        every rank at the same point, once per step for example, so that a finished save
+        becomes current without waiting for the next one.
+        """
+        if self._pending is None:
+            return None
+        sums = self._pending.sums
+        if all(outcome.value for outcome in everyone(sums.done)):
+            return self.wait()
+        return None
+
     def close(self) -> None:
         """Publish the pending asynchronous save, if any (collective)."""
         self.wait()
