@@ -17,6 +17,9 @@ rename) runs on the training thread, in ``CheckpointManager.wait()``.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
@@ -33,6 +38,13 @@ from shardkit.core.errors import first_sentence
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
 
 __all__ = ["CheckpointSaveError", "PendingSave", "describe_dcp_failure", "finish", "start"]
+
+logger = logging.getLogger(__name__)
+
+# The writer thread's niceness: the lowest CPU priority. Where training keeps every core busy
+# (CPU training, one rank per core), the write then takes the cycles training leaves, waiting
+# on its collectives, instead of stretching a step; where cores are free it runs at full speed.
+_WRITER_NICENESS = 19
 
 
 class CheckpointSaveError(RuntimeError):
@@ -66,6 +78,31 @@ class _AlreadyStaged(AsyncStager):
         return None  # the buffers belong to the manager and outlive this save
 
 
+class _BackgroundPlanner(DefaultSavePlanner):
+    """DCP's default save plan, set up from the writer thread, which it first deprioritizes.
+
+    DCP calls ``set_up_planner`` at the start of the save, in the thread that writes (the
+    planner is DCP's extension point for what happens there).
+    """
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        _deprioritize_this_thread()
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+
+def _deprioritize_this_thread() -> None:
+    # On Linux, PRIO_PROCESS with a thread id sets that thread's niceness only.
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICENESS)
+    except (AttributeError, OSError) as error:  # not Linux, or not allowed: run as is
+        logger.debug("checkpoint writer keeps its priority: %s", error)
+
+
 def start(
     staged: dict[str, Any], *, step: int, partial: Path, target: Path, leave_out: frozenset[str]
 ) -> PendingSave:
@@ -76,6 +113,7 @@ def start(
         staged,
         checkpoint_id=partial,
         process_group=checkpoint_group(),
+        planner=_BackgroundPlanner(),
         async_stager=_AlreadyStaged(),
     )
     assert isinstance(upload, Future), "an already staged state gives a plain future"
