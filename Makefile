@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 
 check: lint test
 
