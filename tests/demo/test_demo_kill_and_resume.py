@@ -1,6 +1,7 @@
 """Kill the demo's training job part-way (SIGKILL, mid-save, mid-asynchronous write) and resume.
 
-The promise: no more than --ckpt-every steps are lost, no broken checkpoint is ever current,
+The promise: fewer than 2 x --ckpt-every steps are lost (a save is current once written, at the
+latest when the next begins), no broken checkpoint is ever current,
 and the resumed job computes exactly the losses the killed one did for the same steps.
 """
 
@@ -93,7 +94,9 @@ def test_kill_mid_save_then_resume(tmp_path: Path) -> None:
     before, after = _losses(first), _losses(second)
     assert after, f"killed at {killed_at}, complete {complete}:\n{output[-2000:]}"
     start = min(after) - 1  # the step the resumed job started from
-    assert killed_at - start <= EVERY, f"lost {killed_at - start} steps (> {EVERY})"
+    # The demo's saves are asynchronous: one is current once written, at the latest when the
+    # next one starts, so fewer than two intervals can be lost.
+    assert killed_at - start < 2 * EVERY, f"lost {killed_at - start} steps (>= {2 * EVERY})"
     for step in range(start + 1, killed_at + 1):
         assert after[step] == before[step], f"step {step}: {after[step]} != {before[step]}"
 
