@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,8 +386,11 @@ class TrainState:
         self.optimizer = optimizer
         self.rank = rank
         self.step = 0  # steps completed
+        self.faults: Faults | None = None  # kill points (tests only)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.faults is not None:
+            self.faults.maybe(self.step, "save")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         return {"model": model_sd, "optim": optim_sd, "step": self.step, "rng": rng}
@@ -400,6 +404,83 @@ class TrainState:
         )
         self.step = int(state_dict["step"])
         torch.set_rng_state(state_dict["rng"][f"rank{self.rank}"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults on purpose, for the kill tests and the soak test (tests/demo): SIGKILL one rank at a
+# chosen point. SHARDKIT_DEMO_KILL_AT="RANK:STEP:PHASE,..." names the points; PHASE is forward,
+# backward, save (the training thread, while the save of STEP stages the state) or async-save
+# (DCP's writer thread, while it writes the save of STEP). SHARDKIT_DEMO_KILL_LOG names a file
+# where a point is recorded before it fires: torchrun restarts the workers with the same
+# environment, and a point must fire once only.
+
+Phase = Literal["forward", "backward", "save", "async-save"]
+
+
+class Faults:
+    """The kill points of this rank that have not fired yet."""
+
+    def __init__(self, rank: int) -> None:
+        log = os.environ.get("SHARDKIT_DEMO_KILL_LOG")
+        self.log = Path(log) if log else None
+        fired = set(self.log.read_text().split()) if self.log and self.log.exists() else set()
+        spec = os.environ.get("SHARDKIT_DEMO_KILL_AT", "")
+        mine = [p for p in spec.split(",") if p.split(":")[0] == str(rank) and p not in fired]
+        self.points = {(int(p.split(":")[1]), p.split(":")[2]) for p in mine}
+        self.rank = rank
+
+    def due(self, step: int, phase: Phase) -> bool:
+        return (step, phase) in self.points
+
+    def kill(self, step: int, phase: Phase) -> None:
+        """Record the point, then die as a lost machine does: no cleanup, no exit handlers."""
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(f"{self.rank}:{step}:{phase}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe(self, step: int, phase: Phase) -> None:
+        if self.due(step, phase):
+            self.kill(step, phase)
+
+
+class KillWhenWritten:
+    """A checkpoint value that kills its rank when DCP's writer serializes it (mid-write)."""
+
+    def __init__(self, faults: Faults, step: int) -> None:
+        self.faults, self.step = faults, step
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KillWhenWritten:
+        return self  # staging copies the state: this value must reach the writer as itself
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.faults.kill(self.step, "async-save")
+        raise AssertionError("unreachable: the process was killed")
+
+
+def arm_model_faults(model: GPT, faults: Faults, state: TrainState) -> None:
+    """Forward and backward kill points, in the middle block of the model."""
+    if not faults.points:
+        return
+    middle = model.blocks[len(model.blocks) // 2]
+
+    def in_forward(module: nn.Module, args: Any, output: Tensor) -> None:
+        step = state.step + 1  # the step being computed
+        faults.maybe(step, "forward")
+        if faults.due(step, "backward") and output.requires_grad:
+            output.register_hook(lambda grad: faults.maybe(step, "backward"))
+
+    middle.register_forward_hook(in_forward)
+
+
+def checkpoint_contents(state: TrainState) -> dict[str, Any]:
+    """What a save writes: the train state, plus a kill point inside the write if one is due."""
+    faults = state.faults
+    if faults is not None and faults.due(state.step, "async-save"):
+        return {"train": state, "fault": KillWhenWritten(faults, state.step)}
+    return {"train": state}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +576,14 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
     loaded = manager.load({"train": state})
     reporter.record(event="resumed", step=state.step, path=str(loaded))
     reporter.say(f"resumed from {loaded} at step {state.step}")
+
+
+def report_published(checkpoint: Path | None, reporter: Reporter) -> None:
+    """Tell that a save written in the background became the latest checkpoint."""
+    if checkpoint is not None:
+        step = int(checkpoint.name.removeprefix("step_"))
+        reporter.record(event="saved", step=step, path=str(checkpoint))
+        reporter.say(f"saved {checkpoint}")
 
 
 def start_profiler(cfg: TrainConfig) -> Profiler | None:
@@ -609,16 +698,23 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     )
     restore(state, cfg, reporter)
     manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts) if cfg.ckpt_dir else None
+    state.faults = Faults(rank)
+    arm_model_faults(model, state.faults, state)
     profiler = start_profiler(cfg)
     while state.step < cfg.steps:
         result = train_step(state, sampler.batch(state.step + 1), cfg)
         reporter.step(state.step, result)
-        due = cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0
-        if manager is not None and (due or state.step == cfg.steps):
-            # Atomic: a save killed part-way leaves the previous checkpoint current.
-            path = manager.save(state.step, {"train": state})
-            reporter.record(event="saved", step=state.step, path=str(path))
-            reporter.say(f"saved {path}")
+        if manager is None:
+            continue
+        # Asynchronous: the state is copied at the save and written while the next steps
+        # train. It becomes current (atomically) at the first step after every rank's write
+        # has finished: a job killed before then resumes from the previous checkpoint.
+        report_published(manager.poll(), reporter)
+        if (cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0) or state.step == cfg.steps:
+            report_published(manager.wait(), reporter)
+            manager.save(state.step, checkpoint_contents(state), async_save=True)
+    if manager is not None:
+        report_published(manager.wait(), reporter)
     if profiler is not None:
         assert cfg.profile_dir is not None  # start_profiler returns one only then
         write_profile(profiler, cfg.profile_dir, reporter)
