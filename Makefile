@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check test lint check-hatch bench bench-compare soak clean
+.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-compare soak clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python demo/run_demo.py
+
+# The demo as two torchrun "nodes" of 2 ranks on this machine (c10d rendezvous, HSDP).
+demo-nodes: $(STAMP)
+	$(BIN)/python demo/run_demo.py --nodes 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,9 +14,13 @@ ENGINES = ("shardkit", "torch", "fsdp1", "ddp")
 
 
 def build(
-    engine: str, world_size: int, model_name: str = "mlp"
+    engine: str,
+    world_size: int,
+    model_name: str = "mlp",
+    hsdp: tuple[int, int] | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW."""
+    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW; with
+    ``hsdp`` = (replicas, shard), fully_shard on a ("dp_replicate", "dp_shard") mesh."""
     model = models.build(model_name)
     if engine == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
@@ -37,7 +41,10 @@ def build(
         import shardkit.core as shardkit_core
 
         api: Any = shardkit_core if engine == "shardkit" else torch_fsdp
-        mesh = init_device_mesh("cpu", (world_size,))
+        if hsdp is None:
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:
+            mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("dp_replicate", "dp_shard"))
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh)
         api.fully_shard(model, mesh=mesh)
