@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-compare soak clean
+.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-scaling bench-compare soak clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,7 +45,14 @@ check-hatch: $(STAMP)
 	$(BIN)/python scripts/check_hatch.py
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
+		--ignore=benchmarks/bench_scaling.py
+
+# How cost grows: one table by model size (8M, 35M, 134M) and world size (1, 2, 4), written to
+# benchmarks/.results/scaling.md (about half an hour here; SCALING_SIZES, SCALING_WORLDS and
+# SCALING_ROUNDS pick a smaller run).
+bench-scaling: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_scaling.py -q -s --benchmark-autosave
 
 # Fails when a ratio against the peer worsened by more than 10% since the previous saved run.
 bench-compare: $(STAMP)
