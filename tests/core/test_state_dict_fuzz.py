@@ -11,13 +11,14 @@ this process. For every damaged file:
   keys and shapes fit the model, ours loads, bit for bit, its values converted to the
   model's dtypes. Where it refuses, ours raises ``StateDictFileError`` naming the file; where
   the keys or shapes do not fit, ours raises the key check's ``RuntimeError``.
-- Nothing else escapes: no ``MemoryError``, ``struct.error``, zip or pickle error, nor one
-  wrapped on the way (the error's cause chain is searched too).
+- Nothing else escapes (no ``MemoryError``, ``struct.error``, zip or pickle error): the
+  error is one of those two types, exactly.
 - A refused load leaves every parameter and buffer bit-identical to before.
-- Memory stays bounded: the process's peak virtual size (``VmPeak``, which any allocation
-  raises, touched or not) grows by less than a fixed bound during the load.
+- Memory stays bounded: during the load the address space may grow by 256 MiB at most
+  (``RLIMIT_AS``), and no allocation may have failed for want of more (searched in the
+  error's whole chain of causes): a file's claims are checked before they are allocated.
 
-The default run tries a few dozen files of each kind; ``pytest -m slow`` (``make soak``)
+The default run tries 50 files of each kind; ``pytest -m slow`` (``make fuzz``, ``make soak``)
 tries 500 of each. Both are derandomized and keep no example database, so a run repeats the
 last exactly; a failure prints hypothesis's reproduction blob.
 """
