@@ -6,11 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-scaling bench-compare soak clean
+.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-scaling bench-compare soak fuzz clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark matplotlib
+	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 	touch $(STAMP)
@@ -38,6 +38,10 @@ check: lint test
 # bit-identical to an uninterrupted run; prints the steps lost per kill.
 soak: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -s -m slow
+
+# The readers' fuzzing at length (seconds; soak runs it too): 500 damaged files of each kind.
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/core/test_state_dict_fuzz.py -q -s -m slow
 
 # The hatch workflow from nothing: four wheels, and CPU torch in a fresh `hatch test` environment
 # (about a minute; CI runs it after `check`).
