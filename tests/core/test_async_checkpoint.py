@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
-from tests.core.test_checkpoint_manager import _app, _state_of, _train
+from tests.core.checkpoint_app import build_app, state_of, train_app
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -23,24 +23,24 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _loaded(root: str, step: int, world_size: int) -> dict[str, torch.Tensor]:
     from shardkit.core import CheckpointManager
 
-    app = _app(world_size)
+    app = build_app(world_size)
     manager = CheckpointManager(root)
     manager.load({"app": app}, manager.path_for(step))
-    return _state_of(app)
+    return state_of(app)
 
 
 def _async_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from shardkit.core import CheckpointManager
 
-    app = _app(world_size)
-    _train(app, 2, rank, world_size)
-    at_save = _state_of(app)
+    app = build_app(world_size)
+    train_app(app, 2, rank, world_size)
+    at_save = state_of(app)
     CheckpointManager(f"{root}/sync").save(2, {"app": app})
     manager = CheckpointManager(f"{root}/async")
     manager.save(2, {"app": app}, async_save=True)
     pending = manager.pending
     latest_while_pending = manager.latest()
-    _train(app, 4, rank, world_size)  # changes every parameter while the write goes on
+    train_app(app, 4, rank, world_size)  # changes every parameter while the write goes on
     published = manager.wait()
     storages = {k: b.untyped_storage().data_ptr() for k, b in manager.staging.buffers.items()}
     with manager:  # a second save reuses the buffers; leaving the block publishes it
@@ -53,7 +53,7 @@ def _async_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "latest": [p.name for p in manager.complete()],
         "sync_is_the_state": _same(_loaded(f"{root}/sync", 2, world_size), at_save),
         "async_is_the_state": _same(_loaded(f"{root}/async", 2, world_size), at_save),
-        "trained_on": not _same(_state_of(app), at_save),
+        "trained_on": not _same(state_of(app), at_save),
         "buffers": len(storages),
         "reused": storages == again,
     }
@@ -85,13 +85,13 @@ def _failing_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from shardkit.core import CheckpointManager, CheckpointSaveError
 
     manager = CheckpointManager(root)
-    app = _app(world_size)
-    _train(app, 2, rank, world_size)
+    app = build_app(world_size)
+    train_app(app, 2, rank, world_size)
     manager.save(2, {"app": app}, async_save=True)
-    _train(app, 3, rank, world_size)
+    train_app(app, 3, rank, world_size)
     poison = {"extra": _Unwritable()} if rank == 1 else {}
     manager.save(3, {"app": app, **poison}, async_save=True)  # publishes step 2 first
-    _train(app, 4, rank, world_size)
+    train_app(app, 4, rank, world_size)
     try:
         manager.wait()
         error = ""
