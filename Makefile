@@ -6,11 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check test lint check-hatch bench bench-compare clean
+.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-scaling bench-compare soak fuzz clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark matplotlib
+	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 	touch $(STAMP)
@@ -19,6 +19,10 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python demo/run_demo.py
+
+# The demo as two torchrun "nodes" of 2 ranks on this machine (c10d rendezvous, HSDP).
+demo-nodes: $(STAMP)
+	$(BIN)/python demo/run_demo.py --nodes 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -30,13 +34,29 @@ test: $(STAMP)
 
 check: lint test
 
+# The soak test (minutes): 300 demo steps with 5 ranks SIGKILLed and restarted by torchrun,
+# bit-identical to an uninterrupted run; prints the steps lost per kill.
+soak: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -s -m slow
+
+# The readers' fuzzing at length (seconds; soak runs it too): 500 damaged files of each kind.
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/core/test_state_dict_fuzz.py -q -s -m slow
+
 # The hatch workflow from nothing: four wheels, and CPU torch in a fresh `hatch test` environment
 # (about a minute; CI runs it after `check`).
 check-hatch: $(STAMP)
 	$(BIN)/python scripts/check_hatch.py
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
+		--ignore=benchmarks/bench_scaling.py
+
+# How cost grows: one table by model size (8M, 35M, 134M) and world size (1, 2, 4), written to
+# benchmarks/.results/scaling.md (about half an hour here; SCALING_SIZES, SCALING_WORLDS and
+# SCALING_ROUNDS pick a smaller run).
+bench-scaling: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_scaling.py -q -s --benchmark-autosave
 
 # Fails when a ratio against the peer worsened by more than 10% since the previous saved run.
 bench-compare: $(STAMP)

@@ -2,10 +2,9 @@
 
 Each scenario runs its implementations in the same session, on a persistent pool of worker
 processes (so start-up is never timed). Every round is one training step, and a step's time is
-that of its slowest rank. An implementation other than the peer is measured in pairs: each
-round runs one step of it and one of the peer (built side by side in the same workers),
-alternating which goes first, and the ratio recorded is the median of the per-round ratios.
-Drift in the machine's load then hits both sides of a ratio alike.
+that of its slowest rank. An implementation other than the peer is measured in pairs
+(``benchmarks/paired.py``): each round runs one step of it and one of the peer, alternating
+which goes first, and the ratio recorded is the median of the per-round ratios.
 
 Recorded in each result's ``extra_info``:
 - bytes written to gloo's sockets per rank per step, against the theoretical minimum;
@@ -17,19 +16,15 @@ with MALLOC_MMAP_THRESHOLD_=65536, so that glibc's retention does not hide live 
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks import gpt
-from harness.pool import run_on_ranks
+from benchmarks import gpt, memory_run, paired
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,69 +67,36 @@ SCENARIOS: dict[str, Scenario] = {
     "tiny-w2": Scenario(size="tiny", world=2, impls=("torch", "shardkit"), rounds=30),
 }
 _RESULTS: dict[str, dict[str, dict[str, float]]] = {}
-_STATE: dict[str, Any] = {}
 _CASES = [(name, impl) for name, sc in SCENARIOS.items() for impl in sc.impls]
-
-
-def _setup(
-    rank: int, world_size: int, impls: tuple[str, ...], size: str, options: gpt.Options
-) -> None:
-    _STATE.clear()
-    _STATE["size"] = size
-    for impl in impls:
-        model, opt = gpt.build(impl, size, world_size, options)
-        _STATE[impl] = (model, opt)
-        for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
-            gpt.train_step(model, opt, gpt.batch(size, step, rank, world_size))
-
-
-def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
-    data = gpt.batch(_STATE["size"], step, rank, world_size)
-    model, opt = _STATE[impl]
-    return gpt.train_step(model, opt, data)
-
-
-def _teardown(rank: int, world_size: int) -> None:
-    _STATE.clear()
 
 
 @pytest.mark.parametrize(("scenario", "impl"), _CASES, ids=[f"{s}-{i}" for s, i in _CASES])
 def test_train_step(benchmark: Any, scenario: str, impl: str) -> None:
     sc = SCENARIOS[scenario]
     peer = sc.impls[0]
-    paired = impl != peer
-    impls = (impl, peer) if paired else (impl,)
-    run_on_ranks(sc.world, _setup, impls=impls, size=sc.size, options=sc.options)
-    records: list[list[dict[str, float]]] = []
-    peer_records: list[list[dict[str, float]]] = []
-    counter = [10]
 
-    def one_step() -> None:
-        counter[0] += 1
-        peer_first = paired and counter[0] % 2 == 0
-        if peer_first:
-            peer_records.append(run_on_ranks(sc.world, _step, impl=peer, step=counter[0]))
-        records.append(run_on_ranks(sc.world, _step, impl=impl, step=counter[0]))
-        if paired and not peer_first:
-            peer_records.append(run_on_ranks(sc.world, _step, impl=peer, step=counter[0]))
+    def run_rounds(one_round: Callable[[], None], rounds: int) -> None:
+        benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=1)
 
-    benchmark.pedantic(one_step, rounds=sc.rounds, iterations=1, warmup_rounds=1)
-    run_on_ranks(sc.world, _teardown)
-    times = [max(r["seconds"] for r in ranks) for ranks in records]
-    step_s = statistics.median(times)
-    wire = statistics.median(ranks[0]["wire_bytes"] for ranks in records)
-    result = {"step_s": step_s, "wire_bytes": wire}
-    info: dict[str, Any] = {"scenario": scenario, "median_step_s": step_s, "method": "paired"}
+    m = paired.measure(
+        run_rounds,
+        world=sc.world,
+        size=sc.size,
+        impl=impl,
+        peer=peer,
+        rounds=sc.rounds,
+        options=sc.options,
+    )
+    result = {"step_s": m.step_s, "wire_bytes": m.wire_bytes}
+    info: dict[str, Any] = {"scenario": scenario, "median_step_s": m.step_s, "method": "paired"}
     if sc.world > 1 and impl != "ddp":
-        result["wire_over_min"] = wire / sc.theoretical_min()
-        info["wire_bytes_per_rank"] = wire
+        result["wire_over_min"] = m.wire_bytes / sc.theoretical_min()
+        info["wire_bytes_per_rank"] = m.wire_bytes
         info["wire_over_theoretical_min"] = result["wire_over_min"]
-    if paired:
-        peer_times = [max(r["seconds"] for r in ranks) for ranks in peer_records]
-        ratio = statistics.median(t / p for t, p in zip(times, peer_times, strict=True))
-        result["ratio"] = ratio
-        info.update({f"ratio_vs_{peer}": ratio, "ratio_vs_peer": ratio})
-        info["peer_median_step_s"] = statistics.median(peer_times)
+    if m.ratio is not None:
+        result["ratio"] = m.ratio
+        info.update({f"ratio_vs_{peer}": m.ratio, "ratio_vs_peer": m.ratio})
+        info["peer_median_step_s"] = m.peer_step_s
     _RESULTS.setdefault(scenario, {})[impl] = result
     benchmark.extra_info.update(info)
 
@@ -154,15 +116,9 @@ _MEMORY_ONLY = {
 
 
 def _peak_rss(impl: str, sc: Scenario) -> list[float]:
-    """Peak RSS of each rank (MiB), in rank order."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "benchmarks" / "memory_run.py"), impl, sc.size, "4"]
-    cmd += ["bf16"] if sc.options.bf16 else []
-    cmd += [] if sc.options.reshard_after_forward else ["keep"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600)
-    records = [json.loads(x) for x in out.stdout.splitlines() if x[:1] == "{"]
-    return [float(r["peak_mib"]) for r in sorted(records, key=lambda r: int(r["rank"]))]
+    """Peak RSS of each of 2 ranks (MiB), in rank order."""
+    peaks = memory_run.launch(impl, sc.size, world=2, options=sc.options)
+    return [r.peak_mib for r in peaks]
 
 
 @pytest.mark.parametrize("scenario", list(MEMORY))

@@ -1,4 +1,5 @@
-"""The benchmark model and workload: shardkit.tools' GPT (about 8.45M parameters by default)."""
+"""The benchmark model and workload: shardkit.tools' GPT (about 8.45M parameters by default;
+"medium" about 35M, "large" about 134M)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ SIZES = {
     ),
     "medium": Size(
         model=GPTConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=128), batch=2
+    ),
+    # GPT-2 small's blocks (12 x 768 wide) with a 32k vocabulary, head untied: 134.3M.
+    "large": Size(
+        model=GPTConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=128),
+        batch=1,
     ),
 }
 

@@ -8,6 +8,12 @@ checkpoint, the training loop. Launch it with torchrun (demo/run_demo.py does th
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
         --impl torch --steps 45 --ckpt-dir demo/runs/manual/ckpt --resume
 
+On several nodes (or several torchrun launches on one machine) it trains with HSDP: sharded
+within a node, replicated across nodes. Run the same line on each node:
+
+    OMP_NUM_THREADS=1 torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint localhost:29500 --rdzv-id demo demo/train_gpt.py --steps 30
+
 Add `--profile DIR` to profile the training loop with shardkit.tools: DIR gets a terminal summary,
 JSON, a Perfetto trace and plots of memory and of compute vs communication per rank.
 
@@ -22,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +99,12 @@ class TrainConfig:
     """Sequences per data-parallel rank per step; the global batch is batch_size * dp."""
     tp: int = 1
     """Tensor-parallel degree: ranks that split each layer (dp = world size / tp)."""
+    replicas: int = 0
+    """HSDP replicas: the model is sharded within groups of world / replicas ranks and the
+    groups are replicas of each other (gradients all-reduced across them). 0 means one per
+    node (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE), so that the shard groups' all-gathers
+    and reduce-scatters stay inside a node and only the all-reduce crosses nodes; 1 is plain
+    FSDP over every rank."""
     lr: float = 3e-3
     """Peak learning rate, reached after the warmup and then held."""
     warmup_steps: int = 10
@@ -132,6 +145,8 @@ class TrainConfig:
             raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.replicas < 0:
+            raise ValueError(f"--replicas must be >= 0, got {self.replicas}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +300,9 @@ def parallelize(model: GPT, mesh: DeviceMesh, fully_shard: FullyShard) -> None:
     One unit per block means one all-gather per block in forward and one reduce-scatter per
     block in backward, so only one block's full parameters exist at a time and the next block's
     all-gather can be in flight while the current one computes. Under TP each parameter is a
-    DTensor on "tp" before fully_shard, and one DTensor on ("dp", "tp") after it.
+    DTensor on "tp" before fully_shard, and one DTensor on ("dp", "tp") after it. On the
+    HSDP mesh ("dp_replicate", "dp_shard") fully_shard shards over "dp_shard" and replicates
+    over "dp_replicate".
     """
     dp_mesh = mesh
     if mesh.mesh_dim_names is not None and "tp" in mesh.mesh_dim_names:
@@ -294,6 +311,19 @@ def parallelize(model: GPT, mesh: DeviceMesh, fully_shard: FullyShard) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+
+
+def plan_model() -> GPT:
+    """The default model on the meta device, for the planner (README: "past one machine"):
+    shardkit-plan demo.train_gpt:plan_model --inputs demo.train_gpt:plan_inputs ..."""
+    with torch.device("meta"):
+        return GPT(ModelConfig())
+
+
+def plan_inputs() -> Tensor:
+    """One rank's default batch of token ids on the meta device, (batch_size, seq_len)."""
+    return torch.zeros(TrainConfig().batch_size, ModelConfig().seq_len, dtype=torch.long,
+                       device="meta")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +386,11 @@ class TrainState:
         self.optimizer = optimizer
         self.rank = rank
         self.step = 0  # steps completed
+        self.faults: Faults | None = None  # kill points (tests only)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.faults is not None:
+            self.faults.maybe(self.step, "save")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         return {"model": model_sd, "optim": optim_sd, "step": self.step, "rng": rng}
@@ -371,6 +404,83 @@ class TrainState:
         )
         self.step = int(state_dict["step"])
         torch.set_rng_state(state_dict["rng"][f"rank{self.rank}"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults on purpose, for the kill tests and the soak test (tests/demo): SIGKILL one rank at a
+# chosen point. SHARDKIT_DEMO_KILL_AT="RANK:STEP:PHASE,..." names the points; PHASE is forward,
+# backward, save (the training thread, while the save of STEP stages the state) or async-save
+# (DCP's writer thread, while it writes the save of STEP). SHARDKIT_DEMO_KILL_LOG names a file
+# where a point is recorded before it fires: torchrun restarts the workers with the same
+# environment, and a point must fire once only.
+
+Phase = Literal["forward", "backward", "save", "async-save"]
+
+
+class Faults:
+    """The kill points of this rank that have not fired yet."""
+
+    def __init__(self, rank: int) -> None:
+        log = os.environ.get("SHARDKIT_DEMO_KILL_LOG")
+        self.log = Path(log) if log else None
+        fired = set(self.log.read_text().split()) if self.log and self.log.exists() else set()
+        spec = os.environ.get("SHARDKIT_DEMO_KILL_AT", "")
+        mine = [p for p in spec.split(",") if p.split(":")[0] == str(rank) and p not in fired]
+        self.points = {(int(p.split(":")[1]), p.split(":")[2]) for p in mine}
+        self.rank = rank
+
+    def due(self, step: int, phase: Phase) -> bool:
+        return (step, phase) in self.points
+
+    def kill(self, step: int, phase: Phase) -> None:
+        """Record the point, then die as a lost machine does: no cleanup, no exit handlers."""
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(f"{self.rank}:{step}:{phase}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe(self, step: int, phase: Phase) -> None:
+        if self.due(step, phase):
+            self.kill(step, phase)
+
+
+class KillWhenWritten:
+    """A checkpoint value that kills its rank when DCP's writer serializes it (mid-write)."""
+
+    def __init__(self, faults: Faults, step: int) -> None:
+        self.faults, self.step = faults, step
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KillWhenWritten:
+        return self  # staging copies the state: this value must reach the writer as itself
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.faults.kill(self.step, "async-save")
+        raise AssertionError("unreachable: the process was killed")
+
+
+def arm_model_faults(model: GPT, faults: Faults, state: TrainState) -> None:
+    """Forward and backward kill points, in the middle block of the model."""
+    if not faults.points:
+        return
+    middle = model.blocks[len(model.blocks) // 2]
+
+    def in_forward(module: nn.Module, args: Any, output: Tensor) -> None:
+        step = state.step + 1  # the step being computed
+        faults.maybe(step, "forward")
+        if faults.due(step, "backward") and output.requires_grad:
+            output.register_hook(lambda grad: faults.maybe(step, "backward"))
+
+    middle.register_forward_hook(in_forward)
+
+
+def checkpoint_contents(state: TrainState) -> dict[str, Any]:
+    """What a save writes: the train state, plus a kill point inside the write if one is due."""
+    faults = state.faults
+    if faults is not None and faults.due(state.step, "async-save"):
+        return {"train": state, "fault": KillWhenWritten(faults, state.step)}
+    return {"train": state}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +578,14 @@ def restore(state: TrainState, cfg: TrainConfig, reporter: Reporter) -> None:
     reporter.say(f"resumed from {loaded} at step {state.step}")
 
 
+def report_published(checkpoint: Path | None, reporter: Reporter) -> None:
+    """Tell that a save written in the background became the latest checkpoint."""
+    if checkpoint is not None:
+        step = int(checkpoint.name.removeprefix("step_"))
+        reporter.record(event="saved", step=step, path=str(checkpoint))
+        reporter.say(f"saved {checkpoint}")
+
+
 def start_profiler(cfg: TrainConfig) -> Profiler | None:
     """With --profile: a started profiler (shardkit.tools is imported only then)."""
     if cfg.profile_dir is None:
@@ -503,9 +621,31 @@ def write_profile(profiler: Profiler, folder: Path, reporter: Reporter) -> None:
         reporter.record(event="profiled", path=str(folder))
 
 
-def build_mesh(model_cfg: ModelConfig, cfg: TrainConfig) -> DeviceMesh:
-    """("dp",) over every rank, or ("dp", "tp") with tp ranks splitting each layer."""
+def replica_count(cfg: TrainConfig) -> int:
+    """--replicas, or with 0 the number of nodes torchrun launched (ranks per node from
+    LOCAL_WORLD_SIZE): HSDP keeps the shard groups' traffic inside a node."""
+    if cfg.replicas > 0:
+        return cfg.replicas
     world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node != 0:
+        raise ValueError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}")
+    return world // per_node
+
+
+def build_mesh(model_cfg: ModelConfig, cfg: TrainConfig) -> DeviceMesh:
+    """("dp",) over every rank; ("dp_replicate", "dp_shard") for HSDP across nodes (the
+    planner's and CommTracker's axis names: inter-node traffic is on dp_replicate); or
+    ("dp", "tp") with tp ranks splitting each layer."""
+    world = dist.get_world_size()
+    replicas = replica_count(cfg)
+    if replicas > 1 and cfg.tp > 1:
+        raise ValueError(f"--tp {cfg.tp} with {replicas} HSDP replicas is not in the demo")
+    if replicas > 1:
+        if world % replicas != 0:
+            raise ValueError(f"--replicas {replicas} must divide the world size {world}")
+        shape = (replicas, world // replicas)  # a node's ranks are consecutive: one shard group
+        return init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard"))
     if cfg.tp == 1:
         return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     sizes = {"the world size": world, "n_heads": model_cfg.n_heads, "seq_len": model_cfg.seq_len}
@@ -516,13 +656,28 @@ def build_mesh(model_cfg: ModelConfig, cfg: TrainConfig) -> DeviceMesh:
     return init_device_mesh("cpu", (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
 
 
+def describe(mesh: DeviceMesh) -> str:
+    """The mesh as the progress line shows it, e.g. 'dp_replicate 2 x dp_shard 2'."""
+    names = mesh.mesh_dim_names or ()
+    return " x ".join(f"{name} {size}" for name, size in zip(names, mesh.shape, strict=True))
+
+
+def data_position(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks, and their number. The ranks of one
+    TP group work on the same rows, so data follows "dp" only; under HSDP every rank has its
+    own rows, in the order of the global ranks, as in plain FSDP over the same ranks."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        dp_mesh = mesh["dp"]
+        return dp_mesh.get_local_rank(), dp_mesh.size()
+    return dist.get_rank(), dist.get_world_size()
+
+
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     fully_shard = resolve_fully_shard(cfg.impl)
     mesh = build_mesh(model_cfg, cfg)
-    # The ranks of one TP group work on the same rows: data follows the "dp" axis only.
-    dp_mesh = mesh["dp"]
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    dp_rank, dp_size = data_position(mesh)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, before sharding
     model = GPT(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -538,21 +693,28 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     )
     reporter = Reporter(cfg, tokens_per_step=cfg.batch_size * dp_size * model_cfg.seq_len)
     reporter.say(
-        f"impl={cfg.impl} ranks={world} (dp {dp_size} x tp {cfg.tp}) params={n_params:,} "
+        f"impl={cfg.impl} ranks={world} ({describe(mesh)}) params={n_params:,} "
         f"corpus={sampler.data.numel():,} bytes tokens/step={reporter.tokens_per_step:,}"
     )
     restore(state, cfg, reporter)
     manager = CheckpointManager(cfg.ckpt_dir, keep=cfg.keep_ckpts) if cfg.ckpt_dir else None
+    state.faults = Faults(rank)
+    arm_model_faults(model, state.faults, state)
     profiler = start_profiler(cfg)
     while state.step < cfg.steps:
         result = train_step(state, sampler.batch(state.step + 1), cfg)
         reporter.step(state.step, result)
-        due = cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0
-        if manager is not None and (due or state.step == cfg.steps):
-            # Atomic: a save killed part-way leaves the previous checkpoint current.
-            path = manager.save(state.step, {"train": state})
-            reporter.record(event="saved", step=state.step, path=str(path))
-            reporter.say(f"saved {path}")
+        if manager is None:
+            continue
+        # Asynchronous: the state is copied at the save and written while the next steps
+        # train. It becomes current (atomically) at the first step after every rank's write
+        # has finished: a job killed before then resumes from the previous checkpoint.
+        report_published(manager.poll(), reporter)
+        if (cfg.ckpt_every > 0 and state.step % cfg.ckpt_every == 0) or state.step == cfg.steps:
+            report_published(manager.wait(), reporter)
+            manager.save(state.step, checkpoint_contents(state), async_save=True)
+    if manager is not None:
+        report_published(manager.wait(), reporter)
     if profiler is not None:
         assert cfg.profile_dir is not None  # start_profiler returns one only then
         write_profile(profiler, cfg.profile_dir, reporter)
@@ -587,6 +749,12 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
     p.add_argument(
         "--tp", type=int, default=train_defaults.tp, help="tensor-parallel degree (dp = W / tp)"
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=train_defaults.replicas,
+        help="HSDP replicas (default 0: one per torchrun node; 1: plain FSDP)",
+    )
     p.add_argument("--lr", type=float, default=train_defaults.lr)
     p.add_argument("--log-every", type=int, default=train_defaults.log_every)
     p.add_argument("--metrics-file", type=Path, default=None)
@@ -611,6 +779,7 @@ def parse_args() -> tuple[ModelConfig, TrainConfig]:
         steps=a.steps,
         batch_size=a.batch_size,
         tp=a.tp,
+        replicas=a.replicas,
         lr=a.lr,
         seed=a.seed,
         corpus=a.corpus,

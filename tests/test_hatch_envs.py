@@ -72,6 +72,10 @@ def test_hatch_test_runs_the_suite_as_make_test_does(envs: dict[str, dict[str, A
     # hatch's own defaults (coverage, xdist, pytest-randomly) are replaced, not extended.
     names = {dep.split("[")[0] for dep in env["dependencies"]}
     assert not {"pytest-xdist", "pytest-randomly"} & names
+    # What the suite imports beyond the packages, each pinned as make's setup installs it.
+    suite_deps = {"safetensors", "pytest", "pytest-benchmark", "hypothesis"}
+    assert suite_deps <= names, suite_deps - names
+    assert suite_deps <= set(_pins()), suite_deps - set(_pins())
 
 
 @pytest.mark.parametrize("name", RUFF_ENVS)

@@ -14,6 +14,7 @@ EXPECTED = {
         "CPUOffloadPolicy",
         "CheckpointLoadError",
         "CheckpointManager",
+        "CheckpointSaveError",
         "CollectiveEvent",
         "CollectiveIssuedEvent",
         "DataParallelMeshDims",

@@ -78,6 +78,11 @@ def test_resume_needs_a_checkpoint_dir() -> None:
         TrainConfig(resume=True)
 
 
+def test_replicas_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="--replicas"):
+        TrainConfig(replicas=-1)
+
+
 def test_torch_impl_resolves() -> None:
     from torch.distributed.fsdp import fully_shard
 

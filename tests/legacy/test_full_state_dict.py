@@ -106,9 +106,6 @@ def _refusals_body(rank: int, world_size: int) -> dict[str, str]:
 
     model = wrap_model("shardkit", LegacyRun())
     out = {}
-    with pytest.raises(NotImplementedError) as local:
-        legacy.FSDP.set_state_dict_type(model, legacy.StateDictType.LOCAL_STATE_DICT)
-    out["local"] = str(local.value)
     full = state_dict_of("shardkit", model, "FULL_STATE_DICT")
     full["head.weight"] = full["head.weight"][:1]
     full["extra"] = torch.zeros(1)
@@ -123,9 +120,8 @@ def _refusals_body(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
-def test_local_state_dict_and_bad_input_are_refused_by_name() -> None:
+def test_bad_input_is_refused_by_name() -> None:
     out = run_on_ranks(2, _refusals_body)[0]
-    assert "LOCAL_STATE_DICT is not supported by shardkit.legacy yet" in out["local"]
     assert "head.weight: shape mismatch" in out["bad"] and "extra: unexpected" in out["bad"]
     assert "Expected state_dict_config of type" in out["config"]
 

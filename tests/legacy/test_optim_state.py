@@ -26,7 +26,7 @@ def _forms_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in ("shardkit", "torch"):
         model, opt = trained(impl)
-        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
             with with_type(impl, model, kind):
                 out[f"{impl}/{kind}"] = comparable(call(impl, "optim_state_dict", model, opt))
         config = lib(impl).FullOptimStateDictConfig(rank0_only=True)
@@ -42,7 +42,8 @@ def _forms_body(rank: int, world_size: int) -> dict[str, Any]:
 def test_optimizer_state_dicts_have_fsdp1s_keys_values_and_groups() -> None:
     for rank, out in enumerate(run_on_ranks(2, _forms_body)):
         for what in (
-            "FULL_STATE_DICT", "SHARDED_STATE_DICT", "rank0_only", "legacy_full", "legacy_sharded",
+            "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "rank0_only",
+            "legacy_full", "legacy_sharded",
         ):  # fmt: skip
             assert_same(out[f"shardkit/{what}"], out[f"torch/{what}"], f"rank {rank} {what}")
         full = out["shardkit/FULL_STATE_DICT"]
@@ -73,7 +74,9 @@ def _round_trip_body(rank: int, world_size: int, kind: str) -> dict[str, Any]:
 
 
 def test_full_and_sharded_optimizer_state_load_both_ways_and_training_goes_on() -> None:
-    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+    # Under LOCAL_STATE_DICT FSDP1's optimizer state is its sharded form (only the model's
+    # state dict is flat), so it loads as SHARDED's does.
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
         out = run_on_ranks(2, _round_trip_body, kind=kind)[0]
         torch.testing.assert_close(out["shardkit/resumed"], out["torch/after"], msg=kind)
         torch.testing.assert_close(out["torch/resumed"], out["shardkit/after"], msg=kind)

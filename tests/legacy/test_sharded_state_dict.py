@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from tests.legacy.ckpt_support import (
+    assert_same_form,
+    forms_after_training,
     fresh,
     load_into,
     plain_sgd,
@@ -21,41 +22,8 @@ from tests.legacy.ckpt_support import (
 from tests.legacy.legacy_parity import LegacyRun, full_params, wrap_model
 
 
-def _form(value: Any) -> Any:
-    """What a sharded value is: type, global shape, and this rank's piece with its place."""
-    if isinstance(value, DTensor):
-        return ("DTensor", tuple(value.shape), [str(p) for p in value.placements],
-                value.to_local().clone())  # fmt: skip
-    if type(value).__name__ == "ShardedTensor":
-        boxes = [
-            (tuple(m.shard_offsets), tuple(m.shard_sizes), str(m.placement))
-            for m in value.metadata().shards_metadata
-        ]
-        local = [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in value.local_shards()]
-        return ("ShardedTensor", tuple(value.size()), boxes, local)
-    return (type(value).__name__, tuple(value.shape), value.clone())
-
-
 def _form_body(rank: int, world_size: int, run: LegacyRun) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for impl in ("shardkit", "torch"):
-        model = wrap_model(impl, run)
-        train_steps(model, plain_sgd(model), run, range(2))
-        sharded = state_dict_of(impl, model, "SHARDED_STATE_DICT")
-        out[impl] = {k: _form(v) for k, v in sharded.items()}
-    return out
-
-
-def _same(ours: Any, theirs: Any, where: str) -> None:
-    assert type(ours) is type(theirs), where
-    if isinstance(ours, torch.Tensor):
-        torch.testing.assert_close(ours, theirs, msg=where)
-    elif isinstance(ours, list | tuple):
-        assert len(ours) == len(theirs), where
-        for a, b in zip(ours, theirs, strict=True):
-            _same(a, b, where)
-    else:
-        assert ours == theirs, where
+    return forms_after_training(run, "SHARDED_STATE_DICT")
 
 
 @pytest.mark.parametrize(
@@ -71,7 +39,7 @@ def test_sharded_values_have_fsdp1s_form(world_size: int, run: LegacyRun) -> Non
     for rank, out in enumerate(run_on_ranks(world_size, _form_body, run=run)):
         assert list(out["shardkit"]) == list(out["torch"]), rank
         for key in out["torch"]:
-            _same(out["shardkit"][key], out["torch"][key], f"rank {rank} {key}")
+            assert_same_form(out["shardkit"][key], out["torch"][key], f"rank {rank} {key}")
 
 
 def _dcp_body(rank: int, world_size: int, run: LegacyRun, path: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.records import RankReport
 from shardkit.tools.track.comm import CommTracker
+from tests.tools.plan_checks import assert_comm_matches_plan
 from tests.tp import tp_models
 from tests.tp.tp_parity import TPRun, build_sharded, dp_rank_and_size, global_mesh
 
@@ -86,12 +87,4 @@ def test_plan_matches_trackers_on_both_axes(model: str, mesh: tuple[int, ...]) -
     run = TPRun(model=model, mesh=mesh)
     reports = [RankReport.from_dict(r) for r in run_on_ranks(4, _measured, run=run)]
     for rank, report in enumerate(reports):
-        predicted = _planned(run, rank)
-        measured = [(c.kind, c.axis, c.input_bytes, c.sent_bytes) for c in report.collectives]
-        planned = [(c.kind, c.axis, c.input_bytes, c.sent_bytes) for c in predicted.schedule]
-        assert measured == planned, f"rank {rank}"
-        assert report.comm is not None
-        (step,) = report.comm.steps
-        by_axis = {a.axis: a.sent_bytes for a in step.by_axis}
-        assert by_axis == predicted.sent_bytes_by_axis, f"rank {rank}"
-        assert step.sent_bytes == predicted.sent_bytes_per_step
+        assert_comm_matches_plan(report, _planned(run, rank), rank)

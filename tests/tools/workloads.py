@@ -18,12 +18,14 @@ def build(
     engine: str,
     world_size: int,
     model_name: str = "mlp",
+    hsdp: tuple[int, int] | None = None,
     *,
     freeze: Callable[[nn.Module], None] | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW.
 
+    With ``hsdp`` = (replicas, shard), fully_shard on a ("dp_replicate", "dp_shard") mesh.
     ``freeze`` sets ``requires_grad`` before sharding; ``param_dtype`` is the mixed-precision
     gather dtype (shardkit and torch's ``fully_shard`` only).
     """
@@ -49,7 +51,10 @@ def build(
         import shardkit.core as shardkit_core
 
         api: Any = shardkit_core if engine == "shardkit" else torch_fsdp
-        mesh = init_device_mesh("cpu", (world_size,))
+        if hsdp is None:
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:
+            mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("dp_replicate", "dp_shard"))
         mp = api.MixedPrecisionPolicy(param_dtype=param_dtype)
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh, mp_policy=mp)

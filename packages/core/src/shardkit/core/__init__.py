@@ -9,6 +9,7 @@ from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_f
 from shardkit.core.checkpoint import (
     CheckpointLoadError,
     CheckpointManager,
+    CheckpointSaveError,
     IncompleteCheckpointError,
 )
 from shardkit.core.comm_sharing import share_comm_ctx
@@ -53,6 +54,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "CheckpointLoadError",
     "CheckpointManager",
+    "CheckpointSaveError",
     "CollectiveEvent",
     "CollectiveIssuedEvent",
     "DataParallelMeshDims",

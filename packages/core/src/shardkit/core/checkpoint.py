@@ -9,28 +9,43 @@ checkpoint stays current. The newest ``keep`` checkpoints are kept.
 Loading checks a checkpoint's files against their checksums before DCP reads any of them,
 so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
 ``agreement.everyone``, on which checkpoint they load.
+
+An asynchronous save (``save(..., async_save=True)``) stages the state into reused CPU
+buffers, returns, and writes in the background (``checkpoint_async``). It is published, the
+same way, by the next save, ``wait()`` or ``close()``; until then it is a ``.partial``
+directory like any unfinished save.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from shardkit.core import checkpoint_async
 from shardkit.core.agreement import everyone, from_rank, raise_shared
+from shardkit.core.checkpoint_async import CheckpointSaveError, PendingSave, describe_dcp_failure
 from shardkit.core.checkpoint_files import FileSum, checksum, list_files, problems_with, share
-from shardkit.core.errors import first_sentence
+from shardkit.core.checkpoint_staging import StagingBuffers
 from shardkit.core.runtime.groups import barrier, global_rank, world_size
 
-__all__ = ["CheckpointLoadError", "CheckpointManager", "IncompleteCheckpointError"]
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "IncompleteCheckpointError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +88,10 @@ class CheckpointManager:
 
     Every method that touches the checkpoint is collective: call it on every rank.
 
+    With asynchronous saves, call ``close()`` (or use the manager as a context manager) before
+    the process group is destroyed: it publishes the last save. A save still pending at exit
+    is never published, and a warning says so.
+
     Args:
         root: the directory that holds ``step_00000010/``, ``step_00000020/``, ``latest``.
         keep: how many complete checkpoints to keep (older ones are deleted after a save).
@@ -83,6 +102,35 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager keeps at least 1 checkpoint, got keep={keep}")
         self.root = Path(root)
         self.keep = keep
+        self._pending: PendingSave | None = None
+        self._staging = StagingBuffers()  # allocated by the first asynchronous save
+        atexit.register(_warn_if_pending, weakref.ref(self))
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is None:
+            self.close()
+        elif self._pending is not None:
+            # This rank is failing, maybe alone: publishing takes collectives that the other
+            # ranks may never join. Let the write end, unpublished.
+            self._abandon()
+
+    @property
+    def pending(self) -> Path | None:
+        """Where the save being written in the background will go, or None."""
+        return self._pending.target if self._pending is not None else None
+
+    @property
+    def staging(self) -> StagingBuffers:
+        """The CPU buffers that asynchronous saves copy the state into."""
+        return self._staging
 
     def path_for(self, step: int) -> Path:
         """Where the checkpoint of ``step`` lives once complete."""
@@ -106,8 +154,26 @@ class CheckpointManager:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Save ``state`` (DCP state: tensors, DTensors, ``Stateful`` objects) as ``step``."""
+    def save(self, step: int, state: dict[str, Any], *, async_save: bool = False) -> Path:
+        """Save ``state`` (DCP state: tensors, DTensors, ``Stateful`` objects) as ``step``.
+
+        A save still pending is published first (``wait()``).
+
+        Args:
+            step: the step number; the checkpoint is ``path_for(step)``.
+            state: what to save, as for ``torch.distributed.checkpoint.save``.
+            async_save: copy ``state`` into the manager's CPU staging buffers and return;
+                the files are written in the background while training goes on, and the
+                checkpoint becomes current only at the next ``save()``, ``wait()`` or
+                ``close()``. Training may change ``state`` as soon as this returns.
+
+        Returns:
+            Where the checkpoint is (or will be, once published).
+
+        Raises:
+            CheckpointSaveError: the pending asynchronous save failed (on every rank).
+        """
+        self.wait()
         target = self.path_for(step)
         partial = self.root / f".{target.name}.partial"
         rank0 = global_rank() == 0
@@ -116,6 +182,17 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # remains of an interrupted save
         barrier()
+        if async_save:
+            staged = self._stage(state)
+            self._pending = checkpoint_async.start(
+                staged, step=step, partial=partial, target=target, leave_out=_MARKERS
+            )
+            logger.info(
+                "staged %s in %.3f s; writing it in the background",
+                target,
+                time.perf_counter() - started,
+            )
+            return target
         dcp_save(state, checkpoint_id=partial)
         barrier()  # every rank's shards are written
         files = self._checksums(partial)
@@ -124,6 +201,60 @@ class CheckpointManager:
         barrier()  # nobody goes on before the checkpoint is current
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
         return target
+
+    def wait(self) -> Path | None:
+        """Finish the pending asynchronous save and publish it; its path, or None if none.
+
+        Collective. On failure every rank raises the same ``CheckpointSaveError`` and the
+        previous checkpoint stays the latest.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        files = checkpoint_async.finish(pending, self.latest())
+        if global_rank() == 0:
+            self._publish(pending.step, pending.partial, pending.target, files)
+        barrier()  # nobody goes on before the checkpoint is current
+        logger.info(
+            "saved %s in %.1f s (asynchronous)",
+            pending.target,
+            time.perf_counter() - pending.started,
+        )
+        return pending.target
+
+    def poll(self) -> Path | None:
+        """Publish the pending save if every rank's write has finished; its path, else None.
+
+        Collective (one small exchange while a save is pending, none otherwise): call it on
+        every rank at the same point, once per step for example, so that a finished save
+        becomes current without waiting for the next one.
+        """
+        if self._pending is None:
+            return None
+        sums = self._pending.sums
+        if all(outcome.value for outcome in everyone(sums.done)):
+            return self.wait()
+        return None
+
+    def close(self) -> None:
+        """Publish the pending asynchronous save, if any (collective)."""
+        self.wait()
+
+    def _abandon(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.sums.exception()  # the write ends either way; its result is dropped
+            logger.warning("the save of %s was abandoned, never published", pending.target)
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` copied into the staging buffers; any rank's failure raised on every rank."""
+        staged: dict[str, Any] = {}
+
+        def stage() -> None:
+            staged.update(self._staging.stage(state))
+
+        raise_shared(everyone(stage))
+        return staged
 
     @staticmethod
     def _checksums(directory: Path) -> dict[str, FileSum]:
@@ -176,6 +307,7 @@ class CheckpointManager:
                 why for each. Checkpoints found corrupt were never loaded from, so the state
                 is as it was unless a load was attempted and failed (the message says so).
         """
+        self.wait()  # a save in flight may become the newest
         if path is not None:
             chosen = Path(path)
             if not (chosen / _COMPLETE).is_file():
@@ -238,7 +370,7 @@ class CheckpointManager:
             try:
                 dcp_load(state, checkpoint_id=checkpoint)
             except CheckpointException as error:  # a BaseException: `except Exception` misses it
-                raise RuntimeError(_describe(error)) from None
+                raise RuntimeError(describe_dcp_failure(error, "load")) from None
 
         by_message: dict[str, list[int]] = {}  # DCP raises the same error on every rank
         for rank, outcome in enumerate(everyone(load)):
@@ -247,11 +379,14 @@ class CheckpointManager:
         return "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())
 
 
-def _describe(error: CheckpointException) -> str:
-    """DCP's failures, one line per rank (its str is every rank's traceback)."""
-    failures = error.failures.items()
-    lines = [f"rank {r}: {type(e).__name__}: {first_sentence(str(e))}" for r, (e, _) in failures]
-    return "DCP failed to load: " + "; ".join(lines)
+def _warn_if_pending(manager: weakref.ref[CheckpointManager]) -> None:
+    alive = manager()
+    if alive is not None and alive.pending is not None:
+        logger.warning(
+            "exiting with the save of %s still pending: it is not published. Call "
+            "CheckpointManager.close() on every rank before destroying the process group",
+            alive.pending,
+        )
 
 
 def _no_checkpoint_loads(root: Path, reasons: list[str], attempted: bool) -> str:

@@ -14,9 +14,11 @@ import torch.distributed as dist
 
 __all__ = [
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "broadcast_from_first",
     "broadcast_object",
+    "first_error",
     "group_rank",
     "group_size",
 ]
@@ -70,3 +72,30 @@ def broadcast_object(value: object, group: dist.ProcessGroup | None = None) -> o
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(holder, group=group, group_src=0)
     return holder[0]
+
+
+def all_to_all(
+    send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Each rank's ``send_sizes[r]`` elements of ``send`` to rank ``r`` of ``group``, in order.
+
+    Returns:
+        1-D: what every rank sent this one, in rank order (``recv_sizes`` elements each).
+    """
+    received = send.new_empty(sum(recv_sizes))
+    if group.size() > 1:
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group)
+    return received
+
+
+def first_error(message: str | None) -> str | None:
+    """The first rank's error message among every rank's (None: no rank failed).
+
+    Every rank of the world calls it, so that ranks whose own checks passed raise too
+    instead of going on to a collective that the failed ranks never enter.
+    """
+    if dist.get_world_size() == 1:
+        return message
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None), None)

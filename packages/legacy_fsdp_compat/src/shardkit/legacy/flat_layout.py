@@ -29,6 +29,7 @@ __all__ = [
     "ShardPiece",
     "WrapPolicy",
     "flat_param_layout",
+    "unit_flat_layout",
 ]
 
 WrapPolicy: TypeAlias = (
@@ -190,16 +191,43 @@ def flat_param_layout(
     claimed: set[int] = set()  # ids of parameters already in a unit
     units: list[FlatParamUnit] = []
     for module in _units_in_wrap_order(model, auto_wrap_policy, kept):
-        layout = _Layout(
-            prefix=names[id(module)],
+        unit = unit_flat_layout(
+            names[id(module)],
+            _unit_params(module, claimed),
             world_size=world_size,
             use_orig_params=use_orig_params,
             compute_dtype=None if isinstance(module, kept) else param_dtype,
         )
-        unit = layout.build(_unit_params(module, claimed))
         if unit is not None:
             units.append(unit)
     return FlatParamLayout(world_size=world_size, units=tuple(units))
+
+
+def unit_flat_layout(
+    prefix: str,
+    named: list[tuple[str, nn.Parameter]],
+    *,
+    world_size: int,
+    use_orig_params: bool,
+    compute_dtype: torch.dtype | None,
+) -> FlatParamUnit | None:
+    """The flat parameter FSDP1 makes of one unit's parameters (None without any).
+
+    Args:
+        prefix: the unit's module name from the root ("" for the root).
+        named: (name from the unit's module, parameter) in FSDP1's order: modules in
+            pre-order, each one's own parameters, tied ones once per name.
+        world_size: ranks the unit is sharded over.
+        use_orig_params: FSDP1's ``use_orig_params`` (alignment padding when True).
+        compute_dtype: the unit's ``param_dtype``, which alignment counts in (None: its own).
+    """
+    layout = _Layout(
+        prefix=prefix,
+        world_size=world_size,
+        use_orig_params=use_orig_params,
+        compute_dtype=compute_dtype,
+    )
+    return layout.build(named)
 
 
 def _unit_params(module: nn.Module, claimed: set[int]) -> list[tuple[str, nn.Parameter]]:

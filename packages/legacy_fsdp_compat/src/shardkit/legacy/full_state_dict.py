@@ -56,6 +56,10 @@ class FullStateDict:
                 found[key] = value.to(dtype) if dtype is not None else value
         return {clean: found[raw] for clean, raw in state.raw_of.items() if raw in found}
 
+    def consumes(self, key: str) -> bool:
+        """No key besides the model's own."""
+        return False
+
     def to_full(
         self, wrapper: nn.Module, state: RawState, given: Mapping[str, Any]
     ) -> dict[str, Any]:

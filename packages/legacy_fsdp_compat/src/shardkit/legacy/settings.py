@@ -25,6 +25,7 @@ from shardkit.legacy.configs import (
     StateDictSettings,
     StateDictType,
 )
+from shardkit.legacy.local_units import DEVICE_MESH_REFUSED
 from shardkit.legacy.torch_compat import translate
 from shardkit.legacy.units import unit_of, units_in
 
@@ -43,9 +44,12 @@ _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCo
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
 }
 
-SUPPORTED = (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT)
-"""The types this package implements. LOCAL_STATE_DICT needs FSDP1's flat-parameter layout
-(``flat_layout``); it goes in ``state_dicts.HANDLERS`` when that exists."""
+SUPPORTED = (
+    StateDictType.FULL_STATE_DICT,
+    StateDictType.SHARDED_STATE_DICT,
+    StateDictType.LOCAL_STATE_DICT,
+)
+"""The types this package implements: all of FSDP1's."""
 
 
 def set_state_dict_type(
@@ -60,7 +64,6 @@ def set_state_dict_type(
         The settings they had before.
 
     Raises:
-        NotImplementedError: ``LOCAL_STATE_DICT``.
         RuntimeError: a config of another type than ``state_dict_type`` takes (as FSDP1).
     """
     warnings.warn(
@@ -72,12 +75,7 @@ def set_state_dict_type(
     )
     kind = translate(state_dict_type, _OURS)
     if kind not in SUPPORTED:
-        raise NotImplementedError(
-            f"{kind} is not supported by shardkit.legacy yet: it needs FSDP1's flat-parameter "
-            "layout, which is still being written. Use StateDictType.SHARDED_STATE_DICT (the "
-            "same per-rank shards, per parameter, saved with torch.distributed.checkpoint) "
-            "or StateDictType.FULL_STATE_DICT"
-        )
+        raise ValueError(f"{state_dict_type!r} is not a StateDictType")
     config_type, optim_config_type = _CONFIGS[kind]
     config = translate(state_dict_config, _OURS) or config_type()
     optim_config = translate(optim_state_dict_config, _OURS) or optim_config_type()
@@ -103,11 +101,18 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     Raises:
         ValueError: ``module`` holds no FullyShardedDataParallel.
         AssertionError: its wrappers disagree (FSDP1's error).
+        RuntimeError: LOCAL_STATE_DICT on wrappers built with ``device_mesh`` (as FSDP1,
+            whose optimizer-state APIs read the settings here).
     """
     wrappers = units_in(module)
     if not wrappers:
         raise ValueError(f"{type(module).__name__} holds no FullyShardedDataParallel")
-    return _agreed(module, wrappers)
+    agreed = _agreed(module, wrappers)
+    if agreed.state_dict_type is StateDictType.LOCAL_STATE_DICT and any(
+        unit_of(w).unit.device_mesh_given for w in wrappers
+    ):
+        raise RuntimeError(DEVICE_MESH_REFUSED)
+    return agreed
 
 
 def _agreed(module: nn.Module, wrappers: list[nn.Module]) -> StateDictSettings:

@@ -28,7 +28,7 @@ from shardkit.legacy.torch_compat import ShardedTensor
 from shardkit.legacy.units import unit_of
 from shardkit.tp import DTensorExtensions
 
-__all__ = ["HANDLER", "ShardedStateDict", "chunk_2d", "chunk_like", "local_of_loaded"]
+__all__ = ["HANDLER", "ShardedStateDict", "as_live", "chunk_2d", "chunk_like", "local_of_loaded"]
 
 _EXTENSIONS = DTensorExtensions()
 
@@ -98,6 +98,10 @@ class ShardedStateDict:
             found = {k: v.cpu() for k, v in found.items()}
         return {clean: found[raw] for clean, raw in state.raw_of.items() if raw in found}
 
+    def consumes(self, key: str) -> bool:
+        """No key besides the model's own."""
+        return False
+
     def to_full(
         self, wrapper: nn.Module, state: RawState, given: Mapping[str, Any]
     ) -> dict[str, Any]:
@@ -113,7 +117,7 @@ class ShardedStateDict:
                 continue
             live = state.values[raw]
             if isinstance(value, ShardedTensor) and isinstance(live, DTensor):
-                value = _as_live(clean, local_of_loaded(value, live), live)
+                value = as_live(clean, local_of_loaded(value, live), live)
             elif (
                 isinstance(value, DTensor)
                 and isinstance(live, DTensor)
@@ -134,7 +138,12 @@ def local_of_loaded(value: ShardedTensor, like: DTensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.to_local().device)
 
 
-def _as_live(key: str, local: torch.Tensor, live: DTensor) -> DTensor:
+def as_live(key: str, local: torch.Tensor, live: DTensor) -> DTensor:
+    """``local`` as this rank's shard of a DTensor laid out as the parameter ``live``.
+
+    Raises:
+        ValueError: ``local`` does not have this rank's shard shape.
+    """
     expected = live.to_local().shape
     if local.shape != expected:
         raise ValueError(

@@ -5,8 +5,8 @@ module's raw state (where inner wrappers still show as ``_fsdp_wrapped_module``)
 :func:`plain_state_dicts`, and returns it under FSDP1's clean names. Loading maps the clean
 names back and lets the core load, all keys checked before anything is written.
 
-LOCAL_STATE_DICT has no handler yet; ``settings.set_state_dict_type`` refuses it, and its
-handler joins :data:`HANDLERS` once FSDP1's flat-parameter layout exists.
+LOCAL_STATE_DICT's values are keyed by unit (``<unit>._flat_param``), not by parameter:
+its handler says which given keys it reads besides the model's own (``consumes``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from shardkit.legacy import full_state_dict, sharded_state_dict
+from shardkit.legacy import full_state_dict, local_state_dict, sharded_state_dict
 from shardkit.legacy.configs import (
     FullStateDictConfig,
     ShardingStrategy,
@@ -44,6 +44,9 @@ class StateDictHandler(Protocol):
     def save(self, wrapper: nn.Module, config: StateDictConfig) -> dict[str, Any]:
         """Clean name -> value, in state-dict order."""
 
+    def consumes(self, key: str) -> bool:
+        """Whether the given ``key``, not one of the model's names, is the handler's to read."""
+
     def to_full(
         self, wrapper: nn.Module, state: RawState, given: Mapping[str, Any]
     ) -> dict[str, Any]:
@@ -53,6 +56,7 @@ class StateDictHandler(Protocol):
 HANDLERS: dict[StateDictType, StateDictHandler] = {
     StateDictType.FULL_STATE_DICT: full_state_dict.HANDLER,
     StateDictType.SHARDED_STATE_DICT: sharded_state_dict.HANDLER,
+    StateDictType.LOCAL_STATE_DICT: local_state_dict.HANDLER,
 }
 
 
@@ -96,7 +100,7 @@ def load_state_dict(
     state = raw_state(wrapper)
     converted = handler.to_full(wrapper, state, given)
     for key, value in given.items():
-        if key not in state.raw_of:
+        if key not in state.raw_of and not handler.consumes(key):
             converted[key] = value  # unexpected: the core reports it (strict)
     for raw, dtype in state.buffer_dtypes.items():
         live = state.values[raw]

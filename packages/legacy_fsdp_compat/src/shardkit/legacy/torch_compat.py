@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -34,6 +35,7 @@ __all__ = [
     "ShardedTensor",
     "checkpoint_inner",
     "clean_name",
+    "flat_sharded_tensor",
     "is_torch_policy",
     "map_tensors",
     "renamed_keys",
@@ -87,6 +89,22 @@ def renamed_keys(result: Any, rename: Callable[[str], str]) -> Any:
         missing_keys=[rename(k) for k in result.missing_keys],
         unexpected_keys=[rename(k) for k in result.unexpected_keys],
     )
+
+
+def flat_sharded_tensor(
+    local: torch.Tensor, offset: int, numel: int, rank: int, group: dist.ProcessGroup
+) -> ShardedTensor:
+    """A 1-D ShardedTensor of ``numel`` elements: ``local`` at ``offset`` on ``rank`` (collective).
+
+    An empty ``local`` contributes no shard, as FSDP1's LOCAL_STATE_DICT has it. Every rank
+    of ``group`` calls it (the global metadata is gathered).
+    """
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+
+    shards = [Shard.from_tensor_and_offsets(local, [offset], rank)] if local.numel() else []
+    tensor: ShardedTensor = init_from_local_shards(shards, numel, process_group=group)
+    return tensor
 
 
 def _is_torch_fsdp1(value: object) -> bool:

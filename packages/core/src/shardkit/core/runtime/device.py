@@ -15,6 +15,7 @@ __all__ = [
     "device_for_mesh_type",
     "is_accelerator",
     "pin",
+    "wait_for_host_copies",
 ]
 
 
@@ -42,3 +43,9 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     if not can_pin_memory() or tensor.is_pinned():
         return tensor
     return tensor.pin_memory()
+
+
+def wait_for_host_copies() -> None:
+    """Block until device-to-host copies queued with ``non_blocking=True`` have landed."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -14,6 +14,7 @@ from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_
 
 __all__ = [
     "barrier",
+    "checkpoint_group",
     "cpu_world",
     "default_mesh",
     "fingerprint_group",
@@ -133,6 +134,30 @@ def cpu_world() -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
+
+
+# One gloo group of every rank per default group, for checkpoint writes in a background thread.
+_CHECKPOINT_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_CHECKPOINT_GROUPS = weakref.WeakKeyDictionary()
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of every rank that only background checkpoint writes use.
+
+    Collective on first use: every rank calls it, from the training thread. A write running in
+    another thread must never issue collectives on a group the training thread also uses: the
+    ranks could pair a checkpoint message with a training collective, and both would hang or
+    mix data. Gloo groups are independent (their own connections), so the two threads can
+    each run collectives on their own group at the same time.
+    """
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    group = _CHECKPOINT_GROUPS.get(world)
+    if group is None:
+        made = dist.new_group(backend="gloo")
+        assert isinstance(made, dist.ProcessGroup), "every rank is a member of the world"
+        group = _CHECKPOINT_GROUPS[world] = made
+    return group
 
 
 def progress_store() -> Store | None:

@@ -16,9 +16,10 @@ what is wrong where. See [Note: file readers].
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,11 +27,13 @@ from safetensors import SafetensorError, safe_open
 from shardkit.core.errors import StateDictFileError, first_sentence
 from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, format_of
 from shardkit.core.state_dict.safetensors_explain import explain_safetensors
+from shardkit.core.state_dict.torch_legacy import BoundedFile, check_storage_claims
 
 __all__ = ["SafetensorsReader", "StateDictReader", "TorchFileReader", "open_reader"]
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip record's local header, before its name
 
 
 class StateDictReader(Protocol):
@@ -132,13 +135,12 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     size = path.stat().st_size
     if size == 0:
         raise StateDictFileError(f"{path} is empty (0 bytes), not a torch.save file")
-    if mappable and not zipfile.is_zipfile(path):
-        raise StateDictFileError(
-            f"{path} starts as a zip archive (torch.save's format) but has no central "
-            f"directory at its end ({size} bytes): the file is truncated"
-        )
+    if mappable:
+        _check_zip_records(path, size)
     try:
-        loaded = torch.load(path, map_location="cpu", mmap=mappable, weights_only=True)
+        loaded = _torch_load(path, size, mappable)
+    except StateDictFileError:
+        raise
     except pickle.UnpicklingError as error:
         raise StateDictFileError(
             f"{path} holds something other than tensors and plain containers, or is not a "
@@ -156,6 +158,60 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
             f"{path} holds a {type(loaded).__name__}, not a state dict (a dict of tensors)"
         )
     return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
+def _torch_load(path: Path, size: int, mappable: bool) -> Any:
+    """torch.load with weights_only; a legacy file's claims checked first, its reads bounded."""
+    if mappable:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    with open(path, "rb") as f:
+        check_storage_claims(path, BoundedFile(f, size), size)
+        f.seek(0)
+        bounded = cast(IO[bytes], BoundedFile(f, size))  # a binary file, as torch.load reads
+        return torch.load(bounded, map_location="cpu", weights_only=True)
+
+
+def _check_zip_records(path: Path, size: int) -> None:
+    """The archive has its central directory, and every record its local header and data.
+
+    torch.load without a memory map refuses a record whose local header lost its signature,
+    but with one it takes the records' offsets on trust and would read whatever bytes are
+    there. This checks what the unmapped load checks (the signature; the header's name and
+    extra lengths, which place the data), reading 30 bytes a record.
+    """
+    try:
+        # is_zipfile looks for the end record only; it raises on a damaged one, as ZipFile does.
+        found = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as error:
+        raise StateDictFileError(f"{path}: its zip end record is damaged: {error}") from None
+    if not found:
+        raise StateDictFileError(
+            f"{path} starts as a zip archive (torch.save's format) but has no central "
+            f"directory at its end ({size} bytes): the file is truncated"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+            for info in archive.infolist():
+                _check_local_header(info, f, size)
+    except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError) as error:
+        raise StateDictFileError(
+            f"{path} is a damaged zip archive (torch.save's format): {error}"
+        ) from None
+
+
+def _check_local_header(info: zipfile.ZipInfo, f: BinaryIO, size: int) -> None:
+    f.seek(info.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or not header.startswith(_ZIP_MAGIC):
+        raise zipfile.BadZipFile(
+            f"record {info.filename!r} has no local header at byte {info.header_offset}"
+        )
+    *_, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    end = info.header_offset + len(header) + name_len + extra_len + info.compress_size
+    if end > size:
+        raise zipfile.BadZipFile(
+            f"record {info.filename!r} ends at byte {end}, past the end of the file"
+        )
 
 
 def _reason(error: pickle.UnpicklingError) -> str:

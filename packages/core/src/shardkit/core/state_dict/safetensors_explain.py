@@ -94,7 +94,7 @@ def _shape_problem(info: Any) -> str:
     if not isinstance(info, dict):
         return "is described by a JSON value that is not an object"
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         return f"has dtype {dtype!r}, which is not one torch can load ({', '.join(_ITEMSIZE)})"
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         return f"has shape {shape!r}, not a list of sizes"

@@ -1,0 +1,100 @@
+"""Paired training-step rounds on the worker pool: an implementation and its peer, side by side.
+
+Both are built in the same workers (so start-up is never timed). Every round runs one step of
+each, alternating which goes first, and a step's time is that of its slowest rank; the ratio
+is the median of the per-round ratios, so drift in the machine's load hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks import gpt
+from harness.pool import run_on_ranks
+
+_STATE: dict[str, Any] = {}
+
+
+def _setup(
+    rank: int, world_size: int, impls: tuple[str, ...], size: str, options: gpt.Options
+) -> None:
+    _STATE.clear()
+    _STATE["size"] = size
+    for impl in impls:
+        model, opt = gpt.build(impl, size, world_size, options)
+        _STATE[impl] = (model, opt)
+        for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
+            gpt.train_step(model, opt, gpt.batch(size, step, rank, world_size))
+
+
+def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
+    data = gpt.batch(_STATE["size"], step, rank, world_size)
+    model, opt = _STATE[impl]
+    return gpt.train_step(model, opt, data)
+
+
+def _teardown(rank: int, world_size: int) -> None:
+    _STATE.clear()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Paired:
+    """What paired rounds measured."""
+
+    step_s: float
+    """Median over rounds of the slowest rank's step time."""
+    wire_bytes: float
+    """Median bytes rank 0 wrote to its sockets in a step."""
+    ratio: float | None
+    """Median of per-round step-time ratios to the peer (None when measured alone)."""
+    peer_step_s: float | None
+    """The peer's median step time in the same rounds."""
+
+
+def _median_step(rounds: list[list[dict[str, float]]]) -> list[float]:
+    return [max(r["seconds"] for r in ranks) for ranks in rounds]
+
+
+def measure(
+    run_rounds: Callable[[Callable[[], None], int], None],
+    *,
+    world: int,
+    size: str,
+    impl: str,
+    peer: str | None,
+    rounds: int,
+    options: gpt.Options | None = None,
+) -> Paired:
+    """Build ``impl`` (and ``peer``) on ``world`` ranks, run ``rounds`` paired steps through
+    ``run_rounds(one_round, rounds)`` (pytest-benchmark's pedantic, or a plain loop), and
+    tear both down."""
+    impls = (impl,) if peer is None or peer == impl else (impl, peer)
+    run_on_ranks(world, _setup, impls=impls, size=size, options=options or gpt.Options())
+    records: list[list[dict[str, float]]] = []
+    peer_records: list[list[dict[str, float]]] = []
+    counter = [10]
+
+    def one_round() -> None:
+        counter[0] += 1
+        peer_first = len(impls) == 2 and counter[0] % 2 == 0
+        if peer_first:
+            peer_records.append(run_on_ranks(world, _step, impl=peer, step=counter[0]))
+        records.append(run_on_ranks(world, _step, impl=impl, step=counter[0]))
+        if len(impls) == 2 and not peer_first:
+            peer_records.append(run_on_ranks(world, _step, impl=peer, step=counter[0]))
+
+    run_rounds(one_round, rounds)
+    run_on_ranks(world, _teardown)
+    times = _median_step(records)
+    wire = statistics.median(ranks[0]["wire_bytes"] for ranks in records)
+    step_s = statistics.median(times)
+    if not peer_records:
+        return Paired(step_s=step_s, wire_bytes=wire, ratio=None, peer_step_s=None)
+    peer_times = _median_step(peer_records)
+    ratio = statistics.median(t / p for t, p in zip(times, peer_times, strict=True))
+    return Paired(
+        step_s=step_s, wire_bytes=wire, ratio=ratio, peer_step_s=statistics.median(peer_times)
+    )
