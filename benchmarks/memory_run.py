@@ -1,6 +1,7 @@
 """One implementation's peak RSS per rank: run under torchrun with MALLOC_MMAP_THRESHOLD_ set.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/memory_run.py IMPL SIZE STEPS
+Usage: torchrun --nproc-per-node 2 benchmarks/memory_run.py IMPL SIZE STEPS [OPTION ...]
+OPTION: ``bf16`` (bf16 parameters, fp32 reduction) or ``keep`` (reshard_after_forward=False).
 Prints one JSON line per rank: {"rank", "baseline_mib", "peak_mib"}. ``launch()`` runs it
 from a benchmark and reads those lines back.
 """
@@ -34,7 +35,9 @@ class RankPeak:
     """The process's peak RSS (ru_maxrss) at the end of the steps."""
 
 
-def launch(impl: str, size: str, *, world: int, steps: int = 4) -> list[RankPeak]:
+def launch(
+    impl: str, size: str, *, world: int, steps: int = 4, options: gpt.Options | None = None
+) -> list[RankPeak]:
     """Run this script under torchrun on ``world`` ranks; each rank's record, in rank order.
 
     glibc's mmap threshold is pinned low (64 KiB) so that freed buffers go back to the
@@ -43,6 +46,9 @@ def launch(impl: str, size: str, *, world: int, steps: int = 4) -> list[RankPeak
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={world}", __file__, impl, size, str(steps)]
+    options = options or gpt.Options()
+    cmd += ["bf16"] if options.bf16 else []
+    cmd += [] if options.reshard_after_forward else ["keep"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=1800)
     records = [json.loads(x) for x in out.stdout.splitlines() if x[:1] == "{"]
     peaks = [RankPeak(**r) for r in records]
@@ -65,11 +71,13 @@ def report_peak(rank: int, baseline_kib: int) -> None:
 
 def main() -> None:
     impl, size, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    flags = sys.argv[4:]
+    options = gpt.Options(bf16="bf16" in flags, reshard_after_forward="keep" not in flags)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline_kib = rss_kib()
-    model, opt = gpt.build(impl, size, world)
+    model, opt = gpt.build(impl, size, world, options)
     for step in range(steps):
         gpt.train_step(model, opt, gpt.batch(size, step, rank, world))
     report_peak(rank, baseline_kib)

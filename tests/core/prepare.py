@@ -59,3 +59,16 @@ def divide_by_three(model: Any) -> None:
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(3.0)
+
+
+def freeze_bottom(model: Any) -> None:
+    """The input projection and the first block frozen: no gradient reaches them at all."""
+    for module in (model.inp, model.blocks[0]):
+        for p in module.parameters():
+            p.requires_grad_(False)
+
+
+def freeze_middle_block(model: Any) -> None:
+    """A whole group frozen that gradients still flow through (to the blocks below)."""
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)

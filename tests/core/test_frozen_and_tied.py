@@ -18,3 +18,11 @@ def test_frozen_params_match(world_size: int) -> None:
 def test_tied_embedding_and_head_match(world_size: int) -> None:
     run = Run(model="gpt_tied")
     assert_parity(run_on_ranks(world_size, parity_body, run=run))
+
+
+@pytest.mark.parametrize("prepare", ["freeze_bottom", "freeze_middle_block"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_whole_frozen_groups_match(world_size: int, prepare: str) -> None:
+    # Groups with no gradient: one backward never reaches, one it only passes through.
+    run = Run(prepare=prepare)
+    assert_parity(run_on_ranks(world_size, parity_body, run=run))

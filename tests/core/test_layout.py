@@ -34,7 +34,34 @@ def test_uneven_shards_are_padded_and_slots_aligned() -> None:
     assert layout.reduce_scatter_input_bytes == 2 * 12 * 4
     assert layout.all_gather_receive_bytes(exchange=True) == 64
     assert layout.all_gather_receive_bytes(exchange=False) == 128
-    assert layout.pool_sizes == {64, 128}
+    # What the backend's all-gather will request, and nothing else: no staging in fp32.
+    assert layout.pool_sizes(exchange=True) == {64}
+    assert layout.pool_sizes(exchange=False) == {128}
+    assert layout.pool_sizes(exchange=True, offload=True) == {64}  # staging: (1 row) == 64
+
+
+def test_pool_sizes_add_the_staging_copy_only_when_it_is_borrowed() -> None:
+    specs = [ParamSpec(fqn="w", shape=(8, 8), dtype=torch.float32)]
+    bf16 = group_layout(specs, shard_world=4, param_dtype=torch.bfloat16)
+    row = bf16.all_gather_input_bytes  # 2 rows of 8 bf16
+    assert row == 32 and bf16.stages_gather_input()
+    assert bf16.pool_sizes(exchange=True) == {3 * row, row}
+    assert bf16.pool_sizes(exchange=False) == {4 * row, row}
+    # One shard rank: nothing is received, and a cast goes straight into the full parameter.
+    one = group_layout(specs, shard_world=1, param_dtype=torch.bfloat16)
+    assert not one.stages_gather_input() and one.pool_sizes(exchange=True) == frozenset()
+    assert group_layout(specs, shard_world=1).pool_sizes(exchange=False) == frozenset()
+
+
+def test_pool_sizes_of_the_post_forward_subgroup_follow_the_backend() -> None:
+    specs = [ParamSpec(fqn="w", shape=(8, 8), dtype=torch.float32)]
+    layout = group_layout(specs, shard_world=4, post_forward_world=2)
+    assert layout.post_forward is not None
+    slices = layout.post_forward.nbytes  # 4 rows of 8 fp32: 128
+    assert slices == 128
+    row = layout.all_gather_input_bytes
+    assert layout.pool_sizes(exchange=True) == {3 * row, slices}
+    assert layout.pool_sizes(exchange=False) == {4 * row, 2 * slices}
 
 
 def test_mixed_precision_casts_floats_only_and_picks_the_reduce_dtype() -> None:
@@ -80,8 +107,9 @@ def test_pooled_sizes_are_those_of_two_groups_or_more() -> None:
     block = [ParamSpec(fqn="w", shape=(8, 8), dtype=torch.float32)]
     root = [ParamSpec(fqn="w", shape=(16, 8), dtype=torch.float32)]
     blocks = [group_layout(block, shard_world=2) for _ in range(3)]
-    kept = pooled_sizes([*blocks, group_layout(root, shard_world=2)])
-    assert kept == blocks[0].pool_sizes
+    for exchange in (True, False):
+        kept = pooled_sizes([*blocks, group_layout(root, shard_world=2)], exchange=exchange)
+        assert kept == blocks[0].pool_sizes(exchange=exchange)
 
 
 def _live_view_body(rank: int, world_size: int) -> dict[str, Any]:

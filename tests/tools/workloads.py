@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,10 +19,19 @@ def build(
     world_size: int,
     model_name: str = "mlp",
     hsdp: tuple[int, int] | None = None,
+    *,
+    freeze: Callable[[nn.Module], None] | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW; with
-    ``hsdp`` = (replicas, shard), fully_shard on a ("dp_replicate", "dp_shard") mesh."""
+    """The test model wrapped by ``engine`` (blocks and root sharded) and AdamW.
+
+    With ``hsdp`` = (replicas, shard), fully_shard on a ("dp_replicate", "dp_shard") mesh.
+    ``freeze`` sets ``requires_grad`` before sharding; ``param_dtype`` is the mixed-precision
+    gather dtype (shardkit and torch's ``fully_shard`` only).
+    """
     model = models.build(model_name)
+    if freeze is not None:
+        freeze(model)
     if engine == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif engine == "fsdp1":
@@ -45,9 +55,10 @@ def build(
             mesh = init_device_mesh("cpu", (world_size,))
         else:
             mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("dp_replicate", "dp_shard"))
+        mp = api.MixedPrecisionPolicy(param_dtype=param_dtype)
         for block in model.blocks:
-            api.fully_shard(block, mesh=mesh)
-        api.fully_shard(model, mesh=mesh)
+            api.fully_shard(block, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
     elif engine != "local":
         raise ValueError(f"unknown engine {engine!r}")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

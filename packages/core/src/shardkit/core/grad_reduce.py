@@ -112,18 +112,21 @@ class GroupReducer:
 
     def start(
         self,
-        grads: Sequence[tuple[FSDPParam, torch.Tensor | None]],
+        grads: list[tuple[FSDPParam, torch.Tensor | None]],
         comm: CommContext,
         label: str = "",
     ) -> None:
         """Pack the full gradients (None: zeros) and issue one reduction for them.
 
+        ``grads`` is emptied once packed: the full gradients are freed (if nothing else holds
+        them) before the output is allocated, so the three never peak together.
         ``label`` names the group's module to observers (known only after lazy init).
         """
         self.label = label
         packing = self._packing_of([p for p, _ in grads])
         geometries = [p.geometry for p in packing.params]
         full = [g for _, g in grads]
+        grads.clear()
         world = self.mesh_info.shard_size
         device = self.mesh_info.device
         # Bound the memory of reductions in flight: finish the oldest before allocating this
@@ -133,12 +136,9 @@ class GroupReducer:
         while len(comm.pending_reduces) >= in_flight:
             comm.finish_oldest()
         custom = self.options.custom_reduce_scatter
-        if custom is not None:
-            output = custom.allocate((packing.numel,), dtype=self.dtype, device=device)
-        else:
-            output = torch.empty(packing.numel, dtype=self.dtype, device=device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.
+            output = self._allocate_output(packing.numel)
             pack_grads_rank_major(full, geometries, packing.offsets, output.view(1, -1))
             if self.pre_divide != 1:
                 output.div_(self.pre_divide)
@@ -153,11 +153,23 @@ class GroupReducer:
             pooled = (send,)
         rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
         pack_grads_rank_major(full, geometries, packing.offsets, rows)
+        full.clear()  # packed: the full gradients go before the output comes
         if self.pre_divide != 1:
             rows.div_(self.pre_divide)
+        output = self._allocate_output(packing.numel)
         group = self.options.reduce_scatter_group or self.mesh_info.shard_group
         handle = comm.runtime.reduce_scatter(output, rows, group, label=self.label, custom=custom)
         comm.pending_reduces.append(PendingReduce(self, packing, handle, output, pooled))
+
+    def _allocate_output(self, numel: int) -> torch.Tensor:
+        """This rank's reduced shard (S,): the user's memory with a custom reduce-scatter."""
+        custom = self.options.custom_reduce_scatter
+        if custom is not None:
+            output: torch.Tensor = custom.allocate(
+                (numel,), dtype=self.dtype, device=self.mesh_info.device
+            )
+            return output
+        return torch.empty(numel, dtype=self.dtype, device=self.mesh_info.device)
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
         """Wait for a reduction, all-reduce across replicas, divide, assign sharded grads."""

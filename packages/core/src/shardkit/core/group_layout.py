@@ -158,6 +158,12 @@ class GroupLayout:
     gathered through hooks: its inputs' bytes, as uint8)."""
     unsharded: FlatLayout
     """The unsharded buffer: each padded full tensor in its ``comm_dtype``."""
+    post_forward: FlatLayout | None = None
+    """With ``reshard_after_forward=n``: the 1/n slices kept from forward to backward, each
+    padded for n shards in its ``comm_dtype`` (every parameter, hooked ones included); the
+    backward all-gather within the subgroup of n ranks sends it. None otherwise."""
+    post_forward_world: int | None = None
+    """n of ``reshard_after_forward=n``; None without it."""
 
     @property
     def hooks_pending(self) -> tuple[str, ...]:
@@ -230,9 +236,50 @@ class GroupLayout:
         return rows * self.all_gather_input_bytes
 
     @property
-    def pool_sizes(self) -> frozenset[int]:
-        """The receive-buffer sizes this group registers with the engine's buffer pool."""
-        return frozenset(self.all_gather_receive_bytes(exchange=e) for e in (True, False))
+    def casts_or_hooks(self) -> bool:
+        """Whether what the all-gather sends differs from the sharded buffer's bytes.
+
+        A cast to ``param_dtype`` or all-gather hooks: the engine then stages the all-gather
+        input in a buffer of its own (so does CPU offloading, which the engine adds to this).
+        """
+        return any(p.comm_dtype != p.dtype or p.all_gather_hooks for p in self.params)
+
+    def stages_gather_input(self, *, offload: bool = False) -> bool:
+        """Whether the engine borrows a staging buffer (``comm`` bytes) for each all-gather.
+
+        It is taken from the pool when the all-gather is issued and returned once the rows
+        are copied out. On a shard axis of one rank nothing is sent: a cast or a move goes
+        straight into the unsharded buffer, and only all-gather hooks still need one.
+        """
+        if self.shard_world == 1:
+            return any(p.all_gather_hooks for p in self.params)
+        return offload or self.casts_or_hooks
+
+    def post_forward_receive_bytes(self, *, exchange: bool) -> int:
+        """Bytes of backward's receive buffer within the post-forward subgroup (0: none)."""
+        n = self.post_forward_world
+        if self.post_forward is None or n is None or n == 1:
+            return 0
+        return (n - 1 if exchange else n) * self.post_forward.nbytes
+
+    def pool_sizes(self, *, exchange: bool, offload: bool = False) -> frozenset[int]:
+        """The buffer sizes this group borrows from the engine's pool: what it will request.
+
+        Args:
+            exchange: whether the backend gathers by direct exchange (gloo: W-1 received
+                rows) rather than a native all-gather (W rows); see
+                :meth:`all_gather_receive_bytes`.
+            offload: whether the parameters are offloaded to the CPU (then the all-gather
+                input is staged on the device).
+
+        A shard axis of one rank gathers nothing, so it receives into no buffer.
+        """
+        sizes = {self.post_forward_receive_bytes(exchange=exchange)}
+        if self.shard_world > 1:
+            sizes.add(self.all_gather_receive_bytes(exchange=exchange))
+        if self.stages_gather_input(offload=offload):
+            sizes.add(self.all_gather_input_bytes)
+        return frozenset(sizes - {0})
 
 
 def _hook_inputs(spec: ParamSpec) -> FlatLayout | None:
@@ -337,14 +384,31 @@ def group_layout(
         storage=storage,
         comm=comm,
         unsharded=unsharded,
+        post_forward=_post_forward_layout(geometries, comm_dtypes, post_forward_world),
+        post_forward_world=post_forward_world,
     )
 
 
-def pooled_sizes(layouts: Iterable[GroupLayout]) -> frozenset[int]:
+def _post_forward_layout(
+    geometries: Sequence[ShardGeometry], dtypes: Sequence[torch.dtype], world: int | None
+) -> FlatLayout | None:
+    """The 1/``world`` slices a group keeps between forward and backward."""
+    if world is None:
+        return None
+    numels = [shard_geometry(g.shape, g.dim, world).shard_numel for g in geometries]
+    return FlatLayout.build(numels, list(dtypes))
+
+
+def pooled_sizes(
+    layouts: Iterable[GroupLayout], *, exchange: bool, offload: bool = False
+) -> frozenset[int]:
     """The buffer sizes the engine's pool keeps a buffer for: those of two groups or more.
 
     A size that one group alone uses would sit idle from one of its collectives to the next,
     so the pool hands such buffers back to the allocator (see ``runtime/pool.py``).
+    ``exchange`` and ``offload`` as for :meth:`GroupLayout.pool_sizes`.
     """
-    users = Counter(size for layout in layouts for size in layout.pool_sizes)
+    users = Counter(
+        size for layout in layouts for size in layout.pool_sizes(exchange=exchange, offload=offload)
+    )
     return frozenset(size for size, count in users.items() if count >= 2)

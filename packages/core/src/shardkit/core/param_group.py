@@ -24,7 +24,8 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import ShardGeometry, copy_out_unsharded
+from shardkit.core.runtime.buffers import ShardGeometry
+from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import (
@@ -34,6 +35,7 @@ from shardkit.core.states import (
     TrainingState,
     check_transition,
 )
+from shardkit.core.unsharded import UnshardedBuffer
 
 __all__ = ["FSDPParamGroup", "GroupConfig"]
 
@@ -109,18 +111,15 @@ class FSDPParamGroup:
         self.reduce_dtype = self.layout.reduce_dtype
         self.post_forward = self._make_post_forward(rsf)
         # The all-gather reads the sharded storage directly unless it must be cast or moved,
-        # or hooks give what it sends.
-        self.needs_staging = (
-            self.offload
-            or self._hooks is not None
-            or any(p.comm_dtype != p.orig_dtype for p in self.params)
-        )
+        # or hooks give what it sends: then it sends a staging copy, borrowed from the pool.
+        self.needs_staging = self.offload or self.layout.casts_or_hooks
         # One shard rank and nothing to cast or move: each shard is its full parameter, and
         # the unsharded parameters view the sharded buffer itself; unsharding runs no
         # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
-        self.aliases_shards = (
-            self.layout.unsharded_views_storage and not self.offload and self.post_forward is None
-        )
+        one_rank = self.layout.shard_world == 1 and self.post_forward is None
+        self.aliases_shards = one_rank and self.layout.unsharded_views_storage and not self.offload
+        # One shard rank with a cast or a move: one copy per parameter, no staging, no gather.
+        self.copies_shards = one_rank and not self.aliases_shards and self._hooks is None
         assert not self.aliases_shards or self.unsharded_layout == self.storage_layout
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
@@ -148,11 +147,12 @@ class FSDPParamGroup:
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
             return None
+        assert self.layout.post_forward is not None
         return PostForwardShard(
             reshard_after_forward,
             [p.geometry.shape for p in self.params],
             [p.geometry.dim for p in self.params],
-            [p.comm_dtype for p in self.params],
+            self.layout.post_forward,
             self.mesh_info,
         )
 
@@ -171,8 +171,8 @@ class FSDPParamGroup:
             self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
         if self._hooks is not None:
             self._hooks.bind_own_storage(self.storage_device)
-        self._unsharded_buffer: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None
+        self.unsharded = UnshardedBuffer(self.params, self._flat)
+        self._staging: torch.Tensor | None = None  # borrowed from issue to copy-out
 
     def attach_comm(self, comm: CommContext) -> None:
         """Use ``comm`` for this group's collectives and tell its pool our buffer sizes."""
@@ -180,18 +180,18 @@ class FSDPParamGroup:
         for nbytes in self.comm_buffer_sizes():
             comm.pool.add_user(nbytes, self)
 
-    def comm_buffer_sizes(self) -> set[int]:
-        """Byte sizes of the all-gather receive buffers, which the pool may keep for reuse.
+    def comm_buffer_sizes(self) -> frozenset[int]:
+        """Byte sizes of the buffers its all-gathers borrow, which the pool may keep for reuse.
+
+        Exactly those the backend's collective will request (the core's layout view says
+        which: receive buffers, and the staging copy of a cast, a move or hooks).
 
         Reduce-scatter send buffers are left out on purpose: they live through backward,
         when activations peak, and an idle one kept there costs more peak memory than the
         allocation it saves (measured: +4% peak RSS on a 35M-parameter GPT).
         """
-        sizes = set(self.layout.pool_sizes)
-        if self.post_forward is not None:
-            pf = self.post_forward
-            sizes |= {(pf.size - 1) * pf.layout.nbytes, pf.size * pf.layout.nbytes}
-        return sizes
+        exchange = gathers_by_exchange(self.mesh_info.shard_group)
+        return self.layout.pool_sizes(exchange=exchange, offload=self.offload)
 
     @property
     def storage_device(self) -> torch.device:
@@ -233,8 +233,7 @@ class FSDPParamGroup:
         self.sharded_buffer = buffer
         for i in self._flat:
             self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
-        self._unsharded_buffer = None
-        self._staging = None
+        self.unsharded.forget()
         for p in self.params:
             p.unsharded_param = None  # rebuilt on the new device at the next unshard
 
@@ -244,10 +243,8 @@ class FSDPParamGroup:
         if not self.needs_staging:
             return self.sharded_buffer
         sent = self._hook_inputs()
-        if self._staging is None:
-            self._staging = torch.empty(
-                self.comm_layout.nbytes, dtype=torch.uint8, device=self.mesh_info.device
-            )
+        assert self.comm is not None and self._staging is None
+        self._staging = self.comm.pool.get(self.comm_layout.nbytes, self.mesh_info.device)
         for i in self._flat:
             # One copy per parameter casts to param_dtype and moves host to device if offloaded.
             self.comm_layout.view(self._staging, i).copy_(
@@ -265,8 +262,14 @@ class FSDPParamGroup:
         if self.layout.hooks_pending:
             # The hooks' sizes are known now (their first call): lay the all-gather out once.
             self._lay_out()
-            self._staging = None
         return sent
+
+    def _return_staging(self) -> None:
+        """The staging copy is spent once the rows are copied out: back to the pool."""
+        if self._staging is not None:
+            assert self.comm is not None
+            self.comm.pool.put(self._staging)
+            self._staging = None
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
@@ -285,8 +288,8 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
-        if self.aliases_shards:
-            self._unshard_in_place()
+        if self.aliases_shards or self.copies_shards:
+            self._unshard_locally()
             return
         pf = self.post_forward
         runtime = self.comm.runtime
@@ -307,14 +310,16 @@ class FSDPParamGroup:
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
-    def _unshard_in_place(self) -> None:
-        """One shard rank: the full parameters are the shards; no collective, no copy."""
-        if self._unsharded_buffer is not self.sharded_buffer:
-            self._unsharded_buffer = self.sharded_buffer
-            self._bind_unsharded_params(self.sharded_buffer)
-        check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
-        self.sharded_state = ShardedState.UNSHARDED
-        self._register(unsharded=True)
+    def _unshard_locally(self) -> None:
+        """One shard rank: no collective; the full parameters are the shards, or copies."""
+        if self.aliases_shards:
+            self.unsharded.alias(self.sharded_buffer, self.unsharded_layout)
+        else:
+            self.unsharded.allocate(self.unsharded_layout, self.mesh_info.device)
+            self.unsharded.copy_from_shards(
+                self.sharded_buffer, self.storage_layout, self.unsharded_layout, self.pin_memory
+            )
+        self._mark_unsharded()
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -330,47 +335,26 @@ class FSDPParamGroup:
             return
         self._pending_gather = None
         rows = pending.handle.wait()  # W rows in rank order; ours is the gather input itself
-        unsharded = self._alloc_unsharded()
+        self.unsharded.allocate(self.unsharded_layout, self.mesh_info.device)
         pf = self.post_forward
         from_pf = pending.from_post_forward and pf is not None
         layout = pf.layout if from_pf and pf is not None else self.comm_layout
         geometries: Iterable[tuple[int, ShardGeometry]] = (
             enumerate(pf.geometries) if from_pf and pf is not None else self._flat_geometries
         )
-        for i, geo in geometries:
-            target = self.unsharded_layout.view(unsharded, i)[: geo.world * geo.shard_numel]
-            copy_out_unsharded([layout.view(row, i) for row in rows], geo, target)
+        self.unsharded.copy_out(rows, layout, geometries, self.unsharded_layout)
         if self._hooks is not None:
             self._hooks.finish_unshard(rows, self.layout)
         pending.handle.release()
+        self._return_staging()
         if from_pf and pf is not None:
             pf.free()
+        self._mark_unsharded()
+
+    def _mark_unsharded(self) -> None:
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)
         self.sharded_state = ShardedState.UNSHARDED
         self._register(unsharded=True)
-
-    def _alloc_unsharded(self) -> torch.Tensor:
-        nbytes = self.unsharded_layout.nbytes
-        buffer = self._unsharded_buffer
-        if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.mesh_info.device)
-            self._unsharded_buffer = buffer
-            self._bind_unsharded_params(buffer)
-        elif buffer.untyped_storage().nbytes() == 0:
-            # See [Note: unsharded storage]: same storage object, memory re-allocated.
-            buffer.untyped_storage().resize_(nbytes)
-        return buffer
-
-    def _bind_unsharded_params(self, buffer: torch.Tensor) -> None:
-        storage = buffer.untyped_storage()
-        for i in self._flat:
-            p = self.params[i]
-            # A fresh tensor set onto the storage gets its own version counter, so writing the
-            # next gather through the buffer does not look like an in-place change to autograd.
-            flat = torch.empty(0, dtype=p.comm_dtype, device=buffer.device)
-            offset = self.unsharded_layout.offsets[i] // p.comm_dtype.itemsize
-            flat.set_(storage, offset, (self.unsharded_layout.numels[i],), (1,))
-            p.bind_unsharded(flat)
 
     def reshard(self) -> None:
         """Free the full parameters and register the sharded ones."""
@@ -383,8 +367,8 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        if self._unsharded_buffer is not None and not self.aliases_shards:
-            self._unsharded_buffer.untyped_storage().resize_(0)
+        if not self.aliases_shards:
+            self.unsharded.free()
         if self._hooks is not None:
             self._hooks.free()
         if self.post_forward is not None:
@@ -401,14 +385,14 @@ class FSDPParamGroup:
             return
         if self._pending_gather is not None:
             self.wait_for_unshard()
-        buffer = self._unsharded_buffer
+        buffer = self.unsharded.tensor
         assert buffer is not None
         pf.capture([self.unsharded_layout.view(buffer, i) for i in range(len(self.params))])
         check_transition(
             SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED_POST_FORWARD, self.fqn
         )
         self._register(unsharded=False)
-        buffer.untyped_storage().resize_(0)
+        self.unsharded.free()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _register(self, *, unsharded: bool) -> None:
@@ -459,23 +443,30 @@ class FSDPParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "post_backward"))
+        chosen = []
         if not self.options.reduce_grads:
             for p in self.trainable:
                 p.stash_unsharded_grad(self.reduce_dtype)
         else:
-            self._start_reduction()
+            chosen = self._take_grads()
+        # The gradients are taken: the full parameters are done with. Free them before the
+        # reduction allocates its buffers (as torch does), or both would peak together.
         if self.options.reshard_after_backward:
             self.reshard()
+        if chosen:
+            assert self.comm is not None
+            self.reducer.start(chosen, self.comm, self.fqn)
 
-    def _start_reduction(self) -> None:
-        # As torch: a parameter that took no part in this backward gets no gradient (None, so
-        # optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+    def _take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]]:
+        """The gradients to reduce (none if no parameter got one), taken off the parameters.
+
+        As torch: a parameter that took no part in this backward gets no gradient (None, so
+        optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        """
         with_zeros = self.options.reduce_scatter_unused_params
         grads = [(p, p.take_unsharded_grad()) for p in self.trainable]
         chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
-        if any(g is not None for _, g in chosen):
-            assert self.comm is not None
-            self.reducer.start(chosen, self.comm, self.fqn)
+        return chosen if any(g is not None for _, g in chosen) else []
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""
@@ -483,6 +474,7 @@ class FSDPParamGroup:
             self._pending_gather.handle.wait()
             self._pending_gather.handle.release()
             self._pending_gather = None
+            self._return_staging()
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None

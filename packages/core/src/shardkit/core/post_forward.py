@@ -39,16 +39,18 @@ class PostForwardShard:
         size: int,
         shapes: list[torch.Size],
         dims: list[int],
-        dtypes: list[torch.dtype],
+        layout: FlatLayout,
         mesh_info: MeshInfo,
     ) -> None:
+        """``layout``: the slices' flat buffer, from the group's layout (``post_forward``)."""
         self.size = size
         self.index = mesh_info.shard_rank % size
         self.mesh_info = mesh_info
         self.geometries: list[ShardGeometry] = [
             shard_geometry(shape, dim, size) for shape, dim in zip(shapes, dims, strict=True)
         ]
-        self.layout = FlatLayout.build([g.shard_numel for g in self.geometries], dtypes)
+        assert layout.numels == tuple(g.shard_numel for g in self.geometries)
+        self.layout = layout
         self.buffer: torch.Tensor | None = None
         self._group: dist.ProcessGroup | None = None
 

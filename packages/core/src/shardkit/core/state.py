@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext
+from shardkit.core.input_grads import InputGradsWatch
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
@@ -57,6 +58,8 @@ class RootContext:
     """Last iteration's order: what implicit forward prefetch follows."""
     post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
     """Groups in post-forward order: backward runs it in reverse (backward prefetch)."""
+    backward_reaches: set[FSDPParamGroup] = field(default_factory=set)
+    """Groups whose forward outputs need gradients: the only ones backward will unshard."""
     final_callback_queued: bool = False
 
 
@@ -80,6 +83,7 @@ class FSDPState:
         self.shared_comm: CommContext | None = None
         self.fqn = ""
         self._forward_pending: set[int] = set()
+        self._input_grads = InputGradsWatch(self._frozen_backward_done)
         pre_forward, post_forward = _eager(self._pre_forward), _eager(self._post_forward)
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
@@ -155,6 +159,8 @@ class FSDPState:
                     args, kwargs = _move_to(args, kwargs, self.device)
             if group is not None:
                 self._group_pre_forward(group, module)
+                if torch.is_grad_enabled() and not group.trainable:
+                    args, kwargs = self._input_grads.wrap(args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -246,6 +252,8 @@ class FSDPState:
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
+                if self.group is not None and self.ctx is not None:
+                    self.ctx.backward_reaches.add(self.group)
         return output
 
     # --- backward ---------------------------------------------------------------------------
@@ -280,8 +288,17 @@ class FSDPState:
         for index in range(len(order) - 1, 0, -1):
             if order[index] is group:
                 previous = order[index - 1]
-                return [] if previous is group else [previous]
+                # A group whose outputs needed no gradient (a frozen bottom block) never runs
+                # backward: gathered now, it would be held until the end-of-backward callback.
+                needed = previous is not group and previous in self.ctx.backward_reaches
+                return [previous] if needed else []
         return []
+
+    def _frozen_backward_done(self) -> None:
+        # Backward went through every call of this group, which has no gradients to wait for.
+        group = self.group
+        if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
+            group.post_backward()
 
     def _ensure_final_callback(self) -> None:
         ctx = self.ctx
@@ -307,6 +324,9 @@ class FSDPState:
             group.training_state = TrainingState.IDLE
             group.begin_backward()
         ctx.post_forward_order.clear()
+        ctx.backward_reaches.clear()
+        for state in ctx.states:
+            state._input_grads.reset()
         PROGRESS.enter("idle")
 
     def finish_reductions(self) -> None:
@@ -324,6 +344,7 @@ class FSDPState:
             state._forward_pending.clear()
         self.ctx.forward_order.clear()
         self.ctx.post_forward_order.clear()
+        self.ctx.backward_reaches.clear()
         self.ctx.final_callback_queued = False
         PROGRESS.enter("idle")
 

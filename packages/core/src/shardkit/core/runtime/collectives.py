@@ -33,6 +33,7 @@ __all__ = [
     "broadcast_from",
     "broadcast_from_first",
     "gather_to_first",
+    "gathers_by_exchange",
     "ranks_where",
     "scatter_from_first",
 ]
@@ -130,6 +131,15 @@ def _uses_gloo(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == dist.Backend.GLOO
 
 
+def gathers_by_exchange(group: dist.ProcessGroup) -> bool:
+    """Whether the all-gather on ``group`` receives W-1 rows rather than W.
+
+    On gloo it is a direct exchange (this rank's own row stays in place); elsewhere a native
+    all-gather. That decides the size of the receive buffer it borrows from the pool.
+    """
+    return _uses_gloo(group)
+
+
 class ProcessGroupRuntime:
     """Collectives on c10d process groups (gloo on CPU, NCCL on CUDA)."""
 
@@ -169,7 +179,13 @@ class ProcessGroupRuntime:
         label: str = "",
         custom: CustomComm | None = None,
     ) -> GatherHandle:
-        """Gather every rank's ``input`` (N uint8 bytes), asynchronously."""
+        """Gather every rank's ``input`` (N uint8 bytes), asynchronously.
+
+        A group of one rank has nothing to gather: its one row is ``input``, and no collective
+        is issued or announced (as for a reduction over one rank).
+        """
+        if custom is None and group.size() == 1:
+            return GatherHandle([], [input], None, self.pool)
         info = self._begin("all_gather", group, label, input)
         if custom is not None:
             self._announce("all_gather", group, input.numel(), "custom", label)
@@ -208,14 +224,12 @@ class ProcessGroupRuntime:
         size, rank = group.size(), group.rank()
         nbytes = input.numel()
         if observe.has_subscribers():
-            algorithm = "exchange" if size > 1 and _uses_gloo(group) else "native"
+            algorithm = "exchange" if _uses_gloo(group) else "native"
             observe.emit(
                 observe.CollectiveEvent(
                     "all_gather", size, nbytes, nbytes * (size - 1), algorithm, label
                 )
             )
-        if size == 1:
-            return GatherHandle([], [input], None, self.pool)
         if not _uses_gloo(group):
             buffer = self.pool.get(size * nbytes, input.device)
             work = dist.all_gather_single(buffer, input, group=group, async_op=True)

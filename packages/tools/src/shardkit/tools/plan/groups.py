@@ -4,7 +4,7 @@ The sizes come from shardkit.core's layout view (:func:`shardkit.core.layout.gro
 the same arithmetic the engine builds its buffers from, fed with parameter shapes alone (no
 process group, no allocation); so a plan's bytes equal what the engine reports. What the
 planner adds is which modules become groups, and the few facts about a group's buffers that
-the step needs beyond their sizes (the cast copy, the sharded gradients' dtype).
+the step needs beyond their sizes (the sharded gradients' dtype).
 
 See docs/notes/001-flat-group-buffers.md.
 """
@@ -53,11 +53,6 @@ class GroupSpec:
     def param_count(self) -> int:
         """Elements of all parameters, unsharded and unpadded."""
         return sum(p.numel for p in self.params)
-
-    @property
-    def needs_staging(self) -> bool:
-        """Whether the gather input is a separate cast copy of the sharded buffer."""
-        return any(p.comm_dtype != p.dtype for p in self.params)
 
     @property
     def grad_dtype(self) -> torch.dtype:

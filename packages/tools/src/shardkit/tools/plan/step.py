@@ -15,14 +15,17 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Parameters are gathered at pre-forward (or found prefetched), freed at post-forward when the
   group reshards after forward, gathered again at pre-backward, and freed after the group's
   reduce-scatter; the root keeps its parameters through backward unless
-  ``reshard_after_forward=True`` is given explicitly. Groups that get no gradient (frozen)
-  stay gathered until the end-of-backward callback.
+  ``reshard_after_forward=True`` is given explicitly. A group with no trainable parameter
+  reshards once backward has passed its (first) pre-forward, where its inputs' gradients are
+  made; one whose inputs need none stays gathered until the end-of-backward callback. A
+  group whose outputs need no gradient is never gathered in backward (not even prefetched).
 - Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
-  aligned flat buffer per group); the cast staging copy of it when ``param_dtype`` differs
-  (kept for the run); the all-gather receive buffer from issue to copy-out; the unsharded
+  aligned flat buffer per group); the all-gather's staging copy of it when ``param_dtype``
+  differs (the core's ``stages_gather_input``) and its receive buffer, both from issue to
+  copy-out (on one shard rank a cast goes straight into the unsharded buffer); the unsharded
   flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
-  with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle receive buffer
-  per size that two or more groups share (the core's ``pooled_sizes``), in forward only.
+  with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle buffer per
+  size that two or more groups borrow (the core's ``pooled_sizes``), in forward only.
 - At most one reduction is in flight (the engine's ``max_reduces_in_flight = 1``): when the
   next group's reduction starts, it first finishes the one in flight (wait, all-reduce across
   HSDP replicas, divide, assign the output as the sharded gradients) and returns that one's
@@ -127,7 +130,9 @@ class _Step:
         self.world = self.groups[0].world
         self.gloo = inputs.options.backend == "gloo"
         self.ledger = Ledger()
-        self.pool = Pool(self.ledger, pooled_sizes(g.layout for g in self.groups))
+        self.pool = Pool(
+            self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
+        )
         self.calls: list[CollectiveCall] = []
         count = len(self.groups)
         self.raf = [self._reshards_after_forward(i) for i in range(count)]
@@ -138,6 +143,11 @@ class _Step:
         events = inputs.trace.events
         self.forward_order = [e.group for e in events if e.kind == "pre"]
         self.post_order = [e.group for e in events if e.kind == "post"]
+        self.backward_reaches = {e.group for e in events if e.kind == "post" and e.needs_grad}
+        self.first_pre: dict[int, int] = {}
+        for index, event in enumerate(events):
+            if event.kind == "pre":
+                self.first_pre.setdefault(event.group, index)
         self.forward_done = 0
 
     def _reshards_after_forward(self, index: int) -> bool:
@@ -158,9 +168,6 @@ class _Step:
             ledger.module = g.fqn
             layout = g.layout
             ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, layout.sharded_bytes, "sharded")
-            if g.needs_staging:
-                nbytes = layout.all_gather_input_bytes
-                ledger.alloc(("staging", i), Category.COMM_BUFFERS, nbytes, "cast copy")
             state = sum(
                 options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
                 + (4 if options.num_states == 2 else 0)  # Adam's float32 step
@@ -228,10 +235,14 @@ class _Step:
         if self.unsharded[g] or self.pending[g]:
             return
         self.pending[g] = True
-        if self.world == 1:
-            return  # nothing to gather: the unsharded parameters view the shards
         group = self.groups[g]
-        nbytes = group.layout.all_gather_input_bytes
+        layout = group.layout
+        if layout.stages_gather_input():
+            nbytes = layout.all_gather_input_bytes
+            self.pool.get(nbytes, ("staging", g), f"{label} {group.fqn}: staging copy")
+        if self.world == 1:
+            return  # nothing to gather: the shards are (or are copied into) the parameters
+        nbytes = layout.all_gather_input_bytes
         self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
         self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
 
@@ -249,6 +260,8 @@ class _Step:
         self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
+        if layout.stages_gather_input():
+            self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
     def _reshard(self, g: int) -> None:
@@ -303,6 +316,8 @@ class _Step:
             event = trace.events[j - 1] if j > 0 else None
             if event is not None and event.kind == "post" and event.needs_grad:
                 self._pre_backward(event.group)
+            elif event is not None and event.needs_grad and self._frozen_done(event.group, j - 1):
+                self._post_backward(event.group)  # its inputs' gradients are made
         for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
         self._final_callback()
@@ -340,8 +355,17 @@ class _Step:
         self._wait(g)
         order = self.post_order
         index = len(order) - 1 - order[::-1].index(g)
-        if index > 0 and order[index - 1] != g and self.state[order[index - 1]] == "idle":
-            self._unshard(order[index - 1], "all-gather (prefetch)")
+        previous = order[index - 1] if index > 0 else g
+        if previous != g and self.state[previous] == "idle" and previous in self.backward_reaches:
+            self._unshard(previous, "all-gather (prefetch)")
+
+    def _frozen_done(self, g: int, index: int) -> bool:
+        """Whether backward is through group ``g``, which has no gradient, at event ``index``."""
+        return (
+            self.state[g] == "pre_backward"
+            and not self.groups[g].trainable
+            and self.first_pre[g] == index
+        )
 
     def _grad_keys(self, g: int) -> list[Key]:
         keys = [self._grad_key(g, p) for p in range(len(self.groups[g].params))]
@@ -351,12 +375,10 @@ class _Step:
         self.state[g] = "post_backward"
         self.ledger.module = self.groups[g].fqn
         keys = self._grad_keys(g)
+        self._reshard(g)  # the gradients are taken: the full parameters go before the reduction
         if keys:
             self._settle_partial_grads(g)
-            self._start_reduce(g)
-        for key in keys:
-            self.ledger.free(key)
-        self._reshard(g)
+            self._start_reduce(g, keys)
 
     def _settle_partial_grads(self, g: int) -> None:
         """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
@@ -368,7 +390,7 @@ class _Step:
                 n = param.numel * param.comm_dtype.itemsize
                 self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
 
-    def _start_reduce(self, g: int) -> None:
+    def _start_reduce(self, g: int, grad_keys: list[Key]) -> None:
         while self.reduces:  # at most one reduction in flight (max_reduces_in_flight = 1)
             # The engine drops a finished reduction's buffers before allocating the next.
             self._release(self._finish_reduce(self.reduces.popleft()))
@@ -376,14 +398,27 @@ class _Step:
         layout = group.layout
         row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
         label = f"reduce-scatter {group.fqn}"
-        # The output becomes the sharded gradient: it counts as one from the start.
-        self.ledger.alloc(("reduce_out", g), Category.GRADIENTS, row, label)
+        # The output becomes the sharded gradient: it counts as one from the start. In another
+        # dtype it is cast into the gradient and stays a collective's output buffer.
+        category = (
+            Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
+        )
         if self.world > 1:
+            # The gradients are packed into the send buffer and freed before the output comes.
             self.pool.get(send, ("reduce_send", g), label)
+            self._free_all(grad_keys)
+            self.ledger.alloc(("reduce_out", g), category, row, label)
             self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
             if self.gloo and self.world > 2:
                 self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
+        else:
+            self.ledger.alloc(("reduce_out", g), category, row, label)  # packed into directly
+            self._free_all(grad_keys)
         self.reduces.append(g)
+
+    def _free_all(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.ledger.free(key)
 
     def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
         """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
