@@ -139,26 +139,26 @@ class GroupReducer:
         ``label`` names the group's module to observers (known only after lazy init).
         """
         self.label = label
-        packing = self._packing_of([p for p, _ in grads])
-        geometries = [p.geometry for p in packing.params]
-        full = [g for _, g in grads]
         world = self.mesh_info.shard_size
-        device = self.mesh_info.device
         # Bound the memory of reductions in flight: finish the oldest before allocating this
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
         in_flight = max(comm.max_reduces_in_flight, self.options.max_reduces_in_flight)
         while len(comm.pending_reduces) >= in_flight:
             comm.finish_oldest()
+        if world == 1 and self._assigns_in_place(grads):
+            owned = tuple((p, g) for p, g in grads if g is not None)
+            comm.pending_reduces.append(AssignInPlace(self, owned))
+            return
+        packing = self._packing_of([p for p, _ in grads])
+        geometries = [p.geometry for p in packing.params]
+        full = [g for _, g in grads]
+        device = self.mesh_info.device
         custom = self.options.custom_reduce_scatter
         if custom is not None:
             output = custom.allocate((packing.numel,), dtype=self.dtype, device=device)
         else:
             output = torch.empty(packing.numel, dtype=self.dtype, device=device)
-        if world == 1 and self._assigns_in_place(grads):
-            owned = tuple((p, g) for p, g in grads if g is not None)
-            comm.pending_reduces.append(AssignInPlace(self, owned))
-            return
         if world == 1:
             # Nothing to scatter: pack straight into the output.
             pack_grads_rank_major(full, geometries, packing.offsets, output.view(1, -1))

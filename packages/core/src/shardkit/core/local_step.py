@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,9 +34,18 @@ ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
     {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW}
 )
 
-# The sharded parameters whose local tensor the engine owns (a view of a group's buffer), by
-# id: a WeakSet would compare tensors with ==, which is elementwise.
-_ALLOWED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+class _Owner(Protocol):
+    """What holds a sharded parameter (an FSDPParam)."""
+
+    @property
+    def sharded_param(self) -> torch.Tensor: ...
+
+
+# The holders of the sharded parameters whose local tensor the engine owns (a view of a
+# group's buffer), by the parameter's id. Weak references to the holders, not the parameters:
+# torch.utils.swap_tensors (module._apply) refuses a tensor that has a weak reference.
+_ALLOWED: weakref.WeakValueDictionary[int, _Owner] = weakref.WeakValueDictionary()
 _SWAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap] = weakref.WeakKeyDictionary()
 # Optimizers whose state-dict hooks put a swap back first (a step that raised leaves one).
 _WATCHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -60,69 +69,67 @@ class _Swap:
     entries: list[_Entry] = field(default_factory=list)
 
 
-def allow_local_step(param: torch.Tensor) -> None:
-    """Let optimizers step ``param`` (a sharded DTensor parameter) on its local tensor."""
+def allow_local_step(owner: _Owner) -> None:
+    """Let optimizers step ``owner``'s sharded parameter (a DTensor) on its local tensor."""
     global _installed
-    _ALLOWED[id(param)] = param
+    _ALLOWED[id(owner.sharded_param)] = owner
     if not _installed:
         register_optimizer_step_pre_hook(_before_step)
         register_optimizer_step_post_hook(_after_step)
         _installed = True
 
 
-def _steppable(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt``'s step gives the same result on the local tensors."""
-    if type(opt) not in ELEMENTWISE_OPTIMIZERS or torch.compiler.is_compiling():
-        return False
-    found = False
-    for group in opt.param_groups:
-        if group.get("differentiable", False):
-            return False
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue  # a plain tensor is stepped as it is either way
-            if p.dim() == 0 or _ALLOWED.get(id(p)) is not p:
-                return False  # all or nothing: foreach kernels cannot mix the two kinds
-            grad = p.grad
-            if grad is not None and not (isinstance(grad, DTensor) and same_spec(grad, p)):
-                return False
-            for value in opt.state.get(p, {}).values():
-                if isinstance(value, DTensor) and not same_spec(value, p):
-                    return False
-            found = True
-    return found
-
-
 def _before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore(opt)  # a step that raised never reached the post hook
-    if not _steppable(opt):
+    if type(opt) not in ELEMENTWISE_OPTIMIZERS or torch.compiler.is_compiling():
         return
-    swap = _Swap()
+    # One pass: swap as we go, and put everything back if a parameter does not qualify.
+    swap = _SWAPPED[opt] = _Swap()
     state = opt.state
     for group in opt.param_groups:
         params: list[torch.Tensor] = group["params"]
-        swap.params.append((group, params))
         stepped: list[torch.Tensor] = []
+        swap.params.append((group, params))
+        group["params"] = stepped
+        if group.get("differentiable", False):
+            restore(opt)
+            return
         for p in params:
             if not isinstance(p, DTensor):
-                stepped.append(p)
+                stepped.append(p)  # a plain tensor is stepped as it is either way
                 continue
-            local = local_of(p)
-            grad = p.grad
-            local.grad = None if grad is None else local_of(grad)
-            kept = state.pop(p, None) or {}
-            if kept:
-                state[local] = {
-                    k: local_of(v) if isinstance(v, DTensor) else v for k, v in kept.items()
-                }
-            swap.entries.append(_Entry(p, local, grad is not None, kept))
-            stepped.append(local)
-        group["params"] = stepped
-    _SWAPPED[opt] = swap
+            entry = _swap_in(p, state)
+            if entry is None:
+                restore(opt)  # all or nothing: foreach kernels cannot mix the two kinds
+                return
+            swap.entries.append(entry)
+            stepped.append(entry.local)
+    if not swap.entries:
+        restore(opt)
+        return
     if opt not in _WATCHED:
         _WATCHED.add(opt)
         opt.register_state_dict_pre_hook(restore)
         opt.register_load_state_dict_pre_hook(_restore_before_load)
+
+
+def _swap_in(p: DTensor, state: dict[Any, Any]) -> _Entry | None:
+    """Key ``p``'s gradient and state by its local tensor; None if its step may differ."""
+    owner = _ALLOWED.get(id(p))
+    if owner is None or owner.sharded_param is not p or p.dim() == 0:
+        return None
+    grad = p.grad
+    if grad is not None and not (isinstance(grad, DTensor) and same_spec(grad, p)):
+        return None
+    kept: dict[str, Any] = state.get(p) or {}
+    if any(isinstance(v, DTensor) and not same_spec(v, p) for v in kept.values()):
+        return None
+    local = local_of(p)
+    local.grad = None if grad is None else local_of(grad)
+    if kept:
+        del state[p]
+        state[local] = {k: local_of(v) if isinstance(v, DTensor) else v for k, v in kept.items()}
+    return _Entry(p, local, grad is not None, kept)
 
 
 def _restore_before_load(opt: torch.optim.Optimizer, state_dict: Any) -> None:

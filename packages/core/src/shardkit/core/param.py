@@ -209,7 +209,7 @@ class FSDPParam:
     def _allow_local_step(self) -> None:
         # A subclass local tensor (all-gather hooks) keeps its own dispatch: step it as is.
         if self.hooks is None:
-            allow_local_step(self.sharded_param)
+            allow_local_step(self)
 
     def current_local(self) -> torch.Tensor:
         """The local tensor that the registered sharded parameter holds right now."""

@@ -24,7 +24,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import ShardGeometry, copy_out_unsharded
+from shardkit.core.runtime.buffers import ShardGeometry, copy_out_unsharded, one_copy_numel
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import (
@@ -114,6 +114,12 @@ class FSDPParamGroup:
             self.offload
             or self._hooks is not None
             or any(p.comm_dtype != p.orig_dtype for p in self.params)
+        )
+        # A cast (not a move, not hooks) whose layouts line up is one copy for the group.
+        self._cast_numel = (
+            None
+            if self.offload or self._hooks is not None
+            else one_copy_numel(self.storage_layout, self.comm_layout)
         )
         # One shard rank and nothing to cast or move: each shard is its full parameter, and
         # the unsharded parameters view the sharded buffer itself; unsharding runs no
@@ -248,6 +254,11 @@ class FSDPParamGroup:
             self._staging = torch.empty(
                 self.comm_layout.nbytes, dtype=torch.uint8, device=self.mesh_info.device
             )
+        if self._cast_numel is not None:
+            n = self._cast_numel
+            src = self.sharded_buffer.view(self.storage_layout.dtypes[0])[:n]
+            self._staging.view(self.comm_layout.dtypes[0])[:n].copy_(src)
+            return self._staging
         for i in self._flat:
             # One copy per parameter casts to param_dtype and moves host to device if offloaded.
             self.comm_layout.view(self._staging, i).copy_(
