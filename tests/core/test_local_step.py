@@ -37,11 +37,14 @@ def _train(impl: str, rank: int, world_size: int, optimizer: str) -> dict[str, A
         lambda o, a, k: seen.append(type(o.param_groups[0]["params"][0]).__name__)
     )
     params = list(model.parameters())
+    first_state: list[dict[str, Any]] = []
     for step in range(3):
         x, y = parity.rank_batch("gpt", step, rank, world_size, impl)
         models.loss_of("gpt", model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if step == 0:
+            first_state = [opt.state[p] for p in params]
     state = opt.state_dict()["state"]
     return {
         "params": parity.full_params(model),
@@ -58,6 +61,10 @@ def _train(impl: str, rank: int, world_size: int, optimizer: str) -> dict[str, A
             if isinstance(v, DTensor)
         ),
         "hook_saw": sorted(set(seen)),
+        # Each parameter's state dict is one object over the steps, as the optimizer made it.
+        "same_state_dicts": all(
+            a is opt.state[p] for a, p in zip(first_state, params, strict=True)
+        ),
     }
 
 
@@ -80,6 +87,7 @@ def test_matches_torch_bit_for_bit(world_size: int, optimizer: str) -> None:
     assert ours["state_types"] == torch_["state_types"]
     assert "DTensor" in ours["state_types"]
     assert ours["same_params"] and ours["keys_are_params"] and ours["placements_kept"]
+    assert ours["same_state_dicts"] and torch_["same_state_dicts"]
     # Inside step() an elementwise optimizer sees local tensors; any other, DTensors.
     local = optimizer != "adagrad"
     assert ours["hook_saw"] == (["Tensor"] if local else ["DTensor"])

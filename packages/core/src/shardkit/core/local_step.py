@@ -57,7 +57,7 @@ class _Entry:
     param: torch.Tensor  # the DTensor parameter
     local: torch.Tensor  # its local tensor, what the optimizer steps
     had_grad: bool
-    state: dict[str, Any]  # the state as it was (DTensors): kept objects go back as they were
+    state: dict[str, Any]  # the parameter's state dict object, as it was (DTensor values)
 
 
 @dataclass(slots=True)
@@ -121,7 +121,7 @@ def _swap_in(p: DTensor, state: dict[Any, Any]) -> _Entry | None:
     grad = p.grad
     if grad is not None and not (isinstance(grad, DTensor) and same_spec(grad, p)):
         return None
-    kept: dict[str, Any] = state.get(p) or {}
+    kept: dict[str, Any] = state.get(p, {})
     if any(isinstance(v, DTensor) and not same_spec(v, p) for v in kept.values()):
         return None
     local = local_of(p)
@@ -167,7 +167,12 @@ def restore(opt: torch.optim.Optimizer) -> None:
             if entry.state:
                 state[entry.param] = entry.state
             continue
-        state[entry.param] = {k: _as_state(entry, k, v) for k, v in stepped.items()}
+        values = {k: _as_state(entry, k, v) for k, v in stepped.items()}
+        # The parameter's own state dict object, refilled: references to it stay valid.
+        kept = entry.state
+        kept.clear()
+        kept.update(values)
+        state[entry.param] = kept
 
 
 def _as_state(entry: _Entry, key: str, value: Any) -> Any:
