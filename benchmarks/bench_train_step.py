@@ -65,6 +65,11 @@ SCENARIOS: dict[str, Scenario] = {
         bytes_per_param=(2, 4),
     ),
     "tiny-w2": Scenario(size="tiny", world=2, impls=("torch", "shardkit"), rounds=30),
+    # Engine overhead at W=1 (issue 12): paired against the single process itself.
+    "gpt8m-w1-local": Scenario(size="small", world=1, impls=("local", "shardkit")),
+    "tiny-w1-local": Scenario(
+        size="tiny", world=1, impls=("local", "shardkit", "torch"), rounds=30
+    ),
 }
 _RESULTS: dict[str, dict[str, dict[str, float]]] = {}
 _CASES = [(name, impl) for name, sc in SCENARIOS.items() for impl in sc.impls]

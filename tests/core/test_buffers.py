@@ -8,6 +8,7 @@ import torch
 from shardkit.core.runtime.buffers import (
     FlatLayout,
     copy_out_unsharded,
+    one_copy_numel,
     pack_grads_rank_major,
     shard_geometry,
 )
@@ -55,3 +56,35 @@ def test_missing_grad_packs_zeros() -> None:
     rows = torch.full((2, 2), 7.0)
     pack_grads_rank_major([None], [geo], [0], rows)
     assert rows.eq(0).all()
+
+
+def test_one_cast_copy_fills_every_slot_as_per_tensor_copies_do() -> None:
+    numels = [256, 8, 64]
+    src = FlatLayout.build(numels, [torch.float32] * 3)
+    dst = FlatLayout.build(numels, [torch.bfloat16] * 3)
+    n = one_copy_numel(src, dst)
+    assert n == src.offsets[-1] // 4 + 64
+    shards = torch.zeros(src.nbytes, dtype=torch.uint8)
+    for i, numel in enumerate(numels):
+        src.view(shards, i).copy_(torch.randn(numel))
+    one, each = (torch.zeros(dst.nbytes, dtype=torch.uint8) for _ in range(2))
+    one.view(torch.bfloat16)[:n].copy_(shards.view(torch.float32)[:n])
+    for i in range(len(numels)):
+        dst.view(each, i).copy_(src.view(shards, i))
+    for i in range(len(numels)):
+        assert torch.equal(dst.view(one, i), dst.view(each, i))
+
+
+@pytest.mark.parametrize(
+    ("numels", "dtypes"),
+    [
+        ([10, 8], [torch.float32, torch.float32]),  # bf16 slots start at other elements
+        ([8, 8], [torch.float32, torch.float16]),  # two dtypes on the source side
+    ],
+)
+def test_no_single_copy_when_slots_do_not_line_up(
+    numels: list[int], dtypes: list[torch.dtype]
+) -> None:
+    src = FlatLayout.build(numels, dtypes)
+    dst = FlatLayout.build(numels, [torch.bfloat16] * len(numels))
+    assert one_copy_numel(src, dst) is None

@@ -26,7 +26,7 @@ from shardkit.core.runtime.dtensors import (
 )
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["GroupReducer", "Packing", "PendingReduce"]
+__all__ = ["AssignInPlace", "GroupReducer", "Packing", "PendingReduce"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,24 @@ class PendingReduce:
     def finish(self, comm: CommContext) -> None:
         """Wait, all-reduce across replicas, divide and assign the sharded gradients."""
         self.reducer.finish(self, comm)
+
+
+@dataclass(slots=True)
+class AssignInPlace:
+    """One shard rank and nothing to change: the full gradients become the sharded ones.
+
+    With a single rank on the shard axis and no replicas, a gradient's reduction is itself
+    divided by one: packing it into a flat buffer would only copy it. Each full gradient is
+    assigned as it is (it is this rank's whole shard), when the reduction would have been.
+    """
+
+    reducer: GroupReducer
+    grads: tuple[tuple[FSDPParam, torch.Tensor], ...]
+
+    def finish(self, comm: CommContext) -> None:
+        """Assign each gradient to its sharded parameter."""
+        for p, grad in self.grads:
+            self.reducer.assign_local(p, grad)
 
 
 class GroupReducer:
@@ -123,18 +141,23 @@ class GroupReducer:
         ``label`` names the group's module to observers (known only after lazy init).
         """
         self.label = label
-        packing = self._packing_of([p for p, _ in grads])
-        geometries = [p.geometry for p in packing.params]
-        full = [g for _, g in grads]
-        grads.clear()
         world = self.mesh_info.shard_size
-        device = self.mesh_info.device
         # Bound the memory of reductions in flight: finish the oldest before allocating this
         # one's buffers, so two send buffers never coexist at backward's memory peak. The
         # oldest had a whole group's backward to complete: waiting here is (almost) free.
         in_flight = max(comm.max_reduces_in_flight, self.options.max_reduces_in_flight)
         while len(comm.pending_reduces) >= in_flight:
             comm.finish_oldest()
+        if world == 1 and self._assigns_in_place(grads):
+            owned = tuple((p, g) for p, g in grads if g is not None)
+            grads.clear()
+            comm.pending_reduces.append(AssignInPlace(self, owned))
+            return
+        packing = self._packing_of([p for p, _ in grads])
+        geometries = [p.geometry for p in packing.params]
+        full = [g for _, g in grads]
+        grads.clear()
+        device = self.mesh_info.device
         custom = self.options.custom_reduce_scatter
         if world == 1:
             # Nothing to scatter: pack straight into the output.
@@ -170,6 +193,28 @@ class GroupReducer:
             )
             return output
         return torch.empty(numel, dtype=self.dtype, device=self.mesh_info.device)
+
+    def _assigns_in_place(self, grads: Sequence[tuple[FSDPParam, torch.Tensor | None]]) -> bool:
+        """Whether the full gradients are already the reduced shards (see AssignInPlace)."""
+        opts = self.options
+        if (
+            self.mesh_info.replicate_group is not None
+            or self.mesh_info.dp_size != 1
+            or self.offload
+            or opts.custom_reduce_scatter is not None
+            or opts.all_reduce_hook is not None
+            or (opts.gradient_divide_factor or 1) != 1
+        ):
+            return False
+        # A missing gradient would be sent as zeros: only the packing path makes those.
+        return all(
+            g is not None
+            and g.dtype == self.dtype == p.orig_dtype
+            and g.shape == p.geometry.shape
+            and g.is_contiguous()
+            and type(g) is torch.Tensor
+            for p, g in grads
+        )
 
     def finish(self, pending: PendingReduce, comm: CommContext) -> None:
         """Wait for a reduction, all-reduce across replicas, divide, assign sharded grads."""
@@ -212,9 +257,14 @@ class GroupReducer:
             local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
             if local.dtype != p.orig_dtype:
                 local = local.to(p.orig_dtype)
-            param = p.sharded_param
-            if param.grad is None:
-                param.grad = dtensor_like(local, param)
-            else:
-                local_of(param.grad).add_(local)
-            run_post_accumulate_grad_hooks(param)
+            self.assign_local(p, local)
+
+    @staticmethod
+    def assign_local(p: FSDPParam, local: torch.Tensor) -> None:
+        """Give ``p``'s sharded parameter the gradient ``local`` (its shard), or add it."""
+        param = p.sharded_param
+        if param.grad is None:
+            param.grad = dtensor_like(local, param)
+        else:
+            local_of(param.grad).add_(local)
+        run_post_accumulate_grad_hooks(param)

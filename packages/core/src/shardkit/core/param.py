@@ -25,6 +25,7 @@ from shardkit.core.errors import UnsupportedWithHooksError
 from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
 from shardkit.core.gather_hooks import AllGatherHooks, has_all_gather_hooks
 from shardkit.core.group_layout import ParamSpec
+from shardkit.core.local_step import allow_local_step
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
@@ -199,10 +200,16 @@ class FSDPParam:
             return
         dtensor = self.extension.make_sharded(local, self.sharding_spec)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self._allow_local_step()
         # The group's buffer now holds the only copy we keep: let the original go.
         self._source = None
         spec = self.sharding_spec
         self.sharding_spec = replace(spec, local=torch.empty_like(spec.local, device="meta"))
+
+    def _allow_local_step(self) -> None:
+        # A subclass local tensor (all-gather hooks) keeps its own dispatch: step it as is.
+        if self.hooks is None:
+            allow_local_step(self)
 
     def current_local(self) -> torch.Tensor:
         """The local tensor that the registered sharded parameter holds right now."""
@@ -210,6 +217,7 @@ class FSDPParam:
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) put a new object in place: adopt it.
             self.sharded_param = param
+            self._allow_local_step()
         return local_of(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------

@@ -24,7 +24,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import ShardGeometry
+from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
@@ -113,6 +113,12 @@ class FSDPParamGroup:
         # The all-gather reads the sharded storage directly unless it must be cast or moved,
         # or hooks give what it sends: then it sends a staging copy, borrowed from the pool.
         self.needs_staging = self.offload or self.layout.casts_or_hooks
+        # A cast (not a move, not hooks) whose layouts line up is one copy for the group.
+        self._cast_numel = (
+            None
+            if self.offload or self._hooks is not None
+            else one_copy_numel(self.storage_layout, self.comm_layout)
+        )
         # One shard rank and nothing to cast or move: each shard is its full parameter, and
         # the unsharded parameters view the sharded buffer itself; unsharding runs no
         # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
@@ -245,6 +251,11 @@ class FSDPParamGroup:
         sent = self._hook_inputs()
         assert self.comm is not None and self._staging is None
         self._staging = self.comm.pool.get(self.comm_layout.nbytes, self.mesh_info.device)
+        if self._cast_numel is not None:
+            n = self._cast_numel
+            src = self.sharded_buffer.view(self.storage_layout.dtypes[0])[:n]
+            self._staging.view(self.comm_layout.dtypes[0])[:n].copy_(src)
+            return self._staging
         for i in self._flat:
             # One copy per parameter casts to param_dtype and moves host to device if offloaded.
             self.comm_layout.view(self._staging, i).copy_(

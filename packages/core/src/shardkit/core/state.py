@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.input_grads import InputGradsWatch
+from shardkit.core.local_step import restore_all
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
@@ -168,6 +169,7 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
+        restore_all()  # an optimizer step that raised left its optimizer on local tensors
         PROGRESS.enter("forward")
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:

@@ -17,6 +17,7 @@ __all__ = [
     "FlatLayout",
     "ShardGeometry",
     "copy_out_unsharded",
+    "one_copy_numel",
     "pack_grads_rank_major",
     "rank_major_view",
     "shard_geometry",
@@ -127,6 +128,24 @@ class FlatLayout:
         start = self.offsets[index]
         dtype = self.dtypes[index]
         return buffer[start : start + self.numels[index] * dtype.itemsize].view(dtype)
+
+
+def one_copy_numel(src: FlatLayout, dst: FlatLayout) -> int | None:
+    """Elements of one typed copy of ``src``'s buffer into ``dst``'s that copies every tensor.
+
+    That holds when each layout has one dtype and every tensor starts at the same element
+    offset in both (their gaps then line up too). A cast from fp32 shards to a bf16 all-gather
+    input is then one copy instead of one per parameter. None when it does not hold.
+    """
+    if not src.numels or len(set(src.dtypes)) != 1 or len(set(dst.dtypes)) != 1:
+        return None
+    if src.numels != dst.numels:
+        return None
+    src_item, dst_item = src.dtypes[0].itemsize, dst.dtypes[0].itemsize
+    for a, b in zip(src.offsets, dst.offsets, strict=True):
+        if a % src_item or b % dst_item or a // src_item != b // dst_item:
+            return None
+    return src.offsets[-1] // src_item + src.numels[-1]
 
 
 def rank_major_view(full: torch.Tensor, geo: ShardGeometry) -> torch.Tensor:

@@ -20,6 +20,7 @@ __all__ = [
     "dtensor_like",
     "local_of",
     "make_dtensor",
+    "same_spec",
     "set_local",
 ]
 
@@ -62,6 +63,11 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds, itself (``to_local()`` would add an autograd view)."""
     local: torch.Tensor = as_dtensor(tensor)._local_tensor
     return local
+
+
+def same_spec(a: DTensor, b: DTensor) -> bool:
+    """Whether two DTensors have one mesh, placements and global shape (identity first)."""
+    return a._spec is b._spec or a._spec == b._spec
 
 
 def set_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
