@@ -95,8 +95,9 @@ def test_kill_mid_save_then_resume(tmp_path: Path) -> None:
     assert after, f"killed at {killed_at}, complete {complete}:\n{output[-2000:]}"
     start = min(after) - 1  # the step the resumed job started from
     # The demo's saves are asynchronous: one is current once written, at the latest when the
-    # next one starts, so fewer than two intervals can be lost.
-    assert killed_at - start < 2 * EVERY, f"lost {killed_at - start} steps (>= {2 * EVERY})"
+    # next one starts. Killed inside that next save before it published the pending one, the
+    # job resumes from the one before: at most two intervals are lost.
+    assert killed_at - start <= 2 * EVERY, f"lost {killed_at - start} steps (> {2 * EVERY})"
     for step in range(start + 1, killed_at + 1):
         assert after[step] == before[step], f"step {step}: {after[step]} != {before[step]}"
 

@@ -108,5 +108,6 @@ def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     for index, (kill, (done, resumed)) in enumerate(zip(kills, lost, strict=True)):
         print(f"{index + 1:4d}  {kill.rank:4d}  {kill.step:4d}  {kill.phase:11s}  "
               f"{done:16d}  {resumed:12d}  {done - resumed:10d}")  # fmt: skip
-        # At most one save is in flight: the next save waits for it.
-        assert done - resumed < 2 * EVERY, (kill, done, resumed)
+        # At most one save is in flight, and the next save publishes it first: a kill inside
+        # that save, before it published, resumes two intervals back.
+        assert done - resumed <= 2 * EVERY + 1, (kill, done, resumed)  # +1: a step logged after
