@@ -15,6 +15,10 @@ from typing import Any
 from benchmarks import gpt
 from harness.pool import run_on_ranks
 
+# Building two 134M-parameter models and their warm-up steps take minutes at W=4 on two cores,
+# beyond the harness's default (meant for tests).
+_TIMEOUT_S = 900.0
+
 _STATE: dict[str, Any] = {}
 
 
@@ -72,19 +76,23 @@ def measure(
     ``run_rounds(one_round, rounds)`` (pytest-benchmark's pedantic, or a plain loop), and
     tear both down."""
     impls = (impl,) if peer is None or peer == impl else (impl, peer)
-    run_on_ranks(world, _setup, impls=impls, size=size, options=options or gpt.Options())
+    setup = {"impls": impls, "size": size, "options": options or gpt.Options()}
+    run_on_ranks(world, _setup, timeout_s=_TIMEOUT_S, **setup)
     records: list[list[dict[str, float]]] = []
     peer_records: list[list[dict[str, float]]] = []
     counter = [10]
+
+    def step(which: str | None) -> list[dict[str, float]]:
+        return run_on_ranks(world, _step, timeout_s=_TIMEOUT_S, impl=which, step=counter[0])
 
     def one_round() -> None:
         counter[0] += 1
         peer_first = len(impls) == 2 and counter[0] % 2 == 0
         if peer_first:
-            peer_records.append(run_on_ranks(world, _step, impl=peer, step=counter[0]))
-        records.append(run_on_ranks(world, _step, impl=impl, step=counter[0]))
+            peer_records.append(step(peer))
+        records.append(step(impl))
         if len(impls) == 2 and not peer_first:
-            peer_records.append(run_on_ranks(world, _step, impl=peer, step=counter[0]))
+            peer_records.append(step(peer))
 
     run_rounds(one_round, rounds)
     run_on_ranks(world, _teardown)
