@@ -138,15 +138,20 @@ def free_port() -> int:
         return port
 
 
-def launch_lines(nodes: int, nproc: int, job_id: str) -> list[list[str]]:
+def launch_lines(nodes: int, nproc: int) -> list[list[str]]:
     """torchrun's arguments for each node of one job: one --standalone launch, or `nodes`
-    launches that meet at a c10d rendezvous on localhost, as the nodes of a cluster meet at
-    the rendezvous endpoint on one of them."""
+    launches with fixed node ranks and the master on localhost, as a cluster's nodes meet at
+    node 0's address.
+
+    Fixed ranks rather than a c10d rendezvous: there the store lives in the agent of one
+    launch, which other agents poll while their workers run; when that launch finished first,
+    the other's agent lost its store and failed a finished job (seen once in CI here).
+    """
     run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nodes == 1:
         return [[*run, "--standalone"]]
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}"]
-    return [[*run, f"--nnodes={nodes}", *rdzv, f"--rdzv-id={job_id}"] for _ in range(nodes)]
+    master = ["--master-addr=localhost", f"--master-port={free_port()}"]
+    return [[*run, f"--nnodes={nodes}", f"--node-rank={rank}", *master] for rank in range(nodes)]
 
 
 def torchrun(
@@ -169,7 +174,7 @@ def torchrun(
     nodes = cfg.nodes if nodes is None else nodes
     launches = [
         subprocess.Popen([*line, *script], env=env, cwd=REPO)
-        for line in launch_lines(nodes, cfg.nproc * cfg.nodes // nodes, f"demo-{name}")
+        for line in launch_lines(nodes, cfg.nproc * cfg.nodes // nodes)
     ]
     returncode = max(abs(launch.wait()) for launch in launches)
     seconds = time.perf_counter() - start

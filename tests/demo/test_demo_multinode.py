@@ -1,5 +1,5 @@
-"""The demo past one machine: two torchrun "nodes" of 2 ranks, joined by a c10d rendezvous on
-localhost, train with HSDP (sharded within a node, replicated across nodes), checkpoint, and
+"""The demo past one machine: two torchrun "nodes" of 2 ranks (fixed node ranks, the master on
+localhost) train with HSDP (sharded within a node, replicated across nodes), checkpoint, and
 compute the losses of torch's fully_shard on the same two-node layout bit for bit, and those of
 one node of 4 ranks training with plain FSDP on the same global batch.
 
@@ -36,7 +36,7 @@ def _train(name: str, nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dic
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for line in launch_lines(nodes, 4 // nodes, f"test-{name}-{tmp_path.name}")
+        for line in launch_lines(nodes, 4 // nodes)
     ]
     outputs = [launch.communicate(timeout=300)[0] for launch in launches]
     for launch, output in zip(launches, outputs, strict=True):
