@@ -148,3 +148,46 @@ def test_a_step_that_raises_is_put_back() -> None:
         assert torch.equal(result["grads"][name], grad), name
     assert result["after"] == "DTensor"
     assert result["state_types"] == ["DTensor", "Tensor"]
+
+
+def _edited_between_steps(rank: int, world_size: int, impl: str) -> dict[str, Any]:
+    """AdamW with the user changing the optimizer between steps, each change in another way."""
+    run = parity.Run(model="gpt", impls=(impl,))
+    model = models.build("gpt")
+    parity.apply(impl, model, parity.make_mesh(run, world_size), run)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    first = next(iter(model.parameters()))
+    moved = first
+    for step in range(5):
+        x, y = parity.rank_batch("gpt", step, rank, world_size, impl)
+        models.loss_of("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:  # a state value replaced by a new object
+            opt.state[first]["exp_avg_sq"] = opt.state[first]["exp_avg_sq"] * 2
+        elif step == 1:  # the whole state replaced
+            opt.load_state_dict(opt.state_dict())
+        elif step == 2:  # a group's list edited in place: its last parameter stops training
+            moved = opt.param_groups[0]["params"].pop()
+        elif step == 3:  # a new group, and a new step count (as a schedule restart writes)
+            opt.add_param_group({"params": [moved], "lr": 3e-2})
+            opt.state[first]["step"] = torch.tensor(1.0)
+    state = opt.state_dict()["state"]
+    return {
+        "params": parity.full_params(model),
+        "state": {i: {k: _full(v) for k, v in s.items()} for i, s in state.items()},
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_changes_between_steps_are_seen(world_size: int) -> None:
+    # The swap is planned once and reused: every way the user can change what the optimizer
+    # holds between steps must still reach the step, as it does on torch's DTensors.
+    ours = run_on_ranks(world_size, _edited_between_steps, impl="shardkit")[0]
+    theirs = run_on_ranks(world_size, _edited_between_steps, impl="torch")[0]
+    for name, value in theirs["params"].items():
+        assert torch.equal(ours["params"][name], value), name
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            assert torch.equal(ours["state"][index][key], value), (index, key)

@@ -7,11 +7,17 @@ optimizers whose update is elementwise, the DTensor result is the local result, 
 pre-step hook hands the optimizer each parameter's local tensor (with its gradient and state
 local too), and the post-step hook puts the DTensors back. Outside ``step()`` the optimizer
 and its state dict see DTensors, exactly as before.
+
+What the optimizer sees during a step (its param lists and a state table keyed by the local
+tensors) is built once and kept in a plan that later steps reuse after cheap identity checks:
+rebuilding it every step cost more than the DTensor wrapping of the gradients.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,7 +52,7 @@ class _Owner(Protocol):
 # group's buffer), by the parameter's id. Weak references to the holders, not the parameters:
 # torch.utils.swap_tensors (module._apply) refuses a tensor that has a weak reference.
 _ALLOWED: weakref.WeakValueDictionary[int, _Owner] = weakref.WeakValueDictionary()
-_SWAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan] = weakref.WeakKeyDictionary()
 # Optimizers whose state-dict hooks put a swap back first (a step that raised leaves one).
 _WATCHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _installed = False
@@ -54,19 +60,35 @@ _installed = False
 
 @dataclass(slots=True)
 class _Entry:
-    param: torch.Tensor  # the DTensor parameter
-    local: torch.Tensor  # its local tensor, what the optimizer steps
-    had_grad: bool
-    state: dict[str, Any]  # the parameter's state dict object, as it was (DTensor values)
+    """One DTensor parameter, its local tensor, and its state on both sides."""
+
+    param: DTensor
+    local: torch.Tensor  # what the optimizer steps: the parameter's local tensor itself
+    state: dict[str, Any] | None  # opt.state[param] as last seen (DTensor values), if any
+    state_values: tuple[Any, ...]  # its values then: the ones ``shadow`` mirrors
+    shadow: dict[str, Any]  # the state the optimizer sees during a step (local values)
+    shadow_values: tuple[Any, ...] = ()  # shadow's values when last mirrored back
+    had_grad: bool = False
 
 
 @dataclass(slots=True)
-class _Swap:
-    """What one optimizer's step sees in place of its DTensors, and how to put them back."""
+class _Group:
+    group: dict[str, Any]
+    params: list[torch.Tensor]  # the group's own list, put back after the step
+    members: tuple[torch.Tensor, ...]  # its contents when the plan was made
+    stepped: list[torch.Tensor]  # what the step sees: local tensors, plain parameters as is
 
-    params: list[tuple[dict[str, Any], list[torch.Tensor]]] = field(default_factory=list)
-    """Each param group and its own list of parameters."""
+
+@dataclass(slots=True)
+class _Plan:
+    """What one optimizer's steps see in place of its DTensors, and how to put them back."""
+
+    state: defaultdict[torch.Tensor, dict[str, Any]]  # the optimizer's own state table
+    shadow: defaultdict[torch.Tensor, dict[str, Any]]  # keyed by local tensors during a step
+    groups: list[_Group] = field(default_factory=list)
     entries: list[_Entry] = field(default_factory=list)
+    plain: list[torch.Tensor] = field(default_factory=list)  # parameters stepped as they are
+    active: bool = False  # between the pre-step and the post-step hook (or a restore)
 
 
 def allow_local_step(owner: _Owner) -> None:
@@ -83,53 +105,125 @@ def _before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore(opt)  # a step that raised never reached the post hook
     if type(opt) not in ELEMENTWISE_OPTIMIZERS or torch.compiler.is_compiling():
         return
-    # One pass: swap as we go, and put everything back if a parameter does not qualify.
-    swap = _SWAPPED[opt] = _Swap()
-    state = opt.state
-    for group in opt.param_groups:
-        params: list[torch.Tensor] = group["params"]
-        stepped: list[torch.Tensor] = []
-        swap.params.append((group, params))
-        group["params"] = stepped
-        if group.get("differentiable", False):
-            restore(opt)
+    plan = _PLANS.get(opt)
+    if plan is None or not _plan_holds(plan, opt):
+        plan = _build_plan(opt)
+        if plan is None:
+            _PLANS.pop(opt, None)
             return
-        for p in params:
-            if not isinstance(p, DTensor):
-                stepped.append(p)  # a plain tensor is stepped as it is either way
-                continue
-            entry = _swap_in(p, state)
-            if entry is None:
-                restore(opt)  # all or nothing: foreach kernels cannot mix the two kinds
-                return
-            swap.entries.append(entry)
-            stepped.append(entry.local)
-    if not swap.entries:
-        restore(opt)
+        _PLANS[opt] = plan
+    if not _take_grads(plan) or not _refresh_state(plan):
+        _PLANS.pop(opt, None)  # nothing swapped yet; the step runs on the DTensors
         return
+    for g in plan.groups:
+        g.group["params"] = g.stepped
+    for p in plan.plain:
+        # Plain parameters keep their own state dict objects: the step updates them in place.
+        kept = plan.state.get(p)
+        if kept is None:
+            plan.shadow.pop(p, None)
+        else:
+            plan.shadow[p] = kept
+    opt.state = plan.shadow
+    plan.active = True
     if opt not in _WATCHED:
         _WATCHED.add(opt)
         opt.register_state_dict_pre_hook(restore)
         opt.register_load_state_dict_pre_hook(_restore_before_load)
 
 
-def _swap_in(p: DTensor, state: dict[Any, Any]) -> _Entry | None:
-    """Key ``p``'s gradient and state by its local tensor; None if its step may differ."""
-    owner = _ALLOWED.get(id(p))
-    if owner is None or owner.sharded_param is not p or p.dim() == 0:
-        return None
-    grad = p.grad
-    if grad is not None and not (isinstance(grad, DTensor) and same_spec(grad, p)):
-        return None
-    kept: dict[str, Any] = state.get(p, {})
-    if any(isinstance(v, DTensor) and not same_spec(v, p) for v in kept.values()):
-        return None
-    local = local_of(p)
-    local.grad = None if grad is None else local_of(grad)
-    if kept:
-        del state[p]
-        state[local] = {k: local_of(v) if isinstance(v, DTensor) else v for k, v in kept.items()}
-    return _Entry(p, local, grad is not None, kept)
+def _build_plan(opt: torch.optim.Optimizer) -> _Plan | None:
+    """The plan for ``opt`` as its groups are now; None if any parameter's step may differ."""
+    plan = _Plan(state=opt.state, shadow=defaultdict(dict))
+    for group in opt.param_groups:
+        if group.get("differentiable", False):
+            return None
+        params: list[torch.Tensor] = group["params"]
+        stepped: list[torch.Tensor] = []
+        for p in params:
+            if not isinstance(p, DTensor):
+                plan.plain.append(p)  # a plain tensor is stepped as it is either way
+                stepped.append(p)
+                continue
+            owner = _ALLOWED.get(id(p))
+            if owner is None or owner.sharded_param is not p or p.dim() == 0:
+                return None  # all or nothing: foreach kernels cannot mix the two kinds
+            local = local_of(p)
+            entry = _Entry(p, local, None, (), {})
+            plan.shadow[local] = entry.shadow
+            plan.entries.append(entry)
+            stepped.append(local)
+        plan.groups.append(_Group(group, params, tuple(params), stepped))
+    return plan if plan.entries else None
+
+
+def _plan_holds(plan: _Plan, opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s groups, parameters and local tensors are still those of ``plan``."""
+    if opt.state is not plan.state or len(opt.param_groups) != len(plan.groups):
+        return False
+    for g, group in zip(plan.groups, opt.param_groups, strict=True):
+        params = group["params"]
+        if (
+            group is not g.group
+            or params is not g.params
+            or group.get("differentiable", False)
+            or not _same_objects(params, g.members)
+        ):
+            return False
+    # The engine re-points a parameter at a new local tensor when its buffer moves.
+    return all(local_of(e.param) is e.local for e in plan.entries)
+
+
+def _take_grads(plan: _Plan) -> bool:
+    """Give each local tensor its parameter's local gradient.
+
+    Returns False, with nothing left set, if a gradient is not a DTensor of its parameter's
+    spec.
+    """
+    entries = plan.entries
+    for i, e in enumerate(entries):
+        grad = e.param.grad
+        e.had_grad = grad is not None
+        if grad is None:
+            continue
+        if not (isinstance(grad, DTensor) and same_spec(grad, e.param)):
+            for done in entries[:i]:
+                done.local.grad = None
+            return False
+        e.local.grad = local_of(grad)
+    return True
+
+
+def _refresh_state(plan: _Plan) -> bool:
+    """Mirror into the shadow table any state that changed since the last step.
+
+    That is the user's writes of whole objects; updates in place need nothing, as the shadow
+    holds the DTensors' own local tensors. Returns False, with the gradients taken back, if a
+    DTensor value has another spec than its parameter.
+    """
+    state = plan.state
+    for e in plan.entries:
+        kept = state.get(e.param)
+        if kept is e.state and (kept is None or _same_objects(kept.values(), e.state_values)):
+            continue
+        values = {} if kept is None else dict(kept)
+        if any(isinstance(v, DTensor) and not same_spec(v, e.param) for v in values.values()):
+            for done in plan.entries:
+                done.local.grad = None
+            return False
+        e.state = kept
+        e.state_values = tuple(values.values())
+        e.shadow.clear()
+        e.shadow.update(
+            {k: local_of(v) if isinstance(v, DTensor) else v for k, v in values.items()}
+        )
+        e.shadow_values = tuple(e.shadow.values())
+    return True
+
+
+def _same_objects(values: Any, seen: tuple[Any, ...]) -> bool:
+    items = tuple(values)
+    return len(items) == len(seen) and all(map(operator.is_, items, seen))
 
 
 def _restore_before_load(opt: torch.optim.Optimizer, state_dict: Any) -> None:
@@ -142,8 +236,9 @@ def restore_all() -> None:
     Between a step that raised and this, ``zero_grad`` cleared the local tensors' gradients:
     the DTensors' are cleared here too, so the next backward does not add to stale ones.
     """
-    for opt in list(_SWAPPED.keys()):
-        restore(opt)
+    for opt, plan in list(_PLANS.items()):
+        if plan.active:
+            restore(opt)
 
 
 def _after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -152,32 +247,47 @@ def _after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 def restore(opt: torch.optim.Optimizer) -> None:
     """Give ``opt`` its DTensor parameters and state back, if a step swapped them."""
-    swap = _SWAPPED.pop(opt, None)
-    if swap is None:
+    plan = _PLANS.get(opt)
+    if plan is None or not plan.active:
         return
-    for group, params in swap.params:
-        group["params"] = params
-    state = opt.state
-    for entry in swap.entries:
-        if entry.had_grad and entry.local.grad is None:
-            entry.param.grad = None  # zero_grad ran on the local tensors (after a failed step)
-        entry.local.grad = None  # the DTensor's gradient is the one that stays
-        stepped = state.pop(entry.local, None)
-        if stepped is None:
-            if entry.state:
-                state[entry.param] = entry.state
-            continue
-        values = {k: _as_state(entry, k, v) for k, v in stepped.items()}
-        # The parameter's own state dict object, refilled: references to it stay valid.
-        kept = entry.state
-        kept.clear()
-        kept.update(values)
-        state[entry.param] = kept
+    plan.active = False
+    opt.state = plan.state
+    for g in plan.groups:
+        g.group["params"] = g.params
+    for p in plan.plain:
+        stepped = plan.shadow.get(p)
+        if stepped is not None:
+            plan.state[p] = stepped  # first state made during the step
+    for e in plan.entries:
+        if e.had_grad and e.local.grad is None:
+            e.param.grad = None  # zero_grad ran on the local tensors (after a failed step)
+        e.local.grad = None  # the DTensor's gradient is the one that stays
+        shadow = plan.shadow.get(e.local)
+        if shadow is not e.shadow:
+            # The optimizer replaced the dict: adopt it as the shadow from now on.
+            e.shadow = shadow if shadow is not None else {}
+            plan.shadow[e.local] = e.shadow
+        elif _same_objects(shadow.values(), e.shadow_values):
+            continue  # updated in place, the usual case: the DTensors already hold it
+        _mirror(plan, e)
 
 
-def _as_state(entry: _Entry, key: str, value: Any) -> Any:
+def _mirror(plan: _Plan, e: _Entry) -> None:
+    """Write the step's new state of ``e`` back as the DTensor state (same dict object)."""
+    before = e.state or {}
+    values = {k: _as_state(e, before.get(k), v) for k, v in e.shadow.items()}
+    kept = e.state if e.state is not None else {}
+    kept.clear()
+    kept.update(values)
+    if kept:
+        plan.state[e.param] = kept
+        e.state = kept
+    e.state_values = tuple(kept.values())
+    e.shadow_values = tuple(e.shadow.values())
+
+
+def _as_state(entry: _Entry, before: Any, value: Any) -> Any:
     """One state value of a parameter as the optimizer would have kept it on DTensors."""
-    before = entry.state.get(key)
     if isinstance(before, DTensor) and local_of(before) is value:
         return before  # updated in place: the same object as before
     if (
