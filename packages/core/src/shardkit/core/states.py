@@ -28,6 +28,10 @@ class ShardedState(Enum):
     UNSHARDED = auto()
     """The full parameters are registered and their storage is allocated."""
 
+    # Members are singletons: identity hashing is exact, and C-level (Enum's own hashes the
+    # name in Python; the transition checks look states up several times per group per step).
+    __hash__ = object.__hash__
+
 
 class TrainingState(Enum):
     """What the group is doing now, as seen by its hooks."""
@@ -36,6 +40,8 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
+
+    __hash__ = object.__hash__  # as ShardedState's
 
 
 SHARDED_TRANSITIONS: dict[ShardedState, frozenset[ShardedState]] = {
