@@ -222,7 +222,9 @@ class FSDPState:
     def _group_post_forward(self, group: FSDPParamGroup) -> None:
         assert self.ctx is not None
         policy = group.options.reshard_after_forward
-        if policy is True:
+        if _stays_unsharded(group):
+            pass
+        elif policy is True:
             group.reshard()
         elif policy is not False:
             group.reshard_post_forward()
@@ -240,7 +242,7 @@ class FSDPState:
         # Groups that were prefetched but never ran, or list groups only partly run.
         for group in self.groups:
             policy = group.options.reshard_after_forward
-            if group.is_unsharded and policy is not False:
+            if group.is_unsharded and policy is not False and not _stays_unsharded(group):
                 if group.training_state is TrainingState.FORWARD:
                     continue  # still inside its forward (the root is nested in it)
                 if policy is True:
@@ -365,6 +367,18 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
+
+
+def _stays_unsharded(group: FSDPParamGroup) -> bool:
+    """Whether a group keeps its full parameters from forward to backward whatever its policy.
+
+    A group whose full parameters view its shards (one shard rank, nothing to cast or move)
+    frees nothing by resharding: after a forward that backward will follow, resharding would
+    only register the DTensors for backward's pre-hook to register the full ones again (at
+    W=1 on a model of many small groups, a tenth of the engine's overhead). Backward's end
+    reshards it, and a forward without gradients reshards it as any group.
+    """
+    return group.aliases_shards and torch.is_grad_enabled()
 
 
 def _has_unreduced(group: FSDPParamGroup) -> bool:
