@@ -10,6 +10,7 @@ from shardkit.core.runtime.buffers import (
     ShardGeometry,
     copy_out_unsharded,
     one_copy_numel,
+    pack_grads_by_cat,
     pack_grads_rank_major,
     row_split,
     shard_geometry,
@@ -170,6 +171,44 @@ def test_no_row_split_where_the_layouts_do_not_allow_it(case: str) -> None:
     if case == "empty":
         geometries = []
     assert row_split(row_layout, geometries, layout) is None
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("grad_dtype", "out_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_pack_by_cat_is_bit_identical_to_the_general_pack(
+    world: int, grad_dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    shapes = [(4, 3), (8,), (12, 5), (4, 2, 3)]
+    geometries = [shard_geometry(torch.Size(s), 0, world) for s in shapes]
+    offsets = [sum(g.shard_numel for g in geometries[:k]) for k in range(len(shapes))]
+    width = offsets[-1] + geometries[-1].shard_numel
+    # Values with more mantissa bits than bf16 keeps: a cast that rounded otherwise would show.
+    grads: list[torch.Tensor | None] = [torch.randn(s).to(grad_dtype) for s in shapes]
+    grads[2] = torch.randn(5, 12).to(grad_dtype).t()  # not contiguous: reshape copies
+    fast, each = (torch.full((world, width), float("nan"), dtype=out_dtype) for _ in range(2))
+    assert pack_grads_by_cat(grads, fast)
+    pack_grads_rank_major(grads, geometries, offsets, each)
+    assert torch.equal(fast.view(torch.uint8), each.view(torch.uint8))
+
+
+def test_pack_by_cat_leaves_missing_and_recorded_grads_to_the_general_path() -> None:
+    rows = torch.full((2, 4), 7.0)
+    assert not pack_grads_by_cat([torch.ones(4), None], rows)
+    recorded = torch.ones(4, requires_grad=True) * 2
+    assert not pack_grads_by_cat([recorded], torch.empty(2, 2))
+    assert rows.eq(7).all()  # nothing written
+    with torch.no_grad():
+        out = torch.empty(2, 2)
+        assert pack_grads_by_cat([recorded], out)
+    assert torch.equal(out, torch.full((2, 2), 2.0))
 
 
 def test_unsharded_copy_out_reuses_its_views_until_the_buffer_or_layout_changes() -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "ShardGeometry",
     "copy_out_unsharded",
     "one_copy_numel",
+    "pack_grads_by_cat",
     "pack_grads_rank_major",
     "rank_major_view",
     "row_split",
@@ -301,6 +302,32 @@ def pack_grads_rank_major(
             block.view(geo.world, *geo.padded_shard_shape).copy_(rank_major_view(grad, geo))
         else:
             _pack_uneven_dim0(grad, geo, block)
+
+
+def pack_grads_by_cat(grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> bool:
+    """Pack like :func:`pack_grads_rank_major` with one ``torch.cat``, where that is exact.
+
+    For even dim-0 shards a gradient viewed as (W, shard_numel) has rank r's shard as row r,
+    so the (W, S) buffer is their concatenation along dim 1 (cast to ``out``'s dtype in the
+    same kernel): one op instead of a slice, views and a copy per parameter. The caller
+    vouches for the geometries: every one dim-0, even and non-empty, back to back from 0 with no
+    gaps, filling ``out``'s rows.
+
+    Returns:
+        False, having written nothing, where the general path must pack: a missing
+        gradient (sent as zeros), a tensor subclass, or one that autograd records
+        (``out=`` ops refuse those).
+    """
+    world = out.shape[0]
+    parts: list[torch.Tensor] = []
+    for grad in grads:
+        if grad is None or type(grad) is not torch.Tensor:
+            return False
+        parts.append(grad.reshape(world, -1))  # a view unless the gradient is not contiguous
+    if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
+        return False
+    torch.cat(parts, dim=1, out=out)
+    return True
 
 
 def _pack_uneven_dim0(grad: torch.Tensor, geo: ShardGeometry, block: torch.Tensor) -> None:
