@@ -10,7 +10,7 @@ from shardkit.core.runtime.buffers import (
     ShardGeometry,
     copy_out_unsharded,
     one_copy_numel,
-    pack_grads_by_cat,
+    pack_even_dim0_grads,
     pack_grads_rank_major,
     row_split,
     shard_geometry,
@@ -183,7 +183,7 @@ def test_no_row_split_where_the_layouts_do_not_allow_it(case: str) -> None:
         (torch.float16, torch.float32),
     ],
 )
-def test_pack_by_cat_is_bit_identical_to_the_general_pack(
+def test_pack_even_dim0_is_bit_identical_to_the_general_pack(
     world: int, grad_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
     shapes = [(4, 3), (8,), (12, 5), (4, 2, 3)]
@@ -194,20 +194,20 @@ def test_pack_by_cat_is_bit_identical_to_the_general_pack(
     grads: list[torch.Tensor | None] = [torch.randn(s).to(grad_dtype) for s in shapes]
     grads[2] = torch.randn(5, 12).to(grad_dtype).t()  # not contiguous: reshape copies
     fast, each = (torch.full((world, width), float("nan"), dtype=out_dtype) for _ in range(2))
-    assert pack_grads_by_cat(grads, fast)
+    assert pack_even_dim0_grads(grads, fast)
     pack_grads_rank_major(grads, geometries, offsets, each)
     assert torch.equal(fast.view(torch.uint8), each.view(torch.uint8))
 
 
-def test_pack_by_cat_leaves_missing_and_recorded_grads_to_the_general_path() -> None:
+def test_pack_even_dim0_leaves_missing_and_recorded_grads_to_the_general_path() -> None:
     rows = torch.full((2, 4), 7.0)
-    assert not pack_grads_by_cat([torch.ones(4), None], rows)
+    assert not pack_even_dim0_grads([torch.ones(4), None], rows)
     recorded = torch.ones(4, requires_grad=True) * 2
-    assert not pack_grads_by_cat([recorded], torch.empty(2, 2))
+    assert not pack_even_dim0_grads([recorded], torch.empty(2, 2))
     assert rows.eq(7).all()  # nothing written
     with torch.no_grad():
         out = torch.empty(2, 2)
-        assert pack_grads_by_cat([recorded], out)
+        assert pack_even_dim0_grads([recorded], out)
     assert torch.equal(out, torch.full((2, 2), 2.0))
 
 

@@ -19,7 +19,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.runtime.buffers import (
     ShardGeometry,
-    pack_grads_by_cat,
+    pack_even_dim0_grads,
     pack_grads_rank_major,
 )
 from shardkit.core.runtime.collectives import DoneHandle
@@ -44,8 +44,8 @@ class Packing:
     """S: one rank's padded shards of these parameters, back to back."""
     geometries: tuple[ShardGeometry, ...]
     """Each parameter's shard geometry."""
-    by_cat: bool
-    """Whether every shard is dim-0, even and not empty, so one ``torch.cat`` packs them."""
+    even_dim0: bool
+    """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
 
     @staticmethod
     def of(params: Sequence[FSDPParam]) -> Packing:
@@ -57,12 +57,12 @@ class Packing:
             cursor += p.geometry.shard_numel
         geometries = tuple(p.geometry for p in params)
         # An empty gradient cannot be viewed as (W, -1): the general path packs those.
-        by_cat = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
-        return Packing(tuple(params), tuple(offsets), cursor, geometries, by_cat)
+        even_dim0 = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
+        return Packing(tuple(params), tuple(offsets), cursor, geometries, even_dim0)
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype."""
-        if not (self.by_cat and pack_grads_by_cat(grads, out)):
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out)):
             pack_grads_rank_major(grads, self.geometries, self.offsets, out)
 
 

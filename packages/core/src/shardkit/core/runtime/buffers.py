@@ -19,7 +19,7 @@ __all__ = [
     "ShardGeometry",
     "copy_out_unsharded",
     "one_copy_numel",
-    "pack_grads_by_cat",
+    "pack_even_dim0_grads",
     "pack_grads_rank_major",
     "rank_major_view",
     "row_split",
@@ -304,14 +304,16 @@ def pack_grads_rank_major(
             _pack_uneven_dim0(grad, geo, block)
 
 
-def pack_grads_by_cat(grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> bool:
-    """Pack like :func:`pack_grads_rank_major` with one ``torch.cat``, where that is exact.
+def pack_even_dim0_grads(grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> bool:
+    """Pack like :func:`pack_grads_rank_major`, for even dim-0 shards only, with fewer ops.
 
-    For even dim-0 shards a gradient viewed as (W, shard_numel) has rank r's shard as row r,
-    so the (W, S) buffer is their concatenation along dim 1 (cast to ``out``'s dtype in the
-    same kernel): one op instead of a slice, views and a copy per parameter. The caller
-    vouches for the geometries: every one dim-0, even and non-empty, back to back from 0 with no
-    gaps, filling ``out``'s rows.
+    A gradient of an even dim-0 shard viewed as (W, shard_numel) has rank r's shard as row
+    r, so the (W, S) buffer is their concatenation along dim 1: one ``torch.cat`` where no
+    gradient needs a cast. Where one does, one copy per gradient of that flat (W, n) view:
+    measured faster than ``cat``'s casting path (bf16 gradients into fp32 rows, the FSDP1
+    script's groups: 2.0 ms against 2.3 ms a backward), and still without the general path's
+    per-shape views. The caller vouches for the geometries: every one dim-0, even and
+    non-empty, back to back from 0 with no gaps, filling ``out``'s rows.
 
     Returns:
         False, having written nothing, where the general path must pack: a missing
@@ -326,7 +328,14 @@ def pack_grads_by_cat(grads: Sequence[torch.Tensor | None], out: torch.Tensor) -
         parts.append(grad.reshape(world, -1))  # a view unless the gradient is not contiguous
     if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
         return False
-    torch.cat(parts, dim=1, out=out)
+    if all(part.dtype == out.dtype for part in parts):
+        torch.cat(parts, dim=1, out=out)
+        return True
+    column = 0
+    for part in parts:
+        width = part.shape[1]
+        out[:, column : column + width].copy_(part)
+        column += width
     return True
 
 
