@@ -66,6 +66,37 @@ def test_no_sync_accumulation_and_clipping_match_fsdp1(world_size: int, strategy
         assert out[f"shardkit/{name}_error"] == out[f"torch/{name}_error"]
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_clip_arithmetic_is_fsdp1s_bit_for_bit(norm_type: float) -> None:
+    # The batched (foreach) norms and scaling against torch FSDP1's own per-gradient code.
+    from torch.distributed.fsdp.fully_sharded_data_parallel import _get_grad_norm
+
+    from shardkit.legacy.grads import _norm, _scale
+
+    torch.manual_seed(0)
+    grads = [
+        (torch.randn(33, 7) * 5).bfloat16(),
+        torch.randn(1000),
+        torch.randn(5).half(),
+        torch.randn(8, 8).bfloat16(),
+    ]
+    if norm_type != math.inf:
+        grads.append(torch.zeros(0))  # an empty shard (the inf norm of one is an error)
+    params = [nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    zero = torch.tensor(0.0)
+    ours = _norm(grads, norm_type, zero)
+    theirs = _get_grad_norm(params, norm_type, zero, zero.device)
+    assert torch.equal(ours, theirs)
+    coefficient = torch.clamp(0.5 / (ours + 1e-6), max=1.0)
+    _scale(grads, coefficient)
+    for p, g in zip(params, grads, strict=True):
+        assert p.grad is not None
+        p.grad.mul_(coefficient.to(p.grad.device, p.grad.dtype))  # FSDP1's loop
+        assert torch.equal(g, p.grad)
+
+
 def _summon_body(rank: int, world_size: int) -> dict[str, Any]:
     run = LegacyRun(extra=ORIG)
     out: dict[str, Any] = {}

@@ -17,7 +17,11 @@ from shardkit.core.context import CommContext
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
-from shardkit.core.runtime.buffers import pack_grads_rank_major
+from shardkit.core.runtime.buffers import (
+    ShardGeometry,
+    pack_even_dim0_grads,
+    pack_grads_rank_major,
+)
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.dtensors import (
     dtensor_like,
@@ -38,6 +42,10 @@ class Packing:
     """Element offset of each parameter's padded shard within a row."""
     numel: int
     """S: one rank's padded shards of these parameters, back to back."""
+    geometries: tuple[ShardGeometry, ...]
+    """Each parameter's shard geometry."""
+    even_dim0: bool
+    """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
 
     @staticmethod
     def of(params: Sequence[FSDPParam]) -> Packing:
@@ -47,7 +55,15 @@ class Packing:
         for p in params:
             offsets.append(cursor)
             cursor += p.geometry.shard_numel
-        return Packing(tuple(params), tuple(offsets), cursor)
+        geometries = tuple(p.geometry for p in params)
+        # An empty gradient cannot be viewed as (W, -1): the general path packs those.
+        even_dim0 = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
+        return Packing(tuple(params), tuple(offsets), cursor, geometries, even_dim0)
+
+    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype."""
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out)):
+            pack_grads_rank_major(grads, self.geometries, self.offsets, out)
 
 
 @dataclass(slots=True)
@@ -154,7 +170,6 @@ class GroupReducer:
             comm.pending_reduces.append(AssignInPlace(self, owned))
             return
         packing = self._packing_of([p for p, _ in grads])
-        geometries = [p.geometry for p in packing.params]
         full = [g for _, g in grads]
         grads.clear()
         device = self.mesh_info.device
@@ -162,7 +177,7 @@ class GroupReducer:
         if world == 1:
             # Nothing to scatter: pack straight into the output.
             output = self._allocate_output(packing.numel)
-            pack_grads_rank_major(full, geometries, packing.offsets, output.view(1, -1))
+            packing.pack(full, output.view(1, -1))
             if self.pre_divide != 1:
                 output.div_(self.pre_divide)
             comm.pending_reduces.append(PendingReduce(self, packing, DoneHandle(), output, ()))
@@ -175,7 +190,7 @@ class GroupReducer:
             send = comm.pool.get(nbytes, device)
             pooled = (send,)
         rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
-        pack_grads_rank_major(full, geometries, packing.offsets, rows)
+        packing.pack(full, rows)
         full.clear()  # packed: the full gradients go before the output comes
         if self.pre_divide != 1:
             rows.div_(self.pre_divide)

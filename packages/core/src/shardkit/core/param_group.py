@@ -8,7 +8,7 @@ Parameters with all-gather hooks join the same all-gather: see [Note: all-gather
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel
+from shardkit.core.runtime.buffers import one_copy_numel
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
@@ -349,11 +349,16 @@ class FSDPParamGroup:
         self.unsharded.allocate(self.unsharded_layout, self.mesh_info.device)
         pf = self.post_forward
         from_pf = pending.from_post_forward and pf is not None
-        layout = pf.layout if from_pf and pf is not None else self.comm_layout
-        geometries: Iterable[tuple[int, ShardGeometry]] = (
-            enumerate(pf.geometries) if from_pf and pf is not None else self._flat_geometries
-        )
-        self.unsharded.copy_out(rows, layout, geometries, self.unsharded_layout)
+        if from_pf and pf is not None:
+            # Backward's gather within the post-forward subgroup: rare enough to copy per
+            # parameter (its padding differs from the group's own rows).
+            self.unsharded.copy_out_each(
+                rows, pf.layout, enumerate(pf.geometries), self.unsharded_layout
+            )
+        else:
+            self.unsharded.copy_out(
+                rows, self.comm_layout, self._flat_geometries, self.unsharded_layout
+            )
         if self._hooks is not None:
             self._hooks.finish_unshard(rows, self.layout)
         pending.handle.release()

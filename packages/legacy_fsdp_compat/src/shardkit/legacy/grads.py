@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardkit.legacy.comm import all_reduce
+from shardkit.legacy.torch_compat import foreach_mul_, foreach_norm
 from shardkit.legacy.units import unit_of
 
 __all__ = ["clip_grad_norm"]
@@ -57,8 +58,7 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
         total = total.cpu()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = sharded + whole
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    _scale(grads, coefficient)
     if not grads:
         return total
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
@@ -75,8 +75,28 @@ def _norm(grads: list[torch.Tensor], norm_type: float, zero: torch.Tensor) -> to
     # FSDP1's arithmetic: each gradient's norm in float32, then the norm of those norms.
     if not grads:
         return zero
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     total: torch.Tensor = torch.linalg.vector_norm(
-        torch.stack(norms), norm_type, dtype=torch.float32
+        torch.stack(_norms(grads, norm_type)), norm_type, dtype=torch.float32
     )
     return total.to(zero.device)
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's norm in float32, as ``torch.linalg.vector_norm`` gives it (bit for bit)."""
+    # On the CPU torch's foreach norm runs vector_norm per tensor, in one dispatch instead of
+    # one per gradient. Its fused CUDA kernel sums in another order: there the last bits
+    # could differ from FSDP1's per-gradient norms, so other devices keep vector_norm.
+    if all(g.device.type == "cpu" for g in grads):
+        return foreach_norm(grads, norm_type)
+    return [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+
+
+def _scale(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """Multiply every gradient by ``coefficient`` cast to its dtype first, as FSDP1 does."""
+    # One foreach multiply per (device, dtype) with one coefficient conversion each, rather
+    # than a conversion and a mul_ per gradient: an elementwise product rounds the same.
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), group in groups.items():
+        foreach_mul_(group, coefficient.to(device, dtype))

@@ -5,7 +5,9 @@ wrap policy still comes from ``torch.distributed.fsdp``. Such objects are transl
 name and field, into shardkit.legacy's own. Torch's policy objects decide their targets
 through a private method (``_run_policy``), the batch-norm base class FSDP1 keeps in full
 precision is private (``_BatchNorm``), and so is the activation-checkpoint wrapper's prefix;
-keeping each use here means a torch upgrade that changes them breaks one file.
+so are the ``torch._foreach_*`` ops that gradient clipping batches (torch's own
+``clip_grad_norm_`` uses them). Keeping each use here means a torch upgrade that changes them
+breaks one file.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "checkpoint_inner",
     "clean_name",
     "flat_sharded_tensor",
+    "foreach_mul_",
+    "foreach_norm",
     "is_torch_policy",
     "map_tensors",
     "renamed_keys",
@@ -105,6 +109,16 @@ def flat_sharded_tensor(
     shards = [Shard.from_tensor_and_offsets(local, [offset], rank)] if local.numel() else []
     tensor: ShardedTensor = init_from_local_shards(shards, numel, process_group=group)
     return tensor
+
+
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type`` norm in float32, in one dispatch."""
+    return list(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Multiply each tensor in place by the 0-dim ``scalar`` (of their device and dtype)."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def _is_torch_fsdp1(value: object) -> bool:
