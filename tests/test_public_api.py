@@ -40,6 +40,7 @@ EXPECTED = {
         "iter_full_state_dict",
         "layout_of",
         "load_full_state_dict",
+        "load_torch_file",
         "register_extension",
         "register_fsdp_forward_method",
         "save_full_state_dict",

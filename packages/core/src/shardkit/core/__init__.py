@@ -44,6 +44,7 @@ from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,
+    load_torch_file,
     save_full_state_dict,
     write_state_dict_file,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "iter_full_state_dict",
     "layout_of",
     "load_full_state_dict",
+    "load_torch_file",
     "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",

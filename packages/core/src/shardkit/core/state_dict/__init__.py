@@ -11,6 +11,7 @@
 The sharded state dict needs no code here: it is the sharded DTensors themselves.
 """
 
+from shardkit.core.state_dict.file_readers import load_torch_file
 from shardkit.core.state_dict.full import iter_full_state_dict
 from shardkit.core.state_dict.full_file import load_full_state_dict, save_full_state_dict
 from shardkit.core.state_dict.stream_file import write_state_dict_file
@@ -18,6 +19,7 @@ from shardkit.core.state_dict.stream_file import write_state_dict_file
 __all__ = [
     "iter_full_state_dict",
     "load_full_state_dict",
+    "load_torch_file",
     "save_full_state_dict",
     "write_state_dict_file",
 ]

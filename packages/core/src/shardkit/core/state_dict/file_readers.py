@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import struct
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol, cast
 
@@ -29,7 +30,13 @@ from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, for
 from shardkit.core.state_dict.safetensors_explain import explain_safetensors
 from shardkit.core.state_dict.torch_legacy import BoundedFile, check_storage_claims
 
-__all__ = ["SafetensorsReader", "StateDictReader", "TorchFileReader", "open_reader"]
+__all__ = [
+    "SafetensorsReader",
+    "StateDictReader",
+    "TorchFileReader",
+    "load_torch_file",
+    "open_reader",
+]
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
@@ -128,6 +135,34 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
         StateDictFileError: the file is not a readable torch.save file of a dict, or holds
             objects that only arbitrary unpickling could build.
     """
+    loaded = load_torch_file(path)
+    if not isinstance(loaded, dict):
+        raise StateDictFileError(
+            f"{path} holds a {type(loaded).__name__}, not a state dict (a dict of tensors)"
+        )
+    return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
+def load_torch_file(path: Path, *, safe_globals: Sequence[Any] = ()) -> Any:
+    """What an untrusted torch.save file holds, read with ``weights_only=True`` and checked.
+
+    Beyond what torch.load checks: a zip file's records are each checked against the archive
+    before it is memory-mapped (mapped, torch takes their offsets on trust), and a legacy
+    (pre-1.6) file's declared storages are added up against its size before torch allocates
+    them, its reads bounded by the file (a flipped bit in a length would otherwise allocate
+    gigabytes). Nothing in the file is ever run.
+
+    Args:
+        path: the file.
+        safe_globals: classes or functions beyond weights_only's own that the file may name,
+            as ``torch.serialization.safe_globals`` takes them (FSDP1's ShardedTensor records,
+            for instance).
+
+    Raises:
+        StateDictFileError: naming the file, when it is empty, truncated, damaged, or holds
+            objects that weights_only does not load.
+        OSError: the file cannot be opened.
+    """
     with open(path, "rb") as f:
         # The legacy format cannot be memory-mapped. The magic number, unlike
         # zipfile.is_zipfile, also tells a truncated zip file (no central directory) apart.
@@ -138,7 +173,8 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     if mappable:
         _check_zip_records(path, size)
     try:
-        loaded = _torch_load(path, size, mappable)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return _torch_load(path, size, mappable)
     except StateDictFileError:
         raise
     except pickle.UnpicklingError as error:
@@ -153,11 +189,6 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
             f"{path} is not a readable torch.save file ({kind} format, {size} bytes): "
             f"{type(error).__name__}: {first_sentence(str(error))}"
         ) from None
-    if not isinstance(loaded, dict):
-        raise StateDictFileError(
-            f"{path} holds a {type(loaded).__name__}, not a state dict (a dict of tensors)"
-        )
-    return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
 
 
 def _torch_load(path: Path, size: int, mappable: bool) -> Any:
