@@ -246,8 +246,7 @@ def _check_local_header(info: zipfile.ZipInfo, f: BinaryIO, size: int) -> None:
 
 
 def _reason(error: pickle.UnpicklingError) -> str:
-    """The line of torch's weights_only refusal that says what it refused."""
-    # The message is paragraphs of advice around one that names the refused global.
-    paragraphs = [p.strip() for p in str(error).split("\n\n") if p.strip()]
-    found = [p for p in paragraphs if "GLOBAL" in p]
-    return first_sentence((found or paragraphs or ["no reason given"])[0])
+    """The sentence of torch's weights_only refusal that says what it refused."""
+    # The message is advice around one line, "WeightsUnpickler error: <what was refused>".
+    _, found, rest = str(error).partition("WeightsUnpickler error:")
+    return first_sentence(" ".join((rest if found else str(error)).split())) or "no reason given"
