@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,11 +121,28 @@ def test_a_pickled_object_is_refused_not_run(
     state = torch.load(flat.folder / "full.pt", weights_only=True)
     torch.save({**state, "extra": Payload(marker)}, rank1)
     out = tmp_path / "out"
-    _refused(_local(flat), f"{rank1}: refused", out, capsys, "converted")
+    refused = f"{rank1} holds something other than tensors and plain containers"
+    _refused(_local(flat), refused, out, capsys, "converted")
     torch.save({**state, "extra": Payload(marker)}, flat.folder / "full.pt")
     full = ["full", str(flat.folder / "full.pt")]
     _refused(full, "Unsupported global", out, capsys, "model.safetensors")
     assert not marker.exists()
+
+
+def test_a_legacy_file_claiming_more_than_it_holds_is_refused(
+    flat: Fsdp1Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A FULL checkpoint in torch's pre-1.6 format, one storage's size damaged to claim 8 GiB:
+    # refused from the pickle's numbers, before torch would allocate it.
+    state = torch.load(flat.folder / "full.pt", weights_only=True)
+    path = tmp_path / "legacy.pt"
+    torch.save({**state, "marker": torch.zeros(12345)}, path, _use_new_zipfile_serialization=False)
+    count = b"M" + struct.pack("<H", 12345)  # BININT2: the storage's count, then the shape's
+    raw = path.read_bytes()
+    assert raw.count(count) == 2
+    path.write_bytes(raw.replace(count, b"J" + struct.pack("<i", 2**31 - 1), 1))
+    claimed = f"{path}: its storages declare"
+    _refused(["full", str(path)], claimed, tmp_path / "out", capsys, "model.safetensors")
 
 
 def test_full_mode_refuses_what_is_not_full(

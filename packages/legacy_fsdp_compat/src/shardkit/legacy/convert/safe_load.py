@@ -1,6 +1,8 @@
 """Reading FSDP1's files without unpickling anything but tensors and plain data.
 
-- torch.save files go through ``torch.load(weights_only=True)``, memory-mapped. LOCAL state
+- torch.save files go through the core's ``load_torch_file`` (``torch.load(weights_only=True)``,
+  memory-mapped once every zip record is checked; a legacy file's storage sizes checked
+  against the file before torch allocates them). LOCAL state
   dicts hold ShardedTensors, which weights_only refuses: they are allowed through
   ``torch.serialization.safe_globals`` as exactly the types their pickles name, with two
   stand-ins. A real ShardedTensor cannot be rebuilt here (its ``__setstate__`` wants the
@@ -27,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
+from shardkit.core import StateDictFileError
+from shardkit.core import load_torch_file as core_load_torch_file
 from shardkit.legacy.convert.plan import CheckpointError
 from shardkit.legacy.torch_compat import (
     SHARDED_TENSOR_CLASS,
@@ -117,7 +121,10 @@ class LocalShard:
 
 
 def load_torch_file(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)``, memory-mapped, ShardedTensors as records.
+    """``torch.load(path, weights_only=True)`` through the core's checked reader.
+
+    ShardedTensors load as records. The core checks a zip file's records before mapping it
+    and bounds a legacy file's declared storages by its size before torch allocates them.
 
     Raises:
         CheckpointError: naming the file, when it is missing, truncated or corrupt, or holds
@@ -137,25 +144,10 @@ def load_torch_file(path: Path) -> Any:
     if not mapped:
         logger.warning("%s: torch's legacy format (torch < 1.6): read whole, not mapped", path)
     try:
-        with torch.serialization.safe_globals(_LOCAL_STATE_DICT_TYPES):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-    except pickle.UnpicklingError as err:
-        reason = _weights_only_reason(str(err))
-        raise CheckpointError(
-            f"{path}: refused: it holds pickled objects that torch.load(weights_only=True) "
-            f"does not load, and shardkit-convert unpickles nothing else ({reason})"
-        ) from err
-    except Exception as err:  # torch's reader raises RuntimeError and others on bad bytes
-        raise CheckpointError(
-            f"{path}: cannot be read as a torch.save file (truncated or corrupt?): {err}"
-        ) from err
-
-
-def _weights_only_reason(message: str) -> str:
-    """The part of torch's weights_only error that says what was refused."""
-    _, found, reason = message.partition("WeightsUnpickler error:")
-    reason = reason.split("Check the documentation")[0] if found else message
-    return " ".join(reason.split()) or "no reason given"
+        return core_load_torch_file(path, safe_globals=_LOCAL_STATE_DICT_TYPES)
+    except StateDictFileError as err:
+        # The core's message names the file and says what is wrong, refusals included.
+        raise CheckpointError(str(err)) from err
 
 
 _DCP_CLASSES = {
