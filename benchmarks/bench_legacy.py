@@ -26,7 +26,7 @@ from harness.pool import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("torch", "shardkit")  # the peer first
-ROUNDS = 12
+ROUNDS = 24
 _STATE: dict[str, Any] = {}
 
 
