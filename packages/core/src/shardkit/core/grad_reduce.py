@@ -199,6 +199,21 @@ class GroupReducer:
         handle = comm.runtime.reduce_scatter(output, rows, group, label=self.label, custom=custom)
         comm.pending_reduces.append(PendingReduce(self, packing, handle, output, pooled))
 
+    def assign_or_start(
+        self,
+        grads: list[tuple[FSDPParam, torch.Tensor | None]],
+        comm: CommContext,
+        label: str = "",
+    ) -> None:
+        """Assign the full gradients now where they are the reduced shards, else ``start``."""
+        if self.mesh_info.shard_size == 1 and self._assigns_in_place(grads):
+            for p, grad in grads:
+                assert grad is not None  # checked by _assigns_in_place
+                self.assign_local(p, grad)
+            grads.clear()
+            return
+        self.start(grads, comm, label)
+
     def _allocate_output(self, numel: int) -> torch.Tensor:
         """This rank's reduced shard (S,): the user's memory with a custom reduce-scatter."""
         custom = self.options.custom_reduce_scatter

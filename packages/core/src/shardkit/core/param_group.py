@@ -81,6 +81,9 @@ class FSDPParamGroup:
         self.ensure_final_callback: Callable[[], None] = _nothing
         self.mp_policy = config.mp_policy
         self._expected_grads: int | None = None  # trainable parameters, counted per backward
+        # Set by the root each forward: the end-of-backward callback takes this group's
+        # gradients, none are counted. See [Note: post-backward trigger] (local tree).
+        self.grads_at_backward_end = False
         self._geometries = [p.geometry for p in params]
         # Parameters with all-gather hooks, and the rest: those in the flat buffers.
         device = self.mesh_info.device if self.offload else None
@@ -444,6 +447,8 @@ class FSDPParamGroup:
         # Runs after autograd accumulated one unsharded gradient; the last one triggers the
         # reduce-scatter as early as possible. See [Note: post-backward trigger].
         self.ensure_final_callback()
+        if self.grads_at_backward_end:
+            return  # a local tree: nothing to start early
         self._grads_ready += 1
         if self._expected_grads is None:
             self._expected_grads = len(self.trainable)
@@ -472,6 +477,23 @@ class FSDPParamGroup:
         if chosen:
             assert self.comm is not None
             self.reducer.start(chosen, self.comm, self.fqn)
+
+    def post_backward_at_end(self) -> None:
+        """A local tree's end of backward for this group.
+
+        The full gradients are this rank's reduced shards: assigned at once where nothing
+        changes them, not queued as reductions for the callback to finish right after.
+        See [Note: post-backward trigger] (local tree).
+        """
+        if not self.options.reduce_grads:
+            self.post_backward()
+            return
+        chosen = self._take_grads()
+        if self.options.reshard_after_backward:
+            self.reshard()
+        if chosen:
+            assert self.comm is not None
+            self.reducer.assign_or_start(chosen, self.comm, self.fqn)
 
     def _take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]]:
         """The gradients to reduce (none if no parameter got one), taken off the parameters.

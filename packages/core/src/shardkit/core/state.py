@@ -21,6 +21,7 @@ from shardkit.core import observe
 from shardkit.core.context import CommContext
 from shardkit.core.input_grads import InputGradsWatch
 from shardkit.core.local_step import restore_all
+from shardkit.core.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
@@ -62,6 +63,9 @@ class RootContext:
     backward_reaches: set[FSDPParamGroup] = field(default_factory=set)
     """Groups whose forward outputs need gradients: the only ones backward will unshard."""
     final_callback_queued: bool = False
+    local: bool = False
+    """This forward took the local path: only the root's hooks work, until backward's end
+    (see [Note: post-backward trigger] (local tree))."""
 
 
 class FSDPState:
@@ -147,12 +151,13 @@ class FSDPState:
         group = self.group
         # A forward inside backward is activation checkpointing's recomputation. Outside one, a
         # group left in PRE_BACKWARD is what a failed backward leaves: the root says so below.
-        recomputing = (
+        # In a local tree's forward, the root did this group's work.
+        nothing_to_do = self._in_local_forward() or (
             group is not None
             and group.training_state is TrainingState.PRE_BACKWARD
             and in_backward()
         )
-        if not recomputing:
+        if not nothing_to_do:
             self.lazy_init()
             if self.is_root:
                 self._root_pre_forward()
@@ -166,11 +171,22 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
+    def _in_local_forward(self) -> bool:
+        """Whether this (non-root) state's hooks have nothing to do: a local tree's forward."""
+        ctx = self.ctx
+        if ctx is None or not ctx.local or self.is_root or self._forward_pending:
+            return False
+        # Registered by the root's pre-forward; a state dict in between shows the shards.
+        return self.group is None or self.group.registered_unsharded
+
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
         restore_all()  # an optimizer step that raised left its optimizer on local tensors
         PROGRESS.enter("forward")
+        groups = self.groups
+        self.ctx.local = is_local_tree(groups)
+        enter_local_forward(groups, self.ctx.local)
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in self.groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
@@ -208,6 +224,12 @@ class FSDPState:
         group = self.group
         if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
             return output  # recomputation under activation checkpointing: keep parameters
+        if self._in_local_forward():
+            # The root's output hook queues the end-of-backward callback, which takes this
+            # group's gradients: no hook on this output.
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floats(output, self.mp_policy.output_dtype)
+            return output
         if group is not None:
             self._forward_pending.discard(id(module))
             if not self._forward_pending:
@@ -239,6 +261,8 @@ class FSDPState:
         # to that peak, so they go back to the allocator and backward keeps none.
         self.ctx.comm.pool.retain = False
         self.ctx.comm.pool.clear()
+        if self.ctx.local:
+            return  # every group stays unsharded: it is its shards
         # Groups that were prefetched but never ran, or list groups only partly run.
         for group in self.groups:
             policy = group.options.reshard_after_forward
@@ -317,9 +341,17 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         ctx.final_callback_queued = False
+        # A local tree's gradients are all taken here (none were counted), and assigned at
+        # once unless a later backward finalizes.
+        # See [Note: post-backward trigger] (local tree).
+        at_end = ctx.local and all(g.options.is_last_backward for g in self.groups)
+        ctx.local = False
         for group in self.groups:
             if group.training_state is TrainingState.PRE_BACKWARD or _has_unreduced(group):
-                group.post_backward()
+                if at_end:
+                    group.post_backward_at_end()
+                else:
+                    group.post_backward()
         if all(g.options.is_last_backward for g in self.groups):
             self.finish_reductions()
         for group in self.groups:
@@ -350,6 +382,7 @@ class FSDPState:
         self.ctx.post_forward_order.clear()
         self.ctx.backward_reaches.clear()
         self.ctx.final_callback_queued = False
+        self.ctx.local = False
         PROGRESS.enter("idle")
 
     # --- state dict -------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""A root whose every group is local: one rank, full parameters that are the shards.
+
+At world size 1 (and no cast, offload or post-forward slice), every group's full parameters
+view its shards (``FSDPParamGroup.aliases_shards``) and its reduction is the gradient itself:
+there is nothing to gather, free or communicate, only bookkeeping. The root then registers
+every group's full parameters once per forward, the other groups' hooks return at once, and
+the root's end-of-backward callback takes every group's gradients.
+See [Note: post-backward trigger] (local tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardkit.core import observe
+from shardkit.core.param_group import FSDPParamGroup
+
+__all__ = ["enter_local_forward", "is_local_tree"]
+
+
+def is_local_tree(groups: Sequence[FSDPParamGroup]) -> bool:
+    """Whether a forward of this root may take the local fast path now.
+
+    Decided at each root forward, as cheaply as the checks allow: the options and the
+    parameters' dtypes (which decide ``aliases_shards``) can change between steps. A forward
+    without gradients takes the usual path (it reshards at once), and so does one that
+    observers watch (they see every group's transitions).
+    """
+    if not torch.is_grad_enabled() or observe.has_subscribers():
+        return False
+    return all(g.aliases_shards and g.mesh_info.dp_size == 1 for g in groups)
+
+
+def enter_local_forward(groups: Sequence[FSDPParamGroup], local: bool) -> None:
+    """Tell every group how its gradients are taken in the coming backward.
+
+    On the local path, every group's full parameters are registered now (they are its
+    shards: no copy, no collective), and stay so until the end-of-backward callback.
+    """
+    for group in groups:
+        group.grads_at_backward_end = local
+        if local:
+            group.unshard()
+            group.wait_for_unshard()
