@@ -23,11 +23,7 @@ from shardkit.core.runtime.buffers import (
     pack_grads_rank_major,
 )
 from shardkit.core.runtime.collectives import DoneHandle
-from shardkit.core.runtime.dtensors import (
-    dtensor_like,
-    local_of,
-    run_post_accumulate_grad_hooks,
-)
+from shardkit.core.runtime.dtensors import accumulate_grads
 from shardkit.core.runtime.protocol import CollectiveHandle
 
 __all__ = ["AssignInPlace", "GroupReducer", "Packing", "PendingReduce"]
@@ -95,8 +91,7 @@ class AssignInPlace:
 
     def finish(self, comm: CommContext) -> None:
         """Assign each gradient to its sharded parameter."""
-        for p, grad in self.grads:
-            self.reducer.assign_local(p, grad)
+        accumulate_grads((p.sharded_param, grad) for p, grad in self.grads)
 
 
 class GroupReducer:
@@ -207,9 +202,8 @@ class GroupReducer:
     ) -> None:
         """Assign the full gradients now where they are the reduced shards, else ``start``."""
         if self.mesh_info.shard_size == 1 and self._assigns_in_place(grads):
-            for p, grad in grads:
-                assert grad is not None  # checked by _assigns_in_place
-                self.assign_local(p, grad)
+            # _assigns_in_place checked that every gradient is there.
+            accumulate_grads((p.sharded_param, grad) for p, grad in grads if grad is not None)
             grads.clear()
             return
         self.start(grads, comm, label)
@@ -292,9 +286,4 @@ class GroupReducer:
     @staticmethod
     def assign_local(p: FSDPParam, local: torch.Tensor) -> None:
         """Give ``p``'s sharded parameter the gradient ``local`` (its shard), or add it."""
-        param = p.sharded_param
-        if param.grad is None:
-            param.grad = dtensor_like(local, param)
-        else:
-            local_of(param.grad).add_(local)
-        run_post_accumulate_grad_hooks(param)
+        accumulate_grads(((p.sharded_param, local),))

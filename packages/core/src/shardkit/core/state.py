@@ -344,17 +344,18 @@ class FSDPState:
         # A local tree's gradients are all taken here (none were counted), and assigned at
         # once unless a later backward finalizes.
         # See [Note: post-backward trigger] (local tree).
-        at_end = ctx.local and all(g.options.is_last_backward for g in self.groups)
-        ctx.local = False
-        for group in self.groups:
+        groups = self.groups
+        last = all(g.options.is_last_backward for g in groups)
+        at_end, ctx.local = ctx.local and last, False
+        for group in groups:
             if group.training_state is TrainingState.PRE_BACKWARD or _has_unreduced(group):
                 if at_end:
                     group.post_backward_at_end()
                 else:
                     group.post_backward()
-        if all(g.options.is_last_backward for g in self.groups):
+        if last:
             self.finish_reductions()
-        for group in self.groups:
+        for group in groups:
             if group.options.reshard_after_backward:
                 group.reshard()
             group.training_state = TrainingState.IDLE

@@ -8,14 +8,16 @@ upgrade that changes them breaks one file.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
+    "accumulate_grads",
     "as_dtensor",
-    "run_post_accumulate_grad_hooks",
     "contiguous_strides",
     "dtensor_like",
     "local_of",
@@ -70,6 +72,28 @@ def _wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return wrapped
 
 
+def accumulate_grads(grads: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each DTensor parameter its paired local gradient (or add it), then run its hooks.
+
+    The gradient is wrapped with the parameter's own spec (no copy). Autograd never
+    accumulates into a sharded parameter (the unsharded one takes part in backward), so the
+    engine runs the hooks registered with ``register_post_accumulate_grad_hook`` itself, once
+    the gradient is there: optimizer-in-backward relies on them. torch keeps them in a
+    private dict. One loop for a whole group: the engine runs it for every parameter of
+    every step.
+    """
+    for param, local in grads:
+        grad = param.grad
+        if grad is None:
+            param.grad = _wrap(local, as_dtensor(param)._spec)
+        else:
+            local_of(grad).add_(local)
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(param)
+
+
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The local tensor a DTensor holds, itself (``to_local()`` would add an autograd view)."""
     local: torch.Tensor = as_dtensor(tensor)._local_tensor
@@ -84,15 +108,3 @@ def same_spec(a: DTensor, b: DTensor) -> bool:
 def set_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
     """Re-point a DTensor (a Parameter, kept by the optimizer) at a new local tensor."""
     as_dtensor(tensor)._local_tensor = local
-
-
-def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
-    """Run the hooks registered with ``param.register_post_accumulate_grad_hook``.
-
-    Autograd never accumulates into a sharded parameter (the unsharded one takes part in
-    backward), so the engine runs its hooks itself once the reduced gradient is assigned:
-    optimizer-in-backward relies on them. torch keeps them in a private dict.
-    """
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    for hook in tuple(hooks.values()):
-        hook(param)
