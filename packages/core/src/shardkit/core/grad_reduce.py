@@ -144,12 +144,16 @@ class GroupReducer:
         grads: list[tuple[FSDPParam, torch.Tensor | None]],
         comm: CommContext,
         label: str = "",
+        *,
+        assign_now: bool = False,
     ) -> None:
         """Pack the full gradients (None: zeros) and issue one reduction for them.
 
         ``grads`` is emptied once packed: the full gradients are freed (if nothing else holds
         them) before the output is allocated, so the three never peak together.
         ``label`` names the group's module to observers (known only after lazy init).
+        ``assign_now``: gradients that are their own reduction (see AssignInPlace) are
+        assigned at once rather than when the reduction would have finished.
         """
         self.label = label
         world = self.mesh_info.shard_size
@@ -162,7 +166,11 @@ class GroupReducer:
         if world == 1 and self._assigns_in_place(grads):
             owned = tuple((p, g) for p, g in grads if g is not None)
             grads.clear()
-            comm.pending_reduces.append(AssignInPlace(self, owned))
+            assigned = AssignInPlace(self, owned)
+            if assign_now:
+                assigned.finish(comm)
+            else:
+                comm.pending_reduces.append(assigned)
             return
         packing = self._packing_of([p for p, _ in grads])
         full = [g for _, g in grads]
@@ -193,20 +201,6 @@ class GroupReducer:
         group = self.options.reduce_scatter_group or self.mesh_info.shard_group
         handle = comm.runtime.reduce_scatter(output, rows, group, label=self.label, custom=custom)
         comm.pending_reduces.append(PendingReduce(self, packing, handle, output, pooled))
-
-    def assign_or_start(
-        self,
-        grads: list[tuple[FSDPParam, torch.Tensor | None]],
-        comm: CommContext,
-        label: str = "",
-    ) -> None:
-        """Assign the full gradients now where they are the reduced shards, else ``start``."""
-        if self.mesh_info.shard_size == 1 and self._assigns_in_place(grads):
-            # _assigns_in_place checked that every gradient is there.
-            accumulate_grads((p.sharded_param, grad) for p, grad in grads if grad is not None)
-            grads.clear()
-            return
-        self.start(grads, comm, label)
 
     def _allocate_output(self, numel: int) -> torch.Tensor:
         """This rank's reduced shard (S,): the user's memory with a custom reduce-scatter."""

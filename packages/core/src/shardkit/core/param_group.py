@@ -459,8 +459,14 @@ class FSDPParamGroup:
         ):
             self.post_backward()
 
-    def post_backward(self) -> None:
-        """Start reducing this group's gradients and reshard (per the options)."""
+    def post_backward(self, *, assign_now: bool = False) -> None:
+        """Start reducing this group's gradients and reshard (per the options).
+
+        Args:
+            assign_now: a local tree's end of backward: gradients that are their own
+                reduction are assigned at once, not queued for the callback to finish right
+                after. See [Note: post-backward trigger] (local tree).
+        """
         self.training_state = TrainingState.POST_BACKWARD
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "post_backward"))
@@ -476,24 +482,7 @@ class FSDPParamGroup:
             self.reshard()
         if chosen:
             assert self.comm is not None
-            self.reducer.start(chosen, self.comm, self.fqn)
-
-    def post_backward_at_end(self) -> None:
-        """A local tree's end of backward for this group.
-
-        The full gradients are this rank's reduced shards: assigned at once where nothing
-        changes them, not queued as reductions for the callback to finish right after.
-        See [Note: post-backward trigger] (local tree).
-        """
-        if not self.options.reduce_grads:
-            self.post_backward()
-            return
-        chosen = self._take_grads()
-        if self.options.reshard_after_backward:
-            self.reshard()
-        if chosen:
-            assert self.comm is not None
-            self.reducer.assign_or_start(chosen, self.comm, self.fqn)
+            self.reducer.start(chosen, self.comm, self.fqn, assign_now=assign_now)
 
     def _take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]]:
         """The gradients to reduce (none if no parameter got one), taken off the parameters.

@@ -349,10 +349,7 @@ class FSDPState:
         at_end, ctx.local = ctx.local and last, False
         for group in groups:
             if group.training_state is TrainingState.PRE_BACKWARD or _has_unreduced(group):
-                if at_end:
-                    group.post_backward_at_end()
-                else:
-                    group.post_backward()
+                group.post_backward(assign_now=at_end)
         if last:
             self.finish_reductions()
         for group in groups:
