@@ -188,7 +188,7 @@ class FSDPState:
         self.ctx.local = is_local_tree(groups)
         enter_local_forward(groups, self.ctx.local)
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
-        for group in self.groups:
+        for group in groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 group.reshard()  # its slices predate any optimizer step since: drop them
         if self.ctx.forward_order:
