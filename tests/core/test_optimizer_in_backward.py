@@ -56,3 +56,25 @@ def test_hooks_on_sharded_parameters_step_the_optimizer(world_size: int) -> None
         torch.testing.assert_close(ours["losses"], result[peer]["losses"])
         for name, value in ours["params"].items():
             torch.testing.assert_close(value, result[peer]["params"][name], msg=name)
+
+
+def _when_hooks_run(rank: int, world_size: int) -> list[str]:
+    model = models.build("mlp", seed=3)
+    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="mlp"))
+    events: list[str] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda param: events.append("hook"))
+    x, y = rank_batch("mlp", 0, rank, world_size, "shardkit")
+    x = x.clone().requires_grad_()
+    x.register_hook(lambda grad: events.append("input grad"))  # the last thing backward makes
+    models.loss_of("mlp", model(x), y).backward()
+    return events
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_hooks_run_as_each_group_finishes_backward(world_size: int) -> None:
+    # Optimizer-in-backward frees each gradient early to keep backward's peak low: the hooks
+    # of the groups nearest the output run before backward reaches the input, at W=1 too
+    # (where the engine otherwise takes every gradient at the end of backward).
+    events = run_on_ranks(world_size, _when_hooks_run)[0]
+    assert "input grad" in events and events[0] == "hook", events

@@ -16,6 +16,7 @@ import torch
 
 from shardkit.core import observe
 from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.runtime.dtensors import has_post_accumulate_grad_hooks
 
 __all__ = ["enter_local_forward", "is_local_tree"]
 
@@ -26,11 +27,18 @@ def is_local_tree(groups: Sequence[FSDPParamGroup]) -> bool:
     Decided at each root forward, as cheaply as the checks allow: the options and the
     parameters' dtypes (which decide ``aliases_shards``) can change between steps. A forward
     without gradients takes the usual path (it reshards at once), and so does one that
-    observers watch (they see every group's transitions).
+    observers watch (they see every group's transitions), and one whose parameters carry
+    post-accumulate-grad hooks (optimizer-in-backward).
     """
     if not torch.is_grad_enabled() or observe.has_subscribers():
         return False
-    return all(g.aliases_shards and g.mesh_info.dp_size == 1 for g in groups)
+    if not all(g.aliases_shards and g.mesh_info.dp_size == 1 for g in groups):
+        return False
+    # Optimizer-in-backward steps and frees each gradient as its group's backward ends, to
+    # keep backward's peak low: taking them all at the end would defeat it.
+    return not any(
+        has_post_accumulate_grad_hooks(p.sharded_param) for g in groups for p in g.params
+    )
 
 
 def enter_local_forward(groups: Sequence[FSDPParamGroup], local: bool) -> None:

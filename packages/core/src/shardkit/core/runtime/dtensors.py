@@ -20,6 +20,7 @@ __all__ = [
     "as_dtensor",
     "contiguous_strides",
     "dtensor_like",
+    "has_post_accumulate_grad_hooks",
     "local_of",
     "make_dtensor",
     "same_spec",
@@ -88,10 +89,15 @@ def accumulate_grads(grads: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None
             param.grad = _wrap(local, as_dtensor(param)._spec)
         else:
             local_of(grad).add_(local)
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        if hooks:
+        if has_post_accumulate_grad_hooks(param):
+            hooks = param._post_accumulate_grad_hooks
             for hook in tuple(hooks.values()):
                 hook(param)
+
+
+def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool:
+    """Whether hooks were registered with ``param.register_post_accumulate_grad_hook``."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
