@@ -244,12 +244,11 @@ class FSDPState:
     def _group_post_forward(self, group: FSDPParamGroup) -> None:
         assert self.ctx is not None
         policy = group.options.reshard_after_forward
-        if _stays_unsharded(group):
-            pass
-        elif policy is True:
-            group.reshard()
-        elif policy is not False:
-            group.reshard_post_forward()
+        if policy is not False and not _stays_unsharded(group):
+            if policy is True:
+                group.reshard()
+            else:
+                group.reshard_post_forward()
         group.training_state = TrainingState.IDLE
         self.ctx.post_forward_order.append(group)
         if observe.has_subscribers():
