@@ -6,13 +6,16 @@ built by each implementation side by side in the same pool workers. Rounds are p
 ``bench_train_step.py``: each runs one step of each, alternating which goes first, and the
 ratio is the median of per-round ratios. Peak RSS comes from one torchrun launch per
 implementation with MALLOC_MMAP_THRESHOLD_=65536. The target (issue 14) is at most 0.85 of
-FSDP1's step time; nothing is asserted on time (the machine is shared and noisy).
+FSDP1's step time; nothing is asserted on time (the machine is shared and noisy). The ratio
+sits within a few hundredths of the target, so the rounds are many (96) and the printed
+interval (a bootstrap of the median, 95%) says whether a run can tell the two apart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -26,7 +29,7 @@ from harness.pool import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("torch", "shardkit")  # the peer first
-ROUNDS = 24
+ROUNDS = 96
 _STATE: dict[str, Any] = {}
 
 
@@ -62,16 +65,26 @@ def test_fsdp1_step(benchmark: Any, scenario: str) -> None:
 
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=1)
     run_on_ranks(2, _teardown)
-    ratio = statistics.median(
-        ours / theirs for ours, theirs in zip(times["shardkit"], times["torch"], strict=True)
-    )
+    ratios = [ours / theirs for ours, theirs in zip(times["shardkit"], times["torch"], strict=True)]
     info: dict[str, Any] = {
         f"median_step_s_{impl}": statistics.median(t) for impl, t in times.items()
     }
-    info["ratio_vs_fsdp1"] = ratio
+    info["ratio_vs_fsdp1"] = statistics.median(ratios)
+    info["ratio_95_interval"] = _median_interval(ratios)
     info["scenario"] = scenario
     benchmark.extra_info.update(info)
-    sys.stdout.write(f"\nFSDP1 {scenario} step: {info} (target ratio <= 0.85)\n")
+    target = " (target ratio <= 0.85)" if scenario == "script" else ""
+    sys.stdout.write(f"\nFSDP1 {scenario} step: {info}{target}\n")
+
+
+def _median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (seeded: the same values, the same
+    interval)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def _peak_rss(impl: str) -> list[float]:
