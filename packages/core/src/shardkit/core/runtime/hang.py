@@ -8,10 +8,15 @@ has lasted ``SHARDKIT_HANG_TIMEOUT`` seconds (default 300) it logs a report and 
 process with :data:`HANG_EXIT_CODE`: what this rank waits on, its step and phase, the last
 collective every other rank reached (read from the store) and this process's Python stacks.
 The job ends in minutes with the rank that went astray named. See [Note: desync checks].
+
+The thread is stopped and joined at interpreter exit (``atexit``), before the interpreter
+tears down: a daemon thread caught inside a store call (C++, the GIL released) while the
+process destroys its C++ globals could crash a job that had finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -45,12 +50,14 @@ class HangWatch(threading.Thread):
         self._store = progress_store()
         self._posted = -1  # the progress version last posted
         self._exit = exit_process
+        self._stopping = threading.Event()
 
     def run(self) -> None:
-        """Post progress and check the current wait, once a second, until the process ends."""
+        """Post progress and check the current wait, once a second, until stopped."""
         while True:
             poll = min(_POLL_S, SETTINGS.hang_timeout_s / 4) if SETTINGS.hang_timeout_s else _POLL_S
-            time.sleep(poll)
+            if self._stopping.wait(poll):
+                return
             if not self._post():
                 return  # the store is gone (the process group was destroyed): nothing to do
             waiting = PROGRESS.waiting
@@ -63,6 +70,12 @@ class HangWatch(threading.Thread):
                 sys.stderr.flush()
                 self._exit(HANG_EXIT_CODE)
                 return
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the thread to end and wait for it (a store call in progress finishes first)."""
+        self._stopping.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout_s)
 
     def _post(self, *, force: bool = False) -> bool:
         """Post this rank's progress if it changed; False once the store is unreachable."""
@@ -149,9 +162,23 @@ _WATCH: list[HangWatch] = []  # the running watch, once started
 
 
 def ensure_watching() -> None:
-    """Start this process's hang watch if it should run and does not yet (cheap when it does)."""
-    if _WATCH or not SETTINGS.hang_timeout_s or world_size() < 2:
+    """Start this process's hang watch if it should run and does not yet (cheap when it does).
+
+    A watch that ended (its process group was destroyed, so its store went away) is replaced
+    when collectives start again on a new one.
+    """
+    if _WATCH and _WATCH[0].is_alive():
         return
+    if not SETTINGS.hang_timeout_s or world_size() < 2:
+        return
+    if not _WATCH:
+        atexit.register(_stop_watching)
     watch = HangWatch()
-    _WATCH.append(watch)
+    _WATCH[:] = [watch]
     watch.start()
+
+
+def _stop_watching() -> None:
+    """At exit: end the watch before the interpreter and the C++ runtime tear down."""
+    for watch in _WATCH:
+        watch.stop()
