@@ -5,7 +5,7 @@ fully_shard``: same signature, same semantics, our own engine.
 """
 
 from shardkit.core.__about__ import __version__
-from shardkit.core.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from shardkit.core.api import fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import (
     CheckpointLoadError,
     CheckpointManager,
@@ -26,6 +26,7 @@ from shardkit.core.errors import (
     UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
+from shardkit.core.fsdp_module import FSDPModule, UnshardHandle
 from shardkit.core.full_params import full_params
 from shardkit.core.layout import layout_of
 from shardkit.core.observe import (

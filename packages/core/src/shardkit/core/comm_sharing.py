@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkit.core.context import CommContext
-from shardkit.core.state import FSDPState, new_comm_context, state_of
+from shardkit.core.state import FSDPState, new_comm_context
+from shardkit.core.state_registry import state_of
 
 __all__ = ["share_comm_ctx"]
 
@@ -25,7 +26,7 @@ def share_comm_ctx(modules: Sequence[Any]) -> None:
     Raises:
         ValueError: an element is not a module sharded with shardkit's ``fully_shard``.
     """
-    from shardkit.core.api import FSDPModule
+    from shardkit.core.fsdp_module import FSDPModule
 
     for module in modules:
         if not isinstance(module, FSDPModule):

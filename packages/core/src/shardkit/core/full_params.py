@@ -26,8 +26,8 @@ from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.runtime.groups import global_rank
-from shardkit.core.state import is_managed, state_of, states_under
 from shardkit.core.state_dict.full import coordinator_rank, dp_pieces, gather_rows
+from shardkit.core.state_registry import is_managed, state_of, states_under
 from shardkit.core.states import TrainingState
 
 __all__ = ["full_params"]

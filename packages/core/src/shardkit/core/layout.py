@@ -32,7 +32,7 @@ from shardkit.core.group_layout import (
     pooled_sizes,
 )
 from shardkit.core.param import ParamSlot
-from shardkit.core.state import states_under
+from shardkit.core.state_registry import states_under
 
 __all__ = [
     "ALIGN_BYTES",

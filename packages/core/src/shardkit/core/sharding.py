@@ -20,7 +20,7 @@ from shardkit.core.extensions import extension_for
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param import FSDPParam, ParamSlot, Sharding
 from shardkit.core.spmd import check_spmd_param, spmd_sharding
-from shardkit.core.state import is_managed
+from shardkit.core.state_registry import is_managed
 
 __all__ = [
     "check_hooked_params",

@@ -7,7 +7,6 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
+from shardkit.core.state_registry import states_under
 from shardkit.core.states import ShardedState, TrainingState
 from shardkit.core.usage_checks import (
     check_backward_finished,
@@ -39,10 +39,6 @@ __all__ = [
     "FSDPState",
     "RootContext",
     "new_comm_context",
-    "is_managed",
-    "register_state",
-    "state_of",
-    "states_under",
 ]
 
 logger = logging.getLogger(__name__)
@@ -456,43 +452,3 @@ def new_comm_context() -> CommContext:
     """A communication context on c10d process groups (the default runtime)."""
     runtime = ProcessGroupRuntime()
     return CommContext(runtime=runtime, pool=runtime.pool)
-
-
-# --- which state manages which module ----------------------------------------------------
-
-# Weak keys: a sharded module that the user drops takes its state with it.
-_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
-# Which FSDPState manages which module: the one table fully_shard writes. The layout view and
-# the state-dict code find a model's groups through it.
-
-
-def register_state(module: nn.Module, state: FSDPState) -> None:
-    """Record that ``state`` manages ``module``."""
-    _STATES[module] = state
-
-
-def is_managed(module: nn.Module) -> bool:
-    """Whether a ``fully_shard`` call manages ``module`` itself."""
-    return module in _STATES
-
-
-def state_of(module: nn.Module) -> FSDPState:
-    """The state managing ``module``.
-
-    Raises:
-        RuntimeError: ``module`` is not managed by shardkit's ``fully_shard``.
-    """
-    state = _STATES.get(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
-    return state
-
-
-def states_under(module: nn.Module) -> list[FSDPState]:
-    """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
-    seen: dict[int, FSDPState] = {}
-    for sub in module.modules():
-        state = _STATES.get(sub)
-        if state is not None:
-            seen.setdefault(id(state), state)
-    return list(seen.values())

@@ -25,8 +25,8 @@ from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
 from shardkit.core.runtime.groups import global_rank
-from shardkit.core.state import is_managed, states_under
 from shardkit.core.state_dict.validation import param_keys
+from shardkit.core.state_registry import is_managed, states_under
 
 __all__ = [
     "FullStateDictPlan",
