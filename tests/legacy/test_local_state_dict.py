@@ -171,3 +171,23 @@ def test_a_state_dict_that_does_not_fit_is_refused_alike_on_every_rank(world_siz
         (message,) = messages
         assert words in message and not message.startswith("written"), (case, message)
     assert all(out["loads"] == "True" for out in results)
+
+
+def _subgroup_body(rank: int, world_size: int) -> str:
+    """A model on ranks 0 and 1 only; ranks 2 and 3 take no part in its state dicts."""
+    group = dist.new_group([0, 1])
+    if rank >= 2:
+        return "not a member"
+    model = wrap_model("shardkit", LegacyRun(model="mlp", extra={"process_group": group}))
+    good = state_dict_of("shardkit", model, "LOCAL_STATE_DICT")
+    bad = {k: v for k, v in good.items() if k != "blocks.0._flat_param"}
+    return _refused(model, bad)
+
+
+def test_a_model_on_a_subgroup_is_refused_alike_without_the_other_ranks() -> None:
+    # The members agree among themselves: before, they waited for ranks that never came.
+    results = run_on_ranks(4, _subgroup_body, timeout_s=120)
+    assert results[2:] == ["not a member", "not a member"]
+    assert results[0] == results[1], results
+    assert results[0].startswith("rank 0: LOCAL_STATE_DICT entry blocks.0._flat_param"), results
+    assert "missing" in results[0]

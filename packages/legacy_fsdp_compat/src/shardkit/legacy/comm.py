@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "all_reduce",
@@ -21,6 +22,7 @@ __all__ = [
     "first_error",
     "group_rank",
     "group_size",
+    "mesh_ranks_group",
 ]
 
 
@@ -88,14 +90,31 @@ def all_to_all(
     return received
 
 
-def first_error(message: str | None) -> str | None:
-    """The first rank's error message among every rank's (None: no rank failed).
+def mesh_ranks_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """A group of every rank of ``mesh``, the ranks that call into a model sharded over it.
 
-    Every rank of the world calls it, so that ranks whose own checks passed raise too
-    instead of going on to a collective that the failed ranks never enter.
+    None is the world: a mesh over every rank, or a 2-D (hybrid) mesh over some of them, for
+    which no one group exists (those calls must then be made by every rank of the world).
     """
-    if dist.get_world_size() == 1:
+    if mesh.size() == dist.get_world_size():
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return None
+
+
+def first_error(message: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """The first rank's error message among every rank's of ``group`` (None: no rank failed).
+
+    Every rank of ``group`` (default: the world) calls it, so that ranks whose own checks
+    passed raise too instead of going on to a collective that the failed ranks never enter.
+    Ranks are named by their global rank.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
         return message
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    return next((f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None), None)
+    messages: list[str | None] = [None] * size
+    dist.all_gather_object(messages, message, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    failed = ((r, m) for r, m in zip(ranks, messages, strict=True) if m is not None)
+    return next((f"rank {r}: {m}" for r, m in failed), None)

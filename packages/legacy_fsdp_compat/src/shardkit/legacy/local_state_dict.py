@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.legacy.comm import first_error
+from shardkit.legacy.comm import first_error, mesh_ranks_group
 from shardkit.legacy.configs import StateDictConfig
 from shardkit.legacy.local_units import LocalUnit, local_units
 from shardkit.legacy.raw_state import RawState
@@ -81,7 +81,8 @@ class LocalStateDict:
             mine = None
         except ValueError as error:
             mine = str(error)
-        shared = first_error(mine)
+        # Agreed among the model's ranks only: on a subgroup the others never call this.
+        shared = first_error(mine, mesh_ranks_group(unit_of(wrapper).unit.mesh))
         if shared is not None:
             raise ValueError(shared)
         out: dict[str, Any] = {}
