@@ -104,7 +104,7 @@ def mesh_ranks_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 
 
 def first_error(message: str | None, group: dist.ProcessGroup | None = None) -> str | None:
-    """The first rank's error message among every rank's of ``group`` (None: no rank failed).
+    """The first failed rank's error message among the ranks of ``group`` (None: none failed).
 
     Every rank of ``group`` (default: the world) calls it, so that ranks whose own checks
     passed raise too instead of going on to a collective that the failed ranks never enter.
