@@ -71,6 +71,8 @@ def test_fsdp1_step(benchmark: Any, scenario: str) -> None:
     }
     info["ratio_vs_fsdp1"] = statistics.median(ratios)
     info["ratio_95_interval"] = _median_interval(ratios)
+    info["subject"] = "shardkit"  # the ratio is ours against the peer: bench-compare guards it
+    info["method"] = f"paired{ROUNDS}"
     info["scenario"] = scenario
     benchmark.extra_info.update(info)
     target = " (target ratio <= 0.85)" if scenario == "script" else ""

@@ -16,7 +16,13 @@ import statistics
 import sys
 from pathlib import Path
 
-RATIO_KEYS = ("ratio_vs_peer", "peak_rss_ratio_vs_peer", "time_ratio_vs_torch")
+RATIO_KEYS = (
+    "ratio_vs_peer",
+    "peak_rss_ratio_vs_peer",
+    "time_ratio_vs_torch",
+    "ratio_vs_fsdp1",
+    "peak_rss_ratio_vs_fsdp1",
+)
 
 
 def _ratios(path: Path) -> dict[str, float]:
