@@ -72,17 +72,22 @@ def _both(rank: int, world_size: int, optimizer: str) -> dict[str, Any]:
     return {impl: _train(impl, rank, world_size, optimizer) for impl in ("shardkit", "torch")}
 
 
+def _assert_same_params_and_state(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Parameters and optimizer state equal bit for bit (``theirs``: torch's run)."""
+    for name, value in theirs["params"].items():
+        assert torch.equal(ours["params"][name], value), name
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            assert torch.equal(ours["state"][index][key], value), (index, key)
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_matches_torch_bit_for_bit(world_size: int, optimizer: str) -> None:
     result = run_on_ranks(world_size, _both, optimizer=optimizer)[0]
     ours, torch_ = result["shardkit"], result["torch"]
-    for name, value in torch_["params"].items():
-        assert torch.equal(ours["params"][name], value), name
-    assert ours["state"].keys() == torch_["state"].keys()
-    for index, state in torch_["state"].items():
-        for key, value in state.items():
-            assert torch.equal(ours["state"][index][key], value), (index, key)
+    _assert_same_params_and_state(ours, torch_)
     # Outside step() the optimizer holds the same parameters and DTensor state as torch's.
     assert ours["state_types"] == torch_["state_types"]
     assert "DTensor" in ours["state_types"]
@@ -185,9 +190,4 @@ def test_changes_between_steps_are_seen(world_size: int) -> None:
     # holds between steps must still reach the step, as it does on torch's DTensors.
     ours = run_on_ranks(world_size, _edited_between_steps, impl="shardkit")[0]
     theirs = run_on_ranks(world_size, _edited_between_steps, impl="torch")[0]
-    for name, value in theirs["params"].items():
-        assert torch.equal(ours["params"][name], value), name
-    assert ours["state"].keys() == theirs["state"].keys()
-    for index, state in theirs["state"].items():
-        for key, value in state.items():
-            assert torch.equal(ours["state"][index][key], value), (index, key)
+    _assert_same_params_and_state(ours, theirs)
