@@ -13,11 +13,14 @@ import torch
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+# Positional like torch's dataclasses (``MixedPrecisionPolicy(torch.bfloat16, torch.float32)``
+# is valid torch code), hence not kw_only; frozen all the same.
+@dataclass(frozen=True, slots=True)
 class MixedPrecisionPolicy:
     """Which dtypes parameters, gradients and outputs take during training.
 
     The sharded parameters (what the optimizer sees) always keep their original dtype.
+    Arguments may be positional, in torch's order.
     """
 
     param_dtype: torch.dtype | None = None
@@ -41,12 +44,12 @@ class MixedPrecisionPolicy:
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating dtype: {value}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class OffloadPolicy:
     """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients on the CPU; copy to the device only to gather.
 

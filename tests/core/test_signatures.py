@@ -1,0 +1,117 @@
+"""shardkit.core's public signatures against torch.distributed.fsdp's, by ``inspect.signature``.
+
+Code written for torch's ``fully_shard`` calls ours with the same arguments, positional ones
+included, so each public function, class and ``FSDPModule`` method must take the same
+parameters in the same order, of the same kinds, with the same defaults. Annotations are not
+compared: ours name shardkit's types (or ``Any`` where torch's is a CUDA type) and torch's are
+strings. A parameter shardkit adds must be keyword-only, after all of torch's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+
+import shardkit.core
+
+_FREE_NAMES = [
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+]
+
+# Public callables ours has and torch's FSDPModule does not, each with the reason.
+_OURS_ONLY_METHODS = {
+    # nn.Module's own method, overridden to check every key before writing any; its
+    # signature is compared with nn.Module's below.
+    "load_state_dict": nn.Module.load_state_dict,
+}
+
+
+def _params(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    sig = inspect.signature(fn)
+    # Defaults by repr: a policy default is our class on one side and torch's on the other,
+    # equal when the class name and every field are.
+    return [(p.name, p.kind, repr(p.default)) for p in sig.parameters.values()]
+
+
+def _problems(ours: Callable[..., Any], theirs: Callable[..., Any]) -> list[str]:
+    """How ``ours`` differs from ``theirs`` beyond keyword-only additions at the end."""
+    mine, torchs = _params(ours), _params(theirs)
+    problems = [
+        f"parameter {i}: ours {m}, torch's {t}"
+        for i, (m, t) in enumerate(zip(mine, torchs, strict=False))
+        if m != t
+    ]
+    if len(mine) < len(torchs):
+        problems.append(f"ours lacks {[t[0] for t in torchs[len(mine) :]]}")
+    for name, kind, default in mine[len(torchs) :]:
+        if kind is not inspect.Parameter.KEYWORD_ONLY or default == repr(inspect.Parameter.empty):
+            problems.append(f"added parameter {name} must be keyword-only with a default")
+    return problems
+
+
+@pytest.mark.parametrize("name", _FREE_NAMES)
+def test_functions_and_classes_match_torch(name: str) -> None:
+    ours, theirs = getattr(shardkit.core, name), getattr(torch_fsdp, name)
+    assert _problems(ours, theirs) == [], name
+
+
+def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    return {
+        n: v
+        for n, v in vars(cls).items()
+        if not n.startswith("_") and callable(v) and not isinstance(v, type)
+    }
+
+
+def test_fsdp_module_has_torchs_methods_and_no_others() -> None:
+    ours = set(_public_methods(shardkit.core.FSDPModule))
+    theirs = set(_public_methods(torch_fsdp.FSDPModule))
+    assert sorted(theirs - ours) == []
+    assert sorted(ours - theirs) == sorted(_OURS_ONLY_METHODS)
+
+
+@pytest.mark.parametrize("name", sorted(_public_methods(torch_fsdp.FSDPModule)))
+def test_fsdp_module_methods_match_torch(name: str) -> None:
+    ours = getattr(shardkit.core.FSDPModule, name)
+    assert _problems(ours, getattr(torch_fsdp.FSDPModule, name)) == [], name
+
+
+@pytest.mark.parametrize("name", sorted(_OURS_ONLY_METHODS))
+def test_overridden_module_methods_keep_nn_modules_signature(name: str) -> None:
+    ours = getattr(shardkit.core.FSDPModule, name)
+    assert _problems(ours, _OURS_ONLY_METHODS[name]) == [], name
+
+
+def test_unshard_handle_wait_matches_torch() -> None:
+    # Users only receive handles (from unshard(async_op=True)), so only the methods count:
+    # torch's public UnshardHandle has no constructor of its own and ours takes the group.
+    assert set(_public_methods(shardkit.core.UnshardHandle)) == set(
+        _public_methods(torch_fsdp.UnshardHandle)
+    )
+    assert _problems(shardkit.core.UnshardHandle.wait, torch_fsdp.UnshardHandle.wait) == []
+
+
+def test_policies_take_positional_arguments_as_torchs_do() -> None:
+    ours = shardkit.core.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    theirs = torch_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+    assert shardkit.core.CPUOffloadPolicy(False).pin_memory is False
+    assert shardkit.core.DataParallelMeshDims("dp", "rep").replicate == "rep"
+
+
+def test_policies_stay_frozen() -> None:
+    policy = shardkit.core.MixedPrecisionPolicy(torch.bfloat16)
+    with pytest.raises(AttributeError):
+        policy.param_dtype = torch.float32  # type: ignore[misc]
