@@ -138,15 +138,17 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if is_managed(m):
             raise FullyShardUsageError(
-                "fully_shard has already been applied to the following module: "
-                f"{name}; apply it once per module"
+                "Each distinct composable distributed API can only be applied to a module "
+                "once. fully_shard has already been applied to the following module:\n"
+                f"{m}\nshardkit: apply fully_shard once per module ({name})"
             )
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
         if type(m).forward is nn.Module.forward:
             raise ValueError(
                 "fully_shard does not support containers that do not implement forward: "
-                f"{name} has no forward; apply fully_shard to the modules inside it"
+                f"{m}\nshardkit: {name} has no forward; apply fully_shard to the modules "
+                "inside it"
             )
 
 

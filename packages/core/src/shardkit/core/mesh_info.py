@@ -87,6 +87,6 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
             device,
         )
     raise ValueError(
-        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh ({mesh}); "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, a {mesh.ndim}-D mesh; "
         "for tensor parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
     )

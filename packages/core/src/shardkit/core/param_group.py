@@ -69,6 +69,8 @@ class FSDPParamGroup:
         self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload and getattr(config.offload_policy, "pin_memory", False)
         self.fqn = ""  # set at the root's lazy init, for messages and profiles
+        # Named from the root at its lazy init, as torch names them in messages.
+        self.param_fqns = [p.fqn for p in params]
         self.comm: CommContext | None = None  # set at the root's lazy init
         self.sharded_state = ShardedState.SHARDED
         self._training_state = TrainingState.IDLE
@@ -288,12 +290,12 @@ class FSDPParamGroup:
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
         if self.sharded_buffer.is_meta:
-            names = [p.fqn for p in self.params]
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {names}. FSDP module "
-                f"{self.fqn or '<root>'}: call module.to_empty(device=...) and initialise "
-                "them first"
+                f"but the following were still on meta device: {self.param_fqns}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values. "
+                f"(FSDP module {self.fqn or '<root>'})"
             )
 
     def unshard(self) -> None:

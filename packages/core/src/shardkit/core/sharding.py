@@ -214,7 +214,7 @@ def _check_params(
         if param.dim() == 0:
             raise ValueError(
                 "fully_shard doesn't support scalar parameters. Change "
-                f"{name} to a 1D tensor with numel equal to 1 (or pass it in ignored_params)"
+                f"{name} to a 1D tensor with numel equal to 1. Or pass it in ignored_params."
             )
         devices.setdefault(param.device, name)
     if len(devices) > 1:

@@ -115,6 +115,7 @@ class FSDPState:
             comm = new_comm_context()
         ctx = RootContext(states=states, comm=comm)
         names = {id(m): name for name, m in root_module.named_modules()}
+        param_names = {id(p): name for name, p in root_module.named_parameters()}
         for state in states:
             if state is not self:
                 state.is_root = False
@@ -123,6 +124,9 @@ class FSDPState:
             group = state.group
             if group is not None:
                 group.fqn = state.fqn
+                group.param_fqns = [
+                    param_names.get(id(p.sharded_param), p.fqn) for p in group.params
+                ]
                 group.attach_comm(ctx.comm)
                 group.ensure_final_callback = self._ensure_final_callback
                 group.resync_sharded_storage()
