@@ -94,6 +94,12 @@ class Unit:
     has_params: bool
     """Whether its own group has parameters."""
     use_orig_params: bool
+    backward_prefetch: BackwardPrefetch | None
+    """FSDP1's argument, kept for its attribute: the engine always prefetches the next group."""
+    forward_prefetch: bool
+    """FSDP1's argument, kept for its attribute."""
+    limit_all_gathers: bool
+    """FSDP1's argument, kept for its attribute: buffers come from a bounded pool anyway."""
 
 
 def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]) -> Unit:
@@ -119,11 +125,10 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
     if args.sync_module_states:
         _sync(own, ignored_params, mesh)
     core = core_args(strategy, mesh, args.mixed_precision, args.cpu_offload)
-    if managed or type(module).forward is not nn.Module.forward:
-        # A container with no forward and no parameters of its own (an auto-wrapped
-        # ModuleList) never runs: there is nothing for a group to do.
+    sharded_modules = _group_modules(module, own, {id(p) for p in managed})
+    if sharded_modules:
         fully_shard(
-            module,
+            sharded_modules,
             mesh=core.mesh,
             reshard_after_forward=core.reshard_after_forward,
             mp_policy=core.mp_policy,
@@ -132,8 +137,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         )
     mp = args.mixed_precision
     if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
-        sharded = [p for m in own for p in m.parameters(recurse=False) if p not in ignored_params]
-        _round_grads(sharded, mp.param_dtype)
+        _round_grads(_sharded_params(own, ignored_params), mp.param_dtype)
     shard_group = mesh.get_group(mesh.ndim - 1)
     return Unit(
         strategy=strategy,
@@ -148,7 +152,56 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         ignored_params=frozenset(ignored_params),
         has_params=bool(managed),
         use_orig_params=args.use_orig_params,
+        backward_prefetch=args.backward_prefetch,
+        forward_prefetch=args.forward_prefetch,
+        limit_all_gathers=args.limit_all_gathers,
     )
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _group_modules(
+    module: nn.Module, own: list[nn.Module], managed: set[int]
+) -> nn.Module | list[nn.Module]:
+    """What the unit's group hooks: the module, or the modules that run for it.
+
+    FSDP1 wraps a container with no forward of its own (an ``nn.ModuleList`` that a policy
+    picked, say) and its parent then calls the modules inside it. The engine's hooks sit on
+    forwards, so the group is then the outermost modules of the unit that have one; a
+    container with no parameters to shard gives no group at all (an empty list).
+
+    Raises:
+        ValueError: a module with no forward holds parameters itself: nothing would gather
+            them before use.
+    """
+    if _has_forward(module):
+        return module
+    allowed = {id(m) for m in own}
+    found: list[nn.Module] = []
+    queue = [module]
+    while queue:
+        container = queue.pop(0)
+        if any(id(p) in managed for p in container.parameters(recurse=False)):
+            raise ValueError(
+                f"FullyShardedDataParallel cannot shard {type(container).__name__}'s own "
+                "parameters: it has no forward, so nothing would gather them before they are "
+                "used; wrap the module that uses them instead"
+            )
+        for child in container.children():
+            if id(child) not in allowed:
+                continue
+            if not _has_forward(child):
+                queue.append(child)
+            elif any(id(p) in managed for p in child.parameters()):
+                found.append(child)
+    return found
+
+
+def _sharded_params(own: list[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters of ``own`` that the unit's group manages (after sharding: the DTensors)."""
+    return [p for m in own for p in m.parameters(recurse=False) if p not in ignored]
 
 
 def _round_grads(params: list[nn.Parameter], dtype: torch.dtype) -> None:

@@ -10,8 +10,11 @@ too. The root is never a target: the wrapper the user builds is its unit.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,10 +29,12 @@ __all__ = [
     "WrapPolicy",
     "always_wrap_policy",
     "auto_wrap_targets",
+    "enable_wrap",
     "keep_full_precision",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
+    "wrap",
 ]
 
 Targets = dict[nn.Module, dict[str, Any]]
@@ -157,6 +162,58 @@ def size_based_auto_wrap_policy(
 # FSDP1's public attributes of the function: code reads and changes them.
 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
 size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class _ManualWrap:
+    """What ``wrap`` does inside ``enable_wrap``: the wrapper class and its arguments."""
+
+    wrapper_cls: Callable[..., nn.Module]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# A context variable rather than a global: threads (ranks as threads) do not see each
+# other's contexts.
+_MANUAL_WRAP: ContextVar[_ManualWrap | None] = ContextVar("shardkit_manual_wrap", default=None)
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, None, None]:
+    """Within the block, :func:`wrap` wraps modules with ``wrapper_cls(module, **kwargs)``.
+
+    FSDP1's manual wrapping: build a model with ``wrap(layer)`` around the layers that should
+    be units of their own; outside the block the same code builds the plain model.
+
+    Args:
+        wrapper_cls: the wrapper, ``FullyShardedDataParallel`` typically.
+        **wrapper_kwargs: the wrapper's arguments for every ``wrap`` in the block.
+
+    Raises:
+        NotImplementedError: the block is inside another one (FSDP1 does not nest them).
+    """
+    if _MANUAL_WRAP.get() is not None:
+        raise NotImplementedError(
+            "enable_wrap is already active: nested enable_wrap blocks are not supported (as in "
+            "FSDP1); pass different arguments to wrap() instead"
+        )
+    token = _MANUAL_WRAP.set(_ManualWrap(wrapper_cls, dict(wrapper_kwargs)))
+    try:
+        yield
+    finally:
+        _MANUAL_WRAP.reset(token)
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """``module`` wrapped as :func:`enable_wrap` says, or ``module`` itself outside of it.
+
+    Args:
+        module: the module to make a unit of its own.
+        **wrap_overrides: arguments that replace ``enable_wrap``'s for this module.
+    """
+    manual = _MANUAL_WRAP.get()
+    if manual is None:
+        return module
+    return manual.wrapper_cls(module, **{**manual.kwargs, **wrap_overrides})
 
 
 def auto_wrap_targets(

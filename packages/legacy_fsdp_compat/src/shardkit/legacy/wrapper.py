@@ -138,6 +138,29 @@ class FullyShardedDataParallel(nn.Module):
         return unit_of(self).unit.process_group
 
     @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        """FSDP1's argument as given (the engine prefetches the next group in any case)."""
+        return unit_of(self).unit.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """FSDP1's argument as given."""
+        return unit_of(self).unit.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        """FSDP1's argument as given (the engine's buffers come from a bounded pool)."""
+        return unit_of(self).unit.limit_all_gathers
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this unit's own group shards (FSDP1: its flat parameters)."""
+        state = unit_of(self)
+        ignored = state.unit.ignored_params
+        own = own_modules(state.module, set(state.unit.ignored_modules), FullyShardedDataParallel)
+        return [p for m in own for p in m.parameters(recurse=False) if p not in ignored]
+
+    @property
     def compute_device(self) -> torch.device:
         """The device forward and backward run on."""
         return unit_of(self).unit.device
