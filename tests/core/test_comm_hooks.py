@@ -111,3 +111,60 @@ def _refusals_body(rank: int, world_size: int) -> list[str]:
         except (TypeError, ValueError) as error:
             seen.append(type(error).__name__)
     return seen
+
+
+def _hook_stream_body(rank: int, world_size: int, hsdp: bool) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.core import models
+    from tests.core.parity import fully_shard_of
+
+    device_module = torch.get_device_module("cpu")
+    out: dict[str, Any] = {}
+    for impl in ("torch", "shardkit"):
+        fs = fully_shard_of(impl)
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
+        model: Any = models.build("mlp")
+        fs(model, mesh=mesh)
+        stream = device_module.Stream()
+        seen: list[bool] = []
+
+        def hook(reduced: Any, stream: Any = stream, seen: list[bool] = seen) -> None:
+            # torch.get_device_module() is the accelerator's module, or torch.cpu without one.
+            seen.append(torch.get_device_module().current_stream() is stream)
+            reduced.mul_(0.5)
+
+        try:
+            model.set_all_reduce_hook(hook, stream=stream)
+        except ValueError as error:
+            out[impl] = str(error)
+            continue
+        x, y = models.batch("mlp", 0, 2 * world_size)
+        models.loss_of(
+            "mlp", model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]
+        ).backward()
+        after = device_module.current_stream() is stream
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        out[impl] = {"seen": seen, "after": after, "grads": grads}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_all_reduce_hook_runs_on_the_given_stream(world_size: int) -> None:
+    for result in run_on_ranks(world_size, _hook_stream_body, hsdp=False):
+        ours, torchs = result["shardkit"], result["torch"]
+        assert torchs["seen"] == [True], torchs["seen"]  # torch's runs it under the stream
+        assert ours["seen"] == torchs["seen"]
+        assert ours["after"] is torchs["after"] is False  # the stream was current only inside
+        for mine, theirs in zip(ours["grads"], torchs["grads"], strict=True):
+            assert mine.equal(theirs)
+
+
+def test_native_hsdp_refuses_a_hook_stream_with_torchs_message() -> None:
+    for result in run_on_ranks(4, _hook_stream_body, hsdp=True):
+        assert result["torch"] == "stream cannot be set when using native HSDP"
+        assert result["shardkit"].startswith(result["torch"])

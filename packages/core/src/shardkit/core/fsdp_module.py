@@ -163,14 +163,26 @@ class FSDPModule:
 
         ``reduced`` is the reduce-scatter output with plain FSDP, or the all-reduce output
         with HSDP: the sum over ranks, before the division by the data-parallel size. A
-        user-run all-reduce across other ranks goes here. ``stream`` (CUDA) is refused with
-        HSDP, as torch's; the hook runs where the reduction finishes.
+        user-run all-reduce across other ranks goes here. The hook runs with ``stream`` as
+        the current stream (a ``torch.cuda.Stream``, or a ``torch.cpu.Stream`` on CPU),
+        ordered after the reduction and before the gradients' use; None runs it on the
+        current stream. ``stream`` is refused with native HSDP, as torch refuses it (the
+        hook then runs where the all-reduce across replicas ran).
+
+        Raises:
+            ValueError: ``stream`` is given for a module on an HSDP mesh.
         """
-        for group in self._groups_under(recurse=False):
+        groups = self._groups_under(recurse=False)
+        for group in groups:
             info = group.mesh_info
             if stream is not None and info.replicate_group is not None and info.has_shard_axis:
-                raise ValueError("stream cannot be set when using native HSDP")
+                raise ValueError(
+                    "stream cannot be set when using native HSDP (FSDP module "
+                    f"{type(self).__name__} is on a (replicate, shard) mesh)"
+                )
+        for group in groups:
             group.options.all_reduce_hook = hook
+            group.options.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this module's parameters with ``comm`` (torch's ``AllGather`` interface).

@@ -23,6 +23,7 @@ from shardkit.core.runtime.buffers import (
     pack_grads_rank_major,
 )
 from shardkit.core.runtime.collectives import DoneHandle
+from shardkit.core.runtime.device import on_stream
 from shardkit.core.runtime.dtensors import accumulate_grads
 from shardkit.core.runtime.protocol import CollectiveHandle
 
@@ -258,8 +259,15 @@ class GroupReducer:
             comm.runtime.all_reduce(
                 reduced, self.mesh_info.replicate_group, label=self.label
             ).wait()
-        if self.options.all_reduce_hook is not None:
-            self.options.all_reduce_hook(reduced)  # the sum, before the division
+        hook = self.options.all_reduce_hook
+        if hook is not None:
+            # Replicate only (no shard axis) runs the hook where its all-reduce ran, as
+            # torch's does with the stream given: that is the current stream here.
+            stream = self.options.all_reduce_hook_stream
+            if self.mesh_info.replicate_group is not None:
+                stream = None
+            with on_stream(stream, self.mesh_info.device):
+                hook(reduced)  # the sum, before the division
         factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
         if factor != 1:
             reduced.div_(factor)

@@ -39,6 +39,8 @@ class GroupOptions:
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     """Runs on each reduced gradient (after the HSDP all-reduce, before the division)."""
+    all_reduce_hook_stream: Any = None
+    """The stream ``all_reduce_hook`` runs on (not with HSDP); None: the current stream."""
     max_reduces_in_flight: int = 1
     """Reductions of this group's gradients left in flight before the oldest is finished."""
     reduce_scatter_group: dist.ProcessGroup | None = None

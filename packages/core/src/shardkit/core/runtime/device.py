@@ -8,12 +8,17 @@ communication there too; what remains device specific is pinned memory and the d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 
 __all__ = [
     "can_pin_memory",
     "device_for_mesh_type",
     "is_accelerator",
+    "on_stream",
     "pin",
     "wait_for_host_copies",
 ]
@@ -49,3 +54,23 @@ def wait_for_host_copies() -> None:
     """Block until device-to-host copies queued with ``non_blocking=True`` have landed."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@contextmanager
+def on_stream(stream: Any, device: torch.device) -> Iterator[None]:
+    """Run the block with ``stream`` as ``device``'s current stream (None: as it is).
+
+    ``stream`` first waits for the work queued so far on the current stream (the block reads
+    its results), and the current stream waits for the block's work after it, so what comes
+    next reads the block's results. On CPU, ``torch.cpu.Stream`` works alike (with no queues,
+    the waits are free) and ``current_stream()`` inside the block is ``stream``.
+    """
+    if stream is None:
+        yield
+        return
+    module = torch.get_device_module(device)
+    current = module.current_stream()
+    stream.wait_stream(current)
+    with module.stream(stream):
+        yield
+    current.wait_stream(stream)
