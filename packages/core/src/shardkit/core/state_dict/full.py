@@ -33,10 +33,12 @@ __all__ = [
     "coordinator_rank",
     "dp_pieces",
     "gather_rows",
+    "group_pieces",
     "iter_full_state_dict",
     "iter_pieces",
     "iter_planned",
     "param_pieces",
+    "plain_pieces",
     "plan_full_state_dict",
     "sharded_groups",
 ]
@@ -154,21 +156,34 @@ def iter_pieces(
     each rank's unpadded shard, straight from the gathered rows: a consumer that streams them
     (the file writer) never copies the tensor whole.
     """
-    receives = not rank0_only or global_rank() == plan.coordinator
     for group in plan.groups:
-        # An extension's gather (across TP) runs on the mesh's device: offload after it.
-        plain = all(isinstance(p.extension, DataParallelSharding) for p in group.params)
-        rows = gather_rows(group, to_all=not rank0_only, cpu=cpu_offload and plain)
-        if rows is None:
-            continue  # this rank only sent
-        for key in plan.keys_of(group):
-            # Under TP every data-parallel group has a first rank holding rows, and they all
-            # take part in the extension's gather across TP; only the coordinator keeps it.
-            pieces = param_pieces(group, plan.sharded[key][1], rows)
-            if receives:
-                yield key, [piece.cpu() for piece in pieces] if cpu_offload else pieces
-        del rows
-    if not receives:
+        yield from group_pieces(plan, group, rank0_only=rank0_only, cpu_offload=cpu_offload)
+    yield from plain_pieces(plan, rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+
+def group_pieces(
+    plan: FullStateDictPlan, group: FSDPParamGroup, *, rank0_only: bool, cpu_offload: bool
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """:func:`iter_pieces` for one group: every rank runs it to its end (it gathers)."""
+    receives = not rank0_only or global_rank() == plan.coordinator
+    # An extension's gather (across TP) runs on the mesh's device: offload after it.
+    plain = all(isinstance(p.extension, DataParallelSharding) for p in group.params)
+    rows = gather_rows(group, to_all=not rank0_only, cpu=cpu_offload and plain)
+    if rows is None:
+        return  # this rank only sent
+    for key in plan.keys_of(group):
+        # Under TP every data-parallel group has a first rank holding rows, and they all
+        # take part in the extension's gather across TP; only the coordinator keeps it.
+        pieces = param_pieces(group, plan.sharded[key][1], rows)
+        if receives:
+            yield key, [piece.cpu() for piece in pieces] if cpu_offload else pieces
+
+
+def plain_pieces(
+    plan: FullStateDictPlan, *, rank0_only: bool, cpu_offload: bool
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """:func:`iter_pieces` for the tensors that no group shards (no collective)."""
+    if rank0_only and global_rank() != plan.coordinator:
         return
     for key, tensor in plan.plain.items():
         value = tensor.detach()

@@ -14,6 +14,7 @@ collective for data that never comes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.core.agreement import from_rank
+from shardkit.core.agreement import Outcome, from_rank
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import (
@@ -35,11 +36,12 @@ from shardkit.core.runtime.collectives import (
     scatter_from_first,
 )
 from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
-from shardkit.core.state_dict.file_formats import Entry, format_of, open_writer
+from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
 from shardkit.core.state_dict.file_readers import StateDictReader, open_reader
 from shardkit.core.state_dict.full import (
     FullStateDictPlan,
-    iter_pieces,
+    group_pieces,
+    plain_pieces,
     plan_full_state_dict,
     sharded_groups,
 )
@@ -62,23 +64,101 @@ def save_full_state_dict(model: nn.Module, path: str | os.PathLike[str]) -> None
     writes. ``.safetensors`` paths are written as safetensors, other paths in torch.save's
     format (loadable with ``torch.load(path, weights_only=True)``). The file appears complete
     or not at all: it is written under a temporary name and renamed.
+
+    Raises:
+        OSError: the coordinator could not write the file (a full disk, no permission): on
+            every rank, with the same message naming the file and the coordinator's rank, as
+            soon as the group being gathered is done. The temporary file is removed.
     """
     target = Path(path)
     plan = plan_full_state_dict(model, sharded_groups(model))
-    writer = None
-    partial = target.with_name(target.name + ".partial")
-    if global_rank() == plan.coordinator:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        writer = open_writer(partial, _entries(plan), format_of(target), list(plan.expected))
+    save = _CoordinatedWrite(target, plan.coordinator)
     started = time.perf_counter()
-    for key, pieces in iter_pieces(plan, rank0_only=True, cpu_offload=True):
-        assert writer is not None, "only the coordinator receives full tensors"
-        writer.write_chunks(key, pieces)
-    if writer is not None:
-        writer.close()
-        partial.replace(target)
+    save.open(_entries(plan), list(plan.expected))
+    for group in plan.groups:
+        # Every rank gathers the whole group whatever the coordinator's writes gave (the
+        # gathers stay paired), then learns their outcome before the next group.
+        for key, pieces in group_pieces(plan, group, rank0_only=True, cpu_offload=True):
+            save.write(key, pieces)
+        save.agree()
+    for key, pieces in plain_pieces(plan, rank0_only=True, cpu_offload=True):
+        save.write(key, pieces)
+    save.finish()
+    if global_rank() == plan.coordinator:
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
-    barrier()
+
+
+class _CoordinatedWrite:
+    """The coordinator's writes of one file, their outcome shared with every rank.
+
+    A write that fails on the coordinator (a full disk) must not leave the other ranks
+    waiting in the next gather until the process group's timeout: the error is kept, the
+    temporary file removed, later writes skipped, and :meth:`agree` raises the error on
+    every rank at the next group boundary (one small broadcast per group).
+    """
+
+    def __init__(self, target: Path, coordinator: int) -> None:
+        self.target = target
+        self.partial = target.with_name(target.name + ".partial")
+        self.coordinator = coordinator
+        self.writing = global_rank() == coordinator
+        self.writer: FileWriter | None = None  # the coordinator's, until done or failed
+        self.failure: Exception | None = None
+
+    def open(self, entries: list[Entry], key_order: list[str]) -> None:
+        """Open the temporary file on the coordinator (collective: every rank learns how)."""
+
+        def open_partial() -> None:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            self.writer = open_writer(self.partial, entries, format_of(self.target), key_order)
+
+        if self.writing:
+            self._attempt(open_partial)
+        self.agree()
+
+    def write(self, key: str, pieces: list[torch.Tensor]) -> None:
+        """Append one tensor (on the coordinator, unless a write failed already)."""
+        writer = self.writer
+        if writer is not None:
+            self._attempt(lambda: writer.write_chunks(key, pieces))
+
+    def finish(self) -> None:
+        """Close the file and rename it into place (collective: every rank learns how)."""
+        writer = self.writer
+        if writer is not None:
+
+            def close_and_rename() -> None:
+                writer.close()
+                self.writer = None
+                self.partial.replace(self.target)
+
+            self._attempt(close_and_rename)
+        self.agree()
+
+    def agree(self) -> None:
+        """Every rank raises the coordinator's write error, if any (collective)."""
+
+        def outcome() -> None:
+            if self.failure is not None:
+                message = (
+                    f"save_full_state_dict: rank {self.coordinator} could not write "
+                    f"{self.target}: {self.failure}"
+                )
+                failed = Outcome(None, type(self.failure).__name__, message)
+                raise failed.exception() from self.failure
+
+        from_rank(self.coordinator, outcome)
+
+    def _attempt(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:
+            self.failure = error
+            if self.writer is not None:
+                with contextlib.suppress(Exception):
+                    self.writer.close()  # lets go of the file, which is then removed
+            self.writer = None
+            self.partial.unlink(missing_ok=True)
 
 
 def load_full_state_dict(
