@@ -51,6 +51,27 @@ class TinyLayers(nn.Module):
         return cast(torch.Tensor, self.head(x))
 
 
+class Linears(nn.Module):
+    """Eight Linear(128, 128) layers, each its own group: a small model where a few per-collective
+    costs (desync checks) weigh against little compute."""
+
+    def __init__(self, depth: int = 8, dim: int = 128) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+# The models that are not a GPT: name -> (constructor, input width).
+_SMALL_MODELS: dict[str, tuple[type[nn.Module], int]] = {
+    "tiny": (TinyLayers, 32),
+    "linear8": (Linears, 128),
+}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Options:
     """How the FSDPs are applied in a scenario."""
@@ -76,8 +97,7 @@ def build(
 
     options = options or Options()
     torch.manual_seed(0)
-    model: Any = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name].model)
-    model = model.to(device)
+    model: Any = _model(size_name).to(device)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -128,11 +148,18 @@ def _wrap_fsdp1(model: nn.Module, options: Options, device: str) -> Any:
     )
 
 
+def _model(size_name: str) -> nn.Module:
+    if size_name in _SMALL_MODELS:
+        return _SMALL_MODELS[size_name][0]()
+    return GPT(SIZES[size_name].model)
+
+
 def batch(size_name: str, step: int, rank: int, world_size: int) -> torch.Tensor:
     """This rank's rows of the global batch of ``step``."""
     gen = torch.Generator().manual_seed(step)
-    if size_name == "tiny":
-        return torch.randn(8 * world_size, 32, generator=gen)[rank * 8 : (rank + 1) * 8]
+    if size_name in _SMALL_MODELS:
+        width = _SMALL_MODELS[size_name][1]
+        return torch.randn(8 * world_size, width, generator=gen)[rank * 8 : (rank + 1) * 8]
     size = SIZES[size_name]
     shape = (size.batch * world_size, size.model.max_seq_len + 1)
     idx = torch.randint(0, size.model.vocab_size, shape, generator=gen)
@@ -169,8 +196,7 @@ def train_step(model: Any, opt: torch.optim.Optimizer, data: torch.Tensor) -> di
 
 
 def param_count(size_name: str) -> int:
-    model = TinyLayers() if size_name == "tiny" else GPT(SIZES[size_name].model)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _model(size_name).parameters())
 
 
 def largest_group_params(size_name: str) -> int:

@@ -24,6 +24,10 @@ _TIMEOUT_S = 900.0
 
 _STATE: dict[str, Any] = {}
 
+# An implementation named with this suffix is shardkit's model run with desync checks on
+# (``set_debug``) for its steps only: the same engine paired with itself, checks on and off.
+DEBUG_SUFFIX = "-debug"
+
 
 def _setup(
     rank: int, world_size: int, impls: tuple[str, ...], size: str, options: gpt.Options
@@ -31,16 +35,23 @@ def _setup(
     _STATE.clear()
     _STATE["size"] = size
     for impl in impls:
-        model, opt = gpt.build(impl, size, world_size, options)
-        _STATE[impl] = (model, opt)
+        _STATE[impl] = gpt.build(impl.removesuffix(DEBUG_SUFFIX), size, world_size, options)
         for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
-            gpt.train_step(model, opt, gpt.batch(size, step, rank, world_size))
+            _step(rank, world_size, impl, step)
 
 
 def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
     data = gpt.batch(_STATE["size"], step, rank, world_size)
     model, opt = _STATE[impl]
-    return gpt.train_step(model, opt, data)
+    if not impl.endswith(DEBUG_SUFFIX):
+        return gpt.train_step(model, opt, data)
+    from shardkit.core import set_debug
+
+    set_debug(True)
+    try:
+        return gpt.train_step(model, opt, data)
+    finally:
+        set_debug(False)
 
 
 def _teardown(rank: int, world_size: int) -> None:
