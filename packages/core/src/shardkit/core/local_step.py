@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -230,14 +231,22 @@ def _restore_before_load(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     restore(opt)
 
 
-def restore_all() -> None:
-    """Put back every swap still in place (a step raised); the engine's next forward calls it.
+def restore_all(params: Iterable[torch.Tensor]) -> None:
+    """Put back the swaps still in place (a step raised) of optimizers that step ``params``.
 
-    Between a step that raised and this, ``zero_grad`` cleared the local tensors' gradients:
-    the DTensors' are cleared here too, so the next backward does not add to stale ones.
+    A root's pre-forward calls it with its own sharded parameters. Only those optimizers:
+    another optimizer of the process may be inside its step right now (a model trained
+    beside this one, ranks as threads), and taking its swap back mid-step would leave it
+    stepping local tensors with no gradients. Between a step that raised and this,
+    ``zero_grad`` cleared the local tensors' gradients: the DTensors' are cleared here too,
+    so the next backward does not add to stale ones.
     """
-    for opt, plan in list(_PLANS.items()):
-        if plan.active:
+    active = [(opt, plan) for opt, plan in list(_PLANS.items()) if plan.active]
+    if not active:
+        return  # the usual case: the root's parameters are not even listed
+    ids = {id(p) for p in params}
+    for opt, plan in active:
+        if any(id(e.param) in ids for e in plan.entries):
             restore(opt)
 
 

@@ -182,9 +182,10 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
-        restore_all()  # an optimizer step that raised left its optimizer on local tensors
-        PROGRESS.enter("forward")
         groups = self.groups
+        # An optimizer step that raised left its optimizer on local tensors: this root's.
+        restore_all(p.sharded_param for group in groups for p in group.params)
+        PROGRESS.enter("forward")
         self.ctx.local = is_local_tree(groups)
         enter_local_forward(groups, self.ctx.local)
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
