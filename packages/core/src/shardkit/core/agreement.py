@@ -10,15 +10,17 @@ every rank raises the same exception type with the same message.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from shardkit.core.errors import StateDictFileError
 from shardkit.core.runtime.collectives import all_gather_bytes, broadcast_bytes
-from shardkit.core.runtime.groups import global_rank
+from shardkit.core.runtime.groups import cpu_group, global_rank, is_distributed, world_size
 
-__all__ = ["Outcome", "everyone", "from_rank", "raise_shared"]
+__all__ = ["Outcome", "agreed", "everyone", "from_rank", "raise_shared"]
+
+_T = TypeVar("_T")
 
 # Exception types rebuilt as themselves on the other ranks; any other becomes a RuntimeError
 # that names its type. Their constructors take one message.
@@ -32,6 +34,7 @@ _SHAREABLE: dict[str, type[Exception]] = {
         PermissionError,
         OSError,
         ValueError,
+        TypeError,
         RuntimeError,
     )
 }
@@ -104,3 +107,32 @@ def raise_shared(outcomes: list[Outcome]) -> list[Any]:
             failed = Outcome(None, outcome.error_type, f"rank {rank}: {outcome.message}")
             raise failed.exception()
     return [o.value for o in outcomes]
+
+
+def agreed(work: Callable[[], _T], ranks: Iterable[int] | None = None) -> _T:
+    """Run ``work`` on each of ``ranks``: its value on this rank, or one error on all of them.
+
+    Collective over ``ranks`` (global ranks, this one among them; default: the world): every
+    one of them must call it, and no other rank. Each runs its own ``work``; if any raised,
+    every rank raises the first failed rank's error (the same type and message), so that ranks
+    whose own work passed do not go on alone. The message names the failed rank(s), unless
+    every rank failed alike (then it is that error, unchanged). Costs two small all-gathers;
+    none without a process group or with one rank.
+    """
+    members = tuple(sorted(set(ranks))) if ranks is not None else None
+    if not is_distributed() or world_size() == 1 or (members is not None and len(members) < 2):
+        return work()
+    value: list[_T] = []
+    outcome, original = _attempt(lambda: value.append(work()))
+    group = cpu_group(members) if members is not None else None
+    shared = [Outcome.from_json(data) for data in all_gather_bytes(outcome.to_json(), group)]
+    names = members if members is not None else range(len(shared))
+    failed = [(rank, o) for rank, o in zip(names, shared, strict=True) if o.failed]
+    if not failed:
+        return value[0]
+    first_rank, first = failed[0]
+    if len(failed) < len(shared) or any(o != first for _, o in failed):
+        others = [rank for rank, _ in failed[1:]]
+        also = f" (rank(s) {others} failed too)" if others else ""
+        first = Outcome(None, first.error_type, f"rank {first_rank}{also}: {first.message}")
+    raise first.exception() from original

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.core.agreement import agreed
 from shardkit.core.errors import UnsupportedCopyError
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
 from shardkit.core.state_dict.validation import (
     check_state_dict,
     format_problems,
+    mesh_ranks,
     param_keys,
     shard_full_tensors,
 )
@@ -301,17 +303,27 @@ class FSDPModule:
         (each rank keeps its own shard). Other dtypes are converted, as torch's
         ``load_state_dict`` does (bf16 weights into an fp32 model). One error lists every
         missing, unexpected or wrongly shaped key and every value that cannot be copied (a
-        meta tensor, a DTensor on another mesh), and leaves the module exactly as it was.
+        meta tensor, a DTensor on another mesh or with another shard shape), and leaves the
+        module exactly as it was.
+
+        Collective over the ranks of the module's meshes when there are several: every one
+        of them must call it (as with torch's DCP). They agree on the checks before anything
+        is written (two small all-gathers), so a value bad on one rank only raises the same
+        error on every rank and no rank loads. See [Note: agreed loads].
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)
         by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups).items()}
         expected = self.state_dict(keep_vars=True)
         cpu_only = any(g.offload for g in groups)
-        problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)
-        if problems:
-            raise RuntimeError(format_problems(self, problems))
-        converted = shard_full_tensors(state_dict, by_key)
+
+        def checked() -> dict[str, Any]:
+            problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)
+            if problems:
+                raise RuntimeError(format_problems(self, problems))
+            return shard_full_tensors(state_dict, by_key)
+
+        converted = agreed(checked, mesh_ranks(groups))
         return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

@@ -452,9 +452,12 @@ def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
     return bytes(buffer.numpy())
 
 
-def all_gather_bytes(payload: bytes) -> list[bytes]:
-    """Every rank's ``payload``, in rank order, on every rank of the world."""
-    group = cpu_world()
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank of ``group`` (default: the world).
+
+    ``group`` must take CPU tensors (gloo): :func:`~shardkit.core.runtime.groups.cpu_group`.
+    """
+    group = group if group is not None else cpu_world()
     world = group.size()
     sizes = torch.empty(world, dtype=torch.int64)
     dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)

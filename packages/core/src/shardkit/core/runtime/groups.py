@@ -15,6 +15,7 @@ from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_
 __all__ = [
     "barrier",
     "checkpoint_group",
+    "cpu_group",
     "cpu_world",
     "default_mesh",
     "fingerprint_group",
@@ -134,6 +135,17 @@ def cpu_world() -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
+
+
+def cpu_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """A group of these global ranks that takes CPU tensors; None for the whole world.
+
+    Created by the members alone on first use (every member must call it), then reused.
+    """
+    if len(members) == dist.get_world_size():
+        return None
+    group = world_subgroup(members)
+    return group if dist.get_backend(group) == dist.Backend.GLOO else fingerprint_group(group)
 
 
 # One gloo group of every rank per default group, for checkpoint writes in a background thread.

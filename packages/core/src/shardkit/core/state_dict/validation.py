@@ -24,6 +24,7 @@ __all__ = [
     "LoadProblem",
     "check_state_dict",
     "format_problems",
+    "mesh_ranks",
     "param_keys",
     "shard_full_tensors",
 ]
@@ -34,7 +35,7 @@ class LoadProblem:
     """One offending key of a state dict."""
 
     key: str
-    problem: str  # "missing", "unexpected", "type", "shape", "data", "mesh" or "device"
+    problem: str  # "missing", "unexpected", "type", "shape", "data", "mesh", "shard", "device"
     expected: str
     found: str
 
@@ -128,7 +129,22 @@ def _value_problem(
             return LoadProblem(
                 key, "mesh", str(want.device_mesh), f"{value.device_mesh} (load it through DCP)"
             )
+        mine, theirs = want.to_local().shape, value.to_local().shape
+        if value.placements == want.placements and mine != theirs:
+            # Built with from_local(run_check=False) from a short or foreign shard: the copy
+            # would fail on this rank alone, part-way.
+            return LoadProblem(key, "shard", f"this rank's shard {tuple(mine)}", str(tuple(theirs)))
     return None
+
+
+def mesh_ranks(groups: list[FSDPParamGroup]) -> set[int]:
+    """The global ranks of every mesh that ``groups``' parameters live on.
+
+    They hold the parts of one model, so they load it together (``FSDPModule.load_state_dict``
+    agrees among them).
+    """
+    meshes = {id(m): m for g in groups for m in (p.sharding_spec.sharded_mesh for p in g.params)}
+    return {int(rank) for mesh in meshes.values() for rank in mesh.mesh.flatten().tolist()}
 
 
 def format_problems(module: nn.Module, problems: list[LoadProblem], source: str = "") -> str:

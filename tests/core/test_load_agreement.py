@@ -1,0 +1,77 @@
+"""load_state_dict agrees across the model's ranks: a value bad on one rank loads on none.
+
+Each rank checks its own state dict before writing. A value bad on one rank only (a full
+tensor of the wrong shape, a DTensor holding a short shard) used to raise there while the
+other ranks loaded: the model ended half old, half new, and the ranks went on with different
+models. Now every rank raises the same error and every parameter stays bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from harness.pool import run_on_ranks
+from tests.core import models
+from tests.core.parity import Run, apply, full_params
+
+KEY = "blocks.0.mlp.0.weight"  # (64, 16): keys before and after it would be written
+
+
+def _sharded(world_size: int, seed: int) -> Any:
+    model = models.build("gpt", seed=seed)
+    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="gpt"))
+    return model
+
+
+def _locals(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _bad_on_rank1_body(rank: int, world_size: int, bad: str) -> dict[str, Any]:
+    model = _sharded(world_size, seed=0)
+    source = _sharded(world_size, seed=3)
+    sd: dict[str, Any] = dict(source.state_dict())
+    if rank == 1 and bad == "wrong_shape":
+        sd[KEY] = torch.zeros(5, 5)
+    elif rank == 1 and bad == "short_shard":
+        value = sd[KEY]
+        short = value.to_local()[:-1]  # a shard that lost its last row
+        sd[KEY] = DTensor.from_local(
+            short,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    before = _locals(model)
+    try:
+        model.load_state_dict(sd)
+        error, message = "", "no error"
+    except Exception as exc:
+        error, message = type(exc).__name__, str(exc)
+    after = _locals(model)
+    unchanged = all(after[k].equal(v) for k, v in before.items())
+    # The ranks are still in step: a good load together works.
+    model.load_state_dict(source.state_dict())
+    want = full_params(source)
+    loaded = all(v.equal(want[k]) for k, v in full_params(model).items())
+    return {"error": error, "message": message, "unchanged": unchanged, "loaded": loaded}
+
+
+@pytest.mark.parametrize("bad", ["wrong_shape", "short_shard"])
+def test_a_value_bad_on_one_rank_loads_on_no_rank(bad: str) -> None:
+    results = run_on_ranks(2, _bad_on_rank1_body, bad=bad)
+    first = results[0]
+    assert first["error"] == "RuntimeError", first
+    assert first["message"].startswith("rank 1: "), first["message"]
+    assert KEY in first["message"] and "nothing was loaded" in first["message"]
+    for result in results:
+        assert (result["error"], result["message"]) == (first["error"], first["message"])
+        assert result["unchanged"], result
+        assert result["loaded"], result
