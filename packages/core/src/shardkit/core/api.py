@@ -33,6 +33,7 @@ from shardkit.core.sharding import (
 from shardkit.core.spmd import spmd_mesh_info
 from shardkit.core.state import FSDPState
 from shardkit.core.state_registry import is_managed, register_state, state_of
+from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
 
 __all__ = ["fully_shard", "register_fsdp_forward_method"]
 
@@ -153,10 +154,9 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
 
 
 def _managed_by_torch_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return any(isinstance(m, TorchFSDPModule | FullyShardedDataParallel) for m in module.modules())
+    # Torch's classes as captured at import: patch_torch renames torch's public names to
+    # shardkit's, and our own FSDP<Cls> classes are torch FSDPModules too.
+    return managed_by_torch_fsdp(module)
 
 
 def _build_group(
@@ -189,7 +189,9 @@ def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
         return cls
     fsdp_cls = _FSDP_CLASSES.get(cls)
     if fsdp_cls is None:
-        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        # TorchFacing makes it an instance of torch's FSDPModule too (libraries check that);
+        # after FSDPModule, so every method torch's class has resolves to shardkit's.
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, TorchFacing, cls), {})
         _FSDP_CLASSES[cls] = fsdp_cls
     return fsdp_cls
 

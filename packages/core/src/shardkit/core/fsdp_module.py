@@ -51,7 +51,11 @@ class FSDPModule:
         Code that makes a module of its own type (``model[:2]`` on a Sequential builds
         ``type(self)(...)``) gets a plain module, not an FSDP class with no FSDP state.
         """
-        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        # The first module class that is not an FSDP class (torch's FSDPModule base, which
+        # FSDP<Cls> also has, is no module).
+        original = next(
+            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+        )
         if original.__new__ is object.__new__:
             module = object.__new__(original)
         else:

@@ -1,0 +1,91 @@
+"""Torch's own FSDP classes, and how shardkit's sharded modules answer torch's isinstance checks.
+
+Libraries ask ``isinstance(module, torch.distributed.fsdp.FSDPModule)`` before they call
+``unshard()``, ``set_requires_gradient_sync()`` and the like (torch's pipelining, Accelerate,
+torchtitan, the FSDP2 examples). Torch's ``FSDPModule`` is a plain class, not an ABC, so the
+only sound way to pass that check is to be a subclass: every ``FSDP<Cls>`` class that
+``fully_shard`` makes has :class:`TorchFacing` among its bases, behind shardkit's own
+``FSDPModule``. Method lookup therefore finds shardkit's methods first; :class:`TorchFacing`
+answers the few private torch methods shardkit has no public twin for, so no call ever reaches
+torch's implementation (which would look for torch's FSDP state and find none).
+
+The classes are taken from the modules that define them, at import. ``patch_torch`` replaces
+the public names (``torch.distributed.fsdp.FSDPModule`` becomes shardkit's), so code that must
+tell torch's FSDP from shardkit's never looks a name up at call time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp.fully_sharded_data_parallel import (
+    FullyShardedDataParallel as _TorchFSDP1,
+)
+
+__all__ = ["TORCH_FSDP1", "TORCH_FSDP_MODULE", "TorchFacing", "managed_by_torch_fsdp"]
+
+logger = logging.getLogger(__name__)
+
+TORCH_FSDP_MODULE: type = _TorchFSDPModule
+"""Torch's ``FSDPModule`` class itself, whatever ``torch.distributed.fsdp`` names later."""
+
+TORCH_FSDP1: type[nn.Module] = _TorchFSDP1
+"""Torch's FSDP1 wrapper class itself."""
+
+
+class TorchFacing(_TorchFSDPModule):
+    """The base that makes ``FSDP<Cls>`` an instance of torch's ``FSDPModule``.
+
+    It comes after shardkit's ``FSDPModule`` in every ``FSDP<Cls>`` class's bases, so torch's
+    public methods are all shadowed by shardkit's (a test checks each). What remains of torch's
+    class are private methods; those are answered here.
+    """
+
+    # Where the module's own class sits in FSDP<Cls>'s method resolution order (torch's
+    # attribute, read by torch's own code): FSDP<Cls>, FSDPModule, TorchFacing, torch's
+    # FSDPModule, Cls.
+    _orig_cls_mro_index: int = 4
+
+    def _get_fsdp_state(self) -> NoReturn:
+        # Torch's internals (its pipelining schedule, its own register_fsdp_forward_method,
+        # the FSDP2 memory tracker) go through this to torch's FSDPState and its param
+        # groups. A shardkit module has neither: fail by name rather than deep inside torch.
+        raise RuntimeError(
+            f"{type(self).__name__} is sharded by shardkit's fully_shard and has no torch "
+            "FSDPState: the caller reaches torch's private FSDP internals (_get_fsdp_state), "
+            "which shardkit does not have; use FSDPModule's public methods, or shardkit's "
+            "register_fsdp_forward_method"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted, as torchtitan's callers expect: it changes nothing in shardkit's engine.
+
+        In torch it moves the all-gather's allocation onto the default CUDA stream; shardkit
+        draws its communication buffers from its own pool, whatever this says.
+
+        Raises:
+            TypeError: ``async_op`` is not a bool.
+        """
+        if not isinstance(async_op, bool):
+            raise TypeError(
+                f"{type(self).__name__}._set_unshard_async_op takes a bool, "
+                f"got {type(async_op).__name__}"
+            )
+        logger.debug("%s._set_unshard_async_op(%s): no effect", type(self).__name__, async_op)
+
+
+def managed_by_torch_fsdp(module: nn.Module) -> bool:
+    """Whether torch's own FSDP (FSDP2's ``fully_shard`` or FSDP1) manages ``module``'s tree.
+
+    shardkit's ``FSDP<Cls>`` classes are subclasses of torch's ``FSDPModule`` too (see
+    :class:`TorchFacing`); they are told apart by that base.
+    """
+    for sub in module.modules():
+        if isinstance(sub, TORCH_FSDP1):
+            return True
+        if isinstance(sub, TORCH_FSDP_MODULE) and not isinstance(sub, TorchFacing):
+            return True
+    return False
