@@ -49,6 +49,7 @@ from shardkit.core.state_dict import (
     save_full_state_dict,
     write_state_dict_file,
 )
+from shardkit.core.torch_patch import is_torch_patched, patch_torch, patched_torch, unpatch_torch
 
 __all__ = [
     "AllGatherHookError",
@@ -79,10 +80,13 @@ __all__ = [
     "__version__",
     "full_params",
     "fully_shard",
+    "is_torch_patched",
     "iter_full_state_dict",
     "layout_of",
     "load_full_state_dict",
     "load_torch_file",
+    "patch_torch",
+    "patched_torch",
     "register_extension",
     "register_fsdp_forward_method",
     "save_full_state_dict",
@@ -90,5 +94,6 @@ __all__ = [
     "set_hang_timeout",
     "share_comm_ctx",
     "subscribe",
+    "unpatch_torch",
     "write_state_dict_file",
 ]
