@@ -1,0 +1,34 @@
+"""FSDP1's names in torch, for ``shardkit.core.patch_torch``: they become shardkit.legacy's.
+
+The core's ``patch_torch`` finds :func:`torch_patch` through the entry-point group
+``shardkit.core.torch_patches`` (declared in this package's ``pyproject.toml``), so with
+shardkit-legacy installed, ``torch.distributed.fsdp.FullyShardedDataParallel``, its configs and
+enums, and the wrap policies of ``torch.distributed.fsdp.wrap`` resolve to this package's while
+the patch is in effect. The core knows nothing of this package; this module only names objects.
+
+The module that defines FSDP1 (``torch.distributed.fsdp.fully_sharded_data_parallel``) keeps
+torch's names: torch's own FSDP1 code reads them there.
+"""
+
+from __future__ import annotations
+
+__all__ = ["torch_patch"]
+
+
+def torch_patch() -> dict[str, dict[str, object]]:
+    """``{torch module: {name: shardkit.legacy's object}}`` for ``patch_torch``.
+
+    Every FSDP1 name ``torch.distributed.fsdp`` exports, and the names of
+    ``torch.distributed.fsdp.wrap`` that shardkit.legacy's ``wrap`` module has.
+    """
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    from shardkit.legacy import fully_sharded_data_parallel as fsdp1
+    from shardkit.legacy import wrap
+
+    return {
+        "torch.distributed.fsdp": {name: getattr(fsdp1, name) for name in fsdp1.__all__},
+        "torch.distributed.fsdp.wrap": {
+            name: getattr(wrap, name) for name in torch_wrap.__all__ if name in wrap.__all__
+        },
+    }
