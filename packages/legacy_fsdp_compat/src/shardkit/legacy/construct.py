@@ -31,6 +31,7 @@ from shardkit.legacy.configs import (
     ShardingStrategy,
 )
 from shardkit.legacy.mapping import core_args, resolve_mesh
+from shardkit.legacy.orig_params import record_replaced
 from shardkit.legacy.torch_compat import root_mesh, translate
 from shardkit.legacy.wrap import auto_wrap_targets
 
@@ -127,6 +128,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
     core = core_args(strategy, mesh, args.mixed_precision, args.cpu_offload)
     sharded_modules = _group_modules(module, own, {id(p) for p in managed})
     if sharded_modules:
+        record_replaced(own, set(ignored_params))
         fully_shard(
             sharded_modules,
             mesh=core.mesh,

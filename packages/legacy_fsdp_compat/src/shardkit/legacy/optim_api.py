@@ -22,6 +22,7 @@ from shardkit.legacy import configs
 from shardkit.legacy.configs import OptimStateKeyType, StateDictType
 from shardkit.legacy.optim_keys import names_by_param, params_by_id, params_of_input
 from shardkit.legacy.optim_state import SaveForm, load_ready, named_state, receive_from_first
+from shardkit.legacy.orig_params import repoint
 from shardkit.legacy.settings import get_state_dict_type
 from shardkit.legacy.torch_compat import translate
 from shardkit.legacy.units import unit_of, units_in
@@ -79,6 +80,7 @@ def optim_state_dict(
         use_dtensor=bool(getattr(config, "_use_dtensor", False)) or _device_mesh_given(model),
         two_d_mesh=_two_d_mesh(model),
     )
+    repoint(optim)
     osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
     return named_state(model, params_by_id(optim), osd, form, group)
 
@@ -98,6 +100,7 @@ def optim_state_dict_to_load(
     parameters either way). ``load_directly`` also loads it.
     """
     del is_named_optimizer
+    repoint(optim)
     settings = get_state_dict_type(model)
     rank0_only = bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
@@ -119,6 +122,7 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     """Full, name-keyed optimizer state (on rank 0 only by default); FSDP1's legacy API."""
     _deprecated("full_optim_state_dict", "optim_state_dict")
+    repoint(optim)
     params = params_by_id(optim) if optim_input is None else params_of_input(model, optim_input)
     form = SaveForm(full=True, rank0_only=rank0_only, offload_to_cpu=True)
     return named_state(model, params, optim.state_dict(), form, group)
@@ -129,6 +133,7 @@ def sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """This rank's shards of the optimizer state, name-keyed; FSDP1's legacy API."""
     _deprecated("sharded_optim_state_dict", "optim_state_dict")
+    repoint(optim)
     form = SaveForm(
         full=False,
         offload_to_cpu=True,
@@ -154,6 +159,7 @@ def flatten_sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """A sharded optimizer state dict ready to load; FSDP1's legacy API."""
     _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    repoint(optim)
     return load_ready(model, optim, sharded_optim_state_dict)
 
 
@@ -174,6 +180,7 @@ def _optimizer_for(
     model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None
 ) -> torch.optim.Optimizer:
     if optim is not None:
+        repoint(optim)
         return optim
     # FSDP1 without an optimizer: positions are those of optim_input, or of the parameters.
     groups = list(optim_input) if optim_input is not None else None
@@ -204,6 +211,8 @@ def rekey_optim_state_dict(
         raise ValueError(f"Invalid parameter keys: {optim_state_dict['state'].keys()}")
     if (key_type is OptimStateKeyType.PARAM_NAME) == (all(named) and bool(keys)) or not keys:
         return optim_state_dict
+    if optim is not None:
+        repoint(optim)
     params = params_by_id(optim) if optim is not None else params_of_input(model, optim_input)
     names = names_by_param(model)
     name_of = [names[id(p)] for p in params]

@@ -27,6 +27,7 @@ from shardkit.legacy.configs import (
     ShardingStrategy,
 )
 from shardkit.legacy.construct import Fsdp1Args, build_unit, own_modules
+from shardkit.legacy.orig_params import repoint_optimizers
 from shardkit.legacy.torch_compat import (
     FSDP_PREFIX,
     FSDP_WRAPPED_MODULE,
@@ -206,6 +207,8 @@ class FullyShardedDataParallel(nn.Module):
         if state.is_root is not None:
             return
         state.is_root = True
+        # Before any step: optimizers built before wrapping get the sharded parameters.
+        repoint_optimizers(self)
         for wrapper in units_in(self):
             inner = unit_of(wrapper)
             if wrapper is not self:
