@@ -89,3 +89,33 @@ def test_2d_training_and_sharded_state_dicts_match_fsdp1(tmp_path: Path) -> None
         assert_same(out["shardkit/sharded"], out["torch/sharded"], f"rank {rank}")
         torch.testing.assert_close(out["shardkit/resumed"], out["torch/after"])
         torch.testing.assert_close(out["torch/resumed"], out["shardkit/after"])
+
+
+def _sync_body(rank: int, world_size: int) -> dict[str, Any]:
+    # Each data-parallel rank builds its own values; sync_module_states gives every rank
+    # the first data-parallel rank's (the tensor-parallel pieces stay each rank's own).
+    dp = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tp_models.build(MODEL, seed=dp)
+    tp_models.parallelize(MODEL, model, mesh["tp"])
+    expected = tp_models.build(MODEL, seed=0)
+    tp_models.parallelize(MODEL, expected, mesh["tp"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = lib("shardkit").FSDP(
+            model,
+            device_mesh=mesh["dp"],
+            sync_module_states=True,
+            device_id=torch.device("cpu"),
+        )
+    with lib("shardkit").FSDP.summon_full_params(wrapped, writeback=False):
+        got = {n: p.full_tensor() for n, p in wrapped.named_parameters()}
+    want = {n: p.full_tensor() for n, p in expected.named_parameters()}
+    return {"got": got, "want": want}
+
+
+def test_sync_module_states_broadcasts_tensor_parallel_parameters() -> None:
+    for out in run_on_ranks(4, _sync_body):
+        assert out["got"].keys() == out["want"].keys()
+        for name, value in out["want"].items():
+            torch.testing.assert_close(out["got"][name], value, msg=name)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "all_reduce",
@@ -40,12 +41,15 @@ def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     """The group's first rank's values of ``tensors`` on every rank of ``group``, in place.
 
     Tensors of one dtype and device travel in one flat message, as FSDP1 coalesces them.
+    A DTensor (a tensor-parallel parameter) sends its local tensor: the group is a
+    data-parallel axis, whose ranks hold the same pieces of it.
     """
     if group.size() == 1:
         return
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
-        buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        buckets.setdefault((local.dtype, local.device), []).append(local)
     for bucket in buckets.values():
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.broadcast(flat, group=group, group_src=0)
