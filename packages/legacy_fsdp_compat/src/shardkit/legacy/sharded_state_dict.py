@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.core import iter_full_state_dict
+from shardkit.legacy.comm import first_error, mesh_ranks_group
 from shardkit.legacy.configs import StateDictConfig
 from shardkit.legacy.raw_state import RawState, plain_state_dicts
 from shardkit.legacy.torch_compat import ShardedTensor
@@ -108,16 +109,24 @@ class ShardedStateDict:
         """Raw name -> the core's DTensor for each loaded shard (full tensors pass).
 
         Raises:
-            ValueError: a loaded shard does not have this rank's shape.
+            ValueError: on every rank of the model alike, before anything is written: a
+                loaded shard does not have this rank's shape on some rank.
         """
         out: dict[str, Any] = {}
+        problems: list[str] = []
         for clean, value in given.items():
             raw = state.raw_of.get(clean)
             if raw is None:
                 continue
             live = state.values[raw]
             if isinstance(value, ShardedTensor) and isinstance(live, DTensor):
-                value = as_live(clean, local_of_loaded(value, live), live)
+                try:
+                    value = as_live(clean, local_of_loaded(value, live), live)
+                except ValueError as error:
+                    # Go on through every key: the other ranks' values in another layout
+                    # gather below, and this rank must take part before it raises.
+                    problems.append(str(error))
+                    continue
             elif (
                 isinstance(value, DTensor)
                 and isinstance(live, DTensor)
@@ -125,6 +134,12 @@ class ShardedStateDict:
             ):
                 value = value.full_tensor()  # another layout: the core takes its shard
             out[raw] = value
+        # A shard bad on one rank only: every rank of the model refuses, none loads.
+        # See [Note: agreed loads].
+        mine = "; ".join(problems) + "; nothing was loaded" if problems else None
+        shared = first_error(mine, mesh_ranks_group(unit_of(wrapper).unit.mesh))
+        if shared is not None:
+            raise ValueError(shared)
         return out
 
 
