@@ -1,5 +1,8 @@
 """FSDP1's "getting started" MNIST tutorial, in its shape, on a synthetic MNIST-sized set.
 
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/fsdp1_mnist.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/fsdp1_mnist.py --fsdp torch
+
 The script is written as the tutorial's readers write it: the FSDP1 names come from three
 imports (the wrapper, ``fully_sharded_data_parallel``'s configs, ``wrap``'s policies) and
 nothing else refers to the library. ``fsdp_names(impl)`` does those three imports from torch
@@ -11,6 +14,7 @@ the per-epoch train and test passes are the tutorial's.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import warnings
@@ -164,3 +168,31 @@ def fsdp_main(args: Args) -> list[float]:
         losses.append(_test_epoch(model, test_loader))
         scheduler.step()
     return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--fsdp", choices=sorted(PACKAGES), default="shardkit")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adadelta")
+    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--manual-wrap", action="store_true")
+    cli = parser.parse_args()
+    dist.init_process_group("gloo")
+    args = Args(
+        impl=cli.fsdp,
+        optimizer=cli.optimizer,
+        lr=cli.lr,
+        epochs=cli.epochs,
+        manual_wrap=cli.manual_wrap,
+    )
+    losses = fsdp_main(args)
+    if dist.get_rank() == 0:
+        for epoch in range(args.epochs):
+            train, test = losses[2 * epoch], losses[2 * epoch + 1]
+            print(f"epoch {epoch + 1}: train loss {train:.6f}, test loss {test:.6f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

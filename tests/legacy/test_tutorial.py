@@ -1,4 +1,4 @@
-"""FSDP1's MNIST tutorial with its imports swapped gives FSDP1's losses, with every optimizer.
+"""FSDP1's MNIST tutorial (demo/fsdp1_mnist.py) with its imports swapped gives FSDP1's losses.
 
 torch's FSDP1 runs the same script in the same worker (same seed, same data, dropout on):
 the train and test loss of every epoch must be equal, bit for bit at W=2 (FSDP1 sums two
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from demo.fsdp1_mnist import OPTIMIZERS, Args, fsdp_main
 
 from harness.pool import run_on_ranks
-from tests.legacy.fsdp1_tutorial import OPTIMIZERS, Args, fsdp_main
 
 # Learning rates that keep every optimizer in a sensible regime for two short epochs.
 LR = {"adadelta": 1.0, "sgd": 0.01, "adam": 1e-3, "adamw": 1e-3, "adagrad": 0.01, "rmsprop": 1e-3}
