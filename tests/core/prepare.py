@@ -72,3 +72,28 @@ def freeze_middle_block(model: Any) -> None:
     """A whole group frozen that gradients still flow through (to the blocks below)."""
     for p in model.blocks[1].parameters():
         p.requires_grad_(False)
+
+
+class LoRA(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (LoRA, QLoRA's shape)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Autograd runs the adapter's nodes (made last) before the frozen base's: the group's
+        # last gradient comes in before backward is done with the frozen weight.
+        out: torch.Tensor = self.base(x) + self.up(self.down(x))
+        return out
+
+
+def lora_above_first_block(model: Any) -> None:
+    """Frozen base weights and trainable adapters in the same groups, gradients flowing
+    through them to the blocks below."""
+    for block in list(model.blocks)[1:]:
+        block.norm.requires_grad_(False)  # else its gradient, the block's last, comes after
+        block.fc1 = LoRA(block.fc1)
+        block.fc2 = LoRA(block.fc2)

@@ -1,9 +1,12 @@
-"""When backward is done with a group that has no gradients: its inputs' gradients are made.
+"""When backward is done with a group that has frozen parameters: its inputs' gradients are made.
 
 A group whose parameters are all frozen still unshards in backward when gradients flow
 through it (to its inputs), but no gradient hook tells it when that is over, so without this
 it would stay gathered until the end-of-backward callback: a full copy of its parameters
-held through the rest of backward. See [Note: post-backward trigger].
+held through the rest of backward. A group with frozen and trainable parameters (QLoRA's
+frozen base weights and trainable adapters) may get its last gradient before autograd is
+done with the frozen ones (the input gradient through a frozen weight is a node of its own):
+it waits for this too. See [Note: post-backward trigger].
 
 Its forward inputs that need gradients pass through an identity autograd function; the
 function's backward runs once autograd has computed the gradients of those inputs inside the
@@ -61,6 +64,10 @@ class InputGradsWatch:
             leaves[i] = tensor
         wrapped: tuple[Any, Any] = pytree.tree_unflatten(leaves, spec)
         return wrapped
+
+    def pending(self) -> bool:
+        """Whether a forward call's backward through this group has yet to finish."""
+        return self._pending > 0
 
     def _one_done(self) -> None:
         self._pending -= 1

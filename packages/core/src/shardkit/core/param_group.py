@@ -81,6 +81,9 @@ class FSDPParamGroup:
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set by the root: queues the end-of-backward callback if no hook has yet.
         self.ensure_final_callback: Callable[[], None] = _nothing
+        # Set by the state: whether backward has yet to go through this group's inputs (a
+        # group with frozen parameters waits for that too). See [Note: post-backward trigger].
+        self.input_grads_pending: Callable[[], bool] = _never
         self.mp_policy = config.mp_policy
         self._expected_grads: int | None = None  # trainable parameters, counted per backward
         # Set by the root each forward: the end-of-backward callback takes this group's
@@ -454,12 +457,17 @@ class FSDPParamGroup:
         self._grads_ready += 1
         if self._expected_grads is None:
             self._expected_grads = len(self.trainable)
-        if self._grads_ready == self._expected_grads and self.training_state in (
-            TrainingState.PRE_BACKWARD,
-            TrainingState.FORWARD,
-            TrainingState.IDLE,
+        if (
+            self._grads_ready == self._expected_grads
+            and self.training_state
+            in (TrainingState.PRE_BACKWARD, TrainingState.FORWARD, TrainingState.IDLE)
+            and not self.input_grads_pending()
         ):
             self.post_backward()
+
+    def grads_complete(self) -> bool:
+        """Whether every trainable parameter has its gradient of this backward (or none trains)."""
+        return not self.trainable or self._grads_ready == self._expected_grads
 
     def post_backward(self, *, assign_now: bool = False) -> None:
         """Start reducing this group's gradients and reshard (per the options).
@@ -517,3 +525,8 @@ class FSDPParamGroup:
 
 def _nothing() -> None:
     """Default for callbacks installed at the root's lazy init."""
+
+
+def _never() -> bool:
+    """Default of ``input_grads_pending`` until the state installs its own."""
+    return False

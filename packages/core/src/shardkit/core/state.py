@@ -85,6 +85,8 @@ class FSDPState:
         self.fqn = ""
         self._forward_pending: set[int] = set()
         self._input_grads = InputGradsWatch(self._frozen_backward_done)
+        if group is not None:
+            group.input_grads_pending = self._input_grads.pending
         pre_forward, post_forward = _eager(self._pre_forward), _eager(self._post_forward)
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
@@ -165,7 +167,7 @@ class FSDPState:
                     args, kwargs = _move_to(args, kwargs, self.device)
             if group is not None:
                 self._group_pre_forward(group, module)
-                if torch.is_grad_enabled() and not group.trainable:
+                if torch.is_grad_enabled() and len(group.trainable) < len(group.params):
                     args, kwargs = self._input_grads.wrap(args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
@@ -323,9 +325,13 @@ class FSDPState:
         return []
 
     def _frozen_backward_done(self) -> None:
-        # Backward went through every call of this group, which has no gradients to wait for.
+        # Backward went through every call of this group: done with its frozen parameters.
         group = self.group
-        if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
+        if (
+            group is not None
+            and group.training_state is TrainingState.PRE_BACKWARD
+            and group.grads_complete()
+        ):
             group.post_backward()
 
     def _ensure_final_callback(self) -> None:

@@ -71,7 +71,19 @@ class ShardGeometry:
         return torch.Size(dims)
 
     def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """``rank``'s unpadded shard of ``full`` (a tensor of ``shape``), as a view."""
+        """``rank``'s unpadded shard of ``full`` (a tensor of ``shape``), as a view.
+
+        A tensor subclass is cut with ``torch.chunk``, as torch's fully_shard cuts it: some
+        implement only the operators that needs (NF4 refuses a ``narrow`` that ends before
+        the last row), and ``chunk``'s pieces are the same rows.
+        """
+        if type(full) is not torch.Tensor:
+            chunks = torch.chunk(full, self.world, dim=self.dim)
+            if rank < len(chunks):
+                return chunks[rank]
+            empty = list(self.shape)
+            empty[self.dim] = 0
+            return chunks[0].new_empty(empty)  # past the last row (chunk leaves no piece)
         start = min(rank * self.chunk, self.shape[self.dim])
         return full.narrow(self.dim, start, self.local_length(rank))
 
