@@ -3,14 +3,17 @@
 Rank 1 runs one extra micro-batch. Without the checks both torch and shardkit go on with
 diverging losses and hang at the end; with them every rank raises at the first collective
 where the ranks differ, naming what each was about to do, before any optimizer step uses
-mismatched gradients.
+mismatched gradients. The same holds where the ranks' next collectives differ in size or
+kind (one rank skips a backward, or reduces no gradients), and the process group stays usable.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from harness.pool import run_on_ranks
@@ -79,3 +82,79 @@ def _in_step_body(rank: int, world_size: int, debug: bool) -> list[float]:
 
 def test_ranks_in_step_train_exactly_as_without_checks() -> None:
     assert run_on_ranks(2, _in_step_body, debug=True) == run_on_ranks(2, _in_step_body, debug=False)
+
+
+SKIP_AT = 1  # the step (0-based) whose backward and optimizer step rank 1 leaves out
+
+
+class Widening(nn.Module):
+    """Layers of different sizes, each its own group: any two of their all-gathers differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(7, 16), nn.Linear(16, 32), nn.Linear(32, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def _one_rank_differs_body(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """Rank 1 differs in step SKIP_AT: 'skip_backward' (no backward, no optimizer step) or
+    'no_sync' (its gradients are not reduced: no reduce-scatters)."""
+    from shardkit.core import DesyncError, set_debug
+
+    torch.manual_seed(0)
+    model: Any = Widening()  # an FSDPModule once sharded
+    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    set_debug(True)
+    error = ""
+    try:
+        for step in range(STEPS):
+            differs = rank == 1 and step == SKIP_AT
+            model.set_requires_gradient_sync(not (differs and how == "no_sync"))
+            x, y = rank_batch("mlp", step, rank, world_size, "shardkit")
+            loss = models.loss_of("mlp", model(x), y)
+            if differs and how == "skip_backward":
+                continue  # rank 1 goes on to the next forward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except DesyncError as caught:
+        error = str(caught)
+    finally:
+        set_debug(False)
+    # After the error, a new model on the same process group trains with checks, in step.
+    return {"error": error, "losses": _in_step_body(rank, world_size, debug=True)}
+
+
+# What each rank was about to run when rank 1 differed: ``skip_backward``: rank 0's next
+# collective is the backward all-gather of the last layer, rank 1's the forward all-gather of
+# the first (another size; a gloo receive paired with a longer message aborts the process).
+# ``no_sync``: rank 1 skips its reduce-scatters, and rank 0 issued another all-gather before
+# waiting on the one where the ranks differ, leaving a fingerprint exchange unmatched.
+SIDES = {
+    "skip_backward": (
+        "rank 0: all-gather of blocks.2 in backward",
+        "rank 1: all-gather of blocks.0 in forward",
+    ),
+    "no_sync": (
+        "rank 0: reduce-scatter of blocks.2 in backward",
+        "rank 1: all-gather of blocks.0 in backward",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", list(SIDES))
+def test_a_rank_out_of_step_is_named_on_every_rank_then_training_goes_on(how: str) -> None:
+    # The collectives where the ranks differ never exchange data; messages the error left
+    # unmatched do not pair with the next model's, which trains as without checks.
+    results = run_on_ranks(2, _one_rank_differs_body, how=how)
+    message = results[0]["error"]
+    assert message and all(r["error"] == message for r in results), results
+    for side in SIDES[how]:
+        assert f"{side}, step {SKIP_AT + 1} (#" in message, message
+    expected = run_on_ranks(2, _in_step_body, debug=False)
+    assert [r["losses"] for r in results] == expected

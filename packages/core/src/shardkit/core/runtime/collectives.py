@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core import observe
+from shardkit.core.runtime import desync
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
-from shardkit.core.runtime.desync import check_fingerprints
 from shardkit.core.runtime.groups import cpu_world, fingerprint_group
 from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
@@ -46,8 +46,17 @@ class DoneHandle:
         """Nothing to wait for."""
 
 
-def _wait_all(works: Sequence[dist.Work | None], info: CollectiveInfo | None) -> None:
-    """Wait for ``works``, recorded as a wait on ``info`` for the hang watch."""
+def _wait_all(
+    works: Sequence[dist.Work | None],
+    info: CollectiveInfo | None,
+    check: desync.PendingCheck | None = None,
+) -> None:
+    """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
+
+    With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
+    """
+    if check is not None:
+        check.settle()
     if info is not None:
         PROGRESS.begin_wait(info)
     try:
@@ -84,12 +93,13 @@ class _SumRowsHandle:
     scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
     pool: BufferPool
     info: CollectiveInfo | None = None
+    check: desync.PendingCheck | None = None  # compared before the rows are summed
 
     def wait(self) -> None:
         """Wait for the exchange, then sum into ``output`` (once)."""
         if not self.works:
             return
-        _wait_all(self.works, self.info)
+        _wait_all(self.works, self.info, self.check)
         self.works = []
         if self.scratch is None:
             self.output.add_(self.own)  # received straight into the output (W == 2)
@@ -107,11 +117,12 @@ class GatherHandle:
     buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
     pool: BufferPool
     info: CollectiveInfo | None = None
+    check: desync.PendingCheck | None = None  # compared before the rows are returned
 
     def wait(self) -> list[torch.Tensor]:
         """Block until every row has arrived; returns the rows."""
         if self.works:
-            _wait_all(self.works, self.info)
+            _wait_all(self.works, self.info, self.check)
         self.works = []
         return self.rows
 
@@ -122,9 +133,21 @@ class GatherHandle:
             self.buffer = None
 
 
-# Point-to-point tags: gathers and reductions in flight to the same peer never cross.
+# Point-to-point tags: gathers and reductions in flight to the same peer never cross. With
+# desync checks, each collective's tag is derived from its fingerprint instead.
 _GATHER_TAG = 1
 _REDUCE_TAG = 2
+
+
+@dataclass(frozen=True, slots=True)
+class _Issued:
+    """A collective about to be issued, as :meth:`ProcessGroupRuntime._begin` recorded it."""
+
+    info: CollectiveInfo
+    tag: int
+    """The tag of its point-to-point messages (exchanges only)."""
+    check: desync.PendingCheck | None = None
+    """Its fingerprint exchange, compared at its wait (desync checks on an exchange)."""
 
 
 def _uses_gloo(group: dist.ProcessGroup) -> bool:
@@ -153,11 +176,18 @@ class ProcessGroupRuntime:
         self._steps_before = PROGRESS.steps_taken
 
     def _begin(
-        self, kind: str, group: dist.ProcessGroup, label: str, data: torch.Tensor
-    ) -> CollectiveInfo:
-        """Record the collective about to be issued; with desync checks, compare it first.
+        self,
+        kind: str,
+        group: dist.ProcessGroup,
+        label: str,
+        data: torch.Tensor,
+        tag: int | None = None,
+    ) -> _Issued:
+        """Record the collective about to be issued, and with desync checks send its fingerprint.
 
-        See [Note: desync checks].
+        ``tag``: the fixed tag of its point-to-point messages, for an exchange; None for any
+        other collective, which with desync checks waits here until the fingerprints have
+        been compared. See [Note: desync checks].
         """
         seq = self._issued.get(group, 0) + 1
         self._issued[group] = seq
@@ -167,9 +197,14 @@ class ProcessGroupRuntime:
         info = CollectiveInfo(seq, kind, label, nbytes, dtype, PROGRESS.phase, step)
         PROGRESS.issued(info)
         ensure_watching()
-        if SETTINGS.desync_checks and group.size() > 1:
-            _check_in_step(info, group)
-        return info
+        if not SETTINGS.desync_checks or group.size() == 1:
+            return _Issued(info, tag or 0)
+        encoded = info.encode()
+        check = _send_fingerprint(info, encoded, group)
+        if tag is None:
+            check.settle()
+            return _Issued(info, 0)
+        return _Issued(info, desync.data_tag(encoded, group), check)
 
     def all_gather(
         self,
@@ -186,14 +221,15 @@ class ProcessGroupRuntime:
         """
         if custom is None and group.size() == 1:
             return GatherHandle([], [input], None, self.pool)
-        info = self._begin("all_gather", group, label, input)
+        exchange = custom is None and _uses_gloo(group)
+        issued = self._begin("all_gather", group, label, input, _GATHER_TAG if exchange else None)
         if custom is not None:
             self._announce("all_gather", group, input.numel(), "custom", label)
             rows, work = custom_all_gather_rows(custom, input, group)
             handle = GatherHandle([w for w in (work,) if w is not None], rows, None, self.pool)
         else:
-            handle = self._all_gather(input, group, label)
-        handle.info = info
+            handle = self._all_gather(input, group, label, issued.tag)
+        handle.info, handle.check = issued.info, issued.check
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_gather"))
         return handle
@@ -213,7 +249,7 @@ class ProcessGroupRuntime:
             observe.emit(observe.CollectiveEvent(kind, size, input_bytes, sent, algorithm, label))
 
     def _all_gather(
-        self, input: torch.Tensor, group: dist.ProcessGroup, label: str
+        self, input: torch.Tensor, group: dist.ProcessGroup, label: str, tag: int
     ) -> GatherHandle:
         """See :meth:`all_gather`.
 
@@ -245,8 +281,8 @@ class ProcessGroupRuntime:
                 continue
             row = received[peer if peer < rank else peer - 1]
             rows.append(row)
-            recv = dist.irecv(row, group=group, group_src=peer, tag=_GATHER_TAG)
-            send = dist.isend(input, group=group, group_dst=peer, tag=_GATHER_TAG)
+            recv = dist.irecv(row, group=group, group_src=peer, tag=tag)
+            send = dist.isend(input, group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
         return GatherHandle(works, rows, buffer, self.pool)
 
@@ -261,21 +297,30 @@ class ProcessGroupRuntime:
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
         handle: WorkHandle | DoneHandle | _SumRowsHandle
-        info = self._begin("reduce_scatter", group, label, input)
+        exchange = custom is None and group.size() > 1 and _uses_gloo(group)
+        tag = _REDUCE_TAG if exchange else None
+        issued = self._begin("reduce_scatter", group, label, input, tag)
         if custom is not None:
             row_bytes = output.numel() * output.element_size()
             self._announce("reduce_scatter", group, row_bytes * group.size(), "custom", label)
-            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group), info)
+            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group), issued.info)
         else:
-            handle = self._reduce_scatter(output, input, group, label)
-            if not isinstance(handle, DoneHandle):
-                handle.info = info
+            handle = self._reduce_scatter(output, input, group, label, issued.tag)
+            if isinstance(handle, _SumRowsHandle):
+                handle.info, handle.check = issued.info, issued.check
+            elif isinstance(handle, WorkHandle):
+                handle.info = issued.info
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
         return handle
 
     def _reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        tag: int,
     ) -> WorkHandle | DoneHandle | _SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
@@ -295,7 +340,7 @@ class ProcessGroupRuntime:
             output.copy_(input[0])
             return DoneHandle()
         if gloo:
-            return self._reduce_scatter_by_exchange(output, input, group)
+            return self._reduce_scatter_by_exchange(output, input, group, tag)
         return WorkHandle(
             dist.reduce_scatter_single(
                 output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
@@ -303,7 +348,7 @@ class ProcessGroupRuntime:
         )
 
     def _reduce_scatter_by_exchange(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, tag: int
     ) -> _SumRowsHandle:
         # Row j of ``input`` goes to rank j and rank j's row for us comes back: the bytes of an
         # all-to-all, but a rank's own row stays put, so only W-1 rows are received. At W=2
@@ -319,8 +364,8 @@ class ProcessGroupRuntime:
         works: list[dist.Work] = []
         peers = [j for j in range(size) if j != rank]
         for slot, peer in enumerate(peers):
-            recv = dist.irecv(received[slot], group=group, group_src=peer, tag=_REDUCE_TAG)
-            send = dist.isend(input[peer], group=group, group_dst=peer, tag=_REDUCE_TAG)
+            recv = dist.irecv(received[slot], group=group, group_src=peer, tag=tag)
+            send = dist.isend(input[peer], group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
         return _SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
 
@@ -328,7 +373,7 @@ class ProcessGroupRuntime:
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
     ) -> WorkHandle | DoneHandle:
         """Sum ``tensor`` over ``group`` in place, asynchronously."""
-        info = self._begin("all_reduce", group, label, tensor)
+        info = self._begin("all_reduce", group, label, tensor).info
         handle = self._all_reduce(tensor, group, label)
         if isinstance(handle, WorkHandle):
             handle.info = info
@@ -357,16 +402,29 @@ class ProcessGroupRuntime:
         return WorkHandle(dist.all_reduce(tensor, group=group, async_op=True))
 
 
-def _check_in_step(info: CollectiveInfo, group: dist.ProcessGroup) -> None:
-    """Every member's fingerprint of its next collective, compared (raises if they differ)."""
-    size = group.size()
-    gathered = torch.empty(size * FINGERPRINT_BYTES, dtype=torch.uint8)
-    mine = torch.frombuffer(bytearray(info.encode()), dtype=torch.uint8)
-    work = dist.all_gather_single(gathered, mine, group=fingerprint_group(group), async_op=True)
-    _wait_all([work], info)
-    rows = gathered.view(size, FINGERPRINT_BYTES)
-    infos = [CollectiveInfo.decode(row.numpy().tobytes()) for row in rows]
-    check_fingerprints(infos, dist.get_process_group_ranks(group))
+def _send_fingerprint(
+    info: CollectiveInfo, encoded: bytes, group: dist.ProcessGroup
+) -> desync.PendingCheck:
+    """Send this collective's fingerprint to the other members and receive theirs, not waiting.
+
+    Point to point, in issue order and with one tag (per epoch), so the n-th fingerprint from a
+    peer is always that of its n-th collective on the group. On a gloo group the messages share
+    the collective's own connections (a tag no collective uses); on any other backend they go
+    through the group's gloo twin.
+    """
+    size, rank = group.size(), group.rank()
+    channel = group if _uses_gloo(group) else fingerprint_group(group)
+    tag = desync.fingerprint_tag(group)
+    rows = torch.empty(size, FINGERPRINT_BYTES, dtype=torch.uint8)  # (W, FINGERPRINT_BYTES)
+    mine = rows[rank]
+    mine.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+    works: list[desync.Waitable] = []
+    for peer in range(size):
+        if peer != rank:
+            recv = dist.irecv(rows[peer], group=channel, group_src=peer, tag=tag)
+            send = dist.isend(mine, group=channel, group_dst=peer, tag=tag)
+            works += [w for w in (recv, send) if w is not None]
+    return desync.expect(info, group, rows, works)
 
 
 # --- whole-state transfers through the first rank (full state dicts) -----------------------

@@ -1,19 +1,156 @@
-"""Desync checks: every rank's fingerprint of its next collective, compared before it runs.
+"""Desync checks: every rank's fingerprint of each collective, compared before its data is used.
 
-With ``SHARDKIT_DEBUG=1`` (or ``set_debug(True)``) the runtime exchanges the fingerprint of
-each collective (:class:`~shardkit.core.runtime.progress.CollectiveInfo`) within its group
-before issuing it. Ranks that run different code (one more micro-batch on one rank, a
-module skipped on another) are caught at the first collective where they differ, before
-the mismatched data reaches a gradient or the optimizer, and every rank raises the same
-:class:`~shardkit.core.errors.DesyncError`. See [Note: desync checks].
+With ``SHARDKIT_DEBUG=1`` (or ``set_debug(True)``) the runtime sends the fingerprint of each
+collective (:class:`~shardkit.core.runtime.progress.CollectiveInfo`) to the other members of
+its group when it issues it, and compares what they sent before the collective's result is
+used. Ranks that run different code (one more micro-batch on one rank, a module skipped on
+another) are caught at the first collective where they differ, before the mismatched data
+reaches a gradient or the optimizer, and every rank raises the same
+:class:`~shardkit.core.errors.DesyncError`.
+
+A collective whose messages carry a tag of their own (the gloo exchanges) is issued at once,
+its tag derived from its fingerprint (:func:`data_tag`): messages of collectives that differ
+never pair, so they can neither mix data nor abort on a size mismatch, and the comparison
+waits until the collective's own wait. Any other collective (a native one, a custom one) is
+issued only once the fingerprints were compared. See [Note: desync checks].
 """
 
 from __future__ import annotations
 
-from shardkit.core.errors import DesyncError
-from shardkit.core.runtime.progress import CollectiveInfo
+import weakref
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["check_fingerprints"]
+import torch
+import torch.distributed as dist
+
+from shardkit.core.errors import DesyncError
+from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, CollectiveInfo
+
+__all__ = [
+    "PendingCheck",
+    "Waitable",
+    "check_fingerprints",
+    "data_tag",
+    "expect",
+    "fingerprint_tag",
+]
+
+# Point-to-point tags: the runtime's fixed tags are small numbers; the fingerprints' own tags
+# (on the gloo twin of a group) start here, and the tags derived from fingerprints above the
+# next base, so that neither meets the other or a fixed one.
+_FINGERPRINT_TAG_BASE = 1 << 10
+_DATA_TAG_BASE = 1 << 20
+_DATA_TAG_SPAN = 1 << 30
+
+
+class Waitable(Protocol):
+    """A c10d ``Work``, as far as a check needs it."""
+
+    def wait(self) -> object:
+        """Block until done."""
+        ...
+
+
+@dataclass(slots=True)
+class _GroupChecks:
+    """The checks of one process group: its epoch and its exchanges not yet compared."""
+
+    epoch: int = 0
+    """Desync errors raised on this group so far: every member raises each, so they agree. It
+    is part of every tag, so that messages left unmatched by an error never pair with later
+    ones."""
+    pending: deque[PendingCheck] = field(default_factory=deque)
+    """Exchanges in issue order, oldest first."""
+
+
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupChecks]
+_GROUPS = weakref.WeakKeyDictionary()
+
+
+def _checks(group: dist.ProcessGroup) -> _GroupChecks:
+    checks = _GROUPS.get(group)
+    if checks is None:
+        checks = _GROUPS[group] = _GroupChecks()
+    return checks
+
+
+def fingerprint_tag(group: dist.ProcessGroup) -> int:
+    """The tag of ``group``'s fingerprint messages (on its gloo twin), in its current epoch."""
+    return _FINGERPRINT_TAG_BASE + _checks(group).epoch
+
+
+def data_tag(encoded: bytes, group: dist.ProcessGroup) -> int:
+    """The tag of a collective's own messages on ``group``, from its encoded fingerprint.
+
+    Members in step compute the same tag; members about to run different collectives compute
+    different ones (but for a hash collision, about one chance in 10^9), so their messages
+    stay unmatched instead of pairing. A gloo receive paired with a longer message aborts the
+    process, and one paired with a message of the same size mixes data silently.
+    """
+    digest = zlib.crc32(_checks(group).epoch.to_bytes(8, "little"), zlib.crc32(encoded))
+    return _DATA_TAG_BASE + digest % _DATA_TAG_SPAN
+
+
+@dataclass(slots=True, eq=False)
+class PendingCheck:
+    """One collective's fingerprint exchange, in flight until :meth:`settle`."""
+
+    info: CollectiveInfo
+    group: dist.ProcessGroup
+    rows: torch.Tensor  # (W, FINGERPRINT_BYTES) uint8: every member's fingerprint, group order
+    works: list[Waitable]  # this rank's sends and receives of fingerprints
+    done: bool = False
+
+    def settle(self) -> None:
+        """Compare the members' fingerprints of this collective (and of earlier ones pending).
+
+        The group's exchanges not compared yet are compared in issue order, up to this one.
+
+        Raises:
+            DesyncError: on every member, naming what each was about to run.
+        """
+        if self.done:
+            return
+        queue = _checks(self.group).pending
+        while queue:
+            check = queue.popleft()
+            check._compare()
+            if check is self:
+                return
+
+    def _compare(self) -> None:
+        PROGRESS.begin_wait(self.info)
+        try:
+            for work in self.works:
+                work.wait()
+        finally:
+            PROGRESS.end_wait()
+        self.done = True
+        blob = self.rows.numpy().tobytes()
+        first = blob[:FINGERPRINT_BYTES]
+        if blob == first * self.rows.size(0):
+            return
+        checks = _checks(self.group)
+        checks.epoch += 1
+        checks.pending.clear()  # later exchanges are abandoned with the collectives they served
+        infos = [CollectiveInfo.decode(row.numpy().tobytes()) for row in self.rows]
+        ranks = dist.get_process_group_ranks(self.group)
+        check_fingerprints(infos, ranks)
+        # Records that differ only where decoding drops bytes (a label cut mid-character):
+        # their collectives' tags differ too, so they would never meet.
+        raise DesyncError(f"ranks {ranks} are out of step: {self.info.detail()} differs in bytes")
+
+
+def expect(
+    info: CollectiveInfo, group: dist.ProcessGroup, rows: torch.Tensor, works: list[Waitable]
+) -> PendingCheck:
+    """Queue the exchange of ``info``'s fingerprint (``works`` fill ``rows``) for comparison."""
+    check = PendingCheck(info, group, rows, works)
+    _checks(group).pending.append(check)
+    return check
 
 
 def check_fingerprints(infos: list[CollectiveInfo], ranks: list[int]) -> None:
