@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 from torch.distributed.tensor import DTensor, Shard
 
@@ -42,6 +43,10 @@ def _classes_body(rank: int, world_size: int) -> dict[str, Any]:
     fully_shard(model)
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(seq)
+    handle = model.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    model.reshard()
     cls = type(model)
     torch_names = [n for n in vars(TorchFSDPModule) if not n.startswith("__")]
     return {
@@ -50,6 +55,7 @@ def _classes_body(rank: int, world_size: int) -> dict[str, Any]:
         "torchs_own": [n for n in torch_names if _where_defined(cls, n) is TorchFSDPModule],
         "checked": len(torch_names),
         "original": cls.__mro__[cls._orig_cls_mro_index] is models.MLPNet,
+        "handle": isinstance(handle, TorchUnshardHandle),
         # Slicing builds type(self)(...): a plain Sequential, not an FSDP class left stateless.
         "slice": type(seq[:1]).__name__,
     }
@@ -63,6 +69,7 @@ def test_sharded_modules_are_torch_fsdp_modules_with_shardkits_methods() -> None
         assert result["torchs_own"] == []
         assert result["checked"] > 25
         assert result["original"]
+        assert result["handle"]
         assert result["slice"] == "Sequential"
 
 

@@ -25,12 +25,17 @@ from shardkit.core.state_dict.validation import (
     shard_full_tensors,
 )
 from shardkit.core.state_registry import state_of, states_under
+from shardkit.core.torch_fsdp import TorchUnshardHandle
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+class UnshardHandle(TorchUnshardHandle):
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard.
+
+    A subclass of torch's ``UnshardHandle`` (a base with a no-op ``wait``), so code that
+    checks a handle against torch's class accepts it.
+    """
 
     def __init__(self, group: FSDPParamGroup | None) -> None:
         self._group = group

@@ -21,11 +21,18 @@ from typing import NoReturn
 
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp._fully_shard._fully_shard import UnshardHandle as TorchUnshardHandle
 from torch.distributed.fsdp.fully_sharded_data_parallel import (
     FullyShardedDataParallel as _TorchFSDP1,
 )
 
-__all__ = ["TORCH_FSDP1", "TORCH_FSDP_MODULE", "TorchFacing", "managed_by_torch_fsdp"]
+__all__ = [
+    "TORCH_FSDP1",
+    "TORCH_FSDP_MODULE",
+    "TorchFacing",
+    "TorchUnshardHandle",
+    "managed_by_torch_fsdp",
+]
 
 logger = logging.getLogger(__name__)
 
