@@ -16,8 +16,10 @@ import json
 import pickletools
 import struct
 import zipfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from hypothesis import strategies as st
 
 Region = tuple[int, int]
@@ -28,6 +30,33 @@ Region = tuple[int, int]
 _EDGE_INTS = [0, 1, 7, 8, 2**31 - 1, 2**31, 2**32 - 1, 2**40, 2**63 - 1, 2**64 - 1]
 _DTYPE_NAMES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"]
 _STRANGE_DTYPES = ["F33", "", "f32", "C64", "F8_E4M3", "U64", "F4", "STR"]
+
+
+def rewrite_zip(
+    raw: bytes,
+    method: Callable[[str], int] = lambda _: zipfile.ZIP_STORED,
+    replace: Mapping[str, bytes] | None = None,
+) -> bytes:
+    """A torch.save zip file written again by Python's zipfile, record by record.
+
+    ``method`` gives each record's compression method by its name within the archive
+    (``data/0``, ``data.pkl``); ``replace`` new contents for some of them. A valid file in
+    another form than torch writes: torch.load reads it (DEFLATE included).
+    """
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as source, zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            name = info.filename.partition("/")[2]
+            data = (replace or {}).get(name, source.read(info.filename))
+            target.writestr(info.filename, data, compress_type=method(name))
+    return out.getvalue()
+
+
+def byteswapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in the other byte order (what a big-endian machine holds)."""
+    size = tensor.element_size()
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).view(-1, size).flip(-1)
+    return raw.contiguous().view(-1).view(tensor.dtype).view(tensor.shape)
 
 
 def safetensors_regions(raw: bytes) -> list[Region]:
@@ -177,12 +206,55 @@ def safetensors_mutations(raw: bytes) -> st.SearchStrategy[bytes]:
     )
 
 
+# Fields of a central directory entry that say how to read the record: (offset, width).
+_CENTRAL_FIELDS = {"flags": (8, 2), "method": (10, 2), "compressed": (20, 4), "size": (24, 4)}
+# Compression methods: stored, shrunk, DEFLATE, Deflate64, bzip2, LZMA, Zstandard, unknown.
+_METHODS = [0, 1, 8, 9, 12, 14, 93, 0xFFFF]
+
+
+def _central_entries(raw: bytes) -> list[int]:
+    """Where each central directory entry starts."""
+    archive = zipfile.ZipFile(io.BytesIO(raw))
+    starts, position = [], archive.start_dir
+    for _ in archive.infolist():
+        starts.append(position)
+        lengths = struct.unpack("<3H", raw[position + 28 : position + 34])
+        position += 46 + sum(lengths)
+    return starts
+
+
+@st.composite
+def record_edited(draw: st.DrawFn, raw: bytes) -> bytes:
+    """One record's way of being read changed in the central directory (what torch obeys).
+
+    Its compression method, its flags (the encryption bits among them), or its compressed or
+    uncompressed size, set to a value near the old one or an edge.
+    """
+    start = draw(st.sampled_from(_central_entries(raw)))
+    field = draw(st.sampled_from(sorted(_CENTRAL_FIELDS)))
+    offset, width = _CENTRAL_FIELDS[field]
+    (old,) = struct.unpack(
+        "<H" if width == 2 else "<L", raw[start + offset : start + offset + width]
+    )
+    if field == "method":
+        value: int = draw(st.sampled_from(_METHODS))
+    elif field == "flags":
+        value = old ^ (1 << draw(st.integers(0, 15)))
+    else:
+        near = st.integers(max(0, old - 16), old + 16)
+        value = draw(st.one_of(near, st.sampled_from(_EDGE_INTS), st.integers(0, 2**32 - 1)))
+    packed = (value % (1 << (8 * width))).to_bytes(width, "little")
+    return raw[: start + offset] + packed + raw[start + offset + width :]
+
+
 def torch_mutations(raw: bytes) -> st.SearchStrategy[bytes]:
     """Every mutation of a torch.save file, zip or legacy."""
-    regions = zip_regions(raw) if raw.startswith(b"PK\x03\x04") else legacy_regions(raw)
-    return st.one_of(
+    is_zip = raw.startswith(b"PK\x03\x04")
+    regions = zip_regions(raw) if is_zip else legacy_regions(raw)
+    generic = [
         truncated(raw),
         bit_flips(raw, regions),
         spliced(raw, regions),
         int_written(raw, regions),
-    )
+    ]
+    return st.one_of(*generic, record_edited(raw)) if is_zip else st.one_of(*generic)

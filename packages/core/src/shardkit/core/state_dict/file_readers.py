@@ -15,12 +15,12 @@ what is wrong where. See [Note: file readers].
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
-import struct
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Protocol, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +29,7 @@ from shardkit.core.errors import StateDictFileError, first_sentence
 from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, format_of
 from shardkit.core.state_dict.safetensors_explain import explain_safetensors
 from shardkit.core.state_dict.torch_legacy import BoundedFile, check_storage_claims
+from shardkit.core.state_dict.torch_zip import ZIP_MAGIC, check_zip
 
 __all__ = [
     "SafetensorsReader",
@@ -38,9 +39,9 @@ __all__ = [
     "open_reader",
 ]
 
+logger = logging.getLogger(__name__)
+
 _DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
-_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip record's local header, before its name
 
 
 class StateDictReader(Protocol):
@@ -57,13 +58,14 @@ class StateDictReader(Protocol):
         """Release the file."""
 
 
-def open_reader(path: Path) -> StateDictReader:
+def open_reader(path: str | os.PathLike[str]) -> StateDictReader:
     """Open a state dict file, checking all of it before any tensor is read.
 
     Raises:
         StateDictFileError: the file is malformed, truncated, or holds more than tensors.
         OSError: the file cannot be opened (missing, a directory, no permission).
     """
+    path = Path(path)
     if not path.is_file():
         path.open("rb").close()  # the OSError that says why, naming the file
     if format_of(path) == "safetensors":
@@ -74,8 +76,8 @@ def open_reader(path: Path) -> StateDictReader:
 class SafetensorsReader:
     """A safetensors file, through the safetensors library."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path = Path(path)
         try:
             self._file = safe_open(path, framework="pt", device="cpu")
             names: list[str] = self._file.offset_keys()
@@ -114,8 +116,8 @@ class SafetensorsReader:
 class TorchFileReader:
     """A torch.save file, read with ``weights_only=True`` (never unpickles arbitrary objects)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path = Path(path)
         self._tensors = _load_weights_only(path)
         self.entries = [Entry(k, tuple(t.shape), t.dtype) for k, t in self._tensors.items()]
 
@@ -143,11 +145,13 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
 
 
-def load_torch_file(path: Path, *, safe_globals: Sequence[Any] = ()) -> Any:
+def load_torch_file(path: str | os.PathLike[str], *, safe_globals: Sequence[Any] = ()) -> Any:
     """What an untrusted torch.save file holds, read with ``weights_only=True`` and checked.
 
     Beyond what torch.load checks: a zip file's records are each checked against the archive
-    before it is memory-mapped (mapped, torch takes their offsets on trust), and a legacy
+    and the pickle's declarations (each storage's record present, of the declared size, stored
+    or DEFLATE-compressed) before it is memory-mapped; mapped, torch takes them on trust. A
+    file with compressed records is read unmapped, decompressed by torch's zip reader. A legacy
     (pre-1.6) file's declared storages are added up against its size before torch allocates
     them, its reads bounded by the file (a flipped bit in a length would otherwise allocate
     gigabytes). Nothing in the file is ever run.
@@ -163,86 +167,58 @@ def load_torch_file(path: Path, *, safe_globals: Sequence[Any] = ()) -> Any:
             objects that weights_only does not load.
         OSError: the file cannot be opened.
     """
-    with open(path, "rb") as f:
+    source = Path(path)
+    with open(source, "rb") as f:
         # The legacy format cannot be memory-mapped. The magic number, unlike
         # zipfile.is_zipfile, also tells a truncated zip file (no central directory) apart.
-        mappable = f.read(4) == _ZIP_MAGIC
-    size = path.stat().st_size
+        is_zip = f.read(4) == ZIP_MAGIC
+    size = source.stat().st_size
     if size == 0:
-        raise StateDictFileError(f"{path} is empty (0 bytes), not a torch.save file")
-    if mappable:
-        _check_zip_records(path, size)
+        raise StateDictFileError(f"{source} is empty (0 bytes), not a torch.save file")
+    mapped = is_zip and _mappable(source, size)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return _torch_load(path, size, mappable)
+            return _torch_load(source, size, is_zip=is_zip, mapped=mapped)
     except StateDictFileError:
         raise
     except pickle.UnpicklingError as error:
         raise StateDictFileError(
-            f"{path} holds something other than tensors and plain containers, or is not a "
+            f"{source} holds something other than tensors and plain containers, or is not a "
             f"torch.save file: torch.load with weights_only=True refused it "
             f"({_reason(error)}), and shardkit never unpickles arbitrary objects"
         ) from None
     except Exception as error:  # torch reports a broken file with many types (EOFError, ...)
-        kind = "zip" if mappable else "legacy (non-zip)"
+        kind = "zip" if is_zip else "legacy (non-zip)"
         raise StateDictFileError(
-            f"{path} is not a readable torch.save file ({kind} format, {size} bytes): "
+            f"{source} is not a readable torch.save file ({kind} format, {size} bytes): "
             f"{type(error).__name__}: {first_sentence(str(error))}"
         ) from None
 
 
-def _torch_load(path: Path, size: int, mappable: bool) -> Any:
+def _mappable(path: Path, size: int) -> bool:
+    """Check a zip file's records; whether all its storages can be read from a memory map."""
+    check = check_zip(path, size)
+    if not check.mappable:
+        # Mapped, torch would load the compressed bytes themselves.
+        logger.info(
+            "%s: %d compressed record(s) (%s ...): read whole and decompressed, not mapped",
+            path,
+            len(check.compressed),
+            check.compressed[0],
+        )
+    return check.mappable
+
+
+def _torch_load(path: Path, size: int, *, is_zip: bool, mapped: bool) -> Any:
     """torch.load with weights_only; a legacy file's claims checked first, its reads bounded."""
-    if mappable:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if is_zip:
+        # Unmapped, torch's zip reader reads each record whole (decompressing it).
+        return torch.load(path, map_location="cpu", mmap=mapped, weights_only=True)
     with open(path, "rb") as f:
         check_storage_claims(path, BoundedFile(f, size), size)
         f.seek(0)
         bounded = cast(IO[bytes], BoundedFile(f, size))  # a binary file, as torch.load reads
         return torch.load(bounded, map_location="cpu", weights_only=True)
-
-
-def _check_zip_records(path: Path, size: int) -> None:
-    """The archive has its central directory, and every record its local header and data.
-
-    torch.load without a memory map refuses a record whose local header lost its signature,
-    but with one it takes the records' offsets on trust and would read whatever bytes are
-    there. This checks what the unmapped load checks (the signature; the header's name and
-    extra lengths, which place the data), reading 30 bytes a record.
-    """
-    try:
-        # is_zipfile looks for the end record only; it raises on a damaged one, as ZipFile does.
-        found = zipfile.is_zipfile(path)
-    except zipfile.BadZipFile as error:
-        raise StateDictFileError(f"{path}: its zip end record is damaged: {error}") from None
-    if not found:
-        raise StateDictFileError(
-            f"{path} starts as a zip archive (torch.save's format) but has no central "
-            f"directory at its end ({size} bytes): the file is truncated"
-        )
-    try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
-            for info in archive.infolist():
-                _check_local_header(info, f, size)
-    except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError) as error:
-        raise StateDictFileError(
-            f"{path} is a damaged zip archive (torch.save's format): {error}"
-        ) from None
-
-
-def _check_local_header(info: zipfile.ZipInfo, f: BinaryIO, size: int) -> None:
-    f.seek(info.header_offset)
-    header = f.read(_LOCAL_HEADER.size)
-    if len(header) < _LOCAL_HEADER.size or not header.startswith(_ZIP_MAGIC):
-        raise zipfile.BadZipFile(
-            f"record {info.filename!r} has no local header at byte {info.header_offset}"
-        )
-    *_, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    end = info.header_offset + len(header) + name_len + extra_len + info.compress_size
-    if end > size:
-        raise zipfile.BadZipFile(
-            f"record {info.filename!r} ends at byte {end}, past the end of the file"
-        )
 
 
 def _reason(error: pickle.UnpicklingError) -> str:

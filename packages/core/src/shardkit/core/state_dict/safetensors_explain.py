@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,9 @@ MAX_HEADER_BYTES = 100_000_000
 _ITEMSIZE = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
-def explain_safetensors(path: Path) -> str:
+def explain_safetensors(path: str | os.PathLike[str]) -> str:
     """What is wrong with the safetensors file at ``path``, and where; '' if nothing is found."""
-    size = path.stat().st_size
+    size = Path(path).stat().st_size
     if size < 8:
         return f"it holds {size} bytes, less than the 8-byte header length that starts the format"
     with open(path, "rb") as f:

@@ -8,9 +8,11 @@ would allocate gigabytes (or fail for want of them). Two defences, both from the
 
 - :class:`BoundedFile` is the file as torch reads it: no read asks for more bytes than are
   left, so a declared length costs at most the file's size.
-- :func:`check_storage_claims` unpickles the object with nothing real behind its globals
-  (every class or function it names is a harmless placeholder, so no code of the file's
-  runs) and adds up the storages it declares. More bytes than the file holds is refused.
+- :func:`check_storage_claims` reads the object's pickle with nothing real behind its
+  globals (``torch_pickle.py``: no code of the file's runs) and adds up the storages it
+  declares. More bytes than the file holds is refused. Then it walks the storages' bytes:
+  each declared storage must be listed (torch leaves one that is not uninitialized, and
+  loads whatever memory held) and hold the declared element count, inside the file.
 
 See [Note: file readers].
 """
@@ -18,14 +20,12 @@ See [Note: file readers].
 from __future__ import annotations
 
 import io
-import pickle
-from collections.abc import Callable
+import struct
 from pathlib import Path
-from typing import Any, cast
-
-import torch
+from typing import Any
 
 from shardkit.core.errors import StateDictFileError, first_sentence
+from shardkit.core.state_dict.torch_pickle import StorageClaim, read_pickle, read_storage_claims
 
 __all__ = ["BoundedFile", "check_storage_claims"]
 
@@ -61,81 +61,19 @@ class BoundedFile(io.RawIOBase):
         return self._file.readinto(view[: min(len(view), self._left())]) or 0
 
 
-class _Placeholder:
-    """Whatever the pickle builds from a global: takes any arguments, state, items."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:  # an OrderedDict's items
-        pass
-
-    def append(self, value: Any) -> None:  # a list subclass's items
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-
-class _ClaimsUnpickler(pickle._Unpickler):
-    """Unpickles with placeholders for globals, recording the storages that are declared.
-
-    Python's unpickler, not C's: C's allocates a ``BINBYTES`` string at its declared length
-    before reading it, Python's reads it (from a :class:`BoundedFile`, at most what is left).
-    """
-
-    def load_proto(self) -> None:
-        """Any protocol number, as torch's unpickler takes it (Python's wants 5 or less)."""
-        self.read(1)
-
-    read: Callable[[int], bytes]  # set by pickle's load()
-
-    def __init__(self, file: BoundedFile) -> None:
-        super().__init__(file)
-        self.storages: dict[str, tuple[str, int]] = {}  # key: (storage type name, numel)
-
-    def find_class(self, module: str, name: str) -> Any:
-        # A class of its own per global: a type (as NEWOBJ wants), named as the file named it.
-        return type(name, (_Placeholder,), {})
-
-    def persistent_load(self, pid: Any) -> Any:
-        # torch's legacy persistent ids: ("storage", type, key, location, numel, view).
-        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage"):
-            storage_type, key, numel = pid[1], pid[2], pid[4]
-            if isinstance(numel, int) and isinstance(storage_type, type):
-                self.storages.setdefault(str(key), (storage_type.__name__, numel))
-        return _Placeholder()
-
-
-# BYTEARRAY8 allocates its declared length first in both; torch never writes it.
-_ClaimsUnpickler.dispatch = {
-    **{k: v for k, v in pickle._Unpickler.dispatch.items() if k != pickle.BYTEARRAY8[0]},
-    pickle.PROTO[0]: cast(Callable[[pickle.Unpickler], None], _ClaimsUnpickler.load_proto),
-}
-
-
-def _itemsizes() -> dict[str, int]:
-    """Bytes per element of each storage type, by its name (``FloatStorage``: 4)."""
-    # torch names no public map from storage type to dtype; file_formats uses the same one.
-    names = torch.storage._dtype_to_storage_type_map()
-    return {name: dtype.itemsize for dtype, name in names.items()}
-
-
 def check_storage_claims(path: Path, file: BoundedFile, size: int) -> None:
-    """Refuse a legacy file whose storages declare more bytes than the file holds.
+    """Refuse a legacy file whose storages are not what its pickle declares.
 
     Raises:
-        StateDictFileError: the pickles cannot be read, or a storage's declared size is
-            negative, of an unknown type, or (all storages together) larger than the file.
+        StateDictFileError: the pickles cannot be read; a storage's declared size is
+            negative, of an unknown type, or (all storages together) larger than the file; a
+            declared storage is not listed among those whose bytes follow, or its bytes hold
+            another element count or run past the end of the file.
     """
-    itemsizes = _itemsizes()
-    unpickler = _ClaimsUnpickler(file)
     try:
-        for _ in range(4):  # magic number, protocol version, system information, the object
-            unpickler.load()
+        # magic number, protocol version, system information, then the object
+        claims = read_storage_claims(file, pickles=4)
+        listed = read_pickle(file)  # the storage keys, in the order their bytes follow
     except Exception as error:  # a broken pickle raises many types (EOFError, KeyError, ...)
         raise StateDictFileError(
             f"{path} is not a readable torch.save file (legacy (non-zip) format, {size} "
@@ -143,15 +81,48 @@ def check_storage_claims(path: Path, file: BoundedFile, size: int) -> None:
             f"{first_sentence(str(error))})"
         ) from None
     claimed = 0
-    for key, (type_name, numel) in unpickler.storages.items():
-        if type_name not in itemsizes or numel < 0:
+    for claim in claims:
+        nbytes = claim.nbytes()
+        if nbytes is None:
             raise StateDictFileError(
-                f"{path}: storage {key!r} is declared as {numel} elements of {type_name}, "
-                f"which torch cannot load"
+                f"{path}: storage {claim.key!r} (of tensor {claim.tensor!r}) is declared as "
+                f"{claim.numel} elements of {claim.type_name}, which torch cannot load"
             )
-        claimed += numel * itemsizes[type_name]
+        claimed += nbytes
     if claimed > size:
         raise StateDictFileError(
             f"{path}: its storages declare {claimed} bytes, but the file holds {size} "
             f"(legacy (non-zip) format): the file is truncated or its sizes are damaged"
         )
+    _check_storage_bytes(path, file, size, claims, listed)
+
+
+_COUNT = struct.Struct("<q")  # each storage's bytes follow its element count
+
+
+def _check_storage_bytes(
+    path: Path, file: BoundedFile, size: int, claims: list[StorageClaim], listed: Any
+) -> None:
+    """Each declared storage is listed once, and its bytes are the declared count."""
+    by_key = {claim.key: claim for claim in claims}
+    if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
+        raise StateDictFileError(f"{path}: its list of storage keys is damaged")
+    unlisted = [c for key, c in by_key.items() if key not in listed]
+    if unlisted or len(set(listed)) != len(listed) or set(listed) - set(by_key):
+        where = f" (storage {unlisted[0].key!r} of tensor {unlisted[0].tensor!r})"
+        raise StateDictFileError(
+            f"{path}: its storage keys do not match the storages its pickle declares"
+            f"{where if unlisted else ''} (legacy (non-zip) format): the file is damaged"
+        )
+    for key in listed:
+        claim = by_key[key]
+        raw = file.read(_COUNT.size)
+        (count,) = _COUNT.unpack(raw) if len(raw) == _COUNT.size else (None,)
+        end = file.tell() + (count or 0) * (claim.itemsize() or 0)  # known: checked above
+        if count != claim.numel or end > size:
+            found = "nothing" if count is None else f"{count} elements"
+            raise StateDictFileError(
+                f"{path}: storage {key!r} (of tensor {claim.tensor!r}) holds {found} at byte "
+                f"{file.tell()}, its pickle declares {claim.numel} ({size} bytes in the file)"
+            )
+        file.seek(end)
