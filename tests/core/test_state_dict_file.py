@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 from shardkit.core import write_state_dict_file
+from shardkit.core.state_dict import file_formats
+from tests.core.full_disk import full_disk_open
 
 FORMATS = ["model.safetensors", "model.pt"]
 
@@ -106,4 +110,33 @@ def test_an_error_of_the_producer_writes_nothing(name: str, tmp_path: Path) -> N
 
     with pytest.raises(OSError, match="the source went away"):
         write_state_dict_file(tmp_path / name, _announced(values), produce())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("room", [0, 100], ids=["header", "mid-write"])
+def test_a_full_disk_leaves_no_partial_file_and_names_the_file(
+    room: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The safetensors writer fails at its header (opened outside the cleanup, it once left
+    # model.safetensors.partial behind) or in the middle; the write's OSError names no file.
+    monkeypatch.setattr(file_formats, "open", full_disk_open(room), raising=False)
+    target = tmp_path / "model.safetensors"
+    values = _values()
+    with pytest.raises(OSError, match=f"No space left on device: '{target}'") as raised:
+        write_state_dict_file(target, _announced(values), iter(values.items()))
+    assert raised.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_in_torch_format_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(self: object, name: str, tensor: torch.Tensor) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(file_formats.TorchSaveWriter, "write", no_space)
+    target = tmp_path / "model.pt"
+    values = _values()
+    with pytest.raises(OSError, match=f"No space left on device: '{target}'"):
+        write_state_dict_file(target, _announced(values), iter(values.items()))
     assert list(tmp_path.iterdir()) == []

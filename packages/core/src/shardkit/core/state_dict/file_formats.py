@@ -129,7 +129,11 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115  (closed in close())
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        try:
+            self._file.write(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:
+            self._file.close()  # no writer to close it: the caller removes the file
+            raise
         self._pending: Iterator[Entry] = iter(entries)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -145,10 +149,12 @@ class SafetensorsWriter:
             self._file.write(_tensor_bytes(chunk))
 
     def close(self) -> None:
-        """Flush to disk."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        """Flush to disk, and close the file even when that fails (a full disk)."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
 
 
 class _StorageRef:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
 
-__all__ = ["write_state_dict_file"]
+__all__ = ["partial_writer", "write_state_dict_file"]
 
 
 def write_state_dict_file(
@@ -39,20 +39,41 @@ def write_state_dict_file(
     Raises:
         ValueError: ``tensors`` yields a key out of order or never announced, or a tensor
             whose shape or dtype differs from the announcement (naming the key), or ends early.
+        OSError: writing failed (a full disk, say), naming the file; nothing is left behind.
     """
     target = Path(path)
     entries = [Entry(k, tuple(v.shape), v.dtype) for k, v in expected.items()]
-    partial = target.with_name(target.name + ".partial")
-    writer = open_writer(partial, entries, format_of(target))
-    try:
+    with partial_writer(target, entries) as writer:
         _write_in_order(writer, entries, tensors, target)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            writer.close()  # lets go of the file, which is then removed
+
+
+@contextlib.contextmanager
+def partial_writer(
+    target: Path, entries: list[Entry], key_order: list[str] | None = None
+) -> Iterator[FileWriter]:
+    """A writer of ``target``'s temporary file (``<name>.partial``), moved into place at the end.
+
+    When the block ends, the file is finished and renamed onto ``target``; when anything
+    raises, from opening the file (its header written) to renaming it, the writer is let go
+    and the temporary file removed. An ``OSError`` that names no file (a full disk: ``ENOSPC``
+    from a write) is raised again naming ``target``.
+    """
+    partial = target.with_name(target.name + ".partial")
+    writer: FileWriter | None = None
+    try:
+        writer = open_writer(partial, entries, format_of(target), key_order)
+        yield writer
+        done, writer = writer, None
+        done.close()
+        partial.replace(target)
+    except BaseException as error:
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()  # lets go of the file, which is then removed
         partial.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:
+            raise OSError(error.errno, error.strerror or str(error), str(target)) from error
         raise
-    writer.close()
-    partial.replace(target)
 
 
 def _write_in_order(
