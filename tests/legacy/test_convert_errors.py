@@ -8,16 +8,23 @@ empty: no output, no temporary file.
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import shutil
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from shardkit.core.state_dict import file_formats
 from shardkit.legacy.convert.cli import main
+from tests.core.full_disk import full_disk_open
 from tests.legacy.convert_support import (
     BLOCK,
     FACTORY,
@@ -219,3 +226,115 @@ def test_an_existing_output_is_left_alone(
     assert main(["full", str(flat.folder / "full.pt"), "-o", str(out)]) == 1
     assert "already exists" in capsys.readouterr().err
     assert out.read_bytes() == b"keep me"
+
+
+def _small_full(tmp_path: Path) -> Path:
+    """A FULL checkpoint of two tensors (torch.save of a plain state dict)."""
+    path = tmp_path / "full.pt"
+    torch.save({"a.weight": torch.randn(64, 32), "b.bias": torch.arange(9.0)}, path)
+    return path
+
+
+@pytest.mark.parametrize("room", [0, 4096], ids=["header", "mid-write"])
+def test_a_full_disk_leaves_nothing_and_says_so_in_one_line(
+    room: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _small_full(tmp_path)
+    monkeypatch.setattr(file_formats, "open", full_disk_open(room), raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "model.safetensors"
+    assert main(["full", str(source), "-o", str(target), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert err.startswith("shardkit-convert: error: [Errno 28] No space left on device"), err
+    assert str(target) in err, err
+    assert list(out.iterdir()) == [], "a partial file was left behind"
+
+
+def test_a_full_disk_under_dcp_output_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _small_full(tmp_path)
+
+    def full_disk_fsync(fd: int) -> None:  # where a full disk shows when writes are delayed
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk_fsync)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "converted"
+    assert main(["full", str(source), "-o", str(target), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(target) in err and "No space left" in err, err
+    assert list(out.iterdir()) == [], "a partial checkpoint was left behind"
+
+
+def test_a_directory_where_a_file_is_expected_and_the_reverse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "ckpt.pt"
+    folder.mkdir()
+    out = tmp_path / "out"
+    _refused(["full", str(folder)], f"{folder}: is a directory, not a file", out, capsys, "c")
+    source = _small_full(tmp_path)
+    args = ["sharded", str(source)]
+    _refused(args, f"{source}: is a file, not a directory", out, capsys, "c")
+    missing = tmp_path / "nothing.pt"
+    _refused(["full", str(missing)], f"{missing}: no such file", out, capsys, "c")
+
+
+def _dcp(folder: Path) -> Path:
+    """A small DCP checkpoint, saved in this process."""
+    state = {"a.weight": torch.randn(8, 4), "b.bias": torch.arange(3.0)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(state, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+def _no_properties(metadata: Metadata) -> None:
+    metadata.state_dict_metadata["a.weight"].properties = None  # type: ignore[union-attr]
+
+
+def _storage_path_not_a_string(metadata: Metadata) -> None:
+    for info in (metadata.storage_data or {}).values():
+        info.relative_path = 5
+
+
+def _storage_path_outside(metadata: Metadata) -> None:
+    for info in (metadata.storage_data or {}).values():
+        info.relative_path = "../../elsewhere.distcp"
+
+
+def _storage_offset_not_an_int(metadata: Metadata) -> None:
+    for info in (metadata.storage_data or {}).values():
+        info.offset = "x"
+
+
+def _entries_not_a_dict(metadata: Metadata) -> None:
+    metadata.state_dict_metadata = [1, 2]  # type: ignore[assignment]
+
+
+METADATA_DAMAGE: dict[str, tuple[Callable[[Metadata], None], str]] = {
+    "entries not a dict": (_entries_not_a_dict, "state_dict_metadata is a list"),
+    "no properties": (_no_properties, "a.weight: no dtype"),
+    "data file not a string": (_storage_path_not_a_string, "its data file is 5"),
+    "data file outside": (_storage_path_outside, "its data file is '../../elsewhere.distcp'"),
+    "offset not an int": (_storage_offset_not_an_int, "its bytes are at offset 'x'"),
+}
+
+
+@pytest.mark.parametrize("case", list(METADATA_DAMAGE))
+def test_damaged_dcp_metadata_is_refused_naming_the_file(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each once escaped as a raw AttributeError or TypeError (a traceback from the script).
+    folder = _dcp(tmp_path / "ckpt")
+    damage, match = METADATA_DAMAGE[case]
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    damage(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    expected = f"{folder / '.metadata'}: damaged DCP metadata: "
+    _refused(["sharded", str(folder)], expected, tmp_path / "out", capsys, "c")
+    _refused(["sharded", str(folder)], match, tmp_path / "out", capsys, "c.safetensors")

@@ -7,12 +7,14 @@ shardkit.core at another world size than FSDP1's.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.core.file_mutations import rewrite_zip
 from tests.legacy.convert_support import (
     FACTORY,
     SETTINGS,
@@ -53,3 +55,21 @@ def test_a_nested_full_state_dict(fsdp1_checkpoints: Checkpoints, tmp_path: Path
     out = tmp_path / "model.safetensors"
     convert("full", str(nested), "-o", str(out), "--model", FACTORY)
     assert_same_tensors(read_output(out), run.full)
+
+
+@pytest.mark.parametrize("output", ["model.safetensors", "converted"])
+def test_deflate_compressed_records_convert_as_torch_reads_them(
+    output: str, tmp_path: Path
+) -> None:
+    # A valid torch.save file with its records DEFLATE-compressed (torch.load decompresses
+    # them): mapped, the converter once wrote the compressed bytes as tensor data.
+    source = tmp_path / "full.pt"
+    state = {"a.weight": torch.randn(40, 30), "b.bias": torch.arange(7, dtype=torch.int64)}
+    torch.save(state, source)
+    source.write_bytes(rewrite_zip(source.read_bytes(), lambda _: zipfile.ZIP_DEFLATED))
+    with zipfile.ZipFile(source) as archive:
+        assert {i.compress_type for i in archive.infolist()} == {zipfile.ZIP_DEFLATED}
+    out = tmp_path / output
+    convert("full", str(source), "-o", str(out))
+    assert_same_tensors(read_output(out), torch.load(source, weights_only=True))
+    assert_same_tensors(read_output(out), state)

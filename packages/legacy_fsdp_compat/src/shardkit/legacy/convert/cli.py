@@ -5,8 +5,9 @@ r"""``shardkit-convert``: FSDP1 checkpoints to DCP or safetensors, from the shel
     shardkit-convert local ckpt/rank*.pt -o converted/ --model mypkg.models:build \\
         --world-size 8 --wrap mypkg.models:Block --use-orig-params --param-dtype bf16
 
-Exit status: 0 converted; 1 the checkpoint cannot be converted (the message says why, and
-nothing was written); 2 bad arguments (including a model or policy that cannot be imported).
+Exit status: 0 converted; 1 the checkpoint cannot be converted or the output cannot be
+written (a one-line message says why, naming the file; nothing is left behind); 2 bad
+arguments (including a model or policy that cannot be imported).
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ def _source(args: argparse.Namespace) -> Fsdp1Checkpoint:
     )
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shardkit-convert``; returns the exit status."""
     parser = _parser()
@@ -184,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except argparse.ArgumentTypeError as err:
             parser.error(str(err))
         convert_checkpoint(source, args.output, output_prefix=args.output_prefix)
-    except (CheckpointError, FileExistsError, ValueError) as err:
-        print(f"shardkit-convert: error: {err}", file=sys.stderr)
+    except (CheckpointError, ValueError, OSError) as err:
+        # One line, naming the file (OSError: a full disk, no permission, an existing output);
+        # the conversion removed whatever it had begun to write.
+        print(f"shardkit-convert: error: {_one_line(err)}", file=sys.stderr)
         return 1
     finally:
         root.removeHandler(handler)

@@ -19,6 +19,7 @@ See [Note: FSDP1 checkpoints] (docs/notes/010-fsdp1-checkpoints.md).
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import pickle
 import zipfile
@@ -39,7 +40,13 @@ from shardkit.legacy.torch_compat import (
     sharded_tensor_pickle_types,
 )
 
-__all__ = ["LocalShard", "ShardedTensorRecord", "load_torch_file", "read_dcp_metadata"]
+__all__ = [
+    "LocalShard",
+    "ShardedTensorRecord",
+    "load_torch_file",
+    "missing_file",
+    "read_dcp_metadata",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -120,18 +127,21 @@ class LocalShard:
         return cls(shard.tensor, offset, numel, rank, world_size)
 
 
-def load_torch_file(path: Path) -> Any:
+def load_torch_file(path: str | os.PathLike[str]) -> Any:
     """``torch.load(path, weights_only=True)`` through the core's checked reader.
 
     ShardedTensors load as records. The core checks a zip file's records before mapping it
-    and bounds a legacy file's declared storages by its size before torch allocates them.
+    (reading compressed ones unmapped) and bounds a legacy file's declared storages by its
+    size before torch allocates them.
 
     Raises:
-        CheckpointError: naming the file, when it is missing, truncated or corrupt, or holds
-            pickled objects that weights_only refuses.
+        CheckpointError: naming the file, when it is missing (or a directory), truncated or
+            corrupt, or holds pickled objects that weights_only refuses.
     """
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+    path = Path(path)
+    not_a_file = missing_file(path)
+    if not_a_file:
+        raise CheckpointError(f"{path}: {not_a_file}")
     with open(path, "rb") as f:
         head = f.read(4)
     mapped = zipfile.is_zipfile(path)
@@ -148,6 +158,17 @@ def load_torch_file(path: Path) -> Any:
     except StateDictFileError as err:
         # The core's message names the file and says what is wrong, refusals included.
         raise CheckpointError(str(err)) from err
+
+
+def missing_file(path: Path, what: str = "file") -> str:
+    """Why ``path`` is not a regular file (naming what it is instead); '' when it is one."""
+    if path.is_file():
+        return ""
+    if path.is_dir():
+        return f"is a directory, not a {what}"
+    if path.exists():
+        return f"is not a regular file (a {what} was expected)"
+    return f"no such {what}"
 
 
 _DCP_CLASSES = {
@@ -186,16 +207,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"refused global {module}.{name}")
 
 
-def read_dcp_metadata(checkpoint: Path) -> dcp_metadata.Metadata:
+def read_dcp_metadata(checkpoint: str | os.PathLike[str]) -> dcp_metadata.Metadata:
     """The ``.metadata`` of a DCP checkpoint directory, read with the restricted unpickler.
 
+    Its structure is checked too (what each field holds), so that damaged metadata is
+    reported here rather than as a raw error where a field is used.
+
     Raises:
-        CheckpointError: naming the file, when it is missing, truncated, or names any other
-            global.
+        CheckpointError: naming the file, when it is missing, truncated, damaged, or names
+            any other global.
     """
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        found = missing_file(checkpoint, "directory") or "is a file, not a directory"
+        raise CheckpointError(f"{checkpoint}: {found} (a DCP checkpoint is a directory)")
     path = checkpoint / ".metadata"
-    if not path.is_file():
-        raise CheckpointError(f"{checkpoint}: not a DCP checkpoint (no .metadata file)")
+    not_a_file = missing_file(path)
+    if not_a_file:
+        raise CheckpointError(f"{checkpoint}: not a DCP checkpoint (.metadata {not_a_file})")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -205,4 +234,59 @@ def read_dcp_metadata(checkpoint: Path) -> dcp_metadata.Metadata:
         raise CheckpointError(f"{path}: truncated or corrupt: {type(err).__name__}: {err}") from err
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise CheckpointError(f"{path}: damaged DCP metadata: {problem}")
     return metadata
+
+
+def _metadata_problem(metadata: dcp_metadata.Metadata) -> str:
+    """What in the metadata is not of the kind DCP writes ('' when all is)."""
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        return f"state_dict_metadata is a {type(entries).__name__}, not a dict by key"
+    for key, entry in entries.items():
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            problem = _tensor_problem(entry)
+            if problem:
+                return f"{key}: {problem}"
+        elif not isinstance(entry, dcp_metadata.BytesStorageMetadata):
+            return f"{key} is described by a {type(entry).__name__}"
+    if storage is None:
+        return ""
+    if not isinstance(storage, dict):
+        return f"storage_data is a {type(storage).__name__}, not a dict"
+    for index, info in storage.items():
+        where = getattr(index, "fqn", index)
+        fields = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        relative_path, offset, length = fields
+        if not isinstance(relative_path, str) or not _inside(relative_path):
+            return f"{where}: its data file is {relative_path!r}"
+        if not _natural(offset) or not _natural(length):
+            return f"{where}: its bytes are at offset {offset!r}, length {length!r}"
+    return ""
+
+
+def _tensor_problem(entry: dcp_metadata.TensorStorageMetadata) -> str:
+    properties = getattr(entry, "properties", None)
+    if not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        return "no dtype"
+    if not isinstance(entry.size, torch.Size) or not all(_natural(n) for n in entry.size):
+        return f"size {entry.size!r}"
+    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not isinstance(offsets, torch.Size) or not isinstance(sizes, torch.Size):
+            return f"a chunk of {chunk!r}"
+        if len(offsets) != len(entry.size) or len(sizes) != len(entry.size):
+            return f"a chunk at {list(offsets)} of {list(sizes)} in a tensor of {list(entry.size)}"
+    return ""
+
+
+def _inside(relative_path: str) -> bool:
+    """A path that stays inside the checkpoint directory (not absolute, no ``..``)."""
+    return not Path(relative_path).is_absolute() and ".." not in Path(relative_path).parts
+
+
+def _natural(value: object) -> bool:
+    """A non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

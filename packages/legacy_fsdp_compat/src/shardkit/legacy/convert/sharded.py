@@ -31,7 +31,7 @@ from shardkit.legacy.convert.plan import (
     grouped,
     model_tensors,
 )
-from shardkit.legacy.convert.safe_load import read_dcp_metadata
+from shardkit.legacy.convert.safe_load import missing_file, read_dcp_metadata
 
 __all__ = ["ShardedCheckpoint", "first_failure", "sharded_plan", "without_process_group"]
 
@@ -88,7 +88,8 @@ def _check_files(path: Path, metadata: Metadata) -> None:
     for name, end in sorted(ends.items()):
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"{file}: missing (the checkpoint's metadata lists it)")
+            found = missing_file(file) if file.exists() else "missing"
+            raise CheckpointError(f"{file}: {found} (the checkpoint's metadata lists it)")
         size = file.stat().st_size
         if size < end:
             raise CheckpointError(f"{file}: truncated: {size} bytes, the metadata needs {end}")

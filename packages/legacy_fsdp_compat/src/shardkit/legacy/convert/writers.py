@@ -128,9 +128,12 @@ def write_dcp(plan: ConversionPlan, output: Path, prefix: str = "") -> None:
                 planner=_StreamingPlanner(tensors, progress),
                 no_dist=True,
             )
-    except CheckpointException as err:  # DCP's wrapping of what a read raised
+    except CheckpointException as err:  # DCP's wrapping of what a read or write raised
         shutil.rmtree(temporary, ignore_errors=True)
-        raise first_failure(err) from None
+        failure = first_failure(err)
+        if isinstance(failure, OSError) and failure.filename is None:  # ENOSPC from a write
+            raise OSError(failure.errno, failure.strerror or str(failure), str(output)) from None
+        raise failure from None
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
