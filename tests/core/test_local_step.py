@@ -13,12 +13,27 @@ from torch.distributed.tensor import DTensor
 from harness.pool import run_on_ranks
 from tests.core import models, parity
 
+
+class AdamSubclass(torch.optim.Adam):
+    """A subclass may step differently from its base: never taken as elementwise."""
+
+
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "adamw_foreach": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
     "adam_amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
     "sgd_nesterov": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # not elementwise-listed: DTensor path
+    "adam_subclass": (AdamSubclass, {"lr": 1e-2}),  # not elementwise-listed: DTensor path
+}
+# The other elementwise optimizers: checked at W=2 only (W=1 takes the same path).
+MORE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adadelta": (torch.optim.Adadelta, {"lr": 1.0, "weight_decay": 0.01}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01}),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "asgd": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),
+    "nadam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True}),
+    "radam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "rmsprop_centered": (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.9, "centered": True}),
 }
 
 
@@ -30,7 +45,7 @@ def _train(impl: str, rank: int, world_size: int, optimizer: str) -> dict[str, A
     run = parity.Run(model="gpt", impls=(impl,))
     model = models.build("gpt")
     parity.apply(impl, model, parity.make_mesh(run, world_size), run)
-    cls, kwargs = OPTIMIZERS[optimizer]
+    cls, kwargs = {**OPTIMIZERS, **MORE_OPTIMIZERS}[optimizer]
     opt = cls(model.parameters(), **kwargs)
     seen: list[str] = []  # what the optimizer's own step hook sees
     opt.register_step_pre_hook(
@@ -94,9 +109,19 @@ def test_matches_torch_bit_for_bit(world_size: int, optimizer: str) -> None:
     assert ours["same_params"] and ours["keys_are_params"] and ours["placements_kept"]
     assert ours["same_state_dicts"] and torch_["same_state_dicts"]
     # Inside step() an elementwise optimizer sees local tensors; any other, DTensors.
-    local = optimizer != "adagrad"
+    local = optimizer != "adam_subclass"
     assert ours["hook_saw"] == (["Tensor"] if local else ["DTensor"])
     assert torch_["hook_saw"] == ["DTensor"]
+
+
+@pytest.mark.parametrize("optimizer", list(MORE_OPTIMIZERS))
+def test_every_elementwise_optimizer_matches_torch_bit_for_bit(optimizer: str) -> None:
+    result = run_on_ranks(2, _both, optimizer=optimizer)[0]
+    ours, torch_ = result["shardkit"], result["torch"]
+    _assert_same_params_and_state(ours, torch_)
+    assert ours["state_types"] == torch_["state_types"]
+    assert ours["same_params"] and ours["keys_are_params"] and ours["placements_kept"]
+    assert ours["hook_saw"] == ["Tensor"]
 
 
 def _failed_step(rank: int, world_size: int) -> dict[str, Any]:

@@ -38,7 +38,18 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "allow_local_step", "restore", "restore_all
 # result is what it computes on its local tensors. Exact types only: a subclass may override
 # step with anything.
 ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
-    {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW}
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adadelta,
+        torch.optim.Adagrad,
+        torch.optim.Adamax,
+        torch.optim.ASGD,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+    }
 )
 
 
