@@ -1,13 +1,22 @@
-"""Hang reports: a rank stuck in a collective says where everyone is, then exits.
+"""Hang reports: a rank stuck in a collective says where everyone is, and every rank says why.
 
 A rank whose peers never join a collective (one ran an extra micro-batch, one returned early)
 waits until the process group's timeout, 30 minutes by default, and then says nothing
 useful. Here a daemon thread watches the runtime's waits. Every second it posts this rank's
 progress (:data:`~shardkit.core.runtime.progress.PROGRESS`) to the c10d store, and when a wait
-has lasted ``SHARDKIT_HANG_TIMEOUT`` seconds (default 300) it logs a report and exits the
-process with :data:`HANG_EXIT_CODE`: what this rank waits on, its step and phase, the last
-collective every other rank reached (read from the store) and this process's Python stacks.
-The job ends in minutes with the rank that went astray named. See [Note: desync checks].
+has lasted ``SHARDKIT_HANG_TIMEOUT`` seconds (default 300) it gives up: it raises an alarm in
+the store, logs a report and exits the process with :data:`HANG_EXIT_CODE`. The report says
+what this rank waits on, its step and phase, the last collective every other rank reached
+(read from the store) and this process's Python stacks.
+
+The other ranks' watches see the alarm at their next poll and log their own report (what
+they were doing instead: often a collective of the program's own, where no shardkit wait is
+watched, which only their stacks show) before exiting with the same status. Every rank waits
+a bounded time for every other rank's report before it exits: the first exit tears the job
+down (torchrun stops the other workers; a rank's exit closes its gloo connections and may take
+the store with it), and a rank killed before it reported leaves no explanation. The job ends
+in minutes with the rank that went astray named, in every rank's log. See [Note: desync
+checks].
 
 The thread is stopped and joined at interpreter exit (``atexit``), before the interpreter
 tears down: a daemon thread caught inside a store call (C++, the GIL released) while the
@@ -35,9 +44,14 @@ __all__ = ["HANG_EXIT_CODE", "HangWatch", "ensure_watching"]
 logger = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 124
-"""The exit status of a rank that gave up waiting (as ``timeout(1)`` exits)."""
+"""The exit status of a rank that gave up waiting, or that stopped because another gave up
+(as ``timeout(1)`` exits)."""
 
 _POLL_S = 1.0  # how often the watch posts progress and looks at the current wait
+# How long a reporting rank waits for every other rank's report before it exits. A watch
+# sees an alarm within one poll; more is for a rank whose main thread holds the GIL.
+_REPORTS_WAIT_S = 10.0
+_ALARM = "alarm"  # the store key a rank that gives up sets: {"rank", "token", "detail"}
 
 
 class HangWatch(threading.Thread):
@@ -51,25 +65,56 @@ class HangWatch(threading.Thread):
         self._posted = -1  # the progress version last posted
         self._exit = exit_process
         self._stopping = threading.Event()
+        # An alarm already in the store belongs to an earlier process group on the same store.
+        self._stale_alarm = self._get(_ALARM)
 
     def run(self) -> None:
-        """Post progress and check the current wait, once a second, until stopped."""
+        """Post progress, check the current wait and look for alarms, until stopped."""
         while True:
             poll = min(_POLL_S, SETTINGS.hang_timeout_s / 4) if SETTINGS.hang_timeout_s else _POLL_S
             if self._stopping.wait(poll):
                 return
             if not self._post():
                 return  # the store is gone (the process group was destroyed): nothing to do
-            waiting = PROGRESS.waiting
-            waited = time.monotonic() - PROGRESS.waiting_since
-            if waiting is not None and SETTINGS.hang_timeout_s and waited > SETTINGS.hang_timeout_s:
-                self._post(force=True)
-                logger.error(self.report(waiting, waited))
-                for handler in (*logging.getLogger().handlers, *logger.handlers):
-                    handler.flush()
-                sys.stderr.flush()
-                self._exit(HANG_EXIT_CODE)
+            if self.check():
                 return
+
+    def check(self) -> bool:
+        """Give up if this rank waited too long or another rank gave up; whether it did."""
+        waiting = PROGRESS.waiting
+        waited = time.monotonic() - PROGRESS.waiting_since
+        raised = self._get(_ALARM)
+        fresh = raised is not None and raised != self._stale_alarm
+        alarm = json.loads(raised) if raised is not None and fresh else None
+        if waiting is not None and SETTINGS.hang_timeout_s and waited > SETTINGS.hang_timeout_s:
+            if alarm is None:  # the first to give up: the others report under its token
+                token = f"{self.rank}/{os.getpid()}/{time.time()}"
+                alarm = {"rank": self.rank, "token": token, "detail": waiting.detail()}
+                self._set(_ALARM, json.dumps(alarm))  # first: the others start reporting
+            self._give_up(self.report(waiting, waited), str(alarm["token"]))
+            return True
+        if alarm is not None:
+            self._give_up(self.peer_report(alarm), str(alarm["token"]))
+            return True
+        return False
+
+    def _give_up(self, report: str, token: str) -> None:
+        """Log ``report``, say so in the store, wait for every other rank's, and exit."""
+        self._post(force=True)
+        logger.error(report)
+        for handler in (*logging.getLogger().handlers, *logger.handlers):
+            handler.flush()
+        sys.stderr.flush()
+        self._set(f"reported/{token}/{self.rank}", "1")
+        others = [f"reported/{token}/{r}" for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + _REPORTS_WAIT_S
+        while others and time.monotonic() < deadline:
+            others = [key for key in others if self._get(key) is None]
+            if others:
+                time.sleep(0.05)
+        if others:
+            logger.error("shardkit: rank %d exits without the reports of %s", self.rank, others)
+        self._exit(HANG_EXIT_CODE)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the thread to end and wait for it (a store call in progress finishes first)."""
@@ -82,23 +127,65 @@ class HangWatch(threading.Thread):
         version = PROGRESS.version
         if self._store is None or (version == self._posted and not force):
             return self._store is not None
-        try:
-            self._store.set(str(self.rank), json.dumps(_record()))
-        except Exception:  # a destroyed process group, a store server gone at shutdown
+        if not self._set(str(self.rank), json.dumps(_record())):
             return False
         self._posted = version
         return True
 
+    def _set(self, key: str, value: str) -> bool:
+        if self._store is None:
+            return False
+        try:
+            self._store.set(key, value)
+        except Exception:  # a destroyed process group, a store server gone at shutdown
+            return False
+        return True
+
+    def _get(self, key: str) -> str | None:
+        """The value of ``key`` in the store; None if absent or unreachable."""
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([key]):
+                return None
+            return self._store.get(key).decode()
+        except Exception:  # a peer's record cannot be read: report what can be
+            return None
+
     def report(self, waiting: CollectiveInfo, waited: float) -> str:
         """What this rank waits on, where every rank is, and this process's Python stacks."""
-        lines = [
+        head = [
             f"shardkit: rank {self.rank} has waited {waited:.0f} s in a collective "
             f"(SHARDKIT_HANG_TIMEOUT={SETTINGS.hang_timeout_s:g}) and gives up: a rank that "
             "does not join it ran other code (an extra or a missing forward or backward?).",
             f"  this rank waits on {waiting.detail()}; "
             f"it is in step {PROGRESS.step}, {PROGRESS.phase}",
-            "  where every rank is (its last progress posted to the c10d store):",
         ]
+        return self._with_peers_and_stacks(head)
+
+    def peer_report(self, alarm: dict[str, Any]) -> str:
+        """This rank's report after rank ``alarm['rank']`` gave up: what this one was doing."""
+        waiting = PROGRESS.waiting
+        if waiting is not None:
+            waited = time.monotonic() - PROGRESS.waiting_since
+            doing = f"waiting on {waiting.detail()} (for {waited:.0f} s)"
+        else:
+            last = PROGRESS.last
+            reached = last.detail() if last is not None else "no collective yet"
+            doing = (
+                f"not in a shardkit collective (the last it reached: {reached}): its Python "
+                "stack below shows where it is instead"
+            )
+        head = [
+            f"shardkit: rank {self.rank} stops: rank {alarm['rank']} gave up waiting "
+            f"(SHARDKIT_HANG_TIMEOUT={SETTINGS.hang_timeout_s:g}) on {alarm['detail']}, which "
+            "this rank did not join.",
+            f"  this rank is in step {PROGRESS.step}, {PROGRESS.phase}, {doing}",
+        ]
+        return self._with_peers_and_stacks(head)
+
+    def _with_peers_and_stacks(self, head: list[str]) -> str:
+        lines = [*head, "  where every rank is (its last progress posted to the c10d store):"]
         lines += [f"    {line}" for line in self._peers()]
         lines.append(f"  exiting with status {HANG_EXIT_CODE}; Python stacks of rank {self.rank}:")
         lines += [f"    {line}" for line in _stacks().splitlines()]
@@ -122,14 +209,12 @@ class HangWatch(threading.Thread):
         return out
 
     def _read(self, rank: int) -> dict[str, Any] | None:
-        if self._store is None:
+        raw = self._get(str(rank))
+        if raw is None:
             return None
-        key = str(rank)
         try:
-            if not self._store.check([key]):
-                return None
-            record: dict[str, Any] = json.loads(self._store.get(key))
-        except Exception:  # a peer's record cannot be read: report what can be
+            record: dict[str, Any] = json.loads(raw)
+        except ValueError:
             return None
         return record
 
