@@ -100,15 +100,20 @@ def check_storage_claims(path: Path, file: BoundedFile, size: int) -> None:
 _COUNT = struct.Struct("<q")  # each storage's bytes follow its element count
 
 
+def _int64(value: int) -> int:
+    """``value`` as a signed 64-bit integer holds it (wrapped)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
 def _check_storage_bytes(
     path: Path, file: BoundedFile, size: int, claims: list[StorageClaim], listed: Any
 ) -> None:
-    """Each declared storage is listed once, and its bytes are the declared count."""
+    """Each declared storage is listed, and its bytes are the declared count, in the file."""
     by_key = {claim.key: claim for claim in claims}
-    if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(k, str) for k in listed):
         raise StateDictFileError(f"{path}: its list of storage keys is damaged")
     unlisted = [c for key, c in by_key.items() if key not in listed]
-    if unlisted or len(set(listed)) != len(listed) or set(listed) - set(by_key):
+    if unlisted or set(listed) - set(by_key):
         where = f" (storage {unlisted[0].key!r} of tensor {unlisted[0].tensor!r})"
         raise StateDictFileError(
             f"{path}: its storage keys do not match the storages its pickle declares"
@@ -118,8 +123,11 @@ def _check_storage_bytes(
         claim = by_key[key]
         raw = file.read(_COUNT.size)
         (count,) = _COUNT.unpack(raw) if len(raw) == _COUNT.size else (None,)
-        end = file.tell() + (count or 0) * (claim.itemsize() or 0)  # known: checked above
-        if count != claim.numel or end > size:
+        # torch multiplies the count by the element size in 64 bits and compares bytes: a
+        # count damaged in its high bits can still give the declared bytes, which it reads.
+        nbytes = None if count is None else _int64(count * (claim.itemsize() or 0))
+        end = file.tell() + (nbytes or 0)
+        if nbytes != claim.nbytes() or end > size:
             found = "nothing" if count is None else f"{count} elements"
             raise StateDictFileError(
                 f"{path}: storage {key!r} (of tensor {claim.tensor!r}) holds {found} at byte "
