@@ -213,3 +213,20 @@ def dcp_storage_info_module() -> str:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo.__module__
+
+
+def dcp_fsdp_state_lookup(is_ours: Callable[[nn.Module], bool]) -> Callable[[nn.Module], Any]:
+    """DCP's check that a module FSDP1 lists is a fully sharded module, knowing our wrappers.
+
+    torch's DCP state-dict helpers (``get_model_state_dict``...) verify each module that
+    ``FSDP.fsdp_modules`` returned through a private lookup of torch's FSDP1 state; under
+    ``patch_torch`` they list this package's wrappers, which are their own state here.
+    """
+    from torch.distributed.fsdp._common_utils import (
+        _get_module_fsdp_state_if_fully_sharded_module as torch_lookup,
+    )
+
+    def lookup(module: nn.Module) -> Any:
+        return module if is_ours(module) else torch_lookup(module)
+
+    return lookup

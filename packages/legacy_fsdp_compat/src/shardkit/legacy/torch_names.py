@@ -25,10 +25,18 @@ def torch_patch() -> dict[str, dict[str, object]]:
 
     from shardkit.legacy import fully_sharded_data_parallel as fsdp1
     from shardkit.legacy import wrap
+    from shardkit.legacy.torch_compat import dcp_fsdp_state_lookup
+    from shardkit.legacy.units import is_unit
 
     return {
         "torch.distributed.fsdp": {name: getattr(fsdp1, name) for name in fsdp1.__all__},
         "torch.distributed.fsdp.wrap": {
             name: getattr(wrap, name) for name in torch_wrap.__all__ if name in wrap.__all__
+        },
+        # DCP's state-dict helpers (get_model_state_dict...) call FSDP1's class methods on
+        # the class they imported: while patched, the models they see are this package's.
+        "torch.distributed.checkpoint.state_dict": {
+            "FSDP": fsdp1.FullyShardedDataParallel,
+            "_get_module_fsdp_state_if_fully_sharded_module": dcp_fsdp_state_lookup(is_unit),
         },
     }
