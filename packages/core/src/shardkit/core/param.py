@@ -181,6 +181,32 @@ class FSDPParam:
         assert self.hooks is not None
         self.hooks.reset(inputs=False)
 
+    def gained_hooks(self) -> bool:
+        """Whether the local tensor has all-gather hooks now, where it had none before.
+
+        Hooks may be attached after ``fully_shard`` (to the local tensor itself, or to its
+        class); torch's ``fully_shard`` looks for them at every all-gather, and so does the
+        group. See [Note: all-gather extensions].
+        """
+        return self.hooks is None and has_all_gather_hooks(local_of(self.sharded_param), self.fqn)
+
+    def take_up_hooks(self) -> None:
+        """Gather this parameter through the hooks its local tensor has gained.
+
+        Its shard moves out of the group's flat buffer into storage of its own (padded),
+        and the local tensor object stays the same: hooks set on the instance go with it.
+        """
+        local = local_of(self.sharded_param)
+        self.hooks = self._hooks_of(local, self.extension)
+        shard = self._padded_own(local.detach(), local.device)
+        with torch.no_grad():
+            local.set_(
+                shard.untyped_storage(), shard.storage_offset(), shard.size(), shard.stride()
+            )
+        self._own = local
+        self.unsharded_param = None
+        self._grad_hook_added = False
+
     def _padded_own(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``shard`` (this rank's, unpadded) zero padded in new storage; its unpadded part."""
         geo = self.geometry

@@ -91,12 +91,17 @@ class FSDPParamGroup:
         self.grads_at_backward_end = False
         self._geometries = [p.geometry for p in params]
         # Parameters with all-gather hooks, and the rest: those in the flat buffers.
+        self._sort_hooked()
+        self._plan_buffers()
+        self._init_sharded_storage()
+
+    def _sort_hooked(self) -> None:
+        """Split the parameters into those gathered through hooks and those in the flat buffer."""
         device = self.mesh_info.device if self.offload else None
+        params = self.params
         self._hooks = GroupHooks.of(params, self.mesh_info.shard_mesh, self.mp_policy, device)
         self._flat = tuple(i for i, p in enumerate(params) if p.hooks is None)
         self._flat_geometries = [(i, self._geometries[i]) for i in self._flat]
-        self._plan_buffers()
-        self._init_sharded_storage()
 
     @property
     def training_state(self) -> TrainingState:
@@ -239,6 +244,34 @@ class FSDPParamGroup:
             for p, local in zip(self.params, locals_, strict=True):
                 p.retype(local.dtype)
             self._plan_buffers()
+        self._refill_sharded_buffer(locals_, device)
+
+    def take_up_new_hooks(self) -> None:
+        """Gather through the all-gather hooks that local tensors gained since the last look.
+
+        torch's ``fully_shard`` looks for the hooks at every all-gather, so hooks attached
+        after it (on the local tensor, or on its class) take effect at the next one; so here,
+        at each unshard and each root forward (before the one-rank shortcuts that gather
+        nothing). Those parameters leave the flat buffer, and the group is laid out anew.
+        See [Note: all-gather extensions].
+        """
+        if self.sharded_state is not ShardedState.SHARDED:
+            return
+        gained = [self.params[i] for i in self._flat if self.params[i].gained_hooks()]
+        if not gained:
+            return
+        if self.registered_unsharded:
+            self._register(unsharded=False)
+        for p in gained:
+            p.take_up_hooks()
+        self._sort_hooked()
+        self._plan_buffers()
+        locals_ = [p.current_local() for p in self.params]
+        self._refill_sharded_buffer(locals_, self.sharded_buffer.device)
+        self.unsharded = UnshardedBuffer(self.params, self._flat)
+
+    def _refill_sharded_buffer(self, locals_: list[torch.Tensor], device: torch.device) -> None:
+        """A new flat buffer holding the flat parameters' ``locals_``, which now view it."""
         buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         for i in self._flat:
             self.params[i].local_view(self.storage_layout.view(buffer, i)).copy_(locals_[i])
@@ -307,6 +340,7 @@ class FSDPParamGroup:
             return
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
+        self.take_up_new_hooks()
         if self.aliases_shards or self.copies_shards:
             self._unshard_locally()
             return

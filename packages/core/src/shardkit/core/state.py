@@ -188,6 +188,8 @@ class FSDPState:
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)
         PROGRESS.enter("forward")
+        for group in groups:
+            group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
         self.ctx.local = is_local_tree(groups)
         enter_local_forward(groups, self.ctx.local)
         self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
