@@ -9,7 +9,8 @@ What it cannot reach: a module that ran ``from torch.distributed.fsdp import ful
 before the patch holds torch's function in its own namespace. ``python -m shardkit.core.run``
 patches before the program imports anything, which avoids that. Torch's own modules that bind
 FSDP names at import for internal use (DCP's state-dict helpers) are imported before the
-patch on purpose, so torch's internals keep torch's objects.
+patch on purpose, so torch's internals keep torch's objects. (shardkit.legacy's hook is the
+exception it chooses: it points the DCP helpers' FSDP1 names at its own wrapper.)
 
 Other packages add names through the entry-point group :data:`ENTRY_POINT_GROUP`: each entry
 is a zero-argument callable returning ``{module name: {attribute: object}}`` (shardkit.legacy
