@@ -137,3 +137,76 @@ def test_when_no_checkpoint_loads_every_rank_raises_and_changes_nothing(tmp_path
         assert ".metadata" in message  # what is wrong, and where
         assert result["unchanged"]
     assert results[0]["error"] == results[1]["error"]
+
+
+def _publish_fails_body(rank: int, world_size: int, root: str, async_save: bool) -> dict[str, Any]:
+    """Rank 0's disk is full when it publishes a save: every rank must learn it."""
+    import errno
+    import os
+
+    from shardkit.core import CheckpointManager, checkpoint
+
+    manager = CheckpointManager(root, keep=2)
+    app = build_app(world_size)
+    train_app(app, 2, rank, world_size)
+    manager.save(app.step, {"app": app})
+    train_app(app, 4, rank, world_size)
+    original = checkpoint._write_atomic
+
+    def full_disk(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank == 0:
+        checkpoint._write_atomic = full_disk
+    try:
+        manager.save(app.step, {"app": app}, async_save=async_save)
+        manager.wait()  # an asynchronous save is published here
+        error, message = "", "no error"
+    except Exception as exc:
+        error, message = type(exc).__name__, str(exc)
+    finally:
+        checkpoint._write_atomic = original
+    latest = manager.latest()
+    manager.save(app.step, {"app": app})  # the ranks are still in step: the next save works
+    now = manager.latest()
+    return {
+        "error": error,
+        "message": message,
+        "latest": latest.name if latest else None,
+        "then": now.name if now else None,
+    }
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_publish_that_fails_on_rank0_raises_on_every_rank(
+    async_save: bool, tmp_path: Path
+) -> None:
+    root = tmp_path / "ckpt"
+    results = run_on_ranks(2, _publish_fails_body, root=str(root), async_save=async_save)
+    first = results[0]
+    assert first["error"] == "OSError", first
+    assert first["message"].startswith(f"rank 0 could not publish {root / 'step_00000004'}: ")
+    assert "No space left on device" in first["message"], first
+    for result in results:
+        assert result == first  # the same error; the previous checkpoint is still the latest
+    assert first["latest"] == "step_00000002" and first["then"] == "step_00000004"
+
+
+def _prepare_fails_body(rank: int, world_size: int, root: str) -> dict[str, str]:
+    from shardkit.core import CheckpointManager
+
+    app = build_app(world_size)
+    try:
+        CheckpointManager(root).save(0, {"app": app})  # root is a file: rank 0 cannot mkdir
+        return {"error": "", "message": "no error"}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def test_a_save_that_rank0_cannot_prepare_raises_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "taken"
+    root.write_text("not a directory")
+    results = run_on_ranks(2, _prepare_fails_body, root=str(root))
+    assert results[0]["error"] == "FileExistsError", results
+    assert results[0]["message"].startswith("rank 0 could not prepare "), results
+    assert results[1] == results[0]

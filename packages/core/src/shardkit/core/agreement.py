@@ -29,6 +29,7 @@ _SHAREABLE: dict[str, type[Exception]] = {
     for cls in (
         StateDictFileError,
         FileNotFoundError,
+        FileExistsError,
         IsADirectoryError,
         NotADirectoryError,
         PermissionError,
@@ -78,15 +79,20 @@ def _attempt(work: Callable[[], Any]) -> tuple[Outcome, Exception | None]:
         return Outcome(error_type=type(error).__name__, message=str(error)), error
 
 
-def from_rank(src: int, work: Callable[[], Any]) -> Any:
+def from_rank(src: int, work: Callable[[], Any], *, doing: str = "") -> Any:
     """Run ``work`` on global rank ``src`` only; every rank returns its value or raises its error.
 
-    Collective: every rank calls it (the others' ``work`` is not run).
+    Collective: every rank calls it (the others' ``work`` is not run). With ``doing`` (say
+    ``"write model.pt"``) the error's message names the rank and what it did: "rank 0 could
+    not write model.pt: [Errno 28] No space left on device".
     """
     original: Exception | None = None
     payload: bytes | None = None
     if global_rank() == src:
         outcome, original = _attempt(work)
+        if outcome.failed and doing:
+            message = f"rank {src} could not {doing}: {outcome.message}"
+            outcome = Outcome(None, outcome.error_type, message)
         payload = outcome.to_json()
     shared = Outcome.from_json(broadcast_bytes(payload, src))
     if shared.failed:

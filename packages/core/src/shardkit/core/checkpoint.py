@@ -176,12 +176,14 @@ class CheckpointManager:
         self.wait()
         target = self.path_for(step)
         partial = self.root / f".{target.name}.partial"
-        rank0 = global_rank() == 0
         started = time.perf_counter()
-        if rank0:
+
+        def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # remains of an interrupted save
-        barrier()
+
+        # Rank 0 prepares, the others wait: its failure is theirs (see [Note: agreed loads]).
+        from_rank(0, prepare, doing=f"prepare {partial}")
         if async_save:
             staged = self._stage(state)
             self._pending = checkpoint_async.start(
@@ -196,9 +198,7 @@ class CheckpointManager:
         dcp_save(state, checkpoint_id=partial)
         barrier()  # every rank's shards are written
         files = self._checksums(partial)
-        if rank0:
-            self._publish(step, partial, target, files)
-        barrier()  # nobody goes on before the checkpoint is current
+        self._publish_on_rank0(step, partial, target, files)
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
         return target
 
@@ -212,9 +212,7 @@ class CheckpointManager:
         if pending is None:
             return None
         files = checkpoint_async.finish(pending, self.latest())
-        if global_rank() == 0:
-            self._publish(pending.step, pending.partial, pending.target, files)
-        barrier()  # nobody goes on before the checkpoint is current
+        self._publish_on_rank0(pending.step, pending.partial, pending.target, files)
         logger.info(
             "saved %s in %.1f s (asynchronous)",
             pending.target,
@@ -263,6 +261,16 @@ class CheckpointManager:
         mine = share(names, global_rank(), world_size())
         parts = raise_shared(everyone(lambda: {n: checksum(directory / n) for n in mine}))
         return {name: part[name] for part in parts for name in part}
+
+    def _publish_on_rank0(
+        self, step: int, partial: Path, target: Path, files: dict[str, FileSum]
+    ) -> None:
+        """Rank 0 publishes; nobody goes on before the checkpoint is current (collective).
+
+        A failure (a full disk for the marker, a rename refused) is raised on every rank, with
+        the previous checkpoint still the latest, instead of leaving the others waiting.
+        """
+        from_rank(0, lambda: self._publish(step, partial, target, files), doing=f"publish {target}")
 
     def _publish(self, step: int, partial: Path, target: Path, files: dict[str, FileSum]) -> None:
         marker = {

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.core.agreement import Outcome, from_rank
+from shardkit.core.agreement import from_rank
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import pack_grads_rank_major
 from shardkit.core.runtime.collectives import (
@@ -140,14 +140,9 @@ class _CoordinatedWrite:
 
         def outcome() -> None:
             if self.failure is not None:
-                message = (
-                    f"save_full_state_dict: rank {self.coordinator} could not write "
-                    f"{self.target}: {self.failure}"
-                )
-                failed = Outcome(None, type(self.failure).__name__, message)
-                raise failed.exception() from self.failure
+                raise self.failure
 
-        from_rank(self.coordinator, outcome)
+        from_rank(self.coordinator, outcome, doing=f"write {self.target}")
 
     def _attempt(self, work: Callable[[], None]) -> None:
         try:
