@@ -231,3 +231,18 @@ def test_a_legacy_storage_of_another_count_than_declared_is_refused(tmp_path: Pa
         StateDictFileError, match=f"{path}: storage '.*' \\(of tensor 'w'\\) {expected}"
     ):
         load_torch_file(path)
+
+
+@pytest.mark.parametrize("before", [b"PK\x05\x06", b"PK\x06\x06"], ids=["end", "zip64 end"])
+def test_a_byte_before_an_end_record_is_read_as_torch_reads_it(
+    before: bytes, tmp_path: Path
+) -> None:
+    # torch's reader takes the central directory's offset from the end record (the zip64 one
+    # where it is found); Python's zipfile assumes the directory ends where the end records
+    # start and shifts every offset by the difference, so it refused these files.
+    path = tmp_path / "gap.pt"
+    raw = _saved(path, {"w": torch.arange(20.0)})
+    at = raw.rindex(before)  # torch.save writes zip64 end records too
+    path.write_bytes(raw[:at] + b"\0" + raw[at:])
+    expected = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+    assert torch.equal(load_torch_file(path)["w"], expected["w"])

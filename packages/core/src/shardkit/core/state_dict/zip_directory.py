@@ -50,7 +50,9 @@ def read_central_directory(f: BinaryIO, size: int) -> list[zipfile.ZipInfo]:
         f.seek(tail_start + at - _LOCATOR.size)
         locator = _LOCATOR.unpack(f.read(_LOCATOR.size))
         if locator[0] == _LOCATOR_SIGNATURE:
-            count, directory_size, offset = _zip64_end(f, size, locator[2])
+            zip64 = _zip64_end(f, size, locator[2])
+            if zip64 is not None:
+                count, directory_size, offset = zip64
     if offset + directory_size > size:
         raise zipfile.BadZipFile(
             f"the end record puts the central directory at bytes {offset} to "
@@ -62,14 +64,18 @@ def read_central_directory(f: BinaryIO, size: int) -> list[zipfile.ZipInfo]:
         return archive.infolist()
 
 
-def _zip64_end(f: BinaryIO, size: int, at: int) -> tuple[int, int, int]:
-    """(entries, directory size, directory offset) from a zip64 end record."""
+def _zip64_end(f: BinaryIO, size: int, at: int) -> tuple[int, int, int] | None:
+    """(entries, directory size, directory offset) from a zip64 end record.
+
+    None where the locator points at something else: the end record's own numbers then
+    stand, as in torch's reader.
+    """
     if at + _END64.size > size:
         raise zipfile.BadZipFile(f"the zip64 end record at byte {at} is past the end of the file")
     f.seek(at)
     record = _END64.unpack(f.read(_END64.size))
     if record[0] != _END64_SIGNATURE:
-        raise zipfile.BadZipFile(f"no zip64 end record at byte {at}, where its locator says")
+        return None
     return record[7], record[8], record[9]
 
 
