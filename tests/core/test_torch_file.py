@@ -246,3 +246,35 @@ def test_a_byte_before_an_end_record_is_read_as_torch_reads_it(
     path.write_bytes(raw[:at] + b"\0" + raw[at:])
     expected = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
     assert torch.equal(load_torch_file(path)["w"], expected["w"])
+
+
+def _declare_size(path: Path, record: str, size: int) -> None:
+    """Set a record's uncompressed size in the central directory (what torch allocates)."""
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<L", raw, _central_entry(bytes(raw), record) + 24, size)
+    path.write_bytes(bytes(raw))
+
+
+def test_a_deflate_record_that_decompresses_to_another_size_is_refused(tmp_path: Path) -> None:
+    # torch decompresses into a buffer of the declared size and does not check it was filled.
+    path = tmp_path / "short.pt"
+    raw = _saved(path, {"w": torch.arange(100.0)})
+    path.write_bytes(rewrite_zip(raw, _deflate_data))
+    _declare_size(path, "short/data/0", 404)
+    expected = (
+        f"{path}: record short/data/0 is damaged: it declares 404 bytes, its compressed data "
+        f"decompresses to 400"
+    )
+    with pytest.raises(StateDictFileError, match=re.escape(expected)):
+        load_torch_file(path)
+
+
+def test_a_deflate_record_declaring_more_than_deflate_expands_to_is_refused(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "huge.pt"
+    raw = _saved(path, {"w": torch.arange(100.0)})
+    path.write_bytes(rewrite_zip(raw, _deflate_data))
+    _declare_size(path, "huge/data/0", 2**31)
+    with pytest.raises(StateDictFileError, match="more than DEFLATE can expand to"):
+        load_torch_file(path)  # refused from the numbers: nothing allocated, nothing inflated
