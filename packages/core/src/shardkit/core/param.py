@@ -49,6 +49,9 @@ class Sharding:
     spec: ParamShardingSpec
 
 
+_PRE_HOOK = "fsdp_pre_all_gather"
+
+
 class FSDPParam:
     """Sharded and unsharded views of one parameter, and where it is registered."""
 
@@ -188,7 +191,9 @@ class FSDPParam:
         class); torch's ``fully_shard`` looks for them at every all-gather, and so does the
         group. See [Note: all-gather extensions].
         """
-        return self.hooks is None and has_all_gather_hooks(local_of(self.sharded_param), self.fqn)
+        # The pre hook alone, as torch looks at each all-gather (one hasattr: this runs for
+        # every flat parameter at every root forward); take_up_hooks checks both.
+        return self.hooks is None and hasattr(local_of(self.sharded_param), _PRE_HOOK)
 
     def take_up_hooks(self) -> None:
         """Gather this parameter through the hooks its local tensor has gained.

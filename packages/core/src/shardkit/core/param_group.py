@@ -102,6 +102,7 @@ class FSDPParamGroup:
         self._hooks = GroupHooks.of(params, self.mesh_info.shard_mesh, self.mp_policy, device)
         self._flat = tuple(i for i, p in enumerate(params) if p.hooks is None)
         self._flat_geometries = [(i, self._geometries[i]) for i in self._flat]
+        self._flat_params = [params[i] for i in self._flat]
 
     @property
     def training_state(self) -> TrainingState:
@@ -257,7 +258,7 @@ class FSDPParamGroup:
         """
         if self.sharded_state is not ShardedState.SHARDED:
             return
-        gained = [self.params[i] for i in self._flat if self.params[i].gained_hooks()]
+        gained = [p for p in self._flat_params if p.gained_hooks()]
         if not gained:
             return
         if self.registered_unsharded:
