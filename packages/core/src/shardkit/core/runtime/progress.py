@@ -92,7 +92,7 @@ class Settings:
     """The debugging switches (process-wide)."""
 
     desync_checks: bool
-    """Compare every collective's fingerprint across ranks before issuing it."""
+    """Compare every collective's fingerprint across ranks before its result is used."""
     hang_timeout_s: float
     """Seconds a collective may wait before the rank reports and exits; 0 turns it off."""
 
