@@ -13,6 +13,7 @@ data-parallel group only, so nothing here asks for global rank 0.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,12 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.core.agreement import Outcome, agreed
 from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
 from shardkit.core.runtime.groups import global_rank
-from shardkit.core.state_dict.validation import param_keys
+from shardkit.core.state_dict.validation import mesh_ranks, param_keys
 from shardkit.core.state_registry import is_managed, states_under
 
 __all__ = [
@@ -156,9 +158,51 @@ def iter_pieces(
     each rank's unpadded shard, straight from the gathered rows: a consumer that streams them
     (the file writer) never copies the tensor whole.
     """
+    if rank0_only:
+        yield from _coordinator_pieces(plan, cpu_offload=cpu_offload)
+        return
     for group in plan.groups:
         yield from group_pieces(plan, group, rank0_only=rank0_only, cpu_offload=cpu_offload)
     yield from plain_pieces(plan, rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+
+def _coordinator_pieces(
+    plan: FullStateDictPlan, *, cpu_offload: bool
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """:func:`iter_pieces` with ``rank0_only``: the coordinator's failure raised on every rank.
+
+    Only the coordinator rebuilds and copies full tensors (to the CPU: where a rank that
+    holds the whole model runs out of memory). If that fails, it yields nothing more but
+    keeps taking part in the remaining groups' gathers, and at the end every rank raises its
+    error instead of waiting in a gather the coordinator never joins.
+    """
+    failures: list[Exception] = []
+    for group in plan.groups:
+        pieces = group_pieces(plan, group, rank0_only=True, cpu_offload=cpu_offload)
+        if failures:
+            # Gathered and dropped, so that this rank stays in step with the others; a
+            # failure again (the same shortage) adds nothing to the first.
+            with contextlib.suppress(Exception):
+                for _ in pieces:
+                    pass
+            continue
+        try:
+            yield from pieces
+        except Exception as error:
+            failures.append(error)
+    if not failures:
+        try:
+            yield from plain_pieces(plan, rank0_only=True, cpu_offload=cpu_offload)
+        except Exception as error:
+            failures.append(error)
+
+    def outcome() -> None:
+        if failures:
+            error = failures[0]
+            message = f"the full state dict could not be gathered here: {error}"
+            raise Outcome(None, type(error).__name__, message).exception() from error
+
+    agreed(outcome, mesh_ranks(plan.groups))  # the model's ranks only, as the gathers
 
 
 def group_pieces(
