@@ -181,6 +181,26 @@ class FullScaleQuantTensor(QuantTensor):
     full_scales = True
 
 
+class ChunkOnlyQuantTensor(QuantTensor):
+    """Refuses a slice of part of a dim, as torchao's NF4 does: only ``torch.chunk`` /
+    ``split`` (what torch's fully_shard cuts shards with) and whole-dim slices work."""
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares a plain function
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten.slice.Tensor:
+            tensor, dim, start, end = (list(args) + [0, None, None])[:4]
+            size = tensor.shape[dim]
+            if (start or 0) != 0 or (end is not None and min(end, size) != size):
+                raise NotImplementedError(f"aten.slice({cls.__name__}) with end={end}")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 class LegacyQuantTensor(QuantTensor):
     """The one-argument ``fsdp_pre_all_gather(mesh)`` of older torch."""
 

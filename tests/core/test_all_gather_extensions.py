@@ -142,6 +142,8 @@ CASES = {
     "fp32": (Case(), [2, 4]),
     "bf16": (Case(mp=True), [2, 4]),
     "legacy_signature": (Case(tensor="LegacyQuantTensor"), [2]),
+    # Shards cut by torch.chunk, as torch's are (torchao's NF4 refuses narrow).
+    "chunk_only": (Case(tensor="ChunkOnlyQuantTensor"), [2]),
     "uneven": (Case(tensor="FullScaleQuantTensor", uneven=True), [2, 4]),
     "shard_dim_1": (Case(tensor="FullScaleQuantTensor", shard_dim=1), [2]),
     "cpu_offload": (Case(offload=True), [2]),
