@@ -194,7 +194,7 @@ class ChunkOnlyQuantTensor(QuantTensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func is torch.ops.aten.slice.Tensor:
-            tensor, dim, start, end = (list(args) + [0, None, None])[:4]
+            tensor, dim, start, end = [*args, 0, None, None][:4]
             size = tensor.shape[dim]
             if (start or 0) != 0 or (end is not None and min(end, size) != size):
                 raise NotImplementedError(f"aten.slice({cls.__name__}) with end={end}")
