@@ -27,12 +27,13 @@ from shardkit.legacy.configs import (
     StateDictType,
 )
 from shardkit.legacy.raw_state import PLAIN, RawState, plain_state_dicts, raw_state
-from shardkit.legacy.torch_compat import clean_name, renamed_keys
+from shardkit.legacy.torch_compat import FSDP_PREFIX, clean_name, renamed_keys
 from shardkit.legacy.units import unit_of
 
 __all__ = [
     "HANDLERS",
     "StateDictHandler",
+    "load_from_parent",
     "load_state_dict",
     "state_dict",
 ]
@@ -109,3 +110,40 @@ def load_state_dict(
     with plain_state_dicts():
         result = unit_of(wrapper).module.load_state_dict(converted, strict=strict, assign=assign)
     return renamed_keys(result, clean_name)
+
+
+def load_from_parent(
+    wrapper: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load-state-dict pre-hook: a wrapper's part of a plain parent's ``load_state_dict``.
+
+    A model whose root is not a wrapper (a container of wrapped blocks) is loaded by
+    ``nn.Module``, which walks into each wrapper's raw names (``_fsdp_wrapped_module``) and
+    copies values into its parameters. The hook loads the wrapper's subtree from FSDP1's
+    clean keys first, as the wrapper's own ``load_state_dict`` would (all checked, then
+    loaded; every state-dict type), then hands ``nn.Module`` the live values under the raw
+    names, so its walk copies each onto itself and finds nothing missing. Keys the subtree
+    lacks are reported missing under their clean names; unexpected ones stay unexpected.
+    """
+    del strict, error_msgs
+    inner = prefix + FSDP_PREFIX
+    if PLAIN.get() or any(k.startswith(inner) for k in state_dict):
+        return  # a wrapper's own load, or an outer wrapper's hook, has this subtree
+    given = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    assign = bool(local_metadata.get("assign_to_params_buffers", False))
+    try:
+        result = load_state_dict(wrapper, given, strict=False, assign=assign)
+    except ValueError as error:  # name the wrapper as the parent's state dict does
+        raise ValueError(f"loading {prefix[:-1]!r}: {error}") from error
+    for key in set(given) - set(result.unexpected_keys):
+        del state_dict[prefix + key]
+    for raw, value in raw_state(wrapper).values.items():
+        state_dict[inner + raw] = value
+    missing_keys.extend(prefix + key for key in result.missing_keys)

@@ -110,6 +110,8 @@ class FullyShardedDataParallel(nn.Module):
         unit = build_unit(module, args, FullyShardedDataParallel)
         self._fsdp_wrapped_module = module
         register_unit(self, UnitState(unit=unit, module=module))
+        # Loads through a parent that is not a wrapper (see state_dicts.load_from_parent).
+        nn.Module.register_load_state_dict_pre_hook(self, state_dicts.load_from_parent)
 
     # --- FSDP1's attributes ---------------------------------------------------------------
 
