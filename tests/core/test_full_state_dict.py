@@ -167,3 +167,40 @@ def test_bad_file_is_refused_before_any_write(name: str, tmp_path: Path) -> None
         assert "blocks.1.mlp.0.weight: shape mismatch" in result["message"]
         assert "ln_f.bias: missing" in result["message"]
         assert result["unchanged"]
+
+
+def _checkpoint_wrapped_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardkit.core import fully_shard, iter_full_state_dict
+
+    def build(seed: int, shard: bool) -> Any:
+        model = models.build("gpt", seed=seed)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)  # torchtitan's order: AC, then FSDP
+        if shard:
+            mesh = init_device_mesh("cpu", (world_size,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model
+
+    plain = build(seed=3, shard=False).state_dict()  # the oracle: keys and values
+    sharded = build(seed=3, shard=True)
+    full = dict(iter_full_state_dict(sharded, rank0_only=False))
+    target = build(seed=5, shard=True)
+    target.load_state_dict(plain)  # full tensors: each rank keeps its shard
+    loaded = dict(iter_full_state_dict(target, rank0_only=False))
+    return {"plain": plain, "full": full, "loaded": loaded}
+
+
+def test_full_state_dicts_through_torchs_checkpoint_wrapper() -> None:
+    # The wrapper renames its keys (no _checkpoint_wrapped_module.): a full state dict has
+    # the plain model's keys with full tensors, and loads back under them.
+    for out in run_on_ranks(2, _checkpoint_wrapped_body):
+        for which in ("full", "loaded"):
+            assert set(out[which]) == set(out["plain"])
+            for key, value in out["plain"].items():
+                assert type(out[which][key]) is torch.Tensor, (which, key)
+                assert torch.equal(out[which][key], value), (which, key)

@@ -322,8 +322,8 @@ class FSDPModule:
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)
-        by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups).items()}
         expected = self.state_dict(keep_vars=True)
+        by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups, expected).items()}
         cpu_only = any(g.offload for g in groups)
 
         def checked() -> dict[str, Any]:

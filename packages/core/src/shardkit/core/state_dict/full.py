@@ -97,7 +97,7 @@ def plan_full_state_dict(model: nn.Module, groups: list[FSDPParamGroup]) -> Full
         NotImplementedError: a parameter is gathered through all-gather hooks.
     """
     expected = model.state_dict(keep_vars=True)
-    owner = param_keys(model, groups)
+    owner = param_keys(model, groups, expected)
     hooked = [k for k, (g, i) in owner.items() if g.params[i].hooks is not None]
     if hooked:
         # Their shards are tensor subclasses, not bytes of the group's buffer; only the

@@ -48,16 +48,25 @@ class LoadProblem:
 
 
 def param_keys(
-    root: nn.Module, groups: list[FSDPParamGroup]
+    root: nn.Module, groups: list[FSDPParamGroup], expected: Mapping[str, Any]
 ) -> dict[str, tuple[FSDPParamGroup, int]]:
     """State-dict key (relative to ``root``) of every slot of every sharded parameter.
 
-    A tied parameter has one key per slot; each maps to (its group, its index there).
+    A tied parameter has one key per slot; each maps to (its group, its index there). Keys
+    are those of ``expected``, ``root.state_dict(keep_vars=True)``, found by the parameter
+    objects it holds: state-dict hooks may rename keys (torch's activation-checkpoint wrapper
+    drops its ``_checkpoint_wrapped_module.``), so the module path is not always the key. A
+    parameter the state dict does not hold as its sharded object (registered unsharded just
+    now) gets the key of its module path.
     """
+    owners = {id(p.sharded_param): (g, i) for g in groups for i, p in enumerate(g.params)}
+    keys = {k: owners[id(v)] for k, v in expected.items() if id(v) in owners}
+    found = {id(owner[0].params[owner[1]]) for owner in keys.values()}
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    keys: dict[str, tuple[FSDPParamGroup, int]] = {}
     for group in groups:
         for index, p in enumerate(group.params):
+            if id(p) in found:
+                continue
             for slot in p.slots:
                 if id(slot.module) in names:
                     keys[f"{names[id(slot.module)]}.{slot.name}".lstrip(".")] = (group, index)
