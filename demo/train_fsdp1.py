@@ -19,6 +19,7 @@ builds the model on every rank and keeps the checkpoint's tensors where they are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass, field
@@ -131,10 +132,22 @@ def save(cfg: Config, model: nn.Module, opt: torch.optim.Optimizer, step: int) -
     ):
         model_state = model.state_dict()
         optim_state = api.FullyShardedDataParallel.optim_state_dict(model, opt)
+    failure = [""]
     if dist.get_rank() == 0:
-        cfg.ckpt.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model_state, "optim": optim_state, "step": step}, cfg.ckpt)
-    dist.barrier()
+        partial = cfg.ckpt.with_name(cfg.ckpt.name + ".partial")  # renamed once complete
+        try:
+            cfg.ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model_state, "optim": optim_state, "step": step}, partial)
+            partial.replace(cfg.ckpt)
+        except OSError as error:
+            failure[0] = f"rank 0 could not write {cfg.ckpt}: {error}"
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+    # Every rank learns how rank 0's write went (in place of a barrier): a full disk raises
+    # on every rank, instead of leaving the others waiting for a rank that has given up.
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0]:
+        raise OSError(failure[0])
 
 
 def load(cfg: Config, model: nn.Module, opt: torch.optim.Optimizer) -> int:
