@@ -21,6 +21,7 @@ __all__ = [
     "broadcast_from_first",
     "broadcast_object",
     "first_error",
+    "gather_objects",
     "group_rank",
     "group_size",
     "mesh_ranks_group",
@@ -78,6 +79,16 @@ def broadcast_object(value: object, group: dist.ProcessGroup | None = None) -> o
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(holder, group=group, group_src=0)
     return holder[0]
+
+
+def gather_objects(value: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank of ``group``'s ``value`` (picklable), in rank order, on every rank."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [value]
+    gathered: list[object] = [None] * size
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
 
 
 def all_to_all(

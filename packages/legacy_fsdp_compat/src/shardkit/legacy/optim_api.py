@@ -20,7 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.legacy import configs
 from shardkit.legacy.configs import OptimStateKeyType, StateDictType
-from shardkit.legacy.optim_keys import names_by_param, params_by_id, params_of_input
+from shardkit.legacy.optim_keys import (
+    ParamKey,
+    is_named_state,
+    keyed_params,
+    names_by_param,
+    params_by_id,
+    params_of_input,
+)
 from shardkit.legacy.optim_state import SaveForm, load_ready, named_state, receive_from_first
 from shardkit.legacy.orig_params import repoint
 from shardkit.legacy.settings import get_state_dict_type
@@ -48,6 +55,25 @@ def _deprecated(old: str, new: str) -> None:
         FutureWarning,
         stacklevel=3,
     )
+
+
+def _warn_optim_input(optim_input: object) -> None:
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated: the positions are those of the "
+            "optimizer's own param groups. Leave it out; nothing else changes.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def _positions(
+    model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None
+) -> dict[ParamKey, torch.Tensor]:
+    """Parameters by position, from ``optim_input`` if given (or no ``optim``), as FSDP1."""
+    if optim_input is not None or optim is None:
+        return dict(enumerate(params_of_input(model, optim_input)))
+    return dict(enumerate(params_by_id(optim)))
 
 
 def _device_mesh_given(model: nn.Module) -> bool:
@@ -82,7 +108,8 @@ def optim_state_dict(
     )
     repoint(optim)
     osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
-    return named_state(model, params_by_id(optim), osd, form, group)
+    keyed = keyed_params(optim, model, named=is_named_state(osd))
+    return named_state(model, keyed, osd, form, group)
 
 
 def optim_state_dict_to_load(
@@ -99,7 +126,6 @@ def optim_state_dict_to_load(
     is broadcast. ``is_named_optimizer`` is accepted (shardkit keys by the optimizer's own
     parameters either way). ``load_directly`` also loads it.
     """
-    del is_named_optimizer
     repoint(optim)
     settings = get_state_dict_type(model)
     rank0_only = bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
@@ -107,7 +133,8 @@ def optim_state_dict_to_load(
         optim_state_dict = receive_from_first(
             optim_state_dict if dist.get_rank(group) == 0 else None, group
         )
-    result = load_ready(model, optim, optim_state_dict)
+    keyed = keyed_params(optim, model, named=is_named_optimizer)
+    result = load_ready(model, keyed, optim_state_dict)
     if load_directly:
         optim.load_state_dict(result)
     return result
@@ -122,10 +149,15 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     """Full, name-keyed optimizer state (on rank 0 only by default); FSDP1's legacy API."""
     _deprecated("full_optim_state_dict", "optim_state_dict")
+    _warn_optim_input(optim_input)
     repoint(optim)
-    params = params_by_id(optim) if optim_input is None else params_of_input(model, optim_input)
+    osd = optim.state_dict()
+    if optim_input is None:
+        keyed = keyed_params(optim, model, named=is_named_state(osd))
+    else:
+        keyed = _positions(model, optim, optim_input)
     form = SaveForm(full=True, rank0_only=rank0_only, offload_to_cpu=True)
-    return named_state(model, params, optim.state_dict(), form, group)
+    return named_state(model, keyed, osd, form, group)
 
 
 def sharded_optim_state_dict(
@@ -140,7 +172,9 @@ def sharded_optim_state_dict(
         use_dtensor=_device_mesh_given(model),
         two_d_mesh=_two_d_mesh(model),
     )
-    return named_state(model, params_by_id(optim), optim.state_dict(), form, group)
+    osd = optim.state_dict()
+    keyed = keyed_params(optim, model, named=is_named_state(osd))
+    return named_state(model, keyed, osd, form, group)
 
 
 def shard_full_optim_state_dict(
@@ -151,7 +185,10 @@ def shard_full_optim_state_dict(
 ) -> dict[str, Any]:
     """A full optimizer state dict (on every rank) ready to load; FSDP1's legacy API."""
     _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    return load_ready(model, _optimizer_for(model, optim, optim_input), full_optim_state_dict)
+    _warn_optim_input(optim_input)
+    if optim is not None:
+        repoint(optim)
+    return load_ready(model, _positions(model, optim, optim_input), full_optim_state_dict)
 
 
 def flatten_sharded_optim_state_dict(
@@ -160,7 +197,7 @@ def flatten_sharded_optim_state_dict(
     """A sharded optimizer state dict ready to load; FSDP1's legacy API."""
     _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     repoint(optim)
-    return load_ready(model, optim, sharded_optim_state_dict)
+    return load_ready(model, _positions(model, optim, None), sharded_optim_state_dict)
 
 
 def scatter_full_optim_state_dict(
@@ -172,21 +209,11 @@ def scatter_full_optim_state_dict(
 ) -> dict[str, Any]:
     """Rank 0's full optimizer state dict, sent to every rank, ready to load (legacy API)."""
     _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-    full = receive_from_first(full_optim_state_dict, group)
-    return load_ready(model, _optimizer_for(model, optim, optim_input), full)
-
-
-def _optimizer_for(
-    model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None
-) -> torch.optim.Optimizer:
+    _warn_optim_input(optim_input)
     if optim is not None:
         repoint(optim)
-        return optim
-    # FSDP1 without an optimizer: positions are those of optim_input, or of the parameters.
-    groups = list(optim_input) if optim_input is not None else None
-    if groups and all(isinstance(g, dict) for g in groups):
-        return torch.optim.SGD(groups, lr=0.0)
-    return torch.optim.SGD(params_of_input(model, groups), lr=0.0)
+    full = receive_from_first(full_optim_state_dict, group)
+    return load_ready(model, _positions(model, optim, optim_input), full)
 
 
 def rekey_optim_state_dict(
@@ -204,6 +231,7 @@ def rekey_optim_state_dict(
     Raises:
         ValueError: the keys mix names and positions.
     """
+    _warn_optim_input(optim_input)
     key_type = translate(optim_state_key_type, _OURS)
     keys = list(optim_state_dict["state"])
     named = [isinstance(k, str) for k in keys]
@@ -213,16 +241,18 @@ def rekey_optim_state_dict(
         return optim_state_dict
     if optim is not None:
         repoint(optim)
-    params = params_by_id(optim) if optim is not None else params_of_input(model, optim_input)
     names = names_by_param(model)
-    name_of = [names[id(p)] for p in params]
+    name_of = {
+        position: names[id(p)] for position, p in _positions(model, optim, optim_input).items()
+    }
     if key_type is OptimStateKeyType.PARAM_NAME:
-        mapping: dict[Any, Any] = dict(enumerate(name_of))
+        mapping: dict[Any, Any] = name_of
     else:
-        mapping = {name: position for position, name in enumerate(name_of)}
+        mapping = {name: position for position, name in name_of.items()}
     rekeyed = {"state": {mapping[k]: v for k, v in optim_state_dict["state"].items()}}
-    groups = copy.deepcopy(optim_state_dict["param_groups"])
-    for group in groups:
-        group["params"] = sorted(mapping[k] for k in group["params"])
-    rekeyed["param_groups"] = groups
+    if "param_groups" in optim_state_dict:
+        groups = copy.deepcopy(optim_state_dict["param_groups"])
+        for group in groups:
+            group["params"] = sorted(mapping[k] for k in group["params"])
+        rekeyed["param_groups"] = groups
     return rekeyed

@@ -13,9 +13,11 @@ gathered with a collective), so no rank holds more than one full tensor beyond t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -23,8 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardkit.legacy.comm import broadcast, broadcast_object
-from shardkit.legacy.optim_keys import names_by_param
+from shardkit.legacy.comm import broadcast, broadcast_object, gather_objects
+from shardkit.legacy.optim_keys import ParamKey, names_by_param
 from shardkit.legacy.sharded_state_dict import chunk_2d, chunk_like, local_of_loaded
 from shardkit.legacy.torch_compat import ShardedTensor
 
@@ -74,42 +76,112 @@ def _saved(value: Any, form: SaveForm) -> Any:
 
 def named_state(
     model: nn.Module,
-    params: Sequence[torch.Tensor],
+    keyed: Mapping[ParamKey, torch.Tensor],
     osd: Mapping[str, Any],
     form: SaveForm,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """``osd`` (keyed by position in ``params``) keyed by names, in FSDP1's form.
+    """``osd`` (keyed as ``keyed`` keys the optimizer's parameters) keyed by names, as FSDP1's.
 
-    Every rank must call it (full tensors are gathered).
+    Every rank must call it. Ranks may list their parameters in other orders (each rank's
+    own optimizer): sharded state is converted in the model's parameter order, for the
+    parameters the first rank's optimizer has state for (as FSDP1). Entries of no parameter
+    of the optimizer (a state of the user's own) are kept as they are, with FSDP1's warning.
+    Without ``param_groups`` in ``osd``, the result has none either.
 
     Raises:
-        KeyError: a state entry's position has no parameter, or its parameter no name.
+        KeyError: a state entry's parameter is not one of the model's (on every rank, when
+            one rank finds it).
+        RuntimeError: a rank's optimizer has no state for a sharded parameter that the
+            first rank's has (FSDP1's error); nothing is gathered.
     """
     names = names_by_param(model)
-    receives = not form.rank0_only or dist.get_rank(group) == 0
-    state: dict[str, Any] = {}
-    for position in sorted(osd["state"]):
-        name = _name_of(params, position, names)
-        entry = {key: _saved(value, form) for key, value in osd["state"][position].items()}
-        state[name] = entry
-    if not receives:
+    order = {name: index for index, name in enumerate(names.values())}
+    found: dict[str, Mapping[str, Any]] = {}
+    own: dict[Any, Any] = {}
+    unnamed: str | None = None
+    for key, entry in osd["state"].items():
+        if key not in keyed:
+            warnings.warn(
+                f"optimizer state entry {key!r} belongs to no parameter of the optimizer; it "
+                "is copied to the result as it is (a state of the user's own?)",
+                stacklevel=3,
+            )
+            own[key] = entry
+        elif id(keyed[key]) not in names:
+            unnamed = f"optimizer state entry {key!r}: its parameter is not one of the model's"
+        else:
+            found[names[id(keyed[key])]] = entry
+    ordered = sorted(found, key=order.__getitem__)
+    ordered = _agree_on_sharded(ordered, found, unnamed, group)
+    state: dict[Any, Any] = {
+        name: {k: _saved(v, form) for k, v in found[name].items()} for name in ordered
+    }
+    if form.rank0_only and dist.get_rank(group) != 0:
         return {}
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}}
-        | {"params": [_name_of(params, i, names) for i in g["params"]]}
-        for g in osd["param_groups"]
-    ]
-    return {"state": state, "param_groups": groups}
+    result: dict[str, Any] = {"state": state | own}
+    if "param_groups" in osd:
+        result["param_groups"] = [
+            {k: v for k, v in g.items() if k != "params"}
+            | {"params": [_name_of(keyed, k, names) for k in g["params"]]}
+            for g in osd["param_groups"]
+        ]
+    return result
 
 
-def _name_of(params: Sequence[torch.Tensor], position: int, names: dict[int, str]) -> str:
-    if position >= len(params):
-        raise KeyError(f"optimizer state entry {position}: the optimizer has no such parameter")
-    name = names.get(id(params[position]))
+def _name_of(keyed: Mapping[ParamKey, torch.Tensor], key: ParamKey, names: dict[int, str]) -> str:
+    name = names.get(id(keyed[key]))
     if name is None:
-        raise KeyError(f"optimizer state entry {position}: its parameter is not one of the model's")
+        raise KeyError(f"optimizer state entry {key!r}: its parameter is not one of the model's")
     return name
+
+
+def _agree_on_sharded(
+    ordered: list[str],
+    found: Mapping[str, Mapping[str, Any]],
+    unnamed: str | None,
+    group: dist.ProcessGroup | None,
+) -> list[str]:
+    """The names whose sharded state every rank converts: those of the group's first rank.
+
+    Each sharded state tensor is gathered from every rank's shard with a collective, so the
+    ranks must convert the same ones in the same order (the model's). As FSDP1 (flat
+    parameters), the first rank's optimizer decides: a rank missing one of its entries
+    raises on every rank, before any tensor moves; entries only other ranks hold are left
+    out of the result.
+
+    Raises:
+        KeyError: ``unnamed`` (this rank's state entry of a parameter the model does not
+            have) on some rank.
+        RuntimeError: a rank has no state for a (name, state key) the first rank has.
+    """
+    mine = [
+        (name, tuple(k for k, v in found[name].items() if _is_sharded(v)))
+        for name in ordered
+        if any(_is_sharded(v) for v in found[name].values())
+    ]
+    exchanged = gather_objects((unnamed, mine), group)
+    both = cast(list[tuple[str | None, list[tuple[str, tuple[str, ...]]]]], exchanged)
+    errors = [f"rank {rank}: {error}" for rank, (error, _) in enumerate(both) if error]
+    if errors:
+        raise KeyError("; ".join(errors))
+    everyone = [theirs for _, theirs in both]
+    reference = everyone[0]
+    lines = []
+    for rank, theirs in enumerate(everyone):
+        missing = [entry for entry in reference if entry not in set(theirs)]
+        if missing:
+            said = ", ".join(f"{name} ({', '.join(keys)})" for name, keys in missing)
+            lines.append(f"rank {rank} has no state for {said}")
+    if lines:
+        raise RuntimeError(
+            "every rank's optimizer must hold state for the sharded parameters the first "
+            "rank's holds (each state tensor is gathered from every rank's shard), but some "
+            "ranks are missing some: " + "; ".join(lines)
+        )
+    agreed = {name for name, _ in reference}
+    sharded = {name for name, _ in mine}
+    return [name for name in ordered if name in agreed or name not in sharded]
 
 
 def _loaded(value: Any, param: torch.Tensor) -> Any:
@@ -143,53 +215,50 @@ def _loaded(value: Any, param: torch.Tensor) -> Any:
 
 
 def load_ready(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]
+    model: nn.Module, keyed: Mapping[ParamKey, torch.Tensor], osd: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Name-keyed ``osd`` (full or sharded) as ``optim.load_state_dict`` takes it.
+    """Name-keyed ``osd`` (full or sharded) as ``optim.load_state_dict`` takes it, as FSDP1's.
+
+    ``keyed``: the optimizer's parameters by the keys it uses (positions, or a named
+    optimizer's names). Each param group of ``osd`` lists its parameters' keys, sorted; the
+    optimizer pairs them with its own groups in order. A parameter of the optimizer that
+    ``osd`` does not name is in no group (FSDP1 leaves its key out too, for the caller to add
+    with its state); an entry of no model parameter (a state of the user's own) is kept as
+    it is. Without ``param_groups`` in ``osd``, the result has none either.
 
     Raises:
-        KeyError: a name in ``osd`` is not a parameter of ``optim``.
-        ValueError: one of ``optim``'s param groups has no counterpart in ``osd``.
+        KeyError: a parameter named in ``osd`` is the model's but not the optimizer's.
     """
     names = names_by_param(model)
-    positions: dict[str, tuple[int, torch.Tensor]] = {}
-    for position, param in enumerate(p for g in optim.param_groups for p in g["params"]):
-        positions[names.get(id(param), f"<unnamed {position}>")] = (position, param)
-    state: dict[int, Any] = {}
-    for name in sorted(osd["state"]):
-        if name not in positions:
-            raise KeyError(
-                f"optimizer state for {name!r}: no such parameter in the optimizer (its "
-                f"parameters are {sorted(positions)[:5]}...)"
-            )
-        position, param = positions[name]
-        state[position] = {k: _loaded(v, param) for k, v in osd["state"][name].items()}
-    return {"state": state, "param_groups": _groups_for(optim, osd, positions)}
+    order = {name: index for index, name in enumerate(names.values())}
+    key_of: dict[str, ParamKey] = {}
+    for key, param in keyed.items():
+        if id(param) in names:
+            key_of.setdefault(names[id(param)], key)
+    state: dict[Any, Any] = {}
+    for name in sorted(osd["state"], key=lambda n: (order.get(n, len(order)), str(n))):
+        entry = osd["state"][name]
+        if name not in order:
+            state[name] = copy.copy(entry)
+            continue
+        key = _key_for(name, key_of)
+        state[key] = {k: _loaded(v, keyed[key]) for k, v in entry.items()}
+    result: dict[str, Any] = {"state": state}
+    if "param_groups" in osd:
+        groups = copy.deepcopy(list(osd["param_groups"]))
+        for group in groups:
+            group["params"] = sorted(_key_for(name, key_of) for name in group["params"])
+        result["param_groups"] = groups
+    return result
 
 
-def _groups_for(
-    optim: torch.optim.Optimizer,
-    osd: Mapping[str, Any],
-    positions: dict[str, tuple[int, torch.Tensor]],
-) -> list[dict[str, Any]]:
-    # optim.load_state_dict pairs saved positions with its own in order: each of its groups
-    # takes the hyperparameters of the saved group holding its parameters.
-    by_id = {id(param): name for name, (_, param) in positions.items()}
-    saved = [(set(g["params"]), g) for g in osd["param_groups"]]
-    groups: list[dict[str, Any]] = []
-    start = 0
-    for index, group in enumerate(optim.param_groups):
-        mine = [by_id[id(p)] for p in group["params"]]
-        match = next((g for names, g in saved if mine and mine[0] in names), None)
-        if match is None:
-            raise ValueError(
-                f"optimizer param group {index} (first parameter {mine[:1]}) has no "
-                "counterpart in the loaded optimizer state dict"
-            )
-        hyper = {k: v for k, v in match.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + len(mine)))})
-        start += len(mine)
-    return groups
+def _key_for(name: str, key_of: Mapping[str, ParamKey]) -> ParamKey:
+    if name not in key_of:
+        raise KeyError(
+            f"optimizer state for {name!r}: no such parameter in the optimizer (its "
+            f"parameters are {sorted(key_of)[:5]}...)"
+        )
+    return key_of[name]
 
 
 def receive_from_first(
