@@ -284,6 +284,43 @@ def test_sharded_and_optim_state_dict_loads_as_the_optimizer_holds_it() -> None:
     _check_loads(["flatten", "to_load", "to_load_rank0"])
 
 
+def _halved_body(rank: int, world_size: int) -> dict[str, Any]:
+    half = dist.new_group(ranks=list(range(0, world_size, 2)))
+    out: dict[str, Any] = {}
+    for impl in IMPLS:
+        source, source_opt, _ = _setup(impl)
+        _train(source, source_opt)
+        full = _cloned(call(impl, "full_optim_state_dict", source, source_opt, rank0_only=False))
+        if rank % 2 == 1:
+            continue
+        model, opt, _ = _setup(impl, reverse=rank % 4 == 2, process_group=half)
+        _train(model, opt)
+        shard_full = call(impl, "shard_full_optim_state_dict", full, model, optim=opt)
+        scatter = call(
+            impl, "scatter_full_optim_state_dict", full if rank == 0 else None, model, optim=opt,
+            group=half,
+        )  # fmt: skip
+        out[impl] = {
+            "holds": comparable(opt.state_dict()),
+            "shard_full": comparable(shard_full),
+            "scatter": comparable(scatter),
+        }
+        opt.load_state_dict(scatter)
+        out[impl]["after"] = _train(model, opt, 2)
+    return out
+
+
+def test_full_state_loads_into_a_model_on_half_the_ranks() -> None:
+    for rank, out in enumerate(run_on_ranks(2, _halved_body)):
+        if rank % 2 == 1:
+            assert out == {}
+            continue
+        for impl in IMPLS:
+            for way in ("shard_full", "scatter"):
+                assert_same(out[impl][way], out[impl]["holds"], f"rank {rank} {impl} {way}")
+        torch.testing.assert_close(out["shardkit"]["after"], out["torch"]["after"])
+
+
 # --- parameters outside every unit, which the saved state does not know ------------------------
 
 
