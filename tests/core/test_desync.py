@@ -18,17 +18,21 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from harness.pool import run_on_ranks
 from tests.core import models
-from tests.core.parity import Run, apply, rank_batch
+from tests.core.parity import Run, apply, make_mesh, rank_batch
 
 STEPS = 4
 EXTRA_AT = 2  # the step (0-based) in which rank 1 runs one more micro-batch
 
 
-def _extra_micro_batch_body(rank: int, world_size: int, debug: bool) -> dict[str, Any]:
+def _extra_micro_batch_body(
+    rank: int, world_size: int, debug: bool, replicas: bool = False
+) -> dict[str, Any]:
+    """``replicas``: HSDP with every rank a replica (no shards: all-reduces only)."""
     from shardkit.core import DesyncError, set_debug
 
     model = models.build("mlp")
-    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="mlp"))
+    run = Run(model="mlp", hsdp=(world_size, 1) if replicas else None)
+    apply("shardkit", model, make_mesh(run, world_size), run)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     set_debug(debug)
     steps_taken = 0
@@ -56,6 +60,17 @@ def test_an_extra_micro_batch_on_one_rank_is_named_on_every_rank() -> None:
     assert f"rank 0: all-gather of <root> in forward, step {EXTRA_AT + 2}" in message, message
     assert f"rank 1: all-gather of <root> in forward, step {EXTRA_AT + 1}" in message, message
     # caught before rank 1's optimizer stepped with an extra micro-batch's gradients
+    assert [r["steps_taken"] for r in results] == [EXTRA_AT + 1, EXTRA_AT]
+
+
+def test_an_extra_micro_batch_is_named_before_an_all_reduce_runs() -> None:
+    # HSDP replicas reduce gradients with gloo's all-reduce, which tags cannot keep apart: the
+    # fingerprints are compared before it is issued.
+    results = run_on_ranks(2, _extra_micro_batch_body, debug=True, replicas=True)
+    message = results[0]["error"]
+    assert message and all(r["error"] == message for r in results), results
+    assert f"rank 0: all-reduce of blocks.2 in backward, step {EXTRA_AT + 2}" in message, message
+    assert f"rank 1: all-reduce of blocks.2 in backward, step {EXTRA_AT + 1}" in message, message
     assert [r["steps_taken"] for r in results] == [EXTRA_AT + 1, EXTRA_AT]
 
 
