@@ -39,8 +39,8 @@ __all__ = [
 ]
 
 # Point-to-point tags: the runtime's fixed tags are small numbers; the fingerprints' own tags
-# (on the gloo twin of a group) start here, and the tags derived from fingerprints above the
-# next base, so that neither meets the other or a fixed one.
+# start here, and the tags derived from fingerprints above the next base (below 2**31, as c10d
+# takes them), so that none meets another kind or a fixed one.
 _FINGERPRINT_TAG_BASE = 1 << 10
 _DATA_TAG_BASE = 1 << 20
 _DATA_TAG_SPAN = 1 << 30
