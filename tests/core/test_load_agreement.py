@@ -75,3 +75,35 @@ def test_a_value_bad_on_one_rank_loads_on_no_rank(bad: str) -> None:
         assert (result["error"], result["message"]) == (first["error"], first["message"])
         assert result["unchanged"], result
         assert result["loaded"], result
+
+
+def _subgroup_body(rank: int, world_size: int) -> dict[str, Any]:
+    """A model on ranks 0 and 1 of 4; ranks 2 and 3 never load it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group([0, 1])
+    if rank >= 2:
+        return {"member": False}
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = models.build("gpt", seed=0)
+    apply("shardkit", model, mesh, Run(model="gpt"))
+    sd: dict[str, Any] = dict(model.state_dict())
+    if rank == 1:
+        sd[KEY] = torch.zeros(5, 5)
+    before = _locals(model)
+    try:
+        model.load_state_dict(sd)
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    unchanged = all(v.equal(before[k]) for k, v in _locals(model).items())
+    return {"member": True, "message": message, "unchanged": unchanged}
+
+
+def test_a_model_on_a_subgroup_agrees_among_its_ranks_only() -> None:
+    results = run_on_ranks(4, _subgroup_body)
+    assert results[2:] == [{"member": False}] * 2
+    assert results[0] == results[1], results
+    assert results[0]["message"].startswith("rank 1: ") and KEY in results[0]["message"]
+    assert results[0]["unchanged"]
