@@ -686,3 +686,33 @@ def test_empty_own_no_shard_unused_and_named_rekey_states_as_fsdp1() -> None:
         assert "unused.weight" not in out["shardkit/first_unused"][0]
         assert_same(out["shardkit/rekey_ids"], out["torch/rekey_ids"], where)
         assert out["shardkit/rekey_names_same"] and out["torch/rekey_names_same"]
+
+
+def _keys_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    out: dict[str, Any] = {}
+    for impl in IMPLS:
+        fsdp, model = lib(impl).FSDP, _Nested()
+        kwargs: dict[str, Any] = {"device_id": torch.device("cpu")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.block1 = fsdp(model.block1, **kwargs)
+            model.stack[1] = fsdp(model.stack[1], **kwargs)
+            model.stack[2] = fsdp(model.stack[2], ignored_modules=[model.stack[2].shift0], **kwargs)
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Sequential))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, 1)
+        saved = call(impl, "full_optim_state_dict", model, opt, rank0_only=False)
+        with with_type(impl, model, "FULL_STATE_DICT"):
+            out[impl] = (sorted(saved["state"]), sorted(model.state_dict()))
+    return out
+
+
+def test_full_optim_state_keys_are_the_full_state_dicts_with_ignored_and_checkpointed() -> None:
+    for out in run_on_ranks(2, _keys_body):
+        ours, theirs = out["shardkit"], out["torch"]
+        assert ours == theirs and ours[0] == ours[1]
+        assert not any("_checkpoint_wrapped_module" in key for key in ours[0])
