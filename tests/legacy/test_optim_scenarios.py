@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -327,9 +328,15 @@ def test_full_state_loads_into_a_model_on_half_the_ranks() -> None:
 def _with_extra(impl: str, holder: str) -> tuple[nn.Module, nn.Parameter]:
     """The model with one more parameter on ``holder`` ("" the root), then wrapped."""
     model = _Nested()
-    extra = nn.Parameter(torch.randn(5, 5))
-    model.get_submodule(holder).register_parameter("extra", extra)
-    return _wrapped(impl, model, use_orig_params=True), extra
+    model.get_submodule(holder).register_parameter("extra", nn.Parameter(torch.randn(5, 5)))
+    model = _wrapped(impl, model, use_orig_params=True)
+    name = f"{holder}.extra".lstrip(".")
+    extra = next(p for n, p in model.named_parameters() if _clean(n) == name)
+    return model, extra
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
 
 
 def _unmanaged_ways(impl: str) -> dict[str, Callable[[nn.Module, Any, Any], Any]]:
@@ -365,10 +372,11 @@ def _unmanaged_body(rank: int, world_size: int, holder: str) -> dict[str, Any]:
                 continue
             ids = ready["param_groups"][0]["params"]
             position = next(i for i, p in enumerate(opt.param_groups[0]["params"]) if p is extra)
+            zeros = torch.zeros_like(extra.detach())  # laid out as the optimizer holds it
             ready["state"][position] = {
                 "step": torch.tensor(1.0),
-                "exp_avg": torch.zeros(5, 5),
-                "exp_avg_sq": torch.zeros(5, 5),
+                "exp_avg": zeros,
+                "exp_avg_sq": zeros.clone(),
             }
             ready["param_groups"][0]["params"] = sorted([*ids, position])
             opt.load_state_dict(ready)
@@ -380,10 +388,13 @@ def _unmanaged_body(rank: int, world_size: int, holder: str) -> dict[str, Any]:
     return out
 
 
-def test_parameters_outside_the_units_load_as_with_fsdp1() -> None:
-    # The parameter is on the root, which no unit holds: the loaded dict leaves its position
-    # out, for the caller to add with its own state (model parallelism), as FSDP1's does.
-    for out in run_on_ranks(2, _unmanaged_body, holder=""):
+@pytest.mark.parametrize("holder", ["", "stack.2"])
+def test_parameters_the_saved_state_does_not_know_load_as_with_fsdp1(holder: str) -> None:
+    # On the root, which no unit holds (model parallelism), or in a unit: the loaded dict
+    # leaves its position out, for the caller to add with its own state, as FSDP1's does
+    # with use_orig_params=True (with flat parameters FSDP1 refuses one in a unit: all
+    # parameters of a flat parameter must share one `step`).
+    for out in run_on_ranks(2, _unmanaged_body, holder=holder):
         for way in ("shard_full", "shard_full_input", "flatten"):
             ours, theirs = out[f"shardkit/{way}"], out[f"torch/{way}"]
             assert isinstance(theirs, dict), (way, theirs)
