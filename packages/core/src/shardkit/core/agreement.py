@@ -122,8 +122,9 @@ def agreed(work: Callable[[], _T], ranks: Iterable[int] | None = None) -> _T:
     one of them must call it, and no other rank. Each runs its own ``work``; if any raised,
     every rank raises the first failed rank's error (the same type and message), so that ranks
     whose own work passed do not go on alone. The message names the failed rank(s), unless
-    every rank failed alike (then it is that error, unchanged). Costs two small all-gathers;
-    none without a process group or with one rank.
+    every rank failed alike (then it is that error, unchanged). Costs one all-gather of 8
+    bytes per rank when every rank succeeds (a second carries the errors otherwise); none
+    without a process group or with one rank.
     """
     members = tuple(sorted(set(ranks))) if ranks is not None else None
     if not is_distributed() or world_size() == 1 or (members is not None and len(members) < 2):
@@ -131,7 +132,11 @@ def agreed(work: Callable[[], _T], ranks: Iterable[int] | None = None) -> _T:
     value: list[_T] = []
     outcome, original = _attempt(lambda: value.append(work()))
     group = cpu_group(members) if members is not None else None
-    shared = [Outcome.from_json(data) for data in all_gather_bytes(outcome.to_json(), group)]
+    # A success is sent as nothing: when every rank succeeds, only the sizes travel (one
+    # all-gather of 8 bytes per rank).
+    payload = outcome.to_json() if outcome.failed else b""
+    gathered = all_gather_bytes(payload, group)
+    shared = [Outcome.from_json(data) if data else Outcome() for data in gathered]
     names = members if members is not None else range(len(shared))
     failed = [(rank, o) for rank, o in zip(names, shared, strict=True) if o.failed]
     if not failed:

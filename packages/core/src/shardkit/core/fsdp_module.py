@@ -317,8 +317,8 @@ class FSDPModule:
 
         Collective over the ranks of the module's meshes when there are several: every one
         of them must call it (as with torch's DCP). They agree on the checks before anything
-        is written (two small all-gathers), so a value bad on one rank only raises the same
-        error on every rank and no rank loads. See [Note: agreed loads].
+        is written (one all-gather of 8 bytes per rank), so a value bad on one rank only
+        raises the same error on every rank and no rank loads. See [Note: agreed loads].
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)
