@@ -93,8 +93,10 @@ def from_rank(src: int, work: Callable[[], Any], *, doing: str = "") -> Any:
         if outcome.failed and doing:
             message = f"rank {src} could not {doing}: {outcome.message}"
             outcome = Outcome(None, outcome.error_type, message)
-        payload = outcome.to_json()
-    shared = Outcome.from_json(broadcast_bytes(payload, src))
+        # A success without a value is sent as nothing: one broadcast of its size (8 bytes).
+        payload = outcome.to_json() if outcome.failed or outcome.value is not None else b""
+    data = broadcast_bytes(payload, src)
+    shared = Outcome.from_json(data) if data else Outcome()
     if shared.failed:
         raise shared.exception() from original
     return shared.value
