@@ -1,0 +1,123 @@
+"""torchtitan's recipe (docs/guides/torchtitan.md): its trainer on CPU, shardkit's losses torch's.
+
+Runs only where torchtitan is importable (0.3.0 was used; the guide says how to install it
+beside the pinned torch). The training comparison also needs torchtitan's tokenizer files
+(``tests/assets/tokenizer`` of a torchtitan checkout) in ``$TORCHTITAN_TOKENIZER``, and is
+marked slow: two torchrun jobs of two ranks (31 s on two idle cores, more when shared).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "demo" / "torchtitan_cpu.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan is not installed (docs/guides/torchtitan.md: install 0.3.0 with --no-deps)",
+)
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter: the launcher changes torchtitan's module state."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "demo"), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_launcher_sets_the_cpu_and_gloo_for_every_later_torchtitan_module() -> None:
+    job = _python(
+        "import json, torchtitan_cpu\n"
+        "torchtitan_cpu.use_cpu()\n"
+        "import torch\n"
+        "import torchtitan.components.metrics as metrics\n"
+        "import torchtitan.distributed.utils as dist_utils\n"
+        "import torchtitan.tools.utils as utils\n"
+        "monitor = metrics.build_device_memory_monitor()\n"
+        "print(json.dumps({'device_type': dist_utils.device_type,\n"
+        "    'backend': torch.distributed.Backend.default_device_backend_map[\n"
+        "        dist_utils.device_type],\n"
+        "    'local_device': str(utils.get_local_device()),\n"
+        "    'current_device': dist_utils.device_module.current_device(),\n"
+        "    'monitor': monitor.device_name, 'peak': monitor.get_peak_stats().max_active_gib}))\n"
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    report = json.loads(job.stdout.strip().splitlines()[-1])
+    assert report == {
+        "device_type": "cpu",
+        "backend": "gloo",
+        "local_device": "cpu",
+        "current_device": 0,
+        "monitor": "CPU",
+        "peak": -1 / 1024**3,
+    }
+
+
+def test_the_launcher_refuses_when_torchtitan_chose_its_device_before_it() -> None:
+    job = _python(
+        "import torchtitan.distributed.utils\nimport torchtitan_cpu\ntorchtitan_cpu.use_cpu()\n"
+    )
+    assert job.returncode != 0
+    # The first module (by name) that copied torchtitan's choice is named.
+    assert (
+        "RuntimeError: torchtitan_cpu: torchtitan.distributed.parallel_dims was imported before "
+        "the device was set to the CPU" in job.stderr
+    ), job.stderr[-3000:]
+
+
+def _dataset(folder: Path) -> Path:
+    """A c4_test-shaped dataset (JSON lines of {"text": ...}) from the demo corpus."""
+    folder.mkdir()
+    text = (REPO / "demo" / "data" / "corpus.txt").read_text(encoding="utf-8")
+    parts = [part.strip() for part in text.split("\n\n") if len(part.strip()) > 200]
+    lines = [json.dumps({"text": part}) for part in parts]
+    (folder / "data.json").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+def _train(engine: str, dump: Path, data: Path, tokenizer: str) -> list[float]:
+    """Two steps of llama3's debug model at dp 2; the losses TensorBoard got (float32)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    if engine == "shardkit":
+        cmd += ["-m", "shardkit.core.run"]
+    cmd += [str(LAUNCHER), "--module", "llama3", "--config", "llama3_debugmodel"]
+    cmd += ["--hf_assets_path", tokenizer, "--dataloader.dataset_path", str(data)]
+    cmd += ["--training.steps", "2", "--training.seq_len", "64"]
+    cmd += ["--training.local_batch_size", "1", "--validator.no-enable"]
+    cmd += ["--metrics.log_freq", "1", "--parallelism.spmd_backend", "partial_dtensor"]
+    cmd += ["--debug.seed", "42", "--metrics.enable-tensorboard", "--dump_folder", str(dump)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    log = job.stdout + job.stderr
+    assert job.returncode == 0, log[-3000:]
+    assert f"torchtitan_cpu: fully_shard is {engine}'s" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events_file,) = dump.glob("tb/*/events.out.tfevents.*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    return [event.value for event in events.Scalars("loss_metrics/global_avg_loss")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("TORCHTITAN_TOKENIZER"),
+    reason="set TORCHTITAN_TOKENIZER to torchtitan's tests/assets/tokenizer folder",
+)
+def test_llama3_debug_model_trains_on_shardkit_as_on_torch(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "c4_test")
+    tokenizer = os.environ["TORCHTITAN_TOKENIZER"]
+    theirs = _train("torch", tmp_path / "torch", data, tokenizer)
+    ours = _train("shardkit", tmp_path / "shardkit", data, tokenizer)
+    assert len(theirs) == 2
+    assert ours == theirs
