@@ -1,9 +1,9 @@
 """Run torchtitan 0.3.0's trainer on CPU (gloo), with torch's FSDP or, launched so, shardkit's.
 
-torchtitan assumes an accelerator and has no flag for the CPU. This script changes four things
+torchtitan assumes an accelerator and has no flag for the CPU. This script changes five things
 in the running process, before torchtitan's trainer is imported, then runs ``torchtitan.train``
 as ``python -m torchtitan.train`` would, with the same arguments. torchtitan's files are not
-changed, and the same four apply to torch's FSDP and shardkit's, so their losses compare:
+changed, and the same five apply to torch's FSDP and shardkit's, so their losses compare:
 
 1. the device: torchtitan picks it once, when ``torchtitan.tools.utils`` is imported (the
    accelerator, or ``"cuda"`` when there is none), and other modules copy it; it is set to
@@ -13,7 +13,8 @@ changed, and the same four apply to torch's FSDP and shardkit's, so their losses
    refuses CPU inputs that need gradients, although its eager implementation has one;
 3. gradients summed with ``SUM``: gloo has no ``PREMUL_SUM``, which torch's FSDP uses once
    torchtitan sets the divide factor to 1;
-4. no ``torch.distributed.set_timeout`` in torch 2.13: the groups keep their first timeout.
+4. no ``torch.distributed.set_timeout`` in torch 2.13: the groups keep their first timeout;
+5. with ``--training.enable_cpu_offload``, one gloo backend instead of ``cpu:gloo,cpu:gloo``.
 
 Usage (torch's FSDP, then shardkit's through the launcher; the arguments are torchtitan's)::
 
@@ -111,6 +112,7 @@ def use_cpu() -> None:
     _eager_flex_attention_on_cpu()
     _sum_gradients_on_gloo()
     _keep_timeouts_without_set_timeout()
+    _one_backend_for_offload()
 
 
 def _eager_flex_attention_on_cpu() -> None:
@@ -180,6 +182,24 @@ def _keep_timeouts_without_set_timeout() -> None:
         logger.info("torchtitan_cpu: torch has no set_timeout; timeouts stay as initialised")
 
     tt_dist_utils.set_pg_timeouts = keep_timeouts
+
+
+def _one_backend_for_offload() -> None:
+    """With ``--training.enable_cpu_offload``, ask for gloo once, not for the CPU twice.
+
+    torchtitan adds a ``cpu:gloo`` backend for offloaded state next to the device's
+    (``cpu:gloo,cpu:gloo`` here), which torch refuses ("Duplicate device type cpu"); on the CPU
+    the device's backend is that one already.
+    """
+    import torchtitan.distributed.utils as tt_dist_utils
+
+    init_distributed = tt_dist_utils.init_distributed
+
+    def init_on_cpu(comm_config: Any, enable_cpu_backend: bool = False, **kwargs: Any) -> int:
+        result: int = init_distributed(comm_config, enable_cpu_backend=False, **kwargs)
+        return result
+
+    tt_dist_utils.init_distributed = init_on_cpu
 
 
 def main() -> None:
