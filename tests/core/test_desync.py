@@ -115,9 +115,12 @@ class Widening(nn.Module):
         return x
 
 
-def _one_rank_differs_body(rank: int, world_size: int, how: str) -> dict[str, Any]:
+def _one_rank_differs_body(
+    rank: int, world_size: int, how: str, reset: bool = False
+) -> dict[str, Any]:
     """Rank 1 differs in step SKIP_AT: 'skip_backward' (no backward, no optimizer step) or
-    'no_sync' (its gradients are not reduced: no reduce-scatters)."""
+    'no_sync' (its gradients are not reduced: no reduce-scatters). ``reset``: then every rank
+    calls ``reset_iter_state()``, the documented recovery after an exception mid-step."""
     from shardkit.core import DesyncError, set_debug
 
     torch.manual_seed(0)
@@ -139,10 +142,17 @@ def _one_rank_differs_body(rank: int, world_size: int, how: str) -> dict[str, An
             opt.zero_grad()
     except DesyncError as caught:
         error = str(caught)
+    reset_error = ""
+    try:
+        if reset:
+            model.reset_iter_state()
+    except DesyncError as caught:
+        reset_error = str(caught)
     finally:
         set_debug(False)
     # After the error, a new model on the same process group trains with checks, in step.
-    return {"error": error, "losses": _in_step_body(rank, world_size, debug=True)}
+    losses = _in_step_body(rank, world_size, debug=True)
+    return {"error": error, "reset_error": reset_error, "losses": losses}
 
 
 # What each rank was about to run when rank 1 differed: ``skip_backward``: rank 0's next
@@ -169,6 +179,21 @@ def test_a_rank_out_of_step_is_named_on_every_rank_then_training_goes_on(how: st
     results = run_on_ranks(2, _one_rank_differs_body, how=how)
     message = results[0]["error"]
     assert message and all(r["error"] == message for r in results), results
+    for side in SIDES[how]:
+        assert f"{side}, step {SKIP_AT + 1} (#" in message, message
+    expected = run_on_ranks(2, _in_step_body, debug=False)
+    assert [r["losses"] for r in results] == expected
+
+
+@pytest.mark.parametrize("how", list(SIDES))
+def test_a_reset_after_a_desync_never_waits_on_a_collective_left_behind(how: str) -> None:
+    # no_sync: rank 0 issued an all-gather after the reduce-scatter where the ranks differ,
+    # which rank 1 never issues; the reset finishes what is in flight and must drop it, not
+    # wait for it (nor raise again).
+    results = run_on_ranks(2, _one_rank_differs_body, timeout_s=60, how=how, reset=True)
+    message = results[0]["error"]
+    assert message and all(r["error"] == message for r in results), results
+    assert not any(r["reset_error"] for r in results), results
     for side in SIDES[how]:
         assert f"{side}, step {SKIP_AT + 1} (#" in message, message
     expected = run_on_ranks(2, _in_step_body, debug=False)

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext
+from shardkit.core.errors import DesyncError
 from shardkit.core.gather_hooks import GroupHooks
 from shardkit.core.grad_reduce import GroupReducer
 from shardkit.core.group_layout import group_layout
@@ -542,11 +543,17 @@ class FSDPParamGroup:
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""
-        if self._pending_gather is not None:
-            self._pending_gather.handle.wait()
-            self._pending_gather.handle.release()
-            self._pending_gather = None
-            self._return_staging()
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is not None:
+            try:
+                pending.handle.wait()
+            except DesyncError:
+                # Abandoned by a desync error (raised on every rank): its rows may never come,
+                # or come late from a peer in step, so neither buffer goes back to the pool.
+                self._staging = None
+            else:
+                pending.handle.release()
+                self._return_staging()
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None

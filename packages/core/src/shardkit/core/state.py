@@ -6,6 +6,7 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
 from shardkit.core.context import CommContext
+from shardkit.core.errors import DesyncError
 from shardkit.core.input_grads import InputGradsWatch
 from shardkit.core.local_step import restore_all
 from shardkit.core.local_tree import enter_local_forward, is_local_tree
@@ -379,7 +381,12 @@ class FSDPState:
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
         assert self.ctx is not None
-        self.finish_reductions()
+        pending = self.ctx.comm.pending_reduces
+        while pending:
+            # One abandoned by a desync error (raised on every rank) is dropped: its rows may
+            # never come.
+            with contextlib.suppress(DesyncError):
+                self.ctx.comm.finish_oldest()
         for group in self.groups:
             group.drop_pending_state()
         for state in self.ctx.states:

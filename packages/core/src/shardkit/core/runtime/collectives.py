@@ -149,6 +149,11 @@ class _Issued:
     check: desync.PendingCheck | None = None
     """Its fingerprint exchange, compared at its wait (desync checks on an exchange)."""
 
+    def issued_as(self, works: list[dist.Work]) -> None:
+        """Tell the check the collective's own messages, kept alive if an error abandons it."""
+        if self.check is not None:
+            self.check.data = list(works)
+
 
 def _uses_gloo(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == dist.Backend.GLOO
@@ -230,6 +235,7 @@ class ProcessGroupRuntime:
         else:
             handle = self._all_gather(input, group, label, issued.tag)
         handle.info, handle.check = issued.info, issued.check
+        issued.issued_as(handle.works)
         if observe.has_subscribers():
             observe.emit(observe.CollectiveIssuedEvent("all_gather"))
         return handle
@@ -308,6 +314,7 @@ class ProcessGroupRuntime:
             handle = self._reduce_scatter(output, input, group, label, issued.tag)
             if isinstance(handle, _SumRowsHandle):
                 handle.info, handle.check = issued.info, issued.check
+                issued.issued_as(handle.works)
             elif isinstance(handle, WorkHandle):
                 handle.info = issued.info
         if observe.has_subscribers():

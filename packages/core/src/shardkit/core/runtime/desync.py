@@ -64,6 +64,10 @@ class _GroupChecks:
     ones."""
     pending: deque[PendingCheck] = field(default_factory=deque)
     """Exchanges in issue order, oldest first."""
+    retired: list[Waitable] = field(default_factory=list)
+    """The messages of collectives an error left behind, kept for the group's lifetime: gloo
+    stalls every later message from a peer once a receive freed before its message came
+    gets one (a peer in step with this rank can still send it, at W > 2)."""
 
 
 _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupChecks]
@@ -102,7 +106,12 @@ class PendingCheck:
     group: dist.ProcessGroup
     rows: torch.Tensor  # (W, FINGERPRINT_BYTES) uint8: every member's fingerprint, group order
     works: list[Waitable]  # this rank's sends and receives of fingerprints
+    data: list[Waitable] = field(default_factory=list)
+    """The collective's own messages (its handle's works), set once it is issued."""
     done: bool = False
+    error: str | None = None
+    """Why this collective must never be waited on: the desync error that failed or abandoned
+    it (every member raised that error)."""
 
     def settle(self) -> None:
         """Compare the members' fingerprints of this collective (and of earlier ones pending).
@@ -110,8 +119,12 @@ class PendingCheck:
         The group's exchanges not compared yet are compared in issue order, up to this one.
 
         Raises:
-            DesyncError: on every member, naming what each was about to run.
+            DesyncError: on every member, naming what each was about to run; again on every
+                later wait of this collective or of one issued after it before the error
+                (their peers' messages may never come: a wait would hang).
         """
+        if self.error is not None:
+            raise DesyncError(self.error)
         if self.done:
             return
         queue = _checks(self.group).pending
@@ -120,6 +133,7 @@ class PendingCheck:
             check._compare()
             if check is self:
                 return
+        raise AssertionError(f"{self.info.detail()}: its fingerprint exchange was never queued")
 
     def _compare(self) -> None:
         PROGRESS.begin_wait(self.info)
@@ -133,15 +147,28 @@ class PendingCheck:
         first = blob[:FINGERPRINT_BYTES]
         if blob == first * self.rows.size(0):
             return
-        checks = _checks(self.group)
-        checks.epoch += 1
-        checks.pending.clear()  # later exchanges are abandoned with the collectives they served
         infos = [CollectiveInfo.decode(row.numpy().tobytes()) for row in self.rows]
         ranks = dist.get_process_group_ranks(self.group)
-        check_fingerprints(infos, ranks)
-        # Records that differ only where decoding drops bytes (a label cut mid-character):
-        # their collectives' tags differ too, so they would never meet.
-        raise DesyncError(f"ranks {ranks} are out of step: {self.info.detail()} differs in bytes")
+        try:
+            check_fingerprints(infos, ranks)
+            # Records that differ only where decoding drops bytes (a label cut mid-character):
+            # their collectives' tags differ too, so they would never meet.
+            raise DesyncError(
+                f"ranks {ranks} are out of step: {self.info.detail()} differs in bytes"
+            )
+        except DesyncError as error:
+            self._fail(str(error))
+            raise
+
+    def _fail(self, message: str) -> None:
+        """Abandon this collective and every later one of the group issued before the error."""
+        checks = _checks(self.group)
+        checks.epoch += 1
+        abandoned = [self, *checks.pending]
+        checks.pending.clear()
+        for check in abandoned:
+            check.error = message  # a later wait raises instead of waiting for messages
+            checks.retired += check.works + check.data  # never freed before they complete
 
 
 def expect(
