@@ -6,11 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint check-hatch bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch bench bench-scaling bench-compare soak fuzz clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib
+	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib \
+		mkdocs mkdocs-material mkdocstrings mkdocstrings-python
 	$(BIN)/pip install -q -c constraints.txt --no-deps torchao
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
@@ -34,6 +35,11 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 
 check: lint test
+
+# The documentation site (mkdocs.yml) in site/: strict, so a broken link, anchor, include or
+# API reference fails (CI runs it after `check`).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 # The soak test (minutes): 300 demo steps with 5 ranks SIGKILLed and restarted by torchrun,
 # bit-identical to an uninterrupted run; prints the steps lost per kill.
@@ -64,4 +70,4 @@ bench-compare: $(STAMP)
 	$(BIN)/python scripts/bench_compare.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site

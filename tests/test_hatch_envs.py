@@ -91,3 +91,13 @@ def test_hatch_fmt_uses_our_ruff_and_rules(envs: dict[str, dict[str, Any]], name
 
 def test_the_installed_hatch_is_the_pinned_one() -> None:
     assert importlib.metadata.version("hatch") == _pins()["hatch"]
+
+
+def test_docs_env_builds_the_site_as_make_docs_does(envs: dict[str, dict[str, Any]]) -> None:
+    env = envs["docs"]
+    _assert_pip_under_constraints("docs", env)
+    # Strict, as `make docs` and CI build it; griffe reads the sources, so no torch here.
+    assert env["scripts"]["build"] == ["mkdocs build --strict -d site"]
+    assert "workspace" not in env
+    names = set(env["dependencies"])
+    assert names <= set(_pins()), names - set(_pins())
