@@ -65,7 +65,8 @@ def _sample(t: float, phase: Phase, module: str, step: int, mib: dict[str, int])
 def make_report(rank: int = 0, world_size: int = 2, steps: int = 2) -> RankReport:
     """Two blocks, per step: forward, backward, optimizer; two all-gathers, two reduce-scatters.
 
-    Per step: 4 collectives sending 6 MiB (twice the 3 MiB minimum), 40 ms of communication of
+    Per step: 4 collectives sending 6 MiB (twice the 3 MiB minimum; 10 MiB on the wire, as the
+    reduce-scatters' wire bytes are twice their payload on gloo), 40 ms of communication of
     which 10 ms exposed, in a 55 ms step. The memory peak is 15 MiB (8 MiB activations) during
     blocks.1's backward.
     """
@@ -87,6 +88,8 @@ def make_report(rank: int = 0, world_size: int = 2, steps: int = 2) -> RankRepor
                     group="0",
                     input_bytes=MiB // 2,
                     sent_bytes=sent * MiB,
+                    # gloo's reduce-scatter puts twice its payload on the wire.
+                    wire_bytes=(2 if kind == "reduce_scatter" else 1) * sent * MiB,
                     start_s=t + lo,
                     end_s=t + hi,
                     wait_s=wait,
@@ -102,6 +105,7 @@ def make_report(rank: int = 0, world_size: int = 2, steps: int = 2) -> RankRepor
             step=s,
             collectives=4,
             sent_bytes=6 * MiB,
+            wire_bytes=10 * MiB,
             comm_s=0.040,
             exposed_s=0.010,
             step_s=0.055,

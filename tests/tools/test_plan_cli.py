@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
+import torch
 from torch import nn
 
+from shardkit.tools.examples import Llama, LlamaConfig
 from shardkit.tools.plan.cli import load_factory, main
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 TINY = "shardkit.tools.examples:llama_tiny"
 
 
-def cpu_model() -> nn.Module:
-    """A factory that forgets the meta device."""
-    return nn.Linear(4, 4)
+def cpu_llama() -> nn.Module:
+    """A factory as users write it: the model on the default device (the planner picks meta)."""
+    config = LlamaConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=100)
+    return Llama(config)
+
+
+class PinnedBuffer(nn.Module):
+    """A model that names a device for one of its tensors: that escapes the meta context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(8, device="cpu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.fc(x))
 
 
 def test_json_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,6 +71,11 @@ def test_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([TINY, "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "on 2 ranks (FSDP)" in out
+    # The units chosen without --wrap, and why: the blocks of the ModuleList, and the root.
+    assert (
+        "sharding units (one fully_shard each), by default every element of an nn.ModuleList" in out
+    )
+    assert "  TransformerBlock x4: layers.0 .. layers.3\n  Llama: <root>\n" in out
     assert "layers.0 .. layers.3 (x4)" in out  # identical blocks fold into one row
     assert "all_gather" in out and "reduce_scatter" in out
     for category in ("sharded_params", "unsharded_params", "optimizer_state", "comm_buffers"):
@@ -85,8 +106,16 @@ def test_tensor_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_wrap_by_class_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([TINY, "--world-size", "2", "--wrap", "Attention,FeedForward", "--json"]) == 0
-    groups = [g["fqn"] for g in json.loads(capsys.readouterr().out)["groups"]]
+    data = json.loads(capsys.readouterr().out)
+    groups = [g["fqn"] for g in data["groups"]]
     assert groups[:2] == ["layers.0.attention", "layers.0.feed_forward"] and len(groups) == 9
+    assert [g["module_class"] for g in data["groups"]][-3:] == ["Attention", "FeedForward", "Llama"]
+    assert main([TINY, "--world-size", "2", "--wrap", "Attention,FeedForward"]) == 0
+    out = capsys.readouterr().out
+    assert "sharding units (one fully_shard each), by --wrap Attention,FeedForward:" in out
+    assert "  Attention x4: layers.0.attention .. layers.3.attention\n" in out
+    assert main([TINY, "--world-size", "2", "--wrap", "Block"]) == 2  # a typo wraps nothing
+    assert "--wrap names Block, which no module" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -107,9 +136,22 @@ def test_bad_factories_are_named(
     assert message in err and factory in err
 
 
+def test_a_factory_building_on_cpu_is_built_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tests.tools.test_plan_cli:cpu_llama", "--world-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [g["fqn"] for g in data["groups"]] == ["layers.0", "layers.1", "<root>"]
+    assert data["param_count"] == sum(p.numel() for p in cpu_llama().parameters())
+    assert "activations" in data["memory"]["category_max"]
+
+
+def test_a_tensor_escaping_meta_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tests.tools.test_plan_cli:PinnedBuffer", "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "buffer table (on cpu)" in err and "fc.weight" not in err
+    assert "torch.device('meta')" in err
+
+
 def test_a_model_that_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["tests.tools.test_plan_cli:cpu_model", "--world-size", "2"]) == 1
-    assert "weight is on cpu" in capsys.readouterr().err
     assert main([TINY, "--world-size", "4", "--mesh", "2,3"]) == 1
     assert "mesh_shape" in capsys.readouterr().err
 

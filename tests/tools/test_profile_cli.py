@@ -237,7 +237,10 @@ def test_a_process_that_runs_no_module_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the report is written here, plotless
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SINGLE))
     out = tmp_path / "prof"
@@ -246,7 +249,12 @@ def test_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert (report.rank, report.world_size) == (0, 1)
     assert {s.module for s in report.spans} >= {"0", "1", "2"}
     assert report.memory is not None and report.memory.timeline
-    assert f"report folder: {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"report folder: {out}" in printed
+    # The folder's listing says which plots are missing, and what installs them.
+    for name in ("memory.png", "timeline.png"):
+        assert f"  {name:<14} skipped: matplotlib is not installed" in printed
+    assert printed.rstrip().endswith('pip install "shardkit-tools[plots]"')
 
 
 def test_torchrun_two_ranks(tmp_path: Path) -> None:

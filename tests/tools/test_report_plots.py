@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.tools.report.folder import REPORT_FILES, write_report
+from shardkit.tools.report.folder import REPORT_FILES, skipped_plots, write_report
 from shardkit.tools.report.json_io import load_merged_report
 from shardkit.tools.report.plots import MAX_RANKS, plot_memory, plot_timeline
 from tests.tools.reports import make_report, make_reports
@@ -117,8 +117,12 @@ def test_write_report_without_matplotlib(
     with caplog.at_level(logging.WARNING, logger="shardkit.tools.report.folder"):
         written = write_report(tmp_path, make_reports())
     assert set(written) == {"summary", "json", "trace"}
-    assert "skipping the plots" in caplog.text
+    for name in ("memory.png", "timeline.png"):  # each says why, and what brings matplotlib
+        assert f"skipping {name}: matplotlib is not installed" in caplog.text
     assert 'pip install "shardkit-tools[plots]"' in caplog.text
+    reasons = skipped_plots(make_reports())
+    assert set(reasons) == {"memory_plot", "timeline_plot"}
+    assert all(r.endswith('pip install "shardkit-tools[plots]"') for r in reasons.values())
 
 
 def test_write_report_needs_reports(tmp_path: Path) -> None:

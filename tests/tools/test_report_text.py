@@ -56,15 +56,20 @@ def test_module_labels() -> None:
 def test_communication_per_step() -> None:
     text = summarize(make_reports())
     assert text.startswith("shardkit profile: 2 of 2 ranks (ranks 0, 1)\n")
-    assert "vs min: bytes sent over the theoretical minimum" in text
+    assert "vs min: payload over the theoretical minimum" in text
+    assert "wire: bytes it sent under the algorithms that ran" in text
     assert text.endswith("\n")
-    # rank, step, collectives, sent, vs min, step time, comm, exposed (%), overlapped (%), /step
-    row = "0 0 4 6.00 MiB 2.00x 55.0 ms 40.0 ms 10.0 ms (25%) 30.0 ms (75%) 18%"
+    # The exposed time comes first, then the total in flight:
+    # rank, step, collectives, payload, wire, vs min, step time, exposed (%), comm total,
+    # overlapped (%), exposed/step
+    header = "rank step collectives payload wire vs min step time exposed comm total overlapped"
+    assert _line(text, "rank", "step") == header + " exposed/step"
+    row = "0 0 4 6.00 MiB 10.00 MiB 2.00x 55.0 ms 10.0 ms (25%) 40.0 ms 30.0 ms (75%) 18%"
     assert _line(text, "0", "0") == row
     assert _line(text, "1", "0") == "1" + row[1:]
     totals = [ln for ln in text.splitlines() if ln.split()[:1] == ["all"]]
     assert [" ".join(t.split()) for t in totals] == [
-        "all 8 12.00 MiB 2.00x 110.0 ms 80.0 ms 20.0 ms (25%) 60.0 ms (75%) 18%"
+        "all 8 12.00 MiB 20.00 MiB 2.00x 110.0 ms 20.0 ms (25%) 80.0 ms 60.0 ms (75%) 18%"
     ] * 2
 
 
@@ -73,22 +78,23 @@ def test_unknown_minimum_and_many_steps() -> None:
     assert report.comm is not None
     comm = CommSummary(steps=report.comm.steps, theoretical_min_bytes=None)
     text = summarize([dataclasses.replace(report, comm=comm)])
-    assert _line(text, "0", "0").split()[5] == "-"  # vs min, after "6.00 MiB"
+    assert _line(text, "0", "0").split()[7] == "-"  # vs min, after "6.00 MiB 10.00 MiB"
     assert "vs min: unknown" in text
     assert "(18 more)" in text  # 30 steps: the first 6 and the last 6 shown
-    assert _line(text, "29").startswith("29 4 6.00 MiB")
-    assert _line(text, "all").startswith("all 120 180.00 MiB - 1.65 s 1.20 s")
+    assert _line(text, "29").startswith("29 4 6.00 MiB 10.00 MiB")
+    assert _line(text, "all").startswith("all 120 180.00 MiB 300.00 MiB - 1.65 s 300.0 ms")
 
 
 def test_collectives_grouped_by_kind_module_and_phase() -> None:
     text = summarize(make_reports())
     # 2 ranks x 2 steps = 4 calls per group; the most expensive first.
     assert _line(text, "reduce_scatter", "blocks.1") == (
-        "reduce_scatter blocks.1 backward 4 8.00 MiB 52.0 ms 0 (0%)"
+        "reduce_scatter blocks.1 backward 4 8.00 MiB 16.00 MiB 0 (0%) 52.0 ms"
     )
     assert _line(text, "all_gather", "blocks.0") == (
-        "all_gather blocks.0 forward 4 4.00 MiB 24.0 ms 24.0 ms (100%)"
+        "all_gather blocks.0 forward 4 4.00 MiB 4.00 MiB 24.0 ms (100%) 24.0 ms"
     )
+    assert _line(text, "kind") == "kind module phase calls payload wire exposed time"
     lines = text.splitlines()
     order = [
         ln.split()[:2] for ln in lines if ln.split()[:1] in (["all_gather"], ["reduce_scatter"])
@@ -154,7 +160,8 @@ def test_a_step_without_time_shows_no_percentages() -> None:
     report = RankReport(
         rank=0, world_size=1, comm=CommSummary(steps=[step], theoretical_min_bytes=0)
     )
-    assert _line(summarize([report]), "0", "0") == "0 0 0 0 B - 0 0 0 (-) 0 (-) -"
+    # No wire bytes known: '-'.
+    assert _line(summarize([report]), "0", "0") == "0 0 0 0 B - - 0 0 (-) 0 0 (-) -"
 
 
 def test_no_reports() -> None:
@@ -187,8 +194,9 @@ def test_communication_by_mesh_axis() -> None:
     comm = dataclasses.replace(report.comm, steps=steps)
     text = summarize([dataclasses.replace(report, collectives=tagged, comm=comm)])
     # Per step, tp: 2 MiB, busy 12 ms of which 8 exposed; dp: 4 MiB, busy 23 ms, 2 exposed.
-    assert _line(text, "0", "dp") == "0 dp 4 8.00 MiB 46.0 ms 4.0 ms (9%)"
-    assert _line(text, "tp") == "tp 4 4.00 MiB 24.0 ms 16.0 ms (67%)"
+    assert _line(text, "rank", "axis") == "rank axis collectives payload exposed comm total"
+    assert _line(text, "0", "dp") == "0 dp 4 8.00 MiB 4.0 ms (9%) 46.0 ms"
+    assert _line(text, "tp") == "tp 4 4.00 MiB 16.0 ms (67%) 24.0 ms"
     assert _line(text, "all_gather", "tp", "blocks.0").startswith(
         "all_gather tp blocks.0 forward 2 2.00 MiB"
     )

@@ -65,7 +65,7 @@ class CollectiveRecord:
     input_bytes: int
     """Bytes this rank contributes."""
     sent_bytes: int
-    """Bytes this rank must send under a bandwidth-optimal algorithm."""
+    """Bytes this rank must send under a bandwidth-optimal algorithm (the payload)."""
     start_s: float
     """When it was issued."""
     end_s: float
@@ -84,6 +84,10 @@ class CollectiveRecord:
     axis: str | None = None
     """The DeviceMesh axis its process group serves, by the mesh's dim name ('dp', 'tp',
     'dp_shard', ...); None when no known mesh with dim names has that group."""
+    wire_bytes: int | None = None
+    """Bytes this rank put on the wire for it under the algorithm that ran: gloo's own
+    collectives' (its reduce-scatter sends twice the payload), or the point-to-point messages
+    an engine carried it in; None when not recorded (reports of older versions)."""
 
     @property
     def duration_s(self) -> float:
@@ -131,6 +135,9 @@ class StepComm:
     """Wall time of the step (from its first recorded event to its last)."""
     sent_bytes_by_kind: dict[str, int] = field(default_factory=dict)
     by_axis: list[AxisComm] = field(default_factory=list)
+    wire_bytes: int | None = None
+    """Bytes on the wire under the algorithms that ran (``CollectiveRecord.wire_bytes``);
+    None when a record of the step does not say."""
     """The same step per mesh axis, named axes first (alphabetically), then None."""
 
     @property

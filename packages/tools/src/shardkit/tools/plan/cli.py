@@ -3,8 +3,9 @@
     shardkit-plan shardkit.tools.examples:llama_8b --world-size 64 --param-dtype bf16
         --reduce-dtype fp32 --inputs shardkit.tools.examples:llama_8b_inputs
 
-FACTORY is ``module:function``: a function returning the model built on the meta device
-(``with torch.device("meta"): ...``). The current directory is importable, as with
+FACTORY is ``module:function``: a function returning the model. It is called inside
+``torch.device("meta")``, so the model is built without allocating (a factory that places a
+tensor on a device of its own is refused, naming it). The current directory is importable, as with
 ``python -m``. With tensor parallelism, ``--tp N --tp-plan module:function`` names a function
 of the model returning the plan ``parallelize_module`` would get (and ``--inputs``). Prints
 tables (groups, collectives, memory by category) or, with ``--json``,
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import CollectivePlan, GroupPlan
@@ -75,14 +77,32 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def _build_model(spec: str) -> nn.Module:
+    """The model of ``spec``, built under ``torch.device("meta")``.
+
+    Raises:
+        FactoryError: the factory raised, or returned no ``nn.Module``.
+        OffMetaError: a parameter or buffer escaped the meta device (named).
+    """
     factory = load_factory(spec)
     try:
-        model = factory()
+        return build_on_meta(factory, repr(spec))
+    except (NotAModuleError, OffMetaError):
+        raise
     except Exception as err:
         raise FactoryError(f"{spec!r} raised {type(err).__name__}: {err}") from err
-    if not isinstance(model, nn.Module):
-        raise FactoryError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model
+
+
+def _check_wrap(model: nn.Module, wrap: frozenset[str] | None) -> None:
+    """Refuses --wrap class names that no module of the model has (a typo wraps nothing)."""
+    if wrap is None:
+        return
+    classes = {type(m).__name__ for m in model.modules()}
+    unknown = sorted(wrap - classes)
+    if unknown:
+        raise ValueError(
+            f"--wrap names {', '.join(unknown)}, which no module of the model is an instance "
+            f"of (its classes: {', '.join(sorted(classes))})"
+        )
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -126,7 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--inputs", metavar="FACTORY", help="module:function returning inputs")
     parser.add_argument("--loss", metavar="FACTORY", help="module:function mapping output to loss")
-    parser.add_argument("--wrap", help="comma-separated class names to shard one by one")
+    parser.add_argument(
+        "--wrap",
+        metavar="CLASSES",
+        help="comma-separated class names to shard one by one (default: every element of an "
+        "nn.ModuleList, such as a decoder's blocks: repeated blocks are wrapped without "
+        "--wrap; the output lists the units chosen)",
+    )
     parser.add_argument(
         "--bandwidth-gbps", type=float, default=DEFAULT_BANDWIDTH_GBPS, help="GB/s per rank"
     )
@@ -145,11 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())  # as ``python -m`` does: the user's modules import
     try:
         model = _build_model(args.factory)
+    except OffMetaError as err:
+        sys.stderr.write(f"shardkit-plan: cannot plan {args.factory}: {err}\n")
+        return 1
+    except (FactoryError, NotAModuleError) as err:
+        sys.stderr.write(f"shardkit-plan: error: {err}\n")
+        return 2
+    try:
+        wrap = None if args.wrap is None else frozenset(args.wrap.split(","))
+        _check_wrap(model, wrap)
         options = PlanOptions(
             mesh_shape=args.mesh,
             tp_degree=args.tp,
             tp_plan=None if args.tp_plan is None else load_factory(args.tp_plan),
-            wrap=None if args.wrap is None else frozenset(args.wrap.split(",")),
+            wrap=wrap,
             reshard_after_forward=args.reshard_after_forward,
             param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype,
@@ -197,6 +232,7 @@ def format_plan(result: Plan, *, title: str = "model", all_groups: bool = False)
         f"{title} on {result.world_size} ranks ({mesh}); {dtypes}; {o.optimizer}; {o.backend}",
         f"parameters: {_count(result.param_count)} ({_count(result.trainable_count)} trainable)"
         f" in {len(result.groups)} groups",
+        *_units(result),
         "",
         *_group_table(result.groups, all_groups),
         "",
@@ -207,6 +243,25 @@ def format_plan(result: Plan, *, title: str = "model", all_groups: bool = False)
         *_memory_table(result),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _units(result: Plan) -> list[str]:
+    """Which modules got a ``fully_shard`` call, and what chose them."""
+    wrap = result.options.wrap
+    if wrap is None:
+        rule = "by default every element of an nn.ModuleList (--wrap CLASSES to choose)"
+    elif callable(wrap):
+        rule = "by the wrap policy given"
+    else:
+        rule = "by --wrap " + ",".join(sorted(wrap))
+    by_class: dict[str, list[str]] = {}
+    for g in result.groups:
+        by_class.setdefault(g.module_class, []).append(g.fqn)
+    lines = [f"sharding units (one fully_shard each), {rule}:"]
+    for cls, fqns in by_class.items():
+        where = fqns[0] if len(fqns) == 1 else f"{fqns[0]} .. {fqns[-1]}"
+        lines.append(f"  {cls}" + (f" x{len(fqns)}" if len(fqns) > 1 else "") + f": {where}")
+    return lines
 
 
 def _name(dtype: torch.dtype | None) -> str:

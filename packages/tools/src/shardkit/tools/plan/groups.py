@@ -173,7 +173,8 @@ def _param_spec(name: str, param: nn.Parameter, local: tuple[int, ...] | None) -
     if not param.is_meta:
         raise ValueError(
             f"shardkit.tools.plan: parameter {name} is on {param.device}; build the model "
-            "under torch.device('meta') so that planning allocates nothing"
+            "under torch.device('meta'), or pass its factory (called under meta), so that "
+            "planning allocates nothing"
         )
     if hasattr(param, "fsdp_pre_all_gather") or hasattr(param, "fsdp_post_all_gather"):
         # What such a parameter sends and holds unsharded is whatever its hooks return, known

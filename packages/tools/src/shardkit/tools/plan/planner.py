@@ -31,6 +31,7 @@ from torch import nn
 
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
+from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import ModelSource, PlanOptions
 from shardkit.tools.plan.records import (
     CollectiveCall,
@@ -147,7 +148,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     """Plan per-rank memory and communication of FSDP training, allocating nothing.
 
     Args:
-        model: An ``nn.Module`` on the meta device, or a callable returning one; with
+        model: An ``nn.Module`` on the meta device, or a callable returning one (called
+            inside ``torch.device("meta")``, so it may build on the default device); with
             ``options.tp_plan``, the model before ``parallelize_module``.
         world_size: Ranks in all (replicas x shard for HSDP, times ``options.tp_degree``).
         options: How it is sharded and trained; defaults to ``PlanOptions()`` (fp32, AdamW,
@@ -231,14 +233,8 @@ def _resolve(model: ModelSource) -> nn.Module:
             f"shardkit.tools.plan: model must be an nn.Module or a callable returning one, "
             f"got {type(model).__name__}"
         )
-    built = model()
-    if not isinstance(built, nn.Module):
-        name = getattr(model, "__qualname__", repr(model))
-        raise TypeError(
-            f"shardkit.tools.plan: the model factory {name} returned {type(built).__name__}, "
-            "not an nn.Module"
-        )
-    return built
+    name = getattr(model, "__qualname__", repr(model))
+    return build_on_meta(model, f"shardkit.tools.plan: the model factory {name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +304,7 @@ def _tensor_parallel(
 def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
     return GroupPlan(
         fqn=group.fqn,
+        module_class=type(group.module).__name__,
         param_count=group.param_count,
         trainable_count=sum(p.numel for p in group.trainable),
         sharded_bytes=group.layout.sharded_bytes,

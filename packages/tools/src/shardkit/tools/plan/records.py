@@ -15,6 +15,8 @@ class GroupPlan:
 
     fqn: str
     """The module's FQN; '<root>' for the root."""
+    module_class: str
+    """The module's class name (``type(module).__name__``)."""
     param_count: int
     """Elements of its parameters (unsharded, unpadded)."""
     trainable_count: int

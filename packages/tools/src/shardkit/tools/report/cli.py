@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit.tools.report.folder import REPORT_FILES, write_report
+from shardkit.tools.report.folder import REPORT_FILES, skipped_plots, write_report
 from shardkit.tools.report.json_io import load_rank_reports
 from shardkit.tools.report.text import summarize
 
@@ -112,6 +112,8 @@ def run_profiled(options: ProfileOptions) -> int:
     sys.stdout.write(f"\nreport folder: {options.out}\n")
     for key, path in written.items():
         sys.stdout.write(f"  {path.name:<14} {_DESCRIPTIONS.get(key, '')}\n")
+    for key, reason in skipped_plots(reports).items():
+        sys.stdout.write(f"  {REPORT_FILES[key]:<14} skipped: {reason}\n")
     sys.stdout.flush()
     return status
 

@@ -3,8 +3,9 @@
 ``write_report`` is what ``shardkit-profile`` (and the demo's ``--profile``) call once every
 rank's report is in: the terminal summary as ``summary.txt``, all ranks in ``report.json``, a
 Chrome / Perfetto trace as ``trace.json``, and, where matplotlib is installed, ``memory.png``
-and ``timeline.png``. A plot that cannot be drawn is skipped with a warning rather than failing
-the report: the text, JSON and trace still say what happened.
+and ``timeline.png``. A plot that cannot be drawn is skipped with a warning that says why (and,
+without matplotlib, which extra brings it) rather than failing the report: the text, JSON and
+trace still say what happened.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shardkit.tools.report.json_io import write_merged_report
 from shardkit.tools.report.text import summarize
 from shardkit.tools.report.trace import write_trace
 
-__all__ = ["REPORT_FILES", "write_report"]
+__all__ = ["PLOTS_EXTRA", "REPORT_FILES", "skipped_plots", "write_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,21 +63,38 @@ def write_report(folder: str | os.PathLike[str], reports: Sequence[RankReport]) 
     return written
 
 
-def _write_plots(root: Path, reports: Sequence[RankReport]) -> dict[str, Path]:
+PLOTS_EXTRA = 'pip install "shardkit-tools[plots]"'
+"""What to run for the plots: matplotlib comes with the ``plots`` extra."""
+
+
+def skipped_plots(reports: Sequence[RankReport]) -> dict[str, str]:
+    """Why each plot ``write_report`` leaves out is left out, by its key in REPORT_FILES."""
     try:
         import matplotlib  # noqa: F401  (probing only: the plots import it when drawing)
 
-        from shardkit.tools.report.plots import plot_memory, plot_timeline
+        import shardkit.tools.report.plots  # noqa: F401
     except ImportError as err:
-        logger.warning('skipping the plots: %s; pip install "shardkit-tools[plots]"', err)
-        return {}
+        reason = f"matplotlib is not installed ({err}); {PLOTS_EXTRA}"
+        return {"memory_plot": reason, "timeline_plot": reason}
+    skipped = {}
+    if not any(r.memory is not None and r.memory.timeline for r in reports):
+        skipped["memory_plot"] = "no rank recorded memory"
+    if not any(r.spans or r.collectives for r in reports):
+        skipped["timeline_plot"] = "no phase spans or collectives"
+    return skipped
+
+
+def _write_plots(root: Path, reports: Sequence[RankReport]) -> dict[str, Path]:
+    skipped = skipped_plots(reports)
+    for key, reason in skipped.items():
+        logger.warning("skipping %s: %s", REPORT_FILES[key], reason)
     written: dict[str, Path] = {}
-    if any(r.memory is not None and r.memory.timeline for r in reports):
+    if "memory_plot" not in skipped:
+        from shardkit.tools.report.plots import plot_memory
+
         written["memory_plot"] = plot_memory(reports, root / REPORT_FILES["memory_plot"])
-    else:
-        logger.warning("skipping %s: no rank recorded memory", REPORT_FILES["memory_plot"])
-    if any(r.spans or r.collectives for r in reports):
+    if "timeline_plot" not in skipped:
+        from shardkit.tools.report.plots import plot_timeline
+
         written["timeline_plot"] = plot_timeline(reports, root / REPORT_FILES["timeline_plot"])
-    else:
-        logger.warning("skipping %s: no phase spans or collectives", REPORT_FILES["timeline_plot"])
     return written

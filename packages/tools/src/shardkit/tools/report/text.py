@@ -1,8 +1,10 @@
 """The terminal summary: plain-text tables that answer the profiling questions at a glance.
 
 Three questions shape the sections: is communication hidden behind compute (per rank and step:
-bytes against the theoretical minimum, exposed against overlapped time; per mesh axis, such as
-data against tensor parallelism, where the collectives' groups belong to a named mesh), which
+the payload and the bytes on the wire, the payload against the theoretical minimum, the exposed
+(waited-on) time first, then the total time in flight and what of it overlapped; per mesh axis,
+such as data against tensor parallelism, where the collectives' groups belong to a named mesh),
+which
 collectives cost the most (grouped by kind, axis, module and phase), and where the memory goes
 (each rank's peak by category, the modules at the top of the peak, the CUDA allocator's own
 figures).
@@ -128,19 +130,23 @@ def _comm_section(reports: Sequence[RankReport]) -> str:
     with_comm = [r for r in reports if r.comm is not None and r.comm.steps]
     if not with_comm:
         return "communication per step: not recorded"
-    headers = ["rank", "step", "collectives", "sent", "vs min", "step time", "comm"]
-    headers += ["exposed", "overlapped", "exposed/step"]
+    headers = ["rank", "step", "collectives", "payload", "wire", "vs min", "step time"]
+    headers += ["exposed", "comm total", "overlapped", "exposed/step"]
     rows: list[list[str]] = []
     for report in with_comm:
         assert report.comm is not None  # filtered above
         rows += _comm_rows(report.rank, report.comm)
     known_min = any(r.comm and r.comm.theoretical_min_bytes for r in with_comm)
     notes = [
-        "vs min: bytes sent over the theoretical minimum for the model (1.00x is optimal)"
+        "payload: bytes a rank sends under a bandwidth-optimal (ring) algorithm; wire: bytes it"
+        " sent under the algorithms that ran (gloo's reduce-scatter sends twice its payload;"
+        " an engine's point-to-point messages count as sent)",
+        "vs min: payload over the theoretical minimum for the model (1.00x is optimal)"
         if known_min
-        else "vs min: unknown (the profiler was given no theoretical minimum of bytes)",
-        "exposed: the training thread waited on communication (% of comm time)",
-        "overlapped: communication in flight while the rank computed (% of comm time)",
+        else "vs min: unknown (no theoretical minimum was given, nor computable from the model)",
+        "exposed: the training thread waited on communication (% of comm total, the time any"
+        " collective was in flight)",
+        "overlapped: communication in flight while the rank computed (% of comm total)",
         "exposed/step: share of the step spent waiting on communication",
     ]
     missing = [str(r.rank) for r in reports if r.comm is None or not r.comm.steps]
@@ -160,7 +166,7 @@ def _comm_rows(rank: int, comm: CommSummary) -> list[list[str]]:
     rows: list[list[str]] = []
     for step in shown:
         if step is None:
-            rows.append(["", f"({len(steps) - 2 * (MAX_STEP_ROWS // 2)} more)", *[""] * 8])
+            rows.append(["", f"({len(steps) - 2 * (MAX_STEP_ROWS // 2)} more)", *[""] * 9])
             continue
         ratio = (
             f"{step.sent_bytes / comm.theoretical_min_bytes:.2f}x"
@@ -172,6 +178,7 @@ def _comm_rows(rank: int, comm: CommSummary) -> list[list[str]]:
         step=-1,
         collectives=sum(s.collectives for s in steps),
         sent_bytes=sum(s.sent_bytes for s in steps),
+        wire_bytes=_sum_known([s.wire_bytes for s in steps]),
         comm_s=sum(s.comm_s for s in steps),
         exposed_s=sum(s.exposed_s for s in steps),
         step_s=sum(s.step_s for s in steps),
@@ -188,13 +195,23 @@ def _comm_row(label: str, s: StepComm, ratio: str) -> list[str]:
         label,
         str(s.collectives),
         format_bytes(s.sent_bytes),
+        _maybe_bytes(s.wire_bytes),
         ratio,
         format_seconds(s.step_s),
-        format_seconds(s.comm_s),
         f"{format_seconds(s.exposed_s)} ({_percent(s.exposed_s, s.comm_s)})",
+        format_seconds(s.comm_s),
         f"{format_seconds(s.overlapped_s)} ({_percent(s.overlapped_s, s.comm_s)})",
         _percent(s.exposed_s, s.step_s),
     ]
+
+
+def _sum_known(values: Sequence[int | None]) -> int | None:
+    """The sum, or None if one of the values is unknown."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _maybe_bytes(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
 
 
 def _axis_section(reports: Sequence[RankReport]) -> str:
@@ -217,14 +234,14 @@ def _axis_section(reports: Sequence[RankReport]) -> str:
                     _axis_label(axis),
                     str(sum(p.collectives for p in parts)),
                     format_bytes(sum(p.sent_bytes for p in parts)),
-                    format_seconds(comm_s),
                     f"{format_seconds(exposed_s)} ({_percent(exposed_s, comm_s)})",
+                    format_seconds(comm_s),
                 ]
             )
         rows[first][0] = str(report.rank)
     if not rows:
         return ""
-    headers = ["rank", "axis", "collectives", "sent", "comm", "exposed"]
+    headers = ["rank", "axis", "collectives", "payload", "exposed", "comm total"]
     table = format_table(headers, rows, align="rlrrrr")
     return "communication by mesh axis (each rank's steps together)\n" + table
 
@@ -239,6 +256,7 @@ class _Group:
 
     calls: int = 0
     sent_bytes: int = 0
+    wire_bytes: int | None = 0
     time_s: float = 0.0
     wait_s: float = 0.0
 
@@ -250,6 +268,7 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
             group = groups[(c.kind, c.axis, module_label(_for(c), c.phase), c.phase.value)]
             group.calls += 1
             group.sent_bytes += c.sent_bytes
+            group.wire_bytes = _sum_known([group.wire_bytes, c.wire_bytes])
             group.time_s += c.duration_s
             group.wait_s += c.wait_s
     if not groups:
@@ -257,7 +276,7 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
     ranked = sorted(groups.items(), key=lambda kv: kv[1].time_s, reverse=True)
     with_axis = any(axis is not None for _, axis, _, _ in groups)
     headers = ["kind", *(["axis"] if with_axis else []), "module", "phase"]
-    headers += ["calls", "sent", "time", "exposed"]
+    headers += ["calls", "payload", "wire", "exposed", "time"]
     rows = [
         [
             kind,
@@ -266,8 +285,9 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
             phase,
             str(g.calls),
             format_bytes(g.sent_bytes),
-            format_seconds(g.time_s),
+            _maybe_bytes(g.wire_bytes),
             f"{format_seconds(g.wait_s)} ({_percent(g.wait_s, g.time_s)})",
+            format_seconds(g.time_s),
         ]
         for (kind, axis, module, phase), g in ranked[:MAX_GROUP_ROWS]
     ]
@@ -277,7 +297,7 @@ def _collective_groups_section(reports: Sequence[RankReport]) -> str:
         " a collective is for where the engine says, else the one running)"
     )
     align = "llll" if with_axis else "lll"
-    text = title + "\n" + format_table(headers, rows, align=align + "rrrr")
+    text = title + "\n" + format_table(headers, rows, align=align + "rrrrr")
     rest = ranked[MAX_GROUP_ROWS:]
     if rest:
         calls = sum(g.calls for _, g in rest)

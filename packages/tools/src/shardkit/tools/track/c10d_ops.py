@@ -7,12 +7,17 @@ collective (DTensor redistribution, tensor parallelism, compiled code) as one of
 kernel registered for them sees their arguments; this module turns those into a kind and
 byte counts.
 
-Bytes sent per rank are those of a bandwidth-optimal algorithm (a ring, for instance), not what
-a given backend happens to send: they are what the theoretical minimum is stated in.
+Two byte counts per rank: ``sent_bytes``, those of a bandwidth-optimal algorithm (a ring, for
+instance), in which the theoretical minimum is stated (the payload); and ``wire_bytes``, what the
+backend's own algorithm writes. They differ where the algorithm is not optimal: gloo (every
+CPU collective) reduce-scatters by reducing the whole input, 2(W-1)/W of it per rank, twice the
+payload (measured as the bytes written to gloo's sockets); its all-gather, all-reduce and
+all-to-all, and NCCL's rings, send the payload.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +27,15 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
 from torch.distributed.distributed_c10d import GroupName
 
-__all__ = ["FUNCTIONAL", "OPERATORS", "WAIT_TENSOR", "OpInfo", "describe", "outputs"]
+__all__ = [
+    "FUNCTIONAL",
+    "OPERATORS",
+    "WAIT_TENSOR",
+    "OpInfo",
+    "describe",
+    "outputs",
+    "wire_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +49,8 @@ class OpInfo:
     sent_bytes: int
     blocking: bool = False
     """The call itself waits for completion (``async_op=False``: the backend syncs in C++)."""
+    wire_bytes: int = 0
+    """Bytes the backend's algorithm sends from this rank (see the module docstring)."""
 
 
 def _nbytes(value: Any) -> int:
@@ -173,13 +188,43 @@ def _named_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[
     return named
 
 
+def _on_cpu(value: Any) -> bool:
+    """Whether the first tensor in ``value`` (nested lists included) is on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type == "cpu"
+    if isinstance(value, list | tuple):
+        return any(_on_cpu(v) for v in value[:1])
+    return False
+
+
+def wire_bytes(kind: str, sent_bytes: int, group_size: int, gloo: bool) -> int:
+    """Bytes a rank writes for a collective whose payload is ``sent_bytes``.
+
+    Args:
+        kind: The collective's kind ('reduce_scatter', ...).
+        sent_bytes: Its payload: what a bandwidth-optimal algorithm sends.
+        group_size: Ranks in its group.
+        gloo: Whether gloo runs it (CPU tensors): its reduce-scatter reduces the whole input
+            as an all-reduce does, sending twice the payload; everything else is optimal.
+    """
+    if gloo and kind == "reduce_scatter" and group_size > 1:
+        return 2 * sent_bytes
+    return sent_bytes
+
+
+def _info(kind: str, group: dist.ProcessGroup, counts: tuple[int, int], cpu: bool) -> OpInfo:
+    size = group.size()
+    input_bytes, sent = counts
+    wire = wire_bytes(kind, sent, size, gloo=cpu)
+    return OpInfo(kind, size, group.group_name, input_bytes, sent, wire_bytes=wire)
+
+
 def _describe_c10d(name: str, named: dict[str, Any]) -> OpInfo:
     kind, count = _C10D[name]
     group = dist.ProcessGroup.unbox(named["process_group"])
-    size, rank = group.size(), group.rank()
-    input_bytes, sent = count(named, size, rank)
-    blocking = named.get("async_op", True) is False
-    return OpInfo(kind, size, group.group_name, input_bytes, sent, blocking)
+    cpu = any(_on_cpu(v) for v in named.values())
+    info = _info(kind, group, count(named, group.size(), group.rank()), cpu)
+    return dataclasses.replace(info, blocking=named.get("async_op", True) is False)
 
 
 def _describe_functional(name: str, named: dict[str, Any]) -> OpInfo:
@@ -187,9 +232,8 @@ def _describe_functional(name: str, named: dict[str, Any]) -> OpInfo:
     group = named["group_name"]
     if isinstance(group, str):  # DTensor passes the name; a ProcessGroup is accepted too
         group = _resolve_process_group(GroupName(group))
-    size, rank = group.size(), group.rank()
-    input_bytes, sent = count(named, size, rank)
-    return OpInfo(kind, size, group.group_name, input_bytes, sent)
+    cpu = any(_on_cpu(v) for v in named.values())
+    return _info(kind, group, count(named, group.size(), group.rank()), cpu)
 
 
 def describe(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> OpInfo | None:

@@ -13,7 +13,10 @@ How it sees them (see [Note: observing torch programs] in docs/notes/004):
   collective. Waits made inside C++ (DDP's reducer) are not visible, so DDP's exposed time
   reads as zero.
 - shardkit's engine announces each collective on its event stream, so the point-to-point
-  messages that carry one on gloo are reported as the one all-gather or reduce-scatter they are.
+  messages that carry one on gloo are reported as the one all-gather or reduce-scatter they are,
+  with the bytes of those messages as its wire bytes.
+- Bytes: the payload (what a bandwidth-optimal algorithm sends) and the wire bytes (what the
+  backend's algorithm, or the engine's messages, send); see ``c10d_ops``.
 - Axis: the mesh axis each collective's process group serves (``mesh_axes``), worked out when
   records are read, not while the program runs.
 """
@@ -62,6 +65,7 @@ class _Pending:
     issued_s: float = 0.0
     wait_s: float = 0.0
     serves: str | None = None
+    wire_bytes: int = 0  # the messages or collectives that carried it, summed
     done_s: list[float] = field(default_factory=list)  # completion of each of its works
 
     def record(self, axes: dict[str, str]) -> CollectiveRecord:
@@ -73,6 +77,7 @@ class _Pending:
             group=self.info.group,
             input_bytes=self.info.input_bytes,
             sent_bytes=self.info.sent_bytes,
+            wire_bytes=self.wire_bytes,
             start_s=self.start_s,
             end_s=end,
             wait_s=self.wait_s,
@@ -249,6 +254,7 @@ class CommTracker(Tracker):
         else:
             owner = self._new(info, f"{func.namespace}.{func._opname}", call.called_s)
         owner.issued_s = call.returned_s - self.scope.t0
+        owner.wire_bytes += info.wire_bytes
         if info.blocking:
             owner.wait_s += call.returned_s - call.called_s
         for work in _works(call.out):
@@ -269,6 +275,7 @@ class CommTracker(Tracker):
             return
         pending = self._new(info, f"{func.namespace}.{func._opname}", call.called_s)
         pending.issued_s = call.returned_s - self.scope.t0
+        pending.wire_bytes = info.wire_bytes
         for result in outputs(call.out):
             self._results[result] = pending
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from shardkit.tools.records import AxisComm, CollectiveRecord, CommSummary, StepComm
 from shardkit.tools.track.scope import ModuleScope
 
-__all__ = ["by_axis", "busy_time", "summarize"]
+__all__ = ["busy_time", "by_axis", "summarize", "total_wire_bytes"]
 
 
 def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
@@ -20,6 +20,12 @@ def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+def total_wire_bytes(records: Sequence[CollectiveRecord]) -> int | None:
+    """The records' wire bytes summed; None if one of them does not know its own."""
+    wires = [r.wire_bytes for r in records]
+    return None if any(w is None for w in wires) else sum(w for w in wires if w is not None)
 
 
 def by_axis(records: Sequence[CollectiveRecord]) -> list[AxisComm]:
@@ -70,6 +76,7 @@ def summarize(
                 step_s=end - begin,
                 sent_bytes_by_kind=dict(kinds),
                 by_axis=by_axis(rows),
+                wire_bytes=total_wire_bytes(rows),
             )
         )
     return CommSummary(steps=steps, theoretical_min_bytes=theoretical_min_bytes)
