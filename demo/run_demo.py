@@ -67,7 +67,8 @@ class DemoConfig:
     runs: Path = DEMO_DIR / "runs"
     """Checkpoints and metrics go to runs/<impl>/ (demo/runs/ is git-ignored)."""
     profile: bool = False
-    """Profile job 1 with shardkit.tools; its report goes to runs/<impl>/profile/."""
+    """Profile job 1 with shardkit-profile (shardkit.tools), which runs the unchanged script
+    with a profiler in every rank; its report goes to runs/<impl>/profile/."""
 
     @property
     def out(self) -> Path:
@@ -88,6 +89,8 @@ class DemoConfig:
             self.nproc = 2 * self.tp
         if self.nodes < 1 or (self.nodes > 1 and self.tp > 1):
             raise ValueError(f"--nodes {self.nodes}: need 1, or more with --tp 1")
+        if self.profile and self.nodes > 1:  # shardkit-profile runs one launch, not several
+            raise ValueError("--profile profiles a one-node job: leave out --nodes")
         if self.tp < 1 or self.nproc % self.tp != 0 or self.batch_size % self.tp != 0:
             raise ValueError(
                 f"--tp {self.tp} must divide --nproc ({self.nproc}) and --batch-size "
@@ -155,10 +158,16 @@ def launch_lines(nodes: int, nproc: int) -> list[list[str]]:
 
 
 def torchrun(
-    cfg: DemoConfig, title: str, name: str, args: list[str], *, nodes: int | None = None
+    cfg: DemoConfig,
+    title: str,
+    name: str,
+    args: list[str],
+    *,
+    nodes: int | None = None,
+    profile: bool = False,
 ) -> RunLog:
-    """Run train_gpt.py as a fresh torchrun job (on cfg.nodes nodes unless `nodes` says);
-    return what its rank 0 recorded."""
+    """Run train_gpt.py as a fresh torchrun job (on cfg.nodes nodes unless `nodes` says),
+    under shardkit-profile if `profile`; return what its rank 0 recorded."""
     metrics = cfg.out / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     script = [
@@ -172,8 +181,9 @@ def torchrun(
     print(f"\n=== {title}", flush=True)
     start = time.perf_counter()
     nodes = cfg.nodes if nodes is None else nodes
+    profiler = [sys.executable, "-m", "shardkit.tools.report.cli", f"--out={cfg.profile_dir}", "--"]
     launches = [
-        subprocess.Popen([*line, *script], env=env, cwd=REPO)
+        subprocess.Popen([*(profiler if profile else []), *line, *script], env=env, cwd=REPO)
         for line in launch_lines(nodes, cfg.nproc * cfg.nodes // nodes)
     ]
     returncode = max(abs(launch.wait()) for launch in launches)
@@ -307,7 +317,6 @@ def run(cfg: DemoConfig) -> int:
     started = time.perf_counter()
     # Profiling job 1 also shows that the profiler leaves the numbers alone: its losses must
     # still match the unprofiled reference bit for bit.
-    profile = [f"--profile={cfg.profile_dir}"] if cfg.profile else []
     first = torchrun(
         cfg,
         f"job 1: train steps 1..{cfg.stop_at}, checkpoint every {cfg.ckpt_every}"
@@ -317,8 +326,8 @@ def run(cfg: DemoConfig) -> int:
             f"--steps={cfg.stop_at}",
             f"--ckpt-dir={ckpt}",
             f"--ckpt-every={cfg.ckpt_every}",
-            *profile,
         ],
+        profile=cfg.profile,
     )
     at_stop = cfg.out / "ckpt_at_stop"
     if cfg.tp > 1:  # kept for the last job: job 2 adds newer checkpoints to ckpt/

@@ -1,5 +1,8 @@
 """Kill the demo's training job part-way (SIGKILL, mid-save, mid-asynchronous write) and resume.
 
+A kill from outside runs demo/train_gpt.py itself; a kill inside DCP's writer runs it through
+the test rig (tests/demo/rig.py), which drives the example's own training and kills a rank.
+
 The promise: fewer than 2 x --ckpt-every steps are lost (a save is current once written, at the
 latest when the next begins), no broken checkpoint is ever current,
 and the resumed job computes exactly the losses the killed one did for the same steps.
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,17 +25,17 @@ EVERY = 5
 
 
 def _launch(
-    ckpt: Path, metrics: Path, steps: int, resume: bool, faults: dict[str, str] | None = None
+    ckpt: Path, metrics: Path, steps: int, resume: bool, rig: Sequence[str] = ()
 ) -> subprocess.Popen[str]:
+    """The example on 2 ranks, or the test rig with `rig`'s options (run from the repo root)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(REPO / "demo" / "train_gpt.py"), f"--steps={steps}", f"--ckpt-dir={ckpt}"]
-    cmd += [f"--ckpt-every={EVERY}", "--log-every=1", f"--metrics-file={metrics}"]
-    cmd += ["--d-model=64", "--n-layers=2", "--seq-len=32"]
-    if resume:
-        cmd.append("--resume")
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(faults or {}))
+    cmd += ["-m", "tests.demo.rig", *rig] if rig else [str(REPO / "demo" / "train_gpt.py")]
+    cmd += [f"--steps={steps}", f"--ckpt-dir={ckpt}", f"--metrics-file={metrics}"]
+    cmd += [f"--ckpt-every={EVERY}", "--log-every=1", "--d-model=64", "--n-layers=2"]
+    cmd += ["--seq-len=32", *(["--resume"] if resume else [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
         start_new_session=True,
     )  # fmt: skip
 
@@ -106,8 +110,8 @@ def test_kill_mid_async_write_then_resume(tmp_path: Path) -> None:
     """Rank 1 dies inside DCP's background writer, saving step 15, while training goes on."""
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     log = tmp_path / "kills.log"
-    faults = {"SHARDKIT_DEMO_KILL_AT": "1:15:async-save", "SHARDKIT_DEMO_KILL_LOG": str(log)}
-    job = _launch(ckpt, first, steps=25, resume=False, faults=faults)
+    rig = ["--kill-at=1:15:async-save", f"--kill-log={log}"]
+    job = _launch(ckpt, first, steps=25, resume=False, rig=rig)
     output, _ = job.communicate(timeout=180)
     assert job.returncode != 0, output[-2000:]
     assert log.read_text().split() == ["1:15:async-save"], output[-2000:]

@@ -2,7 +2,8 @@
 
 The kills fall mid-forward, mid-backward, mid-save (while the state is staged), inside DCP's
 background writer (an asynchronous save in flight) and one more at random, each on a random
-rank, at random steps (seeded: SHARDKIT_SOAK_SEED, default 0). torchrun restarts the job each
+rank, at random steps (seeded: SHARDKIT_SOAK_SEED, default 0), by the test rig
+(tests/demo/rig.py), which runs the example's own training. torchrun restarts the job each
 time and the demo resumes from its newest checkpoint. The final loss curve, every loss
 recomputed after a restart, and the exported model must be bit-identical to a run that was
 never killed. Prints the steps lost per kill. Slow (minutes): `make soak`.
@@ -16,29 +17,20 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.demo.rig import KillPoint
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY, KILLS = 300, 10, 5
 SMALL = ["--d-model=64", "--n-layers=2", "--seq-len=32", "--log-every=10"]
 
 
-@dataclass(frozen=True, slots=True)
-class Kill:
-    rank: int
-    step: int
-    phase: str
-
-    def __str__(self) -> str:
-        return f"{self.rank}:{self.step}:{self.phase}"
-
-
-def _kill_points(seed: int) -> list[Kill]:
+def _kill_points(seed: int) -> list[KillPoint]:
     """Five kills at steps at least 2 checkpoints apart; saves are killed at save steps."""
     rng = random.Random(seed)
     phases = ["forward", "backward", "save", "async-save"]
@@ -52,16 +44,19 @@ def _kill_points(seed: int) -> list[Kill]:
     kills = []
     for slot, phase in zip(sorted(chosen), phases, strict=True):
         offset = 0 if phase in ("save", "async-save") else rng.randrange(1, EVERY)
-        kills.append(Kill(rng.randrange(2), slot * EVERY + offset, phase))
+        kills.append(KillPoint(rng.randrange(2), slot * EVERY + offset, phase))
     return kills
 
 
-def _run(ckpt: Path, metrics: Path, restarts: int, env: dict[str, str]) -> None:
+def _run(ckpt: Path, metrics: Path, restarts: int, rig: list[str]) -> None:
+    """The example on 2 ranks, or the test rig with `rig`'s options (run from the repo root)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [f"--max-restarts={restarts}", str(REPO / "demo" / "train_gpt.py")]
+    cmd += [f"--max-restarts={restarts}"]
+    cmd += ["-m", "tests.demo.rig", *rig] if rig else [str(REPO / "demo" / "train_gpt.py")]
     cmd += [f"--steps={STEPS}", f"--ckpt-dir={ckpt}", f"--ckpt-every={EVERY}", "--auto-resume"]
     cmd += [f"--metrics-file={metrics}", *SMALL]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -72,15 +67,14 @@ def _records(metrics: Path) -> list[dict[str, object]]:
 @pytest.mark.slow
 def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     started = time.monotonic()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     reference = tmp_path / "reference.jsonl"
-    _run(tmp_path / "ref", reference, 0, env)
+    _run(tmp_path / "ref", reference, 0, [])
     reference_s = time.monotonic() - started
     kills = _kill_points(int(os.environ.get("SHARDKIT_SOAK_SEED", "0")))
     log = tmp_path / "kills.log"
-    env |= {"SHARDKIT_DEMO_KILL_AT": ",".join(map(str, kills)), "SHARDKIT_DEMO_KILL_LOG": str(log)}
+    rig = [f"--kill-at={','.join(map(str, kills))}", f"--kill-log={log}"]
     metrics = tmp_path / "soak.jsonl"
-    _run(tmp_path / "soak", metrics, KILLS + 1, env)
+    _run(tmp_path / "soak", metrics, KILLS + 1, rig)
     soak_s = time.monotonic() - started - reference_s
 
     assert log.read_text().split() == [str(k) for k in kills]  # each fired, once, in order

@@ -8,17 +8,22 @@ not depend on where a run stops, the model is causal, and the checkpoint pointer
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from demo.run_demo import require_impl
 from demo.train_gpt import (
+    FULLY_SHARD,
     GPT,
     BatchSampler,
     ModelConfig,
     TrainConfig,
     lr_at,
-    resolve_fully_shard,
+    parse_args,
 )
+
+from tests.demo.rig import KillPoint
 
 DATA = (torch.arange(5_000) % 251).to(torch.uint8)  # (N,) no period that divides seq_len
 
@@ -86,19 +91,41 @@ def test_replicas_must_not_be_negative() -> None:
 def test_torch_impl_resolves() -> None:
     from torch.distributed.fsdp import fully_shard
 
-    assert resolve_fully_shard("torch") is fully_shard
+    assert FULLY_SHARD["torch"] is fully_shard
 
 
 def test_shardkit_impl_resolves() -> None:
     import shardkit.core
 
-    assert resolve_fully_shard("shardkit") is shardkit.core.fully_shard
+    assert FULLY_SHARD["shardkit"] is shardkit.core.fully_shard
 
 
-def test_without_shardkit_the_error_says_how_to_run_on_torch(
+def test_without_shardkit_the_demo_says_how_to_run_on_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # None in sys.modules makes the import raise ImportError, as on a machine without the core.
     monkeypatch.setitem(sys.modules, "shardkit.core", None)
-    with pytest.raises(ImportError, match="--impl torch"):
-        resolve_fully_shard("shardkit")
+    with pytest.raises(SystemExit, match="--impl torch"):
+        require_impl("shardkit")
+
+
+def test_command_line_fills_both_configs() -> None:
+    model_cfg, cfg = parse_args(
+        ["--steps=7", "--d-model=64", "--n-layers=2", "--ckpt-dir=x", "--auto-resume", "--tp=2"]
+    )
+    assert (model_cfg.d_model, model_cfg.n_layers, model_cfg.seq_len) == (64, 2, 128)
+    assert (cfg.steps, cfg.ckpt_dir, cfg.auto_resume, cfg.tp, cfg.resume) == (
+        7,
+        Path("x"),
+        True,
+        2,
+        False,
+    )
+
+
+def test_rig_kill_points_parse_and_print_back() -> None:
+    point = KillPoint.parse("1:15:async-save")
+    assert (point.rank, point.step, point.phase) == (1, 15, "async-save")
+    assert str(point) == "1:15:async-save"
+    with pytest.raises(ValueError, match="RANK:STEP:PHASE"):
+        KillPoint.parse("1:15:optimizer")
