@@ -80,15 +80,24 @@ def test_fully_shard_engines_bytes_phases_and_modules(
         }
         if engine == "shardkit":  # gloo's point-to-point messages fold into logical records
             assert {c.op for c in rows} == {"shardkit.all_gather", "shardkit.reduce_scatter"}
-            # The engine says which group each collective is for: every group is gathered in
-            # forward and reduced once; blocks are gathered again in backward.
-            groups = ["", "blocks.0", "blocks.1", "blocks.2"]
-            served = Counter((c.kind, c.phase, c.serves) for c in rows)
-            assert served == {
-                **{("all_gather", Phase.FORWARD, g): 1 for g in groups},
-                **{("all_gather", Phase.BACKWARD, g): 1 for g in groups[1:]},
-                **{("reduce_scatter", Phase.BACKWARD, g): 1 for g in groups},
-            }
+        # Which group each collective is for: shardkit's engine says; torch's is worked out
+        # from the groups' shard sizes and forward order. Every group is gathered in forward
+        # and reduced once; blocks are gathered again in backward.
+        groups = ["", "blocks.0", "blocks.1", "blocks.2"]
+        served = Counter((c.kind, c.phase, c.serves) for c in rows)
+        assert served == {
+            **{("all_gather", Phase.FORWARD, g): 1 for g in groups},
+            **{("all_gather", Phase.BACKWARD, g): 1 for g in groups[1:]},
+            **{("reduce_scatter", Phase.BACKWARD, g): 1 for g in groups},
+        }
+        # Reduced in the reverse of forward order, whatever module was running.
+        reduced = [c.serves for c in rows if c.kind == "reduce_scatter"]
+        assert reduced == ["blocks.2", "blocks.1", "blocks.0", ""]
+        # On the wire: gloo's own reduce-scatter (torch) sends twice its payload; shardkit's
+        # messages send the payload; all-gathers send it on both.
+        for c in rows:
+            twice = engine == "torch" and c.kind == "reduce_scatter"
+            assert c.wire_bytes == (2 if twice else 1) * c.sent_bytes, c
         # torch gathers each block from the block's own pre-forward; shardkit prefetches the
         # next block's gather from the running one (the root's under the root, named "").
         forward = [c.module for c in rows if c.phase is Phase.FORWARD]

@@ -17,6 +17,8 @@ How it sees them (see [Note: observing torch programs] in docs/notes/004):
   with the bytes of those messages as its wire bytes.
 - Bytes: the payload (what a bandwidth-optimal algorithm sends) and the wire bytes (what the
   backend's algorithm, or the engine's messages, send); see ``c10d_ops``.
+- The group served: shardkit's engine names it; for torch's ``fully_shard`` it is worked out
+  from the groups' shard sizes and forward order (``fsdp_serves``) when records are read.
 - Axis: the mesh axis each collective's process group serves (``mesh_axes``), worked out when
   records are read, not while the program runs.
 """
@@ -45,6 +47,7 @@ from shardkit.tools.track.c10d_ops import (
     describe,
     outputs,
 )
+from shardkit.tools.track.fsdp_serves import attribute, fsdp_groups
 from shardkit.tools.track.mesh_axes import axis_of_groups, engine_meshes, meshes_of
 from shardkit.tools.track.scope import ModuleScope
 from shardkit.tools.track.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
@@ -183,7 +186,9 @@ class CommTracker(Tracker):
         modules = list(self.scope.modules())
         axes = axis_of_groups([*self.meshes, *engine_meshes(modules), *meshes_of(modules)])
         with self._lock:
-            return [p.record(axes) for p in self._pending]
+            records = [p.record(axes) for p in self._pending]
+        groups = fsdp_groups(self.scope.named_modules())
+        return attribute(records, groups, self.scope.spans, self.scope.forward_ends)
 
     def summary(self) -> CommSummary:
         """Totals per training step, against the theoretical minimum when known."""

@@ -95,6 +95,10 @@ class ModuleScope:
         """Every module seen running so far (with all the modules in its tree)."""
         return list(self._names.keys())
 
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of every module seen so far, named as in the records."""
+        return [(name, module) for module, name in self._names.items()]
+
     def add_listener(self, listener: Callable[[ScopeChange], None]) -> None:
         """Call ``listener`` on every change of module, phase or step."""
         self._listeners.append(listener)

@@ -1,0 +1,175 @@
+"""Which FSDP module each of torch's ``fully_shard`` collectives is for, from public torch only.
+
+shardkit's engine names the group each collective serves; torch's ``fully_shard`` does not, and
+the running module is a poor stand-in: its reduce-scatters run from each group's post-backward,
+often after the module's backward hooks have exited, and the root's from the final callback of
+the backward pass, so they read as the parent's or the root's. This works the group out after
+the run from what any program exposes (see [Note: observing torch programs] in docs/notes/004):
+
+- The groups: every ``torch.distributed.fsdp.FSDPModule`` the scope saw, with the parameters it
+  manages (those in its tree under no nested FSDPModule). They are DTensors sharded over one
+  mesh axis; each rank's padded shard is ``ceil(dim / W)`` slices of the shard dim (torch's
+  even chunking). A group's all-gather input, and its reduce-scatter output, is that many
+  elements of one dtype (the param or reduce dtype): so a collective's bytes, on the group's
+  process group, name the groups it can be for.
+- Among groups of the same size (identical blocks), the order decides: a backward pass
+  gathers and reduces groups in the reverse of the order they ran forward (the latest forward
+  first), and a forward pass gathers them in forward order. Each group is served once per
+  pass and kind.
+
+Only collectives with no ``serves`` yet (the engine did not say) and of kind all-gather or
+reduce-scatter are attributed; one that fits no group keeps None (the report falls back to
+the running module).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardkit.tools.records import CollectiveRecord, Phase, PhaseSpan
+
+__all__ = ["FSDPGroup", "attribute", "fsdp_groups"]
+
+_ELEMENT_SIZES = (1, 2, 4, 8)
+"""Bytes per element a gathered parameter or a reduced gradient can have."""
+
+
+@dataclass(frozen=True, slots=True)
+class FSDPGroup:
+    """One ``fully_shard`` call: its module's name and the size of one rank's shard."""
+
+    fqn: str
+    """The module's name as the scope knows it ('' for the root)."""
+    process_group: str
+    """The name of the process group it shards over (the mesh's shard axis)."""
+    shard_numel: int
+    """Elements of one rank's padded shards of all its parameters."""
+
+    def fits(self, record: CollectiveRecord) -> bool:
+        """Whether ``record`` can be this group's all-gather or reduce-scatter."""
+        if record.group != self.process_group or self.shard_numel == 0:
+            return False
+        if record.kind == "all_gather":
+            shard_bytes = record.input_bytes
+        elif record.kind == "reduce_scatter":
+            shard_bytes = record.input_bytes // max(record.group_size, 1)
+        else:
+            return False
+        size, rest = divmod(shard_bytes, self.shard_numel)
+        return rest == 0 and size in _ELEMENT_SIZES
+
+
+def _managed(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters in ``module``'s tree under no nested FSDPModule, each once."""
+    found: dict[int, nn.Parameter] = {}
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        for param in current.parameters(recurse=False):
+            found.setdefault(id(param), param)
+        stack.extend(c for c in current.children() if not isinstance(c, FSDPModule))
+    return list(found.values())
+
+
+def _shard_numel(param: DTensor) -> tuple[int, str] | None:
+    """(padded shard elements, process group name) of a parameter sharded on one mesh axis."""
+    sharded = [(i, p) for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    if len(sharded) != 1 or not all(isinstance(p, Shard | Replicate) for p in param.placements):
+        return None  # sharded on two axes (tensor parallelism, too): not modelled here
+    axis, placement = sharded[0]
+    mesh = param.device_mesh
+    world = mesh.size(axis)
+    shape = list(param.shape)
+    shape[placement.dim] = math.ceil(shape[placement.dim] / world)
+    return math.prod(shape), mesh.get_group(axis).group_name
+
+
+def fsdp_groups(named_modules: Iterable[tuple[str, nn.Module]]) -> list[FSDPGroup]:
+    """The torch ``fully_shard`` groups among ``named_modules``.
+
+    Groups whose parameters are not all sharded DTensors right now (unsharded, or sharded on
+    two mesh axes) are left out.
+    """
+    groups = []
+    for fqn, module in named_modules:
+        if not isinstance(module, FSDPModule):
+            continue
+        sizes = [_shard_numel(p) if isinstance(p, DTensor) else None for p in _managed(module)]
+        known = [s for s in sizes if s is not None]
+        if not known or len(known) != len(sizes) or len({pg for _, pg in known}) != 1:
+            continue
+        groups.append(FSDPGroup(fqn, known[0][1], sum(n for n, _ in known)))
+    return groups
+
+
+def attribute(
+    records: Sequence[CollectiveRecord],
+    groups: Sequence[FSDPGroup],
+    spans: Sequence[PhaseSpan],
+    forward_ends: Sequence[float],
+) -> list[CollectiveRecord]:
+    """``records`` with ``serves`` set where the group is known (see the module docstring).
+
+    Args:
+        records: Every collective, in issue order.
+        groups: The FSDP groups (:func:`fsdp_groups`).
+        spans: The scope's compute spans (their forward spans give the groups' order).
+        forward_ends: When each outermost forward returned: a forward pass is what comes
+            before its end, its backward pass what comes after it, up to the next forward.
+    """
+    if not groups:
+        return list(records)
+    names = {g.fqn for g in groups}
+    # The groups in the order they started forward, per forward pass.
+    order: dict[int, list[str]] = defaultdict(list)
+    for span in sorted(spans, key=lambda s: s.start_s):
+        if span.phase is Phase.FORWARD and span.module in names:
+            index = bisect.bisect_left(forward_ends, span.start_s)
+            if span.module not in order[index]:
+                order[index].append(span.module)
+    served: dict[tuple[int, bool, str], set[str]] = defaultdict(set)
+    result = []
+    for record in records:
+        if record.serves is None and record.kind in ("all_gather", "reduce_scatter"):
+            forward = record.phase is Phase.FORWARD
+            index = bisect.bisect_left(forward_ends, record.start_s)
+            index = index if forward else index - 1  # a backward follows its forward's end
+            done = served[(index, forward, record.kind)]
+            fqn = _pick(record, groups, order.get(index, []), done, forward)
+            if fqn is not None:
+                done.add(fqn)
+                record = dataclasses.replace(record, serves=fqn)
+        result.append(record)
+    return result
+
+
+def _pick(
+    record: CollectiveRecord,
+    groups: Sequence[FSDPGroup],
+    forward_order: list[str],
+    done: set[str],
+    forward: bool,
+) -> str | None:
+    """The group ``record`` serves, or None.
+
+    Among the groups it fits that this pass has not served yet: the first in forward order
+    (in forward) or the last (in backward); groups that did not run forward in this pass come
+    after those that did.
+    """
+    fitting = [g.fqn for g in groups if g.fits(record) and g.fqn not in done]
+    if not fitting:
+        return None
+    rank = {fqn: i for i, fqn in enumerate(forward_order)}
+    ran = [f for f in fitting if f in rank]
+    if not ran:
+        return fitting[0]
+    return min(ran, key=rank.__getitem__) if forward else max(ran, key=rank.__getitem__)
