@@ -3,7 +3,7 @@
 The backend is aot_eager: dynamo traces the model and AOTAutograd builds the forward and
 backward graphs, which is where an FSDP's hooks matter (they must run eagerly: they unshard
 through collectives). Inductor only changes the generated kernels and takes about a minute to
-compile on this machine; it was checked by hand (README).
+compile on this machine; it was checked by hand (docs/guide/core.md).
 """
 
 from __future__ import annotations
