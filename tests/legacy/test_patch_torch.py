@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp.fully_sharded_data_parallel as torch_fsdp1_module
 import torch.distributed.fsdp.wrap as torch_wrap
 
 import shardkit.core as sk
@@ -38,10 +39,13 @@ def test_fsdp1_names_are_legacys_while_patched() -> None:
     with sk.patched_torch():
         for name in before:
             assert getattr(torch_fsdp, name) is getattr(legacy, name), name
+            # Where FSDP1 is defined: Accelerate imports the wrapper from there.
+            assert getattr(torch_fsdp1_module, name) is getattr(legacy, name), name
         for name in before_wrap:
             assert getattr(torch_wrap, name) is getattr(wrap, name), name
         assert vars(torch_fsdp)["fully_shard"] is sk.fully_shard  # the core's names too
     assert {n: getattr(torch_fsdp, n) for n in before} == before
+    assert {n: getattr(torch_fsdp1_module, n) for n in before} == before
     assert {n: getattr(torch_wrap, n) for n in WRAP_NAMES} == before_wrap
 
 

@@ -6,8 +6,10 @@ shardkit-legacy installed, ``torch.distributed.fsdp.FullyShardedDataParallel``, 
 enums, and the wrap policies of ``torch.distributed.fsdp.wrap`` resolve to this package's while
 the patch is in effect. The core knows nothing of this package; this module only names objects.
 
-The module that defines FSDP1 (``torch.distributed.fsdp.fully_sharded_data_parallel``) keeps
-torch's names: torch's own FSDP1 code reads them there.
+The module that defines FSDP1 (``torch.distributed.fsdp.fully_sharded_data_parallel``) gets them
+too: libraries import the wrapper from that path at call time (Accelerate's FSDP1 path does).
+Torch's own FSDP1 code reads that module's names only while it builds or runs torch's wrappers,
+which nothing does while the patch makes every FSDP1 name this package's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ __all__ = ["torch_patch"]
 def torch_patch() -> dict[str, dict[str, object]]:
     """``{torch module: {name: shardkit.legacy's object}}`` for ``patch_torch``.
 
-    Every FSDP1 name ``torch.distributed.fsdp`` exports, and the names of
-    ``torch.distributed.fsdp.wrap`` that shardkit.legacy's ``wrap`` module has.
+    Every FSDP1 name ``torch.distributed.fsdp`` exports (there and in the module that defines
+    them), and the names of ``torch.distributed.fsdp.wrap`` that shardkit.legacy's ``wrap``
+    module has.
     """
     import torch.distributed.fsdp.wrap as torch_wrap
 
@@ -28,8 +31,10 @@ def torch_patch() -> dict[str, dict[str, object]]:
     from shardkit.legacy.torch_compat import dcp_fsdp_state_lookup
     from shardkit.legacy.units import is_unit
 
+    fsdp1_names = {name: getattr(fsdp1, name) for name in fsdp1.__all__}
     return {
-        "torch.distributed.fsdp": {name: getattr(fsdp1, name) for name in fsdp1.__all__},
+        "torch.distributed.fsdp": fsdp1_names,
+        "torch.distributed.fsdp.fully_sharded_data_parallel": fsdp1_names,
         "torch.distributed.fsdp.wrap": {
             name: getattr(wrap, name) for name in torch_wrap.__all__ if name in wrap.__all__
         },
