@@ -204,3 +204,18 @@ def test_communication_by_mesh_axis() -> None:
     # Without mesh axes neither the section nor the column shows.
     plain = summarize(make_reports())
     assert "by mesh axis" not in plain and "kind, module and phase" in plain
+
+
+def test_a_computed_minimum_says_how() -> None:
+    report = make_report(0, 1)
+    assert report.comm is not None
+    comm = dataclasses.replace(report.comm, minimum_computed=True)
+    text = summarize([dataclasses.replace(report, comm=comm)])
+    assert "vs min: payload over the theoretical minimum for the model" in text
+    assert "computed from its FSDP groups" in text
+    restored = RankReport.from_dict(dataclasses.replace(report, comm=comm).to_dict())
+    assert restored.comm is not None and restored.comm.minimum_computed
+    assert [c.wire_bytes for c in restored.collectives] == [
+        c.wire_bytes for c in report.collectives
+    ]
+    assert "computed from" not in summarize([report])

@@ -153,6 +153,9 @@ class CommSummary:
     steps: list[StepComm]
     theoretical_min_bytes: int | None
     """Bytes a rank must send per step for the tracked model, when the tracker knows it."""
+    minimum_computed: bool = False
+    """Whether the tracker computed that minimum from the model's FSDP groups (see
+    ``track.comm_minimum``) rather than being given it."""
 
     @property
     def sent_over_min(self) -> float | None:
@@ -319,6 +322,7 @@ def _comm_from_dict(data: dict[str, Any]) -> CommSummary:
     return CommSummary(
         steps=[_step_from_dict(s) for s in data["steps"]],
         theoretical_min_bytes=data.get("theoretical_min_bytes"),
+        minimum_computed=bool(data.get("minimum_computed", False)),
     )
 
 

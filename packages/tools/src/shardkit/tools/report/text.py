@@ -137,13 +137,12 @@ def _comm_section(reports: Sequence[RankReport]) -> str:
         assert report.comm is not None  # filtered above
         rows += _comm_rows(report.rank, report.comm)
     known_min = any(r.comm and r.comm.theoretical_min_bytes for r in with_comm)
+    computed = any(r.comm and r.comm.minimum_computed for r in with_comm)
     notes = [
         "payload: bytes a rank sends under a bandwidth-optimal (ring) algorithm; wire: bytes it"
         " sent under the algorithms that ran (gloo's reduce-scatter sends twice its payload;"
         " an engine's point-to-point messages count as sent)",
-        "vs min: payload over the theoretical minimum for the model (1.00x is optimal)"
-        if known_min
-        else "vs min: unknown (no theoretical minimum was given, nor computable from the model)",
+        _min_note(known_min, computed),
         "exposed: the training thread waited on communication (% of comm total, the time any"
         " collective was in flight)",
         "overlapped: communication in flight while the rank computed (% of comm total)",
@@ -154,6 +153,18 @@ def _comm_section(reports: Sequence[RankReport]) -> str:
         notes.append(f"no communication summary from ranks {', '.join(missing)}")
     table = format_table(headers, rows, align="r" * len(headers))
     return "communication per step\n" + table + "\n" + "\n".join(f"  {n}" for n in notes)
+
+
+def _min_note(known: bool, computed: bool) -> str:
+    if not known:
+        return "vs min: unknown (no theoretical minimum was given, nor computable from the model)"
+    note = "vs min: payload over the theoretical minimum for the model (1.00x is optimal)"
+    if computed:
+        note += (
+            "; computed from its FSDP groups: each gather or reduction of a group's Ψ elements"
+            " of b bytes over W ranks sends at least Ψ·b·(W-1)/W (no padding)"
+        )
+    return note
 
 
 def _comm_rows(rank: int, comm: CommSummary) -> list[list[str]]:

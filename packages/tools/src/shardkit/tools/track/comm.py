@@ -47,6 +47,7 @@ from shardkit.tools.track.c10d_ops import (
     describe,
     outputs,
 )
+from shardkit.tools.track.comm_minimum import minimum_bytes
 from shardkit.tools.track.fsdp_serves import attribute, fsdp_groups
 from shardkit.tools.track.mesh_axes import axis_of_groups, engine_meshes, meshes_of
 from shardkit.tools.track.scope import ModuleScope
@@ -124,7 +125,8 @@ class CommTracker(Tracker):
     Args:
         theoretical_min_bytes: the bytes a rank must send per training step for this model and
             sharding (``shardkit.tools.plan.theory`` or the planner give it); reports then show how
-            far each step is from it.
+            far each step is from it. None: computed from the model's FSDP groups where it can
+            be (``comm_minimum``).
         scope: a started :class:`ModuleScope` to share with other trackers; by default the
             tracker makes and runs its own.
         meshes: DeviceMeshes whose axes to name collectives by, besides those found on the
@@ -195,7 +197,16 @@ class CommTracker(Tracker):
         return self._summarize(self.records)
 
     def _summarize(self, records: list[CollectiveRecord]) -> CommSummary:
-        return comm_summary.summarize(records, self.scope, self.theoretical_min_bytes)
+        summary = comm_summary.summarize(records, self.scope, self.theoretical_min_bytes)
+        if self.theoretical_min_bytes is not None or not summary.steps:
+            return summary
+        # The last step reported is the steady state: lazy initialisation is behind it.
+        last = summary.steps[-1].step
+        groups = fsdp_groups(self.scope.named_modules())
+        minimum = minimum_bytes([r for r in records if r.step == last], groups)
+        if not minimum:
+            return summary
+        return dataclasses.replace(summary, theoretical_min_bytes=minimum, minimum_computed=True)
 
     def rank_report(self) -> RankReport:
         """This rank's records, compute spans and summary, ready for the reports."""

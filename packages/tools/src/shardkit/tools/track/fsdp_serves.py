@@ -6,12 +6,12 @@ often after the module's backward hooks have exited, and the root's from the fin
 the backward pass, so they read as the parent's or the root's. This works the group out after
 the run from what any program exposes (see [Note: observing torch programs] in docs/notes/004):
 
-- The groups: every ``torch.distributed.fsdp.FSDPModule`` the scope saw, with the parameters it
-  manages (those in its tree under no nested FSDPModule). They are DTensors sharded over one
-  mesh axis; each rank's padded shard is ``ceil(dim / W)`` slices of the shard dim (torch's
-  even chunking). A group's all-gather input, and its reduce-scatter output, is that many
-  elements of one dtype (the param or reduce dtype): so a collective's bytes, on the group's
-  process group, name the groups it can be for.
+- The groups: every ``torch.distributed.fsdp.FSDPModule`` (and shardkit's) the scope saw, with
+  the parameters it manages (those in its tree under no nested FSDPModule). They are DTensors
+  sharded over one mesh axis; each rank's padded shard is ``ceil(dim / W)`` slices of the
+  shard dim (torch's even chunking). A group's all-gather input, and its reduce-scatter
+  output, is that many elements of one dtype (the param or reduce dtype): so a collective's
+  bytes, on the group's process group, name the groups it can be for.
 - Among groups of the same size (identical blocks), the order decides: a backward pass
   gathers and reduces groups in the reverse of the order they ran forward (the latest forward
   first), and a forward pass gathers them in forward order. Each group is served once per
@@ -53,35 +53,65 @@ class FSDPGroup:
     """The name of the process group it shards over (the mesh's shard axis)."""
     shard_numel: int
     """Elements of one rank's padded shards of all its parameters."""
+    shard_world: int = 1
+    """Ranks its parameters are sharded over."""
+    numel: int = 0
+    """Elements of its parameters, unsharded and unpadded (Ψ of the group)."""
+    trainable_numel: int = 0
+    """Of which trainable (what its reduce-scatter carries)."""
+    param_count: int = 0
+    """How many parameters it manages."""
 
-    def fits(self, record: CollectiveRecord) -> bool:
-        """Whether ``record`` can be this group's all-gather or reduce-scatter."""
-        if record.group != self.process_group or self.shard_numel == 0:
-            return False
+    def element_size(self, record: CollectiveRecord, slack: int = 0) -> int | None:
+        """Bytes per element of ``record`` if it can be this group's gather or reduction.
+
+        ``slack`` bytes per parameter allow for an engine's alignment padding.
+        """
+        if self.shard_numel == 0:
+            return None
         if record.kind == "all_gather":
             shard_bytes = record.input_bytes
         elif record.kind == "reduce_scatter":
             shard_bytes = record.input_bytes // max(record.group_size, 1)
         else:
-            return False
-        size, rest = divmod(shard_bytes, self.shard_numel)
-        return rest == 0 and size in _ELEMENT_SIZES
+            return None
+        sizes = [s for s in _ELEMENT_SIZES if shard_bytes - s * self.shard_numel >= 0]
+        if not sizes:
+            return None
+        size = sizes[-1]
+        return size if shard_bytes - size * self.shard_numel <= slack * self.param_count else None
+
+    def fits(self, record: CollectiveRecord) -> bool:
+        """Whether ``record`` can be this group's all-gather or reduce-scatter, exactly."""
+        return record.group == self.process_group and self.element_size(record) is not None
 
 
-def _managed(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters in ``module``'s tree under no nested FSDPModule, each once."""
+def _fsdp_classes() -> tuple[type, ...]:
+    """Torch's FSDPModule, and shardkit's where shardkit-core is installed."""
+    try:
+        from shardkit.core import FSDPModule as ShardkitFSDPModule
+    except ImportError:  # shardkit-core is optional
+        return (FSDPModule,)
+    return (FSDPModule, ShardkitFSDPModule)
+
+
+def _managed(module: nn.Module, classes: tuple[type, ...]) -> list[nn.Parameter]:
+    """Parameters in ``module``'s tree under no nested FSDP module, each once."""
     found: dict[int, nn.Parameter] = {}
     stack = [module]
     while stack:
         current = stack.pop()
         for param in current.parameters(recurse=False):
             found.setdefault(id(param), param)
-        stack.extend(c for c in current.children() if not isinstance(c, FSDPModule))
+        stack.extend(c for c in current.children() if not isinstance(c, classes))
     return list(found.values())
 
 
-def _shard_numel(param: DTensor) -> tuple[int, str] | None:
-    """(padded shard elements, process group name) of a parameter sharded on one mesh axis."""
+def _shard_numel(param: DTensor) -> tuple[int, str, int] | None:
+    """(padded shard elements, process group name, shard world) of a parameter.
+
+    None unless the parameter is sharded on one mesh axis (replicated on any other).
+    """
     sharded = [(i, p) for i, p in enumerate(param.placements) if isinstance(p, Shard)]
     if len(sharded) != 1 or not all(isinstance(p, Shard | Replicate) for p in param.placements):
         return None  # sharded on two axes (tensor parallelism, too): not modelled here
@@ -90,7 +120,7 @@ def _shard_numel(param: DTensor) -> tuple[int, str] | None:
     world = mesh.size(axis)
     shape = list(param.shape)
     shape[placement.dim] = math.ceil(shape[placement.dim] / world)
-    return math.prod(shape), mesh.get_group(axis).group_name
+    return math.prod(shape), mesh.get_group(axis).group_name, world
 
 
 def fsdp_groups(named_modules: Iterable[tuple[str, nn.Module]]) -> list[FSDPGroup]:
@@ -99,15 +129,27 @@ def fsdp_groups(named_modules: Iterable[tuple[str, nn.Module]]) -> list[FSDPGrou
     Groups whose parameters are not all sharded DTensors right now (unsharded, or sharded on
     two mesh axes) are left out.
     """
+    classes = _fsdp_classes()
     groups = []
     for fqn, module in named_modules:
-        if not isinstance(module, FSDPModule):
+        if not isinstance(module, classes):
             continue
-        sizes = [_shard_numel(p) if isinstance(p, DTensor) else None for p in _managed(module)]
+        params = _managed(module, classes)
+        sizes = [_shard_numel(p) if isinstance(p, DTensor) else None for p in params]
         known = [s for s in sizes if s is not None]
-        if not known or len(known) != len(sizes) or len({pg for _, pg in known}) != 1:
+        if not known or len(known) != len(sizes) or len({pg for _, pg, _ in known}) != 1:
             continue
-        groups.append(FSDPGroup(fqn, known[0][1], sum(n for n, _ in known)))
+        groups.append(
+            FSDPGroup(
+                fqn,
+                known[0][1],
+                sum(n for n, _, _ in known),
+                shard_world=known[0][2],
+                numel=sum(p.numel() for p in params),
+                trainable_numel=sum(p.numel() for p in params if p.requires_grad),
+                param_count=len(params),
+            )
+        )
     return groups
 
 
