@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -180,12 +180,6 @@ def restore(state: TrainState, cfg: TrainConfig) -> CheckpointManager | None:
 # Training
 
 
-class StepResult(NamedTuple):
-    loss: float  # the global batch's mean loss
-    grad_norm: float  # global, before clipping
-    seconds: float
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then constant: a function of the step alone, never of --steps."""
     return cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
@@ -201,9 +195,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
-def train_step(state: TrainState, batch: tuple[Tensor, Tensor], cfg: TrainConfig) -> StepResult:
-    """One optimizer step on this rank's rows of the global batch."""
-    t0 = time.perf_counter()
+def train_step(
+    state: TrainState, batch: tuple[Tensor, Tensor], cfg: TrainConfig
+) -> tuple[float, float]:
+    """One optimizer step on this rank's rows of the global batch; the global batch's mean
+    loss, and the gradients' global norm before clipping."""
     for group in state.optimizer.param_groups:
         group["lr"] = lr_at(state.step + 1, cfg)
     inputs, targets = batch  # (B, T), (B, T)
@@ -219,8 +215,7 @@ def train_step(state: TrainState, batch: tuple[Tensor, Tensor], cfg: TrainConfig
     dist.all_reduce(global_loss)
     if isinstance(grad_norm, DTensor):  # sharded grads give a replicated DTensor norm
         grad_norm = grad_norm.full_tensor()
-    mean_loss = global_loss.item() / dist.get_world_size()
-    return StepResult(mean_loss, grad_norm.item(), time.perf_counter() - t0)
+    return global_loss.item() / dist.get_world_size(), grad_norm.item()
 
 
 def log(cfg: TrainConfig, message: str | None, **fields: object) -> None:
@@ -275,14 +270,16 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
     manager = restore(state, cfg)
     hooks.started(state)
     while state.step < cfg.steps:
-        result = train_step(state, sampler.batch(state.step + 1), cfg)
-        step, tokens_per_s = state.step, tokens / result.seconds
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(state, sampler.batch(state.step + 1), cfg)
+        step, tokens_per_s = state.step, tokens / (time.perf_counter() - t0)
         line = (
-            f"step {step:4d} | loss {result.loss:.4f} | grad norm {result.grad_norm:6.3f} "
-            f"| lr {lr_at(step, cfg):.2e} | {tokens_per_s:7,.0f} tok/s"
+            f"step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:6.3f} | "
+            f"lr {lr_at(step, cfg):.2e} | {tokens_per_s:7,.0f} tok/s"
         )
         shown = step % cfg.log_every == 0 or step == cfg.steps
-        log(cfg, line if shown else None, step=step, **result._asdict(), tokens_per_s=tokens_per_s)
+        fields = {"step": step, "loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s}
+        log(cfg, line if shown else None, **fields)
         if manager is None:
             continue
         # Asynchronous: the state is copied at the save and written while the next steps
@@ -337,10 +334,9 @@ def main(argv: Sequence[str] | None = None, hooks: Hooks | None = None) -> None:
     init_distributed()
     try:
         train(model_cfg, train_cfg, hooks or Hooks())
-        # Leave together. A rank that runs ahead into interpreter shutdown while a gloo worker
-        # thread still holds the last reference to a finished collective's tensor aborts with
-        # "terminate called without an active exception": freeing the tensor's Python object
-        # needs the GIL of an interpreter that is going away (about 1 run in 8 without this).
+        # Leave together: a rank that runs ahead into interpreter shutdown while a gloo thread
+        # still holds a finished collective's tensor aborts ("terminate called without an
+        # active exception", about 1 run in 8 without this barrier).
         dist.barrier()
     finally:
         dist.destroy_process_group()
