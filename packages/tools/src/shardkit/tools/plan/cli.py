@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.tools.plan.bandwidth import Bandwidth, default_bandwidth, gloo_bandwidth
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
@@ -154,9 +155,18 @@ def _parser() -> argparse.ArgumentParser:
         "--wrap; the output lists the units chosen)",
     )
     parser.add_argument(
-        "--bandwidth-gbps", type=float, default=DEFAULT_BANDWIDTH_GBPS, help="GB/s per rank"
+        "--bandwidth-gbps",
+        type=float,
+        help=f"GB/s per rank for the communication time (default: {DEFAULT_BANDWIDTH_GBPS:g} "
+        "on nccl; on gloo, measured on this machine and cached, see --no-calibrate)",
     )
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="on gloo without --bandwidth-gbps: measure nothing, and print no time",
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -177,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FactoryError, NotAModuleError) as err:
         sys.stderr.write(f"shardkit-plan: error: {err}\n")
         return 2
+    bandwidth = _bandwidth(args)
     try:
         wrap = None if args.wrap is None else frozenset(args.wrap.split(","))
         _check_wrap(model, wrap)
@@ -191,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer=args.optimizer,
             inputs=None if args.inputs is None else load_factory(args.inputs),
             loss=None if args.loss is None else load_factory(args.loss),
-            bandwidth_gbps=args.bandwidth_gbps,
+            bandwidth_gbps=bandwidth.gbps or DEFAULT_BANDWIDTH_GBPS,
             backend=args.backend,
             rank=args.rank,
         )
@@ -204,11 +215,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"shardkit-plan: cannot plan {args.factory}: {err}\n")
         return 1
     if args.json:
-        sys.stdout.write(json.dumps({"factory": args.factory, **result.to_dict()}, indent=2))
+        data = {"factory": args.factory, **result.to_dict(), "bandwidth": bandwidth.to_dict()}
+        if bandwidth.gbps is None:
+            data["comm_seconds"] = None
+        sys.stdout.write(json.dumps(data, indent=2))
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_plan(result, title=args.factory, all_groups=args.all_groups))
+        text = format_plan(
+            result, title=args.factory, all_groups=args.all_groups, bandwidth=bandwidth
+        )
+        sys.stdout.write(text)
     return 0
+
+
+def _bandwidth(args: argparse.Namespace) -> Bandwidth:
+    """The bandwidth asked for; on gloo, else measured (or cached), unless --no-calibrate."""
+    if args.bandwidth_gbps is not None:
+        return Bandwidth(gbps=args.bandwidth_gbps, source="given", detail="--bandwidth-gbps")
+    if args.backend != "gloo":
+        return default_bandwidth()
+    if not args.calibrate:
+        return Bandwidth(
+            gbps=None,
+            source="unavailable",
+            detail="gloo runs at this machine's speed and --no-calibrate measured none: "
+            "pass --bandwidth-gbps",
+        )
+    return gloo_bandwidth(args.world_size)
 
 
 # --- tables ---------------------------------------------------------------------------------
@@ -221,8 +254,17 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def format_plan(result: Plan, *, title: str = "model", all_groups: bool = False) -> str:
-    """The plan as readable tables (what ``shardkit-plan`` prints)."""
+def format_plan(
+    result: Plan,
+    *,
+    title: str = "model",
+    all_groups: bool = False,
+    bandwidth: Bandwidth | None = None,
+) -> str:
+    """The plan as readable tables (what ``shardkit-plan`` prints).
+
+    ``bandwidth`` says where the plan's bandwidth came from; None: given in its options.
+    """
     o = result.options
     mesh = f"HSDP {result.replicas}x{result.shard_size}" if result.replicas > 1 else "FSDP"
     if result.tp_degree > 1:
@@ -238,7 +280,7 @@ def format_plan(result: Plan, *, title: str = "model", all_groups: bool = False)
         "",
         *_comm_table(result.collectives, all_groups),
         "",
-        *_comm_totals(result),
+        *_comm_totals(result, bandwidth),
         "",
         *_memory_table(result),
     ]
@@ -324,7 +366,7 @@ def _comm_table(collectives: tuple[CollectivePlan, ...], all_groups: bool) -> li
     return lines
 
 
-def _comm_totals(result: Plan) -> list[str]:
+def _comm_totals(result: Plan, bandwidth: Bandwidth | None) -> list[str]:
     ratio = result.sent_over_theory
     versus = f" (theory {format_bytes(result.theory_sent_bytes)}, x{ratio:.4f})" if ratio else ""
     axes = []
@@ -335,9 +377,25 @@ def _comm_totals(result: Plan) -> list[str]:
     return [
         f"sent per rank per step: {format_bytes(result.sent_bytes_per_step)}{versus}",
         *axes,
-        f"communication time at {result.options.bandwidth_gbps:g} GB/s: "
-        f"{result.comm_seconds * 1e3:.1f} ms (not overlapped)",
+        _time_line(result, bandwidth),
     ]
+
+
+def _time_line(result: Plan, bandwidth: Bandwidth | None) -> str:
+    if bandwidth is not None and bandwidth.gbps is None:
+        return f"communication time: not estimated ({bandwidth.detail})"
+    given = bandwidth is None or bandwidth.source == "given"
+    where = "" if given or bandwidth is None else f" ({bandwidth.detail})"
+    return (
+        f"communication time at {result.options.bandwidth_gbps:.3g} GB/s{where}: "
+        f"{_milliseconds(result.comm_seconds)} (not overlapped)"
+    )
+
+
+def _milliseconds(seconds: float) -> str:
+    """Milliseconds with three significant digits, so a small plan does not read 0.0 ms."""
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
 def _memory_table(result: Plan) -> list[str]:
