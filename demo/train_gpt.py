@@ -10,7 +10,7 @@ One story, top to bottom: configuration, parallelism applied from outside the mo
 
 `--tp 2` adds tensor parallelism inside each layer; on several torchrun nodes it trains with
 HSDP (demo/distributed.py builds the mesh). Resuming is exact: every step's batch
-(demo/data.py) and learning rate are functions of the step number alone, and the checkpoint
+(demo/batches.py) and learning rate are functions of the step number alone, and the checkpoint
 holds everything else that changes (parameters, optimizer moments, the step, the RNG).
 """
 
@@ -40,7 +40,7 @@ from shardkit.core import fully_shard as shardkit_fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
 
-from demo.data import BatchSampler, load_corpus
+from demo.batches import BatchSampler, load_corpus
 from demo.distributed import build_mesh, data_position, describe, init_distributed
 from demo.model import GPT, Block, ModelConfig, plan_inputs, plan_model, tensor_parallel_plan
 
