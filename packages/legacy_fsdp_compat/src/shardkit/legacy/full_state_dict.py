@@ -50,7 +50,7 @@ class FullStateDict:
                 rank0_only=rank0_only and not replicated,
                 cpu_offload=config.offload_to_cpu,
             ):
-                if key in state.params and _storage_of(value) in live:
+                if _is_managed(state, key) and _storage_of(value) in live:
                     value = value.clone()  # a one-rank group's shard is the tensor itself
                 dtype = state.buffer_dtypes.get(key)
                 found[key] = value.to(dtype) if dtype is not None else value
@@ -65,6 +65,11 @@ class FullStateDict:
     ) -> dict[str, Any]:
         """Raw name -> the given full tensor (the core takes each rank's shard)."""
         return {state.raw_of[k]: v for k, v in given.items() if k in state.raw_of}
+
+
+def _is_managed(state: RawState, key: str) -> bool:
+    # Ignored parameters stay the module's plain tensors; FSDP1 gives those, uncopied.
+    return key in state.params and isinstance(state.values.get(key), DTensor)
 
 
 def _storage_of(tensor: torch.Tensor) -> int:

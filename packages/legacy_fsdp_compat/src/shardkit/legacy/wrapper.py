@@ -28,6 +28,7 @@ from shardkit.legacy.configs import (
 )
 from shardkit.legacy.construct import Fsdp1Args, build_unit, own_modules
 from shardkit.legacy.orig_params import repoint_optimizers
+from shardkit.legacy.raw_state import PLAIN
 from shardkit.legacy.torch_compat import (
     FSDP_PREFIX,
     FSDP_WRAPPED_MODULE,
@@ -217,10 +218,10 @@ class FullyShardedDataParallel(nn.Module):
                 inner.is_root = False
             mp = inner.unit.mixed_precision
             if mp is not None and mp.buffer_dtype is not None:
-                modules = own_modules(
-                    inner.module, set(inner.unit.ignored_modules), FullyShardedDataParallel
-                )
-                cast_buffers(modules, mp.buffer_dtype)
+                ignored = set(inner.unit.ignored_modules)
+                modules = own_modules(inner.module, ignored, FullyShardedDataParallel)
+                # (a wrapper may ignore its own module: then it casts nothing)
+                cast_buffers((m for m in modules if m not in ignored), mp.buffer_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module, casting inputs as FSDP1's mixed precision does."""
@@ -311,10 +312,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The state dict of the type set by ``state_dict_type`` (FULL by default)."""
+        if not PLAIN.get():
+            # As FSDP1, a state dict of a model that never ran initializes it first: buffers
+            # take their mixed-precision dtype (and its rounding) as in a forward.
+            self._lazy_init()
         return state_dicts.state_dict(self, nn.Module.state_dict, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the type set by ``state_dict_type`` (FULL by default)."""
+        self._lazy_init()  # as for state_dict: loaded buffers land in their training dtype
         return state_dicts.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     # The state-dict type of a model's wrappers (see shardkit.legacy.settings).
