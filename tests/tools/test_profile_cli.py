@@ -284,6 +284,11 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
         kinds = {c.kind for c in report.collectives}
         assert {"all_gather", "reduce_scatter"} <= kinds, kinds
         assert report.comm is not None and report.comm.steps
+        # Written at exit, after destroy_process_group: the reduce-scatters of torch's
+        # fully_shard still name the groups they serve, and the minimum is computed.
+        reduced = [c.serves for c in report.collectives if c.kind == "reduce_scatter"]
+        assert reduced == ["2", "0"] * 2, reduced
+        assert report.comm.minimum_computed and report.comm.theoretical_min_bytes
     assert rank_report_path(out, 1).is_file()
     trace = json.loads((out / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}

@@ -48,9 +48,9 @@ from shardkit.tools.track.c10d_ops import (
     outputs,
 )
 from shardkit.tools.track.comm_minimum import minimum_bytes
-from shardkit.tools.track.fsdp_serves import attribute, fsdp_groups
+from shardkit.tools.track.fsdp_serves import FSDPGroup, attribute, fsdp_groups
 from shardkit.tools.track.mesh_axes import axis_of_groups, engine_meshes, meshes_of
-from shardkit.tools.track.scope import ModuleScope
+from shardkit.tools.track.scope import ModuleScope, ScopeChange
 from shardkit.tools.track.tracking import CollectiveOps, MethodWrap, OpCall, Tracker
 
 __all__ = ["CommTracker", "rank_and_world"]
@@ -152,6 +152,10 @@ class CommTracker(Tracker):
         self._running = False
         self._unsubscribe: Any = None
         self._lock = threading.Lock()
+        # The FSDP groups as of the last optimizer step, while their process groups are alive
+        # (a report written at exit may come after destroy_process_group).
+        self._groups: list[FSDPGroup] = []
+        self.scope.add_listener(self._on_scope_change)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -189,8 +193,18 @@ class CommTracker(Tracker):
         axes = axis_of_groups([*self.meshes, *engine_meshes(modules), *meshes_of(modules)])
         with self._lock:
             records = [p.record(axes) for p in self._pending]
+        return attribute(records, self._fsdp_groups(), self.scope.spans, self.scope.forward_ends)
+
+    def _on_scope_change(self, change: ScopeChange) -> None:
+        if change.what == "step" and self._running:
+            self._groups = fsdp_groups(self.scope.named_modules())
+
+    def _fsdp_groups(self) -> list[FSDPGroup]:
+        """The model's FSDP groups now, or as of the last step if their groups are gone."""
         groups = fsdp_groups(self.scope.named_modules())
-        return attribute(records, groups, self.scope.spans, self.scope.forward_ends)
+        if any(g.process_group is None for g in groups) and self._groups:
+            return self._groups
+        return groups
 
     def summary(self) -> CommSummary:
         """Totals per training step, against the theoretical minimum when known."""
@@ -202,8 +216,7 @@ class CommTracker(Tracker):
             return summary
         # The last step reported is the steady state: lazy initialisation is behind it.
         last = summary.steps[-1].step
-        groups = fsdp_groups(self.scope.named_modules())
-        minimum = minimum_bytes([r for r in records if r.step == last], groups)
+        minimum = minimum_bytes([r for r in records if r.step == last], self._fsdp_groups())
         if not minimum:
             return summary
         return dataclasses.replace(summary, theoretical_min_bytes=minimum, minimum_computed=True)

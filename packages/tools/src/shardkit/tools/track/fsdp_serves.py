@@ -49,8 +49,9 @@ class FSDPGroup:
 
     fqn: str
     """The module's name as the scope knows it ('' for the root)."""
-    process_group: str
-    """The name of the process group it shards over (the mesh's shard axis)."""
+    process_group: str | None
+    """The name of the process group it shards over (the mesh's shard axis); None when it
+    could not be resolved (destroyed already): then the group size stands in for it."""
     shard_numel: int
     """Elements of one rank's padded shards of all its parameters."""
     shard_world: int = 1
@@ -83,7 +84,11 @@ class FSDPGroup:
 
     def fits(self, record: CollectiveRecord) -> bool:
         """Whether ``record`` can be this group's all-gather or reduce-scatter, exactly."""
-        return record.group == self.process_group and self.element_size(record) is not None
+        if self.process_group is not None and record.group != self.process_group:
+            return False
+        if record.group_size != self.shard_world:
+            return False
+        return self.element_size(record) is not None
 
 
 def _fsdp_classes() -> tuple[type, ...]:
@@ -107,7 +112,7 @@ def _managed(module: nn.Module, classes: tuple[type, ...]) -> list[nn.Parameter]
     return list(found.values())
 
 
-def _shard_numel(param: DTensor) -> tuple[int, str, int] | None:
+def _shard_numel(param: DTensor) -> tuple[int, str | None, int] | None:
     """(padded shard elements, process group name, shard world) of a parameter.
 
     None unless the parameter is sharded on one mesh axis (replicated on any other).
@@ -120,7 +125,11 @@ def _shard_numel(param: DTensor) -> tuple[int, str, int] | None:
     world = mesh.size(axis)
     shape = list(param.shape)
     shape[placement.dim] = math.ceil(shape[placement.dim] / world)
-    return math.prod(shape), mesh.get_group(axis).group_name, world
+    try:
+        name: str | None = mesh.get_group(axis).group_name
+    except RuntimeError:  # the process group is destroyed (a report written at exit)
+        name = None
+    return math.prod(shape), name, world
 
 
 def fsdp_groups(named_modules: Iterable[tuple[str, nn.Module]]) -> list[FSDPGroup]:
