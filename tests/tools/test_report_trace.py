@@ -75,6 +75,7 @@ def test_collectives_carry_their_details_and_exposed_wait() -> None:
         "kind": "reduce_scatter",
         "op": "c10d.reduce_scatter",
         "bytes": 2 * MiB,
+        "wire_bytes": 4 * MiB,  # gloo's reduce-scatter: twice the payload
         "input_bytes": MiB // 2,
         "group": "0",
         "group_size": 2,

@@ -121,6 +121,7 @@ def _collective_slice(c: CollectiveRecord) -> _Slice:
             "kind": c.kind,
             "op": c.op,
             "bytes": c.sent_bytes,
+            "wire_bytes": c.wire_bytes,
             "input_bytes": c.input_bytes,
             "group": c.group,
             "group_size": c.group_size,
