@@ -128,7 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict per-rank peak memory by category and bytes per collective of "
         "FSDP training (shardkit's engine), without allocating the model.",
     )
-    parser.add_argument("factory", metavar="FACTORY", help="module:function returning the model")
+    parser.add_argument(
+        "factory",
+        metavar="FACTORY",
+        help="module:function returning the model; called under torch.device('meta'), so it "
+        "may build on the default device",
+    )
     parser.add_argument("--world-size", type=int, required=True, help="ranks in all")
     parser.add_argument("--mesh", type=_mesh, help="HSDP mesh REPLICAS,SHARD (product: world / tp)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

@@ -155,6 +155,7 @@ class CommTracker(Tracker):
         # The FSDP groups as of the last optimizer step, while their process groups are alive
         # (a report written at exit may come after destroy_process_group).
         self._groups: list[FSDPGroup] = []
+        self._groups_of = 0  # how many modules the scope knew when _groups was made
         self.scope.add_listener(self._on_scope_change)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -196,8 +197,12 @@ class CommTracker(Tracker):
         return attribute(records, self._fsdp_groups(), self.scope.spans, self.scope.forward_ends)
 
     def _on_scope_change(self, change: ScopeChange) -> None:
-        if change.what == "step" and self._running:
-            self._groups = fsdp_groups(self.scope.named_modules())
+        if change.what != "step" or not self._running:
+            return
+        modules = self.scope.named_modules()
+        if len(modules) != self._groups_of:  # new modules ran: their groups may be new too
+            self._groups = fsdp_groups(modules)
+            self._groups_of = len(modules)
 
     def _fsdp_groups(self) -> list[FSDPGroup]:
         """The model's FSDP groups now, or as of the last step if their groups are gone."""
