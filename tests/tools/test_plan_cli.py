@@ -22,6 +22,11 @@ def cpu_llama() -> nn.Module:
     return Llama(config)
 
 
+def moved_model() -> nn.Module:
+    """A factory that moves its model to a device: that needs data, which meta has not."""
+    return nn.Linear(4, 4).to("cpu")
+
+
 class PinnedBuffer(nn.Module):
     """A model that names a device for one of its tensors: that escapes the meta context."""
 
@@ -149,6 +154,13 @@ def test_a_tensor_escaping_meta_is_named(capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err
     assert "buffer table (on cpu)" in err and "fc.weight" not in err
     assert "torch.device('meta')" in err
+
+
+def test_a_factory_needing_data_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tests.tools.test_plan_cli:moved_model", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "moved_model' raised NotImplementedError: Cannot copy out of meta tensor" in err
+    assert "FACTORY runs under torch.device('meta'), where tensors have no data" in err
 
 
 def test_a_model_that_cannot_be_planned(capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,7 +89,14 @@ def _build_model(spec: str) -> nn.Module:
     except (NotAModuleError, OffMetaError):
         raise
     except Exception as err:
-        raise FactoryError(f"{spec!r} raised {type(err).__name__}: {err}") from err
+        hint = ""
+        if "meta" in str(err):
+            hint = (
+                " (FACTORY runs under torch.device('meta'), where tensors have no data: a step "
+                "that needs values, such as .to(device), loading weights or .item(), cannot "
+                "run there; leave it out of the factory the planner calls)"
+            )
+        raise FactoryError(f"{spec!r} raised {type(err).__name__}: {err}{hint}") from err
 
 
 def _check_wrap(model: nn.Module, wrap: frozenset[str] | None) -> None:
