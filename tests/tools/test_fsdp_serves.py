@@ -51,6 +51,10 @@ def test_backward_serves_the_reverse_of_forward_order() -> None:
         _record("all_reduce", bwd, 0.96, 8, ""),
     ]
     served = attribute(records, GROUPS, spans, forward_ends=[0.5])
+    # A forward end inside a backward span (an activation-checkpointed block's recomputation)
+    # ends no forward pass: the attribution is the same.
+    recompute = PhaseSpan(module="b1", phase=Phase.BACKWARD, start_s=0.55, end_s=0.75, step=0)
+    assert attribute(records, GROUPS, [*spans, recompute], forward_ends=[0.5, 0.65]) == served
     assert [r.serves for r in served] == ["", "b0", "b1", "b1", "b1", "b0", "b0", "", None, None]
     assert [r.module for r in served] == [r.module for r in records]  # the running module stays
     assert attribute(records, [], spans, [0.5]) == records

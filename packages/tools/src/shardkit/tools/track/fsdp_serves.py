@@ -179,6 +179,7 @@ def attribute(
     """
     if not groups:
         return list(records)
+    forward_ends = _pass_ends(forward_ends, spans)
     names = {g.fqn for g in groups}
     # The groups in the order they started forward, per forward pass.
     order: dict[int, list[str]] = defaultdict(list)
@@ -201,6 +202,27 @@ def attribute(
                 record = dataclasses.replace(record, serves=fqn)
         result.append(record)
     return result
+
+
+def _pass_ends(forward_ends: Sequence[float], spans: Sequence[PhaseSpan]) -> list[float]:
+    """The forward ends that end a forward pass.
+
+    Not those inside a backward pass: the recomputation of an activation-checkpointed block
+    runs forward within that block's backward.
+    """
+    merged: list[list[float]] = []  # the backward spans' union, as sorted disjoint intervals
+    for span in sorted((s for s in spans if s.phase is Phase.BACKWARD), key=lambda s: s.start_s):
+        if merged and span.start_s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span.end_s)
+        else:
+            merged.append([span.start_s, span.end_s])
+    starts = [m[0] for m in merged]
+    ends = []
+    for t in forward_ends:
+        i = bisect.bisect_left(starts, t) - 1
+        if i < 0 or not t < merged[i][1]:
+            ends.append(t)
+    return ends
 
 
 def _pick(
