@@ -70,21 +70,26 @@ class LocalUnit:
 def local_units(wrapper: nn.Module) -> list[LocalUnit]:
     """The units of ``wrapper``'s tree with parameters, outermost first (every rank alike).
 
+    A wrapper reached under several names (a module shared by two attributes) is a unit
+    under each of them, as FSDP1's state dict walks every name.
+
     Raises:
         RuntimeError: a wrapper was built with ``device_mesh`` (FSDP1's own error).
         ValueError: a unit's parameters have several dtypes (FSDP1 cannot flatten them).
     """
     root = unit_of(wrapper).module
-    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    names: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(clean_name(name))
     found: list[LocalUnit] = []
     for inner in units_in(wrapper):
         state = unit_of(inner)
         if state.unit.device_mesh_given:
             raise RuntimeError(DEVICE_MESH_REFUSED)
-        prefix = "" if inner is wrapper else clean_name(names[id(inner)])
-        unit = _local_unit(state, prefix)
-        if unit is not None:
-            found.append(unit)
+        for prefix in [""] if inner is wrapper else dict.fromkeys(names[id(inner)]):
+            unit = _local_unit(state, prefix)
+            if unit is not None:
+                found.append(unit)
     return found
 
 
