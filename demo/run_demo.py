@@ -67,8 +67,9 @@ class DemoConfig:
     runs: Path = DEMO_DIR / "runs"
     """Checkpoints and metrics go to runs/<impl>/ (demo/runs/ is git-ignored)."""
     profile: bool = False
-    """Profile job 1 with shardkit-profile (shardkit.tools), which runs the unchanged script
-    with a profiler in every rank; its report goes to runs/<impl>/profile/."""
+    """Profile job 1 with shardkit.tools; its report goes to runs/<impl>/profile/. The job
+    runs through the test rig (tests/demo/rig.py), which drives train_gpt.py's own training
+    with a profiler on every rank."""
 
     @property
     def out(self) -> Path:
@@ -89,8 +90,6 @@ class DemoConfig:
             self.nproc = 2 * self.tp
         if self.nodes < 1 or (self.nodes > 1 and self.tp > 1):
             raise ValueError(f"--nodes {self.nodes}: need 1, or more with --tp 1")
-        if self.profile and self.nodes > 1:  # shardkit-profile runs one launch, not several
-            raise ValueError("--profile profiles a one-node job: leave out --nodes")
         if self.tp < 1 or self.nproc % self.tp != 0 or self.batch_size % self.tp != 0:
             raise ValueError(
                 f"--tp {self.tp} must divide --nproc ({self.nproc}) and --batch-size "
@@ -167,11 +166,12 @@ def torchrun(
     profile: bool = False,
 ) -> RunLog:
     """Run train_gpt.py as a fresh torchrun job (on cfg.nodes nodes unless `nodes` says),
-    under shardkit-profile if `profile`; return what its rank 0 recorded."""
+    profiled through the test rig if `profile`; return what its rank 0 recorded."""
     metrics = cfg.out / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
+    rig = ["-m", "tests.demo.rig", f"--profile={cfg.profile_dir}"]  # run from the repo root
     script = [
-        str(TRAIN_SCRIPT),
+        *(rig if profile else [str(TRAIN_SCRIPT)]),
         # args come last so that they may override --log-every (argparse keeps the last).
         *(f"--impl={cfg.impl}", f"--metrics-file={metrics}", "--log-every=5"),
         *(f"--tp={cfg.tp}", f"--batch-size={cfg.batch_size}", *args),
@@ -181,9 +181,8 @@ def torchrun(
     print(f"\n=== {title}", flush=True)
     start = time.perf_counter()
     nodes = cfg.nodes if nodes is None else nodes
-    profiler = [sys.executable, "-m", "shardkit.tools.report.cli", f"--out={cfg.profile_dir}", "--"]
     launches = [
-        subprocess.Popen([*(profiler if profile else []), *line, *script], env=env, cwd=REPO)
+        subprocess.Popen([*line, *script], env=env, cwd=REPO)
         for line in launch_lines(nodes, cfg.nproc * cfg.nodes // nodes)
     ]
     returncode = max(abs(launch.wait()) for launch in launches)

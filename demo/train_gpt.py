@@ -236,8 +236,8 @@ def log_saved(cfg: TrainConfig, checkpoint: Path | None) -> None:
 
 class Hooks:
     """The training loop's extension point: pass a subclass to `main` to ride along without
-    changing the training (tests/demo/rig.py kills ranks at chosen points this way, for the
-    kill and soak tests). Its methods run on every rank; these do nothing."""
+    changing the training (tests/demo/rig.py kills ranks at chosen points and profiles this
+    way). Its methods run on every rank; these do nothing."""
 
     def started(self, state: TrainState) -> None:
         """Called once the model is parallelized and the checkpoint restored."""
@@ -245,6 +245,9 @@ class Hooks:
     def checkpoint_extras(self, state: TrainState) -> dict[str, Any]:
         """Entries to save beside the train state in the checkpoint of `state.step`."""
         return {}
+
+    def finished(self, state: TrainState) -> None:
+        """Called after the last step and the last save, the process group still up."""
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
@@ -299,6 +302,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
             save_full_state_dict(model, export)
             message = f"exported the full model to {export}"
             log(cfg, message, event="exported", step=state.step, path=str(export))
+    hooks.finished(state)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The demo's test rig: demo/train_gpt.py's own training, with ranks killed at chosen points.
+"""The demo's test rig: demo/train_gpt.py's own training, with ranks killed at chosen points
+or profiled.
 
 Run from the repository root in place of the script, with the script's arguments after the
 rig's own:
@@ -7,8 +8,14 @@ rig's own:
         --kill-at 1:15:async-save --kill-log kills.log --steps 25 --ckpt-dir ckpt ...
 
 It calls the example's `main` with a `Hooks` subclass, so the model, the data, the loop and
-the checkpoints are the example's, unchanged. A kill point RANK:STEP:PHASE SIGKILLs that rank
-as a lost machine dies (no cleanup, no exit handlers) when step STEP reaches PHASE:
+the checkpoints are the example's, unchanged.
+
+`--profile DIR` runs shardkit.tools' profiler over the training: every rank writes its records
+to DIR (rank-N.json), then rank 0 writes the report (summary, JSON, trace, plots) and prints
+the summary (run_demo.py --profile uses it).
+
+A kill point RANK:STEP:PHASE SIGKILLs that rank as a lost machine dies (no cleanup, no exit
+handlers) when step STEP reaches PHASE:
 
 - forward, backward: inside the middle block's forward or backward of STEP;
 - save: in the training thread, while the save of STEP stages the state;
@@ -26,10 +33,14 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from demo.train_gpt import Hooks, TrainState, main
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from shardkit.tools.track.profiler import Profiler
 
 PHASES = ("forward", "backward", "save", "async-save")
 
@@ -52,7 +63,7 @@ class KillPoint:
         return f"{self.rank}:{self.step}:{self.phase}"
 
 
-class Killer(Hooks):
+class Killer:
     """The kill points of this rank that have not fired yet, armed on the example's loop."""
 
     def __init__(self, points: Sequence[KillPoint], log: Path | None) -> None:
@@ -60,7 +71,7 @@ class Killer(Hooks):
         self.rank = -1  # known once the process group is
         self.due: set[tuple[int, str]] = set()  # (step, phase) of this rank's unfired points
 
-    def started(self, state: TrainState) -> None:
+    def arm(self, state: TrainState) -> None:
         fired = set(self.log.read_text().split()) if self.log and self.log.exists() else set()
         mine = [p for p in self.points if p.rank == state.rank and str(p) not in fired]
         self.due = {(p.step, p.phase) for p in mine}
@@ -80,7 +91,8 @@ class Killer(Hooks):
 
         blocks[len(blocks) // 2].register_forward_hook(in_forward)
 
-    def checkpoint_extras(self, state: TrainState) -> dict[str, Any]:
+    def extras(self, state: TrainState) -> dict[str, Any]:
+        """A checkpoint entry that kills while the save of `state.step` runs, if one is due."""
         if (state.step, "save") in self.due:
             return {"kill": KillWhenStaged(self, state.step)}
         if (state.step, "async-save") in self.due:
@@ -130,14 +142,66 @@ class KillWhenWritten:
         raise AssertionError("unreachable: the process was killed")
 
 
+class Rig(Hooks):
+    """The rig's hooks on the example's loop: the kill points, and the profiler if asked."""
+
+    def __init__(self, killer: Killer, profile_dir: Path | None) -> None:
+        self.killer, self.profile_dir = killer, profile_dir
+        self.profiler: Profiler | None = None
+
+    def started(self, state: TrainState) -> None:
+        self.killer.arm(state)
+        if self.profile_dir is not None:
+            self.profiler = start_profiler(self.profile_dir)
+
+    def checkpoint_extras(self, state: TrainState) -> dict[str, Any]:
+        return self.killer.extras(state)
+
+    def finished(self, state: TrainState) -> None:
+        if self.profiler is not None and self.profile_dir is not None:
+            write_profile(self.profiler, self.profile_dir)
+
+
+def start_profiler(folder: Path) -> Profiler:
+    """A started profiler, after rank 0 removed the files of ranks this run lacks (left in
+    `folder` by a bigger earlier run: the report would merge them)."""
+    from shardkit.tools.track.profiler import Profiler
+
+    if dist.get_rank() == 0:
+        for path in folder.glob("rank-*.json"):
+            number = path.stem.removeprefix("rank-")
+            if number.isdigit() and int(number) >= dist.get_world_size():
+                path.unlink()
+    profiler = Profiler(comm=True, memory=True)
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler: Profiler, folder: Path) -> None:
+    """Every rank writes its records; then rank 0 merges them into the report folder."""
+    from shardkit.tools.report.folder import write_report
+    from shardkit.tools.report.json_io import load_rank_reports, rank_report_path, write_rank_report
+    from shardkit.tools.report.text import summarize
+
+    profiler.stop()
+    report = profiler.rank_report()
+    write_rank_report(rank_report_path(folder, report.rank), report)
+    dist.barrier()  # every rank's file is in place before rank 0 reads the folder
+    if dist.get_rank() == 0:
+        reports = load_rank_reports(folder)
+        write_report(folder, reports)
+        print(f"\n{summarize(reports)}\nprofile report (summary, JSON, trace, plots): {folder}")
+
+
 def run(argv: Sequence[str] | None = None) -> None:
     """Parse the rig's options, hand the rest to the example's `main`."""
     parser = argparse.ArgumentParser(prog="python -m tests.demo.rig", add_help=False)
     parser.add_argument("--kill-at", default="", help="RANK:STEP:PHASE,... (see the docstring)")
     parser.add_argument("--kill-log", type=Path, default=None, help="where fired points go")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
     args, rest = parser.parse_known_args(argv)
     points = [KillPoint.parse(p) for p in args.kill_at.split(",") if p]
-    main(rest, Killer(points, args.kill_log))
+    main(rest, Rig(Killer(points, args.kill_log), args.profile))
 
 
 if __name__ == "__main__":
