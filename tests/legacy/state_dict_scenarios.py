@@ -14,6 +14,7 @@ from tests.legacy.optim_support import assert_same
 
 IMPLS = ("shardkit", "torch")
 KINDS = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+ALL_MATCHED = "<All keys matched successfully>"
 
 
 def params(impl: str, model: nn.Module) -> list[torch.Tensor]:

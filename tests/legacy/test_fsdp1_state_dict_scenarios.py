@@ -26,6 +26,7 @@ from tests.legacy.fsdp1_scenario_models import (
 )
 from tests.legacy.optim_support import comparable
 from tests.legacy.state_dict_scenarios import (
+    ALL_MATCHED,
     IMPLS,
     KINDS,
     assert_same_as_fsdp1,
@@ -34,8 +35,6 @@ from tests.legacy.state_dict_scenarios import (
     rank0_config,
     zero,
 )
-
-ALL_MATCHED = "<All keys matched successfully>"
 
 # --- shared modules and parameters --------------------------------------------------------
 
