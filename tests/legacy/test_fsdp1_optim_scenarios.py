@@ -2,7 +2,8 @@
 
 Those ``test_optim_scenarios.py`` leaves: state saved from one wrapping and loaded into
 another (FSDP1's ``wrap_alt``) through every loading API, with flat parameters and with
-``use_orig_params``; the interface's arguments (``optim_state_dict=``, ``load_directly``,
+``use_orig_params``; a GPT whose embedding is its head (FSDP1's transformer scenario)
+through every API; the interface's arguments (``optim_state_dict=``, ``load_directly``,
 each form's value types, rank0_only); entries of the user's own beside no tensor state.
 torch's FSDP1 in the same workers is the oracle, and what each to-load dict holds is
 compared with what the optimizer itself holds, as FSDP1's own tests do.
@@ -19,8 +20,9 @@ from torch import nn
 from torch.distributed._state_dict_utils import _gather_state_dict
 
 from harness.pool import run_on_ranks
+from tests.legacy.ckpt_support import train_steps
 from tests.legacy.fsdp1_scenario_models import fsdp, quiet
-from tests.legacy.legacy_parity import lib
+from tests.legacy.legacy_parity import LegacyRun, lib, wrap_model
 from tests.legacy.optim_support import assert_same, call, comparable, with_type
 from tests.legacy.test_optim_scenarios import (
     _cloned,
@@ -206,17 +208,32 @@ def _own_values(impl: str, orig: bool, adam: bool) -> list[tuple[Any, Any]]:
     return sorted({(e["value1"], e["value2"]) for e in ready["state"].values()})
 
 
+def _tied(impl: str) -> dict[str, Any]:
+    """FSDP1's transformer scenario: the GPT with its embedding as its head, every API."""
+    run = LegacyRun(model="gpt_tied")
+    model = wrap_model(impl, run)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_steps(model, opt, run, range(2))
+    out = {"holds": comparable(opt.state_dict())}
+    ready = _loads(impl, model, opt, _saved(impl, model, opt))
+    out["loads"] = {way: comparable(d) for way, d in ready.items()}
+    opt.load_state_dict(ready["scatter"])
+    out["after"] = train_steps(model, opt, run, range(2, 4))
+    return out
+
+
 def _interface_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in IMPLS:
         out[f"{impl}/interface"] = _interface(impl)
+        out[f"{impl}/tied"] = _tied(impl)
         for orig in (False, True):
             for adam in (False, True):
                 out[f"{impl}/own/{orig}/{adam}"] = _own_values(impl, orig, adam)
     return out
 
 
-def test_interface_arguments_and_the_users_own_entries_as_fsdp1() -> None:
+def test_interface_arguments_tied_parameters_and_the_users_own_entries_as_fsdp1() -> None:
     for rank, out in enumerate(run_on_ranks(2, _interface_body)):
         ours, theirs = out["shardkit/interface"], out["torch/interface"]
         for key in ("given", "default", "full_types", "sharded_types", "rank0"):
@@ -225,6 +242,11 @@ def test_interface_arguments_and_the_users_own_entries_as_fsdp1() -> None:
         assert_same(ours["loaded"], ours["original"], f"rank {rank}: load_directly")
         assert ours["full_types"] == ["Tensor"] and ours["sharded_types"] == ["ShardedTensor"]
         assert (ours["rank0"] == {}) == (rank == 1)
+        for impl in IMPLS:
+            for way, ready in out[f"{impl}/tied"]["loads"].items():
+                assert_same(ready, out[f"{impl}/tied"]["holds"], f"rank {rank} {impl} tied {way}")
+        ours, theirs = out["shardkit/tied"]["after"], out["torch/tied"]["after"]
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         for orig in (False, True):
             for adam in (False, True):
                 key = f"own/{orig}/{adam}"

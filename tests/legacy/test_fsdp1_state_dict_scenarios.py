@@ -1,11 +1,12 @@
 """FSDP1's state-dict scenarios (torch's test_fsdp_state_dict.py), torch's FSDP1 the oracle.
 
-Shared modules and parameters; saving and loading with gradients present, fp16 models,
-use_orig_params, rank0_only, a root that is no unit; BatchNorm buffers under per-unit mixed
-precision; checkpoints of mixed-precision training. Each body runs every case with both
-implementations in the same workers (same seeds, same data) and returns what each saved and
-what each model holds after loading; the tests compare the two and check the scenario's
-own claim (shared entries equal, loaded equals saved, fp32 checkpoints of fp16 training).
+Shared modules and parameters (and a GPT whose embedding is its head); saving and loading
+with gradients present, fp16 models, use_orig_params, rank0_only, a root that is no unit;
+BatchNorm buffers under per-unit mixed precision; checkpoints of mixed-precision training.
+Each body runs every case with both implementations in the same workers (same seeds, same
+data) and returns what each saved and what each model holds after loading; the tests
+compare the two and check the scenario's own claim (shared entries equal, loaded equals
+saved, fp32 checkpoints of fp16 training).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from harness.pool import run_on_ranks
-from tests.legacy.ckpt_support import load_into, state_dict_of
+from tests.legacy.ckpt_support import fresh, load_into, plain_sgd, state_dict_of, train_steps
 from tests.legacy.fsdp1_scenario_models import (
     BUILDERS,
     fp16,
@@ -24,6 +25,7 @@ from tests.legacy.fsdp1_scenario_models import (
     shared_dummy,
     with_batch_norm,
 )
+from tests.legacy.legacy_parity import LegacyRun, wrap_model
 from tests.legacy.optim_support import comparable
 from tests.legacy.state_dict_scenarios import (
     ALL_MATCHED,
@@ -51,13 +53,30 @@ def _shared(impl: str, units: bool, kind: str) -> dict[str, Any]:
     return out
 
 
+def _tied(impl: str, kind: str, orig: bool) -> dict[str, Any]:
+    """The GPT with its embedding as its head, blocks auto-wrapped: trained, saved, loaded."""
+    run = LegacyRun(model="gpt_tied", extra={"use_orig_params": orig})
+    model = wrap_model(impl, run)
+    train_steps(model, plain_sgd(model), run, range(1))
+    saved = state_dict_of(impl, model, kind)
+    target = fresh(impl, run)
+    out = {"saved": comparable(saved), "result": str(load_into(impl, target, kind, saved))}
+    out["loaded"], out["expected"] = params(impl, target), params(impl, model)
+    return out
+
+
 def _shared_body(rank: int, world_size: int) -> dict[str, Any]:
-    return {
+    out = {
         f"{impl}/{units}/{kind}": _shared(impl, units, kind)
         for impl in IMPLS
         for units in (False, True)
         for kind in KINDS
     }
+    for impl in IMPLS:
+        for kind in KINDS:
+            for orig in (False, True) if kind != "LOCAL_STATE_DICT" else (False,):
+                out[f"{impl}/tied/{kind}/{orig}"] = _tied(impl, kind, orig)
+    return out
 
 
 def test_shared_modules_and_parameters_save_and_load_as_fsdp1s() -> None:
@@ -65,6 +84,13 @@ def test_shared_modules_and_parameters_save_and_load_as_fsdp1s() -> None:
     results = run_on_ranks(2, _shared_body)
     assert_same_as_fsdp1(results)
     for out in results:
+        for kind in KINDS:
+            for orig in (False, True) if kind != "LOCAL_STATE_DICT" else (False,):
+                got = out[f"shardkit/tied/{kind}/{orig}"]
+                assert got["result"] == ALL_MATCHED, (kind, orig)
+                torch.testing.assert_close(got["loaded"], got["expected"])
+        tied = out["shardkit/tied/FULL_STATE_DICT/False"]["saved"]
+        assert torch.equal(tied["tok.weight"], tied["head.weight"])
         for units in (False, True):
             for kind in KINDS:
                 got = out[f"shardkit/{units}/{kind}"]
