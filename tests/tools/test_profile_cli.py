@@ -210,7 +210,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 fully_shard(model[0], mesh=mesh)
@@ -289,6 +289,8 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
         reduced = [c.serves for c in report.collectives if c.kind == "reduce_scatter"]
         assert reduced == ["2", "0"] * 2, reduced
         assert report.comm.minimum_computed and report.comm.theoretical_min_bytes
+        # The mesh's axis names outlive its process groups too.
+        assert {c.axis for c in report.collectives if c.kind != "barrier"} == {"dp"}
     assert rank_report_path(out, 1).is_file()
     trace = json.loads((out / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}

@@ -156,6 +156,8 @@ class CommTracker(Tracker):
         # (a report written at exit may come after destroy_process_group).
         self._groups: list[FSDPGroup] = []
         self._groups_of = 0  # how many modules the scope knew when _groups was made
+        self._axes: dict[str, str] = {}  # process group name -> mesh axis, while alive
+        self._axes_asked: set[str] = set()  # the group names _axes was refreshed for
         self.scope.add_listener(self._on_scope_change)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -190,8 +192,8 @@ class CommTracker(Tracker):
     @property
     def records(self) -> list[CollectiveRecord]:
         """Every collective so far, in issue order."""
-        modules = list(self.scope.modules())
-        axes = axis_of_groups([*self.meshes, *engine_meshes(modules), *meshes_of(modules)])
+        # The axes found at the last step stand for groups destroyed since.
+        axes = {**self._axes, **self._mesh_axes()}
         with self._lock:
             records = [p.record(axes) for p in self._pending]
         return attribute(records, self._fsdp_groups(), self.scope.spans, self.scope.forward_ends)
@@ -202,7 +204,12 @@ class CommTracker(Tracker):
         modules = self.scope.named_modules()
         if len(modules) != self._groups_of:  # new modules ran: their groups may be new too
             self._groups = fsdp_groups(modules)
+            self._axes.update(self._mesh_axes())
             self._groups_of = len(modules)
+
+    def _mesh_axes(self) -> dict[str, str]:
+        modules = list(self.scope.modules())
+        return axis_of_groups([*self.meshes, *engine_meshes(modules), *meshes_of(modules)])
 
     def _fsdp_groups(self) -> list[FSDPGroup]:
         """The model's FSDP groups now, or as of the last step if their groups are gone."""
@@ -287,6 +294,10 @@ class CommTracker(Tracker):
                 owner.info = dataclasses.replace(owner.info, group=info.group)
         else:
             owner = self._new(info, f"{func.namespace}.{func._opname}", call.called_s)
+        if info.group and info.group not in self._axes_asked:
+            # A group seen for the first time: name its axis while it is alive.
+            self._axes_asked.add(info.group)
+            self._axes.update(self._mesh_axes())
         owner.issued_s = call.returned_s - self.scope.t0
         owner.wire_bytes += info.wire_bytes
         if info.blocking:

@@ -58,12 +58,18 @@ def axis_of_groups(meshes: Iterable[DeviceMesh]) -> dict[str, str]:
 
     A group that two meshes name differently keeps the first name (pass the meshes that
     should win first).
+    A mesh whose process groups were destroyed (a report written at exit, after
+    ``destroy_process_group``) names nothing: keep the axes found while it was alive.
     """
     axes: dict[str, str] = {}
     for mesh in meshes:
         names = mesh.mesh_dim_names
         if names is None:
             continue
-        for name, group in zip(names, mesh.get_all_groups(), strict=True):
+        try:
+            groups = mesh.get_all_groups()
+        except RuntimeError:  # its groups are gone: torch cannot resolve their names
+            continue
+        for name, group in zip(names, groups, strict=True):
             axes.setdefault(group.group_name, name)
     return axes
