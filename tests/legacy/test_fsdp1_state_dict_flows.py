@@ -4,7 +4,8 @@ Train, save and load into a blank model; the keys of each type; FULL and SHARDED
 gathered into the plain model; a module left out of every unit; the type set by
 ``state_dict_type`` undone on leaving; a rank whose LOCAL shard is empty; ``torch.save`` and
 ``torch.load(weights_only=True)`` of LOCAL state dicts; non-strict loads' key names; a world
-of one; rank 0's checkpoint spread by ``sync_module_states``.
+of one; rank 0's checkpoint spread by ``sync_module_states``; LOCAL state dicts of 4 ranks
+resharded by hand for 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.legacy import state_dict_scenarios as steps
 from tests.legacy.ckpt_support import load_into, state_dict_of
 from tests.legacy.fsdp1_scenario_models import (
     PlainRoot,
+    TwiceInner,
     fsdp,
     nested,
     quiet,
@@ -304,3 +306,55 @@ def test_a_world_of_one_and_rank0s_checkpoint_spread_by_sync_module_states() -> 
             got = out[f"sync/{orig}"]
             torch.testing.assert_close(got["params"], got["expected"])
             torch.testing.assert_close(got["buffers"], got["expected_buffers"])
+
+
+def _reshard(impl: str) -> dict[str, Any]:
+    """LOCAL state dicts at 4 ranks, resharded by hand into a model on ranks 0 and 1."""
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._state_dict_utils import _all_gather_sharded_tensor
+
+    rank = dist.get_rank()
+    pair = dist.new_group(ranks=[0, 1])
+    model = twice_inner(impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 4, generator=torch.Generator().manual_seed(6))).sum().backward()
+    opt.step()
+    local = state_dict_of(impl, model, "LOCAL_STATE_DICT")
+    resharded: dict[str, Any] = {}
+    for key, value in local.items():
+        if type(value).__name__ != "ShardedTensor":
+            resharded[key] = value
+            continue
+        with quiet(), torch.no_grad():  # the shards require grad, as FSDP1's do
+            flat = _all_gather_sharded_tensor(value)
+        if rank < 2:
+            chunks = flat.chunk(2)
+            offset = 0 if rank == 0 else chunks[0].numel()
+            shard = Shard.from_tensor_and_offsets(chunks[rank], [offset], rank)
+            with quiet():
+                resharded[key] = init_from_local_shards([shard], flat.size(), process_group=pair)
+    full = state_dict_of(impl, model, "FULL_STATE_DICT")
+    if rank >= 2:
+        return {}
+    torch.manual_seed(0)
+    inner: Any = TwiceInner(None)
+    inner.inner = fsdp(impl, inner.inner, process_group=pair)
+    target = fsdp(impl, inner, process_group=pair)
+    result = str(load_into(impl, target, "LOCAL_STATE_DICT", resharded))
+    return {"result": result, "full": comparable(state_dict_of(impl, target, "FULL_STATE_DICT")),
+            "expected": comparable(full)}  # fmt: skip
+
+
+def _reshard_body(rank: int, world_size: int) -> dict[str, Any]:
+    return {impl: _reshard(impl) for impl in IMPLS}
+
+
+def test_local_state_dicts_resharded_by_hand_to_half_the_ranks_load_as_fsdp1s() -> None:
+    for rank, out in enumerate(run_on_ranks(4, _reshard_body)):
+        if rank >= 2:
+            assert out == {"shardkit": {}, "torch": {}}
+            continue
+        assert_same(out["shardkit"], out["torch"], f"rank {rank}")
+        assert out["shardkit"]["result"] == ALL_MATCHED
+        assert_same(out["shardkit"]["full"], out["shardkit"]["expected"], f"rank {rank}")
