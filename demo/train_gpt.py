@@ -1,7 +1,7 @@
 """Train a small byte-level GPT with fully sharded data parallelism, checkpoint it, resume it.
 
-One story, top to bottom: configuration, parallelism applied from outside the model
-(demo/model.py), the checkpoint, the training loop, `main`. Launch it with torchrun:
+One story, top to bottom: parallelism applied from outside the model (demo/model.py), the
+checkpoint, the training loop, `main`; the options are in demo/config.py. Launch it with torchrun:
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 demo/train_gpt.py \
         --steps 30 --ckpt-dir demo/runs/manual/ckpt
@@ -16,14 +16,12 @@ holds everything else that changes (parameters, optimizer moments, the step, the
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,68 +39,15 @@ from shardkit.core import fully_shard as shardkit_fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
 
 from demo.batches import BatchSampler, load_corpus
+from demo.config import TrainConfig, parse_args
 from demo.distributed import build_mesh, data_position, describe, init_distributed
 from demo.model import GPT, Block, ModelConfig, plan_inputs, plan_model, tensor_parallel_plan
 
 # The model's and data's names stay importable from here: benchmarks/, demo/train_fsdp1.py,
 # `shardkit-plan demo.train_gpt:plan_model --inputs demo.train_gpt:plan_inputs` use them.
 __all__ = ["GPT", "BatchSampler", "Block", "Hooks", "ModelConfig", "TrainConfig", "TrainState"]
-__all__ += ["load_corpus", "main", "plan_inputs", "plan_model", "tensor_parallel_plan"]
-
-DEMO_DIR = Path(__file__).resolve().parent
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """How to train. Only where training stops depends on --steps: a run to step 30 then
-    resumed to 45 sees what a run straight to 45 sees."""
-
-    impl: Literal["shardkit", "torch"] = "shardkit"
-    """Whose fully_shard to use: ours (shardkit.core) or torch's (the reference)."""
-    steps: int = 30
-    """The step to stop at (a total, not a count of more steps when resuming)."""
-    batch_size: int = 8
-    """Sequences per data-parallel rank per step; the global batch is batch_size * dp."""
-    tp: int = 1
-    """Tensor-parallel degree: ranks that split each layer (dp = world size / tp)."""
-    replicas: int = 0
-    """HSDP replicas, each sharding the model over world / replicas ranks; 0 means one per
-    torchrun node (only the gradients' all-reduce crosses nodes), 1 is plain FSDP."""
-    lr: float = 3e-3
-    """Peak learning rate, reached after the warmup and then held."""
-    warmup_steps: int = 10
-    """Steps of linear learning-rate warmup."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping threshold on the global norm."""
-    seed: int = 0
-    """Seeds the initial weights and, with the step number, every batch."""
-    corpus: Path = DEMO_DIR / "data" / "corpus.txt"
-    """The training text."""
-    ckpt_dir: Path | None = None
-    """Where checkpoints go; None saves none."""
-    ckpt_every: int = 10
-    """Save every this many steps (and at the last step); 0 saves only at the last step."""
-    keep_ckpts: int = 2
-    """How many recent checkpoints to keep on disk."""
-    resume: bool = False
-    """Start from the latest checkpoint in ckpt_dir (it must exist)."""
-    auto_resume: bool = False
-    """Resume if there is a checkpoint, else start afresh (for torchrun --max-restarts)."""
-    log_every: int = 1
-    """Print a progress line every this many steps (rank 0)."""
-    metrics_file: Path | None = None
-    """If set, rank 0 appends one JSON line per step and per event (run_demo.py reads them)."""
-
-    def __post_init__(self) -> None:
-        if (self.resume or self.auto_resume) and self.ckpt_dir is None:
-            raise ValueError("--resume and --auto-resume need --ckpt-dir")
-        if min(self.steps, self.batch_size, self.log_every, self.keep_ckpts, self.tp) < 1:
-            raise ValueError("--steps, --batch-size, --log-every, --keep-ckpts, --tp must be >= 1")
-        if self.ckpt_every < 0 or self.replicas < 0:
-            raise ValueError("--ckpt-every and --replicas must be >= 0")
-
+__all__ += ["load_corpus", "main", "parse_args", "plan_inputs", "plan_model"]
+__all__ += ["tensor_parallel_plan"]
 
 # ---------------------------------------------------------------------------------------------
 # Parallelism, applied from outside the model.
@@ -303,34 +248,6 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
             message = f"exported the full model to {export}"
             log(cfg, message, event="exported", step=state.step, path=str(export))
     hooks.finished(state)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-
-def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
-    m, t = ModelConfig(), TrainConfig()
-    p = argparse.ArgumentParser(description="Train a small GPT with fully_shard on CPU ranks.")
-    p.add_argument("--impl", choices=["shardkit", "torch"], default=t.impl)
-    p.add_argument("--steps", type=int, default=t.steps, help="the step to stop at")
-    p.add_argument("--ckpt-dir", type=Path, default=None)
-    p.add_argument("--ckpt-every", type=int, default=t.ckpt_every)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--auto-resume", action="store_true", help="resume if there is a checkpoint")
-    p.add_argument("--seed", type=int, default=t.seed)
-    p.add_argument("--batch-size", type=int, default=t.batch_size)
-    p.add_argument("--tp", type=int, default=t.tp, help="tensor-parallel degree (dp = W / tp)")
-    p.add_argument("--replicas", type=int, default=t.replicas, help="HSDP replicas (0: nodes)")
-    p.add_argument("--lr", type=float, default=t.lr)
-    p.add_argument("--log-every", type=int, default=t.log_every)
-    p.add_argument("--metrics-file", type=Path, default=None)
-    p.add_argument("--corpus", type=Path, default=t.corpus)
-    sizes = ("seq_len", "d_model", "n_layers", "n_heads")
-    for size in sizes:
-        p.add_argument(f"--{size.replace('_', '-')}", type=int, default=getattr(m, size))
-    args = vars(p.parse_args(argv))
-    return ModelConfig(**{s: args.pop(s) for s in sizes}), TrainConfig(**args)
 
 
 def main(argv: Sequence[str] | None = None, hooks: Hooks | None = None) -> None:
