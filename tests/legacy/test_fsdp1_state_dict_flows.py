@@ -4,7 +4,8 @@ Train, save and load into a blank model; the keys of each type; FULL and SHARDED
 gathered into the plain model; a module left out of every unit; the type set by
 ``state_dict_type`` undone on leaving; a rank whose LOCAL shard is empty; ``torch.save`` and
 ``torch.load(weights_only=True)`` of LOCAL state dicts; non-strict loads' key names; a world
-of one; rank 0's checkpoint spread by ``sync_module_states``; LOCAL state dicts of 4 ranks
+of one; SHARDED set for good on a group named by backend; rank 0's checkpoint spread by
+``sync_module_states``; LOCAL state dicts of 4 ranks
 resharded by hand for 2.
 """
 
@@ -31,7 +32,7 @@ from tests.legacy.fsdp1_scenario_models import (
     skip_model,
     twice_inner,
 )
-from tests.legacy.legacy_parity import lib
+from tests.legacy.legacy_parity import LegacyRun, lib, wrap_model
 from tests.legacy.optim_support import assert_same, comparable
 from tests.legacy.state_dict_scenarios import ALL_MATCHED, IMPLS, KINDS
 
@@ -283,14 +284,35 @@ def test_save_load_flows_keys_plain_models_and_skipped_modules_as_fsdp1s() -> No
         assert "_fsdp_wrapped_module" not in missing + unexpected, misc["non_strict"]
 
 
+def _set_type_on_a_backend_group(impl: str) -> dict[str, Any]:
+    """A model on a group named by backend ("cpu:gloo"), SHARDED set for good with
+    ``set_state_dict_type``: its parameters zeroed in place, then loaded back."""
+    ns = lib(impl)
+    group = dist.new_group(backend="cpu:gloo")
+    run = LegacyRun(model="gpt_tied", extra={"use_orig_params": True, "process_group": group})
+    model = wrap_model(impl, run)
+    with quiet():
+        ns.FSDP.set_state_dict_type(model, ns.StateDictType.SHARDED_STATE_DICT)
+        sharded = model.state_dict()
+    before = steps.params(impl, model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    with quiet():
+        result = str(model.load_state_dict(sharded))
+    return {"result": result, "before": before, "after": steps.params(impl, model)}
+
+
 def _one_and_sync_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {f"{impl}/one": _world_of_one(impl) for impl in IMPLS}
+    for impl in IMPLS:
+        out[f"{impl}/set_type"] = _set_type_on_a_backend_group(impl)
     for orig in (False, True):
         out[f"sync/{orig}"] = _sync_from_rank0(orig)
     return out
 
 
-def test_a_world_of_one_and_rank0s_checkpoint_spread_by_sync_module_states() -> None:
+def test_a_world_of_one_a_backend_group_and_rank0s_checkpoint_spread_by_sync() -> None:
     for out in run_on_ranks(2, _one_and_sync_body):
         ours, theirs = out["shardkit/one"], out["torch/one"]
         assert ours["result"] == theirs["result"] == ALL_MATCHED
@@ -302,6 +324,10 @@ def test_a_world_of_one_and_rank0s_checkpoint_spread_by_sync_module_states() -> 
             kind, boxes, (local,) = value
             assert kind == "ShardedTensor" and boxes == [((0,) * local.dim(), tuple(local.shape))]
             torch.testing.assert_close(local, theirs["saved"][key], msg=key)
+        ours, theirs = out["shardkit/set_type"], out["torch/set_type"]
+        assert_same(ours, theirs, "set_state_dict_type on a cpu:gloo group")
+        assert ours["result"] == ALL_MATCHED and not ours["before"][0].eq(0).all()
+        torch.testing.assert_close(ours["after"], ours["before"])
         for orig in (False, True):
             got = out[f"sync/{orig}"]
             torch.testing.assert_close(got["params"], got["expected"])
