@@ -222,11 +222,24 @@ def _tied(impl: str) -> dict[str, Any]:
     return out
 
 
+def _no_shard_orig(impl: str) -> tuple[Any, Any]:
+    """NO_SHARD with use_orig_params: saved and loaded back, what the optimizer held."""
+    ns = lib(impl)
+    model = _root_model(impl, sharding_strategy=ns.ShardingStrategy.NO_SHARD, use_orig_params=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt, 1)
+    held = comparable(opt.state_dict())
+    saved = _cloned(call(impl, "optim_state_dict", model, opt))
+    opt.load_state_dict(call(impl, "optim_state_dict_to_load", model, opt, saved))
+    return held, comparable(opt.state_dict())
+
+
 def _interface_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in IMPLS:
         out[f"{impl}/interface"] = _interface(impl)
         out[f"{impl}/tied"] = _tied(impl)
+        out[f"{impl}/no_shard_orig"] = _no_shard_orig(impl)
         for orig in (False, True):
             for adam in (False, True):
                 out[f"{impl}/own/{orig}/{adam}"] = _own_values(impl, orig, adam)
@@ -245,6 +258,9 @@ def test_interface_arguments_tied_parameters_and_the_users_own_entries_as_fsdp1(
         for impl in IMPLS:
             for way, ready in out[f"{impl}/tied"]["loads"].items():
                 assert_same(ready, out[f"{impl}/tied"]["holds"], f"rank {rank} {impl} tied {way}")
+        for impl in IMPLS:  # (torch's exp_avg mix-up with use_orig_params spares NO_SHARD)
+            held, loaded = out[f"{impl}/no_shard_orig"]
+            assert_same(loaded, held, f"rank {rank} {impl} NO_SHARD use_orig_params")
         ours, theirs = out["shardkit/tied"]["after"], out["torch/tied"]["after"]
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         for orig in (False, True):

@@ -133,12 +133,14 @@ def _basic_cases() -> list[tuple[str, str, bool, bool, bool]]:
     """(model, kind, use_orig_params, half, rank0_only): FSDP1's grid, pruned for time.
 
     fp16 models with flat parameters only, rank0_only with neither (each is independent of
-    the others in both implementations' code).
+    the others in both implementations' code); the one-unit model plainly.
     """
     cases = []
     for name in BUILDERS:
         for kind in KINDS:
             cases.append((name, kind, False, False, False))
+            if name == "simple":  # one unit: its own case is the nested model's inner one
+                continue
             cases.append((name, kind, False, True, False))
             if kind != "LOCAL_STATE_DICT":  # FSDP1: LOCAL needs flat parameters
                 cases.append((name, kind, True, False, False))
@@ -212,11 +214,16 @@ def _precision_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in IMPLS:
         for kind in KINDS:
-            for mixed in (False, True):
-                for rank0 in (False, True) if kind == "FULL_STATE_DICT" else (False,):
-                    for orig in (False, True) if kind != "LOCAL_STATE_DICT" else (False,):
-                        case = (kind, orig, mixed, rank0)
-                        out[f"{impl}/buffers/{case}"] = _buffers(impl, *case)
+            # (use_orig_params, mixed, rank0_only): each switch once beside mixed precision
+            cases = [(False, False, False), (False, True, False)]
+            if kind != "LOCAL_STATE_DICT":  # FSDP1: LOCAL needs flat parameters
+                cases.append((True, True, False))
+            if kind == "FULL_STATE_DICT":
+                cases.append((False, True, True))
+            for orig, mixed, rank0 in cases:
+                case = (kind, orig, mixed, rank0)
+                out[f"{impl}/buffers/{case}"] = _buffers(impl, *case)
+                if not orig:
                     out[f"{impl}/trained/{kind}/{mixed}/{rank0}"] = _trained(
                         impl, kind, mixed, rank0
                     )
