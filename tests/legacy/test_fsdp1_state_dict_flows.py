@@ -5,8 +5,7 @@ gathered into the plain model; a module left out of every unit; the type set by
 ``state_dict_type`` undone on leaving; a rank whose LOCAL shard is empty; ``torch.save`` and
 ``torch.load(weights_only=True)`` of LOCAL state dicts; non-strict loads' key names; a world
 of one; SHARDED set for good on a group named by backend; rank 0's checkpoint spread by
-``sync_module_states``; LOCAL state dicts of 4 ranks
-resharded by hand for 2.
+``sync_module_states``; LOCAL state dicts of 4 ranks resharded by hand for 2.
 """
 
 from __future__ import annotations
