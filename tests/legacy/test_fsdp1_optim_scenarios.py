@@ -2,11 +2,12 @@
 
 Those ``test_optim_scenarios.py`` leaves: state saved from one wrapping and loaded into
 another (FSDP1's ``wrap_alt``) through every loading API, with flat parameters and with
-``use_orig_params``; a GPT whose embedding is its head (FSDP1's transformer scenario)
-through every API; the interface's arguments (``optim_state_dict=``, ``load_directly``,
-each form's value types, rank0_only); entries of the user's own beside no tensor state.
-torch's FSDP1 in the same workers is the oracle, and what each to-load dict holds is
-compared with what the optimizer itself holds, as FSDP1's own tests do.
+``use_orig_params``, at the same world size and on half the ranks; a GPT whose embedding is
+its head (FSDP1's transformer scenario) through every API; the interface's arguments
+(``optim_state_dict=``, ``load_directly``, each form's value types, rank0_only); entries of
+the user's own beside no tensor state. torch's FSDP1 in the same workers is the oracle, and
+what each to-load dict holds is compared with what the optimizer itself holds, as FSDP1's
+own tests do.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def _other_wrapping_body(rank: int, world_size: int) -> dict[str, Any]:
     fsdp1_source, fsdp1_opt, _ = _setup("torch")
     _train(fsdp1_source, fsdp1_opt)
     fsdp1_saved = _saved("torch", fsdp1_source, fsdp1_opt)
+    full: dict[str, Any] = {}
     for impl in IMPLS:
         source, source_opt, _ = _setup(impl)
         _train(source, source_opt)
         saved = _saved(impl, source, source_opt)
+        full[impl] = saved["full"]
         model, opt = _alt(impl)
         _train(model, opt)  # as the source trained: the same state
         out[f"{impl}/holds"] = comparable(opt.state_dict())
@@ -136,8 +139,37 @@ def _other_wrapping_body(rank: int, world_size: int) -> dict[str, Any]:
     model, opt = _alt("shardkit", use_orig_params=True)
     _train(model, opt)
     out["orig/holds"] = comparable(opt.state_dict())
-    ready = _loads("shardkit", model, opt, _saved("shardkit", source, source_opt))
+    orig_saved = _saved("shardkit", source, source_opt)
+    ready = _loads("shardkit", model, opt, orig_saved)
     out["orig/loads"] = {way: comparable(_unmanaged_full(d)) for way, d in ready.items()}
+    # The same full states into the other wrapping on half the ranks (even ones).
+    half = dist.new_group(ranks=list(range(0, world_size, 2)))
+    full["orig"] = orig_saved["full"]
+    for name, state in full.items():
+        if rank % 2 == 0:
+            out[f"half/{name}"] = _halved(name, state, half)
+    return out
+
+
+def _halved(name: str, full: dict[str, Any], half: dist.ProcessGroup) -> dict[str, Any]:
+    """``full`` loaded through the full-state APIs into the other wrapping on ``half``."""
+    impl = "shardkit" if name == "orig" else name
+    model, opt = _alt(impl, process_group=half, use_orig_params=name == "orig")
+    _train(model, opt)
+    first = dist.get_rank() == 0
+    scatter = call(
+        impl, "scatter_full_optim_state_dict", full if first else None, model, optim=opt,
+        group=half,
+    )  # fmt: skip
+    with with_type(impl, model, "FULL_STATE_DICT"):
+        to_load = call(impl, "optim_state_dict_to_load", model, opt, full, group=half)
+    ready = {
+        "shard_full": call(impl, "shard_full_optim_state_dict", full, model, optim=opt),
+        "scatter": scatter,
+        "to_load": to_load,
+    }
+    out = {"holds": comparable(opt.state_dict())}
+    out.update({way: comparable(d) for way, d in ready.items()})
     return out
 
 
@@ -150,6 +182,12 @@ def test_state_loads_into_another_wrapping_through_every_api_as_fsdp1() -> None:
                     assert_same(ready, out[f"{impl}/holds"], where)
                 ours, theirs = out[f"shardkit/{origin}/sharded"], out[f"torch/{origin}/sharded"]
                 assert ours == theirs and ours["flatten"][0] > 0, (rank, origin, ours, theirs)
+        halved = [k for k in out if k.startswith("half/")]
+        assert len(halved) == (3 if rank % 2 == 0 else 0), halved
+        for key in halved:
+            got = out[key]
+            for way in ("shard_full", "scatter", "to_load"):
+                assert_same(got[way], got["holds"], f"rank {rank} {key} {way}")
         for way, ready in out["orig/loads"].items():
             assert_same(ready, out["orig/holds"], f"rank {rank} use_orig_params {way}")
         torch.testing.assert_close(out["shardkit/after"], out["torch/after"])
