@@ -156,13 +156,20 @@ def _halved(name: str, full: dict[str, Any], half: dist.ProcessGroup) -> dict[st
     impl = "shardkit" if name == "orig" else name
     model, opt = _alt(impl, process_group=half, use_orig_params=name == "orig")
     _train(model, opt)
+    return _full_loads_on(impl, model, opt, full, half)
+
+
+def _full_loads_on(
+    impl: str, model: nn.Module, opt: Any, full: dict[str, Any], group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """What ``opt`` holds, and what each full-state API gives it from ``full`` on ``group``."""
     first = dist.get_rank() == 0
     scatter = call(
         impl, "scatter_full_optim_state_dict", full if first else None, model, optim=opt,
-        group=half,
+        group=group,
     )  # fmt: skip
     with with_type(impl, model, "FULL_STATE_DICT"):
-        to_load = call(impl, "optim_state_dict_to_load", model, opt, full, group=half)
+        to_load = call(impl, "optim_state_dict_to_load", model, opt, full, group=group)
     ready = {
         "shard_full": call(impl, "shard_full_optim_state_dict", full, model, optim=opt),
         "scatter": scatter,
@@ -252,12 +259,33 @@ def _tied(impl: str) -> dict[str, Any]:
     model = wrap_model(impl, run)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     train_steps(model, opt, run, range(2))
-    out = {"holds": comparable(opt.state_dict())}
-    ready = _loads(impl, model, opt, _saved(impl, model, opt))
+    out: dict[str, Any] = {"holds": comparable(opt.state_dict())}
+    saved = _saved(impl, model, opt)
+    ready = _loads(impl, model, opt, saved)
     out["loads"] = {way: comparable(d) for way, d in ready.items()}
+    half = dist.new_group(ranks=list(range(0, dist.get_world_size(), 2)))
+    if dist.get_rank() % 2 == 0:
+        out["half"] = _tied_on_half(impl, saved["full"], half)
     opt.load_state_dict(ready["scatter"])
     out["after"] = train_steps(model, opt, run, range(2, 4))
     return out
+
+
+def _tied_on_half(impl: str, full: dict[str, Any], half: dist.ProcessGroup) -> dict[str, Any]:
+    """The tied GPT on half the ranks, trained on the same global batches: the full state
+    saved on every rank loads through each full-state API as its optimizer holds it."""
+    from tests.core import models
+
+    run = LegacyRun(model="gpt_tied", extra={"process_group": half})
+    model = wrap_model(impl, run)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):  # each rank of ``half`` takes its part of the whole batch
+        x, y = models.batch(run.model, step, 2 * dist.get_world_size())
+        x, y = x.chunk(half.size())[half.rank()], y.chunk(half.size())[half.rank()]
+        models.loss_of(run.model, model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full_loads_on(impl, model, opt, full, half)
 
 
 def _no_shard_orig(impl: str) -> tuple[Any, Any]:
@@ -294,8 +322,13 @@ def test_interface_arguments_tied_parameters_and_the_users_own_entries_as_fsdp1(
         assert ours["full_types"] == ["Tensor"] and ours["sharded_types"] == ["ShardedTensor"]
         assert (ours["rank0"] == {}) == (rank == 1)
         for impl in IMPLS:
-            for way, ready in out[f"{impl}/tied"]["loads"].items():
-                assert_same(ready, out[f"{impl}/tied"]["holds"], f"rank {rank} {impl} tied {way}")
+            tied = out[f"{impl}/tied"]
+            for way, ready in tied["loads"].items():
+                assert_same(ready, tied["holds"], f"rank {rank} {impl} tied {way}")
+            assert ("half" in tied) == (rank % 2 == 0), (rank, impl)
+            for way in ("shard_full", "scatter", "to_load") if "half" in tied else ():
+                where = f"rank {rank} {impl} tied on half the ranks {way}"
+                assert_same(tied["half"][way], tied["half"]["holds"], where)
         for impl in IMPLS:  # (torch's exp_avg mix-up with use_orig_params spares NO_SHARD)
             held, loaded = out[f"{impl}/no_shard_orig"]
             assert_same(loaded, held, f"rank {rank} {impl} NO_SHARD use_orig_params")
