@@ -9,13 +9,15 @@ Two halves share one piece of arithmetic:
   keys, geometry, a view of its local shard, and the mesh. The FSDP1 layer reads flat-parameter
   layouts and key mappings from it.
 
-Nothing here changes the engine's state. See [Note: flat group buffers].
+Nothing here changes the engine's state. The one writable view is a group's flat shard
+(:meth:`GroupView.flat_shard`): an optimizer may step it between steps, as it steps the
+sharded parameters that view the same bytes. See [Note: flat group buffers].
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from shardkit.core.group_layout import (
     pooled_sizes,
 )
 from shardkit.core.param import ParamSlot
+from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.state_registry import states_under
 
 __all__ = [
@@ -91,6 +94,64 @@ class GroupView:
     """This rank's index on the shard axis."""
     params: tuple[ShardedParamView, ...]
     """Its parameters, in the layout's order."""
+    _group: FSDPParamGroup = field(repr=False, compare=False)
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's shards of every parameter as one 1-D tensor: the group's sharded buffer.
+
+        Each parameter's local shard is a view of it (:meth:`local_views` says where), so
+        writing into it changes the parameters, as an optimizer stepping it between steps
+        should; alignment gaps and padding are zeros that nothing reads. It stays the
+        storage until something moves the shards (``module.to(dtype)`` or a device move,
+        ``load_state_dict(assign=True)``, a parameter taking up all-gather hooks): compare
+        ``data_ptr()`` with a fresh call.
+
+        Raises:
+            ValueError: the group's parameters have different dtypes, or one is gathered
+                through all-gather hooks (its shard is not in the buffer).
+        """
+        return self._group.sharded_buffer.view(self._flat_dtype())
+
+    def local_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each parameter's unpadded local shard as a view of ``flat`` (in :attr:`params` order).
+
+        Args:
+            flat: a 1-D tensor laid out as :meth:`flat_shard` (that tensor itself, a
+                gradient or an optimizer state of it).
+
+        Raises:
+            ValueError: ``flat`` is not laid out as :meth:`flat_shard`, or the group has no
+                flat shard (see there).
+        """
+        dtype = self._flat_dtype()
+        numel = self.layout.sharded_bytes // dtype.itemsize
+        if flat.dim() != 1 or flat.numel() != numel:
+            raise ValueError(
+                f"FSDP module {self.fqn}: a flat tensor of the group has {numel} elements in "
+                f"one dim, got shape {tuple(flat.shape)}"
+            )
+        views = []
+        for param in self.layout.params:
+            geo = param.geometry
+            start = param.storage_offset // dtype.itemsize
+            padded = flat[start : start + geo.shard_numel].view(geo.padded_shard_shape)
+            views.append(padded.narrow(geo.dim, 0, geo.local_length(self.shard_rank)))
+        return tuple(views)
+
+    def _flat_dtype(self) -> torch.dtype:
+        hooked = [p.fqn for p in self.layout.params if p.all_gather_hooks]
+        if hooked:
+            raise ValueError(
+                f"FSDP module {self.fqn}: {', '.join(hooked)} is gathered through all-gather "
+                "hooks, so its shard is not in the group's flat buffer"
+            )
+        dtypes = {p.dtype for p in self.layout.params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"FSDP module {self.fqn}: its parameters have different dtypes "
+                f"({', '.join(sorted(str(d) for d in dtypes))}); a flat shard has one"
+            )
+        return dtypes.pop()
 
 
 def layout_of(module: nn.Module) -> tuple[GroupView, ...]:
@@ -117,7 +178,7 @@ def layout_of(module: nn.Module) -> tuple[GroupView, ...]:
         )
         fqn = ", ".join(names.get(id(m), "") or "<root>" for m in group.modules)
         views.append(
-            GroupView(fqn, group.modules, group.layout, group.mesh_info.mesh, rank, params)
+            GroupView(fqn, group.modules, group.layout, group.mesh_info.mesh, rank, params, group)
         )
     return tuple(views)
 

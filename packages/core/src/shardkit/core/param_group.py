@@ -181,7 +181,8 @@ class FSDPParamGroup:
         shards = {i: self.params[i].padded_shard_of_source() for i in self._flat}
         is_meta = any(s.is_meta for s in shards.values())
         device = torch.device("meta") if is_meta else self.storage_device
-        buffer = torch.empty(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
+        # Zeros: alignment gaps are part of a group's flat shard (layout.GroupView.flat_shard).
+        buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
         if not is_meta:
             for i, shard in shards.items():
                 self.storage_layout.view(buffer, i).copy_(shard)

@@ -1,0 +1,72 @@
+"""A group's flat shard: one writable 1-D tensor over its sharded buffer, and where each
+parameter's local shard lies in any tensor laid out like it (gradients, optimizer state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from harness.pool import run_on_ranks
+from shardkit.core import fully_shard
+from shardkit.core.layout import layout_of
+
+
+def _flat_shard_body(rank: int, world_size: int) -> dict[str, bool | str]:
+    torch.manual_seed(0)
+    # 5 rows at W=2: uneven shards (padding) and a bias of 5 (an alignment gap after it).
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    (group,) = layout_of(model)
+    flat = group.flat_shard()
+    views = group.local_views(flat)
+    out: dict[str, bool | str] = {}
+    out["one dim"] = flat.dim() == 1 and flat.dtype == torch.float32
+    out["views are the locals"] = all(
+        v.data_ptr() == p.local_shard().data_ptr() and torch.equal(v, p.local_shard())
+        for v, p in zip(views, group.params, strict=True)
+    )
+    out["values are the shards"] = all(
+        torch.equal(p.local_shard(), full[p.keys[0]].chunk(world_size)[rank]) for p in group.params
+    )
+    covered = torch.zeros(flat.numel(), dtype=torch.bool)
+    for mask in group.local_views(covered):
+        mask.fill_(True)
+    out["the rest is zeros"] = bool((flat[~covered] == 0).all())
+    flat.add_(1.0)  # an optimizer's step on the flat shard is the parameters'
+    out["writes reach the parameters"] = all(
+        torch.equal(p.local_shard(), full[p.keys[0]].chunk(world_size)[rank] + 1)
+        for p in group.params
+    )
+    grad = torch.arange(flat.numel(), dtype=torch.float32)
+    out["views of another tensor"] = all(
+        v.data_ptr() == grad[p.layout.storage_offset // 4 :].data_ptr()
+        and v.shape == p.local_shard().shape
+        for v, p in zip(group.local_views(grad), group.params, strict=True)
+    )
+    with pytest.raises(ValueError) as caught:
+        group.local_views(flat[:-1])
+    out["wrong size"] = str(caught.value)
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double().requires_grad_(False))
+    fully_shard(mixed, mesh=init_device_mesh("cpu", (world_size,)))
+    with pytest.raises(ValueError) as caught:
+        layout_of(mixed)[0].flat_shard()
+    out["mixed dtypes"] = str(caught.value)
+    return out
+
+
+def test_the_flat_shard_is_the_groups_buffer_and_local_views_find_each_parameter() -> None:
+    for out in run_on_ranks(2, _flat_shard_body):
+        for key in (
+            "one dim",
+            "views are the locals",
+            "values are the shards",
+            "the rest is zeros",
+            "writes reach the parameters",
+            "views of another tensor",
+        ):
+            assert out[key] is True, key
+        assert "elements in one dim, got shape" in str(out["wrong size"])
+        assert "different dtypes (torch.float32, torch.float64)" in str(out["mixed dtypes"])
