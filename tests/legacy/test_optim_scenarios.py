@@ -146,7 +146,10 @@ def _saved_body(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for two_groups in (False, True):
         for impl in IMPLS:
-            model, opt, optim_input = _setup(impl, two_groups, reverse=_odd())
+            # shardkit's units per parameter: the optimizer's own order is then by name (its
+            # flat parameters' forms are tested in test_flat_params.py).
+            ours = {"use_orig_params": True} if impl == "shardkit" else {}
+            model, opt, optim_input = _setup(impl, two_groups, reverse=_odd(), **ours)
             _train(model, opt)
             forms = {
                 "full": call(impl, "full_optim_state_dict", model, opt, rank0_only=False),

@@ -90,7 +90,8 @@ def _rounded_grads_body(rank: int, world_size: int) -> dict[str, bool]:
         model = wrap_model("shardkit", run)
         x, y = rank_batch(run, 0, rank, world_size)
         models.loss_of("mlp", model(x), y).backward()
-        grads = [p.grad.to_local() for p in model.parameters()]
+        # use_orig_params=False (the default): flat parameters, whose gradients are plain.
+        grads = [p.grad for p in model.parameters()]
         out[name] = all(torch.equal(g, g.bfloat16().float()) for g in grads)
         out[f"{name}_dtype"] = all(g.dtype == torch.float32 for g in grads)
     return out

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardkit.legacy.comm import all_reduce
+from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.torch_compat import foreach_mul_, foreach_norm
 from shardkit.legacy.units import unit_of
 
@@ -32,7 +33,9 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     unit = unit_of(root).unit
     sharded: list[torch.Tensor] = []
     whole: list[torch.Tensor] = []
-    for param in root.parameters():
+    with per_parameter_view():  # the flat parameters' gradients view these (flat_params)
+        params = list(root.parameters())
+    for param in params:
         grad = param.grad
         if grad is None:
             continue

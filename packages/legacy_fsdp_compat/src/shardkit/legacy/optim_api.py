@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.legacy import configs
 from shardkit.legacy.configs import OptimStateKeyType, StateDictType
+from shardkit.legacy.flat_optim import per_parameter
+from shardkit.legacy.flat_params import flat_of
 from shardkit.legacy.optim_keys import (
     ParamKey,
     is_named_state,
@@ -31,7 +33,7 @@ from shardkit.legacy.optim_keys import (
 from shardkit.legacy.optim_state import SaveForm, load_ready, named_state, receive_from_first
 from shardkit.legacy.orig_params import repoint
 from shardkit.legacy.settings import get_state_dict_type
-from shardkit.legacy.torch_compat import translate
+from shardkit.legacy.torch_compat import clean_name, translate
 from shardkit.legacy.units import unit_of, units_in
 
 __all__ = [
@@ -108,8 +110,8 @@ def optim_state_dict(
     )
     repoint(optim)
     osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
-    keyed = keyed_params(optim, model, named=is_named_state(osd))
-    return named_state(model, keyed, osd, form, group)
+    per = per_parameter(keyed_params(optim, model, named=is_named_state(osd)))
+    return named_state(model, per.keyed, per.expand(osd), form, group)
 
 
 def optim_state_dict_to_load(
@@ -133,8 +135,8 @@ def optim_state_dict_to_load(
         optim_state_dict = receive_from_first(
             optim_state_dict if dist.get_rank(group) == 0 else None, group
         )
-    keyed = keyed_params(optim, model, named=is_named_optimizer)
-    result = load_ready(model, keyed, optim_state_dict)
+    per = per_parameter(keyed_params(optim, model, named=is_named_optimizer))
+    result = per.collapse(load_ready(model, per.keyed, optim_state_dict))
     if load_directly:
         optim.load_state_dict(result)
     return result
@@ -157,7 +159,8 @@ def full_optim_state_dict(
     else:
         keyed = _positions(model, optim, optim_input)
     form = SaveForm(full=True, rank0_only=rank0_only, offload_to_cpu=True)
-    return named_state(model, keyed, osd, form, group)
+    per = per_parameter(keyed)
+    return named_state(model, per.keyed, per.expand(osd), form, group)
 
 
 def sharded_optim_state_dict(
@@ -173,8 +176,8 @@ def sharded_optim_state_dict(
         two_d_mesh=_two_d_mesh(model),
     )
     osd = optim.state_dict()
-    keyed = keyed_params(optim, model, named=is_named_state(osd))
-    return named_state(model, keyed, osd, form, group)
+    per = per_parameter(keyed_params(optim, model, named=is_named_state(osd)))
+    return named_state(model, per.keyed, per.expand(osd), form, group)
 
 
 def shard_full_optim_state_dict(
@@ -188,7 +191,8 @@ def shard_full_optim_state_dict(
     _warn_optim_input(optim_input)
     if optim is not None:
         repoint(optim)
-    return load_ready(model, _positions(model, optim, optim_input), full_optim_state_dict)
+    per = per_parameter(_positions(model, optim, optim_input))
+    return per.collapse(load_ready(model, per.keyed, full_optim_state_dict))
 
 
 def flatten_sharded_optim_state_dict(
@@ -197,7 +201,8 @@ def flatten_sharded_optim_state_dict(
     """A sharded optimizer state dict ready to load; FSDP1's legacy API."""
     _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     repoint(optim)
-    return load_ready(model, _positions(model, optim, None), sharded_optim_state_dict)
+    per = per_parameter(_positions(model, optim, None))
+    return per.collapse(load_ready(model, per.keyed, sharded_optim_state_dict))
 
 
 def scatter_full_optim_state_dict(
@@ -213,7 +218,8 @@ def scatter_full_optim_state_dict(
     if optim is not None:
         repoint(optim)
     full = receive_from_first(full_optim_state_dict, group)
-    return load_ready(model, _positions(model, optim, optim_input), full)
+    per = per_parameter(_positions(model, optim, optim_input))
+    return per.collapse(load_ready(model, per.keyed, full))
 
 
 def rekey_optim_state_dict(
@@ -242,6 +248,8 @@ def rekey_optim_state_dict(
     if optim is not None:
         repoint(optim)
     names = names_by_param(model)
+    # A flat parameter (use_orig_params=False) goes by its own name, `_flat_param` included.
+    names |= {id(p): clean_name(n) for n, p in model.named_parameters() if flat_of(p)}
     name_of = {
         position: names[id(p)] for position, p in _positions(model, optim, optim_input).items()
     }

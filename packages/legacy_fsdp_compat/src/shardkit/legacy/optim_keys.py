@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.torch_compat import clean_name
 
 __all__ = ["is_named_state", "keyed_params", "names_by_param", "params_by_id", "params_of_input"]
@@ -68,7 +69,7 @@ def keyed_params(
     if not named:
         return dict(enumerate(params))
     spelled: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):  # flat ones, if any
         spelled.setdefault(id(param), name)
     keyed: dict[ParamKey, torch.Tensor] = {}
     for position, tensor in enumerate(params):
@@ -84,6 +85,8 @@ def keyed_params(
 def names_by_param(model: nn.Module) -> dict[int, str]:
     """Each parameter's clean name (a tied parameter: its first), by ``id``."""
     names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    with per_parameter_view():  # FSDP1's saved forms name the original parameters
+        named = list(model.named_parameters(remove_duplicate=False))
+    for name, param in named:
         names.setdefault(id(param), clean_name(name))
     return names

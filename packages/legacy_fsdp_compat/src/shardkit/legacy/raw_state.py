@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardkit.legacy.buffers import original_dtype
+from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.torch_compat import clean_name
 from shardkit.legacy.units import unit_of
 
@@ -45,7 +46,8 @@ class RawState:
         """Raw name -> value (sharded parameters are the core's DTensors)."""
         self.raw_of: dict[str, str] = {clean_name(k): k for k in raw}
         """Clean name -> raw name, in state-dict order."""
-        self.params: set[str] = {name for name, _ in module.named_parameters()}
+        with per_parameter_view():
+            self.params: set[str] = {name for name, _ in module.named_parameters()}
         """Raw names of parameters (the rest are buffers and extra state)."""
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         """Raw name -> original dtype of each buffer that mixed precision cast."""

@@ -19,6 +19,7 @@ from shardkit.legacy.configs import (
     StateDictType,
 )
 from shardkit.legacy.construct import Unit
+from shardkit.legacy.flat_params import FlatParam
 
 __all__ = ["UnitState", "is_unit", "register_unit", "unit_of", "units_in"]
 
@@ -40,6 +41,8 @@ class UnitState:
     """What ``state_dict()`` gives (``set_state_dict_type``)."""
     is_root: bool | None = None
     """Decided at the first forward (or root-only call), as FSDP1 does."""
+    flat: FlatParam | None = None
+    """With ``use_orig_params=False``: its flat parameter (None: it shards no parameter)."""
 
 
 _UNITS: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()

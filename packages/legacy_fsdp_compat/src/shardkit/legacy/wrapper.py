@@ -3,7 +3,9 @@
 The wrapper keeps FSDP1's module structure (``_fsdp_wrapped_module``, nested wrappers from
 auto-wrapping) and API; underneath, each wrapper's module is one ``fully_shard`` group (see
 :mod:`shardkit.legacy.mapping` for the translation). Parameters are the core's sharded
-DTensors, one per original parameter, so optimizers see them as with ``use_orig_params=True``.
+DTensors, one per original parameter, as with ``use_orig_params=True``; with
+``use_orig_params=False`` ``named_parameters`` lists one flat parameter per unit instead
+(see :mod:`shardkit.legacy.flat_params`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core import FSDPModule
-from shardkit.legacy import grads, optim_api, settings, state_dicts, summon
+from shardkit.legacy import flat_params, grads, optim_api, settings, state_dicts, summon
 from shardkit.legacy.buffers import cast_buffers
 from shardkit.legacy.configs import (
     BackwardPrefetch,
@@ -35,7 +37,7 @@ from shardkit.legacy.torch_compat import (
     checkpoint_inner,
     map_tensors,
 )
-from shardkit.legacy.units import UnitState, register_unit, unit_of, units_in
+from shardkit.legacy.units import UnitState, is_unit, register_unit, unit_of, units_in
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -45,7 +47,7 @@ class FullyShardedDataParallel(nn.Module):
 
     Every argument of FSDP1's constructor is accepted; the package README maps each onto the
     engine, and lists those that no longer change anything (``backward_prefetch``,
-    ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``).
+    ``forward_prefetch``, ``limit_all_gathers``).
 
     Args:
         module: the module to shard.
@@ -62,7 +64,8 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: accepted; changes nothing.
         limit_all_gathers: accepted; changes nothing (buffers come from a bounded pool).
-        use_orig_params: accepted; parameters are always the original ones.
+        use_orig_params: False (FSDP1's default): ``parameters()`` lists one flat 1-D
+            parameter per unit, over the unit's flat shard (in the engine's element order).
         ignored_states: parameters or modules to leave alone.
         device_mesh: the data-parallel mesh (2-D for hybrid strategies).
     """
@@ -110,7 +113,8 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {module!r}")
         unit = build_unit(module, args, FullyShardedDataParallel)
         self._fsdp_wrapped_module = module
-        register_unit(self, UnitState(unit=unit, module=module))
+        flat = None if use_orig_params else flat_params.make_flat(module)
+        register_unit(self, UnitState(unit=unit, module=module, flat=flat))
         # Loads through a parent that is not a wrapper (see state_dicts.load_from_parent).
         nn.Module.register_load_state_dict_pre_hook(self, state_dicts.load_from_parent)
 
@@ -227,6 +231,8 @@ class FullyShardedDataParallel(nn.Module):
         """Run the wrapped module, casting inputs as FSDP1's mixed precision does."""
         self._lazy_init()
         state = unit_of(self)
+        if state.is_root:
+            flat_params.before_forward(_flats(self))
         mp = state.unit.mixed_precision
         if mp is not None and mp.param_dtype is not None and _casts_inputs(self, state, mp):
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -234,10 +240,26 @@ class FullyShardedDataParallel(nn.Module):
 
     # --- FSDP1's methods ------------------------------------------------------------------
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters by name; without the wrapper's prefix inside ``summon_full_params``."""
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters by name; without the wrapper's prefix inside ``summon_full_params``.
+
+        With ``use_orig_params=False`` (outside ``summon_full_params``), each unit's flat
+        parameter in place of the parameters it holds, as FSDP1.
+        """
         clean = summon.is_summoned(self)
-        for name, param in super().named_parameters(*args, **kwargs):
+        named = super().named_parameters(prefix, recurse, remove_duplicate)
+        if recurse and not clean and flat_params.shows_flat():
+            flats = {
+                id(p): (f"{name}.{flat_params.FLAT_NAME}".lstrip("."), flat)
+                for name, m in self.named_modules(prefix=prefix)
+                if is_unit(m) and (flat := unit_of(m).flat) is not None
+                for p in flat.originals
+            }
+            if flats:
+                named = flat_params.replace_with_flat(named, flats)
+        for name, param in named:
             yield (name.replace(FSDP_PREFIX, "") if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -338,6 +360,10 @@ class FullyShardedDataParallel(nn.Module):
     flatten_sharded_optim_state_dict = staticmethod(optim_api.flatten_sharded_optim_state_dict)
     scatter_full_optim_state_dict = staticmethod(optim_api.scatter_full_optim_state_dict)
     rekey_optim_state_dict = staticmethod(optim_api.rekey_optim_state_dict)
+
+
+def _flats(root: nn.Module) -> list[flat_params.FlatParam]:
+    return [flat for w in units_in(root) if (flat := unit_of(w).flat) is not None]
 
 
 def _apply_post_order(module: nn.Module, fn: Callable[[nn.Module], None]) -> None:

@@ -1,0 +1,185 @@
+"""FSDP1's flat parameters (``use_orig_params=False``): one 1-D parameter per unit.
+
+The unit's ``fully_shard`` group already keeps this rank's shards of every parameter in one
+flat buffer; the flat parameter *is* that buffer (``shardkit.core.layout``'s flat shard), so
+an optimizer stepping it steps the sharded parameters too. Its element order is the engine's
+(each parameter's shard, 16-byte aligned), not FSDP1's. See [Note: FSDP1's
+use_orig_params=False on a per-parameter engine] (docs/notes/014).
+
+Gradients: the engine gives each sharded parameter its reduced gradient and then runs its
+post-accumulate-grad hooks; the hook here copies it into its slot of the flat parameter's
+``.grad`` and makes the parameter's gradient a view of that slot, so both name the same
+memory (clipping one clips the other; an optimizer built before wrapping, which steps the
+sharded parameters, still trains the model). ``zero_grad`` of either side is seen at the
+root's next forward (:func:`before_forward`).
+
+The originals stay registered (the engine gathers, saves and moves them); only a wrapper's
+``named_parameters`` lists flat parameters in their place, so a plain module holding
+wrappers lists the originals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardkit.core.extensions import make_dtensor
+from shardkit.core.layout import GroupView, layout_of
+
+__all__ = [
+    "FLAT_NAME",
+    "FlatParam",
+    "before_forward",
+    "flat_of",
+    "make_flat",
+    "per_parameter_view",
+    "replace_with_flat",
+    "shows_flat",
+]
+
+FLAT_NAME = "_fsdp_wrapped_module._flat_param"
+"""A flat parameter's name relative to its wrapper, as FSDP1 registers it."""
+
+_PER_PARAMETER: ContextVar[bool] = ContextVar("shardkit_legacy_per_parameter", default=False)
+# By id of the flat parameter: the optimizer-state APIs find a unit from the optimizer's.
+# Weak: the wrapper's UnitState holds each FlatParam, and it goes with the wrapper.
+_BY_FLAT: weakref.WeakValueDictionary[int, FlatParam] = weakref.WeakValueDictionary()
+
+
+@dataclass(slots=True, weakref_slot=True)
+class FlatParam:
+    """One unit's flat parameter, over its group's flat shard."""
+
+    group: GroupView
+    param: nn.Parameter
+    """The flat parameter: a 1-D view of the group's sharded buffer."""
+    originals: tuple[nn.Parameter, ...]
+    """The sharded parameters (DTensors) it holds, in the group's order."""
+    _grad_views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = field(
+        default=None, repr=False
+    )
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each original's local shard as a view of ``flat`` (laid out as the flat parameter)."""
+        return self.group.local_views(flat)
+
+    def as_param(self, local: torch.Tensor, index: int) -> DTensor:
+        """``local`` (shaped like original ``index``'s shard) as a DTensor like it, no copy."""
+        p: DTensor = self.originals[index]  # type: ignore[assignment]  # a sharded DTensor
+        return make_dtensor(local, p.device_mesh, p.placements, p.shape)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Original ``index``'s slot of the flat parameter's gradient (views made once per grad)."""
+        grad = self.param.grad
+        assert grad is not None
+        if self._grad_views is None or self._grad_views[0] is not grad:
+            self._grad_views = (grad, self.views(grad))
+        return self._grad_views[1][index]
+
+    def forget_grad_views(self) -> None:
+        """Drop the views of a gradient the flat parameter no longer has (freeing it)."""
+        if self._grad_views is not None and self._grad_views[0] is not self.param.grad:
+            self._grad_views = None
+
+
+def make_flat(module: nn.Module) -> FlatParam | None:
+    """The flat parameter of ``module``'s own group (None: it shards no parameter)."""
+    group = _own_group(module)
+    if group is None:
+        return None
+    originals = tuple(p.param for p in group.params)
+    flat = FlatParam(
+        group=group,
+        param=nn.Parameter(group.flat_shard(), any(p.requires_grad for p in originals)),
+        originals=originals,
+    )
+    for index, original in enumerate(flat.originals):
+        if original.requires_grad:
+            original.register_post_accumulate_grad_hook(_into_flat_grad(flat, index))
+    _BY_FLAT[id(flat.param)] = flat
+    return flat
+
+
+def _own_group(module: nn.Module) -> GroupView | None:
+    """The group of ``module``'s own ``fully_shard`` call (None: it has none)."""
+    return next((g for g in layout_of(module) if any(m is module for m in g.modules)), None)
+
+
+def _into_flat_grad(flat: FlatParam, index: int) -> Callable[[torch.Tensor], None]:
+    def hook(original: torch.Tensor) -> None:
+        grad = original.grad
+        if grad is None:
+            return
+        if flat.param.grad is None:
+            flat.param.grad = torch.zeros_like(flat.param)
+        slot = flat.grad_view(index)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if local.data_ptr() != slot.data_ptr():
+            slot.copy_(local)
+            original.grad = flat.as_param(slot, index)
+
+    return hook
+
+
+def flat_of(param: torch.Tensor) -> FlatParam | None:
+    """The unit of a flat parameter (None: ``param`` is none)."""
+    flat = _BY_FLAT.get(id(param))
+    return flat if flat is not None and flat.param is param else None
+
+
+def before_forward(flats: list[FlatParam]) -> None:
+    """Settle what happened since the last backward (zero_grad, moved storage)."""
+    for flat in flats:
+        shard = flat.group.flat_shard()
+        if shard.data_ptr() != flat.param.data_ptr() or shard.dtype != flat.param.dtype:
+            # Moved or retyped (module.to, an assign=True load): the same Parameter, new data.
+            group = _own_group(flat.group.modules[0])
+            assert group is not None, f"{flat.group.fqn}: its group is gone"
+            flat.group = group
+            flat.param.data = group.flat_shard()
+        if flat.param.grad is None:
+            for p in flat.originals:
+                p.grad = None
+        elif all(p.grad is None for p in flat.originals):
+            flat.param.grad = None
+        flat.forget_grad_views()
+
+
+@contextlib.contextmanager
+def per_parameter_view() -> Generator[None, None, None]:
+    """Inside, wrappers list their sharded parameters, not flat ones (this package's code)."""
+    token = _PER_PARAMETER.set(True)
+    try:
+        yield
+    finally:
+        _PER_PARAMETER.reset(token)
+
+
+def shows_flat() -> bool:
+    """Whether wrappers list flat parameters now (outside :func:`per_parameter_view`)."""
+    return not _PER_PARAMETER.get()
+
+
+def replace_with_flat(
+    named: Iterator[tuple[str, nn.Parameter]],
+    flats: dict[int, tuple[str, FlatParam]],
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """``named`` with each unit's originals replaced by its flat parameter, where the first was.
+
+    ``flats``: by id of each original, the flat parameter's name and the flat parameter.
+    """
+    seen: set[int] = set()
+    for name, param in named:
+        hit = flats.get(id(param))
+        if hit is None:
+            yield name, param
+        elif id(hit[1]) not in seen:
+            seen.add(id(hit[1]))
+            yield hit[0], hit[1].param
