@@ -113,6 +113,17 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
         out[f"{impl}/next"] = _step(model, fresh, STEPS)
         out[f"{impl}/accumulated"] = _accumulated(impl)
     out["shardkit/before"] = _train("shardkit", "adam", before=True)[2]
+    # model.to(dtype) moves the shards into a new buffer: the same flat parameter follows.
+    model = _wrap("shardkit", models.build("mlp"))
+    flat, original = next(model.parameters()), model.params[0]
+    model.double()
+    model(models.batch("mlp", 0, 2)[0].double())
+    local = original.to_local()
+    out["moved"] = (
+        next(model.parameters()) is flat
+        and flat.dtype == torch.float64
+        and flat.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+    )
     return out
 
 
@@ -132,3 +143,4 @@ def test_flat_parameters_train_and_save_optimizer_state_as_fsdp1s() -> None:
                 torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
         assert out["shardkit/next"] == out["torch/next"]
         assert out["shardkit/accumulated"] == out["torch/accumulated"]
+        assert out["moved"]

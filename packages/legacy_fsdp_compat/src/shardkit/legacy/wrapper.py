@@ -37,7 +37,7 @@ from shardkit.legacy.torch_compat import (
     checkpoint_inner,
     map_tensors,
 )
-from shardkit.legacy.units import UnitState, is_unit, register_unit, unit_of, units_in
+from shardkit.legacy.units import UnitState, register_unit, unit_of, units_in
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -251,11 +251,13 @@ class FullyShardedDataParallel(nn.Module):
         clean = summon.is_summoned(self)
         named = super().named_parameters(prefix, recurse, remove_duplicate)
         if recurse and not clean and flat_params.shows_flat():
+            # The unit's parameters as registered now: the sharded originals, or between
+            # forward and backward the unsharded ones the engine registers in their place.
             flats = {
                 id(p): (f"{name}.{flat_params.FLAT_NAME}".lstrip("."), flat)
                 for name, m in self.named_modules(prefix=prefix)
-                if is_unit(m) and (flat := unit_of(m).flat) is not None
-                for p in flat.originals
+                if isinstance(m, FullyShardedDataParallel) and (flat := unit_of(m).flat) is not None
+                for p in (*flat.originals, *m.params)
             }
             if flats:
                 named = flat_params.replace_with_flat(named, flats)
