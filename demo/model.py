@@ -171,7 +171,7 @@ def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
 
 
 def plan_model() -> GPT:
-    """The default model on the meta device, for the planner (README: "past one machine"):
+    """The default model on the meta device, for the planner (docs/multi-node.md):
     shardkit-plan demo.train_gpt:plan_model --inputs demo.train_gpt:plan_inputs ..."""
     with torch.device("meta"):
         return GPT(ModelConfig())
