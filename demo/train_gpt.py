@@ -165,11 +165,13 @@ def train_step(
 
 def log(cfg: TrainConfig, message: str | None, **fields: object) -> None:
     """On rank 0: print the message for people, append the fields to --metrics-file."""
-    if dist.get_rank() == 0 and message is not None:
-        print(message, flush=True)
+    # The record first: whoever reads the printed line (a test that kills the job on it) finds
+    # the step in the metrics file too.
     if dist.get_rank() == 0 and fields and cfg.metrics_file is not None:
         with cfg.metrics_file.open("a") as f:
             f.write(json.dumps(fields) + "\n")
+    if dist.get_rank() == 0 and message is not None:
+        print(message, flush=True)
 
 
 def log_saved(cfg: TrainConfig, checkpoint: Path | None) -> None:

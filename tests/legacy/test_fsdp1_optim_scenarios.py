@@ -24,15 +24,13 @@ from harness.pool import run_on_ranks
 from tests.legacy.ckpt_support import train_steps
 from tests.legacy.fsdp1_scenario_models import fsdp, quiet
 from tests.legacy.legacy_parity import LegacyRun, lib, wrap_model
+from tests.legacy.nested_optim_support import Nested as _Nested
+from tests.legacy.nested_optim_support import cloned as _cloned
+from tests.legacy.nested_optim_support import optim_input as _optim_input
+from tests.legacy.nested_optim_support import root_model as _root_model
+from tests.legacy.nested_optim_support import setup as _setup
+from tests.legacy.nested_optim_support import train as _train
 from tests.legacy.optim_support import assert_same, call, comparable, with_type
-from tests.legacy.test_optim_scenarios import (
-    _cloned,
-    _Nested,
-    _optim_input,
-    _root_model,
-    _setup,
-    _train,
-)
 
 IMPLS = ("shardkit", "torch")
 

@@ -23,100 +23,18 @@ from torch.distributed.optim import named_optimizer
 
 from harness.pool import run_on_ranks
 from tests.legacy.legacy_parity import lib
+from tests.legacy.nested_optim_support import Nested as _Nested
+from tests.legacy.nested_optim_support import cloned as _cloned
+from tests.legacy.nested_optim_support import root_model as _root_model
+from tests.legacy.nested_optim_support import setup as _setup
+from tests.legacy.nested_optim_support import train as _train
+from tests.legacy.nested_optim_support import wrapped as _wrapped
 from tests.legacy.optim_support import assert_same, call, comparable, with_type
 
 IMPLS = ("shardkit", "torch")
 
 # torch's named optimizer (torchrec's KeyedOptimizer's kind): its annotations are not its use.
 _NamedOptimizer: Any = named_optimizer._NamedOptimizer
-STEPS = 3
-
-
-class _Shift(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.bias = nn.Parameter(torch.randn(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.bias
-
-
-class _Block(nn.Module):
-    def __init__(self, dim_in: int, dim_out: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(dim_in, dim_out) / dim_in**0.5)
-        self.shift0 = _Shift(dim_out)
-        self.shift1 = _Shift(dim_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.shift1(torch.relu(self.shift0(x @ self.weight)))
-        return out
-
-
-class _Nested(nn.Module):
-    """Units inside units under a root that is no unit; ``scale`` belongs to no unit."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.block0 = _Block(5, 3)
-        self.block1 = _Block(3, 7)
-        self.scale = nn.Parameter(torch.randn(5))
-        self.stack = nn.Sequential(_Block(7, 9), _Block(9, 9), _Block(9, 5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.block1(torch.relu(self.block0(x))))
-        out: torch.Tensor = self.stack(x) * self.scale
-        return out
-
-
-def _wrapped(impl: str, model: Any = None, **kwargs: Any) -> Any:
-    """FSDP1's manual nested wrapping: inner units first; block0 and the root stay plain."""
-    fsdp = lib(impl).FSDP
-    model = model if model is not None else _Nested()
-    kwargs = {"device_id": torch.device("cpu"), **kwargs}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.block1.shift0 = fsdp(model.block1.shift0, **kwargs)
-        model.block1 = fsdp(model.block1, **kwargs)
-        model.stack[1].shift0 = fsdp(model.stack[1].shift0, **kwargs)
-        model.stack[1].shift1 = fsdp(model.stack[1].shift1, **kwargs)
-        model.stack[1] = fsdp(model.stack[1], **kwargs)
-        model.stack[2] = fsdp(model.stack[2], **kwargs)
-    return model
-
-
-def _optim_input(model: Any, two_groups: bool, reverse: bool) -> list[Any]:
-    """All parameters in one group; or block1's, then the stack's and block0's (no scale)."""
-    if not two_groups:
-        params = list(model.parameters())
-        return params[::-1] if reverse else params
-    first = list(model.block1.parameters())
-    second = list(model.stack.parameters()) + list(model.block0.parameters())
-    if reverse:
-        first, second = first[::-1], second[::-1]
-    return [{"params": first}, {"params": second, "weight_decay": 0.5}]
-
-
-def _setup(
-    impl: str, two_groups: bool = True, reverse: bool = False, **kwargs: Any
-) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
-    model = _wrapped(impl, **kwargs)
-    optim_input = _optim_input(model, two_groups, reverse)
-    return model, torch.optim.Adam(optim_input, lr=0.01), optim_input
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = STEPS) -> list[float]:
-    """Every rank the same data (the losses are each rank's own, equal across ranks)."""
-    generator = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(torch.randn(4, 5, generator=generator)).sum()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _odd() -> bool:
@@ -229,17 +147,6 @@ def _saved(impl: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
         "full": call(impl, "full_optim_state_dict", model, opt, rank0_only=False),
         "sharded": call(impl, "sharded_optim_state_dict", model, opt),
     }
-
-
-def _cloned(value: Any) -> Any:
-    """Plain tensors cloned, in nested dicts and lists."""
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_cloned(v) for v in value]
-    if type(value) is torch.Tensor:
-        return value.clone()
-    return value
 
 
 def _load_body(rank: int, world_size: int, ways: list[str]) -> dict[str, Any]:
@@ -499,13 +406,6 @@ def test_optim_input_warns_as_fsdp1() -> None:
 
 
 # --- state dicts without param groups; named optimizers; state of the user's own ---------------
-
-
-def _root_model(impl: str, **kwargs: Any) -> nn.Module:
-    """The model under one root unit (FSDP1's tests of these wrap it so)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return lib(impl).FSDP(_Nested(), device_id=torch.device("cpu"), **kwargs)  # type: ignore[no-any-return]
 
 
 def _no_groups_body(rank: int, world_size: int) -> dict[str, Any]:
