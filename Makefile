@@ -12,7 +12,8 @@ $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib \
 		mkdocs mkdocs-material mkdocstrings mkdocstrings-python
-	$(BIN)/pip install -q -c constraints.txt --no-deps torchao accelerate huggingface-hub psutil
+	$(BIN)/pip install -q -c constraints.txt --no-deps torchao accelerate huggingface-hub psutil \
+		transformers tokenizers regex tqdm
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 	touch $(STAMP)
