@@ -199,6 +199,29 @@ def test_pack_even_dim0_is_bit_identical_to_the_general_pack(
     assert torch.equal(fast.view(torch.uint8), each.view(torch.uint8))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_pack_even_dim0_with_gaps_writes_zeros_between_as_the_general_pack_does(
+    out_dtype: torch.dtype,
+) -> None:
+    world = 2
+    shapes = [(4, 3), (6,), (2, 5)]
+    geometries = [shard_geometry(torch.Size(s), 0, world) for s in shapes]
+    gaps_after = [1, 0, 3]  # a flat-shard layout's alignment, and a trailing gap
+    offsets, cursor = [], 0
+    for geo, gap in zip(geometries, gaps_after, strict=True):
+        offsets.append(cursor)
+        cursor += geo.shard_numel + gap
+    grads: list[torch.Tensor | None] = [torch.randn(s) for s in shapes]
+    fast, each = (torch.full((world, cursor), float("nan"), dtype=out_dtype) for _ in range(2))
+    assert pack_even_dim0_grads(grads, fast, gaps_after)
+    pack_grads_rank_major(grads, geometries, offsets, each)
+    filled = torch.zeros(cursor, dtype=torch.bool)
+    for offset, geo in zip(offsets, geometries, strict=True):
+        filled[offset : offset + geo.shard_numel] = True
+    assert torch.equal(fast[:, filled].view(torch.uint8), each[:, filled].view(torch.uint8))
+    assert bool((fast[:, ~filled] == 0).all())
+
+
 def test_pack_even_dim0_leaves_missing_and_recorded_grads_to_the_general_path() -> None:
     rows = torch.full((2, 4), 7.0)
     assert not pack_even_dim0_grads([torch.ones(4), None], rows)

@@ -70,3 +70,59 @@ def test_the_flat_shard_is_the_groups_buffer_and_local_views_find_each_parameter
             assert out[key] is True, key
         assert "elements in one dim, got shape" in str(out["wrong size"])
         assert "different dtypes (torch.float32, torch.float64)" in str(out["mixed dtypes"])
+
+
+def _flat_grad_body(rank: int, world_size: int, replicas: int) -> dict[str, bool]:
+    """Reductions in the flat layout against the default packing: same gradients, one tensor."""
+    grads: dict[bool, dict[str, torch.Tensor]] = {}
+    out: dict[str, bool] = {}
+    for flat_layout in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+        if replicas == 1:
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:  # HSDP; (W, 1) is FSDP1's NO_SHARD: an all-reduce, no scatter
+            mesh = init_device_mesh(
+                "cpu", (replicas, world_size // replicas), mesh_dim_names=("r", "s")
+            )
+        fully_shard(model, mesh=mesh)
+        (group,) = layout_of(model)
+        if flat_layout:
+            group.reduce_into_flat_layout()
+        for step in range(2):  # the second accumulates into the first's gradients
+            torch.manual_seed(10 + rank + step)
+            model(torch.randn(4, 3)).sum().backward()
+            if step == 0 and flat_layout:
+                flat = group.flat_grad_of(0)
+                out["a flat gradient"] = (
+                    flat is not None and flat.numel() == group.flat_shard().numel()
+                )
+                assert flat is not None
+                out["every gradient views it"] = all(
+                    group.flat_grad_of(i) is not None
+                    and v.data_ptr() == p.param.grad.to_local().data_ptr()  # type: ignore[union-attr]
+                    for i, (v, p) in enumerate(
+                        zip(group.local_views(flat), group.params, strict=True)
+                    )
+                )
+                covered = torch.zeros(flat.numel(), dtype=torch.bool)
+                for mask in group.local_views(covered):
+                    mask.fill_(True)
+                out["gaps are zeros"] = bool((flat[~covered] == 0).all())
+            if step == 0 and not flat_layout:
+                out["none by default"] = group.flat_grad_of(0) is None
+        grads[flat_layout] = {
+            p.keys[0]: p.param.grad.to_local().clone()  # type: ignore[union-attr]
+            for p in group.params
+        }
+    out["same gradients"] = all(torch.equal(grads[False][k], grads[True][k]) for k in grads[False])
+    return out
+
+
+@pytest.mark.parametrize(("world_size", "replicas"), [(2, 1), (2, 2)])
+def test_reductions_in_the_flat_layout_give_the_same_gradients_as_one_flat_tensor(
+    world_size: int, replicas: int
+) -> None:
+    expected = ("none by default", "a flat gradient", "every gradient views it", "gaps are zeros")
+    for out in run_on_ranks(world_size, _flat_grad_body, replicas=replicas):
+        assert out == dict.fromkeys((*expected, "same gradients"), True), out

@@ -11,11 +11,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
 
 from harness.pool import run_on_ranks
+from shardkit.core.layout import GroupView
 from tests.core import models
 from tests.legacy.legacy_parity import global_loss, lib
 
@@ -124,6 +126,19 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
         and flat.dtype == torch.float64
         and flat.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
     )
+    # A unit's flat gradient is the engine's reduction itself, laid out as the flat shard
+    # (not a new tensor each gradient is copied into): the first hook of a step finds it.
+    found: list[bool] = []
+    flat_grad_of = GroupView.flat_grad_of
+
+    def spy(group: GroupView, index: int) -> torch.Tensor | None:
+        grad = flat_grad_of(group, index)
+        found.append(grad is not None)
+        return grad
+
+    with mock.patch.object(GroupView, "flat_grad_of", spy):
+        out["shardkit/spied"] = _train("shardkit", "adam")[2]
+    out["reduced in place"] = found
     return out
 
 
@@ -135,6 +150,8 @@ def test_flat_parameters_train_and_save_optimizer_state_as_fsdp1s() -> None:
         for optimizer in OPTIMIZERS:
             assert out[f"shardkit/{optimizer}"] == out[f"torch/{optimizer}"], optimizer
         assert out["shardkit/before"] == out["torch/adam"]
+        assert out["shardkit/spied"] == out["torch/adam"]
+        assert out["reduced in place"] == [True] * STEPS * len(out["shardkit/names"])
         assert out["shardkit/groups"] == out["torch/groups"]
         for form in ("full", "osd", "reloaded"):
             ours, theirs = out[f"shardkit/{form}"], out[f"torch/{form}"]

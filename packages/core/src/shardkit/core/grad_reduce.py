@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardkit.core.context import CommContext
+from shardkit.core.group_layout import GroupLayout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
@@ -38,11 +39,16 @@ class Packing:
     offsets: tuple[int, ...]
     """Element offset of each parameter's padded shard within a row."""
     numel: int
-    """S: one rank's padded shards of these parameters, back to back."""
+    """S: a row's elements (one rank's padded shards, and any gaps between them)."""
     geometries: tuple[ShardGeometry, ...]
     """Each parameter's shard geometry."""
     even_dim0: bool
     """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
+    gaps: tuple[tuple[int, int], ...] = ()
+    """Column ranges of a row that no parameter fills (a flat-shard layout's alignment):
+    zeroed at each packing, so the reduced tensor holds zeros there."""
+    gaps_after: tuple[int, ...] = ()
+    """The same, as the columns after each parameter (in order): the fast path's form."""
 
     @staticmethod
     def of(params: Sequence[FSDPParam]) -> Packing:
@@ -52,15 +58,41 @@ class Packing:
         for p in params:
             offsets.append(cursor)
             cursor += p.geometry.shard_numel
+        return Packing.at(params, offsets, cursor)
+
+    @staticmethod
+    def at(params: Sequence[FSDPParam], offsets: Sequence[int], numel: int) -> Packing:
+        """Lay ``params`` out at the given element offsets in rows of ``numel`` elements."""
         geometries = tuple(p.geometry for p in params)
-        # An empty gradient cannot be viewed as (W, -1): the general path packs those.
-        even_dim0 = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
-        return Packing(tuple(params), tuple(offsets), cursor, geometries, even_dim0)
+        gaps: list[tuple[int, int]] = []
+        cursor = 0
+        for offset, geo in sorted(zip(offsets, geometries, strict=True), key=lambda x: x[0]):
+            if offset > cursor:
+                gaps.append((cursor, offset))
+            cursor = offset + geo.shard_numel
+        if numel > cursor:
+            gaps.append((cursor, numel))
+        # An empty gradient cannot be viewed as (W, -1): the general path packs those. The
+        # fast path also needs the shards in order from column 0.
+        even_dim0 = (
+            list(offsets) == sorted(offsets)
+            and (not offsets or offsets[0] == 0)
+            and all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
+        )
+        ends = [o + g.shard_numel for o, g in zip(offsets, geometries, strict=True)]
+        nexts = [*offsets[1:], numel] if offsets else []
+        gaps_after = tuple(b - a for a, b in zip(ends, nexts, strict=True))
+        return Packing(
+            tuple(params), tuple(offsets), numel, geometries, even_dim0, tuple(gaps), gaps_after
+        )
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype."""
-        if not (self.even_dim0 and pack_even_dim0_grads(grads, out)):
+        gaps = self.gaps_after if self.gaps else ()
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, gaps)):
             pack_grads_rank_major(grads, self.geometries, self.offsets, out)
+            for start, end in self.gaps:
+                out[:, start:end].zero_()
 
 
 @dataclass(slots=True)
@@ -117,14 +149,39 @@ class GroupReducer:
         self.options = options  # shared with the group: set_* methods change it
         self.offload, self.pin_memory = offload
         self._packings: dict[tuple[int, ...], Packing] = {}
+        # Set by flat_layout(): where each parameter's shard sits in the group's flat shard.
+        self._flat_offsets: dict[int, int] | None = None
+        self._flat_numel = 0
         # HSDP: reduced but not yet all-reduced, with the packing it was reduced in.
         self.partial: tuple[Packing, torch.Tensor] | None = None
+
+    def flat_layout(self, params: Sequence[FSDPParam], layout: GroupLayout) -> None:
+        """Reduce every parameter's gradient at its slot of the group's flat shard.
+
+        ``params`` are the group's, in ``layout``'s order; they have one dtype. A reduction
+        that covers all of them then lands in one tensor laid out as the sharded buffer
+        (alignment gaps zeroed, element offsets of the parameters' dtype), and the gradients
+        assigned view it: an adapter's flat gradient can be that tensor itself, not a copy
+        of it. A reduction of fewer parameters stays packed back to back.
+        """
+        itemsize = layout.params[0].dtype.itemsize
+        self._flat_offsets = {
+            id(p): pl.storage_offset // itemsize
+            for p, pl in zip(params, layout.params, strict=True)
+        }
+        self._flat_numel = layout.sharded_bytes // itemsize
+        self._packings.clear()
 
     def _packing_of(self, params: Sequence[FSDPParam]) -> Packing:
         key = tuple(id(p) for p in params)
         packing = self._packings.get(key)
         if packing is None:
-            packing = self._packings[key] = Packing.of(params)
+            flat = self._flat_offsets
+            if flat is not None and len(params) == len(flat) and all(id(p) in flat for p in params):
+                packing = Packing.at(params, [flat[id(p)] for p in params], self._flat_numel)
+            else:
+                packing = Packing.of(params)
+            self._packings[key] = packing
         return packing
 
     @property

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardkit.core.group_layout import (
     ALIGN_BYTES,
@@ -137,6 +138,55 @@ class GroupView:
             padded = flat[start : start + geo.shard_numel].view(geo.padded_shard_shape)
             views.append(padded.narrow(geo.dim, 0, geo.local_length(self.shard_rank)))
         return tuple(views)
+
+    def reduce_into_flat_layout(self) -> None:
+        """From the next backward on, reduce the group's gradients laid out as :meth:`flat_shard`.
+
+        A reduction of every parameter's gradient then lands in one 1-D tensor of the
+        parameters' dtype, laid out as the flat shard (gaps zeroed), and each sharded
+        gradient is a view of it: :meth:`flat_grad_of` finds that tensor, so an adapter that
+        keeps one flat gradient (FSDP1's flat parameters) takes it as it is instead of copying
+        every gradient into one. The values are the same either way; the reduction carries the
+        alignment gaps too (a few elements per parameter).
+
+        Raises:
+            ValueError: the group has no flat shard (see :meth:`flat_shard`).
+        """
+        self._flat_dtype()
+        self._group.reduce_in_flat_layout()
+
+    def flat_grad_of(self, index: int) -> torch.Tensor | None:
+        """The flat gradient that parameter ``index``'s gradient is a view of, if it is one.
+
+        That is: a 1-D tensor laid out as :meth:`flat_shard`, over the same memory, where
+        :meth:`local_views` of it gives the gradient's slot for ``index`` at exactly that
+        gradient. None where the gradient is missing or is not such a view (it was not
+        reduced in the flat layout, see :meth:`reduce_into_flat_layout`, or is the user's).
+        """
+        dtype = self._flat_dtype()
+        grad = self.params[index].param.grad
+        if grad is None:
+            return None
+        local: torch.Tensor = grad.to_local() if isinstance(grad, DTensor) else grad
+        numel = self.layout.sharded_bytes // dtype.itemsize
+        storage = local.untyped_storage()
+        param = self.layout.params[index]
+        geo = param.geometry
+        expected = torch.empty(geo.padded_shard_shape, device="meta").narrow(
+            geo.dim, 0, geo.local_length(self.shard_rank)
+        )
+        if (
+            local.dtype != dtype
+            or storage.nbytes() != numel * dtype.itemsize
+            or local.storage_offset() != param.storage_offset // dtype.itemsize
+            or local.shape != expected.shape
+            or any(
+                size > 1 and a != b
+                for size, a, b in zip(local.shape, local.stride(), expected.stride(), strict=True)
+            )
+        ):
+            return None
+        return local.new_empty(0).set_(storage, 0, (numel,), (1,))
 
     def _flat_dtype(self) -> torch.dtype:
         hooked = [p.fqn for p in self.layout.params if p.all_gather_hooks]

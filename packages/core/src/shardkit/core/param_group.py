@@ -90,6 +90,7 @@ class FSDPParamGroup:
         # Set by the root each forward: the end-of-backward callback takes this group's
         # gradients, none are counted. See [Note: post-backward trigger] (local tree).
         self.grads_at_backward_end = False
+        self.grads_in_flat_layout = False  # see reduce_in_flat_layout
         self._geometries = [p.geometry for p in params]
         # Parameters with all-gather hooks, and the rest: those in the flat buffers.
         self._sort_hooked()
@@ -145,6 +146,16 @@ class FSDPParamGroup:
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
         )
+        if self.grads_in_flat_layout:
+            self.reducer.flat_layout(self.params, self.layout)
+
+    def reduce_in_flat_layout(self) -> None:
+        """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks).
+
+        For ``layout.GroupView.flat_grad``: the layout survives replanning (a dtype change).
+        """
+        self.grads_in_flat_layout = True
+        self.reducer.flat_layout(self.params, self.layout)
 
     def _lay_out(self) -> None:
         """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""

@@ -6,9 +6,12 @@ an optimizer stepping it steps the sharded parameters too. Its element order is 
 (each parameter's shard, 16-byte aligned), not FSDP1's. See [Note: FSDP1's
 use_orig_params=False on a per-parameter engine] (docs/notes/014).
 
-Gradients: the engine gives each sharded parameter its reduced gradient and then runs its
-post-accumulate-grad hooks; the hook here copies it into its slot of the flat parameter's
-``.grad`` and makes the parameter's gradient a view of that slot, so both name the same
+Gradients: the engine reduces the unit's gradients laid out as the flat shard
+(``GroupView.reduce_into_flat_layout``), gives each sharded parameter its slot as its
+gradient, and then runs its post-accumulate-grad hooks; the hook here takes that reduced
+tensor as the flat parameter's ``.grad`` (no copy). Where a gradient is not such a slot (a
+reduction of some parameters only, a world of one that assigns autograd's own tensors), it is
+copied into its slot of the flat ``.grad`` and made a view of it. Either way both name the same
 memory (clipping one clips the other; an optimizer built before wrapping, which steps the
 sharded parameters, still trains the model). ``zero_grad`` of either side is seen at the
 root's next forward (:func:`before_forward`).
@@ -100,6 +103,8 @@ def make_flat(module: nn.Module) -> FlatParam | None:
         param=nn.Parameter(group.flat_shard(), any(p.requires_grad for p in originals)),
         originals=originals,
     )
+    if flat.param.requires_grad:
+        group.reduce_into_flat_layout()
     for index, original in enumerate(flat.originals):
         if original.requires_grad:
             original.register_post_accumulate_grad_hook(_into_flat_grad(flat, index))
@@ -118,7 +123,10 @@ def _into_flat_grad(flat: FlatParam, index: int) -> Callable[[torch.Tensor], Non
         if grad is None:
             return
         if flat.param.grad is None:
-            flat.param.grad = torch.zeros_like(flat.param)
+            # The engine reduced into the flat layout: that tensor is the flat gradient, and
+            # every original's gradient is already its slot. Else one is made and filled.
+            reduced = flat.group.flat_grad_of(index)
+            flat.param.grad = torch.zeros_like(flat.param) if reduced is None else reduced
         slot = flat.grad_view(index)
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if local.data_ptr() != slot.data_ptr():

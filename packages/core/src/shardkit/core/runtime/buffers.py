@@ -316,7 +316,11 @@ def pack_grads_rank_major(
             _pack_uneven_dim0(grad, geo, block)
 
 
-def pack_even_dim0_grads(grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> bool:
+def pack_even_dim0_grads(
+    grads: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    gaps_after: Sequence[int] = (),
+) -> bool:
     """Pack like :func:`pack_grads_rank_major`, for even dim-0 shards only, with fewer ops.
 
     A gradient of an even dim-0 shard viewed as (W, shard_numel) has rank r's shard as row
@@ -325,7 +329,13 @@ def pack_even_dim0_grads(grads: Sequence[torch.Tensor | None], out: torch.Tensor
     measured faster than ``cat``'s casting path (bf16 gradients into fp32 rows, the FSDP1
     script's groups: 2.0 ms against 2.3 ms a backward), and still without the general path's
     per-shape views. The caller vouches for the geometries: every one dim-0, even and
-    non-empty, back to back from 0 with no gaps, filling ``out``'s rows.
+    non-empty, in order from column 0, filling ``out``'s rows.
+
+    Args:
+        grads: full gradients, one per parameter, in the order of their columns.
+        out: the (W, S) reduce-scatter input, typed in the reduce dtype.
+        gaps_after: columns of zeros after each gradient (a flat-shard layout's alignment);
+            empty: none anywhere.
 
     Returns:
         False, having written nothing, where the general path must pack: a missing
@@ -340,15 +350,33 @@ def pack_even_dim0_grads(grads: Sequence[torch.Tensor | None], out: torch.Tensor
         parts.append(grad.reshape(world, -1))  # a view unless the gradient is not contiguous
     if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
         return False
+    gaps = list(gaps_after) or [0] * len(parts)
     if all(part.dtype == out.dtype for part in parts):
+        if any(gaps):
+            parts = _with_zero_columns(parts, gaps, out)
         torch.cat(parts, dim=1, out=out)
         return True
     column = 0
-    for part in parts:
+    for part, gap in zip(parts, gaps, strict=True):
         width = part.shape[1]
         out[:, column : column + width].copy_(part)
         column += width
+        if gap:
+            out[:, column : column + gap].zero_()
+            column += gap
     return True
+
+
+def _with_zero_columns(
+    parts: list[torch.Tensor], gaps: Sequence[int], out: torch.Tensor
+) -> list[torch.Tensor]:
+    """``parts`` with a (W, gap) block of zeros after each that has a gap, for one ``cat``."""
+    spaced: list[torch.Tensor] = []
+    for part, gap in zip(parts, gaps, strict=True):
+        spaced.append(part)
+        if gap:
+            spaced.append(out.new_zeros(out.shape[0], gap))
+    return spaced
 
 
 def _pack_uneven_dim0(grad: torch.Tensor, geo: ShardGeometry, block: torch.Tensor) -> None:
