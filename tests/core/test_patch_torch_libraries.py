@@ -3,8 +3,10 @@
 Hugging Face ``transformers`` (a Llama decoder built from a config, sharded layer by layer
 with torch's names) and Accelerate's FSDP2 path (``Accelerator.prepare``, which imports
 ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy`` from ``torch.distributed.fsdp``
-when it runs). Neither is a dependency of this project: each test is skipped, with the
-reason, where its library is not installed.
+when it runs). Neither is a dependency of shardkit's packages; both are pinned test
+dependencies (``make setup`` and the hatch environments install them, so CI runs these
+tests). An environment made otherwise skips each test, with the reason, where its library is
+missing.
 """
 
 from __future__ import annotations
