@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.legacy.flat_params import FlatParam, flat_of
 from shardkit.legacy.optim_keys import ParamKey
+from shardkit.legacy.units import unit_of, units_in
 
-__all__ = ["PerParameter", "per_parameter"]
+__all__ = ["PerParameter", "per_parameter", "refuse_partial_flat_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +124,14 @@ def _views(flat: FlatParam, value: Any) -> tuple[DTensor, ...] | None:
 
 
 def _flattened(flat: FlatParam, entries: list[Mapping[str, Any] | None]) -> dict[str, Any]:
-    """One flat state entry from each original's (None: no state, zeros in its slot)."""
+    """One flat state entry from each original's (None: no state, zeros in its slot).
+
+    Raises:
+        ValueError: a scalar state (``step``) is missing for some originals or differs
+            between them, as FSDP1 raises: one flat tensor has one scalar.
+    """
     merged: dict[str, Any] = {}
+    scalars: dict[str, list[Any]] = {}
     for index, entry in enumerate(entries):
         if entry is None:
             continue
@@ -133,5 +141,54 @@ def _flattened(flat: FlatParam, entries: list[Mapping[str, Any] | None]) -> dict
                     merged[k] = torch.zeros_like(flat.param, dtype=v.dtype)
                 flat.views(merged[k])[index].copy_(v.to_local())
             else:
+                scalars.setdefault(k, []).append(v)
                 merged.setdefault(k, v)
+    names = [p.keys[0] for p in flat.group.params]
+    for k, values in scalars.items():
+        _check_one_scalar(names, k, values, len(entries))
     return merged
+
+
+def refuse_partial_flat_state(
+    model: nn.Module, names: Mapping[int, str], state: Mapping[Any, Any]
+) -> None:
+    """Refuse a name-keyed optimizer ``state`` that a flat unit of ``model`` cannot take.
+
+    A unit built with ``use_orig_params=False`` has one flat parameter and so one scalar
+    state (``step``) for all its parameters, whatever the optimizer holds (a plain root lists
+    the sharded parameters instead): FSDP1 refuses a state that has it for some of them only,
+    or with different values. ``names``: each parameter's clean name by ``id``.
+
+    Raises:
+        ValueError: such a unit, naming its parameters.
+    """
+    for unit in units_in(model):
+        flat = unit_of(unit).flat
+        if flat is None:
+            continue
+        unit_names = [names.get(id(p), "?") for p in flat.originals]
+        entries = [state.get(n) for n in unit_names]
+        if all(e is None for e in entries):
+            continue
+        scalars: dict[str, list[Any]] = {}
+        for entry in entries:
+            for k, v in (entry or {}).items():
+                if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                    scalars.setdefault(k, []).append(v)
+        for k, values in scalars.items():
+            _check_one_scalar(unit_names, k, values, len(entries))
+
+
+def _check_one_scalar(names: list[str], key: str, values: list[Any], members: int) -> None:
+    """Refuse a scalar state that the originals of one flat parameter do not share."""
+    if all(v is None for v in values):
+        return  # FSDP1 keeps a state that is None for every original
+    seen = {(v.item(), v.dtype) if isinstance(v, torch.Tensor) else (v, None) for v in values}
+    if len(values) != members or len(seen) != 1:
+        raise ValueError(
+            "All unflattened parameters comprising a single flat parameter must have "
+            f"scalar state with the same value and dtype, but state {key!r} is "
+            f"{sorted(map(str, seen))} on {len(values)} of the {members} parameters of the "
+            f"flat parameter of ({', '.join(names)}): a loaded optimizer state misses some "
+            "of them"
+        )
