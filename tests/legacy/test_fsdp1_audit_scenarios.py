@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from harness.pool import run_on_ranks
+from tests.legacy.fsdp1_scenario_models import quiet
+from tests.legacy.legacy_parity import lib
 from tests.legacy.nested_optim_support import Nested, setup, train, wrapped
 from tests.legacy.optim_support import call
 
@@ -75,3 +77,43 @@ def test_a_unit_parameter_the_saved_state_lacks_is_refused_as_fsdp1_with_flat_pa
                 # Positions differ: FSDP1's optimizer holds flat parameters, ours (under a
                 # plain root) the sharded ones (README, "What differs").
                 assert isinstance(theirs, list) and isinstance(ours, list), (way, ours, theirs)
+
+
+# --- FSDP1's private state-dict attributes, read by code written for it -------------------------
+
+
+def _private_settings(impl: str) -> list[Any]:
+    ns = lib(impl)
+    with quiet():  # units inside units, under a root unit
+        model = ns.FSDP(wrapped(impl), device_id=torch.device("cpu"))
+    seen: list[Any] = []
+
+    def read() -> None:
+        for unit in ns.FSDP.fsdp_modules(model):
+            seen.append(
+                (
+                    unit._state_dict_type.name,
+                    type(unit._state_dict_config).__name__,
+                    type(unit._optim_state_dict_config).__name__,
+                )
+            )
+
+    read()
+    with quiet(), ns.FSDP.state_dict_type(model, ns.StateDictType.SHARDED_STATE_DICT):
+        read()
+    read()  # the type before the block again, on every unit
+    return seen
+
+
+def _private_settings_body(rank: int, world_size: int) -> dict[str, Any]:
+    return {impl: _private_settings(impl) for impl in IMPLS}
+
+
+def test_private_state_dict_attributes_follow_state_dict_type_as_fsdp1s() -> None:
+    for out in run_on_ranks(2, _private_settings_body):
+        assert out["shardkit"] == out["torch"]
+        assert (
+            "SHARDED_STATE_DICT",
+            "ShardedStateDictConfig",
+            "ShardedOptimStateDictConfig",
+        ) in out["torch"]

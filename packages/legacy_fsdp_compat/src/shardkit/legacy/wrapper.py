@@ -26,7 +26,10 @@ from shardkit.legacy.configs import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
+    OptimStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
 )
 from shardkit.legacy.construct import Fsdp1Args, build_unit, own_modules
 from shardkit.legacy.orig_params import repoint_optimizers
@@ -159,6 +162,20 @@ class FullyShardedDataParallel(nn.Module):
     def limit_all_gathers(self) -> bool:
         """FSDP1's argument as given (the engine's buffers come from a bounded pool)."""
         return unit_of(self).unit.limit_all_gathers
+
+    # FSDP1's private attributes that code written for it reads (its own tests among them).
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        """The state-dict type set on this unit (``state_dict_type`` / ``set_...``)."""
+        return unit_of(self).settings.state_dict_type
+
+    @property
+    def _state_dict_config(self) -> StateDictConfig:
+        return unit_of(self).settings.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig:
+        return unit_of(self).settings.optim_state_dict_config
 
     @property
     def params(self) -> list[nn.Parameter]:
