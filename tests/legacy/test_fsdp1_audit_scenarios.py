@@ -117,3 +117,32 @@ def test_private_state_dict_attributes_follow_state_dict_type_as_fsdp1s() -> Non
             "ShardedStateDictConfig",
             "ShardedOptimStateDictConfig",
         ) in out["torch"]
+
+
+# --- a rank missing state the first rank has: FSDP1's words ------------------------------------
+
+MISSING_STATE_ERROR = (
+    "FSDP currently requires each rank to have at least the optimizer states needed by rank "
+    "0's optimizer but some ranks are missing some of those states"
+)
+
+
+def _missing_words_body(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for impl in IMPLS:
+        model = wrapped(impl, use_orig_params=False)
+        params = list(model.parameters())
+        opt = torch.optim.Adam(params[:-1] if rank == 1 else params, lr=0.01)
+        train(model, opt, 1)
+        try:
+            call(impl, "full_optim_state_dict", model, opt)
+            out[impl] = "no error"
+        except RuntimeError as error:  # the words, compared with FSDP1's
+            out[impl] = str(error)[: len(MISSING_STATE_ERROR)]
+    return out
+
+
+def test_a_rank_missing_the_first_ranks_state_raises_with_fsdp1s_words() -> None:
+    for out in run_on_ranks(2, _missing_words_body):
+        assert out["torch"] == MISSING_STATE_ERROR
+        assert out["shardkit"] == out["torch"]

@@ -175,10 +175,11 @@ def _agree_on_sharded(
             said = ", ".join(f"{name} ({', '.join(keys)})" for name, keys in missing)
             lines.append(f"rank {rank} has no state for {said}")
     if lines:
+        # FSDP1's words first: code written for it matches them.
         raise RuntimeError(
-            "every rank's optimizer must hold state for the sharded parameters the first "
-            "rank's holds (each state tensor is gathered from every rank's shard), but some "
-            "ranks are missing some: " + "; ".join(lines)
+            "FSDP currently requires each rank to have at least the optimizer states needed "
+            "by rank 0's optimizer but some ranks are missing some of those states (each "
+            "state tensor is gathered from every rank's shard): " + "; ".join(lines)
         )
     agreed = {name for name, _ in reference}
     sharded = {name for name, _ in mine}
