@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.legacy.flat_params import FlatParam, flat_of
 from shardkit.legacy.optim_keys import ParamKey
-from shardkit.legacy.units import unit_of, units_in
 
-__all__ = ["PerParameter", "per_parameter", "refuse_partial_flat_state"]
+__all__ = ["PerParameter", "per_parameter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,36 +145,6 @@ def _flattened(flat: FlatParam, entries: list[Mapping[str, Any] | None]) -> dict
     for k, values in scalars.items():
         _check_one_scalar(names, k, values, len(entries))
     return merged
-
-
-def refuse_partial_flat_state(
-    model: nn.Module, names: Mapping[int, str], state: Mapping[Any, Any]
-) -> None:
-    """Refuse a name-keyed optimizer ``state`` that a flat unit of ``model`` cannot take.
-
-    A unit built with ``use_orig_params=False`` has one flat parameter and so one scalar
-    state (``step``) for all its parameters, whatever the optimizer holds (a plain root lists
-    the sharded parameters instead): FSDP1 refuses a state that has it for some of them only,
-    or with different values. ``names``: each parameter's clean name by ``id``.
-
-    Raises:
-        ValueError: such a unit, naming its parameters.
-    """
-    for unit in units_in(model):
-        flat = unit_of(unit).flat
-        if flat is None:
-            continue
-        unit_names = [names.get(id(p), "?") for p in flat.originals]
-        entries = [state.get(n) for n in unit_names]
-        if all(e is None for e in entries):
-            continue
-        scalars: dict[str, list[Any]] = {}
-        for entry in entries:
-            for k, v in (entry or {}).items():
-                if not (isinstance(v, torch.Tensor) and v.dim() > 0):
-                    scalars.setdefault(k, []).append(v)
-        for k, values in scalars.items():
-            _check_one_scalar(unit_names, k, values, len(entries))
 
 
 def _check_one_scalar(names: list[str], key: str, values: list[Any], members: int) -> None:

@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.legacy.comm import broadcast, broadcast_object, gather_objects
-from shardkit.legacy.flat_optim import refuse_partial_flat_state
 from shardkit.legacy.optim_keys import ParamKey, names_by_param
 from shardkit.legacy.sharded_state_dict import chunk_2d, chunk_like, local_of_loaded
 from shardkit.legacy.torch_compat import ShardedTensor
@@ -230,11 +229,8 @@ def load_ready(
 
     Raises:
         KeyError: a parameter named in ``osd`` is the model's but not the optimizer's.
-        ValueError: ``osd`` gives a scalar state (``step``) to some parameters of a unit
-            with flat parameters only, as FSDP1 refuses.
     """
     names = names_by_param(model)
-    refuse_partial_flat_state(model, names, osd["state"])
     order = {name: index for index, name in enumerate(names.values())}
     key_of: dict[str, ParamKey] = {}
     for key, param in keyed.items():
