@@ -139,7 +139,8 @@ def _flattened(flat: FlatParam, entries: list[Mapping[str, Any] | None]) -> dict
                     merged[k] = torch.zeros_like(flat.param, dtype=v.dtype)
                 flat.views(merged[k])[index].copy_(v.to_local())
             else:
-                scalars.setdefault(k, []).append(v)
+                if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                    scalars.setdefault(k, []).append(v)
                 merged.setdefault(k, v)
     names = [p.keys[0] for p in flat.group.params]
     for k, values in scalars.items():
