@@ -44,11 +44,10 @@ class Packing:
     """Each parameter's shard geometry."""
     even_dim0: bool
     """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
-    gaps: tuple[tuple[int, int], ...] = ()
-    """Column ranges of a row that no parameter fills (a flat-shard layout's alignment):
-    zeroed at each packing, so the reduced tensor holds zeros there."""
     gaps_after: tuple[int, ...] = ()
-    """The same, as the columns after each parameter (in order): the fast path's form."""
+    """Columns after each parameter's shard that no parameter fills (a flat-shard layout's
+    alignment, and its tail): zeroed at each packing, so the reduced tensor holds zeros there.
+    Empty: none anywhere."""
 
     @staticmethod
     def of(params: Sequence[FSDPParam]) -> Packing:
@@ -62,37 +61,36 @@ class Packing:
 
     @staticmethod
     def at(params: Sequence[FSDPParam], offsets: Sequence[int], numel: int) -> Packing:
-        """Lay ``params`` out at the given element offsets in rows of ``numel`` elements."""
+        """Lay ``params`` out at increasing element offsets in rows of ``numel`` elements."""
         geometries = tuple(p.geometry for p in params)
-        gaps: list[tuple[int, int]] = []
-        cursor = 0
-        for offset, geo in sorted(zip(offsets, geometries, strict=True), key=lambda x: x[0]):
-            if offset > cursor:
-                gaps.append((cursor, offset))
-            cursor = offset + geo.shard_numel
-        if numel > cursor:
-            gaps.append((cursor, numel))
-        # An empty gradient cannot be viewed as (W, -1): the general path packs those. The
-        # fast path also needs the shards in order from column 0.
-        even_dim0 = (
-            list(offsets) == sorted(offsets)
-            and (not offsets or offsets[0] == 0)
-            and all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
-        )
         ends = [o + g.shard_numel for o, g in zip(offsets, geometries, strict=True)]
-        nexts = [*offsets[1:], numel] if offsets else []
-        gaps_after = tuple(b - a for a, b in zip(ends, nexts, strict=True))
+        nexts = [*offsets[1:], numel]
+        gaps_after = tuple(b - a for a, b in zip(ends, nexts, strict=False))
+        if offsets and (offsets[0] != 0 or min(gaps_after) < 0):
+            raise ValueError(f"offsets {list(offsets)} do not lay the shards out in order")
+        # An empty gradient cannot be viewed as (W, -1): the general path packs those.
+        even_dim0 = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
         return Packing(
-            tuple(params), tuple(offsets), numel, geometries, even_dim0, tuple(gaps), gaps_after
+            tuple(params),
+            tuple(offsets),
+            numel,
+            geometries,
+            even_dim0,
+            gaps_after if any(gaps_after) else (),
         )
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype."""
-        gaps = self.gaps_after if self.gaps else ()
-        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, gaps)):
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, self.gaps_after)):
             pack_grads_rank_major(grads, self.geometries, self.offsets, out)
-            for start, end in self.gaps:
-                out[:, start:end].zero_()
+            if self.gaps_after:
+                self._zero_gaps(out)
+
+    def _zero_gaps(self, out: torch.Tensor) -> None:
+        for offset, geo, gap in zip(self.offsets, self.geometries, self.gaps_after, strict=True):
+            if gap:
+                end = offset + geo.shard_numel
+                out[:, end : end + gap].zero_()
 
 
 @dataclass(slots=True)
