@@ -126,3 +126,55 @@ def test_reductions_in_the_flat_layout_give_the_same_gradients_as_one_flat_tenso
     expected = ("none by default", "a flat gradient", "every gradient views it", "gaps are zeros")
     for out in run_on_ranks(world_size, _flat_grad_body, replicas=replicas):
         assert out == dict.fromkeys((*expected, "same gradients"), True), out
+
+
+def _unlisted_body(rank: int, world_size: int) -> dict[str, object]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict[str, object] = {}
+    losses: dict[str, list[float]] = {}
+    for listed in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        names = [n for n, _ in model.named_parameters()]
+        keys = list(model.state_dict())
+        opt = torch.optim.SGD([p for g in layout_of(model) for p in (q.param for q in g.params)])
+        outer = next(g for g in layout_of(model) if any(m is model for m in g.modules))
+        if not listed:
+            outer.list_params(False)
+            out["unlisted"] = [n for n, _ in model.named_parameters()]
+            out["unlisted keys"] = list(model.state_dict())
+            out["attribute"] = isinstance(model[2].weight, nn.Parameter)
+        losses[str(listed)] = []
+        for step in range(3):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[str(listed)].append(loss.item())
+        if not listed:
+            model.double()  # moves the unlisted parameters too
+            out["moved"] = model[2].weight.dtype == torch.float64
+            out["listed again"] = [n for n, _ in model.named_parameters()] == names
+            model.float()
+            outer.list_params(True)
+            out["names back in order"] = [n for n, _ in model.named_parameters()] == names
+            out["keys back in order"] = list(model.state_dict()) == keys
+    out["same losses"] = losses["True"] == losses["False"]
+    return out
+
+
+def test_a_group_can_hold_its_parameters_off_parameters_and_state_dict() -> None:
+    for out in run_on_ranks(2, _unlisted_body):
+        # Only the inner group's parameters are listed; forward, backward and the step are
+        # the same; module.to() moves the unlisted ones; listing again restores the order.
+        assert out["unlisted"] == ["0.weight", "0.bias"]
+        assert out["unlisted keys"] == ["0.weight", "0.bias"]
+        assert out["attribute"] is True
+        assert out["same losses"] is True
+        assert out["moved"] is True
+        assert out["listed again"] is False
+        assert out["names back in order"] is True
+        assert out["keys back in order"] is True

@@ -15,9 +15,11 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from shardkit.core.layout import GroupView
+from shardkit.legacy.flat_params import flat_of
 from tests.core import models
 from tests.legacy.legacy_parity import global_loss, lib
 
@@ -117,7 +119,11 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
     out["shardkit/before"] = _train("shardkit", "adam", before=True)[2]
     # model.to(dtype) moves the shards into a new buffer: the same flat parameter follows.
     model = _wrap("shardkit", models.build("mlp"))
-    flat, original = next(model.parameters()), model.params[0]
+    flat = next(model.parameters())
+    unit = flat_of(flat)
+    assert unit is not None
+    original = unit.originals[0]
+    assert isinstance(original, DTensor)
     model.double()
     model(models.batch("mlp", 0, 2)[0].double())
     local = original.to_local()

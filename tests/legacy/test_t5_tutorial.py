@@ -35,7 +35,10 @@ SIZES: dict[str, Any] = {"epochs": 2, "train_size": 8, "val_size": 8}
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # A plain T5 cast to bf16 is not bit for bit what FSDP1's bf16 policy computes (which casts
 # inputs and parameters around each unit, not once): its loss may be one bf16 step away.
-TOLERANCE = {"fp32": 0.0, "bf16": 2**-7}
+# In fp32 a plain T5's weights are separate tensors, the wrapped one's are views into flat
+# parameters: a CPU's matmul kernels may pick another path for another alignment (seen on AMD
+# EPYC: one fp32 step apart). Ours and FSDP1's losses and checkpoints are compared exactly.
+TOLERANCE = {"fp32": 2**-20, "bf16": 2**-7}
 
 
 def _both(rank: int, world_size: int, folder: str, **fields: Any) -> dict[str, Any]:

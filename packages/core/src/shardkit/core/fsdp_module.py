@@ -298,7 +298,15 @@ class FSDPModule:
         for group in groups:
             group.reshard()
         assert isinstance(self, nn.Module)
-        result = nn.Module._apply(self, fn, recurse)
+        # Parameters an adapter keeps off _parameters (param_listing) move with the rest.
+        unlisted = [g for g in groups if not all(p.listed for p in g.params)]
+        for group in unlisted:
+            group.list_params(True)
+        try:
+            result = nn.Module._apply(self, fn, recurse)
+        finally:
+            for group in unlisted:
+                group.list_params(False)
         for group in groups:
             group.resync_sharded_storage()
         return result

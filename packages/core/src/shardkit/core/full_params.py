@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.param_listing import read_slot, write_slot
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.runtime.groups import global_rank
 from shardkit.core.state_dict.full import coordinator_rank, dp_pieces, gather_rows
@@ -139,7 +140,7 @@ class _Gathered:
         with torch.no_grad():
             for index, registered in self.full.items():
                 p = self.group.params[index]
-                current = p.slots[0].module._parameters[p.slots[0].name]
+                current = read_slot(p.slots[0])
                 value = current if current is not None else registered
                 _write_shard(p, value)
 
@@ -181,7 +182,7 @@ def _gather(
         full[index] = param
         for slot in p.slots:
             # A tied parameter gets the same full Parameter in each of its places.
-            slot.module._parameters[slot.name] = param
+            write_slot(slot, param, p.listed)
     return _Gathered(group, full)
 
 

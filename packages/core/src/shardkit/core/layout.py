@@ -9,9 +9,12 @@ Two halves share one piece of arithmetic:
   keys, geometry, a view of its local shard, and the mesh. The FSDP1 layer reads flat-parameter
   layouts and key mappings from it.
 
-Nothing here changes the engine's state. The one writable view is a group's flat shard
-(:meth:`GroupView.flat_shard`): an optimizer may step it between steps, as it steps the
-sharded parameters that view the same bytes. See [Note: flat group buffers].
+Nothing here changes the engine's state but three opt-ins for an adapter that keeps one flat
+parameter per group (FSDP1's): the group's flat shard (:meth:`GroupView.flat_shard`), which an
+optimizer may step between steps as it steps the sharded parameters that view the same bytes;
+reductions laid out as that shard (:meth:`GroupView.reduce_into_flat_layout`); and parameters
+registered off ``parameters()`` (:meth:`GroupView.list_params`). See [Note: flat group
+buffers].
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from shardkit.core.group_layout import (
     group_layout,
     pooled_sizes,
 )
-from shardkit.core.param import ParamSlot
 from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.param_listing import ParamSlot
 from shardkit.core.state_registry import states_under
 
 __all__ = [
@@ -187,6 +190,17 @@ class GroupView:
         ):
             return None
         return local.new_empty(0).set_(storage, 0, (numel,), (1,))
+
+    def list_params(self, listed: bool) -> None:
+        """Whether ``parameters()`` and ``state_dict()`` of the group's modules list its parameters.
+
+        True (the default, as torch's ``fully_shard``): registered in ``_parameters``. False:
+        held as plain attributes instead (``module.weight`` still reads them in a forward, the
+        engine swaps sharded and unsharded ones as before), so an adapter can list a flat
+        parameter in their place; ``module.to()`` on the group's module still moves them.
+        Setting it back to True puts each at its old place in ``_parameters``.
+        """
+        self._group.list_params(listed)
 
     def _flat_dtype(self) -> torch.dtype:
         hooked = [p.fqn for p in self.layout.params if p.all_gather_hooks]

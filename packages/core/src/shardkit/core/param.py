@@ -27,18 +27,11 @@ from shardkit.core.gather_hooks import AllGatherHooks, has_all_gather_hooks
 from shardkit.core.group_layout import ParamSpec
 from shardkit.core.local_step import allow_local_step
 from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.param_listing import ParamSlot, read_slot, write_slot
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
 
 __all__ = ["FSDPParam", "ParamSlot", "Sharding"]
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """One place the parameter is registered: ``module._parameters[name]``."""
-
-    module: nn.Module
-    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +85,8 @@ class FSDPParam:
         self.original_ref = weakref.ref(param)
         self.sharded_param = param  # replaced by bind_sharded() before anyone sees it
         self._own: torch.Tensor | None = None  # a hooked parameter's local tensor, as bound
+        # False: registered as plain attributes, not in _parameters (see param_listing).
+        self.listed = True
 
     def _hooks_of(self, local: torch.Tensor, extension: ShardingExtension) -> AllGatherHooks | None:
         if not has_all_gather_hooks(local, self.fqn):
@@ -244,7 +239,7 @@ class FSDPParam:
 
     def current_local(self) -> torch.Tensor:
         """The local tensor that the registered sharded parameter holds right now."""
-        param = self.slots[0].module._parameters[self.slots[0].name]
+        param = read_slot(self.slots[0])
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) put a new object in place: adopt it.
             self.sharded_param = param
@@ -305,8 +300,7 @@ class FSDPParam:
         param = self.unsharded_param if unsharded else self.sharded_param
         assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
         for slot in self.slots:
-            # Bypass nn.Module.__setattr__: it is slow and we only swap like for like.
-            slot.module._parameters[slot.name] = param
+            write_slot(slot, param, self.listed)
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated so far (no-sync steps included); clears it."""

@@ -23,6 +23,7 @@ from shardkit.core.group_layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
+from shardkit.core.param_listing import list_slots, unlist_slots
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import one_copy_numel
@@ -91,6 +92,8 @@ class FSDPParamGroup:
         # gradients, none are counted. See [Note: post-backward trigger] (local tree).
         self.grads_at_backward_end = False
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
+        # While unlisted (list_params), each module's _parameters names as they were.
+        self._listing_order: dict[int, list[str]] = {}
         self._geometries = [p.geometry for p in params]
         # Parameters with all-gather hooks, and the rest: those in the flat buffers.
         self._sort_hooked()
@@ -156,6 +159,22 @@ class FSDPParamGroup:
         """
         self.grads_in_flat_layout = True
         self.reducer.flat_layout(self.params, self.layout)
+
+    def list_params(self, listed: bool) -> None:
+        """Register the parameters in ``_parameters`` (True) or as plain attributes (False).
+
+        See ``param_listing``: unlisted, ``parameters()``, ``state_dict()`` and ``module.to()``
+        walk past them; the engine registers and swaps them as before.
+        """
+        if all(p.listed == listed for p in self.params):
+            return
+        slots = [slot for p in self.params for slot in p.slots]
+        if listed:
+            list_slots(slots, self._listing_order)
+        else:
+            unlist_slots(slots, self._listing_order)
+        for p in self.params:
+            p.listed = listed
 
     def _lay_out(self) -> None:
         """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""

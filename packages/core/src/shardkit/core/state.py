@@ -23,6 +23,7 @@ from shardkit.core.errors import DesyncError
 from shardkit.core.input_grads import InputGradsWatch
 from shardkit.core.local_step import restore_all
 from shardkit.core.local_tree import enter_local_forward, is_local_tree
+from shardkit.core.param import FSDPParam
 from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
@@ -128,9 +129,7 @@ class FSDPState:
             group = state.group
             if group is not None:
                 group.fqn = state.fqn
-                group.param_fqns = [
-                    param_names.get(id(p.sharded_param), p.fqn) for p in group.params
-                ]
+                group.param_fqns = [_name_from_root(p, param_names, names) for p in group.params]
                 group.attach_comm(ctx.comm)
                 group.ensure_final_callback = self._ensure_final_callback
                 group.resync_sharded_storage()
@@ -472,3 +471,15 @@ def new_comm_context() -> CommContext:
     """A communication context on c10d process groups (the default runtime)."""
     runtime = ProcessGroupRuntime()
     return CommContext(runtime=runtime, pool=runtime.pool)
+
+
+def _name_from_root(p: FSDPParam, param_names: dict[int, str], names: dict[int, str]) -> str:
+    """``p``'s name from the root: as listed, or where it is held (``param_listing``)."""
+    listed = param_names.get(id(p.sharded_param))
+    if listed is not None:
+        return listed
+    slot = p.slots[0]
+    module_name = names.get(id(slot.module))
+    if module_name is None:
+        return p.fqn
+    return f"{module_name}.{slot.name}" if module_name else slot.name

@@ -8,6 +8,7 @@ here, so every collective of this package is in one file.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,14 @@ __all__ = [
     "group_rank",
     "group_size",
     "mesh_ranks_group",
+    "raise_alike",
 ]
+
+# Error types a rank raises as the failed rank's own; any other becomes a RuntimeError
+# naming it. Each takes its message as its one argument.
+_ALIKE: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (KeyError, ValueError, TypeError, RuntimeError)
+}
 
 
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -83,7 +91,7 @@ def broadcast_object(value: object, group: dist.ProcessGroup | None = None) -> o
 
 def gather_objects(value: object, group: dist.ProcessGroup | None = None) -> list[object]:
     """Every rank of ``group``'s ``value`` (picklable), in rank order, on every rank."""
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [value]
     gathered: list[object] = [None] * size
@@ -133,3 +141,33 @@ def first_error(message: str | None, group: dist.ProcessGroup | None = None) -> 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     failed = ((r, m) for r, m in zip(ranks, messages, strict=True) if m is not None)
     return next((f"rank {r}: {m}" for r, m in failed), None)
+
+
+def raise_alike(error: Exception | None, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank of ``group`` if ``error`` is set on any of them; else return.
+
+    Every rank of ``group`` (default: the world) calls it after the same checks, passing what
+    its own raised (None: they passed), so that no rank goes on to a collective the failed
+    ranks never enter. Where every rank failed alike, each raises its own error; otherwise
+    each raises the first failed rank's, of the same type (one of ``KeyError``,
+    ``ValueError``, ``TypeError``, ``RuntimeError``; any other becomes a ``RuntimeError``
+    naming it), its message naming that rank by its global rank.
+    """
+    mine = None
+    if error is not None:
+        # A KeyError's str() quotes its message; its argument is the message itself.
+        words = error.args[0] if isinstance(error, KeyError) and error.args else error
+        mine = (type(error).__name__, str(words))
+    everyone = gather_objects(mine, group)
+    failed = [(rank, e) for rank, e in enumerate(everyone) if e is not None]
+    if not failed:
+        return
+    if error is not None and all(e == mine for e in everyone):
+        raise error
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    assert failed[0][1] is not None
+    index, (kind, message) = cast(tuple[int, tuple[str, str]], failed[0])
+    rank = ranks[index] if ranks is not None else index
+    cls = _ALIKE.get(kind)
+    text = f"rank {rank}: {message}" if cls is not None else f"rank {rank}: {kind}: {message}"
+    raise (cls or RuntimeError)(text) from error

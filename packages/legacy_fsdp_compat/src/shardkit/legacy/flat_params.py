@@ -16,17 +16,18 @@ memory (clipping one clips the other; an optimizer built before wrapping, which 
 sharded parameters, still trains the model). ``zero_grad`` of either side is seen at the
 root's next forward (:func:`before_forward`).
 
-The originals stay registered (the engine gathers, saves and moves them); only a wrapper's
-``named_parameters`` lists flat parameters in their place, so a plain module holding
-wrappers lists the originals.
+As FSDP1 does, the flat parameter is registered on the wrapped module as ``_flat_param`` and
+the originals are not: the core holds them as plain attributes (``GroupView.list_params``), so
+any module holding the unit, a plain root too, lists the flat parameter in their place. This
+package's own code reads the originals inside :func:`per_parameter_view`, which lists them
+again (and not the flat parameters) for its duration.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Generator, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,14 +44,16 @@ __all__ = [
     "flat_of",
     "make_flat",
     "per_parameter_view",
-    "replace_with_flat",
     "shows_flat",
 ]
 
 FLAT_NAME = "_fsdp_wrapped_module._flat_param"
 """A flat parameter's name relative to its wrapper, as FSDP1 registers it."""
 
-_PER_PARAMETER: ContextVar[bool] = ContextVar("shardkit_legacy_per_parameter", default=False)
+_FLAT_ATTR = "_flat_param"
+# How many per_parameter_view contexts are open: the registration is the modules' own state,
+# so it is one for the process, not per context.
+_shown_depth = 0
 # By id of the flat parameter: the optimizer-state APIs find a unit from the optimizer's.
 # Weak: the wrapper's UnitState holds each FlatParam, and it goes with the wrapper.
 _BY_FLAT: weakref.WeakValueDictionary[int, FlatParam] = weakref.WeakValueDictionary()
@@ -61,6 +64,8 @@ class FlatParam:
     """One unit's flat parameter, over its group's flat shard."""
 
     group: GroupView
+    holder: nn.Module
+    """The wrapped module: FSDP1 registers ``_flat_param`` on it."""
     param: nn.Parameter
     """The flat parameter: a 1-D view of the group's sharded buffer."""
     originals: tuple[nn.Parameter, ...]
@@ -68,6 +73,8 @@ class FlatParam:
     _grad_views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = field(
         default=None, repr=False
     )
+    trains: bool = True
+    """``param.requires_grad`` as last passed on to the originals (:func:`before_forward`)."""
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each original's local shard as a view of ``flat`` (laid out as the flat parameter)."""
@@ -86,6 +93,16 @@ class FlatParam:
             self._grad_views = (grad, self.views(grad))
         return self._grad_views[1][index]
 
+    def list_flat(self, flat: bool) -> None:
+        """Register the flat parameter and unlist the originals (True), or the reverse."""
+        if flat:
+            self.group.list_params(False)
+            self.holder.register_parameter(_FLAT_ATTR, self.param)
+        else:
+            if hasattr(self.holder, _FLAT_ATTR):
+                delattr(self.holder, _FLAT_ATTR)
+            self.group.list_params(True)
+
     def forget_grad_views(self) -> None:
         """Drop the views of a gradient the flat parameter no longer has (freeing it)."""
         if self._grad_views is not None and self._grad_views[0] is not self.param.grad:
@@ -100,15 +117,17 @@ def make_flat(module: nn.Module) -> FlatParam | None:
     originals = tuple(p.param for p in group.params)
     flat = FlatParam(
         group=group,
+        holder=module,
         param=nn.Parameter(group.flat_shard(), any(p.requires_grad for p in originals)),
         originals=originals,
     )
-    if flat.param.requires_grad:
-        group.reduce_into_flat_layout()
+    flat.trains = flat.param.requires_grad
+    group.reduce_into_flat_layout()
     for index, original in enumerate(flat.originals):
-        if original.requires_grad:
-            original.register_post_accumulate_grad_hook(_into_flat_grad(flat, index))
+        # On every original: freezing and unfreezing the flat parameter reaches them all.
+        original.register_post_accumulate_grad_hook(_into_flat_grad(flat, index))
     _BY_FLAT[id(flat.param)] = flat
+    flat.list_flat(shows_flat())
     return flat
 
 
@@ -143,7 +162,7 @@ def flat_of(param: torch.Tensor) -> FlatParam | None:
 
 
 def before_forward(flats: list[FlatParam]) -> None:
-    """Settle what happened since the last backward (zero_grad, moved storage)."""
+    """Settle what happened since the last backward (zero_grad, moved storage, freezing)."""
     for flat in flats:
         shard = flat.group.flat_shard()
         if shard.data_ptr() != flat.param.data_ptr() or shard.dtype != flat.param.dtype:
@@ -152,6 +171,12 @@ def before_forward(flats: list[FlatParam]) -> None:
             assert group is not None, f"{flat.group.fqn}: its group is gone"
             flat.group = group
             flat.param.data = group.flat_shard()
+        if flat.param.requires_grad != flat.trains:
+            # Frozen or unfrozen through the flat parameter (model.requires_grad_): the
+            # engine follows the originals' flags, as FSDP1 follows its flat parameter's.
+            flat.trains = flat.param.requires_grad
+            for p in flat.originals:
+                p.requires_grad_(flat.trains)
         if flat.param.grad is None:
             for p in flat.originals:
                 p.grad = None
@@ -162,32 +187,28 @@ def before_forward(flats: list[FlatParam]) -> None:
 
 @contextlib.contextmanager
 def per_parameter_view() -> Generator[None, None, None]:
-    """Inside, wrappers list their sharded parameters, not flat ones (this package's code)."""
-    token = _PER_PARAMETER.set(True)
+    """Inside, modules list the sharded parameters, not flat ones (this package's own code).
+
+    Entered first, it registers every live unit's originals again in their places and takes
+    the flat parameters off; leaving the outermost one undoes it. Nested entries are free.
+    """
+    global _shown_depth
+    _shown_depth += 1
     try:
+        if _shown_depth == 1:
+            _list_all_flats(False)
         yield
     finally:
-        _PER_PARAMETER.reset(token)
+        _shown_depth -= 1
+        if _shown_depth == 0:
+            _list_all_flats(True)
+
+
+def _list_all_flats(flat: bool) -> None:
+    for unit in list(_BY_FLAT.values()):
+        unit.list_flat(flat)
 
 
 def shows_flat() -> bool:
-    """Whether wrappers list flat parameters now (outside :func:`per_parameter_view`)."""
-    return not _PER_PARAMETER.get()
-
-
-def replace_with_flat(
-    named: Iterator[tuple[str, nn.Parameter]],
-    flats: dict[int, tuple[str, FlatParam]],
-) -> Iterator[tuple[str, nn.Parameter]]:
-    """``named`` with each unit's originals replaced by its flat parameter, where the first was.
-
-    ``flats``: by id of each original, the flat parameter's name and the flat parameter.
-    """
-    seen: set[int] = set()
-    for name, param in named:
-        hit = flats.get(id(param))
-        if hit is None:
-            yield name, param
-        elif id(hit[1]) not in seen:
-            seen.add(id(hit[1]))
-            yield hit[0], hit[1].param
+    """Whether modules list flat parameters now (outside :func:`per_parameter_view`)."""
+    return _shown_depth == 0

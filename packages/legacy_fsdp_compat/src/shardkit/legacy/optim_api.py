@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.legacy import configs
+from shardkit.legacy.comm import gather_objects, mesh_ranks_group, raise_alike
 from shardkit.legacy.configs import OptimStateKeyType, StateDictType
-from shardkit.legacy.flat_optim import per_parameter
+from shardkit.legacy.flat_optim import PerParameter, per_parameter
 from shardkit.legacy.flat_params import flat_of
 from shardkit.legacy.optim_keys import (
     ParamKey,
@@ -30,7 +31,13 @@ from shardkit.legacy.optim_keys import (
     params_by_id,
     params_of_input,
 )
-from shardkit.legacy.optim_state import SaveForm, load_ready, named_state, receive_from_first
+from shardkit.legacy.optim_state import (
+    SaveForm,
+    load_ready,
+    loadable,
+    named_state,
+    receive_from_first,
+)
 from shardkit.legacy.orig_params import repoint
 from shardkit.legacy.settings import get_state_dict_type
 from shardkit.legacy.torch_compat import clean_name, translate
@@ -76,6 +83,45 @@ def _positions(
     if optim_input is not None or optim is None:
         return dict(enumerate(params_of_input(model, optim_input)))
     return dict(enumerate(params_by_id(optim)))
+
+
+def _ready_to_load(
+    model: nn.Module,
+    per: PerParameter,
+    osd: dict[str, Any],
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """``per.collapse(load_ready(...))``, raised alike on every rank of the model.
+
+    Input read from outside may be bad on some ranks only: each rank checks its own before
+    any tensor moves, and the ranks agree that they will run the same collectives (every
+    value gathered on one is gathered on all) before converting.
+    """
+    if group is None and (units := units_in(model)):
+        group = mesh_ranks_group(unit_of(units[0]).unit.mesh)
+    gathered: list[str] = []
+    error: Exception | None = None
+    try:
+        gathered = loadable(model, per.keyed, osd)
+    except (TypeError, KeyError, ValueError) as problem:
+        error = problem
+    raise_alike(error, group)
+    plans = gather_objects(gathered, group)
+    if any(plan != plans[0] for plan in plans):
+        differ = [rank for rank, plan in enumerate(plans) if plan != plans[0]]
+        raise ValueError(
+            f"the optimizer state dicts given to the ranks differ in layout: rank(s) {differ} "
+            "hold DTensors laid out unlike their parameters where the first rank does not "
+            "(or the reverse); nothing was loaded"
+        )
+    result: dict[str, Any] = {}
+    error = None
+    try:
+        result = per.collapse(load_ready(model, per.keyed, osd))
+    except (KeyError, ValueError) as problem:
+        error = problem
+    raise_alike(error, group)
+    return result
 
 
 def _device_mesh_given(model: nn.Module) -> bool:
@@ -136,7 +182,7 @@ def optim_state_dict_to_load(
             optim_state_dict if dist.get_rank(group) == 0 else None, group
         )
     per = per_parameter(keyed_params(optim, model, named=is_named_optimizer))
-    result = per.collapse(load_ready(model, per.keyed, optim_state_dict))
+    result = _ready_to_load(model, per, optim_state_dict, group)
     if load_directly:
         optim.load_state_dict(result)
     return result
@@ -192,7 +238,7 @@ def shard_full_optim_state_dict(
     if optim is not None:
         repoint(optim)
     per = per_parameter(_positions(model, optim, optim_input))
-    return per.collapse(load_ready(model, per.keyed, full_optim_state_dict))
+    return _ready_to_load(model, per, full_optim_state_dict, None)
 
 
 def flatten_sharded_optim_state_dict(
@@ -202,7 +248,7 @@ def flatten_sharded_optim_state_dict(
     _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     repoint(optim)
     per = per_parameter(_positions(model, optim, None))
-    return per.collapse(load_ready(model, per.keyed, sharded_optim_state_dict))
+    return _ready_to_load(model, per, sharded_optim_state_dict, None)
 
 
 def scatter_full_optim_state_dict(
@@ -219,7 +265,7 @@ def scatter_full_optim_state_dict(
         repoint(optim)
     full = receive_from_first(full_optim_state_dict, group)
     per = per_parameter(_positions(model, optim, optim_input))
-    return per.collapse(load_ready(model, per.keyed, full))
+    return _ready_to_load(model, per, full, group)
 
 
 def rekey_optim_state_dict(

@@ -30,7 +30,7 @@ from shardkit.legacy.optim_keys import ParamKey, names_by_param
 from shardkit.legacy.sharded_state_dict import chunk_2d, chunk_like, local_of_loaded
 from shardkit.legacy.torch_compat import ShardedTensor
 
-__all__ = ["SaveForm", "load_ready", "named_state", "receive_from_first"]
+__all__ = ["SaveForm", "load_ready", "loadable", "named_state", "receive_from_first"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,13 +206,92 @@ def _loaded(value: Any, param: torch.Tensor) -> Any:
             stride=param.stride(),
         )
     if isinstance(value, DTensor):
-        if value.device_mesh == param.device_mesh and value.placements == param.placements:
+        if not _gathers(value, param):
             return value
         value = value.full_tensor()
     if value.shape != param.shape:
         return value  # a state of its own shape
     full = value.to(param.to_local().device)
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def loadable(model: nn.Module, keyed: Mapping[ParamKey, torch.Tensor], osd: object) -> list[str]:
+    """Check ``osd`` against the model and the optimizer as :func:`load_ready` reads it.
+
+    Nothing moves: callers check on every rank, agree on the outcome and only then convert
+    (converting runs collectives that a rank which failed would never enter).
+
+    Returns:
+        The ``name.state`` values :func:`load_ready` gathers with a collective, in its order:
+        every rank of the model must have the same.
+
+    Raises:
+        TypeError: ``osd`` is not an optimizer state dict (``state``, a mapping of mappings;
+            ``param_groups``, if there, a list of mappings each with a list of ``params``).
+        KeyError: a parameter named in ``osd`` is the model's but not the optimizer's.
+        ValueError: a sharded value does not have this rank's shard shape.
+    """
+    if not isinstance(osd, Mapping) or not isinstance(osd.get("state"), Mapping):
+        raise TypeError(
+            "an optimizer state dict is a mapping with a 'state' mapping, not a "
+            f"{type(osd).__name__}"
+            + (f" with keys {sorted(map(str, osd))}" if isinstance(osd, Mapping) else "")
+        )
+    order, key_of = _orders(model, keyed)
+    gathered: list[str] = []
+    for name in sorted(osd["state"], key=lambda n: (order.get(n, len(order)), str(n))):
+        entry = osd["state"][name]
+        if not isinstance(entry, Mapping):
+            raise TypeError(
+                f"optimizer state for {name!r}: a {type(entry).__name__}, not a mapping"
+            )
+        if name not in order:
+            continue
+        param = keyed[_key_for(name, key_of)]
+        for key, value in entry.items():
+            if _gathers(value, param):
+                gathered.append(f"{name}.{key}")
+            elif isinstance(value, ShardedTensor) and isinstance(param, DTensor):
+                local, mine = local_of_loaded(value, param).shape, param.to_local().shape
+                if local != mine:
+                    raise ValueError(
+                        f"optimizer state {name!r} {key!r}: this rank's shard is "
+                        f"{tuple(local)}, the parameter's is {tuple(mine)}"
+                    )
+    groups = osd.get("param_groups", [])
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise TypeError(
+            "an optimizer state dict's 'param_groups' is a list of mappings, each "
+            "with a list of 'params'"
+        )
+    for group in groups:
+        for name in group["params"]:
+            _key_for(name, key_of)
+    return gathered
+
+
+def _gathers(value: object, param: torch.Tensor) -> bool:
+    """Whether :func:`_loaded` gathers ``value`` (a DTensor laid out unlike ``param``)."""
+    return (
+        isinstance(value, DTensor)
+        and isinstance(param, DTensor)
+        and (value.device_mesh != param.device_mesh or value.placements != param.placements)
+    )
+
+
+def _orders(
+    model: nn.Module, keyed: Mapping[ParamKey, torch.Tensor]
+) -> tuple[dict[str, int], dict[str, ParamKey]]:
+    """Each model parameter name's position, and the optimizer's key of each it holds."""
+    names = names_by_param(model)
+    order = {name: index for index, name in enumerate(names.values())}
+    key_of: dict[str, ParamKey] = {}
+    for key, param in keyed.items():
+        if id(param) in names:
+            key_of.setdefault(names[id(param)], key)
+    return order, key_of
 
 
 def load_ready(
@@ -225,17 +304,13 @@ def load_ready(
     optimizer pairs them with its own groups in order. A parameter of the optimizer that
     ``osd`` does not name is in no group (FSDP1 leaves its key out too, for the caller to add
     with its state); an entry of no model parameter (a state of the user's own) is kept as
-    it is. Without ``param_groups`` in ``osd``, the result has none either.
+    it is. Without ``param_groups`` in ``osd``, the result has none either. Collective where
+    a value is laid out unlike its parameter: check with :func:`loadable` first.
 
     Raises:
         KeyError: a parameter named in ``osd`` is the model's but not the optimizer's.
     """
-    names = names_by_param(model)
-    order = {name: index for index, name in enumerate(names.values())}
-    key_of: dict[str, ParamKey] = {}
-    for key, param in keyed.items():
-        if id(param) in names:
-            key_of.setdefault(names[id(param)], key)
+    order, key_of = _orders(model, keyed)
     state: dict[Any, Any] = {}
     for name in sorted(osd["state"], key=lambda n: (order.get(n, len(order)), str(n))):
         entry = osd["state"][name]
@@ -268,12 +343,24 @@ def receive_from_first(
     """The first rank's full, name-keyed ``osd`` on every rank, one tensor at a time.
 
     Every rank must call it; only the first rank's ``osd`` is read.
+
+    Raises:
+        ValueError: on every rank alike, before any tensor moves: the first rank's ``osd``
+            is missing or not an optimizer state dict.
     """
     first = dist.get_rank(group) == 0
-    if first and osd is None:
-        raise ValueError("the first rank must pass the full optimizer state dict")
-    skeleton = broadcast_object(_skeleton(osd) if first else None, group)
-    assert isinstance(skeleton, dict)
+    error: Exception | None = None
+    skeleton: dict[str, Any] | None = None
+    if first:
+        try:
+            skeleton = _skeleton(osd)
+        except (TypeError, ValueError) as problem:
+            error = problem
+    # Only the first rank can tell whether its dict is one: it says so with the skeleton.
+    said = broadcast_object((None, skeleton) if error is None else (str(error), None), group)
+    message, skeleton = cast(tuple[str | None, dict[str, Any] | None], said)
+    if message is not None or skeleton is None:
+        raise ValueError(f"the first rank's full optimizer state dict: {message}") from error
     state: dict[str, Any] = {}
     for name in sorted(skeleton["state"]):
         entry: dict[str, Any] = {}
@@ -288,7 +375,10 @@ def receive_from_first(
                 value = tensor
             entry[key] = value
         state[name] = entry
-    return {"state": state, "param_groups": skeleton["param_groups"]}
+    received: dict[str, Any] = {"state": state}
+    if "param_groups" in skeleton:
+        received["param_groups"] = skeleton["param_groups"]
+    return received
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,13 +387,26 @@ class _TensorSpec:
     dtype: torch.dtype
 
 
-def _skeleton(osd: Mapping[str, Any] | None) -> dict[str, Any]:
-    assert osd is not None
-    state = {
-        name: {
+def _skeleton(osd: object) -> dict[str, Any]:
+    """``osd`` with each tensor replaced by its shape and dtype.
+
+    Raises:
+        ValueError: ``osd`` is missing.
+        TypeError: ``osd`` is not a mapping with a ``state`` mapping of mappings.
+    """
+    if osd is None:
+        raise ValueError("it is None (the first rank must pass it)")
+    if not isinstance(osd, Mapping) or not isinstance(osd.get("state"), Mapping):
+        raise TypeError(f"a {type(osd).__name__}, not a mapping with a 'state' mapping")
+    state: dict[Any, Any] = {}
+    for name, entry in osd["state"].items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"state for {name!r}: a {type(entry).__name__}, not a mapping")
+        state[name] = {
             k: _TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
             for k, v in entry.items()
         }
-        for name, entry in osd["state"].items()
-    }
-    return {"state": state, "param_groups": osd["param_groups"]}
+    skeleton: dict[str, Any] = {"state": state}
+    if "param_groups" in osd:
+        skeleton["param_groups"] = osd["param_groups"]
+    return skeleton

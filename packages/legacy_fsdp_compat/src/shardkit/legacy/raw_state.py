@@ -40,15 +40,15 @@ class RawState:
     """A wrapped module's raw state: its tensors, clean name to raw name, buffer dtypes."""
 
     def __init__(self, module: nn.Module) -> None:
-        with plain_state_dicts():
+        with per_parameter_view(), plain_state_dicts():  # the originals, not flat ones
             raw = module.state_dict(keep_vars=True)
+            params = {name for name, _ in module.named_parameters()}
+        self.params: set[str] = params
+        """Raw names of parameters (the rest are buffers and extra state)."""
         self.values: dict[str, Any] = dict(raw)
         """Raw name -> value (sharded parameters are the core's DTensors)."""
         self.raw_of: dict[str, str] = {clean_name(k): k for k in raw}
         """Clean name -> raw name, in state-dict order."""
-        with per_parameter_view():
-            self.params: set[str] = {name for name, _ in module.named_parameters()}
-        """Raw names of parameters (the rest are buffers and extra state)."""
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         """Raw name -> original dtype of each buffer that mixed precision cast."""
         for prefix, sub in module.named_modules():

@@ -26,6 +26,7 @@ from shardkit.legacy.configs import (
     StateDictConfig,
     StateDictType,
 )
+from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.raw_state import PLAIN, RawState, plain_state_dicts, raw_state
 from shardkit.legacy.torch_compat import FSDP_PREFIX, clean_name, renamed_keys
 from shardkit.legacy.units import unit_of
@@ -84,7 +85,9 @@ def state_dict(wrapper: nn.Module, plain: Callable[..., Any], *args: Any, **kwar
     if destination is None:
         destination = OrderedDict()
     handler, config = _handler(wrapper)
-    for key, value in handler.save(wrapper, config).items():
+    with per_parameter_view():  # the originals, not flat parameters, are what is saved
+        saved = handler.save(wrapper, config)
+    for key, value in saved.items():
         destination[prefix + key] = value
     return destination
 
@@ -97,6 +100,13 @@ def load_state_dict(
     Returns:
         ``nn.Module``'s missing and unexpected keys, under clean names.
     """
+    with per_parameter_view():  # the originals, not flat parameters, are what is loaded
+        return _load_state_dict(wrapper, given, strict=strict, assign=assign)
+
+
+def _load_state_dict(
+    wrapper: nn.Module, given: Mapping[str, Any], *, strict: bool, assign: bool
+) -> Any:
     handler, _ = _handler(wrapper)
     state = raw_state(wrapper)
     converted = handler.to_full(wrapper, state, given)
@@ -144,6 +154,9 @@ def load_from_parent(
         raise ValueError(f"loading {prefix[:-1]!r}: {error}") from error
     for key in set(given) - set(result.unexpected_keys):
         del state_dict[prefix + key]
-    for raw, value in raw_state(wrapper).values.items():
+    # As registered now (flat parameters, not the originals, unless listed again).
+    with plain_state_dicts():
+        registered = unit_of(wrapper).module.state_dict(keep_vars=True)
+    for raw, value in registered.items():
         state_dict[inner + raw] = value
     missing_keys.extend(prefix + key for key in result.missing_keys)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from shardkit.core import full_params
+from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.units import is_unit, unit_of, units_in
 
 __all__ = ["is_summoned", "summon_full_params"]
@@ -50,6 +51,8 @@ def summon_full_params(
     wrappers = units_in(module, root_only=True) if recurse else own
     summoned = [w for top in wrappers for w in (units_in(top) if recurse else [top])]
     with contextlib.ExitStack() as stack:
+        # FSDP1 lists the original parameters inside, not flat ones.
+        stack.enter_context(per_parameter_view())
         for wrapper in wrappers:
             stack.enter_context(
                 full_params(

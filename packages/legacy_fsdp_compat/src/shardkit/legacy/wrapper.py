@@ -179,7 +179,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The parameters this unit's own group shards (FSDP1: its flat parameters)."""
+        """The unit's flat parameter (use_orig_params=False, as FSDP1) or its own parameters."""
         state = unit_of(self)
         ignored = state.unit.ignored_params
         own = own_modules(state.module, set(state.unit.ignored_modules), FullyShardedDataParallel)
@@ -263,22 +263,10 @@ class FullyShardedDataParallel(nn.Module):
         """Parameters by name; without the wrapper's prefix inside ``summon_full_params``.
 
         With ``use_orig_params=False`` (outside ``summon_full_params``), each unit's flat
-        parameter in place of the parameters it holds, as FSDP1.
+        parameter is what its module registers (``flat_params``), as FSDP1's.
         """
         clean = summon.is_summoned(self)
-        named = super().named_parameters(prefix, recurse, remove_duplicate)
-        if recurse and not clean and flat_params.shows_flat():
-            # The unit's parameters as registered now: the sharded originals, or between
-            # forward and backward the unsharded ones the engine registers in their place.
-            flats = {
-                id(p): (f"{name}.{flat_params.FLAT_NAME}".lstrip("."), flat)
-                for name, m in self.named_modules(prefix=prefix)
-                if isinstance(m, FullyShardedDataParallel) and (flat := unit_of(m).flat) is not None
-                for p in (*flat.originals, *m.params)
-            }
-            if flats:
-                named = flat_params.replace_with_flat(named, flats)
-        for name, param in named:
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
