@@ -2,9 +2,11 @@
 
 torch's ``checkpoint_wrapper`` renames its keys (it drops ``_checkpoint_wrapped_module.``),
 applied before FSDP, after it or both; a hand-written wrapper keeps its own name in the keys.
-torch's FSDP1 is the oracle: FULL and SHARDED forms compare equal, and a model loaded from
-them computes what the saved one computes. FULL with ``rank0_only`` and ``offload_to_cpu``
-is checked against the single process (FSDP1 cannot offload on a CPU-only machine).
+Each under an FSDP root and under a plain root (``nn.Module``'s own load walks the units, and
+checkpoint_wrapper's load hook moves the keys under it). torch's FSDP1 is the oracle: FULL
+and SHARDED forms compare equal, and a model loaded from them computes what the saved one
+computes. FULL with ``rank0_only`` and ``offload_to_cpu`` is checked against the single
+process (FSDP1 cannot offload on a CPU-only machine).
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ def _net(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), block, nn.Linear(6, 3))
 
 
-def _build(impl: str, mode: str, seed: int) -> nn.Module:
+def _build(impl: str, mode: str, seed: int, root: str = "fsdp") -> nn.Module:
+    """The net with its wrappers.
+
+    ``root="plain"``: a plain root holding a unit that holds the checkpointed unit (a
+    container of wrapped blocks, as torch's own state-dict test builds it).
+    """
     fsdp = lib(impl).FSDP
     model = _net(seed)
     kwargs = {"device_id": torch.device("cpu")}
@@ -56,18 +63,21 @@ def _build(impl: str, mode: str, seed: int) -> nn.Module:
             model[2] = checkpoint_wrapper(fsdp(checkpoint_wrapper(model[2]), **kwargs))
         else:
             model[2] = fsdp(HandWritten(model[2]), **kwargs)
-        root: nn.Module = fsdp(model, **kwargs)
+        if root == "plain":
+            inner = fsdp(nn.Sequential(model[2], model[3]), **kwargs)
+            return nn.Sequential(model[0], model[1], inner)
+        wrapped: nn.Module = fsdp(model, **kwargs)
     if mode == "after":
-        root = checkpoint_wrapper(root)
-    return root
+        wrapped = checkpoint_wrapper(wrapped)
+    return wrapped
 
 
-def _round_trip(impl: str, mode: str, kind: str) -> dict[str, Any]:
+def _round_trip(impl: str, mode: str, kind: str, root: str) -> dict[str, Any]:
     ns = lib(impl)
-    source = _build(impl, mode, seed=0)
+    source = _build(impl, mode, seed=0, root=root)
     x = torch.randn(2, 4)
     source(x).sum().backward()
-    target = _build(impl, mode, seed=1)
+    target = _build(impl, mode, seed=1, root=root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with ns.FSDP.state_dict_type(source, getattr(ns.StateDictType, kind)):
@@ -81,19 +91,20 @@ def _round_trip(impl: str, mode: str, kind: str) -> dict[str, Any]:
     }
 
 
-def _body(rank: int, world_size: int, mode: str) -> dict[str, Any]:
+def _body(rank: int, world_size: int, mode: str, root: str) -> dict[str, Any]:
     return {
-        kind: {impl: _round_trip(impl, mode, kind) for impl in ("shardkit", "torch")}
+        kind: {impl: _round_trip(impl, mode, kind, root) for impl in ("shardkit", "torch")}
         for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
     }
 
 
+@pytest.mark.parametrize("root", ["fsdp", "plain"])
 @pytest.mark.parametrize("mode", MODES)
-def test_checkpoint_wrapped_models_save_and_load_as_fsdp1(mode: str) -> None:
-    for rank, out in enumerate(run_on_ranks(2, _body, mode=mode)):
+def test_checkpoint_wrapped_models_save_and_load_as_fsdp1(mode: str, root: str) -> None:
+    for rank, out in enumerate(run_on_ranks(2, _body, mode=mode, root=root)):
         for kind, both in out.items():
             ours, theirs = both["shardkit"], both["torch"]
-            where = f"rank {rank} {mode} {kind}"
+            where = f"rank {rank} {mode} {root} root {kind}"
             assert_same(ours["saved"], theirs["saved"], where)
             assert ours["result"] == theirs["result"], where
             assert ours["same"] and theirs["same"], where

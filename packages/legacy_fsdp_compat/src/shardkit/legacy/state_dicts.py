@@ -12,6 +12,7 @@ its handler says which given keys it reads besides the model's own (``consumes``
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -26,18 +27,25 @@ from shardkit.legacy.configs import (
     StateDictConfig,
     StateDictType,
 )
-from shardkit.legacy.flat_params import per_parameter_view
+from shardkit.legacy.flat_params import flat_of, per_parameter_view
 from shardkit.legacy.raw_state import PLAIN, RawState, plain_state_dicts, raw_state
 from shardkit.legacy.torch_compat import FSDP_PREFIX, clean_name, renamed_keys
-from shardkit.legacy.units import unit_of
+from shardkit.legacy.units import unit_of, units_in
 
 __all__ = [
     "HANDLERS",
     "StateDictHandler",
     "load_from_parent",
     "load_state_dict",
+    "settle_parent_load",
     "state_dict",
 ]
+
+# By wrapper: the raw keys of the flat parameters its load_from_parent loaded, for its
+# settle_parent_load at the end of the same walk.
+_FLATS_LOADED: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+# The wrappers inside one whose load_from_parent loaded them, until the walk reaches them.
+_LOADED_BY_OUTER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class StateDictHandler(Protocol):
@@ -139,11 +147,16 @@ def load_from_parent(
     copies values into its parameters. The hook loads the wrapper's subtree from FSDP1's
     clean keys first, as the wrapper's own ``load_state_dict`` would (all checked, then
     loaded; every state-dict type), then hands ``nn.Module`` the live values under the raw
-    names, so its walk copies each onto itself and finds nothing missing. Keys the subtree
-    lacks are reported missing under their clean names; unexpected ones stay unexpected.
+    names, so its walk copies each onto itself. Flat parameters are the exception: the walk
+    reports them missing and :func:`settle_parent_load` takes them off the list. Keys the
+    subtree lacks are reported missing under their clean names; unexpected ones stay
+    unexpected.
     """
     del strict, error_msgs
     inner = prefix + FSDP_PREFIX
+    if wrapper in _LOADED_BY_OUTER:
+        _LOADED_BY_OUTER.discard(wrapper)  # once: the mark is for this walk only
+        return  # an outer wrapper's hook loaded this subtree
     if PLAIN.get() or any(k.startswith(inner) for k in state_dict):
         return  # a wrapper's own load, or an outer wrapper's hook, has this subtree
     given = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -158,5 +171,29 @@ def load_from_parent(
     with plain_state_dicts():
         registered = unit_of(wrapper).module.state_dict(keep_vars=True)
     for raw, value in registered.items():
-        state_dict[inner + raw] = value
+        # Flat parameters are not handed on: a wrapper in between may move their keys
+        # (checkpoint_wrapper's load hook puts all its keys under `_checkpoint_wrapped_module.`,
+        # where a flat parameter registered on the wrapper itself is not). Loaded above.
+        if flat_of(value) is None:
+            state_dict[inner + raw] = value
+    # Where the walk will miss them: the modules' own paths (no state-dict hook renames them).
+    _FLATS_LOADED[wrapper] = [
+        inner + name
+        for name, param in unit_of(wrapper).module.named_parameters()
+        if flat_of(param) is not None
+    ]
+    # The walk reaches the inner wrappers next: they may see none of their keys (a unit
+    # holding only its flat parameter), so they are told this subtree is loaded.
+    _LOADED_BY_OUTER.update(units_in(unit_of(wrapper).module))
     missing_keys.extend(prefix + key for key in result.missing_keys)
+
+
+def settle_parent_load(wrapper: nn.Module, incompatible: Any) -> None:
+    """Load-state-dict post-hook: flat parameters are not missing after a parent's load.
+
+    :func:`load_from_parent` loaded them and handed ``nn.Module``'s walk no value under
+    their raw names, which it then reports missing.
+    """
+    flats = set(_FLATS_LOADED.pop(wrapper, ()))
+    if flats:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in flats]

@@ -120,6 +120,7 @@ class FullyShardedDataParallel(nn.Module):
         register_unit(self, UnitState(unit=unit, module=module, flat=flat))
         # Loads through a parent that is not a wrapper (see state_dicts.load_from_parent).
         nn.Module.register_load_state_dict_pre_hook(self, state_dicts.load_from_parent)
+        nn.Module.register_load_state_dict_post_hook(self, state_dicts.settle_parent_load)
 
     # --- FSDP1's attributes ---------------------------------------------------------------
 
