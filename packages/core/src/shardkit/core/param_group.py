@@ -23,7 +23,7 @@ from shardkit.core.group_layout import group_layout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
-from shardkit.core.param_listing import list_slots, unlist_slots
+from shardkit.core.param_listing import set_listed
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
 from shardkit.core.runtime.buffers import one_copy_numel
@@ -166,15 +166,7 @@ class FSDPParamGroup:
         See ``param_listing``: unlisted, ``parameters()``, ``state_dict()`` and ``module.to()``
         walk past them; the engine registers and swaps them as before.
         """
-        if all(p.listed == listed for p in self.params):
-            return
-        slots = [slot for p in self.params for slot in p.slots]
-        if listed:
-            list_slots(slots, self._listing_order)
-        else:
-            unlist_slots(slots, self._listing_order)
-        for p in self.params:
-            p.listed = listed
+        set_listed(self.params, listed, self._listing_order)
 
     def _lay_out(self) -> None:
         """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""

@@ -11,12 +11,21 @@ Listing them again puts each back at its place in ``_parameters``, so names keep
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch import nn
 
-__all__ = ["ParamSlot", "list_slots", "read_slot", "unlist_slots", "write_slot"]
+__all__ = [
+    "Listable",
+    "ParamSlot",
+    "list_slots",
+    "read_slot",
+    "set_listed",
+    "unlist_slots",
+    "write_slot",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +34,32 @@ class ParamSlot:
 
     module: nn.Module
     name: str
+
+
+class Listable(Protocol):
+    """A managed parameter: where it is registered, and whether it is listed now."""
+
+    listed: bool
+
+    @property
+    def slots(self) -> Sequence[ParamSlot]:
+        """Every place it is registered (a tied parameter has several)."""
+
+
+def set_listed(params: Sequence[Listable], listed: bool, order: dict[int, list[str]]) -> None:
+    """List (True) or unlist (False) all of ``params`` (one group's); a no-op if they are.
+
+    ``order`` is the group's own, kept between the two calls (see :func:`unlist_slots`).
+    """
+    if all(p.listed == listed for p in params):
+        return
+    slots = [slot for p in params for slot in p.slots]
+    if listed:
+        list_slots(slots, order)
+    else:
+        unlist_slots(slots, order)
+    for p in params:
+        p.listed = listed
 
 
 def read_slot(slot: ParamSlot) -> nn.Parameter | None:
