@@ -141,6 +141,7 @@ EXPECTED = {
         "MemoryTracker",
         "ModulePeak",
         "ModuleScope",
+        "OpCounter",
         "Phase",
         "PhaseSpan",
         "Plan",

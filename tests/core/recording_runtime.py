@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
-from shardkit.core.runtime.protocol import CustomComm
+from shardkit.core.runtime.protocol import CustomComm, RowBlock
 
 
 @dataclass
@@ -25,8 +25,8 @@ class _Done:
 class _Rows:
     rows: list[torch.Tensor]
 
-    def wait(self) -> list[torch.Tensor]:
-        return self.rows
+    def wait(self) -> list[RowBlock]:
+        return [RowBlock(0, torch.stack(self.rows))]
 
     def release(self) -> None:
         pass

@@ -50,12 +50,13 @@ def meta_net() -> Net:
 
 # Hand-computed at W=4 (chunk = ceil(rows / 4); slots 16-byte aligned, total rounded up):
 # block: fc1.w 2x5=10, fc1.b 2, fc2.w 2x6=12, fc2.b 2 elements per padded shard.
-#   fp32 slots at 0, 48, 64, 112 -> 128 bytes; bf16 at 0, 32, 48, 80 -> 96 bytes.
+#   fp32 slots at 0, 48, 64, 112 -> 128 bytes; the bf16 all-gather input keeps their element
+#   offsets (0, 12, 16, 28: the cast is one copy) -> bytes 0, 24, 32, 56 -> 64 bytes.
 #   unsharded fp32: 4x(10, 2, 12, 2) elements = 160 + 32 + 192 + 32 -> 416 bytes.
 #   reduce output: 26 elements (no alignment) = 104 bytes in fp32.
 # root: inp.w 2x3=6, inp.b 2, head.w 1x5=5, head.b 1 -> fp32 slots 0, 32, 48, 80 -> 96 bytes;
 #   unsharded 4x(6, 2, 5, 1) fp32 = 96 + 32 + 80 + 16 -> 224 bytes; reduce output 14 x 4 = 56.
-BLOCK_SHARD, BLOCK_SHARD_BF16, BLOCK_FULL, BLOCK_REDUCE = 128, 96, 416, 104
+BLOCK_SHARD, BLOCK_SHARD_BF16, BLOCK_FULL, BLOCK_REDUCE = 128, 64, 416, 104
 ROOT_SHARD, ROOT_FULL, ROOT_REDUCE = 96, 224, 56
 
 
@@ -69,7 +70,7 @@ def test_the_core_layout_gives_the_hand_computed_sizes() -> None:
     assert fp32.reduce_scatter_output_bytes == BLOCK_REDUCE
     bf16 = group_layout(specs, shard_world=4, param_dtype=torch.bfloat16)
     assert bf16.all_gather_input_bytes == BLOCK_SHARD_BF16
-    assert [p.comm_offset for p in bf16.params] == [0, 32, 48, 80]
+    assert [p.comm_offset for p in bf16.params] == [0, 24, 32, 56]
     one = group_layout([ParamSpec(fqn="w", shape=(1,), dtype=torch.float32)], shard_world=1)
     assert one.sharded_bytes == 16  # a 4-byte parameter still fills an aligned slot
     # One shard rank: the unsharded parameters view the shards, unless cast.

@@ -25,12 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.errors import AllGatherHookError, AllGatherInputError
 from shardkit.core.group_layout import GroupLayout, HookInput
 from shardkit.core.policies import MixedPrecisionPolicy
-from shardkit.core.runtime.buffers import (
-    FlatLayout,
-    ShardGeometry,
-    copy_out_unsharded,
-    shard_geometry,
-)
+from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of
 
 if TYPE_CHECKING:  # param.py imports this module
@@ -156,18 +151,17 @@ class AllGatherHooks:
         for k, tensor in enumerate(flat):
             layout.view(slot, k).copy_(tensor)
 
-    def copy_out(
-        self, slots: Sequence[torch.Tensor], layout: FlatLayout
-    ) -> tuple[torch.Tensor, ...]:
-        """Put every rank's tensors (this parameter's slot of each row) into the outputs.
+    def output_writers(
+        self, world: int, layout: FlatLayout, device: torch.device
+    ) -> list[torch.Tensor]:
+        """The all-gather outputs, with their memory, as 1-D tensors to write the rows into.
 
-        Returns:
-            The outputs as the post hook expects them: output k viewed as
-            ``(-1, *size_k[1:])``, ``size_k`` the size of the pre hook's tensor k.
+        Output k holds ``world`` times the pre hook's tensor k (``layout`` says where those lie
+        in this parameter's slot of a row), rank after rank along the shard dim. Made at the
+        first unshard, their memory re-allocated at later ones; the writers alias them (see
+        ``_alias``) and stay the same objects until :meth:`reset`.
         """
-        world = len(slots)
         if not self._outputs:
-            device = slots[0].device
             self._outputs = [
                 torch.empty(world * n, dtype=dtype, device=device)
                 for n, dtype in zip(layout.numels, layout.dtypes, strict=True)
@@ -176,19 +170,27 @@ class AllGatherHooks:
         else:
             for tensor in self._outputs:
                 _allocate(tensor)
-        for k, writer in enumerate(self._writers):
-            shards = [layout.view(slot, k) for slot in slots]
-            copy_out_unsharded(shards, self._output_geometry(layout.numels[k], world), writer)
-        return tuple(
-            t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._sizes, strict=True)
-        )
+        return self._writers
 
-    def _output_geometry(self, numel: int, world: int) -> ShardGeometry:
-        # On dim 0 the rows of every rank follow each other; on another dim each tensor has
-        # the shard's size (checked) and goes back together along that dim, as torch does.
+    def output_geometry(self, k: int, numel: int, world: int) -> ShardGeometry:
+        """How output ``k`` (``numel`` elements per rank) is cut among ``world`` ranks.
+
+        On dim 0 the ranks' tensors follow each other; on another dim each has the shard's
+        size (checked) and they go back together along that dim, as torch does.
+        """
         if self.geometry.dim == 0:
             return shard_geometry(torch.Size([world * numel]), 0, world)
         return self.geometry
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """The filled outputs as the post hook expects them.
+
+        Output k is viewed as ``(-1, *size_k[1:])``, ``size_k`` the size of the pre hook's
+        tensor k.
+        """
+        return tuple(
+            t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._sizes, strict=True)
+        )
 
     def post_all_gather(
         self,
@@ -316,12 +318,10 @@ class GroupHooks:
             assert inputs is not None, f"{self.params[i].fqn}: hook inputs not laid out"
             AllGatherHooks.copy_in(tensors, layout.comm.view(staging, i), inputs)
 
-    def finish_unshard(self, rows: Sequence[torch.Tensor], layout: GroupLayout) -> None:
-        """Build or refresh each unsharded parameter from every rank's row (rank order)."""
-        for i, p in self.params.items():
-            inputs = layout.params[i].all_gather_inputs
-            assert inputs is not None, f"{p.fqn}: hook inputs not laid out"
-            p.finish_hooked_unshard([layout.comm.view(row, i) for row in rows], inputs)
+    def finish_unshard(self) -> None:
+        """Build or refresh each unsharded parameter from its filled all-gather outputs."""
+        for p in self.params.values():
+            p.finish_hooked_unshard()
 
     def bind_own_storage(self, device: torch.device) -> None:
         """Give each parameter its shard in storage of its own, on ``device``."""

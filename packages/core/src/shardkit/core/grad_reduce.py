@@ -18,14 +18,15 @@ from shardkit.core.group_layout import GroupLayout
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
-from shardkit.core.runtime.buffers import (
-    ShardGeometry,
+from shardkit.core.runtime.buffers import ShardGeometry
+from shardkit.core.runtime.collectives import DoneHandle
+from shardkit.core.runtime.device import on_stream, prefers_fused_packing
+from shardkit.core.runtime.dtensors import accumulate_grads
+from shardkit.core.runtime.grad_packing import (
+    pack_dim0_grads_fused,
     pack_even_dim0_grads,
     pack_grads_rank_major,
 )
-from shardkit.core.runtime.collectives import DoneHandle
-from shardkit.core.runtime.device import on_stream
-from shardkit.core.runtime.dtensors import accumulate_grads
 from shardkit.core.runtime.protocol import CollectiveHandle
 
 __all__ = ["AssignInPlace", "GroupReducer", "Packing", "PendingReduce"]
@@ -44,6 +45,9 @@ class Packing:
     """Each parameter's shard geometry."""
     even_dim0: bool
     """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
+    dim0_packed: bool
+    """Whether every shard is dim-0 and not empty, back to back from column 0 with no gaps:
+    ``pack_dim0_grads_fused`` packs them."""
     gaps_after: tuple[int, ...] = ()
     """Columns after each parameter's shard that no parameter fills (a flat-shard layout's
     alignment, and its tail): zeroed at each packing, so the reduced tensor holds zeros there.
@@ -69,28 +73,28 @@ class Packing:
         if offsets and (offsets[0] != 0 or min(gaps_after) < 0):
             raise ValueError(f"offsets {list(offsets)} do not lay the shards out in order")
         # An empty gradient cannot be viewed as (W, -1): the general path packs those.
-        even_dim0 = all(g.dim == 0 and g.is_even and g.shard_numel for g in geometries)
+        dim0 = all(g.dim == 0 and g.shard_numel for g in geometries)
         return Packing(
             tuple(params),
             tuple(offsets),
             numel,
             geometries,
-            even_dim0,
+            dim0 and all(g.is_even for g in geometries),
+            dim0 and not any(gaps_after),
             gaps_after if any(gaps_after) else (),
         )
 
-    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-        """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype."""
-        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, self.gaps_after)):
-            pack_grads_rank_major(grads, self.geometries, self.offsets, out)
-            if self.gaps_after:
-                self._zero_gaps(out)
+    def pack(
+        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor, *, fused: bool = False
+    ) -> None:
+        """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype.
 
-    def _zero_gaps(self, out: torch.Tensor) -> None:
-        for offset, geo, gap in zip(self.offsets, self.geometries, self.gaps_after, strict=True):
-            if gap:
-                end = offset + geo.shard_numel
-                out[:, end : end + gap].zero_()
+        ``fused``: one ``_chunk_cat`` where it can (the device prefers one kernel per group).
+        """
+        if fused and self.dim0_packed and pack_dim0_grads_fused(grads, out):
+            return
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, self.gaps_after)):
+            pack_grads_rank_major(grads, self.geometries, self.offsets, out, self.gaps_after)
 
 
 @dataclass(slots=True)
@@ -233,10 +237,11 @@ class GroupReducer:
         grads.clear()
         device = self.mesh_info.device
         custom = self.options.custom_reduce_scatter
+        fused = prefers_fused_packing(self.mesh_info.device)
         if world == 1:
             # Nothing to scatter: pack straight into the output.
             output = self._allocate_output(packing.numel)
-            packing.pack(full, output.view(1, -1))
+            packing.pack(full, output.view(1, -1), fused=fused)
             if self.pre_divide != 1:
                 output.div_(self.pre_divide)
             comm.pending_reduces.append(PendingReduce(self, packing, DoneHandle(), output, ()))
@@ -249,7 +254,7 @@ class GroupReducer:
             send = comm.pool.get(nbytes, device)
             pooled = (send,)
         rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
-        packing.pack(full, rows)
+        packing.pack(full, rows, fused=fused)
         full.clear()  # packed: the full gradients go before the output comes
         if self.pre_divide != 1:
             rows.div_(self.pre_divide)
@@ -335,7 +340,7 @@ class GroupReducer:
         if self.offload and reduced.device.type != "cpu":
             reduced = reduced.to("cpu", non_blocking=self.pin_memory)
         for p, offset in zip(packing.params, packing.offsets, strict=True):
-            local = p.local_view(reduced[offset : offset + p.geometry.shard_numel])
+            local = p.local_at(reduced, offset)
             if local.dtype != p.orig_dtype:
                 local = local.to(p.orig_dtype)
             self.assign_local(p, local)

@@ -347,10 +347,16 @@ def group_layout(
     hook_inputs = [_hook_inputs(s) for s in params]
     flat_numels = [0 if h else n for n, h in zip(numels, hooked, strict=True)]
     storage = FlatLayout.build(flat_numels, [s.dtype for s in params])
-    comm = FlatLayout.build(
-        [i.nbytes if i is not None else n for n, i in zip(flat_numels, hook_inputs, strict=True)],
-        [torch.uint8 if h else c for c, h in zip(comm_dtypes, hooked, strict=True)],
-    )
+    if not any(hooked) and len(set(storage.dtypes)) == 1 and len(set(comm_dtypes)) == 1:
+        # One dtype on each side: the all-gather input takes the shards' element offsets, so
+        # the copy-in (a cast, a move to the device) is one copy for the whole group.
+        comm = storage.retyped(comm_dtypes[0])
+    else:
+        sizes = zip(flat_numels, hook_inputs, strict=True)
+        comm = FlatLayout.build(
+            [i.nbytes if i is not None else n for n, i in sizes],
+            [torch.uint8 if h else c for c, h in zip(comm_dtypes, hooked, strict=True)],
+        )
     unsharded_numels = [n * shard_world for n in flat_numels]
     if post_forward_world is not None:
         unsharded_numels = [

@@ -28,7 +28,7 @@ from shardkit.core.group_layout import ParamSpec
 from shardkit.core.local_step import allow_local_step
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.param_listing import ParamSlot, read_slot, write_slot
-from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
+from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
 
 __all__ = ["FSDPParam", "ParamSlot", "Sharding"]
@@ -144,6 +144,19 @@ class FSDPParam:
         padded = flat.view(geo.padded_shard_shape)
         return padded.narrow(geo.dim, 0, geo.local_length(rank))
 
+    def local_at(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
+        """As :meth:`local_view`, of the padded shard at element ``offset`` of 1-D ``flat``.
+
+        One ``as_strided`` where slicing and viewing would take three operations: the
+        reduction assigns every gradient of every step this way.
+        """
+        geo = self.geometry
+        return flat.as_strided(
+            geo.local_shape(self.mesh_info.shard_rank),
+            contiguous_strides(geo.padded_shard_shape),
+            flat.storage_offset() + offset,
+        )
+
     def bind_sharded(self, flat: torch.Tensor) -> None:
         """Make the sharded DTensor parameter view ``flat`` (this param's padded shard)."""
         self._bind_local(self.local_view(flat))
@@ -257,16 +270,11 @@ class FSDPParam:
         self.unsharded_param = param
         self._grad_hook_added = False  # a new Parameter: its gradient hook is still to add
 
-    def finish_hooked_unshard(self, slots: list[torch.Tensor], layout: FlatLayout) -> None:
-        """Build or refresh the unsharded parameter from the gathered hook tensors.
-
-        Args:
-            slots: this parameter's slot of every rank's all-gather row, in rank order.
-            layout: where each of the pre hook's tensors lies in a slot.
-        """
+    def finish_hooked_unshard(self) -> None:
+        """Build or refresh the unsharded parameter from the filled hook outputs."""
         hooks = self.hooks
         assert hooks is not None, f"{self.fqn}: no all-gather hooks"
-        outputs = hooks.copy_out(slots, layout)
+        outputs = hooks.outputs()
         local = local_of(self.sharded_param)
         if self.unsharded_param is not None:
             hooks.post_all_gather(local, outputs, self.comm_dtype, out=self.unsharded_param)

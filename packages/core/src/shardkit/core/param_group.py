@@ -20,15 +20,15 @@ from shardkit.core.errors import DesyncError
 from shardkit.core.gather_hooks import GroupHooks
 from shardkit.core.grad_reduce import GroupReducer
 from shardkit.core.group_layout import group_layout
+from shardkit.core.group_storage import GroupStorage, StoragePlan
 from shardkit.core.mesh_info import MeshInfo
 from shardkit.core.options import GroupOptions
 from shardkit.core.param import FSDPParam
 from shardkit.core.param_listing import set_listed
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import one_copy_numel
+from shardkit.core.runtime.buffers import FlatLayout
 from shardkit.core.runtime.collectives import gathers_by_exchange
-from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.states import (
     SHARDED_TRANSITIONS,
@@ -37,7 +37,6 @@ from shardkit.core.states import (
     TrainingState,
     check_transition,
 )
-from shardkit.core.unsharded import UnshardedBuffer
 
 __all__ = ["FSDPParamGroup", "GroupConfig"]
 
@@ -94,11 +93,11 @@ class FSDPParamGroup:
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
         # While unlisted (list_params), each module's _parameters names as they were.
         self._listing_order: dict[int, list[str]] = {}
-        self._geometries = [p.geometry for p in params]
+        self.storage = GroupStorage(params, self.mesh_info.device, (self.offload, self.pin_memory))
         # Parameters with all-gather hooks, and the rest: those in the flat buffers.
         self._sort_hooked()
         self._plan_buffers()
-        self._init_sharded_storage()
+        self.storage.init_sharded()
 
     def _sort_hooked(self) -> None:
         """Split the parameters into those gathered through hooks and those in the flat buffer."""
@@ -106,7 +105,6 @@ class FSDPParamGroup:
         params = self.params
         self._hooks = GroupHooks.of(params, self.mesh_info.shard_mesh, self.mp_policy, device)
         self._flat = tuple(i for i, p in enumerate(params) if p.hooks is None)
-        self._flat_geometries = [(i, self._geometries[i]) for i in self._flat]
         self._flat_params = [params[i] for i in self._flat]
 
     @property
@@ -129,28 +127,15 @@ class FSDPParamGroup:
             p.comm_dtype = param_layout.comm_dtype
         self.reduce_dtype = self.layout.reduce_dtype
         self.post_forward = self._make_post_forward(rsf)
-        # The all-gather reads the sharded storage directly unless it must be cast or moved,
-        # or hooks give what it sends: then it sends a staging copy, borrowed from the pool.
-        self.needs_staging = self.offload or self.layout.casts_or_hooks
-        # A cast (not a move, not hooks) whose layouts line up is one copy for the group.
-        self._cast_numel = (
-            None
-            if self.offload or self._hooks is not None
-            else one_copy_numel(self.storage_layout, self.comm_layout)
-        )
-        # One shard rank and nothing to cast or move: each shard is its full parameter, and
-        # the unsharded parameters view the sharded buffer itself; unsharding runs no
-        # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
-        one_rank = self.layout.shard_world == 1 and self.post_forward is None
-        self.aliases_shards = one_rank and self.layout.unsharded_views_storage and not self.offload
-        # One shard rank with a cast or a move: one copy per parameter, no staging, no gather.
-        self.copies_shards = one_rank and not self.aliases_shards and self._hooks is None
-        assert not self.aliases_shards or self.unsharded_layout == self.storage_layout
+        self._plan_storage()
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
         )
         if self.grads_in_flat_layout:
             self.reducer.flat_layout(self.params, self.layout)
+
+    def _plan_storage(self) -> None:
+        self.storage.plan(StoragePlan(self.layout, self._flat, self._hooks, self.post_forward))
 
     def reduce_in_flat_layout(self) -> None:
         """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks).
@@ -181,11 +166,23 @@ class FSDPParamGroup:
             reduce_dtype=mp.reduce_dtype,
             post_forward_world=None if isinstance(rsf, bool) else rsf,
         )
-        self.storage_layout = self.layout.storage
-        self.comm_layout = self.layout.comm
-        self.unsharded_layout = self.layout.unsharded
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
+
+    @property
+    def storage_layout(self) -> FlatLayout:
+        """The sharded buffer's layout (each padded shard in its own dtype)."""
+        return self.layout.storage
+
+    @property
+    def sharded_buffer(self) -> torch.Tensor:
+        """The flat buffer of this rank's shards (uint8), which the sharded parameters view."""
+        return self.storage.sharded_buffer
+
+    @property
+    def aliases_shards(self) -> bool:
+        """Whether the full parameters view the shards themselves (one shard rank)."""
+        return self.storage.aliases_shards
 
     def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
         if isinstance(reshard_after_forward, bool):
@@ -198,25 +195,6 @@ class FSDPParamGroup:
             self.layout.post_forward,
             self.mesh_info,
         )
-
-    def _init_sharded_storage(self) -> None:
-        shards = {i: self.params[i].padded_shard_of_source() for i in self._flat}
-        is_meta = any(s.is_meta for s in shards.values())
-        device = torch.device("meta") if is_meta else self.storage_device
-        # Zeros: alignment gaps are part of a group's flat shard (layout.GroupView.flat_shard).
-        buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
-        if not is_meta:
-            for i, shard in shards.items():
-                self.storage_layout.view(buffer, i).copy_(shard)
-            if self.pin_memory:
-                buffer = pin(buffer)
-        self.sharded_buffer = buffer
-        for i in self._flat:
-            self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
-        if self._hooks is not None:
-            self._hooks.bind_own_storage(self.storage_device)
-        self.unsharded = UnshardedBuffer(self.params, self._flat)
-        self._staging: torch.Tensor | None = None  # borrowed from issue to copy-out
 
     def attach_comm(self, comm: CommContext) -> None:
         """Use ``comm`` for this group's collectives and tell its pool our buffer sizes."""
@@ -240,7 +218,7 @@ class FSDPParamGroup:
     @property
     def storage_device(self) -> torch.device:
         """Where sharded parameters live: the mesh device, or the CPU when offloading."""
-        return torch.device("cpu") if self.offload else self.mesh_info.device
+        return self.storage.storage_device
 
     def resync_sharded_storage(self) -> None:
         """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads.
@@ -251,8 +229,7 @@ class FSDPParamGroup:
         locals_ = [p.current_local() for p in self.params]
         if any(t.is_meta for t in locals_):
             return
-        if self._hooks is not None:
-            self._hooks.adopt(locals_)
+        self.storage.adopt_hooked(locals_)
         aliased = all(
             locals_[i].untyped_storage().data_ptr()
             == self.sharded_buffer.untyped_storage().data_ptr()
@@ -269,7 +246,7 @@ class FSDPParamGroup:
             for p, local in zip(self.params, locals_, strict=True):
                 p.retype(local.dtype)
             self._plan_buffers()
-        self._refill_sharded_buffer(locals_, device)
+        self.storage.refill(locals_, device)
 
     def take_up_new_hooks(self) -> None:
         """Gather through the all-gather hooks that local tensors gained since the last look.
@@ -292,44 +269,9 @@ class FSDPParamGroup:
         self._sort_hooked()
         self._plan_buffers()
         locals_ = [p.current_local() for p in self.params]
-        self._refill_sharded_buffer(locals_, self.sharded_buffer.device)
-        self.unsharded = UnshardedBuffer(self.params, self._flat)
-
-    def _refill_sharded_buffer(self, locals_: list[torch.Tensor], device: torch.device) -> None:
-        """A new flat buffer holding the flat parameters' ``locals_``, which now view it."""
-        buffer = torch.zeros(self.storage_layout.nbytes, dtype=torch.uint8, device=device)
-        for i in self._flat:
-            self.params[i].local_view(self.storage_layout.view(buffer, i)).copy_(locals_[i])
-        if self.pin_memory:
-            buffer = pin(buffer)
-        self.sharded_buffer = buffer
-        for i in self._flat:
-            self.params[i].bind_sharded(self.storage_layout.view(buffer, i))
-        self.unsharded.forget()
-        for p in self.params:
-            p.unsharded_param = None  # rebuilt on the new device at the next unshard
+        self.storage.refill(locals_, self.sharded_buffer.device)
 
     # --- unshard / reshard ----------------------------------------------------------------
-
-    def _gather_input(self) -> torch.Tensor:
-        if not self.needs_staging:
-            return self.sharded_buffer
-        sent = self._hook_inputs()
-        assert self.comm is not None and self._staging is None
-        self._staging = self.comm.pool.get(self.comm_layout.nbytes, self.mesh_info.device)
-        if self._cast_numel is not None:
-            n = self._cast_numel
-            src = self.sharded_buffer.view(self.storage_layout.dtypes[0])[:n]
-            self._staging.view(self.comm_layout.dtypes[0])[:n].copy_(src)
-            return self._staging
-        for i in self._flat:
-            # One copy per parameter casts to param_dtype and moves host to device if offloaded.
-            self.comm_layout.view(self._staging, i).copy_(
-                self.storage_layout.view(self.sharded_buffer, i), non_blocking=self.pin_memory
-            )
-        if self._hooks is not None:
-            self._hooks.copy_in(sent, self._staging, self.layout)
-        return self._staging
 
     def _hook_inputs(self) -> dict[int, list[torch.Tensor]]:
         """What the pre-all-gather hooks send, by parameter index (flat tensors)."""
@@ -339,14 +281,8 @@ class FSDPParamGroup:
         if self.layout.hooks_pending:
             # The hooks' sizes are known now (their first call): lay the all-gather out once.
             self._lay_out()
+            self._plan_storage()
         return sent
-
-    def _return_staging(self) -> None:
-        """The staging copy is spent once the rows are copied out: back to the pool."""
-        if self._staging is not None:
-            assert self.comm is not None
-            self.comm.pool.put(self._staging)
-            self._staging = None
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
@@ -366,8 +302,11 @@ class FSDPParamGroup:
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
         self.take_up_new_hooks()
-        if self.aliases_shards or self.copies_shards:
-            self._unshard_locally()
+        if self.storage.aliases_shards or self.storage.copies_shards:
+            self.storage.unshard_locally()
+            self._mark_unsharded()
+            if observe.has_subscribers():
+                observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
             return
         pf = self.post_forward
         runtime = self.comm.runtime
@@ -378,26 +317,14 @@ class FSDPParamGroup:
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
+            gather_input = self.storage.gather_input(self.comm.pool, self._hook_inputs())
             handle = runtime.all_gather(
-                self._gather_input(),
+                gather_input,
                 self.mesh_info.shard_group,
                 label=self.fqn,
                 custom=self.options.custom_all_gather,
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
-        if observe.has_subscribers():
-            observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
-
-    def _unshard_locally(self) -> None:
-        """One shard rank: no collective; the full parameters are the shards, or copies."""
-        if self.aliases_shards:
-            self.unsharded.alias(self.sharded_buffer, self.unsharded_layout)
-        else:
-            self.unsharded.allocate(self.unsharded_layout, self.mesh_info.device)
-            self.unsharded.copy_from_shards(
-                self.sharded_buffer, self.storage_layout, self.unsharded_layout, self.pin_memory
-            )
-        self._mark_unsharded()
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
 
@@ -412,26 +339,14 @@ class FSDPParamGroup:
                 self._register(unsharded=True)
             return
         self._pending_gather = None
-        rows = pending.handle.wait()  # W rows in rank order; ours is the gather input itself
-        self.unsharded.allocate(self.unsharded_layout, self.mesh_info.device)
-        pf = self.post_forward
-        from_pf = pending.from_post_forward and pf is not None
-        if from_pf and pf is not None:
-            # Backward's gather within the post-forward subgroup: rare enough to copy per
-            # parameter (its padding differs from the group's own rows).
-            self.unsharded.copy_out_each(
-                rows, pf.layout, enumerate(pf.geometries), self.unsharded_layout
-            )
-        else:
-            self.unsharded.copy_out(
-                rows, self.comm_layout, self._flat_geometries, self.unsharded_layout
-            )
-        if self._hooks is not None:
-            self._hooks.finish_unshard(rows, self.layout)
+        blocks = pending.handle.wait()  # the rows of every rank; ours may be the input itself
+        from_pf = pending.from_post_forward and self.post_forward is not None
+        self.storage.copy_out(blocks, from_post_forward=from_pf)
         pending.handle.release()
-        self._return_staging()
-        if from_pf and pf is not None:
-            pf.free()
+        assert self.comm is not None
+        self.storage.return_staging(self.comm.pool)
+        if from_pf and self.post_forward is not None:
+            self.post_forward.free()
         self._mark_unsharded()
 
     def _mark_unsharded(self) -> None:
@@ -450,10 +365,7 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        if not self.aliases_shards:
-            self.unsharded.free()
-        if self._hooks is not None:
-            self._hooks.free()
+        self.storage.free_unsharded()
         if self.post_forward is not None:
             self.post_forward.free()
         self.sharded_state = ShardedState.SHARDED
@@ -468,14 +380,14 @@ class FSDPParamGroup:
             return
         if self._pending_gather is not None:
             self.wait_for_unshard()
-        buffer = self.unsharded.tensor
+        buffer = self.storage.unsharded.tensor
         assert buffer is not None
-        pf.capture([self.unsharded_layout.view(buffer, i) for i in range(len(self.params))])
+        pf.capture([self.layout.unsharded.view(buffer, i) for i in range(len(self.params))])
         check_transition(
             SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED_POST_FORWARD, self.fqn
         )
         self._register(unsharded=False)
-        self.unsharded.free()
+        self.storage.free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _register(self, *, unsharded: bool) -> None:
@@ -573,10 +485,11 @@ class FSDPParamGroup:
             except DesyncError:
                 # Abandoned by a desync error (raised on every rank): its rows may never come,
                 # or come late from a peer in step, so neither buffer goes back to the pool.
-                self._staging = None
+                self.storage.abandon_staging()
             else:
                 pending.handle.release()
-                self._return_staging()
+                assert self.comm is not None
+                self.storage.return_staging(self.comm.pool)
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None

@@ -9,7 +9,8 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
   its kind, group, mesh axis, bytes, time, module and phase; per-step totals, per axis too,
   exposed vs overlapped communication), :class:`MemoryTracker` (live tensor
   memory by category, its timeline, the peak and the peak per module and phase) and
-  :class:`Profiler` (both, sharing one view of modules and phases).
+  :class:`Profiler` (both, sharing one view of modules and phases); :class:`OpCounter`
+  (the operators a step dispatches: on a GPU, its kernel launches).
 - :mod:`shardkit.tools.plan`, what will happen: :func:`plan` (and the ``shardkit-plan``
   command) predicts per-rank memory by category and the bytes of every collective of a step
   from a meta-device model.
@@ -46,6 +47,7 @@ from shardkit.tools.report.json_io import load_merged_report, load_rank_reports,
 from shardkit.tools.report.text import summarize
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.memory import MemoryTracker
+from shardkit.tools.track.ops import OpCounter
 from shardkit.tools.track.profiler import Profiler
 from shardkit.tools.track.scope import ModuleScope
 
@@ -65,6 +67,7 @@ __all__ = [
     "MemoryTracker",
     "ModulePeak",
     "ModuleScope",
+    "OpCounter",
     "Phase",
     "PhaseSpan",
     "Plan",

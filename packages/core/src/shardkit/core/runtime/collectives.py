@@ -21,7 +21,7 @@ from shardkit.core.runtime.groups import cpu_world, fingerprint_group
 from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
-from shardkit.core.runtime.protocol import CustomComm
+from shardkit.core.runtime.protocol import CustomComm, RowBlock
 
 __all__ = [
     "DoneHandle",
@@ -110,21 +110,21 @@ class _SumRowsHandle:
 
 @dataclass(slots=True)
 class GatherHandle:
-    """An all-gather in flight; ``wait()`` returns every rank's row, in rank order."""
+    """An all-gather in flight; ``wait()`` returns every rank's row, as blocks in rank order."""
 
     works: list[dist.Work]
-    rows: list[torch.Tensor]  # W uint8 rows of N bytes; this rank's own row is its input
+    blocks: list[RowBlock]  # uint8 rows of N bytes; this rank's own row may be its input
     buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
     pool: BufferPool
     info: CollectiveInfo | None = None
     check: desync.PendingCheck | None = None  # compared before the rows are returned
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[RowBlock]:
         """Block until every row has arrived; returns the rows."""
         if self.works:
             _wait_all(self.works, self.info, self.check)
         self.works = []
-        return self.rows
+        return self.blocks
 
     def release(self) -> None:
         """Give the receive buffer back (after the rows were copied out)."""
@@ -225,13 +225,14 @@ class ProcessGroupRuntime:
         is issued or announced (as for a reduction over one rank).
         """
         if custom is None and group.size() == 1:
-            return GatherHandle([], [input], None, self.pool)
+            return GatherHandle([], [RowBlock(0, input.view(1, -1))], None, self.pool)
         exchange = custom is None and _uses_gloo(group)
         issued = self._begin("all_gather", group, label, input, _GATHER_TAG if exchange else None)
         if custom is not None:
             self._announce("all_gather", group, input.numel(), "custom", label)
             rows, work = custom_all_gather_rows(custom, input, group)
-            handle = GatherHandle([w for w in (work,) if w is not None], rows, None, self.pool)
+            works = [w for w in (work,) if w is not None]
+            handle = GatherHandle(works, [RowBlock(0, rows)], None, self.pool)
         else:
             handle = self._all_gather(input, group, label, issued.tag)
         handle.info, handle.check = issued.info, issued.check
@@ -275,22 +276,24 @@ class ProcessGroupRuntime:
         if not _uses_gloo(group):
             buffer = self.pool.get(size * nbytes, input.device)
             work = dist.all_gather_single(buffer, input, group=group, async_op=True)
-            native = list(buffer.view(size, nbytes).unbind(0))
+            native = [RowBlock(0, buffer.view(size, nbytes))]
             return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)
         buffer = self.pool.get((size - 1) * nbytes, input.device)
-        received = buffer.view(size - 1, nbytes)
-        rows: list[torch.Tensor] = []
+        received = buffer.view(size - 1, nbytes)  # (W-1, N): the peers' rows, in rank order
         works: list[dist.Work] = []
         for peer in range(size):
             if peer == rank:
-                rows.append(input)
                 continue
             row = received[peer if peer < rank else peer - 1]
-            rows.append(row)
             recv = dist.irecv(row, group=group, group_src=peer, tag=tag)
             send = dist.isend(input, group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
-        return GatherHandle(works, rows, buffer, self.pool)
+        blocks = [
+            RowBlock(0, received[:rank]),
+            RowBlock(rank, input.view(1, nbytes)),
+            RowBlock(rank + 1, received[rank:]),
+        ]
+        return GatherHandle(works, [b for b in blocks if b.rows.shape[0]], buffer, self.pool)
 
     def reduce_scatter(
         self,

@@ -18,12 +18,12 @@ __all__ = ["custom_all_gather_rows", "custom_reduce_scatter"]
 
 def custom_all_gather_rows(
     comm: CustomComm, input: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[list[torch.Tensor], dist.Work | None]:
-    """Run ``comm`` on ``input`` (N uint8 bytes): the W rows it gathered, and its work."""
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """Run ``comm`` on ``input`` (N uint8 bytes): the (W, N) rows it gathered, and its work."""
     size, nbytes = group.size(), input.numel()
     output = comm.allocate((size * nbytes,), dtype=input.dtype, device=input.device)
     work = comm(output, input, group, async_op=True)
-    return list(output.view(size, nbytes).unbind(0)), work
+    return output.view(size, nbytes), work
 
 
 def custom_reduce_scatter(

@@ -20,6 +20,7 @@ __all__ = [
     "is_accelerator",
     "on_stream",
     "pin",
+    "prefers_fused_packing",
     "wait_for_host_copies",
 ]
 
@@ -36,6 +37,17 @@ def device_for_mesh_type(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type)
+
+
+def prefers_fused_packing(device: torch.device) -> bool:
+    """Whether gradients are packed for a reduction with one fused kernel per group.
+
+    On an accelerator every copy is a kernel launch, so a group's packing is one
+    ``_chunk_cat`` (as torch's ``fully_shard`` packs). On CPU, ``_chunk_cat``'s kernel is
+    slower than a ``cat`` of views or one copy per gradient (measured: 15 against 10 ms for
+    a 67 MB group, 25 against 4.4 ms with a bf16-to-fp32 cast), and a copy costs no launch.
+    """
+    return is_accelerator(device)
 
 
 def can_pin_memory() -> bool:

@@ -6,6 +6,7 @@ Parameter groups call only this protocol; the runtime knows nothing about module
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -13,7 +14,14 @@ import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
 
-__all__ = ["CollectiveHandle", "CollectiveRuntime", "CustomComm", "GatheredRows"]
+__all__ = [
+    "CollectiveHandle",
+    "CollectiveRuntime",
+    "CustomComm",
+    "GatheredRows",
+    "RowBlock",
+    "rows_of",
+]
 
 
 class CollectiveHandle(Protocol):
@@ -23,11 +31,32 @@ class CollectiveHandle(Protocol):
         """Block until the collective's output is ready (idempotent)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RowBlock:
+    """The gathered rows of consecutive ranks, as one tensor.
+
+    A native all-gather lands every rank's row in one buffer: one block. An exchange keeps
+    this rank's own row where it was (its gather input) and receives the others into one
+    buffer: up to three blocks. Copying out one block at a time keeps the number of copies a
+    group launches independent of the world size. See [Note: flat group buffers].
+    """
+
+    first: int
+    """The rank of the block's first row."""
+    rows: torch.Tensor
+    """(k, N) uint8: the rows of ranks ``first`` to ``first + k - 1``."""
+
+
+def rows_of(blocks: Sequence[RowBlock]) -> list[torch.Tensor]:
+    """Every rank's row (N bytes), in rank order: one view per rank, for rare paths only."""
+    return [row for block in blocks for row in block.rows.unbind(0)]
+
+
 class GatheredRows(Protocol):
     """An all-gather in flight."""
 
-    def wait(self) -> list[torch.Tensor]:
-        """Block until done; returns the W rows (N bytes each) in rank order."""
+    def wait(self) -> Sequence[RowBlock]:
+        """Block until done; returns the W rows (N bytes each) as blocks in rank order."""
 
     def release(self) -> None:
         """Return the buffers behind the rows once they were copied out."""

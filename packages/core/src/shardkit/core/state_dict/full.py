@@ -27,6 +27,7 @@ from shardkit.core.param_group import FSDPParamGroup
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
 from shardkit.core.runtime.groups import global_rank
+from shardkit.core.runtime.protocol import rows_of
 from shardkit.core.state_dict.validation import mesh_ranks, param_keys
 from shardkit.core.state_registry import is_managed, states_under
 
@@ -241,7 +242,7 @@ def gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch
         handle = ProcessGroupRuntime().all_gather(
             group.sharded_buffer, mesh_info.shard_group, label=group.fqn
         )
-        rows = handle.wait()
+        rows = rows_of(handle.wait())
     else:
         replicate = mesh_info.replicate_group
         if replicate is not None and replicate.rank() != 0:

@@ -1,0 +1,327 @@
+"""A parameter group's memory: its buffers, their views, and the fused copies between them.
+
+One :class:`GroupStorage` per group holds the sharded buffer (what the optimizer steps), the
+unsharded buffer (the full parameters, between unshard and reshard), the staging copy of the
+all-gather input (borrowed from the pool), and the plans that move bytes between them:
+
+- copy-in: the shards into the all-gather input, cast or moved to the device: one copy for
+  the group where the two layouts line up element for element (the layout arranges that for
+  any group of one dtype), else one per parameter;
+- copy-out: every rank's row into the full parameters (and into the all-gather outputs of
+  parameters gathered through hooks): one ``split_with_sizes_copy`` per block of rows
+  (``GatherSplit``), plus one copy per parameter sharded on a dim other than 0;
+- a shard axis of one rank: the full parameters are the shards (no copy) or one copy of them.
+
+So the copies a group launches per unshard do not grow with the world size or, where the
+layouts line up, with its number of parameters. Everything here is planned from the group's
+``GroupLayout`` and planned again, whole, when the group lays itself out anew (a dtype
+change, all-gather hooks taken up). See [Note: flat group buffers] and
+[Note: unsharded storage].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardkit.core.gather_hooks import GroupHooks
+from shardkit.core.group_layout import GroupLayout
+from shardkit.core.param import FSDPParam
+from shardkit.core.post_forward import PostForwardShard
+from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel, rank_major_view
+from shardkit.core.runtime.device import pin
+from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
+from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.protocol import RowBlock
+from shardkit.core.unsharded import UnshardedBuffer
+
+__all__ = ["GroupStorage", "StoragePlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoragePlan:
+    """What a group's storage is planned from: its layout and who takes part in it."""
+
+    layout: GroupLayout
+    flat: tuple[int, ...]
+    """Indices of the parameters with a slot in the flat buffers (those without hooks)."""
+    hooks: GroupHooks | None
+    """The parameters gathered through all-gather hooks, if any."""
+    post_forward: PostForwardShard | None
+    """The slices kept after forward (``reshard_after_forward=n``), if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CopyOut:
+    """One row layout's copy-out: the split, then the copies the split cannot do itself."""
+
+    split: GatherSplit
+    fixups: tuple[Callable[[], None], ...]  # scratch into shards on a dim other than 0
+
+
+class GroupStorage:
+    """The buffers of one group and the copies between them (see the module docstring)."""
+
+    def __init__(
+        self, params: Sequence[FSDPParam], device: torch.device, offload: tuple[bool, bool]
+    ) -> None:
+        """``device``: the mesh's; ``offload``: (parameters live on the CPU, pinned)."""
+        self.params = params
+        self.device = device
+        self.offload, self.pin_memory = offload
+        self.sharded_buffer = torch.empty(0, dtype=torch.uint8)
+        self.unsharded = UnshardedBuffer(params, ())
+        self._staging: torch.Tensor | None = None  # borrowed from issue to copy-out
+        self._copy_outs: dict[bool, _CopyOut] = {}  # by "from the post-forward subgroup"
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def plan(self, plan: StoragePlan) -> None:
+        """Derive everything from ``plan``; the buffers stay (see :meth:`refill`).
+
+        The unsharded buffer stays too unless its layout or its parameters changed: the
+        full parameters that view it are kept across a re-plan that does not move them.
+        """
+        before = getattr(self, "layout", None)
+        moved = before is None or before.unsharded != plan.layout.unsharded
+        self.layout = layout = plan.layout
+        if moved or plan.flat != getattr(self, "flat", None):
+            self.flat = plan.flat
+            self.forget_unsharded()
+        self.hooks = plan.hooks
+        self.post_forward = plan.post_forward
+        self._copy_outs.clear()  # built at the next copy-out, when hook outputs exist
+        # The all-gather reads the sharded buffer itself unless it must be cast or moved, or
+        # hooks give what it sends: then it sends a staging copy, borrowed from the pool.
+        self.needs_staging = self.offload or layout.casts_or_hooks
+        self._one_copy_in = None if plan.hooks else one_copy_numel(layout.storage, layout.comm)
+        # One shard rank and nothing to cast or move: each shard is its full parameter, and
+        # the unsharded parameters view the sharded buffer itself; unsharding runs no
+        # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
+        one_rank = layout.shard_world == 1 and plan.post_forward is None
+        self.aliases_shards = one_rank and layout.unsharded_views_storage and not self.offload
+        # One shard rank with a cast or a move: the shards are copied, no staging, no gather.
+        self.copies_shards = one_rank and not self.aliases_shards and plan.hooks is None
+        self._one_local_copy = one_copy_numel(layout.storage, layout.unsharded)
+        assert not self.aliases_shards or layout.unsharded == layout.storage
+
+    @property
+    def storage_device(self) -> torch.device:
+        """Where sharded parameters live: the mesh device, or the CPU when offloading."""
+        return torch.device("cpu") if self.offload else self.device
+
+    # --- the sharded buffer -----------------------------------------------------------------
+
+    def init_sharded(self) -> None:
+        """The first sharded buffer, from each parameter's source; the parameters view it."""
+        shards = {i: self.params[i].padded_shard_of_source() for i in self.flat}
+        is_meta = any(s.is_meta for s in shards.values())
+        device = torch.device("meta") if is_meta else self.storage_device
+        # Zeros: alignment gaps are part of a group's flat shard (layout.GroupView.flat_shard).
+        buffer = torch.zeros(self.layout.storage.nbytes, dtype=torch.uint8, device=device)
+        if not is_meta:
+            for i, shard in shards.items():
+                self.layout.storage.view(buffer, i).copy_(shard)
+        self._adopt(buffer)
+        if self.hooks is not None:
+            self.hooks.bind_own_storage(self.storage_device)
+
+    def refill(self, locals_: Sequence[torch.Tensor], device: torch.device) -> None:
+        """A new sharded buffer on ``device`` holding the flat parameters' ``locals_``.
+
+        The parameters view it from now on; the unsharded buffer and copy plans are dropped
+        (the next unshard makes them on the new device or layout).
+        """
+        storage = self.layout.storage
+        buffer = torch.zeros(storage.nbytes, dtype=torch.uint8, device=device)
+        for i in self.flat:
+            self.params[i].local_view(storage.view(buffer, i)).copy_(locals_[i])
+        self._adopt(buffer)
+        self.forget_unsharded()
+        for p in self.params:
+            p.unsharded_param = None  # rebuilt on the new device at the next unshard
+
+    def _adopt(self, buffer: torch.Tensor) -> None:
+        if self.pin_memory and not buffer.is_meta:
+            buffer = pin(buffer)
+        self.sharded_buffer = buffer
+        for i in self.flat:
+            self.params[i].bind_sharded(self.layout.storage.view(buffer, i))
+
+    def adopt_hooked(self, locals_: Sequence[torch.Tensor]) -> None:
+        """Hooked parameters take up new local tensors: their outputs are made anew."""
+        if self.hooks is not None:
+            self.hooks.adopt(locals_)
+            self._copy_outs.clear()
+
+    def forget_unsharded(self) -> None:
+        """Drop the unsharded buffer and its copy plans (a new device, layout or hooks)."""
+        self.unsharded = UnshardedBuffer(self.params, self.flat)
+        self._copy_outs.clear()
+
+    # --- copy-in ----------------------------------------------------------------------------
+
+    def gather_input(self, pool: BufferPool, sent: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """What this rank sends in the all-gather: the sharded buffer or a staging copy.
+
+        ``sent``: what the pre-all-gather hooks returned, by parameter index.
+        """
+        if not self.needs_staging:
+            return self.sharded_buffer
+        assert self._staging is None, "the previous all-gather's staging was not returned"
+        storage, comm = self.layout.storage, self.layout.comm
+        staging = pool.get(comm.nbytes, self.device)
+        self._staging = staging
+        # Non-blocking from pinned memory: the host writes the shards again only in the
+        # optimizer step, which the end of backward orders after every copy queued before.
+        non_blocking = self.pin_memory
+        n = self._one_copy_in
+        if n is not None:
+            source = self.sharded_buffer.view(storage.dtypes[0])[:n]
+            staging.view(comm.dtypes[0])[:n].copy_(source, non_blocking=non_blocking)
+        else:
+            for i in self.flat:
+                shard = storage.view(self.sharded_buffer, i)
+                comm.view(staging, i).copy_(shard, non_blocking=non_blocking)
+        if self.hooks is not None:
+            self.hooks.copy_in(sent, staging, self.layout)
+        return staging
+
+    def return_staging(self, pool: BufferPool) -> None:
+        """The staging copy is spent once the rows are copied out: back to the pool."""
+        if self._staging is not None:
+            pool.put(self._staging)
+            self._staging = None
+
+    @property
+    def holds_staging(self) -> bool:
+        """Whether a staging copy is borrowed (an all-gather issued and not yet copied out)."""
+        return self._staging is not None
+
+    def abandon_staging(self) -> None:
+        """Forget the staging copy without returning it (a peer may still write the rows)."""
+        self._staging = None
+
+    # --- copy-out ---------------------------------------------------------------------------
+
+    def copy_out(self, blocks: Sequence[RowBlock], *, from_post_forward: bool) -> None:
+        """Write the gathered rows into the full parameters (and the hooks' outputs).
+
+        ``from_post_forward``: the rows are the post-forward slices, gathered within the
+        subgroup of ``reshard_after_forward=n`` (their layout is ``layout.post_forward``).
+        """
+        self.unsharded.allocate(self.layout.unsharded, self.device)
+        hook_writers = self._hook_writers()
+        plan = self._copy_outs.get(from_post_forward)
+        if plan is None:
+            plan = self._plan_copy_out(from_post_forward, hook_writers)
+            self._copy_outs[from_post_forward] = plan
+        plan.split.copy(blocks)
+        for fixup in plan.fixups:
+            fixup()
+        if self.hooks is not None and not from_post_forward:
+            self.hooks.finish_unshard()
+
+    def _hook_writers(self) -> dict[int, list[torch.Tensor]]:
+        """Each hooked parameter's all-gather outputs, with their memory (see AllGatherHooks)."""
+        if self.hooks is None:
+            return {}
+        writers: dict[int, list[torch.Tensor]] = {}
+        for i, p in self.hooks.params.items():
+            inputs = self.layout.params[i].all_gather_inputs
+            assert p.hooks is not None and inputs is not None, f"{p.fqn}: hooks not laid out"
+            writers[i] = p.hooks.output_writers(self.layout.shard_world, inputs, self.device)
+        return writers
+
+    def _plan_copy_out(
+        self, from_post_forward: bool, hook_writers: dict[int, list[torch.Tensor]]
+    ) -> _CopyOut:
+        layout = self.layout
+        buffer = self.unsharded.tensor
+        assert buffer is not None
+        pieces = _Pieces()
+        if from_post_forward:
+            pf = self.post_forward
+            assert pf is not None
+            for i, geo in enumerate(pf.geometries):
+                slot = layout.unsharded.view(buffer, i)[: geo.world * geo.shard_numel]
+                pieces.add(pf.layout.offsets[i], slot, geo)
+            row = pf.layout
+        else:
+            for i in self.flat:
+                geo = self.params[i].geometry
+                slot = layout.unsharded.view(buffer, i)[: geo.world * geo.shard_numel]
+                pieces.add(layout.comm.offsets[i], slot, geo)
+            for i, writers in hook_writers.items():
+                inputs = layout.params[i].all_gather_inputs
+                hooks = self.params[i].hooks
+                assert inputs is not None and hooks is not None
+                for k, writer in enumerate(writers):
+                    geo = hooks.output_geometry(k, inputs.numels[k], layout.shard_world)
+                    pieces.add(layout.comm.offsets[i] + inputs.offsets[k], writer, geo)
+            row = layout.comm
+        world = layout.post_forward_world if from_post_forward else layout.shard_world
+        assert world is not None
+        return _CopyOut(GatherSplit(row.nbytes, pieces.targets, world), tuple(pieces.fixups))
+
+    # --- a shard axis of one rank -----------------------------------------------------------
+
+    def unshard_locally(self) -> None:
+        """No collective: the full parameters view the shards, or are one copy of them."""
+        layout = self.layout
+        if self.aliases_shards:
+            self.unsharded.alias(self.sharded_buffer, layout.unsharded)
+            return
+        self.unsharded.allocate(layout.unsharded, self.device)
+        buffer = self.unsharded.tensor
+        assert buffer is not None
+        storage, unsharded = layout.storage, layout.unsharded
+        n = self._one_local_copy
+        if n is not None:
+            source = self.sharded_buffer.view(storage.dtypes[0])[:n]
+            buffer.view(unsharded.dtypes[0])[:n].copy_(source, non_blocking=self.pin_memory)
+            return
+        for i in self.flat:
+            shard = storage.view(self.sharded_buffer, i)
+            target = unsharded.view(buffer, i)[: shard.numel()]
+            target.copy_(shard, non_blocking=self.pin_memory)
+
+    def free_unsharded(self) -> None:
+        """Free the full parameters' memory and the hooks' outputs (resharding)."""
+        if not self.aliases_shards:
+            self.unsharded.free()
+        if self.hooks is not None:
+            self.hooks.free()
+
+
+class _Pieces:
+    """The split targets of one row layout, and the fixups of shards on another dim than 0."""
+
+    def __init__(self) -> None:
+        self.targets: list[SplitTarget] = []
+        self.fixups: list[Callable[[], None]] = []
+
+    def add(self, offset: int, full: torch.Tensor, geo: ShardGeometry) -> None:
+        """Slot at byte ``offset`` of every row goes to ``full`` (1-D, padded, typed).
+
+        On dim 0, rank r's padded shard is the r-th of ``full``'s W equal pieces: the split
+        writes it there. On another dim it is strided inside ``full``: the split writes it
+        to scratch and one copy per group moves it.
+        """
+        if not geo.shard_numel:
+            return
+        nbytes = geo.shard_numel * full.itemsize
+        if geo.dim == 0:
+            self.targets.append(SplitTarget(offset, full.view(torch.uint8).view(geo.world, -1)))
+            return
+        scratch = torch.empty(geo.world, nbytes, dtype=torch.uint8, device=full.device)
+        self.targets.append(SplitTarget(offset, scratch))
+        shards = scratch.view(full.dtype).view(geo.world, *geo.padded_shard_shape)
+        target = rank_major_view(full, geo)
+
+        def fixup() -> None:
+            target.copy_(shards)
+
+        self.fixups.append(fixup)
