@@ -13,7 +13,12 @@ ROOT = Path(__file__).resolve().parents[1] / "packages"
 PACKAGES = {"core": "core", "tp_adapter": "tp", "legacy_fsdp_compat": "legacy", "tools": "tools"}
 ALLOWED = {"core": set(), "tp": {"core"}, "legacy": {"core", "tp"}, "tools": {"core"}}
 # The core's published modules: its API and the seams the other packages plug into.
-SEAMS = {"shardkit.core", "shardkit.core.layout", "shardkit.core.extensions"}
+SEAMS = {
+    "shardkit.core",
+    "shardkit.core.layout",
+    "shardkit.core.extensions",
+    "shardkit.core.schedule",
+}
 
 
 def _shardkit_imports(path: Path) -> list[tuple[str, list[str]]]:

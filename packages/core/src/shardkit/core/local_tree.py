@@ -5,7 +5,7 @@ view its shards (``FSDPParamGroup.aliases_shards``) and its reduction is the gra
 there is nothing to gather, free or communicate, only bookkeeping. The root then registers
 every group's full parameters once per forward, the other groups' hooks return at once, and
 the root's end-of-backward callback takes every group's gradients.
-See [Note: post-backward trigger] (local tree).
+See [Note: post-backward trigger], rule 4.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def is_local_tree(groups: Sequence[FSDPParamGroup]) -> bool:
 
 
 def enter_local_forward(groups: Sequence[FSDPParamGroup], local: bool) -> None:
-    """Tell every group how its gradients are taken in the coming backward.
+    """On the local path, register every group's full parameters now.
 
-    On the local path, every group's full parameters are registered now (they are its
-    shards: no copy, no collective), and stay so until the end-of-backward callback.
+    They are its shards (no copy, no collective), and stay registered until the
+    end-of-backward callback, which takes every group's gradients (``backward``, rule 4).
     """
+    if not local:
+        return
     for group in groups:
-        group.grads_at_backward_end = local
-        if local:
-            group.unshard()
-            group.wait_for_unshard()
+        group.unshard()
+        group.wait_for_unshard()

@@ -38,7 +38,7 @@ from shardkit.core.states import (
     check_transition,
 )
 
-__all__ = ["FSDPParamGroup", "GroupConfig"]
+__all__ = ["FSDPParamGroup", "GroupConfig", "GroupWiring"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ class GroupConfig:
     mesh_info: MeshInfo
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class GroupWiring:
+    """What the root gives each of its groups at its lazy init."""
+
+    fqn: str
+    """The group's module(s), named from the root (messages, profiles, collectives)."""
+    param_fqns: list[str]
+    """Its parameters' names from the root, as torch names them in messages."""
+    comm: CommContext
+    """The communication context the root's groups share."""
+    grad_hook: Callable[[torch.Tensor], None]
+    """The post-accumulate-grad hook of its trainable unsharded parameters (``backward``)."""
 
 
 @dataclass(slots=True)
@@ -77,19 +91,10 @@ class FSDPParamGroup:
         self._training_state = TrainingState.IDLE
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
-        self._grads_ready = 0
         self.forward_prefetch: list[FSDPParamGroup] | None = None
         self.backward_prefetch: list[FSDPParamGroup] | None = None
-        # Set by the root: queues the end-of-backward callback if no hook has yet.
-        self.ensure_final_callback: Callable[[], None] = _nothing
-        # Set by the state: whether backward has yet to go through this group's inputs (a
-        # group with frozen parameters waits for that too). See [Note: post-backward trigger].
-        self.input_grads_pending: Callable[[], bool] = _never
         self.mp_policy = config.mp_policy
-        self._expected_grads: int | None = None  # trainable parameters, counted per backward
-        # Set by the root each forward: the end-of-backward callback takes this group's
-        # gradients, none are counted. See [Note: post-backward trigger] (local tree).
-        self.grads_at_backward_end = False
+        self._grad_hook: Callable[[torch.Tensor], None] = _not_attached
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
         # While unlisted (list_params), each module's _parameters names as they were.
         self._listing_order: dict[int, list[str]] = {}
@@ -195,6 +200,13 @@ class FSDPParamGroup:
             self.layout.post_forward,
             self.mesh_info,
         )
+
+    def attach(self, wiring: GroupWiring) -> None:
+        """Take what the root gives its groups at its lazy init (see ``GroupWiring``)."""
+        self.fqn = wiring.fqn
+        self.param_fqns = wiring.param_fqns
+        self._grad_hook = wiring.grad_hook
+        self.attach_comm(wiring.comm)
 
     def attach_comm(self, comm: CommContext) -> None:
         """Use ``comm`` for this group's collectives and tell its pool our buffer sizes."""
@@ -393,7 +405,7 @@ class FSDPParamGroup:
     def _register(self, *, unsharded: bool) -> None:
         for p in self.params:
             if unsharded:
-                p.follow_requires_grad(self._on_grad_ready)
+                p.follow_requires_grad(self._grad_hook)
             p.register(unsharded)
         self.registered_unsharded = unsharded
 
@@ -414,39 +426,23 @@ class FSDPParamGroup:
 
     # --- backward ---------------------------------------------------------------------------
 
-    def begin_backward(self) -> None:
-        """Reset the per-backward count of accumulated gradients."""
-        self._grads_ready = 0
-        self._expected_grads = None
-
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        # Runs after autograd accumulated one unsharded gradient; the last one triggers the
-        # reduce-scatter as early as possible. See [Note: post-backward trigger].
-        self.ensure_final_callback()
-        if self.grads_at_backward_end:
-            return  # a local tree: nothing to start early
-        self._grads_ready += 1
-        if self._expected_grads is None:
-            self._expected_grads = len(self.trainable)
-        if (
-            self._grads_ready == self._expected_grads
-            and self.training_state
-            in (TrainingState.PRE_BACKWARD, TrainingState.FORWARD, TrainingState.IDLE)
-            and not self.input_grads_pending()
-        ):
-            self.post_backward()
-
-    def grads_complete(self) -> bool:
-        """Whether every trainable parameter has its gradient of this backward (or none trains)."""
-        return not self.trainable or self._grads_ready == self._expected_grads
+    def holds_grads(self) -> bool:
+        """Whether a full parameter holds a gradient that no reduction has taken yet."""
+        return any(
+            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            for p in self.params
+        )
 
     def post_backward(self, *, assign_now: bool = False) -> None:
         """Start reducing this group's gradients and reshard (per the options).
 
+        Called by ``backward.BackwardTracker`` alone, which decides when a group's backward
+        is over. See [Note: post-backward trigger].
+
         Args:
             assign_now: a local tree's end of backward: gradients that are their own
                 reduction are assigned at once, not queued for the callback to finish right
-                after. See [Note: post-backward trigger] (local tree).
+                after.
         """
         self.training_state = TrainingState.POST_BACKWARD
         if observe.has_subscribers():
@@ -493,7 +489,6 @@ class FSDPParamGroup:
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None
-        self._grads_ready = 0
         self.reshard()
         self.training_state = TrainingState.IDLE
 
@@ -501,10 +496,5 @@ class FSDPParamGroup:
         return f"FSDPParamGroup({self.fqn or '<root>'}, params={len(self.params)})"
 
 
-def _nothing() -> None:
-    """Default for callbacks installed at the root's lazy init."""
-
-
-def _never() -> bool:
-    """Default of ``input_grads_pending`` until the state installs its own."""
-    return False
+def _not_attached(_param: torch.Tensor) -> None:
+    raise AssertionError("a gradient hook ran before the root attached its groups")

@@ -18,18 +18,24 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
+from shardkit.core.backward import BackwardTracker
 from shardkit.core.context import CommContext
 from shardkit.core.errors import DesyncError
-from shardkit.core.input_grads import InputGradsWatch
 from shardkit.core.local_step import restore_all
 from shardkit.core.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
+from shardkit.core.schedule import (
+    AfterForward,
+    StepSchedule,
+    after_forward,
+    root_reshards_after_forward,
+)
 from shardkit.core.state_registry import states_under
 from shardkit.core.states import ShardedState, TrainingState
 from shardkit.core.usage_checks import (
@@ -53,18 +59,14 @@ class RootContext:
 
     states: list[FSDPState]
     comm: CommContext
-    forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Groups in pre-forward order this iteration."""
-    previous_forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Last iteration's order: what implicit forward prefetch follows."""
-    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
-    """Groups in post-forward order: backward runs it in reverse (backward prefetch)."""
-    backward_reaches: set[FSDPParamGroup] = field(default_factory=set)
-    """Groups whose forward outputs need gradients: the only ones backward will unshard."""
+    backward: BackwardTracker
+    """Where each group's backward ends (see ``backward``)."""
+    schedule: StepSchedule[FSDPParamGroup] = field(default_factory=StepSchedule)
+    """The step's orders and the prefetches drawn from them (``schedule``)."""
     final_callback_queued: bool = False
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
-    (see [Note: post-backward trigger] (local tree))."""
+    (see [Note: post-backward trigger], rule 4)."""
 
 
 class FSDPState:
@@ -87,9 +89,6 @@ class FSDPState:
         self.shared_comm: CommContext | None = None
         self.fqn = ""
         self._forward_pending: set[int] = set()
-        self._input_grads = InputGradsWatch(self._frozen_backward_done)
-        if group is not None:
-            group.input_grads_pending = self._input_grads.pending
         pre_forward, post_forward = _eager(self._pre_forward), _eager(self._post_forward)
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
@@ -118,7 +117,8 @@ class FSDPState:
             comm = self.shared_comm
         else:
             comm = new_comm_context()
-        ctx = RootContext(states=states, comm=comm)
+        tracker = BackwardTracker(self._ensure_final_callback, lambda: ctx.local)
+        ctx = RootContext(states=states, comm=comm, backward=tracker)
         names = {id(m): name for name, m in root_module.named_modules()}
         param_names = {id(p): name for name, p in root_module.named_parameters()}
         for state in states:
@@ -128,14 +128,15 @@ class FSDPState:
             state.fqn = ", ".join(names.get(id(m), "") or "<root>" for m in state.modules)
             group = state.group
             if group is not None:
-                group.fqn = state.fqn
-                group.param_fqns = [_name_from_root(p, param_names, names) for p in group.params]
-                group.attach_comm(ctx.comm)
-                group.ensure_final_callback = self._ensure_final_callback
+                fqns = [_name_from_root(p, param_names, names) for p in group.params]
+                wiring = GroupWiring(state.fqn, fqns, ctx.comm, tracker.grad_hook(group))
+                group.attach(wiring)
                 group.resync_sharded_storage()
-        if self.group is not None and self.group.options.reshard_after_forward_is_default:
-            # The root's parameters are needed again first thing in backward: keep them.
-            self.group.options.reshard_after_forward = False
+        if self.group is not None:
+            options = self.group.options
+            options.reshard_after_forward = root_reshards_after_forward(
+                options.reshard_after_forward, is_default=options.reshard_after_forward_is_default
+            )
         self.ctx = ctx
         warn_if_replaced_params_are_held(self.groups)
         PROGRESS.count_optimizer_steps()  # the step that hang reports and desync checks show
@@ -169,7 +170,8 @@ class FSDPState:
             if group is not None:
                 self._group_pre_forward(group, module)
                 if torch.is_grad_enabled() and len(group.trainable) < len(group.params):
-                    args, kwargs = self._input_grads.wrap(args, kwargs)
+                    assert self.ctx is not None
+                    args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -197,9 +199,7 @@ class FSDPState:
         for group in groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 group.reshard()  # its slices predate any optimizer step since: drop them
-        if self.ctx.forward_order:
-            self.ctx.previous_forward_order = self.ctx.forward_order
-            self.ctx.forward_order = []
+        self.ctx.schedule.begin_forward()
 
     def _group_pre_forward(self, group: FSDPParamGroup, module: nn.Module) -> None:
         assert self.ctx is not None
@@ -208,23 +208,13 @@ class FSDPState:
             group.training_state = TrainingState.FORWARD
             group.unshard()
             group.wait_for_unshard()
-            self.ctx.forward_order.append(group)
+            targets = self.ctx.schedule.ran_forward(group, group.forward_prefetch)
             if observe.has_subscribers():
                 observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
-            for target in self._forward_prefetch_targets(group):
+            for target in targets:
                 target.unshard()
         elif not group.registered_unsharded:
             group.wait_for_unshard()
-
-    def _forward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
-        if group.forward_prefetch is not None:
-            return group.forward_prefetch
-        assert self.ctx is not None
-        previous = self.ctx.previous_forward_order
-        position = len(self.ctx.forward_order)
-        if position < len(previous) and previous[position] is not group:
-            return [previous[position]]
-        return []
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         group = self.group
@@ -249,14 +239,9 @@ class FSDPState:
 
     def _group_post_forward(self, group: FSDPParamGroup) -> None:
         assert self.ctx is not None
-        policy = group.options.reshard_after_forward
-        if policy is not False and not _stays_unsharded(group):
-            if policy is True:
-                group.reshard()
-            else:
-                group.reshard_post_forward()
+        _apply_after_forward(group)
         group.training_state = TrainingState.IDLE
-        self.ctx.post_forward_order.append(group)
+        self.ctx.schedule.finished_forward(group)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(group.fqn, "post_forward"))
 
@@ -268,16 +253,11 @@ class FSDPState:
         self.ctx.comm.pool.clear()
         if self.ctx.local:
             return  # every group stays unsharded: it is its shards
-        # Groups that were prefetched but never ran, or list groups only partly run.
+        # Groups that were prefetched but never ran, or list groups only partly run; not one
+        # still inside its forward (the root is nested in it).
         for group in self.groups:
-            policy = group.options.reshard_after_forward
-            if group.is_unsharded and policy is not False and not _stays_unsharded(group):
-                if group.training_state is TrainingState.FORWARD:
-                    continue  # still inside its forward (the root is nested in it)
-                if policy is True:
-                    group.reshard()
-                else:
-                    group.reshard_post_forward()
+            if group.is_unsharded and group.training_state is not TrainingState.FORWARD:
+                _apply_after_forward(group)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -286,7 +266,7 @@ class FSDPState:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
                 if self.group is not None and self.ctx is not None:
-                    self.ctx.backward_reaches.add(self.group)
+                    self.ctx.schedule.output_needs_grad(self.group)
         return output
 
     # --- backward ---------------------------------------------------------------------------
@@ -306,36 +286,11 @@ class FSDPState:
         if group.options.unshard_in_backward:
             group.unshard()
             group.wait_for_unshard()
-        for target in self._backward_prefetch_targets(group):
-            if target.training_state not in (
-                TrainingState.PRE_BACKWARD,
-                TrainingState.POST_BACKWARD,
-            ):
-                target.unshard()
-
-    def _backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
-        if group.backward_prefetch is not None:
-            return group.backward_prefetch
         assert self.ctx is not None
-        order = self.ctx.post_forward_order
-        for index in range(len(order) - 1, 0, -1):
-            if order[index] is group:
-                previous = order[index - 1]
-                # A group whose outputs needed no gradient (a frozen bottom block) never runs
-                # backward: gathered now, it would be held until the end-of-backward callback.
-                needed = previous is not group and previous in self.ctx.backward_reaches
-                return [previous] if needed else []
-        return []
-
-    def _frozen_backward_done(self) -> None:
-        # Backward went through every call of this group: done with its frozen parameters.
-        group = self.group
-        if (
-            group is not None
-            and group.training_state is TrainingState.PRE_BACKWARD
-            and group.grads_complete()
+        for target in self.ctx.schedule.backward_prefetch(
+            group, group.backward_prefetch, _started_backward
         ):
-            group.post_backward()
+            target.unshard()
 
     def _ensure_final_callback(self) -> None:
         ctx = self.ctx
@@ -351,25 +306,19 @@ class FSDPState:
         assert ctx is not None
         ctx.final_callback_queued = False
         # A local tree's gradients are all taken here (none were counted), and assigned at
-        # once unless a later backward finalizes.
-        # See [Note: post-backward trigger] (local tree).
+        # once unless a later backward finalizes. See ``backward`` (rule 4).
         groups = self.groups
         last = all(g.options.is_last_backward for g in groups)
         at_end, ctx.local = ctx.local and last, False
-        for group in groups:
-            if group.training_state is TrainingState.PRE_BACKWARD or _has_unreduced(group):
-                group.post_backward(assign_now=at_end)
+        ctx.backward.settle(groups, assign_now=at_end)
         if last:
             self.finish_reductions()
         for group in groups:
             if group.options.reshard_after_backward:
                 group.reshard()
             group.training_state = TrainingState.IDLE
-            group.begin_backward()
-        ctx.post_forward_order.clear()
-        ctx.backward_reaches.clear()
-        for state in ctx.states:
-            state._input_grads.reset()
+        ctx.backward.reset()
+        ctx.schedule.end_backward()
         PROGRESS.enter("idle")
 
     def finish_reductions(self) -> None:
@@ -388,11 +337,10 @@ class FSDPState:
                 self.ctx.comm.finish_oldest()
         for group in self.groups:
             group.drop_pending_state()
+        self.ctx.backward.reset()
         for state in self.ctx.states:
             state._forward_pending.clear()
-        self.ctx.forward_order.clear()
-        self.ctx.post_forward_order.clear()
-        self.ctx.backward_reaches.clear()
+        self.ctx.schedule.reset()
         self.ctx.final_callback_queued = False
         self.ctx.local = False
         PROGRESS.enter("idle")
@@ -414,6 +362,22 @@ class FSDPState:
             self.group.resync_sharded_storage()
 
 
+def _apply_after_forward(group: FSDPParamGroup) -> None:
+    """Free, keep or slice ``group``'s full parameters, as its ``reshard_after_forward`` says."""
+    action = after_forward(group.options.reshard_after_forward)
+    if action is AfterForward.KEEP or _stays_unsharded(group):
+        return
+    if action is AfterForward.FREE:
+        group.reshard()
+    else:
+        group.reshard_post_forward()
+
+
+def _started_backward(group: FSDPParamGroup) -> bool:
+    """Whether backward already reached ``group`` (gathering it again would be wasted)."""
+    return group.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
 def _stays_unsharded(group: FSDPParamGroup) -> bool:
     """Whether a group keeps its full parameters from forward to backward whatever its policy.
 
@@ -424,12 +388,6 @@ def _stays_unsharded(group: FSDPParamGroup) -> bool:
     reshards it, and a forward without gradients reshards it as any group.
     """
     return group.aliases_shards and torch.is_grad_enabled()
-
-
-def _has_unreduced(group: FSDPParamGroup) -> bool:
-    return any(
-        p.unsharded_param is not None and p.unsharded_param.grad is not None for p in group.params
-    )
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -94,6 +94,10 @@ class Plan:
     AdamW (``theory.zero_memory_per_rank`` at stage 3)."""
     activations_traced: bool
     """Whether activations were measured by a meta forward (False: not counted)."""
+    events: tuple[tuple[str, str], ...] = ()
+    """The engine's events of the step, in order, as (what, group): the transitions of
+    ``shardkit.core.StateTransitionEvent`` and the data-parallel collectives (see
+    ``shardkit.core.schedule``, which the plan and the engine both run)."""
 
     @property
     def sent_over_theory(self) -> float | None:
@@ -214,6 +218,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             _group_plan(g, raf) for g, raf in zip(groups, step.reshard_after_forward, strict=True)
         ),
         schedule=step.schedule,
+        events=step.events,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
         sent_bytes_by_axis=_by_axis(step.schedule),

@@ -55,6 +55,17 @@ from collections import deque
 from dataclasses import dataclass
 
 from shardkit.core.layout import pooled_sizes
+from shardkit.core.schedule import (
+    AfterForward,
+    StepSchedule,
+    TrainingState,
+    after_forward,
+    count_ends_backward,
+    ends_at_callback,
+    inputs_end_backward,
+    reductions_to_finish,
+    root_reshards_after_forward,
+)
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
 from shardkit.tools.plan.options import PlanOptions
@@ -102,6 +113,11 @@ class StepResult:
     """The ledger's samples, peak and per-category maxima."""
     reshard_after_forward: tuple[bool, ...]
     """Per group: whether it frees its parameters after forward."""
+    events: tuple[tuple[str, str], ...] = ()
+    """The engine's events in order, (what, group): its state transitions ('pre_forward',
+    'unshard', 'reshard', 'post_forward', 'pre_backward', 'post_backward', the names of
+    ``shardkit.core.StateTransitionEvent``) and its data-parallel collectives ('all_gather',
+    'reduce_scatter', 'all_reduce')."""
 
 
 def simulate_step(inputs: StepInputs) -> StepResult:
@@ -118,11 +134,16 @@ def simulate_step(inputs: StepInputs) -> StepResult:
         schedule=tuple(step.calls),
         memory=MemoryPlan(peak=peak, category_max=category_max, timeline=points),
         reshard_after_forward=tuple(step.raf),
+        events=tuple(step.events),
     )
 
 
+# The engine's default: one reduction in flight (``max_reduces_in_flight``).
+_REDUCES_IN_FLIGHT = 1
+
+
 class _Step:
-    """The engine's hooks, replayed on sizes."""
+    """The engine's hooks, replayed on sizes: the decisions are the engine's ``schedule``."""
 
     def __init__(self, inputs: StepInputs) -> None:
         self.inputs = inputs
@@ -134,27 +155,32 @@ class _Step:
             self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
         )
         self.calls: list[CollectiveCall] = []
+        self.events: list[tuple[str, str]] = []
         count = len(self.groups)
         self.raf = [self._reshards_after_forward(i) for i in range(count)]
         self.unsharded = [False] * count
         self.pending = [False] * count
-        self.state = ["idle"] * count
+        self.state = [TrainingState.IDLE] * count
         self.reduces: deque[int] = deque()
         events = inputs.trace.events
-        self.forward_order = [e.group for e in events if e.kind == "pre"]
-        self.post_order = [e.group for e in events if e.kind == "post"]
-        self.backward_reaches = {e.group for e in events if e.kind == "post" and e.needs_grad}
+        # Steady state: the previous step ran forward in the order this one does.
+        self.schedule: StepSchedule[int] = StepSchedule()
+        self.schedule.forward_order = [e.group for e in events if e.kind == "pre"]
         self.first_pre: dict[int, int] = {}
+        self.inputs_need_grad: set[int] = set()
         for index, event in enumerate(events):
             if event.kind == "pre":
                 self.first_pre.setdefault(event.group, index)
-        self.forward_done = 0
+                if event.needs_grad:
+                    self.inputs_need_grad.add(event.group)
+        self.grads_in: set[int] = set()  # groups whose every trainable gradient is in
 
     def _reshards_after_forward(self, index: int) -> bool:
         value = self.inputs.options.reshard_after_forward
-        if value is None:
-            return index != self.inputs.root  # the root keeps what backward needs first
-        return value
+        policy = True if value is None else value
+        if index == self.inputs.root:
+            policy = bool(root_reshards_after_forward(policy, is_default=value is None))
+        return after_forward(policy) is not AfterForward.KEEP
 
     # --- persistent state ------------------------------------------------------------------
 
@@ -182,6 +208,7 @@ class _Step:
         ledger, trace = self.ledger, self.inputs.trace
         ledger.phase = Phase.FORWARD
         self.pool.retain = True
+        self.schedule.begin_forward()
         owners = self._segment_owners()
         for j, nbytes in enumerate(trace.activation_bytes):
             ledger.module = owners[j]
@@ -193,8 +220,8 @@ class _Step:
                 ledger.module = self.groups[event.group].fqn
                 if event.kind == "pre":
                     self._pre_forward(event.group)
-                elif self.raf[event.group]:
-                    self._reshard(event.group)
+                else:
+                    self._post_forward(event.group, event.needs_grad)
         # The root's post-forward: idle buffers go back, prefetched-but-unused groups reshard.
         self.pool.retain = False
         self.pool.clear()
@@ -218,12 +245,27 @@ class _Step:
         return [*owners, stack[-1]]
 
     def _pre_forward(self, g: int) -> None:
+        if self.state[g] is TrainingState.FORWARD:
+            return  # a module of the group's list, after the first: the group is gathered
+        self.state[g] = TrainingState.FORWARD
         self._unshard(g, "all-gather")
         self._wait(g)
-        self.forward_done += 1
-        position, order = self.forward_done, self.forward_order
-        if position < len(order) and order[position] != g:
-            self._unshard(order[position], "all-gather (prefetch)")
+        targets = self.schedule.ran_forward(g, None)
+        self._event("pre_forward", g)
+        for target in targets:
+            self._unshard(target, "all-gather (prefetch)")
+
+    def _post_forward(self, g: int, needs_grad: bool) -> None:
+        if self.raf[g]:
+            self._reshard(g)
+        self.state[g] = TrainingState.IDLE
+        self.schedule.finished_forward(g)
+        self._event("post_forward", g)
+        if needs_grad:
+            self.schedule.output_needs_grad(g)
+
+    def _event(self, what: str, g: int) -> None:
+        self.events.append((what, self.groups[g].fqn))
 
     # --- unshard / reshard -----------------------------------------------------------------
 
@@ -240,11 +282,12 @@ class _Step:
         if layout.stages_gather_input():
             nbytes = layout.all_gather_input_bytes
             self.pool.get(nbytes, ("staging", g), f"{label} {group.fqn}: staging copy")
-        if self.world == 1:
-            return  # nothing to gather: the shards are (or are copied into) the parameters
-        nbytes = layout.all_gather_input_bytes
-        self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
-        self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
+        if self.world > 1:
+            nbytes = layout.all_gather_input_bytes
+            self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
+            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
+        # At W=1 nothing is gathered: the shards are (or are copied into) the parameters.
+        self._event("unshard", g)
 
     def _wait(self, g: int) -> None:
         if not self.pending[g]:
@@ -270,6 +313,7 @@ class _Step:
         if self.unsharded[g]:
             self.ledger.free(("unsharded", g))
             self.unsharded[g] = False
+            self._event("reshard", g)
 
     def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
         # torchtitan's axis names: "dp" alone, "dp_shard" and "dp_replicate" under HSDP.
@@ -285,6 +329,8 @@ class _Step:
     def _append(
         self, kind: str, group: str, axis: str, size: int, input_bytes: int, sent: int
     ) -> None:
+        if axis != "tp":
+            self.events.append((kind, group))
         self.calls.append(
             CollectiveCall(
                 kind=kind,
@@ -312,15 +358,24 @@ class _Step:
                 ledger.alloc(self._grad_key(g, p), Category.GRADIENTS, nbytes, "gradient")
             self._backward_segment(j)
             for g in schedule.reduce.get(j, []):
-                self._post_backward(g)
+                self.grads_in.add(g)  # rule 1 of the engine's backward: the count completes
+                pending = self._frozen(g) and g in self.inputs_need_grad
+                pending = pending and self.first_pre[g] < j - 1
+                if count_ends_backward(self.state[g], inputs_pending=pending):
+                    self._post_backward(g)
             event = trace.events[j - 1] if j > 0 else None
             if event is not None and event.kind == "post" and event.needs_grad:
                 self._pre_backward(event.group)
-            elif event is not None and event.needs_grad and self._frozen_done(event.group, j - 1):
-                self._post_backward(event.group)  # its inputs' gradients are made
+            elif event is not None and self._inputs_done(event.group, j - 1):
+                self._post_backward(event.group)  # rule 2: its inputs' gradients are made
         for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
         self._final_callback()
+
+    def _frozen(self, g: int) -> bool:
+        """Whether group ``g`` has frozen parameters (its inputs' gradients are watched)."""
+        group = self.groups[g]
+        return len(group.trainable) < len(group.params)
 
     def _grad_key(self, g: int, p: int) -> Key:
         """The key of the unsharded gradient of parameter ``p`` of group ``g``."""
@@ -347,33 +402,38 @@ class _Step:
         ledger.set(scratch, Category.OTHER, profile.scratch_after, "activation gradients")
 
     def _pre_backward(self, g: int) -> None:
-        if self.state[g] != "idle":
+        if self._started(g):
             return
-        self.state[g] = "pre_backward"
+        self.state[g] = TrainingState.PRE_BACKWARD
         self.ledger.module = self.groups[g].fqn
+        self._event("pre_backward", g)
         self._unshard(g, "all-gather")
         self._wait(g)
-        order = self.post_order
-        index = len(order) - 1 - order[::-1].index(g)
-        previous = order[index - 1] if index > 0 else g
-        if previous != g and self.state[previous] == "idle" and previous in self.backward_reaches:
-            self._unshard(previous, "all-gather (prefetch)")
+        for target in self.schedule.backward_prefetch(g, None, self._started):
+            self._unshard(target, "all-gather (prefetch)")
 
-    def _frozen_done(self, g: int, index: int) -> bool:
-        """Whether backward is through group ``g``, which has no gradient, at event ``index``."""
-        return (
-            self.state[g] == "pre_backward"
-            and not self.groups[g].trainable
-            and self.first_pre[g] == index
-        )
+    def _started(self, g: int) -> bool:
+        return self.state[g] in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+    def _inputs_done(self, g: int, index: int) -> bool:
+        """Whether backward through group ``g``'s inputs, at event ``index``, ends its backward.
+
+        The engine watches the inputs of a group with frozen parameters; backward is through
+        them at the group's (first) pre-forward event.
+        """
+        if not (self._frozen(g) and g in self.inputs_need_grad and self.first_pre[g] == index):
+            return False
+        complete = not self.groups[g].trainable or g in self.grads_in
+        return inputs_end_backward(self.state[g], count_complete=complete)
 
     def _grad_keys(self, g: int) -> list[Key]:
         keys = [self._grad_key(g, p) for p in range(len(self.groups[g].params))]
         return [k for k in keys if k in self.ledger.live]
 
     def _post_backward(self, g: int) -> None:
-        self.state[g] = "post_backward"
+        self.state[g] = TrainingState.POST_BACKWARD
         self.ledger.module = self.groups[g].fqn
+        self._event("post_backward", g)
         keys = self._grad_keys(g)
         self._reshard(g)  # the gradients are taken: the full parameters go before the reduction
         if keys:
@@ -391,7 +451,7 @@ class _Step:
                 self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
 
     def _start_reduce(self, g: int, grad_keys: list[Key]) -> None:
-        while self.reduces:  # at most one reduction in flight (max_reduces_in_flight = 1)
+        for _ in range(reductions_to_finish(len(self.reduces), _REDUCES_IN_FLIGHT)):
             # The engine drops a finished reduction's buffers before allocating the next.
             self._release(self._finish_reduce(self.reduces.popleft()))
         group = self.groups[g]
@@ -454,13 +514,14 @@ class _Step:
     def _final_callback(self) -> None:
         self.ledger.module = ""
         for g in range(len(self.groups)):
-            if self.state[g] == "pre_backward" or self._grad_keys(g):
+            if ends_at_callback(self.state[g], holds_grads=bool(self._grad_keys(g))):
                 self._post_backward(g)
         while self.reduces:
             self._release(self._finish_reduce(self.reduces.popleft()))
         for g in range(len(self.groups)):
             self._reshard(g)
-            self.state[g] = "idle"
+            self.state[g] = TrainingState.IDLE
+        self.schedule.end_backward()
 
     # --- optimizer -------------------------------------------------------------------------
 

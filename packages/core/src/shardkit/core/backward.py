@@ -1,0 +1,131 @@
+"""One root's backward: every way a group's backward can end, decided in one place.
+
+A group's backward ends when its gradients are taken: it reshards and its reduction starts
+(``FSDPParamGroup.post_backward``). That happens in exactly one of these ways, and
+:class:`BackwardTracker` is the only caller of ``post_backward``:
+
+1. **Its count completes.** Each trainable unsharded parameter carries a
+   post-accumulate-grad hook (:meth:`BackwardTracker.grad_hook`); the last gradient of the
+   group ends its backward at once, as early as possible, unless the inputs of one of its
+   forward calls still wait for their gradients (2).
+2. **Backward is through its inputs.** A group with frozen parameters passes the inputs of
+   each forward call that need gradients through an identity function (``input_grads``)
+   whose backward runs once autograd made those gradients inside the group: then no node
+   reads its parameters any more. A group with no trainable parameter ends there; one with
+   both ends when both are in.
+3. **The end-of-backward callback.** A group that backward reached but whose count never
+   completed (a parameter got no gradient), or that holds gradients nobody took, ends there.
+4. **A local tree** (one rank, full parameters that are the shards): nothing is counted, and
+   the callback ends every group, assigning gradients at once where that is all a reduction
+   would do.
+
+The rules themselves are pure functions of ``schedule`` (the planner runs them too); see
+[Note: post-backward trigger] for why each is as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkit.core.input_grads import InputGradsWatch
+from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.schedule import count_ends_backward, ends_at_callback, inputs_end_backward
+
+__all__ = ["BackwardTracker"]
+
+
+@dataclass(slots=True)
+class _Count:
+    """One group's gradients of the current backward."""
+
+    ready: int = 0
+    expected: int | None = None  # its trainable parameters, counted at the first gradient
+
+
+class BackwardTracker:
+    """Where one root's groups learn that their backward is over (see the module docstring)."""
+
+    def __init__(
+        self, queue_final_callback: Callable[[], None], is_local: Callable[[], bool]
+    ) -> None:
+        """Track a root's backward.
+
+        Args:
+            queue_final_callback: queues the root's end-of-backward callback (once).
+            is_local: whether this iteration took the local tree's path (rule 4).
+        """
+        self._queue_final_callback = queue_final_callback
+        self._is_local = is_local
+        self._counts: dict[FSDPParamGroup, _Count] = {}
+        self._inputs: dict[FSDPParamGroup, InputGradsWatch] = {}
+
+    # --- what the groups' hooks report ------------------------------------------------------
+
+    def grad_hook(self, group: FSDPParamGroup) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of ``group``'s trainable unsharded parameters."""
+        count = self._counts.setdefault(group, _Count())
+
+        def grad_ready(_param: torch.Tensor) -> None:
+            self._queue_final_callback()
+            if self._is_local():
+                return  # rule 4: the callback takes every gradient
+            count.ready += 1
+            if count.expected is None:
+                count.expected = len(group.trainable)
+            if count.ready == count.expected and count_ends_backward(
+                group.training_state, inputs_pending=self._inputs_pending(group)
+            ):
+                self._end(group)
+
+        return grad_ready
+
+    def wrap_inputs(
+        self, group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """A frozen group's forward inputs, passed through the identity that reports rule 2."""
+        watch = self._inputs.get(group)
+        if watch is None:
+            watch = InputGradsWatch(lambda: self._inputs_done(group))
+            self._inputs[group] = watch
+        return watch.wrap(args, kwargs)
+
+    def _inputs_pending(self, group: FSDPParamGroup) -> bool:
+        watch = self._inputs.get(group)
+        return watch is not None and watch.pending()
+
+    def _inputs_done(self, group: FSDPParamGroup) -> None:
+        if inputs_end_backward(group.training_state, count_complete=self._count_complete(group)):
+            self._end(group)
+
+    def _count_complete(self, group: FSDPParamGroup) -> bool:
+        if not group.trainable:
+            return True
+        count = self._counts.get(group)
+        return count is not None and count.ready == count.expected
+
+    # --- the end-of-backward callback -------------------------------------------------------
+
+    def settle(self, groups: Sequence[FSDPParamGroup], *, assign_now: bool) -> None:
+        """Rule 3 (and 4): end the backward of every group whose backward has not ended.
+
+        ``assign_now``: a local tree's last backward: gradients that are their own reduction
+        are assigned at once (see ``post_backward``).
+        """
+        for group in groups:
+            if ends_at_callback(group.training_state, holds_grads=group.holds_grads()):
+                self._end(group, assign_now=assign_now)
+
+    def reset(self) -> None:
+        """Forget this backward's counts and pending inputs (its end, or an exception)."""
+        for count in self._counts.values():
+            count.ready, count.expected = 0, None
+        for watch in self._inputs.values():
+            watch.reset()
+
+    def _end(self, group: FSDPParamGroup, *, assign_now: bool = False) -> None:
+        # The one place a group's backward ends.
+        group.post_backward(assign_now=assign_now)
