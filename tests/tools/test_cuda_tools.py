@@ -28,7 +28,9 @@ def test_trackers_on_cuda() -> None:
     for record in records:
         assert record["device"] == "cuda"
         assert record["allocator"]["peak_allocated_bytes"] > 0
-        assert record["activations_peak"] > 0 and record["unsharded_peak"] > 0
+        # The most each reached: the step's peak itself falls in AdamW's step, when neither is
+        # alive (tests/tools/test_memory_tracker.py shows it on a CPU).
+        assert record["activations_max"] > 0 and record["unsharded_max"] > 0
         if nproc > 1:
             assert record["kinds"] == ["all_gather", "reduce_scatter"]
             steps = record["sent_per_step"]
