@@ -72,6 +72,28 @@ def profile_steps(device: str, *, foreach: bool | None = None) -> dict[str, Any]
     }
 
 
+def check(records: list[dict[str, Any]], nproc: int) -> list[str]:
+    """What is wrong with the CUDA run's records (empty: nothing)."""
+    problems = []
+    if len(records) != nproc:
+        problems.append(f"{len(records)} records from {nproc} ranks")
+    for r in records:
+        label = f"rank {r['rank']}"
+        if r["device"] != "cuda" or not r["allocator"].get("peak_allocated_bytes"):
+            problems.append(f"{label}: not tracked on CUDA ({r['device']}, {r['allocator']})")
+        # The most each reached: the step's peak itself falls in AdamW's step, when neither
+        # is alive (tests/tools/test_memory_tracker.py shows it on a CPU).
+        if not (r["activations_max"] > 0 and r["unsharded_max"] > 0):
+            problems.append(f"{label}: activations or full parameters never seen")
+        if nproc > 1:
+            if r["kinds"] != ["all_gather", "reduce_scatter"]:
+                problems.append(f"{label}: collectives {r['kinds']}")
+            steps = r["sent_per_step"]
+            if not (len(steps) == 2 and steps[0] == steps[1] > 0):
+                problems.append(f"{label}: bytes sent per step {steps}")
+    return problems
+
+
 def main() -> None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
