@@ -211,6 +211,8 @@ class FSDPState:
             self.ctx.forward_order.append(group)
             if observe.has_subscribers():
                 observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
+            # After this group's wait, before its compute is queued: on CUDA the next
+            # all-gather runs beside this compute. See [Note: gpu schedule].
             for target in self._forward_prefetch_targets(group):
                 target.unshard()
         elif not group.registered_unsharded:
