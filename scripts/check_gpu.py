@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,14 @@ def _probe(env: MutableMapping[str, str]) -> str:
 
 def ensure_shardkit(env: MutableMapping[str, str]) -> str:
     """Make shardkit importable here and in children with ``env``; '' or why it cannot be."""
+    try:
+        # Found here through site-packages or PYTHONPATH, it is found by children too.
+        import shardkit.core
+        import shardkit.tools  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return ""
     error = _probe(env)
     if not error:
         return ""
@@ -62,7 +71,11 @@ def ensure_shardkit(env: MutableMapping[str, str]) -> str:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
         pip += ["--target", str(SITE), *map(str, wheels)]
         done = subprocess.run(pip, capture_output=True, text=True)
-        if done.returncode != 0:
+        if done.returncode != 0 and "No module named pip" in done.stderr:
+            # No pip: pure-Python wheels unpack into a site folder as pip would lay them out.
+            for wheel in wheels:
+                zipfile.ZipFile(wheel).extractall(SITE)
+        elif done.returncode != 0:
             return f"pip could not install .whl/:\n{done.stderr[-1500:]}"
         (SITE / ".wheels").write_text(stamp)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH", "")]))
@@ -163,6 +176,15 @@ def main(argv: list[str]) -> int:
         print("\n".join(str(f["meta"]) for f in found) + "\n")
         print(table([row for f in found for row in f["rows"]]))
         return 0
+    import torch
+
+    if not (args.list or args.cpu_smoke or torch.cuda.is_available()):
+        print(
+            "check_gpu: no CUDA device here, and every check needs one "
+            "(--cpu-smoke runs the fake-group points on a CPU)",
+            file=sys.stderr,
+        )
+        return 2
     env_error = ensure_shardkit(os.environ)  # children inherit what it sets
     if env_error:
         print(f"check_gpu: {env_error}", file=sys.stderr)
@@ -177,15 +199,6 @@ def main(argv: list[str]) -> int:
     if args.cpu_smoke:
         smoke = list(gpu_chunks.smoke_chunks())
         return run_chunks(smoke, budget=args.budget, device="cpu", smoke=True)
-    import torch
-
-    if not torch.cuda.is_available():
-        print(
-            "check_gpu: no CUDA device here, and every check needs one "
-            "(--cpu-smoke runs the fake-group points on a CPU)",
-            file=sys.stderr,
-        )
-        return 2
     known = gpu_chunks.chunks()
     if args.chunks:
         names = select([n for n in args.chunks.split(",") if n], list(known))
