@@ -64,19 +64,27 @@ class Runner:
                 cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=limit
             )
         except subprocess.TimeoutExpired as expired:
-            tail = (expired.stderr or b"")[-1500:]
-            text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return [], f"timed out after {limit:.0f} s\n{text}"
-        records = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-        self.records.setdefault(label, []).extend(records)
+            # What it printed before the limit still counts (parity prints case by case).
+            records = self._keep(label, _text(expired.stdout))
+            return records, f"timed out after {limit:.0f} s\n{_text(expired.stderr)[-1500:]}"
+        records = self._keep(label, done.stdout)
         if done.returncode != 0:
             return records, f"exit {done.returncode}\n{done.stderr[-3000:]}"
         return records, ""
+
+    def _keep(self, label: str, stdout: str) -> list[dict[str, Any]]:
+        records = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+        self.records.setdefault(label, []).extend(records)
+        return records
 
     def torchrun(self, nproc: int, script: str, *args: str) -> list[str]:
         """A torchrun command line for ``nproc`` processes on this machine."""
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         return [*head, f"--nproc-per-node={nproc}", script, *args]
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _timed(chunk: str, fn: Callable[[Runner], list[Row]]) -> Callable[[Runner], list[Row]]:
