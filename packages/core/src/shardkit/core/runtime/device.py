@@ -113,7 +113,7 @@ class HostCopies:
         """Note that copies to or from pinned memory were queued on ``device``'s current stream."""
         if not is_accelerator(device):
             return
-        stream = torch.get_device_module(device).current_stream()
+        stream = torch.get_device_module(device).current_stream(device)
         self._events[stream] = stream.record_event()
 
     @property
