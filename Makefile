@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels bench bench-scaling bench-compare soak fuzz clean
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,18 @@ fuzz: $(STAMP)
 check-hatch: $(STAMP)
 	$(BIN)/python scripts/check_hatch.py
 
+# Every GPU test and benchmark, and one table of what they found (scripts/check_gpu.py; about
+# 20 minutes on one H100). CHUNKS=parity,tools runs some (`--list` names them). Needs CUDA, and
+# no venv: on a GPU machine its python has torch, and shardkit comes from .whl/ (gpu-wheels).
+check-gpu:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) scripts/check_gpu.py $(if $(CHUNKS),--chunks $(CHUNKS))
+
+# The four packages as wheels in .whl/, for a machine without hatchling or network (check-gpu).
+gpu-wheels: $(STAMP)
+	rm -rf .whl .gpu-site
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl \
+		packages/core packages/tp_adapter packages/legacy_fsdp_compat packages/tools
+
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
 		--ignore=benchmarks/bench_scaling.py
@@ -71,4 +83,4 @@ bench-compare: $(STAMP)
 	$(BIN)/python scripts/bench_compare.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site .whl .gpu-site .gpu-check

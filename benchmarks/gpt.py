@@ -1,5 +1,6 @@
 """The benchmark model and workload: shardkit.tools' GPT (about 8.45M parameters by default;
-"medium" about 35M, "large" about 134M)."""
+"medium" about 35M, "large" about 134M; for GPUs, the models of issue 31: "217m", and "7.5b"
+and "70b" built on the meta device, which only a sharded engine materializes, 1/W of them)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,23 @@ SIZES = {
     "large": Size(
         model=GPTConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=128),
         batch=1,
+    ),
+    # The GPU models of issue 31: a plain pre-norm decoder at three scales.
+    "217m": Size(
+        model=GPTConfig(vocab_size=32000, dim=1024, n_layers=12, n_heads=16, max_seq_len=1024),
+        batch=8,
+    ),
+    "7.5b": Size(
+        model=GPTConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, max_seq_len=2048),
+        batch=1,
+    ),
+    "70b": Size(
+        model=GPTConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, max_seq_len=2048),
+        batch=1,
+    ),
+    # The fake-group benchmark's smoke test on a CPU (scripts/check_gpu.py --cpu-smoke).
+    "fake-tiny": Size(
+        model=GPTConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=32), batch=2
     ),
 }
 
@@ -78,6 +96,10 @@ class Options:
 
     reshard_after_forward: bool = True
     bf16: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    offload: bool = False  # CPUOffloadPolicy(pin_memory=True)
+    checkpoint: bool = False  # activation checkpointing around each block
+    meta: bool = False  # built on the meta device, materialized after sharding (1/W of it)
+    compile: bool = False  # torch.compile each block before sharding (torchtitan's order)
 
 
 def build(
@@ -97,7 +119,21 @@ def build(
 
     options = options or Options()
     torch.manual_seed(0)
-    model: Any = _model(size_name).to(device)
+    if options.meta and impl not in ("shardkit", "torch"):
+        raise ValueError(f"a meta-device build needs a sharded engine, not {impl!r}")
+    with torch.device("meta" if options.meta else "cpu"):
+        model: Any = _model(size_name)
+    if not options.meta:
+        model = model.to(device)
+    if options.checkpoint:
+        # torchtitan's activation checkpointing: torch's (non-reentrant) wrapper on each block.
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    if options.compile:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -115,11 +151,26 @@ def build(
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
+        if options.offload:
+            kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=True)
         mesh = init_device_mesh(device, (world_size,))
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh, **kwargs)
         api.fully_shard(model, mesh=mesh, **kwargs)
+        if options.meta:
+            model.to_empty(device=device)
+            _init_sharded(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def _init_sharded(model: nn.Module) -> None:
+    """Initialize each rank's shards in place (the values matter little: timings and memory)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, 0.02)
+        for b in model.buffers():
+            b.zero_()
 
 
 def _wrap_fsdp1(model: nn.Module, options: Options, device: str) -> Any:

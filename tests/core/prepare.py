@@ -97,3 +97,10 @@ def lora_above_first_block(model: Any) -> None:
         block.norm.requires_grad_(False)  # else its gradient, the block's last, comes after
         block.fc1 = LoRA(block.fc1)
         block.fc2 = LoRA(block.fc2)
+
+
+def late_host_copies(model: Any) -> None:
+    """Offloaded gradients that land only when the engine waits (see tests/core/host_copies)."""
+    from tests.core.host_copies import late_host_copies as install
+
+    install(model)

@@ -14,6 +14,7 @@ from shardkit.tools.records import Category, Phase, RankReport
 from shardkit.tools.track.memory import MemoryTracker
 from tests.core import models
 from tests.tools import workloads
+from tests.tools.cuda_tools_run import profile_steps
 
 
 def _tracked(rank: int, world_size: int, engine: str, steps: int) -> dict[str, Any]:
@@ -152,3 +153,21 @@ def test_refuses_to_start_twice() -> None:
             tracker.start()
     finally:
         tracker.stop()
+
+
+def _profiled(rank: int, world_size: int, foreach: bool) -> dict[str, Any]:
+    return profile_steps("cpu", foreach=foreach)
+
+
+def test_the_cuda_tools_run_on_a_cpu() -> None:
+    # tests/tools/cuda_tools_run.py's workload as CUDA runs it (AdamW's foreach path, CUDA's
+    # default). AdamW's temporaries make the optimizer step the peak, where no activation and
+    # no full parameter lives: what the CUDA test once read there was 0, rightly (and at one
+    # rank in fp32 the full parameters are the shards: no memory is "unsharded" at all).
+    record = run_on_ranks(1, _profiled, foreach=True)[0]
+    assert record["peak_phase"] == Phase.OPTIMIZER.value
+    assert record["activations_at_peak"] == 0 and record["unsharded_at_peak"] == 0
+    # The most each reached is what says the trackers saw them (bf16: full parameters are
+    # copies even at one rank).
+    assert record["activations_max"] > 0 and record["unsharded_max"] > 0
+    assert record["kinds"] == [] and record["device"] == "cpu"

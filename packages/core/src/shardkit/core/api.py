@@ -145,7 +145,10 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             )
         if _managed_by_torch_fsdp(m):
             raise ValueError(f"{name} is already managed by torch's FSDP; apply one FSDP only")
-        if type(m).forward is nn.Module.forward:
+        # As torch: only a ModuleList or ModuleDict is refused for lacking a forward. Any other
+        # module may hold its forward elsewhere: torch.compile's OptimizedModule sets it on the
+        # instance (``fully_shard(torch.compile(block))``, torchtitan's order).
+        if isinstance(m, nn.ModuleList | nn.ModuleDict) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 "fully_shard does not support containers that do not implement forward: "
                 f"{m}\nshardkit: {name} has no forward; apply fully_shard to the modules "

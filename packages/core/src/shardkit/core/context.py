@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shardkit.core.runtime.device import HostCopies
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import CollectiveRuntime
 
@@ -32,6 +33,9 @@ class CommContext:
     pending_reduces: deque[InFlightReduction] = field(default_factory=deque)
     max_reduces_in_flight: int = 1
     """Gradient reductions left running while backward goes on; older ones are finished."""
+    host_copies: HostCopies = field(default_factory=HostCopies)
+    """Copies to and from pinned host memory (CPU offload) that the host waits for at the end
+    of backward. See [Note: gpu schedule] (CPU offload)."""
 
     def finish_oldest(self) -> None:
         """Finish the oldest reduction in flight.

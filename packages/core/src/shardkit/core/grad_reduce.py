@@ -21,7 +21,7 @@ from shardkit.core.param import FSDPParam
 from shardkit.core.runtime.buffers import ShardGeometry
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing
-from shardkit.core.runtime.dtensors import accumulate_grads
+from shardkit.core.runtime.dtensors import accumulate_grads, has_post_accumulate_grad_hooks
 from shardkit.core.runtime.grad_packing import (
     pack_dim0_grads_fused,
     pack_even_dim0_grads,
@@ -332,14 +332,17 @@ class GroupReducer:
         factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
         if factor != 1:
             reduced.div_(factor)
-        self._assign(reduced, pending.packing)
+        self._assign(reduced, pending.packing, comm)
 
-    def _assign(self, reduced: torch.Tensor, packing: Packing) -> None:
+    def _assign(self, reduced: torch.Tensor, packing: Packing, comm: CommContext) -> None:
         dtypes = {p.orig_dtype for p in packing.params}
         if len(dtypes) == 1 and reduced.dtype not in dtypes:
             reduced = reduced.to(dtypes.pop())  # one cast for the whole group
-        if self.offload and reduced.device.type != "cpu":
-            reduced = reduced.to("cpu", non_blocking=self.pin_memory)
+        if self.offload:
+            # Into pinned memory without blocking only if nothing on the host reads the copy
+            # before backward's end waits for it. See [Note: gpu schedule] (CPU offload).
+            overlap = self.pin_memory and not _read_on_host(packing, reduced.dtype)
+            reduced = comm.host_copies.to_host(reduced, non_blocking=overlap)
         for p, offset in zip(packing.params, packing.offsets, strict=True):
             local = p.local_at(reduced, offset)
             if local.dtype != p.orig_dtype:
@@ -350,3 +353,17 @@ class GroupReducer:
     def assign_local(p: FSDPParam, local: torch.Tensor) -> None:
         """Give ``p``'s sharded parameter the gradient ``local`` (its shard), or add it."""
         accumulate_grads(((p.sharded_param, local),))
+
+
+def _read_on_host(packing: Packing, dtype: torch.dtype) -> bool:
+    """Whether assigning ``packing``'s gradients (of ``dtype``) reads them on the host at once.
+
+    Adding to a gradient there, casting to a parameter's dtype, and hooks that run once a
+    gradient is assigned (optimizer-in-backward) all do.
+    """
+    return any(
+        p.orig_dtype != dtype
+        or p.sharded_param.grad is not None
+        or has_post_accumulate_grad_hooks(p.sharded_param)
+        for p in packing.params
+    )

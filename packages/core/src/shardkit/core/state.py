@@ -211,6 +211,8 @@ class FSDPState:
             targets = self.ctx.schedule.ran_forward(group, group.forward_prefetch)
             if observe.has_subscribers():
                 observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
+            # After this group's wait, before its compute is queued: on CUDA the next
+            # all-gather runs beside this compute. See [Note: gpu schedule].
             for target in targets:
                 target.unshard()
         elif not group.registered_unsharded:
@@ -322,9 +324,18 @@ class FSDPState:
         PROGRESS.enter("idle")
 
     def finish_reductions(self) -> None:
-        """Wait for every reduce-scatter in flight and assign the sharded gradients."""
+        """Wait for every reduce-scatter in flight and assign the sharded gradients.
+
+        With parameters offloaded to pinned memory, the host then waits for the copies to and
+        from it: the gradients copied back, and the shards copied to the device, which the
+        optimizer step is about to read and write. See [Note: gpu schedule] (CPU offload).
+        """
         assert self.ctx is not None
-        self.ctx.comm.finish_all()
+        comm = self.ctx.comm
+        comm.finish_all()
+        if any(g.pin_memory for g in self.groups):
+            comm.host_copies.record(self.device)  # after every copy this backward queued
+        comm.host_copies.wait()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -335,6 +346,7 @@ class FSDPState:
             # never come.
             with contextlib.suppress(DesyncError):
                 self.ctx.comm.finish_oldest()
+        self.ctx.comm.host_copies.wait()  # nothing may land in pinned memory after recovery
         for group in self.groups:
             group.drop_pending_state()
         self.ctx.backward.reset()

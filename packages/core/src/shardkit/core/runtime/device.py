@@ -3,7 +3,9 @@
 On CPU, collectives run in gloo's own threads and their async work handles give overlap where
 cores are free. On CUDA, NCCL runs collectives on its internal streams and ``Work.wait()``
 makes the current stream wait, so the same async-handle protocol overlaps compute with
-communication there too; what remains device specific is pinned memory and the device choice.
+communication there too; what remains device specific is pinned memory, the device choice, and
+the host's wait for copies to and from pinned memory (``HostCopies``, with CUDA events). See
+[Note: gpu schedule].
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "HostCopies",
     "can_pin_memory",
     "device_for_mesh_type",
     "is_accelerator",
@@ -86,3 +89,52 @@ def on_stream(stream: Any, device: torch.device) -> Iterator[None]:
     with module.stream(stream):
         yield
     current.wait_stream(stream)
+
+
+class HostCopies:
+    """Copies between an accelerator and pinned host memory that the host has not waited for.
+
+    A copy queued with ``non_blocking=True`` returns before the data moved: a device-to-host
+    copy's result must not be read, and the pinned source of a host-to-device copy must not be
+    written, until it ran. An event recorded after such copies, on the stream that runs them,
+    and synchronized before the host touches that memory, is the wait; later events on one
+    stream stand for earlier ones, so one per stream is kept. On the CPU nothing is queued and
+    every method is free. See [Note: gpu schedule] (CPU offload).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[Any, Any] = {}  # stream -> its last event recorded after copies
+
+    def to_host(self, tensor: torch.Tensor, *, non_blocking: bool) -> torch.Tensor:
+        """``tensor`` on the CPU (itself if there already).
+
+        ``non_blocking``: into pinned memory, not waited for until ``wait``; nothing may read
+        the result before then. Otherwise the copy has landed on return (and so have the
+        copies not yet waited for: the host reads this one beside theirs).
+        """
+        if tensor.device.type == "cpu":
+            return tensor
+        if not non_blocking:
+            self.wait()
+            return tensor.to("cpu")
+        host = tensor.to("cpu", non_blocking=True)
+        self.record(tensor.device)
+        return host
+
+    def record(self, device: torch.device) -> None:
+        """Note that copies to or from pinned memory were queued on ``device``'s current stream."""
+        if not is_accelerator(device):
+            return
+        stream = torch.get_device_module(device).current_stream(device)
+        self._events[stream] = stream.record_event()
+
+    @property
+    def pending(self) -> bool:
+        """Whether copies were recorded that the host has not waited for."""
+        return bool(self._events)
+
+    def wait(self) -> None:
+        """Block the host until every copy recorded so far has run."""
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.synchronize()

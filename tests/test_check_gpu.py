@@ -1,0 +1,78 @@
+"""`make check-gpu` (scripts/check_gpu.py) where there is no GPU: what it can do on a CPU.
+
+Its GPU chunks run only on CUDA; here: the fake-group scale code on a CPU (``--cpu-smoke``),
+the refusal without CUDA, and the table from saved results. About 10 s (two processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scripts.check_gpu import select, table
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "scripts" / "check_gpu.py")
+
+
+def _run(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
+    done = _run(["--cpu-smoke"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu-check" / "results.json").read_text())
+    rows = results["rows"]
+    assert [r["check"].split(",")[0] for r in rows] == [
+        "fake group W=8 fake-tiny",
+        "fake group W=64 fake-tiny",
+    ]
+    assert all(r["status"] == "pass" for r in rows), rows
+    # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
+    records = results["records"]["scale-smoke"]
+    assert sorted((r["impl"], r["world"]) for r in records) == [
+        ("shardkit", 8),
+        ("shardkit", 64),
+        ("torch", 8),
+        ("torch", 64),
+    ]
+    local = {(r["impl"], r["world"]): r["local_params"] for r in records}
+    assert local["shardkit", 8] == local["torch", 8] > local["torch", 64] == local["shardkit", 64]
+    assert "| scale-smoke |" in (tmp_path / "gpu-check" / "table.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_cuda_it_says_so_and_fails(tmp_path: Path) -> None:
+    done = _run([], tmp_path)
+    assert done.returncode == 2
+    assert "no CUDA device here" in done.stderr and "--cpu-smoke" in done.stderr
+
+
+def test_chunks_are_picked_by_name_or_prefix() -> None:
+    known = ["parity", "compile", "scale-7.5b-w8", "scale-70b-w256", "pytest-gpu"]
+    assert select(["scale", "parity"], known) == ["scale-7.5b-w8", "scale-70b-w256", "parity"]
+    assert select(["scale-70b-w256"], known) == ["scale-70b-w256"]
+    with pytest.raises(SystemExit, match="unknown chunk 'nccl'"):
+        select(["nccl"], known)
+
+
+def test_table_shows_each_row_and_what_went_wrong() -> None:
+    rows = [
+        {"chunk": "a", "check": "x", "status": "pass", "figures": "1.00x", "seconds": 3.2,
+         "detail": ""},
+        {"chunk": "b", "check": "y", "status": "error", "figures": "", "seconds": 0.0,
+         "detail": "exit 1\nboom"},
+    ]  # fmt: skip
+    text = table(rows)
+    assert "| a | x | PASS | 1.00x | 3 |" in text
+    assert "| b | y | ERROR |  | 0 |" in text
+    assert text.endswith("b / y:\n```\nexit 1\nboom\n```")
