@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from shardkit.core.engine.state_registry import state_of
 from shardkit.core.runtime.device import HostCopies
-from shardkit.core.state_registry import state_of
 
 __all__ = ["LOG", "LateCopies", "late_host_copies"]
 

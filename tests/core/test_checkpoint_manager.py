@@ -144,7 +144,8 @@ def _publish_fails_body(rank: int, world_size: int, root: str, async_save: bool)
     import errno
     import os
 
-    from shardkit.core import CheckpointManager, checkpoint
+    from shardkit.core import CheckpointManager
+    from shardkit.core.checkpoint import manager as checkpoint
 
     manager = CheckpointManager(root, keep=2)
     app = build_app(world_size)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from shardkit.core import fully_shard, subscribe
-from shardkit.core.state_registry import state_of
+from shardkit.core.engine.state_registry import state_of
 from tests.core import models
 from tests.core.parity import Run, assert_parity, full_params, parity_body
 

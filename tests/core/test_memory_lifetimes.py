@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from harness.pool import run_on_ranks
 from shardkit.core import MixedPrecisionPolicy, fully_shard, observe
-from shardkit.core.state_registry import state_of
+from shardkit.core.engine.state_registry import state_of
 from tests.core import models, prepare
 
 

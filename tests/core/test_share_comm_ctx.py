@@ -54,7 +54,7 @@ def _train(impl: str, rank: int, world_size: int, when: str) -> dict[str, Any]:
         losses.append(global_loss(loss, impl, world_size))
     out: dict[str, Any] = {"losses": losses, "params": full_params(nn.ModuleList(stages))}
     if impl == "shardkit":
-        from shardkit.core.state_registry import state_of
+        from shardkit.core.engine.state_registry import state_of
 
         a, b = (state_of(s).ctx for s in stages)
         out["shared"] = a is not None and b is not None and a.comm is b.comm

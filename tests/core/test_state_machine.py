@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardkit.core import StateTransitionEvent, fully_shard, subscribe
-from shardkit.core.state_registry import state_of
-from shardkit.core.states import ShardedState, TrainingState
+from shardkit.core.engine.state_machines import ShardedState, TrainingState
+from shardkit.core.engine.state_registry import state_of
 from tests.core import models
 from tests.core.recording_runtime import RecordingRuntime
 

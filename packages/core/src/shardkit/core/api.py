@@ -16,23 +16,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.tensor import Shard
 
-from shardkit.core.errors import FullyShardUsageError
-from shardkit.core.fsdp_module import FSDPModule
-from shardkit.core.mesh_info import MeshInfo, mesh_info_for
-from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup, GroupConfig
-from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.runtime.groups import default_mesh
-from shardkit.core.sharding import (
+from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.engine.group_options import GroupOptions
+from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
+from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.param_group import FSDPParamGroup, GroupConfig
+from shardkit.core.engine.sharding import (
     check_hooked_params,
     collect_params,
     mark_owned,
     validate_reshard_after_forward,
 )
-from shardkit.core.spmd import spmd_mesh_info
-from shardkit.core.state import FSDPState
-from shardkit.core.state_registry import is_managed, register_state, state_of
+from shardkit.core.engine.spmd import spmd_mesh_info
+from shardkit.core.engine.state_registry import is_managed, register_state, state_of
+from shardkit.core.errors import FullyShardUsageError
+from shardkit.core.fsdp_module import FSDPModule
+from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
 
 __all__ = ["fully_shard", "register_fsdp_forward_method"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shardkit.core.context import CommContext
-from shardkit.core.state import FSDPState, new_comm_context
-from shardkit.core.state_registry import state_of
+from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.fsdp_state import FSDPState, new_comm_context
+from shardkit.core.engine.state_registry import state_of
 
 __all__ = ["share_comm_ctx"]
 

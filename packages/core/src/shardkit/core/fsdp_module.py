@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.core.agreement import agreed
+from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
-from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.runtime.agreement import agreed
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
 from shardkit.core.state_dict.validation import (
     check_state_dict,
@@ -24,7 +25,6 @@ from shardkit.core.state_dict.validation import (
     param_keys,
     shard_full_tensors,
 )
-from shardkit.core.state_registry import state_of, states_under
 from shardkit.core.torch_fsdp import TorchUnshardHandle
 
 __all__ = ["FSDPModule", "UnshardHandle"]

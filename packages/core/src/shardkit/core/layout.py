@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.group_layout import (
+from shardkit.core.engine.buffer_layout import (
     ALIGN_BYTES,
     GroupLayout,
     HookInput,
@@ -37,9 +37,9 @@ from shardkit.core.group_layout import (
     group_layout,
     pooled_sizes,
 )
-from shardkit.core.param_group import FSDPParamGroup
-from shardkit.core.param_listing import ParamSlot
-from shardkit.core.state_registry import states_under
+from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.param_listing import ParamSlot
+from shardkit.core.engine.state_registry import states_under
 
 __all__ = [
     "ALIGN_BYTES",

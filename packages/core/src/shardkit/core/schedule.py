@@ -1,7 +1,7 @@
 """The engine's schedule: when each group is gathered, prefetched, freed and reduced.
 
 Pure decisions over group handles of any hashable type: the engine runs them on its
-``FSDPParamGroup`` objects (``state.py``, ``backward.py``), and the planner in
+``FSDPParamGroup`` objects (``engine/fsdp_state.py``, ``engine/backward.py``), and the planner in
 ``shardkit.tools`` on group indices, with no model and no process group. So the planner
 predicts the step that happens: one schedule, run by both, never two copies kept in step.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-from shardkit.core.states import TrainingState
+from shardkit.core.engine.state_machines import TrainingState
 
 __all__ = [
     "AfterForward",

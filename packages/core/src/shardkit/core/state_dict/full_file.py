@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.core.agreement import from_rank
-from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.runtime.agreement import from_rank
 from shardkit.core.runtime.collectives import (
     broadcast_from,
     broadcast_from_first,

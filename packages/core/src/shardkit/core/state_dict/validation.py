@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.runtime.dtensors import as_dtensor, make_dtensor
 
 __all__ = [

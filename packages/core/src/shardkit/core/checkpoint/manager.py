@@ -8,10 +8,10 @@ checkpoint stays current. The newest ``keep`` checkpoints are kept.
 
 Loading checks a checkpoint's files against their checksums before DCP reads any of them,
 so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
-``agreement.everyone``, on which checkpoint they load.
+``runtime.agreement.everyone``, on which checkpoint they load.
 
 An asynchronous save (``save(..., async_save=True)``) stages the state into reused CPU
-buffers, returns, and writes in the background (``checkpoint_async``). It is published, the
+buffers, returns, and writes in the background (``async_save``). It is published, the
 same way, by the next save, ``wait()`` or ``close()``; until then it is a ``.partial``
 directory like any unfinished save.
 """
@@ -33,11 +33,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from shardkit.core import checkpoint_async
-from shardkit.core.agreement import everyone, from_rank, raise_shared
-from shardkit.core.checkpoint_async import CheckpointSaveError, PendingSave, describe_dcp_failure
-from shardkit.core.checkpoint_files import FileSum, checksum, list_files, problems_with, share
-from shardkit.core.checkpoint_staging import StagingBuffers
+from shardkit.core.checkpoint import async_save as background
+from shardkit.core.checkpoint.async_save import (
+    CheckpointSaveError,
+    PendingSave,
+    describe_dcp_failure,
+)
+from shardkit.core.checkpoint.files import FileSum, checksum, list_files, problems_with, share
+from shardkit.core.checkpoint.staging import StagingBuffers
+from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
 from shardkit.core.runtime.groups import barrier, global_rank, world_size
 
 __all__ = [
@@ -186,7 +190,7 @@ class CheckpointManager:
         from_rank(0, prepare, doing=f"prepare {partial}")
         if async_save:
             staged = self._stage(state)
-            self._pending = checkpoint_async.start(
+            self._pending = background.start(
                 staged, step=step, partial=partial, target=target, leave_out=_MARKERS
             )
             logger.info(
@@ -211,7 +215,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        files = checkpoint_async.finish(pending, self.latest())
+        files = background.finish(pending, self.latest())
         self._publish_on_rank0(pending.step, pending.partial, pending.target, files)
         logger.info(
             "saved %s in %.1f s (asynchronous)",

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.core.engine.buffer_layout import GroupLayout, HookInput
 from shardkit.core.errors import AllGatherHookError, AllGatherInputError
-from shardkit.core.group_layout import GroupLayout, HookInput
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of
 
 if TYPE_CHECKING:  # param.py imports this module
-    from shardkit.core.param import FSDPParam
+    from shardkit.core.engine.param import FSDPParam
 
 __all__ = ["AllGatherHooks", "GroupHooks", "HookCall", "has_all_gather_hooks"]
 

@@ -15,28 +15,28 @@ import torch
 from torch import nn
 
 from shardkit.core import observe
-from shardkit.core.context import CommContext
-from shardkit.core.errors import DesyncError
-from shardkit.core.gather_hooks import GroupHooks
-from shardkit.core.grad_reduce import GroupReducer
-from shardkit.core.group_layout import group_layout
-from shardkit.core.group_storage import GroupStorage, StoragePlan
-from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_listing import set_listed
-from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.post_forward import PostForwardShard
-from shardkit.core.runtime.buffers import FlatLayout
-from shardkit.core.runtime.collectives import gathers_by_exchange
-from shardkit.core.runtime.protocol import GatheredRows
-from shardkit.core.states import (
+from shardkit.core.engine.buffer_layout import group_layout
+from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.gather_hooks import GroupHooks
+from shardkit.core.engine.grad_reduce import GroupReducer
+from shardkit.core.engine.group_options import GroupOptions
+from shardkit.core.engine.group_storage import GroupStorage, StoragePlan
+from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.param_listing import set_listed
+from shardkit.core.engine.post_forward import PostForwardShard
+from shardkit.core.engine.state_machines import (
     SHARDED_TRANSITIONS,
     TRAINING_TRANSITIONS,
     ShardedState,
     TrainingState,
     check_transition,
 )
+from shardkit.core.errors import DesyncError
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.buffers import FlatLayout
+from shardkit.core.runtime.collectives import gathers_by_exchange
+from shardkit.core.runtime.protocol import GatheredRows
 
 __all__ = ["FSDPParamGroup", "GroupConfig", "GroupWiring"]
 

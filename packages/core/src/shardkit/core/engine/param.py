@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardkit.core.engine.buffer_layout import ParamSpec
+from shardkit.core.engine.gather_hooks import AllGatherHooks, has_all_gather_hooks
+from shardkit.core.engine.local_step import allow_local_step
+from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param_listing import ParamSlot, read_slot, write_slot
 from shardkit.core.errors import UnsupportedWithHooksError
 from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
-from shardkit.core.gather_hooks import AllGatherHooks, has_all_gather_hooks
-from shardkit.core.group_layout import ParamSpec
-from shardkit.core.local_step import allow_local_step
-from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.param_listing import ParamSlot, read_slot, write_slot
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from shardkit.core.state import FSDPState
+    from shardkit.core.engine.fsdp_state import FSDPState
 
 __all__ = ["is_managed", "register_state", "state_of", "states_under"]
 

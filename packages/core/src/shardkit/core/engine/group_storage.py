@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.gather_hooks import GroupHooks
-from shardkit.core.group_layout import GroupLayout
-from shardkit.core.param import FSDPParam
-from shardkit.core.post_forward import PostForwardShard
+from shardkit.core.engine.buffer_layout import GroupLayout
+from shardkit.core.engine.gather_hooks import GroupHooks
+from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.post_forward import PostForwardShard
+from shardkit.core.engine.unsharded import UnshardedBuffer
 from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel, rank_major_view
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import RowBlock
-from shardkit.core.unsharded import UnshardedBuffer
 
 __all__ = ["GroupStorage", "StoragePlan"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardkit.core.param import FSDPParam
+from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import FlatLayout
 
 __all__ = ["UnshardedBuffer"]

@@ -18,13 +18,20 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from shardkit.core import observe
-from shardkit.core.backward import BackwardTracker
-from shardkit.core.context import CommContext
+from shardkit.core.engine.backward import BackwardTracker
+from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.local_step import restore_all
+from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
+from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
+from shardkit.core.engine.state_machines import ShardedState, TrainingState
+from shardkit.core.engine.state_registry import states_under
+from shardkit.core.engine.usage_checks import (
+    check_backward_finished,
+    in_backward,
+    warn_if_replaced_params_are_held,
+)
 from shardkit.core.errors import DesyncError
-from shardkit.core.local_step import restore_all
-from shardkit.core.local_tree import enter_local_forward, is_local_tree
-from shardkit.core.param import FSDPParam
-from shardkit.core.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
@@ -35,13 +42,6 @@ from shardkit.core.schedule import (
     StepSchedule,
     after_forward,
     root_reshards_after_forward,
-)
-from shardkit.core.state_registry import states_under
-from shardkit.core.states import ShardedState, TrainingState
-from shardkit.core.usage_checks import (
-    check_backward_finished,
-    in_backward,
-    warn_if_replaced_params_are_held,
 )
 
 __all__ = [

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.context import CommContext
-from shardkit.core.group_layout import GroupLayout
-from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.options import GroupOptions
-from shardkit.core.param import FSDPParam
+from shardkit.core.engine.buffer_layout import GroupLayout
+from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.group_options import GroupOptions
+from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import ShardGeometry
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing

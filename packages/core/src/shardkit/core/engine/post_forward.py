@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardkit.core.mesh_info import MeshInfo
+from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.runtime.buffers import (
     FlatLayout,
     ShardGeometry,

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from shardkit.core.input_grads import InputGradsWatch
-from shardkit.core.param_group import FSDPParamGroup
+from shardkit.core.engine.input_grads import InputGradsWatch
+from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.schedule import count_ends_backward, ends_at_callback, inputs_end_backward
 
 __all__ = ["BackwardTracker"]

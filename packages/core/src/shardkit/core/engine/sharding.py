@@ -11,16 +11,16 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param import FSDPParam, ParamSlot, Sharding
+from shardkit.core.engine.spmd import check_spmd_param, spmd_sharding
+from shardkit.core.engine.state_registry import is_managed
 from shardkit.core.errors import (
     InvalidShardDimError,
     UnevenShardingError,
     UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import extension_for
-from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.param import FSDPParam, ParamSlot, Sharding
-from shardkit.core.spmd import check_spmd_param, spmd_sharding
-from shardkit.core.state_registry import is_managed
 
 __all__ = [
     "check_hooked_params",

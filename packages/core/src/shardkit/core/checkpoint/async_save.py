@@ -1,6 +1,6 @@
 """The background half of an asynchronous checkpoint: DCP's async save, then checksums.
 
-``CheckpointManager.save(..., async_save=True)`` stages the state (``checkpoint_staging``) on
+``CheckpointManager.save(..., async_save=True)`` stages the state (``staging``) on
 the training thread, then hands it to ``torch.distributed.checkpoint.async_save``, which writes
 it from a thread of its own while training goes on. When the write is done, the same thread
 hashes this rank's share of the checkpoint's files, so that publishing it later costs the
@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from shardkit.core.agreement import everyone
-from shardkit.core.checkpoint_files import FileSum, checksum, list_files, share
+from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
 from shardkit.core.errors import first_sentence
+from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
 
 __all__ = ["CheckpointSaveError", "PendingSave", "describe_dcp_failure", "finish", "start"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from shardkit.core.param_group import FSDPParamGroup
+    from shardkit.core.engine.param_group import FSDPParamGroup
 
 __all__ = ["check_backward_finished", "in_backward", "warn_if_replaced_params_are_held"]
 

@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param import Sharding
 from shardkit.core.extensions import ShardingExtension, SpmdMeshAxes, SpmdShardingExtension
-from shardkit.core.mesh_info import MeshInfo
-from shardkit.core.param import Sharding
 from shardkit.core.policies import DataParallelMeshDims
 from shardkit.core.runtime.device import device_for_mesh_type
 from shardkit.core.runtime.groups import own_group

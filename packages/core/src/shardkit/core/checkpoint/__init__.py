@@ -1,0 +1,22 @@
+"""Checkpoints: the manager of checkpoint directories and the pieces behind it.
+
+``CheckpointManager`` (``manager.py``) saves and loads torch.distributed.checkpoint
+directories that an interrupted save or a corrupt file cannot break; ``async_save.py`` writes
+in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
+checksums a checkpoint's files. ``from shardkit.core.checkpoint import CheckpointManager``
+works as before (``shardkit.core`` exports the same names).
+"""
+
+from shardkit.core.checkpoint.async_save import CheckpointSaveError
+from shardkit.core.checkpoint.manager import (
+    CheckpointLoadError,
+    CheckpointManager,
+    IncompleteCheckpointError,
+)
+
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "IncompleteCheckpointError",
+]
