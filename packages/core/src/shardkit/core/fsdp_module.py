@@ -264,9 +264,9 @@ class FSDPModule:
                 targets.append(target)
         if group is not None:
             if forward:
-                group.forward_prefetch = targets
+                group.options.forward_prefetch = targets
             else:
-                group.backward_prefetch = targets
+                group.options.backward_prefetch = targets
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""

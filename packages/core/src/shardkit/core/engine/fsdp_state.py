@@ -208,7 +208,7 @@ class FSDPState:
             group.training_state = TrainingState.FORWARD
             group.unshard()
             group.wait_for_unshard()
-            targets = self.ctx.schedule.ran_forward(group, group.forward_prefetch)
+            targets = self.ctx.schedule.ran_forward(group, group.options.forward_prefetch)
             if observe.has_subscribers():
                 observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
             # After this group's wait, before its compute is queued: on CUDA the next
@@ -290,7 +290,7 @@ class FSDPState:
             group.wait_for_unshard()
         assert self.ctx is not None
         for target in self.ctx.schedule.backward_prefetch(
-            group, group.backward_prefetch, _started_backward
+            group, group.options.backward_prefetch, _started_backward
         ):
             target.unshard()
 
@@ -399,7 +399,7 @@ def _stays_unsharded(group: FSDPParamGroup) -> bool:
     W=1 on a model of many small groups, a tenth of the engine's overhead). Backward's end
     reshards it, and a forward without gradients reshards it as any group.
     """
-    return group.aliases_shards and torch.is_grad_enabled()
+    return group.storage.aliases_shards and torch.is_grad_enabled()
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -175,6 +175,19 @@ class GroupReducer:
         self._flat_numel = layout.sharded_bytes // itemsize
         self._packings.clear()
 
+    def take_grads(
+        self, trainable: Sequence[FSDPParam]
+    ) -> list[tuple[FSDPParam, torch.Tensor | None]]:
+        """The gradients to reduce, taken off the parameters (none if no parameter got one).
+
+        As torch: a parameter that took no part in this backward gets no gradient (None, so
+        optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        """
+        with_zeros = self.options.reduce_scatter_unused_params
+        grads = [(p, p.take_unsharded_grad()) for p in trainable]
+        chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
+        return chosen if any(g is not None for _, g in chosen) else []
+
     def _packing_of(self, params: Sequence[FSDPParam]) -> Packing:
         key = tuple(id(p) for p in params)
         packing = self._packings.get(key)

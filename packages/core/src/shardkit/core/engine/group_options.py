@@ -49,3 +49,9 @@ class GroupOptions:
     """A user all-gather (torch's ``AllGather``: ``allocate`` and ``__call__``), or None."""
     custom_reduce_scatter: Any = None
     """A user reduce-scatter (torch's ``ReduceScatter``), or None."""
+    forward_prefetch: list[Any] | None = None
+    """Groups to gather right after this one's pre-forward (``set_modules_to_forward_prefetch``);
+    None: the next in the previous step's forward order (``schedule``)."""
+    backward_prefetch: list[Any] | None = None
+    """Groups to gather right after this one's pre-backward
+    (``set_modules_to_backward_prefetch``); None: the one before it in post-forward order."""

@@ -143,6 +143,19 @@ class GroupStorage:
         for p in self.params:
             p.unsharded_param = None  # rebuilt on the new device at the next unshard
 
+    def holds(self, locals_: Sequence[torch.Tensor], device: torch.device) -> bool:
+        """Whether the flat parameters' ``locals_`` view the sharded buffer, on ``device``.
+
+        True unless something replaced them since it was made (``_apply``, an ``assign=True``
+        load).
+        """
+        buffer = self.sharded_buffer.untyped_storage().data_ptr()
+        return self.sharded_buffer.device == device and all(
+            locals_[i].untyped_storage().data_ptr() == buffer
+            for i in self.flat
+            if locals_[i].numel() > 0
+        )
+
     def _adopt(self, buffer: torch.Tensor) -> None:
         if self.pin_memory and not buffer.is_meta:
             buffer = pin(buffer)

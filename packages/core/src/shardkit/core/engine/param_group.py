@@ -7,7 +7,6 @@ Parameters with all-gather hooks join the same all-gather: see [Note: all-gather
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,13 +33,10 @@ from shardkit.core.engine.state_machines import (
 )
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.runtime.buffers import FlatLayout
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
 
 __all__ = ["FSDPParamGroup", "GroupConfig", "GroupWiring"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +87,6 @@ class FSDPParamGroup:
         self._training_state = TrainingState.IDLE
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
-        self.forward_prefetch: list[FSDPParamGroup] | None = None
-        self.backward_prefetch: list[FSDPParamGroup] | None = None
         self.mp_policy = config.mp_policy
         self._grad_hook: Callable[[torch.Tensor], None] = _not_attached
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
@@ -131,7 +125,7 @@ class FSDPParamGroup:
         for p, param_layout in zip(self.params, self.layout.params, strict=True):
             p.comm_dtype = param_layout.comm_dtype
         self.reduce_dtype = self.layout.reduce_dtype
-        self.post_forward = self._make_post_forward(rsf)
+        self.post_forward = PostForwardShard.of(rsf, self.params, self.layout, self.mesh_info)
         self._plan_storage()
         self.reducer = GroupReducer(
             self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
@@ -174,33 +168,6 @@ class FSDPParamGroup:
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 
-    @property
-    def storage_layout(self) -> FlatLayout:
-        """The sharded buffer's layout (each padded shard in its own dtype)."""
-        return self.layout.storage
-
-    @property
-    def sharded_buffer(self) -> torch.Tensor:
-        """The flat buffer of this rank's shards (uint8), which the sharded parameters view."""
-        return self.storage.sharded_buffer
-
-    @property
-    def aliases_shards(self) -> bool:
-        """Whether the full parameters view the shards themselves (one shard rank)."""
-        return self.storage.aliases_shards
-
-    def _make_post_forward(self, reshard_after_forward: bool | int) -> PostForwardShard | None:
-        if isinstance(reshard_after_forward, bool):
-            return None
-        assert self.layout.post_forward is not None
-        return PostForwardShard(
-            reshard_after_forward,
-            [p.geometry.shape for p in self.params],
-            [p.geometry.dim for p in self.params],
-            self.layout.post_forward,
-            self.mesh_info,
-        )
-
     def attach(self, wiring: GroupWiring) -> None:
         """Take what the root gives its groups at its lazy init (see ``GroupWiring``)."""
         self.fqn = wiring.fqn
@@ -227,11 +194,6 @@ class FSDPParamGroup:
         exchange = gathers_by_exchange(self.mesh_info.shard_group)
         return self.layout.pool_sizes(exchange=exchange, offload=self.offload)
 
-    @property
-    def storage_device(self) -> torch.device:
-        """Where sharded parameters live: the mesh device, or the CPU when offloading."""
-        return self.storage.storage_device
-
     def resync_sharded_storage(self) -> None:
         """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads.
 
@@ -242,15 +204,9 @@ class FSDPParamGroup:
         if any(t.is_meta for t in locals_):
             return
         self.storage.adopt_hooked(locals_)
-        aliased = all(
-            locals_[i].untyped_storage().data_ptr()
-            == self.sharded_buffer.untyped_storage().data_ptr()
-            for i in self._flat
-            if locals_[i].numel() > 0
-        )
         device = torch.device("cpu") if self.offload else locals_[0].device
         retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
-        if aliased and self.sharded_buffer.device == device and not retyped:
+        if self.storage.holds(locals_, device) and not retyped:
             return
         self.reshard()  # any full copy predates the new values
         if retyped:
@@ -281,7 +237,7 @@ class FSDPParamGroup:
         self._sort_hooked()
         self._plan_buffers()
         locals_ = [p.current_local() for p in self.params]
-        self.storage.refill(locals_, self.sharded_buffer.device)
+        self.storage.refill(locals_, self.storage.sharded_buffer.device)
 
     # --- unshard / reshard ----------------------------------------------------------------
 
@@ -298,7 +254,7 @@ class FSDPParamGroup:
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
-        if self.sharded_buffer.is_meta:
+        if self.storage.sharded_buffer.is_meta:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {self.param_fqns}\n"
@@ -452,7 +408,7 @@ class FSDPParamGroup:
             for p in self.trainable:
                 p.stash_unsharded_grad(self.reduce_dtype)
         else:
-            chosen = self._take_grads()
+            chosen = self.reducer.take_grads(self.trainable)
         # The gradients are taken: the full parameters are done with. Free them before the
         # reduction allocates its buffers (as torch does), or both would peak together.
         if self.options.reshard_after_backward:
@@ -460,17 +416,6 @@ class FSDPParamGroup:
         if chosen:
             assert self.comm is not None
             self.reducer.start(chosen, self.comm, self.fqn, assign_now=assign_now)
-
-    def _take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]]:
-        """The gradients to reduce (none if no parameter got one), taken off the parameters.
-
-        As torch: a parameter that took no part in this backward gets no gradient (None, so
-        optimizers skip it), unless the user asked to reduce unused parameters as zeros.
-        """
-        with_zeros = self.options.reduce_scatter_unused_params
-        grads = [(p, p.take_unsharded_grad()) for p in self.trainable]
-        chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
-        return chosen if any(g is not None for _, g in chosen) else []
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

@@ -8,10 +8,14 @@ sharded memory between forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
+from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import (
     FlatLayout,
     ShardGeometry,
@@ -33,6 +37,18 @@ def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
 
 class PostForwardShard:
     """The 1/n slices a group keeps between forward and backward."""
+
+    @staticmethod
+    def of(
+        policy: bool | int, params: Sequence[FSDPParam], layout: GroupLayout, mesh_info: MeshInfo
+    ) -> PostForwardShard | None:
+        """The slices a group with ``reshard_after_forward=policy`` keeps (None: a bool)."""
+        if isinstance(policy, bool):
+            return None
+        assert layout.post_forward is not None
+        geometries = [p.geometry for p in params]
+        shapes, dims = [g.shape for g in geometries], [g.dim for g in geometries]
+        return PostForwardShard(policy, shapes, dims, layout.post_forward, mesh_info)
 
     def __init__(
         self,

@@ -8,7 +8,6 @@ because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from shardkit.core import observe
 from shardkit.core.runtime import desync
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.groups import cpu_world, fingerprint_group
+from shardkit.core.runtime.handles import DoneHandle, GatherHandle, SumRowsHandle, WorkHandle
 from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
@@ -37,100 +37,6 @@ __all__ = [
     "ranks_where",
     "scatter_from_first",
 ]
-
-
-class DoneHandle:
-    """A handle for work that already finished (world size 1, or nothing to do)."""
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-
-
-def _wait_all(
-    works: Sequence[dist.Work | None],
-    info: CollectiveInfo | None,
-    check: desync.PendingCheck | None = None,
-) -> None:
-    """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
-
-    With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
-    """
-    if check is not None:
-        check.settle()
-    if info is not None:
-        PROGRESS.begin_wait(info)
-    try:
-        for work in works:
-            if work is not None:
-                work.wait()
-    finally:
-        if info is not None:
-            PROGRESS.end_wait()
-
-
-@dataclass(slots=True)
-class WorkHandle:
-    """Wraps a c10d ``Work``; waits at most once."""
-
-    work: dist.Work | None
-    info: CollectiveInfo | None = None
-
-    def wait(self) -> None:
-        """Block until the collective is done."""
-        if self.work is not None:
-            _wait_all([self.work], self.info)
-            self.work = None
-
-
-@dataclass(slots=True)
-class _SumRowsHandle:
-    """Reduce-scatter by exchanging rows: after the exchange, add the other ranks' rows."""
-
-    works: list[dist.Work]
-    own: torch.Tensor  # (S,): this rank's own row of the input, never sent
-    received: torch.Tensor  # (W-1, S): the other ranks' rows for this rank's shard
-    output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
-    scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
-    pool: BufferPool
-    info: CollectiveInfo | None = None
-    check: desync.PendingCheck | None = None  # compared before the rows are summed
-
-    def wait(self) -> None:
-        """Wait for the exchange, then sum into ``output`` (once)."""
-        if not self.works:
-            return
-        _wait_all(self.works, self.info, self.check)
-        self.works = []
-        if self.scratch is None:
-            self.output.add_(self.own)  # received straight into the output (W == 2)
-            return
-        torch.add(self.own, self.received.sum(dim=0), out=self.output)
-        self.pool.put(self.scratch)
-
-
-@dataclass(slots=True)
-class GatherHandle:
-    """An all-gather in flight; ``wait()`` returns every rank's row, as blocks in rank order."""
-
-    works: list[dist.Work]
-    blocks: list[RowBlock]  # uint8 rows of N bytes; this rank's own row may be its input
-    buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
-    pool: BufferPool
-    info: CollectiveInfo | None = None
-    check: desync.PendingCheck | None = None  # compared before the rows are returned
-
-    def wait(self) -> list[RowBlock]:
-        """Block until every row has arrived; returns the rows."""
-        if self.works:
-            _wait_all(self.works, self.info, self.check)
-        self.works = []
-        return self.blocks
-
-    def release(self) -> None:
-        """Give the receive buffer back (after the rows were copied out)."""
-        if self.buffer is not None:
-            self.pool.put(self.buffer)
-            self.buffer = None
 
 
 # Point-to-point tags: gathers and reductions in flight to the same peer never cross. With
@@ -303,9 +209,9 @@ class ProcessGroupRuntime:
         *,
         label: str = "",
         custom: CustomComm | None = None,
-    ) -> WorkHandle | DoneHandle | _SumRowsHandle:
+    ) -> WorkHandle | DoneHandle | SumRowsHandle:
         """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
-        handle: WorkHandle | DoneHandle | _SumRowsHandle
+        handle: WorkHandle | DoneHandle | SumRowsHandle
         exchange = custom is None and group.size() > 1 and _uses_gloo(group)
         tag = _REDUCE_TAG if exchange else None
         issued = self._begin("reduce_scatter", group, label, input, tag)
@@ -315,7 +221,7 @@ class ProcessGroupRuntime:
             handle = WorkHandle(custom_reduce_scatter(custom, output, input, group), issued.info)
         else:
             handle = self._reduce_scatter(output, input, group, label, issued.tag)
-            if isinstance(handle, _SumRowsHandle):
+            if isinstance(handle, SumRowsHandle):
                 handle.info, handle.check = issued.info, issued.check
                 issued.issued_as(handle.works)
             elif isinstance(handle, WorkHandle):
@@ -331,7 +237,7 @@ class ProcessGroupRuntime:
         group: dist.ProcessGroup,
         label: str,
         tag: int,
-    ) -> WorkHandle | DoneHandle | _SumRowsHandle:
+    ) -> WorkHandle | DoneHandle | SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
         if observe.has_subscribers():
@@ -359,7 +265,7 @@ class ProcessGroupRuntime:
 
     def _reduce_scatter_by_exchange(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, tag: int
-    ) -> _SumRowsHandle:
+    ) -> SumRowsHandle:
         # Row j of ``input`` goes to rank j and rank j's row for us comes back: the bytes of an
         # all-to-all, but a rank's own row stays put, so only W-1 rows are received. At W=2
         # the one received row lands in ``output`` directly: no scratch buffer at all.
@@ -377,7 +283,7 @@ class ProcessGroupRuntime:
             recv = dist.irecv(received[slot], group=group, group_src=peer, tag=tag)
             send = dist.isend(input[peer], group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
-        return _SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
+        return SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""

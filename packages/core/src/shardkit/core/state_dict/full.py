@@ -240,14 +240,14 @@ def gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch
     mesh_info = group.mesh_info
     if to_all:
         handle = ProcessGroupRuntime().all_gather(
-            group.sharded_buffer, mesh_info.shard_group, label=group.fqn
+            group.storage.sharded_buffer, mesh_info.shard_group, label=group.fqn
         )
         rows = rows_of(handle.wait())
     else:
         replicate = mesh_info.replicate_group
         if replicate is not None and replicate.rank() != 0:
             return None  # one replica is enough
-        gathered = gather_to_first(group.sharded_buffer, mesh_info.shard_group)
+        gathered = gather_to_first(group.storage.sharded_buffer, mesh_info.shard_group)
         if gathered is None:
             return None
         rows = gathered
@@ -261,7 +261,7 @@ def dp_pieces(group: FSDPParamGroup, index: int, rows: list[torch.Tensor]) -> li
     """
     p = group.params[index]
     geo = p.geometry
-    shards = [group.storage_layout.view(row, index) for row in rows]
+    shards = [group.layout.storage.view(row, index) for row in rows]
     if geo.dim == 0:
         # A dim-0 shard is a run of whole rows of the full tensor: the unpadded ones, in order.
         return [s[: geo.local_length(r) * geo.row_numel] for r, s in enumerate(shards)]

@@ -287,9 +287,9 @@ def _scatter_group(
             return value
 
         packed.append(_pack_rows(group, keys, by_name, shared))
-    rows = list(packed[0].to(group.sharded_buffer.device).unbind(0)) if packed else None
+    rows = list(packed[0].to(group.storage.sharded_buffer.device).unbind(0)) if packed else None
     replicate = mesh_info.replicate_group
-    received = torch.empty_like(group.sharded_buffer)
+    received = torch.empty_like(group.storage.sharded_buffer)
     if replicate is None or replicate.rank() == 0:
         scatter_from_first(received, rows, mesh_info.shard_group)
     if replicate is not None:
@@ -304,7 +304,7 @@ def _pack_rows(
     full_of: Callable[[int, Entry], torch.Tensor],
 ) -> torch.Tensor:
     """A group's full tensors as (W, bytes) rows of each rank's padded shards."""
-    layout = group.storage_layout
+    layout = group.layout.storage
     rows = torch.zeros(group.mesh_info.shard_size, layout.nbytes, dtype=torch.uint8)
     for index, p in enumerate(group.params):
         key = keys.get(index)
@@ -321,10 +321,10 @@ def _pack_rows(
 def _write_shards(
     group: FSDPParamGroup, received: torch.Tensor, keys: dict[int, str], by_name: dict[str, Entry]
 ) -> None:
-    layout = group.storage_layout
+    layout = group.layout.storage
     for index in range(len(group.params)):
         key = keys.get(index)
         if key is None or key not in by_name:
             continue
-        target = layout.view(group.sharded_buffer, index)
+        target = layout.view(group.storage.sharded_buffer, index)
         target.copy_(layout.view(received, index))

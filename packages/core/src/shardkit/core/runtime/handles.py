@@ -1,0 +1,115 @@
+"""Handles of collectives in flight: what ``ProcessGroupRuntime`` returns, and their waits.
+
+A handle's ``wait()`` blocks until its collective's output may be read (on CUDA, the current
+stream waits), recording the wait for the hang watch and, with desync checks, comparing the
+collective's fingerprints first. Nothing here issues a collective: ``collectives`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardkit.core.runtime import desync
+from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
+from shardkit.core.runtime.protocol import RowBlock
+
+__all__ = ["DoneHandle", "GatherHandle", "SumRowsHandle", "WorkHandle", "wait_all"]
+
+
+class DoneHandle:
+    """A handle for work that already finished (world size 1, or nothing to do)."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+def wait_all(
+    works: Sequence[dist.Work | None],
+    info: CollectiveInfo | None,
+    check: desync.PendingCheck | None = None,
+) -> None:
+    """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
+
+    With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
+    """
+    if check is not None:
+        check.settle()
+    if info is not None:
+        PROGRESS.begin_wait(info)
+    try:
+        for work in works:
+            if work is not None:
+                work.wait()
+    finally:
+        if info is not None:
+            PROGRESS.end_wait()
+
+
+@dataclass(slots=True)
+class WorkHandle:
+    """Wraps a c10d ``Work``; waits at most once."""
+
+    work: dist.Work | None
+    info: CollectiveInfo | None = None
+
+    def wait(self) -> None:
+        """Block until the collective is done."""
+        if self.work is not None:
+            wait_all([self.work], self.info)
+            self.work = None
+
+
+@dataclass(slots=True)
+class SumRowsHandle:
+    """Reduce-scatter by exchanging rows: after the exchange, add the other ranks' rows."""
+
+    works: list[dist.Work]
+    own: torch.Tensor  # (S,): this rank's own row of the input, never sent
+    received: torch.Tensor  # (W-1, S): the other ranks' rows for this rank's shard
+    output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
+    scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
+    pool: BufferPool
+    info: CollectiveInfo | None = None
+    check: desync.PendingCheck | None = None  # compared before the rows are summed
+
+    def wait(self) -> None:
+        """Wait for the exchange, then sum into ``output`` (once)."""
+        if not self.works:
+            return
+        wait_all(self.works, self.info, self.check)
+        self.works = []
+        if self.scratch is None:
+            self.output.add_(self.own)  # received straight into the output (W == 2)
+            return
+        torch.add(self.own, self.received.sum(dim=0), out=self.output)
+        self.pool.put(self.scratch)
+
+
+@dataclass(slots=True)
+class GatherHandle:
+    """An all-gather in flight; ``wait()`` returns every rank's row, as blocks in rank order."""
+
+    works: list[dist.Work]
+    blocks: list[RowBlock]  # uint8 rows of N bytes; this rank's own row may be its input
+    buffer: torch.Tensor | None  # the pool buffer behind the other ranks' rows
+    pool: BufferPool
+    info: CollectiveInfo | None = None
+    check: desync.PendingCheck | None = None  # compared before the rows are returned
+
+    def wait(self) -> list[RowBlock]:
+        """Block until every row has arrived; returns the rows."""
+        if self.works:
+            wait_all(self.works, self.info, self.check)
+        self.works = []
+        return self.blocks
+
+    def release(self) -> None:
+        """Give the receive buffer back (after the rows were copied out)."""
+        if self.buffer is not None:
+            self.pool.put(self.buffer)
+            self.buffer = None
