@@ -8,7 +8,7 @@ because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,17 @@ __all__ = [
     "ranks_where",
     "scatter_from_first",
 ]
+
+# torch 2.13 names the flat-buffer collectives all_gather_single and reduce_scatter_single and
+# deprecates the older names (a FutureWarning on every call); earlier releases have only the
+# older names, which do the same. Chosen once, by what the installed torch has; the older name
+# is looked up only where the newer is missing, as a later torch may drop it.
+_all_gather_single: Callable[..., dist.Work | None] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_reduce_scatter_single: Callable[..., dist.Work | None] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 class DoneHandle:
@@ -274,7 +285,7 @@ class ProcessGroupRuntime:
             )
         if not _uses_gloo(group):
             buffer = self.pool.get(size * nbytes, input.device)
-            work = dist.all_gather_single(buffer, input, group=group, async_op=True)
+            work = _all_gather_single(buffer, input, group=group, async_op=True)
             native = list(buffer.view(size, nbytes).unbind(0))
             return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)
         buffer = self.pool.get((size - 1) * nbytes, input.device)
@@ -349,7 +360,7 @@ class ProcessGroupRuntime:
         if gloo:
             return self._reduce_scatter_by_exchange(output, input, group, tag)
         return WorkHandle(
-            dist.reduce_scatter_single(
+            _reduce_scatter_single(
                 output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
             )
         )
@@ -491,7 +502,7 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks whose ``flag`` is True (every rank of the world must call it)."""
     flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
     mine = torch.tensor([int(flag)], dtype=torch.uint8)
-    dist.all_gather_into_tensor(flags, mine)
+    _all_gather_single(flags, mine)
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
@@ -525,12 +536,12 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> 
     group = group if group is not None else cpu_world()
     world = group.size()
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    _all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
     longest = int(sizes.max().item())
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     rows = torch.empty(world, longest, dtype=torch.uint8)
     if longest:
-        dist.all_gather_single(rows.view(-1), mine, group=group)
+        _all_gather_single(rows.view(-1), mine, group=group)
     return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]
