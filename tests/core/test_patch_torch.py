@@ -25,6 +25,7 @@ import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core import torch_patch
 from tests.core.fsdp2_example import Plan, train
+from tests.core.torch_releases import torch_has
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -38,11 +39,15 @@ FSDP2_NAMES = {
     "register_fsdp_forward_method": sk.register_fsdp_forward_method,
     "DataParallelMeshDims": sk.DataParallelMeshDims,
     "share_comm_ctx": sk.share_comm_ctx,
+    "GradientReductionHandle": sk.GradientReductionHandle,
 }
+# The names the installed torch has (DataParallelMeshDims from 2.12, GradientReductionHandle
+# from 2.15): the patch replaces those and adds no other.
+_TORCHS = {name for name in FSDP2_NAMES if torch_has(name)}
 # Where libraries import torch's FSDP2 names, and which of them each module has.
 WHERE = {
-    "torch.distributed.fsdp": set(FSDP2_NAMES),
-    "torch.distributed.fsdp._fully_shard": set(FSDP2_NAMES),
+    "torch.distributed.fsdp": _TORCHS,
+    "torch.distributed.fsdp._fully_shard": _TORCHS,
     "torch.distributed._composable.fsdp": {
         "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
         "OffloadPolicy", "register_fsdp_forward_method",
