@@ -63,8 +63,7 @@ def make_mesh(run: Run, world_size: int) -> DeviceMesh:
 def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
     """Shard ``model`` the way ``run.wrap`` says."""
     fs = fully_shard_of(impl)
-    kwargs = dict(run.shard_kwargs, mesh=mesh)
-    kwargs = {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
+    kwargs = _policies_for(impl, dict(run.shard_kwargs, mesh=mesh))
     if run.ignored:
         named = dict(model.named_parameters())
         kwargs["ignored_params"] = {named[name] for name in run.ignored}
@@ -75,7 +74,12 @@ def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
     if run.wrap == "grouped":
         # The final norm and the head as one group (one all-gather for both).
         fs([model.ln_f, model.head], **kwargs)
-    fs(model, **dict(kwargs, **run.root_kwargs))
+    fs(model, **dict(kwargs, **_policies_for(impl, run.root_kwargs)))
+
+
+def _policies_for(impl: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    # Torch 2.15's fully_shard calls a private method of its own policy class: give it torch's.
+    return {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
 
 
 def _policy_for(impl: str, policy: Any) -> Any:

@@ -143,8 +143,9 @@ def _hook_stream_body(rank: int, world_size: int, hsdp: bool) -> dict[str, Any]:
         seen: list[bool] = []
 
         def hook(reduced: Any, stream: Any = stream, seen: list[bool] = seen) -> None:
-            # torch.get_device_module() is the accelerator's module, or torch.cpu without one.
-            seen.append(torch.get_device_module().current_stream() is stream)
+            # The mesh's device module (torch.cpu), not torch.get_device_module(): a CUDA
+            # build of torch 2.15 answers torch.cuda there even with no GPU.
+            seen.append(device_module.current_stream() is stream)
             reduced.mul_(0.5)
 
         try:

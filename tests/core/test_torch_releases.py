@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardkit.core as sk
 from harness.pool import run_on_ranks
+from shardkit.core import group_layout as group_layout_module
 from shardkit.core import torch_release
+from shardkit.core.group_layout import ParamSpec, group_layout
 from shardkit.core.torch_release import UntestedTorchWarning, release_of, warn_if_untested
 
 
@@ -93,3 +95,20 @@ def test_backward_finalization_of_torch_2_15() -> None:
         assert manual.startswith("set_manual_backward_finalization(True) (torch 2.15's FSDP2)")
         assert keep.startswith("set_keep_unsharded_storage(True) (torch 2.15's FSDP2)")
         assert result["sync"] is None and all(result["grads"])
+
+
+@pytest.mark.parametrize(
+    ("from_2_15", "reduced_in"), [(False, torch.bfloat16), (True, torch.float32)]
+)
+def test_reduce_dtype_none_follows_the_installed_torchs_rule(
+    monkeypatch: pytest.MonkeyPatch, from_2_15: bool, reduced_in: torch.dtype
+) -> None:
+    # torch 2.10-2.14 reduce in param_dtype, 2.15 in the parameters' own dtype.
+    monkeypatch.setattr(group_layout_module, "REDUCES_IN_PARAM_DTYPE", from_2_15)
+    spec = ParamSpec(fqn="w", shape=(4, 4), dtype=torch.float32)
+    layout = group_layout([spec], shard_world=2, param_dtype=torch.bfloat16)
+    assert layout.reduce_dtype == reduced_in
+    fixed = group_layout(
+        [spec], shard_world=2, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+    )
+    assert fixed.reduce_dtype == torch.bfloat16

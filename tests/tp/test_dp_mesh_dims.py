@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.pool import run_on_ranks
 from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import assert_parity
-from tests.core.torch_releases import torch_has
+from tests.core.torch_releases import BF16_TP_TOLERANCE, torch_has
 from tests.tp.spmd_parity import (
     SpmdRun,
     full_state_dict_body,
@@ -78,7 +78,8 @@ def test_training_matches_torch_and_one_process(layout: str) -> None:
 def test_bf16_mixed_precision_matches_torch() -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     run = SpmdRun(shard_kwargs={"mp_policy": policy}, impls=("shardkit", "torch"))
-    assert_parity(run_on_ranks(4, parity_body, run=run))
+    rtol, atol = BF16_TP_TOLERANCE
+    assert_parity(run_on_ranks(4, parity_body, run=run), rtol=rtol, atol=atol)
 
 
 def test_full_state_dicts_are_the_single_models() -> None:

@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "NEWEST_TESTED",
     "OLDEST_TESTED",
+    "REDUCES_IN_PARAM_DTYPE",
     "UntestedTorchWarning",
     "needs_newer_torch",
     "not_in_shardkit",
@@ -41,6 +42,12 @@ def release_of(version: str) -> tuple[int, int] | None:
     """(major, minor) of a torch version string (``"2.16.0.dev20261201+cu130"`` -> (2, 16))."""
     found = re.match(r"(\d+)\.(\d+)", version)
     return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+REDUCES_IN_PARAM_DTYPE = (release_of(torch.__version__) or (0, 0)) >= (2, 15)
+"""Whether ``reduce_dtype=None`` reduces gradients in the parameters' own dtype (torch 2.15 on)
+rather than in ``param_dtype`` (2.10 to 2.14). A change of behaviour, not of names: there is
+nothing to detect, so the release decides."""
 
 
 def _tested_range() -> str:
