@@ -83,14 +83,19 @@ def _policies_for(impl: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _policy_for(impl: str, policy: Any) -> Any:
-    """Translate a shardkit policy object into torch's equivalent (same fields)."""
-    if impl == "shardkit":
-        return policy
+    return policy if impl == "shardkit" else torch_policy(policy)
+
+
+def torch_policy(policy: Any) -> Any:
+    """torch's policy object of the same class and field values as shardkit's ``policy``.
+
+    The fields are torch's class's: shardkit's policies have those of the newest tested torch
+    (``param_dtype_override_fn``, 2.15), left at their defaults here.
+    """
     import torch.distributed.fsdp as tfsdp
 
     cls = getattr(tfsdp, type(policy).__name__)
-    fields = {name: getattr(policy, name) for name in policy.__dataclass_fields__}
-    return cls(**fields)
+    return cls(**{name: getattr(policy, name) for name in cls.__dataclass_fields__})
 
 
 def rank_batch(

@@ -209,8 +209,10 @@ def _train(engine: str, **plan: Any) -> dict[str, Any]:
     return results[0]
 
 
+# Where each engine makes its FSDP<Cls> classes (torch: _fully_shard up to 2.10, _fsdp_init
+# from 2.11; the package is the same).
 ENGINE_MODULES = {
-    "torch": "torch.distributed.fsdp._fully_shard._fsdp_init",
+    "torch": "torch.distributed.fsdp._fully_shard.",
     "shardkit": "shardkit.core.api",
 }
 
@@ -220,7 +222,8 @@ def test_the_example_program_patched_trains_as_torch(bf16: bool) -> None:
     runs = {engine: _train(engine, steps=(0, 4), bf16=bf16) for engine in ENGINE_MODULES}
     for engine, run in runs.items():
         # Each engine really ran: its own FSDP<Cls> classes, all 5 modules FSDPModules.
-        assert run["checks"] == {"fsdp_modules": 5, "class_module": ENGINE_MODULES[engine]}
+        assert run["checks"]["fsdp_modules"] == 5
+        assert run["checks"]["class_module"].startswith(ENGINE_MODULES[engine]), run["checks"]
     assert runs["shardkit"]["losses"] == runs["torch"]["losses"]  # bit-identical
     assert runs["torch"]["losses"][-1] < runs["torch"]["losses"][0]
 

@@ -4,9 +4,10 @@ The packages declare ``torch>=2.10`` with no upper bound: a torch newer than the
 release installs and imports, with an :class:`UntestedTorchWarning` that names the tested range,
 rather than pip refusing it or replacing the user's torch with another multi-gigabyte build.
 Differences between the releases of the range are found by feature detection where they are
-used (``torch_fsdp.py`` for torch's FSDP classes, ``runtime/collectives.py`` for
-``torch.distributed``); this module only compares release numbers, for the warning and for
-errors that name the release a feature needs.
+used (``runtime/collectives.py`` for ``torch.distributed``'s names; ``torch_patch.py`` replaces
+only the FSDP names the installed torch has); this module compares release numbers, for the warning and for the
+one change of behaviour with no name to detect, and words the errors for torch's names that
+shardkit does not implement.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ __all__ = [
     "OLDEST_TESTED",
     "REDUCES_IN_PARAM_DTYPE",
     "UntestedTorchWarning",
-    "needs_newer_torch",
     "not_in_shardkit",
     "release_of",
     "warn_if_untested",
@@ -70,17 +70,6 @@ def warn_if_untested(version: str = torch.__version__) -> None:
         "on any release",
         UntestedTorchWarning,
         stacklevel=2,
-    )
-
-
-def needs_newer_torch(feature: str, release: str) -> RuntimeError:
-    """The error for ``feature``, which the installed torch is too old to have.
-
-    Returned, not raised, so that the caller's ``raise`` shows where the feature was asked for.
-    """
-    return RuntimeError(
-        f"{feature} needs torch {release} or newer; the installed torch is {torch.__version__} "
-        "(shardkit supports the rest of the API on it)"
     )
 
 
