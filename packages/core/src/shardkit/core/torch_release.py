@@ -5,9 +5,9 @@ release installs and imports, with an :class:`UntestedTorchWarning` that names t
 rather than pip refusing it or replacing the user's torch with another multi-gigabyte build.
 Differences between the releases of the range are found by feature detection where they are
 used (``runtime/collectives.py`` for ``torch.distributed``'s names; ``torch_patch.py`` replaces
-only the FSDP names the installed torch has); this module compares release numbers, for the warning and for the
-one change of behaviour with no name to detect, and words the errors for torch's names that
-shardkit does not implement.
+only the FSDP names the installed torch has). This module compares release numbers, for the
+warning and for the one change of behaviour with no name to detect, and words the errors for
+torch's names that shardkit does not implement.
 """
 
 from __future__ import annotations
