@@ -6,14 +6,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all bench bench-scaling bench-compare soak fuzz clean
+
+# What the tests need beside torch (the second list installs without its dependencies).
+TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
+	hypothesis matplotlib mkdocs mkdocs-material mkdocstrings mkdocstrings-python
+TEST_DEPS_NO_DEPS := torchao accelerate huggingface-hub psutil transformers tokenizers regex tqdm
+# The torch releases the packages are tested on (make check-torch-all), and where their
+# environments live (about 5 GB each: PyPI's wheels bring the CUDA libraries).
+TORCH_RANGE := 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
+TORCH_VENVS ?= .torch-venvs
 
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark hypothesis matplotlib \
-		mkdocs mkdocs-material mkdocstrings mkdocstrings-python
-	$(BIN)/pip install -q -c constraints.txt --no-deps torchao accelerate huggingface-hub psutil \
-		transformers tokenizers regex tqdm
+	$(BIN)/pip install -q -c constraints.txt torch $(TEST_DEPS)
+	$(BIN)/pip install -q -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS)
 	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 	touch $(STAMP)
@@ -67,6 +74,18 @@ gpu-wheels: $(STAMP)
 	rm -rf .whl .gpu-site
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl \
 		packages/core packages/tp_adapter packages/legacy_fsdp_compat packages/tools
+
+# The test suite on another torch release, in its own environment under $(TORCH_VENVS)/:
+# `make check-torch TORCH=2.15.0` (PYTEST_ARGS="tests/core -x" narrows the run).
+check-torch:
+	@test -n "$(TORCH)" || { echo "usage: make check-torch TORCH=2.15.0"; exit 2; }
+	$(PY) scripts/check_torch.py $(TORCH) --venvs $(TORCH_VENVS) --deps "$(TEST_DEPS)" \
+		--no-deps "$(TEST_DEPS_NO_DEPS)" -- $(PYTEST_ARGS)
+
+# Every release of the range, one after the other (about 10 minutes each), then a table.
+check-torch-all:
+	$(PY) scripts/check_torch.py $(TORCH_RANGE) --venvs $(TORCH_VENVS) --deps "$(TEST_DEPS)" \
+		--no-deps "$(TEST_DEPS_NO_DEPS)" -- $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \

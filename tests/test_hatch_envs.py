@@ -52,8 +52,8 @@ def _assert_pip_under_constraints(name: str, env: dict[str, Any]) -> None:
 def test_environments_that_install_torch_use_pip_under_constraints(
     envs: dict[str, dict[str, Any]],
 ) -> None:
-    # The workspace members depend on torch>=2.13,<2.14: only pip with constraints.txt and the
-    # machine's find-links picks the CPU wheel. Any other installer would pull CUDA wheels.
+    # The workspace members depend on torch>=2.10: only pip with constraints.txt (2.13.0) and
+    # the machine's find-links picks the CPU wheel. Any other installer would pull CUDA wheels.
     with_members = sorted(name for name, env in envs.items() if env.get("workspace"))
     assert with_members == sorted(MEMBER_ENVS)
     for name in with_members:

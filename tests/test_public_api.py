@@ -7,6 +7,8 @@ import inspect
 
 import pytest
 
+from tests.core.torch_releases import added_under, torch_has
+
 EXPECTED = {
     "shardkit.core": [
         "AllGatherHookError",
@@ -21,6 +23,7 @@ EXPECTED = {
         "DesyncError",
         "FSDPModule",
         "FullyShardUsageError",
+        "GradientReductionHandle",
         "IncompleteCheckpointError",
         "InvalidShardDimError",
         "MixedPrecisionPolicy",
@@ -32,6 +35,7 @@ EXPECTED = {
         "StateTransitionEvent",
         "UnevenShardingError",
         "UnshardHandle",
+        "UntestedTorchWarning",
         "UnsupportedCopyError",
         "UnsupportedWithHooksError",
         "__version__",
@@ -185,12 +189,19 @@ def test_drop_in_for_torch_fully_shard() -> None:
         "register_fsdp_forward_method",
     ]:
         assert hasattr(ours, name), name
-    theirs_params = inspect.signature(torch_fsdp.fully_shard).parameters
-    ours_params = inspect.signature(ours.fully_shard).parameters
-    assert list(ours_params) == list(theirs_params)
+    # torch's parameters and fields, then any a newer torch added (shardkit has those of the
+    # newest tested torch on every release).
+    theirs_params = list(inspect.signature(torch_fsdp.fully_shard).parameters)
+    ours_params = list(inspect.signature(ours.fully_shard).parameters)
+    assert ours_params[: len(theirs_params)] == theirs_params
+    assert set(ours_params[len(theirs_params) :]) <= set(added_under("fully_shard"))
     for policy in ["MixedPrecisionPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]:
+        if not torch_has(policy):
+            continue
         their_fields = set(getattr(torch_fsdp, policy).__dataclass_fields__)
-        assert set(getattr(ours, policy).__dataclass_fields__) == their_fields
+        our_fields = set(getattr(ours, policy).__dataclass_fields__)
+        assert their_fields <= our_fields
+        assert our_fields - their_fields <= set(added_under(policy)), policy
     methods = [
         "unshard", "reshard", "reset_iter_state", "set_is_last_backward",
         "set_requires_gradient_sync", "set_requires_all_reduce", "set_reshard_after_forward",
@@ -201,7 +212,8 @@ def test_drop_in_for_torch_fully_shard() -> None:
         "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
         "set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter",
         "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
+        "finalize_backward", "set_keep_unsharded_storage", "set_manual_backward_finalization",
     ]  # fmt: skip
     for method in methods:
         assert hasattr(ours.FSDPModule, method), method
-        assert hasattr(torch_fsdp.FSDPModule, method), method
+        assert hasattr(torch_fsdp.FSDPModule, method) == torch_has(f"FSDPModule.{method}")

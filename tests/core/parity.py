@@ -63,8 +63,7 @@ def make_mesh(run: Run, world_size: int) -> DeviceMesh:
 def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
     """Shard ``model`` the way ``run.wrap`` says."""
     fs = fully_shard_of(impl)
-    kwargs = dict(run.shard_kwargs, mesh=mesh)
-    kwargs = {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
+    kwargs = _policies_for(impl, dict(run.shard_kwargs, mesh=mesh))
     if run.ignored:
         named = dict(model.named_parameters())
         kwargs["ignored_params"] = {named[name] for name in run.ignored}
@@ -75,18 +74,28 @@ def apply(impl: str, model: nn.Module, mesh: DeviceMesh, run: Run) -> None:
     if run.wrap == "grouped":
         # The final norm and the head as one group (one all-gather for both).
         fs([model.ln_f, model.head], **kwargs)
-    fs(model, **dict(kwargs, **run.root_kwargs))
+    fs(model, **dict(kwargs, **_policies_for(impl, run.root_kwargs)))
+
+
+def _policies_for(impl: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    # Torch 2.15's fully_shard calls a private method of its own policy class: give it torch's.
+    return {k: (_policy_for(impl, v) if k.endswith("_policy") else v) for k, v in kwargs.items()}
 
 
 def _policy_for(impl: str, policy: Any) -> Any:
-    """Translate a shardkit policy object into torch's equivalent (same fields)."""
-    if impl == "shardkit":
-        return policy
+    return policy if impl == "shardkit" else torch_policy(policy)
+
+
+def torch_policy(policy: Any) -> Any:
+    """torch's policy object of the same class and field values as shardkit's ``policy``.
+
+    The fields are torch's class's: shardkit's policies have those of the newest tested torch
+    (``param_dtype_override_fn``, 2.15), left at their defaults here.
+    """
     import torch.distributed.fsdp as tfsdp
 
     cls = getattr(tfsdp, type(policy).__name__)
-    fields = {name: getattr(policy, name) for name in policy.__dataclass_fields__}
-    return cls(**fields)
+    return cls(**{name: getattr(policy, name) for name in cls.__dataclass_fields__})
 
 
 def rank_batch(

@@ -11,6 +11,13 @@ import pytest
 from harness.pool import run_on_ranks
 from tests.core.comm_support import AllReduceScatter, CountingAllGather, halve
 from tests.core.parity import Run, assert_parity, train
+from tests.core.torch_releases import torch_has
+
+# The switches torch added after 2.10 (tests.core.torch_releases has their releases).
+_SWITCHES = {
+    "separate_group": "set_separate_reduce_scatter_group",
+    "two_in_flight": "set_reduce_scatter_max_input_buffers",
+}
 
 
 def _body(rank: int, world_size: int, switch: str, hsdp: tuple[int, int] | None) -> Any:
@@ -48,8 +55,10 @@ def _body(rank: int, world_size: int, switch: str, hsdp: tuple[int, int] | None)
 
     parity.apply = apply
     try:
-        # torch's symmetric memory needs NCCL: there ours is checked against the single process.
-        peer = "local" if switch == "symm_mem" else "torch"
+        # torch's symmetric memory needs NCCL: there ours is checked against the single process,
+        # as where the installed torch lacks the switch (2.13 added the last two).
+        torch_lacks = not torch_has(f"FSDPModule.{_SWITCHES.get(switch, '')}")
+        peer = "local" if switch == "symm_mem" or torch_lacks else "torch"
         run = Run(model="mlp", hsdp=hsdp, impls=("shardkit", peer), steps=4)
         traces = {impl: train(impl, run, rank, world_size) for impl in run.impls}
     finally:
@@ -134,8 +143,9 @@ def _hook_stream_body(rank: int, world_size: int, hsdp: bool) -> dict[str, Any]:
         seen: list[bool] = []
 
         def hook(reduced: Any, stream: Any = stream, seen: list[bool] = seen) -> None:
-            # torch.get_device_module() is the accelerator's module, or torch.cpu without one.
-            seen.append(torch.get_device_module().current_stream() is stream)
+            # The mesh's device module (torch.cpu), not torch.get_device_module(): a CUDA
+            # build of torch 2.15 answers torch.cuda there even with no GPU.
+            seen.append(device_module.current_stream() is stream)
             reduced.mul_(0.5)
 
         try:

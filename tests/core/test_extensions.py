@@ -193,6 +193,8 @@ import importlib.metadata as md
 _entry_points = md.entry_points
 def _without_tp(**selection):
     found = _entry_points(**selection)
+    if not selection:  # every group (triton asks so, in torch's CUDA builds)
+        return found
     return md.EntryPoints(e for e in found if e.dist is None or e.dist.name != "shardkit-tp")
 md.entry_points = _without_tp
 """

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from harness.pool import run_on_ranks
 from shardkit.core.layout import ALIGN_BYTES, ParamSpec, group_layout, pooled_sizes
+from shardkit.core.torch_release import REDUCES_IN_PARAM_DTYPE
 from tests.core import models
 from tests.core.parity import Run, apply
 
@@ -71,7 +72,9 @@ def test_mixed_precision_casts_floats_only_and_picks_the_reduce_dtype() -> None:
     ]
     layout = group_layout(specs, shard_world=4, param_dtype=torch.bfloat16)
     assert [p.comm_dtype for p in layout.params] == [torch.bfloat16, torch.int64]
-    assert layout.reduce_dtype == torch.bfloat16  # the trainable parameters' gather dtype
+    # The trainable parameters' gather dtype; their own from torch 2.15 on (torch's rule).
+    expected = torch.float32 if REDUCES_IN_PARAM_DTYPE else torch.bfloat16
+    assert layout.reduce_dtype == expected
     # 4 bf16 (8 bytes, next slot at 16) + 1 int64 (8 bytes): 24, rounded up to 32.
     assert layout.all_gather_input_bytes == 32
     fp32 = group_layout(

@@ -25,6 +25,7 @@ import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core import torch_patch
 from tests.core.fsdp2_example import Plan, train
+from tests.core.torch_releases import torch_has
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -38,11 +39,15 @@ FSDP2_NAMES = {
     "register_fsdp_forward_method": sk.register_fsdp_forward_method,
     "DataParallelMeshDims": sk.DataParallelMeshDims,
     "share_comm_ctx": sk.share_comm_ctx,
+    "GradientReductionHandle": sk.GradientReductionHandle,
 }
+# The names the installed torch has (DataParallelMeshDims from 2.12, GradientReductionHandle
+# from 2.15): the patch replaces those and adds no other.
+_TORCHS = {name for name in FSDP2_NAMES if torch_has(name)}
 # Where libraries import torch's FSDP2 names, and which of them each module has.
 WHERE = {
-    "torch.distributed.fsdp": set(FSDP2_NAMES),
-    "torch.distributed.fsdp._fully_shard": set(FSDP2_NAMES),
+    "torch.distributed.fsdp": _TORCHS,
+    "torch.distributed.fsdp._fully_shard": _TORCHS,
     "torch.distributed._composable.fsdp": {
         "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
         "OffloadPolicy", "register_fsdp_forward_method",
@@ -204,8 +209,10 @@ def _train(engine: str, **plan: Any) -> dict[str, Any]:
     return results[0]
 
 
+# Where each engine makes its FSDP<Cls> classes (torch: _fully_shard up to 2.10, _fsdp_init
+# from 2.11; the package is the same).
 ENGINE_MODULES = {
-    "torch": "torch.distributed.fsdp._fully_shard._fsdp_init",
+    "torch": "torch.distributed.fsdp._fully_shard.",
     "shardkit": "shardkit.core.api",
 }
 
@@ -215,7 +222,8 @@ def test_the_example_program_patched_trains_as_torch(bf16: bool) -> None:
     runs = {engine: _train(engine, steps=(0, 4), bf16=bf16) for engine in ENGINE_MODULES}
     for engine, run in runs.items():
         # Each engine really ran: its own FSDP<Cls> classes, all 5 modules FSDPModules.
-        assert run["checks"] == {"fsdp_modules": 5, "class_module": ENGINE_MODULES[engine]}
+        assert run["checks"]["fsdp_modules"] == 5
+        assert run["checks"]["class_module"].startswith(ENGINE_MODULES[engine]), run["checks"]
     assert runs["shardkit"]["losses"] == runs["torch"]["losses"]  # bit-identical
     assert runs["torch"]["losses"][-1] < runs["torch"]["losses"][0]
 

@@ -5,10 +5,15 @@ included, so each public function, class and ``FSDPModule`` method must take the
 parameters in the same order, of the same kinds, with the same defaults. Annotations are not
 compared: ours name shardkit's types (or ``Any`` where torch's is a CUDA type) and torch's are
 strings. A parameter shardkit adds must be keyword-only, after all of torch's.
+
+The comparison is with the installed torch, whichever release of the tested range it is:
+shardkit has the newest release's names on every release, and ``torch_releases`` lists those an
+older torch lacks (each must then be missing from torch, and present from its release on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +24,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 
 import shardkit.core
+from tests.core.torch_releases import ADDED_IN, INSTALLED, added_under, torch_has
 
 _FREE_NAMES = [
     "fully_shard",
@@ -28,6 +34,7 @@ _FREE_NAMES = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
 ]
+_NEWER = "torch {} has no {} (torch {}.{} added it)"
 
 # Public callables ours has and torch's FSDPModule does not, each with the reason.
 _OURS_ONLY_METHODS = {
@@ -37,11 +44,23 @@ _OURS_ONLY_METHODS = {
 }
 
 
+def _default(value: Any) -> Any:
+    """A default as compared: a policy is our class on one side and torch's on the other,
+    equal when the class names are and so are the fields set away from their defaults (a
+    field a newer torch added, left at its default, is then no difference)."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return repr(value)
+    changed = {
+        f.name: repr(getattr(value, f.name))
+        for f in dataclasses.fields(value)
+        if getattr(value, f.name) != f.default
+    }
+    return (type(value).__name__, changed)
+
+
 def _params(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
     sig = inspect.signature(fn)
-    # Defaults by repr: a policy default is our class on one side and torch's on the other,
-    # equal when the class name and every field are.
-    return [(p.name, p.kind, repr(p.default)) for p in sig.parameters.values()]
+    return [(p.name, p.kind, _default(p.default)) for p in sig.parameters.values()]
 
 
 def _problems(ours: Callable[..., Any], theirs: Callable[..., Any]) -> list[str]:
@@ -55,15 +74,25 @@ def _problems(ours: Callable[..., Any], theirs: Callable[..., Any]) -> list[str]
     if len(mine) < len(torchs):
         problems.append(f"ours lacks {[t[0] for t in torchs[len(mine) :]]}")
     for name, kind, default in mine[len(torchs) :]:
-        if kind is not inspect.Parameter.KEYWORD_ONLY or default == repr(inspect.Parameter.empty):
+        if kind is not inspect.Parameter.KEYWORD_ONLY or default == _default(
+            inspect.Parameter.empty
+        ):
             problems.append(f"added parameter {name} must be keyword-only with a default")
     return problems
 
 
 @pytest.mark.parametrize("name", _FREE_NAMES)
 def test_functions_and_classes_match_torch(name: str) -> None:
+    if not torch_has(name):
+        pytest.skip(_NEWER.format(torch.__version__, name, *ADDED_IN[name]))
     ours, theirs = getattr(shardkit.core, name), getattr(torch_fsdp, name)
     assert _problems(ours, theirs) == [], name
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ADDED_IN if "." not in n))
+def test_names_of_newer_torches_are_there_from_their_release_on(name: str) -> None:
+    assert hasattr(shardkit.core, name)
+    assert hasattr(torch_fsdp, name) == (ADDED_IN[name] <= INSTALLED), name
 
 
 def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
@@ -77,8 +106,10 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
 def test_fsdp_module_has_torchs_methods_and_no_others() -> None:
     ours = set(_public_methods(shardkit.core.FSDPModule))
     theirs = set(_public_methods(torch_fsdp.FSDPModule))
+    newer = {name for name in added_under("FSDPModule") if not torch_has(f"FSDPModule.{name}")}
     assert sorted(theirs - ours) == []
-    assert sorted(ours - theirs) == sorted(_OURS_ONLY_METHODS)
+    assert sorted(ours - theirs) == sorted({*_OURS_ONLY_METHODS, *newer})
+    assert theirs & newer == set(), "torch_releases.ADDED_IN gives a later release"
 
 
 @pytest.mark.parametrize("name", sorted(_public_methods(torch_fsdp.FSDPModule)))
@@ -100,6 +131,16 @@ def test_unshard_handle_wait_matches_torch() -> None:
         _public_methods(torch_fsdp.UnshardHandle)
     )
     assert _problems(shardkit.core.UnshardHandle.wait, torch_fsdp.UnshardHandle.wait) == []
+
+
+def test_gradient_reduction_handle_wait_matches_torch() -> None:
+    if not torch_has("GradientReductionHandle"):
+        pytest.skip(_NEWER.format(torch.__version__, "GradientReductionHandle", 2, 15))
+    # vars: the torch that mypy reads (constraints.txt's) may be older than 2.15.
+    theirs = vars(torch_fsdp)["GradientReductionHandle"]
+    ours = shardkit.core.GradientReductionHandle
+    assert set(_public_methods(ours)) == set(_public_methods(theirs))
+    assert _problems(ours.wait, theirs.wait) == []
 
 
 def test_policies_take_positional_arguments_as_torchs_do() -> None:

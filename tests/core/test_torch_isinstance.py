@@ -67,7 +67,7 @@ def test_sharded_modules_are_torch_fsdp_modules_with_shardkits_methods() -> None
         assert result["ours"]
         # Every method and attribute torch's class defines is shadowed: none of torch's runs.
         assert result["torchs_own"] == []
-        assert result["checked"] > 25
+        assert result["checked"] > 20  # 22 names on torch 2.10, more on later releases
         assert result["original"]
         assert result["handle"]
         assert result["slice"] == "Sequential"

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.core import models
 from tests.core.parity import full_params, fully_shard_of, global_loss, rank_batch
+from tests.core.torch_releases import torch_has
 
 
 class TwoHeads(nn.Module):
@@ -73,6 +74,10 @@ def test_unused_parameters_get_no_gradient(world_size: int) -> None:
             torch.testing.assert_close(value, result[impl]["params"][name], msg=name)
 
 
+@pytest.mark.skipif(
+    not torch_has("FSDPModule.set_reduce_scatter_unused_params"),
+    reason=f"torch {torch.__version__} has no set_reduce_scatter_unused_params (2.13 added it)",
+)
 def test_unused_parameters_reduced_as_zeros_on_request_match_torch() -> None:
     from harness.pool import run_on_ranks
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from tests.core import models
+from tests.core.torch_releases import INSTALLED
 from tests.legacy.legacy_parity import LegacyRun, lib, rank_batch, wrap_model
 
 ORIG = {"use_orig_params": True}  # FSDP1 summons gradients only with original parameters
@@ -82,6 +83,10 @@ def test_clip_arithmetic_is_fsdp1s_bit_for_bit(norm_type: float) -> None:
     ]
     if norm_type != math.inf:
         grads.append(torch.zeros(0))  # an empty shard (the inf norm of one is an error)
+    if INSTALLED < (2, 11):
+        # torch 2.10's FSDP1 refuses gradients of mixed dtypes (ours takes them, as 2.11's
+        # does): there the arithmetic is compared on the bf16 gradients alone.
+        grads = [g for g in grads if g.dtype == torch.bfloat16]
     params = [nn.Parameter(torch.empty_like(g)) for g in grads]
     for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()

@@ -29,7 +29,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.core.ckpt_helpers import dcp_load_all, dcp_save_all
-from tests.core.parity import fully_shard_of
+from tests.core.parity import fully_shard_of, torch_policy
 from tests.tp import tp_ckpt, tp_models
 from tests.tp.tp_parity import Trace, full_params
 
@@ -128,12 +128,7 @@ def build(impl: str, run: SpmdRun, seed: int = 0) -> tuple[nn.Module, int]:
     shard = fully_shard_of(impl)
     kwargs = dict(run.shard_kwargs, mesh=mesh, dp_mesh_dims=mesh_dims(impl, run))
     if "mp_policy" in kwargs and impl == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        policy = kwargs["mp_policy"]
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            **{name: getattr(policy, name) for name in policy.__dataclass_fields__}
-        )
+        kwargs["mp_policy"] = torch_policy(kwargs["mp_policy"])
     for layer in ("a", "b"):  # then the root, with "c": three groups
         shard(getattr(model, layer), **kwargs)
     shard(model, **kwargs)

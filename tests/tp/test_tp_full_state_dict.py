@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from harness.pool import run_on_ranks
 from shardkit.core import iter_full_state_dict, load_full_state_dict, save_full_state_dict
 from tests.core.ckpt_helpers import model_values
+from tests.core.torch_releases import INSTALLED
 from tests.tp.tp_ckpt import SAVE_AFTER, adamw, build, train
 
 LAYOUTS = [(2, 2), (1, 2, 2), (2, 1, 2)]
@@ -79,6 +80,11 @@ def _dsd_full(rank: int, world_size: int, layout: tuple[int, ...]) -> dict[str, 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["2x2", "1x2x2", "2x1x2"])
 def test_dcp_full_state_dict_options(layout: tuple[int, ...]) -> None:
+    if layout == (2, 1, 2) and INSTALLED < (2, 13):
+        pytest.skip(
+            f"torch {torch.__version__}'s set_model_state_dict(broadcast_from_rank0=True) loads "
+            "inp.weight wrongly on a (2, 1, 2) HSDP x TP mesh, under its own fully_shard too"
+        )
     for rank, result in enumerate(run_on_ranks(4, _dsd_full, layout=layout)):
         for name, value in result["values"].items():
             if rank == 0:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tests.core.parity import fully_shard_of
+from tests.core.parity import fully_shard_of, torch_policy
 from tests.core.prepare import Checkpointed
 from tests.tp import tp_models
 
@@ -79,12 +79,7 @@ def shard_blocks_and_root(
     shard = fully_shard_of(impl)
     kwargs = dict(shard_kwargs, mesh=dp_mesh)
     if "mp_policy" in kwargs and impl != "shardkit":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        policy = kwargs["mp_policy"]
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            **{name: getattr(policy, name) for name in policy.__dataclass_fields__}
-        )
+        kwargs["mp_policy"] = torch_policy(kwargs["mp_policy"])
     for block in getattr(model, "blocks", []):
         shard(block, **kwargs)
     shard(model, **kwargs)

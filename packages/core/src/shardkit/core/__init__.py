@@ -4,7 +4,14 @@
 fully_shard``: same signature, same semantics, our own engine.
 """
 
+# The installed torch is checked before the other imports (hence E402 below), as those are
+# what an untested torch may break: the warning that names the tested range comes first.
+# ruff: noqa: E402
 from shardkit.core.__about__ import __version__
+from shardkit.core.torch_release import UntestedTorchWarning, warn_if_untested
+
+warn_if_untested()
+
 from shardkit.core.api import fully_shard, register_fsdp_forward_method
 from shardkit.core.checkpoint import (
     CheckpointLoadError,
@@ -26,7 +33,7 @@ from shardkit.core.errors import (
     UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
-from shardkit.core.fsdp_module import FSDPModule, UnshardHandle
+from shardkit.core.fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
 from shardkit.core.full_params import full_params
 from shardkit.core.layout import layout_of
 from shardkit.core.observe import (
@@ -64,6 +71,7 @@ __all__ = [
     "DesyncError",
     "FSDPModule",
     "FullyShardUsageError",
+    "GradientReductionHandle",
     "IncompleteCheckpointError",
     "InvalidShardDimError",
     "MixedPrecisionPolicy",
@@ -75,6 +83,7 @@ __all__ = [
     "StateTransitionEvent",
     "UnevenShardingError",
     "UnshardHandle",
+    "UntestedTorchWarning",
     "UnsupportedCopyError",
     "UnsupportedWithHooksError",
     "__version__",

@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from types import MethodType
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.tensor import Shard
 
 from shardkit.core.engine.fsdp_state import FSDPState
@@ -35,6 +34,11 @@ from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, O
 from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
 
+if TYPE_CHECKING:
+    # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py
+    # takes any object with its two fields.
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
+
 __all__ = ["fully_shard", "register_fsdp_forward_method"]
 
 logger = logging.getLogger(__name__)
@@ -43,8 +47,9 @@ _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
 _Placement = Callable[[nn.Parameter], Shard | None] | None
-# Code written for torch passes torch's class; ours has the same fields.
-_MeshDims = DataParallelMeshDims | TorchDataParallelMeshDims | None
+# Code written for torch passes torch's class; ours has the same fields. A string, so that
+# nothing evaluates torch's name where the installed torch lacks it.
+_MeshDims: TypeAlias = "DataParallelMeshDims | TorchDataParallelMeshDims | None"
 
 
 @overload

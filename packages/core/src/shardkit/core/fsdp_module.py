@@ -26,8 +26,9 @@ from shardkit.core.state_dict.validation import (
     shard_full_tensors,
 )
 from shardkit.core.torch_fsdp import TorchUnshardHandle
+from shardkit.core.torch_release import not_in_shardkit
 
-__all__ = ["FSDPModule", "UnshardHandle"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -45,6 +46,18 @@ class UnshardHandle(TorchUnshardHandle):
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
+
+
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's API).
+
+    shardkit finalizes every backward itself, at its end, so the reduction a handle stands for
+    is always finished: ``wait()`` returns at once. A class of shardkit's own, as torch's exists
+    only from 2.15 on; ``patch_torch`` puts it under torch's name where torch has one.
+    """
+
+    def wait(self) -> None:
+        """Nothing to wait for: the gradients were reduced when backward ended."""
 
 
 class FSDPModule:
@@ -104,6 +117,31 @@ class FSDPModule:
         if not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         state.reset_iter_state()
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """False only (torch 2.15's API): every backward finalizes itself at its end.
+
+        Raises:
+            NotImplementedError: ``enabled`` is True.
+        """
+        if enabled:
+            raise not_in_shardkit(
+                "set_manual_backward_finalization(True)",
+                "2.15",
+                "each backward reduces gradients and reshards at its end; to defer reduction "
+                "over several backwards use set_requires_gradient_sync(False) until the last",
+            )
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Nothing is left to finalize (torch 2.15's API): backward finalized itself.
+
+        Manual finalization cannot be turned on (``set_manual_backward_finalization``), and
+        torch's own call is a no-op after an automatically finalized backward.
+
+        Returns:
+            A finished :class:`GradientReductionHandle` with ``async_op=True``, else None.
+        """
+        return GradientReductionHandle() if async_op else None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves gradient reductions to a later one (microbatches)."""
@@ -229,6 +267,20 @@ class FSDPModule:
         """
         if backend != "NCCL":
             raise ValueError(f"only the NCCL symmetric memory backend exists, got {backend!r}")
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """False only (torch 2.15's API): a reshard frees the full parameters' storage.
+
+        Raises:
+            NotImplementedError: ``keep`` is True (torch keeps the storage for CUDA graphs).
+        """
+        if keep:
+            raise not_in_shardkit(
+                "set_keep_unsharded_storage(True)",
+                "2.15",
+                f"{type(self).__name__}'s full parameters are freed on every reshard; "
+                "set_reshard_after_forward(False) keeps them between forward and backward",
+            )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether full parameters are freed after forward."""

@@ -6,9 +6,14 @@ These mirror ``torch.distributed.fsdp``'s policies field for field, so code writ
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from shardkit.core.torch_release import not_in_shardkit
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
@@ -35,7 +40,21 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     """Whether floating-point forward inputs are cast to ``param_dtype``."""
 
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = (
+        dataclasses.field(default=None, kw_only=True)
+    )
+    """torch 2.15's per-parameter ``param_dtype``: not implemented, only None is accepted
+    (a group's parameters are gathered in one dtype)."""
+
     def __post_init__(self) -> None:
+        if self.param_dtype_override_fn is not None:
+            raise not_in_shardkit(
+                "MixedPrecisionPolicy(param_dtype_override_fn=...)",
+                "2.15",
+                "a group's floating-point parameters are all gathered in param_dtype; keep a "
+                "parameter in its own dtype by sharding its module in a fully_shard call of "
+                "its own with another MixedPrecisionPolicy",
+            )
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):

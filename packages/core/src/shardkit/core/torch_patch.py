@@ -65,12 +65,14 @@ def core_replacements() -> dict[str, dict[str, object]]:
     """Shardkit's FSDP2 objects under torch's names, in each of :data:`FSDP2_MODULES`.
 
     A module gets only the names it has (``torch.distributed._composable.fsdp`` has no
-    ``UnshardHandle``, say), so the patch never adds a name torch does not define there.
+    ``UnshardHandle``, say; torch 2.11 has no ``DataParallelMeshDims``, 2.14 no
+    ``GradientReductionHandle``), so the patch never adds a name torch does not define there.
     """
     from shardkit.core import (
         CPUOffloadPolicy,
         DataParallelMeshDims,
         FSDPModule,
+        GradientReductionHandle,
         MixedPrecisionPolicy,
         OffloadPolicy,
         UnshardHandle,
@@ -83,6 +85,7 @@ def core_replacements() -> dict[str, dict[str, object]]:
         "CPUOffloadPolicy": CPUOffloadPolicy,
         "DataParallelMeshDims": DataParallelMeshDims,
         "FSDPModule": FSDPModule,
+        "GradientReductionHandle": GradientReductionHandle,
         "MixedPrecisionPolicy": MixedPrecisionPolicy,
         "OffloadPolicy": OffloadPolicy,
         "UnshardHandle": UnshardHandle,
@@ -107,7 +110,8 @@ def patch_torch() -> None:
 
     ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, ``CPUOffloadPolicy``,
     ``OffloadPolicy``, ``UnshardHandle``, ``register_fsdp_forward_method``,
-    ``DataParallelMeshDims`` and ``share_comm_ctx`` in :data:`FSDP2_MODULES`, plus what the
+    ``DataParallelMeshDims``, ``share_comm_ctx`` and ``GradientReductionHandle`` in
+    :data:`FSDP2_MODULES` (those of them the installed torch has), plus what the
     packages registered under :data:`ENTRY_POINT_GROUP` add (FSDP1's names, with
     shardkit-legacy installed).
 

@@ -72,9 +72,11 @@ def core_args(
     every unit's), so the core casts none; buffers and low-precision gradients too.
     """
     mp = mixed_precision
+    # FSDP1 reduces in param_dtype when reduce_dtype is None, on every torch release; FSDP2's
+    # None means the parameters' own dtype from torch 2.15 on, so it is never passed on.
     policy = MixedPrecisionPolicy(
         param_dtype=mp.param_dtype if mp is not None else None,
-        reduce_dtype=mp.reduce_dtype if mp is not None else None,
+        reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if mp is not None else None,
         cast_forward_inputs=False,
     )
     offload = cpu_offload is not None and cpu_offload.offload_params

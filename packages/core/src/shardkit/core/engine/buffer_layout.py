@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from shardkit.core.runtime.buffers import ALIGN_BYTES, FlatLayout, ShardGeometry, shard_geometry
+from shardkit.core.torch_release import REDUCES_IN_PARAM_DTYPE
 
 __all__ = [
     "ALIGN_BYTES",
@@ -302,6 +303,10 @@ def _reduce_dtype(
 ) -> torch.dtype:
     if reduce_dtype is not None:
         return reduce_dtype
+    if REDUCES_IN_PARAM_DTYPE:
+        # As torch's reduce_dtype=None does from 2.15 on: gradients reduce in their
+        # parameters' own dtype (fp32 parameters computed in bf16 reduce in fp32).
+        comm_dtypes = [s.dtype for s in specs]
     trained = {d for s, d in zip(specs, comm_dtypes, strict=True) if s.requires_grad}
     if len(trained) > 1:
         names = ", ".join(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from shardkit.core import observe
 from shardkit.core.runtime import desync
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
+from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
 from shardkit.core.runtime.groups import cpu_world, fingerprint_group
 from shardkit.core.runtime.handles import DoneHandle, GatherHandle, SumRowsHandle, WorkHandle
 from shardkit.core.runtime.hang import ensure_watching
@@ -37,7 +38,6 @@ __all__ = [
     "ranks_where",
     "scatter_from_first",
 ]
-
 
 # Point-to-point tags: gathers and reductions in flight to the same peer never cross. With
 # desync checks, each collective's tag is derived from its fingerprint instead.
@@ -181,7 +181,7 @@ class ProcessGroupRuntime:
             )
         if not _uses_gloo(group):
             buffer = self.pool.get(size * nbytes, input.device)
-            work = dist.all_gather_single(buffer, input, group=group, async_op=True)
+            work = all_gather_single(buffer, input, group=group, async_op=True)
             native = [RowBlock(0, buffer.view(size, nbytes))]
             return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)
         buffer = self.pool.get((size - 1) * nbytes, input.device)
@@ -258,7 +258,7 @@ class ProcessGroupRuntime:
         if gloo:
             return self._reduce_scatter_by_exchange(output, input, group, tag)
         return WorkHandle(
-            dist.reduce_scatter_single(
+            reduce_scatter_single(
                 output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
             )
         )
@@ -400,7 +400,7 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks whose ``flag`` is True (every rank of the world must call it)."""
     flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
     mine = torch.tensor([int(flag)], dtype=torch.uint8)
-    dist.all_gather_into_tensor(flags, mine)
+    all_gather_single(flags, mine)
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
@@ -434,12 +434,12 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> 
     group = group if group is not None else cpu_world()
     world = group.size()
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
     longest = int(sizes.max().item())
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     rows = torch.empty(world, longest, dtype=torch.uint8)
     if longest:
-        dist.all_gather_single(rows.view(-1), mine, group=group)
+        all_gather_single(rows.view(-1), mine, group=group)
     return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]

@@ -1,0 +1,112 @@
+"""One shardkit on every torch release of the tested range: the warning outside it, and the
+names of torch releases newer than the installed one (implemented, or refused by name)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import shardkit.core as sk
+from harness.pool import run_on_ranks
+from shardkit.core import torch_release
+from shardkit.core.engine import buffer_layout as group_layout_module
+from shardkit.core.engine.buffer_layout import ParamSpec, group_layout
+from shardkit.core.torch_release import UntestedTorchWarning, release_of, warn_if_untested
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("2.13.0+cpu", (2, 13)), ("2.16.0.dev20261201+cu130", (2, 16)), ("2.10.0", (2, 10))],
+)
+def test_release_of_a_version_string(version: str, release: tuple[int, int]) -> None:
+    assert release_of(version) == release
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.11.0+cu130", "2.13.0+cpu", "2.15.1"])
+def test_no_warning_inside_the_tested_range(version: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_untested(version)
+
+
+@pytest.mark.parametrize(("version", "side"), [("2.16.0", "newer"), ("2.9.1", "older")])
+def test_a_warning_names_the_tested_range_outside_it(version: str, side: str) -> None:
+    with pytest.warns(UntestedTorchWarning) as caught:
+        warn_if_untested(version)
+    message = str(caught[0].message)
+    assert "tested on torch 2.10 to 2.15" in message
+    assert f"torch {version} is {side}" in message
+
+
+def test_the_installed_torch_imports_shardkit_without_a_warning() -> None:
+    # A fresh interpreter: the import-time check runs once per process.
+    code = "import warnings; warnings.simplefilter('error'); import shardkit.core"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_refusals_name_the_feature_and_the_release() -> None:
+    missing = torch_release.not_in_shardkit("X(True)", "2.15", "it does Y")
+    assert str(missing) == "X(True) (torch 2.15's FSDP2) is not implemented by shardkit: it does Y"
+
+
+def test_param_dtype_override_fn_is_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match=r"param_dtype_override_fn.*torch 2\.15"):
+        sk.MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=lambda p: None)
+    assert sk.MixedPrecisionPolicy(param_dtype_override_fn=None).param_dtype is None
+
+
+def _backward_finalization_body(rank: int, world_size: int) -> dict[str, Any]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for layer in model:
+        sk.fully_shard(layer, mesh=init_device_mesh("cpu", (world_size,)))
+    root = sk.fully_shard(model)
+    refused = []
+    for method in (root.set_manual_backward_finalization, root.set_keep_unsharded_storage):
+        try:
+            method(True)
+        except NotImplementedError as error:
+            refused.append(str(error))
+    root.set_manual_backward_finalization(False)
+    root.set_keep_unsharded_storage(False, recurse=False)
+    model(torch.ones(3, 4)).sum().backward()
+    handle = root.finalize_backward(async_op=True)
+    assert isinstance(handle, sk.GradientReductionHandle)
+    handle.wait()
+    return {
+        "refused": refused,
+        "sync": root.finalize_backward(),
+        "grads": [p.grad is not None for p in model.parameters()],
+    }
+
+
+def test_backward_finalization_of_torch_2_15() -> None:
+    for result in run_on_ranks(2, _backward_finalization_body):
+        manual, keep = result["refused"]
+        assert manual.startswith("set_manual_backward_finalization(True) (torch 2.15's FSDP2)")
+        assert keep.startswith("set_keep_unsharded_storage(True) (torch 2.15's FSDP2)")
+        assert result["sync"] is None and all(result["grads"])
+
+
+@pytest.mark.parametrize(
+    ("from_2_15", "reduced_in"), [(False, torch.bfloat16), (True, torch.float32)]
+)
+def test_reduce_dtype_none_follows_the_installed_torchs_rule(
+    monkeypatch: pytest.MonkeyPatch, from_2_15: bool, reduced_in: torch.dtype
+) -> None:
+    # torch 2.10-2.14 reduce in param_dtype, 2.15 in the parameters' own dtype.
+    monkeypatch.setattr(group_layout_module, "REDUCES_IN_PARAM_DTYPE", from_2_15)
+    spec = ParamSpec(fqn="w", shape=(4, 4), dtype=torch.float32)
+    layout = group_layout([spec], shard_world=2, param_dtype=torch.bfloat16)
+    assert layout.reduce_dtype == reduced_in
+    fixed = group_layout(
+        [spec], shard_world=2, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+    )
+    assert fixed.reduce_dtype == torch.bfloat16
