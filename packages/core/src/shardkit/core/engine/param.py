@@ -292,7 +292,8 @@ class FSDPParam:
 
         Users freeze and unfreeze parameters between steps (fine-tuning schedules) on the
         parameters they see, the sharded ones; the engine follows at each unshard. A trainable
-        parameter's gradient hook calls ``on_grad_ready`` (added once, on first need).
+        parameter's gradient hook calls ``on_grad_ready`` (added once, on first need; a bound
+        method, held weakly: see ``_weakly``).
         """
         param = self.unsharded_param
         assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
@@ -300,7 +301,7 @@ class FSDPParam:
         if param.requires_grad != wanted:
             param.requires_grad_(wanted)
         if wanted and not self._grad_hook_added:
-            param.register_post_accumulate_grad_hook(on_grad_ready)
+            param.register_post_accumulate_grad_hook(_weakly(on_grad_ready))
             self._grad_hook_added = True
 
     def register(self, unsharded: bool) -> None:
@@ -342,3 +343,21 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"
+
+
+def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that calls the bound ``method`` while its object lives.
+
+    torch keeps a post-accumulate-grad hook on the tensor's C++ side, out of the garbage
+    collector's sight: a hook that held its group (which holds this parameter) would be a
+    cycle never collected, and every sharded model, shards and all, would live as long as the
+    process.
+    """
+    ref = weakref.WeakMethod(method)  # its object is held weakly
+
+    def hook(tensor: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(tensor)
+
+    return hook

@@ -361,9 +361,14 @@ class FSDPParamGroup:
     def _register(self, *, unsharded: bool) -> None:
         for p in self.params:
             if unsharded:
-                p.follow_requires_grad(self._grad_hook)
+                p.follow_requires_grad(self._grad_ready)
             p.register(unsharded)
         self.registered_unsharded = unsharded
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        # The parameters' hooks call this bound method (held weakly, so a dropped model is
+        # freed), and through it whatever hook the root's latest attach gave the group.
+        self._grad_hook(param)
 
     @property
     def trainable(self) -> list[FSDPParam]:

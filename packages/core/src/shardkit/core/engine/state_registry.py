@@ -16,18 +16,26 @@ if TYPE_CHECKING:
 
 __all__ = ["is_managed", "register_state", "state_of", "states_under"]
 
-# Weak keys: a sharded module that the user drops takes its state with it.
-_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+# Weak both ways, so that a sharded module the user drops takes its state (and its groups'
+# buffers) with it. The module keeps its state alive through the hooks it registered (bound
+# methods), and the state refers to its modules: a strong value here would refer to its own
+# key, and no sharded module, nor its shards, would ever be freed in this process.
+_STATES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]] = weakref.WeakKeyDictionary()
 
 
 def register_state(module: nn.Module, state: FSDPState) -> None:
-    """Record that ``state`` manages ``module``."""
-    _STATES[module] = state
+    """Record that ``state`` manages ``module`` (``module`` must hold ``state`` alive)."""
+    _STATES[module] = weakref.ref(state)
+
+
+def _lookup(module: nn.Module) -> FSDPState | None:
+    ref = _STATES.get(module)
+    return None if ref is None else ref()
 
 
 def is_managed(module: nn.Module) -> bool:
     """Whether a ``fully_shard`` call manages ``module`` itself."""
-    return module in _STATES
+    return _lookup(module) is not None
 
 
 def state_of(module: nn.Module) -> FSDPState:
@@ -36,7 +44,7 @@ def state_of(module: nn.Module) -> FSDPState:
     Raises:
         RuntimeError: ``module`` is not managed by shardkit's ``fully_shard``.
     """
-    state = _STATES.get(module)
+    state = _lookup(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
     return state
@@ -46,7 +54,7 @@ def states_under(module: nn.Module) -> list[FSDPState]:
     """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
     seen: dict[int, FSDPState] = {}
     for sub in module.modules():
-        state = _STATES.get(sub)
+        state = _lookup(sub)
         if state is not None:
             seen.setdefault(id(state), state)
     return list(seen.values())
