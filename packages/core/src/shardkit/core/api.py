@@ -137,6 +137,17 @@ def fully_shard(
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
 
 
+def _state(module: nn.Module) -> FSDPState | None:
+    """The state of the ``fully_shard`` call that manages ``module`` itself, else None."""
+    return state_of(module) if is_managed(module) else None
+
+
+# torch's fully_shard carries ``fully_shard.state(module)`` (its composable-API decorator adds
+# it); code and tests written for torch read the state through it. Set by name: a type checker
+# does not let a function, overloaded at that, grow an attribute.
+setattr(fully_shard, "state", _state)  # noqa: B010
+
+
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
     for m in modules:
         name = type(m).__name__

@@ -1,0 +1,295 @@
+"""Torch's own FSDP2 test files, run on torch's ``fully_shard`` and then on shardkit's.
+
+    python scripts/torch_fsdp2_tests.py --tests .torch-tests/files [--python PY] [FILE ...]
+
+torch's tests (``test/distributed/_composable/fsdp/test_fully_shard_*.py`` in the pytorch
+repository) are not in the wheels, and this repository does not carry them: put copies in a
+folder of your own (``.torch-tests/`` is ignored by git) and name it with ``--tests``.
+
+Each file runs under pytest twice, in a fresh interpreter each time:
+
+- ``torch``: torch's own ``fully_shard``. The baseline: what passes on this machine at all (most
+  of these tests need CUDA and skip on a CPU).
+- ``shardkit``: the same, after :func:`shardkit.core.patch_torch`, so that the tests'
+  ``from torch.distributed.fsdp import fully_shard`` gets shardkit's.
+
+The patch must come before the test module imports torch's names, and before those of the
+worker processes torch's multi-process tests spawn (they import the test module afresh and never
+see a pytest plugin). So the runner puts a generated ``sitecustomize.py`` on ``PYTHONPATH``,
+which every interpreter of the run imports at start-up: it calls :func:`activate` here, which
+patches in ``shardkit`` mode and, at exit, records how many FSDP classes each engine made (the
+proof that the tests ran on the engine the mode names; shardkit's classes also subclass torch's
+``FSDPModule``, so they are counted apart).
+
+Per file it prints the tests collected and passed/failed/skipped on each engine, then every test
+that passes on torch and fails on shardkit with the first line of its error. ``--json PATH``
+writes all outcomes. The python given with ``--python`` needs pytest and expecttest (which
+``torch.testing._internal`` imports); ``--site DIR`` adds a folder of such packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import enum
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_SRC = [
+    ROOT / "packages" / p / "src" for p in ("core", "tools", "tp_adapter", "legacy_fsdp_compat")
+]
+MODES = ("torch", "shardkit")
+MODE_ENV = "SHARDKIT_TORCH_TESTS_MODE"
+COUNT_ENV = "SHARDKIT_TORCH_TESTS_COUNTS"
+
+# Imported by every interpreter of a run (pytest and the workers it spawns); kept to an import
+# so that the logic stays here, typed and tested by use.
+_SITECUSTOMIZE = """\
+import sys
+sys.path.insert(0, {scripts!r})
+import torch_fsdp2_tests
+torch_fsdp2_tests.activate()
+"""
+
+
+class _HardwareClassification(enum.Enum):
+    """Stand-in for the marker newer ``torch.testing`` has: test files from torch's main use it
+    as a class attribute, so without it they fail to import on older releases, on both engines.
+    """
+
+    GENERIC = "generic"
+    ACCELERATOR = "accelerator"
+
+
+def _add_missing_test_names() -> None:
+    import torch.testing._internal.common_utils as common_utils
+
+    if not hasattr(common_utils, "HardwareClassification"):
+        common_utils.HardwareClassification = _HardwareClassification  # type: ignore[attr-defined]
+
+
+def _fsdp_class_counts() -> dict[str, int]:
+    """FSDP classes made so far: shardkit's, and torch's that are not shardkit's."""
+    from torch.distributed.fsdp import _fully_shard as torch_fsdp
+
+    def subclasses(cls: type) -> set[type]:
+        out: set[type] = set()
+        todo = [cls]
+        while todo:
+            sub: type
+            for sub in todo.pop().__subclasses__():
+                if sub not in out:
+                    out.add(sub)
+                    todo.append(sub)
+        return out
+
+    torch_classes = subclasses(torch_fsdp.FSDPModule)
+    counts = {"torch": 0, "shardkit": 0}
+    if "shardkit.core" in sys.modules:
+        from shardkit.core import FSDPModule as ShardkitFSDPModule
+
+        ours = subclasses(ShardkitFSDPModule)
+        counts["shardkit"] = len(ours)
+        torch_classes -= ours
+    # fully_shard names its classes FSDP<module class>; other subclasses of torch's FSDPModule
+    # (shardkit's TorchFacing, torch's replicate) are defined, not made by a call.
+    counts["torch"] = sum(
+        1
+        for c in torch_classes
+        if c.__name__.startswith("FSDP") and not c.__module__.startswith("shardkit")
+    )
+    return counts
+
+
+def _write_counts(path: str) -> None:
+    try:
+        counts = _fsdp_class_counts()
+    except Exception as exc:  # at exit, a failure to count must not mask the test's outcome
+        counts = {"error": 1}
+        print(f"torch_fsdp2_tests: counting FSDP classes failed: {exc!r}", file=sys.stderr)
+    if counts.get("torch", 0) or counts.get("shardkit", 0) or "error" in counts:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"pid": os.getpid(), **counts}) + "\n")
+
+
+def activate() -> None:
+    """Set this interpreter up for the mode in ``$SHARDKIT_TORCH_TESTS_MODE`` (at start-up)."""
+    mode = os.environ.get(MODE_ENV)
+    if mode not in MODES:
+        return
+    _add_missing_test_names()
+    if mode == "shardkit":
+        from shardkit.core import patch_torch
+
+        patch_torch()
+    counts_path = os.environ.get(COUNT_ENV)
+    if counts_path:
+        atexit.register(_write_counts, counts_path)
+
+
+@dataclass
+class Run:
+    """One file on one engine."""
+
+    outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed/failed/skipped
+    messages: dict[str, str] = field(default_factory=dict)  # test id -> first line of error
+    classes: dict[str, int] = field(default_factory=dict)  # engine -> FSDP classes made
+    note: str = ""  # why there are no outcomes (a timeout, a crash)
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for o in self.outcomes.values() if o == outcome)
+
+
+_ERROR_LINE = re.compile(r"^E\s+([\w.]+(Error|Exception|Exit)\b.*)$")
+
+
+def _error_line(text: str) -> str:
+    """The error a failure reports. Multi-thread tests wrap each rank's error in a
+    ``RuntimeError: Thread N exited with exception:``, which says nothing: the last other
+    ``E   SomeError: ...`` line of pytest's report is the cause.
+    """
+    found = [
+        m.group(1)
+        for m in map(_ERROR_LINE.match, text.splitlines())
+        if m and "exited with exception" not in m.group(1)
+    ]
+    if found:
+        return found[-1]
+    lines = text.strip().splitlines()
+    return lines[0] if lines else "failed"
+
+
+def _read_junit(path: Path, run: Run) -> None:
+    for case in ET.parse(path).iter("testcase"):
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+                message = _error_line(child.text or child.get("message") or child.tag)
+            elif child.tag == "skipped":
+                outcome = "skipped"
+                message = child.get("message", "")
+        if test_id in run.outcomes and outcome == "passed":
+            continue  # a teardown error is a second entry: keep the failure
+        run.outcomes[test_id] = outcome
+        if message:
+            run.messages[test_id] = message
+
+
+def run_file(python: str, test_file: Path, mode: str, site: list[Path], timeout: int) -> Run:
+    run = Run()
+    with tempfile.TemporaryDirectory(prefix="torch-fsdp2-") as tmp:
+        hook = Path(tmp) / "hook"
+        hook.mkdir()
+        scripts = str(Path(__file__).resolve().parent)
+        (hook / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(scripts=scripts))
+        junit, counts = Path(tmp) / "junit.xml", Path(tmp) / "counts.jsonl"
+        paths = [str(hook), *map(str, PACKAGE_SRC), *map(str, site)]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(paths),
+            MODE_ENV: mode,
+            COUNT_ENV: str(counts),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        args = [
+            python,
+            "-m",
+            "pytest",
+            str(test_file),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            # the repository's pytest settings (markers, -m 'not slow') are not torch's
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(test_file.parent),
+            f"--junitxml={junit}",
+        ]
+        try:
+            proc = subprocess.run(
+                args, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            run.note = f"timed out after {timeout} s"
+        else:
+            if not junit.exists():
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+                run.note = f"pytest exited {proc.returncode}: " + " | ".join(tail)
+        if junit.exists():
+            _read_junit(junit, run)
+        if counts.exists():
+            for line in counts.read_text().splitlines():
+                for engine, n in json.loads(line).items():
+                    if engine != "pid":
+                        run.classes[engine] = run.classes.get(engine, 0) + n
+    return run
+
+
+def _summary(run: Run) -> str:
+    if run.note and not run.outcomes:
+        return run.note
+    return f"{run.count('passed')}/{run.count('failed')}/{run.count('skipped')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", help="test file names in --tests (default: all)")
+    parser.add_argument("--tests", type=Path, required=True, help="folder of torch's test files")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with torch")
+    parser.add_argument("--site", type=Path, action="append", default=[], help="extra packages")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per file and engine")
+    parser.add_argument("--json", type=Path, help="write every outcome here")
+    args = parser.parse_args(argv)
+
+    names = args.files or sorted(p.name for p in args.tests.glob("test_fully_shard*.py"))
+    results: dict[str, dict[str, Run]] = {}
+    print(f"{'file':44} {'tests':>5}  torch p/f/s   shardkit p/f/s   classes t|s", flush=True)
+    for name in names:
+        results[name] = {
+            m: run_file(args.python, args.tests / name, m, args.site, args.timeout) for m in MODES
+        }
+        torch_run, ours = results[name]["torch"], results[name]["shardkit"]
+        made = f"{torch_run.classes.get('torch', 0)}|{ours.classes.get('shardkit', 0)}"
+        if ours.classes.get("torch", 0) or torch_run.classes.get("shardkit", 0):
+            made += " (engine leak!)"
+        print(
+            f"{name:44} {len(torch_run.outcomes):>5}  {_summary(torch_run):11}   "
+            f"{_summary(ours):14}   {made}",
+            flush=True,
+        )
+    print("\npass on torch, fail on shardkit:")
+    for name, runs in results.items():
+        for test_id, outcome in runs["torch"].outcomes.items():
+            if outcome == "passed" and runs["shardkit"].outcomes.get(test_id) != "passed":
+                message = runs["shardkit"].messages.get(test_id, runs["shardkit"].note)
+                print(f"  {name}::{test_id.rsplit('.', 1)[-1]}\n      {message[:200]}")
+    if args.json:
+        payload = {
+            name: {
+                mode: {
+                    "outcomes": run.outcomes,
+                    "messages": run.messages,
+                    "classes": run.classes,
+                    "note": run.note,
+                }
+                for mode, run in runs.items()
+            }
+            for name, runs in results.items()
+        }
+        args.json.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
