@@ -12,24 +12,20 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardkit.core
+from tests.core.fake_group import fake_mesh
 
 WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield init_device_mesh("cpu", (WORLD,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh(WORLD) as mesh:
+        yield mesh
 
 
 class _Scalar(nn.Module):

@@ -11,25 +11,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardkit.core
 from shardkit.core.engine.fsdp_state import FSDPState
+from tests.core.fake_group import fake_mesh
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield init_device_mesh("cpu", (WORLD,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh(WORLD) as mesh:
+        yield mesh
 
 
 def _states(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:

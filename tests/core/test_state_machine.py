@@ -10,24 +10,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardkit.core import StateTransitionEvent, fully_shard, subscribe
 from shardkit.core.engine.state_machines import ShardedState, TrainingState
 from shardkit.core.engine.state_registry import state_of
 from tests.core import models
+from tests.core.fake_group import fake_mesh
 from tests.core.recording_runtime import RecordingRuntime
 
 
 @pytest.fixture
 def fake_world() -> Iterator[Any]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh(2) as mesh:
+        yield mesh
 
 
 def _sharded_mlp(mesh: Any) -> Any:
