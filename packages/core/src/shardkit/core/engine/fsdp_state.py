@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from shardkit.core import observe
 from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.forward_io import cast_floats, move_to
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.param import FSDPParam
@@ -166,14 +167,14 @@ class FSDPState:
             if self.is_root:
                 self._root_pre_forward()
                 if is_accelerator(self.device):
-                    args, kwargs = _move_to(args, kwargs, self.device)
+                    args, kwargs = move_to(args, kwargs, self.device)
             if group is not None:
                 self._group_pre_forward(group, module)
                 if torch.is_grad_enabled() and len(group.trainable) < len(group.params):
                     assert self.ctx is not None
                     args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     def _in_local_forward(self) -> bool:
@@ -226,7 +227,7 @@ class FSDPState:
             # The root's output hook queues the end-of-backward callback, which takes this
             # group's gradients: no hook on this output.
             if self.mp_policy.output_dtype is not None:
-                output = _cast_floats(output, self.mp_policy.output_dtype)
+                output = cast_floats(output, self.mp_policy.output_dtype)
             return output
         if group is not None:
             self._forward_pending.discard(id(module))
@@ -234,7 +235,7 @@ class FSDPState:
                 self._group_post_forward(group)
         output = self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            output = cast_floats(output, self.mp_policy.output_dtype)
         if self.is_root:
             self._root_post_forward()
         return output
@@ -400,22 +401,6 @@ def _stays_unsharded(group: FSDPParamGroup) -> bool:
     reshards it, and a forward without gradients reshards it as any group.
     """
     return group.storage.aliases_shards and torch.is_grad_enabled()
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() else t
-
-    return pytree.tree_map_only(torch.Tensor, cast, tree)
-
-
-def _move_to(
-    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    moved: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
-    )
-    return moved
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
