@@ -83,6 +83,9 @@ def _accelerate_job(state_dict_type: str, optimizer_first: bool, folder: Path) -
         before = [step() for _ in range(STEPS_BEFORE_SAVE)]
         out: dict[str, Any] = {"wrapper": type(model).__module__, "before": before}
         accelerator.save_state(str(folder))
+        # Accelerate returns from save_state without a barrier: on a FULL state dict, rank 0
+        # may still be writing optimizer.bin while rank 1 lists the folder.
+        torch.distributed.barrier()
         out["files"] = sorted(path.name for path in folder.iterdir())
         data_at_save = batches.get_state()
         out["after"] = [step() for _ in range(STEPS_AFTER_SAVE)]
