@@ -64,7 +64,7 @@ class OpCounter:
             loss = model(batch).sum()
             loss.backward()
             optimizer.step()
-        print(ops.total, ops.launches, ops.top(5))
+        logger.info("%d ops, %d launches; most: %s", ops.total, ops.launches, ops.top(5))
 
     Counts add up over every ``with`` block of one counter. Operators that a custom operator
     runs inside its own kernel are not seen (one count for the custom operator), as on a GPU
