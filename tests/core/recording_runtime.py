@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import CustomComm, RowBlock
+from shardkit.core.runtime.reduction import SUM, Reduction
 
 
 @dataclass
@@ -58,13 +59,22 @@ class RecordingRuntime:
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        op: Reduction = SUM,
     ) -> _Done:
         self.calls.append(("reduce_scatter", label, input.numel() * input.element_size()))
         output.copy_(input[group.rank()] * group.size())
+        op.finish_sum(output, group.size())
         return _Done()
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        op: Reduction = SUM,
     ) -> _Done:
         self.calls.append(("all_reduce", label, tensor.numel() * tensor.element_size()))
+        tensor.mul_(group.size())
+        op.finish_sum(tensor, group.size())
         return _Done()

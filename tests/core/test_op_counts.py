@@ -42,6 +42,20 @@ def test_a_step_launches_no_more_than_torchs_on_an_accelerator(case: str, uneven
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_gradients_are_divided_inside_the_collectives_as_torchs(case: str) -> None:
+    # fp32 and bf16 gradients are averaged by the reduce-scatter (and the replicas' all-reduce)
+    # themselves: no division of a group's own. Every scaling op in the step is the optimizer's,
+    # as in torch's step (shardkit once divided each group's reduced shard: 9 more per step).
+    ours = count_step("shardkit", case, 64, fused_packing=True)
+    torch_ops = count_step("torch", case, 64)
+
+    def scaling(by_op: dict[str, int]) -> dict[str, int]:
+        return {n: k for n, k in by_op.items() if "div" in n or "mul" in n}
+
+    assert scaling(ours.by_op) == scaling(torch_ops.by_op)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_a_step_on_cpu_dispatches_no_more_than_torchs(case: str) -> None:
     # On CPU gradients are packed by cat or foreach copies (faster there than _chunk_cat).
     ours = count_step("shardkit", case, 8)

@@ -333,7 +333,14 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for compatibility: shardkit always sums in the collective, then divides."""
+        """Whether the collectives may only sum (True), the division then running after them.
+
+        After an all-reduce hook too, which then sees sums. False (default): fp32 and bf16
+        gradients are divided inside the collectives, with no kernel of their own.
+        """
+        group = self._own_group()
+        if group is not None:
+            group.options.force_sum_reduction = bool(enable)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: do not gather this module's parameters for backward (unused there)."""

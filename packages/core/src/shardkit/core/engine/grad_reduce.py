@@ -15,6 +15,7 @@ import torch
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.grad_division import Division, plan_division
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
@@ -105,8 +106,9 @@ class PendingReduce:
     reducer: GroupReducer
     packing: Packing
     handle: CollectiveHandle
-    output: torch.Tensor  # (S,) in the reduce dtype: this rank's summed shard
+    output: torch.Tensor  # (S,) in the reduce dtype: this rank's reduced shard
     buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
+    division: Division  # as planned when the reduction was issued
 
     def finish(self, comm: CommContext) -> None:
         """Wait, all-reduce across replicas, divide and assign the sharded gradients."""
@@ -201,17 +203,17 @@ class GroupReducer:
         return packing
 
     @property
-    def pre_divide(self) -> float:
-        """Divisor applied before the sum (fp16 only, against overflow)."""
-        # fp16 sums of many ranks can overflow: divide by about sqrt(factor) before the sum
-        # and the rest after. fp32 and bf16 have the range to divide once, after.
-        if self.dtype != torch.float16:
-            return 1.0
-        factor = self.options.gradient_divide_factor or self.mesh_info.dp_size
-        pre = 1.0
-        while factor % pre == 0 and factor / pre > pre:
-            pre *= 2
-        return pre
+    def division(self) -> Division:
+        """Where this group's next reduction divides (see ``grad_division``)."""
+        opts = self.options
+        return plan_division(
+            self.dtype,
+            self.mesh_info.shard_size,
+            self.mesh_info.replicate_size,
+            factor=opts.gradient_divide_factor,
+            force_sum=opts.force_sum_reduction,
+            device_type=self.mesh_info.device.type,
+        )
 
     def start(
         self,
@@ -252,13 +254,17 @@ class GroupReducer:
         device = self.mesh_info.device
         custom = self.options.custom_reduce_scatter
         fused = prefers_fused_packing(self.mesh_info.device)
+        division = self.division
         if world == 1:
-            # Nothing to scatter: pack straight into the output.
+            # Nothing to scatter: pack straight into the output, and divide as the
+            # reduce-scatter of one rank would have (only a factor of the user's does).
             output = self._allocate_output(packing.numel)
             packing.pack(full, output.view(1, -1), fused=fused)
-            if self.pre_divide != 1:
-                output.div_(self.pre_divide)
-            comm.pending_reduces.append(PendingReduce(self, packing, DoneHandle(), output, ()))
+            if division.pre != 1:
+                output.div_(division.pre)
+            division.reduce_scatter.finish_sum(output, 1)
+            done = PendingReduce(self, packing, DoneHandle(), output, (), division)
+            comm.pending_reduces.append(done)
             return
         nbytes = world * packing.numel * self.dtype.itemsize
         if custom is not None:
@@ -270,12 +276,15 @@ class GroupReducer:
         rows = send.view(self.dtype).view(world, packing.numel)  # (W, S)
         packing.pack(full, rows, fused=fused)
         full.clear()  # packed: the full gradients go before the output comes
-        if self.pre_divide != 1:
-            rows.div_(self.pre_divide)
+        if division.pre != 1:
+            rows.div_(division.pre)
         output = self._allocate_output(packing.numel)
         group = self.options.reduce_scatter_group or self.mesh_info.shard_group
-        handle = comm.runtime.reduce_scatter(output, rows, group, label=self.label, custom=custom)
-        comm.pending_reduces.append(PendingReduce(self, packing, handle, output, pooled))
+        handle = comm.runtime.reduce_scatter(
+            output, rows, group, label=self.label, custom=custom, op=division.reduce_scatter
+        )
+        pending = PendingReduce(self, packing, handle, output, pooled, division)
+        comm.pending_reduces.append(pending)
 
     def _allocate_output(self, numel: int) -> torch.Tensor:
         """This rank's reduced shard (S,): the user's memory with a custom reduce-scatter."""
@@ -331,7 +340,10 @@ class GroupReducer:
                 self.partial = (pending.packing, reduced)
                 return
             comm.runtime.all_reduce(
-                reduced, self.mesh_info.replicate_group, label=self.label
+                reduced,
+                self.mesh_info.replicate_group,
+                label=self.label,
+                op=pending.division.all_reduce,
             ).wait()
         hook = self.options.all_reduce_hook
         if hook is not None:
@@ -341,10 +353,9 @@ class GroupReducer:
             if self.mesh_info.replicate_group is not None:
                 stream = None
             with on_stream(stream, self.mesh_info.device):
-                hook(reduced)  # the sum, before the division
-        factor = (self.options.gradient_divide_factor or self.mesh_info.dp_size) / self.pre_divide
-        if factor != 1:
-            reduced.div_(factor)
+                hook(reduced)  # divided by the collectives, not yet by ``post``
+        if pending.division.post != 1:
+            reduced.div_(pending.division.post)
         self._assign(reduced, pending.packing, comm)
 
     def _assign(self, reduced: torch.Tensor, packing: Packing, comm: CommContext) -> None:

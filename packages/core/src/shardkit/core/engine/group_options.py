@@ -30,6 +30,8 @@ class GroupOptions:
     partial result until a backward that does."""
     gradient_divide_factor: float | None = None
     """Divide summed gradients by this; None means the data-parallel world size."""
+    force_sum_reduction: bool = False
+    """Collectives only sum; the division runs as kernels of its own (``grad_division``)."""
     unshard_in_backward: bool = True
     """Gather parameters before this group's backward (False if backward does not use them)."""
     reduce_scatter_unused_params: bool = False
@@ -38,7 +40,8 @@ class GroupOptions:
     is_last_backward: bool = True
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    """Runs on each reduced gradient (after the HSDP all-reduce, before the division)."""
+    """Runs on each reduced gradient, after the HSDP all-reduce: divided by the collectives'
+    mean, or not yet where the division runs after them (``grad_division``)."""
     all_reduce_hook_stream: Any = None
     """The stream ``all_reduce_hook`` runs on (not with HSDP); None: the current stream."""
     max_reduces_in_flight: int = 1

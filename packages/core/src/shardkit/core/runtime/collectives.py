@@ -23,6 +23,7 @@ from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 from shardkit.core.runtime.protocol import CustomComm, RowBlock
+from shardkit.core.runtime.reduction import SUM, Reduction
 
 __all__ = [
     "DoneHandle",
@@ -209,8 +210,9 @@ class ProcessGroupRuntime:
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        op: Reduction = SUM,
     ) -> WorkHandle | DoneHandle | SumRowsHandle:
-        """Sum row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
+        """Reduce row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
         handle: WorkHandle | DoneHandle | SumRowsHandle
         exchange = custom is None and group.size() > 1 and _uses_gloo(group)
         tag = _REDUCE_TAG if exchange else None
@@ -218,9 +220,10 @@ class ProcessGroupRuntime:
         if custom is not None:
             row_bytes = output.numel() * output.element_size()
             self._announce("reduce_scatter", group, row_bytes * group.size(), "custom", label)
-            handle = WorkHandle(custom_reduce_scatter(custom, output, input, group), issued.info)
+            work = custom_reduce_scatter(custom, output, input, group, op.torch_op())
+            handle = WorkHandle(work, issued.info)
         else:
-            handle = self._reduce_scatter(output, input, group, label, issued.tag)
+            handle = self._reduce_scatter(output, input, group, label, issued.tag, op)
             if isinstance(handle, SumRowsHandle):
                 handle.info, handle.check = issued.info, issued.check
                 issued.issued_as(handle.works)
@@ -237,6 +240,7 @@ class ProcessGroupRuntime:
         group: dist.ProcessGroup,
         label: str,
         tag: int,
+        op: Reduction,
     ) -> WorkHandle | DoneHandle | SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
@@ -254,17 +258,23 @@ class ProcessGroupRuntime:
             )
         if size == 1:
             output.copy_(input[0])
+            op.finish_sum(output, 1)
             return DoneHandle()
         if gloo:
-            return self._reduce_scatter_by_exchange(output, input, group, tag)
+            return self._reduce_scatter_by_exchange(output, input, group, tag, op)
         return WorkHandle(
             reduce_scatter_single(
-                output, input.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+                output, input.view(-1), op=op.torch_op(), group=group, async_op=True
             )
         )
 
     def _reduce_scatter_by_exchange(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, tag: int
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        tag: int,
+        op: Reduction,
     ) -> SumRowsHandle:
         # Row j of ``input`` goes to rank j and rank j's row for us comes back: the bytes of an
         # all-to-all, but a rank's own row stays put, so only W-1 rows are received. At W=2
@@ -283,14 +293,21 @@ class ProcessGroupRuntime:
             recv = dist.irecv(received[slot], group=group, group_src=peer, tag=tag)
             send = dist.isend(input[peer], group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
-        return SumRowsHandle(works, input[rank], received, output, scratch, self.pool)
+        # gloo's own mean is this sum divided by W, bit for bit; its lack of a scaled sum is
+        # made up the same way (divided after the sum, where NCCL scales each input).
+        return SumRowsHandle(works, input[rank], received, output, scratch, self.pool, op)
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        op: Reduction = SUM,
     ) -> WorkHandle | DoneHandle:
-        """Sum ``tensor`` over ``group`` in place, asynchronously."""
+        """Reduce ``tensor`` over ``group`` in place, asynchronously."""
         info = self._begin("all_reduce", group, label, tensor).info
-        handle = self._all_reduce(tensor, group, label)
+        handle = self._all_reduce(tensor, group, label, op)
         if isinstance(handle, WorkHandle):
             handle.info = info
         if observe.has_subscribers():
@@ -298,7 +315,7 @@ class ProcessGroupRuntime:
         return handle
 
     def _all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str, op: Reduction
     ) -> WorkHandle | DoneHandle:
         size = group.size()
         if observe.has_subscribers():
@@ -314,8 +331,9 @@ class ProcessGroupRuntime:
                 )
             )
         if size == 1:
+            op.finish_sum(tensor, 1)
             return DoneHandle()
-        return WorkHandle(dist.all_reduce(tensor, group=group, async_op=True))
+        return WorkHandle(dist.all_reduce(tensor, op=op.torch_op(), group=group, async_op=True))
 
 
 def _send_fingerprint(

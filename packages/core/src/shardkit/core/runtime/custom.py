@@ -27,7 +27,14 @@ def custom_all_gather_rows(
 
 
 def custom_reduce_scatter(
-    comm: CustomComm, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
+    comm: CustomComm,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType,
 ) -> dist.Work | None:
-    """Run ``comm``: the sum over ranks of row r of ``input`` (W, S) into ``output`` on rank r."""
-    return comm(output, input.view(-1), group, dist.ReduceOp.SUM, async_op=True)
+    """Run ``comm``: row r of ``input`` (W, S), reduced over ranks by ``op``, into ``output``.
+
+    ``op`` is the one torch's fully_shard would hand it (a mean, in most runs).
+    """
+    return comm(output, input.view(-1), group, op, async_op=True)

@@ -17,6 +17,7 @@ from shardkit.core.runtime import desync
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
 from shardkit.core.runtime.protocol import RowBlock
+from shardkit.core.runtime.reduction import SUM, Reduction
 
 __all__ = ["DoneHandle", "GatherHandle", "SumRowsHandle", "WorkHandle", "wait_all"]
 
@@ -74,6 +75,7 @@ class SumRowsHandle:
     output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
     scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
     pool: BufferPool
+    op: Reduction = SUM  # what the sum becomes (a mean: divided by W)
     info: CollectiveInfo | None = None
     check: desync.PendingCheck | None = None  # compared before the rows are summed
 
@@ -85,9 +87,10 @@ class SumRowsHandle:
         self.works = []
         if self.scratch is None:
             self.output.add_(self.own)  # received straight into the output (W == 2)
-            return
-        torch.add(self.own, self.received.sum(dim=0), out=self.output)
-        self.pool.put(self.scratch)
+        else:
+            torch.add(self.own, self.received.sum(dim=0), out=self.output)
+            self.pool.put(self.scratch)
+        self.op.finish_sum(self.output, self.received.size(0) + 1)
 
 
 @dataclass(slots=True)

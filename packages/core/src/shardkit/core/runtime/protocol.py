@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.reduction import SUM, Reduction
 
 __all__ = [
     "CollectiveHandle",
@@ -103,13 +104,19 @@ class CollectiveRuntime(Protocol):
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        op: Reduction = SUM,
     ) -> CollectiveHandle:
-        """Sum row r of ``input`` (W, S) over ranks into ``output`` (S) on rank r.
+        """Reduce row r of ``input`` (W, S) over ranks by ``op`` into ``output`` (S) on rank r.
 
         ``custom``: a user reduce-scatter to run instead of the runtime's own.
         """
 
     def all_reduce(
-        self, tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str = ""
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        label: str = "",
+        op: Reduction = SUM,
     ) -> CollectiveHandle:
-        """Sum ``tensor`` over the ranks of ``group`` in place."""
+        """Reduce ``tensor`` over the ranks of ``group`` by ``op``, in place."""
