@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/fake_scale.py IMPL SIZE WORLD [IMPL SIZE WORLD ...]
-        [--device cuda|cpu] [--steps 5] [--warmup 2]
+        [--device cuda|cpu] [--steps 5] [--warmup 2] [--float8]
 
 One process simulates rank 0 of a world of W (``dist.init_process_group("fake", ...)``, as
 torchtitan's dry runs and Megatron's ``--fake-process-group`` do): every collective returns at
@@ -26,6 +26,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,13 +51,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(point: Point, *, device: str, steps: int, warmup: int) -> dict[str, Any]:
-    """Time ``steps`` training steps of ``point`` after ``warmup`` on a fresh fake group."""
+def measure(
+    point: Point, *, device: str, steps: int, warmup: int, float8: bool = False
+) -> dict[str, Any]:
+    """Time ``steps`` training steps of ``point`` after ``warmup`` on a fresh fake group.
+
+    ``float8``: torchao's Float8 training with float8 all-gather on top (issue 31's point:
+    bf16 mixed precision, no activation checkpointing).
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    options = replace(OPTIONS, float8=True, checkpoint=False) if float8 else OPTIONS
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=point.world)
     try:
-        model, opt = gpt.build(point.impl, point.size, point.world, OPTIONS, device=device)
+        model, opt = gpt.build(point.impl, point.size, point.world, options, device=device)
         local_params = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
         )
@@ -78,6 +86,7 @@ def measure(point: Point, *, device: str, steps: int, warmup: int) -> dict[str, 
             "step_s": statistics.median(times),
             "steps": steps,
             "local_params": local_params,
+            "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
             "torch": torch.__version__,
         }
         if device == "cuda":
@@ -113,11 +122,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--float8", action="store_true", help="torchao Float8 training, float8 all-gather"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.cuda.set_device(0)
     for point in _points(args.points):
-        record = measure(point, device=args.device, steps=args.steps, warmup=args.warmup)
+        record = measure(
+            point, device=args.device, steps=args.steps, warmup=args.warmup, float8=args.float8
+        )
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
 

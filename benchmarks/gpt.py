@@ -100,6 +100,7 @@ class Options:
     checkpoint: bool = False  # activation checkpointing around each block
     meta: bool = False  # built on the meta device, materialized after sharding (1/W of it)
     compile: bool = False  # torch.compile each block before sharding (torchtitan's order)
+    float8: bool = False  # torchao Float8 training of the blocks' linears, float8 all-gather
 
 
 def build(
@@ -125,6 +126,8 @@ def build(
         model: Any = _model(size_name)
     if not options.meta:
         model = model.to(device)
+    if options.float8:
+        _to_float8(model)
     if options.checkpoint:
         # torchtitan's activation checkpointing: torch's (non-reentrant) wrapper on each block.
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -161,6 +164,17 @@ def build(
             model.to_empty(device=device)
             _init_sharded(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def _to_float8(model: nn.Module) -> None:
+    """torchao's Float8 training (issue 31's Float8 point): the blocks' linear layers compute
+    in float8 and their weights are all-gathered in float8; the embedding and head stay."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda _module, fqn: fqn.startswith("blocks.")
+    )
 
 
 def _init_sharded(model: nn.Module) -> None:

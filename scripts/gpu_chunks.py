@@ -232,10 +232,20 @@ def w1(runner: Runner) -> list[Row]:
 
 
 SCALE_POINTS = (("217m", 8), ("7.5b", 8), ("7.5b", 64), ("70b", 256))
+FLOAT8_POINTS = (("217m", 1), ("217m", 8))
 
 
-def _scale_row(size: str, world: int, found: dict[str, dict[str, Any]], runner: Runner) -> Row:
-    label = f"fake group W={world} {size}, bf16 + AC ({runner.device})"
+def _scale_label(size: str, world: int, float8: bool, device: str) -> str:
+    how = "bf16 + Float8 all-gather (torchao)" if float8 else "bf16 + AC"
+    return f"fake group W={world} {size}, {how} ({device})"
+
+
+def _scale_row(
+    size: str, world: int, found: dict[str, dict[str, Any]], runner: Runner, float8: bool = False
+) -> Row:
+    label = _scale_label(size, world, float8, runner.device)
+    if float8 and not all(r.get("float8_linears") for r in found.values()):
+        return Row(chunk="", check=label, status="error", detail="no Float8Linear in the model")
     key = "peak_alloc_bytes" if runner.device == "cuda" else "max_rss_bytes"
     row = _compare(label, found["shardkit"], found["torch"], key)
     if runner.device == "cuda":
@@ -250,43 +260,63 @@ def _scale_row(size: str, world: int, found: dict[str, dict[str, Any]], runner: 
     return row
 
 
-def scale_point(size: str, world: int) -> Callable[[Runner], list[Row]]:
+def _torchao_missing(runner: Runner, float8: bool) -> str:
+    """'' if the point can run; else why not (Float8 needs torchao, which GPU images lack)."""
+    if not float8:
+        return ""
+    probe = [sys.executable, "-c", "import torchao.float8"]
+    _, error = runner.run("torchao-probe", probe, timeout=120)
+    if error:
+        return f"torchao does not import (make gpu-wheels puts its wheel in .whl/):\n{error}"
+    return ""
+
+
+def scale_point(size: str, world: int, float8: bool = False) -> Callable[[Runner], list[Row]]:
     """One fake-group point on the GPU: each engine in its own process (its own peak)."""
 
     def run(runner: Runner) -> list[Row]:
+        label = _scale_label(size, world, float8, runner.device)
+        missing = _torchao_missing(runner, float8)
+        if missing:
+            return [Row(chunk="", check=label, status="skip", detail=missing)]
         found: dict[str, dict[str, Any]] = {}
         errors = []
+        flags = ["--device", "cuda", *(["--float8"] if float8 else [])]
         for impl in ("torch", "shardkit"):
-            cmd = [sys.executable, "benchmarks/fake_scale.py", impl, size, str(world)]
-            records, error = runner.run(f"scale-{size}-w{world}", [*cmd, "--device", "cuda"], 280)
+            cmd = [sys.executable, "benchmarks/fake_scale.py", impl, size, str(world), *flags]
+            records, error = runner.run(f"scale-{size}-w{world}", cmd, 280)
             if records:
                 found[impl] = records[0]
             errors.append(error)
         if len(found) < 2:
-            label = f"fake group W={world} {size}"
             return [Row(chunk="", check=label, status="error", detail="\n".join(errors))]
-        return [_scale_row(size, world, found, runner)]
+        return [_scale_row(size, world, found, runner, float8)]
 
     return run
 
 
-def scale_smoke(points: tuple[tuple[str, int], ...]) -> Callable[[Runner], list[Row]]:
+def scale_smoke(
+    points: tuple[tuple[str, int], ...], float8: bool = False
+) -> Callable[[Runner], list[Row]]:
     """The fake-group points on a CPU, all in one process: the code path, quickly."""
 
     def run(runner: Runner) -> list[Row]:
+        missing = _torchao_missing(runner, float8)
         cmd = [sys.executable, "benchmarks/fake_scale.py", "--device", "cpu"]
-        cmd += ["--steps", "2", "--warmup", "1"]
+        cmd += ["--steps", "2", "--warmup", "1", *(["--float8"] if float8 else [])]
         for size, world in points:
             cmd += ["torch", size, str(world), "shardkit", size, str(world)]
-        records, error = runner.run("scale-smoke", cmd, timeout=300)
+        label = "float8-smoke" if float8 else "scale-smoke"
+        records, error = ([], missing) if missing else runner.run(label, cmd, timeout=300)
         rows = []
         for size, world in points:
             found = {r["impl"]: r for r in records if (r["size"], r["world"]) == (size, world)}
             if len(found) < 2:
-                label = f"fake group W={world} {size} (cpu)"
-                rows.append(Row(chunk="", check=label, status="error", detail=error))
+                check = _scale_label(size, world, float8, "cpu")
+                status = "skip" if missing else "error"
+                rows.append(Row(chunk="", check=check, status=status, detail=error))
             else:
-                rows.append(_scale_row(size, world, found, runner))
+                rows.append(_scale_row(size, world, found, runner, float8))
         return rows
 
     return run
@@ -311,11 +341,16 @@ class Chunk(NamedTuple):
 
 
 SMOKE_POINTS = (("fake-tiny", 8), ("fake-tiny", 64))
+FLOAT8_SMOKE_POINTS = (("fake-tiny", 1), ("fake-tiny", 8))
 
 
 def smoke_chunks() -> dict[str, Chunk]:
     """``--cpu-smoke``: the fake-group scale code on a CPU, with a tiny model."""
-    return {"scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60)}
+    float8 = scale_smoke(FLOAT8_SMOKE_POINTS, float8=True)
+    return {
+        "scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60),
+        "float8-smoke": Chunk(_timed("float8-smoke", float8), 60),
+    }
 
 
 def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chunk]:
@@ -332,6 +367,9 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
         table[f"scale-{size}-w{world}"] = Chunk(
             scale_point(size, world), estimates.get((size, world), 30)
         )
+    # Issue 31's Float8 point: its peak was 1.09 of torch's at W=1, 1.015 at W=8.
+    for size, world in FLOAT8_POINTS:
+        table[f"float8-{size}-w{world}"] = Chunk(scale_point(size, world, float8=True), 90)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
 

@@ -1,11 +1,12 @@
 """`make check-gpu` (scripts/check_gpu.py) where there is no GPU: what it can do on a CPU.
 
 Its GPU chunks run only on CUDA; here: the fake-group scale code on a CPU (``--cpu-smoke``),
-the refusal without CUDA, and the table from saved results. About 10 s (two processes).
+the refusal without CUDA, and the table from saved results. About 20 s (four processes).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,11 +33,13 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu-check" / "results.json").read_text())
     rows = results["rows"]
-    assert [r["check"].split(",")[0] for r in rows] == [
-        "fake group W=8 fake-tiny",
-        "fake group W=64 fake-tiny",
+    assert [r["check"] for r in rows] == [
+        "fake group W=8 fake-tiny, bf16 + AC (cpu)",
+        "fake group W=64 fake-tiny, bf16 + AC (cpu)",
+        "fake group W=1 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
+        "fake group W=8 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
     ]
-    assert all(r["status"] == "pass" for r in rows), rows
+    assert all(r["status"] == "pass" for r in rows[:2]), rows
     # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
     records = results["records"]["scale-smoke"]
     assert sorted((r["impl"], r["world"]) for r in records) == [
@@ -48,6 +51,19 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     local = {(r["impl"], r["world"]): r["local_params"] for r in records}
     assert local["shardkit", 8] == local["torch", 8] > local["torch", 64] == local["shardkit", 64]
     assert "| scale-smoke |" in (tmp_path / "gpu-check" / "table.md").read_text()
+    if importlib.util.find_spec("torchao") is None:  # a test dependency, pinned: rarely absent
+        assert all(r["status"] == "skip" and "torchao" in r["detail"] for r in rows[2:]), rows
+        return
+    assert all(r["status"] == "pass" for r in rows[2:]), rows
+    # torchao's Float8 linears were in both engines' models, at both worlds.
+    float8 = results["records"]["float8-smoke"]
+    assert sorted((r["impl"], r["world"]) for r in float8) == [
+        ("shardkit", 1),
+        ("shardkit", 8),
+        ("torch", 1),
+        ("torch", 8),
+    ]
+    assert all(r["float8_linears"] == 8 for r in float8), float8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
