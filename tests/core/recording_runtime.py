@@ -40,6 +40,11 @@ class RecordingRuntime:
     pool: BufferPool = field(default_factory=BufferPool)
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
+    def gather_buffer(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> torch.Tensor | None:
+        return None  # inputs apart, as on gloo
+
     def all_gather(
         self,
         input: torch.Tensor,
@@ -47,6 +52,7 @@ class RecordingRuntime:
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        into: torch.Tensor | None = None,
     ) -> _Rows:
         self.calls.append(("all_gather", label, input.numel()))
         return _Rows([input] + [input.clone() for _ in range(group.size() - 1)])

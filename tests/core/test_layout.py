@@ -47,7 +47,9 @@ def test_pool_sizes_add_the_staging_copy_only_when_it_is_borrowed() -> None:
     row = bf16.all_gather_input_bytes  # 2 rows of 8 bf16
     assert row == 32 and bf16.stages_gather_input()
     assert bf16.pool_sizes(exchange=True) == {3 * row, row}
-    assert bf16.pool_sizes(exchange=False) == {4 * row, row}
+    # A native all-gather stages into this rank's row of its receive buffer (in place).
+    assert not bf16.stages_gather_input(exchange=False)
+    assert bf16.pool_sizes(exchange=False) == {4 * row}
     # One shard rank: nothing is received, and a cast goes straight into the full parameter.
     one = group_layout(specs, shard_world=1, param_dtype=torch.bfloat16)
     assert not one.stages_gather_input() and one.pool_sizes(exchange=True) == frozenset()

@@ -245,16 +245,18 @@ class GroupLayout:
         """
         return any(p.comm_dtype != p.dtype or p.all_gather_hooks for p in self.params)
 
-    def stages_gather_input(self, *, offload: bool = False) -> bool:
+    def stages_gather_input(self, *, offload: bool = False, exchange: bool = True) -> bool:
         """Whether the engine borrows a staging buffer (``comm`` bytes) for each all-gather.
 
         It is taken from the pool when the all-gather is issued and returned once the rows
         are copied out. On a shard axis of one rank nothing is sent: a cast or a move goes
-        straight into the unsharded buffer, and only all-gather hooks still need one.
+        straight into the unsharded buffer, and only all-gather hooks still need one. A
+        native all-gather (``exchange`` False) stages into this rank's row of its receive
+        buffer instead (in place, as torch's): no buffer of its own.
         """
         if self.shard_world == 1:
             return any(p.all_gather_hooks for p in self.params)
-        return offload or self.casts_or_hooks
+        return exchange and (offload or self.casts_or_hooks)
 
     def post_forward_receive_bytes(self, *, exchange: bool) -> int:
         """Bytes of backward's receive buffer within the post-forward subgroup (0: none)."""
@@ -278,7 +280,7 @@ class GroupLayout:
         sizes = {self.post_forward_receive_bytes(exchange=exchange)}
         if self.shard_world > 1:
             sizes.add(self.all_gather_receive_bytes(exchange=exchange))
-        if self.stages_gather_input(offload=offload):
+        if self.stages_gather_input(offload=offload, exchange=exchange):
             sizes.add(self.all_gather_input_bytes)
         return frozenset(sizes - {0})
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.gather_hooks import GroupHooks
@@ -35,7 +36,7 @@ from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel, rank_ma
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
 from shardkit.core.runtime.pool import BufferPool
-from shardkit.core.runtime.protocol import RowBlock
+from shardkit.core.runtime.protocol import CollectiveRuntime, RowBlock
 
 __all__ = ["GroupStorage", "StoragePlan"]
 
@@ -74,6 +75,7 @@ class GroupStorage:
         self.sharded_buffer = torch.empty(0, dtype=torch.uint8)
         self.unsharded = UnshardedBuffer(params, ())
         self._staging: torch.Tensor | None = None  # borrowed from issue to copy-out
+        self._staging_pooled = True  # False: it is a row of the receive buffer
         self._copy_outs: dict[bool, _CopyOut] = {}  # by "from the post-forward subgroup"
 
     # --- planning ---------------------------------------------------------------------------
@@ -176,17 +178,34 @@ class GroupStorage:
 
     # --- copy-in ----------------------------------------------------------------------------
 
-    def gather_input(self, pool: BufferPool, sent: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """What this rank sends in the all-gather: the sharded buffer or a staging copy.
+    def gather_input(
+        self,
+        runtime: CollectiveRuntime,
+        group: dist.ProcessGroup,
+        sent: dict[int, list[torch.Tensor]],
+        *,
+        in_place: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What this rank sends in the all-gather on ``group``, and the buffer it was staged in.
 
-        ``sent``: what the pre-all-gather hooks returned, by parameter index.
+        What it sends: the sharded buffer or a staging copy; the buffer: the receive buffer the
+        copy went into, if any (``all_gather``'s ``into``). ``sent``: what the pre-all-gather
+        hooks returned, by parameter index. ``in_place``: stage into this rank's row of the
+        receive buffer where the runtime gathers in place (torch's layout: no staging buffer
+        of its own, 1/W of the group less in flight).
         """
         if not self.needs_staging:
-            return self.sharded_buffer
+            return self.sharded_buffer, None
         assert self._staging is None, "the previous all-gather's staging was not returned"
         storage, comm = self.layout.storage, self.layout.comm
-        staging = pool.get(comm.nbytes, self.device)
+        into = runtime.gather_buffer(comm.nbytes, group, self.device) if in_place else None
+        if into is None:
+            staging = runtime.pool.get(comm.nbytes, self.device)
+        else:
+            start = group.rank() * comm.nbytes  # a slice: one view op, no kernel
+            staging = into[start : start + comm.nbytes]
         self._staging = staging
+        self._staging_pooled = into is None
         # Non-blocking from pinned memory: the host writes the shards again only in the
         # optimizer step, which the end of backward orders after every copy queued before.
         non_blocking = self.pin_memory
@@ -200,12 +219,13 @@ class GroupStorage:
                 comm.view(staging, i).copy_(shard, non_blocking=non_blocking)
         if self.hooks is not None:
             self.hooks.copy_in(sent, staging, self.layout)
-        return staging
+        return staging, into
 
     def return_staging(self, pool: BufferPool) -> None:
         """The staging copy is spent once the rows are copied out: back to the pool."""
         if self._staging is not None:
-            pool.put(self._staging)
+            if self._staging_pooled:  # else a row of the receive buffer, returned with it
+                pool.put(self._staging)
             self._staging = None
 
     @property

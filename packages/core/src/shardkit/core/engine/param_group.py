@@ -285,13 +285,10 @@ class FSDPParamGroup:
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
-            gather_input = self.storage.gather_input(self.comm.pool, self._hook_inputs())
-            handle = runtime.all_gather(
-                gather_input,
-                self.mesh_info.shard_group,
-                label=self.fqn,
-                custom=self.options.custom_all_gather,
-            )
+            sent, group = self._hook_inputs(), self.mesh_info.shard_group
+            custom = self.options.custom_all_gather
+            sends, into = self.storage.gather_input(runtime, group, sent, in_place=custom is None)
+            handle = runtime.all_gather(sends, group, label=self.fqn, custom=custom, into=into)
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))

@@ -118,6 +118,21 @@ class ProcessGroupRuntime:
             return _Issued(info, 0)
         return _Issued(info, desync.data_tag(encoded, group), check)
 
+    def gather_buffer(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> torch.Tensor | None:
+        """The receive buffer (W x ``nbytes`` uint8, pooled) of an all-gather to come.
+
+        The caller writes its input into this rank's row of it, then passes it as ``into``:
+        torch's in-place all-gather: the input needs no buffer of its own, which saves 1/W of a
+        group's bytes per all-gather in flight. None where the gather would not take one:
+        gloo's exchange (the input is sent from where it is), a group of one rank.
+        """
+        size = group.size()
+        if size == 1 or _uses_gloo(group):
+            return None
+        return self.pool.get(size * nbytes, device)
+
     def all_gather(
         self,
         input: torch.Tensor,
@@ -125,11 +140,13 @@ class ProcessGroupRuntime:
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        into: torch.Tensor | None = None,
     ) -> GatherHandle:
         """Gather every rank's ``input`` (N uint8 bytes), asynchronously.
 
         A group of one rank has nothing to gather: its one row is ``input``, and no collective
-        is issued or announced (as for a reduction over one rank).
+        is issued or announced (as for a reduction over one rank). ``into``: the buffer from
+        :meth:`gather_buffer`, whose row of this rank ``input`` is.
         """
         if custom is None and group.size() == 1:
             return GatherHandle([], [RowBlock(0, input.view(1, -1))], None, self.pool)
@@ -141,7 +158,7 @@ class ProcessGroupRuntime:
             works = [w for w in (work,) if w is not None]
             handle = GatherHandle(works, [RowBlock(0, rows)], None, self.pool)
         else:
-            handle = self._all_gather(input, group, label, issued.tag)
+            handle = self._all_gather(input, group, label, issued.tag, into)
         handle.info, handle.check = issued.info, issued.check
         issued.issued_as(handle.works)
         if observe.has_subscribers():
@@ -163,7 +180,12 @@ class ProcessGroupRuntime:
             observe.emit(observe.CollectiveEvent(kind, size, input_bytes, sent, algorithm, label))
 
     def _all_gather(
-        self, input: torch.Tensor, group: dist.ProcessGroup, label: str, tag: int
+        self,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        label: str,
+        tag: int,
+        into: torch.Tensor | None,
     ) -> GatherHandle:
         """See :meth:`all_gather`.
 
@@ -181,7 +203,9 @@ class ProcessGroupRuntime:
                 )
             )
         if not _uses_gloo(group):
-            buffer = self.pool.get(size * nbytes, input.device)
+            buffer = self.pool.get(size * nbytes, input.device) if into is None else into
+            if into is not None and input.data_ptr() != into.data_ptr() + rank * nbytes:
+                raise ValueError("an in-place all-gather's input must be its own row of `into`")
             work = all_gather_single(buffer, input, group=group, async_op=True)
             native = [RowBlock(0, buffer.view(size, nbytes))]
             return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)

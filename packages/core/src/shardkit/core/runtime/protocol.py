@@ -83,6 +83,14 @@ class CollectiveRuntime(Protocol):
 
     # ``label``: the module the collective serves, passed on to observers (CollectiveEvent).
 
+    def gather_buffer(
+        self, nbytes: int, group: dist.ProcessGroup, device: torch.device
+    ) -> torch.Tensor | None:
+        """A receive buffer (W x ``nbytes``) whose own row the caller fills as its input.
+
+        None where the all-gather takes its input apart (see ``all_gather``'s ``into``).
+        """
+
     def all_gather(
         self,
         input: torch.Tensor,
@@ -90,10 +98,12 @@ class CollectiveRuntime(Protocol):
         *,
         label: str = "",
         custom: CustomComm | None = None,
+        into: torch.Tensor | None = None,
     ) -> GatheredRows:
         """Gather ``input`` (N uint8 bytes) from every rank; the handle yields the W rows.
 
-        ``custom``: a user all-gather to run instead of the runtime's own.
+        ``custom``: a user all-gather to run instead of the runtime's own. ``into``: the
+        buffer ``gather_buffer`` gave, whose row of this rank ``input`` is (in place).
         """
 
     def reduce_scatter(

@@ -21,7 +21,8 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   group whose outputs need no gradient is never gathered in backward (not even prefetched).
 - Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
   aligned flat buffer per group); the all-gather's staging copy of it when ``param_dtype``
-  differs (the core's ``stages_gather_input``) and its receive buffer, both from issue to
+  differs (the core's ``stages_gather_input``; on gloo only: elsewhere the copy goes into
+  this rank's row of the receive buffer) and its receive buffer, both from issue to
   copy-out (on one shard rank a cast goes straight into the unsharded buffer); the unsharded
   flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
   with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle buffer per
@@ -279,7 +280,7 @@ class _Step:
         self.pending[g] = True
         group = self.groups[g]
         layout = group.layout
-        if layout.stages_gather_input():
+        if layout.stages_gather_input(exchange=self.gloo):
             nbytes = layout.all_gather_input_bytes
             self.pool.get(nbytes, ("staging", g), f"{label} {group.fqn}: staging copy")
         if self.world > 1:
@@ -303,7 +304,7 @@ class _Step:
         self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
-        if layout.stages_gather_input():
+        if layout.stages_gather_input(exchange=self.gloo):
             self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
