@@ -167,8 +167,11 @@ def _hooked_body(rank: int, world_size: int, case: str) -> dict[str, Any]:
     ("case", "world_size"),
     [
         ("fp32", 3),
+        ("fp32", 4),
         ("bf16", 3),
+        ("bf16", 4),
         ("fp16", 3),
+        ("fp16", 4),
         ("force_sum", 3),
         ("force_sum_factor", 3),
         ("hsdp", 4),
@@ -177,8 +180,7 @@ def _hooked_body(rank: int, world_size: int, case: str) -> dict[str, Any]:
 )
 def test_hooks_and_custom_collectives_see_what_torchs_see(case: str, world_size: int) -> None:
     # Bit for bit: W=3 (a mean that is not a power-of-two scaling: 1/3 of a sum is not the sum
-    # of thirds) and a shard group of 2 (HSDP). At W=4 shardkit's gloo exchange adds the rows
-    # in another order than gloo's own reduce-scatter (fp32 within 1e-6, fp16 a last bit).
+    # of thirds), W=4 (four rows added in gloo's order, test_ring_order.py) and HSDP.
     for rank, seen in enumerate(run_on_ranks(world_size, _hooked_body, case=case)):
         ours, theirs = seen["shardkit"], seen["torch"]
         assert ours["hooked"] == theirs["hooked"], f"rank {rank}: the hook saw other values"

@@ -319,7 +319,7 @@ class ProcessGroupRuntime:
             works += [w for w in (recv, send) if w is not None]
         # gloo's own mean is this sum divided by W, bit for bit; its lack of a scaled sum is
         # made up the same way (divided after the sum, where NCCL scales each input).
-        return SumRowsHandle(works, input[rank], received, output, scratch, self.pool, op)
+        return SumRowsHandle(works, input[rank], received, output, scratch, self.pool, rank, op)
 
     def all_reduce(
         self,

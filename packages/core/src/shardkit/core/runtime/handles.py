@@ -18,6 +18,7 @@ from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
 from shardkit.core.runtime.protocol import RowBlock
 from shardkit.core.runtime.reduction import SUM, Reduction
+from shardkit.core.runtime.ring_order import ring_fold_order, ring_owners
 
 __all__ = ["DoneHandle", "GatherHandle", "SumRowsHandle", "WorkHandle", "wait_all"]
 
@@ -67,14 +68,20 @@ class WorkHandle:
 
 @dataclass(slots=True)
 class SumRowsHandle:
-    """Reduce-scatter by exchanging rows: after the exchange, add the other ranks' rows."""
+    """Reduce-scatter by exchanging rows: after the exchange, add the other ranks' rows.
+
+    In gloo's order (``ring_order``): the result is bit for bit gloo's own reduce-scatter, the
+    one torch's ``fully_shard`` runs on CPU. One addition per rank and per span of columns
+    (one span where the row's bytes split evenly into gloo's segments, at most three).
+    """
 
     works: list[dist.Work]
     own: torch.Tensor  # (S,): this rank's own row of the input, never sent
-    received: torch.Tensor  # (W-1, S): the other ranks' rows for this rank's shard
+    received: torch.Tensor  # (W-1, S): the other ranks' rows for this rank's shard, in rank order
     output: torch.Tensor  # (S,); at W=2 ``received`` is ``output`` itself
     scratch: torch.Tensor | None  # the pool buffer behind ``received`` (W > 2)
     pool: BufferPool
+    rank: int
     op: Reduction = SUM  # what the sum becomes (a mean: divided by W)
     info: CollectiveInfo | None = None
     check: desync.PendingCheck | None = None  # compared before the rows are summed
@@ -85,12 +92,20 @@ class SumRowsHandle:
             return
         wait_all(self.works, self.info, self.check)
         self.works = []
+        world = self.received.size(0) + 1
         if self.scratch is None:
             self.output.add_(self.own)  # received straight into the output (W == 2)
         else:
-            torch.add(self.own, self.received.sum(dim=0), out=self.output)
+            rows = [*self.received[: self.rank], self.own, *self.received[self.rank :]]
+            row, itemsize = self.output.numel(), self.output.element_size()
+            for start, stop, owner in ring_owners(row, self.rank, world, itemsize):
+                first, second, *rest = ring_fold_order(owner, world)
+                out = self.output[start:stop]
+                torch.add(rows[first][start:stop], rows[second][start:stop], out=out)
+                for j in rest:
+                    out.add_(rows[j][start:stop])
             self.pool.put(self.scratch)
-        self.op.finish_sum(self.output, self.received.size(0) + 1)
+        self.op.finish_sum(self.output, world)
 
 
 @dataclass(slots=True)
