@@ -97,13 +97,16 @@ class SumRowsHandle:
             self.output.add_(self.own)  # received straight into the output (W == 2)
         else:
             rows = [*self.received[: self.rank], self.own, *self.received[self.rank :]]
-            row, itemsize = self.output.numel(), self.output.element_size()
-            for start, stop, owner in ring_owners(row, self.rank, world, itemsize):
+            spans = ring_owners(self.output.numel(), self.rank, world, self.output.element_size())
+            for start, stop, owner in spans:
+                # One span (rows that split evenly: the usual case) needs no slicing views.
+                whole = len(spans) == 1
+                out = self.output if whole else self.output[start:stop]
+                part = rows if whole else [r[start:stop] for r in rows]
                 first, second, *rest = ring_fold_order(owner, world)
-                out = self.output[start:stop]
-                torch.add(rows[first][start:stop], rows[second][start:stop], out=out)
+                torch.add(part[first], part[second], out=out)
                 for j in rest:
-                    out.add_(rows[j][start:stop])
+                    out.add_(part[j])
             self.pool.put(self.scratch)
         self.op.finish_sum(self.output, world)
 
