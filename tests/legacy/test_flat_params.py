@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -163,7 +164,14 @@ def test_flat_parameters_train_and_save_optimizer_state_as_fsdp1s() -> None:
             ours, theirs = out[f"shardkit/{form}"], out[f"torch/{form}"]
             assert sorted(ours) == sorted(theirs), form
             for key, value in theirs.items():
-                torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
-        assert out["shardkit/next"] == out["torch/next"]
+                # The clip's total norm sums each rank's squares over each engine's own shards
+                # (FSDP1: a run of the flat parameter; shardkit: each parameter's rows): equal
+                # up to the last bits, which depend on the CPU's vector width (bit for bit on
+                # the machine this test was written on, an ulp apart on an AVX-512 Xeon).
+                # Within a millionth of the tensor's largest value, and the step after it too;
+                # the clipping itself is compared in tests/legacy/test_runtime.py.
+                scale = float(value.abs().max()) if value.is_floating_point() else 0.0
+                torch.testing.assert_close(ours[key], value, rtol=1e-6, atol=1e-6 * scale, msg=key)
+        assert out["shardkit/next"] == pytest.approx(out["torch/next"], rel=1e-6)
         assert out["shardkit/accumulated"] == out["torch/accumulated"]
         assert out["moved"]
