@@ -46,6 +46,11 @@ SIZES = {
         model=GPTConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, max_seq_len=2048),
         batch=1,
     ),
+    # The 7.5B model's 32 blocks at a width whose compute is next to nothing: a step's host
+    # time (hooks, dispatch, launches) on the fake group (benchmarks/bench_host_time.py).
+    "host-32": Size(
+        model=GPTConfig(vocab_size=1024, dim=256, n_layers=32, n_heads=4, max_seq_len=32), batch=1
+    ),
     # The fake-group benchmark's smoke test on a CPU (scripts/check_gpu.py --cpu-smoke).
     "fake-tiny": Size(
         model=GPTConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=32), batch=2
