@@ -173,3 +173,45 @@ def test_the_planner_and_the_engine_run_one_schedule_under_tp(model: str) -> Non
     engine = run_on_ranks(4, _tp_engine_events, run=run)
     assert all(events == engine[0] for events in engine), "ranks disagree"
     assert _tp_planned_events(run) == engine[0]
+
+
+def _skip(*_args: Any, **_kwargs: Any) -> None:
+    """An operation that does nothing."""
+
+
+def _skipped_prefetch(original: Any) -> Any:
+    """``unshard`` that skips the prefetches (skipping every one would leave nothing to wait
+    for: ``wait`` gathers what it finds not gathered)."""
+
+    def unshard(step: Any, group: int, *, prefetch: bool = False) -> None:
+        if not prefetch:
+            original(step, group)
+
+    return unshard
+
+
+# The planner's operations (``schedule.StepOps``), each made to skip its work.
+_SKIPPED: dict[str, Any] = {
+    "wait": _skip,
+    "reshard": _skip,
+    "free_after_forward": _skip,
+    "take_grads": _skip,  # no reduction starts
+    "start_reduction": _skip,
+    "finish_oldest_reduction": lambda step: step.reduces.popleft(),  # dropped, not finished
+}
+
+
+def test_a_planner_that_skips_an_operation_fails_the_comparison(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # HSDP, where every kind of operation shows in the events (reductions finish with an
+    # all-reduce across replicas).
+    engine = run_on_ranks(4, _engine_events, case="plain", mesh_shape=(2, 2))[0]
+    assert _planned_events("plain", (2, 2)) == engine
+    from shardkit.tools.plan import step
+
+    skipped = {**_SKIPPED, "unshard": _skipped_prefetch(step._Step.unshard)}
+    for name, replacement in skipped.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(step._Step, name, replacement)
+            assert _planned_events("plain", (2, 2)) != engine, f"skipping {name} went unseen"

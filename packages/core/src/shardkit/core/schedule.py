@@ -20,22 +20,33 @@ A step, as this module decides it:
   ``set_modules_to_backward_prefetch``. A group's backward ends by one of the rules of
   ``backward.py`` (:func:`count_ends_backward`, :func:`inputs_end_backward`,
   :func:`ends_at_callback`), which frees it and starts its reduction. At most
-  ``max_reduces_in_flight`` reductions run at once: starting one first finishes the oldest
-  beyond that (:func:`reductions_to_finish`). The end-of-backward callback ends the groups
-  left, finishes every reduction, and frees every group (``reshard_after_backward``).
+  ``max_reduces_in_flight`` reductions run at once (:data:`MAX_REDUCES_IN_FLIGHT` unless set):
+  starting one first finishes the oldest beyond that (:func:`reductions_to_finish`). The
+  end-of-backward callback ends the groups left, finishes every reduction, and frees every
+  group (``reshard_after_backward``).
+
+Which decision runs at which hook, and in what order, is written once: :class:`StepDriver`.
+The engine and the planner each implement :class:`StepOps` (what a decision does: gather,
+free, reduce, on real groups or on a ledger) and call the driver's hooks; neither restates the
+sequence. A pipeline schedule that ends a stage's backward outside autograd calls the same
+hooks (:meth:`StepDriver.end_backward`, :meth:`StepDriver.final_callback`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from shardkit.core.engine.state_machines import TrainingState
 
 __all__ = [
+    "MAX_REDUCES_IN_FLIGHT",
     "AfterForward",
+    "GroupSettings",
+    "StepDriver",
+    "StepOps",
     "StepSchedule",
     "TrainingState",
     "after_forward",
@@ -47,6 +58,12 @@ __all__ = [
 ]
 
 G = TypeVar("G", bound=Hashable)
+G_co = TypeVar("G_co", bound=Hashable, covariant=True)
+
+MAX_REDUCES_IN_FLIGHT = 1
+"""Gradient reductions left in flight by default before the oldest is finished: one, so two
+send buffers never coexist at backward's memory peak (``set_reduce_scatter_max_input_buffers``
+raises it per group)."""
 
 
 class AfterForward(Enum):
@@ -180,3 +197,219 @@ class StepSchedule(Generic[G]):
         """Recovery after an exception mid-step: forget the step's orders."""
         self.forward_order.clear()
         self.end_backward()
+
+
+class GroupSettings(Protocol[G_co]):
+    """A group's switches that the step's sequence reads (the engine's ``GroupOptions``)."""
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """The group's policy at its post-forward (the root's already adjusted)."""
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        """Whether backward's end frees its full parameters."""
+
+    @property
+    def unshard_in_backward(self) -> bool:
+        """Whether its pre-backward gathers its parameters."""
+
+    @property
+    def max_reduces_in_flight(self) -> int:
+        """Reductions left in flight before its own starts (:data:`MAX_REDUCES_IN_FLIGHT`)."""
+
+    @property
+    def forward_prefetch(self) -> Sequence[G_co] | None:
+        """Groups set to be gathered after its pre-forward; None: the schedule decides."""
+
+    @property
+    def backward_prefetch(self) -> Sequence[G_co] | None:
+        """Groups set to be gathered after its pre-backward; None: the schedule decides."""
+
+
+class StepOps(Protocol[G]):
+    """What the step's decisions do to a group: the engine on its groups, the planner on sizes.
+
+    Each operation is a no-op where there is nothing to do (a gather of a gathered group, a
+    free of a freed one), as the engine's group methods are.
+    """
+
+    def settings(self, group: G) -> GroupSettings[G]:
+        """The group's switches as they are now."""
+
+    def state(self, group: G) -> TrainingState:
+        """What the group is doing, as its hooks see it."""
+
+    def set_state(self, group: G, state: TrainingState) -> None:
+        """Move the group to ``state`` (checked against the allowed transitions)."""
+
+    def event(self, what: str, group: G) -> None:
+        """Report a state transition (``shardkit.core.StateTransitionEvent``'s names)."""
+
+    def unshard(self, group: G, *, prefetch: bool = False) -> None:
+        """Issue the group's all-gather (``prefetch``: ahead of its own hook)."""
+
+    def wait(self, group: G) -> None:
+        """Finish its all-gather (issuing it first if need be): its full parameters are in."""
+
+    def is_unsharded(self, group: G) -> bool:
+        """Whether its full parameters are in, or on the way."""
+
+    def reshard(self, group: G) -> None:
+        """Free its full parameters (finishing a gather nobody waited for)."""
+
+    def free_after_forward(self, group: G, action: AfterForward) -> None:
+        """Free (FREE) or slice (SLICE) its full parameters at the end of its forward."""
+
+    def keep_idle_buffers(self, keep: bool) -> None:
+        """Let communication buffers wait for reuse (forward), or give them all back."""
+
+    def holds_grads(self, group: G) -> bool:
+        """Whether its full parameters hold gradients that no reduction has taken."""
+
+    def take_grads(self, group: G) -> object | None:
+        """Take its gradients for a reduction; None when there is none to start."""
+
+    def reductions_in_flight(self) -> int:
+        """Reductions started and not yet finished, of every group under the root."""
+
+    def finish_oldest_reduction(self) -> None:
+        """Wait for the oldest reduction in flight and assign its gradients."""
+
+    def start_reduction(self, group: G, grads: object, *, assign_now: bool) -> None:
+        """Start reducing what :meth:`take_grads` took (``assign_now``: see the driver)."""
+
+    def finish_reductions(self) -> None:
+        """Finish every reduction in flight (and what the host waits for after them)."""
+
+
+class StepDriver(Generic[G]):
+    """The step's sequence: each hook's operations, in order, written once.
+
+    The engine's module hooks and the planner's replay call these methods; the decisions are
+    this module's functions and :class:`StepSchedule`, the effects the ``ops``'.
+    """
+
+    def __init__(self, ops: StepOps[G], schedule: StepSchedule[G] | None = None) -> None:
+        """Drive ``ops`` with ``schedule``'s orders (a new schedule if None)."""
+        self.ops = ops
+        self.schedule: StepSchedule[G] = schedule if schedule is not None else StepSchedule()
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def root_pre_forward(self) -> None:
+        """The root's pre-forward: buffers may wait for reuse; a new forward order starts."""
+        self.ops.keep_idle_buffers(True)
+        self.schedule.begin_forward()
+
+    def pre_forward(self, group: G) -> None:
+        """A group's (first) pre-forward: gather it, then prefetch what comes next."""
+        ops = self.ops
+        ops.set_state(group, TrainingState.FORWARD)
+        ops.unshard(group)
+        ops.wait(group)
+        targets = self.schedule.ran_forward(group, ops.settings(group).forward_prefetch)
+        ops.event("pre_forward", group)
+        # After this group's wait, before its compute is queued: on CUDA the next all-gather
+        # runs beside this compute. See [Note: gpu schedule].
+        for target in targets:
+            ops.unshard(target, prefetch=True)
+
+    def post_forward(self, group: G) -> None:
+        """A group's (last) post-forward: free, keep or slice it; backward's order grows."""
+        self._after_forward(group)
+        self.ops.set_state(group, TrainingState.IDLE)
+        self.schedule.finished_forward(group)
+        self.ops.event("post_forward", group)
+
+    def output_needs_grad(self, group: G) -> None:
+        """An output of ``group``'s forward needs a gradient: backward will reach it."""
+        self.schedule.output_needs_grad(group)
+
+    def root_post_forward(self, groups: Iterable[G]) -> None:
+        """The root's post-forward: buffers go back, groups gathered but not run are freed.
+
+        Activations peak now, at the turn to backward: idle communication buffers would add to
+        that peak. ``groups``: those the policy applies to (a group still inside its forward,
+        where the root is nested in it, is left alone).
+        """
+        self.ops.keep_idle_buffers(False)
+        for group in groups:
+            if self.ops.is_unsharded(group) and self.ops.state(group) is not TrainingState.FORWARD:
+                self._after_forward(group)
+
+    def _after_forward(self, group: G) -> None:
+        action = after_forward(self.ops.settings(group).reshard_after_forward)
+        if action is not AfterForward.KEEP:
+            self.ops.free_after_forward(group, action)
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def started_backward(self, group: G) -> bool:
+        """Whether backward already reached ``group`` (gathering it again would be wasted)."""
+        return self.ops.state(group) in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+    def pre_backward(self, group: G) -> None:
+        """A group's pre-backward: gather it, then prefetch the group backward reaches next."""
+        if self.started_backward(group):
+            return
+        ops = self.ops
+        ops.set_state(group, TrainingState.PRE_BACKWARD)
+        ops.event("pre_backward", group)
+        settings = ops.settings(group)
+        if settings.unshard_in_backward:
+            ops.unshard(group)
+            ops.wait(group)
+        explicit = settings.backward_prefetch
+        for target in self.schedule.backward_prefetch(group, explicit, self.started_backward):
+            ops.unshard(target, prefetch=True)
+
+    def grads_complete(self, group: G, *, inputs_pending: bool) -> None:
+        """Rule 1: every trainable gradient of ``group`` is in (:func:`count_ends_backward`)."""
+        if count_ends_backward(self.ops.state(group), inputs_pending=inputs_pending):
+            self.end_backward(group)
+
+    def inputs_done(self, group: G, *, count_complete: bool) -> None:
+        """Rule 2: backward went through a frozen group's inputs (:func:`inputs_end_backward`)."""
+        if inputs_end_backward(self.ops.state(group), count_complete=count_complete):
+            self.end_backward(group)
+
+    def end_backward(self, group: G, *, assign_now: bool = False) -> None:
+        """A group's backward ends: take its gradients, free it, start its reduction.
+
+        The one place this happens. The full parameters go before the reduction allocates
+        its buffers, or both would peak together; the oldest reductions beyond the group's
+        limit are finished first for the same reason. ``assign_now``: gradients that are their
+        own reduction (one rank) are assigned at once, not when the callback finishes them.
+        """
+        ops = self.ops
+        ops.set_state(group, TrainingState.POST_BACKWARD)
+        ops.event("post_backward", group)
+        grads = ops.take_grads(group)
+        settings = ops.settings(group)
+        if settings.reshard_after_backward:
+            ops.reshard(group)
+        if grads is None:
+            return
+        limit = settings.max_reduces_in_flight
+        for _ in range(reductions_to_finish(ops.reductions_in_flight(), limit)):
+            ops.finish_oldest_reduction()
+        ops.start_reduction(group, grads, assign_now=assign_now)
+
+    def final_callback(self, groups: Sequence[G], *, last: bool, assign_now: bool) -> None:
+        """The end of backward: rule 3, every reduction finished, every group freed.
+
+        ``last``: this backward finalizes (``set_is_last_backward``); otherwise reductions
+        stay in flight for the next one. ``assign_now``: see :meth:`end_backward`.
+        """
+        ops = self.ops
+        for group in groups:
+            if ends_at_callback(ops.state(group), holds_grads=ops.holds_grads(group)):
+                self.end_backward(group, assign_now=assign_now)
+        if last:
+            ops.finish_reductions()
+        for group in groups:
+            if ops.settings(group).reshard_after_backward:
+                ops.reshard(group)
+            ops.set_state(group, TrainingState.IDLE)
+        self.schedule.end_backward()

@@ -1,8 +1,9 @@
-"""One root's backward: every way a group's backward can end, decided in one place.
+"""One root's backward: how each group learns that its backward is over.
 
 A group's backward ends when its gradients are taken: it reshards and its reduction starts
-(``FSDPParamGroup.post_backward``). That happens in exactly one of these ways, and
-:class:`BackwardTracker` is the only caller of ``post_backward``:
+(``schedule.StepDriver.end_backward``, the one place that happens, for the engine and the
+planner alike). The driver applies the rules; this tracker reports what autograd does, in one
+of these ways:
 
 1. **Its count completes.** Each trainable unsharded parameter carries a
    post-accumulate-grad hook (:meth:`BackwardTracker.grad_hook`); the last gradient of the
@@ -13,8 +14,9 @@ A group's backward ends when its gradients are taken: it reshards and its reduct
    whose backward runs once autograd made those gradients inside the group: then no node
    reads its parameters any more. A group with no trainable parameter ends there; one with
    both ends when both are in.
-3. **The end-of-backward callback.** A group that backward reached but whose count never
-   completed (a parameter got no gradient), or that holds gradients nobody took, ends there.
+3. **The end-of-backward callback** (``StepDriver.final_callback``). A group that backward
+   reached but whose count never completed (a parameter got no gradient), or that holds
+   gradients nobody took, ends there.
 4. **A local tree** (one rank, full parameters that are the shards): nothing is counted, and
    the callback ends every group, assigning gradients at once where that is all a reduction
    would do.
@@ -25,7 +27,7 @@ The rules themselves are pure functions of ``schedule`` (the planner runs them t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ import torch
 
 from shardkit.core.engine.input_grads import InputGradsWatch
 from shardkit.core.engine.param_group import FSDPParamGroup
-from shardkit.core.schedule import count_ends_backward, ends_at_callback, inputs_end_backward
+from shardkit.core.schedule import StepDriver
 
 __all__ = ["BackwardTracker"]
 
@@ -50,14 +52,19 @@ class BackwardTracker:
     """Where one root's groups learn that their backward is over (see the module docstring)."""
 
     def __init__(
-        self, queue_final_callback: Callable[[], None], is_local: Callable[[], bool]
+        self,
+        driver: StepDriver[FSDPParamGroup],
+        queue_final_callback: Callable[[], None],
+        is_local: Callable[[], bool],
     ) -> None:
         """Track a root's backward.
 
         Args:
+            driver: the root's step sequence, told what this tracker sees.
             queue_final_callback: queues the root's end-of-backward callback (once).
             is_local: whether this iteration took the local tree's path (rule 4).
         """
+        self._driver = driver
         self._queue_final_callback = queue_final_callback
         self._is_local = is_local
         self._counts: dict[FSDPParamGroup, _Count] = {}
@@ -76,10 +83,8 @@ class BackwardTracker:
             count.ready += 1
             if count.expected is None:
                 count.expected = len(group.trainable)
-            if count.ready == count.expected and count_ends_backward(
-                group.training_state, inputs_pending=self._inputs_pending(group)
-            ):
-                self._end(group)
+            if count.ready == count.expected:
+                self._driver.grads_complete(group, inputs_pending=self._inputs_pending(group))
 
         return grad_ready
 
@@ -98,8 +103,7 @@ class BackwardTracker:
         return watch is not None and watch.pending()
 
     def _inputs_done(self, group: FSDPParamGroup) -> None:
-        if inputs_end_backward(group.training_state, count_complete=self._count_complete(group)):
-            self._end(group)
+        self._driver.inputs_done(group, count_complete=self._count_complete(group))
 
     def _count_complete(self, group: FSDPParamGroup) -> bool:
         if not group.trainable:
@@ -107,17 +111,7 @@ class BackwardTracker:
         count = self._counts.get(group)
         return count is not None and count.ready == count.expected
 
-    # --- the end-of-backward callback -------------------------------------------------------
-
-    def settle(self, groups: Sequence[FSDPParamGroup], *, assign_now: bool) -> None:
-        """Rule 3 (and 4): end the backward of every group whose backward has not ended.
-
-        ``assign_now``: a local tree's last backward: gradients that are their own reduction
-        are assigned at once (see ``post_backward``).
-        """
-        for group in groups:
-            if ends_at_callback(group.training_state, holds_grads=group.holds_grads()):
-                self._end(group, assign_now=assign_now)
+    # --- the end of backward ---------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget this backward's counts and pending inputs (its end, or an exception)."""
@@ -125,7 +119,3 @@ class BackwardTracker:
             count.ready, count.expected = 0, None
         for watch in self._inputs.values():
             watch.reset()
-
-    def _end(self, group: FSDPParamGroup, *, assign_now: bool = False) -> None:
-        # The one place a group's backward ends.
-        group.post_backward(assign_now=assign_now)

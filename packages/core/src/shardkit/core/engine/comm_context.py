@@ -31,8 +31,6 @@ class CommContext:
     runtime: CollectiveRuntime
     pool: BufferPool = field(default_factory=BufferPool)
     pending_reduces: deque[InFlightReduction] = field(default_factory=deque)
-    max_reduces_in_flight: int = 1
-    """Gradient reductions left running while backward goes on; older ones are finished."""
     host_copies: HostCopies = field(default_factory=HostCopies)
     """Copies to and from pinned host memory (CPU offload) that the host waits for at the end
     of backward. See [Note: gpu schedule] (CPU offload)."""

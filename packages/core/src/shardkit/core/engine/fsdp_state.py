@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from shardkit.core import observe
 from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.forward_io import cast_floats, move_to
@@ -27,6 +26,7 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.state_machines import ShardedState, TrainingState
 from shardkit.core.engine.state_registry import states_under
+from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
     check_backward_finished,
     in_backward,
@@ -38,12 +38,7 @@ from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
-from shardkit.core.schedule import (
-    AfterForward,
-    StepSchedule,
-    after_forward,
-    root_reshards_after_forward,
-)
+from shardkit.core.schedule import StepDriver, root_reshards_after_forward
 
 __all__ = [
     "FSDPState",
@@ -60,10 +55,10 @@ class RootContext:
 
     states: list[FSDPState]
     comm: CommContext
+    driver: StepDriver[FSDPParamGroup]
+    """The step's sequence (``schedule``): every hook's operations, in their order."""
     backward: BackwardTracker
-    """Where each group's backward ends (see ``backward``)."""
-    schedule: StepSchedule[FSDPParamGroup] = field(default_factory=StepSchedule)
-    """The step's orders and the prefetches drawn from them (``schedule``)."""
+    """What autograd tells of each group's backward (see ``backward``)."""
     final_callback_queued: bool = False
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
@@ -118,8 +113,10 @@ class FSDPState:
             comm = self.shared_comm
         else:
             comm = new_comm_context()
-        tracker = BackwardTracker(self._ensure_final_callback, lambda: ctx.local)
-        ctx = RootContext(states=states, comm=comm, backward=tracker)
+        groups = [s.group for s in states if s.group is not None]
+        driver = StepDriver(EngineOps(comm, groups, self.device))
+        tracker = BackwardTracker(driver, self._ensure_final_callback, lambda: ctx.local)
+        ctx = RootContext(states=states, comm=comm, driver=driver, backward=tracker)
         names = {id(m): name for name, m in root_module.named_modules()}
         param_names = {id(p): name for name, p in root_module.named_parameters()}
         for state in states:
@@ -196,26 +193,16 @@ class FSDPState:
             group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
         self.ctx.local = is_local_tree(groups)
         enter_local_forward(groups, self.ctx.local)
-        self.ctx.comm.pool.retain = True  # forward's groups reuse each other's buffers
         for group in groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 group.reshard()  # its slices predate any optimizer step since: drop them
-        self.ctx.schedule.begin_forward()
+        self.ctx.driver.root_pre_forward()
 
     def _group_pre_forward(self, group: FSDPParamGroup, module: nn.Module) -> None:
         assert self.ctx is not None
         if not self._forward_pending:
             self._forward_pending = {id(m) for m in self.modules}
-            group.training_state = TrainingState.FORWARD
-            group.unshard()
-            group.wait_for_unshard()
-            targets = self.ctx.schedule.ran_forward(group, group.options.forward_prefetch)
-            if observe.has_subscribers():
-                observe.emit(observe.StateTransitionEvent(group.fqn, "pre_forward"))
-            # After this group's wait, before its compute is queued: on CUDA the next
-            # all-gather runs beside this compute. See [Note: gpu schedule].
-            for target in targets:
-                target.unshard()
+            self.ctx.driver.pre_forward(group)
         elif not group.registered_unsharded:
             group.wait_for_unshard()
 
@@ -232,7 +219,8 @@ class FSDPState:
         if group is not None:
             self._forward_pending.discard(id(module))
             if not self._forward_pending:
-                self._group_post_forward(group)
+                assert self.ctx is not None
+                self.ctx.driver.post_forward(group)
         output = self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
@@ -240,27 +228,11 @@ class FSDPState:
             self._root_post_forward()
         return output
 
-    def _group_post_forward(self, group: FSDPParamGroup) -> None:
-        assert self.ctx is not None
-        _apply_after_forward(group)
-        group.training_state = TrainingState.IDLE
-        self.ctx.schedule.finished_forward(group)
-        if observe.has_subscribers():
-            observe.emit(observe.StateTransitionEvent(group.fqn, "post_forward"))
-
     def _root_post_forward(self) -> None:
         assert self.ctx is not None
-        # Activations peak now, at the turn to backward: idle communication buffers would add
-        # to that peak, so they go back to the allocator and backward keeps none.
-        self.ctx.comm.pool.retain = False
-        self.ctx.comm.pool.clear()
-        if self.ctx.local:
-            return  # every group stays unsharded: it is its shards
-        # Groups that were prefetched but never ran, or list groups only partly run; not one
-        # still inside its forward (the root is nested in it).
-        for group in self.groups:
-            if group.is_unsharded and group.training_state is not TrainingState.FORWARD:
-                _apply_after_forward(group)
+        # Groups that were prefetched but never ran, or list groups only partly run. A local
+        # tree's stay unsharded: each is its shards.
+        self.ctx.driver.root_post_forward([] if self.ctx.local else self.groups)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -269,7 +241,7 @@ class FSDPState:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
                 if self.group is not None and self.ctx is not None:
-                    self.ctx.schedule.output_needs_grad(self.group)
+                    self.ctx.driver.output_needs_grad(self.group)
         return output
 
     # --- backward ---------------------------------------------------------------------------
@@ -277,23 +249,9 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         PROGRESS.enter("backward")
         self._ensure_final_callback()
-        group = self.group
-        if group is None or group.training_state in (
-            TrainingState.PRE_BACKWARD,
-            TrainingState.POST_BACKWARD,
-        ):
-            return
-        group.training_state = TrainingState.PRE_BACKWARD
-        if observe.has_subscribers():
-            observe.emit(observe.StateTransitionEvent(group.fqn, "pre_backward"))
-        if group.options.unshard_in_backward:
-            group.unshard()
-            group.wait_for_unshard()
-        assert self.ctx is not None
-        for target in self.ctx.schedule.backward_prefetch(
-            group, group.options.backward_prefetch, _started_backward
-        ):
-            target.unshard()
+        if self.group is not None:
+            assert self.ctx is not None
+            self.ctx.driver.pre_backward(self.group)
 
     def _ensure_final_callback(self) -> None:
         ctx = self.ctx
@@ -313,30 +271,9 @@ class FSDPState:
         groups = self.groups
         last = all(g.options.is_last_backward for g in groups)
         at_end, ctx.local = ctx.local and last, False
-        ctx.backward.settle(groups, assign_now=at_end)
-        if last:
-            self.finish_reductions()
-        for group in groups:
-            if group.options.reshard_after_backward:
-                group.reshard()
-            group.training_state = TrainingState.IDLE
+        ctx.driver.final_callback(groups, last=last, assign_now=at_end)
         ctx.backward.reset()
-        ctx.schedule.end_backward()
         PROGRESS.enter("idle")
-
-    def finish_reductions(self) -> None:
-        """Wait for every reduce-scatter in flight and assign the sharded gradients.
-
-        With parameters offloaded to pinned memory, the host then waits for the copies to and
-        from it: the gradients copied back, and the shards copied to the device, which the
-        optimizer step is about to read and write. See [Note: gpu schedule] (CPU offload).
-        """
-        assert self.ctx is not None
-        comm = self.ctx.comm
-        comm.finish_all()
-        if any(g.pin_memory for g in self.groups):
-            comm.host_copies.record(self.device)  # after every copy this backward queued
-        comm.host_copies.wait()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -353,7 +290,7 @@ class FSDPState:
         self.ctx.backward.reset()
         for state in self.ctx.states:
             state._forward_pending.clear()
-        self.ctx.schedule.reset()
+        self.ctx.driver.schedule.reset()
         self.ctx.final_callback_queued = False
         self.ctx.local = False
         PROGRESS.enter("idle")
@@ -373,34 +310,6 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
-
-
-def _apply_after_forward(group: FSDPParamGroup) -> None:
-    """Free, keep or slice ``group``'s full parameters, as its ``reshard_after_forward`` says."""
-    action = after_forward(group.options.reshard_after_forward)
-    if action is AfterForward.KEEP or _stays_unsharded(group):
-        return
-    if action is AfterForward.FREE:
-        group.reshard()
-    else:
-        group.reshard_post_forward()
-
-
-def _started_backward(group: FSDPParamGroup) -> bool:
-    """Whether backward already reached ``group`` (gathering it again would be wasted)."""
-    return group.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-
-
-def _stays_unsharded(group: FSDPParamGroup) -> bool:
-    """Whether a group keeps its full parameters from forward to backward whatever its policy.
-
-    A group whose full parameters view its shards (one shard rank, nothing to cast or move)
-    frees nothing by resharding: after a forward that backward will follow, resharding would
-    only register the DTensors for backward's pre-hook to register the full ones again (at
-    W=1 on a model of many small groups, a tenth of the engine's overhead). Backward's end
-    reshards it, and a forward without gradients reshards it as any group.
-    """
-    return group.storage.aliases_shards and torch.is_grad_enabled()
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:

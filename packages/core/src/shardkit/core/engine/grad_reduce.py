@@ -29,7 +29,6 @@ from shardkit.core.runtime.grad_packing import (
     pack_grads_rank_major,
 )
 from shardkit.core.runtime.protocol import CollectiveHandle
-from shardkit.core.schedule import reductions_to_finish
 
 __all__ = ["AssignInPlace", "GroupReducer", "Packing", "PendingReduce"]
 
@@ -233,12 +232,6 @@ class GroupReducer:
         """
         self.label = label
         world = self.mesh_info.shard_size
-        # Bound the memory of reductions in flight: finish the oldest before allocating this
-        # one's buffers, so two send buffers never coexist at backward's memory peak. The
-        # oldest had a whole group's backward to complete: waiting here is (almost) free.
-        limit = max(comm.max_reduces_in_flight, self.options.max_reduces_in_flight)
-        for _ in range(reductions_to_finish(len(comm.pending_reduces), limit)):
-            comm.finish_oldest()
         if world == 1 and self._assigns_in_place(grads):
             owned = tuple((p, g) for p, g in grads if g is not None)
             grads.clear()

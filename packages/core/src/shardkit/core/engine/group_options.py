@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.core.schedule import MAX_REDUCES_IN_FLIGHT
+
 __all__ = ["GroupOptions"]
 
 
@@ -44,8 +46,9 @@ class GroupOptions:
     mean, or not yet where the division runs after them (``grad_division``)."""
     all_reduce_hook_stream: Any = None
     """The stream ``all_reduce_hook`` runs on (not with HSDP); None: the current stream."""
-    max_reduces_in_flight: int = 1
-    """Reductions of this group's gradients left in flight before the oldest is finished."""
+    max_reduces_in_flight: int = MAX_REDUCES_IN_FLIGHT
+    """Reductions left in flight when this group's starts, before the oldest is finished
+    (the schedule's driver finishes them: ``StepDriver.end_backward``)."""
     reduce_scatter_group: dist.ProcessGroup | None = None
     """A process group of its own for the reduce-scatter; None shares the shard group."""
     custom_all_gather: Any = None

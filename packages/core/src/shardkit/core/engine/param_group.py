@@ -391,33 +391,33 @@ class FSDPParamGroup:
             for p in self.params
         )
 
-    def post_backward(self, *, assign_now: bool = False) -> None:
-        """Start reducing this group's gradients and reshard (per the options).
+    def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]] | None:
+        """Take the full gradients for a reduction; None when none starts.
 
-        Called by ``backward.BackwardTracker`` alone, which decides when a group's backward
-        is over. See [Note: post-backward trigger].
+        Without gradient sync (``set_requires_gradient_sync(False)``), they are kept as
+        unsharded gradients for the next backward to add to, and nothing is reduced. The
+        schedule's driver calls this where a group's backward ends: see
+        [Note: post-backward trigger].
+        """
+        if not self.options.reduce_grads:
+            for p in self.trainable:
+                p.stash_unsharded_grad(self.reduce_dtype)
+            return None
+        return self.reducer.take_grads(self.trainable) or None
+
+    def start_reduction(
+        self, grads: list[tuple[FSDPParam, torch.Tensor | None]], *, assign_now: bool
+    ) -> None:
+        """Issue the reduction of what :meth:`take_grads` took.
 
         Args:
+            grads: the taken gradients (emptied once packed).
             assign_now: a local tree's end of backward: gradients that are their own
                 reduction are assigned at once, not queued for the callback to finish right
                 after.
         """
-        self.training_state = TrainingState.POST_BACKWARD
-        if observe.has_subscribers():
-            observe.emit(observe.StateTransitionEvent(self.fqn, "post_backward"))
-        chosen = []
-        if not self.options.reduce_grads:
-            for p in self.trainable:
-                p.stash_unsharded_grad(self.reduce_dtype)
-        else:
-            chosen = self.reducer.take_grads(self.trainable)
-        # The gradients are taken: the full parameters are done with. Free them before the
-        # reduction allocates its buffers (as torch does), or both would peak together.
-        if self.options.reshard_after_backward:
-            self.reshard()
-        if chosen:
-            assert self.comm is not None
-            self.reducer.start(chosen, self.comm, self.fqn, assign_now=assign_now)
+        assert self.comm is not None
+        self.reducer.start(grads, self.comm, self.fqn, assign_now=assign_now)
 
     def drop_pending_state(self) -> None:
         """Forget in-flight work and unreduced gradients (recovery after an exception)."""

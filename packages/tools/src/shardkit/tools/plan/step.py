@@ -27,7 +27,7 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   flat buffer; the reduce-scatter send buffer (W rows) and, on gloo
   with W > 2, W-1 received rows and their sum. The buffer pool keeps one idle buffer per
   size that two or more groups borrow (the core's ``pooled_sizes``), in forward only.
-- At most one reduction is in flight (the engine's ``max_reduces_in_flight = 1``): when the
+- At most one reduction is in flight (the engine's default, ``MAX_REDUCES_IN_FLIGHT``): when the
   next group's reduction starts, it first finishes the one in flight (wait, all-reduce across
   HSDP replicas, divide, assign the output as the sharded gradients) and returns that one's
   send buffer, and only then allocates its own buffers. The root's end-of-backward callback
@@ -53,18 +53,16 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardkit.core.layout import pooled_sizes
 from shardkit.core.schedule import (
+    MAX_REDUCES_IN_FLIGHT,
     AfterForward,
+    StepDriver,
     StepSchedule,
     TrainingState,
-    after_forward,
-    count_ends_backward,
-    ends_at_callback,
-    inputs_end_backward,
-    reductions_to_finish,
     root_reshards_after_forward,
 )
 from shardkit.tools.plan.groups import GroupSpec
@@ -139,12 +137,25 @@ def simulate_step(inputs: StepInputs) -> StepResult:
     )
 
 
-# The engine's default: one reduction in flight (``max_reduces_in_flight``).
-_REDUCES_IN_FLIGHT = 1
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """A planned group's switches (``schedule.GroupSettings``): the engine's defaults."""
+
+    reshard_after_forward: bool | int
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    max_reduces_in_flight: int = MAX_REDUCES_IN_FLIGHT
+    forward_prefetch: Sequence[int] | None = None
+    backward_prefetch: Sequence[int] | None = None
 
 
 class _Step:
-    """The engine's hooks, replayed on sizes: the decisions are the engine's ``schedule``."""
+    """The engine's step on sizes: the engine's ``schedule.StepDriver`` runs it.
+
+    This class is the driver's ``StepOps`` on group indices (what gathering, freeing and
+    reducing allocate and send) and the trace's replay (what autograd would report); the
+    order of the operations at each hook is the driver's, never restated here.
+    """
 
     def __init__(self, inputs: StepInputs) -> None:
         self.inputs = inputs
@@ -158,15 +169,17 @@ class _Step:
         self.calls: list[CollectiveCall] = []
         self.events: list[tuple[str, str]] = []
         count = len(self.groups)
-        self.raf = [self._reshards_after_forward(i) for i in range(count)]
+        self._settings = [_Settings(reshard_after_forward=self._policy(i)) for i in range(count)]
+        self.raf = [self._policy(i) is not False for i in range(count)]
         self.unsharded = [False] * count
         self.pending = [False] * count
-        self.state = [TrainingState.IDLE] * count
+        self.state_of = [TrainingState.IDLE] * count
         self.reduces: deque[int] = deque()
         events = inputs.trace.events
         # Steady state: the previous step ran forward in the order this one does.
-        self.schedule: StepSchedule[int] = StepSchedule()
-        self.schedule.forward_order = [e.group for e in events if e.kind == "pre"]
+        schedule: StepSchedule[int] = StepSchedule()
+        schedule.forward_order = [e.group for e in events if e.kind == "pre"]
+        self.driver = StepDriver(self, schedule)
         self.first_pre: dict[int, int] = {}
         self.inputs_need_grad: set[int] = set()
         for index, event in enumerate(events):
@@ -176,12 +189,13 @@ class _Step:
                     self.inputs_need_grad.add(event.group)
         self.grads_in: set[int] = set()  # groups whose every trainable gradient is in
 
-    def _reshards_after_forward(self, index: int) -> bool:
+    def _policy(self, index: int) -> bool | int:
+        """Group ``index``'s ``reshard_after_forward``, the root's adjusted as the engine does."""
         value = self.inputs.options.reshard_after_forward
-        policy = True if value is None else value
+        policy: bool | int = True if value is None else value
         if index == self.inputs.root:
-            policy = bool(root_reshards_after_forward(policy, is_default=value is None))
-        return after_forward(policy) is not AfterForward.KEEP
+            policy = root_reshards_after_forward(policy, is_default=value is None)
+        return policy
 
     # --- persistent state ------------------------------------------------------------------
 
@@ -208,8 +222,7 @@ class _Step:
     def forward(self) -> None:
         ledger, trace = self.ledger, self.inputs.trace
         ledger.phase = Phase.FORWARD
-        self.pool.retain = True
-        self.schedule.begin_forward()
+        self.driver.root_pre_forward()
         owners = self._segment_owners()
         for j, nbytes in enumerate(trace.activation_bytes):
             ledger.module = owners[j]
@@ -220,15 +233,13 @@ class _Step:
                 event = trace.events[j]
                 ledger.module = self.groups[event.group].fqn
                 if event.kind == "pre":
-                    self._pre_forward(event.group)
+                    if self.state_of[event.group] is not TrainingState.FORWARD:
+                        self.driver.pre_forward(event.group)  # (the first module of a list)
                 else:
-                    self._post_forward(event.group, event.needs_grad)
-        # The root's post-forward: idle buffers go back, prefetched-but-unused groups reshard.
-        self.pool.retain = False
-        self.pool.clear()
-        for i in range(len(self.groups)):
-            if self.raf[i]:
-                self._reshard(i)
+                    self.driver.post_forward(event.group)
+                    if event.needs_grad:
+                        self.driver.output_needs_grad(event.group)
+        self.driver.root_post_forward(range(len(self.groups)))
         ledger.module = ""
         if trace.loss_bytes:  # then the loss, outside the model; backward takes it over
             ledger.alloc(("loss", 0), Category.OTHER, trace.loss_bytes, "loss")
@@ -245,28 +256,39 @@ class _Step:
                 stack.pop()
         return [*owners, stack[-1]]
 
-    def _pre_forward(self, g: int) -> None:
-        if self.state[g] is TrainingState.FORWARD:
-            return  # a module of the group's list, after the first: the group is gathered
-        self.state[g] = TrainingState.FORWARD
-        self._unshard(g, "all-gather")
-        self._wait(g)
-        targets = self.schedule.ran_forward(g, None)
-        self._event("pre_forward", g)
-        for target in targets:
-            self._unshard(target, "all-gather (prefetch)")
+    # --- the driver's operations (``schedule.StepOps``) on group indices ---------------------
 
-    def _post_forward(self, g: int, needs_grad: bool) -> None:
-        if self.raf[g]:
-            self._reshard(g)
-        self.state[g] = TrainingState.IDLE
-        self.schedule.finished_forward(g)
-        self._event("post_forward", g)
-        if needs_grad:
-            self.schedule.output_needs_grad(g)
+    def settings(self, group: int) -> _Settings:
+        """The planned group's switches."""
+        return self._settings[group]
 
-    def _event(self, what: str, g: int) -> None:
-        self.events.append((what, self.groups[g].fqn))
+    def state(self, group: int) -> TrainingState:
+        """The group's training state."""
+        return self.state_of[group]
+
+    def set_state(self, group: int, state: TrainingState) -> None:
+        """Move the group to ``state``; backward's allocations from here on are its own."""
+        self.state_of[group] = state
+        if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            self.ledger.module = self.groups[group].fqn
+
+    def event(self, what: str, group: int) -> None:
+        """Record one of the engine's state transitions."""
+        self.events.append((what, self.groups[group].fqn))
+
+    def keep_idle_buffers(self, keep: bool) -> None:
+        """The pool keeps idle buffers (forward), or gives every one back."""
+        self.pool.retain = keep
+        if not keep:
+            self.pool.clear()
+
+    def is_unsharded(self, group: int) -> bool:
+        """Whether the group's full parameters are in, or being gathered."""
+        return self.unsharded[group] or self.pending[group]
+
+    def free_after_forward(self, group: int, action: AfterForward) -> None:
+        """Free the full parameters (*approximate* for SLICE: the 1/n slice is not kept)."""
+        self.reshard(group)
 
     # --- unshard / reshard -----------------------------------------------------------------
 
@@ -274,32 +296,36 @@ class _Step:
         # gloo gathers by direct exchange, where this rank's own row never needs a buffer.
         return self.groups[g].layout.all_gather_receive_bytes(exchange=self.gloo)
 
-    def _unshard(self, g: int, label: str) -> None:
+    def unshard(self, group: int, *, prefetch: bool = False) -> None:
+        """Issue the all-gather: its receive buffer (and staging copy) from the pool."""
+        g, label = group, "all-gather (prefetch)" if prefetch else "all-gather"
         if self.unsharded[g] or self.pending[g]:
             return
         self.pending[g] = True
-        group = self.groups[g]
-        layout = group.layout
+        spec = self.groups[g]
+        layout = spec.layout
         if layout.stages_gather_input(exchange=self.gloo):
             nbytes = layout.all_gather_input_bytes
-            self.pool.get(nbytes, ("staging", g), f"{label} {group.fqn}: staging copy")
+            self.pool.get(nbytes, ("staging", g), f"{label} {spec.fqn}: staging copy")
         if self.world > 1:
             nbytes = layout.all_gather_input_bytes
             self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
-            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {group.fqn}")
+            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {spec.fqn}")
         # At W=1 nothing is gathered: the shards are (or are copied into) the parameters.
-        self._event("unshard", g)
+        self.event("unshard", g)
 
-    def _wait(self, g: int) -> None:
+    def wait(self, group: int) -> None:
+        """The gather lands: the unsharded buffer is allocated, the pool's buffers go back."""
+        g = group
         if not self.pending[g]:
             if not self.unsharded[g]:
-                self._unshard(g, "all-gather")
-                self._wait(g)
+                self.unshard(g)
+                self.wait(g)
             return
         self.pending[g] = False
-        group = self.groups[g]
-        label = f"unshard {group.fqn}"
-        layout = group.layout
+        spec = self.groups[g]
+        label = f"unshard {spec.fqn}"
+        layout = spec.layout
         nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
         self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
         if self.world > 1:
@@ -308,13 +334,15 @@ class _Step:
             self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
-    def _reshard(self, g: int) -> None:
+    def reshard(self, group: int) -> None:
+        """Free the unsharded buffer (landing a gather nobody waited for first)."""
+        g = group
         if self.pending[g]:
-            self._wait(g)
+            self.wait(g)
         if self.unsharded[g]:
             self.ledger.free(("unsharded", g))
             self.unsharded[g] = False
-            self._event("reshard", g)
+            self.event("reshard", g)
 
     def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
         # torchtitan's axis names: "dp" alone, "dp_shard" and "dp_replicate" under HSDP.
@@ -362,16 +390,19 @@ class _Step:
                 self.grads_in.add(g)  # rule 1 of the engine's backward: the count completes
                 pending = self._frozen(g) and g in self.inputs_need_grad
                 pending = pending and self.first_pre[g] < j - 1
-                if count_ends_backward(self.state[g], inputs_pending=pending):
-                    self._post_backward(g)
+                self.driver.grads_complete(g, inputs_pending=pending)
             event = trace.events[j - 1] if j > 0 else None
             if event is not None and event.kind == "post" and event.needs_grad:
-                self._pre_backward(event.group)
-            elif event is not None and self._inputs_done(event.group, j - 1):
-                self._post_backward(event.group)  # rule 2: its inputs' gradients are made
+                self.driver.pre_backward(event.group)
+            elif event is not None and self._inputs_watched_at(event.group, j - 1):
+                # Rule 2: backward is through the group's inputs at its first pre-forward.
+                g = event.group
+                complete = not self.groups[g].trainable or g in self.grads_in
+                self.driver.inputs_done(g, count_complete=complete)
         for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
-        self._final_callback()
+        ledger.module = ""
+        self.driver.final_callback(range(len(self.groups)), last=True, assign_now=False)
 
     def _frozen(self, g: int) -> bool:
         """Whether group ``g`` has frozen parameters (its inputs' gradients are watched)."""
@@ -402,44 +433,45 @@ class _Step:
         ledger.set(activations, Category.ACTIVATIONS, profile.activations_after, "activations")
         ledger.set(scratch, Category.OTHER, profile.scratch_after, "activation gradients")
 
-    def _pre_backward(self, g: int) -> None:
-        if self._started(g):
-            return
-        self.state[g] = TrainingState.PRE_BACKWARD
-        self.ledger.module = self.groups[g].fqn
-        self._event("pre_backward", g)
-        self._unshard(g, "all-gather")
-        self._wait(g)
-        for target in self.schedule.backward_prefetch(g, None, self._started):
-            self._unshard(target, "all-gather (prefetch)")
-
-    def _started(self, g: int) -> bool:
-        return self.state[g] in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-
-    def _inputs_done(self, g: int, index: int) -> bool:
-        """Whether backward through group ``g``'s inputs, at event ``index``, ends its backward.
+    def _inputs_watched_at(self, g: int, index: int) -> bool:
+        """Whether backward goes through group ``g``'s watched inputs at event ``index``.
 
         The engine watches the inputs of a group with frozen parameters; backward is through
-        them at the group's (first) pre-forward event.
+        them at its first pre-forward event.
         """
-        if not (self._frozen(g) and g in self.inputs_need_grad and self.first_pre[g] == index):
-            return False
-        complete = not self.groups[g].trainable or g in self.grads_in
-        return inputs_end_backward(self.state[g], count_complete=complete)
+        return self._frozen(g) and g in self.inputs_need_grad and self.first_pre[g] == index
 
     def _grad_keys(self, g: int) -> list[Key]:
         keys = [self._grad_key(g, p) for p in range(len(self.groups[g].params))]
         return [k for k in keys if k in self.ledger.live]
 
-    def _post_backward(self, g: int) -> None:
-        self.state[g] = TrainingState.POST_BACKWARD
-        self.ledger.module = self.groups[g].fqn
-        self._event("post_backward", g)
-        keys = self._grad_keys(g)
-        self._reshard(g)  # the gradients are taken: the full parameters go before the reduction
-        if keys:
-            self._settle_partial_grads(g)
-            self._start_reduce(g, keys)
+    def holds_grads(self, group: int) -> bool:
+        """Whether unsharded gradients of the group are alive, not yet reduced."""
+        return bool(self._grad_keys(group))
+
+    def take_grads(self, group: int) -> list[Key] | None:
+        """The group's live unsharded gradients (None: none); tp's partial ones settled.
+
+        The engine's sharding extension all-reduces them over tp as it takes them.
+        """
+        keys = self._grad_keys(group)
+        if not keys:
+            return None
+        self._settle_partial_grads(group)
+        return keys
+
+    def reductions_in_flight(self) -> int:
+        """Reductions started and not finished."""
+        return len(self.reduces)
+
+    def finish_oldest_reduction(self) -> None:
+        """Finish the oldest reduction; its buffers go before the next one allocates."""
+        self._release(self._finish_reduce(self.reduces.popleft()))
+
+    def finish_reductions(self) -> None:
+        """The end-of-backward callback finishes every reduction."""
+        while self.reduces:
+            self.finish_oldest_reduction()
 
     def _settle_partial_grads(self, g: int) -> None:
         """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
@@ -451,10 +483,10 @@ class _Step:
                 n = param.numel * param.comm_dtype.itemsize
                 self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
 
-    def _start_reduce(self, g: int, grad_keys: list[Key]) -> None:
-        for _ in range(reductions_to_finish(len(self.reduces), _REDUCES_IN_FLIGHT)):
-            # The engine drops a finished reduction's buffers before allocating the next.
-            self._release(self._finish_reduce(self.reduces.popleft()))
+    def start_reduction(self, group_index: int, grads: object, *, assign_now: bool) -> None:
+        """Allocate the reduction's buffers (the gradients packed and freed) and send it."""
+        g, grad_keys = group_index, grads
+        assert isinstance(grad_keys, list)
         group = self.groups[g]
         layout = group.layout
         row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
@@ -511,18 +543,6 @@ class _Step:
                 self.pool.put(pool_size, key)
             else:
                 self.ledger.free(key)
-
-    def _final_callback(self) -> None:
-        self.ledger.module = ""
-        for g in range(len(self.groups)):
-            if ends_at_callback(self.state[g], holds_grads=bool(self._grad_keys(g))):
-                self._post_backward(g)
-        while self.reduces:
-            self._release(self._finish_reduce(self.reduces.popleft()))
-        for g in range(len(self.groups)):
-            self._reshard(g)
-            self.state[g] = TrainingState.IDLE
-        self.schedule.end_backward()
 
     # --- optimizer -------------------------------------------------------------------------
 
