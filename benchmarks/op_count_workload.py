@@ -185,5 +185,5 @@ def _packing(fused: bool) -> Iterator[None]:
         yield
         return
     always: Callable[[torch.device], bool] = lambda device: True  # noqa: E731
-    with mock.patch("shardkit.core.engine.grad_reduce.prefers_fused_packing", always):
+    with mock.patch("shardkit.core.engine.reduce.reducer.prefers_fused_packing", always):
         yield

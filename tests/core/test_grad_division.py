@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as torch_collectives
 
 from harness.pool import run_on_ranks
-from shardkit.core.engine.grad_division import plan_division
+from shardkit.core.engine.reduce.division import plan_division
 from shardkit.core.runtime.reduction import AVG, SUM, Reduction
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

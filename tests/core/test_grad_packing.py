@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.core.runtime.buffers import copy_out_unsharded, shard_geometry
-from shardkit.core.runtime.grad_packing import (
+from shardkit.core.engine.reduce.packing import (
     pack_dim0_grads_fused,
     pack_even_dim0_grads,
     pack_grads_rank_major,
 )
+from shardkit.core.runtime.buffers import copy_out_unsharded, shard_geometry
 from shardkit.tools import OpCounter
 
 

@@ -36,7 +36,8 @@ def test_root_only_sharding(world_size: int) -> None:
 
 def _accelerator_packing_body(rank: int, world_size: int, run: Run) -> dict[str, Trace]:
     # Gradients packed as on a GPU: one _chunk_cat per group, padding and casts included.
-    with mock.patch("shardkit.core.engine.grad_reduce.prefers_fused_packing", lambda device: True):
+    fused = "shardkit.core.engine.reduce.reducer.prefers_fused_packing"
+    with mock.patch(fused, lambda device: True):
         return parity_body(rank, world_size, run)
 
 

@@ -33,7 +33,7 @@ class GroupOptions:
     gradient_divide_factor: float | None = None
     """Divide summed gradients by this; None means the data-parallel world size."""
     force_sum_reduction: bool = False
-    """Collectives only sum; the division runs as kernels of its own (``grad_division``)."""
+    """Collectives only sum; the division runs as kernels of its own (``reduce/division``)."""
     unshard_in_backward: bool = True
     """Gather parameters before this group's backward (False if backward does not use them)."""
     reduce_scatter_unused_params: bool = False
@@ -43,7 +43,7 @@ class GroupOptions:
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     """Runs on each reduced gradient, after the HSDP all-reduce: divided by the collectives'
-    mean, or not yet where the division runs after them (``grad_division``)."""
+    mean, or not yet where the division runs after them (``reduce/division``)."""
     all_reduce_hook_stream: Any = None
     """The stream ``all_reduce_hook`` runs on (not with HSDP); None: the current stream."""
     max_reduces_in_flight: int = MAX_REDUCES_IN_FLIGHT

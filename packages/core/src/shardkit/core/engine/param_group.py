@@ -17,13 +17,13 @@ from shardkit.core import observe
 from shardkit.core.engine.buffer_layout import group_layout
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.gather_hooks import GroupHooks
-from shardkit.core.engine.grad_reduce import GroupReducer
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.group_storage import GroupStorage, StoragePlan
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.post_forward import PostForwardShard
+from shardkit.core.engine.reduce import GroupReducer
 from shardkit.core.engine.state_machines import (
     SHARDED_TRANSITIONS,
     TRAINING_TRANSITIONS,

@@ -5,6 +5,12 @@ then summed) fold a gradient's division into the collective itself: NCCL does it
 reduction kernel, so a step launches no separate division per group. Backends that cannot
 (gloo has no scaled sum; a shard group of one rank has no collective at all) get the same
 result from :meth:`Reduction.finish_sum` on the plain sum, which divides afterwards.
+
+Which operation each stage of a gradient reduction uses is the engine's choice
+(``engine/reduce/division.py``). The type lives here, below the engine, because the runtime
+takes it: ``CollectiveRuntime``'s reduce-scatter and all-reduce are typed with it, and the
+runtime's handles finish gloo's and one rank's plain sums with it; the runtime imports
+nothing from the engine.
 """
 
 from __future__ import annotations

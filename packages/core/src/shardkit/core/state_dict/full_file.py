@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.reduce import pack_grads_rank_major
 from shardkit.core.runtime.agreement import from_rank
 from shardkit.core.runtime.collectives import (
     broadcast_from,
@@ -34,7 +35,6 @@ from shardkit.core.runtime.collectives import (
     ranks_where,
     scatter_from_first,
 )
-from shardkit.core.runtime.grad_packing import pack_grads_rank_major
 from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
 from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
 from shardkit.core.state_dict.file_readers import StateDictReader, open_reader

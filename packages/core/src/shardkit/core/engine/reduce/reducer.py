@@ -1,9 +1,11 @@
 """Gradient reduction of one parameter group: pack, reduce-scatter, all-reduce, assign.
 
 The full gradients of the group's trainable parameters are packed rank-major into one (W, S)
-buffer (row r: rank r's padded shards), reduced with one collective, optionally all-reduced
-across HSDP replicas, divided, and assigned as DTensor gradients that view the result (or
-added to gradients already there). See [Note: flat group buffers].
+buffer (row r: rank r's padded shards; ``packing``), reduced with one collective, optionally
+all-reduced across HSDP replicas, divided (``division``), and assigned as DTensor gradients
+that view the result, or added to gradients already there (``assign``). Until it finishes, a
+reduction in flight is a ``PendingReduce`` (or an ``AssignInPlace``).
+See [Note: flat group buffers].
 """
 
 from __future__ import annotations
@@ -15,87 +17,18 @@ import torch
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
-from shardkit.core.engine.grad_division import Division, plan_division
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.runtime.buffers import ShardGeometry
+from shardkit.core.engine.reduce.assign import assign_reduced
+from shardkit.core.engine.reduce.division import Division, plan_division
+from shardkit.core.engine.reduce.packing import Packing
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing
-from shardkit.core.runtime.dtensors import accumulate_grads, has_post_accumulate_grad_hooks
-from shardkit.core.runtime.grad_packing import (
-    pack_dim0_grads_fused,
-    pack_even_dim0_grads,
-    pack_grads_rank_major,
-)
+from shardkit.core.runtime.dtensors import accumulate_grads
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["AssignInPlace", "GroupReducer", "Packing", "PendingReduce"]
-
-
-@dataclass(frozen=True, slots=True)
-class Packing:
-    """Which parameters one reduction carries, and where each sits in a row of it."""
-
-    params: tuple[FSDPParam, ...]
-    offsets: tuple[int, ...]
-    """Element offset of each parameter's padded shard within a row."""
-    numel: int
-    """S: a row's elements (one rank's padded shards, and any gaps between them)."""
-    geometries: tuple[ShardGeometry, ...]
-    """Each parameter's shard geometry."""
-    even_dim0: bool
-    """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
-    dim0_packed: bool
-    """Whether every shard is dim-0 and not empty, back to back from column 0 with no gaps:
-    ``pack_dim0_grads_fused`` packs them."""
-    gaps_after: tuple[int, ...] = ()
-    """Columns after each parameter's shard that no parameter fills (a flat-shard layout's
-    alignment, and its tail): zeroed at each packing, so the reduced tensor holds zeros there.
-    Empty: none anywhere."""
-
-    @staticmethod
-    def of(params: Sequence[FSDPParam]) -> Packing:
-        """Lay ``params`` out one after another."""
-        offsets: list[int] = []
-        cursor = 0
-        for p in params:
-            offsets.append(cursor)
-            cursor += p.geometry.shard_numel
-        return Packing.at(params, offsets, cursor)
-
-    @staticmethod
-    def at(params: Sequence[FSDPParam], offsets: Sequence[int], numel: int) -> Packing:
-        """Lay ``params`` out at increasing element offsets in rows of ``numel`` elements."""
-        geometries = tuple(p.geometry for p in params)
-        ends = [o + g.shard_numel for o, g in zip(offsets, geometries, strict=True)]
-        nexts = [*offsets[1:], numel]
-        gaps_after = tuple(b - a for a, b in zip(ends, nexts, strict=False))
-        if offsets and (offsets[0] != 0 or min(gaps_after) < 0):
-            raise ValueError(f"offsets {list(offsets)} do not lay the shards out in order")
-        # An empty gradient cannot be viewed as (W, -1): the general path packs those.
-        dim0 = all(g.dim == 0 and g.shard_numel for g in geometries)
-        return Packing(
-            tuple(params),
-            tuple(offsets),
-            numel,
-            geometries,
-            dim0 and all(g.is_even for g in geometries),
-            dim0 and not any(gaps_after),
-            gaps_after if any(gaps_after) else (),
-        )
-
-    def pack(
-        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor, *, fused: bool = False
-    ) -> None:
-        """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype.
-
-        ``fused``: one ``_chunk_cat`` where it can (the device prefers one kernel per group).
-        """
-        if fused and self.dim0_packed and pack_dim0_grads_fused(grads, out):
-            return
-        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, self.gaps_after)):
-            pack_grads_rank_major(grads, self.geometries, self.offsets, out, self.gaps_after)
+__all__ = ["AssignInPlace", "GroupReducer", "PendingReduce"]
 
 
 @dataclass(slots=True)
@@ -203,7 +136,7 @@ class GroupReducer:
 
     @property
     def division(self) -> Division:
-        """Where this group's next reduction divides (see ``grad_division``)."""
+        """Where this group's next reduction divides (see ``division``)."""
         opts = self.options
         return plan_division(
             self.dtype,
@@ -349,38 +282,6 @@ class GroupReducer:
                 hook(reduced)  # divided by the collectives, not yet by ``post``
         if pending.division.post != 1:
             reduced.div_(pending.division.post)
-        self._assign(reduced, pending.packing, comm)
-
-    def _assign(self, reduced: torch.Tensor, packing: Packing, comm: CommContext) -> None:
-        dtypes = {p.orig_dtype for p in packing.params}
-        if len(dtypes) == 1 and reduced.dtype not in dtypes:
-            reduced = reduced.to(dtypes.pop())  # one cast for the whole group
-        if self.offload:
-            # Into pinned memory without blocking only if nothing on the host reads the copy
-            # before backward's end waits for it. See [Note: gpu schedule] (CPU offload).
-            overlap = self.pin_memory and not _read_on_host(packing, reduced.dtype)
-            reduced = comm.host_copies.to_host(reduced, non_blocking=overlap)
-        for p, offset in zip(packing.params, packing.offsets, strict=True):
-            local = p.local_at(reduced, offset)
-            if local.dtype != p.orig_dtype:
-                local = local.to(p.orig_dtype)
-            self.assign_local(p, local)
-
-    @staticmethod
-    def assign_local(p: FSDPParam, local: torch.Tensor) -> None:
-        """Give ``p``'s sharded parameter the gradient ``local`` (its shard), or add it."""
-        accumulate_grads(((p.sharded_param, local),))
-
-
-def _read_on_host(packing: Packing, dtype: torch.dtype) -> bool:
-    """Whether assigning ``packing``'s gradients (of ``dtype``) reads them on the host at once.
-
-    Adding to a gradient there, casting to a parameter's dtype, and hooks that run once a
-    gradient is assigned (optimizer-in-backward) all do.
-    """
-    return any(
-        p.orig_dtype != dtype
-        or p.sharded_param.grad is not None
-        or has_post_accumulate_grad_hooks(p.sharded_param)
-        for p in packing.params
-    )
+        assign_reduced(
+            reduced, pending.packing, comm, offload=self.offload, pin_memory=self.pin_memory
+        )

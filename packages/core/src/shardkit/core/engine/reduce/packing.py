@@ -1,7 +1,8 @@
 """Packing full gradients into a reduce-scatter's (W, S) input: row r is rank r's shards.
 
-Three ways, each writing the same bytes, each in a number of kernels that neither the world
-size nor (but for views) the number of parameters changes:
+:class:`Packing` says which parameters one reduction carries and where each sits in a row;
+three kernels write the rows, each the same bytes, each in a number of kernels that neither
+the world size nor (but for views) the number of parameters changes:
 
 - :func:`pack_dim0_grads_fused`: one ``_chunk_cat`` for the group, padding and cast included
   (torch's ``fully_shard`` packs so); the engine's way on accelerators, where every kernel
@@ -12,18 +13,85 @@ size nor (but for views) the number of parameters changes:
   gradients as zeros, gaps): one ``_foreach_copy_`` of every piece and one ``_foreach_zero_``
   of every padding, as fast on CPU as a copy per piece (measured) and two dispatches.
 
-Nothing here knows about process groups. See [Note: flat group buffers].
+The kernels know nothing about process groups. See [Note: flat group buffers].
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 
-__all__ = ["pack_dim0_grads_fused", "pack_even_dim0_grads", "pack_grads_rank_major"]
+__all__ = ["Packing", "pack_dim0_grads_fused", "pack_even_dim0_grads", "pack_grads_rank_major"]
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Which parameters one reduction carries, and where each sits in a row of it."""
+
+    params: tuple[FSDPParam, ...]
+    offsets: tuple[int, ...]
+    """Element offset of each parameter's padded shard within a row."""
+    numel: int
+    """S: a row's elements (one rank's padded shards, and any gaps between them)."""
+    geometries: tuple[ShardGeometry, ...]
+    """Each parameter's shard geometry."""
+    even_dim0: bool
+    """Whether every shard is dim-0, even and not empty: ``pack_even_dim0_grads`` packs them."""
+    dim0_packed: bool
+    """Whether every shard is dim-0 and not empty, back to back from column 0 with no gaps:
+    ``pack_dim0_grads_fused`` packs them."""
+    gaps_after: tuple[int, ...] = ()
+    """Columns after each parameter's shard that no parameter fills (a flat-shard layout's
+    alignment, and its tail): zeroed at each packing, so the reduced tensor holds zeros there.
+    Empty: none anywhere."""
+
+    @staticmethod
+    def of(params: Sequence[FSDPParam]) -> Packing:
+        """Lay ``params`` out one after another."""
+        offsets: list[int] = []
+        cursor = 0
+        for p in params:
+            offsets.append(cursor)
+            cursor += p.geometry.shard_numel
+        return Packing.at(params, offsets, cursor)
+
+    @staticmethod
+    def at(params: Sequence[FSDPParam], offsets: Sequence[int], numel: int) -> Packing:
+        """Lay ``params`` out at increasing element offsets in rows of ``numel`` elements."""
+        geometries = tuple(p.geometry for p in params)
+        ends = [o + g.shard_numel for o, g in zip(offsets, geometries, strict=True)]
+        nexts = [*offsets[1:], numel]
+        gaps_after = tuple(b - a for a, b in zip(ends, nexts, strict=False))
+        if offsets and (offsets[0] != 0 or min(gaps_after) < 0):
+            raise ValueError(f"offsets {list(offsets)} do not lay the shards out in order")
+        # An empty gradient cannot be viewed as (W, -1): the general path packs those.
+        dim0 = all(g.dim == 0 and g.shard_numel for g in geometries)
+        return Packing(
+            tuple(params),
+            tuple(offsets),
+            numel,
+            geometries,
+            dim0 and all(g.is_even for g in geometries),
+            dim0 and not any(gaps_after),
+            gaps_after if any(gaps_after) else (),
+        )
+
+    def pack(
+        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor, *, fused: bool = False
+    ) -> None:
+        """Pack full gradients (None: zeros) rank-major into ``out`` (W, S), cast to its dtype.
+
+        ``fused``: one ``_chunk_cat`` where it can (the device prefers one kernel per group).
+        """
+        if fused and self.dim0_packed and pack_dim0_grads_fused(grads, out):
+            return
+        if not (self.even_dim0 and pack_even_dim0_grads(grads, out, self.gaps_after)):
+            pack_grads_rank_major(grads, self.geometries, self.offsets, out, self.gaps_after)
 
 
 def pack_grads_rank_major(

@@ -1,0 +1,19 @@
+"""A parameter group's gradient reduction, in one room: ``GroupReducer`` is its entry point.
+
+After a group's backward, its full gradients are packed into the rows of one reduce-scatter
+(``packing``), reduced, all-reduced across HSDP replicas, divided where torch divides
+(``division``), cast to the parameters' dtype, copied to the host if offloaded, and assigned
+as the sharded parameters' gradients (``assign``); ``reducer`` tells that story and keeps
+the reductions in flight. The collectives themselves are the runtime's
+(``runtime.collectives``), and so is the operation they reduce with (``runtime.reduction``).
+
+Outside this folder, import from here only. ``pack_grads_rank_major`` is exported for the
+full state dict's loading, which packs full tensors into a scatter's rows the same way.
+"""
+
+from __future__ import annotations
+
+from shardkit.core.engine.reduce.packing import pack_grads_rank_major
+from shardkit.core.engine.reduce.reducer import GroupReducer
+
+__all__ = ["GroupReducer", "pack_grads_rank_major"]
