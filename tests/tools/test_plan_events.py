@@ -208,10 +208,10 @@ def test_a_planner_that_skips_an_operation_fails_the_comparison(
     # all-reduce across replicas).
     engine = run_on_ranks(4, _engine_events, case="plain", mesh_shape=(2, 2))[0]
     assert _planned_events("plain", (2, 2)) == engine
-    from shardkit.tools.plan import step
+    from shardkit.tools.plan.step_ops import LedgerOps
 
-    skipped = {**_SKIPPED, "unshard": _skipped_prefetch(step._Step.unshard)}
+    skipped = {**_SKIPPED, "unshard": _skipped_prefetch(LedgerOps.unshard)}
     for name, replacement in skipped.items():
         with monkeypatch.context() as patch:
-            patch.setattr(step._Step, name, replacement)
+            patch.setattr(LedgerOps, name, replacement)
             assert _planned_events("plain", (2, 2)) != engine, f"skipping {name} went unseen"

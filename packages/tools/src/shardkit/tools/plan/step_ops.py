@@ -1,0 +1,296 @@
+"""The step's operations on sizes: what the planner's step does when the driver runs it.
+
+``shardkit.core.schedule.StepDriver`` decides which operation comes at which hook, for the
+engine (``engine/step_ops.py`` in the core) and for the planner alike. This is the planner's
+side: each operation on a group index allocates and frees on the ledger what the engine's
+allocates and frees, and records the collectives it issues and the events it emits. The
+modelling assumptions are ``step``'s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardkit.core.layout import pooled_sizes
+from shardkit.core.schedule import (
+    MAX_REDUCES_IN_FLIGHT,
+    AfterForward,
+    TrainingState,
+    root_reshards_after_forward,
+)
+from shardkit.tools.plan.ledger import Key, Ledger, Pool
+from shardkit.tools.plan.records import CollectiveCall
+from shardkit.tools.plan.tp_comm import TPCall
+from shardkit.tools.records import Category
+
+if TYPE_CHECKING:
+    from shardkit.tools.plan.step import StepInputs
+
+__all__ = ["LedgerOps"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """A planned group's switches (``schedule.GroupSettings``): the engine's defaults."""
+
+    reshard_after_forward: bool | int
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    max_reduces_in_flight: int = MAX_REDUCES_IN_FLIGHT
+    forward_prefetch: Sequence[int] | None = None
+    backward_prefetch: Sequence[int] | None = None
+
+
+def _policy(inputs: StepInputs, index: int) -> bool | int:
+    """Group ``index``'s ``reshard_after_forward``, the root's adjusted as the engine does."""
+    value = inputs.options.reshard_after_forward
+    policy: bool | int = True if value is None else value
+    if index == inputs.root:
+        policy = root_reshards_after_forward(policy, is_default=value is None)
+    return policy
+
+
+class LedgerOps:
+    """``schedule.StepOps`` on group indices: the bytes each operation allocates and sends."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        """Start from nothing allocated; the step's replay allocates the resident state."""
+        self.inputs = inputs
+        self.groups = inputs.groups
+        self.world = self.groups[0].world
+        self.gloo = inputs.options.backend == "gloo"
+        self.ledger = Ledger()
+        self.pool = Pool(
+            self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
+        )
+        self.calls: list[CollectiveCall] = []
+        self.events: list[tuple[str, str]] = []
+        count = len(self.groups)
+        self._settings = [_Settings(reshard_after_forward=_policy(inputs, i)) for i in range(count)]
+        self.unsharded = [False] * count
+        self.pending = [False] * count
+        self.state_of = [TrainingState.IDLE] * count
+        self.reduces: deque[int] = deque()
+
+    def settings(self, group: int) -> _Settings:
+        """The planned group's switches."""
+        return self._settings[group]
+
+    def state(self, group: int) -> TrainingState:
+        """The group's training state."""
+        return self.state_of[group]
+
+    def set_state(self, group: int, state: TrainingState) -> None:
+        """Move the group to ``state``; backward's allocations from here on are its own."""
+        self.state_of[group] = state
+        if state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            self.ledger.module = self.groups[group].fqn
+
+    def event(self, what: str, group: int) -> None:
+        """Record one of the engine's state transitions."""
+        self.events.append((what, self.groups[group].fqn))
+
+    def keep_idle_buffers(self, keep: bool) -> None:
+        """The pool keeps idle buffers (forward), or gives every one back."""
+        self.pool.retain = keep
+        if not keep:
+            self.pool.clear()
+
+    def is_unsharded(self, group: int) -> bool:
+        """Whether the group's full parameters are in, or being gathered."""
+        return self.unsharded[group] or self.pending[group]
+
+    def free_after_forward(self, group: int, action: AfterForward) -> None:
+        """Free the full parameters (*approximate* for SLICE: the 1/n slice is not kept)."""
+        self.reshard(group)
+
+    def _receive_bytes(self, g: int) -> int:
+        # gloo gathers by direct exchange, where this rank's own row never needs a buffer.
+        return self.groups[g].layout.all_gather_receive_bytes(exchange=self.gloo)
+
+    def unshard(self, group: int, *, prefetch: bool = False) -> None:
+        """Issue the all-gather: its receive buffer (and staging copy) from the pool."""
+        g, label = group, "all-gather (prefetch)" if prefetch else "all-gather"
+        if self.unsharded[g] or self.pending[g]:
+            return
+        self.pending[g] = True
+        spec = self.groups[g]
+        layout = spec.layout
+        if layout.stages_gather_input(exchange=self.gloo):
+            nbytes = layout.all_gather_input_bytes
+            self.pool.get(nbytes, ("staging", g), f"{label} {spec.fqn}: staging copy")
+        if self.world > 1:
+            nbytes = layout.all_gather_input_bytes
+            self._record("all_gather", g, self.world, nbytes, nbytes * (self.world - 1))
+            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {spec.fqn}")
+        # At W=1 nothing is gathered: the shards are (or are copied into) the parameters.
+        self.event("unshard", g)
+
+    def wait(self, group: int) -> None:
+        """The gather lands: the unsharded buffer is allocated, the pool's buffers go back."""
+        g = group
+        if not self.pending[g]:
+            if not self.unsharded[g]:
+                self.unshard(g)
+                self.wait(g)
+            return
+        self.pending[g] = False
+        spec = self.groups[g]
+        label = f"unshard {spec.fqn}"
+        layout = spec.layout
+        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+        self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
+        if self.world > 1:
+            self.pool.put(self._receive_bytes(g), ("gather", g))
+        if layout.stages_gather_input(exchange=self.gloo):
+            self.pool.put(layout.all_gather_input_bytes, ("staging", g))
+        self.unsharded[g] = True
+
+    def reshard(self, group: int) -> None:
+        """Free the unsharded buffer (landing a gather nobody waited for first)."""
+        g = group
+        if self.pending[g]:
+            self.wait(g)
+        if self.unsharded[g]:
+            self.ledger.free(("unsharded", g))
+            self.unsharded[g] = False
+            self.event("reshard", g)
+
+    def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
+        # torchtitan's axis names: "dp" alone, "dp_shard" and "dp_replicate" under HSDP.
+        axis = "dp_shard" if self.inputs.hsdp else "dp"
+        if kind == "all_reduce":
+            axis = "dp_replicate"
+        self._append(kind, self.groups[g].fqn, axis, size, input_bytes, sent)
+
+    def record_tp(self, calls: list[TPCall]) -> None:
+        """Record tensor-parallel collectives (the replay places them on its segments)."""
+        for c in calls:
+            self._append(c.kind, c.module, "tp", self.inputs.tp_degree, c.input_bytes, c.sent_bytes)
+
+    def _append(
+        self, kind: str, group: str, axis: str, size: int, input_bytes: int, sent: int
+    ) -> None:
+        if axis != "tp":
+            self.events.append((kind, group))
+        self.calls.append(
+            CollectiveCall(
+                kind=kind,
+                group=group,
+                axis=axis,
+                group_size=size,
+                input_bytes=input_bytes,
+                sent_bytes=sent,
+                phase=self.ledger.phase,
+            )
+        )
+
+    def grad_key(self, g: int, p: int) -> Key:
+        """The key of the unsharded gradient of parameter ``p`` of group ``g``."""
+        return ("grad", sum(len(group.params) for group in self.groups[:g]) + p)
+
+    def _grad_keys(self, g: int) -> list[Key]:
+        keys = [self.grad_key(g, p) for p in range(len(self.groups[g].params))]
+        return [k for k in keys if k in self.ledger.live]
+
+    def holds_grads(self, group: int) -> bool:
+        """Whether unsharded gradients of the group are alive, not yet reduced."""
+        return bool(self._grad_keys(group))
+
+    def take_grads(self, group: int) -> list[Key] | None:
+        """The group's live unsharded gradients (None: none); tp's partial ones settled.
+
+        The engine's sharding extension all-reduces them over tp as it takes them.
+        """
+        keys = self._grad_keys(group)
+        if not keys:
+            return None
+        self._settle_partial_grads(group)
+        return keys
+
+    def reductions_in_flight(self) -> int:
+        """Reductions started and not finished."""
+        return len(self.reduces)
+
+    def finish_oldest_reduction(self) -> None:
+        """Finish the oldest reduction; its buffers go before the next one allocates."""
+        self._release(self._finish_reduce(self.reduces.popleft()))
+
+    def finish_reductions(self) -> None:
+        """The end-of-backward callback finishes every reduction."""
+        while self.reduces:
+            self.finish_oldest_reduction()
+
+    def _settle_partial_grads(self, g: int) -> None:
+        """The engine's sharding extension all-reduces partial tp gradients before dp reduces."""
+        tp, size = self.inputs.tp, self.inputs.tp_degree
+        if tp is None or size == 1:
+            return
+        for p, param in enumerate(self.groups[g].params):
+            if param.fqn in tp.partial_grads and self.grad_key(g, p) in self.ledger.live:
+                n = param.numel * param.comm_dtype.itemsize
+                self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
+
+    def start_reduction(self, group_index: int, grads: object, *, assign_now: bool) -> None:
+        """Allocate the reduction's buffers (the gradients packed and freed) and send it."""
+        g, grad_keys = group_index, grads
+        assert isinstance(grad_keys, list)
+        group = self.groups[g]
+        layout = group.layout
+        row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
+        label = f"reduce-scatter {group.fqn}"
+        # The output becomes the sharded gradient: it counts as one from the start. In another
+        # dtype it is cast into the gradient and stays a collective's output buffer.
+        category = (
+            Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
+        )
+        if self.world > 1:
+            # The gradients are packed into the send buffer and freed before the output comes.
+            self.pool.get(send, ("reduce_send", g), label)
+            self._free_all(grad_keys)
+            self.ledger.alloc(("reduce_out", g), category, row, label)
+            self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
+            if self.gloo and self.world > 2:
+                self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
+        else:
+            self.ledger.alloc(("reduce_out", g), category, row, label)  # packed into directly
+            self._free_all(grad_keys)
+        self.reduces.append(g)
+
+    def _free_all(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.ledger.free(key)
+
+    def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
+        """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
+        group = self.groups[g]
+        row = group.layout.reduce_scatter_output_bytes
+        held: list[tuple[Key, int]] = []
+        if self.world > 1:
+            if self.gloo and self.world > 2:
+                # The received rows are summed into a temporary, then added to the output.
+                self.ledger.alloc(("reduce_sum", g), Category.COMM_BUFFERS, row, "row sum")
+                self.ledger.free(("reduce_sum", g))
+                held.append((("reduce_scatter_rows", g), (self.world - 1) * row))
+            held.append((("reduce_send", g), group.layout.reduce_scatter_input_bytes))
+        if self.inputs.replicas > 1:
+            replicas = self.inputs.replicas
+            self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
+        if group.layout.reduce_dtype == group.grad_dtype:
+            self.ledger.move(("reduce_out", g), ("sharded_grad", g))
+        else:
+            label = f"sharded gradients {group.fqn}"
+            nbytes = group.sharded_grad_nbytes
+            self.ledger.alloc(("sharded_grad", g), Category.GRADIENTS, nbytes, label)
+            held.append((("reduce_out", g), 0))
+        return held
+
+    def _release(self, held: list[tuple[Key, int]]) -> None:
+        for key, pool_size in held:
+            if pool_size:
+                self.pool.put(pool_size, key)
+            else:
+                self.ledger.free(key)
