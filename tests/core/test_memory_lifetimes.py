@@ -87,7 +87,7 @@ def _borrowed_bytes(rank: int, world_size: int) -> dict[str, Any]:
     groups = [g for g in (state_of(m).group for m in (*model.blocks, model)) if g is not None]
     pool = state_of(model).ctx.comm.pool  # type: ignore[union-attr]
     model.unshard()
-    staging_held = [g.storage.holds_staging for g in groups]
+    staging_held = [g.holds_staging for g in groups]
     model.reshard()
     requested: list[int] = []
     get = pool.get

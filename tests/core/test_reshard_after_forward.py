@@ -105,8 +105,8 @@ def _subgroup_after_reinit(world: int) -> list[int]:
         x, y = models.batch("mlp", 0, 2)
         models.loss_of("mlp", model(x), y).backward()  # backward gathers within the subgroup
         group = state_of(model.blocks[0]).group
-        assert group is not None and group.post_forward is not None
-        return dist.get_process_group_ranks(group.post_forward.group)
+        assert group is not None and group.plan.post_forward is not None
+        return dist.get_process_group_ranks(group.plan.post_forward.subgroup())
     finally:
         dist.destroy_process_group()
 

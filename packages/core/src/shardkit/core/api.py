@@ -17,9 +17,10 @@ from torch.distributed.tensor import Shard
 
 from shardkit.core.engine.fsdp_state import FSDPState
 from shardkit.core.engine.group_options import GroupOptions
+from shardkit.core.engine.group_plan import GroupConfig
 from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.param_group import FSDPParamGroup, GroupConfig
+from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.sharding import (
     check_hooked_params,
     collect_params,

@@ -391,7 +391,7 @@ class FSDPModule:
         groups = self._groups_under(recurse=True)
         expected = self.state_dict(keep_vars=True)
         by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups, expected).items()}
-        cpu_only = any(g.offload for g in groups)
+        cpu_only = any(g.plan.offload for g in groups)
 
         def checked() -> dict[str, Any]:
             problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)

@@ -114,7 +114,7 @@ class GroupView:
             ValueError: the group's parameters have different dtypes, or one is gathered
                 through all-gather hooks (its shard is not in the buffer).
         """
-        return self._group.storage.sharded_buffer.view(self._flat_dtype())
+        return self._group.sharded_buffer.view(self._flat_dtype())
 
     def local_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each parameter's unpadded local shard as a view of ``flat`` (in :attr:`params` order).

@@ -13,10 +13,10 @@ all-gather input (borrowed from the pool), and the plans that move bytes between
 - a shard axis of one rank: the full parameters are the shards (no copy) or one copy of them.
 
 So the copies a group launches per unshard do not grow with the world size or, where the
-layouts line up, with its number of parameters. Everything here is planned from the group's
-``GroupLayout`` and planned again, whole, when the group lays itself out anew (a dtype
-change, all-gather hooks taken up). See [Note: flat group buffers] and
-[Note: unsharded storage].
+layouts line up, with its number of parameters. What they copy where is the group's plan
+(``group_plan.GroupPlan``), made again, whole, when the group lays itself out anew (a dtype
+change, all-gather hooks taken up): every method here is given it, and nothing here keeps a
+copy of it. See [Note: flat group buffers] and [Note: unsharded storage].
 """
 
 from __future__ import annotations
@@ -27,31 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.engine.buffer_layout import GroupLayout
-from shardkit.core.engine.gather_hooks import GroupHooks
+from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.post_forward import PostForwardShard
 from shardkit.core.engine.unsharded import UnshardedBuffer
-from shardkit.core.runtime.buffers import ShardGeometry, one_copy_numel, rank_major_view
+from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.protocol import CollectiveRuntime, RowBlock
 
-__all__ = ["GroupStorage", "StoragePlan"]
-
-
-@dataclass(frozen=True, slots=True)
-class StoragePlan:
-    """What a group's storage is planned from: its layout and who takes part in it."""
-
-    layout: GroupLayout
-    flat: tuple[int, ...]
-    """Indices of the parameters with a slot in the flat buffers (those without hooks)."""
-    hooks: GroupHooks | None
-    """The parameters gathered through all-gather hooks, if any."""
-    post_forward: PostForwardShard | None
-    """The slices kept after forward (``reshard_after_forward=n``), if any."""
+__all__ = ["GroupStorage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,87 +50,59 @@ class _CopyOut:
 class GroupStorage:
     """The buffers of one group and the copies between them (see the module docstring)."""
 
-    def __init__(
-        self, params: Sequence[FSDPParam], device: torch.device, offload: tuple[bool, bool]
-    ) -> None:
-        """``device``: the mesh's; ``offload``: (parameters live on the CPU, pinned)."""
+    def __init__(self, params: Sequence[FSDPParam]) -> None:
+        """``params``: the group's, in its plans' order."""
         self.params = params
-        self.device = device
-        self.offload, self.pin_memory = offload
         self.sharded_buffer = torch.empty(0, dtype=torch.uint8)
-        self.unsharded = UnshardedBuffer(params, ())
+        self.unsharded = UnshardedBuffer(params)
         self._staging: torch.Tensor | None = None  # borrowed from issue to copy-out
         self._staging_pooled = True  # False: it is a row of the receive buffer
         self._copy_outs: dict[bool, _CopyOut] = {}  # by "from the post-forward subgroup"
 
-    # --- planning ---------------------------------------------------------------------------
-
-    def plan(self, plan: StoragePlan) -> None:
-        """Derive everything from ``plan``; the buffers stay (see :meth:`refill`).
+    def replanned(self, before: GroupPlan, after: GroupPlan) -> None:
+        """The group's plan is ``after`` now; the buffers stay (see :meth:`refill`).
 
         The unsharded buffer stays too unless its layout or its parameters changed: the
         full parameters that view it are kept across a re-plan that does not move them.
         """
-        before = getattr(self, "layout", None)
-        moved = before is None or before.unsharded != plan.layout.unsharded
-        self.layout = layout = plan.layout
-        if moved or plan.flat != getattr(self, "flat", None):
-            self.flat = plan.flat
+        if before.layout.unsharded != after.layout.unsharded or before.flat != after.flat:
             self.forget_unsharded()
-        self.hooks = plan.hooks
-        self.post_forward = plan.post_forward
         self._copy_outs.clear()  # built at the next copy-out, when hook outputs exist
-        # The all-gather reads the sharded buffer itself unless it must be cast or moved, or
-        # hooks give what it sends: then it sends a staging copy, borrowed from the pool.
-        self.needs_staging = self.offload or layout.casts_or_hooks
-        self._one_copy_in = None if plan.hooks else one_copy_numel(layout.storage, layout.comm)
-        # One shard rank and nothing to cast or move: each shard is its full parameter, and
-        # the unsharded parameters view the sharded buffer itself; unsharding runs no
-        # collective and copies nothing. See [Note: unsharded storage] (one shard rank).
-        one_rank = layout.shard_world == 1 and plan.post_forward is None
-        self.aliases_shards = one_rank and layout.unsharded_views_storage and not self.offload
-        # One shard rank with a cast or a move: the shards are copied, no staging, no gather.
-        self.copies_shards = one_rank and not self.aliases_shards and plan.hooks is None
-        self._one_local_copy = one_copy_numel(layout.storage, layout.unsharded)
-        assert not self.aliases_shards or layout.unsharded == layout.storage
-
-    @property
-    def storage_device(self) -> torch.device:
-        """Where sharded parameters live: the mesh device, or the CPU when offloading."""
-        return torch.device("cpu") if self.offload else self.device
 
     # --- the sharded buffer -----------------------------------------------------------------
 
-    def init_sharded(self) -> None:
+    def init_sharded(self, plan: GroupPlan) -> None:
         """The first sharded buffer, from each parameter's source; the parameters view it."""
-        shards = {i: self.params[i].padded_shard_of_source() for i in self.flat}
+        shards = {i: self.params[i].padded_shard_of_source() for i in plan.flat}
         is_meta = any(s.is_meta for s in shards.values())
-        device = torch.device("meta") if is_meta else self.storage_device
+        device = torch.device("meta") if is_meta else plan.storage_device
         # Zeros: alignment gaps are part of a group's flat shard (layout.GroupView.flat_shard).
-        buffer = torch.zeros(self.layout.storage.nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.zeros(plan.layout.storage.nbytes, dtype=torch.uint8, device=device)
         if not is_meta:
             for i, shard in shards.items():
-                self.layout.storage.view(buffer, i).copy_(shard)
-        self._adopt(buffer)
-        if self.hooks is not None:
-            self.hooks.bind_own_storage(self.storage_device)
+                plan.layout.storage.view(buffer, i).copy_(shard)
+        self._adopt(plan, buffer)
+        if plan.hooks is not None:
+            plan.hooks.bind_own_storage(plan.storage_device)
 
-    def refill(self, locals_: Sequence[torch.Tensor], device: torch.device) -> None:
+    def refill(
+        self, plan: GroupPlan, locals_: Sequence[torch.Tensor], device: torch.device
+    ) -> None:
         """A new sharded buffer on ``device`` holding the flat parameters' ``locals_``.
 
         The parameters view it from now on; the unsharded buffer and copy plans are dropped
         (the next unshard makes them on the new device or layout).
         """
-        storage = self.layout.storage
+        storage = plan.layout.storage
         buffer = torch.zeros(storage.nbytes, dtype=torch.uint8, device=device)
-        for i in self.flat:
+        for i in plan.flat:
             self.params[i].local_view(storage.view(buffer, i)).copy_(locals_[i])
-        self._adopt(buffer)
+        self._adopt(plan, buffer)
         self.forget_unsharded()
         for p in self.params:
             p.unsharded_param = None  # rebuilt on the new device at the next unshard
 
-    def holds(self, locals_: Sequence[torch.Tensor], device: torch.device) -> bool:
+    def holds(self, plan: GroupPlan, locals_: Sequence[torch.Tensor], device: torch.device) -> bool:
         """Whether the flat parameters' ``locals_`` view the sharded buffer, on ``device``.
 
         True unless something replaced them since it was made (``_apply``, an ``assign=True``
@@ -154,32 +111,33 @@ class GroupStorage:
         buffer = self.sharded_buffer.untyped_storage().data_ptr()
         return self.sharded_buffer.device == device and all(
             locals_[i].untyped_storage().data_ptr() == buffer
-            for i in self.flat
+            for i in plan.flat
             if locals_[i].numel() > 0
         )
 
-    def _adopt(self, buffer: torch.Tensor) -> None:
-        if self.pin_memory and not buffer.is_meta:
+    def _adopt(self, plan: GroupPlan, buffer: torch.Tensor) -> None:
+        if plan.pin_memory and not buffer.is_meta:
             buffer = pin(buffer)
         self.sharded_buffer = buffer
-        for i in self.flat:
-            self.params[i].bind_sharded(self.layout.storage.view(buffer, i))
+        for i in plan.flat:
+            self.params[i].bind_sharded(plan.layout.storage.view(buffer, i))
 
-    def adopt_hooked(self, locals_: Sequence[torch.Tensor]) -> None:
+    def adopt_hooked(self, plan: GroupPlan, locals_: Sequence[torch.Tensor]) -> None:
         """Hooked parameters take up new local tensors: their outputs are made anew."""
-        if self.hooks is not None:
-            self.hooks.adopt(locals_)
+        if plan.hooks is not None:
+            plan.hooks.adopt(locals_)
             self._copy_outs.clear()
 
     def forget_unsharded(self) -> None:
         """Drop the unsharded buffer and its copy plans (a new device, layout or hooks)."""
-        self.unsharded = UnshardedBuffer(self.params, self.flat)
+        self.unsharded = UnshardedBuffer(self.params)
         self._copy_outs.clear()
 
     # --- copy-in ----------------------------------------------------------------------------
 
     def gather_input(
         self,
+        plan: GroupPlan,
         runtime: CollectiveRuntime,
         group: dist.ProcessGroup,
         sent: dict[int, list[torch.Tensor]],
@@ -194,13 +152,13 @@ class GroupStorage:
         receive buffer where the runtime gathers in place (torch's layout: no staging buffer
         of its own, 1/W of the group less in flight).
         """
-        if not self.needs_staging:
+        if not plan.needs_staging:
             return self.sharded_buffer, None
         assert self._staging is None, "the previous all-gather's staging was not returned"
-        storage, comm = self.layout.storage, self.layout.comm
-        into = runtime.gather_buffer(comm.nbytes, group, self.device) if in_place else None
+        storage, comm = plan.layout.storage, plan.layout.comm
+        into = runtime.gather_buffer(comm.nbytes, group, plan.device) if in_place else None
         if into is None:
-            staging = runtime.pool.get(comm.nbytes, self.device)
+            staging = runtime.pool.get(comm.nbytes, plan.device)
         else:
             start = group.rank() * comm.nbytes  # a slice: one view op, no kernel
             staging = into[start : start + comm.nbytes]
@@ -208,17 +166,17 @@ class GroupStorage:
         self._staging_pooled = into is None
         # Non-blocking from pinned memory: the host writes the shards again only in the
         # optimizer step, which the end of backward orders after every copy queued before.
-        non_blocking = self.pin_memory
-        n = self._one_copy_in
+        non_blocking = plan.pin_memory
+        n = plan.one_copy_in
         if n is not None:
             source = self.sharded_buffer.view(storage.dtypes[0])[:n]
             staging.view(comm.dtypes[0])[:n].copy_(source, non_blocking=non_blocking)
         else:
-            for i in self.flat:
+            for i in plan.flat:
                 shard = storage.view(self.sharded_buffer, i)
                 comm.view(staging, i).copy_(shard, non_blocking=non_blocking)
-        if self.hooks is not None:
-            self.hooks.copy_in(sent, staging, self.layout)
+        if plan.hooks is not None:
+            plan.hooks.copy_in(sent, staging, plan.layout)
         return staging, into
 
     def return_staging(self, pool: BufferPool) -> None:
@@ -239,51 +197,42 @@ class GroupStorage:
 
     # --- copy-out ---------------------------------------------------------------------------
 
-    def copy_out(self, blocks: Sequence[RowBlock], *, from_post_forward: bool) -> None:
+    def copy_out(
+        self, plan: GroupPlan, blocks: Sequence[RowBlock], *, from_post_forward: bool
+    ) -> None:
         """Write the gathered rows into the full parameters (and the hooks' outputs).
 
         ``from_post_forward``: the rows are the post-forward slices, gathered within the
         subgroup of ``reshard_after_forward=n`` (their layout is ``layout.post_forward``).
         """
-        self.unsharded.allocate(self.layout.unsharded, self.device)
-        hook_writers = self._hook_writers()
-        plan = self._copy_outs.get(from_post_forward)
-        if plan is None:
-            plan = self._plan_copy_out(from_post_forward, hook_writers)
-            self._copy_outs[from_post_forward] = plan
-        plan.split.copy(blocks)
-        for fixup in plan.fixups:
+        self.unsharded.allocate(plan)
+        hook_writers = _hook_writers(plan)
+        copy_out = self._copy_outs.get(from_post_forward)
+        if copy_out is None:
+            copy_out = self._plan_copy_out(plan, from_post_forward, hook_writers)
+            self._copy_outs[from_post_forward] = copy_out
+        copy_out.split.copy(blocks)
+        for fixup in copy_out.fixups:
             fixup()
-        if self.hooks is not None and not from_post_forward:
-            self.hooks.finish_unshard()
-
-    def _hook_writers(self) -> dict[int, list[torch.Tensor]]:
-        """Each hooked parameter's all-gather outputs, with their memory (see AllGatherHooks)."""
-        if self.hooks is None:
-            return {}
-        writers: dict[int, list[torch.Tensor]] = {}
-        for i, p in self.hooks.params.items():
-            inputs = self.layout.params[i].all_gather_inputs
-            assert p.hooks is not None and inputs is not None, f"{p.fqn}: hooks not laid out"
-            writers[i] = p.hooks.output_writers(self.layout.shard_world, inputs, self.device)
-        return writers
+        if plan.hooks is not None and not from_post_forward:
+            plan.hooks.finish_unshard()
 
     def _plan_copy_out(
-        self, from_post_forward: bool, hook_writers: dict[int, list[torch.Tensor]]
+        self, plan: GroupPlan, from_post_forward: bool, hook_writers: dict[int, list[torch.Tensor]]
     ) -> _CopyOut:
-        layout = self.layout
+        layout = plan.layout
         buffer = self.unsharded.tensor
         assert buffer is not None
         pieces = _Pieces()
         if from_post_forward:
-            pf = self.post_forward
+            pf = plan.post_forward
             assert pf is not None
             for i, geo in enumerate(pf.geometries):
                 slot = layout.unsharded.view(buffer, i)[: geo.world * geo.shard_numel]
                 pieces.add(pf.layout.offsets[i], slot, geo)
             row = pf.layout
         else:
-            for i in self.flat:
+            for i in plan.flat:
                 geo = self.params[i].geometry
                 slot = layout.unsharded.view(buffer, i)[: geo.world * geo.shard_numel]
                 pieces.add(layout.comm.offsets[i], slot, geo)
@@ -301,32 +250,44 @@ class GroupStorage:
 
     # --- a shard axis of one rank -----------------------------------------------------------
 
-    def unshard_locally(self) -> None:
+    def unshard_locally(self, plan: GroupPlan) -> None:
         """No collective: the full parameters view the shards, or are one copy of them."""
-        layout = self.layout
-        if self.aliases_shards:
-            self.unsharded.alias(self.sharded_buffer, layout.unsharded)
+        if plan.aliases_shards:
+            self.unsharded.alias(self.sharded_buffer, plan)
             return
-        self.unsharded.allocate(layout.unsharded, self.device)
+        self.unsharded.allocate(plan)
         buffer = self.unsharded.tensor
         assert buffer is not None
-        storage, unsharded = layout.storage, layout.unsharded
-        n = self._one_local_copy
+        storage, unsharded = plan.layout.storage, plan.layout.unsharded
+        n = plan.one_local_copy
         if n is not None:
             source = self.sharded_buffer.view(storage.dtypes[0])[:n]
-            buffer.view(unsharded.dtypes[0])[:n].copy_(source, non_blocking=self.pin_memory)
+            buffer.view(unsharded.dtypes[0])[:n].copy_(source, non_blocking=plan.pin_memory)
             return
-        for i in self.flat:
+        for i in plan.flat:
             shard = storage.view(self.sharded_buffer, i)
             target = unsharded.view(buffer, i)[: shard.numel()]
-            target.copy_(shard, non_blocking=self.pin_memory)
+            target.copy_(shard, non_blocking=plan.pin_memory)
 
-    def free_unsharded(self) -> None:
+    def free_unsharded(self, plan: GroupPlan) -> None:
         """Free the full parameters' memory and the hooks' outputs (resharding)."""
-        if not self.aliases_shards:
+        if not plan.aliases_shards:
             self.unsharded.free()
-        if self.hooks is not None:
-            self.hooks.free()
+        if plan.hooks is not None:
+            plan.hooks.free()
+
+
+def _hook_writers(plan: GroupPlan) -> dict[int, list[torch.Tensor]]:
+    """Each hooked parameter's all-gather outputs, with their memory (see AllGatherHooks)."""
+    if plan.hooks is None:
+        return {}
+    writers: dict[int, list[torch.Tensor]] = {}
+    layout = plan.layout
+    for i, p in plan.hooks.params.items():
+        inputs = layout.params[i].all_gather_inputs
+        assert p.hooks is not None and inputs is not None, f"{p.fqn}: hooks not laid out"
+        writers[i] = p.hooks.output_writers(layout.shard_world, inputs, plan.device)
+    return writers
 
 
 class _Pieces:

@@ -1,7 +1,7 @@
 """A root whose every group is local: one rank, full parameters that are the shards.
 
 At world size 1 (and no cast, offload or post-forward slice), every group's full parameters
-view its shards (``GroupStorage.aliases_shards``) and its reduction is the gradient itself:
+view its shards (``GroupPlan.aliases_shards``) and its reduction is the gradient itself:
 there is nothing to gather, free or communicate, only bookkeeping. The root then registers
 every group's full parameters once per forward, the other groups' hooks return at once, and
 the root's end-of-backward callback takes every group's gradients.
@@ -32,7 +32,7 @@ def is_local_tree(groups: Sequence[FSDPParamGroup]) -> bool:
     """
     if not torch.is_grad_enabled() or observe.has_subscribers():
         return False
-    if not all(g.storage.aliases_shards and g.mesh_info.dp_size == 1 for g in groups):
+    if not all(g.plan.aliases_shards and g.mesh_info.dp_size == 1 for g in groups):
         return False
     # Optimizer-in-backward steps and frees each gradient as its group's backward ends, to
     # keep backward's peak low: taking them all at the end would defeat it.

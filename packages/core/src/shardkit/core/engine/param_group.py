@@ -11,18 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from shardkit.core import observe
-from shardkit.core.engine.buffer_layout import group_layout
+from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
-from shardkit.core.engine.gather_hooks import GroupHooks
 from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.group_storage import GroupStorage, StoragePlan
-from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.group_plan import GroupConfig, plan_group
+from shardkit.core.engine.group_storage import GroupStorage
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
-from shardkit.core.engine.post_forward import PostForwardShard
 from shardkit.core.engine.reduce import GroupReducer
 from shardkit.core.engine.state_machines import (
     SHARDED_TRANSITIONS,
@@ -32,21 +29,10 @@ from shardkit.core.engine.state_machines import (
     check_transition,
 )
 from shardkit.core.errors import DesyncError
-from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
 
-__all__ = ["FSDPParamGroup", "GroupConfig", "GroupWiring"]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupConfig:
-    """What a group is built from (besides its parameters)."""
-
-    modules: tuple[nn.Module, ...]
-    mesh_info: MeshInfo
-    mp_policy: MixedPrecisionPolicy
-    offload_policy: OffloadPolicy
+__all__ = ["FSDPParamGroup", "GroupWiring"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +63,6 @@ class FSDPParamGroup:
         self.modules = config.modules
         self.mesh_info = config.mesh_info
         self.options = options
-        self.offload = isinstance(config.offload_policy, CPUOffloadPolicy)
-        self.pin_memory = self.offload and getattr(config.offload_policy, "pin_memory", False)
         self.fqn = ""  # set at the root's lazy init, for messages and profiles
         # Named from the root at its lazy init, as torch names them in messages.
         self.param_fqns = [p.fqn for p in params]
@@ -87,24 +71,18 @@ class FSDPParamGroup:
         self._training_state = TrainingState.IDLE
         self.registered_unsharded = False
         self._pending_gather: _PendingGather | None = None
-        self.mp_policy = config.mp_policy
         self._grad_hook: Callable[[torch.Tensor], None] = _not_attached
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
         # While unlisted (list_params), each module's _parameters names as they were.
         self._listing_order: dict[int, list[str]] = {}
-        self.storage = GroupStorage(params, self.mesh_info.device, (self.offload, self.pin_memory))
-        # Parameters with all-gather hooks, and the rest: those in the flat buffers.
-        self._sort_hooked()
-        self._plan_buffers()
-        self.storage.init_sharded()
-
-    def _sort_hooked(self) -> None:
-        """Split the parameters into those gathered through hooks and those in the flat buffer."""
-        device = self.mesh_info.device if self.offload else None
-        params = self.params
-        self._hooks = GroupHooks.of(params, self.mesh_info.shard_mesh, self.mp_policy, device)
-        self._flat = tuple(i for i, p in enumerate(params) if p.hooks is None)
-        self._flat_params = [params[i] for i in self._flat]
+        # Everything derived from the parameters and config: read it, a re-plan replaces it.
+        self._config = config
+        self.plan = plan_group(params, config, options.reshard_after_forward)
+        self._storage = GroupStorage(params)  # the buffers, read against the plan
+        self._post_forward_slices: torch.Tensor | None = None  # see reshard_post_forward
+        self._follow_plan()
+        self.reducer = self._new_reducer()
+        self._storage.init_sharded(self.plan)
 
     @property
     def training_state(self) -> TrainingState:
@@ -116,25 +94,60 @@ class FSDPParamGroup:
         check_transition(TRAINING_TRANSITIONS, self._training_state, new, self.fqn)
         self._training_state = new
 
+    # --- what other modules read --------------------------------------------------------
+
+    @property
+    def layout(self) -> GroupLayout:
+        """The group's buffer layout (its plan's)."""
+        return self.plan.layout
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether the offloaded sharded parameters are in pinned memory."""
+        return self.plan.pin_memory
+
+    @property
+    def sharded_buffer(self) -> torch.Tensor:
+        """This rank's shards of the flat parameters, as bytes laid out by ``layout.storage``.
+
+        The optimizer steps it through the parameters; it is replaced when the shards move
+        (``resync_sharded_storage``, ``take_up_new_hooks``).
+        """
+        return self._storage.sharded_buffer
+
+    @property
+    def holds_staging(self) -> bool:
+        """Whether an all-gather's staging copy is borrowed from the pool now."""
+        return self._storage.holds_staging
+
     # --- construction -----------------------------------------------------------------------
 
     def _plan_buffers(self) -> None:
-        """Lay out the buffers for the parameters' current dtypes; everything derived too."""
-        self._lay_out()
-        rsf = self.options.reshard_after_forward
-        for p, param_layout in zip(self.params, self.layout.params, strict=True):
+        """Plan anew for the parameters' current dtypes and hooks, and a new reducer."""
+        self._replan()
+        self.reducer = self._new_reducer()
+
+    def _replan(self) -> None:
+        """Replace the plan with one of the parameters as they are now; buffers follow it."""
+        before = self.plan
+        self.plan = plan_group(self.params, self._config, self.options.reshard_after_forward)
+        self._storage.replanned(before, self.plan)
+        self._follow_plan()
+
+    def _follow_plan(self) -> None:
+        for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
             p.comm_dtype = param_layout.comm_dtype
-        self.reduce_dtype = self.layout.reduce_dtype
-        self.post_forward = PostForwardShard.of(rsf, self.params, self.layout, self.mesh_info)
-        self._plan_storage()
-        self.reducer = GroupReducer(
-            self.reduce_dtype, self.mesh_info, self.options, (self.offload, self.pin_memory)
+        if self.comm is not None:
+            self.attach_comm(self.comm)  # the pool learns the new sizes
+
+    def _new_reducer(self) -> GroupReducer:
+        plan = self.plan
+        reducer = GroupReducer(
+            plan.reduce_dtype, self.mesh_info, self.options, (plan.offload, plan.pin_memory)
         )
         if self.grads_in_flat_layout:
-            self.reducer.flat_layout(self.params, self.layout)
-
-    def _plan_storage(self) -> None:
-        self.storage.plan(StoragePlan(self.layout, self._flat, self._hooks, self.post_forward))
+            reducer.flat_layout(self.params, plan.layout)
+        return reducer
 
     def reduce_in_flat_layout(self) -> None:
         """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks).
@@ -142,7 +155,7 @@ class FSDPParamGroup:
         For ``layout.GroupView.flat_grad``: the layout survives replanning (a dtype change).
         """
         self.grads_in_flat_layout = True
-        self.reducer.flat_layout(self.params, self.layout)
+        self.reducer.flat_layout(self.params, self.plan.layout)
 
     def list_params(self, listed: bool) -> None:
         """Register the parameters in ``_parameters`` (True) or as plain attributes (False).
@@ -151,22 +164,6 @@ class FSDPParamGroup:
         walk past them; the engine registers and swaps them as before.
         """
         set_listed(self.params, listed, self._listing_order)
-
-    def _lay_out(self) -> None:
-        """The group's layout from the parameters as they are now (shapes, dtypes, hooks)."""
-        rsf = self.options.reshard_after_forward
-        mp = self.mp_policy
-        # One function lays out the engine's buffers and the planner's predictions alike.
-        self.layout = group_layout(
-            [p.spec for p in self.params],
-            shard_world=self.mesh_info.shard_size,
-            replicate_world=self.mesh_info.replicate_size,
-            param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-            post_forward_world=None if isinstance(rsf, bool) else rsf,
-        )
-        if self.comm is not None:
-            self.attach_comm(self.comm)  # the pool learns the new sizes
 
     def attach(self, wiring: GroupWiring) -> None:
         """Take what the root gives its groups at its lazy init (see ``GroupWiring``)."""
@@ -192,7 +189,7 @@ class FSDPParamGroup:
         allocation it saves (measured: +4% peak RSS on a 35M-parameter GPT).
         """
         exchange = gathers_by_exchange(self.mesh_info.shard_group)
-        return self.layout.pool_sizes(exchange=exchange, offload=self.offload)
+        return self.plan.layout.pool_sizes(exchange=exchange, offload=self.plan.offload)
 
     def resync_sharded_storage(self) -> None:
         """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads.
@@ -203,10 +200,10 @@ class FSDPParamGroup:
         locals_ = [p.current_local() for p in self.params]
         if any(t.is_meta for t in locals_):
             return
-        self.storage.adopt_hooked(locals_)
-        device = torch.device("cpu") if self.offload else locals_[0].device
+        self._storage.adopt_hooked(self.plan, locals_)
+        device = torch.device("cpu") if self.plan.offload else locals_[0].device
         retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
-        if self.storage.holds(locals_, device) and not retyped:
+        if self._storage.holds(self.plan, locals_, device) and not retyped:
             return
         self.reshard()  # any full copy predates the new values
         if retyped:
@@ -214,7 +211,7 @@ class FSDPParamGroup:
             for p, local in zip(self.params, locals_, strict=True):
                 p.retype(local.dtype)
             self._plan_buffers()
-        self.storage.refill(locals_, device)
+        self._storage.refill(self.plan, locals_, device)
 
     def take_up_new_hooks(self) -> None:
         """Gather through the all-gather hooks that local tensors gained since the last look.
@@ -227,34 +224,32 @@ class FSDPParamGroup:
         """
         if self.sharded_state is not ShardedState.SHARDED:
             return
-        gained = [p for p in self._flat_params if p.gained_hooks()]
+        gained = [self.params[i] for i in self.plan.flat if self.params[i].gained_hooks()]
         if not gained:
             return
         if self.registered_unsharded:
             self._register(unsharded=False)
         for p in gained:
             p.take_up_hooks()
-        self._sort_hooked()
         self._plan_buffers()
         locals_ = [p.current_local() for p in self.params]
-        self.storage.refill(locals_, self.storage.sharded_buffer.device)
+        self._storage.refill(self.plan, locals_, self._storage.sharded_buffer.device)
 
     # --- unshard / reshard ----------------------------------------------------------------
 
     def _hook_inputs(self) -> dict[int, list[torch.Tensor]]:
         """What the pre-all-gather hooks send, by parameter index (flat tensors)."""
-        if self._hooks is None:
+        if self.plan.hooks is None:
             return {}
-        sent = self._hooks.pre_all_gather(self.fqn)
-        if self.layout.hooks_pending:
+        sent = self.plan.hooks.pre_all_gather(self.fqn)
+        if self.plan.layout.hooks_pending:
             # The hooks' sizes are known now (their first call): lay the all-gather out once.
-            self._lay_out()
-            self._plan_storage()
+            self._replan()
         return sent
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
-        if self.storage.sharded_buffer.is_meta:
+        if self._storage.sharded_buffer.is_meta:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {self.param_fqns}\n"
@@ -270,24 +265,28 @@ class FSDPParamGroup:
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
         self.take_up_new_hooks()
-        if self.storage.aliases_shards or self.storage.copies_shards:
-            self.storage.unshard_locally()
+        plan = self.plan
+        if plan.aliases_shards or plan.copies_shards:
+            self._storage.unshard_locally(plan)
             self._mark_unsharded()
             if observe.has_subscribers():
                 observe.emit(observe.StateTransitionEvent(self.fqn, "unshard"))
             return
-        pf = self.post_forward
+        pf = plan.post_forward
         runtime = self.comm.runtime
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and pf is not None:
-            assert pf.buffer is not None
+            slices = self._post_forward_slices
+            assert slices is not None
             handle = runtime.all_gather(
-                pf.buffer, pf.group, label=self.fqn, custom=self.options.custom_all_gather
+                slices, pf.subgroup(), label=self.fqn, custom=self.options.custom_all_gather
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
             sent, group = self._hook_inputs(), self.mesh_info.shard_group
             custom = self.options.custom_all_gather
-            sends, into = self.storage.gather_input(runtime, group, sent, in_place=custom is None)
+            sends, into = self._storage.gather_input(
+                self.plan, runtime, group, sent, in_place=custom is None
+            )
             handle = runtime.all_gather(sends, group, label=self.fqn, custom=custom, into=into)
             self._pending_gather = _PendingGather(handle, from_post_forward=False)
         if observe.has_subscribers():
@@ -305,13 +304,13 @@ class FSDPParamGroup:
             return
         self._pending_gather = None
         blocks = pending.handle.wait()  # the rows of every rank; ours may be the input itself
-        from_pf = pending.from_post_forward and self.post_forward is not None
-        self.storage.copy_out(blocks, from_post_forward=from_pf)
+        from_pf = pending.from_post_forward and self.plan.post_forward is not None
+        self._storage.copy_out(self.plan, blocks, from_post_forward=from_pf)
         pending.handle.release()
         assert self.comm is not None
-        self.storage.return_staging(self.comm.pool)
-        if from_pf and self.post_forward is not None:
-            self.post_forward.free()
+        self._storage.return_staging(self.comm.pool)
+        if from_pf:
+            self._post_forward_slices = None
         self._mark_unsharded()
 
     def _mark_unsharded(self) -> None:
@@ -330,29 +329,31 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        self.storage.free_unsharded()
-        if self.post_forward is not None:
-            self.post_forward.free()
+        self._storage.free_unsharded(self.plan)
+        self._post_forward_slices = None
         self.sharded_state = ShardedState.SHARDED
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(self.fqn, "reshard"))
 
     def reshard_post_forward(self) -> None:
         """After forward: keep this rank's 1/n slices, free the full parameters."""
-        pf = self.post_forward
+        pf = self.plan.post_forward
         if pf is None or self.sharded_state is not ShardedState.UNSHARDED:
             self.reshard()
             return
         if self._pending_gather is not None:
             self.wait_for_unshard()
-        buffer = self.storage.unsharded.tensor
+        buffer = self._storage.unsharded.tensor
         assert buffer is not None
-        pf.capture([self.layout.unsharded.view(buffer, i) for i in range(len(self.params))])
+        unsharded = self.plan.layout.unsharded
+        self._post_forward_slices = pf.slices_of(
+            [unsharded.view(buffer, i) for i in range(len(self.params))]
+        )
         check_transition(
             SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED_POST_FORWARD, self.fqn
         )
         self._register(unsharded=False)
-        self.storage.free_unsharded()
+        self._storage.free_unsharded(self.plan)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _register(self, *, unsharded: bool) -> None:
@@ -401,7 +402,7 @@ class FSDPParamGroup:
         """
         if not self.options.reduce_grads:
             for p in self.trainable:
-                p.stash_unsharded_grad(self.reduce_dtype)
+                p.stash_unsharded_grad(self.plan.reduce_dtype)
             return None
         return self.reducer.take_grads(self.trainable) or None
 
@@ -428,11 +429,11 @@ class FSDPParamGroup:
             except DesyncError:
                 # Abandoned by a desync error (raised on every rank): its rows may never come,
                 # or come late from a peer in step, so neither buffer goes back to the pool.
-                self.storage.abandon_staging()
+                self._storage.abandon_staging()
             else:
                 pending.handle.release()
                 assert self.comm is not None
-                self.storage.return_staging(self.comm.pool)
+                self._storage.return_staging(self.comm.pool)
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None

@@ -4,11 +4,16 @@ After forward each rank keeps 1/n of every full parameter instead of 1/W: the sl
 position within a subgroup of n consecutive shard ranks. Backward then gathers within that
 subgroup only (fewer bytes and hops, e.g. within a node), at the cost of W/n times the
 sharded memory between forward and backward.
+
+:class:`PostForwardPlan` is the pure part, planned with the rest of the group
+(``group_plan``); the slices themselves are a buffer the group holds from its
+``reshard_post_forward`` to the backward all-gather.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,75 +29,51 @@ from shardkit.core.runtime.buffers import (
 )
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
 
-__all__ = ["PostForwardShard"]
+__all__ = ["PostForwardPlan"]
 
 
-# One subgroup per set of ranks, shared by every group that uses it.
-def _subgroup(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
-    parent = mesh_info.shard_group
-    ranks = group_ranks(parent)
-    start = (mesh_info.shard_rank // size) * size
-    return subgroup_of(parent, tuple(ranks[start : start + size]))
+@dataclass(frozen=True, slots=True)
+class PostForwardPlan:
+    """Where the 1/n slices a group keeps between forward and backward come from and go."""
 
-
-class PostForwardShard:
-    """The 1/n slices a group keeps between forward and backward."""
+    size: int
+    """n: ranks of the subgroup the slices are gathered within."""
+    index: int
+    """This rank's position in its subgroup: which slice it keeps."""
+    geometries: tuple[ShardGeometry, ...]
+    """Each parameter cut into n shards."""
+    layout: FlatLayout
+    """The slices' flat buffer, from the group's layout (``post_forward``)."""
+    mesh_info: MeshInfo
 
     @staticmethod
     def of(
         policy: bool | int, params: Sequence[FSDPParam], layout: GroupLayout, mesh_info: MeshInfo
-    ) -> PostForwardShard | None:
+    ) -> PostForwardPlan | None:
         """The slices a group with ``reshard_after_forward=policy`` keeps (None: a bool)."""
         if isinstance(policy, bool):
             return None
         assert layout.post_forward is not None
-        geometries = [p.geometry for p in params]
-        shapes, dims = [g.shape for g in geometries], [g.dim for g in geometries]
-        return PostForwardShard(policy, shapes, dims, layout.post_forward, mesh_info)
+        geometries = tuple(shard_geometry(p.geometry.shape, p.geometry.dim, policy) for p in params)
+        assert layout.post_forward.numels == tuple(g.shard_numel for g in geometries)
+        index = mesh_info.shard_rank % policy
+        return PostForwardPlan(policy, index, geometries, layout.post_forward, mesh_info)
 
-    def __init__(
-        self,
-        size: int,
-        shapes: list[torch.Size],
-        dims: list[int],
-        layout: FlatLayout,
-        mesh_info: MeshInfo,
-    ) -> None:
-        """``layout``: the slices' flat buffer, from the group's layout (``post_forward``)."""
-        self.size = size
-        self.index = mesh_info.shard_rank % size
-        self.mesh_info = mesh_info
-        self.geometries: list[ShardGeometry] = [
-            shard_geometry(shape, dim, size) for shape, dim in zip(shapes, dims, strict=True)
-        ]
-        assert layout.numels == tuple(g.shard_numel for g in self.geometries)
-        self.layout = layout
-        self.buffer: torch.Tensor | None = None
-        self._group: dist.ProcessGroup | None = None
+    def subgroup(self) -> dist.ProcessGroup:
+        """The subgroup this rank gathers with in backward (created on first use, shared)."""
+        parent = self.mesh_info.shard_group
+        ranks = group_ranks(parent)
+        start = (self.mesh_info.shard_rank // self.size) * self.size
+        return subgroup_of(parent, tuple(ranks[start : start + self.size]))
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The subgroup this rank gathers with in backward (created on first use)."""
-        if self._group is None:
-            self._group = _subgroup(self.mesh_info, self.size)
-        return self._group
-
-    def unsharded_numel(self, index: int) -> int:
-        """Elements the padded full tensor needs in this world (copy-out target size)."""
-        return self.size * self.geometries[index].shard_numel
-
-    def capture(self, full_padded: list[torch.Tensor]) -> None:
-        """Keep this rank's slice of each full parameter (given as padded flat tensors)."""
+    def slices_of(self, full_padded: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of each full parameter (padded flat tensors), in a new buffer."""
         first = full_padded[0]
         buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=first.device)
         for i, (flat, geo) in enumerate(zip(full_padded, self.geometries, strict=True)):
             target = self.layout.view(buffer, i).view(geo.padded_shard_shape)
             target.copy_(_slice_of(flat, geo, self.index))
-        self.buffer = buffer
-
-    def free(self) -> None:
-        """Drop the slices (after the backward gather, or when resharding fully)."""
-        self.buffer = None
+        return buffer
 
 
 def _slice_of(flat: torch.Tensor, geo: ShardGeometry, index: int) -> torch.Tensor:

@@ -131,4 +131,4 @@ def _stays_unsharded(group: FSDPParamGroup) -> bool:
     W=1 on a model of many small groups, a tenth of the engine's overhead). Backward's end
     reshards it, and a forward without gradients reshards it as any group.
     """
-    return group.storage.aliases_shards and torch.is_grad_enabled()
+    return group.plan.aliases_shards and torch.is_grad_enabled()

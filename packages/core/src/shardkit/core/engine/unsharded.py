@@ -11,37 +11,41 @@ from collections.abc import Sequence
 
 import torch
 
+from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.runtime.buffers import FlatLayout
 
 __all__ = ["UnshardedBuffer"]
 
 
 class UnshardedBuffer:
-    """The flat buffer of a group's full parameters (those not gathered through hooks)."""
+    """The flat buffer of a group's full parameters (those not gathered through hooks).
 
-    def __init__(self, params: Sequence[FSDPParam], flat: Sequence[int]) -> None:
+    Made for one plan's unsharded layout and flat parameters: the group makes a new one
+    when a re-plan changes either (``GroupStorage.replanned``).
+    """
+
+    def __init__(self, params: Sequence[FSDPParam]) -> None:
         self._params = params
-        self._flat = flat  # indices of the parameters with a slot in the flat buffers
         self.tensor: torch.Tensor | None = None
         """The buffer (uint8), once made; its storage has 0 bytes while resharded."""
 
-    def alias(self, sharded: torch.Tensor, layout: FlatLayout) -> None:
+    def alias(self, sharded: torch.Tensor, plan: GroupPlan) -> None:
         """One shard rank, nothing to cast or move: the parameters view the shards' buffer."""
         if self.tensor is not sharded:
             self.tensor = sharded
-            self._bind(sharded, layout)
+            self._bind(sharded, plan)
 
-    def allocate(self, layout: FlatLayout, device: torch.device) -> torch.Tensor:
+    def allocate(self, plan: GroupPlan) -> torch.Tensor:
         """The buffer with its memory, made on first use (contents undefined)."""
         buffer = self.tensor
+        nbytes = plan.layout.unsharded.nbytes
         if buffer is None:
-            buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=plan.device)
             self.tensor = buffer
-            self._bind(buffer, layout)
+            self._bind(buffer, plan)
         elif buffer.untyped_storage().nbytes() == 0:
             # See [Note: unsharded storage]: same storage object, memory re-allocated.
-            buffer.untyped_storage().resize_(layout.nbytes)
+            buffer.untyped_storage().resize_(nbytes)
         return buffer
 
     def free(self) -> None:
@@ -49,9 +53,9 @@ class UnshardedBuffer:
         if self.tensor is not None:
             self.tensor.untyped_storage().resize_(0)
 
-    def _bind(self, buffer: torch.Tensor, layout: FlatLayout) -> None:
-        storage = buffer.untyped_storage()
-        for i in self._flat:
+    def _bind(self, buffer: torch.Tensor, plan: GroupPlan) -> None:
+        storage, layout = buffer.untyped_storage(), plan.layout.unsharded
+        for i in plan.flat:
             p = self._params[i]
             # A fresh tensor set onto the storage gets its own version counter, so writing the
             # next gather through the buffer does not look like an in-place change to autograd.

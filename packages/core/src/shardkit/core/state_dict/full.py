@@ -240,14 +240,14 @@ def gather_rows(group: FSDPParamGroup, *, to_all: bool, cpu: bool) -> list[torch
     mesh_info = group.mesh_info
     if to_all:
         handle = ProcessGroupRuntime().all_gather(
-            group.storage.sharded_buffer, mesh_info.shard_group, label=group.fqn
+            group.sharded_buffer, mesh_info.shard_group, label=group.fqn
         )
         rows = rows_of(handle.wait())
     else:
         replicate = mesh_info.replicate_group
         if replicate is not None and replicate.rank() != 0:
             return None  # one replica is enough
-        gathered = gather_to_first(group.storage.sharded_buffer, mesh_info.shard_group)
+        gathered = gather_to_first(group.sharded_buffer, mesh_info.shard_group)
         if gathered is None:
             return None
         rows = gathered

@@ -287,9 +287,9 @@ def _scatter_group(
             return value
 
         packed.append(_pack_rows(group, keys, by_name, shared))
-    rows = list(packed[0].to(group.storage.sharded_buffer.device).unbind(0)) if packed else None
+    rows = list(packed[0].to(group.sharded_buffer.device).unbind(0)) if packed else None
     replicate = mesh_info.replicate_group
-    received = torch.empty_like(group.storage.sharded_buffer)
+    received = torch.empty_like(group.sharded_buffer)
     if replicate is None or replicate.rank() == 0:
         scatter_from_first(received, rows, mesh_info.shard_group)
     if replicate is not None:
@@ -326,5 +326,5 @@ def _write_shards(
         key = keys.get(index)
         if key is None or key not in by_name:
             continue
-        target = layout.view(group.storage.sharded_buffer, index)
+        target = layout.view(group.sharded_buffer, index)
         target.copy_(layout.view(received, index))
