@@ -104,8 +104,12 @@ def test_the_dist_check_sees_every_spelling() -> None:
     ]  # fmt: skip
 
 
-# collectives.py calls them; flat_collectives.py only picks the installed torch's names for two.
-COLLECTIVE_MODULES = {CORE / "runtime" / "collectives.py", CORE / "runtime" / "flat_collectives.py"}
+# collectives.py (the step's) and object_collectives.py (whole objects between steps) call them;
+# flat_collectives.py only picks the installed torch's names for two.
+COLLECTIVE_MODULES = {
+    CORE / "runtime" / name
+    for name in ("collectives.py", "object_collectives.py", "flat_collectives.py")
+}
 
 
 def test_only_the_runtime_calls_collectives() -> None:
