@@ -25,7 +25,6 @@ from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
-from shardkit.core.engine.state_machines import ShardedState, TrainingState
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.usage_checks import (
     check_backward_finished,
@@ -44,6 +43,7 @@ from shardkit.core.schedule import (
     after_forward,
     root_reshards_after_forward,
 )
+from shardkit.core.state_machines import ShardedState, TrainingState
 
 __all__ = [
     "FSDPState",

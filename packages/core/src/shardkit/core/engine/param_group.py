@@ -24,17 +24,17 @@ from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.post_forward import PostForwardShard
-from shardkit.core.engine.state_machines import (
+from shardkit.core.errors import DesyncError
+from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.runtime.collectives import gathers_by_exchange
+from shardkit.core.runtime.protocol import GatheredRows
+from shardkit.core.state_machines import (
     SHARDED_TRANSITIONS,
     TRAINING_TRANSITIONS,
     ShardedState,
     TrainingState,
     check_transition,
 )
-from shardkit.core.errors import DesyncError
-from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardkit.core.runtime.collectives import gathers_by_exchange
-from shardkit.core.runtime.protocol import GatheredRows
 
 __all__ = ["FSDPParamGroup", "GroupConfig", "GroupWiring"]
 
