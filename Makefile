@@ -56,7 +56,7 @@ soak: $(STAMP)
 
 # The readers' fuzzing at length (seconds; soak runs it too): 500 damaged files of each kind.
 fuzz: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/core/test_state_dict_fuzz.py -q -s -m slow
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/core/formats/test_state_dict_fuzz.py -q -s -m slow
 
 # The hatch workflow from nothing: four wheels, and CPU torch in a fresh `hatch test` environment
 # (about a minute; CI runs it after `check`).

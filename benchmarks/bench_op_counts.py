@@ -4,7 +4,7 @@ The table ``make bench`` prints: for each case (plain fp32, bf16, HSDP, TP; even
 sizes that pad every shard) and world size, every operator dispatched and those that launch
 a kernel on a GPU, torch's ``fully_shard`` against shardkit as it packs on CPU and as it
 packs on an accelerator (one ``_chunk_cat`` per group). See op_count_workload.py; the test
-``tests/core/test_op_counts.py`` holds these counts.
+``tests/core/engine/test_op_counts.py`` holds these counts.
 """
 
 from __future__ import annotations

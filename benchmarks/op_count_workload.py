@@ -5,7 +5,7 @@ are issued and return at once, moving nothing. So the step runs everything an en
 on the host at any W, on a CPU, and :class:`shardkit.tools.OpCounter` counts the operators
 it dispatches: on a GPU each one that is not a view is a kernel launch, and a count that
 grows with W is a step that becomes launch-bound at scale (issue 31). Counts are exact: the
-test (``tests/core/test_op_counts.py``) holds shardkit to them, and ``bench_op_counts.py``
+test (``tests/core/engine/test_op_counts.py``) holds shardkit to them, and ``bench_op_counts.py``
 prints them beside torch's.
 
 Cases: ``plain`` (fp32), ``bf16`` (bf16 parameters, fp32 reductions), ``hsdp`` (a (2, W/2)

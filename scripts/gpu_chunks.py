@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.core import cuda_offload_race, cuda_parity  # noqa: E402  (after the path)
+from tests.core.interop import cuda_offload_race, cuda_parity  # noqa: E402  (after the path)
 from tests.tools import cuda_tools_run  # noqa: E402
 
 GIB = 2**30
@@ -109,7 +109,9 @@ def _verdict(label: str, problems: list[str], figures: str) -> Row:
 
 
 def _parity(runner: Runner, cases: list[str]) -> list[Row]:
-    cmd = runner.torchrun(runner.gpus, "tests/core/cuda_parity.py", "--deterministic", *cases)
+    cmd = runner.torchrun(
+        runner.gpus, "tests/core/interop/cuda_parity.py", "--deterministic", *cases
+    )
     records, error = runner.run("parity", cmd, timeout=540)
     rows = []
     for case in cases:
@@ -146,7 +148,7 @@ def offload(runner: Runner) -> list[Row]:
     """217M, bf16 + pinned CPU offload, 8 AdamW steps: spread against torch's own; bit-identity."""
     rows = []
     for deterministic in (False, True):
-        cmd = [sys.executable, "tests/core/cuda_offload_race.py"]
+        cmd = [sys.executable, "tests/core/interop/cuda_offload_race.py"]
         cmd += ["--deterministic"] if deterministic else []
         records, error = runner.run("offload", cmd, timeout=300)
         label = "CPU offload W=1: " + (
@@ -324,7 +326,7 @@ def scale_smoke(
 
 def pytest_gpu(runner: Runner) -> list[Row]:
     """The pytest GPU tests themselves (the scripts above, through pytest's assertions)."""
-    files = ["tests/core/test_cuda.py", "tests/tools/test_cuda_tools.py"]
+    files = ["tests/core/interop/test_cuda.py", "tests/tools/test_cuda_tools.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     _, error = runner.run("pytest-gpu", cmd, timeout=600)
     status = "error" if error else "pass"

@@ -1,45 +1,11 @@
 """No import circles in the core: each module's imports at load time form a graph with no cycle.
 
-Imports under ``if TYPE_CHECKING:`` are left out (they never run); ``from package import name``
-counts as importing the submodule ``package.name`` where there is one, else the package itself
-(whose ``__init__`` runs first).
+The graph is :mod:`tests.import_graph`'s (what a module imports as it loads).
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-CORE = Path(__file__).resolve().parents[1] / "packages" / "core" / "src" / "shardkit" / "core"
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(CORE.parents[1]).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _load_time_imports(tree: ast.Module, modules: set[str]) -> set[str]:
-    found: set[str] = set()
-    for node in tree.body:  # module level only: imports inside functions run later
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.add(sub if sub in modules else node.module)
-        elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-    return found & modules
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Each module of the package at ``root`` and the package's modules it imports at load."""
-    paths = {_module_name(p): p for p in root.rglob("*.py")}
-    names = set(paths)
-    return {
-        name: _load_time_imports(ast.parse(path.read_text()), names) - {name}
-        for name, path in paths.items()
-    }
+from tests.import_graph import CORE, import_graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.import_graph import import_graph
+
 ROOT = Path(__file__).resolve().parents[1] / "packages"
 PACKAGES = {"core": "core", "tp_adapter": "tp", "legacy_fsdp_compat": "legacy", "tools": "tools"}
 ALLOWED = {"core": set(), "tp": {"core"}, "legacy": {"core", "tp"}, "tools": {"core"}}
@@ -46,6 +48,64 @@ def test_dependencies_point_one_way(folder: str) -> None:
                 public = importlib.import_module(module).__all__
                 missing = set(names) - set(public)
                 assert not missing, f"{path}: {missing} are not public in {module}"
+
+
+# What each seam may load of the engine and the runtime, and why; any other arrow from a seam
+# back into them fails. The schedule is published pure: the planner runs it on group indices.
+INTERNALS = ("shardkit.core.engine", "shardkit.core.runtime")
+SEAM_REACHES: dict[str, tuple[str, ...]] = {
+    "shardkit.core": INTERNALS,  # the API: fully_shard builds the engine
+    "shardkit.core.layout": INTERNALS,  # a read-only view of the engine's live groups
+    "shardkit.core.extensions": ("shardkit.core.runtime.dtensors",),  # DTensor internals
+    "shardkit.core.schedule": (),
+}
+
+
+def arrows_into_internals(
+    graph: dict[str, set[str]], seam: str, allowed: tuple[str, ...]
+) -> list[str]:
+    """Each import chain by which ``seam`` loads an engine or runtime module outside ``allowed``.
+
+    Chains follow load-time imports (``graph``) through any module of the core, so a seam that
+    imports a leaf which imports the engine is caught too.
+    """
+    chains: dict[str, list[str]] = {seam: [seam]}
+    queue = [seam]
+    while queue:
+        module = queue.pop(0)
+        for imported in sorted(graph[module] - chains.keys()):
+            chains[imported] = [*chains[module], imported]
+            queue.append(imported)
+    return [
+        " -> ".join(chain)
+        for module, chain in sorted(chains.items())
+        if module.startswith(INTERNALS) and not module.startswith(allowed)
+    ]
+
+
+def test_no_seam_loads_the_engine_or_runtime_beyond_its_reach() -> None:
+    assert set(SEAM_REACHES) == SEAMS  # a new seam says what it may reach
+    graph = import_graph(CORE)
+    assert graph["shardkit.core.schedule"]  # the parser sees its imports
+    arrows = [
+        chain
+        for seam, allowed in SEAM_REACHES.items()
+        for chain in arrows_into_internals(graph, seam, allowed)
+    ]
+    assert not arrows, "a seam loads engine or runtime code:\n" + "\n".join(arrows)
+
+
+def test_the_seam_check_sees_an_arrow_through_a_leaf() -> None:
+    graph = {
+        "shardkit.core.schedule": {"shardkit.core.leaf"},
+        "shardkit.core.leaf": {"shardkit.core.engine.state"},
+        "shardkit.core.engine.state": {"shardkit.core.runtime.groups"},
+        "shardkit.core.runtime.groups": set(),
+    }
+    assert arrows_into_internals(graph, "shardkit.core.schedule", ("shardkit.core.runtime",)) == [
+        "shardkit.core.schedule -> shardkit.core.leaf -> shardkit.core.engine.state"
+    ]
+    assert arrows_into_internals(graph, "shardkit.core.leaf", INTERNALS) == []
 
 
 def test_no_namespace_init() -> None:
@@ -104,8 +164,12 @@ def test_the_dist_check_sees_every_spelling() -> None:
     ]  # fmt: skip
 
 
-# collectives.py calls them; flat_collectives.py only picks the installed torch's names for two.
-COLLECTIVE_MODULES = {CORE / "runtime" / "collectives.py", CORE / "runtime" / "flat_collectives.py"}
+# collectives.py (the step's) and object_collectives.py (whole objects between steps) call them;
+# flat_collectives.py only picks the installed torch's names for two.
+COLLECTIVE_MODULES = {
+    CORE / "runtime" / name
+    for name in ("collectives.py", "object_collectives.py", "flat_collectives.py")
+}
 
 
 def test_only_the_runtime_calls_collectives() -> None:

@@ -43,6 +43,8 @@ def test_no_test_module_imports_another() -> None:
 
 def test_the_check_sees_a_test_module_import(tmp_path: Path) -> None:
     probe = tmp_path / "test_probe.py"
-    probe.write_text("from tests.core import test_parity\nimport tests.core.test_errors\n")
+    probe.write_text(
+        "from tests.core.interop import test_parity\nimport tests.core.api.test_errors\n"
+    )
     modules = [module for _, module in _imported_modules(probe) if _is_test_module(module)]
-    assert modules == ["tests.core.test_parity", "tests.core.test_errors"]
+    assert modules == ["tests.core.interop.test_parity", "tests.core.api.test_errors"]

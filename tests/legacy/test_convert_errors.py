@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from shardkit.core.state_dict import file_formats
+from shardkit.core.formats import file_formats
 from shardkit.legacy.convert.cli import main
 from tests.core.full_disk import full_disk_open
 from tests.legacy.convert_support import (

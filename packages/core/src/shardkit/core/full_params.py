@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.param_listing import read_slot, write_slot
-from shardkit.core.engine.state_machines import TrainingState
 from shardkit.core.engine.state_registry import is_managed, state_of, states_under
 from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.runtime.groups import global_rank
 from shardkit.core.state_dict.full import coordinator_rank, dp_pieces, gather_rows
+from shardkit.core.state_machines import TrainingState
 
 __all__ = ["full_params"]
 

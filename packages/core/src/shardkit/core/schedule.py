@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from shardkit.core.engine.state_machines import TrainingState
+from shardkit.core.state_machines import TrainingState
 
 __all__ = [
     "MAX_REDUCES_IN_FLIGHT",

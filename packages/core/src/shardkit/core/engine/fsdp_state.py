@@ -24,7 +24,6 @@ from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
-from shardkit.core.engine.state_machines import ShardedState, TrainingState
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
@@ -39,6 +38,7 @@ from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.schedule import StepDriver, root_reshards_after_forward
+from shardkit.core.state_machines import ShardedState, TrainingState
 
 __all__ = [
     "FSDPState",

@@ -21,16 +21,16 @@ from shardkit.core.engine.group_storage import GroupStorage
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.reduce import GroupReducer
-from shardkit.core.engine.state_machines import (
+from shardkit.core.errors import DesyncError
+from shardkit.core.runtime.collectives import gathers_by_exchange
+from shardkit.core.runtime.protocol import GatheredRows
+from shardkit.core.state_machines import (
     SHARDED_TRANSITIONS,
     TRAINING_TRANSITIONS,
     ShardedState,
     TrainingState,
     check_transition,
 )
-from shardkit.core.errors import DesyncError
-from shardkit.core.runtime.collectives import gathers_by_exchange
-from shardkit.core.runtime.protocol import GatheredRows
 
 __all__ = ["FSDPParamGroup", "GroupWiring"]
 

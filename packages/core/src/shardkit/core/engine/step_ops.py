@@ -16,8 +16,8 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup
-from shardkit.core.engine.state_machines import TrainingState
 from shardkit.core.schedule import AfterForward
+from shardkit.core.state_machines import TrainingState
 
 __all__ = ["EngineOps", "TakenGrads"]
 

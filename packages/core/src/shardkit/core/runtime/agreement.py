@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shardkit.core.errors import StateDictFileError
-from shardkit.core.runtime.collectives import all_gather_bytes, broadcast_bytes
 from shardkit.core.runtime.groups import cpu_group, global_rank, is_distributed, world_size
+from shardkit.core.runtime.object_collectives import all_gather_bytes, broadcast_bytes
 
 __all__ = ["Outcome", "agreed", "everyone", "from_rank", "raise_shared"]
 

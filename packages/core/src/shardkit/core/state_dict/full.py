@@ -26,8 +26,9 @@ from shardkit.core.engine.state_registry import is_managed, states_under
 from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.runtime.agreement import Outcome, agreed
 from shardkit.core.runtime.buffers import copy_out_unsharded
-from shardkit.core.runtime.collectives import ProcessGroupRuntime, gather_to_first
+from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.groups import global_rank
+from shardkit.core.runtime.object_collectives import gather_to_first
 from shardkit.core.runtime.protocol import rows_of
 from shardkit.core.state_dict.validation import mesh_ranks, param_keys
 

@@ -28,16 +28,16 @@ from torch import nn
 
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import pack_grads_rank_major
+from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
+from shardkit.core.formats.file_readers import StateDictReader, open_reader
 from shardkit.core.runtime.agreement import from_rank
-from shardkit.core.runtime.collectives import (
+from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
+from shardkit.core.runtime.object_collectives import (
     broadcast_from,
     broadcast_from_first,
     ranks_where,
     scatter_from_first,
 )
-from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
-from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
-from shardkit.core.state_dict.file_readers import StateDictReader, open_reader
 from shardkit.core.state_dict.full import (
     FullStateDictPlan,
     group_pieces,

@@ -26,14 +26,14 @@ from typing import Any
 
 from harness.pool import run_on_ranks
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run_job(mode: str, logs: Path) -> tuple[int, str, dict[int, str]]:
     """Run ``hang_job.py mode`` on 2 ranks: its status, torchrun's output, each rank's log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["--log-dir", str(logs), "--redirects", "3"]  # each rank's output in its own file
-    cmd += [str(REPO / "tests" / "core" / "hang_job.py"), mode]
+    cmd += [str(REPO / "tests" / "core" / "runtime" / "hang_job.py"), mode]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDKIT_HANG_TIMEOUT="2", PYTHONPATH=str(REPO))
     # The limit only stops a broken test; the job ends seconds after the 2 s hang timeout.
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

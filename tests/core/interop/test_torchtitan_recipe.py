@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAUNCHER = REPO / "demo" / "torchtitan_cpu.py"
 
 pytestmark = pytest.mark.skipif(

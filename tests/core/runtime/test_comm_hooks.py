@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from harness.pool import run_on_ranks
-from tests.core.comm_support import AllReduceScatter, CountingAllGather, halve
 from tests.core.parity import Run, assert_parity, train
+from tests.core.runtime.comm_support import AllReduceScatter, CountingAllGather, halve
 from tests.core.torch_releases import torch_has
 
 # The switches torch added after 2.10 (tests.core.torch_releases has their releases).

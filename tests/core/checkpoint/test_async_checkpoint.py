@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint_app import build_app, state_of, train_app
+from tests.core.checkpoint.checkpoint_app import build_app, state_of, train_app
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

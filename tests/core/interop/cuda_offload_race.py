@@ -1,6 +1,6 @@
 """CPU offload on CUDA, tested the way it once failed: repeated runs against torch's spread.
 
-Usage: python tests/core/cuda_offload_race.py [--size 217m] [--steps 8] [--deterministic]
+Usage: python tests/core/interop/cuda_offload_race.py [--size 217m] [--steps 8] [--deterministic]
 
 One process, one GPU, NCCL at W=1. Trains benchmarks/gpt.py's model with bf16 mixed precision
 and ``CPUOffloadPolicy(pin_memory=True)`` for ``--steps`` AdamW steps, torch's fully_shard and
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from benchmarks import gpt
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from shardkit.core.state_dict.file_formats import Entry, FileWriter, format_of, open_writer
+from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
 
 __all__ = ["partial_writer", "write_state_dict_file"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint_app import build_app, state_of, train_app
+from tests.core.checkpoint.checkpoint_app import build_app, state_of, train_app
 
 
 def _body(rank: int, world_size: int, root: str) -> dict[str, Any]:

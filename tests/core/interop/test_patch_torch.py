@@ -24,10 +24,10 @@ import pytest
 import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core import torch_patch
-from tests.core.fsdp2_example import Plan, train
+from tests.core.interop.fsdp2_example import Plan, train
 from tests.core.torch_releases import torch_has
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WORLD_SIZE = 2
 FSDP2_NAMES = {
     "fully_shard": sk.fully_shard,
@@ -252,7 +252,7 @@ def test_a_checkpoint_of_one_engine_resumes_on_the_other(
 def test_the_launcher_runs_the_program_on_shardkit_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "losses.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "shardkit.core.run", str(REPO / "tests/core/fsdp2_example.py")]
+    cmd += ["-m", "shardkit.core.run", str(REPO / "tests/core/interop/fsdp2_example.py")]
     cmd += ["--steps", "3", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

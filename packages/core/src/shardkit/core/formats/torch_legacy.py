@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.core.errors import StateDictFileError, first_sentence
-from shardkit.core.state_dict.torch_pickle import StorageClaim, read_pickle, read_storage_claims
+from shardkit.core.formats.torch_pickle import StorageClaim, read_pickle, read_storage_claims
 
 __all__ = ["BoundedFile", "check_storage_claims"]
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from shardkit.core import StateTransitionEvent, fully_shard, subscribe
-from shardkit.core.engine.state_machines import ShardedState, TrainingState
 from shardkit.core.engine.state_registry import state_of
+from shardkit.core.state_machines import ShardedState, TrainingState
 from tests.core import models
+from tests.core.engine.recording_runtime import RecordingRuntime
 from tests.core.fake_group import fake_mesh
-from tests.core.recording_runtime import RecordingRuntime
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@
   whole header before anything is read (its size against a limit and the file, JSON, known
   dtypes, offsets contiguous, inside the file and equal to shape x dtype) and reads each
   tensor completely from a memory map. When it refuses a file, the error says where, from
-  :func:`~shardkit.core.state_dict.safetensors_explain.explain_safetensors`.
+  :func:`~shardkit.core.formats.safetensors_explain.explain_safetensors`.
 - torch.save's format (anything else): ``torch.load(weights_only=True)``, so nothing but
   tensors and plain containers is ever unpickled; memory-mapped for the zip format, read whole
   for the legacy (pre-1.6, non-zip) one, which cannot be mapped.
@@ -26,10 +26,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardkit.core.errors import StateDictFileError, first_sentence
-from shardkit.core.state_dict.file_formats import SAFETENSORS_DTYPES, Entry, format_of
-from shardkit.core.state_dict.safetensors_explain import explain_safetensors
-from shardkit.core.state_dict.torch_legacy import BoundedFile, check_storage_claims
-from shardkit.core.state_dict.torch_zip import ZIP_MAGIC, check_zip
+from shardkit.core.formats.file_formats import SAFETENSORS_DTYPES, Entry, format_of
+from shardkit.core.formats.safetensors_explain import explain_safetensors
+from shardkit.core.formats.torch_legacy import BoundedFile, check_storage_claims
+from shardkit.core.formats.torch_zip import ZIP_MAGIC, check_zip
 
 __all__ = [
     "SafetensorsReader",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardkit.core import write_state_dict_file
-from shardkit.core.state_dict import file_formats
+from shardkit.core.formats import file_formats
 from tests.core.full_disk import full_disk_open
 
 FORMATS = ["model.safetensors", "model.pt"]

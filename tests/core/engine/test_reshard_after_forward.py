@@ -92,7 +92,7 @@ def _subgroup_after_reinit(world: int) -> list[int]:
 
     from shardkit.core import fully_shard
     from shardkit.core.engine.state_registry import state_of
-    from tests.core.recording_runtime import RecordingRuntime
+    from tests.core.engine.recording_runtime import RecordingRuntime
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

@@ -35,8 +35,8 @@ from typing import BinaryIO
 import torch
 
 from shardkit.core.errors import StateDictFileError, first_sentence
-from shardkit.core.state_dict.torch_pickle import StorageClaim, read_storage_claims
-from shardkit.core.state_dict.zip_directory import NoEndRecord, read_central_directory
+from shardkit.core.formats.torch_pickle import StorageClaim, read_storage_claims
+from shardkit.core.formats.zip_directory import NoEndRecord, read_central_directory
 
 __all__ = ["ZipCheck", "ZIP_MAGIC", "check_zip"]
 

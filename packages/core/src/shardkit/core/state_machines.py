@@ -2,6 +2,10 @@
 
 A transition that is not in the table is a bug in the engine (or a hook run out of order), and
 the error names the module it happened in.
+
+A leaf that imports nothing of shardkit: the engine moves through these states, and
+``shardkit.core.schedule``, a seam published pure, names ``TrainingState`` without loading the
+engine.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from shardkit.core.extensions import (
     register_extension,
 )
 from tests.core import models
-from tests.core.extension_support import (
+from tests.core.api.extension_support import (
     RecordingSharding,
     ReplicatedDTensorSharding,
     SpmdReplicatedSharding,
@@ -201,7 +201,7 @@ md.entry_points = _without_tp
 
 
 def _run_python(script: str, extra_path: Path | None = None) -> subprocess.CompletedProcess[str]:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     path = f"{extra_path}:{root}" if extra_path is not None else str(root)
     return subprocess.run(
         [sys.executable, "-c", _WITHOUT_SHARDKIT_TP + textwrap.dedent(script)],
@@ -242,11 +242,11 @@ def test_installed_extensions_are_found_by_entry_point(tmp_path: Path) -> None:
     )
     (dist_info / "entry_points.txt").write_text(
         "[shardkit.core.extensions]\n"
-        "replicated = tests.core.extension_support:ReplicatedDTensorSharding\n"
+        "replicated = tests.core.api.extension_support:ReplicatedDTensorSharding\n"
     )
     script = """
         from shardkit.core.extensions import extension_for, registered_extensions
-        from tests.core.extension_support import ReplicatedDTensorSharding
+        from tests.core.api.extension_support import ReplicatedDTensorSharding
         import torch
         found = registered_extensions()
         assert [type(e) for e in found] == [ReplicatedDTensorSharding], found

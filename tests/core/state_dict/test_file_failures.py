@@ -67,7 +67,7 @@ def _full_disk_body(
 ) -> dict[str, Any]:
     """Rank 0's disk fills up after ``writes_before`` tensors; then every rank saves again."""
     from shardkit.core import save_full_state_dict
-    from shardkit.core.state_dict import file_formats
+    from shardkit.core.formats import file_formats
 
     model = _sharded(world_size)
     cls = getattr(file_formats, WRITERS[Path(path).name])
@@ -128,7 +128,7 @@ def test_a_full_disk_on_rank0_raises_on_every_rank(
 def _failing_read_body(rank: int, world_size: int, path: str, reads_before: int) -> dict[str, Any]:
     """Rank 0's reads fail (an I/O error) after ``reads_before`` tensors; then a save."""
     from shardkit.core import load_full_state_dict, save_full_state_dict
-    from shardkit.core.state_dict import file_readers
+    from shardkit.core.formats import file_readers
 
     model = _sharded(world_size)
     io_error = OSError(errno.EIO, f"{os.strerror(errno.EIO)}: {path}")

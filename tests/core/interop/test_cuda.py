@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.core import cuda_offload_race, cuda_parity
+from tests.core.interop import cuda_offload_race, cuda_parity
 
 pytestmark = [
     pytest.mark.gpu,

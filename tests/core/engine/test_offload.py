@@ -2,7 +2,7 @@
 
 On CUDA, gradients come back to pinned memory without blocking; the host must wait for them
 before it reads them. ``tests/core/host_copies.py`` makes such copies land only when waited for,
-so a missing wait shows on a CPU, every time (tests/core/test_cuda.py runs the real thing).
+so a missing wait shows on a CPU, every time (tests/core/interop/test_cuda.py runs the real thing).
 """
 
 from __future__ import annotations

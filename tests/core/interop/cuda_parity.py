@@ -1,6 +1,6 @@
 """CUDA parity with torch's fully_shard (NCCL, one process per GPU), case by case.
 
-Usage: torchrun --nproc-per-node N tests/core/cuda_parity.py [--deterministic] [CASE ...]
+Usage: torchrun --nproc-per-node N tests/core/interop/cuda_parity.py [--deterministic] [CASE ...]
 
 Trains benchmarks/gpt.py's "small" GPT (8.45M) with AdamW, shardkit and torch's fully_shard
 alike (same seed, same data), for each case: fp32, bf16 mixed precision, bf16 +
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from benchmarks import gpt
 

@@ -1,0 +1,126 @@
+"""Whole objects between ranks through the first rank: state dicts, checkpoints, agreement.
+
+Blocking transfers that run between steps, never inside one: a group's full tensors gathered
+to its first rank and scattered back, broadcasts from one rank, and small byte messages
+(outcomes, agreements). The step's own collectives live in ``collectives.py``; these only share
+its rule that the runtime is the one caller of ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardkit.core.runtime.flat_collectives import all_gather_single
+from shardkit.core.runtime.groups import cpu_world
+
+__all__ = [
+    "all_gather_bytes",
+    "broadcast_bytes",
+    "broadcast_from",
+    "broadcast_from_first",
+    "gather_to_first",
+    "ranks_where",
+    "scatter_from_first",
+]
+
+# The tag of these point-to-point messages: the step's exchanges use 1 and 2 (collectives.py),
+# so a transfer between steps never matches a message of theirs.
+_STATE_TAG = 3
+
+
+def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` on the group's first rank (rank order), None elsewhere.
+
+    Point to point rather than ``dist.gather``: gloo's gather stages all rows in one more
+    flat buffer, which would double the first rank's memory. Its own row is not copied.
+    """
+    size, rank = group.size(), group.rank()
+    if rank != 0:
+        work = dist.isend(tensor, group=group, group_dst=0, tag=_STATE_TAG)
+        if work is not None:
+            work.wait()
+        return None
+    rows = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
+    works = [
+        dist.irecv(rows[peer], group=group, group_src=peer, tag=_STATE_TAG)
+        for peer in range(1, size)
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+    return rows
+
+
+def scatter_from_first(
+    out: torch.Tensor, rows: list[torch.Tensor] | None, group: dist.ProcessGroup
+) -> None:
+    """Row r of the first rank's ``rows`` into ``out`` on rank r (``rows`` only on the first)."""
+    if group.rank() != 0:
+        work = dist.irecv(out, group=group, group_src=0, tag=_STATE_TAG)
+        if work is not None:
+            work.wait()
+        return
+    assert rows is not None and len(rows) == group.size()
+    works = [
+        dist.isend(rows[peer], group=group, group_dst=peer, tag=_STATE_TAG)
+        for peer in range(1, group.size())
+    ]
+    out.copy_(rows[0])
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Global rank ``src``'s ``tensor`` on every rank of ``group`` (default: the world)."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def ranks_where(flag: bool) -> list[int]:
+    """The global ranks whose ``flag`` is True (every rank of the world must call it)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.uint8)
+    mine = torch.tensor([int(flag)], dtype=torch.uint8)
+    all_gather_single(flags, mine)
+    return [rank for rank, value in enumerate(flags.tolist()) if value]
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """The first rank's ``tensor`` on every rank of ``group`` (default: the world), in place."""
+    dist.broadcast(tensor, group=group, group_src=0)
+
+
+# --- small messages between ranks (outcomes, agreements) -----------------------------------
+
+
+def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
+    """Global rank ``src``'s ``payload`` on every rank of the world (the others pass None)."""
+    group = cpu_world()
+    mine = payload if dist.get_rank() == src and payload is not None else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buffer = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else None
+    if buffer is None:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src, group=group)
+    return bytes(buffer.numpy())
+
+
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order, on every rank of ``group`` (default: the world).
+
+    ``group`` must take CPU tensors (gloo): :func:`~shardkit.core.runtime.groups.cpu_group`.
+    """
+    group = group if group is not None else cpu_world()
+    world = group.size()
+    sizes = torch.empty(world, dtype=torch.int64)
+    all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = torch.empty(world, longest, dtype=torch.uint8)
+    if longest:
+        all_gather_single(rows.view(-1), mine, group=group)
+    return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]
