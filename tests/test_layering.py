@@ -303,3 +303,43 @@ def test_one_module_per_package_touches_private_torch(package: Path, allowed: st
         for line, what in _private_torch_uses(path.read_text())
     ]
     assert not uses, f"private torch outside {package.name}/{allowed}:\n" + "\n".join(uses)
+
+
+_GROUP_STORAGE = "shardkit.core.engine.group_storage"
+
+
+def _storage_reaches(path: Path) -> list[str]:
+    """Where a module reaches into a group's storage (``._storage``, or its class imported)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("storage", "_storage"):
+            owner = ast.unparse(node.value)
+            if owner.split(".")[-1] in ("group", "g") or owner.endswith("group"):
+                found.append(f"{path.name}:{node.lineno} .{node.attr} of {owner}")
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module == "shardkit.core.engine.group_storage"
+        ):
+            found.append(f"{path.name}:{node.lineno} imports group_storage")
+    return found
+
+
+def test_nothing_outside_the_group_reaches_into_its_storage() -> None:
+    # A group's storage (its buffers) is the group's own: others ask the group's accessors
+    # and its plan. Only the group itself holds it.
+    owners = {CORE / "engine" / "param_group.py", CORE / "engine" / "group_storage.py"}
+    reaches = [
+        reach
+        for path in sorted(CORE.rglob("*.py"))
+        if path not in owners
+        for reach in _storage_reaches(path)
+    ]
+    assert not reaches, "\n".join(reaches)
+
+
+def test_the_storage_check_sees_a_reach(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from shardkit.core.engine.group_storage import GroupStorage\n"
+        "def f(group, state):\n    return group.storage.x, state.group._storage\n"
+    )
+    assert len(_storage_reaches(probe)) == 3
