@@ -2,17 +2,24 @@
 
 Orders (``where``):
 
-- ``blocks``: ``block.compile()``, then ``fully_shard(block)``;
+- ``blocks``: ``block.compile()``, then ``fully_shard(block)`` (torchtitan's order, with
+  ``fullgraph=True``);
 - ``blocks_after``: ``fully_shard(block)``, then ``block.compile()``;
-- ``wrapped``: ``fully_shard(torch.compile(block))``, torchtitan's order: the block in the model
-  is replaced by torch's ``OptimizedModule``, whose parameters are named ``_orig_mod.*``;
+- ``wrapped``: ``fully_shard(torch.compile(block))`` (older torchtitan's order): the block in
+  the model is replaced by torch's ``OptimizedModule``, whose parameters are named
+  ``_orig_mod.*``;
 - ``wrapped_after``: ``torch.compile(fully_shard(block))``, replacing the block likewise;
 - ``model``: the sharded model compiled whole.
 
+With ``fullgraph=True`` (``blocks`` and ``blocks_after``), dynamo must trace each block's
+forward as one graph: the FSDP hooks around it run as Python, with no graph break (see
+docs/notes/016-compiled-hooks.md).
+
 Most cases compile with aot_eager: dynamo traces the model and AOTAutograd builds the forward
 and backward graphs, which is where an FSDP's hooks matter (they must run eagerly: they unshard
-through collectives). One small case compiles with inductor's C++ backend, on one rank (its first
-compile takes about 20 s of CPU here; inductor's on-disk cache makes later runs quick).
+through collectives); the fullgraph cases also with the eager backend (dynamo alone). Two small
+cases compile with inductor's C++ backend, on one rank (a first compile takes about 20 s of CPU
+here; inductor's on-disk cache makes later runs quick).
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 
 def _shard_and_compile(
-    impl: str, model: Any, where: str, backend: CompileCounterWithBackend, mp: dict[str, Any]
+    impl: str, model: Any, case: dict[str, Any], backend: CompileCounterWithBackend
 ) -> Any:
-    """Apply ``impl``'s fully_shard and torch.compile in the order ``where`` names."""
+    """Apply ``impl``'s fully_shard and torch.compile in the order ``case["where"]`` names."""
     blocks: nn.ModuleList = model.blocks
+    where, mp = case["where"], case["mp"]
+    fullgraph = case.get("fullgraph", False)
     kwargs: dict[str, Any] = {}
     if impl != "local":
         kwargs["mesh"] = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
@@ -51,11 +60,11 @@ def _shard_and_compile(
 
     for i, block in enumerate(blocks):
         if where == "blocks":
-            block.compile(backend=backend)
+            block.compile(backend=backend, fullgraph=fullgraph)
             shard(block)
         elif where == "blocks_after":
             shard(block)
-            block.compile(backend=backend)
+            block.compile(backend=backend, fullgraph=fullgraph)
         elif where == "wrapped":
             blocks[i] = cast(nn.Module, torch.compile(block, backend=backend))
             shard(blocks[i])
@@ -73,7 +82,7 @@ def _train(impl: str, rank: int, world_size: int, case: dict[str, Any]) -> dict[
     counter = CompileCounterWithBackend(case["backend"])
     name = case["model"]
     model = models.build(name)
-    run = _shard_and_compile(impl, model, case["where"], counter, case["mp"])
+    run = _shard_and_compile(impl, model, case, counter)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for step in range(case["steps"]):
@@ -143,16 +152,45 @@ def test_compiled_training_matches_torch(where: str, mp: dict[str, Any]) -> None
         assert any("._orig_mod." in name for name in traces["shardkit"]["names"])
 
 
-def test_inductor_compiled_blocks_match_torch() -> None:
-    # Inductor's C++ kernels, in torchtitan's order, on the small MLP (fewer kernels than the
-    # GPT's to compile); two steps: the compile is the cost, so on one rank (one compile, not
-    # one per rank; the aot_eager cases above run the hooks' collectives on two ranks).
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mp", [{}, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["blocks", "blocks_after"])
+def test_fullgraph_compiled_blocks_match_torch(
+    where: str, mp: dict[str, Any], backend: str
+) -> None:
+    # block.compile(fullgraph=True) before fully_shard (torchtitan's) and after it: a graph
+    # break at shardkit's hooks would raise. The small MLP, two steps: compiling is the cost.
     case: dict[str, Any] = {
-        "where": "wrapped",
+        "where": where,
+        "backend": backend,
+        "mp": mp,
+        "steps": 2,
+        "model": "mlp",
+        "fullgraph": True,
+    }
+    traces = run_on_ranks(2, _body, **case)[0]
+    _check(traces)
+    # As many graphs as torch's: no extra frame, no recompile.
+    assert traces["shardkit"]["frames"] == traces["torch"]["frames"]
+
+
+@pytest.mark.parametrize(
+    ("where", "fullgraph"), [("wrapped", False), ("blocks", True)], ids=["wrapped", "fullgraph"]
+)
+def test_inductor_compiled_blocks_match_torch(where: str, fullgraph: bool) -> None:
+    # Inductor's C++ kernels, on the small MLP (fewer kernels than the GPT's to compile): blocks
+    # wrapped before sharding, and torchtitan's block.compile(fullgraph=True) before it. Two
+    # steps: the compile is the cost, so on one rank (one compile, not one per rank; the cases
+    # above run the hooks' collectives on two ranks).
+    case: dict[str, Any] = {
+        "where": where,
         "backend": "inductor",
         "mp": {},
         "steps": 2,
         "model": "mlp",
+        "fullgraph": fullgraph,
     }
     traces = run_on_ranks(1, _body, timeout_s=600, **case)[0]
     _check(traces)
+    if fullgraph:
+        assert traces["shardkit"]["frames"] == traces["torch"]["frames"]

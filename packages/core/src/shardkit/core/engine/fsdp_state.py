@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
+from shardkit.core.runtime.dynamo import eager_hook
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.schedule import StepDriver, root_reshards_after_forward
@@ -85,7 +85,8 @@ class FSDPState:
         self.shared_comm: CommContext | None = None
         self.fqn = ""
         self._forward_pending: set[int] = set()
-        pre_forward, post_forward = _eager(self._pre_forward), _eager(self._post_forward)
+        # Run eagerly under torch.compile, fullgraph=True included (see eager_hook).
+        pre_forward, post_forward = eager_hook(self._pre_forward), eager_hook(self._post_forward)
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward, prepend=False)
@@ -310,25 +311,6 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self.group is not None:
             self.group.resync_sharded_storage()
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, run eagerly when torch.compile traces the module it is registered on.
-
-    Forward hooks unshard and reshard through collectives and storage resizes: under
-    torch.compile they must break the graph and run as Python, as torch's FSDP hooks do. A
-    ``torch.compiler.disable`` wrapper on every call costs about 8% of a step on a model of
-    many small layers, so the compiled path is taken only while tracing (``is_compiling`` is
-    True then, and dynamo sees the call to the disabled function).
-    """
-    disabled = torch.compiler.disable(hook)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    return run
 
 
 def new_comm_context() -> CommContext:
