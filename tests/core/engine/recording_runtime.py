@@ -72,6 +72,13 @@ class RecordingRuntime:
         op.finish_sum(output, group.size())
         return _Done()
 
+    def exchange_rows(
+        self, rows: torch.Tensor, group: dist.ProcessGroup, *, label: str = "", algorithm: str
+    ) -> _Rows:
+        self.calls.append(("reduce_scatter", label, rows.numel()))
+        own = rows[group.rank()]
+        return _Rows([own.clone() for _ in range(group.size())])  # every rank's row: the same
+
     def all_reduce(
         self,
         tensor: torch.Tensor,

@@ -26,6 +26,7 @@ from shardkit.core.errors import (
     DesyncError,
     FullyShardUsageError,
     InvalidShardDimError,
+    NumericsCheckError,
     ShardkitError,
     StateDictFileError,
     UnevenShardingError,
@@ -48,6 +49,7 @@ from shardkit.core.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.state_dict import (
     iter_full_state_dict,
@@ -75,8 +77,10 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidShardDimError",
     "MixedPrecisionPolicy",
+    "NumericsCheckError",
     "OffloadPolicy",
     "ParamShardingSpec",
+    "ReducePrecision",
     "ShardingExtension",
     "ShardkitError",
     "StateDictFileError",

@@ -15,6 +15,7 @@ __all__ = [
     "DesyncError",
     "FullyShardUsageError",
     "InvalidShardDimError",
+    "NumericsCheckError",
     "ShardkitError",
     "StateDictFileError",
     "UnevenShardingError",
@@ -34,6 +35,10 @@ class FullyShardUsageError(ShardkitError, ValueError, AssertionError):
 
 class InvalidShardDimError(ShardkitError, ValueError, AssertionError):
     """``shard_placement_fn`` returned a dim the parameter does not have."""
+
+
+class NumericsCheckError(ShardkitError, RuntimeError):
+    """A compressed gradient reduction erred past ``ReducePrecision.check_tolerance``."""
 
 
 class UnevenShardingError(ShardkitError, ValueError, NotImplementedError):

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
+from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.agreement import agreed
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
 from shardkit.core.state_dict.validation import (
@@ -250,7 +252,26 @@ class FSDPModule:
         S elements.
         """
         for group in self._groups_under(recurse=False):
+            _check_precision(group.options.reduce_precision, group, custom=comm is not None)
+        for group in self._groups_under(recurse=False):
             group.options.custom_reduce_scatter = comm
+
+    def set_reduce_precision(self, policy: ReducePrecision | None, *, recurse: bool = True) -> None:
+        """How gradients travel and are summed (shardkit's own: torch has no such setting).
+
+        ``ReducePrecision(wire_dtype=torch.bfloat16)`` sends bfloat16 and sums in float32 once,
+        on the shard's owner; None goes back to torch's way (``reduce_dtype`` end to end).
+        Every group is checked before any changes. See [Note: precision-aware reduction].
+
+        Raises:
+            TypeError: a parameter whose gradient is not floating point.
+            ValueError: a group with a custom reduce-scatter.
+        """
+        groups = self._groups_under(recurse)
+        for group in groups:
+            _check_precision(policy, group, custom=group.options.custom_reduce_scatter is not None)
+        for group in groups:
+            group.options.reduce_precision = policy
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; communication buffers come from shardkit's own pool.
@@ -408,3 +429,12 @@ class FSDPModule:
             f"({type(self).__name__}: deep-copy the model before fully_shard, or load a copy "
             "through model.state_dict())"
         )
+
+
+def _check_precision(
+    policy: ReducePrecision | None, group: FSDPParamGroup, *, custom: bool
+) -> None:
+    """Raise, naming the module, if ``policy`` cannot apply to ``group``."""
+    where = f"FSDP module {group.fqn or type(group.modules[0]).__name__}"
+    params = [(p.fqn, p.orig_dtype) for p in group.params]
+    check_policy(policy, where, params, custom)

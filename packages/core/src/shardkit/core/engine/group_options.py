@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.schedule import MAX_REDUCES_IN_FLIGHT
 
 __all__ = ["GroupOptions"]
@@ -55,6 +56,8 @@ class GroupOptions:
     """A user all-gather (torch's ``AllGather``: ``allocate`` and ``__call__``), or None."""
     custom_reduce_scatter: Any = None
     """A user reduce-scatter (torch's ``ReduceScatter``), or None."""
+    reduce_precision: ReducePrecision | None = None
+    """How gradients travel and are summed (``set_reduce_precision``); None: as torch."""
     forward_prefetch: list[Any] | None = None
     """Groups to gather right after this one's pre-forward (``set_modules_to_forward_prefetch``);
     None: the next in the previous step's forward order (``schedule``)."""

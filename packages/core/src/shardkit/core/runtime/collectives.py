@@ -316,6 +316,48 @@ class ProcessGroupRuntime:
         # made up the same way (divided after the sum, where NCCL scales each input).
         return SumRowsHandle(works, input[rank], received, output, scratch, self.pool, rank, op)
 
+    def exchange_rows(
+        self, rows: torch.Tensor, group: dist.ProcessGroup, *, label: str = "", algorithm: str
+    ) -> GatherHandle:
+        """Send row j of ``rows`` (W, B uint8) to rank j; ``wait()`` gives each rank's for us.
+
+        The blocks come in rank order; this rank's is its own row, never sent. The transport
+        of a compressed reduce-scatter (the engine encodes and sums): point to point on gloo,
+        one all-to-all elsewhere (NCCL sends nothing to itself either). Announced as a
+        reduce-scatter of B-byte rows, ``algorithm`` naming the format.
+        """
+        size, rank = group.size(), group.rank()
+        exchange = _uses_gloo(group)
+        issued = self._begin(
+            "reduce_scatter", group, label, rows, _REDUCE_TAG if exchange else None
+        )
+        self._announce("reduce_scatter", group, rows.numel(), algorithm, label)
+        nbytes = rows.size(1)
+        works: list[dist.Work] = []
+        if not exchange:
+            buffer = self.pool.get(size * nbytes, rows.device)
+            work = dist.all_to_all_single(buffer, rows.view(-1), group=group, async_op=True)
+            works = [w for w in (work,) if w is not None]
+            blocks = [RowBlock(0, buffer.view(size, nbytes))]
+        else:
+            buffer = self.pool.get((size - 1) * nbytes, rows.device)
+            received = buffer.view(size - 1, nbytes)  # (W-1, B): the peers' rows, rank order
+            for slot, peer in enumerate(j for j in range(size) if j != rank):
+                recv = dist.irecv(received[slot], group=group, group_src=peer, tag=issued.tag)
+                send = dist.isend(rows[peer], group=group, group_dst=peer, tag=issued.tag)
+                works += [w for w in (recv, send) if w is not None]
+            blocks = [
+                RowBlock(0, received[:rank]),
+                RowBlock(rank, rows[rank : rank + 1]),
+                RowBlock(rank + 1, received[rank:]),
+            ]
+        handle = GatherHandle(works, [b for b in blocks if b.rows.shape[0]], buffer, self.pool)
+        handle.info, handle.check = issued.info, issued.check
+        issued.issued_as(handle.works)
+        if observe.has_subscribers():
+            observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
+        return handle
+
     def all_reduce(
         self,
         tensor: torch.Tensor,

@@ -121,6 +121,14 @@ class CollectiveRuntime(Protocol):
         ``custom``: a user reduce-scatter to run instead of the runtime's own.
         """
 
+    def exchange_rows(
+        self, rows: torch.Tensor, group: dist.ProcessGroup, *, label: str = "", algorithm: str
+    ) -> GatheredRows:
+        """Send row j of ``rows`` (W, B uint8) to rank j; the handle yields each rank's for us.
+
+        A compressed reduce-scatter's transport; ``algorithm`` names its format.
+        """
+
     def all_reduce(
         self,
         tensor: torch.Tensor,

@@ -8,12 +8,15 @@ the reductions in flight. The collectives themselves are the runtime's
 (``runtime.collectives``), and so is the operation they reduce with (``runtime.reduction``).
 
 Outside this folder, import from here only. ``pack_grads_rank_major`` is exported for the
-full state dict's loading, which packs full tensors into a scatter's rows the same way.
+full state dict's loading, which packs full tensors into a scatter's rows the same way;
+``check_policy`` for ``FSDPModule.set_reduce_precision``, which checks a ``ReducePrecision``
+against each group before setting it (``precision``: reductions in a narrow wire format).
 """
 
 from __future__ import annotations
 
 from shardkit.core.engine.reduce.packing import pack_grads_rank_major
+from shardkit.core.engine.reduce.precision import check_policy
 from shardkit.core.engine.reduce.reducer import GroupReducer
 
-__all__ = ["GroupReducer", "pack_grads_rank_major"]
+__all__ = ["GroupReducer", "check_policy", "pack_grads_rank_major"]

@@ -23,6 +23,7 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.reduce.assign import assign_reduced
 from shardkit.core.engine.reduce.division import Division, plan_division
 from shardkit.core.engine.reduce.packing import Packing
+from shardkit.core.engine.reduce.precision import WireReducer
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing
 from shardkit.core.runtime.dtensors import accumulate_grads
@@ -91,6 +92,21 @@ class GroupReducer:
         self._flat_numel = 0
         # HSDP: reduced but not yet all-reduced, with the packing it was reduced in.
         self.partial: tuple[Packing, torch.Tensor] | None = None
+        self._wire: WireReducer | None = None  # for options.reduce_precision, when it compresses
+
+    def _wire_reducer(self) -> WireReducer | None:
+        """The compressed reductions of ``options.reduce_precision`` (None: torch's way).
+
+        Kept while the policy is the same object: its noise and residuals go on from step to
+        step; a new policy starts afresh.
+        """
+        policy = self.options.reduce_precision
+        if policy is None or not policy.compresses:
+            return None
+        if self._wire is None or self._wire.policy is not policy:
+            self._wire = WireReducer(policy)
+        self._wire.label = self.label
+        return self._wire
 
     def flat_layout(self, params: Sequence[FSDPParam], layout: GroupLayout) -> None:
         """Reduce every parameter's gradient at its slot of the group's flat shard.
@@ -206,9 +222,17 @@ class GroupReducer:
             rows.div_(division.pre)
         output = self._allocate_output(packing.numel)
         group = self.options.reduce_scatter_group or self.mesh_info.shard_group
-        handle = comm.runtime.reduce_scatter(
-            output, rows, group, label=self.label, custom=custom, op=division.reduce_scatter
-        )
+        handle: CollectiveHandle
+        wire = self._wire_reducer()
+        if wire is not None:
+            key = tuple(id(p) for p in packing.params)
+            handle = wire.reduce_scatter(
+                rows, output, group, comm, key=key, op=division.reduce_scatter
+            )
+        else:
+            handle = comm.runtime.reduce_scatter(
+                output, rows, group, label=self.label, custom=custom, op=division.reduce_scatter
+            )
         pending = PendingReduce(self, packing, handle, output, pooled, division)
         comm.pending_reduces.append(pending)
 
@@ -265,12 +289,14 @@ class GroupReducer:
             if not self.options.all_reduce_grads:
                 self.partial = (pending.packing, reduced)
                 return
-            comm.runtime.all_reduce(
-                reduced,
-                self.mesh_info.replicate_group,
-                label=self.label,
-                op=pending.division.all_reduce,
-            ).wait()
+            wire = self._wire_reducer()
+            replicas = self.mesh_info.replicate_group
+            if wire is not None:
+                wire.all_reduce(reduced, replicas, comm, op=pending.division.all_reduce)
+            else:
+                comm.runtime.all_reduce(
+                    reduced, replicas, label=self.label, op=pending.division.all_reduce
+                ).wait()
         hook = self.options.all_reduce_hook
         if hook is not None:
             # Replicate only (no shard axis) runs the hook where its all-reduce ran, as
