@@ -141,7 +141,13 @@ def _sharded(engine: str, case: str, world: int, uneven: bool) -> _Net:
 
 
 def count_step(
-    engine: str, case: str, world: int, *, uneven: bool = False, fused_packing: bool = False
+    engine: str,
+    case: str,
+    world: int,
+    *,
+    uneven: bool = False,
+    fused_packing: bool = False,
+    reduce_precision: Any = None,
 ) -> StepOps:
     """The operators of one training step (after two unmeasured ones) at ``world`` fake ranks.
 
@@ -151,9 +157,12 @@ def count_step(
         world: the fake world size (even, for the hsdp and tp meshes).
         uneven: model sizes that every group's shards pad at W=8 and W=64.
         fused_packing: shardkit packs gradients as on a GPU (one ``_chunk_cat`` per group).
+        reduce_precision: shardkit's ``ReducePrecision`` for every group, or None.
     """
     with fake_world(world), _packing(fused_packing):
         model = _sharded(engine, case, world, uneven)
+        if reduce_precision is not None:
+            model.set_reduce_precision(reduce_precision)  # type: ignore[operator]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         vocab = model.head.out_features
         tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,10 @@ at W=64 (one copy per gathered row). Counts, never times: exact on any machine.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 from benchmarks.op_count_workload import CASES, count_step
 
 
@@ -71,4 +74,24 @@ def _diff(before: dict[str, int], after: dict[str, int]) -> str:
         f"{n}: {before.get(n, 0)} -> {after.get(n, 0)}"
         for n in names
         if before.get(n, 0) != after.get(n, 0)
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"wire_dtype": torch.bfloat16}, {"wire_dtype": torch.int8, "error_feedback": True}],
+    ids=["bf16-wire", "int8-ef"],
+)
+@pytest.mark.parametrize("case", ["plain", "hsdp"])
+def test_a_compressed_reduction_dispatches_as_much_at_w64_as_at_w8(
+    case: str, fields: dict[str, Any]
+) -> None:
+    from shardkit.core import ReducePrecision
+
+    policy = ReducePrecision(**fields)
+    small = count_step("shardkit", case, 8, reduce_precision=policy)
+    large = count_step("shardkit", case, 64, reduce_precision=policy)
+    assert large.launches == small.launches, _diff(small.by_op, large.by_op)
+    assert _but_allocations(large.by_op) == _but_allocations(small.by_op), _diff(
+        small.by_op, large.by_op
     )

@@ -95,13 +95,17 @@ class WireSum:
         blocks = self.handle.wait()
         world, rank = self.group.size(), self.group.rank()
         total = torch.zeros_like(self.own)
+        # A block at a time (at most three on gloo, one elsewhere): the kernels a reduction
+        # launches do not grow with the world size.
         for block in blocks:
-            for index in range(block.rows.shape[0]):
-                source = block.first + index
-                if source == rank:
-                    total.add_(self.own)
-                else:
-                    total.add_(self.reducer.wire.decode(block.rows[index], self.own.numel()))
+            count = block.rows.shape[0]
+            if block.first == rank and count == 1:
+                total.add_(self.own)  # this rank's own row, never encoded for itself
+                continue
+            decoded = self.reducer.wire.decode(block.rows, self.own.numel())  # (k, S)
+            if block.first <= rank < block.first + count:
+                decoded[rank - block.first] = self.own  # one all-to-all carried it: exact
+            total.add_(decoded.sum(dim=0))
         self.handle.release()
         self.comm.pool.put(self.sent)
         self.op.finish_sum(total, world)
@@ -209,10 +213,11 @@ class WireReducer:
             self._noise(tensor.device, global_rank()),
         )
         gathered = comm.runtime.all_gather(encoded, group, label=self.label)
+        rows = padded.view(size, chunk)
         for block in gathered.wait():
-            for index in range(block.rows.shape[0]):
-                start = (block.first + index) * chunk
-                padded[start : start + chunk] = self.wire.decode(block.rows[index], chunk)
+            rows[block.first : block.first + block.rows.shape[0]] = self.wire.decode(
+                block.rows, chunk
+            )
         gathered.release()
         comm.pool.put(encoded)
         tensor.copy_(padded[:numel])

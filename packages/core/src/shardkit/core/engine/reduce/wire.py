@@ -104,14 +104,15 @@ class WireFormat:
         return decoded.view(count, -1)[:, :numel]
 
     def decode(self, wire: torch.Tensor, numel: int) -> torch.Tensor:
-        """The float32 values (S,) of one row ``wire`` (row_bytes,) uint8."""
+        """The float32 values (k, S) of rows ``wire`` (k, row_bytes) uint8, all at once."""
+        count = wire.shape[0]
         if not self.scaled:
             return wire.view(torch.bfloat16).float()
         nblocks = self.blocks(numel)
-        scales = wire[: nblocks * _SCALE_BYTES].view(torch.float32)  # (nblocks,)
-        values = wire[nblocks * _SCALE_BYTES :].view(self.dtype).float()
-        decoded = values.view(nblocks, self.block_size) * scales.unsqueeze(1)
-        return decoded.view(-1)[:numel]
+        scales = wire[:, : nblocks * _SCALE_BYTES].view(torch.float32)  # (k, nblocks)
+        values = wire[:, nblocks * _SCALE_BYTES :].view(self.dtype).float()
+        decoded = values.view(count, nblocks, self.block_size) * scales.unsqueeze(2)
+        return decoded.view(count, -1)[:, :numel]
 
 
 def _stochastic_bf16(rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
