@@ -264,3 +264,16 @@ def test_a_wire_dtype_this_torch_lacks_is_refused(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(ValueError, match="has no such dtype"):
         ReducePrecision(wire_dtype="float8_e4m3fn")
+
+
+def test_one_fp32_sum_stays_flat_in_w_where_a_bf16_ring_grows() -> None:
+    # The demo GPT's real gradients (2 layers, 64 wide), reduced with real arithmetic as each
+    # collective would (benchmarks/reduce_precision_study.py): float64 is the reference.
+    from benchmarks.reduce_precision_study import study
+
+    rms = {(e.mode, e.world): e.rms for e in study((2, 64), small=True)}
+    wire = rms[("bf16 wire, fp32 sum", 64)] / rms[("bf16 wire, fp32 sum", 2)]
+    ring = rms[("bf16 ring", 64)] / rms[("bf16 ring", 2)]
+    assert wire <= 1.25, rms  # one rounding per rank's row, whatever W
+    assert ring >= 2.5, rms  # one rounding per hop: W-1 of them
+    assert rms[("bf16 wire, fp32 sum", 64)] < rms[("bf16 ring", 64)] / 10
