@@ -84,6 +84,7 @@ EXPECTED = {
         "group_layout",
         "layout_of",
         "pooled_sizes",
+        "wire_row_bytes",
     ],
     "shardkit.tp": [
         "DTensorExtensions",

@@ -178,3 +178,19 @@ def test_bad_arguments_exit_2() -> None:
 
 def test_helpers() -> None:
     assert load_factory("shardkit.tools.examples:llama_tiny")().__class__.__name__ == "Llama"
+
+
+def test_reduce_precision_reaches_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    sent: dict[str, int] = {}
+    for precision in (None, "bfloat16", "int8"):
+        argv = [TINY, "--world-size", "4", "--json"]
+        argv += [] if precision is None else ["--reduce-precision", precision]
+        assert main(argv) == 0
+        data = json.loads(capsys.readouterr().out)
+        if precision is not None:
+            assert data["options"]["reduce_precision"]["wire_dtype"] == precision
+        sent[str(precision)] = sum(
+            c["sent_bytes_per_step"] for c in data["collectives"] if c["kind"] == "reduce_scatter"
+        )
+    assert sent["bfloat16"] == sent["None"] // 2
+    assert sent["int8"] <= 0.26 * sent["None"]

@@ -125,20 +125,51 @@ def _reduction_bytes(rank: int, world_size: int, mode: str | None) -> int:
 
 
 _GROUPS = 4  # MLPNet's three blocks and its root
-_HEADER_BYTES = 128
+_HEADER_BYTES = 160  # gloo's framing of one message: 144 bytes measured here
+
+
+def _planned_bytes(world: int, mode: str | None) -> int:
+    """The planner's bytes of the backward's reductions (the step ``_reduction_bytes`` counts)."""
+    from shardkit.core import ReducePrecision
+    from shardkit.tools.plan.options import PlanOptions
+    from shardkit.tools.plan.planner import plan
+    from shardkit.tools.records import Phase
+
+    def model() -> nn.Module:
+        with torch.device("meta"):
+            built = models.MLPNet(dim=64)
+        return built
+
+    options = PlanOptions(
+        reshard_after_forward=False,
+        backend="gloo",
+        inputs=lambda: torch.zeros(8, 7, device="meta"),
+        reduce_precision=None if mode is None else ReducePrecision(**MODES[mode]),
+    )
+    planned = plan(model, world_size=world, options=options)
+    return sum(
+        c.sent_bytes
+        for c in planned.schedule
+        if c.phase is Phase.BACKWARD and c.kind == "reduce_scatter"
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_on_the_wire(world: int) -> None:
-    fp32 = max(run_on_ranks(world, _reduction_bytes, mode=None))
-    bf16 = max(run_on_ranks(world, _reduction_bytes, mode="bf16"))
-    int8 = max(run_on_ranks(world, _reduction_bytes, mode="int8"))
+    counted = {
+        mode: max(run_on_ranks(world, _reduction_bytes, mode=mode))
+        for mode in (None, "bf16", "int8")
+    }
+    fp32, bf16, int8 = counted[None], counted["bf16"], counted["int8"]
     assert fp32 > 100_000  # the reductions' bytes are what is counted
     # Every mode sends one message per group to each peer; gloo frames each with a header of
     # its own (tens of bytes), the same in every mode: allowed beside the payload's ratio.
     headers = _HEADER_BYTES * _GROUPS * (world - 1)
     assert bf16 <= 0.50 * fp32 + headers, (bf16, fp32)
     assert int8 <= 0.26 * fp32 + headers, (int8, fp32)
+    for mode, nbytes in counted.items():  # the planner predicts the payload, headers aside
+        planned = _planned_bytes(world, mode)
+        assert planned <= nbytes <= planned + headers, (mode, planned, nbytes)
 
 
 def _sr_grads(rank: int, world_size: int, seed: int) -> torch.Tensor:
@@ -277,3 +308,26 @@ def test_one_fp32_sum_stays_flat_in_w_where_a_bf16_ring_grows() -> None:
     assert wire <= 1.25, rms  # one rounding per rank's row, whatever W
     assert ring >= 2.5, rms  # one rounding per hop: W-1 of them
     assert rms[("bf16 wire, fp32 sum", 64)] < rms[("bf16 ring", 64)] / 10
+
+
+def _tracked_bytes(rank: int, world_size: int, mode: str | None) -> tuple[int, int]:
+    """CommTracker's payload and wire bytes of the backward's reduce-scatters."""
+    from shardkit.tools.track.comm import CommTracker
+
+    model = _sharded((world_size,), mode, dim=64, reshard_after_forward=False)
+    torch.manual_seed(rank)
+    x = torch.randn(8, 7)
+    model(x).pow(2).mean().backward()
+    model.zero_grad()
+    loss = model(x).pow(2).mean()
+    with CommTracker() as comm:
+        loss.backward()
+    records = [c for c in comm.rank_report().collectives if c.kind == "reduce_scatter"]
+    return sum(c.sent_bytes for c in records), sum(c.wire_bytes for c in records)
+
+
+@pytest.mark.parametrize("mode", [None, "bf16", "int8"])
+def test_comm_tracker_reports_each_modes_bytes_as_planned(mode: str | None) -> None:
+    sent, wire = run_on_ranks(2, _tracked_bytes, mode=mode)[0]
+    planned = _planned_bytes(2, mode)
+    assert sent == wire == planned, (sent, wire, planned)

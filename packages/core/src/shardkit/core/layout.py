@@ -39,7 +39,9 @@ from shardkit.core.engine.buffer_layout import (
 )
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.param_listing import ParamSlot
+from shardkit.core.engine.reduce import WireFormat
 from shardkit.core.engine.state_registry import states_under
+from shardkit.core.reduce_precision import ReducePrecision
 
 __all__ = [
     "ALIGN_BYTES",
@@ -53,6 +55,7 @@ __all__ = [
     "group_layout",
     "layout_of",
     "pooled_sizes",
+    "wire_row_bytes",
 ]
 
 
@@ -253,3 +256,15 @@ def _keys_of(slots: Iterable[ParamSlot], names: dict[int, str]) -> tuple[str, ..
         for slot in slots
         if id(slot.module) in names
     )
+
+
+def wire_row_bytes(policy: ReducePrecision | None, numel: int, itemsize: int) -> int:
+    """Bytes of one row of ``numel`` gradients in a reduction's messages under ``policy``.
+
+    ``itemsize``: the reduce dtype's, the row's size without a wire format (None, or a policy
+    that does not compress). See [Note: precision-aware reduction].
+    """
+    if policy is None or not isinstance(policy.wire_dtype, torch.dtype):
+        return numel * itemsize
+    fmt = WireFormat(policy.wire_dtype, policy.block_size, policy.stochastic_rounding)
+    return fmt.row_bytes(numel)

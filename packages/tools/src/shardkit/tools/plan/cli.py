@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.core import ReducePrecision
 from shardkit.tools.plan.bandwidth import Bandwidth, default_bandwidth, gloo_bandwidth
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
@@ -155,6 +156,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--param-dtype", type=_dtype, help="dtype of gathered parameters")
     parser.add_argument("--reduce-dtype", type=_dtype, help="dtype of gradient reduction")
+    parser.add_argument(
+        "--reduce-precision",
+        choices=("bfloat16", "int8", "float8_e4m3fn"),
+        help="gradients on the wire in this format, summed in float32 (set_reduce_precision)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=256, help="elements per scale (int8, float8)"
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--inputs", metavar="FACTORY", help="module:function returning inputs")
     parser.add_argument("--loss", metavar="FACTORY", help="module:function mapping output to loss")
@@ -210,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             reshard_after_forward=args.reshard_after_forward,
             param_dtype=args.param_dtype,
             reduce_dtype=args.reduce_dtype,
+            reduce_precision=None
+            if args.reduce_precision is None
+            else ReducePrecision(wire_dtype=args.reduce_precision, block_size=args.block_size),
             optimizer=args.optimizer,
             inputs=None if args.inputs is None else load_factory(args.inputs),
             loss=None if args.loss is None else load_factory(args.loss),

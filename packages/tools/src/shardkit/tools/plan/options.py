@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from shardkit.core import ReducePrecision
 from shardkit.tools.plan.tp_styles import TPPlan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
@@ -61,6 +62,10 @@ class PlanOptions:
     reduce_dtype: torch.dtype | None = None
     """dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); None: the
     gathered parameters' dtype."""
+    reduce_precision: ReducePrecision | None = None
+    """How gradients travel (``FSDPModule.set_reduce_precision`` on every module): with a wire
+    dtype, reductions send its rows (bfloat16, int8 or float8 with block scales) and HSDP's
+    all-reduce becomes a compressed reduce-scatter and an all-gather of the encoded sums."""
     optimizer: Literal["adamw", "adam", "sgd", "sgd_momentum"] = "adamw"
     """Optimizer whose state is counted: Adam/AdamW keep two tensors per parameter plus a
     float32 ``step`` scalar, SGD with momentum one, plain SGD none."""

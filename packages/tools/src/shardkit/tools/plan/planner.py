@@ -22,6 +22,7 @@ inputs are given, come from a forward, the loss and backward run on the meta dev
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.core import ReducePrecision
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
@@ -122,6 +124,7 @@ class Plan:
                 "reshard_after_forward": options.reshard_after_forward,
                 "param_dtype": _dtype_name(options.param_dtype),
                 "reduce_dtype": _dtype_name(options.reduce_dtype),
+                "reduce_precision": _precision(options.reduce_precision),
                 "optimizer": options.optimizer,
                 "bandwidth_gbps": options.bandwidth_gbps,
                 "backend": options.backend,
@@ -379,6 +382,16 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
                 optimizer_bytes=options.num_states * size if trained else 0,
             )
     return total
+
+
+def _precision(policy: ReducePrecision | None) -> dict[str, Any] | None:
+    """A ``ReducePrecision`` as JSON: its fields, the wire dtype by name."""
+    if policy is None:
+        return None
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    wire = fields["wire_dtype"]
+    fields["wire_dtype"] = _dtype_name(wire) if isinstance(wire, torch.dtype) else wire
+    return fields
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

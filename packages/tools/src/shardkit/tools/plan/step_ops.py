@@ -9,12 +9,13 @@ modelling assumptions are ``step``'s.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardkit.core.layout import pooled_sizes
+from shardkit.core.layout import pooled_sizes, wire_row_bytes
 from shardkit.core.schedule import (
     MAX_REDUCES_IN_FLIGHT,
     AfterForward,
@@ -159,10 +160,12 @@ class LedgerOps:
             self.unsharded[g] = False
             self.event("reshard", g)
 
-    def _record(self, kind: str, g: int, size: int, input_bytes: int, sent: int) -> None:
+    def _record(
+        self, kind: str, g: int, size: int, input_bytes: int, sent: int, *, replicas: bool = False
+    ) -> None:
         # torchtitan's axis names: "dp" alone, "dp_shard" and "dp_replicate" under HSDP.
         axis = "dp_shard" if self.inputs.hsdp else "dp"
-        if kind == "all_reduce":
+        if kind == "all_reduce" or replicas:
             axis = "dp_replicate"
         self._append(kind, self.groups[g].fqn, axis, size, input_bytes, sent)
 
@@ -252,13 +255,26 @@ class LedgerOps:
             self.pool.get(send, ("reduce_send", g), label)
             self._free_all(grad_keys)
             self.ledger.alloc(("reduce_out", g), category, row, label)
-            self._record("reduce_scatter", g, self.world, send, (self.world - 1) * row)
+            wire = self._wire_bytes(g, row)  # a row in the reduction's messages
+            self._record(
+                "reduce_scatter", g, self.world, self.world * wire, (self.world - 1) * wire
+            )
             if self.gloo and self.world > 2:
                 self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
         else:
             self.ledger.alloc(("reduce_out", g), category, row, label)  # packed into directly
             self._free_all(grad_keys)
         self.reduces.append(g)
+
+    @property
+    def _compresses(self) -> bool:
+        policy = self.inputs.options.reduce_precision
+        return policy is not None and policy.compresses
+
+    def _wire_bytes(self, g: int, row: int) -> int:
+        """Bytes of a reduction's row of ``row`` bytes (in the reduce dtype) on the wire."""
+        itemsize = self.groups[g].layout.reduce_dtype.itemsize
+        return wire_row_bytes(self.inputs.options.reduce_precision, row // itemsize, itemsize)
 
     def _free_all(self, keys: list[Key]) -> None:
         for key in keys:
@@ -276,8 +292,15 @@ class LedgerOps:
                 self.ledger.free(("reduce_sum", g))
                 held.append((("reduce_scatter_rows", g), (self.world - 1) * row))
             held.append((("reduce_send", g), group.layout.reduce_scatter_input_bytes))
-        if self.inputs.replicas > 1:
-            replicas = self.inputs.replicas
+        replicas = self.inputs.replicas
+        if replicas > 1 and self._compresses:
+            # A compressed reduce-scatter over the replicas, then an all-gather of the sums.
+            itemsize = group.layout.reduce_dtype.itemsize
+            chunk = self._wire_bytes(g, math.ceil(row // itemsize / replicas) * itemsize)
+            sent = (replicas - 1) * chunk
+            self._record("reduce_scatter", g, replicas, replicas * chunk, sent, replicas=True)
+            self._record("all_gather", g, replicas, chunk, sent, replicas=True)
+        elif replicas > 1:
             self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
         if group.layout.reduce_dtype == group.grad_dtype:
             self.ledger.move(("reduce_out", g), ("sharded_grad", g))

@@ -10,7 +10,8 @@ the reductions in flight. The collectives themselves are the runtime's
 Outside this folder, import from here only. ``pack_grads_rank_major`` is exported for the
 full state dict's loading, which packs full tensors into a scatter's rows the same way;
 ``check_policy`` for ``FSDPModule.set_reduce_precision``, which checks a ``ReducePrecision``
-against each group before setting it (``precision``: reductions in a narrow wire format).
+against each group before setting it (``precision``: reductions in a narrow wire format);
+``WireFormat`` for the layout view, which sizes a compressed reduction's rows.
 """
 
 from __future__ import annotations
@@ -18,5 +19,6 @@ from __future__ import annotations
 from shardkit.core.engine.reduce.packing import pack_grads_rank_major
 from shardkit.core.engine.reduce.precision import check_policy
 from shardkit.core.engine.reduce.reducer import GroupReducer
+from shardkit.core.engine.reduce.wire import WireFormat
 
-__all__ = ["GroupReducer", "check_policy", "pack_grads_rank_major"]
+__all__ = ["GroupReducer", "WireFormat", "check_policy", "pack_grads_rank_major"]
