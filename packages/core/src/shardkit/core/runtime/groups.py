@@ -61,6 +61,12 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    return world
+
+
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
     return dist.get_process_group_ranks(group)
@@ -86,7 +92,13 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
     """A process group of ``members`` (global ranks), created by the members alone.
 
     Local synchronisation: ranks outside it need not take part, so disjoint subgroups are
-    created without any global agreement on their order.
+    created without any global agreement on their order. From torch 2.14 this advances
+    torch's group counter on the members alone: where the members are some ranks of the
+    world, the world's next group hangs unless it was made before. Kept only for the groups
+    that are the shard group's own ranks by nature and that torch's ``fully_shard`` makes
+    the same way (``reshard_after_forward=<int>``, ``set_separate_reduce_scatter_group``) and
+    for :func:`own_group`; loads and desync checks make none (see docs/torch-releases.md,
+    "Known issues").
     """
     group = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup), f"not a member of the subgroup {members}"
@@ -95,9 +107,7 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
 
 def world_subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:
     """The subgroup of the default group with these global ranks (members only call it)."""
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    return subgroup_of(world, members)
+    return subgroup_of(_world(), members)
 
 
 def own_group() -> dist.ProcessGroup:
@@ -125,8 +135,7 @@ def world_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
     groups by, on the ranks that take part; made by every rank, the counter stays equal on all
     of them, so later world-wide groups (``init_device_mesh``) pair the same ranks.
     """
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    world = _world()
     known = _WORLD_GROUPS.setdefault(world, {})
     if members not in known:
         made = dist.new_group(list(members))
@@ -147,16 +156,8 @@ def cpu_world() -> dist.ProcessGroup:
     are the world's own collectives, which every rank runs, so every rank creates the twin at
     the same point and torch's group counter stays equal on all of them.
     """
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    if dist.get_backend(world) == dist.Backend.GLOO:
-        return world
-    twin = _GLOO_WORLDS.get(world)
-    if twin is None:
-        made = dist.new_group(backend="gloo")
-        assert isinstance(made, dist.ProcessGroup), "every rank is a member of the world"
-        twin = _GLOO_WORLDS[world] = made
-    return twin
+    world = _world()
+    return world if dist.get_backend(world) == dist.Backend.GLOO else _gloo_world(_GLOO_WORLDS)
 
 
 # One gloo group of every rank per default group, for checkpoint writes in a background thread.
@@ -173,13 +174,23 @@ def checkpoint_group() -> dist.ProcessGroup:
     mix data. Gloo groups are independent (their own connections), so the two threads can
     each run collectives on their own group at the same time.
     """
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    group = _CHECKPOINT_GROUPS.get(world)
+    return _gloo_world(_CHECKPOINT_GROUPS)
+
+
+def _gloo_world(
+    made: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup],
+) -> dist.ProcessGroup:
+    """The gloo group of every rank kept in ``made`` for the default group; made on first use.
+
+    Collective on first use: every rank of the world makes it together (a plain ``new_group``),
+    so torch's group counter advances alike on all of them.
+    """
+    world = _world()
+    group = made.get(world)
     if group is None:
-        made = dist.new_group(backend="gloo")
-        assert isinstance(made, dist.ProcessGroup), "every rank is a member of the world"
-        group = _CHECKPOINT_GROUPS[world] = made
+        new = dist.new_group(backend="gloo")
+        assert isinstance(new, dist.ProcessGroup), "every rank is a member of the world"
+        group = made[world] = new
     return group
 
 
