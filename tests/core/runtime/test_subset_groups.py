@@ -7,9 +7,9 @@ subset of the ranks: if loading it or checking it for desyncs made a group of it
 alone, those ranks' counter would run ahead of the others', and the world's next group
 (``new_group``, ``init_device_mesh``) would be named differently on the two sides: its
 creation hangs. Here the model lives on ranks 0 and 1 of 4 (a slice of a world-wide mesh,
-as a pipeline program makes it), it loads a state dict or runs a desync-checked step, and
-then every rank makes a world-wide group and all-reduces on it, with a timeout so that a
-hang fails the test.
+as a pipeline program makes it), it loads a state dict, gathers a full one or runs
+desync-checked steps (on gloo, and on the path NCCL takes), and then every rank makes a
+world-wide group and all-reduces on it, with a timeout so that a hang fails the test.
 """
 
 from __future__ import annotations
@@ -29,16 +29,20 @@ WORLD = 4
 # Long enough for gloo's connections on two busy cores, short enough to fail well within
 # the task's timeout.
 GROUP_TIMEOUT_S = 30.0
-CASES = ["load", "load_error", "desync_gloo", "desync_native"]
+CASES = ["load", "load_error", "full_state_dict", "desync_gloo", "desync_native"]
 
 
 def _stage(rank: int, mesh: DeviceMesh, case: str) -> str:
-    """What the model's ranks do: a load (good or bad on rank 1), or a desync-checked step."""
-    from shardkit.core import set_debug
+    """What the model's ranks do: a load (good or bad on rank 1), a full state dict gathered
+    to the coordinator (which agrees on its outcome), or two desync-checked steps."""
+    from shardkit.core import iter_full_state_dict, set_debug
     from shardkit.core.runtime import collectives
 
     model = models.build("mlp")
     apply("shardkit", model, mesh, Run(model="mlp"))
+    if case == "full_state_dict":
+        keys = [key for key, _ in iter_full_state_dict(model, rank0_only=True)]
+        return f"{len(keys)} keys"
     if case.startswith("load"):
         state: dict[str, Any] = dict(model.state_dict())
         if case == "load_error" and rank == 1:
@@ -109,6 +113,8 @@ def test_a_model_on_some_ranks_leaves_the_world_able_to_make_groups(case: str) -
     assert [r["outcome"] for r in results[2:]] == ["not a member"] * 2
     if case == "load":
         assert first["outcome"] == results[1]["outcome"] == "loaded"
+    elif case == "full_state_dict":  # on the coordinator only
+        assert first["outcome"] != "0 keys" and results[1]["outcome"] == "0 keys", results[:2]
     elif case == "load_error":  # both members raise rank 1's error, as before
         assert first["outcome"] == results[1]["outcome"], results[:2]
         assert first["outcome"].startswith("rank 1: "), first["outcome"]
