@@ -12,19 +12,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from harness.pool import run_on_ranks, shutdown_pools
+from harness.pool import run_on_ranks
 from tests.core import models
-from tests.core.parity import Run, apply, full_params
+from tests.core.parity import Run, apply, full_params, make_mesh
 
 KEY = "blocks.0.mlp.0.weight"  # (64, 16): keys before and after it would be written
 
 
-def _sharded(world_size: int, seed: int) -> Any:
+def _sharded(world_size: int, seed: int, hsdp: bool = False) -> Any:
     model = models.build("gpt", seed=seed)
-    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="gpt"))
+    run = Run(model="gpt", hsdp=(2, world_size // 2) if hsdp else None)
+    apply("shardkit", model, make_mesh(run, world_size), run)
     return model
 
 
@@ -32,13 +32,15 @@ def _locals(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
-def _bad_on_rank1_body(rank: int, world_size: int, bad: str) -> dict[str, Any]:
-    model = _sharded(world_size, seed=0)
-    source = _sharded(world_size, seed=3)
+def _bad_on_rank1_body(
+    rank: int, world_size: int, bad: str, hsdp: bool = False, bad_rank: int = 1
+) -> dict[str, Any]:
+    model = _sharded(world_size, seed=0, hsdp=hsdp)
+    source = _sharded(world_size, seed=3, hsdp=hsdp)
     sd: dict[str, Any] = dict(source.state_dict())
-    if rank == 1 and bad == "wrong_shape":
+    if rank == bad_rank and bad == "wrong_shape":
         sd[KEY] = torch.zeros(5, 5)
-    elif rank == 1 and bad == "short_shard":
+    elif rank == bad_rank and bad == "short_shard":
         value = sd[KEY]
         short = value.to_local()[:-1]  # a shard that lost its last row
         sd[KEY] = DTensor.from_local(
@@ -77,6 +79,18 @@ def test_a_value_bad_on_one_rank_loads_on_no_rank(bad: str) -> None:
         assert result["loaded"], result
 
 
+def test_a_value_bad_on_one_rank_of_a_hybrid_mesh_loads_on_no_rank() -> None:
+    # The outcomes travel along each axis of the (replicate, shard) mesh in turn: rank 3's
+    # failure reaches rank 0, which shares no axis with it, through rank 1.
+    results = run_on_ranks(4, _bad_on_rank1_body, bad="wrong_shape", hsdp=True, bad_rank=3)
+    first = results[0]
+    assert first["message"].startswith("rank 3: ") and KEY in first["message"], first
+    for result in results:
+        assert (result["error"], result["message"]) == (first["error"], first["message"])
+        assert result["unchanged"], result
+        assert result["loaded"], result
+
+
 def _subgroup_body(rank: int, world_size: int) -> dict[str, Any]:
     """A model on ranks 0 and 1 of 4; ranks 2 and 3 never load it."""
     import torch.distributed as dist
@@ -102,14 +116,10 @@ def _subgroup_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_model_on_a_subgroup_agrees_among_its_ranks_only() -> None:
-    try:
-        results = run_on_ranks(4, _subgroup_body)
-    finally:
-        # Ranks 0 and 1 made groups that ranks 2 and 3 did not (the agreement's, members
-        # only). From torch 2.14 that advances the counter torch names every new group by on
-        # those ranks alone: a later world-wide new_group in these workers (a test's
-        # init_device_mesh) would be named differently on each side and hang. Fresh workers.
-        shutdown_pools()
+    # The agreement travels on the model's own group: ranks 0 and 1 make no group that ranks
+    # 2 and 3 do not, so these workers go on to the next test as they are (see
+    # tests/core/runtime/test_subset_groups.py).
+    results = run_on_ranks(4, _subgroup_body)
     assert results[2:] == [{"member": False}] * 2
     assert results[0] == results[1], results
     assert results[0]["message"].startswith("rank 1: ") and KEY in results[0]["message"]

@@ -23,7 +23,7 @@ from shardkit.core.runtime.groups import group_ranks, subgroup_of
 from shardkit.core.state_dict.validation import (
     check_state_dict,
     format_problems,
-    mesh_ranks,
+    model_mesh,
     param_keys,
     shard_full_tensors,
 )
@@ -420,7 +420,7 @@ class FSDPModule:
                 raise RuntimeError(format_problems(self, problems))
             return shard_full_tensors(state_dict, by_key)
 
-        converted = agreed(checked, mesh_ranks(groups))
+        converted = agreed(checked, model_mesh(groups))
         return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

@@ -10,12 +10,15 @@ every rank raises the same exception type with the same message.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from shardkit.core.errors import StateDictFileError
-from shardkit.core.runtime.groups import cpu_group, global_rank, is_distributed, world_size
+from shardkit.core.runtime.device import device_for_mesh_type
+from shardkit.core.runtime.groups import global_rank, is_distributed, world_size
 from shardkit.core.runtime.object_collectives import all_gather_bytes, broadcast_bytes
 
 __all__ = ["Outcome", "agreed", "everyone", "from_rank", "raise_shared"]
@@ -117,35 +120,55 @@ def raise_shared(outcomes: list[Outcome]) -> list[Any]:
     return [o.value for o in outcomes]
 
 
-def agreed(work: Callable[[], _T], ranks: Iterable[int] | None = None) -> _T:
-    """Run ``work`` on each of ``ranks``: its value on this rank, or one error on all of them.
+def agreed(work: Callable[[], _T], mesh: DeviceMesh | None) -> _T:
+    """Run ``work`` on each rank of ``mesh``: its value on this rank, or one error on all of them.
 
-    Collective over ``ranks`` (global ranks, this one among them; default: the world): every
-    one of them must call it, and no other rank. Each runs its own ``work``; if any raised,
-    every rank raises the first failed rank's error (the same type and message), so that ranks
-    whose own work passed do not go on alone. The message names the failed rank(s), unless
-    every rank failed alike (then it is that error, unchanged). Costs one all-gather of 8
-    bytes per rank when every rank succeeds (a second carries the errors otherwise); none
-    without a process group or with one rank.
+    Collective over ``mesh`` (this rank among its ranks; None: this rank alone): every rank of
+    it must call it, and no other rank. Each runs its own ``work``; if any raised, every rank
+    raises the first failed rank's error (the same type and message), so that ranks whose own
+    work passed do not go on alone. The message names the failed rank(s), unless every rank
+    failed alike (then it is that error, unchanged). Costs one all-gather of 8 bytes per rank
+    and mesh axis when every rank succeeds (more carry the errors otherwise); none without a
+    process group or with one rank.
+
+    The outcomes travel on the mesh's own groups, one all-gather along each axis in turn
+    (after the last, every rank has every failure of the mesh), on tensors of the mesh's
+    device (NCCL takes no CPU tensor). No group is made for the agreement: made by the
+    mesh's ranks alone (a model on some ranks of the world, as a pipeline stage is), it would
+    advance torch's group counter on them alone (torch 2.14 on), and the world's next group
+    would be named differently on the two sides and hang. See [Note: agreed loads].
     """
-    members = tuple(sorted(set(ranks))) if ranks is not None else None
-    if not is_distributed() or world_size() == 1 or (members is not None and len(members) < 2):
+    ranks = [] if mesh is None else [int(r) for r in mesh.mesh.flatten().tolist()]
+    if not is_distributed() or world_size() == 1 or mesh is None or len(ranks) < 2:
         return work()
     value: list[_T] = []
     outcome, original = _attempt(lambda: value.append(work()))
-    group = cpu_group(members) if members is not None else None
-    # A success is sent as nothing: when every rank succeeds, only the sizes travel (one
-    # all-gather of 8 bytes per rank).
-    payload = outcome.to_json() if outcome.failed else b""
-    gathered = all_gather_bytes(payload, group)
-    shared = [Outcome.from_json(data) if data else Outcome() for data in gathered]
-    names = members if members is not None else range(len(shared))
-    failed = [(rank, o) for rank, o in zip(names, shared, strict=True) if o.failed]
-    if not failed:
+    failures = _failures_on(mesh, outcome)
+    if not failures:
         return value[0]
+    failed = sorted(failures.items())
     first_rank, first = failed[0]
-    if len(failed) < len(shared) or any(o != first for _, o in failed):
+    if len(failed) < len(ranks) or any(o != first for _, o in failed):
         others = [rank for rank, _ in failed[1:]]
         also = f" (rank(s) {others} failed too)" if others else ""
         first = Outcome(None, first.error_type, f"rank {first_rank}{also}: {first.message}")
     raise first.exception() from original
+
+
+def _failures_on(mesh: DeviceMesh, outcome: Outcome) -> dict[int, Outcome]:
+    """The failed outcomes of every rank of ``mesh``, by global rank, on every rank of it."""
+    device = device_for_mesh_type(mesh.device_type)
+    # Only failures travel (by global rank, as JSON): when every rank succeeds, each
+    # all-gather carries nothing but the sizes, 8 bytes per rank.
+    known: dict[str, str] = {}
+    if outcome.failed:
+        known[str(global_rank())] = outcome.to_json().decode()
+    for axis in range(mesh.ndim):
+        group = mesh.get_group(axis)
+        if group.size() == 1:
+            continue
+        payload = json.dumps(known).encode() if known else b""
+        for data in all_gather_bytes(payload, group, device=device):
+            if data:
+                known.update(json.loads(data))
+    return {int(rank): Outcome.from_json(data.encode()) for rank, data in known.items()}

@@ -19,7 +19,6 @@ from shardkit.core import observe
 from shardkit.core.runtime import desync
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
-from shardkit.core.runtime.groups import fingerprint_group
 from shardkit.core.runtime.handles import DoneHandle, GatherHandle, SumRowsHandle, WorkHandle
 from shardkit.core.runtime.hang import ensure_watching
 from shardkit.core.runtime.pool import BufferPool
@@ -107,7 +106,7 @@ class ProcessGroupRuntime:
         if not SETTINGS.desync_checks or group.size() == 1:
             return _Issued(info, tag or 0)
         encoded = info.encode()
-        check = _send_fingerprint(info, encoded, group)
+        check = _send_fingerprint(info, encoded, group, data.device)
         if tag is None:
             check.settle()
             return _Issued(info, 0)
@@ -398,25 +397,49 @@ class ProcessGroupRuntime:
 
 
 def _send_fingerprint(
-    info: CollectiveInfo, encoded: bytes, group: dist.ProcessGroup
+    info: CollectiveInfo, encoded: bytes, group: dist.ProcessGroup, device: torch.device
 ) -> desync.PendingCheck:
     """Send this collective's fingerprint to the other members and receive theirs, not waiting.
 
-    Point to point, in issue order and with one tag (per epoch), so the n-th fingerprint from a
-    peer is always that of its n-th collective on the group. On a gloo group the messages share
-    the collective's own connections (a tag no collective uses); on any other backend they go
-    through the group's gloo twin.
+    On a gloo group: point to point, in issue order and with one tag (per epoch), so the n-th
+    fingerprint from a peer is always that of its n-th collective on the group; the messages
+    share the collective's own connections (a tag no collective uses). On any other backend:
+    an all-gather of the fingerprints on the group itself, on ``device`` (the collective's:
+    NCCL takes no CPU tensor), which the caller waits for before it issues the collective.
     """
     size, rank = group.size(), group.rank()
-    channel = group if _uses_gloo(group) else fingerprint_group(group)
-    tag = desync.fingerprint_tag(group)
     rows = torch.empty(size, FINGERPRINT_BYTES, dtype=torch.uint8)  # (W, FINGERPRINT_BYTES)
     mine = rows[rank]
     mine.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+    if not _uses_gloo(group):
+        # No gloo twin of the group: its members alone would create it (torch 2.14 on, that
+        # advances torch's group counter on them alone, and the world's next group hangs).
+        # These collectives are issued only once the fingerprints were compared, so the n-th
+        # fingerprint all-gather of every member meets the n-th of the others.
+        gathered = torch.empty(size * FINGERPRINT_BYTES, dtype=torch.uint8, device=device)
+        work = all_gather_single(gathered, mine.to(device), group=group, async_op=True)
+        assert work is not None, "an all-gather with async_op=True returns its work"
+        return desync.expect(info, group, rows, [_ToHost(work, gathered, rows)])
+    tag = desync.fingerprint_tag(group)
     works: list[desync.Waitable] = []
     for peer in range(size):
         if peer != rank:
-            recv = dist.irecv(rows[peer], group=channel, group_src=peer, tag=tag)
-            send = dist.isend(mine, group=channel, group_dst=peer, tag=tag)
+            recv = dist.irecv(rows[peer], group=group, group_src=peer, tag=tag)
+            send = dist.isend(mine, group=group, group_dst=peer, tag=tag)
             works += [w for w in (recv, send) if w is not None]
     return desync.expect(info, group, rows, works)
+
+
+@dataclass(frozen=True, slots=True)
+class _ToHost:
+    """A native all-gather of fingerprints: its wait also brings the rows to the CPU."""
+
+    work: dist.Work
+    gathered: torch.Tensor  # (W * FINGERPRINT_BYTES,) uint8, on the collective's device
+    rows: torch.Tensor  # (W, FINGERPRINT_BYTES) uint8, on the CPU
+
+    def wait(self) -> object:
+        """Block until the fingerprints are here, on the CPU."""
+        self.work.wait()
+        self.rows.copy_(self.gathered.view_as(self.rows))
+        return None

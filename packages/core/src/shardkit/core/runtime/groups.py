@@ -15,10 +15,8 @@ from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_
 __all__ = [
     "barrier",
     "checkpoint_group",
-    "cpu_group",
     "cpu_world",
     "default_mesh",
-    "fingerprint_group",
     "global_rank",
     "group_ranks",
     "is_distributed",
@@ -26,6 +24,7 @@ __all__ = [
     "own_group",
     "progress_store",
     "subgroup_of",
+    "world_group",
     "world_subgroup",
     "world_size",
 ]
@@ -62,6 +61,12 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
+    return world
+
+
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
     return dist.get_process_group_ranks(group)
@@ -87,7 +92,13 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
     """A process group of ``members`` (global ranks), created by the members alone.
 
     Local synchronisation: ranks outside it need not take part, so disjoint subgroups are
-    created without any global agreement on their order.
+    created without any global agreement on their order. From torch 2.14 this advances
+    torch's group counter on the members alone: where the members are some ranks of the
+    world, the world's next group hangs unless it was made before. Kept only for the groups
+    that are the shard group's own ranks by nature and that torch's ``fully_shard`` makes
+    the same way (``reshard_after_forward=<int>``, ``set_separate_reduce_scatter_group``) and
+    for :func:`own_group`; loads and desync checks make none (see docs/torch-releases.md,
+    "Known issues").
     """
     group = dist.new_group(members, use_local_synchronization=True)
     assert isinstance(group, dist.ProcessGroup), f"not a member of the subgroup {members}"
@@ -96,9 +107,7 @@ def new_subgroup(members: list[int]) -> dist.ProcessGroup:
 
 def world_subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:
     """The subgroup of the default group with these global ranks (members only call it)."""
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    return subgroup_of(world, members)
+    return subgroup_of(_world(), members)
 
 
 def own_group() -> dist.ProcessGroup:
@@ -109,43 +118,46 @@ def own_group() -> dist.ProcessGroup:
     return world_subgroup((global_rank(),))
 
 
-# Gloo groups with the same members as another group, for small CPU messages whatever that
-# group's backend: fingerprints (desync checks) and outcomes (agreement).
-_GLOO_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
-_GLOO_TWINS = weakref.WeakKeyDictionary()
+# Groups of the default group made by every rank of the world (members and the others), by
+# their members: a rank that is not a member keeps None, so that every rank's next call with
+# the same members finds its entry and none of them creates the group twice.
+_WORLD_GROUPS: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup | None]
+]
+_WORLD_GROUPS = weakref.WeakKeyDictionary()
 
 
-def fingerprint_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The gloo twin of ``group`` that desync checks use, created by its members on first use.
+def world_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of these global ranks; None on a rank that is not one of them.
 
-    Always a group of its own, even for a gloo group: a rank out of step must not be able to
-    pair a fingerprint with a collective of the program's own on ``group``.
+    Collective over the world on first use: every rank calls it, members or not, with the same
+    ``members``. From torch 2.14 every group creation advances the counter torch names later
+    groups by, on the ranks that take part; made by every rank, the counter stays equal on all
+    of them, so later world-wide groups (``init_device_mesh``) pair the same ranks.
     """
-    twin = _GLOO_TWINS.get(group)
-    if twin is None:
-        members = dist.get_process_group_ranks(group)
-        made = dist.new_group(members, backend="gloo", use_local_synchronization=True)
-        assert isinstance(made, dist.ProcessGroup), f"not a member of {members}"
-        twin = _GLOO_TWINS[group] = made
-    return twin
+    world = _world()
+    known = _WORLD_GROUPS.setdefault(world, {})
+    if members not in known:
+        made = dist.new_group(list(members))
+        known[members] = made if isinstance(made, dist.ProcessGroup) else None
+    return known[members]
+
+
+# A gloo group of every rank per default group whose backend is not gloo: the world's small
+# CPU messages (outcomes, agreements of the whole world).
+_GLOO_WORLDS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_GLOO_WORLDS = weakref.WeakKeyDictionary()
 
 
 def cpu_world() -> dist.ProcessGroup:
-    """A group of every rank that takes CPU tensors: the default group on gloo, else a twin."""
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    return world if dist.get_backend(world) == dist.Backend.GLOO else fingerprint_group(world)
+    """A group of every rank that takes CPU tensors: the default group on gloo, else a twin.
 
-
-def cpu_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """A group of these global ranks that takes CPU tensors; None for the whole world.
-
-    Created by the members alone on first use (every member must call it), then reused.
+    Collective over the world on first use (where the default group is not gloo): its callers
+    are the world's own collectives, which every rank runs, so every rank creates the twin at
+    the same point and torch's group counter stays equal on all of them.
     """
-    if len(members) == dist.get_world_size():
-        return None
-    group = world_subgroup(members)
-    return group if dist.get_backend(group) == dist.Backend.GLOO else fingerprint_group(group)
+    world = _world()
+    return world if dist.get_backend(world) == dist.Backend.GLOO else _gloo_world(_GLOO_WORLDS)
 
 
 # One gloo group of every rank per default group, for checkpoint writes in a background thread.
@@ -162,13 +174,23 @@ def checkpoint_group() -> dist.ProcessGroup:
     mix data. Gloo groups are independent (their own connections), so the two threads can
     each run collectives on their own group at the same time.
     """
-    world = dist.group.WORLD
-    assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
-    group = _CHECKPOINT_GROUPS.get(world)
+    return _gloo_world(_CHECKPOINT_GROUPS)
+
+
+def _gloo_world(
+    made: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup],
+) -> dist.ProcessGroup:
+    """The gloo group of every rank kept in ``made`` for the default group; made on first use.
+
+    Collective on first use: every rank of the world makes it together (a plain ``new_group``),
+    so torch's group counter advances alike on all of them.
+    """
+    world = _world()
+    group = made.get(world)
     if group is None:
-        made = dist.new_group(backend="gloo")
-        assert isinstance(made, dist.ProcessGroup), "every rank is a member of the world"
-        group = _CHECKPOINT_GROUPS[world] = made
+        new = dist.new_group(backend="gloo")
+        assert isinstance(new, dist.ProcessGroup), "every rank is a member of the world"
+        group = made[world] = new
     return group
 
 

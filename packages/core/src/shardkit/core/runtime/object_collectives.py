@@ -107,20 +107,29 @@ def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
     return bytes(buffer.numpy())
 
 
-def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+def all_gather_bytes(
+    payload: bytes, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None
+) -> list[bytes]:
     """Every rank's ``payload``, in rank order, on every rank of ``group`` (default: the world).
 
-    ``group`` must take CPU tensors (gloo): :func:`~shardkit.core.runtime.groups.cpu_group`.
+    The bytes travel in tensors on ``device`` (default: the CPU), which ``group`` must take:
+    the CPU for gloo (the world's default, :func:`~shardkit.core.runtime.groups.cpu_world`),
+    the rank's GPU for NCCL.
     """
     group = group if group is not None else cpu_world()
+    device = device if device is not None else torch.device("cpu")
     world = group.size()
-    sizes = torch.empty(world, dtype=torch.int64)
-    all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
-    longest = int(sizes.max().item())
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    mine_size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    all_gather_single(sizes, mine_size, group=group)
+    lengths = [int(n) for n in sizes.tolist()]
+    longest = max(lengths)
+    if not longest:
+        return [b""] * world
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    rows = torch.empty(world, longest, dtype=torch.uint8)
-    if longest:
-        all_gather_single(rows.view(-1), mine, group=group)
-    return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(world)]
+    rows = torch.empty(world, longest, dtype=torch.uint8, device=device)
+    all_gather_single(rows.view(-1), mine.to(device), group=group)
+    on_host = rows.cpu()
+    return [bytes(on_host[r, : lengths[r]].numpy()) for r in range(world)]

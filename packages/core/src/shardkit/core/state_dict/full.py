@@ -30,7 +30,7 @@ from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.groups import global_rank
 from shardkit.core.runtime.object_collectives import gather_to_first
 from shardkit.core.runtime.protocol import rows_of
-from shardkit.core.state_dict.validation import mesh_ranks, param_keys
+from shardkit.core.state_dict.validation import model_mesh, param_keys
 
 __all__ = [
     "FullStateDictPlan",
@@ -204,7 +204,7 @@ def _coordinator_pieces(
             message = f"the full state dict could not be gathered here: {error}"
             raise Outcome(None, type(error).__name__, message).exception() from error
 
-    agreed(outcome, mesh_ranks(plan.groups))  # the model's ranks only, as the gathers
+    agreed(outcome, model_mesh(plan.groups))  # the model's ranks only, as the gathers
 
 
 def group_pieces(

@@ -31,7 +31,7 @@ from shardkit.core.engine.reduce import pack_grads_rank_major
 from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
 from shardkit.core.formats.file_readers import StateDictReader, open_reader
 from shardkit.core.runtime.agreement import from_rank
-from shardkit.core.runtime.groups import barrier, global_rank, world_subgroup
+from shardkit.core.runtime.groups import barrier, global_rank, world_group
 from shardkit.core.runtime.object_collectives import (
     broadcast_from,
     broadcast_from_first,
@@ -246,10 +246,13 @@ def _packers(groups: list[FSDPParamGroup], coordinator: int) -> dist.ProcessGrou
     """The process group of the ranks that pack shards (see :class:`_Source`)."""
     packs = any(_packs(g) for g in groups)
     ranks = ranks_where(packs)  # every rank takes part: a collective over the world
-    if len(ranks) <= 1 or not packs:
+    if len(ranks) <= 1:
         return None
-    assert coordinator in ranks, (coordinator, ranks)
-    return world_subgroup(tuple(ranks))
+    assert not packs or coordinator in ranks, (coordinator, ranks)
+    # Made by every rank, packers or not (all of them are here): a group the packers made
+    # alone would advance torch's group counter on them alone (torch 2.14 on).
+    group = world_group(tuple(ranks))
+    return group if packs else None
 
 
 def _packs(group: FSDPParamGroup) -> bool:

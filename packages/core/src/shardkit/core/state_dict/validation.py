@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.param import FSDPParam
@@ -24,7 +25,7 @@ __all__ = [
     "LoadProblem",
     "check_state_dict",
     "format_problems",
-    "mesh_ranks",
+    "model_mesh",
     "param_keys",
     "shard_full_tensors",
 ]
@@ -146,14 +147,38 @@ def _value_problem(
     return None
 
 
-def mesh_ranks(groups: list[FSDPParamGroup]) -> set[int]:
-    """The global ranks of every mesh that ``groups``' parameters live on.
+def model_mesh(groups: list[FSDPParamGroup]) -> DeviceMesh | None:
+    """The mesh that holds every rank of the meshes ``groups``' parameters live on.
 
-    They hold the parts of one model, so they load it together (``FSDPModule.load_state_dict``
-    agrees among them).
+    Those ranks hold the parts of one model, so they load it together
+    (``FSDPModule.load_state_dict`` agrees among them, on this mesh's own groups). A model's
+    meshes are one mesh or slices of one (the data-parallel axes of an SPMD mesh, TP axes
+    included): the largest holds the others. Among meshes of the same ranks, every rank takes
+    the same one (by its groups' names), so that they agree on the same groups. None: no
+    parameter, nobody to agree with.
+
+    Raises:
+        ValueError: no one of the meshes holds every rank of the others.
     """
     meshes = {id(m): m for g in groups for m in (p.sharding_spec.sharded_mesh for p in g.params)}
-    return {int(rank) for mesh in meshes.values() for rank in mesh.mesh.flatten().tolist()}
+    if not meshes:
+        return None
+    ranks_of = {key: set(mesh.mesh.flatten().tolist()) for key, mesh in meshes.items()}
+    every = set().union(*ranks_of.values())
+    holding = [meshes[key] for key, ranks in ranks_of.items() if ranks == every]
+    if not holding:
+        shown = ", ".join(str(mesh.mesh.tolist()) for mesh in meshes.values())
+        raise ValueError(
+            f"the model's parameters live on meshes of which none holds every rank of the "
+            f"others ({shown}): its ranks cannot agree on a load. Take every mesh from one "
+            "mesh (init_device_mesh, then slice it)"
+        )
+
+    def order(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+        names = tuple(mesh.get_group(axis).group_name for axis in range(mesh.ndim))
+        return tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), names
+
+    return min(holding, key=order)
 
 
 def format_problems(module: nn.Module, problems: list[LoadProblem], source: str = "") -> str:
