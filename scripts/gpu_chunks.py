@@ -324,6 +324,35 @@ def scale_smoke(
     return run
 
 
+def reduce_precision(device: str, numels: tuple[int, ...]) -> Callable[[Runner], list[Row]]:
+    """Issue 38: the compressed reduction's kernels beside NCCL's fp32 and bf16 reduce-scatters
+    on one device, and the bytes each sends at W=64 (``benchmarks/cuda_reduce_precision.py``)."""
+
+    def run(runner: Runner) -> list[Row]:
+        args = ["--device", device, "--numels", *map(str, numels)]
+        if device == "cpu":
+            args += ["--iterations", "2"]
+        cmd = runner.torchrun(1, "benchmarks/cuda_reduce_precision.py", *args)
+        records, error = runner.run("reduce-precision", cmd, timeout=240)
+        rows = []
+        for numel in numels:
+            found = {r["mode"]: r for r in records if r["numel"] == numel}
+            label = f"reduce-precision {device} {numel:,} elements, W=1 (bytes at W=64)"
+            if len(found) < 4:
+                rows.append(Row(chunk="", check=label, status="error", detail=error))
+                continue
+            fp32 = found["nccl fp32 reduce-scatter"]
+            cells = [
+                f"{mode}: {r['ms']:.3f} ms, {r['sent_bytes_at_w'] / fp32['sent_bytes_at_w']:.3f}"
+                " of fp32's bytes"
+                for mode, r in found.items()
+            ]
+            rows.append(Row(chunk="", check=label, status="pass", figures="; ".join(cells)))
+        return rows
+
+    return run
+
+
 def pytest_gpu(runner: Runner) -> list[Row]:
     """The pytest GPU tests themselves (the scripts above, through pytest's assertions)."""
     files = ["tests/core/interop/test_cuda.py", "tests/tools/test_cuda_tools.py"]
@@ -349,9 +378,11 @@ FLOAT8_SMOKE_POINTS = (("fake-tiny", 1), ("fake-tiny", 8))
 def smoke_chunks() -> dict[str, Chunk]:
     """``--cpu-smoke``: the fake-group scale code on a CPU, with a tiny model."""
     float8 = scale_smoke(FLOAT8_SMOKE_POINTS, float8=True)
+    precision = reduce_precision("cpu", (4096,))
     return {
         "scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60),
         "float8-smoke": Chunk(_timed("float8-smoke", float8), 60),
+        "reduce-precision-smoke": Chunk(_timed("reduce-precision-smoke", precision), 30),
     }
 
 
@@ -372,6 +403,7 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     # Issue 31's Float8 point: its peak was 1.09 of torch's at W=1, 1.015 at W=8.
     for size, world in FLOAT8_POINTS:
         table[f"float8-{size}-w{world}"] = Chunk(scale_point(size, world, float8=True), 90)
+    table["reduce-precision"] = Chunk(reduce_precision("cuda", (16 * 2**20, 64 * 2**20)), 60)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
 

@@ -38,8 +38,15 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         "fake group W=64 fake-tiny, bf16 + AC (cpu)",
         "fake group W=1 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
         "fake group W=8 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
+        "reduce-precision cpu 4,096 elements, W=1 (bytes at W=64)",
     ]
     assert all(r["status"] == "pass" for r in rows[:2]), rows
+    # Issue 38's chunk: both reduce-scatters and both compressed modes timed, bytes counted.
+    assert rows[4]["status"] == "pass", rows[4]
+    assert "bf16 wire, fp32 sum" in rows[4]["figures"] and "0.500 of fp32's" in rows[4]["figures"]
+    modes = {r["mode"] for r in results["records"]["reduce-precision"]}
+    assert len(modes) == 4, modes
+    rows = rows[:4]
     # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
     records = results["records"]["scale-smoke"]
     assert sorted((r["impl"], r["world"]) for r in records) == [
