@@ -51,13 +51,14 @@ class UnshardHandle(TorchUnshardHandle):
 class GradientReductionHandle:
     """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's API).
 
-    shardkit finalizes every backward itself, at its end, so the reduction a handle stands for
-    is always finished: ``wait()`` returns at once. A class of shardkit's own, as torch's exists
-    only from 2.15 on; ``patch_torch`` puts it under torch's name where torch has one.
+    shardkit finishes the reductions inside ``finalize_backward``, so the reduction a handle
+    stands for is always finished: ``wait()`` returns at once. A class of shardkit's own, as
+    torch's exists only from 2.15 on; ``patch_torch`` puts it under torch's name where torch
+    has one.
     """
 
     def wait(self) -> None:
-        """Nothing to wait for: the gradients were reduced when backward ended."""
+        """Nothing to wait for: the gradients were reduced before the handle was returned."""
 
 
 class FSDPModule:
@@ -119,28 +120,28 @@ class FSDPModule:
         state.reset_iter_state()
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """False only (torch 2.15's API): every backward finalizes itself at its end.
+        """True: backwards finish nothing at their end; :meth:`finalize_backward` does.
+
+        Called on the root, as torch 2.15's. See [Note: torch-facing view].
 
         Raises:
-            NotImplementedError: ``enabled`` is True.
+            RuntimeError: not the root, or the mode would change once backward started.
         """
-        if enabled:
-            raise not_in_shardkit(
-                "set_manual_backward_finalization(True)",
-                "2.15",
-                "each backward reduces gradients and reshards at its end; to defer reduction "
-                "over several backwards use set_requires_gradient_sync(False) until the last",
-            )
+        assert isinstance(self, nn.Module)
+        state_of(self).set_manual_finalization(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """Nothing is left to finalize (torch 2.15's API): backward finalized itself.
+        """End the backward iteration under manual finalization (torch 2.15's API).
 
-        Manual finalization cannot be turned on (``set_manual_backward_finalization``), and
-        torch's own call is a no-op after an automatically finalized backward.
+        Gradients nobody reduced are reduced, every reduction finished, groups resharded as
+        set; a no-op before the first forward. shardkit finishes the reductions here, so the
+        handle ``async_op=True`` returns is already finished.
 
-        Returns:
-            A finished :class:`GradientReductionHandle` with ``async_op=True``, else None.
+        Raises:
+            RuntimeError: not the root, manual finalization is off, or a backward is running.
         """
+        assert isinstance(self, nn.Module)
+        state_of(self).finalize_backward()
         return GradientReductionHandle() if async_op else None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:

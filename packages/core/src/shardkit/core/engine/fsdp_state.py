@@ -60,6 +60,9 @@ class RootContext:
     backward: BackwardTracker
     """What autograd tells of each group's backward (see ``backward``)."""
     final_callback_queued: bool = False
+    manual_finalization: bool | None = None
+    """The root's ``set_manual_backward_finalization`` as this iteration's first backward
+    found it (None: no backward since the last finalization); see [Note: torch-facing view]."""
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
@@ -84,6 +87,8 @@ class FSDPState:
         # Set by share_comm_ctx before the first forward: the communication context to use.
         self.shared_comm: CommContext | None = None
         self.fqn = ""
+        # set_manual_backward_finalization's setting: read when a backward starts.
+        self.manual_finalization = False
         self._forward_pending: set[int] = set()
         pre_forward, post_forward = _eager(self._pre_forward), _eager(self._post_forward)
         for module in modules:
@@ -260,18 +265,83 @@ class FSDPState:
             return
         ctx.final_callback_queued = True
         root = next(s for s in ctx.states if s.is_root)
-        Variable._execution_engine.queue_callback(root._root_final_callback)
+        if ctx.manual_finalization is None:
+            ctx.manual_finalization = root.manual_finalization
+        Variable._execution_engine.queue_callback(root.root_final_callback)
 
-    def _root_final_callback(self) -> None:
+    def root_final_callback(self) -> None:
+        """The end of one backward, run by autograd or by a pipeline schedule.
+
+        A schedule that ends a stage's backward outside autograd calls it (see
+        [Note: torch-facing view]). Under manual finalization it finishes no reduction:
+        :meth:`finalize_backward` does.
+        """
         ctx = self.ctx
         assert ctx is not None
         ctx.final_callback_queued = False
+        manual = bool(ctx.manual_finalization)
+        self._end_backward(last=not manual and all(g.options.is_last_backward for g in self.groups))
+        if not manual:
+            ctx.manual_finalization = None
+
+    def set_manual_finalization(self, enabled: bool) -> None:
+        """``FSDPModule.set_manual_backward_finalization`` (torch 2.15's API), checked as torch's.
+
+        Raises:
+            RuntimeError: not the root, or the mode would change during a backward or
+                before the backward iteration started under the other mode is finalized.
+        """
+        if self.is_root is False:
+            raise RuntimeError(
+                f"set_manual_backward_finalization must be called on the root FSDP module, "
+                f"not on {self.fqn} (shardkit)"
+            )
+        active = None if self.ctx is None else self.ctx.manual_finalization
+        if enabled != self.manual_finalization and in_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
+        if active is not None and enabled != active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts "
+                "(finalize_backward first)"
+            )
+        self.manual_finalization = enabled
+
+    def finalize_backward(self) -> None:
+        """``FSDPModule.finalize_backward`` (torch 2.15's API): end the backward iteration.
+
+        Groups holding gradients nobody reduced end their backward, every reduction is
+        finished and every group resharded as set. A no-op before the first forward.
+
+        Raises:
+            RuntimeError: not the root, manual finalization is off, or a backward is running.
+        """
+        ctx = self.ctx
+        if ctx is None:
+            return
+        if not self.is_root:
+            raise RuntimeError(
+                f"finalize_backward must be called on the root FSDP module, not {self.fqn}"
+            )
+        manual = ctx.manual_finalization
+        if not (self.manual_finalization if manual is None else manual):
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if ctx.final_callback_queued:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        self._end_backward(last=True)
+        ctx.manual_finalization = None
+
+    def _end_backward(self, *, last: bool) -> None:
+        ctx = self.ctx
+        assert ctx is not None
         # A local tree's gradients are all taken here (none were counted), and assigned at
         # once unless a later backward finalizes. See ``backward`` (rule 4).
-        groups = self.groups
-        last = all(g.options.is_last_backward for g in groups)
         at_end, ctx.local = ctx.local and last, False
-        ctx.driver.final_callback(groups, last=last, assign_now=at_end)
+        ctx.driver.final_callback(self.groups, last=last, assign_now=at_end)
         ctx.backward.reset()
         PROGRESS.enter("idle")
 
@@ -292,6 +362,7 @@ class FSDPState:
             state._forward_pending.clear()
         self.ctx.driver.schedule.reset()
         self.ctx.final_callback_queued = False
+        self.ctx.manual_finalization = None
         self.ctx.local = False
         PROGRESS.enter("idle")
 
