@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardkit.core
-from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.torch_view import TorchFacingState
 from tests.core.fake_group import fake_mesh
 
 WORLD = 2
@@ -53,4 +53,57 @@ def test_state_reads_each_calls_state_as_torchs(mesh: DeviceMesh) -> None:
     expected = {k: v for k, v in theirs.items() if k != "ours"}
     assert {k: v for k, v in ours.items() if k != "ours"} == expected
     assert expected["distinct"] == 3 and expected["list_shares_one"]
-    assert isinstance(ours["ours"], FSDPState)
+    assert isinstance(ours["ours"], TorchFacingState)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Any) -> Any:
+        return self.out_proj(self.in_proj(x))
+
+
+def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
+    """What torch's lazy-init tests read: roots, each group's module FQN and param FQNs."""
+    model = nn.Sequential(_MLP(), _MLP())
+    fs(model[0].in_proj, mesh=mesh)
+    fs(model[0].out_proj, mesh=mesh)
+    fs(model, mesh=mesh)
+    root = fs.state(model)
+    before = root._is_root
+    root._lazy_init()
+    groups = {
+        group._module_fqn: sorted(p._param_fqn for p in group.fsdp_params)
+        for state in root._state_ctx.all_states
+        for group in state._fsdp_param_groups
+    }
+    singular = fs.state(model[0].in_proj)._fsdp_param_group
+    return {
+        "before": before,
+        "roots": [fs.state(m)._is_root for m in (model, model[0].in_proj, model[0].out_proj)],
+        "groups": groups,
+        "singular": singular._module_fqn if singular is not None else None,
+        "same_state": root._state_ctx.all_states[0] is root,
+    }
+
+
+def test_lazy_init_names_read_as_torchs(mesh: DeviceMesh) -> None:
+    theirs = _lazy_init_names(torch_fully_shard, mesh)
+    assert theirs["groups"][""] == ["1.in_proj.bias", "1.in_proj.weight", "1.out_proj.bias",
+                                    "1.out_proj.weight"]  # fmt: skip
+    assert _lazy_init_names(shardkit.core.fully_shard, mesh) == theirs
+
+
+def test_torchs_fully_shard_state_finds_the_view(mesh: DeviceMesh) -> None:
+    # torch's pipelining binds torch's fully_shard at import, before any patch_torch.
+    model = nn.Sequential(nn.Linear(4, 4))
+    ours: Any = shardkit.core.fully_shard
+    sharded: Any = ours(model, mesh=mesh)
+    view = ours.state(model)
+    theirs: Any = torch_fully_shard
+    assert theirs.state(model) is view and sharded._get_fsdp_state() is view
+    with pytest.raises(AttributeError, match=r"TorchFacingState\._training_state: shardkit"):
+        _ = view._training_state
+    assert not hasattr(view._fsdp_param_groups[0], "_all_gather_stream")
