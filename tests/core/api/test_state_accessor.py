@@ -107,3 +107,22 @@ def test_torchs_fully_shard_state_finds_the_view(mesh: DeviceMesh) -> None:
     with pytest.raises(AttributeError, match=r"TorchFacingState\._training_state: shardkit"):
         _ = view._training_state
     assert not hasattr(view._fsdp_param_groups[0], "_all_gather_stream")
+
+
+def _comm_ctx_sharing(fs: Any, share: Any, mesh: DeviceMesh) -> list[bool]:
+    """Which roots' ``_comm_ctx`` is the first's, two of three roots sharing (before forward)."""
+    roots = [fs(nn.Sequential(nn.Linear(4, 4)), mesh=mesh) for _ in range(3)]
+    share(roots[:2])
+    first = roots[0]._get_fsdp_state()._comm_ctx
+    return [root._get_fsdp_state()._comm_ctx is first for root in roots]
+
+
+def test_comm_ctx_tells_roots_that_share_one_as_torchs(mesh: DeviceMesh) -> None:
+    # torch 2.15's pipeline schedules read it to refuse stages sharing one context.
+    from torch.distributed.fsdp import share_comm_ctx as torch_share
+
+    theirs = _comm_ctx_sharing(torch_fully_shard, torch_share, mesh)
+    assert theirs == [True, True, False]
+    assert (
+        _comm_ctx_sharing(shardkit.core.fully_shard, shardkit.core.share_comm_ctx, mesh) == theirs
+    )
