@@ -66,7 +66,11 @@ class _MLP(nn.Module):
 
 
 def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
-    """What torch's lazy-init tests read: roots, each group's module FQN and param FQNs."""
+    """What torch's lazy-init tests read: roots, every state in order, FQNs of modules, params.
+
+    As ``test_fully_shard_is_root`` and ``test_fully_shard_module_and_param_fqns`` of torch's
+    ``test_fully_shard_init.py`` read them (the model is theirs).
+    """
     model = nn.Sequential(_MLP(), _MLP())
     fs(model[0].in_proj, mesh=mesh)
     fs(model[0].out_proj, mesh=mesh)
@@ -85,7 +89,12 @@ def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
         "roots": [fs.state(m)._is_root for m in (model, model[0].in_proj, model[0].out_proj)],
         "groups": groups,
         "singular": singular._module_fqn if singular is not None else None,
-        "same_state": root._state_ctx.all_states[0] is root,
+        "all_states": [
+            state is fs.state(m)
+            for state, m in zip(
+                root._state_ctx.all_states, (model, *model[0].children()), strict=True
+            )
+        ],
     }
 
 
@@ -93,6 +102,7 @@ def test_lazy_init_names_read_as_torchs(mesh: DeviceMesh) -> None:
     theirs = _lazy_init_names(torch_fully_shard, mesh)
     assert theirs["groups"][""] == ["1.in_proj.bias", "1.in_proj.weight", "1.out_proj.bias",
                                     "1.out_proj.weight"]  # fmt: skip
+    assert theirs["all_states"] == [True, True, True]
     assert _lazy_init_names(shardkit.core.fully_shard, mesh) == theirs
 
 
