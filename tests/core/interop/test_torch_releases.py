@@ -102,6 +102,8 @@ def _backward_finalization_body(rank: int, world_size: int) -> dict[str, Any]:
     root.set_requires_gradient_sync(True)
     handle = root.finalize_backward(async_op=True)
     assert isinstance(handle, sk.GradientReductionHandle)
+    in_flight = any(p.grad is None for p in model.parameters())  # the handle finishes it
+    refuse(root.finalize_backward)  # before the handle's wait
     handle.wait()
     root.set_manual_backward_finalization(False)
     rows = torch.cat([x + r - rank for r in range(world_size)])
@@ -110,6 +112,7 @@ def _backward_finalization_body(rank: int, world_size: int) -> dict[str, Any]:
         "before": before,
         "refused": refused,
         "unreduced": unreduced,
+        "in_flight": in_flight,
         "grads": [
             torch.allclose(_full(p.grad), _full(q.grad))
             for p, q in zip(model.parameters(), reference.parameters(), strict=True)
@@ -124,13 +127,15 @@ def _full(grad: torch.Tensor | None) -> torch.Tensor:
 
 def test_backward_finalization_of_torch_2_15() -> None:
     for result in run_on_ranks(2, _backward_finalization_body):
-        keep, automatic, not_root, changed = result["refused"]
+        keep, automatic, not_root, changed, not_waited = result["refused"]
         assert keep.startswith(
             "NotImplementedError: set_keep_unsharded_storage(True) (torch 2.15's FSDP2)"
         )
         assert "requires manual backward finalization" in automatic
         assert "must be called on the root" in not_root
         assert "cannot change mode after backward starts" in changed
+        assert "previous gradient reduction must be waited on" in not_waited
+        assert result["in_flight"]
         assert result["before"] is None
         assert all(result["unreduced"]) and all(result["grads"])
 

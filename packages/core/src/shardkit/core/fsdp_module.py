@@ -13,6 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.core.engine.finalization import (
+    finalize_backward,
+    set_manual_finalization,
+    wait_for_gradient_reduction,
+)
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
@@ -51,14 +56,19 @@ class UnshardHandle(TorchUnshardHandle):
 class GradientReductionHandle:
     """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's API).
 
-    shardkit finishes the reductions inside ``finalize_backward``, so the reduction a handle
-    stands for is always finished: ``wait()`` returns at once. A class of shardkit's own, as
-    torch's exists only from 2.15 on; ``patch_torch`` puts it under torch's name where torch
-    has one.
+    ``wait()`` finishes the reductions ``finalize_backward`` started and assigns the sharded
+    gradients. A class of shardkit's own, as torch's exists only from 2.15 on; ``patch_torch``
+    puts it under torch's name where torch has one.
     """
 
+    def __init__(self, finish: Callable[[], None] | None = None) -> None:
+        self._finish = finish
+
     def wait(self) -> None:
-        """Nothing to wait for: the gradients were reduced before the handle was returned."""
+        """Finish the gradient reductions (once; later calls return at once)."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 class FSDPModule:
@@ -128,21 +138,26 @@ class FSDPModule:
             RuntimeError: not the root, or the mode would change once backward started.
         """
         assert isinstance(self, nn.Module)
-        state_of(self).set_manual_finalization(enabled)
+        set_manual_finalization(state_of(self), enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """End the backward iteration under manual finalization (torch 2.15's API).
 
         Gradients nobody reduced are reduced, every reduction finished, groups resharded as
-        set; a no-op before the first forward. shardkit finishes the reductions here, so the
-        handle ``async_op=True`` returns is already finished.
+        set; a no-op before the first forward. With ``async_op=True`` the reductions are left
+        in flight: the returned handle's ``wait()`` finishes them (before the gradients are
+        used, or more work starts on this root).
 
         Raises:
-            RuntimeError: not the root, manual finalization is off, or a backward is running.
+            RuntimeError: not the root, manual finalization is off, a backward is running, or
+                the previous handle was not waited on.
         """
         assert isinstance(self, nn.Module)
-        state_of(self).finalize_backward()
-        return GradientReductionHandle() if async_op else None
+        state = state_of(self)
+        finalize_backward(state, wait=not async_op)
+        if not async_op:
+            return None
+        return GradientReductionHandle(lambda: wait_for_gradient_reduction(state))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves gradient reductions to a later one (microbatches)."""

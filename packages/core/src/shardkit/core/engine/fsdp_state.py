@@ -63,6 +63,8 @@ class RootContext:
     manual_finalization: bool | None = None
     """The root's ``set_manual_backward_finalization`` as this iteration's first backward
     found it (None: no backward since the last finalization); see [Note: torch-facing view]."""
+    reduction_pending: bool = False
+    """``finalize_backward(async_op=True)`` started reductions its handle has not finished."""
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
@@ -274,68 +276,18 @@ class FSDPState:
 
         A schedule that ends a stage's backward outside autograd calls it (see
         [Note: torch-facing view]). Under manual finalization it finishes no reduction:
-        :meth:`finalize_backward` does.
+        ``finalization.finalize_backward`` does.
         """
         ctx = self.ctx
         assert ctx is not None
         ctx.final_callback_queued = False
         manual = bool(ctx.manual_finalization)
-        self._end_backward(last=not manual and all(g.options.is_last_backward for g in self.groups))
+        self.end_backward(last=not manual and all(g.options.is_last_backward for g in self.groups))
         if not manual:
             ctx.manual_finalization = None
 
-    def set_manual_finalization(self, enabled: bool) -> None:
-        """``FSDPModule.set_manual_backward_finalization`` (torch 2.15's API), checked as torch's.
-
-        Raises:
-            RuntimeError: not the root, or the mode would change during a backward or
-                before the backward iteration started under the other mode is finalized.
-        """
-        if self.is_root is False:
-            raise RuntimeError(
-                f"set_manual_backward_finalization must be called on the root FSDP module, "
-                f"not on {self.fqn} (shardkit)"
-            )
-        active = None if self.ctx is None else self.ctx.manual_finalization
-        if enabled != self.manual_finalization and in_backward():
-            raise RuntimeError(
-                "set_manual_backward_finalization cannot change mode during backward"
-            )
-        if active is not None and enabled != active:
-            raise RuntimeError(
-                "set_manual_backward_finalization cannot change mode after backward starts "
-                "(finalize_backward first)"
-            )
-        self.manual_finalization = enabled
-
-    def finalize_backward(self) -> None:
-        """``FSDPModule.finalize_backward`` (torch 2.15's API): end the backward iteration.
-
-        Groups holding gradients nobody reduced end their backward, every reduction is
-        finished and every group resharded as set. A no-op before the first forward.
-
-        Raises:
-            RuntimeError: not the root, manual finalization is off, or a backward is running.
-        """
-        ctx = self.ctx
-        if ctx is None:
-            return
-        if not self.is_root:
-            raise RuntimeError(
-                f"finalize_backward must be called on the root FSDP module, not {self.fqn}"
-            )
-        manual = ctx.manual_finalization
-        if not (self.manual_finalization if manual is None else manual):
-            raise RuntimeError(
-                "FSDP finalize_backward requires manual backward finalization. Call "
-                "set_manual_backward_finalization(True) before forward"
-            )
-        if ctx.final_callback_queued:
-            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
-        self._end_backward(last=True)
-        ctx.manual_finalization = None
-
-    def _end_backward(self, *, last: bool) -> None:
+    def end_backward(self, *, last: bool) -> None:
+        """The driver's end of backward for every group; ``last``: finish every reduction."""
         ctx = self.ctx
         assert ctx is not None
         # A local tree's gradients are all taken here (none were counted), and assigned at
@@ -363,6 +315,7 @@ class FSDPState:
         self.ctx.driver.schedule.reset()
         self.ctx.final_callback_queued = False
         self.ctx.manual_finalization = None
+        self.ctx.reduction_pending = False
         self.ctx.local = False
         PROGRESS.enter("idle")
 
