@@ -116,7 +116,14 @@ def test_torchs_fully_shard_state_finds_the_view(mesh: DeviceMesh) -> None:
     assert theirs.state(model) is view and sharded._get_fsdp_state() is view
     with pytest.raises(AttributeError, match=r"TorchFacingState\._training_state: shardkit"):
         _ = view._training_state
-    assert not hasattr(view._fsdp_param_groups[0], "_all_gather_stream")
+    group = view._fsdp_param_groups[0]
+    assert not hasattr(group, "_all_gather_stream")
+    with pytest.raises(
+        AttributeError, match=r"TorchFacingGroup\._all_reduce_hook_stream: shardkit"
+    ):
+        group._all_reduce_hook_stream = None
+    group._all_reduce_hook = print  # served: the group's own option
+    assert group._all_reduce_hook is print
 
 
 def _comm_ctx_sharing(fs: Any, share: Any, mesh: DeviceMesh) -> list[bool]:

@@ -61,6 +61,14 @@ class _Strict:
             raise AttributeError(name)  # copy, pickle and friends probe dunders
         raise _not_served(type(self).__name__, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Slots and settable properties only: a write torch's objects would take but shardkit
+        # would ignore fails by name instead.
+        try:
+            object.__setattr__(self, name, value)
+        except AttributeError:
+            raise _not_served(type(self).__name__, name) from None
+
 
 class TorchFacingParam(_Strict):
     """A managed parameter as torch's ``FSDPParam`` is read: its name from the root."""
