@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardkit.core
-from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.torch_view import TorchFacingState
 from tests.core.fake_group import fake_mesh
 
 WORLD = 2
@@ -53,4 +53,93 @@ def test_state_reads_each_calls_state_as_torchs(mesh: DeviceMesh) -> None:
     expected = {k: v for k, v in theirs.items() if k != "ours"}
     assert {k: v for k, v in ours.items() if k != "ours"} == expected
     assert expected["distinct"] == 3 and expected["list_shares_one"]
-    assert isinstance(ours["ours"], FSDPState)
+    assert isinstance(ours["ours"], TorchFacingState)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Any) -> Any:
+        return self.out_proj(self.in_proj(x))
+
+
+def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
+    """What torch's lazy-init tests read: roots, every state in order, FQNs of modules, params.
+
+    As ``test_fully_shard_is_root`` and ``test_fully_shard_module_and_param_fqns`` of torch's
+    ``test_fully_shard_init.py`` read them (the model is theirs).
+    """
+    model = nn.Sequential(_MLP(), _MLP())
+    fs(model[0].in_proj, mesh=mesh)
+    fs(model[0].out_proj, mesh=mesh)
+    fs(model, mesh=mesh)
+    root = fs.state(model)
+    before = root._is_root
+    root._lazy_init()
+    groups = {
+        group._module_fqn: sorted(p._param_fqn for p in group.fsdp_params)
+        for state in root._state_ctx.all_states
+        for group in state._fsdp_param_groups
+    }
+    singular = fs.state(model[0].in_proj)._fsdp_param_group
+    return {
+        "before": before,
+        "roots": [fs.state(m)._is_root for m in (model, model[0].in_proj, model[0].out_proj)],
+        "groups": groups,
+        "singular": singular._module_fqn if singular is not None else None,
+        "all_states": [
+            state is fs.state(m)
+            for state, m in zip(
+                root._state_ctx.all_states, (model, *model[0].children()), strict=True
+            )
+        ],
+    }
+
+
+def test_lazy_init_names_read_as_torchs(mesh: DeviceMesh) -> None:
+    theirs = _lazy_init_names(torch_fully_shard, mesh)
+    assert theirs["groups"][""] == ["1.in_proj.bias", "1.in_proj.weight", "1.out_proj.bias",
+                                    "1.out_proj.weight"]  # fmt: skip
+    assert theirs["all_states"] == [True, True, True]
+    assert _lazy_init_names(shardkit.core.fully_shard, mesh) == theirs
+
+
+def test_torchs_fully_shard_state_finds_the_view(mesh: DeviceMesh) -> None:
+    # torch's pipelining binds torch's fully_shard at import, before any patch_torch.
+    model = nn.Sequential(nn.Linear(4, 4))
+    ours: Any = shardkit.core.fully_shard
+    sharded: Any = ours(model, mesh=mesh)
+    view = ours.state(model)
+    theirs: Any = torch_fully_shard
+    assert theirs.state(model) is view and sharded._get_fsdp_state() is view
+    with pytest.raises(AttributeError, match=r"TorchFacingState\._training_state: shardkit"):
+        _ = view._training_state
+    group = view._fsdp_param_groups[0]
+    assert not hasattr(group, "_all_gather_stream")
+    with pytest.raises(
+        AttributeError, match=r"TorchFacingGroup\._all_reduce_hook_stream: shardkit"
+    ):
+        group._all_reduce_hook_stream = None
+    group._all_reduce_hook = print  # served: the group's own option
+    assert group._all_reduce_hook is print
+
+
+def _comm_ctx_sharing(fs: Any, share: Any, mesh: DeviceMesh) -> list[bool]:
+    """Which roots' ``_comm_ctx`` is the first's, two of three roots sharing (before forward)."""
+    roots = [fs(nn.Sequential(nn.Linear(4, 4)), mesh=mesh) for _ in range(3)]
+    share(roots[:2])
+    first = roots[0]._get_fsdp_state()._comm_ctx
+    return [root._get_fsdp_state()._comm_ctx is first for root in roots]
+
+
+def test_comm_ctx_tells_roots_that_share_one_as_torchs(mesh: DeviceMesh) -> None:
+    # torch 2.15's pipeline schedules read it to refuse stages sharing one context.
+    from torch.distributed.fsdp import share_comm_ctx as torch_share
+
+    theirs = _comm_ctx_sharing(torch_fully_shard, torch_share, mesh)
+    assert theirs == [True, True, False]
+    assert (
+        _comm_ctx_sharing(shardkit.core.fully_shard, shardkit.core.share_comm_ctx, mesh) == theirs
+    )

@@ -8,6 +8,7 @@ torch. Torch's DCP state-dict helpers must give on a shardkit model what they gi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,35 +104,38 @@ def _torch_internals_body(rank: int, world_size: int) -> dict[str, str]:
     model = models.build("mlp")
     fully_shard(model)
     out: dict[str, str] = {}
-    for what, call in [
-        ("state", model._get_fsdp_state),
+    view: Any = model._get_fsdp_state()
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("state", lambda: view._pre_forward),
         ("async_bad", lambda: model._set_unshard_async_op(1)),
-    ]:
+    ]
+    for what, call in calls:
         try:
             call()
             out[what] = "no error"
-        except (RuntimeError, TypeError) as err:
+        except (AttributeError, TypeError) as err:
             out[what] = f"{type(err).__name__}: {err}"
     model._set_unshard_async_op(True)  # torchtitan's knob: accepted
     # Torch's own register_fsdp_forward_method, as a library imported before any patch has
-    # it: it sees an FSDPModule and reaches for torch's state, which must fail by name.
+    # it: it sees an FSDPModule and reaches for torch's state's hooks, which the torch-facing
+    # view does not serve: it must fail by name.
     torch_register(model, "forward")
     try:
         model(torch.randn(2, 7))
         out["torch_register"] = "no error"
-    except RuntimeError as err:
+    except AttributeError as err:
         out["torch_register"] = str(err)
     return out
 
 
 def test_torchs_private_internals_fail_by_name() -> None:
     for result in run_on_ranks(WORLD_SIZE, _torch_internals_body):
-        assert result["state"].startswith("RuntimeError: FSDPMLPNet is sharded by shardkit's")
-        assert "_get_fsdp_state" in result["state"]
+        assert result["state"].startswith("AttributeError: TorchFacingState._pre_forward: shardkit")
+        assert "torch-facing view" in result["state"]
         assert result["async_bad"] == (
             "TypeError: FSDPMLPNet._set_unshard_async_op takes a bool, got int"
         )
-        assert "FSDPMLPNet is sharded by shardkit's" in result["torch_register"]
+        assert "TorchFacingState._pre_forward: shardkit" in result["torch_register"]
 
 
 def _full(value: Any) -> Any:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import shardkit.core as sk
 from harness.pool import run_on_ranks
@@ -64,35 +65,79 @@ def test_param_dtype_override_fn_is_refused_by_name() -> None:
 
 
 def _backward_finalization_body(rank: int, world_size: int) -> dict[str, Any]:
+    # torch 2.15's manual finalization, on whatever torch is installed: two backwards without
+    # gradient sync, then finalize_backward reduces once; gradients as one backward's.
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reference.load_state_dict(model.state_dict())
     for layer in model:
         sk.fully_shard(layer, mesh=init_device_mesh("cpu", (world_size,)))
     root = sk.fully_shard(model)
-    refused = []
-    for method in (root.set_manual_backward_finalization, root.set_keep_unsharded_storage):
+    refused: list[str] = []
+
+    def refuse(call: Any) -> None:
         try:
-            method(True)
-        except NotImplementedError as error:
-            refused.append(str(error))
-    root.set_manual_backward_finalization(False)
+            call()
+        except (NotImplementedError, RuntimeError) as error:
+            refused.append(f"{type(error).__name__}: {error}")
+
+    refuse(lambda: root.set_keep_unsharded_storage(True))
     root.set_keep_unsharded_storage(False, recurse=False)
-    model(torch.ones(3, 4)).sum().backward()
+    before = root.finalize_backward()  # before the first forward: nothing to finalize
+    model(torch.ones(3, 4)).sum().backward()  # automatic: the backward finalized itself
+    refuse(root.finalize_backward)  # not under manual finalization
+    inner = model[0]
+    assert isinstance(inner, sk.FSDPModule)
+    refuse(lambda: inner.set_manual_backward_finalization(True))  # not the root
+    for p in model.parameters():
+        p.grad = None
+    root.set_manual_backward_finalization(True)
+    root.set_requires_gradient_sync(False)
+    x = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 10 + rank
+    for chunk in x.chunk(2):
+        model(chunk).sum().backward()
+    unreduced = [p.grad is None for p in model.parameters()]
+    refuse(lambda: root.set_manual_backward_finalization(False))  # after backward started
+    root.set_requires_gradient_sync(True)
     handle = root.finalize_backward(async_op=True)
     assert isinstance(handle, sk.GradientReductionHandle)
+    in_flight = any(p.grad is None for p in model.parameters())  # the handle finishes it
+    refuse(root.finalize_backward)  # before the handle's wait
     handle.wait()
+    root.set_manual_backward_finalization(False)
+    rows = torch.cat([x + r - rank for r in range(world_size)])
+    reference(rows).sum().div(world_size).backward()
     return {
+        "before": before,
         "refused": refused,
-        "sync": root.finalize_backward(),
-        "grads": [p.grad is not None for p in model.parameters()],
+        "unreduced": unreduced,
+        "in_flight": in_flight,
+        "grads": [
+            torch.allclose(_full(p.grad), _full(q.grad))
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ],
     }
+
+
+def _full(grad: torch.Tensor | None) -> torch.Tensor:
+    assert grad is not None
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def test_backward_finalization_of_torch_2_15() -> None:
     for result in run_on_ranks(2, _backward_finalization_body):
-        manual, keep = result["refused"]
-        assert manual.startswith("set_manual_backward_finalization(True) (torch 2.15's FSDP2)")
-        assert keep.startswith("set_keep_unsharded_storage(True) (torch 2.15's FSDP2)")
-        assert result["sync"] is None and all(result["grads"])
+        keep, automatic, not_root, changed, not_waited = result["refused"]
+        assert keep.startswith(
+            "NotImplementedError: set_keep_unsharded_storage(True) (torch 2.15's FSDP2)"
+        )
+        assert "requires manual backward finalization" in automatic
+        assert "must be called on the root" in not_root
+        assert "cannot change mode after backward starts" in changed
+        assert "previous gradient reduction must be waited on" in not_waited
+        assert result["in_flight"]
+        assert result["before"] is None
+        assert all(result["unreduced"]) and all(result["grads"])
 
 
 @pytest.mark.parametrize(

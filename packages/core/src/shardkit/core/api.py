@@ -34,6 +34,7 @@ from shardkit.core.fsdp_module import FSDPModule
 from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
+from shardkit.core.torch_view import TorchFacingState, attach_view, view_of
 
 if TYPE_CHECKING:
     # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py
@@ -133,19 +134,22 @@ def fully_shard(
     state = FSDPState(modules, group, mp_policy, mesh_info.device)
     for m in modules:
         register_state(m, state)
+        attach_view(m, state)
         m.__class__ = _fsdp_class(type(m))
     fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
 
 
-def _state(module: nn.Module) -> FSDPState | None:
-    """The state of the ``fully_shard`` call that manages ``module`` itself, else None."""
-    return state_of(module) if is_managed(module) else None
+def _state(module: nn.Module) -> TorchFacingState | None:
+    """The torch-facing view of the call that manages ``module`` itself, else None."""
+    return view_of(module) if is_managed(module) else None
 
 
 # torch's fully_shard carries ``fully_shard.state(module)`` (its composable-API decorator adds
-# it); code and tests written for torch read the state through it. Set by name: a type checker
-# does not let a function, overloaded at that, grow an attribute.
+# it); code and tests written for torch read the state through it, and reach torch's private
+# names on it: they get the same view as torch's own ``fully_shard.state`` gives for a shardkit
+# module. See [Note: torch-facing view]. Set by name: a type checker does not let a function,
+# overloaded at that, grow an attribute.
 setattr(fully_shard, "state", _state)  # noqa: B010
 
 

@@ -13,6 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.core.engine.finalization import (
+    finalize_backward,
+    set_manual_finalization,
+    wait_for_gradient_reduction,
+)
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
@@ -53,13 +58,19 @@ class UnshardHandle(TorchUnshardHandle):
 class GradientReductionHandle:
     """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's API).
 
-    shardkit finalizes every backward itself, at its end, so the reduction a handle stands for
-    is always finished: ``wait()`` returns at once. A class of shardkit's own, as torch's exists
-    only from 2.15 on; ``patch_torch`` puts it under torch's name where torch has one.
+    ``wait()`` finishes the reductions ``finalize_backward`` started and assigns the sharded
+    gradients. A class of shardkit's own, as torch's exists only from 2.15 on; ``patch_torch``
+    puts it under torch's name where torch has one.
     """
 
+    def __init__(self, finish: Callable[[], None] | None = None) -> None:
+        self._finish = finish
+
     def wait(self) -> None:
-        """Nothing to wait for: the gradients were reduced when backward ended."""
+        """Finish the gradient reductions (once; later calls return at once)."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 class FSDPModule:
@@ -121,29 +132,34 @@ class FSDPModule:
         state.reset_iter_state()
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """False only (torch 2.15's API): every backward finalizes itself at its end.
+        """True: backwards finish nothing at their end; :meth:`finalize_backward` does.
+
+        Called on the root, as torch 2.15's. See [Note: torch-facing view].
 
         Raises:
-            NotImplementedError: ``enabled`` is True.
+            RuntimeError: not the root, or the mode would change once backward started.
         """
-        if enabled:
-            raise not_in_shardkit(
-                "set_manual_backward_finalization(True)",
-                "2.15",
-                "each backward reduces gradients and reshards at its end; to defer reduction "
-                "over several backwards use set_requires_gradient_sync(False) until the last",
-            )
+        assert isinstance(self, nn.Module)
+        set_manual_finalization(state_of(self), enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """Nothing is left to finalize (torch 2.15's API): backward finalized itself.
+        """End the backward iteration under manual finalization (torch 2.15's API).
 
-        Manual finalization cannot be turned on (``set_manual_backward_finalization``), and
-        torch's own call is a no-op after an automatically finalized backward.
+        Gradients nobody reduced are reduced, every reduction finished, groups resharded as
+        set; a no-op before the first forward. With ``async_op=True`` the reductions are left
+        in flight: the returned handle's ``wait()`` finishes them (before the gradients are
+        used, or more work starts on this root).
 
-        Returns:
-            A finished :class:`GradientReductionHandle` with ``async_op=True``, else None.
+        Raises:
+            RuntimeError: not the root, manual finalization is off, a backward is running, or
+                the previous handle was not waited on.
         """
-        return GradientReductionHandle() if async_op else None
+        assert isinstance(self, nn.Module)
+        state = state_of(self)
+        finalize_backward(state, wait=not async_op)
+        if not async_op:
+            return None
+        return GradientReductionHandle(lambda: wait_for_gradient_reduction(state))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves gradient reductions to a later one (microbatches)."""
@@ -252,7 +268,7 @@ class FSDPModule:
         S elements.
         """
         for group in self._groups_under(recurse=False):
-            _check_precision(group.options.reduce_precision, group, custom=comm is not None)
+            check_policy(group.options.reduce_precision, group, custom=comm is not None)
         for group in self._groups_under(recurse=False):
             group.options.custom_reduce_scatter = comm
 
@@ -269,7 +285,7 @@ class FSDPModule:
         """
         groups = self._groups_under(recurse)
         for group in groups:
-            _check_precision(policy, group, custom=group.options.custom_reduce_scatter is not None)
+            check_policy(policy, group, custom=group.options.custom_reduce_scatter is not None)
         for group in groups:
             group.options.reduce_precision = policy
 
@@ -429,12 +445,3 @@ class FSDPModule:
             f"({type(self).__name__}: deep-copy the model before fully_shard, or load a copy "
             "through model.state_dict())"
         )
-
-
-def _check_precision(
-    policy: ReducePrecision | None, group: FSDPParamGroup, *, custom: bool
-) -> None:
-    """Raise, naming the module, if ``policy`` cannot apply to ``group``."""
-    where = f"FSDP module {group.fqn or type(group.modules[0]).__name__}"
-    params = [(p.fqn, p.orig_dtype) for p in group.params]
-    check_policy(policy, where, params, custom)

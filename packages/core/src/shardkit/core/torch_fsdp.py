@@ -17,7 +17,6 @@ tell torch's FSDP from shardkit's never looks a name up at call time.
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
 
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as _TorchFSDPModule
@@ -25,6 +24,8 @@ from torch.distributed.fsdp._fully_shard._fully_shard import UnshardHandle as To
 from torch.distributed.fsdp.fully_sharded_data_parallel import (
     FullyShardedDataParallel as _TorchFSDP1,
 )
+
+from shardkit.core.torch_view import TorchFacingState, view_of
 
 __all__ = [
     "TORCH_FSDP1",
@@ -56,16 +57,15 @@ class TorchFacing(_TorchFSDPModule):
     # FSDPModule, Cls.
     _orig_cls_mro_index: int = 4
 
-    def _get_fsdp_state(self) -> NoReturn:
-        # Torch's internals (its pipelining schedule, its own register_fsdp_forward_method,
-        # the FSDP2 memory tracker) go through this to torch's FSDPState and its param
-        # groups. A shardkit module has neither: fail by name rather than deep inside torch.
-        raise RuntimeError(
-            f"{type(self).__name__} is sharded by shardkit's fully_shard and has no torch "
-            "FSDPState: the caller reaches torch's private FSDP internals (_get_fsdp_state), "
-            "which shardkit does not have; use FSDPModule's public methods, or shardkit's "
-            "register_fsdp_forward_method"
-        )
+    # Torch declares its own FSDPState here: the view stands in for it, serving its names.
+    def _get_fsdp_state(self) -> TorchFacingState:  # type: ignore[override]
+        """The torch-facing view of this module's state.
+
+        Torch's private names that shardkit serves (pipelining's, torchtitan's), each on
+        shardkit's engine; any other fails by name. See [Note: torch-facing view].
+        """
+        assert isinstance(self, nn.Module)
+        return view_of(self)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted, as torchtitan's callers expect: it changes nothing in shardkit's engine.

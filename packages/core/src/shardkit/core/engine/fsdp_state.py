@@ -60,6 +60,11 @@ class RootContext:
     backward: BackwardTracker
     """What autograd tells of each group's backward (see ``backward``)."""
     final_callback_queued: bool = False
+    manual_finalization: bool | None = None
+    """The root's ``set_manual_backward_finalization`` as this iteration's first backward
+    found it (None: no backward since the last finalization); see [Note: torch-facing view]."""
+    reduction_pending: bool = False
+    """``finalize_backward(async_op=True)`` started reductions its handle has not finished."""
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
@@ -84,6 +89,8 @@ class FSDPState:
         # Set by share_comm_ctx before the first forward: the communication context to use.
         self.shared_comm: CommContext | None = None
         self.fqn = ""
+        # set_manual_backward_finalization's setting: read when a backward starts.
+        self.manual_finalization = False
         self._forward_pending: set[int] = set()
         # Run eagerly under torch.compile, fullgraph=True included (see eager_hook).
         pre_forward, post_forward = eager_hook(self._pre_forward), eager_hook(self._post_forward)
@@ -261,18 +268,33 @@ class FSDPState:
             return
         ctx.final_callback_queued = True
         root = next(s for s in ctx.states if s.is_root)
-        Variable._execution_engine.queue_callback(root._root_final_callback)
+        if ctx.manual_finalization is None:
+            ctx.manual_finalization = root.manual_finalization
+        Variable._execution_engine.queue_callback(root.root_final_callback)
 
-    def _root_final_callback(self) -> None:
+    def root_final_callback(self) -> None:
+        """The end of one backward, run by autograd or by a pipeline schedule.
+
+        A schedule that ends a stage's backward outside autograd calls it (see
+        [Note: torch-facing view]). Under manual finalization it finishes no reduction:
+        ``finalization.finalize_backward`` does.
+        """
         ctx = self.ctx
         assert ctx is not None
         ctx.final_callback_queued = False
+        manual = bool(ctx.manual_finalization)
+        self.end_backward(last=not manual and all(g.options.is_last_backward for g in self.groups))
+        if not manual:
+            ctx.manual_finalization = None
+
+    def end_backward(self, *, last: bool) -> None:
+        """The driver's end of backward for every group; ``last``: finish every reduction."""
+        ctx = self.ctx
+        assert ctx is not None
         # A local tree's gradients are all taken here (none were counted), and assigned at
         # once unless a later backward finalizes. See ``backward`` (rule 4).
-        groups = self.groups
-        last = all(g.options.is_last_backward for g in groups)
         at_end, ctx.local = ctx.local and last, False
-        ctx.driver.final_callback(groups, last=last, assign_now=at_end)
+        ctx.driver.final_callback(self.groups, last=last, assign_now=at_end)
         ctx.backward.reset()
         PROGRESS.enter("idle")
 
@@ -293,6 +315,8 @@ class FSDPState:
             state._forward_pending.clear()
         self.ctx.driver.schedule.reset()
         self.ctx.final_callback_queued = False
+        self.ctx.manual_finalization = None
+        self.ctx.reduction_pending = False
         self.ctx.local = False
         PROGRESS.enter("idle")
 

@@ -386,9 +386,10 @@ class FSDPParamGroup:
     # --- backward ---------------------------------------------------------------------------
 
     def holds_grads(self) -> bool:
-        """Whether a full parameter holds a gradient that no reduction has taken yet."""
+        """Whether a gradient no reduction took is held (in ``.grad``, or accumulated)."""
         return any(
-            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            p.accumulated_grad is not None
+            or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
             for p in self.params
         )
 

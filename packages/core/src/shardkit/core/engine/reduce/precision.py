@@ -19,9 +19,11 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.reduce.wire import WireFormat
@@ -36,35 +38,54 @@ __all__ = ["WireReducer", "check_policy"]
 logger = logging.getLogger(__name__)
 
 
-def check_policy(
-    policy: ReducePrecision | None,
-    where: str,
-    params: Sequence[tuple[str, torch.dtype]],
-    custom: bool,
-) -> None:
-    """Raise if ``policy`` cannot apply to a group (every rank raises the same, before a step).
+class _Param(Protocol):
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def orig_dtype(self) -> torch.dtype: ...
+
+
+class _Group(Protocol):
+    """What the check reads of a parameter group (``FSDPParamGroup``)."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]: ...
+
+    @property
+    def params(self) -> Sequence[_Param]: ...
+
+
+def check_policy(policy: ReducePrecision | None, group: _Group, *, custom: bool) -> None:
+    """Raise if ``policy`` cannot apply to ``group`` (every rank raises the same, before a step).
 
     Args:
         policy: the policy being set (None: torch's behaviour, always fine).
-        where: the module, named in the message.
-        params: each parameter's name and dtype.
+        group: the group it would apply to, named in the message.
         custom: whether a custom reduce-scatter is set on the group.
     """
-    if policy is None or not policy.compresses:
+    if policy is None:
         return
+    where = f"FSDP module {group.fqn or type(group.modules[0]).__name__}"
     if not isinstance(policy, ReducePrecision):
         raise TypeError(f"{where}: set_reduce_precision takes a ReducePrecision or None")
+    if not policy.compresses:
+        return
     if custom:
         raise ValueError(
             f"{where}: set_reduce_precision({policy.wire_dtype}) cannot apply: the group has a "
             "custom reduce-scatter (set_custom_reduce_scatter), which reduces as it likes; "
             "set one or the other"
         )
-    for name, dtype in params:
-        if not dtype.is_floating_point:
+    for param in group.params:
+        if not param.orig_dtype.is_floating_point:
             raise TypeError(
                 f"{where}: set_reduce_precision({policy.wire_dtype}) cannot apply to parameter "
-                f"{name} of dtype {dtype}: only floating-point gradients are compressed"
+                f"{param.fqn} of dtype {param.orig_dtype}: only floating-point gradients are "
+                "compressed"
             )
 
 

@@ -1,0 +1,212 @@
+"""The torch-facing view: torch's private FSDP names, served on shardkit's engine.
+
+Torch's pipelining (2.13: ``fully_shard.state(m)._state_ctx.all_states``, each state's
+``_fsdp_param_groups``, each group's ``post_backward()``, ``_root_post_backward_final_callback``),
+torchtitan's cross-replica all-reduce (``m._get_fsdp_state()._fsdp_param_groups[i]
+._all_reduce_hook``) and torch's own lazy-init tests read torch's private FSDP objects. A
+shardkit module answers them with a view of its ``FSDPState``: each name it serves drives the
+engine through its seams (the root's ``StepDriver``, a group's options); any other name raises
+an ``AttributeError`` that names shardkit and the attribute. See [Note: torch-facing view].
+
+The view is kept where torch's composable-API decorator keeps a call's state (the module's
+``__dict__``, under torch's ``fully_shard``), so torch's ``fully_shard.state(m)`` finds it
+too, whichever ``fully_shard`` a library imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed._composable.contract import STATE_KEY as _TORCH_STATE_KEY
+from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
+
+if TYPE_CHECKING:
+    from shardkit.core.engine.fsdp_state import FSDPState
+    from shardkit.core.engine.param_group import FSDPParamGroup
+
+__all__ = [
+    "TorchFacingGroup",
+    "TorchFacingParam",
+    "TorchFacingState",
+    "attach_view",
+    "view_of",
+]
+
+logger = logging.getLogger(__name__)
+
+# The key torch's decorator files fully_shard's state under: the undecorated function.
+_TORCH_KEY: object = getattr(_torch_fully_shard, "__wrapped__", _torch_fully_shard)
+
+
+def _not_served(owner: str, name: str) -> AttributeError:
+    return AttributeError(
+        f"{owner}.{name}: shardkit's fully_shard serves only the private torch FSDP names "
+        "listed in its torch-facing view (docs/notes/018-torch-facing-view.md); use "
+        "FSDPModule's public methods (or shardkit.core.register_fsdp_forward_method)"
+    )
+
+
+class _Strict:
+    """Any attribute the view does not serve fails by name (``hasattr`` reads False)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names no slot, property or method answers.
+        if name.startswith("__"):
+            raise AttributeError(name)  # copy, pickle and friends probe dunders
+        raise _not_served(type(self).__name__, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Slots and settable properties only: a write torch's objects would take but shardkit
+        # would ignore fails by name instead.
+        try:
+            object.__setattr__(self, name, value)
+        except AttributeError:
+            raise _not_served(type(self).__name__, name) from None
+
+
+class TorchFacingParam(_Strict):
+    """A managed parameter as torch's ``FSDPParam`` is read: its name from the root."""
+
+    __slots__ = ("_param_fqn",)
+
+    def __init__(self, fqn: str) -> None:
+        self._param_fqn = fqn
+
+
+class TorchFacingGroup(_Strict):
+    """One shardkit ``FSDPParamGroup`` as torch's ``FSDPParamGroup`` is driven."""
+
+    __slots__ = ("_group", "_state")
+
+    def __init__(self, state: FSDPState, group: FSDPParamGroup) -> None:
+        self._state = state
+        self._group = group
+
+    @property
+    def fsdp_params(self) -> list[TorchFacingParam]:
+        """The group's parameters (their names from the root once the root ran lazy init)."""
+        return [TorchFacingParam(fqn) for fqn in self._group.param_fqns]
+
+    @property
+    def _module_fqn(self) -> str:
+        # shardkit names the root module "<root>" in its messages; torch names it "".
+        return ", ".join("" if name == "<root>" else name for name in self._group.fqn.split(", "))
+
+    @property
+    def _all_reduce_hook(self) -> Callable[[torch.Tensor], None] | None:
+        return self._group.options.all_reduce_hook
+
+    @_all_reduce_hook.setter
+    def _all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        # What FSDPModule.set_all_reduce_hook sets, for this group only (as torch's).
+        self._group.options.all_reduce_hook = hook
+
+    def post_backward(self, *unused: Any) -> None:
+        """End this group's backward now: take its gradients, reshard as set, reduce.
+
+        A pipeline schedule calls it once a stage's microbatches are done (torch 2.13's
+        REDUCE_GRAD); the root's driver does what autograd's end of a group's backward does.
+        A group whose root never ran forward has nothing to end.
+        """
+        ctx = self._state.ctx
+        if ctx is not None:
+            ctx.driver.end_backward(self._group)
+
+
+class TorchFacingContext(_Strict):
+    """The root's context as torch's ``FSDPStateContext`` is read: every state under it."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    @property
+    def all_states(self) -> list[TorchFacingState]:
+        """The views of every state under the root (none before the root's lazy init)."""
+        ctx = self._state.ctx
+        return [] if ctx is None else [view_of(s.modules[0]) for s in ctx.states]
+
+
+class TorchFacingState(_Strict):
+    """One ``fully_shard`` call's ``FSDPState`` as torch's own ``FSDPState`` is read."""
+
+    __slots__ = ("_fsdp_param_groups", "_state", "_state_ctx")
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+        self._state_ctx = TorchFacingContext(state)
+        group = state.group
+        self._fsdp_param_groups = [] if group is None else [TorchFacingGroup(state, group)]
+
+    @property
+    def state(self) -> FSDPState:
+        """The shardkit state behind the view."""
+        return self._state
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self._state.is_root
+
+    @property
+    def _fsdp_param_group(self) -> TorchFacingGroup | None:
+        groups = self._fsdp_param_groups
+        return groups[0] if groups else None
+
+    @property
+    def _comm_ctx(self) -> object:
+        # Read for its identity (torch 2.15's schedules refuse two stages sharing one): the
+        # root's context, the one share_comm_ctx set before the first forward, or, before
+        # either, this state (distinct per root, as torch's own contexts are).
+        ctx, shared = self._state.ctx, self._state.shared_comm
+        return ctx.comm if ctx is not None else shared if shared is not None else self
+
+    def _lazy_init(self) -> None:
+        self._state.lazy_init()
+
+    def _root_post_backward_final_callback(self) -> None:
+        # The end of backward, called by a pipeline schedule outside autograd: the engine's
+        # own callback (nothing to do before the root's first forward).
+        if self._state.ctx is not None:
+            self._state.root_final_callback()
+
+
+def attach_view(module: nn.Module, state: FSDPState) -> None:
+    """Keep ``state``'s view on ``module``, where torch's ``fully_shard.state`` looks."""
+    view = _views(module).get(_TORCH_KEY)
+    if isinstance(view, TorchFacingState) and view.state is state:
+        return  # a list call's modules share one state, hence one view
+    states: dict[object, object] = module.__dict__.setdefault(_TORCH_STATE_KEY, {})
+    states[_TORCH_KEY] = _view_for(state, module)
+
+
+def _view_for(state: FSDPState, module: nn.Module) -> TorchFacingState:
+    for other in state.modules:
+        if other is not module:
+            view = _views(other).get(_TORCH_KEY)
+            if isinstance(view, TorchFacingState) and view.state is state:
+                return view
+    return TorchFacingState(state)
+
+
+def _views(module: nn.Module) -> dict[object, object]:
+    found = module.__dict__.get(_TORCH_STATE_KEY)
+    return found if isinstance(found, dict) else {}
+
+
+def view_of(module: nn.Module) -> TorchFacingState:
+    """The view of the ``fully_shard`` call that manages ``module``.
+
+    Raises:
+        RuntimeError: shardkit's ``fully_shard`` does not manage ``module`` itself.
+    """
+    view = _views(module).get(_TORCH_KEY)
+    if not isinstance(view, TorchFacingState):
+        raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
+    return view
