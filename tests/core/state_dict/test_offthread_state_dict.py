@@ -18,6 +18,7 @@ shown, not asserted (docs/checkpoints.md records them).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -214,3 +215,51 @@ def test_offthread_state_dicts_during_steps() -> None:
         f"failed, torch fully_shard {torch_failures}/{TRIALS} ({torch_runs[0]['first'][:1]})"
     )
     assert [r["failures"] for r in shardkit] == [0, 0], [r["first"] for r in shardkit]
+
+
+def test_offthread_state_dicts_on_one_rank() -> None:
+    # One rank takes the local path: the full parameters are the shards themselves.
+    [result] = run_on_ranks(1, _offthread_body, impl="shardkit", trials=20, timeout_s=60)
+    assert result["failures"] == 0, result["first"]
+
+
+class _FailingSGD(torch.optim.SGD):
+    fail = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self.fail:
+            raise ValueError("this step fails")
+        return super().step(closure)
+
+
+def _raised_step_body(rank: int, world_size: int) -> dict[str, str]:
+    from shardkit.core.engine import offthread
+
+    model = _build("shardkit", world_size)
+    opt = _FailingSGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8, 16)).sum().backward()
+    prober = _Prober()
+    seen: dict[str, str] = {}
+    wait_s, offthread.STEP_WAIT_S = offthread.STEP_WAIT_S, 0.2
+    try:
+        with contextlib.suppress(ValueError):
+            opt.step()
+        prober.fire(model.state_dict)
+        seen["after a raised step"] = repr(prober.wait())
+        opt.fail = False
+        opt.step()  # the optimizer's next step clears the raised one's mark
+        prober.fire(model.state_dict)
+        got = prober.wait()
+        seen["after the next step"] = (
+            "ok" if _one_step_of(got, _shards(model.state_dict())) is None else repr(got)
+        )
+    finally:
+        offthread.STEP_WAIT_S = wait_s
+        prober.stop()
+    return seen
+
+
+def test_a_step_that_raised_makes_offthread_state_dicts_fail_by_name() -> None:
+    [seen] = run_on_ranks(1, _raised_step_body)
+    assert "an optimizer step has been in flight" in seen["after a raised step"], seen
+    assert seen["after the next step"] == "ok", seen
