@@ -263,3 +263,40 @@ def test_a_step_that_raised_makes_offthread_state_dicts_fail_by_name() -> None:
     [seen] = run_on_ranks(1, _raised_step_body)
     assert "an optimizer step has been in flight" in seen["after a raised step"], seen
     assert seen["after the next step"] == "ok", seen
+
+
+def _raised_state_dict_body(rank: int, world_size: int) -> dict[str, str]:
+    model = _build("shardkit", world_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.randn(2, 8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fail(*_: Any) -> None:
+        raise ValueError("this state dict fails")
+
+    prober = _Prober()
+    seen: dict[str, str] = {}
+    try:
+        step()
+        handle = model.blocks[1].register_state_dict_pre_hook(fail)
+        prober.fire(model.state_dict)  # copies taken by the root's hook, never put back
+        seen["raised"] = repr(prober.wait())
+        handle.remove()
+        step()
+        for name, module in (("block", model.blocks[0]), ("root", model)):
+            prober.fire(module.state_dict)
+            got = prober.wait()
+            fresh = _shards(module.state_dict())
+            seen[name] = "ok" if _one_step_of(got, fresh) is None else "stale"
+    finally:
+        prober.stop()
+    return seen
+
+
+def test_a_state_dict_that_raised_leaves_no_stale_copies() -> None:
+    [seen] = run_on_ranks(1, _raised_state_dict_body)
+    assert "this state dict fails" in seen.pop("raised"), seen
+    assert seen == {"block": "ok", "root": "ok"}

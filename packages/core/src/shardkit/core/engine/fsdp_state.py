@@ -343,7 +343,7 @@ class FSDPState:
         if self.ctx is not None and is_off_thread(self.ctx.thread):
             # The training thread may be reading the registered full parameters: leave them.
             groups = [s.group for s in states_under(module) if s.group is not None]
-            take_shards(module, groups)
+            take_shards(module, prefix, groups)
         elif self.group is not None:
             self.group.register_sharded_for_state_dict()
 

@@ -57,6 +57,9 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.copies: dict[int, DTensor] | None = None  # by id of the FSDPParam
         self.owner: nn.Module | None = None  # whose post-hook ends the call
+        # The prefixes the call gives each module under the owner (by id of the module): a
+        # pre-hook that sees another is a new call, after one that raised left copies here.
+        self.prefixes: dict[int, set[str]] = {}
 
 
 _LOCAL = _Local()
@@ -92,14 +95,13 @@ def is_off_thread(training_thread: int | None) -> bool:
     return training_thread is not None and training_thread != threading.get_ident()
 
 
-def take_shards(module: nn.Module, groups: Iterable[_Group]) -> None:
+def take_shards(module: nn.Module, prefix: str, groups: Iterable[_Group]) -> None:
     """Copy every group's shards for this thread's state dict call on ``module``, at once.
 
-    Called by each managed module's pre-hook; only the first of a call copies. A copy whose
-    owner's post-hook never ran (a state dict that raised) is dropped when that module starts
-    a new call.
+    Called by each managed module's pre-hook; only the first of a call copies. Copies whose
+    owner's post-hook never ran (a state dict that raised) are dropped by the next call.
     """
-    if _LOCAL.copies is not None and _LOCAL.owner is not module:
+    if _LOCAL.copies is not None and prefix in _LOCAL.prefixes.get(id(module), ()):
         return  # a module inside the call that copied
     owned = [p for group in groups for p in group.params]
     me = threading.get_ident()
@@ -116,6 +118,10 @@ def take_shards(module: nn.Module, groups: Iterable[_Group]) -> None:
             )
         copies = {id(p): _copy_of(p.sharded_param) for p in owned}
     _LOCAL.copies, _LOCAL.owner = copies, module
+    _LOCAL.prefixes = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        if sub is not module:
+            _LOCAL.prefixes.setdefault(id(sub), set()).add(f"{prefix}{path}.")
 
 
 def _copy_of(param: torch.Tensor) -> DTensor:
@@ -133,14 +139,14 @@ def put_shards(
     copies = _LOCAL.copies
     if copies is None:
         return
-    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    paths: dict[int, list[str]] = {}  # a module shared at several places has several
+    for path, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), []).append(f"{prefix}{path}." if path else prefix)
     for p in params:
-        for slot in p.slots:
-            path = names.get(id(slot.module))
-            if path is None:
-                continue
-            key = f"{prefix}{path}.{slot.name}" if path else f"{prefix}{slot.name}"
-            if key in state_dict and id(p) in copies:
-                state_dict[key] = copies[id(p)]
+        copy = copies.get(id(p))
+        for slot in p.slots if copy is not None else ():
+            for at in paths.get(id(slot.module), ()):
+                if f"{at}{slot.name}" in state_dict:
+                    state_dict[f"{at}{slot.name}"] = copy
     if _LOCAL.owner is module:
-        _LOCAL.copies, _LOCAL.owner = None, None
+        _LOCAL.copies, _LOCAL.owner, _LOCAL.prefixes = None, None, {}
