@@ -34,6 +34,8 @@ from harness.pool import run_on_ranks
 from shardkit.core import fully_shard
 
 TRIALS = 100
+PHASES = ("forward", "backward", "step")
+"""Where the background calls overlap the step (a subset measures one kind alone)."""
 Values = dict[str, torch.Tensor]
 
 
@@ -135,8 +137,10 @@ def _one_step_of(got: Any, *steps: Values) -> str | None:
     return "values of no single step"
 
 
-def _trial(model: Net, opt: torch.optim.Optimizer, prober: _Prober, x: torch.Tensor) -> list[str]:
-    """One step with three overlapping background calls; the problems found (none: passed)."""
+def _trial(
+    model: Net, opt: torch.optim.Optimizer, prober: _Prober, x: torch.Tensor, phases: Any
+) -> list[str]:
+    """One step with background calls overlapping ``phases``; the problems found (none: passed)."""
     calls: list[Callable[[], dict[str, Any]]] = [
         model.state_dict,
         lambda: get_model_state_dict(model),
@@ -157,15 +161,18 @@ def _trial(model: Net, opt: torch.optim.Optimizer, prober: _Prober, x: torch.Ten
     block = model.blocks[2]
     # Registered after fully_shard's hooks, so they run once block 2 is unsharded.
     handles = [
-        block.register_forward_pre_hook(in_forward),
-        block.register_forward_hook(after_forward),
-        opt.register_step_pre_hook(lambda *_: prober.fire(calls[len(x) % 2])),
+        block.register_forward_pre_hook(in_forward) if "forward" in phases else None,
+        block.register_forward_hook(after_forward) if "backward" in phases else None,
+        opt.register_step_pre_hook(lambda *_: prober.fire(calls[len(x) % 2]))
+        if "step" in phases
+        else None,
     ]
     before = _shards(model.state_dict())
     try:
         model(x).pow(2).mean().backward()
         opt.step()
-        got["step"] = prober.wait()
+        if "step" in phases:
+            got["step"] = prober.wait()
         opt.zero_grad()
     except Exception as e:
         if prober.pending:
@@ -173,19 +180,24 @@ def _trial(model: Net, opt: torch.optim.Optimizer, prober: _Prober, x: torch.Ten
         return [f"the training thread raised {type(e).__name__}: {e}"]
     finally:
         for h in handles:
-            h.remove()
+            if h is not None:
+                h.remove()
     after = _shards(model.state_dict())
     problems = [
         f"{when}: {p}"
-        for when, allowed in (("forward", (before,)), ("backward", (before,)))
-        if (p := _one_step_of(got.get(when), *allowed)) is not None
+        for when, allowed in (
+            ("forward", (before,)),
+            ("backward", (before,)),
+            ("step", (before, after)),
+        )
+        if when in phases and (p := _one_step_of(got.get(when), *allowed)) is not None
     ]
-    if (p := _one_step_of(got.get("step"), before, after)) is not None:
-        problems.append(f"step: {p}")
     return problems
 
 
-def _offthread_body(rank: int, world_size: int, impl: str, trials: int) -> dict[str, Any]:
+def _offthread_body(
+    rank: int, world_size: int, impl: str, trials: int, phases: tuple[str, ...] = PHASES
+) -> dict[str, Any]:
     model = _build(impl, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     prober = _Prober()
@@ -194,7 +206,7 @@ def _offthread_body(rank: int, world_size: int, impl: str, trials: int) -> dict[
     try:
         for t in range(trials):
             x = torch.randn(2 + t % 2, 8, 16, generator=gen)
-            problems = _trial(model, opt, prober, x)
+            problems = _trial(model, opt, prober, x, phases)
             if problems:
                 failures.append(f"trial {t}: {'; '.join(problems)}")
                 # A failed torch step leaves its FSDP state mid-forward: start over.
