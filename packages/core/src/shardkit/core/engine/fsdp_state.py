@@ -7,7 +7,9 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,12 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.forward_io import cast_floats, move_to
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
+from shardkit.core.engine.offthread import (
+    install_step_marks,
+    is_off_thread,
+    put_shards,
+    take_shards,
+)
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.state_registry import states_under
@@ -68,6 +76,9 @@ class RootContext:
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
+    thread: int | None = None
+    """The thread that ran the latest forward: state dicts from any other are taken off
+    the modules (see [Note: off-thread state dicts])."""
 
 
 class FSDPState:
@@ -98,6 +109,10 @@ class FSDPState:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward, prepend=False)
             module.register_state_dict_pre_hook(self._before_state_dict)
+            # A partial: torch marks the hooks it is given, which a bound method refuses.
+            module.register_state_dict_post_hook(
+                functools.partial(FSDPState._after_state_dict, self)
+            )
             module.register_load_state_dict_pre_hook(self._before_load)
             module.register_load_state_dict_post_hook(self._after_load)
 
@@ -144,6 +159,7 @@ class FSDPState:
                 options.reshard_after_forward, is_default=options.reshard_after_forward_is_default
             )
         self.ctx = ctx
+        install_step_marks()
         warn_if_replaced_params_are_held(self.groups)
         PROGRESS.count_optimizer_steps()  # the step that hang reports and desync checks show
 
@@ -196,6 +212,7 @@ class FSDPState:
         groups = self.groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)
+        self.ctx.thread = threading.get_ident()
         PROGRESS.enter("forward")
         for group in groups:
             group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
@@ -323,8 +340,18 @@ class FSDPState:
     # --- state dict -------------------------------------------------------------------------
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self.group is not None:
+        if self.ctx is not None and is_off_thread(self.ctx.thread):
+            # The training thread may be reading the registered full parameters: leave them.
+            groups = [s.group for s in states_under(module) if s.group is not None]
+            take_shards(module, prefix, groups)
+        elif self.group is not None:
             self.group.register_sharded_for_state_dict()
+
+    def _after_state_dict(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any
+    ) -> None:
+        # A no-op unless this thread's call took copies in _before_state_dict.
+        put_shards(module, self.group.params if self.group is not None else [], state_dict, prefix)
 
     def _before_load(self, module: nn.Module, *args: Any) -> None:
         if self.group is not None:
