@@ -245,11 +245,11 @@ class WireReducer:
 
     def _with_residual(self, exact: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
         """The rows to send: the exact ones plus what the last encoding of them dropped."""
-        if not self.policy.error_feedback:
-            return exact
         held = self._residual
-        if held is None or held[0] != key or held[1].shape != exact.shape:
-            return exact.clone()
+        # The rows are only read from here on (encoded, and the residual computed anew): no
+        # copy is needed when there is nothing to add.
+        if not self.policy.error_feedback or held is None or held[0] != key:
+            return exact
         return exact + held[1]
 
     def verdict(
