@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,37 @@ def _records(metrics: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A restart: the last step logged before it, the step it resumed from, and from where."""
+
+    done: int
+    step: int
+    path: str
+
+
+def check_against_reference(reference: Path, metrics: Path, ref: Path, run: Path) -> list[Resumed]:
+    """Every loss of ``metrics`` (recomputed ones too) and the model exported under ``run``
+    equal the uninterrupted run's, bit for bit; the restarts, in order."""
+    want = {int(r["step"]): r["loss"] for r in _records(reference) if "loss" in r}  # type: ignore[call-overload]
+    last_done, resumes = 0, []
+    for record in _records(metrics):
+        if "loss" in record:
+            step = int(record["step"])  # type: ignore[call-overload]
+            assert record["loss"] == want[step], f"step {step} differs after a restart"
+            last_done = max(last_done, step)
+        elif record.get("event") == "resumed":
+            resumed = int(record["step"])  # type: ignore[call-overload]
+            resumes.append(Resumed(last_done, resumed, str(record["path"])))
+    got = {int(r["step"]): r["loss"] for r in _records(metrics) if "loss" in r}  # type: ignore[call-overload]
+    assert got == want  # the final curve, every step
+    exported = load_file(run / "model.safetensors")
+    expected = load_file(ref / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    return resumes
+
+
 @pytest.mark.slow
 def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     started = time.monotonic()
@@ -78,22 +110,8 @@ def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     soak_s = time.monotonic() - started - reference_s
 
     assert log.read_text().split() == [str(k) for k in kills]  # each fired, once, in order
-    want = {int(r["step"]): r["loss"] for r in _records(reference) if "loss" in r}  # type: ignore[call-overload]
-    last_done, lost = 0, []
-    for record in _records(metrics):
-        if "loss" in record:
-            step = int(record["step"])  # type: ignore[call-overload]
-            assert record["loss"] == want[step], f"step {step} differs after a restart"
-            last_done = max(last_done, step)
-        elif record.get("event") == "resumed":
-            resumed = int(record["step"])  # type: ignore[call-overload]
-            lost.append((last_done, resumed))
-    got = {int(r["step"]): r["loss"] for r in _records(metrics) if "loss" in r}  # type: ignore[call-overload]
-    assert got == want  # the final curve, every step
-    exported = load_file(tmp_path / "soak" / "model.safetensors")
-    expected = load_file(tmp_path / "ref" / "model.safetensors")
-    assert exported.keys() == expected.keys()
-    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    resumes = check_against_reference(reference, metrics, tmp_path / "ref", tmp_path / "soak")
+    lost = [(r.done, r.step) for r in resumes]
 
     print(f"\nsoak: {STEPS} steps, W=2, checkpoints every {EVERY} (async), {KILLS} kills")
     print(f"uninterrupted run {reference_s:.0f} s; killed and restarted run {soak_s:.0f} s")

@@ -91,6 +91,11 @@ def restore(
     state: dict[str, Any], directory: SnapshotDirectory, topology: Topology, not_before: int
 ) -> Restored:
     """Restore ``state`` from the newest snapshot every rank holds (collective)."""
+    # Where no rank holds a file, the state is not even asked for its state_dict(): torch's
+    # get_state_dict initializes an optimizer that has no state yet (a step with lr=0 that
+    # counts), which a fresh start must not see.
+    if not any(o.value for o in gathered(lambda: _holds_files(directory, topology))):
+        return Restored(None, (), ())
     layout_box: list[Layout] = []
 
     def survey() -> dict[str, Any]:
@@ -130,6 +135,12 @@ def gathered(work: Callable[[], Any]) -> list[Outcome]:
         return [Outcome(value=work())]
     except Exception as error:
         return [Outcome(error_type=type(error).__name__, message=str(error))]
+
+
+def _holds_files(directory: SnapshotDirectory, topology: Topology) -> bool:
+    source = topology.source(topology.rank)
+    replicas = directory.replica_files(source) if topology.replicated else iter(())
+    return any(True for _ in directory.own_files()) or any(True for _ in replicas)
 
 
 def _survey(directory: SnapshotDirectory, topology: Topology, layout: Layout) -> dict[str, Any]:
