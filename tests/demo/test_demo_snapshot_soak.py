@@ -27,7 +27,7 @@ import pytest
 from demo.run_demo import launch_lines
 
 from tests.demo.rig import KillPoint
-from tests.demo.test_demo_soak import EVERY, SMALL, STEPS, _kill_points, check_against_reference
+from tests.demo.soak import EVERY, SMALL, STEPS, check_against_reference, kill_points
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def _soak(tmp_path: Path, steps: int, kills: list[KillPoint]) -> None:
 @pytest.mark.slow
 def test_soak_with_memory_snapshots_loses_at_most_one_step_per_kill(tmp_path: Path) -> None:
     seed = int(os.environ.get("SHARDKIT_SOAK_SEED", "0"))
-    _soak(tmp_path, STEPS, _with_a_node_lost(_kill_points(seed), seed))
+    _soak(tmp_path, STEPS, _with_a_node_lost(kill_points(seed), seed))
 
 
 def test_a_lost_node_and_a_killed_rank_resume_from_memory(tmp_path: Path) -> None:
