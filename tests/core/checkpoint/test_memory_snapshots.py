@@ -9,6 +9,7 @@ fresh ``MemorySnapshots`` on the same directories.
 
 from __future__ import annotations
 
+import datetime
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from harness.pool import run_on_ranks
@@ -235,3 +237,78 @@ def test_a_torn_snapshot_writer_killed_mid_copy_is_refused(tmp_path: Path) -> No
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     refused = _expect_disk(tmp_path, at_five, "torn")
     assert "rank 0's own slot 1: torn: its writer stopped before it was complete" in refused
+
+
+# --- four ranks on two nodes: replicas go to the same local rank on the next node ----------
+
+
+def _four_ranks(rank: int, world_size: int, root: str, wipe: bool) -> dict[str, Any]:
+    from shardkit.core import MemorySnapshots
+
+    node = f"{root}/node{rank // 2}"  # ranks 0, 1 on node 0; ranks 2, 3 on node 1
+    app = build_app(world_size)
+    snapshots = MemorySnapshots(RUN, directory=node, ranks_per_node=2)
+    while app.step < 3:
+        train_app(app, app.step + 1, rank, world_size)
+        snapshots.snapshot(app.step, {"app": app})
+    snapshots.close(remove=False)
+    at_three = state_of(app)
+    files = sorted(p.name for p in Path(node).iterdir())
+    torch.distributed.barrier()  # every rank has listed its node before one is lost
+    if wipe and rank == 0:
+        shutil.rmtree(f"{root}/node1")  # node 1 is lost: ranks 2 and 3 restore from node 0
+    torch.distributed.barrier()
+    fresh = build_app(world_size)
+    point = MemorySnapshots(RUN, directory=node, ranks_per_node=2).resume({"app": fresh})
+    return {
+        "files": files,
+        "step": point.step,
+        "from_replicas": point.from_replicas,
+        "same": _same(state_of(fresh), at_three),
+    }
+
+
+def test_four_ranks_on_two_nodes_restore_a_lost_node_from_the_other(tmp_path: Path) -> None:
+    results = run_on_ranks(4, _four_ranks, root=str(tmp_path), wipe=True)
+    own = ["rank00000.slot0.snap", "rank00000.slot1.snap", "rank00001.slot0.snap"]
+    own += ["rank00001.slot1.snap"]
+    held = [f"replica-of-rank0000{r}.slot{k}.snap" for r in (2, 3) for k in (0, 1)]
+    assert results[0]["files"] == sorted(own + held)  # node 0 keeps node 1's replicas
+    for result in results:
+        assert result["step"] == 3 and result["same"]
+        assert result["from_replicas"] == (2, 3)
+
+
+def test_one_process_without_a_process_group(tmp_path: Path) -> None:
+    from shardkit.core import MemorySnapshots
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loop = {"step": 0, "rng": torch.get_rng_state()}
+    with MemorySnapshots(RUN, directory=tmp_path) as snapshots:
+        for step in range(1, 4):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            loop["step"] = step
+            snapshots.snapshot(step, {"model": model, "optim": optimizer, "loop": loop})
+        snapshots.wait()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()  # the live state moves on; no snapshot
+        fresh = {"step": -1, "rng": torch.zeros_like(loop["rng"])}  # type: ignore[arg-type]
+        state = {"model": model, "optim": optimizer, "loop": fresh}
+        point = MemorySnapshots(RUN, directory=tmp_path).restore(state)
+        assert point.step == 3 and state["loop"]["step"] == 3  # type: ignore[index]
+        assert torch.equal(state["loop"]["rng"], loop["rng"])  # type: ignore[index,arg-type]
+        assert all(torch.equal(want[k], model.state_dict()[k]) for k in want)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # close() freed the memory
+
+
+def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: Path) -> None:
+    from shardkit.core import MemorySnapshots
+
+    snapshots = MemorySnapshots(RUN, directory=tmp_path)
+    with pytest.raises(TypeError, match=r"'loop/when' is a datetime.*never pickles"):
+        snapshots.snapshot(1, {"loop": {"when": datetime.datetime(2026, 11, 25)}})
+    snapshots.close()
