@@ -97,9 +97,10 @@ def run(
 
     schedule = schedule or Schedule()
     run_dir.mkdir(parents=True, exist_ok=True)
-    # A dead group's heartbeats stop: after 1 s the live group may form a quorum without it.
+    # A dead group's heartbeats stop: after 2 s the live group may form a quorum without it
+    # (a live group's come every 100 ms; 2 s leaves room for a loaded machine).
     lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1_000
+        bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000
     )
     start = time.monotonic()
     jobs: dict[int, subprocess.Popen[str]] = {}

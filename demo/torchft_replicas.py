@@ -224,7 +224,7 @@ def make_manager(
     for turn in range(2):
         if (dist.get_rank() == 0) == (turn == 0):
             manager = torchft.Manager(
-                pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=15)),
+                pg=torchft.ProcessGroupGloo(timeout=timeout),
                 load_state_dict=replica.load_state_dict,
                 state_dict=replica.state_dict,
                 min_replica_size=1,

@@ -53,6 +53,21 @@ def test_torchtitans_async_quorum_heals_shardkit(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_both_hook_paths_on_the_demo_gpt_commit_torchs_losses(tmp_path: Path) -> None:
+    """The synchronous quorum on the demo's GPT: each engine through each hook path."""
+    schedule = Schedule(model="demo")
+    committed: dict[tuple[str, str], dict[tuple[int, int, int], str]] = {}
+    for impl in ("shardkit", "torch"):
+        for hook in ("public", "private"):
+            result = run(
+                tmp_path / f"{impl}-{hook}", impl=impl, hook=hook, quorum="sync", schedule=schedule
+            )
+            assert check(result, schedule, "sync") == []
+            committed[(impl, hook)] = result.committed()
+    assert len({tuple(sorted(losses.items())) for losses in committed.values()}) == 1
+
+
+@pytest.mark.slow
 def test_async_quorum_on_the_demo_gpt_against_torch(tmp_path: Path) -> None:
     """Each engine 3 times with torchtitan's asynchronous quorum on the demo's GPT (its forward
     is long enough for torchft's state dict to land in it): shardkit heals every time; torch's
