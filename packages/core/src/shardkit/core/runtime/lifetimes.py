@@ -21,6 +21,8 @@ process-wide: collectives are issued from the training thread. See [Note: unshar
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,13 +61,14 @@ class _Span:
         return f"its {self.role} ({self.stop - self.start} bytes at {self.start:#x})"
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Flight:
     """One collective issued and not yet waited for: the memory it may touch."""
 
     info: CollectiveInfo
     group: dist.ProcessGroup
     spans: tuple[_Span, ...]
+    order: int  # issue order, process-wide
 
     def describe(self) -> str:
         """The collective, its module (label) and its process group."""
@@ -90,13 +93,15 @@ class Flight:
 
     def landed(self) -> None:
         """The wait returned: its memory is the engine's again."""
-        if self in _IN_FLIGHT:
-            _IN_FLIGHT.remove(self)
+        _IN_FLIGHT.discard(self)
 
 
-# Collectives issued and not yet waited for, oldest first (a handful at a time: prefetches).
-# A collective abandoned by an error stays here: its messages may still arrive.
-_IN_FLIGHT: list[Flight] = []
+# Collectives issued and not yet waited for (a handful at a time: prefetches). Held through
+# their handles: a collective abandoned by an error stays while its handle does (its messages
+# may still arrive); once nothing can wait for it, nothing can release its buffers either
+# (the pool gets them back from the handle), and c10d's work keeps their memory until done.
+_IN_FLIGHT: weakref.WeakSet[Flight] = weakref.WeakSet()
+_ISSUED = itertools.count()
 
 
 def track(
@@ -110,8 +115,8 @@ def track(
     """Record a collective just issued: the tensors it reads and writes until its wait."""
     roles = (("input", reads), ("output", writes), ("input and output", reads_and_writes))
     spans = (_Span.of(t, role) for role, tensors in roles for t in tensors)
-    flight = Flight(info, group, tuple(s for s in spans if s is not None))
-    _IN_FLIGHT.append(flight)
+    flight = Flight(info, group, tuple(s for s in spans if s is not None), next(_ISSUED))
+    _IN_FLIGHT.add(flight)
     return flight
 
 
@@ -141,4 +146,4 @@ def check_release(buffer: torch.Tensor, what: str) -> None:
 
 def in_flight() -> tuple[Flight, ...]:
     """The collectives issued and not yet waited for, oldest first (tests, reports)."""
-    return tuple(_IN_FLIGHT)
+    return tuple(sorted(_IN_FLIGHT, key=lambda flight: flight.order))
