@@ -11,7 +11,14 @@ STAMP := $(VENV)/.installed
 # What the tests need beside torch (the second list installs without its dependencies).
 TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
 	hypothesis matplotlib mkdocs mkdocs-material mkdocstrings mkdocstrings-python
-TEST_DEPS_NO_DEPS := torchao accelerate huggingface-hub psutil transformers tokenizers regex tqdm
+# torchft (tests/core/interop/test_torchft.py, docs/guide/torchft.md) and what `import torchft`
+# loads: its package imports OpenTelemetry's log exporter (OTLP over HTTP, protobuf messages).
+TORCHFT_DEPS := torchft opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
+	opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
+	opentelemetry-exporter-otlp-common opentelemetry-exporter-http-transport opentelemetry-proto \
+	protobuf
+TEST_DEPS_NO_DEPS := torchao accelerate huggingface-hub psutil transformers tokenizers regex tqdm \
+	$(TORCHFT_DEPS)
 # The torch releases the packages are tested on (make check-torch-all), and where their
 # environments live (about 5 GB each: PyPI's wheels bring the CUDA libraries).
 TORCH_RANGE := 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0

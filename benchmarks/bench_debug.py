@@ -1,4 +1,4 @@
-"""The cost of desync checks (``SHARDKIT_DEBUG``) on a training step, at W=2.
+"""The cost of desync checks (``SHARDKIT_DEBUG``) and lifetime checks on a training step, at W=2.
 
 Two shardkit models are built side by side in the same persistent workers, and the checks are
 switched on (``set_debug``) for the steps of one only (``benchmarks/paired.py``): every round
@@ -8,7 +8,9 @@ per-round ratios (checked / plain).
 
 Scenarios: ``linear8`` (8 x Linear(128, 128), each its own group: little compute per
 collective, where a per-collective cost shows most; target at most 1.25) and the 8M GPT
-(``small``; target at most 1.10). Nothing is asserted on time: the machine is noisy.
+(``small``; target at most 1.10). The lifetime checks (``SHARDKIT_DEBUG_LIFETIMES``, on in
+the test suite) are measured the same way on the same scenarios. Nothing is asserted on time:
+the machine is noisy.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ SCENARIOS = {"linear8-w2": ("linear8", 150), "gpt8m-w2": ("small", 16)}
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_desync_check_cost(benchmark: Any, scenario: str) -> None:
+    _measure(benchmark, scenario, paired.DEBUG_SUFFIX, "desync checks")
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_lifetime_check_cost(benchmark: Any, scenario: str) -> None:
+    _measure(benchmark, scenario, paired.LIFETIMES_SUFFIX, "lifetime checks")
+
+
+def _measure(benchmark: Any, scenario: str, suffix: str, what: str) -> None:
+    """The model with the checks of ``suffix`` on for its steps, paired with it plain."""
     size, rounds = SCENARIOS[scenario]
 
     def run_rounds(one_round: Callable[[], None], count: int) -> None:
         benchmark.pedantic(one_round, rounds=count, iterations=1, warmup_rounds=1)
 
     m = paired.measure(
-        run_rounds,
-        world=WORLD,
-        size=size,
-        impl="shardkit" + paired.DEBUG_SUFFIX,
-        peer="shardkit",
-        rounds=rounds,
+        run_rounds, world=WORLD, size=size, impl="shardkit" + suffix, peer="shardkit", rounds=rounds
     )
     assert m.ratio is not None and m.peer_step_s is not None
     benchmark.extra_info.update(
@@ -51,6 +58,6 @@ def test_desync_check_cost(benchmark: Any, scenario: str) -> None:
         }
     )
     print(
-        f"\ndesync checks, {scenario}: {1e3 * m.step_s:.1f} ms vs {1e3 * m.peer_step_s:.1f} ms "
-        f"a step, {m.ratio:.3f}"
+        f"\n{what}, {scenario}: {1e3 * m.step_s:.1f} ms vs {1e3 * m.peer_step_s:.1f} ms a step, "
+        f"{m.ratio:.3f}"
     )

@@ -27,6 +27,8 @@ _STATE: dict[str, Any] = {}
 # An implementation named with this suffix is shardkit's model run with desync checks on
 # (``set_debug``) for its steps only: the same engine paired with itself, checks on and off.
 DEBUG_SUFFIX = "-debug"
+# The same with the lifetime checks (``SHARDKIT_DEBUG_LIFETIMES``) on for its steps only.
+LIFETIMES_SUFFIX = "-lifetimes"
 
 
 def _setup(
@@ -35,7 +37,8 @@ def _setup(
     _STATE.clear()
     _STATE["size"] = size
     for impl in impls:
-        _STATE[impl] = gpt.build(impl.removesuffix(DEBUG_SUFFIX), size, world_size, options)
+        engine = impl.removesuffix(DEBUG_SUFFIX).removesuffix(LIFETIMES_SUFFIX)
+        _STATE[impl] = gpt.build(engine, size, world_size, options)
         for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
             _step(rank, world_size, impl, step)
 
@@ -43,6 +46,14 @@ def _setup(
 def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
     data = gpt.batch(_STATE["size"], step, rank, world_size)
     model, opt = _STATE[impl]
+    if impl.endswith(LIFETIMES_SUFFIX):
+        from shardkit.core.runtime.progress import SETTINGS
+
+        SETTINGS.lifetime_checks = True
+        try:
+            return gpt.train_step(model, opt, data)
+        finally:
+            SETTINGS.lifetime_checks = False
     if not impl.endswith(DEBUG_SUFFIX):
         return gpt.train_step(model, opt, data)
     from shardkit.core import set_debug

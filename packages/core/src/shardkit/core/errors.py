@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "AllGatherHookError",
     "AllGatherInputError",
+    "BufferLifetimeError",
     "DesyncError",
     "FullyShardUsageError",
     "InvalidShardDimError",
@@ -81,6 +82,15 @@ class StateDictFileError(ShardkitError, ValueError):
 
 class DesyncError(ShardkitError, RuntimeError):
     """Ranks about to run different collectives (``SHARDKIT_DEBUG``); names what each runs."""
+
+
+class BufferLifetimeError(ShardkitError, RuntimeError):
+    """A buffer released while a collective not yet waited for reads or writes it.
+
+    Raised by the lifetime checks (``SHARDKIT_DEBUG_LIFETIMES``): a bug of the engine or of a
+    custom collective, never of the user's model. Names the buffer, the collective, its
+    module and its process group.
+    """
 
 
 def first_sentence(text: str) -> str:

@@ -27,6 +27,8 @@ from shardkit.core.errors import AllGatherHookError, AllGatherInputError
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of
+from shardkit.core.runtime.lifetimes import check_release
+from shardkit.core.runtime.progress import SETTINGS
 
 if TYPE_CHECKING:  # param.py imports this module
     from shardkit.core.engine.param import FSDPParam
@@ -220,6 +222,8 @@ class AllGatherHooks:
         for tensor in chain(self._outputs, self._inner):
             storage = tensor.untyped_storage()
             if storage.size() != 0:
+                if SETTINGS.lifetime_checks:
+                    check_release(tensor, f"an all-gather output of parameter {self.fqn}")
                 storage.resize_(0)
 
     def reset(self, *, inputs: bool) -> None:

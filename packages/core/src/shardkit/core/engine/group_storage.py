@@ -33,7 +33,9 @@ from shardkit.core.engine.unsharded import UnshardedBuffer
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 from shardkit.core.runtime.device import pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
+from shardkit.core.runtime.lifetimes import check_release
 from shardkit.core.runtime.pool import BufferPool
+from shardkit.core.runtime.progress import SETTINGS
 from shardkit.core.runtime.protocol import CollectiveRuntime, RowBlock
 
 __all__ = ["GroupStorage"]
@@ -118,6 +120,10 @@ class GroupStorage:
     def _adopt(self, plan: GroupPlan, buffer: torch.Tensor) -> None:
         if plan.pin_memory and not buffer.is_meta:
             buffer = pin(buffer)
+        if SETTINGS.lifetime_checks:
+            # The old buffer goes: no all-gather may still send from it.
+            names = ", ".join(self.params[i].fqn for i in plan.flat)
+            check_release(self.sharded_buffer, f"the sharded buffer of parameters {names}")
         self.sharded_buffer = buffer
         for i in plan.flat:
             self.params[i].bind_sharded(plan.layout.storage.view(buffer, i))

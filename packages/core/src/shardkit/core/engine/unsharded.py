@@ -13,6 +13,8 @@ import torch
 
 from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
+from shardkit.core.runtime.lifetimes import check_release
+from shardkit.core.runtime.progress import SETTINGS
 
 __all__ = ["UnshardedBuffer"]
 
@@ -51,6 +53,9 @@ class UnshardedBuffer:
     def free(self) -> None:
         """Give the memory back; the storage object stays for the next unshard."""
         if self.tensor is not None:
+            if SETTINGS.lifetime_checks:
+                names = ", ".join(p.fqn for p in self._params)
+                check_release(self.tensor, f"the unsharded buffer of parameters {names}")
             self.tensor.untyped_storage().resize_(0)
 
     def _bind(self, buffer: torch.Tensor, plan: GroupPlan) -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core import observe
-from shardkit.core.runtime import desync
+from shardkit.core.runtime import desync, lifetimes
+from shardkit.core.runtime.announce import announce, announce_issued
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
 from shardkit.core.runtime.handles import DoneHandle, GatherHandle, SumRowsHandle, WorkHandle
@@ -147,7 +147,7 @@ class ProcessGroupRuntime:
         exchange = custom is None and _uses_gloo(group)
         issued = self._begin("all_gather", group, label, input, _GATHER_TAG if exchange else None)
         if custom is not None:
-            self._announce("all_gather", group, input.numel(), "custom", label)
+            announce("all_gather", group.size(), input.numel(), "custom", label)
             rows, work = custom_all_gather_rows(custom, input, group)
             works = [w for w in (work,) if w is not None]
             handle = GatherHandle(works, [RowBlock(0, rows)], None, self.pool)
@@ -155,23 +155,12 @@ class ProcessGroupRuntime:
             handle = self._all_gather(input, group, label, issued.tag, into)
         handle.info, handle.check = issued.info, issued.check
         issued.issued_as(handle.works)
-        if observe.has_subscribers():
-            observe.emit(observe.CollectiveIssuedEvent("all_gather"))
+        if SETTINGS.lifetime_checks:
+            # The receive buffer; a custom gather's own output where it has none.
+            written = [handle.buffer] if handle.buffer is not None else [handle.blocks[0].rows]
+            handle.flight = lifetimes.track(issued.info, group, reads=[input], writes=written)
+        announce_issued("all_gather")
         return handle
-
-    @staticmethod
-    def _announce(
-        kind: str, group: dist.ProcessGroup, input_bytes: int, algorithm: str, label: str
-    ) -> None:
-        """Tell observers about a collective (with the minimum bytes it must send)."""
-        if observe.has_subscribers():
-            size = group.size()
-            sent = (
-                input_bytes * (size - 1)
-                if kind == "all_gather"
-                else input_bytes // size * (size - 1)
-            )
-            observe.emit(observe.CollectiveEvent(kind, size, input_bytes, sent, algorithm, label))
 
     def _all_gather(
         self,
@@ -189,13 +178,7 @@ class ProcessGroupRuntime:
         """
         size, rank = group.size(), group.rank()
         nbytes = input.numel()
-        if observe.has_subscribers():
-            algorithm = "exchange" if _uses_gloo(group) else "native"
-            observe.emit(
-                observe.CollectiveEvent(
-                    "all_gather", size, nbytes, nbytes * (size - 1), algorithm, label
-                )
-            )
+        announce("all_gather", size, nbytes, "exchange" if _uses_gloo(group) else "native", label)
         if not _uses_gloo(group):
             buffer = self.pool.get(size * nbytes, input.device) if into is None else into
             if into is not None and input.data_ptr() != into.data_ptr() + rank * nbytes:
@@ -237,7 +220,7 @@ class ProcessGroupRuntime:
         issued = self._begin("reduce_scatter", group, label, input, tag)
         if custom is not None:
             row_bytes = output.numel() * output.element_size()
-            self._announce("reduce_scatter", group, row_bytes * group.size(), "custom", label)
+            announce("reduce_scatter", group.size(), row_bytes * group.size(), "custom", label)
             work = custom_reduce_scatter(custom, output, input, group, op.torch_op())
             handle = WorkHandle(work, issued.info)
         else:
@@ -247,8 +230,11 @@ class ProcessGroupRuntime:
                 issued.issued_as(handle.works)
             elif isinstance(handle, WorkHandle):
                 handle.info = issued.info
-        if observe.has_subscribers():
-            observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
+        if SETTINGS.lifetime_checks and not isinstance(handle, DoneHandle):
+            # The exchange receives into ``received`` (the output itself at W=2, else scratch).
+            written = handle.received if isinstance(handle, SumRowsHandle) else output
+            handle.flight = lifetimes.track(issued.info, group, reads=[input], writes=[written])
+        announce_issued("reduce_scatter")
         return handle
 
     def _reduce_scatter(
@@ -262,18 +248,10 @@ class ProcessGroupRuntime:
     ) -> WorkHandle | DoneHandle | SumRowsHandle:
         size = group.size()
         gloo = size > 1 and _uses_gloo(group)
-        if observe.has_subscribers():
-            row_bytes = output.numel() * output.element_size()
-            observe.emit(
-                observe.CollectiveEvent(
-                    "reduce_scatter",
-                    size,
-                    row_bytes * size,
-                    row_bytes * (size - 1),
-                    "exchange+sum" if gloo else "native",
-                    label,
-                )
-            )
+        row_bytes = output.numel() * output.element_size()
+        announce(
+            "reduce_scatter", size, row_bytes * size, "exchange+sum" if gloo else "native", label
+        )
         if size == 1:
             output.copy_(input[0])
             op.finish_sum(output, 1)
@@ -330,7 +308,7 @@ class ProcessGroupRuntime:
         issued = self._begin(
             "reduce_scatter", group, label, rows, _REDUCE_TAG if exchange else None
         )
-        self._announce("reduce_scatter", group, rows.numel(), algorithm, label)
+        announce("reduce_scatter", size, rows.numel(), algorithm, label)
         nbytes = rows.size(1)
         works: list[dist.Work] = []
         if not exchange:
@@ -353,8 +331,9 @@ class ProcessGroupRuntime:
         handle = GatherHandle(works, [b for b in blocks if b.rows.shape[0]], buffer, self.pool)
         handle.info, handle.check = issued.info, issued.check
         issued.issued_as(handle.works)
-        if observe.has_subscribers():
-            observe.emit(observe.CollectiveIssuedEvent("reduce_scatter"))
+        if SETTINGS.lifetime_checks:
+            handle.flight = lifetimes.track(issued.info, group, reads=[rows], writes=[buffer])
+        announce_issued("reduce_scatter")
         return handle
 
     def all_reduce(
@@ -370,26 +349,16 @@ class ProcessGroupRuntime:
         handle = self._all_reduce(tensor, group, label, op)
         if isinstance(handle, WorkHandle):
             handle.info = info
-        if observe.has_subscribers():
-            observe.emit(observe.CollectiveIssuedEvent("all_reduce"))
+            if SETTINGS.lifetime_checks:
+                handle.flight = lifetimes.track(info, group, reads_and_writes=[tensor])
+        announce_issued("all_reduce")
         return handle
 
     def _all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, label: str, op: Reduction
     ) -> WorkHandle | DoneHandle:
         size = group.size()
-        if observe.has_subscribers():
-            nbytes = tensor.numel() * tensor.element_size()
-            observe.emit(
-                observe.CollectiveEvent(
-                    "all_reduce",
-                    size,
-                    nbytes,
-                    2 * nbytes * (size - 1) // max(size, 1),
-                    "ring",
-                    label,
-                )
-            )
+        announce("all_reduce", size, tensor.numel() * tensor.element_size(), "ring", label)
         if size == 1:
             op.finish_sum(tensor, 1)
             return DoneHandle()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime import desync
+from shardkit.core.runtime.lifetimes import Flight
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
 from shardkit.core.runtime.protocol import RowBlock
@@ -34,13 +35,18 @@ def wait_all(
     works: Sequence[dist.Work | None],
     info: CollectiveInfo | None,
     check: desync.PendingCheck | None = None,
+    flight: Flight | None = None,
 ) -> None:
     """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
 
     With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
+    With lifetime checks, ``flight`` (the memory the works use) is checked before the wait
+    and released from the records after it.
     """
     if check is not None:
         check.settle()
+    if flight is not None:
+        flight.landing()
     if info is not None:
         PROGRESS.begin_wait(info)
     try:
@@ -50,6 +56,8 @@ def wait_all(
     finally:
         if info is not None:
             PROGRESS.end_wait()
+    if flight is not None:
+        flight.landed()
 
 
 @dataclass(slots=True)
@@ -58,12 +66,13 @@ class WorkHandle:
 
     work: dist.Work | None
     info: CollectiveInfo | None = None
+    flight: Flight | None = None  # with lifetime checks: the memory the work uses
 
     def wait(self) -> None:
         """Block until the collective is done."""
-        if self.work is not None:
-            wait_all([self.work], self.info)
-            self.work = None
+        if self.work is not None or self.flight is not None:
+            wait_all([self.work], self.info, flight=self.flight)
+            self.work = self.flight = None
 
 
 @dataclass(slots=True)
@@ -85,13 +94,14 @@ class SumRowsHandle:
     op: Reduction = SUM  # what the sum becomes (a mean: divided by W)
     info: CollectiveInfo | None = None
     check: desync.PendingCheck | None = None  # compared before the rows are summed
+    flight: Flight | None = None  # with lifetime checks: the memory the exchange uses
 
     def wait(self) -> None:
         """Wait for the exchange, then sum into ``output`` (once)."""
         if not self.works:
             return
-        wait_all(self.works, self.info, self.check)
-        self.works = []
+        wait_all(self.works, self.info, self.check, self.flight)
+        self.works, self.flight = [], None
         world = self.received.size(0) + 1
         if self.scratch is None:
             self.output.add_(self.own)  # received straight into the output (W == 2)
@@ -121,12 +131,13 @@ class GatherHandle:
     pool: BufferPool
     info: CollectiveInfo | None = None
     check: desync.PendingCheck | None = None  # compared before the rows are returned
+    flight: Flight | None = None  # with lifetime checks: the memory the gather uses
 
     def wait(self) -> list[RowBlock]:
         """Block until every row has arrived; returns the rows."""
-        if self.works:
-            wait_all(self.works, self.info, self.check)
-        self.works = []
+        if self.works or self.flight is not None:
+            wait_all(self.works, self.info, self.check, self.flight)
+        self.works, self.flight = [], None
         return self.blocks
 
     def release(self) -> None:

@@ -17,6 +17,9 @@ from collections import defaultdict
 
 import torch
 
+from shardkit.core.runtime.lifetimes import check_release
+from shardkit.core.runtime.progress import SETTINGS
+
 __all__ = ["BufferPool"]
 
 
@@ -43,6 +46,8 @@ class BufferPool:
     def put(self, buffer: torch.Tensor) -> None:
         """Return a buffer obtained from ``get``; the caller must not use it afterwards."""
         nbytes = buffer.numel()
+        if SETTINGS.lifetime_checks:
+            check_release(buffer, f"a pool buffer of {nbytes} bytes, given back to the pool")
         if not self.retain or len(self._users[nbytes]) < 2:
             return  # one user only: its next request is far away (see the module docstring)
         free = self._free[(nbytes, buffer.device)]

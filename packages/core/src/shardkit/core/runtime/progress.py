@@ -5,8 +5,9 @@ that desync checks compare across ranks and that hang reports show. The hooks te
 (forward, backward, idle) and a global optimizer hook counts steps. Recording costs a few
 attribute writes per collective; nothing is sent anywhere unless a check or a report asks.
 
-The settings come from the environment (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``) and can
-be changed in code (:func:`set_debug`, :func:`set_hang_timeout`). See [Note: desync checks].
+The settings come from the environment (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``,
+``SHARDKIT_DEBUG_LIFETIMES``) and can be changed in code (:func:`set_debug`,
+:func:`set_hang_timeout`, ``SETTINGS.lifetime_checks``). See [Note: desync checks].
 """
 
 from __future__ import annotations
@@ -95,21 +96,30 @@ class Settings:
     """Compare every collective's fingerprint across ranks before its result is used."""
     hang_timeout_s: float
     """Seconds a collective may wait before the rank reports and exits; 0 turns it off."""
+    lifetime_checks: bool = False
+    """Check that no buffer is released while a collective not yet waited for uses it
+    (``SHARDKIT_DEBUG_LIFETIMES``; see ``runtime/lifetimes.py``)."""
+
+
+def _switched_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "off")
 
 
 def _from_environment() -> Settings:
-    debug = os.environ.get("SHARDKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "off")
+    debug = _switched_on("SHARDKIT_DEBUG")
     raw = os.environ.get("SHARDKIT_HANG_TIMEOUT", "300")
     try:
         timeout = float(raw)
     except ValueError:
         logger.warning("SHARDKIT_HANG_TIMEOUT=%r is not a number of seconds; using 300", raw)
         timeout = 300.0
-    return Settings(desync_checks=debug, hang_timeout_s=max(timeout, 0.0))
+    lifetimes = _switched_on("SHARDKIT_DEBUG_LIFETIMES")
+    return Settings(debug, max(timeout, 0.0), lifetimes)
 
 
 SETTINGS = _from_environment()
-"""The settings in force (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``, or set in code)."""
+"""The settings in force (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``,
+``SHARDKIT_DEBUG_LIFETIMES``, or set in code)."""
 
 
 def set_debug(enabled: bool = True) -> None:
