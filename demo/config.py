@@ -57,6 +57,16 @@ class TrainConfig:
     """Start from the latest checkpoint in ckpt_dir (it must exist)."""
     auto_resume: bool = False
     """Resume if there is a checkpoint, else start afresh (for torchrun --max-restarts)."""
+    snapshot_every: int = 0
+    """Copy the state into this node's shared memory every this many steps, replicated to a
+    rank of the next node (shardkit.core.MemorySnapshots); a restart resumes from the newest
+    step every rank holds, before any disk checkpoint. 0: off."""
+    snapshot_dir: Path | None = None
+    """Where the snapshots go, a folder node<N> per torchrun node (two "nodes" on one machine
+    then keep apart, as two machines' memories are); default /dev/shm/shardkit-<run id>."""
+    run_id: str = ""
+    """Names the job for its snapshots: a restart restores only its own run's. Default:
+    torchrun's TORCHELASTIC_RUN_ID."""
     log_every: int = 1
     """Print a progress line every this many steps (rank 0)."""
     metrics_file: Path | None = None
@@ -67,8 +77,10 @@ class TrainConfig:
             raise ValueError("--resume and --auto-resume need --ckpt-dir")
         if min(self.steps, self.batch_size, self.log_every, self.keep_ckpts, self.tp) < 1:
             raise ValueError("--steps, --batch-size, --log-every, --keep-ckpts, --tp must be >= 1")
-        if self.ckpt_every < 0 or self.replicas < 0:
-            raise ValueError("--ckpt-every and --replicas must be >= 0")
+        if self.ckpt_every < 0 or self.replicas < 0 or self.snapshot_every < 0:
+            raise ValueError("--ckpt-every, --replicas and --snapshot-every must be >= 0")
+        if self.snapshot_every and self.ckpt_dir is None:
+            raise ValueError("--snapshot-every needs --ckpt-dir (the disk checkpoints behind it)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
@@ -85,6 +97,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainCon
     p.add_argument("--tp", type=int, default=t.tp, help="tensor-parallel degree (dp = W / tp)")
     p.add_argument("--replicas", type=int, default=t.replicas, help="HSDP replicas (0: nodes)")
     p.add_argument("--lr", type=float, default=t.lr)
+    p.add_argument("--snapshot-every", type=int, default=t.snapshot_every)
+    p.add_argument("--snapshot-dir", type=Path, default=None)
+    p.add_argument("--run-id", default=t.run_id)
     p.add_argument("--log-every", type=int, default=t.log_every)
     p.add_argument("--metrics-file", type=Path, default=None)
     p.add_argument("--corpus", type=Path, default=t.corpus)

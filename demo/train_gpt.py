@@ -17,6 +17,7 @@ holds everything else that changes (parameters, optimizer moments, the step, the
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardkit.core import CheckpointManager, save_full_state_dict
+from shardkit.core import CheckpointManager, MemorySnapshots, save_full_state_dict
 from shardkit.core import fully_shard as shardkit_fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
@@ -46,7 +47,7 @@ from demo.model import GPT, Block, ModelConfig, plan_inputs, plan_model, tensor_
 # The model's and data's names stay importable from here: benchmarks/, demo/train_fsdp1.py,
 # `shardkit-plan demo.train_gpt:plan_model --inputs demo.train_gpt:plan_inputs` use them.
 __all__ = ["GPT", "BatchSampler", "Block", "Hooks", "ModelConfig", "TrainConfig", "TrainState"]
-__all__ += ["load_corpus", "main", "parse_args", "plan_inputs", "plan_model"]
+__all__ += ["load_corpus", "main", "node_memory", "parse_args", "plan_inputs", "plan_model"]
 __all__ += ["tensor_parallel_plan"]
 
 # ---------------------------------------------------------------------------------------------
@@ -102,9 +103,31 @@ class TrainState:
         torch.set_rng_state(sd["rng"][f"rank{self.rank}"])
 
 
-def restore(state: TrainState, cfg: TrainConfig) -> CheckpointManager | None:
-    """The checkpoint manager (None without --ckpt-dir), after loading the newest checkpoint
-    that loads when resuming; a fresh run refuses a directory that holds one."""
+def run_id(cfg: TrainConfig) -> str:
+    """--run-id, or torchrun's: what a snapshot must say to be restored into this job."""
+    return cfg.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "demo")
+
+
+def node_memory(cfg: TrainConfig) -> Path:
+    """This node's folder of snapshots: one per torchrun node (GROUP_RANK), as each machine
+    has its own memory (two "nodes" on one machine keep apart)."""
+    root = cfg.snapshot_dir or MemorySnapshots(run_id(cfg)).root
+    return root / f"node{os.environ.get('GROUP_RANK', '0')}"
+
+
+def memory_snapshots(cfg: TrainConfig) -> MemorySnapshots | None:
+    """This node's memory snapshots (None without --snapshot-every)."""
+    if not cfg.snapshot_every:
+        return None
+    return MemorySnapshots(run_id(cfg), directory=node_memory(cfg), every=cfg.snapshot_every)
+
+
+def restore(
+    state: TrainState, cfg: TrainConfig, snapshots: MemorySnapshots | None
+) -> CheckpointManager | None:
+    """The checkpoint manager (None without --ckpt-dir), after resuming from memory snapshots
+    if there are any, else loading the newest checkpoint that loads; a fresh run refuses a
+    directory that holds one."""
     if cfg.ckpt_dir is None:
         return None
     cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -112,12 +135,28 @@ def restore(state: TrainState, cfg: TrainConfig) -> CheckpointManager | None:
     latest = manager.latest()
     if latest is not None and not (cfg.resume or cfg.auto_resume):
         raise FileExistsError(f"{cfg.ckpt_dir} holds {latest.name}: pass --resume or a new dir")
+    if snapshots is not None and (cfg.resume or cfg.auto_resume):
+        # The newest step every rank holds in memory (own copy or a peer's replica), unless
+        # the newest disk checkpoint is newer; else that checkpoint.
+        point = snapshots.resume({"train": state}, manager)
+        where = str(point.path) if point.path is not None else "memory"
+        if point.from_replicas:
+            where += f" (rank(s) {list(point.from_replicas)} from a peer's replica)"
+        if point.source == "none" and cfg.resume:
+            raise FileNotFoundError(f"--resume: no snapshot or checkpoint for {cfg.ckpt_dir}")
+        if point.source != "none":
+            message = f"resumed from {where} at step {state.step} in {point.seconds:.3f} s"
+            fields = {"step": state.step, "path": where, "seconds": point.seconds}
+            log(cfg, message, event="resumed", source=point.source, **fields)
+        return manager
     if latest is None and cfg.resume:
         raise FileNotFoundError(f"--resume: no checkpoint in {cfg.ckpt_dir}")
     if latest is not None:  # a checkpoint that does not load is passed over for an older one
+        started = time.perf_counter()
         path = str(manager.load({"train": state}))
-        message = f"resumed from {path} at step {state.step}"
-        log(cfg, message, event="resumed", step=state.step, path=path)
+        seconds = time.perf_counter() - started
+        message = f"resumed from {path} at step {state.step} in {seconds:.3f} s"
+        log(cfg, message, event="resumed", step=state.step, path=path, seconds=seconds)
     return manager
 
 
@@ -217,7 +256,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
     tokens = cfg.batch_size * dp_size * model_cfg.seq_len  # per step
     ranks = f"ranks={dist.get_world_size()} ({describe(mesh)})"
     log(cfg, f"impl={cfg.impl} {ranks} params={n_params:,} tokens/step={tokens:,}")
-    manager = restore(state, cfg)
+    snapshots = memory_snapshots(cfg)
+    manager = restore(state, cfg, snapshots)
     hooks.started(state)
     while state.step < cfg.steps:
         t0 = time.perf_counter()
@@ -229,7 +269,10 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
         )
         shown = step % cfg.log_every == 0 or step == cfg.steps
         fields = {"step": step, "loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s}
+        fields["time"] = time.time()  # wall clock: when the step ended (restarts are timed so)
         log(cfg, line if shown else None, **fields)
+        if snapshots is not None:  # copied into shared memory; replicated in the background
+            snapshots.snapshot(step, {"train": state})
         if manager is None:
             continue
         # Asynchronous: the state is copied at the save and written while the next steps
@@ -249,6 +292,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
             save_full_state_dict(model, export)
             message = f"exported the full model to {export}"
             log(cfg, message, event="exported", step=state.step, path=str(export))
+    if snapshots is not None:
+        snapshots.close()  # frees the shared memory
     hooks.finished(state)
 
 

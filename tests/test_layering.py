@@ -164,11 +164,17 @@ def test_the_dist_check_sees_every_spelling() -> None:
     ]  # fmt: skip
 
 
-# collectives.py (the step's) and object_collectives.py (whole objects between steps) call them;
-# flat_collectives.py only picks the installed torch's names for two.
+# collectives.py (the step's), object_collectives.py (whole objects between steps) and
+# peer_transfer.py (memory snapshots to and from a peer) call them; flat_collectives.py only
+# picks the installed torch's names for two.
 COLLECTIVE_MODULES = {
     CORE / "runtime" / name
-    for name in ("collectives.py", "object_collectives.py", "flat_collectives.py")
+    for name in (
+        "collectives.py",
+        "object_collectives.py",
+        "flat_collectives.py",
+        "peer_transfer.py",
+    )
 }
 
 

@@ -19,7 +19,10 @@ handlers) when step STEP reaches PHASE:
 
 - forward, backward: inside the middle block's forward or backward of STEP;
 - save: in the training thread, while the save of STEP stages the state;
-- async-save: in DCP's writer thread, while it writes the save of STEP in the background.
+- async-save: in DCP's writer thread, while it writes the save of STEP in the background;
+- node: the node's memory is lost too: its memory snapshots (the demo's --snapshot-dir, the
+  folder of this torchrun node) are removed, then the rank dies inside the middle block's
+  forward of STEP, as a machine that fails takes its memory with it.
 
 The kill log records each point before it fires: torchrun --max-restarts starts the workers
 again with the same command line, and a point must fire once only.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,13 +40,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from demo.train_gpt import Hooks, TrainState, main
+from demo.config import parse_args
+from demo.train_gpt import Hooks, TrainState, main, node_memory
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from shardkit.tools.track.profiler import Profiler
 
-PHASES = ("forward", "backward", "save", "async-save")
+PHASES = ("forward", "backward", "save", "async-save", "node")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +71,8 @@ class KillPoint:
 class Killer:
     """The kill points of this rank that have not fired yet, armed on the example's loop."""
 
-    def __init__(self, points: Sequence[KillPoint], log: Path | None) -> None:
-        self.points, self.log = list(points), log
+    def __init__(self, points: Sequence[KillPoint], log: Path | None, node_memory: Path) -> None:
+        self.points, self.log, self.node_memory = list(points), log, node_memory
         self.rank = -1  # known once the process group is
         self.due: set[tuple[int, str]] = set()  # (step, phase) of this rank's unfired points
 
@@ -76,7 +81,7 @@ class Killer:
         mine = [p for p in self.points if p.rank == state.rank and str(p) not in fired]
         self.due = {(p.step, p.phase) for p in mine}
         self.rank = state.rank
-        if any(phase in ("forward", "backward") for _, phase in self.due):
+        if any(phase in ("forward", "backward", "node") for _, phase in self.due):
             self._arm_middle_block(state)
 
     def _arm_middle_block(self, state: TrainState) -> None:
@@ -86,6 +91,7 @@ class Killer:
         def in_forward(module: nn.Module, args: Any, output: Tensor) -> None:
             step = state.step + 1  # the step being computed
             self.maybe(step, "forward")
+            self.maybe(step, "node")
             if (step, "backward") in self.due and output.requires_grad:
                 output.register_hook(lambda grad: self.maybe(step, "backward"))
 
@@ -105,6 +111,8 @@ class Killer:
 
     def kill(self, step: int, phase: str) -> None:
         """Record the point, then die as a lost machine does: no cleanup, no exit handlers."""
+        if phase == "node":
+            shutil.rmtree(self.node_memory, ignore_errors=True)
         if self.log is not None:
             with self.log.open("a") as f:
                 f.write(f"{self.rank}:{step}:{phase}\n")
@@ -201,7 +209,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
     args, rest = parser.parse_known_args(argv)
     points = [KillPoint.parse(p) for p in args.kill_at.split(",") if p]
-    main(rest, Rig(Killer(points, args.kill_log), args.profile))
+    memory = node_memory(parse_args(rest)[1])  # where a "node" kill point wipes
+    main(rest, Rig(Killer(points, args.kill_log, memory), args.profile))
 
 
 if __name__ == "__main__":

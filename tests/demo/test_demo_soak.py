@@ -11,41 +11,17 @@ never killed. Prints the steps lost per kill. Slow (minutes): `make soak`.
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.demo.rig import KillPoint
+from tests.demo.soak import EVERY, KILLS, SMALL, STEPS, check_against_reference, kill_points
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, EVERY, KILLS = 300, 10, 5
-SMALL = ["--d-model=64", "--n-layers=2", "--seq-len=32", "--log-every=10"]
-
-
-def _kill_points(seed: int) -> list[KillPoint]:
-    """Five kills at steps at least 2 checkpoints apart; saves are killed at save steps."""
-    rng = random.Random(seed)
-    phases = ["forward", "backward", "save", "async-save"]
-    phases.append(rng.choice(phases))
-    rng.shuffle(phases)
-    slots = rng.sample(range(3, STEPS // EVERY - 1), KILLS * 3)  # checkpoint intervals
-    chosen: list[int] = []
-    for slot in slots:  # intervals at least two apart, so each kill's losses are its own
-        if all(abs(slot - c) >= 2 for c in chosen) and len(chosen) < KILLS:
-            chosen.append(slot)
-    kills = []
-    for slot, phase in zip(sorted(chosen), phases, strict=True):
-        offset = 0 if phase in ("save", "async-save") else rng.randrange(1, EVERY)
-        kills.append(KillPoint(rng.randrange(2), slot * EVERY + offset, phase))
-    return kills
 
 
 def _run(ckpt: Path, metrics: Path, restarts: int, rig: list[str]) -> None:
@@ -60,17 +36,13 @@ def _run(ckpt: Path, metrics: Path, restarts: int, rig: list[str]) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def _records(metrics: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     started = time.monotonic()
     reference = tmp_path / "reference.jsonl"
     _run(tmp_path / "ref", reference, 0, [])
     reference_s = time.monotonic() - started
-    kills = _kill_points(int(os.environ.get("SHARDKIT_SOAK_SEED", "0")))
+    kills = kill_points(int(os.environ.get("SHARDKIT_SOAK_SEED", "0")))
     log = tmp_path / "kills.log"
     rig = [f"--kill-at={','.join(map(str, kills))}", f"--kill-log={log}"]
     metrics = tmp_path / "soak.jsonl"
@@ -78,22 +50,8 @@ def test_soak_five_kills_bit_identical(tmp_path: Path) -> None:
     soak_s = time.monotonic() - started - reference_s
 
     assert log.read_text().split() == [str(k) for k in kills]  # each fired, once, in order
-    want = {int(r["step"]): r["loss"] for r in _records(reference) if "loss" in r}  # type: ignore[call-overload]
-    last_done, lost = 0, []
-    for record in _records(metrics):
-        if "loss" in record:
-            step = int(record["step"])  # type: ignore[call-overload]
-            assert record["loss"] == want[step], f"step {step} differs after a restart"
-            last_done = max(last_done, step)
-        elif record.get("event") == "resumed":
-            resumed = int(record["step"])  # type: ignore[call-overload]
-            lost.append((last_done, resumed))
-    got = {int(r["step"]): r["loss"] for r in _records(metrics) if "loss" in r}  # type: ignore[call-overload]
-    assert got == want  # the final curve, every step
-    exported = load_file(tmp_path / "soak" / "model.safetensors")
-    expected = load_file(tmp_path / "ref" / "model.safetensors")
-    assert exported.keys() == expected.keys()
-    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    resumes = check_against_reference(reference, metrics, tmp_path / "ref", tmp_path / "soak")
+    lost = [(r.done, r.step) for r in resumes]
 
     print(f"\nsoak: {STEPS} steps, W=2, checkpoints every {EVERY} (async), {KILLS} kills")
     print(f"uninterrupted run {reference_s:.0f} s; killed and restarted run {soak_s:.0f} s")

@@ -38,9 +38,9 @@ class TrainingApp:
         self.step = int(state["step"])
 
 
-def build_app(world_size: int) -> TrainingApp:
-    model = models.build("gpt")
-    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model="gpt"))
+def build_app(world_size: int, model_name: str = "gpt") -> TrainingApp:
+    model = models.build(model_name)
+    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model=model_name))
     return TrainingApp(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 

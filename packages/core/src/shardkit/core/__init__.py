@@ -18,6 +18,9 @@ from shardkit.core.checkpoint import (
     CheckpointManager,
     CheckpointSaveError,
     IncompleteCheckpointError,
+    MemorySnapshots,
+    ResumePoint,
+    SnapshotError,
 )
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
@@ -76,13 +79,16 @@ __all__ = [
     "GradientReductionHandle",
     "IncompleteCheckpointError",
     "InvalidShardDimError",
+    "MemorySnapshots",
     "MixedPrecisionPolicy",
     "NumericsCheckError",
     "OffloadPolicy",
     "ParamShardingSpec",
     "ReducePrecision",
+    "ResumePoint",
     "ShardingExtension",
     "ShardkitError",
+    "SnapshotError",
     "StateDictFileError",
     "StateTransitionEvent",
     "UnevenShardingError",

@@ -3,8 +3,10 @@
 ``CheckpointManager`` (``manager.py``) saves and loads torch.distributed.checkpoint
 directories that an interrupted save or a corrupt file cannot break; ``async_save.py`` writes
 in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
-checksums a checkpoint's files. ``from shardkit.core.checkpoint import CheckpointManager``
-works as before (``shardkit.core`` exports the same names).
+checksums a checkpoint's files. ``MemorySnapshots`` (``snapshots.py``) keeps per-step
+snapshots in the node's shared memory, replicated to a peer on another node, for restarts that
+lose at most the step in flight (``snapshot_*.py``). ``from shardkit.core.checkpoint import
+CheckpointManager`` works as before (``shardkit.core`` exports the same names).
 """
 
 from shardkit.core.checkpoint.async_save import CheckpointSaveError
@@ -13,10 +15,15 @@ from shardkit.core.checkpoint.manager import (
     CheckpointManager,
     IncompleteCheckpointError,
 )
+from shardkit.core.checkpoint.snapshot_format import SnapshotError
+from shardkit.core.checkpoint.snapshots import MemorySnapshots, ResumePoint
 
 __all__ = [
     "CheckpointLoadError",
     "CheckpointManager",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
+    "MemorySnapshots",
+    "ResumePoint",
+    "SnapshotError",
 ]

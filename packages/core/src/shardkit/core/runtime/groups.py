@@ -23,6 +23,7 @@ __all__ = [
     "new_subgroup",
     "own_group",
     "progress_store",
+    "snapshot_group",
     "subgroup_of",
     "world_group",
     "world_subgroup",
@@ -175,6 +176,22 @@ def checkpoint_group() -> dist.ProcessGroup:
     each run collectives on their own group at the same time.
     """
     return _gloo_world(_CHECKPOINT_GROUPS)
+
+
+# One gloo group of every rank per default group, for memory snapshots' replicas.
+_SNAPSHOT_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]
+_SNAPSHOT_GROUPS = weakref.WeakKeyDictionary()
+
+
+def snapshot_group() -> dist.ProcessGroup:
+    """A gloo group of every rank that only memory snapshots' transfers to peers use.
+
+    Collective on first use, from the training thread. The replicas travel from a thread of
+    their own while the training thread runs its collectives on the default group (and an
+    asynchronous checkpoint's writer on ``checkpoint_group()``): each thread has its own group,
+    so no message of one is ever paired with a message of another.
+    """
+    return _gloo_world(_SNAPSHOT_GROUPS)
 
 
 def _gloo_world(

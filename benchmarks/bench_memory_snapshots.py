@@ -1,0 +1,231 @@
+"""Memory snapshots on the demo GPT at W=2: the step time they cost, and the restart they save.
+
+1. **Step time** (``test_snapshot_step_time``), on the worker pool: the demo's own model
+   (demo/model.py, 1.3M parameters), optimizer and training step, each rank its own "node"
+   (a snapshot folder each, ``ranks_per_node=1``), so every snapshot is copied into shared
+   memory, checksummed and exchanged with the other rank, as on two machines. Each round
+   trains a block of steps without snapshots and a block with one every ``every`` steps (1,
+   and 4 for the trade-off; the call timed with its step), alternating which block goes
+   first; a block's figure is its mean step time on the slower rank (what throughput sees),
+   and the ratio is the median of the rounds' ratios. Also timed, on the training thread:
+   the state's ``state_dict()`` (torch's ``get_state_dict``) and the copy into the slot.
+2. **Restart** (``test_restart_time``): the demo as two torchrun "nodes" of one rank (as the
+   snapshot soak runs it), killed once mid-forward at the same step, resumed by torchrun
+   --max-restarts: from memory snapshots (every step), and from the disk checkpoint (every 10
+   steps, asynchronous), alternating. Measured from the kill (the rig's kill log is written
+   just before the SIGKILL) to the end of the first step after the restart, and to the end of
+   the step that was killed (the steps lost recomputed); the restore itself as the demo logs
+   it (``resumed ... in S s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from demo.run_demo import launch_lines
+
+from harness.pool import run_on_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 8  # steps per block
+_STATE: dict[str, Any] = {}
+
+
+def _setup(rank: int, world_size: int, root: str, every: int) -> None:
+    import torch
+    from demo.batches import BatchSampler, load_corpus
+    from demo.distributed import build_mesh
+    from demo.train_gpt import (
+        GPT,
+        ModelConfig,
+        TrainConfig,
+        TrainState,
+        build_optimizer,
+        parallelize,
+    )
+
+    from shardkit.core import MemorySnapshots, fully_shard
+
+    model_cfg, cfg = ModelConfig(), TrainConfig()
+    mesh = build_mesh(model_cfg, tp=1, replicas=1)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg)
+    parallelize(model, mesh, fully_shard)
+    _STATE.clear()
+    _STATE["cfg"] = cfg
+    _STATE["state"] = TrainState(model, build_optimizer(model, cfg))
+    _STATE["sampler"] = BatchSampler(
+        data=load_corpus(cfg.corpus),
+        seq_len=model_cfg.seq_len,
+        batch_per_rank=cfg.batch_size,
+        rank=rank,
+        world=world_size,
+        seed=cfg.seed,
+    )
+    _STATE["snapshots"] = MemorySnapshots(
+        "bench", directory=f"{root}/node{rank}", every=every, ranks_per_node=1
+    )
+    for _ in range(every + 1):  # warm-up: lazy init, the optimizer's state, the slots
+        _step(snapshot=True)
+    _STATE["snapshots"].wait()
+
+
+def _step(*, snapshot: bool) -> float:
+    from demo.train_gpt import train_step
+
+    state, cfg = _STATE["state"], _STATE["cfg"]
+    started = time.perf_counter()
+    train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
+    if snapshot:
+        _STATE["snapshots"].snapshot(state.step, {"train": state})
+    return time.perf_counter() - started
+
+
+def _block(rank: int, world_size: int, snapshot: bool) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    seconds = [_step(snapshot=snapshot) for _ in range(BLOCK)]
+    _STATE["snapshots"].wait()  # the last one's background work stays out of the next block
+    return statistics.mean(seconds)
+
+
+def _parts(rank: int, world_size: int) -> dict[str, float]:
+    """The training thread's share of a snapshot: the state_dict() call, and the copy."""
+    from shardkit.core.checkpoint.snapshot_layout import copy_into, leaves_of
+
+    state, snapshots = _STATE["state"], _STATE["snapshots"]
+    writer = snapshots._writer  # the benchmark times the writer's own copy
+    times: dict[str, list[float]] = {"state_dict_s": [], "copy_s": []}
+    for _ in range(10):
+        started = time.perf_counter()
+        leaves = leaves_of({"train": state})
+        between = time.perf_counter()
+        copy_into(writer.layout, leaves, writer.files()[0].data())
+        times["state_dict_s"].append(between - started)
+        times["copy_s"].append(time.perf_counter() - between)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _teardown(rank: int, world_size: int) -> int:
+    nbytes: int = _STATE["snapshots"].nbytes
+    _STATE["snapshots"].close()
+    _STATE.clear()
+    return nbytes
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_snapshot_step_time(benchmark: Any, every: int) -> None:
+    root = Path("/dev/shm") / f"shardkit-bench-{os.getpid()}"
+    run_on_ranks(2, _setup, root=str(root), every=every, timeout_s=600)
+    rounds: list[dict[str, float]] = []
+    order = [False, True]
+
+    def one_round() -> None:
+        order.reverse()
+        measured = {}
+        for snapshot in order:
+            measured[snapshot] = max(run_on_ranks(2, _block, snapshot=snapshot, timeout_s=600))
+        rounds.append({"without": measured[False], "with": measured[True]})
+
+    try:
+        benchmark.pedantic(one_round, rounds=8, iterations=1, warmup_rounds=1)
+        parts = run_on_ranks(2, _parts)[0]
+        nbytes = run_on_ranks(2, _teardown)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rounds = rounds[1:]  # not the warm-up
+    ratios = [r["with"] / r["without"] for r in rounds]
+    benchmark.extra_info.update(
+        subject="shardkit",
+        every=every,
+        step_with_snapshots_over_without=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        step_s=statistics.median(r["without"] for r in rounds),
+        step_with_snapshots_s=statistics.median(r["with"] for r in rounds),
+        shared_memory_mib_per_rank=nbytes / 2**20,
+        **parts,
+    )
+    print(f"\nmemory snapshots every {every} step(s), demo GPT W=2 (slower rank's mean step):")
+    for r in rounds:
+        print(f"  without {r['without']:.4f} s  with {r['with']:.4f} s  "
+              f"ratio {r['with'] / r['without']:.3f}")  # fmt: skip
+    print("  " + " ".join(f"{k}={v}" for k, v in benchmark.extra_info.items()))
+
+
+# --- the restart ------------------------------------------------------------------------------
+
+KILL_STEP = 27  # mid-forward; the disk checkpoint before it is step 20's
+RESTART_STEPS = 32
+
+
+def _restart(tmp: Path, name: str, memory: bool) -> dict[str, float]:
+    """One two-node run killed once at KILL_STEP; the times from the kill, in seconds."""
+    out = tmp / name
+    metrics, log = out / "metrics.jsonl", out / "kills.log"
+    out.mkdir(parents=True)
+    shm = Path("/dev/shm") / f"shardkit-bench-{os.getpid()}-{name}"
+    args = ["-m", "tests.demo.rig", f"--kill-at=0:{KILL_STEP}:forward", f"--kill-log={log}"]
+    args += [f"--steps={RESTART_STEPS}", f"--ckpt-dir={out / 'ckpt'}", "--ckpt-every=10"]
+    args += ["--auto-resume", f"--metrics-file={metrics}", "--replicas=1", "--log-every=10"]
+    if memory:
+        args += ["--snapshot-every=1", f"--snapshot-dir={shm}", f"--run-id={name}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        launches = [
+            subprocess.Popen(
+                [*line, "--max-restarts=1", *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for line in launch_lines(2, 1)
+        ]
+        assert all(launch.wait(timeout=900) == 0 for launch in launches), name
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    killed_at = log.stat().st_mtime
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    resumed = next(i for i, r in enumerate(records) if r.get("event") == "resumed")
+    after = [r for r in records[resumed + 1 :] if "loss" in r]
+    back = next(r for r in after if r["step"] == KILL_STEP)
+    return {
+        "to_first_step_s": after[0]["time"] - killed_at,
+        "to_killed_step_s": back["time"] - killed_at,
+        "restore_s": float(records[resumed]["seconds"]),
+        "steps_lost": KILL_STEP - 1 - int(records[resumed]["step"]),
+    }
+
+
+def test_restart_time(benchmark: Any, tmp_path: Path) -> None:
+    runs: dict[str, list[dict[str, float]]] = {"memory": [], "disk": []}
+    order = ["memory", "disk"]
+
+    def one_round() -> None:
+        order.reverse()
+        for name in order:
+            index = len(runs[name])
+            runs[name].append(_restart(tmp_path, f"{name}{index}", name == "memory"))
+
+    benchmark.pedantic(one_round, rounds=2, iterations=1, warmup_rounds=0)
+
+    def median(name: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs[name]))
+
+    info = {f"{name}_{key}": median(name, key) for name in runs for key in runs[name][0]}
+    benchmark.extra_info.update(subject="shardkit", **info)
+    print(f"\nkill at step {KILL_STEP} (mid-forward), two torchrun nodes of one rank:")
+    for name, measured in runs.items():
+        for r in measured:
+            print(f"  {name:6s} " + " ".join(f"{k}={v:.3f}" for k, v in r.items()))
+    print("  " + " ".join(f"{k}={v}" for k, v in benchmark.extra_info.items()))

@@ -1,0 +1,245 @@
+"""What a memory snapshot holds: a state's tensors as one range of bytes, its other values as JSON.
+
+A state is what ``CheckpointManager.save`` takes (DCP's form): tensors, DTensors, ``Stateful``
+objects, nested dicts, lists and tuples, plain values. It is walked into leaves keyed by their
+place ("train/model/blocks.0.attn.qkv.weight"). A tensor leaf (for a DTensor, its local shard)
+gets a place in the snapshot's data bytes, 64-byte aligned; every other leaf must be a JSON
+value (None, a bool, an int, a float, a string) and travels in the header. Nothing is pickled,
+so a snapshot can only ever give back tensors and plain values.
+
+The model fingerprint is what a snapshot must match to be restored into a state: every key,
+with its global shape and dtype for a tensor. The layout adds each local shard's shape, which
+the world size and the mesh decide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "JSONValue",
+    "Layout",
+    "Leaves",
+    "TensorEntry",
+    "copy_into",
+    "dtype_named",
+    "leaves_of",
+    "restore_into",
+]
+
+_ALIGN = 64  # bytes: every tensor starts on a cache line (and any dtype's alignment)
+_JSON_LEAVES = (type(None), bool, int, float, str)
+
+JSONValue = None | bool | int | float | str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor leaf lives in a snapshot's data bytes."""
+
+    key: str
+    dtype: str  # torch's name without "torch.": "float32"
+    shape: tuple[int, ...]  # this rank's tensor (a DTensor's local shard)
+    global_shape: tuple[int, ...]  # the whole tensor (a DTensor's global shape)
+    offset: int  # into the data bytes
+    nbytes: int
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        """This entry's bytes in ``data`` (uint8) as a tensor of its dtype and shape (no copy)."""
+        raw = data[self.offset : self.offset + self.nbytes]
+        return raw.view(dtype_named(self.dtype)).view(self.shape)
+
+    def to_json(self) -> list[Any]:
+        """The entry as a JSON row: key, dtype, shape, global shape, offset."""
+        return [self.key, self.dtype, list(self.shape), list(self.global_shape), self.offset]
+
+
+@dataclass(frozen=True, slots=True)
+class Leaves:
+    """A state's leaves: tensors (this rank's bytes of each) and JSON values, by key."""
+
+    tensors: dict[str, torch.Tensor]
+    global_shapes: dict[str, tuple[int, ...]]
+    values: dict[str, JSONValue]
+
+
+def leaves_of(state: Mapping[str, Any]) -> Leaves:
+    """Walk ``state`` (``Stateful`` values replaced by their ``state_dict()``) into leaves.
+
+    Raises:
+        TypeError: a leaf is neither a tensor nor a JSON value (named by its key).
+    """
+    leaves = Leaves({}, {}, {})
+    for key, value in state.items():
+        _walk(value.state_dict() if isinstance(value, Stateful) else value, str(key), leaves)
+    return leaves
+
+
+def _walk(value: Any, key: str, leaves: Leaves) -> None:
+    if key in leaves.tensors or key in leaves.values:
+        raise ValueError(f"memory snapshot: two values of the state have the key {key!r}")
+    if isinstance(value, DTensor):
+        leaves.tensors[key] = value.to_local()
+        leaves.global_shapes[key] = tuple(value.shape)
+    elif isinstance(value, torch.Tensor):
+        leaves.tensors[key] = value
+        leaves.global_shapes[key] = tuple(value.shape)
+    elif isinstance(value, Mapping):
+        for name, item in value.items():
+            _walk(item, f"{key}/{name}", leaves)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _walk(item, f"{key}/{index}", leaves)
+    elif isinstance(value, _JSON_LEAVES):
+        leaves.values[key] = value
+    else:
+        raise TypeError(
+            f"memory snapshot: {key!r} is a {type(value).__name__}; a snapshot holds tensors "
+            "and JSON values (None, bool, int, float, str) only, and never pickles"
+        )
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` ("float32"); ValueError if there is none."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each tensor of a state goes in the data bytes, and what identifies the model."""
+
+    entries: tuple[TensorEntry, ...]
+    value_keys: tuple[str, ...]
+    data_bytes: int
+
+    @staticmethod
+    def of(leaves: Leaves) -> Layout:
+        """The layout of ``leaves``, tensors in key order."""
+        entries: list[TensorEntry] = []
+        offset = 0
+        for key in sorted(leaves.tensors):
+            tensor = leaves.tensors[key]
+            nbytes = tensor.numel() * tensor.element_size()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            shape, global_shape = tuple(tensor.shape), leaves.global_shapes[key]
+            entries.append(TensorEntry(key, dtype, shape, global_shape, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return Layout(tuple(entries), tuple(sorted(leaves.values)), offset)
+
+    def model(self) -> list[list[Any]]:
+        """The model fingerprint's contents: each key, with global shape and dtype for a tensor."""
+        tensors = [[e.key, e.dtype, list(e.global_shape)] for e in self.entries]
+        return sorted(tensors + [[key, "value"] for key in self.value_keys])
+
+    def fingerprint(self) -> str:
+        """A digest of ``model()``: equal for the same model at any world size."""
+        return _digest(self.model())
+
+    def local_shapes(self) -> str:
+        """A digest of every tensor's local shape: equal for the same model, mesh and rank."""
+        return _digest([[e.key, list(e.shape)] for e in self.entries])
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as JSON (its entries and the plain values' keys)."""
+        return {
+            "entries": [e.to_json() for e in self.entries],
+            "values": list(self.value_keys),
+            "data_bytes": self.data_bytes,
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> Layout:
+        """The layout ``to_json`` wrote (ValueError or KeyError if it is malformed)."""
+        entries = []
+        for key, dtype, shape, global_shape, offset in data["entries"]:
+            dtype_named(dtype)
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype_named(dtype)).itemsize
+            entries.append(
+                TensorEntry(str(key), dtype, tuple(shape), tuple(global_shape), int(offset), size)
+            )
+        layout = Layout(tuple(entries), tuple(map(str, data["values"])), int(data["data_bytes"]))
+        if any(e.offset < 0 or e.offset + e.nbytes > layout.data_bytes for e in entries):
+            raise ValueError("a tensor lies outside the snapshot's data")
+        return layout
+
+    def first_difference(self, other: Layout) -> str:
+        """The first key where ``other``'s model differs from this one's ('' if none)."""
+        mine = {row[0]: row[1:] for row in self.model()}
+        theirs = {row[0]: row[1:] for row in other.model()}
+        tensors = {e.key for e in self.entries} | {e.key for e in other.entries}
+        # Tensors first: a parameter that differs says more than the optimizer's lists do.
+        for key in sorted(tensors) + sorted(mine.keys() | theirs.keys()):
+            if mine.get(key) != theirs.get(key):
+                there, here = _describe(theirs.get(key)), _describe(mine.get(key))
+                return f"{key}: {there} in the snapshot, {here} here"
+        return ""
+
+
+def _describe(row: list[Any] | None) -> str:
+    if row is None:
+        return "absent"
+    if row == ["value"]:
+        return "a plain value"
+    return f"{row[0]} {row[1]}"
+
+
+def _digest(rows: list[list[Any]]) -> str:
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def copy_into(layout: Layout, leaves: Leaves, data: torch.Tensor) -> None:
+    """Copy every tensor of ``leaves`` into its place in ``data`` (uint8)."""
+    with torch.no_grad():
+        for entry in layout.entries:
+            entry.view(data).copy_(leaves.tensors[entry.key].detach())
+
+
+def restore_into(
+    state: dict[str, Any], layout: Layout, data: torch.Tensor, values: Mapping[str, JSONValue]
+) -> None:
+    """Write a snapshot into ``state`` as DCP loads a checkpoint, all of it.
+
+    Each tensor of the state (``Stateful`` values asked for their ``state_dict()``) is
+    overwritten in place from ``data``; then each ``Stateful`` gets ``load_state_dict`` of its
+    state dict with the snapshot's plain values in it, and a plain value at the top of ``state``
+    is replaced. The caller checked that ``layout`` is the state's own.
+    """
+    entries = {e.key: e for e in layout.entries}
+    for key, value in list(state.items()):
+        template = value.state_dict() if isinstance(value, Stateful) else value
+        rebuilt = _rebuild(template, str(key), entries, data, values)
+        if isinstance(value, Stateful):
+            value.load_state_dict(rebuilt)
+        elif not isinstance(value, torch.Tensor):
+            state[key] = rebuilt
+
+
+def _rebuild(
+    value: Any,
+    key: str,
+    entries: Mapping[str, TensorEntry],
+    data: torch.Tensor,
+    values: Mapping[str, JSONValue],
+) -> Any:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if isinstance(value, DTensor) else value
+        with torch.no_grad():
+            local.copy_(entries[key].view(data))
+        return value
+    if isinstance(value, Mapping):
+        return {k: _rebuild(v, f"{key}/{k}", entries, data, values) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_rebuild(v, f"{key}/{i}", entries, data, values) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return values[key]

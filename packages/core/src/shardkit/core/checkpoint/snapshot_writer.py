@@ -1,0 +1,200 @@
+"""Writing memory snapshots: the copy on the training thread, the rest on a thread of its own.
+
+After a step, the training thread copies the state's tensors into the next slot of the node's
+shared memory (a memory copy) and returns. A background thread then checksums the bytes,
+writes the header, marks the slot complete, and replicates it: it sends the snapshot to this
+rank's peer on the next node while it receives its source's into a replica slot. Each rank's
+thread does the same at the same steps, so the transfers pair up.
+
+At most one snapshot is in flight: the next one waits for it before it overwrites anything. A
+kill at any point therefore leaves the snapshot of the step before complete, here and at the
+peer, and loses at most the step in flight. See [Note: memory snapshots].
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from shardkit.core.checkpoint.snapshot_format import Header, SnapshotError, crc_of, peek_step
+from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_into
+from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
+from shardkit.core.runtime.peer_transfer import Message, transfer
+
+__all__ = ["Replication", "SnapshotWriter", "header_capacity"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    """Where this rank's snapshots go and whose it holds: ranks on other nodes."""
+
+    peer: int  # receives this rank's snapshots
+    source: int  # sends its snapshots here
+    source_capacity: int  # the source's header capacity
+    source_data_bytes: int  # and its data size
+
+
+def header_capacity(topology: Topology, layout: Layout, values: dict[str, JSONValue]) -> int:
+    """Room for any later header of this state: twice the first, and 4 KiB more."""
+    widest = Header(
+        topology.run_id,
+        topology.world_size,
+        topology.rank,
+        2**62,
+        layout,
+        (2**32 - 1,) * len(layout.entries),
+        values,
+    )
+    return 2 * len(widest.to_json()) + 4096
+
+
+class _Worker:
+    """One daemon thread that runs jobs in order: it never holds up the interpreter's exit."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        done: Future[None] = Future()
+        self._jobs.put((job, done))
+        return done
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, done = item
+            try:
+                job()
+                done.set_result(None)
+            except BaseException as error:  # reported to the training thread, which raises
+                done.set_exception(error)
+
+
+class SnapshotWriter:
+    """Writes one rank's snapshots into its slots and replicates them to its peer."""
+
+    def __init__(
+        self,
+        *,
+        directory: SnapshotDirectory,
+        topology: Topology,
+        layout: Layout,
+        capacity: int,
+        slots: int,
+        replication: Replication | None,
+    ) -> None:
+        self.topology, self.layout, self.replication = topology, layout, replication
+        directory.prepare()
+        self._own = [
+            SlotFile.create(directory.own(k), capacity=capacity, data_bytes=layout.data_bytes)
+            for k in range(slots)
+        ]
+        self._replicas: list[SlotFile] = []
+        if replication is not None:
+            self._replicas = [
+                SlotFile.create(
+                    directory.replica(replication.source, k),
+                    capacity=replication.source_capacity,
+                    data_bytes=replication.source_data_bytes,
+                )
+                for k in range(slots)
+            ]
+        self._next = _oldest(self._own)
+        self._next_replica = _oldest(self._replicas)
+        self._in_flight: Future[None] | None = None
+        self._worker = _Worker(f"shardkit-snapshots-rank{topology.rank}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of shared memory this rank's slots take (own and replicas)."""
+        return sum(slot.raw.numel() for slot in self._own + self._replicas)
+
+    def write(self, step: int, leaves: Leaves) -> None:
+        """Copy ``leaves`` into the next slot; the rest happens in the background.
+
+        Raises:
+            SnapshotError: the snapshot before this one failed (its error), or the state's
+                tensors are not those of the first snapshot.
+        """
+        self.wait()
+        if Layout.of(leaves) != self.layout:
+            raise SnapshotError(
+                f"memory snapshot of step {step}: the state's tensors changed since the first "
+                f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
+            )
+        slot = self._own[self._next]
+        slot.mark_writing()
+        copy_into(self.layout, leaves, slot.data())
+        values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
+        replica = self._replicas[self._next_replica] if self._replicas else None
+        self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
+        self._next = (self._next + 1) % len(self._own)
+        if self._replicas:
+            self._next_replica = (self._next_replica + 1) % len(self._replicas)
+
+    def wait(self) -> None:
+        """Wait for the snapshot in flight; raise its error if it failed."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        try:
+            in_flight.result()
+        except Exception as error:
+            raise SnapshotError(
+                f"rank {self.topology.rank}: the memory snapshot in flight failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Wait for the snapshot in flight, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._worker.stop()
+
+    def files(self) -> list[SlotFile]:
+        """Every slot file of this rank, own and replicas."""
+        return self._own + self._replicas
+
+    def _finish(
+        self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
+    ) -> None:
+        data = slot.data()
+        crcs = tuple(crc_of(data[e.offset : e.offset + e.nbytes]) for e in self.layout.entries)
+        who = self.topology
+        header = Header(who.run_id, who.world_size, who.rank, step, self.layout, crcs, values)
+        slot.write_header(header.to_json())
+        slot.mark_complete()
+        if self.replication is None or replica is None:
+            return
+        replica.mark_writing()
+        peer, source = self.replication.peer, self.replication.source
+        transfer(
+            sends=[Message(slot.region(), peer, 0), Message(data, peer, 1)],
+            receives=[Message(replica.region(), source, 0), Message(replica.data(), source, 1)],
+        )
+        replica.mark_complete()
+
+
+def _oldest(slots: list[SlotFile]) -> int:
+    """The slot to write first: one that holds no complete snapshot, else the oldest step's."""
+    steps = [_step_in(slot) for slot in slots]
+    return min(range(len(slots)), key=lambda k: steps[k], default=0)
+
+
+def _step_in(slot: SlotFile) -> int:
+    """The step of the complete snapshot in ``slot``, or -1."""
+    step = peek_step(slot.raw)
+    return -1 if step is None else step

@@ -1,0 +1,314 @@
+"""Memory snapshots: a restart resumes from the newest step every rank holds, bit for bit.
+
+Two gloo ranks, each its own "node" (``ranks_per_node=1``, a directory per rank standing for
+each node's shared memory), so each rank's snapshots are replicated to the other. The oracle
+is the state itself at the snapshot's step: every parameter and optimizer tensor, full.
+A restart is a fresh app (new model and optimizer, as a restarted worker builds them) and a
+fresh ``MemorySnapshots`` on the same directories.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.pool import run_on_ranks
+from tests.core.checkpoint.checkpoint_app import build_app, state_of, train_app
+
+RUN = "test-run"
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _snapshots(root: str, rank: int, **options: Any) -> Any:
+    from shardkit.core import MemorySnapshots
+
+    options = {"ranks_per_node": 1, **options}
+    return MemorySnapshots(options.pop("run_id", RUN), directory=f"{root}/node{rank}", **options)
+
+
+def _train_with_snapshots(rank: int, world_size: int, root: str, until: int, **options: Any) -> Any:
+    """An app trained to ``until`` with a snapshot after every step (or every ``every``)."""
+    app = build_app(world_size, options.pop("model_name", "gpt"))
+    snapshots = _snapshots(root, rank, **options)
+    while app.step < until:
+        train_app(app, app.step + 1, rank, world_size)
+        snapshots.snapshot(app.step, {"app": app})
+    snapshots.close(remove=False)  # as a killed worker leaves them
+    return app
+
+
+def _resume(rank: int, world_size: int, root: str, disk: str | None = None) -> dict[str, Any]:
+    from shardkit.core import CheckpointManager
+
+    app = build_app(world_size)
+    checkpoints = CheckpointManager(disk) if disk is not None else None
+    point = _snapshots(root, rank).resume({"app": app}, checkpoints)
+    return {
+        "source": point.source,
+        "step": point.step,
+        "app_step": app.step,
+        "from_replicas": point.from_replicas,
+        "refused": point.refused,
+        "state": state_of(app),
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def _train_and_keep(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    app = _train_with_snapshots(rank, world_size, root, 5)
+    at_five = state_of(app)
+    files = sorted(p.name for p in Path(f"{root}/node{rank}").iterdir())
+    train_app(app, 7, rank, world_size)  # the live state moves on; no snapshot is taken
+    return {"state": at_five, "files": files}
+
+
+def test_a_restart_resumes_from_own_copies_then_from_the_peers_replica(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    trained = run_on_ranks(2, _train_and_keep, root=root)
+    # Bounded memory: 2 slots of its own and 2 replicas of the other rank's, per rank.
+    assert trained[0]["files"] == [
+        "rank00000.slot0.snap",
+        "rank00000.slot1.snap",
+        "replica-of-rank00001.slot0.snap",
+        "replica-of-rank00001.slot1.snap",
+    ]
+    for result in run_on_ranks(2, _resume, root=root):
+        assert (result["source"], result["step"], result["app_step"]) == ("memory", 5, 5)
+        assert result["from_replicas"] == () and result["refused"] == ()
+        assert _same(result["state"], trained[0]["state"])
+    shutil.rmtree(tmp_path / "node0")  # node 0's memory is gone: rank 0 restores from rank 1
+    for result in run_on_ranks(2, _resume, root=root):
+        assert (result["source"], result["step"], result["app_step"]) == ("memory", 5, 5)
+        assert result["from_replicas"] == (0,)
+        assert _same(result["state"], trained[0]["state"])
+
+
+def _without_rank1_step5(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    app = _train_with_snapshots(rank, world_size, root, 4)
+    at_four = state_of(app)
+    _train_with_snapshots(rank, world_size, root, 5)  # a fresh app to 5: the same steps
+    return at_four
+
+
+def test_the_newest_step_every_rank_holds_is_restored(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    at_four = run_on_ranks(2, _without_rank1_step5, root=root)[0]
+    # Rank 1's step 5 is gone on both nodes (its own copy and rank 0's replica of it).
+    for path in [*tmp_path.glob("node1/rank00001.*"), *tmp_path.glob("node0/replica-of-*")]:
+        if b'"step":5,' in path.read_bytes()[:4096]:
+            path.unlink()
+    for result in run_on_ranks(2, _resume, root=root):
+        assert (result["source"], result["step"]) == ("memory", 4)
+        assert _same(result["state"], at_four)
+
+
+# --- bad snapshots: each refused by name on every rank, and the job resumes from disk --------
+
+
+def _disk_at_five(rank: int, world_size: int, root: str, step6: str) -> dict[str, torch.Tensor]:
+    """Snapshots at 3 (every 3), a disk checkpoint at 5, then step 6's snapshot by ``step6``.
+
+    "ours": as the run takes it; "another run" / "another model": by a job of another run id /
+    model in the same directories; "rank 1 only": rank 1's alone (unreplicated), rank 0's
+    going elsewhere; "none": no step 6. Returns the state at 5.
+    """
+    from shardkit.core import CheckpointManager
+
+    app = _train_with_snapshots(rank, world_size, root, 5, every=3)
+    CheckpointManager(f"{root}/disk").save(5, {"app": app})
+    at_five = state_of(app)
+    if step6 != "none":
+        app = build_app(world_size, "gpt_tied" if step6 == "another model" else "gpt")
+        app.step = 5
+        options: dict[str, Any] = {"every": 3}
+        if step6 == "another run":
+            options["run_id"] = "another-job"
+        if step6 == "rank 1 only":  # one node of two ranks: no replicas
+            options["ranks_per_node"] = 2
+            root = f"{root}/elsewhere" if rank == 0 else root
+        snapshots = _snapshots(root, rank, **options)
+        train_app(app, 6, rank, world_size)
+        snapshots.snapshot(6, {"app": app})
+        snapshots.close(remove=False)
+    return at_five
+
+
+def _expect_disk(tmp_path: Path, at_five: dict[str, torch.Tensor], refusal: str) -> list[str]:
+    """Resume on both ranks: from disk at step 5, with rank 0's step 6 refused as ``refusal``."""
+    results = run_on_ranks(2, _resume, root=str(tmp_path), disk=str(tmp_path / "disk"))
+    for result in results:
+        assert (result["source"], result["step"], result["app_step"]) == ("disk", 5, 5)
+        assert _same(result["state"], at_five)
+        named = [r for r in result["refused"] if r.startswith("rank 0's") and f": {refusal}:" in r]
+        assert named, result["refused"]
+    assert results[0]["refused"] == results[1]["refused"]  # every rank names the same ones
+    return list(results[0]["refused"])
+
+
+def _holding_step6(paths: list[Path]) -> list[Path]:
+    return [path for path in paths if b'"step":6,' in path.read_bytes()[:8192]]
+
+
+def test_a_snapshot_that_fails_its_checksum_is_refused(tmp_path: Path) -> None:
+    from shardkit.core.checkpoint.snapshot_format import capacity_in, data_offset
+
+    at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="ours")[0]
+    rank0s = [*tmp_path.glob("node0/rank00000.*"), *tmp_path.glob("node1/replica-of-*")]
+    for path in _holding_step6(rank0s):  # both copies of rank 0's step 6: one bit flipped
+        data = bytearray(path.read_bytes())
+        start = data_offset(capacity_in(torch.frombuffer(data[:64], dtype=torch.uint8)))
+        data[start + 5] ^= 0x10  # in the first tensor's bytes
+        path.write_bytes(bytes(data))
+    refused = _expect_disk(tmp_path, at_five, "checksum")
+    assert any("bytes do not match their checksum" in r for r in refused), refused
+
+
+def test_a_snapshot_of_another_run_is_refused(tmp_path: Path) -> None:
+    at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="another run")[0]
+    refused = _expect_disk(tmp_path, at_five, "another run")
+    assert any("run 'another-job', this job is run 'test-run'" in r for r in refused), refused
+
+
+def test_a_snapshot_of_another_model_is_refused(tmp_path: Path) -> None:
+    at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="another model")[0]
+    refused = _expect_disk(tmp_path, at_five, "another model")
+    assert any("head.weight/exp_avg: absent in the snapshot" in r for r in refused), refused
+
+
+def _one_rank_step6(rank: int, world_size: int, root: str) -> None:
+    app = build_app(world_size)
+    app.step = 5
+    snapshots = _snapshots(root, rank, every=3)
+    train_app(app, 6, rank, world_size)
+    snapshots.snapshot(6, {"app": app})
+    snapshots.close(remove=False)
+
+
+def test_a_snapshot_of_another_world_size_is_refused(tmp_path: Path) -> None:
+    at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="none")[0]
+    run_on_ranks(1, _one_rank_step6, root=str(tmp_path))  # a job of one rank, same directory
+    refused = _expect_disk(tmp_path, at_five, "another world size")
+    assert any("written at world size 1, this job has 2" in r for r in refused), refused
+
+
+def _rank0_step6(rank: int, world_size: int, root: str) -> dict[str, Any] | None:
+    """Rank 0's state at step 6, as its snapshot writer would copy it (rank 0 only)."""
+    from shardkit.core.checkpoint.snapshot_format import capacity_in
+    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
+    from shardkit.core.checkpoint.snapshot_slots import map_existing
+
+    app = build_app(world_size)
+    app.step = 5
+    train_app(app, 6, rank, world_size)
+    leaves = leaves_of({"app": app})
+    if rank != 0:
+        return None
+    raw = map_existing(Path(f"{root}/node0/rank00000.slot0.snap"))
+    assert raw is not None
+    return {
+        "tensors": {k: t.detach().clone() for k, t in leaves.tensors.items()},
+        "global_shapes": leaves.global_shapes,
+        "values": leaves.values,
+        "layout": Layout.of(leaves).to_json(),
+        "capacity": capacity_in(raw),
+    }
+
+
+def test_a_torn_snapshot_writer_killed_mid_copy_is_refused(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    at_five = run_on_ranks(2, _disk_at_five, root=root, step6="rank 1 only")[0]
+    rank0 = run_on_ranks(2, _rank0_step6, root=root)[0]
+    leaves = tmp_path / "rank0_step6.pt"
+    torch.save(rank0, leaves)
+    # Rank 0's writer, SIGKILLed in the middle of copying step 6 into its slot.
+    command = [sys.executable, "-m", "tests.core.checkpoint.torn_writer", str(leaves), root, RUN]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    refused = _expect_disk(tmp_path, at_five, "torn")
+    assert "rank 0's own slot 1: torn: its writer stopped before it was complete" in refused
+
+
+# --- four ranks on two nodes: replicas go to the same local rank on the next node ----------
+
+
+def _four_ranks(rank: int, world_size: int, root: str, wipe: bool) -> dict[str, Any]:
+    from shardkit.core import MemorySnapshots
+
+    node = f"{root}/node{rank // 2}"  # ranks 0, 1 on node 0; ranks 2, 3 on node 1
+    app = build_app(world_size)
+    snapshots = MemorySnapshots(RUN, directory=node, ranks_per_node=2)
+    while app.step < 3:
+        train_app(app, app.step + 1, rank, world_size)
+        snapshots.snapshot(app.step, {"app": app})
+    snapshots.close(remove=False)
+    at_three = state_of(app)
+    files = sorted(p.name for p in Path(node).iterdir())
+    torch.distributed.barrier()  # every rank has listed its node before one is lost
+    if wipe and rank == 0:
+        shutil.rmtree(f"{root}/node1")  # node 1 is lost: ranks 2 and 3 restore from node 0
+    torch.distributed.barrier()
+    fresh = build_app(world_size)
+    point = MemorySnapshots(RUN, directory=node, ranks_per_node=2).resume({"app": fresh})
+    return {
+        "files": files,
+        "step": point.step,
+        "from_replicas": point.from_replicas,
+        "same": _same(state_of(fresh), at_three),
+    }
+
+
+def test_four_ranks_on_two_nodes_restore_a_lost_node_from_the_other(tmp_path: Path) -> None:
+    results = run_on_ranks(4, _four_ranks, root=str(tmp_path), wipe=True)
+    own = ["rank00000.slot0.snap", "rank00000.slot1.snap", "rank00001.slot0.snap"]
+    own += ["rank00001.slot1.snap"]
+    held = [f"replica-of-rank0000{r}.slot{k}.snap" for r in (2, 3) for k in (0, 1)]
+    assert results[0]["files"] == sorted(own + held)  # node 0 keeps node 1's replicas
+    for result in results:
+        assert result["step"] == 3 and result["same"]
+        assert result["from_replicas"] == (2, 3)
+
+
+def test_one_process_without_a_process_group(tmp_path: Path) -> None:
+    from shardkit.core import MemorySnapshots
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loop = {"step": 0, "rng": torch.get_rng_state()}
+    with MemorySnapshots(RUN, directory=tmp_path) as snapshots:
+        for step in range(1, 4):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            loop["step"] = step
+            snapshots.snapshot(step, {"model": model, "optim": optimizer, "loop": loop})
+        snapshots.wait()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()  # the live state moves on; no snapshot
+        fresh = {"step": -1, "rng": torch.zeros_like(loop["rng"])}  # type: ignore[arg-type]
+        state = {"model": model, "optim": optimizer, "loop": fresh}
+        point = MemorySnapshots(RUN, directory=tmp_path).restore(state)
+        assert point.step == 3 and state["loop"]["step"] == 3  # type: ignore[index]
+        assert torch.equal(state["loop"]["rng"], loop["rng"])  # type: ignore[index,arg-type]
+        assert all(torch.equal(want[k], model.state_dict()[k]) for k in want)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # close() freed the memory
+
+
+def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: Path) -> None:
+    from shardkit.core import MemorySnapshots
+
+    snapshots = MemorySnapshots(RUN, directory=tmp_path)
+    with pytest.raises(TypeError, match=r"'loop/when' is a datetime.*never pickles"):
+        snapshots.snapshot(1, {"loop": {"when": datetime.datetime(2026, 11, 25)}})
+    snapshots.close()
