@@ -100,7 +100,7 @@ def _block(rank: int, world_size: int, snapshot: bool) -> float:
 
 def _parts(rank: int, world_size: int) -> dict[str, float]:
     """The training thread's share of a snapshot: the state_dict() call, and the copy."""
-    from shardkit.core.checkpoint.snapshot_layout import copy_into, leaves_of
+    from shardkit.core.checkpoint.snapshot_layout import copy_to_views, leaves_of
 
     state, snapshots = _STATE["state"], _STATE["snapshots"]
     writer = snapshots._writer  # the benchmark times the writer's own copy
@@ -109,7 +109,7 @@ def _parts(rank: int, world_size: int) -> dict[str, float]:
         started = time.perf_counter()
         leaves = leaves_of({"train": state})
         between = time.perf_counter()
-        copy_into(writer.layout, leaves, writer.files()[0].data())
+        copy_to_views(writer._views[0], writer.layout, leaves)
         times["state_dict_s"].append(between - started)
         times["copy_s"].append(time.perf_counter() - between)
     return {name: statistics.median(values) for name, values in times.items()}

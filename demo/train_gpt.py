@@ -28,13 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardkit.core import CheckpointManager, MemorySnapshots, save_full_state_dict
+from shardkit.core import (
+    CheckpointManager,
+    MemorySnapshots,
+    StateDictCache,
+    save_full_state_dict,
+)
 from shardkit.core import fully_shard as shardkit_fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
@@ -87,11 +92,13 @@ class TrainState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        # get_state_dict, with the FQNs learned once: a memory snapshot asks every step.
+        self.state_dicts = StateDictCache(model, optimizer)
         self.rank = dist.get_rank()
         self.step = 0  # steps completed
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self.state_dicts()
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         return {"model": model_sd, "optim": optim_sd, "step": self.step, "rng": rng}
 

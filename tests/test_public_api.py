@@ -36,6 +36,7 @@ EXPECTED = {
         "ShardingExtension",
         "ShardkitError",
         "SnapshotError",
+        "StateDictCache",
         "StateDictFileError",
         "StateTransitionEvent",
         "UnevenShardingError",

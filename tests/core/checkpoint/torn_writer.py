@@ -26,10 +26,21 @@ from shardkit.core.checkpoint.snapshot_writer import SnapshotWriter
 
 
 class KillOnCopy(torch.Tensor):
-    """A tensor whose copy into the snapshot kills this process."""
+    """A tensor whose copy into the snapshot kills this process, the tensors before it copied.
+
+    The writer copies every tensor in one foreach call: this one copies the tensors that come
+    before it in that call, one by one, then dies, so the slot is left half written.
+    """
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch._foreach_copy_:
+            destinations, sources = args[0], args[1]
+            for destination, source in zip(destinations, sources, strict=True):
+                if isinstance(source, KillOnCopy):
+                    break
+                destination.copy_(source)
+            os.kill(os.getpid(), signal.SIGKILL)
         if func is torch.Tensor.copy_:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 import shardkit.core as sk
+from harness.pipelines import MULTI_STAGE, SCHEDULES, stage_indices
 from harness.pool import run_on_ranks
 from shardkit.core.torch_release import release_of
 
@@ -39,13 +40,6 @@ MICROBATCHES = 4
 HIDDEN = 8
 BATCH = 8  # (BATCH, HIDDEN) per data-parallel rank and step: 4 microbatches of 2 rows
 STEPS = 2
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-}
-MULTI_STAGE = {"interleaved_1f1b", "zbv_zero_bubble"}  # two stages on every pipeline rank
 CONFIGS = [(dtype, reshard) for dtype in ("fp32", "bf16") for reshard in (True, False)]
 
 
@@ -66,12 +60,7 @@ Trace = dict[str, list[torch.Tensor]]
 
 
 def _stage_indices(kind: str, pp_rank: int) -> list[int]:
-    """The stages a pipeline rank holds: one; two looped; or two in a V (ZBV)."""
-    if kind not in MULTI_STAGE:
-        return [pp_rank]
-    if kind == "zbv_zero_bubble":
-        return [pp_rank, 2 * PP - 1 - pp_rank]
-    return [pp_rank, pp_rank + PP]
+    return stage_indices(kind, pp_rank, PP)
 
 
 def _build_stage(index: int, seed: int = 100) -> nn.Sequential:

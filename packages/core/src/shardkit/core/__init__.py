@@ -21,6 +21,7 @@ from shardkit.core.checkpoint import (
     MemorySnapshots,
     ResumePoint,
     SnapshotError,
+    StateDictCache,
 )
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
@@ -89,6 +90,7 @@ __all__ = [
     "ShardingExtension",
     "ShardkitError",
     "SnapshotError",
+    "StateDictCache",
     "StateDictFileError",
     "StateTransitionEvent",
     "UnevenShardingError",

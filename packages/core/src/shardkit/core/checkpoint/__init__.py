@@ -5,8 +5,10 @@ directories that an interrupted save or a corrupt file cannot break; ``async_sav
 in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
 checksums a checkpoint's files. ``MemorySnapshots`` (``snapshots.py``) keeps per-step
 snapshots in the node's shared memory, replicated to a peer on another node, for restarts that
-lose at most the step in flight (``snapshot_*.py``). ``from shardkit.core.checkpoint import
-CheckpointManager`` works as before (``shardkit.core`` exports the same names).
+lose at most the step in flight (``snapshot_*.py``); ``StateDictCache`` is torch's
+``get_state_dict`` for a loop that asks every step (``state_dict_cache.py``).
+``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
+exports the same names).
 """
 
 from shardkit.core.checkpoint.async_save import CheckpointSaveError
@@ -17,6 +19,7 @@ from shardkit.core.checkpoint.manager import (
 )
 from shardkit.core.checkpoint.snapshot_format import SnapshotError
 from shardkit.core.checkpoint.snapshots import MemorySnapshots, ResumePoint
+from shardkit.core.checkpoint.state_dict_cache import StateDictCache
 
 __all__ = [
     "CheckpointLoadError",
@@ -26,4 +29,5 @@ __all__ = [
     "MemorySnapshots",
     "ResumePoint",
     "SnapshotError",
+    "StateDictCache",
 ]

@@ -24,12 +24,16 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from shardkit.core.runtime.dtensors import local_of
+
 __all__ = [
     "JSONValue",
     "Layout",
     "Leaves",
     "TensorEntry",
     "copy_into",
+    "copy_to_views",
+    "fits",
     "dtype_named",
     "leaves_of",
     "restore_into",
@@ -87,7 +91,7 @@ def _walk(value: Any, key: str, leaves: Leaves) -> None:
     if key in leaves.tensors or key in leaves.values:
         raise ValueError(f"memory snapshot: two values of the state have the key {key!r}")
     if isinstance(value, DTensor):
-        leaves.tensors[key] = value.to_local()
+        leaves.tensors[key] = local_of(value)  # no autograd view: read, never differentiated
         leaves.global_shapes[key] = tuple(value.shape)
     elif isinstance(value, torch.Tensor):
         leaves.tensors[key] = value
@@ -200,9 +204,39 @@ def _digest(rows: list[list[Any]]) -> str:
 
 def copy_into(layout: Layout, leaves: Leaves, data: torch.Tensor) -> None:
     """Copy every tensor of ``leaves`` into its place in ``data`` (uint8)."""
+    copy_to_views([entry.view(data) for entry in layout.entries], layout, leaves)
+
+
+def copy_to_views(views: list[torch.Tensor], layout: Layout, leaves: Leaves) -> None:
+    """Copy every tensor of ``leaves`` into ``views``, its places in a slot (layout order).
+
+    One foreach copy: hundreds of small tensors (a model's parameters, and each one's
+    optimizer state) cost one call, not one each.
+    """
+    sources = [leaves.tensors[entry.key] for entry in layout.entries]
     with torch.no_grad():
-        for entry in layout.entries:
-            entry.view(data).copy_(leaves.tensors[entry.key].detach())
+        torch._foreach_copy_(views, sources)
+
+
+def fits(layout: Layout, leaves: Leaves) -> bool:
+    """Whether ``leaves`` have ``layout`` (keys, dtypes, shapes): ``Layout.of`` without its cost.
+
+    A snapshot every step compares the state with the first snapshot's layout each time; this
+    compares in place instead of building a new layout of hundreds of entries.
+    """
+    tensors, shapes = leaves.tensors, leaves.global_shapes
+    if len(tensors) != len(layout.entries) or tuple(sorted(leaves.values)) != layout.value_keys:
+        return False
+    for entry in layout.entries:
+        tensor = tensors.get(entry.key)
+        if (
+            tensor is None
+            or tensor.shape != entry.shape
+            or shapes[entry.key] != entry.global_shape
+            or str(tensor.dtype) != f"torch.{entry.dtype}"
+        ):
+            return False
+    return True
 
 
 def restore_into(

@@ -20,8 +20,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from shardkit.core.checkpoint.snapshot_format import Header, SnapshotError, crc_of, peek_step
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_into
+import torch
+
+from shardkit.core.checkpoint.snapshot_format import (
+    Header,
+    SnapshotError,
+    crcs_of,
+    layout_json_of,
+    peek_step,
+)
+from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_to_views, fits
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
 from shardkit.core.runtime.peer_transfer import Message, transfer
 
@@ -96,6 +104,7 @@ class SnapshotWriter:
         replication: Replication | None,
     ) -> None:
         self.topology, self.layout, self.replication = topology, layout, replication
+        self._layout_json = layout_json_of(layout)  # every header repeats it
         directory.prepare()
         self._own = [
             SlotFile.create(directory.own(k), capacity=capacity, data_bytes=layout.data_bytes)
@@ -111,6 +120,10 @@ class SnapshotWriter:
                 )
                 for k in range(slots)
             ]
+        # Each tensor's place in each slot, made once: a snapshot every step copies into them.
+        self._views: list[list[torch.Tensor]] = [
+            [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
+        ]
         self._next = _oldest(self._own)
         self._next_replica = _oldest(self._replicas)
         self._in_flight: Future[None] | None = None
@@ -129,14 +142,14 @@ class SnapshotWriter:
                 tensors are not those of the first snapshot.
         """
         self.wait()
-        if Layout.of(leaves) != self.layout:
+        if not fits(self.layout, leaves):
             raise SnapshotError(
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
                 f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
             )
         slot = self._own[self._next]
         slot.mark_writing()
-        copy_into(self.layout, leaves, slot.data())
+        copy_to_views(self._views[self._next], self.layout, leaves)
         values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
         replica = self._replicas[self._next_replica] if self._replicas else None
         self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
@@ -172,10 +185,10 @@ class SnapshotWriter:
         self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
     ) -> None:
         data = slot.data()
-        crcs = tuple(crc_of(data[e.offset : e.offset + e.nbytes]) for e in self.layout.entries)
+        crcs = crcs_of(self.layout, data)
         who = self.topology
         header = Header(who.run_id, who.world_size, who.rank, step, self.layout, crcs, values)
-        slot.write_header(header.to_json())
+        slot.write_header(header.to_json(self._layout_json))
         slot.mark_complete()
         if self.replication is None or replica is None:
             return
