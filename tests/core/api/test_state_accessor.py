@@ -65,6 +65,14 @@ class _MLP(nn.Module):
         return self.out_proj(self.in_proj(x))
 
 
+def _groups_of(state: Any) -> list[Any]:
+    """A state's groups: ``_fsdp_param_groups`` (torch 2.13), else ``_fsdp_param_group``."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
     """What torch's lazy-init tests read: roots, every state in order, FQNs of modules, params.
 
@@ -81,7 +89,7 @@ def _lazy_init_names(fs: Any, mesh: DeviceMesh) -> dict[str, Any]:
     groups = {
         group._module_fqn: sorted(p._param_fqn for p in group.fsdp_params)
         for state in root._state_ctx.all_states
-        for group in state._fsdp_param_groups
+        for group in _groups_of(state)
     }
     singular = fs.state(model[0].in_proj)._fsdp_param_group
     return {

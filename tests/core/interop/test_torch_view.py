@@ -45,6 +45,18 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _groups_of(state: Any) -> list[Any]:
+    """A state's parameter groups, as the installed torch's pipelining reads them.
+
+    Torch 2.13 has ``_fsdp_param_groups`` (several groups per call, one per mesh); before it,
+    a state had one group or none, ``_fsdp_param_group`` (torch 2.10's ``stage.py`` reads that).
+    """
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def _reduce_grad(model: Any) -> None:
     """Torch 2.13's ``PipelineStage.perform_reduce_grad`` for an FSDP stage, verbatim in effect."""
     model.set_is_last_backward(True)
@@ -53,7 +65,7 @@ def _reduce_grad(model: Any) -> None:
     theirs: Any = torch_fully_shard  # torch's, as stage.py binds it at import
     state = theirs.state(model)
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in _groups_of(each):
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -99,7 +111,7 @@ def _install_all_reduce_hook(model: nn.Module, hook: Callable[[torch.Tensor], No
     for module in model.modules():
         if not isinstance(module, TorchFSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = _groups_of(module._get_fsdp_state())
         assert all(hasattr(group, "_all_reduce_hook") for group in groups)
         for group in groups:
             group._all_reduce_hook = hook
