@@ -1,9 +1,9 @@
 """Run torchtitan 0.3.0's trainer on CPU (gloo), with torch's FSDP or, launched so, shardkit's.
 
-torchtitan assumes an accelerator and has no flag for the CPU. This script changes five things
+torchtitan assumes an accelerator and has no flag for the CPU. This script changes six things
 in the running process, before torchtitan's trainer is imported, then runs ``torchtitan.train``
 as ``python -m torchtitan.train`` would, with the same arguments. torchtitan's files are not
-changed, and the same five apply to torch's FSDP and shardkit's, so their losses compare:
+changed, and the same six apply to torch's FSDP and shardkit's, so their losses compare:
 
 1. the device: torchtitan picks it once, when ``torchtitan.tools.utils`` is imported (the
    accelerator, or ``"cuda"`` when there is none), and other modules copy it; it is set to
@@ -14,7 +14,9 @@ changed, and the same five apply to torch's FSDP and shardkit's, so their losses
 3. gradients summed with ``SUM``: gloo has no ``PREMUL_SUM``, which torch's FSDP uses once
    torchtitan sets the divide factor to 1;
 4. no ``torch.distributed.set_timeout`` in torch 2.13: the groups keep their first timeout;
-5. with ``--training.enable_cpu_offload``, one gloo backend instead of ``cpu:gloo,cpu:gloo``.
+5. with ``--training.enable_cpu_offload``, one gloo backend instead of ``cpu:gloo,cpu:gloo``;
+6. pipeline schedules that take microbatches: torchtitan calls ``step(arg_mbs=..., kwarg_mbs=...,
+   target_mbs=...)``, torch 2.13's ``step`` takes a whole batch and splits it itself.
 
 Usage (torch's FSDP, then shardkit's through the launcher; the arguments are torchtitan's)::
 
@@ -28,6 +30,7 @@ See docs/guides/torchtitan.md for the flags of a short CPU run and the losses me
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import runpy
@@ -113,6 +116,7 @@ def use_cpu() -> None:
     _sum_gradients_on_gloo()
     _keep_timeouts_without_set_timeout()
     _one_backend_for_offload()
+    _pipeline_steps_on_microbatches()
 
 
 def _eager_flex_attention_on_cpu() -> None:
@@ -200,6 +204,64 @@ def _one_backend_for_offload() -> None:
         return result
 
     tt_dist_utils.init_distributed = init_on_cpu
+
+
+def _pipeline_steps_on_microbatches() -> None:
+    """Let torch 2.13's pipeline schedules take the microbatches torchtitan has already split.
+
+    torchtitan 0.3.0 builds its microbatches itself and calls ``schedule.step(arg_mbs=...,
+    kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)`` (a torch nightly's
+    signature). torch 2.13's ``step(*args, target=..., **kwargs)`` would take those lists for
+    model keyword arguments and split them again. Called so, the schedule now does what its own
+    ``step`` does after splitting: it sets up its stages for the iteration and runs
+    ``_step_microbatches`` on the given lists. Whole-batch calls go to torch's ``step``.
+    """
+    from torch.distributed.pipelining import schedules
+
+    for schedule in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "arg_mbs" not in inspect.signature(schedule.step).parameters:
+            schedule.step = _step_on_microbatches(schedule.step)  # type: ignore[method-assign]
+
+
+def _step_on_microbatches(whole_batch_step: Any) -> Any:
+    """``step`` that also takes ``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs`` lists."""
+
+    def step(
+        self: Any,
+        *args: Any,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(
+                self,
+                *args,
+                losses=losses,
+                return_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
+                **kwargs,
+            )
+        if args or kwargs:
+            raise TypeError("torchtitan_cpu: step() takes a whole batch or microbatches, not both")
+        # PipelineScheduleSingle keeps one stage, PipelineScheduleMulti a list.
+        stages = self._stages if hasattr(self, "_stages") else [self._stage]
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+        for stage in stages:
+            if stage.is_last and return_outputs:
+                return self._merge_outputs(stage.output_chunks)
+        return None
+
+    return step
 
 
 def main() -> None:
