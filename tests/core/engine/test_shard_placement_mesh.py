@@ -10,6 +10,7 @@ data, bit-identical losses, gradients and parameters, and the same state dict an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from harness.pool import run_on_ranks
 from tests.core.parity import fully_shard_of
@@ -38,8 +39,11 @@ class _Experts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(experts, _HIDDEN, _DIM) * 0.2)  # (E, H, D)
 
     def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        h = torch.einsum("td,edh->eth", x, self.w1).relu()  # (E, T, H)
-        out = torch.einsum("eth,ehd->etd", h, self.w2)  # (E, T, D)
+        # As torchtitan's grouped experts: weights that are DTensors on the ep axis compute
+        # on this rank's experts, their local tensors.
+        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        h = torch.einsum("td,edh->eth", x, w1).relu()  # (E, T, H)
+        out = torch.einsum("eth,ehd->etd", h, w2)  # (E, T, D)
         return torch.einsum("te,etd->td", scores, out)  # (T, D)
 
 
@@ -71,16 +75,28 @@ class _MoE(nn.Module):
         return out
 
 
-def _build(ep: int, ep_rank: int) -> _MoE:
-    """The same model on every rank, but for the experts: ep rank r keeps its own slice."""
+def _build(meshes: _Meshes | None) -> _MoE:
+    """The same model on every rank, but for the experts: ep rank r keeps its own slice.
+
+    A plain tensor of its experts, or (``ep_dtensor``) the whole weight as a DTensor sharded
+    on the ep axis, as torchtitan's expert parallelism leaves it.
+    """
+    ep = 1 if meshes is None else meshes.ep
     torch.manual_seed(0)
     model = _MoE(_LOCAL_EXPERTS * ep)
+    if ep == 1:
+        return model
+    assert meshes is not None
     for block in model.blocks:
         experts: Any = block.experts
         for name in ("w1", "w2"):
             full = getattr(experts, name).detach()
-            mine = full[ep_rank * _LOCAL_EXPERTS : (ep_rank + 1) * _LOCAL_EXPERTS]
-            setattr(experts, name, nn.Parameter(mine.clone()))
+            if meshes.kind != "ep":
+                mine: torch.Tensor = distribute_tensor(full, meshes.ep_mesh, [Shard(0)])
+            else:
+                start = meshes.ep_rank * _LOCAL_EXPERTS
+                mine = full[start : start + _LOCAL_EXPERTS].clone()
+            setattr(experts, name, nn.Parameter(mine))
     return model
 
 
@@ -93,9 +109,9 @@ class _Meshes:
         self.kind = kind
         self.dp = init_device_mesh("cpu", (4,))
         self.dp_info = FSDPMeshInfo(mesh=self.dp, shard_mesh_dim=0)
-        if kind == "ep":
+        if kind.startswith("ep"):  # ep, ep_dtensor, ep_titan (its experts DTensors too)
             two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
-            self.ep, self.ep_rank = 2, two_d.get_local_rank("ep")
+            self.ep, self.ep_rank, self.ep_mesh = 2, two_d.get_local_rank("ep"), two_d["ep"]
             self.experts: DeviceMesh = two_d["efsdp"]
             self.experts_info: Any = FSDPMeshInfo(mesh=self.experts, shard_mesh_dim=0)
         else:
@@ -115,7 +131,7 @@ class _Meshes:
         def place(param: nn.Parameter) -> Any:
             if param in expert_params:
                 return ShardPlacementResult(placement=Shard(0), mesh_info=self.experts_info)
-            if self.kind == "ep":
+            if self.kind.startswith("ep"):
                 return ShardPlacementResult(placement=Shard(0), mesh_info=self.dp_info)
             return None
 
@@ -124,11 +140,35 @@ class _Meshes:
 
 def _shard(impl: str, meshes: _Meshes) -> _MoE:
     fully_shard = fully_shard_of(impl)
-    model = _build(meshes.ep, meshes.ep_rank)
+    model = _build(meshes)
     for block in model.blocks:
         fully_shard(block, mesh=meshes.dp, shard_placement_fn=meshes.placement_fn(block))
     fully_shard(model, mesh=meshes.dp)
+    if meshes.kind == "ep_titan":
+        # torchtitan's settings with expert parallelism: explicit prefetch, no division (as
+        # plain sums: torch's divides by 1 in the collective otherwise, which gloo lacks).
+        sharded: Any = model  # FSDPModule's methods, which the model's class does not show
+        first, second = sharded.blocks
+        first.set_modules_to_forward_prefetch([second])
+        second.set_modules_to_backward_prefetch([first])
+        for module in (first, second, sharded):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _backward(model: Any, meshes: _Meshes, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's backward: two microbatches, the first without reductions, for ep_titan."""
+    if meshes.kind != "ep_titan":
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    losses: list[torch.Tensor] = []
+    for last, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        model.set_requires_gradient_sync(bool(last))
+        losses.append(F.mse_loss(model(xs), ys))
+        losses[-1].backward()
+    return (losses[0] + losses[1]) / 2
 
 
 def _full(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -138,7 +178,7 @@ def _full(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(impl: str, meshes: _Meshes, rank: int) -> dict[str, Any]:
+def _train(impl: str, meshes: _Meshes, rank: int) -> tuple[_MoE, dict[str, Any]]:
     model = _shard(impl, meshes)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses: list[float] = []
@@ -146,14 +186,12 @@ def _train(impl: str, meshes: _Meshes, rank: int) -> dict[str, Any]:
     for step in range(_STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
+        losses.append(_backward(model, meshes, x, y).item())
         if step == _STEPS - 1:
             grads = _full({n: p.grad for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return {
+    return model, {
         "losses": losses,
         "grads": grads,
         "params": _full(dict(model.named_parameters())),
@@ -190,19 +228,38 @@ def _groups_of(impl: str, model: _MoE) -> list[list[list[str]]]:
     return out
 
 
-def _parity_body(rank: int, world_size: int, kind: str) -> dict[str, dict[str, Any]]:
+def _parity_body(rank: int, world_size: int, kind: str, path: str) -> dict[str, dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     meshes = _Meshes(kind)
-    return {impl: _train(impl, meshes, rank) for impl in ("torch", "shardkit")}
+    theirs_model, theirs = _train("torch", meshes, rank)
+    ours = _train("shardkit", meshes, rank)[1]
+    if kind == "ep":
+        # Each ep rank's plain experts have the same names and shapes: one checkpoint cannot
+        # hold them all (torch's neither). Experts that are DTensors on the ep axis can.
+        return {"torch": theirs, "shardkit": ours}
+    # torch's checkpoint (DCP) loads into a fresh shardkit model.
+    dcp_save(theirs_model.state_dict(), checkpoint_id=path)
+    fresh = _shard("shardkit", meshes)
+    state_dict = fresh.state_dict()
+    dcp_load(state_dict, checkpoint_id=path)
+    fresh.load_state_dict(state_dict)
+    ours["loaded"] = _full(dict(fresh.named_parameters()))
+    return {"torch": theirs, "shardkit": ours}
 
 
-@pytest.mark.parametrize("kind", ["ep", "hsdp"])
-def test_experts_on_their_own_mesh_match_torch(kind: str) -> None:
-    for rank, result in enumerate(run_on_ranks(4, _parity_body, kind=kind)):
+@pytest.mark.parametrize("kind", ["ep", "ep_dtensor", "ep_titan", "hsdp"])
+def test_experts_on_their_own_mesh_match_torch(kind: str, tmp_path: Path) -> None:
+    results = run_on_ranks(4, _parity_body, kind=kind, path=str(tmp_path / "ckpt"))
+    for rank, result in enumerate(results):
         ours, theirs = result["shardkit"], result["torch"]
         assert ours["losses"] == theirs["losses"], f"rank {rank}"
-        for what in ("grads", "params"):
-            assert ours[what].keys() == theirs[what].keys()
-            for name, value in theirs[what].items():
+        for what, their in (("grads", "grads"), ("params", "params"), ("loaded", "params")):
+            if what not in ours:
+                continue
+            assert ours[what].keys() == theirs[their].keys()
+            for name, value in theirs[their].items():
                 assert torch.equal(ours[what][name], value), f"rank {rank}: {what} of {name}"
         assert list(ours["state_dict"]) == list(theirs["state_dict"])
         for key, (placements, mesh, local) in theirs["state_dict"].items():
@@ -244,7 +301,7 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
     }
     out = {}
     for case, result in cases.items():
-        model = _build(1, 0)
+        model = _build(None)
         block = model.blocks[0]
         out[case] = _refused(
             lambda b=block, r=result: fully_shard(
@@ -254,7 +311,7 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
         out[case + " untouched"] = str(type(block) is _Block)
     # Two objects for one mesh: refused, as torch refuses them.
     other = FSDPMeshInfo(mesh=meshes.dp, shard_mesh_dim=0)
-    model = _build(1, 0)
+    model = _build(None)
     out["two objects"] = _refused(
         lambda: fully_shard(
             model.blocks[0],
@@ -264,11 +321,35 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
             ),
         )
     )
+    out.update(_settings(meshes))
+    return out
+
+
+def _settings(meshes: _Meshes) -> dict[str, str]:
+    """A block of two groups: the settings that name one group refused, unshard on both."""
+    model = _shard("shardkit", meshes)
+    block: Any = model.blocks[0]
+    out = {
+        name: _refused(lambda n=name, a=arg: getattr(block, n)(a))
+        for name, arg in (
+            ("set_all_reduce_hook", lambda t: None),
+            ("set_custom_all_gather", object()),
+            ("set_custom_reduce_scatter", object()),
+        )
+    }
+    block.unshard(async_op=True).wait()
+    out["unsharded"] = str([type(w).__name__ for w in (block.router.weight, block.experts.w1)])
+    block.reshard()
+    out["resharded"] = str([type(w).__name__ for w in (block.router.weight, block.experts.w1)])
     return out
 
 
 def test_bad_placement_results_are_refused_by_name() -> None:
     out = run_on_ranks(4, _errors_body)[0]
+    for name in ("set_all_reduce_hook", "set_custom_all_gather", "set_custom_reduce_scatter"):
+        assert out[name].startswith(f"ValueError: {name} is not supported with multiple param")
+    assert out["unsharded"] == "['Parameter', 'Parameter']"  # both groups gathered
+    assert out["resharded"] == "['DTensor', 'DTensor']"
     assert out["wrong type"].startswith("InvalidPlacementError: Invalid shard_placement_fn")
     assert "experts.w1" in out["wrong type"]
     assert "mesh_info of type object" in out["no mesh info"]
