@@ -141,8 +141,16 @@ class _Meshes:
 def _shard(impl: str, meshes: _Meshes) -> _MoE:
     fully_shard = fully_shard_of(impl)
     model = _build(meshes)
+    # ep_dtensor: an int policy is each group's own: the dense group (4 ranks) keeps a half
+    # after forward, the experts' (2 ranks) nothing.
+    policy = 2 if meshes.kind == "ep_dtensor" else None
     for block in model.blocks:
-        fully_shard(block, mesh=meshes.dp, shard_placement_fn=meshes.placement_fn(block))
+        fully_shard(
+            block,
+            mesh=meshes.dp,
+            reshard_after_forward=policy,
+            shard_placement_fn=meshes.placement_fn(block),
+        )
     fully_shard(model, mesh=meshes.dp)
     if meshes.kind == "ep_titan":
         # torchtitan's settings with expert parallelism: explicit prefetch, no division (as
