@@ -5,7 +5,7 @@ torch's ``ShardPlacementResult(placement, mesh_info)``: a placement on a mesh of
 ``fully_shard`` call may then hold several parameter groups, one per mesh (a block's dense
 weights on the data-parallel mesh, its routed experts on an expert-sharding mesh). Torch's
 mesh descriptions are read here, once per object, into the engine's ``MeshInfo``; the
-grouping itself is ``engine.sharding.collect_params``'s.
+grouping itself is ``engine.sharding.collect_params``'s. See [Note: per-parameter meshes].
 """
 
 from __future__ import annotations

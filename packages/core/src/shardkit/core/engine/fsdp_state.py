@@ -94,7 +94,8 @@ class FSDPState:
         self.modules = modules
         # One group per mesh, in the order of their first parameters: usually one, several
         # where shard_placement_fn put parameters on meshes of their own (``placement``).
-        # Every hook runs for each, in this order (backward's, in reverse).
+        # Every hook runs for each, in this order (backward's, in reverse). See
+        # [Note: per-parameter meshes].
         self.groups = groups
         self.mp_policy = mp_policy
         self.device = device

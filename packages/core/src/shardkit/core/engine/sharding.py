@@ -139,7 +139,7 @@ def collect_params(
     Those are the parameters in the modules' trees, minus already-sharded submodules and
     ignored parameters. ``mesh_info`` is the call's mesh; ``place`` may put a parameter on
     another (experts on their own mesh), and each mesh's parameters form one group, in the
-    order their first parameter comes (torch's order).
+    order their first parameter comes (torch's order). See [Note: per-parameter meshes].
     """
     slots: dict[int, list[ParamSlot]] = {}
     params: dict[int, nn.Parameter] = {}
