@@ -240,13 +240,17 @@ def _parity_body(rank: int, world_size: int, kind: str, path: str) -> dict[str, 
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+    from shardkit.core import iter_full_state_dict
+
     meshes = _Meshes(kind)
     theirs_model, theirs = _train("torch", meshes, rank)
-    ours = _train("shardkit", meshes, rank)[1]
+    ours_model, ours = _train("shardkit", meshes, rank)
     if kind == "ep":
         # Each ep rank's plain experts have the same names and shapes: one checkpoint cannot
         # hold them all (torch's neither). Experts that are DTensors on the ep axis can.
         return {"torch": theirs, "shardkit": ours}
+    # The full state dict, on the coordinator (rank 0) only: every group gathered.
+    ours["full"] = {k: v.clone() for k, v in iter_full_state_dict(ours_model)}
     # torch's checkpoint (DCP) loads into a fresh shardkit model.
     dcp_save(theirs_model.state_dict(), checkpoint_id=path)
     fresh = _shard("shardkit", meshes)
@@ -263,8 +267,16 @@ def test_experts_on_their_own_mesh_match_torch(kind: str, tmp_path: Path) -> Non
     for rank, result in enumerate(results):
         ours, theirs = result["shardkit"], result["torch"]
         assert ours["losses"] == theirs["losses"], f"rank {rank}"
-        for what, their in (("grads", "grads"), ("params", "params"), ("loaded", "params")):
-            if what not in ours:
+        if "full" in ours and rank > 0:
+            assert not ours["full"], f"rank {rank}: a full state dict off the coordinator"
+        checks = (
+            ("grads", "grads"),
+            ("params", "params"),
+            ("loaded", "params"),
+            ("full", "params"),
+        )
+        for what, their in checks:
+            if what not in ours or (what == "full" and rank > 0):
                 continue
             assert ours[what].keys() == theirs[their].keys()
             for name, value in theirs[their].items():
