@@ -25,6 +25,7 @@ EXPECTED = {
         "FullyShardUsageError",
         "GradientReductionHandle",
         "IncompleteCheckpointError",
+        "InvalidPlacementError",
         "InvalidShardDimError",
         "MemorySnapshots",
         "MixedPrecisionPolicy",

@@ -84,7 +84,7 @@ def _borrowed_bytes(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _sharded_mlp(world_size, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     _step(model, rank)
-    groups = [g for g in (state_of(m).group for m in (*model.blocks, model)) if g is not None]
+    groups = [g for m in (*model.blocks, model) for g in state_of(m).groups]
     pool = state_of(model).ctx.comm.pool  # type: ignore[union-attr]
     model.unshard()
     staging_held = [g.holds_staging for g in groups]

@@ -104,7 +104,7 @@ def _subgroup_after_reinit(world: int) -> list[int]:
         state_of(model).lazy_init(runtime=RecordingRuntime())
         x, y = models.batch("mlp", 0, 2)
         models.loss_of("mlp", model(x), y).backward()  # backward gathers within the subgroup
-        group = state_of(model.blocks[0]).group
+        group = state_of(model.blocks[0]).groups[0]
         assert group is not None and group.plan.post_forward is not None
         return dist.get_process_group_ranks(group.plan.post_forward.subgroup())
     finally:

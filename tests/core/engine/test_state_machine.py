@@ -64,7 +64,7 @@ def test_one_step_issues_the_collectives_in_order(fake_world: Any) -> None:
         "unshard", "pre_backward", "post_backward", "reshard",
     ]  # fmt: skip
     for module in (model, *model.blocks):
-        group = state_of(module).group
+        group = state_of(module).groups[0]
         assert group is not None
         assert group.training_state is TrainingState.IDLE
         assert group.sharded_state is ShardedState.SHARDED
@@ -77,7 +77,7 @@ def test_one_step_issues_the_collectives_in_order(fake_world: Any) -> None:
 def test_a_wrong_transition_names_the_module(fake_world: Any) -> None:
     model = _sharded_mlp(fake_world)
     state_of(model).lazy_init(runtime=RecordingRuntime())
-    group = state_of(model.blocks[1]).group
+    group = state_of(model.blocks[1]).groups[0]
     assert group is not None
     group.training_state = TrainingState.POST_BACKWARD
     with pytest.raises(RuntimeError, match=r"in blocks\.1: TrainingState POST_BACKWARD -> FORWARD"):

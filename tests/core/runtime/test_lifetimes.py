@@ -108,7 +108,7 @@ def _unsharded_release_body(rank: int, world_size: int) -> str:
     model = torch.nn.Linear(4, 4)
     fully_shard(model)
     model.unshard()  # type: ignore[operator]
-    group = state_of(model).group
+    group = state_of(model).groups[0]
     assert group is not None
     buffer = group._storage.unsharded.tensor
     world = dist.group.WORLD

@@ -19,9 +19,9 @@ from shardkit.core.engine.fsdp_state import FSDPState
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.group_plan import GroupConfig
 from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
-from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.sharding import (
+    ManagedGroup,
     check_hooked_params,
     collect_params,
     mark_owned,
@@ -31,6 +31,7 @@ from shardkit.core.engine.spmd import spmd_mesh_info
 from shardkit.core.engine.state_registry import is_managed, register_state, state_of
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.fsdp_module import FSDPModule
+from shardkit.core.placement import placement_resolver
 from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
@@ -48,7 +49,9 @@ logger = logging.getLogger(__name__)
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
-_Placement = Callable[[nn.Parameter], Shard | None] | None
+# Shard, None, or torch's ShardPlacementResult (a placement on a mesh of its own, torch 2.13
+# on): Any, as older torch releases have no such class (``placement`` reads it).
+_Placement = Callable[[nn.Parameter], Shard | Any | None] | None
 # Code written for torch passes torch's class; ours has the same fields. A string, so that
 # nothing evaluates torch's name where the installed torch lacks it.
 _MeshDims: TypeAlias = "DataParallelMeshDims | TorchDataParallelMeshDims | None"
@@ -100,7 +103,9 @@ def fully_shard(
             whole SPMD mesh the parameters are DTensors on.
         reshard_after_forward: True frees full parameters after forward, False keeps them,
             None means True except for the root; an int n keeps a 1/n slice.
-        shard_placement_fn: returns ``Shard(dim)`` for a parameter, or None for ``Shard(0)``.
+        shard_placement_fn: returns ``Shard(dim)`` for a parameter, None for ``Shard(0)``, or
+            torch's ``ShardPlacementResult(placement, mesh_info)`` to shard it on a mesh of
+            its own (experts on an expert mesh): each mesh's parameters form one group.
         mp_policy: mixed precision.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
         ignored_params: parameters left alone: not sharded, not moved, not reduced.
@@ -118,20 +123,28 @@ def fully_shard(
         mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)
     else:
         mesh_info = mesh_info_for(mesh)
-    options = GroupOptions(
-        reshard_after_forward=validate_reshard_after_forward(reshard_after_forward, mesh_info),
-        reshard_after_forward_is_default=reshard_after_forward is None,
+    policy = validate_reshard_after_forward(reshard_after_forward, mesh_info)
+    place = placement_resolver(shard_placement_fn, mesh_info)
+    managed = collect_params(modules, set(ignored_params or ()), place, mesh_info)
+    name = type(modules[0]).__name__
+    check_hooked_params([p for m in managed for p in m.params], policy, name)
+    groups = tuple(
+        _build_group(
+            m,
+            modules,
+            mp_policy,
+            offload_policy,
+            _options(m, mesh_info, reshard_after_forward, policy),
+        )
+        for m in managed
     )
-    managed = collect_params(modules, set(ignored_params or ()), shard_placement_fn, mesh_info)
-    check_hooked_params(managed, options.reshard_after_forward, type(modules[0]).__name__)
-    group = _build_group(managed, modules, mesh_info, mp_policy, offload_policy, options)
     # Nothing above changed the modules; from here on it cannot fail on user input.
     _move_buffers(modules, mesh_info, set(ignored_params or ()))
-    if group is not None:
+    for group in groups:
         for p in group.params:
             p.register(unsharded=False)
-        mark_owned(group.params, type(modules[0]).__name__)
-    state = FSDPState(modules, group, mp_policy, mesh_info.device)
+        mark_owned(group.params, name)
+    state = FSDPState(modules, groups, mp_policy, mesh_info.device)
     for m in modules:
         register_state(m, state)
         attach_view(m, state)
@@ -184,17 +197,29 @@ def _managed_by_torch_fsdp(module: nn.Module) -> bool:
 
 
 def _build_group(
-    managed: list[FSDPParam],
+    managed: ManagedGroup,
     modules: tuple[nn.Module, ...],
-    mesh_info: MeshInfo,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     options: GroupOptions,
-) -> FSDPParamGroup | None:
-    if not managed:
-        return None
-    config = GroupConfig(modules, mesh_info, mp_policy, offload_policy)
-    return FSDPParamGroup(managed, config, options)
+) -> FSDPParamGroup:
+    config = GroupConfig(modules, managed.mesh_info, mp_policy, offload_policy)
+    return FSDPParamGroup(managed.params, config, options)
+
+
+def _options(
+    managed: ManagedGroup, mesh_info: MeshInfo, given: bool | int | None, policy: bool | int
+) -> GroupOptions:
+    """A group's own runtime switches, from ``reshard_after_forward`` as ``given``.
+
+    ``policy``: that value as the call's mesh took it; a group on a mesh of its own checks
+    an int against its own shard size.
+    """
+    if managed.mesh_info is not mesh_info:
+        policy = validate_reshard_after_forward(given, managed.mesh_info)
+    return GroupOptions(
+        reshard_after_forward=policy, reshard_after_forward_is_default=given is None
+    )
 
 
 def _move_buffers(

@@ -54,5 +54,5 @@ def _use(state: FSDPState, comm: CommContext) -> None:
     state.ctx.comm.finish_all()  # nothing of the old context may be left in flight
     state.ctx.comm = comm
     for other in state.ctx.states:
-        if other.group is not None:
-            other.group.attach_comm(comm)
+        for group in other.groups:
+            group.attach_comm(comm)

@@ -15,6 +15,7 @@ __all__ = [
     "BufferLifetimeError",
     "DesyncError",
     "FullyShardUsageError",
+    "InvalidPlacementError",
     "InvalidShardDimError",
     "NumericsCheckError",
     "ShardkitError",
@@ -36,6 +37,13 @@ class FullyShardUsageError(ShardkitError, ValueError, AssertionError):
 
 class InvalidShardDimError(ShardkitError, ValueError, AssertionError):
     """``shard_placement_fn`` returned a dim the parameter does not have."""
+
+
+class InvalidPlacementError(ShardkitError, TypeError, ValueError):
+    """``shard_placement_fn`` returned neither ``Shard``, None nor a usable placement result.
+
+    Torch raises ValueError for a value of the wrong type; TypeError is the usual type.
+    """
 
 
 class NumericsCheckError(ShardkitError, RuntimeError):

@@ -45,14 +45,14 @@ class UnshardHandle(TorchUnshardHandle):
     checks a handle against torch's class accepts it.
     """
 
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: tuple[FSDPParamGroup, ...]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
         """Block until the full parameters are gathered and registered."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        groups, self._groups = self._groups, ()
+        for group in groups:
+            group.wait_for_unshard()
 
 
 class GradientReductionHandle:
@@ -97,21 +97,28 @@ class FSDPModule:
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
         states = states_under(self) if recurse else [state_of(self)]
-        return [s.group for s in states if s.group is not None]
+        return [g for s in states for g in s.groups]
 
-    def _own_group(self) -> FSDPParamGroup | None:
+    def _own_groups(self) -> tuple[FSDPParamGroup, ...]:
         assert isinstance(self, nn.Module)
-        return state_of(self).group
+        return state_of(self).groups
+
+    def _only_group(self, setting: str) -> tuple[FSDPParamGroup, ...]:
+        if len(groups := self._own_groups()) > 1:  # as torch: which mesh's group is meant?
+            raise ValueError(
+                f"{setting} is not supported with multiple param groups (from per-param mesh "
+                f"via shard_placement_fn): {type(self).__name__} has {len(groups)}"
+            )
+        return groups
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters (not its children's); async returns a handle."""
         assert isinstance(self, nn.Module)
         state = state_of(self)
         state.lazy_init()
-        group = state.group
-        if group is not None:
+        for group in state.groups:
             group.unshard()
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(state.groups)
         if async_op:
             return handle
         handle.wait()
@@ -119,8 +126,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's full parameters and register the sharded ones."""
-        group = self._own_group()
-        if group is not None:
+        for group in self._own_groups():
             group.reshard()
 
     def reset_iter_state(self) -> None:
@@ -239,7 +245,7 @@ class FSDPModule:
         Raises:
             ValueError: ``stream`` is given for a module on an HSDP mesh.
         """
-        groups = self._groups_under(recurse=False)
+        groups = self._only_group("set_all_reduce_hook")
         for group in groups:
             info = group.mesh_info
             if stream is not None and info.replicate_group is not None and info.has_shard_axis:
@@ -257,7 +263,7 @@ class FSDPModule:
         ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
         ``comm(output, input, group, async_op=)`` runs the gather of the flat uint8 shards.
         """
-        for group in self._groups_under(recurse=False):
+        for group in self._only_group("set_custom_all_gather"):
             group.options.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
@@ -267,9 +273,10 @@ class FSDPModule:
         ``comm(output, input, group, op, async_op=)`` sums the (W * S) input into each rank's
         S elements.
         """
-        for group in self._groups_under(recurse=False):
+        groups = self._only_group("set_custom_reduce_scatter")
+        for group in groups:
             check_policy(group.options.reduce_precision, group, custom=comm is not None)
-        for group in self._groups_under(recurse=False):
+        for group in groups:
             group.options.custom_reduce_scatter = comm
 
     def set_reduce_precision(self, policy: ReducePrecision | None, *, recurse: bool = True) -> None:
@@ -343,15 +350,14 @@ class FSDPModule:
         self._set_prefetch(modules, forward=False)
 
     def _set_prefetch(self, modules: list[FSDPModule], *, forward: bool) -> None:
-        group = self._own_group()
         targets: list[FSDPParamGroup] = []
         for module in modules:
             if not isinstance(module, FSDPModule) or not isinstance(module, nn.Module):
                 raise ValueError(f"prefetch targets must be FSDP modules, got {type(module)}")
-            target = state_of(module).group
-            if target is not None:
-                targets.append(target)
-        if group is not None:
+            # A target's every group, in the order this pass reaches them (as torch's).
+            groups = state_of(module).groups
+            targets.extend(groups if forward else reversed(groups))
+        for group in self._own_groups():
             if forward:
                 group.options.forward_prefetch = targets
             else:
@@ -361,8 +367,7 @@ class FSDPModule:
         """Divide summed gradients by ``factor`` instead of the data-parallel world size."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        group = self._own_group()
-        if group is not None:
+        for group in self._own_groups():
             group.options.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -375,14 +380,12 @@ class FSDPModule:
         After an all-reduce hook too, which then sees sums. False (default): fp32 and bf16
         gradients are divided inside the collectives, with no kernel of their own.
         """
-        group = self._own_group()
-        if group is not None:
+        for group in self._own_groups():
             group.options.force_sum_reduction = bool(enable)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: do not gather this module's parameters for backward (unused there)."""
-        group = self._own_group()
-        if group is not None:
+        for group in self._own_groups():
             group.options.unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: Any) -> None:

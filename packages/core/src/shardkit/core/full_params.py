@@ -99,7 +99,7 @@ def _groups(module: nn.Module, recurse: bool) -> list[FSDPParamGroup]:
     if not is_managed(module):
         raise TypeError(f"{type(module).__name__} is not sharded with shardkit's fully_shard")
     states = states_under(module) if recurse else [state_of(module)]
-    return [s.group for s in states if s.group is not None]
+    return [g for s in states for g in s.groups]
 
 
 def _check_usable(group: FSDPParamGroup, with_grads: bool) -> None:

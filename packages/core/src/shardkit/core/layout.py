@@ -234,10 +234,7 @@ def layout_of(module: nn.Module) -> tuple[GroupView, ...]:
         )
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
     views: list[GroupView] = []
-    for state in states:
-        group = state.group
-        if group is None:
-            continue
+    for group in (g for s in states for g in s.groups):
         rank = group.mesh_info.shard_rank
         params = tuple(
             ShardedParamView(pl, _keys_of(p.slots, names), p.sharded_param, rank)

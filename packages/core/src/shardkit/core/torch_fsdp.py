@@ -17,6 +17,7 @@ tell torch's FSDP from shardkit's never looks a name up at call time.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as _TorchFSDPModule
@@ -27,9 +28,25 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
 
 from shardkit.core.torch_view import TorchFacingState, view_of
 
+try:  # torch 2.13 on: shard_placement_fn may return a mesh of its own
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo as _TorchFSDPMeshInfo,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo as _TorchHSDPMeshInfo,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        ShardPlacementResult as _TorchShardPlacementResult,
+    )
+except ImportError:  # an older torch: no such result can be made
+    _TorchFSDPMeshInfo = _TorchHSDPMeshInfo = _TorchShardPlacementResult = None  # type: ignore[assignment,misc]
+
 __all__ = [
     "TORCH_FSDP1",
+    "TORCH_FSDP_MESH_INFO",
     "TORCH_FSDP_MODULE",
+    "TORCH_HSDP_MESH_INFO",
+    "TORCH_SHARD_PLACEMENT_RESULT",
     "TorchFacing",
     "TorchUnshardHandle",
     "managed_by_torch_fsdp",
@@ -42,6 +59,15 @@ TORCH_FSDP_MODULE: type = _TorchFSDPModule
 
 TORCH_FSDP1: type[nn.Module] = _TorchFSDP1
 """Torch's FSDP1 wrapper class itself."""
+
+TORCH_SHARD_PLACEMENT_RESULT: type[Any] | None = _TorchShardPlacementResult
+"""Torch's ``ShardPlacementResult`` (a placement and its mesh); None before torch 2.13."""
+
+TORCH_FSDP_MESH_INFO: type[Any] | None = _TorchFSDPMeshInfo
+"""Torch's ``FSDPMeshInfo``, the mesh a ``ShardPlacementResult`` names (HSDP's included)."""
+
+TORCH_HSDP_MESH_INFO: type[Any] | None = _TorchHSDPMeshInfo
+"""Torch's ``HSDPMeshInfo``: a (replicate, shard) mesh."""
 
 
 class TorchFacing(_TorchFSDPModule):

@@ -142,8 +142,9 @@ class TorchFacingState(_Strict):
     def __init__(self, state: FSDPState) -> None:
         self._state = state
         self._state_ctx = TorchFacingContext(state)
-        group = state.group
-        self._fsdp_param_groups = [] if group is None else [TorchFacingGroup(state, group)]
+        # Every group, one per mesh, as torch lists them (``shard_placement_fn`` may return
+        # a mesh of a parameter's own).
+        self._fsdp_param_groups = [TorchFacingGroup(state, g) for g in state.groups]
 
     @property
     def state(self) -> FSDPState:
@@ -157,6 +158,14 @@ class TorchFacingState(_Strict):
     @property
     def _fsdp_param_group(self) -> TorchFacingGroup | None:
         groups = self._fsdp_param_groups
+        if len(groups) > 1:
+            # As torch's: the one group of older code is ambiguous here.
+            raise AssertionError(
+                f"Expected at most 1 param group for backward compatibility, but got "
+                f"{len(groups)} (fqns: {[g._module_fqn for g in groups]}). Use "
+                "`_fsdp_param_groups` (plural): shard_placement_fn put parameters on meshes "
+                "of their own (ShardPlacementResult)"
+            )
         return groups[0] if groups else None
 
     @property

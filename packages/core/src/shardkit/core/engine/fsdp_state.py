@@ -87,12 +87,16 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup | None,
+        groups: tuple[FSDPParamGroup, ...],
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One group per mesh, in the order of their first parameters: usually one, several
+        # where shard_placement_fn put parameters on meshes of their own (``placement``).
+        # Every hook runs for each, in this order (backward's, in reverse). See
+        # [Note: per-parameter meshes].
+        self.groups = groups
         self.mp_policy = mp_policy
         self.device = device
         self.is_root: bool | None = None
@@ -136,7 +140,7 @@ class FSDPState:
             comm = self.shared_comm
         else:
             comm = new_comm_context()
-        groups = [s.group for s in states if s.group is not None]
+        groups = [g for s in states for g in s.groups]
         driver = StepDriver(EngineOps(comm, groups, self.device))
         tracker = BackwardTracker(driver, self._ensure_final_callback, lambda: ctx.local)
         ctx = RootContext(states=states, comm=comm, driver=driver, backward=tracker)
@@ -147,50 +151,45 @@ class FSDPState:
                 state.is_root = False
             state.ctx = ctx
             state.fqn = ", ".join(names.get(id(m), "") or "<root>" for m in state.modules)
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 fqns = [_name_from_root(p, param_names, names) for p in group.params]
                 wiring = GroupWiring(state.fqn, fqns, ctx.comm, tracker.grad_hook(group))
                 group.attach(wiring)
                 group.resync_sharded_storage()
-        if self.group is not None:
-            options = self.group.options
+        for group in self.groups:
+            options = group.options
             options.reshard_after_forward = root_reshards_after_forward(
                 options.reshard_after_forward, is_default=options.reshard_after_forward_is_default
             )
         self.ctx = ctx
         install_step_marks()
-        warn_if_replaced_params_are_held(self.groups)
+        warn_if_replaced_params_are_held(self.all_groups)
         PROGRESS.count_optimizer_steps()  # the step that hang reports and desync checks show
 
     @property
-    def groups(self) -> list[FSDPParamGroup]:
+    def all_groups(self) -> list[FSDPParamGroup]:
         """Every parameter group under this root."""
         assert self.ctx is not None
-        return [s.group for s in self.ctx.states if s.group is not None]
+        return [g for s in self.ctx.states for g in s.groups]
 
     # --- forward ----------------------------------------------------------------------------
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        group = self.group
         # A forward inside backward is activation checkpointing's recomputation. Outside one, a
         # group left in PRE_BACKWARD is what a failed backward leaves: the root says so below.
         # In a local tree's forward, the root did this group's work.
-        nothing_to_do = self._in_local_forward() or (
-            group is not None
-            and group.training_state is TrainingState.PRE_BACKWARD
-            and in_backward()
-        )
+        nothing_to_do = self._in_local_forward() or (self._in_pre_backward() and in_backward())
         if not nothing_to_do:
             self.lazy_init()
             if self.is_root:
                 self._root_pre_forward()
                 if is_accelerator(self.device):
                     args, kwargs = move_to(args, kwargs, self.device)
-            if group is not None:
-                self._group_pre_forward(group, module)
+            if self.groups:
+                self._groups_pre_forward()
+            for group in self.groups:
                 if torch.is_grad_enabled() and len(group.trainable) < len(group.params):
                     assert self.ctx is not None
                     args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
@@ -204,12 +203,16 @@ class FSDPState:
         if ctx is None or not ctx.local or self.is_root or self._forward_pending:
             return False
         # Registered by the root's pre-forward; a state dict in between shows the shards.
-        return self.group is None or self.group.registered_unsharded
+        return all(g.registered_unsharded for g in self.groups)
+
+    def _in_pre_backward(self) -> bool:
+        """Whether backward reached this state's groups (they move together)."""
+        return any(g.training_state is TrainingState.PRE_BACKWARD for g in self.groups)
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
-        groups = self.groups
+        groups = self.all_groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)
         self.ctx.thread = threading.get_ident()
@@ -223,17 +226,19 @@ class FSDPState:
                 group.reshard()  # its slices predate any optimizer step since: drop them
         self.ctx.driver.root_pre_forward()
 
-    def _group_pre_forward(self, group: FSDPParamGroup, module: nn.Module) -> None:
+    def _groups_pre_forward(self) -> None:
         assert self.ctx is not None
         if not self._forward_pending:
             self._forward_pending = {id(m) for m in self.modules}
-            self.ctx.driver.pre_forward(group)
-        elif not group.registered_unsharded:
-            group.wait_for_unshard()
+            for group in self.groups:
+                self.ctx.driver.pre_forward(group)
+            return
+        for group in self.groups:
+            if not group.registered_unsharded:
+                group.wait_for_unshard()
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        group = self.group
-        if group is not None and group.training_state is TrainingState.PRE_BACKWARD:
+        if self._in_pre_backward():
             return output  # recomputation under activation checkpointing: keep parameters
         if self._in_local_forward():
             # The root's output hook queues the end-of-backward callback, which takes this
@@ -241,11 +246,12 @@ class FSDPState:
             if self.mp_policy.output_dtype is not None:
                 output = cast_floats(output, self.mp_policy.output_dtype)
             return output
-        if group is not None:
+        if self.groups:
             self._forward_pending.discard(id(module))
             if not self._forward_pending:
                 assert self.ctx is not None
-                self.ctx.driver.post_forward(group)
+                for group in self.groups:
+                    self.ctx.driver.post_forward(group)
         output = self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
@@ -257,7 +263,7 @@ class FSDPState:
         assert self.ctx is not None
         # Groups that were prefetched but never ran, or list groups only partly run. A local
         # tree's stay unsharded: each is its shards.
-        self.ctx.driver.root_post_forward([] if self.ctx.local else self.groups)
+        self.ctx.driver.root_post_forward([] if self.ctx.local else self.all_groups)
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -265,8 +271,9 @@ class FSDPState:
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)
-                if self.group is not None and self.ctx is not None:
-                    self.ctx.driver.output_needs_grad(self.group)
+                if self.ctx is not None:
+                    for group in self.groups:
+                        self.ctx.driver.output_needs_grad(group)
         return output
 
     # --- backward ---------------------------------------------------------------------------
@@ -274,9 +281,11 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         PROGRESS.enter("backward")
         self._ensure_final_callback()
-        if self.group is not None:
+        # In reverse, as backward runs: the last group's pre-backward prefetches the one
+        # before it, of this state or the previous one.
+        for group in reversed(self.groups):
             assert self.ctx is not None
-            self.ctx.driver.pre_backward(self.group)
+            self.ctx.driver.pre_backward(group)
 
     def _ensure_final_callback(self) -> None:
         ctx = self.ctx
@@ -300,7 +309,9 @@ class FSDPState:
         assert ctx is not None
         ctx.final_callback_queued = False
         manual = bool(ctx.manual_finalization)
-        self.end_backward(last=not manual and all(g.options.is_last_backward for g in self.groups))
+        self.end_backward(
+            last=not manual and all(g.options.is_last_backward for g in self.all_groups)
+        )
         if not manual:
             ctx.manual_finalization = None
 
@@ -311,7 +322,7 @@ class FSDPState:
         # A local tree's gradients are all taken here (none were counted), and assigned at
         # once unless a later backward finalizes. See ``backward`` (rule 4).
         at_end, ctx.local = ctx.local and last, False
-        ctx.driver.final_callback(self.groups, last=last, assign_now=at_end)
+        ctx.driver.final_callback(self.all_groups, last=last, assign_now=at_end)
         ctx.backward.reset()
         PROGRESS.enter("idle")
 
@@ -325,7 +336,7 @@ class FSDPState:
             with contextlib.suppress(DesyncError):
                 self.ctx.comm.finish_oldest()
         self.ctx.comm.host_copies.wait()  # nothing may land in pinned memory after recovery
-        for group in self.groups:
+        for group in self.all_groups:
             group.drop_pending_state()
         self.ctx.backward.reset()
         for state in self.ctx.states:
@@ -342,26 +353,27 @@ class FSDPState:
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.ctx is not None and is_off_thread(self.ctx.thread):
             # The training thread may be reading the registered full parameters: leave them.
-            groups = [s.group for s in states_under(module) if s.group is not None]
+            groups = [g for s in states_under(module) for g in s.groups]
             take_shards(module, prefix, groups)
-        elif self.group is not None:
-            self.group.register_sharded_for_state_dict()
+        else:
+            for group in self.groups:
+                group.register_sharded_for_state_dict()
 
     def _after_state_dict(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any
     ) -> None:
         # A no-op unless this thread's call took copies in _before_state_dict.
-        put_shards(module, self.group.params if self.group is not None else [], state_dict, prefix)
+        put_shards(module, [p for g in self.groups for p in g.params], state_dict, prefix)
 
     def _before_load(self, module: nn.Module, *args: Any) -> None:
-        if self.group is not None:
+        for group in self.groups:
             # Free the full parameters: the load changes the shards, so a full copy kept from
             # an earlier forward (root, or reshard_after_forward=False) would be stale.
-            self.group.reshard()
+            group.reshard()
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if self.group is not None:
-            self.group.resync_sharded_storage()
+        for group in self.groups:
+            group.resync_sharded_storage()
 
 
 def new_comm_context() -> CommContext:

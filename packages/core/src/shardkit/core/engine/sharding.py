@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.core.engine.mesh_info import MeshInfo
@@ -23,6 +23,9 @@ from shardkit.core.errors import (
 from shardkit.core.extensions import extension_for
 
 __all__ = [
+    "ManagedGroup",
+    "Placed",
+    "PlaceFn",
     "check_hooked_params",
     "collect_params",
     "mark_owned",
@@ -30,6 +33,30 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where ``shard_placement_fn`` puts one parameter: a tensor dim on a mesh."""
+
+    dim: int | None
+    """The dim to shard (may be negative); None: dim 0."""
+    mesh_info: MeshInfo
+    """The mesh: the call's own, or one the function returned (``ShardPlacementResult``).
+    One object per mesh: parameters on the same process groups must share it."""
+
+
+PlaceFn = Callable[[nn.Parameter, str], Placed]
+"""``shard_placement_fn`` resolved (``shardkit.core.placement``): a parameter and its name in."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManagedGroup:
+    """The parameters of one call that share a mesh: they become one parameter group."""
+
+    mesh_info: MeshInfo
+    params: list[FSDPParam]
+
 
 # Sharded parameters already owned by a group, with that group's description, so that a
 # parameter shared across two fully_shard calls is caught with both names.
@@ -104,13 +131,15 @@ def check_hooked_params(
 def collect_params(
     modules: tuple[nn.Module, ...],
     ignored: set[nn.Parameter],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    place: PlaceFn,
     mesh_info: MeshInfo,
-) -> list[FSDPParam]:
-    """The parameters this call shards, validated; raises before any module is changed.
+) -> list[ManagedGroup]:
+    """The parameters this call shards, by mesh, validated; raises before anything changes.
 
     Those are the parameters in the modules' trees, minus already-sharded submodules and
-    ignored parameters.
+    ignored parameters. ``mesh_info`` is the call's mesh; ``place`` may put a parameter on
+    another (experts on their own mesh), and each mesh's parameters form one group, in the
+    order their first parameter comes (torch's order). See [Note: per-parameter meshes].
     """
     slots: dict[int, list[ParamSlot]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -127,22 +156,27 @@ def collect_params(
                     names[key] = f"{prefix}{mod_name}{'.' if mod_name else ''}{name}"
                 slots.setdefault(key, []).append(ParamSlot(module, name))
     _check_params(params, names, mesh_info)
-    managed: list[FSDPParam] = []
+    groups: dict[tuple[object, object], ManagedGroup] = {}
     for key, param in params.items():
-        sharding = _sharding_of(param, names[key], shard_placement_fn, mesh_info)
-        managed.append(FSDPParam(param, names[key], tuple(slots[key]), sharding, mesh_info))
-    return managed
+        placed = place(param, names[key])
+        info = placed.mesh_info
+        dim = _shard_dim(param, names[key], placed.dim)
+        group = groups.setdefault((info.shard_group, info.replicate_group), ManagedGroup(info, []))
+        if group.mesh_info is not info:
+            # As torch: which of two descriptions of one mesh would hold would be a guess.
+            raise ValueError(
+                f"shard_placement_fn put {names[key]} and {group.params[0].fqn} on the same "
+                "process groups through different mesh_info objects; parameters sharing a "
+                "mesh must share one FSDPMeshInfo object"
+            )
+        sharding = _sharding_of(param, names[key], dim, info)
+        group.params.append(FSDPParam(param, names[key], tuple(slots[key]), sharding, info))
+    return list(groups.values())
 
 
-def _sharding_of(
-    param: nn.Parameter,
-    name: str,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    mesh_info: MeshInfo,
-) -> Sharding:
-    """The extension that shards ``param`` and its description, validated."""
+def _sharding_of(param: nn.Parameter, name: str, dim: int, mesh_info: MeshInfo) -> Sharding:
+    """The extension that shards ``param`` on ``dim`` and its description, validated."""
     extension = extension_for(param, name)
-    dim = _shard_dim(param, name, shard_placement_fn)
     if mesh_info.spmd is not None:
         sharding = spmd_sharding(extension, param, name, dim, mesh_info.spmd)
     else:
@@ -222,17 +256,9 @@ def _check_params(
         raise ValueError(f"fully_shard needs every parameter on one device, found {listed}")
 
 
-def _shard_dim(
-    param: nn.Parameter,
-    name: str,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> int:
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
+def _shard_dim(param: nn.Parameter, name: str, dim: int | None) -> int:
+    if dim is None:
         return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(f"shard_placement_fn must return Shard(dim) or None for {name}")
-    dim = placement.dim
     if not -param.dim() <= dim < param.dim():
         raise InvalidShardDimError(
             f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape} "

@@ -85,7 +85,7 @@ def sharded_groups(model: nn.Module) -> list[FSDPParamGroup]:
     """
     if not is_managed(model):
         raise TypeError(f"{type(model).__name__} is not sharded with shardkit's fully_shard")
-    groups = [s.group for s in states_under(model) if s.group is not None]
+    groups = [g for s in states_under(model) for g in s.groups]
     for group in groups:
         group.reshard()
         group.check_materialized()
