@@ -7,8 +7,10 @@
    trains a block of steps without snapshots and a block with one every ``every`` steps (1,
    and 4 for the trade-off; the call timed with its step), alternating which block goes
    first; a block's figure is its mean step time on the slower rank (what throughput sees),
-   and the ratio is the median of the rounds' ratios. Also timed, on the training thread:
-   the state's ``state_dict()`` (torch's ``get_state_dict``) and the copy into the slot.
+   and the ratio is the median of the rounds' ratios. The demo's batch (8 sequences of 128
+   tokens per rank), and 32 per rank: a snapshot's work is fixed per step (the rank's share
+   of the state), so its share of a longer step is smaller. Also timed, on the training
+   thread: the state's ``state_dict()`` (the demo's, ``StateDictCache``) and the copy.
 2. **Restart** (``test_restart_time``): the demo as two torchrun "nodes" of one rank (as the
    snapshot soak runs it), killed once mid-forward at the same step, resumed by torchrun
    --max-restarts: from memory snapshots (every step), and from the disk checkpoint (every 10
@@ -39,7 +41,7 @@ BLOCK = 8  # steps per block
 _STATE: dict[str, Any] = {}
 
 
-def _setup(rank: int, world_size: int, root: str, every: int) -> None:
+def _setup(rank: int, world_size: int, root: str, every: int, batch: int) -> None:
     import torch
     from demo.batches import BatchSampler, load_corpus
     from demo.distributed import build_mesh
@@ -54,7 +56,7 @@ def _setup(rank: int, world_size: int, root: str, every: int) -> None:
 
     from shardkit.core import MemorySnapshots, fully_shard
 
-    model_cfg, cfg = ModelConfig(), TrainConfig()
+    model_cfg, cfg = ModelConfig(), TrainConfig(batch_size=batch)
     mesh = build_mesh(model_cfg, tp=1, replicas=1)
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg)
@@ -122,10 +124,10 @@ def _teardown(rank: int, world_size: int) -> int:
     return nbytes
 
 
-@pytest.mark.parametrize("every", [1, 4])
-def test_snapshot_step_time(benchmark: Any, every: int) -> None:
+@pytest.mark.parametrize(("every", "batch"), [(1, 8), (4, 8), (1, 32)])
+def test_snapshot_step_time(benchmark: Any, every: int, batch: int) -> None:
     root = Path("/dev/shm") / f"shardkit-bench-{os.getpid()}"
-    run_on_ranks(2, _setup, root=str(root), every=every, timeout_s=600)
+    run_on_ranks(2, _setup, root=str(root), every=every, batch=batch, timeout_s=600)
     rounds: list[dict[str, float]] = []
     order = [False, True]
 
@@ -147,6 +149,7 @@ def test_snapshot_step_time(benchmark: Any, every: int) -> None:
     benchmark.extra_info.update(
         subject="shardkit",
         every=every,
+        batch_per_rank=batch,
         step_with_snapshots_over_without=statistics.median(ratios),
         ratio_min=min(ratios),
         ratio_max=max(ratios),
@@ -155,7 +158,7 @@ def test_snapshot_step_time(benchmark: Any, every: int) -> None:
         shared_memory_mib_per_rank=nbytes / 2**20,
         **parts,
     )
-    print(f"\nmemory snapshots every {every} step(s), demo GPT W=2 (slower rank's mean step):")
+    print(f"\nmemory snapshots every {every} step(s), demo GPT W=2, batch {batch} per rank:")
     for r in rounds:
         print(f"  without {r['without']:.4f} s  with {r['with']:.4f} s  "
               f"ratio {r['with'] / r['without']:.3f}")  # fmt: skip

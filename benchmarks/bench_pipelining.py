@@ -24,9 +24,9 @@ from harness.pool import run_on_ranks
 
 PP = 2
 MICROBATCHES = 4
-HIDDEN = 256
+HIDDEN = 1024
 BLOCKS = 4  # per stage
-BATCH = 64  # rows per step: 4 microbatches of 16
+BATCH = 256  # rows per step: 4 microbatches of 64
 ROUNDS = 12
 _STATE: dict[str, Any] = {}
 
