@@ -151,3 +151,38 @@ def test_comm_ctx_tells_roots_that_share_one_as_torchs(mesh: DeviceMesh) -> None
     assert (
         _comm_ctx_sharing(shardkit.core.fully_shard, shardkit.core.share_comm_ctx, mesh) == theirs
     )
+
+
+def _refusals(fs: Any, mesh: DeviceMesh) -> list[str]:
+    """torch's two lazy-init refusals, as its ``test_fully_shard_init.py`` provokes them."""
+    messages = []
+    model = nn.Sequential(_MLP(), _MLP())
+    fs(model[0].in_proj, mesh=mesh)
+    fs(model[0].out_proj, mesh=mesh)
+    fs(model, mesh=mesh)
+    fs.state(model[0].in_proj)._lazy_init()  # a child initialized first, as its own root
+    with pytest.raises(RuntimeError) as second_root:
+        fs.state(model)._lazy_init()
+    messages.append(str(second_root.value))
+    listed = nn.Sequential(_MLP(), _MLP())
+    fs([listed[0], listed[1]], mesh=mesh)
+    with pytest.raises(RuntimeError) as two_modules:
+        fs.state(listed[0])._lazy_init()
+    messages.append(str(two_modules.value))
+    return messages
+
+
+def test_lazy_init_refuses_what_torchs_refuses(mesh: DeviceMesh) -> None:
+    theirs = _refusals(torch_fully_shard, mesh)
+    ours = _refusals(shardkit.core.fully_shard, mesh)
+    # torch's test_fully_shard_double_lazy_init and test_fully_shard_multi_module_root:
+    assert (
+        theirs[0]
+        == ours[0]
+        == (
+            "FSDP state has already been lazily initialized for 0.in_proj\n"
+            "FSDP requires running forward through the root module first"
+        )
+    )
+    assert theirs[1].startswith("FSDP requires a single root module but got ")
+    assert ours[1].startswith("FSDP requires a single root module but got ")

@@ -115,7 +115,7 @@ class FSDPModule:
         """Gather this module's parameters (not its children's); async returns a handle."""
         assert isinstance(self, nn.Module)
         state = state_of(self)
-        state.lazy_init()
+        state.lazy_init(provisional=True)
         for group in state.groups:
             group.unshard()
         handle = UnshardHandle(state.groups)

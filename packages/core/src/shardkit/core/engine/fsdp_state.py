@@ -79,6 +79,9 @@ class RootContext:
     thread: int | None = None
     """The thread that ran the latest forward: state dicts from any other are taken off
     the modules (see [Note: off-thread state dicts])."""
+    provisional: bool = False
+    """Made by ``unshard()`` before any forward, which torch's does without making a root:
+    a root that contains these states later takes them over (see ``lazy_init``)."""
 
 
 class FSDPState:
@@ -122,18 +125,25 @@ class FSDPState:
 
     # --- lazy init --------------------------------------------------------------------------
 
-    def lazy_init(self, runtime: CollectiveRuntime | None = None) -> None:
+    def lazy_init(
+        self, runtime: CollectiveRuntime | None = None, *, provisional: bool = False
+    ) -> None:
         """Make this state the root of every state in its tree (first forward only).
 
         Args:
             runtime: the collective runtime every group under this root uses; default a
                 ``ProcessGroupRuntime`` on c10d. Tests pass a recording one.
+            provisional: for ``unshard()`` before any forward: a root that holds this state
+                may take it over later (torch's ``unshard`` makes no root).
         """
         if self.is_root is not None:
+            if not provisional and self.ctx is not None and self.is_root:
+                self.ctx.provisional = False  # a forward through it: a root for good
             return
-        self.is_root = True
         root_module = self.modules[0]
         states = states_under(root_module)
+        _refuse_second_root(self, states)
+        self.is_root = True
         if runtime is not None:
             comm = CommContext(runtime=runtime, pool=runtime.pool)
         elif self.shared_comm is not None:
@@ -143,7 +153,9 @@ class FSDPState:
         groups = [g for s in states for g in s.groups]
         driver = StepDriver(EngineOps(comm, groups, self.device))
         tracker = BackwardTracker(driver, self._ensure_final_callback, lambda: ctx.local)
-        ctx = RootContext(states=states, comm=comm, driver=driver, backward=tracker)
+        ctx = RootContext(
+            states=states, comm=comm, driver=driver, backward=tracker, provisional=provisional
+        )
         names = {id(m): name for name, m in root_module.named_modules()}
         param_names = {id(p): name for name, p in root_module.named_parameters()}
         for state in states:
@@ -374,6 +386,33 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for group in self.groups:
             group.resync_sharded_storage()
+
+
+def _refuse_second_root(root: FSDPState, states: list[FSDPState]) -> None:
+    """Refuse a root of several modules, or a tree where a state already has a root.
+
+    As torch's ``fully_shard`` refuses them: a list call's modules have no one tree to run
+    forward through, and a state that ran forward (or ``unshard``) before the module that holds
+    it was made a root of its own, with its own communication context and order; making a
+    second root take it over would leave two roots driving one group. A root ``unshard()``
+    made before any forward (``RootContext.provisional``) is taken over, as torch's
+    ``unshard`` makes none.
+    """
+    if len(root.modules) > 1:
+        names = ", ".join(type(m).__name__ for m in root.modules)
+        raise RuntimeError(
+            f"FSDP requires a single root module but got [{names}]: run forward through a "
+            "module that contains them all, and call fully_shard on it too"
+        )
+    fqns = {id(m): name for name, m in root.modules[0].named_modules()}
+    for state in states:
+        taken = state.ctx is not None and not state.ctx.provisional
+        if state is not root and state.is_root is not None and taken:
+            fqn = ", ".join(fqns.get(id(m), "?") for m in state.modules)
+            raise RuntimeError(
+                f"FSDP state has already been lazily initialized for {fqn}\n"
+                "FSDP requires running forward through the root module first"
+            )
 
 
 def new_comm_context() -> CommContext:
