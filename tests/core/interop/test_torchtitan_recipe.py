@@ -5,7 +5,9 @@ beside the pinned torch). The training comparison also needs torchtitan's tokeni
 (``tests/assets/tokenizer`` of a torchtitan checkout) in ``$TORCHTITAN_TOKENIZER``, and is
 marked slow: two torchrun jobs of two ranks (31 s on two idle cores, more when shared). So are
 the pipeline-parallel and context-parallel layouts of torchtitan's own integration tests
-(``TITAN_LAYOUTS``; two or four ranks, 30 to 60 s a layout, both engines, on two cores).
+(``TITAN_LAYOUTS``; two or four ranks, 30 to 60 s a layout, both engines, on two cores), and
+DeepSeek-V3's debug model with expert parallelism (``TITAN_EP_LAYOUTS``; 45 to 105 s a layout,
+both engines, on two shared cores).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class _Run:
 
     ranks: int = 2
     """Processes (torchrun's ``--nproc-per-node``)."""
+    module: str = "llama3"
+    """torchtitan's model (``--module``)."""
+    config: str = "llama3_debugmodel"
+    """torchtitan's configuration of that model (``--config``)."""
     local_batch: int = 1
     """Sequences per data-parallel rank and step; pipeline microbatches are 1 sequence each."""
     seq_len: int = 64
@@ -120,6 +126,31 @@ TITAN_LAYOUTS = {
     "pp_zbv": _Run(local_batch=4, flags=_pp(2, "ZBVZeroBubble", "activation-checkpoint:full")),
     "cp": _Run(ranks=4, seq_len=512, flags=("--parallelism.context_parallel_degree=4",)),
 }
+
+
+def _deepseek_ep(ranks: int, *degrees: str) -> _Run:
+    """DeepSeek-V3's debug model with expert parallelism 2; ``degrees``: the other flags."""
+    flags = ("--training.disable_cuda_graphs", "--parallelism.expert_parallel_degree", "2")
+    return _Run(
+        ranks=ranks, module="deepseek_v3", config="deepseek_v3_debugmodel", flags=flags + degrees
+    )
+
+
+# Expert parallelism: the experts go on their own (efsdp) mesh through torch's
+# ShardPlacementResult. deepseek_v3_hsdp+ep is torchtitan 0.3.0's integration test of that name
+# (tests/integration_tests/models.py); the other two have its flags with other data-parallel
+# degrees: efsdp 1 (dp 2) and efsdp 2 (dp 4). See docs/guides/torchtitan.md.
+TITAN_EP_LAYOUTS = {
+    "deepseek_v3_fsdp+ep": _deepseek_ep(2),
+    "deepseek_v3_hsdp+ep": _deepseek_ep(
+        4,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ),
+    "deepseek_v3_fsdp4+ep": _deepseek_ep(4, "--parallelism.data_parallel_shard_degree", "4"),
+}
 # Why pp_zbv differs: docs/guides/torchtitan.md, "Zero-bubble (pp_zbv)".
 ZBV_DIFFERS = (
     "torchtitan's chunked loss runs its own backward inside the last stage's forward; "
@@ -138,16 +169,13 @@ def _dataset(folder: Path) -> Path:
     return folder
 
 
-def _train(
-    engine: str, dump: Path, data: Path, tokenizer: str, run: _Run | None = None
-) -> list[float]:
-    """Steps of llama3's debug model (dp 2 unless ``run`` says); the losses TensorBoard got."""
-    run = run or _Run()
+def _train(engine: str, dump: Path, data: Path, tokenizer: str, run: _Run) -> list[float]:
+    """Two steps of ``run`` (llama3's debug model at dp 2 by default); TensorBoard's losses."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={run.ranks}"]
     if engine == "shardkit":
         cmd += ["-m", "shardkit.core.run"]
-    cmd += [str(LAUNCHER), "--module", "llama3", "--config", "llama3_debugmodel"]
+    cmd += [str(LAUNCHER), "--module", run.module, "--config", run.config]
     cmd += ["--hf_assets_path", tokenizer, "--dataloader.dataset_path", str(data)]
     cmd += ["--training.steps", "2", "--training.seq_len", str(run.seq_len)]
     cmd += ["--training.local_batch_size", str(run.local_batch), "--validator.no-enable"]
@@ -168,18 +196,23 @@ def _train(
     return [event.value for event in events.Scalars("loss_metrics/global_avg_loss")]
 
 
+def _assert_both_engines_train_alike(tmp_path: Path, run: _Run) -> None:
+    """Two steps of ``run`` on torch's engine, then shardkit's: the same losses bit for bit."""
+    data = _dataset(tmp_path / "c4_test")
+    tokenizer = os.environ["TORCHTITAN_TOKENIZER"]
+    theirs = _train("torch", tmp_path / "torch", data, tokenizer, run)
+    ours = _train("shardkit", tmp_path / "shardkit", data, tokenizer, run)
+    assert len(theirs) == 2
+    assert ours == theirs
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("TORCHTITAN_TOKENIZER"),
     reason="set TORCHTITAN_TOKENIZER to torchtitan's tests/assets/tokenizer folder",
 )
 def test_llama3_debug_model_trains_on_shardkit_as_on_torch(tmp_path: Path) -> None:
-    data = _dataset(tmp_path / "c4_test")
-    tokenizer = os.environ["TORCHTITAN_TOKENIZER"]
-    theirs = _train("torch", tmp_path / "torch", data, tokenizer)
-    ours = _train("shardkit", tmp_path / "shardkit", data, tokenizer)
-    assert len(theirs) == 2
-    assert ours == theirs
+    _assert_both_engines_train_alike(tmp_path, _Run())
 
 
 @pytest.mark.slow
@@ -199,10 +232,14 @@ def test_llama3_debug_model_trains_on_shardkit_as_on_torch(tmp_path: Path) -> No
 def test_pipeline_and_context_parallel_layouts_train_on_shardkit_as_on_torch(
     layout: str, tmp_path: Path
 ) -> None:
-    data = _dataset(tmp_path / "c4_test")
-    tokenizer = os.environ["TORCHTITAN_TOKENIZER"]
-    run = TITAN_LAYOUTS[layout]
-    theirs = _train("torch", tmp_path / "torch", data, tokenizer, run)
-    ours = _train("shardkit", tmp_path / "shardkit", data, tokenizer, run)
-    assert len(theirs) == 2
-    assert ours == theirs
+    _assert_both_engines_train_alike(tmp_path, TITAN_LAYOUTS[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("TORCHTITAN_TOKENIZER"),
+    reason="set TORCHTITAN_TOKENIZER to torchtitan's tests/assets/tokenizer folder",
+)
+@pytest.mark.parametrize("layout", list(TITAN_EP_LAYOUTS))
+def test_expert_parallel_layouts_train_on_shardkit_as_on_torch(layout: str, tmp_path: Path) -> None:
+    _assert_both_engines_train_alike(tmp_path, TITAN_EP_LAYOUTS[layout])
