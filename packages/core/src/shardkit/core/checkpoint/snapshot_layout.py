@@ -215,7 +215,11 @@ def copy_to_views(views: list[torch.Tensor], layout: Layout, leaves: Leaves) -> 
     """
     sources = [leaves.tensors[entry.key] for entry in layout.entries]
     with torch.no_grad():
-        torch._foreach_copy_(views, sources)
+        if all(source.device.type == "cpu" for source in sources):
+            torch._foreach_copy_(views, sources)
+        else:  # an accelerator's tensors: each copy_ moves its bytes to the host itself
+            for view, source in zip(views, sources, strict=True):
+                view.copy_(source)
 
 
 def fits(layout: Layout, leaves: Leaves) -> bool:
