@@ -39,7 +39,6 @@ __all__ = [
     "SnapshotRefusal",
     "SnapshotRefused",
     "capacity_in",
-    "crc_of",
     "crcs_of",
     "layout_json_of",
     "data_offset",
@@ -183,12 +182,6 @@ def header_region(json_bytes: bytes, capacity: int) -> bytes:
         )
     prefix = _PREFIX.pack(zlib.crc32(json_bytes), len(json_bytes), capacity)
     return prefix + json_bytes + bytes(capacity - len(json_bytes))
-
-
-def crc_of(tensor: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU tensor's bytes (no copy)."""
-    flat: Any = tensor.view(torch.uint8).reshape(-1).numpy()  # numpy arrays are buffers
-    return zlib.crc32(memoryview(flat))
 
 
 def crcs_of(layout: Layout, data: torch.Tensor) -> tuple[int, ...]:

@@ -31,7 +31,6 @@ __all__ = [
     "Layout",
     "Leaves",
     "TensorEntry",
-    "copy_into",
     "copy_to_views",
     "fits",
     "dtype_named",
@@ -200,11 +199,6 @@ def _describe(row: list[Any] | None) -> str:
 
 def _digest(rows: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
-
-
-def copy_into(layout: Layout, leaves: Leaves, data: torch.Tensor) -> None:
-    """Copy every tensor of ``leaves`` into its place in ``data`` (uint8)."""
-    copy_to_views([entry.view(data) for entry in layout.entries], layout, leaves)
 
 
 def copy_to_views(views: list[torch.Tensor], layout: Layout, leaves: Leaves) -> None:
