@@ -151,12 +151,6 @@ TITAN_EP_LAYOUTS = {
     ),
     "deepseek_v3_fsdp4+ep": _deepseek_ep(4, "--parallelism.data_parallel_shard_degree", "4"),
 }
-# Why pp_zbv differs: docs/guides/torchtitan.md, "Zero-bubble (pp_zbv)".
-ZBV_DIFFERS = (
-    "torchtitan's chunked loss runs its own backward inside the last stage's forward; "
-    "shardkit ends that backward for the whole stage (resharding its blocks, whose "
-    "parameters the zero-bubble weight step then misses), torch's fully_shard does not"
-)
 
 
 def _dataset(folder: Path) -> Path:
@@ -220,15 +214,7 @@ def test_llama3_debug_model_trains_on_shardkit_as_on_torch(tmp_path: Path) -> No
     not os.environ.get("TORCHTITAN_TOKENIZER"),
     reason="set TORCHTITAN_TOKENIZER to torchtitan's tests/assets/tokenizer folder",
 )
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=ZBV_DIFFERS))
-        if name == "pp_zbv"
-        else name
-        for name in TITAN_LAYOUTS
-    ],
-)
+@pytest.mark.parametrize("layout", list(TITAN_LAYOUTS))
 def test_pipeline_and_context_parallel_layouts_train_on_shardkit_as_on_torch(
     layout: str, tmp_path: Path
 ) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "count_ends_backward",
     "ends_at_callback",
     "inputs_end_backward",
+    "partial_call_ends_backward",
     "reductions_to_finish",
     "root_reshards_after_forward",
 ]
@@ -113,6 +114,16 @@ def inputs_end_backward(state: TrainingState, *, count_complete: bool) -> bool:
     ``count_complete``: every trainable parameter's gradient is in (vacuously, with none).
     """
     return state is TrainingState.PRE_BACKWARD and count_complete
+
+
+def partial_call_ends_backward(state: TrainingState) -> bool:
+    """Whether backward through the inputs of a partial list-group call ends the group's backward.
+
+    A call of some of a list group's modules, not completing the group, gets no pre-backward
+    hook and its gradients queue nothing (torch's rule): its inputs' gradients end it, as
+    backward reaches them, unless its backward already ended.
+    """
+    return state is not TrainingState.POST_BACKWARD
 
 
 def ends_at_callback(state: TrainingState, *, holds_grads: bool) -> bool:
@@ -338,6 +349,17 @@ class StepDriver(Generic[G]):
             if self.ops.is_unsharded(group) and self.ops.state(group) is not TrainingState.FORWARD:
                 self._after_forward(group)
 
+    def resume_forward(self, group: G) -> None:
+        """A partial list-group call after an earlier one's backward ended: gather it again.
+
+        The group keeps its place in the step's orders; nothing is prefetched.
+        """
+        ops = self.ops
+        ops.set_state(group, TrainingState.FORWARD)
+        ops.unshard(group)
+        ops.wait(group)
+        ops.event("pre_forward", group)
+
     def _after_forward(self, group: G) -> None:
         action = after_forward(self.ops.settings(group).reshard_after_forward)
         if action is not AfterForward.KEEP:
@@ -373,6 +395,21 @@ class StepDriver(Generic[G]):
         """Rule 2: backward went through a frozen group's inputs (:func:`inputs_end_backward`)."""
         if inputs_end_backward(self.ops.state(group), count_complete=count_complete):
             self.end_backward(group)
+
+    def partial_call_done(self, group: G) -> None:
+        """Backward went through a partial list-group call's inputs.
+
+        See :func:`partial_call_ends_backward`.
+        Ended inside that call's forward (a backward run before the step's own, as a chunked
+        loss runs one), the group goes back between calls: the next call, or a pre-backward,
+        gathers it again. See [Note: post-backward trigger].
+        """
+        state = self.ops.state(group)
+        if not partial_call_ends_backward(state):
+            return
+        self.end_backward(group)
+        if state is TrainingState.FORWARD:
+            self.ops.set_state(group, TrainingState.IDLE)
 
     def end_backward(self, group: G, *, assign_now: bool = False) -> None:
         """A group's backward ends: take its gradients, free it, start its reduction.

@@ -20,6 +20,10 @@ of these ways:
 4. **A local tree** (one rank, full parameters that are the shards): nothing is counted, and
    the callback ends every group, assigning gradients at once where that is all a reduction
    would do.
+5. **A partial list-group call** (some modules of a ``fully_shard([...])`` group, not
+   completing it, as a chunked loss calls the head of ``[norm, head]``): as with torch's
+   ``fully_shard``, its gradients are not counted and queue no callback; the gradients of
+   its inputs end the group's backward (``input_grads.after_input_grads``).
 
 The rules themselves are pure functions of ``schedule`` (the planner runs them too); see
 [Note: post-backward trigger] for why each is as it is.
@@ -33,9 +37,10 @@ from typing import Any
 
 import torch
 
-from shardkit.core.engine.input_grads import InputGradsWatch
+from shardkit.core.engine.input_grads import InputGradsWatch, after_input_grads
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.schedule import StepDriver
+from shardkit.core.state_machines import TrainingState
 
 __all__ = ["BackwardTracker"]
 
@@ -69,6 +74,7 @@ class BackwardTracker:
         self._is_local = is_local
         self._counts: dict[FSDPParamGroup, _Count] = {}
         self._inputs: dict[FSDPParamGroup, InputGradsWatch] = {}
+        self._partial: set[FSDPParamGroup] = set()  # groups a partial call ran (rule 5)
 
     # --- what the groups' hooks report ------------------------------------------------------
 
@@ -77,6 +83,8 @@ class BackwardTracker:
         count = self._counts.setdefault(group, _Count())
 
         def grad_ready(_param: torch.Tensor) -> None:
+            if group in self._partial and group.training_state is TrainingState.FORWARD:
+                return  # rule 5: a backward inside the call's forward; its inputs end it
             self._queue_final_callback()
             if self._is_local():
                 return  # rule 4: the callback takes every gradient
@@ -97,6 +105,18 @@ class BackwardTracker:
             watch = InputGradsWatch(lambda: self._inputs_done(group))
             self._inputs[group] = watch
         return watch.wrap(args, kwargs)
+
+    def wrap_partial_call(
+        self, group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """A partial list-group call's inputs, whose gradients end the group's backward (rule 5).
+
+        One function per call, as each call's backward ends the group (torch's rule): a
+        chunked loss reduces each chunk's gradients where its gradient sync is on.
+        """
+        self._partial.add(group)
+        wrapped = after_input_grads(args, kwargs, lambda: self._driver.partial_call_done(group))
+        return (args, kwargs) if wrapped is None else wrapped
 
     def _inputs_pending(self, group: FSDPParamGroup) -> bool:
         watch = self._inputs.get(group)
@@ -119,3 +139,4 @@ class BackwardTracker:
             count.ready, count.expected = 0, None
         for watch in self._inputs.values():
             watch.reset()
+        self._partial.clear()

@@ -36,6 +36,7 @@ from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
     check_backward_finished,
     in_backward,
+    refuse_second_root,
     warn_if_replaced_params_are_held,
 )
 from shardkit.core.errors import DesyncError
@@ -76,6 +77,9 @@ class RootContext:
     local: bool = False
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
+    in_root_forward: bool = False
+    """The root's forward is running: outside it (a chunked loss calling a head), a local
+    tree's groups run their own hooks (rule 5 of [Note: post-backward trigger])."""
     thread: int | None = None
     """The thread that ran the latest forward: state dicts from any other are taken off
     the modules (see [Note: off-thread state dicts])."""
@@ -142,7 +146,7 @@ class FSDPState:
             return
         root_module = self.modules[0]
         states = states_under(root_module)
-        _refuse_second_root(self, states)
+        refuse_second_root(self, states)
         self.is_root = True
         if runtime is not None:
             comm = CommContext(runtime=runtime, pool=runtime.pool)
@@ -199,11 +203,12 @@ class FSDPState:
                 self._root_pre_forward()
                 if is_accelerator(self.device):
                     args, kwargs = move_to(args, kwargs, self.device)
-            if self.groups:
-                self._groups_pre_forward()
-            for group in self.groups:
-                if torch.is_grad_enabled() and len(group.trainable) < len(group.params):
-                    assert self.ctx is not None
+            partial = bool(self.groups) and self._groups_pre_forward(module)
+            for group in self.groups if torch.is_grad_enabled() else ():
+                assert self.ctx is not None
+                if partial:
+                    args, kwargs = self.ctx.backward.wrap_partial_call(group, args, kwargs)
+                elif len(group.trainable) < len(group.params):
                     args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
@@ -212,7 +217,9 @@ class FSDPState:
     def _in_local_forward(self) -> bool:
         """Whether this (non-root) state's hooks have nothing to do: a local tree's forward."""
         ctx = self.ctx
-        if ctx is None or not ctx.local or self.is_root or self._forward_pending:
+        if ctx is None or not ctx.local or not ctx.in_root_forward:
+            return False
+        if self.is_root or self._forward_pending:
             return False
         # Registered by the root's pre-forward; a state dict in between shows the shards.
         return all(g.registered_unsharded for g in self.groups)
@@ -232,22 +239,32 @@ class FSDPState:
         for group in groups:
             group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
         self.ctx.local = is_local_tree(groups)
+        self.ctx.in_root_forward = True
         enter_local_forward(groups, self.ctx.local)
         for group in groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 group.reshard()  # its slices predate any optimizer step since: drop them
         self.ctx.driver.root_pre_forward()
 
-    def _groups_pre_forward(self) -> None:
+    def _groups_pre_forward(self, module: nn.Module) -> bool:
+        """Gather the groups for this call; whether it is a partial list-group call.
+
+        A call of some of a list group's modules that does not complete the group is partial:
+        as torch's ``fully_shard`` (its "partial path"), its output gets no pre-backward hook,
+        and a backward of it ends the group through its inputs (``backward``, rule 5).
+        """
         assert self.ctx is not None
-        if not self._forward_pending:
+        entering = not self._forward_pending
+        if entering:
             self._forward_pending = {id(m) for m in self.modules}
-            for group in self.groups:
-                self.ctx.driver.pre_forward(group)
-            return
         for group in self.groups:
-            if not group.registered_unsharded:
+            if entering:
+                self.ctx.driver.pre_forward(group)
+            elif group.training_state is not TrainingState.FORWARD:
+                self.ctx.driver.resume_forward(group)  # an earlier partial call's backward ran
+            elif not group.registered_unsharded:
                 group.wait_for_unshard()
+        return bool(self._forward_pending - {id(module)})
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._in_pre_backward():
@@ -260,22 +277,36 @@ class FSDPState:
             return output
         if self.groups:
             self._forward_pending.discard(id(module))
-            if not self._forward_pending:
-                assert self.ctx is not None
-                for group in self.groups:
-                    self.ctx.driver.post_forward(group)
+            if self._forward_pending:  # a partial list-group call: no pre-backward hook
+                return self._cast_output(output)
+            assert self.ctx is not None
+            for group in self.groups:
+                self.ctx.driver.post_forward(group)
         output = self._register_pre_backward(output)
-        if self.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.mp_policy.output_dtype)
         if self.is_root:
-            self._root_post_forward()
-        return output
+            output = self._root_post_forward(output)
+        return self._cast_output(output)
 
-    def _root_post_forward(self) -> None:
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is None:
+            return output
+        return cast_floats(output, self.mp_policy.output_dtype)
+
+    def _root_post_forward(self, output: Any) -> Any:
         assert self.ctx is not None
-        # Groups that were prefetched but never ran, or list groups only partly run. A local
-        # tree's stay unsharded: each is its shards.
+        self.ctx.in_root_forward = False
+        # List groups only partly run (a chunked loss calls the head later): their forward
+        # ends here, and backward reaches them through the root's output, as with torch's.
+        for state in reversed(self.ctx.states):
+            if state is not self and state._forward_pending:
+                for group in state.groups:
+                    self.ctx.driver.post_forward(group)
+                output = state._register_pre_backward(output)
+                state._forward_pending.clear()
+        # Groups that were prefetched but never ran. A local tree's stay unsharded: each is
+        # its shards.
         self.ctx.driver.root_post_forward([] if self.ctx.local else self.all_groups)
+        return output
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -336,6 +367,8 @@ class FSDPState:
         at_end, ctx.local = ctx.local and last, False
         ctx.driver.final_callback(self.all_groups, last=last, assign_now=at_end)
         ctx.backward.reset()
+        for state in ctx.states:
+            state._forward_pending.clear()  # partial list-group calls since: the next starts afresh
         PROGRESS.enter("idle")
 
     def reset_iter_state(self) -> None:
@@ -357,7 +390,7 @@ class FSDPState:
         self.ctx.final_callback_queued = False
         self.ctx.manual_finalization = None
         self.ctx.reduction_pending = False
-        self.ctx.local = False
+        self.ctx.local = self.ctx.in_root_forward = False
         PROGRESS.enter("idle")
 
     # --- state dict -------------------------------------------------------------------------
@@ -386,33 +419,6 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for group in self.groups:
             group.resync_sharded_storage()
-
-
-def _refuse_second_root(root: FSDPState, states: list[FSDPState]) -> None:
-    """Refuse a root of several modules, or a tree where a state already has a root.
-
-    As torch's ``fully_shard`` refuses them: a list call's modules have no one tree to run
-    forward through, and a state that ran forward (or ``unshard``) before the module that holds
-    it was made a root of its own, with its own communication context and order; making a
-    second root take it over would leave two roots driving one group. A root ``unshard()``
-    made before any forward (``RootContext.provisional``) is taken over, as torch's
-    ``unshard`` makes none.
-    """
-    if len(root.modules) > 1:
-        names = ", ".join(type(m).__name__ for m in root.modules)
-        raise RuntimeError(
-            f"FSDP requires a single root module but got [{names}]: run forward through a "
-            "module that contains them all, and call fully_shard on it too"
-        )
-    fqns = {id(m): name for name, m in root.modules[0].named_modules()}
-    for state in states:
-        taken = state.ctx is not None and not state.ctx.provisional
-        if state is not root and state.is_root is not None and taken:
-            fqn = ", ".join(fqns.get(id(m), "?") for m in state.modules)
-            raise RuntimeError(
-                f"FSDP state has already been lazily initialized for {fqn}\n"
-                "FSDP requires running forward through the root module first"
-            )
 
 
 def new_comm_context() -> CommContext:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["InputGradsWatch"]
+__all__ = ["InputGradsWatch", "after_input_grads"]
 
 
 class _AfterInputGrads(torch.autograd.Function):
@@ -51,19 +51,11 @@ class InputGradsWatch:
 
     def wrap(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """``args`` and ``kwargs`` with the tensors that need gradients passed through."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        needing = [
-            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if not needing:
-            return args, kwargs  # backward never reaches this call
-        self._pending += 1
-        tensors = (leaves[i] for i in needing)
-        through = _AfterInputGrads.apply(self._one_done, *tensors)  # type: ignore[no-untyped-call]
-        for i, tensor in zip(needing, through, strict=True):
-            leaves[i] = tensor
-        wrapped: tuple[Any, Any] = pytree.tree_unflatten(leaves, spec)
-        return wrapped
+        wrapped = after_input_grads(args, kwargs, self._one_done)
+        if wrapped is not None:
+            self._pending += 1
+            return wrapped
+        return args, kwargs  # backward never reaches this call
 
     def pending(self) -> bool:
         """Whether a forward call's backward through this group has yet to finish."""
@@ -77,3 +69,22 @@ class InputGradsWatch:
     def reset(self) -> None:
         """Forget calls whose backward never ran (the end-of-backward callback covered them)."""
         self._pending = 0
+
+
+def after_input_grads(
+    args: tuple[Any, ...], kwargs: dict[str, Any], done: Callable[[], None]
+) -> tuple[Any, Any] | None:
+    """``args`` and ``kwargs`` passed through a function whose backward calls ``done``.
+
+    None where no tensor among them needs a gradient (backward never reaches the call).
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    needing = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not needing:
+        return None
+    tensors = (leaves[i] for i in needing)
+    through = _AfterInputGrads.apply(done, *tensors)  # type: ignore[no-untyped-call]
+    for i, tensor in zip(needing, through, strict=True):
+        leaves[i] = tensor
+    wrapped: tuple[Any, Any] = pytree.tree_unflatten(leaves, spec)
+    return wrapped

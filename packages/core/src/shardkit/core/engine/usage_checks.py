@@ -4,6 +4,8 @@
   still mid-backward, and the next step fails in a state transition or with ``setStorage:
   ... out of bounds``, or, when backward failed near its start, runs on while no later
   backward's reductions are ever finished.
+- A root of several modules, or a tree in which a state already ran forward as a root of
+  its own: refused as torch's ``fully_shard`` refuses them.
 - Parameters that ``fully_shard`` replaced but something still holds, most likely an optimizer
   built before ``fully_shard``: it trains the old tensors, and nothing at all happens.
 """
@@ -16,9 +18,15 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from shardkit.core.engine.fsdp_state import FSDPState
     from shardkit.core.engine.param_group import FSDPParamGroup
 
-__all__ = ["check_backward_finished", "in_backward", "warn_if_replaced_params_are_held"]
+__all__ = [
+    "check_backward_finished",
+    "in_backward",
+    "refuse_second_root",
+    "warn_if_replaced_params_are_held",
+]
 
 
 def check_backward_finished(callback_queued: bool, fqn: str) -> None:
@@ -70,3 +78,30 @@ def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread now."""
     # Private torch, as torch's own fully_shard uses it: no public API tells.
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def refuse_second_root(root: FSDPState, states: list[FSDPState]) -> None:
+    """Refuse a root of several modules, or a tree where a state already has a root.
+
+    As torch's ``fully_shard`` refuses them: a list call's modules have no one tree to run
+    forward through, and a state that ran forward (or ``unshard``) before the module that holds
+    it was made a root of its own, with its own communication context and order; making a
+    second root take it over would leave two roots driving one group. A root ``unshard()``
+    made before any forward (``RootContext.provisional``) is taken over, as torch's
+    ``unshard`` makes none.
+    """
+    if len(root.modules) > 1:
+        names = ", ".join(type(m).__name__ for m in root.modules)
+        raise RuntimeError(
+            f"FSDP requires a single root module but got [{names}]: run forward through a "
+            "module that contains them all, and call fully_shard on it too"
+        )
+    fqns = {id(m): name for name, m in root.modules[0].named_modules()}
+    for state in states:
+        taken = state.ctx is not None and not state.ctx.provisional
+        if state is not root and state.is_root is not None and taken:
+            fqn = ", ".join(fqns.get(id(m), "?") for m in state.modules)
+            raise RuntimeError(
+                f"FSDP state has already been lazily initialized for {fqn}\n"
+                "FSDP requires running forward through the root module first"
+            )
