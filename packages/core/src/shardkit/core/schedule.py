@@ -350,10 +350,7 @@ class StepDriver(Generic[G]):
                 self._after_forward(group)
 
     def resume_forward(self, group: G) -> None:
-        """A partial list-group call after an earlier one's backward ended: gather it again.
-
-        The group keeps its place in the step's orders; nothing is prefetched.
-        """
+        """A partial list-group call after an earlier one's backward ended: gather it again."""
         ops = self.ops
         ops.set_state(group, TrainingState.FORWARD)
         ops.unshard(group)
@@ -397,12 +394,10 @@ class StepDriver(Generic[G]):
             self.end_backward(group)
 
     def partial_call_done(self, group: G) -> None:
-        """Backward went through a partial list-group call's inputs.
+        """Backward went through a partial list-group call's inputs (rule 5 of the note).
 
-        See :func:`partial_call_ends_backward`.
-        Ended inside that call's forward (a backward run before the step's own, as a chunked
-        loss runs one), the group goes back between calls: the next call, or a pre-backward,
-        gathers it again. See [Note: post-backward trigger].
+        Ended inside that call's forward (a chunked loss's own backward), the group goes back
+        between calls: its next call, or its pre-backward, gathers it again.
         """
         state = self.ops.state(group)
         if not partial_call_ends_backward(state):
