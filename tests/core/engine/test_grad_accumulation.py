@@ -1,11 +1,19 @@
-"""Gradient accumulation (no sync), several forwards before one backward."""
+"""Gradient accumulation (no sync), in mixed precision too; several forwards, one backward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
-from tests.core.parity import Run, assert_parity, parity_body
+from shardkit.core import MixedPrecisionPolicy
+from tests.core.parity import Run, assert_parity, fully_shard_of, parity_body, torch_policy
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -18,3 +26,86 @@ def test_no_sync_accumulation_matches(world_size: int) -> None:
 def test_several_forwards_one_backward(world_size: int) -> None:
     run = Run(model="gpt", loop="multi_forward", per_rank_batch=4)
     assert_parity(run_on_ranks(world_size, parity_body, run=run))
+
+
+MICROBATCHES = 4
+HIDDEN = 8
+
+
+class _AppliedTwice(nn.Linear):
+    """A layer applied twice in its forward: two gradients reach its weights per backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(F.linear(x, self.weight, self.bias)), self.weight, self.bias)
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), _AppliedTwice(HIDDEN, HIDDEN), nn.Linear(HIDDEN, 2)
+    )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _train_no_sync(impl: str, world_size: int, rank: int, policy: Any) -> dict[str, Any]:
+    """Two steps of MICROBATCHES microbatches, gradient sync on the last one only."""
+    torch.manual_seed(0)
+    model = _model()
+    fs = fully_shard_of(impl)
+    kwargs = {
+        "mesh": init_device_mesh("cpu", (world_size,)),
+        "mp_policy": policy if impl == "shardkit" else torch_policy(policy),
+    }
+    fs(model[2], **kwargs)
+    fs(model, **kwargs)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, Any] = {"losses": [], "grads": []}
+    for step in range(2):
+        data = torch.Generator().manual_seed(100 * step + rank)
+        for micro in range(MICROBATCHES):
+            model.set_requires_gradient_sync(micro == MICROBATCHES - 1)  # type: ignore[operator]
+            x = torch.randn(2, HIDDEN, generator=data)
+            target = torch.randn(2, 2, generator=data)
+            loss = F.mse_loss(model(x).float(), target)
+            loss.backward()
+            out["losses"].append(loss.detach().clone())
+        out["grads"] += [_full(p.grad) for p in model.parameters() if p.grad is not None]
+        optim.step()
+        optim.zero_grad()
+    out["params"] = [_full(p) for p in model.parameters()]
+    return out
+
+
+def _no_sync_body(rank: int, world_size: int, policy: Any) -> dict[str, bool]:
+    ours = _train_no_sync("shardkit", world_size, rank, policy)
+    theirs = _train_no_sync("torch", world_size, rank, policy)
+    return {
+        key: len(ours[key]) == len(theirs[key]) > 0
+        and all(torch.equal(a, b) for a, b in zip(ours[key], theirs[key], strict=True))
+        for key in ("losses", "grads", "params")
+    }
+
+
+POLICIES = {
+    "bf16_reduce_fp32": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    ),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    "fp32_reduce_bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_no_sync_microbatches_in_mixed_precision_give_torchs_bits(
+    world_size: int, policy: str
+) -> None:
+    # Torch 2.15 on accumulates through the unsharded parameters' grad_dtype (each gradient
+    # autograd makes is cast before it is summed); before, it casts where a group's backward
+    # ends. The layer applied twice gives its weights two gradients per backward, where the
+    # two differ. See [Note: post-backward trigger].
+    results = run_on_ranks(world_size, _no_sync_body, policy=POLICIES[policy])
+    for rank, equal in enumerate(results):
+        assert equal == {"losses": True, "grads": True, "params": True}, f"rank {rank}"

@@ -133,22 +133,6 @@ def _train(modules: list[nn.Sequential], kind: str, mesh: DeviceMesh) -> Trace:
     return trace
 
 
-def _bit_for_bit(kind: str, dtype: str) -> bool:
-    """Whether shardkit's run must give torch's bits (all but one case).
-
-    Torch 2.15's ``fully_shard`` accumulates gradients of backwards without sync in the reduce
-    dtype through the unsharded parameters' ``grad_dtype``, the zero-bubble weight step's own
-    ``+=`` included; shardkit accumulates in the reduce dtype when a group's backward ends, so
-    two weight steps in a row (the schedule's cool-down) add in bf16 first: bf16 rounding apart.
-    """
-    newer = (release_of(torch.__version__) or (0, 0)) >= (2, 15)
-    return not (newer and kind == "zbv_zero_bubble" and dtype == "bf16")
-
-
-def _within_bf16_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-4)
-
-
 def _pipeline_body(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
     out: dict[str, Any] = {}
@@ -156,9 +140,8 @@ def _pipeline_body(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         theirs = _train(_sharded_stages("torch", kind, mesh, dtype, reshard), kind, mesh)
         ours = _train(_sharded_stages("shardkit", kind, mesh, dtype, reshard), kind, mesh)
         assert len(ours["grads"]) == len(theirs["grads"]) > 0
-        same = torch.equal if _bit_for_bit(kind, dtype) else _within_bf16_rounding
         compared: dict[str, Any] = {
-            key: [same(a, b) for a, b in zip(ours[key], theirs[key], strict=True)]
+            key: [torch.equal(a, b) for a, b in zip(ours[key], theirs[key], strict=True)]
             for key in ("losses", "grads", "params")
         }
         compared["n_losses"] = len(ours["losses"])

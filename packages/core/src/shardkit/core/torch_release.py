@@ -6,7 +6,7 @@ rather than pip refusing it or replacing the user's torch with another multi-gig
 Differences between the releases of the range are found by feature detection where they are
 used (``runtime/flat_collectives.py`` for ``torch.distributed``'s names; ``torch_patch.py`` replaces
 only the FSDP names the installed torch has). This module compares release numbers, for the
-warning and for the one change of behaviour with no name to detect, and words the errors for
+warning and for the changes of behaviour with no name to detect, and words the errors for
 torch's names that shardkit does not implement.
 """
 
@@ -18,6 +18,7 @@ import warnings
 import torch
 
 __all__ = [
+    "ACCUMULATES_IN_GRAD_DTYPE",
     "NEWEST_TESTED",
     "OLDEST_TESTED",
     "REDUCES_IN_PARAM_DTYPE",
@@ -48,6 +49,12 @@ REDUCES_IN_PARAM_DTYPE = (release_of(torch.__version__) or (0, 0)) >= (2, 15)
 """Whether ``reduce_dtype=None`` reduces gradients in the parameters' own dtype (torch 2.15 on)
 rather than in ``param_dtype`` (2.10 to 2.14). A change of behaviour, not of names: there is
 nothing to detect, so the release decides."""
+
+ACCUMULATES_IN_GRAD_DTYPE = (release_of(torch.__version__) or (0, 0)) >= (2, 15)
+"""Whether gradients accumulate in their reduce dtype inside autograd, through the unsharded
+parameters' ``grad_dtype`` (torch 2.15 on), rather than being cast to it when a group's
+backward ends (2.10 to 2.14). Tensors have ``grad_dtype`` on every tested release: what changed
+is ``fully_shard``'s use of it, so the release decides. See [Note: post-backward trigger]."""
 
 
 def _tested_range() -> str:

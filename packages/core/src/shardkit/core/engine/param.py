@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardkit.core.engine.buffer_layout import ParamSpec
 from shardkit.core.engine.gather_hooks import AllGatherHooks, has_all_gather_hooks
@@ -30,6 +30,7 @@ from shardkit.core.errors import UnsupportedWithHooksError
 from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
+from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
 
 __all__ = ["FSDPParam", "ParamSlot", "Sharding"]
 
@@ -55,7 +56,8 @@ class FSDPParam:
     comm_dtype: torch.dtype  # dtype of the unsharded parameter (param_dtype or original)
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
-    accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype
+    accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype (<2.15)
+    accumulation_dtype: torch.dtype | None  # torch 2.15 on: the unsharded param's grad_dtype
     hooks: AllGatherHooks | None  # a subclass gathered through its all-gather hooks
 
     def __init__(
@@ -79,6 +81,8 @@ class FSDPParam:
         self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
         self.accumulated_grad = None
+        self.accumulation_dtype = None  # set with comm_dtype by the group's plan
+        self._defers_upcast = False  # see follow_plan_dtypes
         # The tensor dp shards, until the group has copied this rank's shard of it.
         self._source: torch.Tensor | None = local
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
@@ -107,6 +111,30 @@ class FSDPParam:
         self._grad_hook_added = False
         if self.hooks is not None:
             self.hooks.reset(inputs=True)  # the hook may send other tensors now
+
+    def follow_plan_dtypes(self, comm_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Take the group plan's dtypes: the unsharded parameter's, and its gradient's.
+
+        From torch 2.15 on, gradients accumulate in ``reduce_dtype`` inside autograd, through
+        the unsharded parameter's ``grad_dtype``. See [Note: post-backward trigger].
+        """
+        self.comm_dtype = comm_dtype
+        spec = self.sharding_spec
+        # Left as before 2.15: a gradient TP may sum first (a replicated parameter), which
+        # torch 2.15 keeps in the reduce dtype throughout; mixed gradient dtypes in a group
+        # would cost the packing its one fused copy. See [Note: post-backward trigger].
+        summed_outside_dp = spec.unsharded_mesh is not None and any(
+            isinstance(placement, Replicate) and axis not in spec.dp_axes
+            for axis, placement in enumerate(spec.unsharded_placements)
+        )
+        floating = comm_dtype.is_floating_point and reduce_dtype.is_floating_point
+        follows = ACCUMULATES_IN_GRAD_DTYPE and floating and not summed_outside_dp
+        self.accumulation_dtype = reduce_dtype if follows else None
+        # Only a wider dtype is lifted while a backward runs (defer_grad_upcast).
+        self._defers_upcast = follows and reduce_dtype.itemsize > comm_dtype.itemsize
+        param = self.unsharded_param
+        if param is not None and param.grad is None:
+            self._set_grad_dtype(param)
 
     @property
     def requires_grad(self) -> bool:
@@ -267,6 +295,7 @@ class FSDPParam:
         view = padded_flat[:numel].view(self.geometry.shape)
         unsharded = self.extension.make_unsharded(view, self.sharding_spec)
         param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+        self._set_grad_dtype(param)
         self.unsharded_param = param
         self._grad_hook_added = False  # a new Parameter: its gradient hook is still to add
 
@@ -285,6 +314,7 @@ class FSDPParam:
         # Padding rows past the full size (an uneven dim 0) are cut off here, as torch does.
         full = torch.as_strided(tensor, shape, contiguous_strides(shape), 0)
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._set_grad_dtype(self.unsharded_param)
         self._grad_hook_added = False
 
     def follow_requires_grad(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
@@ -311,12 +341,45 @@ class FSDPParam:
         for slot in self.slots:
             write_slot(slot, param, self.listed)
 
+    def _set_grad_dtype(self, param: nn.Parameter) -> None:
+        if self.accumulation_dtype is not None:
+            param.grad_dtype = self.accumulation_dtype
+
+    def defer_grad_upcast(self, reducing: bool) -> None:
+        """At the group's pre-backward (torch 2.15 on): let autograd's gradient keep its dtype.
+
+        A gradient this backward's reduction takes is upcast when the reduction packs it,
+        and one added to a held gradient (already wide) by the in-place add: only the first
+        gradient of an accumulation needs autograd's cast, so only then is ``grad_dtype`` kept.
+        ``reducing``: the group's gradient sync is on.
+        """
+        param = self.unsharded_param
+        if not self._defers_upcast or param is None or not param.requires_grad:
+            return
+        if param.grad is not None or reducing:
+            param.grad_dtype = None
+
+    def _upcast_held_grad(self) -> None:
+        """Where a group's backward ends (torch 2.15 on): back to the accumulation dtype.
+
+        The gradient held, and what autograd adds to it from now on.
+        """
+        param = self.unsharded_param
+        if not self._defers_upcast or param is None or not param.requires_grad:
+            return
+        dtype = self.accumulation_dtype
+        grad = param.grad
+        if grad is not None and grad.dtype != dtype:
+            param.grad = grad.to(dtype)  # made while the upcast was deferred
+        param.grad_dtype = dtype
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated so far (no-sync steps included); clears it."""
         param = self.unsharded_param
         grad = param.grad if param is not None else None
         if param is not None:
             param.grad = None
+            self._upcast_held_grad()  # none is held: autograd's cast is back on
         if grad is not None:
             grad = self.extension.grad_local(grad, self.sharding_spec)
         acc = self.accumulated_grad
@@ -328,7 +391,14 @@ class FSDPParam:
         return acc
 
     def stash_unsharded_grad(self, reduce_dtype: torch.dtype) -> None:
-        """Between no-sync backwards: keep the full gradient, accumulated in ``reduce_dtype``."""
+        """Between no-sync backwards: keep the full gradient, accumulated in ``reduce_dtype``.
+
+        Before torch 2.15, in a copy of its own; from 2.15 on (as torch does), in ``.grad``,
+        where autograd adds the next backward's gradient in that dtype.
+        """
+        if self.accumulation_dtype is not None:
+            self._upcast_held_grad()
+            return
         param = self.unsharded_param
         if param is None or param.grad is None:
             return

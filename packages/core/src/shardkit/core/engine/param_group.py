@@ -136,7 +136,7 @@ class FSDPParamGroup:
 
     def _follow_plan(self) -> None:
         for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
-            p.comm_dtype = param_layout.comm_dtype
+            p.follow_plan_dtypes(param_layout.comm_dtype, self.plan.reduce_dtype)
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 

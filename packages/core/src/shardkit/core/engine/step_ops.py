@@ -61,8 +61,16 @@ class EngineOps:
         group.unshard()
 
     def wait(self, group: FSDPParamGroup) -> None:
-        """Finish its all-gather and register its full parameters."""
+        """Finish its all-gather and register its full parameters.
+
+        In its pre-backward, then, as torch 2.15 on: autograd's gradients keep their dtype
+        where nothing accumulates them. See [Note: post-backward trigger].
+        """
         group.wait_for_unshard()
+        if group.training_state is TrainingState.PRE_BACKWARD:
+            reducing = group.options.reduce_grads
+            for p in group.params:
+                p.defer_grad_upcast(reducing)
 
     def is_unsharded(self, group: FSDPParamGroup) -> bool:
         """Whether its full parameters are in, or being gathered."""
