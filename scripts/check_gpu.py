@@ -10,7 +10,9 @@ The chunks (scripts/gpu_chunks.py): deterministic parity with torch's fully_shar
 the GPUs present (fp32, bf16, CPU offload, activation checkpointing, accumulation, no reshard;
 compiled blocks), CPU offload's repeated runs against torch's own spread, the trackers on CUDA,
 W=1 step time and memory (each engine in its own process), and the fake-group scale points
-(217M at W=8, 7.5B at W=8 and 64, 70B at W=256; one point per process, meta-device init).
+(217M at W=8, 7.5B at W=8 and 64, 70B at W=256; one point per process, meta-device init),
+and memory snapshots' step time (issue 40: a snapshot every step, at most 1.05 of the step;
+scripts/gpu_snapshot_chunk.py).
 
 ``--budget`` (default 540 s, for a machine that runs one command 600 s at most) bounds one
 invocation: a chunk that would not finish in what is left is not started, and the table says

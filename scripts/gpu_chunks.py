@@ -377,17 +377,23 @@ FLOAT8_SMOKE_POINTS = (("fake-tiny", 1), ("fake-tiny", 8))
 
 def smoke_chunks() -> dict[str, Chunk]:
     """``--cpu-smoke``: the fake-group scale code on a CPU, with a tiny model."""
+    from scripts.gpu_snapshot_chunk import memory_snapshots  # it imports this module
+
     float8 = scale_smoke(FLOAT8_SMOKE_POINTS, float8=True)
     precision = reduce_precision("cpu", (4096,))
+    snapshots = memory_snapshots("cpu", "fake-tiny", steps=3, rounds=2)
     return {
         "scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60),
         "float8-smoke": Chunk(_timed("float8-smoke", float8), 60),
         "reduce-precision-smoke": Chunk(_timed("reduce-precision-smoke", precision), 30),
+        "memory-snapshots-smoke": Chunk(_timed("memory-snapshots-smoke", snapshots), 40),
     }
 
 
 def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chunk]:
     """Every chunk, by name; ``points`` are the fake-group scale points (size, world)."""
+    from scripts.gpu_snapshot_chunk import memory_snapshots  # it imports this module
+
     table = {
         "parity": Chunk(parity, 150),
         "compile": Chunk(compile_, 200),
@@ -404,6 +410,7 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     for size, world in FLOAT8_POINTS:
         table[f"float8-{size}-w{world}"] = Chunk(scale_point(size, world, float8=True), 90)
     table["reduce-precision"] = Chunk(reduce_precision("cuda", (16 * 2**20, 64 * 2**20)), 60)
+    table["memory-snapshots"] = Chunk(memory_snapshots("cuda", "217m", steps=10, rounds=6), 150)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
 

@@ -1,7 +1,7 @@
 """`make check-gpu` (scripts/check_gpu.py) where there is no GPU: what it can do on a CPU.
 
 Its GPU chunks run only on CUDA; here: the fake-group scale code on a CPU (``--cpu-smoke``),
-the refusal without CUDA, and the table from saved results. About 20 s (four processes).
+the refusal without CUDA, and the table from saved results. About 40 s (six processes).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         "fake group W=1 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
         "fake group W=8 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
         "reduce-precision cpu 4,096 elements, W=1 (bytes at W=64)",
+        "memory snapshots every step, fake-tiny W=2 (cpu): step with / without",
     ]
     assert all(r["status"] == "pass" for r in rows[:2]), rows
     # Issue 38's chunk: both reduce-scatters and both compressed modes timed, bytes counted.
@@ -46,6 +47,11 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     assert "bf16 wire, fp32 sum" in rows[4]["figures"] and "0.500 of fp32's" in rows[4]["figures"]
     modes = {r["mode"] for r in results["records"]["reduce-precision"]}
     assert len(modes) == 4, modes
+    # Issue 40's chunk: both blocks timed on both gloo ranks, the shared memory counted.
+    assert rows[5]["status"] == "pass", rows[5]
+    (snapshots,) = results["records"]["memory-snapshots"]
+    assert snapshots["world"] == 2 and len(snapshots["ratios"]) == 2, snapshots
+    assert snapshots["shared_memory_mib_per_rank"] > 0, snapshots
     rows = rows[:4]
     # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
     records = results["records"]["scale-smoke"]

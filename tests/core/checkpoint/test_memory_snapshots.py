@@ -312,3 +312,47 @@ def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: P
     with pytest.raises(TypeError, match=r"'loop/when' is a datetime.*never pickles"):
         snapshots.snapshot(1, {"loop": {"when": datetime.datetime(2026, 11, 25)}})
     snapshots.close()
+
+
+# --- the data's checksums, on their own --------------------------------------------------------
+
+
+def _random_data(nbytes: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+@pytest.mark.parametrize("nbytes", [64, 16384, 16384 * 3 + 4160])  # less than, one, 3.25 blocks
+def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(nbytes: int) -> None:
+    from shardkit.core.checkpoint.snapshot_checksum import (
+        BLOCK_BYTES,
+        checksum_count,
+        checksums_of,
+        first_mismatch,
+    )
+
+    data = _random_data(nbytes)
+    sums = checksums_of(data)
+    assert len(sums) == checksum_count(nbytes)
+    assert first_mismatch(sums, data.clone()) is None
+    last = nbytes - 8
+    for at in (0, 8, last):  # one bit, in the first, second and last word
+        changed = data.clone()
+        changed[at + 7] ^= 0x80  # the sign bit of a word, the hardest for a sum
+        assert first_mismatch(sums, changed) == at // BLOCK_BYTES * BLOCK_BYTES
+    for size in (8, 4):  # two 8-byte words swapped, and two float32s
+        words = data.clone().view(torch.int64 if size == 8 else torch.int32)
+        far = min(words.numel() - 1, 1000)
+        words[[2, far]] = words[[far, 2]]
+        assert first_mismatch(sums, words.view(torch.uint8)) == 0, size
+    old = _random_data(nbytes) ^ 1  # a writer killed mid-copy: the first half new, the rest old
+    torn = torch.cat([data[: nbytes // 2], old[nbytes // 2 :]])
+    assert first_mismatch(sums, torn) is not None
+    assert first_mismatch(sums[:-2], data) == 0  # a count that does not fit the data
+
+
+def test_the_checksums_refuse_data_that_is_not_whole_words() -> None:
+    from shardkit.core.checkpoint.snapshot_checksum import checksums_of
+
+    with pytest.raises(ValueError, match="8-byte words"):
+        checksums_of(torch.zeros(12, dtype=torch.uint8))

@@ -9,7 +9,8 @@ peer::
     16  8 bytes   the JSON's length                  } the header region: travels as one message
     24  8 bytes   the JSON's capacity                |
     32  JSON      run id, world size, rank, step,   /
-                  the layout, each tensor's CRC-32, the plain values
+                  the layout, the data's checksums (two sums per 16 KiB block:
+                  ``snapshot_checksum``), the plain values
     data_offset   the data: each tensor's bytes where the layout puts it (4096-aligned start)
 
 A writer marks the snapshot incomplete before it touches the data, and complete after the
@@ -30,6 +31,11 @@ from typing import Any
 
 import torch
 
+from shardkit.core.checkpoint.snapshot_checksum import (
+    BLOCK_BYTES,
+    checksum_count,
+    first_mismatch,
+)
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout
 
 __all__ = [
@@ -39,7 +45,6 @@ __all__ = [
     "SnapshotRefusal",
     "SnapshotRefused",
     "capacity_in",
-    "crcs_of",
     "layout_json_of",
     "data_offset",
     "header_region",
@@ -58,7 +63,7 @@ REGION_AT = 12  # the header region: CRC, length, capacity, JSON
 JSON_AT = 32
 _PREFIX = struct.Struct("<IQQ")  # CRC-32, length, capacity (at REGION_AT)
 _PAGE = 4096
-FORMAT = 1
+FORMAT = 2  # 1 had a CRC-32 per tensor
 
 
 class SnapshotRefusal(enum.Enum):
@@ -103,7 +108,7 @@ class Header:
     rank: int  # whose state it is
     step: int
     layout: Layout
-    crcs: tuple[int, ...]  # one per layout entry
+    checksums: tuple[int, ...]  # two per block of the data (snapshot_checksum)
     values: dict[str, JSONValue]
 
     def to_json(self, layout_json: str | None = None) -> bytes:
@@ -120,7 +125,7 @@ class Header:
                 "world_size": self.world_size,
                 "rank": self.rank,
                 "step": self.step,
-                "crc32": list(self.crcs),
+                "checksums": list(self.checksums),
                 "values": self.values,
             },
             separators=(",", ":"),
@@ -135,9 +140,9 @@ class Header:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this reader knows {FORMAT}")
         layout = Layout.from_json(data["layout"])
-        crcs = tuple(int(c) for c in data["crc32"])
-        if len(crcs) != len(layout.entries):
-            raise ValueError("a checksum per tensor is missing")
+        checksums = tuple(int(c) for c in data["checksums"])
+        if len(checksums) != checksum_count(layout.data_bytes):
+            raise ValueError("the data's checksums are not two per block")
         values = dict(data["values"])
         if set(values) != set(layout.value_keys):
             raise ValueError("the plain values do not match the layout")
@@ -147,7 +152,7 @@ class Header:
             int(data["rank"]),
             int(data["step"]),
             layout,
-            crcs,
+            checksums,
             values,
         )
 
@@ -182,17 +187,6 @@ def header_region(json_bytes: bytes, capacity: int) -> bytes:
         )
     prefix = _PREFIX.pack(zlib.crc32(json_bytes), len(json_bytes), capacity)
     return prefix + json_bytes + bytes(capacity - len(json_bytes))
-
-
-def crcs_of(layout: Layout, data: torch.Tensor) -> tuple[int, ...]:
-    """The CRC-32 of each tensor of ``layout`` in ``data`` (uint8), in the layout's order.
-
-    One buffer view of ``data`` sliced per tensor: a state of hundreds of small tensors costs
-    the checksum's own time, not a tensor-to-buffer conversion per tensor.
-    """
-    array: Any = data.numpy()  # numpy arrays are buffers
-    buffer = memoryview(array)
-    return tuple(zlib.crc32(buffer[e.offset : e.offset + e.nbytes]) for e in layout.entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,17 +285,22 @@ def _check_identity(header: Header, *, rank: int, expected: Expected) -> None:
 
 
 def verify_data(header: Header, data: torch.Tensor) -> None:
-    """Check every tensor's bytes in ``data`` against the header's CRC-32.
+    """Check the bytes in ``data`` against the header's checksums.
 
     Raises:
-        SnapshotRefused: CHECKSUM, naming the first tensor that does not match.
+        SnapshotRefused: CHECKSUM, naming the first block that does not match and the tensors
+            whose bytes lie in it.
     """
-    found = crcs_of(header.layout, data)
-    for entry, want, got in zip(header.layout.entries, header.crcs, found, strict=True):
-        if got != want:
-            raise SnapshotRefused(
-                SnapshotRefusal.CHECKSUM, f"{entry.key}'s bytes do not match their checksum"
-            )
+    offset = first_mismatch(header.checksums, data)
+    if offset is None:
+        return
+    end = offset + BLOCK_BYTES
+    keys = [e.key for e in header.layout.entries if e.offset < end and e.offset + e.nbytes > offset]
+    where = f"{keys[0]}'s" if len(keys) == 1 else f"{keys[0]}'s (or {len(keys) - 1} more's)"
+    raise SnapshotRefused(
+        SnapshotRefusal.CHECKSUM,
+        f"{where if keys else 'padding'} bytes do not match their checksum (bytes {offset} on)",
+    )
 
 
 def summary(header: Header) -> Mapping[str, Any]:

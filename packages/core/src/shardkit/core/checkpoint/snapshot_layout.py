@@ -174,6 +174,8 @@ class Layout:
         layout = Layout(tuple(entries), tuple(map(str, data["values"])), int(data["data_bytes"]))
         if any(e.offset < 0 or e.offset + e.nbytes > layout.data_bytes for e in entries):
             raise ValueError("a tensor lies outside the snapshot's data")
+        if layout.data_bytes % _ALIGN:
+            raise ValueError(f"the data's size is not a multiple of {_ALIGN} bytes")
         return layout
 
     def first_difference(self, other: Layout) -> str:

@@ -23,7 +23,9 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from shardkit.core.checkpoint.snapshot_format import (
@@ -38,6 +40,7 @@ from shardkit.core.checkpoint.snapshot_format import (
 __all__ = ["SlotFile", "SnapshotDirectory", "Topology", "default_directory", "map_existing"]
 
 _SHARED_MEMORY = Path("/dev/shm")
+_MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
 
 
 def default_directory(run_id: str) -> Path:
@@ -52,6 +55,10 @@ class SlotFile:
     def __init__(self, path: Path, raw: torch.Tensor, capacity: int, data_bytes: int) -> None:
         self.path, self.raw = path, raw
         self.capacity, self.data_bytes = capacity, data_bytes
+        # The same bytes as a numpy array, for the few bytes the background thread writes:
+        # a numpy store keeps the GIL (nanoseconds), where a torch op releases and retakes it,
+        # and each retake waits for the training thread to give it up.
+        self._bytes: Any = raw.numpy()
 
     @staticmethod
     def create(path: Path, *, capacity: int, data_bytes: int) -> SlotFile:
@@ -77,22 +84,31 @@ class SlotFile:
         return self.raw[start : start + self.data_bytes]
 
     def region(self) -> torch.Tensor:
-        """The header region's bytes (a view): what travels with the data to a peer."""
+        """The header region's bytes (a view)."""
         return self.raw[REGION_AT : JSON_AT + self.capacity]
+
+    def span(self) -> torch.Tensor:
+        """The header region through the data's end (a view): what travels to a peer.
+
+        One message instead of two: the page of padding between them is cheaper to send than
+        a second message's handshakes. A replica slot has its source's geometry, so the
+        span received fits its span exactly.
+        """
+        return self.raw[REGION_AT : data_offset(self.capacity) + self.data_bytes]
 
     def mark_writing(self) -> None:
         """Mark the slot incomplete: done before any byte of a new snapshot is written."""
-        self.raw[STATE_AT] = 0
-        self.raw[: len(MAGIC)] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
+        self._bytes[STATE_AT] = 0
+        self._bytes[: len(MAGIC)] = _MAGIC
 
     def write_header(self, json_bytes: bytes) -> None:
         """Write the header (its checksum, length and JSON) into the slot."""
         region = header_region(json_bytes, self.capacity)
-        self.region().copy_(torch.frombuffer(bytearray(region), dtype=torch.uint8))
+        self._bytes[REGION_AT : REGION_AT + len(region)] = np.frombuffer(region, dtype=np.uint8)
 
     def mark_complete(self) -> None:
         """Mark the snapshot complete: the last byte written, after data and header."""
-        self.raw[STATE_AT] = 1
+        self._bytes[STATE_AT] = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
+from shardkit.core.checkpoint.snapshot_checksum import checksum_count, checksums_of
 from shardkit.core.checkpoint.snapshot_format import (
     Header,
     SnapshotError,
-    crcs_of,
     layout_json_of,
     peek_step,
 )
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_to_views, fits
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
+from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
 from shardkit.core.runtime.peer_transfer import Message, transfer
 
 __all__ = ["Replication", "SnapshotWriter", "header_capacity"]
@@ -56,14 +57,17 @@ def header_capacity(topology: Topology, layout: Layout, values: dict[str, JSONVa
         topology.rank,
         2**62,
         layout,
-        (2**32 - 1,) * len(layout.entries),
+        (2**64 - 1,) * checksum_count(layout.data_bytes),
         values,
     )
     return 2 * len(widest.to_json()) + 4096
 
 
 class _Worker:
-    """One daemon thread that runs jobs in order: it never holds up the interpreter's exit."""
+    """One daemon thread that runs jobs in order: it never holds up the interpreter's exit.
+
+    It runs at ``SNAPSHOT_NICENESS``, as the snapshot group's gloo threads do.
+    """
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
@@ -81,6 +85,7 @@ class _Worker:
         self._thread.join()
 
     def _run(self) -> None:
+        lower_thread_priority(threading.get_native_id(), SNAPSHOT_NICENESS)
         while (item := self._jobs.get()) is not None:
             job, done = item
             try:
@@ -185,18 +190,20 @@ class SnapshotWriter:
         self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
     ) -> None:
         data = slot.data()
-        crcs = crcs_of(self.layout, data)
+        sums = checksums_of(data)
         who = self.topology
-        header = Header(who.run_id, who.world_size, who.rank, step, self.layout, crcs, values)
+        header = Header(who.run_id, who.world_size, who.rank, step, self.layout, sums, values)
         slot.write_header(header.to_json(self._layout_json))
         slot.mark_complete()
         if self.replication is None or replica is None:
             return
         replica.mark_writing()
-        peer, source = self.replication.peer, self.replication.source
+        # Header and data in one message each way, straight from the slot into the replica
+        # slot: no staging copy, and the fewest calls that give up the GIL and wait to get it
+        # back (the checksums travel in the header: the holder never computes them).
         transfer(
-            sends=[Message(slot.region(), peer, 0), Message(data, peer, 1)],
-            receives=[Message(replica.region(), source, 0), Message(replica.data(), source, 1)],
+            sends=[Message(slot.span(), self.replication.peer)],
+            receives=[Message(replica.span(), self.replication.source)],
         )
         replica.mark_complete()
 

@@ -6,6 +6,8 @@ With ``collectives.py`` and ``object_collectives.py`` this is the only place the
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 
 import torch.distributed as dist
@@ -22,13 +24,18 @@ __all__ = [
     "is_distributed",
     "new_subgroup",
     "own_group",
+    "lower_thread_priority",
     "progress_store",
     "snapshot_group",
+    "SNAPSHOT_NICENESS",
     "subgroup_of",
     "world_group",
     "world_subgroup",
     "world_size",
 ]
+
+
+logger = logging.getLogger(__name__)
 
 
 def global_rank() -> int:
@@ -183,32 +190,67 @@ _SNAPSHOT_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup
 _SNAPSHOT_GROUPS = weakref.WeakKeyDictionary()
 
 
+# The niceness of memory snapshots' background work: the writer's thread and the snapshot
+# group's gloo threads (its TCP loop moves every replica's bytes). Where training keeps every
+# core busy, the work then takes the cycles that training leaves while it waits in its own
+# collectives instead of stretching a step. 10, not 19: other jobs' niced processes must not
+# starve it (a replica late by a step holds up the next snapshot), and the writer's thread,
+# which takes the GIL between its calls, must not be preempted by them while it holds it.
+SNAPSHOT_NICENESS = 10
+
+
 def snapshot_group() -> dist.ProcessGroup:
     """A gloo group of every rank that only memory snapshots' transfers to peers use.
 
     Collective on first use, from the training thread. The replicas travel from a thread of
     their own while the training thread runs its collectives on the default group (and an
     asynchronous checkpoint's writer on ``checkpoint_group()``): each thread has its own group,
-    so no message of one is ever paired with a message of another.
+    so no message of one is ever paired with a message of another. The threads gloo starts for
+    the group run at ``SNAPSHOT_NICENESS`` (on Linux).
     """
-    return _gloo_world(_SNAPSHOT_GROUPS)
+    return _gloo_world(_SNAPSHOT_GROUPS, niceness=SNAPSHOT_NICENESS)
+
+
+def lower_thread_priority(thread_id: int, niceness: int) -> None:
+    """Set one thread's niceness (``threading.get_native_id()``); nothing where not allowed.
+
+    On Linux, ``PRIO_PROCESS`` with a thread id sets that thread's niceness alone.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread_id, niceness)
+    except (AttributeError, OSError) as error:  # not Linux, or not allowed: run as is
+        logger.debug("thread %d keeps its priority: %s", thread_id, error)
 
 
 def _gloo_world(
     made: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup],
+    niceness: int | None = None,
 ) -> dist.ProcessGroup:
     """The gloo group of every rank kept in ``made`` for the default group; made on first use.
 
     Collective on first use: every rank of the world makes it together (a plain ``new_group``),
-    so torch's group counter advances alike on all of them.
+    so torch's group counter advances alike on all of them. With ``niceness``, the threads that
+    appear while the group is made (gloo's TCP loop and its workers) get it.
     """
     world = _world()
     group = made.get(world)
     if group is None:
+        before = _thread_ids()
         new = dist.new_group(backend="gloo")
         assert isinstance(new, dist.ProcessGroup), "every rank is a member of the world"
         group = made[world] = new
+        if niceness is not None:
+            for thread_id in _thread_ids() - before:
+                lower_thread_priority(thread_id, niceness)
     return group
+
+
+def _thread_ids() -> set[int]:
+    """This process's threads (Linux); empty where /proc does not list them."""
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 def progress_store() -> Store | None:

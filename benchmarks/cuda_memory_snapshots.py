@@ -1,0 +1,122 @@
+"""Memory snapshots on a GPU node: the step with a snapshot every step over the step without.
+
+Issue 40's figure where its limit was meant to hold, on a GPU: there the snapshot's copy is a
+device-to-host copy, and the host's cores that run the checksums and the exchange are not the
+ones training. ``torchrun --nproc-per-node N`` (NCCL on CUDA, one rank per GPU; gloo with
+``--device cpu``, the smoke run): benchmarks/gpt.py's GPT sharded by shardkit, AdamW, and
+``MemorySnapshots`` with each rank its own "node" (``ranks_per_node=1``), so at W >= 2 every
+snapshot is also exchanged with another rank over the snapshot group (gloo), as between two
+nodes; at W=1 there is no peer, and the copy and the checksums are what is timed. Each round
+trains a block of steps without snapshots and a block with one every step, alternating which
+goes first; a block's figure is its mean step on the slower rank. Prints one JSON line:
+the medians and each round's ratio. ``make check-gpu`` runs it (chunk ``memory-snapshots``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
+
+from benchmarks.gpt import batch, build, train_step
+from shardkit.core import MemorySnapshots, StateDictCache
+
+
+class _State:
+    """The model and optimizer as one ``Stateful``, as a training loop snapshots them."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.state_dicts = StateDictCache(model, optimizer)
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = self.state_dicts()
+        return {"model": model_sd, "optim": optim_sd, "step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("the benchmark never restores")
+
+
+def _block(run: dict[str, Any], snapshot: bool) -> float:
+    """``steps`` training steps (with a snapshot after each, or not); the mean on this rank."""
+    model, optimizer, state = run["model"], run["optimizer"], run["state"]
+    snapshots: MemorySnapshots = run["snapshots"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    seconds = []
+    for _ in range(run["steps"]):
+        data = batch(run["size"], state.step, rank, world).to(run["device"])
+        started = time.perf_counter()
+        train_step(model, optimizer, data)  # ends in loss.item(): the device is synchronized
+        state.step += 1
+        if snapshot:
+            snapshots.snapshot(state.step, {"train": state})
+        seconds.append(time.perf_counter() - started)
+    snapshots.wait()  # the last one's background work stays out of the next block
+    return statistics.mean(seconds)
+
+
+def _slowest(value: float, device: str) -> float:
+    """The largest ``value`` over the ranks."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--size", default="217m", help="a model of benchmarks/gpt.py")
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = build("shardkit", args.size, world, device=args.device)
+    root = Path(tempfile.gettempdir()) / f"shardkit-cuda-snapshots-{os.environ['MASTER_PORT']}"
+    snapshots = MemorySnapshots("cuda-snapshots", directory=root / f"node{rank}", ranks_per_node=1)
+    run = {"model": model, "optimizer": optimizer, "state": _State(model, optimizer)}
+    run |= {"snapshots": snapshots, "steps": args.steps, "size": args.size, "device": args.device}
+    try:
+        _block(run | {"steps": 2}, snapshot=True)  # warm-up: lazy init, optimizer state, slots
+        rounds = []
+        for index in range(args.rounds):
+            order = [False, True] if index % 2 == 0 else [True, False]
+            found = {snap: _slowest(_block(run, snap), args.device) for snap in order}
+            rounds.append(found)
+        shared = snapshots.nbytes
+    finally:
+        snapshots.close()
+        shutil.rmtree(root, ignore_errors=True)
+    ratios = [r[True] / r[False] for r in rounds]
+    if rank == 0:
+        record = {
+            "device": args.device,
+            "size": args.size,
+            "world": world,
+            "step_s": statistics.median(r[False] for r in rounds),
+            "with_s": statistics.median(r[True] for r in rounds),
+            "ratio": statistics.median(ratios),
+            "ratios": [round(r, 4) for r in ratios],
+            "shared_memory_mib_per_rank": shared / 2**20,
+        }
+        print(json.dumps(record), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,44 @@
+"""``make check-gpu``'s memory-snapshots chunk: issue 40's step-time limit on a GPU node.
+
+Its own module: scripts/gpu_chunks.py, which runs it, is near the house's 450-line limit.
+``benchmarks/cuda_memory_snapshots.py`` trains benchmarks/gpt.py's GPT with and without a
+memory snapshot every step, alternating blocks, every GPU a "node" of its own (so at W >= 2
+each snapshot is also exchanged with a peer); the row passes where the step with snapshots is
+at most ``SNAPSHOT_TARGET`` of the step without. The CPU smoke run (two gloo ranks, a tiny
+model) checks that the run and its record work; its ratio, on two busy cores, is not judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scripts.gpu_chunks import Row, Runner
+
+__all__ = ["SNAPSHOT_TARGET", "memory_snapshots"]
+
+SNAPSHOT_TARGET = 1.05  # issue 40: a snapshot every step costs at most 5% of the step
+
+
+def memory_snapshots(
+    device: str, size: str, steps: int, rounds: int
+) -> Callable[[Runner], list[Row]]:
+    """The chunk: every GPU (two gloo ranks with ``device="cpu"``), ``rounds`` paired blocks."""
+
+    def run(runner: Runner) -> list[Row]:
+        nproc = max(1, runner.gpus) if device == "cuda" else 2
+        args = ["--device", device, "--size", size, "--steps", str(steps), "--rounds", str(rounds)]
+        cmd = runner.torchrun(nproc, "benchmarks/cuda_memory_snapshots.py", *args)
+        records, error = runner.run("memory-snapshots", cmd, timeout=420)
+        label = f"memory snapshots every step, {size} W={nproc} ({device}): step with / without"
+        if error or not records:
+            return [Row(chunk="", check=label, status="error", detail=error)]
+        r = records[0]
+        figures = (
+            f"{r['ratio']:.3f} ({r['with_s']:.4f} s vs {r['step_s']:.4f} s; rounds "
+            f"{min(r['ratios']):.2f} to {max(r['ratios']):.2f}), "
+            f"{r['shared_memory_mib_per_rank']:.0f} MiB of shared memory per rank"
+        )
+        met = device != "cuda" or r["ratio"] <= SNAPSHOT_TARGET
+        return [Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)]
+
+    return run
