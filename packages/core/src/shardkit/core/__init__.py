@@ -39,7 +39,8 @@ from shardkit.core.errors import (
     UnsupportedWithHooksError,
 )
 from shardkit.core.extensions import ParamShardingSpec, ShardingExtension, register_extension
-from shardkit.core.fsdp_module import FSDPModule, GradientReductionHandle, UnshardHandle
+from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
+from shardkit.core.fsdp_module import FSDPModule
 from shardkit.core.full_params import full_params
 from shardkit.core.layout import layout_of
 from shardkit.core.observe import (

@@ -1,4 +1,4 @@
-"""The methods ``fully_shard`` adds to a module: ``FSDPModule``, and ``UnshardHandle``.
+"""The methods ``fully_shard`` adds to a module: ``FSDPModule`` (its handles: ``fsdp_handles``).
 
 A sharded module's class becomes ``FSDP<Cls>``, a subclass of ``FSDPModule`` and its own
 class (``api.fully_shard`` makes the swap). The methods act on the module's parameter groups
@@ -22,6 +22,7 @@ from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
+from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.agreement import agreed
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
@@ -32,45 +33,9 @@ from shardkit.core.state_dict.validation import (
     param_keys,
     shard_full_tensors,
 )
-from shardkit.core.torch_fsdp import TorchUnshardHandle
 from shardkit.core.torch_release import not_in_shardkit
 
 __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
-
-
-class UnshardHandle(TorchUnshardHandle):
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard.
-
-    A subclass of torch's ``UnshardHandle`` (a base with a no-op ``wait``), so code that
-    checks a handle against torch's class accepts it.
-    """
-
-    def __init__(self, groups: tuple[FSDPParamGroup, ...]) -> None:
-        self._groups = groups
-
-    def wait(self) -> None:
-        """Block until the full parameters are gathered and registered."""
-        groups, self._groups = self._groups, ()
-        for group in groups:
-            group.wait_for_unshard()
-
-
-class GradientReductionHandle:
-    """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's API).
-
-    ``wait()`` finishes the reductions ``finalize_backward`` started and assigns the sharded
-    gradients. A class of shardkit's own, as torch's exists only from 2.15 on; ``patch_torch``
-    puts it under torch's name where torch has one.
-    """
-
-    def __init__(self, finish: Callable[[], None] | None = None) -> None:
-        self._finish = finish
-
-    def wait(self) -> None:
-        """Finish the gradient reductions (once; later calls return at once)."""
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
 
 
 class FSDPModule:
