@@ -18,6 +18,7 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.schedule import AfterForward
 from shardkit.core.state_machines import TrainingState
+from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
 
 __all__ = ["EngineOps", "TakenGrads"]
 
@@ -67,7 +68,8 @@ class EngineOps:
         where nothing accumulates them. See [Note: post-backward trigger].
         """
         group.wait_for_unshard()
-        if group.training_state is TrainingState.PRE_BACKWARD:
+        # Before torch 2.15 nothing is deferred: no walk over the parameters on this hot path.
+        if ACCUMULATES_IN_GRAD_DTYPE and group.training_state is TrainingState.PRE_BACKWARD:
             reducing = group.options.reduce_grads
             for p in group.params:
                 p.defer_grad_upcast(reducing)
