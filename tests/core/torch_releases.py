@@ -8,13 +8,11 @@ listed here that the installed torch lacks while it should have it fails the tes
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from shardkit.core.torch_release import release_of
 
-__all__ = ["ADDED_IN", "BF16_TP_TOLERANCE", "INSTALLED", "Tolerance", "added_under", "torch_has"]
+__all__ = ["ADDED_IN", "INSTALLED", "added_under", "torch_has"]
 
 INSTALLED = release_of(torch.__version__) or (0, 0)
 """The installed torch's (major, minor)."""
@@ -40,20 +38,6 @@ names, and (dotted) fully_shard's parameters, the policies' fields and FSDPModul
 def added_under(prefix: str) -> dict[str, tuple[int, int]]:
     """``ADDED_IN``'s names under ``prefix`` ("FSDPModule"), without the prefix."""
     return {k.split(".", 1)[1]: v for k, v in ADDED_IN.items() if k.startswith(prefix + ".")}
-
-
-class Tolerance(NamedTuple):
-    """What ``assert_parity`` allows."""
-
-    rtol: float
-    atol: float
-
-
-BF16_TP_TOLERANCE = Tolerance(1e-2, 1e-3) if INSTALLED >= (2, 15) else Tolerance(1e-5, 1e-6)
-"""How close bf16 training with tensor parallelism must come to torch's: torch 2.15 reworked
-its gradient reduction (per-dtype runs, gradients cast where they are viewed), and its bf16
-results under TP moved in the last bits of bf16 (5e-4 relative after 5 steps, under one bf16
-ulp), so from 2.15 on they are compared at bf16's precision, as at W=4 elsewhere."""
 
 
 def torch_has(name: str) -> bool:

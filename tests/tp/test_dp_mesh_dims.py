@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.pool import run_on_ranks
 from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import assert_parity
-from tests.core.torch_releases import BF16_TP_TOLERANCE, INSTALLED, torch_has
+from tests.core.torch_releases import INSTALLED, torch_has
 from tests.tp.spmd_parity import (
     SpmdRun,
     full_state_dict_body,
@@ -82,8 +82,7 @@ def test_training_matches_torch_and_one_process(layout: str) -> None:
 def test_bf16_mixed_precision_matches_torch() -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     run = SpmdRun(shard_kwargs={"mp_policy": policy}, impls=("shardkit", "torch"))
-    rtol, atol = BF16_TP_TOLERANCE
-    assert_parity(run_on_ranks(4, parity_body, run=run), rtol=rtol, atol=atol)
+    assert_parity(run_on_ranks(4, parity_body, run=run), rtol=0, atol=0)
 
 
 def test_full_state_dicts_are_the_single_models() -> None:

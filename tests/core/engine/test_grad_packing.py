@@ -12,6 +12,7 @@ from shardkit.core.engine.reduce.packing import (
 )
 from shardkit.core.runtime.buffers import copy_out_unsharded, shard_geometry
 from shardkit.tools import OpCounter
+from tests.core.torch_releases import INSTALLED
 
 
 @pytest.mark.parametrize(
@@ -157,10 +158,31 @@ def test_the_fused_pack_is_bit_identical_to_the_general_pack(
     assert torch.equal(fused.view(torch.uint8), each.view(torch.uint8))  # padding zeroed too
 
 
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_a_group_of_two_gradient_dtypes_packs_fused_from_torch_2_15(world: int) -> None:
+    # bf16 gradients beside fp32 ones (TP-replicated parameters keep autograd's upcast from
+    # torch 2.15 on): one kernel as torch's, else left to the general pack, nothing written.
+    geometries = [shard_geometry(torch.Size(s), 0, world) for s in FUSED_SHAPES]
+    offsets = [sum(g.shard_numel for g in geometries[:k]) for k in range(len(geometries))]
+    width = offsets[-1] + geometries[-1].shard_numel
+    dtypes = [torch.bfloat16, torch.float32] * len(FUSED_SHAPES)
+    grads: list[torch.Tensor | None] = [
+        torch.randn(s).to(dtype) for s, dtype in zip(FUSED_SHAPES, dtypes, strict=False)
+    ]
+    fused, each = (torch.full((world, width), float("nan")) for _ in range(2))
+    pack_grads_rank_major(grads, geometries, offsets, each)
+    with OpCounter() as counter:
+        packed = pack_dim0_grads_fused(grads, fused)
+    if INSTALLED < (2, 15):
+        assert not packed and fused.isnan().all()
+        return
+    assert packed and counter.total == 1
+    assert torch.equal(fused.view(torch.uint8), each.view(torch.uint8))
+
+
 def test_the_fused_pack_leaves_what_it_cannot_do_to_the_others() -> None:
     rows = torch.full((2, 4), 7.0)
     assert not pack_dim0_grads_fused([torch.ones(4), None], rows)
-    assert not pack_dim0_grads_fused([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)], rows)
     recorded = torch.ones(8, requires_grad=True) * 2
     assert not pack_dim0_grads_fused([recorded], rows)
     assert rows.eq(7).all()  # nothing written

@@ -120,18 +120,19 @@ class FSDPParam:
         """
         self.comm_dtype = comm_dtype
         spec = self.sharding_spec
-        # Left as before 2.15: a gradient TP may sum first (a replicated parameter), which
-        # torch 2.15 keeps in the reduce dtype throughout; mixed gradient dtypes in a group
-        # would cost the packing its one fused copy. See [Note: post-backward trigger].
+        floating = comm_dtype.is_floating_point and reduce_dtype.is_floating_point
+        follows = ACCUMULATES_IN_GRAD_DTYPE and floating
+        self.accumulation_dtype = reduce_dtype if follows else None
+        # A gradient that tensor parallelism sums before FSDP reduces it (a parameter
+        # replicated over a TP axis: its gradient may be Partial there) keeps autograd's cast,
+        # as torch 2.15 does, so that sum runs in the reduce dtype too. Only a wider dtype is
+        # lifted while a backward runs (defer_grad_upcast). See [Note: post-backward trigger].
         summed_outside_dp = spec.unsharded_mesh is not None and any(
             isinstance(placement, Replicate) and axis not in spec.dp_axes
             for axis, placement in enumerate(spec.unsharded_placements)
         )
-        floating = comm_dtype.is_floating_point and reduce_dtype.is_floating_point
-        follows = ACCUMULATES_IN_GRAD_DTYPE and floating and not summed_outside_dp
-        self.accumulation_dtype = reduce_dtype if follows else None
-        # Only a wider dtype is lifted while a backward runs (defer_grad_upcast).
-        self._defers_upcast = follows and reduce_dtype.itemsize > comm_dtype.itemsize
+        wider = reduce_dtype.itemsize > comm_dtype.itemsize
+        self._defers_upcast = follows and wider and not summed_outside_dp
         param = self.unsharded_param
         if param is not None and param.grad is None:
             self._set_grad_dtype(param)

@@ -5,8 +5,9 @@ three kernels write the rows, each the same bytes, each in a number of kernels t
 the world size nor (but for views) the number of parameters changes:
 
 - :func:`pack_dim0_grads_fused`: one ``_chunk_cat`` for the group, padding and cast included
-  (torch's ``fully_shard`` packs so); the engine's way on accelerators, where every kernel
-  is a launch. On CPU its kernel is slower than the others.
+  (torch's ``fully_shard`` packs so; from torch 2.15 a group of several gradient dtypes too);
+  the engine's way on accelerators, where every kernel is a launch. On CPU its kernel is
+  slower than the others.
 - :func:`pack_even_dim0_grads`: one ``cat`` of (W, n) views, for even dim-0 shards that
   need no cast.
 - :func:`pack_grads_rank_major`: anything else (any shard dim, uneven shards, casts, missing
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +29,10 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 
 __all__ = ["Packing", "pack_dim0_grads_fused", "pack_even_dim0_grads", "pack_grads_rank_major"]
+
+# torch 2.15's copy-in for a group whose gradients come in several dtypes (bf16 gradients and
+# the fp32 ones of parameters tensor parallelism sums first); None before 2.15.
+_CHUNK_CAT_MIXED_DTYPE: Any = getattr(torch.ops.fsdp, "chunk_cat_mixed_dtype", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,16 +247,24 @@ def pack_dim0_grads_fused(grads: Sequence[torch.Tensor | None], out: torch.Tenso
 
     Returns:
         False, having written nothing, where it cannot: a missing gradient, a tensor
-        subclass, gradients of several dtypes, or one that autograd records.
+        subclass, one that autograd records, or gradients of several dtypes before torch
+        2.15 (from 2.15 on, torch's ``fsdp::chunk_cat_mixed_dtype`` packs those as torch's
+        ``fully_shard`` does: on CUDA one kernel per dtype, casting as it copies).
     """
     parts: list[torch.Tensor] = []
     for grad in grads:
         if grad is None or type(grad) is not torch.Tensor:
             return False
         parts.append(grad)
-    if not parts or len({part.dtype for part in parts}) != 1:
+    if not parts:
+        return False
+    mixed = len({part.dtype for part in parts}) != 1
+    if mixed and _CHUNK_CAT_MIXED_DTYPE is None:
         return False
     if torch.is_grad_enabled() and any(part.requires_grad for part in parts):
         return False
-    torch._chunk_cat(parts, 0, out.shape[0], out=out)
+    if mixed:
+        _CHUNK_CAT_MIXED_DTYPE(parts, dim=0, num_chunks=out.shape[0], out=out)
+    else:
+        torch._chunk_cat(parts, 0, out.shape[0], out=out)
     return True
