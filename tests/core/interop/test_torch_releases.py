@@ -58,12 +58,6 @@ def test_refusals_name_the_feature_and_the_release() -> None:
     assert str(missing) == "X(True) (torch 2.15's FSDP2) is not implemented by shardkit: it does Y"
 
 
-def test_param_dtype_override_fn_is_refused_by_name() -> None:
-    with pytest.raises(NotImplementedError, match=r"param_dtype_override_fn.*torch 2\.15"):
-        sk.MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=lambda p: None)
-    assert sk.MixedPrecisionPolicy(param_dtype_override_fn=None).param_dtype is None
-
-
 def _backward_finalization_body(rank: int, world_size: int) -> dict[str, Any]:
     # torch 2.15's manual finalization, on whatever torch is installed: two backwards without
     # gradient sync, then finalize_backward reduces once; gradients as one backward's.

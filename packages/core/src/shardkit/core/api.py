@@ -6,6 +6,7 @@ was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from types import MethodType
@@ -32,7 +33,12 @@ from shardkit.core.engine.state_registry import is_managed, register_state, stat
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.fsdp_module import FSDPModule
 from shardkit.core.placement import placement_resolver
-from shardkit.core.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.core.policies import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    keeps_own_dtype,
+)
 from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
 from shardkit.core.torch_view import TorchFacingState, attach_view, view_of
@@ -128,6 +134,10 @@ def fully_shard(
     managed = collect_params(modules, set(ignored_params or ()), place, mesh_info)
     name = type(modules[0]).__name__
     check_hooked_params([p for m in managed for p in m.params], policy, name)
+    for p in (p for m in managed for p in m.params):  # once, on the parameters as given
+        original = p.original_ref()
+        assert original is not None, "fully_shard holds the module, which holds the parameter"
+        p.keeps_own_dtype = keeps_own_dtype(mp_policy, original, p.fqn)
     groups = tuple(
         _build_group(
             m,
@@ -144,6 +154,9 @@ def fully_shard(
         for p in group.params:
             p.register(unsharded=False)
         mark_owned(group.params, name)
+    # As torch's state: the per-parameter function has been applied; inputs use param_dtype.
+    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
+        mp_policy = dataclasses.replace(mp_policy, param_dtype_override_fn=None)
     state = FSDPState(modules, groups, mp_policy, mesh_info.device)
     for m in modules:
         register_state(m, state)

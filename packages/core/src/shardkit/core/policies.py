@@ -9,13 +9,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardkit.core.torch_release import not_in_shardkit
-
-__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "keeps_own_dtype",
+]
 
 
 # Positional like torch's dataclasses (``MixedPrecisionPolicy(torch.bfloat16, torch.float32)``
@@ -43,24 +48,51 @@ class MixedPrecisionPolicy:
     param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = (
         dataclasses.field(default=None, kw_only=True)
     )
-    """torch 2.15's per-parameter ``param_dtype``: not implemented, only None is accepted
-    (a group's parameters are gathered in one dtype)."""
+    """Per parameter, as torch 2.15's: called once on each parameter ``fully_shard`` manages
+    (before it is sharded); its own dtype keeps that parameter out of ``param_dtype`` (an
+    MoE router or a norm gathered and computed in fp32), None or ``param_dtype`` leaves it
+    in. It must answer alike on every rank. Inputs are still cast to ``param_dtype``."""
 
     def __post_init__(self) -> None:
-        if self.param_dtype_override_fn is not None:
-            raise not_in_shardkit(
-                "MixedPrecisionPolicy(param_dtype_override_fn=...)",
-                "2.15",
-                "a group's floating-point parameters are all gathered in param_dtype; keep a "
-                "parameter in its own dtype by sharding its module in a fully_shard call of "
-                "its own with another MixedPrecisionPolicy",
-            )
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise TypeError("MixedPrecisionPolicy.param_dtype_override_fn must be callable")
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
                 raise TypeError(f"MixedPrecisionPolicy.{name} must be a torch.dtype or None")
             if value is not None and not value.is_floating_point:
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating dtype: {value}")
+
+
+def keeps_own_dtype(policy: Any, param: nn.Parameter, fqn: str) -> bool:
+    """Whether ``policy``'s ``param_dtype_override_fn`` keeps ``param`` in its own dtype.
+
+    ``policy`` is shardkit's ``MixedPrecisionPolicy`` or torch's (2.15's has the field).
+
+    Raises:
+        ValueError: the function returned something other than None, ``param_dtype`` or the
+            parameter's own dtype (named with the parameter).
+    """
+    fn = getattr(policy, "param_dtype_override_fn", None)
+    if fn is None:
+        return False
+    dtype = fn(param)
+    if dtype is None:
+        return False
+    param_dtype = policy.param_dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"MixedPrecisionPolicy.param_dtype_override_fn returned a {type(dtype).__name__} "
+            f"for parameter {fqn}; it must return a torch.dtype or None"
+        )
+    if dtype not in (param_dtype, param.dtype):
+        raise ValueError(
+            f"MixedPrecisionPolicy.param_dtype_override_fn returned {dtype} for parameter "
+            f"{fqn}; it may return None, param_dtype ({param_dtype}) or the parameter's own "
+            f"dtype ({param.dtype})"
+        )
+    return bool(dtype != param_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,9 @@ class ParamSpec:
     all_gather_inputs: tuple[HookInput, ...] | None = None
     """With hooks: the tensors the pre-all-gather hook returns, once known (the engine learns
     them at the group's first unshard); None before, or without hooks."""
+    keeps_own_dtype: bool = False
+    """Whether ``MixedPrecisionPolicy.param_dtype_override_fn`` keeps it out of
+    ``param_dtype``: it is gathered and computed in its own dtype."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -294,8 +297,9 @@ def _hook_inputs(spec: ParamSpec) -> FlatLayout | None:
 
 
 def _comm_dtype(spec: ParamSpec, param_dtype: torch.dtype | None) -> torch.dtype:
-    # Mixed precision casts floating-point parameters only; integer ones keep their dtype.
-    if param_dtype is not None and spec.dtype.is_floating_point:
+    # Mixed precision casts floating-point parameters only; integer ones keep their dtype, as
+    # do those the policy's param_dtype_override_fn keeps in theirs.
+    if param_dtype is not None and spec.dtype.is_floating_point and not spec.keeps_own_dtype:
         return param_dtype
     return spec.dtype
 
@@ -317,7 +321,8 @@ def _reduce_dtype(
         raise ValueError(
             "fully_shard needs one dtype for the trainable parameters of a group so that "
             f"their gradients reduce together; got {names}. Set "
-            "MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls."
+            "MixedPrecisionPolicy(param_dtype=...) (with param_dtype_override_fn, "
+            "reduce_dtype=...) or shard them in separate calls."
         )
     return trained.pop() if trained else torch.float32
 

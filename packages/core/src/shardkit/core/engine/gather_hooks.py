@@ -12,6 +12,7 @@ See [Note: all-gather extensions].
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -301,7 +302,10 @@ class GroupHooks:
         hooked = {i: p for i, p in enumerate(params) if p.hooks is not None}
         if not hooked:
             return None
-        calls = {i: HookCall(mesh, p.slots[0].module, mp_policy, device) for i, p in hooked.items()}
+        calls = {
+            i: HookCall(mesh, p.slots[0].module, _policy_of(mp_policy, p), device)
+            for i, p in hooked.items()
+        }
         return GroupHooks(hooked, calls)
 
     def pre_all_gather(self, module_fqn: str) -> dict[int, list[torch.Tensor]]:
@@ -342,3 +346,14 @@ class GroupHooks:
         for p in self.params.values():
             assert p.hooks is not None
             p.hooks.free()
+
+
+def _policy_of(mp_policy: MixedPrecisionPolicy, param: FSDPParam) -> MixedPrecisionPolicy:
+    """The policy a parameter's pre-all-gather hook sees, resolved for it as torch 2.15 does.
+
+    ``param_dtype`` is its own dtype where ``param_dtype_override_fn`` kept it so.
+    """
+    if getattr(mp_policy, "param_dtype_override_fn", None) is None:
+        return mp_policy
+    param_dtype = param.orig_dtype if param.keeps_own_dtype else mp_policy.param_dtype
+    return dataclasses.replace(mp_policy, param_dtype=param_dtype, param_dtype_override_fn=None)

@@ -54,6 +54,7 @@ class FSDPParam:
     geometry: ShardGeometry
     orig_dtype: torch.dtype
     comm_dtype: torch.dtype  # dtype of the unsharded parameter (param_dtype or original)
+    keeps_own_dtype: bool  # param_dtype_override_fn keeps it out of param_dtype
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype (<2.15)
@@ -77,6 +78,7 @@ class FSDPParam:
         self.geometry = shard_geometry(local.shape, sharding.spec.shard_dim, mesh_info.shard_size)
         self.orig_dtype = local.dtype
         self.comm_dtype = local.dtype
+        self.keeps_own_dtype = False  # set by fully_shard from param_dtype_override_fn
         self.hooks = self._hooks_of(local, sharding.extension)
         self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
@@ -154,6 +156,7 @@ class FSDPParam:
             shard_dim=geo.dim,
             all_gather_hooks=self.hooks is not None,
             all_gather_inputs=self.hooks.inputs if self.hooks is not None else None,
+            keeps_own_dtype=self.keeps_own_dtype,
         )
 
     # --- sharded side ---------------------------------------------------------------------
