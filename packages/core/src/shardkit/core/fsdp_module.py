@@ -33,7 +33,6 @@ from shardkit.core.state_dict.validation import (
     param_keys,
     shard_full_tensors,
 )
-from shardkit.core.torch_release import not_in_shardkit
 
 __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
@@ -278,18 +277,15 @@ class FSDPModule:
             raise ValueError(f"only the NCCL symmetric memory backend exists, got {backend!r}")
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """False only (torch 2.15's API): a reshard frees the full parameters' storage.
+        """Keep the full parameters' memory when resharding (torch 2.15's).
 
-        Raises:
-            NotImplementedError: ``keep`` is True (torch keeps the storage for CUDA graphs).
+        A reshard then registers the sharded parameters but frees nothing, and the next
+        unshard gathers into the same memory: the full parameters keep their data pointers
+        (what CUDA graph capture needs), at the cost of holding them. False frees them again
+        from the next reshard on.
         """
-        if keep:
-            raise not_in_shardkit(
-                "set_keep_unsharded_storage(True)",
-                "2.15",
-                f"{type(self).__name__}'s full parameters are freed on every reshard; "
-                "set_reshard_after_forward(False) keeps them between forward and backward",
-            )
+        for group in self._groups_under(recurse):
+            group.options.keep_unsharded_storage = bool(keep)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether full parameters are freed after forward."""

@@ -26,6 +26,10 @@ class GroupOptions:
     """Set when the user passed None: the root then keeps its parameters after forward."""
     reshard_after_backward: bool = True
     """Free the full parameters after backward (False keeps them for the next microbatch)."""
+    keep_unsharded_storage: bool = False
+    """A reshard registers the sharded parameters but keeps the full parameters' memory, so
+    their data pointers stay fixed across reshard and unshard (torch 2.15's, for CUDA graph
+    capture), at the cost of that memory."""
     reduce_grads: bool = True
     """Reduce-scatter gradients after backward; False accumulates full gradients (no sync)."""
     all_reduce_grads: bool = True

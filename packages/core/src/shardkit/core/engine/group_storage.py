@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.unsharded import UnshardedBuffer
@@ -275,8 +276,14 @@ class GroupStorage:
             target = unsharded.view(buffer, i)[: shard.numel()]
             target.copy_(shard, non_blocking=plan.pin_memory)
 
-    def free_unsharded(self, plan: GroupPlan) -> None:
-        """Free the full parameters' memory and the hooks' outputs (resharding)."""
+    def free_unsharded(self, plan: GroupPlan, options: GroupOptions) -> None:
+        """Free the full parameters' memory and the hooks' outputs (resharding).
+
+        Nothing is freed where ``options.keep_unsharded_storage``: the next unshard gathers
+        into the same memory, at the same addresses.
+        """
+        if options.keep_unsharded_storage:
+            return
         if not plan.aliases_shards:
             self.unsharded.free()
         if plan.hooks is not None:

@@ -329,7 +329,7 @@ class FSDPParamGroup:
             return
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED, self.fqn)
         self._register(unsharded=False)
-        self._storage.free_unsharded(self.plan)
+        self._storage.free_unsharded(self.plan, self.options)
         self._post_forward_slices = None
         self.sharded_state = ShardedState.SHARDED
         if observe.has_subscribers():
@@ -353,7 +353,7 @@ class FSDPParamGroup:
             SHARDED_TRANSITIONS, self.sharded_state, ShardedState.SHARDED_POST_FORWARD, self.fqn
         )
         self._register(unsharded=False)
-        self._storage.free_unsharded(self.plan)
+        self._storage.free_unsharded(self.plan, self.options)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _register(self, *, unsharded: bool) -> None:
