@@ -134,8 +134,9 @@ def _train_shardkit(
     config: StressConfig, rank: int, world_size: int, steps: int, root: Path
 ) -> dict[str, Any]:
     from shardkit.core import CheckpointManager
-    from shardkit.core.runtime.lifetimes import in_flight
+    from tests.core.runtime.flights import baseline, since
 
+    before = baseline()
     run = config.run(world_size, steps)
     model = models.build(run.model)
     apply("shardkit", model, make_mesh(run, world_size), run)
@@ -179,7 +180,7 @@ def _train_shardkit(
         "losses": losses,
         "params": {k: v.tolist() for k, v in full_params(model).items()},
         "wrong_full_values": wrong,
-        "left_in_flight": [f.describe() for f in in_flight()],
+        "left_in_flight": [f.describe() for f in since(before)],
         "checkpoint_differs": sorted(k for k in saved if not torch.equal(saved[k], after_load[k])),
     }
 
@@ -192,10 +193,11 @@ def _fresh(run: Run, world_size: int) -> tuple[Any, torch.optim.Optimizer]:
 
 def _legacy(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """FSDP1's full optimizer state gathered every other step, against torch's FSDP1."""
-    from shardkit.core.runtime.lifetimes import in_flight
+    from tests.core.runtime.flights import baseline, since
     from tests.legacy.legacy_parity import train_steps, wrap_model
     from tests.legacy.optim_support import RUN, adamw, call, comparable
 
+    before = baseline()
     out: dict[str, Any] = {}
     for impl in ("shardkit", "torch"):
         model = wrap_model(impl, RUN)
@@ -209,7 +211,7 @@ def _legacy(rank: int, world_size: int, steps: int) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             full = call(impl, "full_optim_state_dict", model, optimizer, rank0_only=False)
         out[impl] = {"losses": losses, "optim": comparable(full)}
-    out["left_in_flight"] = [f.describe() for f in in_flight()]
+    out["left_in_flight"] = [f.describe() for f in since(before)]
     return out
 
 

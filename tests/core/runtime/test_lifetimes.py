@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
+from tests.core.runtime.flights import baseline, since
 
 
 @contextmanager
@@ -32,15 +33,15 @@ def _lifetime_checks(enabled: bool) -> Iterator[None]:
 def _early_return_body(rank: int, world_size: int) -> dict[str, str]:
     from shardkit.core.errors import BufferLifetimeError
     from shardkit.core.runtime.collectives import ProcessGroupRuntime
-    from shardkit.core.runtime.lifetimes import in_flight
 
     runtime = ProcessGroupRuntime()
     group = dist.group.WORLD
     assert group is not None
     rows = torch.full((64,), rank, dtype=torch.uint8)
+    before = baseline()
     with _lifetime_checks(True):
         handle = runtime.all_gather(rows, group, label="blocks.3")
-        assert handle.buffer is not None and len(in_flight()) == 1
+        assert handle.buffer is not None and len(since(before)) == 1
         try:
             runtime.pool.put(handle.buffer)  # before the wait: the receive buffer is in use
         except BufferLifetimeError as error:
@@ -48,7 +49,7 @@ def _early_return_body(rank: int, world_size: int) -> dict[str, str]:
         else:
             message = ""
         blocks = handle.wait()
-        assert not in_flight(), in_flight()
+        assert not since(before), since(before)
         gathered = torch.cat([b.rows for b in blocks]).view(world_size, 64)[:, 0].tolist()
         handle.release()  # after the wait: allowed
     return {"message": message, "gathered": str(gathered)}
@@ -69,12 +70,12 @@ def _freed_before_wait_body(rank: int, world_size: int) -> str:
     from shardkit.core.errors import BufferLifetimeError
     from shardkit.core.runtime.collectives import ProcessGroupRuntime
     from shardkit.core.runtime.handles import WorkHandle
-    from shardkit.core.runtime.lifetimes import in_flight
 
     runtime = ProcessGroupRuntime()
     group = dist.group.WORLD
     assert group is not None
     tensor = torch.ones(32)
+    before = baseline()
     with _lifetime_checks(True):
         handle = runtime.all_reduce(tensor, group, label="head")
         assert isinstance(handle, WorkHandle) and handle.work is not None
@@ -86,7 +87,7 @@ def _freed_before_wait_body(rank: int, world_size: int) -> str:
             message = str(error)
         else:
             message = ""
-        [flight] = in_flight()  # still recorded: its wait did not return
+        [flight] = since(before)  # still recorded: its wait did not return
         flight.landed()
     return message
 
@@ -134,13 +135,13 @@ def test_resharding_under_a_collective_in_flight_is_named() -> None:
 
 def _off_body(rank: int, world_size: int) -> tuple[bool, int]:
     from shardkit.core.runtime.collectives import ProcessGroupRuntime
-    from shardkit.core.runtime.lifetimes import in_flight
 
     group = dist.group.WORLD
     assert group is not None
+    before = baseline()
     with _lifetime_checks(False):
         handle = ProcessGroupRuntime().all_gather(torch.zeros(8, dtype=torch.uint8), group)
-        recorded = len(in_flight())
+        recorded = len(since(before))
         handle.wait()
     return handle.flight is None, recorded
 
