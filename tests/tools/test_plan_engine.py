@@ -26,7 +26,12 @@ def _build(name: str) -> Any:
     if name == "llama":
         torch.manual_seed(0)
         return Llama(_LLAMA)
-    return models.build(name)
+    model = models.build(name)
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            for param in module.parameters():
+                param.keep_own_dtype = True  # type: ignore[attr-defined]  # for _keep_norms
+    return model
 
 
 def _batch(name: str, step: int) -> torch.Tensor:
@@ -63,7 +68,9 @@ def _engine_calls(rank: int, world_size: int, name: str, options: dict[str, Any]
     else:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     mp = MixedPrecisionPolicy(
-        param_dtype=options.get("param_dtype"), reduce_dtype=options.get("reduce_dtype")
+        param_dtype=options.get("param_dtype"),
+        reduce_dtype=options.get("reduce_dtype"),
+        param_dtype_override_fn=options.get("override"),
     )
     raf = options.get("raf")
     for block in _blocks(model):
@@ -102,11 +109,19 @@ def _planned(world_size: int, name: str, options: dict[str, Any], traced: bool) 
             reshard_after_forward=options.get("raf"),
             param_dtype=options.get("param_dtype"),
             reduce_dtype=options.get("reduce_dtype"),
+            param_dtype_override_fn=options.get("override"),
             inputs=inputs,
             backend="gloo",
         ),
     )
     return [(c.kind, c.group_size, c.input_bytes, c.sent_bytes) for c in result.schedule]
+
+
+def _keep_norms(param: nn.Parameter) -> torch.dtype | None:
+    """LayerNorms' parameters stay in their own dtype (CPU's layer norm takes fp32 weights
+    with bf16 inputs). Marked on the parameter by ``_build``, so the engine's model and the
+    planner's meta model get the same answer."""
+    return param.dtype if getattr(param, "keep_own_dtype", False) else None
 
 
 CASES = [
@@ -119,6 +134,12 @@ CASES = [
     (4, "llama", {"raf": True}, False),
     (2, "mlp", {"freeze": "block0"}, True),
     (2, "gpt", {"freeze": "bottom"}, True),
+    (
+        2,
+        "gpt",
+        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "override": _keep_norms},
+        True,
+    ),
 ]
 
 

@@ -12,12 +12,13 @@ See docs/notes/001-flat-group-buffers.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from shardkit.core.layout import GroupLayout, ParamLayout, ParamSpec, group_layout
+from shardkit.core.policies import keeps_own_dtype
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
 
 __all__ = ["GroupSpec", "build_groups", "select_group_modules"]
@@ -143,7 +144,9 @@ def build_groups(
                     f"{owner[id(param)]} and {fqn}; fully_shard needs it in one group"
                 )
             owner[id(param)] = fqn
-            specs.append(_param_spec(pname, param, (local_shapes or {}).get(pname)))
+            spec = _param_spec(pname, param, (local_shapes or {}).get(pname))
+            keeps = keeps_own_dtype(options, param, pname)  # options: the policy's fields
+            specs.append(replace(spec, keeps_own_dtype=keeps) if keeps else spec)
         if specs:
             layout = _layout(fqn, specs, options, shard_size, replicas)
             groups.append(GroupSpec(fqn=fqn, module=module, layout=layout))

@@ -1,9 +1,9 @@
 """What the planner is asked to plan: the fully_shard options, the optimizer and the inputs.
 
 The options mirror ``shardkit.core.fully_shard``'s (``reshard_after_forward``, and
-``MixedPrecisionPolicy``'s ``param_dtype`` / ``reduce_dtype``) so a plan describes the same
-training step the engine will run; with tensor parallelism, the TP degree and the plan
-``parallelize_module`` is given before ``fully_shard``.
+``MixedPrecisionPolicy``'s ``param_dtype``, ``reduce_dtype`` and ``param_dtype_override_fn``)
+so a plan describes the same training step the engine will run; with tensor parallelism,
+the TP degree and the plan ``parallelize_module`` is given before ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ class PlanOptions:
     parameters because backward needs them first."""
     param_dtype: torch.dtype | None = None
     """dtype of the all-gathered parameters (MixedPrecisionPolicy.param_dtype)."""
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = None
+    """MixedPrecisionPolicy.param_dtype_override_fn: called on each parameter of the meta
+    model (so it must decide from the parameter itself, its dtype or shape, not from which
+    object it is); its own dtype keeps that parameter out of ``param_dtype``."""
     reduce_dtype: torch.dtype | None = None
     """dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype); None: the
     gathered parameters' dtype."""
