@@ -46,6 +46,7 @@ def _measured(
     hsdp: tuple[int, int] | None = None,
     freeze: str | None = None,
     bf16: bool = False,
+    keep: bool = False,
 ) -> dict[str, Any]:
     model, opt = workloads.build(
         "shardkit",
@@ -55,6 +56,8 @@ def _measured(
         freeze=_FREEZE[freeze] if freeze else None,
         param_dtype=torch.bfloat16 if bf16 else None,
     )
+    if keep:
+        model.set_keep_unsharded_storage(True)
     workloads.train_step(model, opt, 0, rank, world_size, "gpt")  # steady state from here
     with Profiler(model, optimizers=[opt]) as profiler:
         workloads.train_step(model, opt, 1, rank, world_size, "gpt")
@@ -84,8 +87,10 @@ def _planned(
     hsdp: tuple[int, int] | None = None,
     freeze: str | None = None,
     bf16: bool = False,
+    keep: bool = False,
 ) -> Plan:
     options = PlanOptions(
+        keep_unsharded_storage=keep,
         inputs=_inputs,
         loss=_loss,
         backend="gloo",
@@ -121,6 +126,16 @@ def test_plan_matches_trackers(world_size: int, freeze: str | None, bf16: bool) 
         assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
 
 
+def test_plan_matches_trackers_with_kept_storage() -> None:
+    # set_keep_unsharded_storage(True): every group's full parameters held all step.
+    for rank, (report, predicted) in enumerate(_reports_and_plans(2, None, True, keep=True)):
+        _assert_engine_figures_match(report, predicted, rank)
+        assert report.memory is not None
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        freed = _planned(2, rank, bf16=True).memory.category_max[Category.UNSHARDED_PARAMS]
+        assert predicted.memory.category_max[Category.UNSHARDED_PARAMS] > freed
+
+
 def test_plan_follows_a_frozen_bottom_block() -> None:
     # Backward never reaches the frozen first block: no all-gather of it in backward, in the
     # engine and the plan alike. The peak total is left out: the planner's estimate of the
@@ -134,12 +149,13 @@ def test_plan_follows_a_frozen_bottom_block() -> None:
 
 
 def _reports_and_plans(
-    world_size: int, freeze: str | None, bf16: bool
+    world_size: int, freeze: str | None, bf16: bool, keep: bool = False
 ) -> list[tuple[RankReport, Plan]]:
-    measured = run_on_ranks(world_size, _measured, freeze=freeze, bf16=bf16)
+    measured = run_on_ranks(world_size, _measured, freeze=freeze, bf16=bf16, keep=keep)
     reports = [RankReport.from_dict(r) for r in measured]
     return [
-        (r, _planned(world_size, rank, freeze=freeze, bf16=bf16)) for rank, r in enumerate(reports)
+        (r, _planned(world_size, rank, freeze=freeze, bf16=bf16, keep=keep))
+        for rank, r in enumerate(reports)
     ]
 
 

@@ -57,6 +57,9 @@ class PlanOptions:
     """As for fully_shard on every module: True frees parameters after forward (the root too),
     False keeps them until after backward, None is True except for the root, which keeps its
     parameters because backward needs them first."""
+    keep_unsharded_storage: bool = False
+    """As ``FSDPModule.set_keep_unsharded_storage(True)`` on every module: reshards keep the
+    full parameters' memory, so every group's unsharded buffer is held all step."""
     param_dtype: torch.dtype | None = None
     """dtype of the all-gathered parameters (MixedPrecisionPolicy.param_dtype)."""
     param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = None

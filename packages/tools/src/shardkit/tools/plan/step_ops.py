@@ -73,6 +73,7 @@ class LedgerOps:
         self._settings = [_Settings(reshard_after_forward=_policy(inputs, i)) for i in range(count)]
         self.unsharded = [False] * count
         self.pending = [False] * count
+        self.held = [False] * count  # the unsharded buffer's memory is allocated
         self.state_of = [TrainingState.IDLE] * count
         self.reduces: deque[int] = deque()
 
@@ -142,8 +143,10 @@ class LedgerOps:
         spec = self.groups[g]
         label = f"unshard {spec.fqn}"
         layout = spec.layout
-        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
-        self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
+        if not self.held[g]:
+            nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+            self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
+            self.held[g] = True
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
         if layout.stages_gather_input(exchange=self.gloo):
@@ -156,9 +159,19 @@ class LedgerOps:
         if self.pending[g]:
             self.wait(g)
         if self.unsharded[g]:
-            self.ledger.free(("unsharded", g))
+            if not self.inputs.options.keep_unsharded_storage:
+                self.ledger.free(("unsharded", g))
+                self.held[g] = False
             self.unsharded[g] = False
             self.event("reshard", g)
+
+    def hold_unsharded(self, group: int) -> None:
+        """The unsharded buffer's memory, held from step to step (kept storage)."""
+        layout = self.groups[group].layout
+        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+        label = f"unsharded {self.groups[group].fqn} (kept)"
+        self.ledger.alloc(("unsharded", group), Category.UNSHARDED_PARAMS, nbytes, label)
+        self.held[group] = True
 
     def _record(
         self, kind: str, g: int, size: int, input_bytes: int, sent: int, *, replicas: bool = False
