@@ -87,6 +87,7 @@ EXPECTED = {
         "ShardGeometry",
         "ShardedParamView",
         "group_layout",
+        "keeps_own_dtype",
         "layout_of",
         "pooled_sizes",
         "wire_row_bytes",

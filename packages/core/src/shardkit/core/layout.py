@@ -4,7 +4,9 @@ Two halves share one piece of arithmetic:
 
 - :func:`group_layout` computes a group's layout from parameter shapes alone (no process
   group, no allocation). The engine builds its own buffers from it, and the planner in
-  ``shardkit.tools`` calls it for a model it has never run, so their sizes cannot drift.
+  ``shardkit.tools`` calls it for a model it has never run, so their sizes cannot drift; both
+  ask :func:`keeps_own_dtype` which parameters a mixed precision policy's
+  ``param_dtype_override_fn`` keeps out of ``param_dtype`` (``ParamSpec``'s flag).
 - :func:`layout_of` describes a live sharded module: its groups, each parameter's state-dict
   keys, geometry, a view of its local shard, and the mesh. The FSDP1 layer reads flat-parameter
   layouts and key mappings from it.
@@ -41,6 +43,7 @@ from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.param_listing import ParamSlot
 from shardkit.core.engine.reduce import WireFormat
 from shardkit.core.engine.state_registry import states_under
+from shardkit.core.policies import keeps_own_dtype
 from shardkit.core.reduce_precision import ReducePrecision
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "ShardGeometry",
     "ShardedParamView",
     "group_layout",
+    "keeps_own_dtype",
     "layout_of",
     "pooled_sizes",
     "wire_row_bytes",

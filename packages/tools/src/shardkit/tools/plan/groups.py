@@ -17,8 +17,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardkit.core.layout import GroupLayout, ParamLayout, ParamSpec, group_layout
-from shardkit.core.policies import keeps_own_dtype
+from shardkit.core.layout import (
+    GroupLayout,
+    ParamLayout,
+    ParamSpec,
+    group_layout,
+    keeps_own_dtype,
+)
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
 
 __all__ = ["GroupSpec", "build_groups", "select_group_modules"]
