@@ -6,7 +6,6 @@ was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from types import MethodType
@@ -38,6 +37,7 @@ from shardkit.core.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     keeps_own_dtype,
+    resolved,
 )
 from shardkit.core.runtime.groups import default_mesh
 from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
@@ -155,9 +155,7 @@ def fully_shard(
             p.register(unsharded=False)
         mark_owned(group.params, name)
     # As torch's state: the per-parameter function has been applied; inputs use param_dtype.
-    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
-        mp_policy = dataclasses.replace(mp_policy, param_dtype_override_fn=None)
-    state = FSDPState(modules, groups, mp_policy, mesh_info.device)
+    state = FSDPState(modules, groups, resolved(mp_policy), mesh_info.device)
     for m in modules:
         register_state(m, state)
         attach_view(m, state)

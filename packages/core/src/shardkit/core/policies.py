@@ -20,6 +20,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "keeps_own_dtype",
+    "resolved",
 ]
 
 
@@ -93,6 +94,19 @@ def keeps_own_dtype(policy: Any, param: nn.Parameter, fqn: str) -> bool:
             f"dtype ({param.dtype})"
         )
     return bool(dtype != param_dtype)
+
+
+def resolved(policy: Any, own_dtype: torch.dtype | None = None) -> Any:
+    """``policy`` with its ``param_dtype_override_fn`` applied, as torch 2.15 resolves it.
+
+    The function is dropped (the state's policy, and each parameter's), and ``param_dtype``
+    becomes ``own_dtype`` where given (a parameter the function kept in its own dtype).
+    A policy without the function is returned as is.
+    """
+    if getattr(policy, "param_dtype_override_fn", None) is None:
+        return policy
+    param_dtype = own_dtype if own_dtype is not None else policy.param_dtype
+    return dataclasses.replace(policy, param_dtype=param_dtype, param_dtype_override_fn=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ See [Note: all-gather extensions].
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core.engine.buffer_layout import GroupLayout, HookInput
 from shardkit.core.errors import AllGatherHookError, AllGatherInputError
-from shardkit.core.policies import MixedPrecisionPolicy
+from shardkit.core.policies import MixedPrecisionPolicy, resolved
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of
 from shardkit.core.runtime.lifetimes import check_release
@@ -303,7 +302,12 @@ class GroupHooks:
         if not hooked:
             return None
         calls = {
-            i: HookCall(mesh, p.slots[0].module, _policy_of(mp_policy, p), device)
+            i: HookCall(
+                mesh,
+                p.slots[0].module,
+                resolved(mp_policy, p.orig_dtype if p.keeps_own_dtype else None),
+                device,
+            )
             for i, p in hooked.items()
         }
         return GroupHooks(hooked, calls)
@@ -346,14 +350,3 @@ class GroupHooks:
         for p in self.params.values():
             assert p.hooks is not None
             p.hooks.free()
-
-
-def _policy_of(mp_policy: MixedPrecisionPolicy, param: FSDPParam) -> MixedPrecisionPolicy:
-    """The policy a parameter's pre-all-gather hook sees, resolved for it as torch 2.15 does.
-
-    ``param_dtype`` is its own dtype where ``param_dtype_override_fn`` kept it so.
-    """
-    if getattr(mp_policy, "param_dtype_override_fn", None) is None:
-        return mp_policy
-    param_dtype = param.orig_dtype if param.keeps_own_dtype else mp_policy.param_dtype
-    return dataclasses.replace(mp_policy, param_dtype=param_dtype, param_dtype_override_fn=None)

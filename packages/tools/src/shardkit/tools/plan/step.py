@@ -181,7 +181,7 @@ class _Step:
             if state:
                 ledger.alloc(("optim", i), Category.OPTIMIZER_STATE, state, "optimizer state")
             if options.keep_unsharded_storage:  # held since the first step's unshard
-                self.ops.hold_unsharded(i)
+                self.ops.hold_unsharded(i, f"unsharded {g.fqn} (kept)")
 
     # --- forward ---------------------------------------------------------------------------
 

@@ -140,13 +140,9 @@ class LedgerOps:
                 self.wait(g)
             return
         self.pending[g] = False
-        spec = self.groups[g]
-        label = f"unshard {spec.fqn}"
-        layout = spec.layout
+        layout = self.groups[g].layout
         if not self.held[g]:
-            nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
-            self.ledger.alloc(("unsharded", g), Category.UNSHARDED_PARAMS, nbytes, label)
-            self.held[g] = True
+            self.hold_unsharded(g, f"unshard {self.groups[g].fqn}")
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
         if layout.stages_gather_input(exchange=self.gloo):
@@ -165,11 +161,10 @@ class LedgerOps:
             self.unsharded[g] = False
             self.event("reshard", g)
 
-    def hold_unsharded(self, group: int) -> None:
-        """The unsharded buffer's memory, held from step to step (kept storage)."""
+    def hold_unsharded(self, group: int, label: str) -> None:
+        """Allocate the unsharded buffer's memory (an unshard, or kept from the last step)."""
         layout = self.groups[group].layout
         nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
-        label = f"unsharded {self.groups[group].fqn} (kept)"
         self.ledger.alloc(("unsharded", group), Category.UNSHARDED_PARAMS, nbytes, label)
         self.held[group] = True
 
