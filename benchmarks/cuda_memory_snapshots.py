@@ -62,7 +62,13 @@ def _block(run: dict[str, Any], snapshot: bool) -> float:
         train_step(model, optimizer, data)  # ends in loss.item(): the device is synchronized
         state.step += 1
         if snapshot:
+            # Where the time goes: waiting for the previous snapshot's background work
+            # (checksums, exchange), then this one's part on the training thread (copy).
+            trained = time.perf_counter()
+            snapshots.wait()
+            waited = time.perf_counter()
             snapshots.snapshot(state.step, {"train": state})
+            run["parts"].append((waited - trained, time.perf_counter() - waited))
         seconds.append(time.perf_counter() - started)
     snapshots.wait()  # the last one's background work stays out of the next block
     return statistics.mean(seconds)
@@ -91,14 +97,20 @@ def main(argv: list[str]) -> None:
     snapshots = MemorySnapshots("cuda-snapshots", directory=root / f"node{rank}", ranks_per_node=1)
     run = {"model": model, "optimizer": optimizer, "state": _State(model, optimizer)}
     run |= {"snapshots": snapshots, "steps": args.steps, "size": args.size, "device": args.device}
+    run["parts"] = []
     try:
         _block(run | {"steps": 2}, snapshot=True)  # warm-up: lazy init, optimizer state, slots
+        run["parts"].clear()
         rounds = []
         for index in range(args.rounds):
             order = [False, True] if index % 2 == 0 else [True, False]
             found = {snap: _slowest(_block(run, snap), args.device) for snap in order}
             rounds.append(found)
         shared = snapshots.nbytes
+        # Whether the copy was staged on the device: the writer's own state, read here only
+        # to say which path the figures are of.
+        staging = getattr(getattr(snapshots, "_writer", None), "_staging", None)
+        path = {"staged": staging is not None}
     finally:
         snapshots.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -113,6 +125,10 @@ def main(argv: list[str]) -> None:
             "ratio": statistics.median(ratios),
             "ratios": [round(r, 4) for r in ratios],
             "shared_memory_mib_per_rank": shared / 2**20,
+            **path,
+            # Rank 0's medians: the wait for the previous snapshot, the training thread's part.
+            "wait_s": statistics.median(w for w, _ in run["parts"]),
+            "copy_s": statistics.median(c for _, c in run["parts"]),
         }
         print(json.dumps(record), flush=True)
     dist.destroy_process_group()

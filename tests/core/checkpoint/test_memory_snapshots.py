@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +306,47 @@ def test_one_process_without_a_process_group(tmp_path: Path) -> None:
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # close() freed the memory
 
 
+# "cpu": every tensor staged in the buffer; "cpu:0" is another device than the tensors' "cpu",
+# so every tensor is copied aside as an optimizer's host step counts are beside a GPU's state.
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """An accelerator's path on the host: staged in a buffer, moved by the background thread
+    in chunks through bounce buffers, summed on several threads. Each snapshot holds its
+    step's values, not later ones."""
+    from shardkit.core import MemorySnapshots
+    from shardkit.core.checkpoint import snapshot_staging, snapshot_writer
+    from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
+
+    monkeypatch.setattr(snapshot_writer, "staging_device", lambda *_: torch.device(device))
+    monkeypatch.setattr(snapshot_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
+    monkeypatch.setattr(snapshot_writer, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: 3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    with MemorySnapshots(RUN, directory=tmp_path) as snapshots:
+        for step in range(1, 5):
+            model(torch.randn(2, 300)).sum().backward()
+            optimizer.step()
+            snapshots.snapshot(step, {"model": model, "optim": optimizer})
+            kept[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        writer = snapshots._writer
+        assert writer is not None and writer._staging is not None and writer._summers is not None
+        snapshots.wait()
+        for _ in range(2):  # the live state moves on
+            model(torch.randn(2, 300)).sum().backward()
+            optimizer.step()
+        point = MemorySnapshots(RUN, directory=tmp_path).restore(
+            {"model": model, "optim": optimizer}
+        )
+        assert point.step == 4
+        assert all(torch.equal(kept[4][k], v) for k, v in model.state_dict().items())
+        assert not all(torch.equal(kept[3][k], v) for k, v in model.state_dict().items())
+
+
 def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: Path) -> None:
     from shardkit.core import MemorySnapshots
 
@@ -323,7 +365,10 @@ def _random_data(nbytes: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("nbytes", [64, 16384, 16384 * 3 + 4160])  # less than, one, 3.25 blocks
-def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(nbytes: int) -> None:
+def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(
+    nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardkit.core.checkpoint import snapshot_checksum
     from shardkit.core.checkpoint.snapshot_checksum import (
         BLOCK_BYTES,
         checksum_count,
@@ -331,9 +376,10 @@ def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(nbyte
         first_mismatch,
     )
 
+    monkeypatch.setattr(snapshot_checksum, "PARALLEL_BYTES", 0)  # any size may be in pieces
     data = _random_data(nbytes)
     sums = checksums_of(data)
-    assert len(sums) == checksum_count(nbytes)
+    assert len(sums) == 8 * checksum_count(nbytes)
     assert first_mismatch(sums, data.clone()) is None
     last = nbytes - 8
     for at in (0, 8, last):  # one bit, in the first, second and last word
@@ -348,7 +394,10 @@ def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(nbyte
     old = _random_data(nbytes) ^ 1  # a writer killed mid-copy: the first half new, the rest old
     torn = torch.cat([data[: nbytes // 2], old[nbytes // 2 :]])
     assert first_mismatch(sums, torn) is not None
-    assert first_mismatch(sums[:-2], data) == 0  # a count that does not fit the data
+    assert first_mismatch(sums[:-16], data) == 0  # a count that does not fit the data
+    with ThreadPoolExecutor(2) as executor:  # in pieces of whole blocks: the same sums
+        for pieces in (2, 3, 7):
+            assert checksums_of(data, executor, pieces) == sums
 
 
 def test_the_checksums_refuse_data_that_is_not_whole_words() -> None:

@@ -33,17 +33,28 @@ See [Note: memory snapshots].
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_BYTES", "BLOCK_WORDS", "checksum_count", "checksums_of", "first_mismatch"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_WORDS",
+    "PARALLEL_BYTES",
+    "checksum_count",
+    "checksums_of",
+    "first_mismatch",
+]
 
-BLOCK_WORDS = 2048  # 16 KiB: weights below 2**11, few enough numbers for the header's JSON
+BLOCK_WORDS = 2048  # 16 KiB: weights below 2**11, few enough numbers for the header
 BLOCK_BYTES = 8 * BLOCK_WORDS
 # (BLOCK_WORDS, 2): a block times it gives both sums, in one product over the data.
 _WEIGHTS = np.stack([np.ones(BLOCK_WORDS, np.int64), np.arange(1, BLOCK_WORDS + 1)], axis=1)
+# Data at least this large is summed in pieces on an executor's threads, where one is given:
+# a GPU's whole share (gigabytes a step) would take one core most of a step.
+PARALLEL_BYTES = 64 * 2**20
 
 
 def checksum_count(data_bytes: int) -> int:
@@ -51,16 +62,34 @@ def checksum_count(data_bytes: int) -> int:
     return 2 * -(-data_bytes // BLOCK_BYTES)
 
 
-def checksums_of(data: torch.Tensor) -> tuple[int, ...]:
+def checksums_of(data: torch.Tensor, executor: Executor | None = None, pieces: int = 1) -> bytes:
     """The sums of each block of ``data`` (uint8, contiguous, a multiple of 8 bytes long).
 
+    Args:
+        data: the bytes.
+        executor: where data of ``PARALLEL_BYTES`` or more is summed, in ``pieces`` parts of
+            whole blocks (the products release the GIL: the executor's threads run at once).
+        pieces: how many parts (1: one product on this thread).
+
     Returns:
-        ``(plain_0, weighted_0, plain_1, weighted_1, ...)``, each in [0, 2**64).
+        ``plain_0, weighted_0, plain_1, weighted_1, ...``, each an unsigned 64-bit
+        little-endian number: 16 bytes a block. Bytes, not Python integers: a header holds
+        them as hex, and a GPU's share has hundreds of thousands.
     """
     if data.numel() % 8:
         raise ValueError(f"snapshot data of {data.numel()} bytes is not whole 8-byte words")
     array: Any = data.numpy()
     words = array.view(np.int64)  # (data_bytes / 8,)
+    blocks = -(-words.size // BLOCK_WORDS)
+    if executor is None or pieces < 2 or data.numel() < PARALLEL_BYTES:
+        return bytes(_block_sums(words).astype("<u8").tobytes())
+    per_piece = -(-blocks // pieces) * BLOCK_WORDS  # whole blocks in every piece but the last
+    parts = [words[start : start + per_piece] for start in range(0, words.size, per_piece)]
+    return b"".join(s.astype("<u8").tobytes() for s in executor.map(_block_sums, parts))
+
+
+def _block_sums(words: Any) -> Any:
+    """(blocks, 2) sums of ``words``, viewed as unsigned (numpy's integer arithmetic wraps)."""
     whole = words.size - words.size % BLOCK_WORDS
     # One product, outside the GIL: the background thread that calls this takes the GIL
     # back once, and each time it does, it waits for the training thread to let go.
@@ -68,10 +97,10 @@ def checksums_of(data: torch.Tensor) -> tuple[int, ...]:
     if whole < words.size:  # the last block is short: its words, their first weights
         tail = words[whole:]
         sums = np.concatenate([sums, (tail @ _WEIGHTS[: tail.size])[None]])
-    return tuple(sums.view(np.uint64).reshape(-1).tolist())
+    return sums.view(np.uint64)
 
 
-def first_mismatch(expected: tuple[int, ...], data: torch.Tensor) -> int | None:
+def first_mismatch(expected: bytes, data: torch.Tensor) -> int | None:
     """The byte offset of the first block of ``data`` whose sums differ from ``expected``.
 
     None if all match. A different count of sums is a mismatch at offset 0.
@@ -79,7 +108,6 @@ def first_mismatch(expected: tuple[int, ...], data: torch.Tensor) -> int | None:
     found = checksums_of(data)
     if len(found) != len(expected):
         return 0
-    for index, (want, got) in enumerate(zip(expected, found, strict=True)):
-        if want != got:
-            return (index // 2) * BLOCK_BYTES
-    return None
+    want = np.frombuffer(expected, dtype="<u8")
+    differ = np.flatnonzero(want != np.frombuffer(found, dtype="<u8"))
+    return None if differ.size == 0 else int(differ[0] // 2) * BLOCK_BYTES

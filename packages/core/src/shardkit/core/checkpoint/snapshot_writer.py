@@ -1,7 +1,9 @@
 """Writing memory snapshots: the copy on the training thread, the rest on a thread of its own.
 
 After a step, the training thread copies the state's tensors into the next slot of the node's
-shared memory (a memory copy) and returns. A background thread then checksums the bytes,
+shared memory (a memory copy) and returns; an accelerator's state is staged on its device
+instead and moved to the slot by the background thread (``snapshot_staging``). A background
+thread then checksums the bytes (a GPU's share on several threads),
 writes the header, marks the slot complete, and replicates it: it sends the snapshot to this
 rank's peer on the next node while it receives its source's into a replica slot. Each rank's
 thread does the same at the same steps, so the transfers pair up.
@@ -14,15 +16,16 @@ peer, and loses at most the step in flight. See [Note: memory snapshots].
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_checksum import checksum_count, checksums_of
+from shardkit.core.checkpoint.snapshot_checksum import PARALLEL_BYTES, checksum_count, checksums_of
 from shardkit.core.checkpoint.snapshot_format import (
     Header,
     SnapshotError,
@@ -31,6 +34,7 @@ from shardkit.core.checkpoint.snapshot_format import (
 )
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_to_views, fits
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
+from shardkit.core.checkpoint.snapshot_staging import DeviceStaging, staging_device
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
 from shardkit.core.runtime.peer_transfer import Message, transfer
 
@@ -57,7 +61,7 @@ def header_capacity(topology: Topology, layout: Layout, values: dict[str, JSONVa
         topology.rank,
         2**62,
         layout,
-        (2**64 - 1,) * checksum_count(layout.data_bytes),
+        bytes(8 * checksum_count(layout.data_bytes)),
         values,
     )
     return 2 * len(widest.to_json()) + 4096
@@ -85,7 +89,7 @@ class _Worker:
         self._thread.join()
 
     def _run(self) -> None:
-        lower_thread_priority(threading.get_native_id(), SNAPSHOT_NICENESS)
+        _lower_this_thread()
         while (item := self._jobs.get()) is not None:
             job, done = item
             try:
@@ -133,6 +137,16 @@ class SnapshotWriter:
         self._next_replica = _oldest(self._replicas)
         self._in_flight: Future[None] | None = None
         self._worker = _Worker(f"shardkit-snapshots-rank{topology.rank}")
+        self._staging: DeviceStaging | None = None
+        self._staging_known = False  # whether the first write decided on staging
+        # A share this large is summed on this node's fair part of its cores (a GPU node's
+        # host cores are mostly idle); the demo's few megabytes stay on the one thread.
+        self._pieces = _cores_per_rank(topology)
+        self._summers: ThreadPoolExecutor | None = None
+        if layout.data_bytes >= PARALLEL_BYTES and self._pieces > 1:
+            self._summers = ThreadPoolExecutor(
+                self._pieces, "shardkit-snapshot-sums", initializer=_lower_this_thread
+            )
 
     @property
     def nbytes(self) -> int:
@@ -152,9 +166,17 @@ class SnapshotWriter:
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
                 f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
             )
+        if not self._staging_known:
+            self._staging_known = True
+            device = staging_device(self.layout, leaves)
+            if device is not None:  # bounce buffers for the copying threads, and one more
+                self._staging = DeviceStaging(self.layout, device, depth=self._pieces + 1)
         slot = self._own[self._next]
         slot.mark_writing()
-        copy_to_views(self._views[self._next], self.layout, leaves)
+        if self._staging is not None:
+            self._staging.stage(leaves)  # launched on the device; moved to the slot below
+        else:
+            copy_to_views(self._views[self._next], self.layout, leaves)
         values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
         replica = self._replicas[self._next_replica] if self._replicas else None
         self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
@@ -181,6 +203,8 @@ class SnapshotWriter:
             self.wait()
         finally:
             self._worker.stop()
+            if self._summers is not None:
+                self._summers.shutdown()
 
     def files(self) -> list[SlotFile]:
         """Every slot file of this rank, own and replicas."""
@@ -190,7 +214,9 @@ class SnapshotWriter:
         self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
     ) -> None:
         data = slot.data()
-        sums = checksums_of(data)
+        if self._staging is not None:
+            self._staging.to_host(data, self._summers)
+        sums = checksums_of(data, self._summers, self._pieces)
         who = self.topology
         header = Header(who.run_id, who.world_size, who.rank, step, self.layout, sums, values)
         slot.write_header(header.to_json(self._layout_json))
@@ -206,6 +232,16 @@ class SnapshotWriter:
             receives=[Message(replica.span(), self.replication.source)],
         )
         replica.mark_complete()
+
+
+def _lower_this_thread() -> None:
+    lower_thread_priority(threading.get_native_id(), SNAPSHOT_NICENESS)
+
+
+def _cores_per_rank(topology: Topology) -> int:
+    """This rank's fair share of the cores it may run on: those of its node over its ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, (cores or 1) // topology.ranks_per_node))
 
 
 def _oldest(slots: list[SlotFile]) -> int:
