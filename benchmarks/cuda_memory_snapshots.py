@@ -32,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, r
 
 from benchmarks.gpt import batch, build, train_step
 from shardkit.core import MemorySnapshots, StateDictCache
+from shardkit.core.checkpoint import snapshot_staging
 
 
 class _State:
     """The model and optimizer as one ``Stateful``, as a training loop snapshots them."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.state_dicts = StateDictCache(model, optimizer)
+        self.state_dicts = StateDictCache(model, optimizer, keep_vars=True)
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -87,7 +88,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--size", default="217m", help="a model of benchmarks/gpt.py")
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=0,
+        help="the staged copy's chunk (snapshot_staging.CHUNK_BYTES; 0: its default)",
+    )
     args = parser.parse_args(argv)
+    if args.chunk_mib:  # fewer, larger chunks: fewer handovers of the GIL, more pinned memory
+        snapshot_staging.CHUNK_BYTES = args.chunk_mib * 2**20
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -110,7 +119,7 @@ def main(argv: list[str]) -> None:
         # Whether the copy was staged on the device: the writer's own state, read here only
         # to say which path the figures are of.
         staging = getattr(getattr(snapshots, "_writer", None), "_staging", None)
-        path = {"staged": staging is not None}
+        path = {"staged": staging is not None, "chunk_mib": snapshot_staging.CHUNK_BYTES // 2**20}
     finally:
         snapshots.close()
         shutil.rmtree(root, ignore_errors=True)

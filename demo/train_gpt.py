@@ -92,8 +92,9 @@ class TrainState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        # get_state_dict, with the FQNs learned once: a memory snapshot asks every step.
-        self.state_dicts = StateDictCache(model, optimizer)
+        # get_state_dict, with the FQNs learned once (a memory snapshot asks every step) and
+        # the parameters themselves, not detached aliases (a DTensor detach per parameter).
+        self.state_dicts = StateDictCache(model, optimizer, keep_vars=True)
         self.rank = dist.get_rank()
         self.step = 0  # steps completed
 

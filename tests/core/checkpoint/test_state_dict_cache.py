@@ -96,6 +96,55 @@ def test_the_cache_returns_torchs_state_dicts_and_learns_again_when_they_change(
         assert out["learned after changes"] >= 1  # the new key was learned
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _keeping_vars(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """keep_vars=True: torch's keys and storage, the parameters themselves as the values; a
+    memory snapshot of it restores in place."""
+    from shardkit.core import MemorySnapshots, StateDictCache
+
+    app = build_app(world_size)
+    cache = StateDictCache(app.model, app.optimizer, keep_vars=True)
+    out: dict[str, Any] = {"first": _compare(cache, app)}  # learned here
+    train_app(app, 2, rank, world_size)
+    out["steady"] = [_compare(cache, app) for _ in range(2)]
+    model_sd = cache()[0]
+    params = dict(app.model.named_parameters())
+    out["parameters themselves"] = all(model_sd[name] is p for name, p in params.items())
+
+    class Train:
+        def state_dict(self) -> dict[str, Any]:
+            model_sd, optim_sd = cache()
+            return {"model": model_sd, "optim": optim_sd}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass  # restored in place: nothing else to load
+
+    options: dict[str, Any] = {"directory": f"{root}/node{rank}", "ranks_per_node": 1}
+    with MemorySnapshots("keep-vars", **options) as snaps:
+        snaps.snapshot(2, {"train": Train()})
+        snaps.wait()
+        want = {k: _local(v).clone() for k, v in app.model.state_dict().items()}
+        train_app(app, 3, rank, world_size)  # the live state moves on
+        point = MemorySnapshots("keep-vars", **options).restore({"train": Train()})
+        got = {k: _local(v) for k, v in app.model.state_dict().items()}
+        out["restored"] = point.step == 2 and all(torch.equal(want[k], got[k]) for k in want)
+    return out
+
+
+def test_keep_vars_gives_the_parameters_themselves_and_snapshots_restore_through_it(
+    tmp_path: Any,
+) -> None:
+    for out in run_on_ranks(2, _keeping_vars, root=str(tmp_path)):
+        assert out["first"] == [] and out["steady"] == [[], []]
+        assert out["parameters themselves"]
+        assert out["restored"]
+
+
 def _wrapped(rank: int, world_size: int) -> list[str]:
     """A block behind torch's checkpoint wrapper: torch's FQNs drop the wrapper's prefix."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
