@@ -113,8 +113,10 @@ class DeviceStaging:
             if self._on_host:
                 torch._foreach_copy_(self._host_copies, [sources[k] for k in self._on_host])
         if self._module is not None:
+            # On the stream that ran the copy: the device's current one, which need not be
+            # the current device's (a state on cuda:1 while cuda:0 is current).
             self._staged = self._module.Event()
-            self._staged.record()  # on the current stream, after the copy
+            self._staged.record(self._module.current_stream(self.device))
 
     def to_host(self, data: torch.Tensor, executor: Executor | None) -> None:
         """Copy the staged snapshot into ``data``, a slot's data (background thread).
