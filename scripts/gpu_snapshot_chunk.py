@@ -20,18 +20,27 @@ SNAPSHOT_TARGET = 1.05  # issue 40: a snapshot every step costs at most 5% of th
 
 
 def memory_snapshots(
-    device: str, size: str, steps: int, rounds: int
+    device: str, size: str, steps: int, rounds: int, chunk_mib: tuple[int, ...] = (0,)
 ) -> Callable[[Runner], list[Row]]:
-    """The chunk: every GPU (two gloo ranks with ``device="cpu"``), ``rounds`` paired blocks."""
+    """The chunk: every GPU (two gloo ranks with ``device="cpu"``), ``rounds`` paired blocks.
+
+    ``chunk_mib``: one run for each size of the staged copy's chunks (0: the default), so a
+    GPU session compares them in one go.
+    """
 
     def run(runner: Runner) -> list[Row]:
+        return [_one(runner, mib) for mib in chunk_mib]
+
+    def _one(runner: Runner, mib: int) -> Row:
         nproc = max(1, runner.gpus) if device == "cuda" else 2
         args = ["--device", device, "--size", size, "--steps", str(steps), "--rounds", str(rounds)]
+        args += ["--chunk-mib", str(mib)]
         cmd = runner.torchrun(nproc, "benchmarks/cuda_memory_snapshots.py", *args)
         records, error = runner.run("memory-snapshots", cmd, timeout=420)
         label = f"memory snapshots every step, {size} W={nproc} ({device}): step with / without"
+        label += f", {mib} MiB chunks" if mib else ""
         if error or not records:
-            return [Row(chunk="", check=label, status="error", detail=error)]
+            return Row(chunk="", check=label, status="error", detail=error)
         r = records[0]
         figures = (
             f"{r['ratio']:.3f} ({r['with_s']:.4f} s vs {r['step_s']:.4f} s; rounds "
@@ -42,6 +51,6 @@ def memory_snapshots(
             f"device: {r.get('staged')}"
         )
         met = device != "cuda" or r["ratio"] <= SNAPSHOT_TARGET
-        return [Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)]
+        return Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)
 
     return run
