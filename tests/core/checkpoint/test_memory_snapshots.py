@@ -306,45 +306,63 @@ def test_one_process_without_a_process_group(tmp_path: Path) -> None:
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # close() freed the memory
 
 
+_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
 # "cpu": every tensor staged in the buffer; "cpu:0" is another device than the tensors' "cpu",
-# so every tensor is copied aside as an optimizer's host step counts are beside a GPU's state.
-@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+# so every tensor is copied aside as an optimizer's host step counts are beside a GPU's state;
+# "cuda": the real path, a GPU's state staged with the step counts copied aside (make check-gpu's
+# pytest-gpu chunk runs it).
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", _CUDA])
 def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    """An accelerator's path on the host: staged in a buffer, moved by the background thread
-    in chunks through bounce buffers, summed on several threads. Each snapshot holds its
-    step's values, not later ones."""
+    """An accelerator's path: staged in a buffer, moved by the background thread in chunks
+    through bounce buffers, summed on several threads. Each snapshot holds its step's
+    values, not later ones, the optimizer's step counts included."""
     from shardkit.core import MemorySnapshots
     from shardkit.core.checkpoint import snapshot_staging, snapshot_writer
     from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
 
-    monkeypatch.setattr(snapshot_writer, "staging_device", lambda *_: torch.device(device))
+    if device != "cuda":  # the host stands in for the device
+        monkeypatch.setattr(snapshot_writer, "staging_device", lambda *_: torch.device(device))
     monkeypatch.setattr(snapshot_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
     monkeypatch.setattr(snapshot_writer, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: 3)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3))
+    on = "cuda" if device == "cuda" else "cpu"
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3)).to(on)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        model(torch.randn(2, 300, device=on)).sum().backward()
+        optimizer.step()
+
+    def state() -> dict[str, torch.Tensor]:
+        steps = {f"step{k}": s["step"] for k, s in enumerate(optimizer.state.values())}
+        return {k: v.clone() for k, v in (model.state_dict() | steps).items()}
+
     kept: dict[int, dict[str, torch.Tensor]] = {}
     with MemorySnapshots(RUN, directory=tmp_path) as snapshots:
         for step in range(1, 5):
-            model(torch.randn(2, 300)).sum().backward()
-            optimizer.step()
+            train()
             snapshots.snapshot(step, {"model": model, "optim": optimizer})
-            kept[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            kept[step] = state()
         writer = snapshots._writer
         assert writer is not None and writer._staging is not None and writer._summers is not None
+        assert writer._staging.device.type == on
         snapshots.wait()
         for _ in range(2):  # the live state moves on
-            model(torch.randn(2, 300)).sum().backward()
-            optimizer.step()
+            train()
         point = MemorySnapshots(RUN, directory=tmp_path).restore(
             {"model": model, "optim": optimizer}
         )
         assert point.step == 4
-        assert all(torch.equal(kept[4][k], v) for k, v in model.state_dict().items())
-        assert not all(torch.equal(kept[3][k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(kept[4][k], v) for k, v in state().items())
+        assert not all(torch.equal(kept[3][k], v) for k, v in state().items())
 
 
 def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: Path) -> None:
