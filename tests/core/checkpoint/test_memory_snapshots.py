@@ -314,9 +314,10 @@ _CUDA = pytest.param(
 
 # "cpu": every tensor staged in the buffer; "cpu:0" is another device than the tensors' "cpu",
 # so every tensor is copied aside as an optimizer's host step counts are beside a GPU's state;
+# "cpu-inline": one core, so no copying threads: each chunk lands on the background thread itself;
 # "cuda": the real path, a GPU's state staged with the step counts copied aside (make check-gpu's
 # pytest-gpu chunk runs it).
-@pytest.mark.parametrize("device", ["cpu", "cpu:0", _CUDA])
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "cpu-inline", _CUDA])
 def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
@@ -327,11 +328,13 @@ def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
     from shardkit.core.checkpoint import snapshot_staging, snapshot_writer
     from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
 
+    pieces = 1 if device == "cpu-inline" else 3
+    device = device.removesuffix("-inline")
     if device != "cuda":  # the host stands in for the device
         monkeypatch.setattr(snapshot_writer, "staging_device", lambda *_: torch.device(device))
     monkeypatch.setattr(snapshot_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
     monkeypatch.setattr(snapshot_writer, "PARALLEL_BYTES", 0)
-    monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: 3)
+    monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: pieces)
     torch.manual_seed(0)
     on = "cuda" if device == "cuda" else "cpu"
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3)).to(on)
@@ -352,7 +355,8 @@ def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
             snapshots.snapshot(step, {"model": model, "optim": optimizer})
             kept[step] = state()
         writer = snapshots._writer
-        assert writer is not None and writer._staging is not None and writer._summers is not None
+        assert writer is not None and writer._staging is not None
+        assert (writer._summers is not None) == (pieces > 1)
         assert writer._staging.device.type == on
         snapshots.wait()
         for _ in range(2):  # the live state moves on

@@ -170,7 +170,8 @@ class SnapshotWriter:
             self._staging_known = True
             device = staging_device(self.layout, leaves)
             if device is not None:  # bounce buffers for the copying threads, and one more
-                self._staging = DeviceStaging(self.layout, device, depth=self._pieces + 1)
+                depth = self._pieces + 1 if self._summers is not None else 1
+                self._staging = DeviceStaging(self.layout, device, depth=depth)
         slot = self._own[self._next]
         slot.mark_writing()
         if self._staging is not None:
