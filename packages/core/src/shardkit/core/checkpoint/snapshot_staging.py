@@ -13,8 +13,9 @@ GPT's 2.6 GB at W=1 on an H200 (a snapshot every step: 4.1 times the step). Stag
 2. on the snapshot's background thread, once the device has done that copy (an event): the
    buffer travels to the host in chunks, each into a page-locked bounce buffer on a stream of
    its own (the training's kernels never queue behind it), and the executor's threads copy
-   each chunk from its bounce buffer into the slot as it lands; then the host tensors go to
-   their places.
+   each chunk from its bounce buffer into the slot as it lands, put the host tensors' bytes
+   that fall in it in place, and take its checksums while it is in their cache (one pass
+   over the bytes, not a second one after the copy).
 
 Why bounce buffers: the slot is a mapped file, pageable memory. One 2.6 GB copy straight into
 it took the driver's pageable path, which held up the training's own small copies to the host
@@ -31,11 +32,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
+from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES, checksums_of
 from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves
 from shardkit.core.runtime.device import can_pin_memory
 
@@ -91,6 +92,7 @@ class DeviceStaging:
         self._on_device: list[int] = []  # entry indices staged on the device
         self._on_host: list[int] = []  # entry indices copied aside on the host
         self._host_copies: list[torch.Tensor] = []
+        self._overlays: dict[int, list[_Overlay]] = {}  # chunk index -> host bytes in it
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +106,7 @@ class DeviceStaging:
             for index, source in enumerate(sources):
                 (self._on_device if source.device == self.device else self._on_host).append(index)
             self._host_copies = [torch.empty_like(sources[k]) for k in self._on_host]
+            self._overlays = self._overlays_by_chunk()
         with torch.no_grad():
             if self._on_device:
                 torch._foreach_copy_(
@@ -118,14 +121,20 @@ class DeviceStaging:
             self._staged = self._module.Event()
             self._staged.record(self._module.current_stream(self.device))
 
-    def to_host(self, data: torch.Tensor, executor: Executor | None) -> None:
+    def to_host(self, data: torch.Tensor, executor: Executor | None) -> bytes:
         """Copy the staged snapshot into ``data``, a slot's data (background thread).
 
         Chunk by chunk through the bounce buffers; ``executor``'s threads (or this one)
-        copy each chunk into ``data`` once it has landed.
+        copy each chunk into ``data`` once it has landed, put the host tensors' bytes that
+        fall in it in place, and sum it while its bytes are still in the core's cache.
+
+        Returns:
+            The data's checksums (``checksums_of(data)``, computed chunk by chunk: a chunk
+            is a whole number of blocks).
         """
         depth = len(self._bounces)
-        landing: list[Future[None] | None] = [None] * depth
+        landing: list[Future[bytes] | None] = [None] * depth
+        sums: list[Future[bytes]] = []
         with torch.no_grad(), self._on_copy_stream():
             for index, start in enumerate(range(0, data.numel(), self._chunk_bytes)):
                 turn = index % depth
@@ -135,13 +144,27 @@ class DeviceStaging:
                 bounce = self._bounces[turn][: end - start]
                 bounce.copy_(self._buffer[start:end], non_blocking=True)
                 landed = self._record_on_copy_stream()
-                landing[turn] = _run(executor, _land, landed, bounce, data[start:end])
-            for future in landing:
-                if future is not None:
-                    future.result()
-            if self._on_host:
-                views = [self.layout.entries[k].view(data) for k in self._on_host]
-                torch._foreach_copy_(views, self._host_copies)
+                overlays = self._overlays.get(index, [])
+                job = _run(executor, _land, landed, bounce, data[start:end], overlays)
+                landing[turn] = job
+                sums.append(job)
+        return b"".join(job.result() for job in sums)
+
+    def _overlays_by_chunk(self) -> dict[int, list[_Overlay]]:
+        """Where each host tensor's bytes go, chunk by chunk (a tensor may span chunks)."""
+        found: dict[int, list[_Overlay]] = {}
+        for entry_index, host in zip(self._on_host, self._host_copies, strict=True):
+            entry = self.layout.entries[entry_index]
+            source = host.reshape(-1).view(torch.uint8)
+            at = entry.offset
+            while at < entry.offset + entry.nbytes:
+                chunk = at // self._chunk_bytes
+                stop = min(entry.offset + entry.nbytes, (chunk + 1) * self._chunk_bytes)
+                within = at - chunk * self._chunk_bytes
+                piece = source[at - entry.offset : stop - entry.offset]
+                found.setdefault(chunk, []).append(_Overlay(within, piece))
+                at = stop
+        return found
 
     @contextlib.contextmanager
     def _on_copy_stream(self) -> Iterator[None]:
@@ -160,18 +183,29 @@ class DeviceStaging:
         return event
 
 
-def _land(landed: Any, bounce: torch.Tensor, target: torch.Tensor) -> None:
-    """Copy a chunk from its bounce buffer into the slot once its transfer is done."""
+class _Overlay(NamedTuple):
+    """Bytes of a host tensor's copy, and where in their chunk they go."""
+
+    at: int  # into the chunk
+    source: torch.Tensor  # uint8 view of the host copy's bytes
+
+
+def _land(
+    landed: Any, bounce: torch.Tensor, target: torch.Tensor, overlays: list[_Overlay]
+) -> bytes:
+    """A chunk into the slot once its transfer is done, host tensors' bytes in place; its sums."""
     if landed is not None:
         landed.synchronize()
     target.copy_(bounce)
+    for overlay in overlays:
+        target[overlay.at : overlay.at + overlay.source.numel()].copy_(overlay.source)
+    return checksums_of(target)
 
 
-def _run(executor: Executor | None, job: Any, *args: Any) -> Future[None]:
+def _run(executor: Executor | None, job: Any, *args: Any) -> Future[bytes]:
     """``job(*args)`` on ``executor``, or here and now (a future that is done)."""
     if executor is not None:
         return executor.submit(job, *args)
-    done: Future[None] = Future()
-    job(*args)
-    done.set_result(None)
+    done: Future[bytes] = Future()
+    done.set_result(job(*args))
     return done

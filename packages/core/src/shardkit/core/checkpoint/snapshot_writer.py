@@ -215,9 +215,10 @@ class SnapshotWriter:
         self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
     ) -> None:
         data = slot.data()
-        if self._staging is not None:
-            self._staging.to_host(data, self._summers)
-        sums = checksums_of(data, self._summers, self._pieces)
+        if self._staging is not None:  # summed chunk by chunk as it lands
+            sums = self._staging.to_host(data, self._summers)
+        else:
+            sums = checksums_of(data, self._summers, self._pieces)
         who = self.topology
         header = Header(who.run_id, who.world_size, who.rank, step, self.layout, sums, values)
         slot.write_header(header.to_json(self._layout_json))
