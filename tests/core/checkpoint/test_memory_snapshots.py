@@ -175,6 +175,34 @@ def test_a_snapshot_that_fails_its_checksum_is_refused(tmp_path: Path) -> None:
     assert any("bytes do not match their checksum" in r for r in refused), refused
 
 
+def test_a_snapshot_of_the_previous_format_is_refused(tmp_path: Path) -> None:
+    """Format 2 wrote the checksums as a JSON list of numbers: read as unreadable, by name."""
+    import json
+    import struct
+
+    from shardkit.core.checkpoint.snapshot_format import (
+        JSON_AT,
+        REGION_AT,
+        capacity_in,
+        header_region,
+    )
+
+    at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="ours")[0]
+    rank0s = [*tmp_path.glob("node0/rank00000.*"), *tmp_path.glob("node1/replica-of-*")]
+    for path in _holding_step6(rank0s):  # both copies of rank 0's step 6, as format 2 wrote
+        data = bytearray(path.read_bytes())
+        capacity = capacity_in(torch.frombuffer(data[:64], dtype=torch.uint8))
+        (length,) = struct.unpack("<Q", data[REGION_AT + 4 : REGION_AT + 12])
+        header = json.loads(bytes(data[JSON_AT : JSON_AT + length]))
+        sums = bytes.fromhex(header["checksums"])
+        header["format"], header["checksums"] = 2, list(struct.unpack(f"<{len(sums) // 8}Q", sums))
+        region = header_region(json.dumps(header, separators=(",", ":")).encode(), capacity)
+        data[REGION_AT : REGION_AT + len(region)] = region
+        path.write_bytes(bytes(data))
+    refused = _expect_disk(tmp_path, at_five, "unreadable")
+    assert any("format 2, this reader knows 3" in r for r in refused), refused
+
+
 def test_a_snapshot_of_another_run_is_refused(tmp_path: Path) -> None:
     at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="another run")[0]
     refused = _expect_disk(tmp_path, at_five, "another run")
@@ -427,3 +455,21 @@ def test_the_checksums_refuse_data_that_is_not_whole_words() -> None:
 
     with pytest.raises(ValueError, match="8-byte words"):
         checksums_of(torch.zeros(12, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("cores", "allowed", "per_node", "threads"),
+    [(16, 16, 8, 2), (16, 4, 8, 4), (64, 64, 1, 8), (2, 2, 2, 1), (2, 1, 1, 1)],
+)
+def test_the_summing_threads_are_this_ranks_share_of_its_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, allowed: int, per_node: int, threads: int
+) -> None:
+    """The node's cores over its ranks; a process bound to fewer cores has those; at most 8."""
+    import os
+
+    from shardkit.core.checkpoint import snapshot_writer
+    from shardkit.core.checkpoint.snapshot_slots import Topology
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(allowed)))
+    assert snapshot_writer._cores_per_rank(Topology(RUN, 0, 16, per_node)) == threads

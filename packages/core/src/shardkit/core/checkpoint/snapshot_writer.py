@@ -241,9 +241,15 @@ def _lower_this_thread() -> None:
 
 
 def _cores_per_rank(topology: Topology) -> int:
-    """This rank's fair share of the cores it may run on: those of its node over its ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, (cores or 1) // topology.ranks_per_node))
+    """This rank's fair share of its node's cores (at most 8).
+
+    A process bound to some cores (a launcher's NUMA or core binding) has those to itself;
+    otherwise the node's cores are shared by its ranks.
+    """
+    machine = os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    share = allowed if allowed < machine else machine // topology.ranks_per_node
+    return max(1, min(8, share))
 
 
 def _oldest(slots: list[SlotFile]) -> int:
