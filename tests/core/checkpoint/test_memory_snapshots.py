@@ -354,12 +354,13 @@ def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
     values, not later ones, the optimizer's step counts included."""
     from shardkit.core import MemorySnapshots
     from shardkit.core.checkpoint import snapshot_staging, snapshot_writer
+    from shardkit.core.checkpoint import snapshots as snapshots_module
     from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
 
     pieces = 1 if device == "cpu-inline" else 3
     device = device.removesuffix("-inline")
     if device != "cuda":  # the host stands in for the device
-        monkeypatch.setattr(snapshot_writer, "staging_device", lambda *_: torch.device(device))
+        monkeypatch.setattr(snapshots_module, "staging_device", lambda *_: torch.device(device))
     monkeypatch.setattr(snapshot_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
     monkeypatch.setattr(snapshot_writer, "PARALLEL_BYTES", 0)
     monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: pieces)
@@ -473,3 +474,50 @@ def test_the_summing_threads_are_this_ranks_share_of_its_cores(
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(allowed)))
     assert snapshot_writer._cores_per_rank(Topology(RUN, 0, 16, per_node)) == threads
+
+
+@pytest.mark.parametrize(
+    ("checksums", "why"),
+    [
+        ("zz", "non-hexadecimal"),  # not hex
+        ("00" * 8, "not two per block"),  # hex, one number short
+        (None, "fromhex"),  # not a string (format 2's list would be one)
+    ],
+)
+def test_a_header_whose_checksums_are_malformed_is_unreadable(
+    tmp_path: Path, checksums: str | None, why: str
+) -> None:
+    """The header's hex checksums, read from a slot: anything but whole sums of every block
+    is refused as unreadable, before any data is read."""
+    import json
+    import struct
+
+    from shardkit.core import MemorySnapshots
+    from shardkit.core.checkpoint.snapshot_format import (
+        JSON_AT,
+        REGION_AT,
+        Expected,
+        SnapshotRefusal,
+        SnapshotRefused,
+        capacity_in,
+        header_region,
+        read_header,
+    )
+
+    model = torch.nn.Linear(4, 3)
+    with MemorySnapshots(RUN, directory=tmp_path) as snapshots:
+        snapshots.snapshot(1, {"model": model})
+        snapshots.wait()
+        written = [p.read_bytes() for p in tmp_path.glob("rank00000.slot*.snap")]
+        data = bytearray(next(raw for raw in written if b'"step":1,' in raw[:8192]))
+    capacity = capacity_in(torch.frombuffer(data[:64], dtype=torch.uint8))
+    (length,) = struct.unpack("<Q", data[REGION_AT + 4 : REGION_AT + 12])
+    header = json.loads(bytes(data[JSON_AT : JSON_AT + length]))
+    header["checksums"] = checksums
+    region = header_region(json.dumps(header).encode(), capacity)
+    data[REGION_AT : REGION_AT + len(region)] = region
+    with pytest.raises(SnapshotRefused, match=why) as refused:
+        read_header(
+            torch.frombuffer(data, dtype=torch.uint8), rank=0, expected=Expected(RUN, 1, None)
+        )
+    assert refused.value.refusal is SnapshotRefusal.UNREADABLE

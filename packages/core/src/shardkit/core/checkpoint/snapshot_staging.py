@@ -38,7 +38,7 @@ import torch
 
 from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES, checksums_of
 from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves
-from shardkit.core.runtime.device import can_pin_memory
+from shardkit.core.runtime.device import can_pin_memory, is_accelerator
 
 __all__ = ["CHUNK_BYTES", "DeviceStaging", "staging_device"]
 
@@ -53,7 +53,7 @@ def staging_device(layout: Layout, leaves: Leaves) -> torch.device | None:
     than one accelerator (copied tensor by tensor, as before staging).
     """
     devices = {leaves.tensors[e.key].device for e in layout.entries}
-    accelerators = {d for d in devices if d.type != "cpu"}
+    accelerators = {d for d in devices if is_accelerator(d)}
     return accelerators.pop() if len(accelerators) == 1 else None
 
 
@@ -85,7 +85,7 @@ class DeviceStaging:
         self._copy_stream: Any = self._module.Stream(device=device) if self._module else None
         self._staged: Any = None  # the event recorded after the last staging copy
         bounce = min(chunk_bytes, layout.data_bytes)
-        pin = device.type == "cuda" and can_pin_memory()
+        pin = is_accelerator(device) and can_pin_memory()
         self._bounces = [
             torch.empty(bounce, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)
         ]
@@ -93,11 +93,6 @@ class DeviceStaging:
         self._on_host: list[int] = []  # entry indices copied aside on the host
         self._host_copies: list[torch.Tensor] = []
         self._overlays: dict[int, list[_Overlay]] = {}  # chunk index -> host bytes in it
-
-    @property
-    def nbytes(self) -> int:
-        """Device memory the buffer takes."""
-        return self._buffer.numel()
 
     def stage(self, leaves: Leaves) -> None:
         """Launch the copy of ``leaves`` into the device buffer (training thread)."""

@@ -34,7 +34,7 @@ from shardkit.core.checkpoint.snapshot_format import (
 )
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_to_views, fits
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
-from shardkit.core.checkpoint.snapshot_staging import DeviceStaging, staging_device
+from shardkit.core.checkpoint.snapshot_staging import DeviceStaging
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
 from shardkit.core.runtime.peer_transfer import Message, transfer
 
@@ -111,7 +111,9 @@ class SnapshotWriter:
         capacity: int,
         slots: int,
         replication: Replication | None,
+        staging_on: torch.device | None = None,
     ) -> None:
+        """``staging_on``: the accelerator the state lives on (``staging_device``), if any."""
         self.topology, self.layout, self.replication = topology, layout, replication
         self._layout_json = layout_json_of(layout)  # every header repeats it
         directory.prepare()
@@ -137,8 +139,6 @@ class SnapshotWriter:
         self._next_replica = _oldest(self._replicas)
         self._in_flight: Future[None] | None = None
         self._worker = _Worker(f"shardkit-snapshots-rank{topology.rank}")
-        self._staging: DeviceStaging | None = None
-        self._staging_known = False  # whether the first write decided on staging
         # A share this large is summed on this node's fair part of its cores (a GPU node's
         # host cores are mostly idle); the demo's few megabytes stay on the one thread.
         self._pieces = _cores_per_rank(topology)
@@ -147,6 +147,10 @@ class SnapshotWriter:
             self._summers = ThreadPoolExecutor(
                 self._pieces, "shardkit-snapshot-sums", initializer=_lower_this_thread
             )
+        self._staging: DeviceStaging | None = None
+        if staging_on is not None:  # bounce buffers for the copying threads, and one more
+            depth = self._pieces + 1 if self._summers is not None else 1
+            self._staging = DeviceStaging(layout, staging_on, depth=depth)
 
     @property
     def nbytes(self) -> int:
@@ -166,12 +170,6 @@ class SnapshotWriter:
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
                 f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
             )
-        if not self._staging_known:
-            self._staging_known = True
-            device = staging_device(self.layout, leaves)
-            if device is not None:  # bounce buffers for the copying threads, and one more
-                depth = self._pieces + 1 if self._summers is not None else 1
-                self._staging = DeviceStaging(self.layout, device, depth=depth)
         slot = self._own[self._next]
         slot.mark_writing()
         if self._staging is not None:

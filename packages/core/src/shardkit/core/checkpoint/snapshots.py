@@ -26,9 +26,10 @@ from types import TracebackType
 from typing import Any, Literal
 
 from shardkit.core.checkpoint.manager import CheckpointManager
-from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
+from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves, leaves_of
 from shardkit.core.checkpoint.snapshot_restore import Restored, gathered, restore
 from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, default_directory
+from shardkit.core.checkpoint.snapshot_staging import staging_device
 from shardkit.core.checkpoint.snapshot_writer import Replication, SnapshotWriter, header_capacity
 from shardkit.core.runtime.agreement import from_rank, raise_shared
 from shardkit.core.runtime.groups import global_rank, is_distributed, snapshot_group, world_size
@@ -147,7 +148,7 @@ class MemorySnapshots:
             return
         leaves = leaves_of(state)
         if self._writer is None:
-            self._writer = self._start(Layout.of(leaves), leaves.values)
+            self._writer = self._start(leaves)
         self._writer.write(step, leaves)
 
     def wait(self) -> None:
@@ -222,10 +223,12 @@ class MemorySnapshots:
     def _directory(self, topology: Topology) -> SnapshotDirectory:
         return SnapshotDirectory(self.root, topology.rank)
 
-    def _start(self, layout: Layout, values: dict[str, Any]) -> SnapshotWriter:
-        """Allocate the slots; learn the source's sizes for its replicas (collective)."""
+    def _start(self, leaves: Leaves) -> SnapshotWriter:
+        """Allocate the slots and a GPU state's device buffer, learn the source's (collective)."""
+        layout = Layout.of(leaves)
+        staging_on = staging_device(layout, leaves)
         topology = self.topology()
-        capacity = header_capacity(topology, layout, values)
+        capacity = header_capacity(topology, layout, leaves.values)
         if is_distributed():
             snapshot_group()
         sizes = raise_shared(gathered(lambda: [capacity, layout.data_bytes]))
@@ -245,6 +248,7 @@ class MemorySnapshots:
                 capacity=capacity,
                 slots=self.slots,
                 replication=replication,
+                staging_on=staging_on,
             )
 
         made: list[SnapshotWriter] = []
