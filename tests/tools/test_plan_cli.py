@@ -194,3 +194,43 @@ def test_reduce_precision_reaches_the_plan(capsys: pytest.CaptureFixture[str]) -
         )
     assert sent["bfloat16"] == sent["None"] // 2
     assert sent["int8"] <= 0.26 * sent["None"]
+
+
+def test_a_param_dtype_override_reaches_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    # The CLI names the function as --inputs names a factory; its plan is the Python API's.
+    from shardkit.tools.examples import llama_tiny, one_dim_params_in_own_dtype
+    from shardkit.tools.plan.options import PlanOptions
+    from shardkit.tools.plan.planner import plan
+
+    override = "shardkit.tools.examples:one_dim_params_in_own_dtype"
+    argv = [TINY, "--world-size", "4", "--param-dtype", "bf16", "--reduce-dtype", "fp32"]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--param-dtype-override", override, "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["options"]["param_dtype_override_fn"] == (
+        "shardkit.tools.plan.examples:one_dim_params_in_own_dtype"
+    )
+    assert plain["options"]["param_dtype_override_fn"] is None
+    options = PlanOptions(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_override_fn=one_dim_params_in_own_dtype,
+    )
+    expected = plan(llama_tiny(), world_size=4, options=options).to_dict()
+    assert kept["collectives"] == expected["collectives"]
+    # The norms' scales gathered in fp32, not bf16: every block's all-gather grows by them.
+    gathers = [
+        (p["sent_bytes_per_step"], k["sent_bytes_per_step"])
+        for p, k in zip(plain["collectives"], kept["collectives"], strict=True)
+        if p["kind"] == "all_gather"
+    ]
+    assert gathers and all(k > p for p, k in gathers), gathers
+
+
+def test_a_param_dtype_override_that_is_not_a_function_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [TINY, "--world-size", "2", "--param-dtype-override", "shardkit.tools.examples:nope"]
+    assert main(argv) == 2
+    assert "has no attribute 'nope'" in capsys.readouterr().err

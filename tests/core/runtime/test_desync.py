@@ -198,3 +198,37 @@ def test_a_reset_after_a_desync_never_waits_on_a_collective_left_behind(how: str
         assert f"{side}, step {SKIP_AT + 1} (#" in message, message
     expected = run_on_ranks(2, _in_step_body, debug=False)
     assert [r["losses"] for r in results] == expected
+
+
+def _rank_dependent_policy_body(rank: int, world_size: int) -> str:
+    """Rank 0 keeps the middle layer in fp32, the other ranks cast it to bf16 like the rest."""
+    from shardkit.core import DesyncError, MixedPrecisionPolicy, fully_shard, set_debug
+
+    torch.manual_seed(0)
+    model = Widening()
+    middle = set(map(id, model.blocks[1].parameters()))
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_override_fn=lambda p: p.dtype if rank == 0 and id(p) in middle else None,
+    )
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)
+    set_debug(True)
+    try:
+        model(torch.randn(4, 7)).float().sum().backward()
+    except DesyncError as caught:
+        return str(caught)
+    finally:
+        set_debug(False)
+    return ""
+
+
+def test_a_policy_that_depends_on_the_rank_is_named_not_a_hang() -> None:
+    # Without checks, as with torch, the ranks' all-gathers differ in size and the job hangs
+    # (or gloo aborts a process); with them every rank names the group and the likely cause.
+    results = run_on_ranks(2, _rank_dependent_policy_body)
+    message = results[0]
+    assert message and all(r == message for r in results), results
+    assert "disagree on what one collective carries" in message, message
+    assert "all-gather of <root> in forward, step 1 (#1," in message, message
+    assert "param_dtype_override_fn whose answer depends on the rank" in message, message

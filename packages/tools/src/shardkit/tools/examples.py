@@ -14,6 +14,7 @@ from shardkit.tools.plan.examples import (
     llama_tiny,
     llama_tiny_inputs,
     llama_tp_plan,
+    one_dim_params_in_own_dtype,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "llama_tiny",
     "llama_tiny_inputs",
     "llama_tp_plan",
+    "one_dim_params_in_own_dtype",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -195,6 +195,15 @@ def check_fingerprints(infos: list[CollectiveInfo], ranks: list[int]) -> None:
     for rank, info in zip(ranks, infos, strict=True):
         by_info.setdefault(info, []).append(rank)
     sides = "; ".join(f"{_ranks(members)}: {info.detail()}" for info, members in by_info.items())
+    if len({replace(info, nbytes=0, dtype="") for info in infos}) == 1:
+        # In step, yet one collective carries other bytes: the ranks built different groups.
+        raise DesyncError(
+            f"ranks {ranks} disagree on what one collective carries: {sides}. The ranks are in "
+            f"step, but the parameters of {infos[0].label or '<root>'} differ between them "
+            "(their shapes or dtypes): every rank must build the same model and shard it with "
+            "the same policy; a model or a MixedPrecisionPolicy.param_dtype_override_fn whose "
+            "answer depends on the rank does this"
+        )
     raise DesyncError(
         f"ranks {ranks} are out of step: {sides}. Every rank must run the same forwards and "
         "backwards on a sharded model (the same micro-batches, the same modules, an optimizer "

@@ -157,6 +157,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--param-dtype", type=_dtype, help="dtype of gathered parameters")
     parser.add_argument("--reduce-dtype", type=_dtype, help="dtype of gradient reduction")
     parser.add_argument(
+        "--param-dtype-override",
+        metavar="FUNCTION",
+        help="module:function, MixedPrecisionPolicy's param_dtype_override_fn: called on each "
+        "parameter of the meta model, returns a dtype (its own keeps it out of --param-dtype) "
+        "or None; it must decide from the parameter itself (its shape, its dtype), as "
+        "shardkit.tools.examples:one_dim_params_in_own_dtype does",
+    )
+    parser.add_argument(
         "--reduce-precision",
         choices=("bfloat16", "int8", "float8_e4m3fn"),
         help="gradients on the wire in this format, summed in float32 (set_reduce_precision)",
@@ -218,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             wrap=wrap,
             reshard_after_forward=args.reshard_after_forward,
             param_dtype=args.param_dtype,
+            param_dtype_override_fn=None
+            if args.param_dtype_override is None
+            else load_factory(args.param_dtype_override),
             reduce_dtype=args.reduce_dtype,
             reduce_precision=None
             if args.reduce_precision is None

@@ -40,6 +40,7 @@ __all__ = [
     "llama_tiny",
     "llama_tiny_inputs",
     "llama_tp_plan",
+    "one_dim_params_in_own_dtype",
 ]
 
 
@@ -266,3 +267,12 @@ def gpt_small() -> GPT:
 def gpt_small_inputs(batch: int = 4, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`gpt_small`: one rank's micro-batch."""
     return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+
+
+def one_dim_params_in_own_dtype(param: nn.Parameter) -> torch.dtype | None:
+    """A ``param_dtype_override_fn``: 1-D parameters (norm scales, biases) in their own dtype.
+
+    The rest are gathered in ``param_dtype``. It decides from the parameter's shape, so the
+    meta model the planner builds gets the same answers as the model the engine shards.
+    """
+    return param.dtype if param.ndim == 1 else None

@@ -123,6 +123,7 @@ class Plan:
             "options": {
                 "reshard_after_forward": options.reshard_after_forward,
                 "param_dtype": _dtype_name(options.param_dtype),
+                "param_dtype_override_fn": _function_name(options.param_dtype_override_fn),
                 "reduce_dtype": _dtype_name(options.reduce_dtype),
                 "reduce_precision": _precision(options.reduce_precision),
                 "optimizer": options.optimizer,
@@ -392,6 +393,13 @@ def _precision(policy: ReducePrecision | None) -> dict[str, Any] | None:
     wire = fields["wire_dtype"]
     fields["wire_dtype"] = _dtype_name(wire) if isinstance(wire, torch.dtype) else wire
     return fields
+
+
+def _function_name(fn: Any) -> str | None:
+    """``module:qualname`` of a function option, as the CLI names one (None if unset)."""
+    if fn is None:
+        return None
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
