@@ -9,8 +9,10 @@
    first; a block's figure is its mean step time on the slower rank (what throughput sees),
    and the ratio is the median of the rounds' ratios. The demo's batch (8 sequences of 128
    tokens per rank), and 32 per rank: a snapshot's work is fixed per step (the rank's share
-   of the state), so its share of a longer step is smaller. Also timed, on the training
-   thread: the state's ``state_dict()`` (the demo's, ``StateDictCache``) and the copy.
+   of the state), so its share of a longer step is smaller. And a snapshot every step with
+   only every fourth replicated (``replicate_every=4``: a quarter of the exchange). Also
+   timed, on the training thread: the state's ``state_dict()`` (the demo's,
+   ``StateDictCache``) and the copy.
 2. **Restart** (``test_restart_time``): the demo as two torchrun "nodes" of one rank (as the
    snapshot soak runs it), killed once mid-forward at the same step, resumed by torchrun
    --max-restarts: from memory snapshots (every step), and from the disk checkpoint (every 10
@@ -41,7 +43,9 @@ BLOCK = 8  # steps per block
 _STATE: dict[str, Any] = {}
 
 
-def _setup(rank: int, world_size: int, root: str, every: int, batch: int) -> None:
+def _setup(
+    rank: int, world_size: int, root: str, every: int, batch: int, replicate_every: int
+) -> None:
     import torch
     from demo.batches import BatchSampler, load_corpus
     from demo.distributed import build_mesh
@@ -73,7 +77,11 @@ def _setup(rank: int, world_size: int, root: str, every: int, batch: int) -> Non
         seed=cfg.seed,
     )
     _STATE["snapshots"] = MemorySnapshots(
-        "bench", directory=f"{root}/node{rank}", every=every, ranks_per_node=1
+        "bench",
+        directory=f"{root}/node{rank}",
+        every=every,
+        ranks_per_node=1,
+        replicate_every=replicate_every,
     )
     for _ in range(every + 1):  # warm-up: lazy init, the optimizer's state, the slots
         _step(snapshot=True)
@@ -124,10 +132,13 @@ def _teardown(rank: int, world_size: int) -> int:
     return nbytes
 
 
-@pytest.mark.parametrize(("every", "batch"), [(1, 8), (4, 8), (1, 32)])
-def test_snapshot_step_time(benchmark: Any, every: int, batch: int) -> None:
+@pytest.mark.parametrize(
+    ("every", "batch", "replicate_every"), [(1, 8, 1), (4, 8, 4), (1, 32, 1), (1, 8, 4)]
+)
+def test_snapshot_step_time(benchmark: Any, every: int, batch: int, replicate_every: int) -> None:
     root = Path("/dev/shm") / f"shardkit-bench-{os.getpid()}"
-    run_on_ranks(2, _setup, root=str(root), every=every, batch=batch, timeout_s=600)
+    kwargs = {"every": every, "batch": batch, "replicate_every": replicate_every}
+    run_on_ranks(2, _setup, root=str(root), timeout_s=600, **kwargs)
     rounds: list[dict[str, float]] = []
     order = [False, True]
 
@@ -149,6 +160,7 @@ def test_snapshot_step_time(benchmark: Any, every: int, batch: int) -> None:
     benchmark.extra_info.update(
         subject="shardkit",
         every=every,
+        replicate_every=replicate_every,
         batch_per_rank=batch,
         step_with_snapshots_over_without=statistics.median(ratios),
         ratio_min=min(ratios),
@@ -158,7 +170,10 @@ def test_snapshot_step_time(benchmark: Any, every: int, batch: int) -> None:
         shared_memory_mib_per_rank=nbytes / 2**20,
         **parts,
     )
-    print(f"\nmemory snapshots every {every} step(s), demo GPT W=2, batch {batch} per rank:")
+    print(
+        f"\nmemory snapshots every {every} step(s), replicated every {replicate_every}, "
+        f"demo GPT W=2, batch {batch} per rank:"
+    )
     for r in rounds:
         print(f"  without {r['without']:.4f} s  with {r['with']:.4f} s  "
               f"ratio {r['with'] / r['without']:.3f}")  # fmt: skip

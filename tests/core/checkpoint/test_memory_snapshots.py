@@ -62,6 +62,12 @@ def _resume(rank: int, world_size: int, root: str, disk: str | None = None) -> d
     }
 
 
+def _rank0_files(own: int) -> list[str]:
+    """Rank 0's slot files at W=2 on two nodes: ``own`` of its own, two replicas of rank 1's."""
+    replicas = [f"replica-of-rank00001.slot{k}.snap" for k in range(2)]
+    return [f"rank00000.slot{k}.snap" for k in range(own)] + replicas
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
@@ -78,12 +84,7 @@ def test_a_restart_resumes_from_own_copies_then_from_the_peers_replica(tmp_path:
     root = str(tmp_path)
     trained = run_on_ranks(2, _train_and_keep, root=root)
     # Bounded memory: 2 slots of its own and 2 replicas of the other rank's, per rank.
-    assert trained[0]["files"] == [
-        "rank00000.slot0.snap",
-        "rank00000.slot1.snap",
-        "replica-of-rank00001.slot0.snap",
-        "replica-of-rank00001.slot1.snap",
-    ]
+    assert trained[0]["files"] == _rank0_files(own=2)
     for result in run_on_ranks(2, _resume, root=root):
         assert (result["source"], result["step"], result["app_step"]) == ("memory", 5, 5)
         assert result["from_replicas"] == () and result["refused"] == ()
@@ -93,6 +94,71 @@ def test_a_restart_resumes_from_own_copies_then_from_the_peers_replica(tmp_path:
         assert (result["source"], result["step"], result["app_step"]) == ("memory", 5, 5)
         assert result["from_replicas"] == (0,)
         assert _same(result["state"], trained[0]["state"])
+
+
+def _replicated_every_five(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Snapshots after steps 1 to 8, a replica of step 5 only; the states at 5 and 8."""
+    app = build_app(world_size)
+    snapshots = _snapshots(root, rank, replicate_every=5)
+    kept = {}
+    while app.step < 8:
+        train_app(app, app.step + 1, rank, world_size)
+        snapshots.snapshot(app.step, {"app": app})
+        kept[app.step] = state_of(app)
+    snapshots.close(remove=False)
+    files = sorted(p.name for p in Path(f"{root}/node{rank}").iterdir())
+    return {"at": {step: kept[step] for step in (5, 8)}, "files": files}
+
+
+def _restart_and_train_one_step(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A restarted worker: resumed from memory, then one step more with its snapshot."""
+    app = build_app(world_size)
+    snapshots = _snapshots(root, rank, replicate_every=5)
+    point = snapshots.resume({"app": app})
+    resumed = {"step": point.step, "from_replicas": point.from_replicas, "state": state_of(app)}
+    train_app(app, app.step + 1, rank, world_size)
+    snapshots.snapshot(app.step, {"app": app})
+    snapshots.close(remove=False)
+    return resumed
+
+
+def _steps_held(root: str, rank: int) -> list[int]:
+    from shardkit.core.checkpoint.snapshot_format import peek_step
+
+    steps = []
+    for path in sorted(Path(f"{root}/node{rank}").iterdir()):
+        step = peek_step(torch.from_file(str(path), size=path.stat().st_size, dtype=torch.uint8))
+        steps.append(-1 if step is None else step)
+    return steps
+
+
+def test_replicating_every_fifth_step_keeps_that_step_for_a_lost_node(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    trained = run_on_ranks(2, _replicated_every_five, root=root)
+    # One more own slot, which the rotation skips while it holds step 5, the newest replicated
+    # (three slots in turn would hold steps 6, 7, 8); two replica slots, one written (step 5).
+    assert trained[0]["files"] == _rank0_files(own=3)
+    assert sorted(_steps_held(root, 0)) == [-1, 5, 5, 7, 8]  # own 5, 7, 8; a replica of 5
+    # A killed process: its own copy of the step before, as with every step replicated. The
+    # restore keeps what is older (step 5's, which a lost node needs), and the restarted
+    # writer finds its own slot of step 5 pinned: step 9 overwrites step 7's.
+    for result in run_on_ranks(2, _restart_and_train_one_step, root=root):
+        assert (result["step"], result["from_replicas"]) == (8, ())
+        assert _same(result["state"], trained[0]["at"][8])
+    assert sorted(_steps_held(root, 1)) == [-1, 5, 5, 8, 9]
+    shutil.rmtree(tmp_path / "node1")  # node 1 is lost: everyone goes back to step 5
+    for result in run_on_ranks(2, _resume, root=root):
+        assert (result["source"], result["step"], result["from_replicas"]) == ("memory", 5, (1,))
+        assert _same(result["state"], trained[0]["at"][5])
+
+
+def test_replicate_every_must_be_a_multiple_of_every() -> None:
+    from shardkit.core import MemorySnapshots
+
+    with pytest.raises(ValueError, match="replicate_every=3 must be a multiple of every=2"):
+        MemorySnapshots(RUN, every=2, replicate_every=3)
+    with pytest.raises(ValueError, match="replicate_every=1 must be a multiple of every=2"):
+        MemorySnapshots(RUN, every=2, replicate_every=1)
 
 
 def _without_rank1_step5(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:

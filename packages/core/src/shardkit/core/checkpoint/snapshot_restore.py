@@ -331,16 +331,17 @@ def _load(state: dict[str, Any], layout: Layout, data: torch.Tensor, header: Hea
 def _discard_others(
     directory: SnapshotDirectory, topology: Topology, kept: list[Holding], step: int
 ) -> None:
-    """Remove this rank's slot files but those of ``step`` that passed every check.
+    """Remove this rank's slot files but those of ``step`` or older that passed every check.
 
     Snapshots of later steps belong to a future that was abandoned (a rank lacked them), and
-    refused or older ones can only mislead a later restart.
+    refused ones can only mislead a later restart. Older ones stay: where only some steps are
+    replicated, the newest replicated one is what a node lost after this restart goes back to.
     """
     me = topology.rank
     keep = {
         directory.own(h.slot) if h.own else directory.replica(h.owner, h.slot)
         for h in kept
-        if h.holder == me and h.step == step
+        if h.holder == me and h.step <= step
     }
     files = [path for _, path in directory.own_files()]
     if topology.replicated:

@@ -10,7 +10,11 @@ thread does the same at the same steps, so the transfers pair up.
 
 At most one snapshot is in flight: the next one waits for it before it overwrites anything. A
 kill at any point therefore leaves the snapshot of the step before complete, here and at the
-peer, and loses at most the step in flight. See [Note: memory snapshots].
+peer, and loses at most the step in flight. Where only every ``replicate_every``-th snapshot is
+replicated (a network that cannot carry a rank's share every step), each rank keeps its own
+copy of the newest replicated step in a slot the rotation skips: a lost node's ranks restore
+that step from their replicas, and every other rank from that slot. See [Note: memory
+snapshots].
 """
 
 from __future__ import annotations
@@ -112,8 +116,15 @@ class SnapshotWriter:
         slots: int,
         replication: Replication | None,
         staging_on: torch.device | None = None,
+        replica_slots: int = 0,
+        replicate_every: int = 1,
     ) -> None:
-        """``staging_on``: the accelerator the state lives on (``staging_device``), if any."""
+        """Own ``slots``; ``replica_slots`` of the source's (default: as many).
+
+        ``staging_on``: the accelerator the state lives on (``staging_device``), if any.
+        ``replicate_every``: replicate the snapshots of steps that are a multiple of it only;
+        the newest replicated one stays in its own slot until the next (``_pinned``).
+        """
         self.topology, self.layout, self.replication = topology, layout, replication
         self._layout_json = layout_json_of(layout)  # every header repeats it
         directory.prepare()
@@ -129,13 +140,21 @@ class SnapshotWriter:
                     capacity=replication.source_capacity,
                     data_bytes=replication.source_data_bytes,
                 )
-                for k in range(slots)
+                for k in range(replica_slots or slots)
             ]
         # Each tensor's place in each slot, made once: a snapshot every step copies into them.
         self._views: list[list[torch.Tensor]] = [
             [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
         ]
-        self._next = _oldest(self._own)
+        self._replicate_every = replicate_every
+        # The step each own slot holds (-1: none complete), and the slot of the newest step
+        # whose replica was sent: a lost node's ranks restore from replicas of that step, so
+        # every rank keeps its own copy of it until the next one is replicated.
+        self._steps = [_step_in(slot) for slot in self._own]
+        replicated = [
+            k for k, step in enumerate(self._steps) if step >= 0 and step % replicate_every == 0
+        ]
+        self._pinned = max(replicated, key=lambda k: self._steps[k], default=None)
         self._next_replica = _oldest(self._replicas)
         self._in_flight: Future[None] | None = None
         self._worker = _Worker(f"shardkit-snapshots-rank{topology.rank}")
@@ -165,23 +184,30 @@ class SnapshotWriter:
                 tensors are not those of the first snapshot.
         """
         self.wait()
+        replicate = step % self._replicate_every == 0
         if not fits(self.layout, leaves):
             raise SnapshotError(
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
                 f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
             )
-        slot = self._own[self._next]
+        free = [k for k in range(len(self._own)) if k != self._pinned]
+        index = min(free, key=lambda k: self._steps[k])  # the oldest slot not pinned
+        slot = self._own[index]
         slot.mark_writing()
+        self._steps[index] = -1  # until it is complete
         if self._staging is not None:
             self._staging.stage(leaves)  # launched on the device; moved to the slot below
         else:
-            copy_to_views(self._views[self._next], self.layout, leaves)
+            copy_to_views(self._views[index], self.layout, leaves)
         values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
-        replica = self._replicas[self._next_replica] if self._replicas else None
-        self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
-        self._next = (self._next + 1) % len(self._own)
-        if self._replicas:
+        replica = None
+        if self._replicas and replicate:
+            replica = self._replicas[self._next_replica]
             self._next_replica = (self._next_replica + 1) % len(self._replicas)
+        self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
+        self._steps[index] = step
+        if replicate:
+            self._pinned = index
 
     def wait(self) -> None:
         """Wait for the snapshot in flight; raise its error if it failed."""

@@ -77,6 +77,12 @@ class MemorySnapshots:
         every: take a snapshot every this many steps (``snapshot`` ignores the others).
         slots: how many of its own snapshots a rank keeps (at least 2: one being written, one
             complete), and how many replicas of its source's.
+        replicate_every: replicate only the snapshots of steps that are a multiple of this
+            (default: ``every``, each one). A multiple of ``every``; above it, every rank keeps
+            one more slot, its own copy of the newest replicated step. Then a killed process
+            still costs at most one step, and a lost node's memory up to ``replicate_every``
+            steps (the job goes back to the newest replicated step); the replicas' traffic is
+            divided by ``replicate_every / every``.
         ranks_per_node: ranks on each node, consecutive; a rank's replica goes to the same
             local rank on the next node. Default: torchrun's ``LOCAL_WORLD_SIZE``, else the
             world size (one node: no replicas).
@@ -90,6 +96,7 @@ class MemorySnapshots:
         every: int = 1,
         slots: int = 2,
         ranks_per_node: int | None = None,
+        replicate_every: int | None = None,
     ) -> None:
         if not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"MemorySnapshots: run_id {run_id!r} must be [A-Za-z0-9._-]+")
@@ -99,7 +106,14 @@ class MemorySnapshots:
             )
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError(f"MemorySnapshots: ranks_per_node={ranks_per_node} must be >= 1")
+        replicate_every = every if replicate_every is None else replicate_every
+        if replicate_every < every or replicate_every % every:
+            raise ValueError(
+                f"MemorySnapshots: replicate_every={replicate_every} must be a multiple of "
+                f"every={every}"
+            )
         self.run_id, self.every, self.slots = run_id, every, slots
+        self.replicate_every = replicate_every
         self.root = Path(directory) if directory is not None else default_directory(run_id)
         self._ranks_per_node = ranks_per_node
         self._writer: SnapshotWriter | None = None
@@ -246,9 +260,11 @@ class MemorySnapshots:
                 topology=topology,
                 layout=layout,
                 capacity=capacity,
-                slots=self.slots,
+                slots=self.slots + (self.replicate_every > self.every),
                 replication=replication,
                 staging_on=staging_on,
+                replica_slots=self.slots,
+                replicate_every=self.replicate_every,
             )
 
         made: list[SnapshotWriter] = []
@@ -259,7 +275,9 @@ class MemorySnapshots:
             self.root,
             self.slots,
             made[0].nbytes / 2**20,
-            f", replicated to rank {replication.peer}" if replication else " (not replicated)",
+            f", replicated to rank {replication.peer} every {self.replicate_every} step(s)"
+            if replication
+            else " (not replicated)",
         )
         return made[0]
 
