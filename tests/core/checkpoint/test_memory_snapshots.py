@@ -152,6 +152,24 @@ def test_replicating_every_fifth_step_keeps_that_step_for_a_lost_node(tmp_path: 
         assert _same(result["state"], trained[0]["at"][5])
 
 
+def test_one_node_pins_no_slot_for_replicas_it_never_sends(tmp_path: Path) -> None:
+    from shardkit.core import MemorySnapshots
+
+    model = torch.nn.Linear(4, 3)
+    with MemorySnapshots(RUN, directory=tmp_path, replicate_every=4) as snapshots:
+        for step in range(1, 6):
+            model.weight.data.fill_(step)
+            snapshots.snapshot(step, {"model": model})
+        snapshots.wait()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "rank00000.slot0.snap",
+            "rank00000.slot1.snap",
+        ]
+        model.weight.data.zero_()  # the live state moves on
+        point = MemorySnapshots(RUN, directory=tmp_path).restore({"model": model})
+        assert point.step == 5 and bool((model.weight == 5).all())
+
+
 def test_replicate_every_must_be_a_multiple_of_every() -> None:
     from shardkit.core import MemorySnapshots
 

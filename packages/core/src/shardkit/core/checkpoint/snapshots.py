@@ -254,17 +254,20 @@ class MemorySnapshots:
                 topology.peer(topology.rank), source, source_capacity, source_bytes
             )
 
+        # Without a peer (one node) nothing is replicated, so no slot is pinned for it.
+        replicate_every = self.replicate_every if replication is not None else self.every
+
         def allocate() -> SnapshotWriter:
             return SnapshotWriter(
                 directory=self._directory(topology),
                 topology=topology,
                 layout=layout,
                 capacity=capacity,
-                slots=self.slots + (self.replicate_every > self.every),
+                slots=self.slots + (replicate_every > self.every),
                 replication=replication,
                 staging_on=staging_on,
                 replica_slots=self.slots,
-                replicate_every=self.replicate_every,
+                replicate_every=replicate_every,
             )
 
         made: list[SnapshotWriter] = []
