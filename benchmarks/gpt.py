@@ -51,6 +51,11 @@ SIZES = {
     "host-32": Size(
         model=GPTConfig(vocab_size=1024, dim=256, n_layers=32, n_heads=4, max_seq_len=32), batch=1
     ),
+    # The demo GPT's shape (demo/model.py: 1.3M parameters, 8 sequences of 128 per rank):
+    # memory snapshots on a host whose cores do not all train (check-gpu's memory-snapshots-host).
+    "demo": Size(
+        model=GPTConfig(vocab_size=256, dim=128, n_layers=6, n_heads=4, max_seq_len=128), batch=8
+    ),
     # The fake-group benchmark's smoke test on a CPU (scripts/check_gpu.py --cpu-smoke).
     "fake-tiny": Size(
         model=GPTConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=32), batch=2

@@ -419,6 +419,10 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     # The default chunks, then 128 MiB ones (fewer times the copy's threads take the GIL).
     snapshots = memory_snapshots("cuda", "217m", steps=10, rounds=6, chunk_mib=(0, 128))
     table["memory-snapshots"] = Chunk(snapshots, 180)
+    # The 2-core VM's benchmark (the demo GPT, W=2, each rank a node: the exchange over TCP)
+    # on this machine's host cores, most of them idle, as on a GPU node.
+    host = memory_snapshots("cpu", "demo", steps=8, rounds=8, judged=True)
+    table["memory-snapshots-host"] = Chunk(host, 60)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
 

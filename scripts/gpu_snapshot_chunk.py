@@ -20,13 +20,21 @@ SNAPSHOT_TARGET = 1.05  # issue 40: a snapshot every step costs at most 5% of th
 
 
 def memory_snapshots(
-    device: str, size: str, steps: int, rounds: int, chunk_mib: tuple[int, ...] = (0,)
+    device: str,
+    size: str,
+    steps: int,
+    rounds: int,
+    chunk_mib: tuple[int, ...] = (0,),
+    judged: bool | None = None,
 ) -> Callable[[Runner], list[Row]]:
     """The chunk: every GPU (two gloo ranks with ``device="cpu"``), ``rounds`` paired blocks.
 
     ``chunk_mib``: one run for each size of the staged copy's chunks (0: the default), so a
-    GPU session compares them in one go.
+    GPU session compares them in one go. ``judged``: whether a ratio above ``SNAPSHOT_TARGET``
+    is a miss (default: on CUDA only; the CPU smoke run's two busy cores are not judged, the
+    GPU machine's host, whose cores mostly idle, is).
     """
+    judged = device == "cuda" if judged is None else judged
 
     def run(runner: Runner) -> list[Row]:
         return [_one(runner, mib) for mib in chunk_mib]
@@ -37,7 +45,8 @@ def memory_snapshots(
         args += ["--chunk-mib", str(mib)]
         cmd = runner.torchrun(nproc, "benchmarks/cuda_memory_snapshots.py", *args)
         records, error = runner.run("memory-snapshots", cmd, timeout=420)
-        label = f"memory snapshots every step, {size} W={nproc} ({device}): step with / without"
+        where = device if device == "cuda" or not judged else "cpu, this host's cores"
+        label = f"memory snapshots every step, {size} W={nproc} ({where}): step with / without"
         label += f", {mib} MiB chunks" if mib else ""
         if error or not records:
             return Row(chunk="", check=label, status="error", detail=error)
@@ -50,7 +59,7 @@ def memory_snapshots(
             f"{r['wait_s'] * 1e3:.1f} ms waiting for it at the next step; staged on the "
             f"device: {r.get('staged')}"
         )
-        met = device != "cuda" or r["ratio"] <= SNAPSHOT_TARGET
+        met = not judged or r["ratio"] <= SNAPSHOT_TARGET
         return Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)
 
     return run

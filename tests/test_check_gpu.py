@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +106,34 @@ def test_table_shows_each_row_and_what_went_wrong() -> None:
     assert "| a | x | PASS | 1.00x | 3 |" in text
     assert "| b | y | ERROR |  | 0 |" in text
     assert text.endswith("b / y:\n```\nexit 1\nboom\n```")
+
+
+class _Recorded:
+    """A runner whose commands 'print' one snapshot record of the given ratio."""
+
+    gpus = 0
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    def torchrun(self, nproc: int, script: str, *args: str) -> list[str]:
+        return [script, *args]
+
+    def run(self, label: str, cmd: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
+        record: dict[str, Any] = {"ratio": self.ratio, "with_s": 0.14, "step_s": 0.13}
+        record |= {"ratios": [self.ratio], "shared_memory_mib_per_rank": 29.5}
+        record |= {"copy_s": 0.002, "wait_s": 0.0}
+        return [record], ""
+
+
+@pytest.mark.parametrize(("judged", "ratio", "status"), [(True, 1.08, "miss"), (True, 1.04, "pass"),
+                                                          (None, 1.08, "pass")])  # fmt: skip
+def test_the_host_snapshot_chunk_is_judged_and_the_smoke_run_is_not(
+    judged: bool | None, ratio: float, status: str
+) -> None:
+    from scripts.gpu_snapshot_chunk import memory_snapshots
+
+    chunk = memory_snapshots("cpu", "demo", steps=8, rounds=8, judged=judged)
+    (row,) = chunk(_Recorded(ratio))  # type: ignore[arg-type]
+    assert row.status == status, row
+    assert ("this host's cores" in row.check) == bool(judged), row.check
