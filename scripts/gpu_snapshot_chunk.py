@@ -54,7 +54,8 @@ def memory_snapshots(
         figures = (
             f"{r['ratio']:.3f} ({r['with_s']:.4f} s vs {r['step_s']:.4f} s; rounds "
             f"{min(r['ratios']):.2f} to {max(r['ratios']):.2f}), "
-            f"{r['shared_memory_mib_per_rank']:.0f} MiB of shared memory per rank; per "
+            f"{r['shared_memory_mib_per_rank']:.0f} MiB of slots per rank in "
+            f"{r.get('directory', '?')}; per "
             f"snapshot {r['copy_s'] * 1e3:.1f} ms on the training thread, then "
             f"{r['wait_s'] * 1e3:.1f} ms waiting for it at the next step; staged on the "
             f"device: {r.get('staged')}"
