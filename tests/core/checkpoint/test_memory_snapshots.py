@@ -97,7 +97,7 @@ def test_a_restart_resumes_from_own_copies_then_from_the_peers_replica(tmp_path:
 
 
 def _replicated_every_five(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Snapshots after steps 1 to 8, a replica of step 5 only; the states at 5 and 8."""
+    """Snapshots after steps 1 to 8, replicas of steps 1 (the first) and 5; the states."""
     app = build_app(world_size)
     snapshots = _snapshots(root, rank, replicate_every=5)
     kept = {}
@@ -107,7 +107,7 @@ def _replicated_every_five(rank: int, world_size: int, root: str) -> dict[str, A
         kept[app.step] = state_of(app)
     snapshots.close(remove=False)
     files = sorted(p.name for p in Path(f"{root}/node{rank}").iterdir())
-    return {"at": {step: kept[step] for step in (5, 8)}, "files": files}
+    return {"at": kept, "files": files}
 
 
 def _restart_and_train_one_step(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def _restart_and_train_one_step(rank: int, world_size: int, root: str) -> dict[s
     train_app(app, app.step + 1, rank, world_size)
     snapshots.snapshot(app.step, {"app": app})
     snapshots.close(remove=False)
-    return resumed
+    return resumed | {"after": state_of(app)}
 
 
 def _steps_held(root: str, rank: int) -> list[int]:
@@ -136,20 +136,27 @@ def test_replicating_every_fifth_step_keeps_that_step_for_a_lost_node(tmp_path: 
     root = str(tmp_path)
     trained = run_on_ranks(2, _replicated_every_five, root=root)
     # One more own slot, which the rotation skips while it holds step 5, the newest replicated
-    # (three slots in turn would hold steps 6, 7, 8); two replica slots, one written (step 5).
+    # (three slots in turn would hold steps 6, 7, 8); two replica slots (steps 1 and 5).
     assert trained[0]["files"] == _rank0_files(own=3)
-    assert sorted(_steps_held(root, 0)) == [-1, 5, 5, 7, 8]  # own 5, 7, 8; a replica of 5
-    # A killed process: its own copy of the step before, as with every step replicated. The
-    # restore keeps what is older (step 5's, which a lost node needs), and the restarted
-    # writer finds its own slot of step 5 pinned: step 9 overwrites step 7's.
-    for result in run_on_ranks(2, _restart_and_train_one_step, root=root):
-        assert (result["step"], result["from_replicas"]) == (8, ())
-        assert _same(result["state"], trained[0]["at"][8])
-    assert sorted(_steps_held(root, 1)) == [-1, 5, 5, 8, 9]
-    shutil.rmtree(tmp_path / "node1")  # node 1 is lost: everyone goes back to step 5
-    for result in run_on_ranks(2, _resume, root=root):
+    assert sorted(_steps_held(root, 0)) == [1, 5, 5, 7, 8]  # own 5, 7, 8; replicas of 1, 5
+    # A node lost now: everyone goes back to step 5, the lost node's rank from its replica.
+    lost = tmp_path / "node1-lost"
+    shutil.copytree(tmp_path / "node0", lost / "node0")  # a copy: the files below go on
+    for result in run_on_ranks(2, _resume, root=str(lost)):
         assert (result["source"], result["step"], result["from_replicas"]) == ("memory", 5, (1,))
         assert _same(result["state"], trained[0]["at"][5])
+    # A killed process instead: its own copy of the step before, as with every step replicated.
+    # The restore keeps what is older (step 5's), the restarted writer finds its own slot of
+    # step 5 pinned (step 9 overwrites step 7's), and its first snapshot is replicated.
+    restarted = run_on_ranks(2, _restart_and_train_one_step, root=root)
+    for result in restarted:
+        assert (result["step"], result["from_replicas"]) == (8, ())
+        assert _same(result["state"], trained[0]["at"][8])
+    assert sorted(_steps_held(root, 1)) == [5, 5, 8, 9, 9]  # own 5, 8, 9; replicas of 5, 9
+    shutil.rmtree(tmp_path / "node1")  # node 1 is lost after the restart: back to step 9
+    for result in run_on_ranks(2, _resume, root=root):
+        assert (result["source"], result["step"], result["from_replicas"]) == ("memory", 9, (1,))
+        assert _same(result["state"], restarted[0]["after"])
 
 
 def test_one_node_pins_no_slot_for_replicas_it_never_sends(tmp_path: Path) -> None:

@@ -147,6 +147,10 @@ class SnapshotWriter:
             [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
         ]
         self._replicate_every = replicate_every
+        # The first snapshot is replicated whatever its step (every rank's writer starts at the
+        # same step, so the exchanges still pair): after a restart, a replica of a step after
+        # it exists from then on, whatever became of the exchange in flight at the kill.
+        self._replicated_any = False
         # The step each own slot holds (-1: none complete), and the slot of the newest step
         # whose replica was sent: a lost node's ranks restore from replicas of that step, so
         # every rank keeps its own copy of it until the next one is replicated.
@@ -184,7 +188,7 @@ class SnapshotWriter:
                 tensors are not those of the first snapshot.
         """
         self.wait()
-        replicate = step % self._replicate_every == 0
+        replicate = step % self._replicate_every == 0 or not self._replicated_any
         if not fits(self.layout, leaves):
             raise SnapshotError(
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
@@ -207,7 +211,7 @@ class SnapshotWriter:
         self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
         self._steps[index] = step
         if replicate:
-            self._pinned = index
+            self._pinned, self._replicated_any = index, True
 
     def wait(self) -> None:
         """Wait for the snapshot in flight; raise its error if it failed."""
