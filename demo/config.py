@@ -61,6 +61,9 @@ class TrainConfig:
     """Copy the state into this node's shared memory every this many steps, replicated to a
     rank of the next node (shardkit.core.MemorySnapshots); a restart resumes from the newest
     step every rank holds, before any disk checkpoint. 0: off."""
+    snapshot_replicate_every: int = 0
+    """Replicate only the snapshots of steps that are a multiple of this (0: each one): a
+    killed process still costs at most one step, a lost node up to this many."""
     snapshot_dir: Path | None = None
     """Where the snapshots go, a folder node<N> per torchrun node (two "nodes" on one machine
     then keep apart, as two machines' memories are); default /dev/shm/shardkit-<run id>."""
@@ -81,6 +84,8 @@ class TrainConfig:
             raise ValueError("--ckpt-every, --replicas and --snapshot-every must be >= 0")
         if self.snapshot_every and self.ckpt_dir is None:
             raise ValueError("--snapshot-every needs --ckpt-dir (the disk checkpoints behind it)")
+        if self.snapshot_replicate_every and not self.snapshot_every:
+            raise ValueError("--snapshot-replicate-every needs --snapshot-every")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
@@ -98,6 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainCon
     p.add_argument("--replicas", type=int, default=t.replicas, help="HSDP replicas (0: nodes)")
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--snapshot-every", type=int, default=t.snapshot_every)
+    p.add_argument("--snapshot-replicate-every", type=int, default=t.snapshot_replicate_every)
     p.add_argument("--snapshot-dir", type=Path, default=None)
     p.add_argument("--run-id", default=t.run_id)
     p.add_argument("--log-every", type=int, default=t.log_every)

@@ -127,7 +127,12 @@ def memory_snapshots(cfg: TrainConfig) -> MemorySnapshots | None:
     """This node's memory snapshots (None without --snapshot-every)."""
     if not cfg.snapshot_every:
         return None
-    return MemorySnapshots(run_id(cfg), directory=node_memory(cfg), every=cfg.snapshot_every)
+    return MemorySnapshots(
+        run_id(cfg),
+        directory=node_memory(cfg),
+        every=cfg.snapshot_every,
+        replicate_every=cfg.snapshot_replicate_every or None,
+    )
 
 
 def restore(

@@ -109,6 +109,19 @@ def test_without_shardkit_the_demo_says_how_to_run_on_torch(
         require_impl("shardkit")
 
 
+def test_snapshots_replicated_every_n_steps_from_the_command_line() -> None:
+    from demo.train_gpt import memory_snapshots
+
+    _, cfg = parse_args(["--ckpt-dir=x", "--snapshot-every=1", "--snapshot-replicate-every=4"])
+    snapshots = memory_snapshots(cfg)
+    assert snapshots is not None and (snapshots.every, snapshots.replicate_every) == (1, 4)
+    _, cfg = parse_args(["--ckpt-dir=x", "--snapshot-every=2"])
+    snapshots = memory_snapshots(cfg)
+    assert snapshots is not None and snapshots.replicate_every == 2  # each one, by default
+    with pytest.raises(ValueError, match="--snapshot-replicate-every needs --snapshot-every"):
+        parse_args(["--ckpt-dir=x", "--snapshot-replicate-every=4"])
+
+
 def test_command_line_fills_both_configs() -> None:
     model_cfg, cfg = parse_args(
         ["--steps=7", "--d-model=64", "--n-layers=2", "--ckpt-dir=x", "--auto-resume", "--tp=2"]
