@@ -93,6 +93,11 @@ def measure(
             record["peak_alloc_bytes"] = torch.cuda.max_memory_allocated()
             record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
             record["gpu"] = torch.cuda.get_device_name()
+            # Whether the caching allocator had to free and retry (memory pressure: slow
+            # steps) or went to the driver, over the whole run: the step ratio's context.
+            stats = torch.cuda.memory_stats()
+            for key in ("num_alloc_retries", "num_device_alloc", "num_device_free"):
+                record[key] = stats.get(key, 0)
         else:
             # The process's peak RSS (KiB on Linux): all points so far, torch included.
             record["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

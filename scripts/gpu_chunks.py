@@ -253,6 +253,8 @@ def _scale_row(
     if runner.device == "cuda":
         fits = max(r[key] for r in found.values()) <= H100_BYTES
         row.figures += "; fits an 80 GB H100" if fits else "; does NOT fit an 80 GB H100"
+        retries = [found[impl].get("num_alloc_retries", 0) for impl in ("shardkit", "torch")]
+        row.figures += f"; allocator retries {retries[0]} vs {retries[1]}"
     else:
         # A CPU run checks that the code path works; its figures say little (one process
         # for all points: its peak RSS is theirs together).

@@ -137,3 +137,17 @@ def test_the_host_snapshot_chunk_is_judged_and_the_smoke_run_is_not(
     (row,) = chunk(_Recorded(ratio))  # type: ignore[arg-type]
     assert row.status == status, row
     assert ("this host's cores" in row.check) == bool(judged), row.check
+
+
+def test_a_gpu_scale_row_says_whether_the_allocator_retried() -> None:
+    import time
+
+    from scripts.gpu_chunks import Runner, _scale_row
+
+    runner = Runner(env={}, deadline=time.monotonic() + 60, gpus=1, device="cuda")
+    found = {
+        impl: {"step_s": 0.24, "peak_alloc_bytes": 8 * 2**30, "num_alloc_retries": retries}
+        for impl, retries in (("shardkit", 0), ("torch", 3))
+    }
+    row = _scale_row("7.5b", 8, found, runner)
+    assert row.figures.endswith("; fits an 80 GB H100; allocator retries 0 vs 3"), row.figures
