@@ -128,21 +128,17 @@ class DeviceStaging:
             is a whole number of blocks).
         """
         depth = len(self._bounces)
-        landing: list[Future[bytes] | None] = [None] * depth
-        sums: list[Future[bytes]] = []
+        sums: list[Future[bytes]] = []  # each chunk's landing, in order
         with torch.no_grad(), self._on_copy_stream():
             for index, start in enumerate(range(0, data.numel(), self._chunk_bytes)):
-                turn = index % depth
-                if (previous := landing[turn]) is not None:
-                    previous.result()  # its bounce buffer is free again
+                if index >= depth:
+                    sums[index - depth].result()  # its bounce buffer is free again
                 end = min(start + self._chunk_bytes, data.numel())
-                bounce = self._bounces[turn][: end - start]
+                bounce = self._bounces[index % depth][: end - start]
                 bounce.copy_(self._buffer[start:end], non_blocking=True)
                 landed = self._record_on_copy_stream()
                 overlays = self._overlays.get(index, [])
-                job = _run(executor, _land, landed, bounce, data[start:end], overlays)
-                landing[turn] = job
-                sums.append(job)
+                sums.append(_run(executor, _land, landed, bounce, data[start:end], overlays))
         return b"".join(job.result() for job in sums)
 
     def _overlays_by_chunk(self) -> dict[int, list[_Overlay]]:

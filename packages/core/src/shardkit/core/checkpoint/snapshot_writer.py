@@ -198,7 +198,7 @@ class SnapshotWriter:
         index = min(free, key=lambda k: self._steps[k])  # the oldest slot not pinned
         slot = self._own[index]
         slot.mark_writing()
-        self._steps[index] = -1  # until it is complete
+        self._steps[index] = -1  # torn, and so the next one written, if the copy raises
         if self._staging is not None:
             self._staging.stage(leaves)  # launched on the device; moved to the slot below
         else:
