@@ -439,3 +439,18 @@ def test_to_dict_is_plain_json() -> None:
     assert again["sent_bytes_per_step"] == data["sent_bytes_per_step"]
     assert again["memory"]["peak"]["by_category"]["sharded_params"] == 2 * BLOCK_SHARD + 96
     assert again["groups"][0]["fqn"] == "blocks.0"
+
+
+def test_a_loss_with_two_required_parameters_is_given_the_model() -> None:
+    from shardkit.tools.plan.options import loss_takes_model
+
+    def with_model(output: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        return output.sum()
+
+    def with_default(output: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return scale * output.sum()
+
+    assert loss_takes_model(with_model)
+    assert not loss_takes_model(lambda output: output.sum())
+    assert not loss_takes_model(with_default)
+    assert not loss_takes_model(torch.sum)  # a builtin: the output alone, whatever it shows

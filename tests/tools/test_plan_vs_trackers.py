@@ -2,13 +2,15 @@
 
 Bytes must match exactly (every collective of a step, in order); every category of memory
 the engine owns to the byte, and the peak within 10% (measured 0.916 to 0.995 of the
-prediction). Also under mixed precision and with frozen blocks. Under HSDP (2 replicas of 2
+prediction). Also under mixed precision, with frozen blocks, and with a chunked loss that
+calls the separately sharded output head after the model's forward. Under HSDP (2 replicas of 2
 shards, the layout of two nodes of 2 ranks) each collective's mesh axis must match too, and
 so must the bytes per axis: dp_shard stays inside a node, dp_replicate crosses nodes.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from harness.pool import run_on_ranks
 from shardkit.tools import Category, Phase, Profiler, RankReport
+from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from tests.core import models
@@ -183,3 +186,153 @@ def _assert_engine_figures_match(report: RankReport, predicted: Plan, rank: int)
     assert measured_max[Category.ACTIVATIONS] == pytest.approx(
         predicted.memory.category_max[Category.ACTIVATIONS], rel=0.10
     )
+
+
+# --- a chunked loss: the output head runs after the model's forward, once per chunk ---------
+
+_CHUNKS = 2
+
+
+class _Trunk(GPT):
+    """The tiny GPT without its head in forward: hidden states (B, T, dim) for token ids.
+
+    The loss runs ``head`` on each chunk of them (torchtitan's and torchtune's chunked
+    cross-entropy), so the head's group is called after the root's forward has returned.
+    """
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        h = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            h = block(h)
+        hidden: torch.Tensor = self.ln_f(h)
+        return hidden
+
+
+class _Head(torch.nn.Linear):
+    """The output head, a class of its own: ``shardkit-plan --wrap GPTBlock,_Head``."""
+
+
+def _trunk() -> _Trunk:
+    config = GPTConfig(vocab_size=_VOCAB, dim=16, n_layers=2, n_heads=2, max_seq_len=_SEQ)
+    model = _Trunk(config)
+    model.head = _Head(config.dim, config.vocab_size, bias=False)
+    return model
+
+
+def _plan_chunked_loss(hidden: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The chunked loss on the meta device, as the planner calls it: ``loss(output, model)``."""
+    return _chunked_loss(hidden, model, torch.zeros(_ROWS, _SEQ, dtype=torch.long, device="meta"))
+
+
+def _chunked_loss(hidden: torch.Tensor, model: Any, targets: torch.Tensor) -> torch.Tensor:
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, t in zip(hidden.chunk(_CHUNKS, dim=1), targets.chunk(_CHUNKS, dim=1), strict=True):
+        logits = model.head(h).float().flatten(0, 1)
+        total = total + F.cross_entropy(logits, t.flatten(), reduction="sum")
+    return total / targets.numel()
+
+
+def _chunked_wrap(fqn: str, module: torch.nn.Module) -> bool:
+    return fqn == "head" or (fqn.startswith("blocks.") and fqn.count(".") == 1)
+
+
+def _chunked_measured(rank: int, world_size: int, engine: str) -> dict[str, Any]:
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit.core as shardkit_core
+
+    api: Any = shardkit_core if engine == "shardkit" else torch_fsdp
+    torch.manual_seed(0)
+    model = _trunk()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for fqn, module in list(model.named_modules()):
+        if _chunked_wrap(fqn, module):
+            api.fully_shard(module, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(seed: int) -> float:
+        gen = torch.Generator().manual_seed(seed)  # the same rows on every rank: fine here
+        x = torch.randint(0, _VOCAB, (_ROWS, _SEQ), generator=gen)
+        y = torch.randint(0, _VOCAB, (_ROWS, _SEQ), generator=gen)
+        opt.zero_grad()
+        loss = _chunked_loss(model(x), model, y)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    losses = [step(0)]  # steady state from here: forward prefetch follows this step's order
+    with Profiler(model, optimizers=[opt]) as profiler:
+        losses.append(step(1))
+    losses.append(step(2))
+    return {"report": profiler.rank_report().to_dict(), "losses": losses}
+
+
+def _chunked_planned(world_size: int, rank: int) -> Plan:
+    options = PlanOptions(
+        inputs=_inputs, loss=_plan_chunked_loss, backend="gloo", rank=rank, wrap=_chunked_wrap
+    )
+    return plan(_trunk, world_size=world_size, options=options)
+
+
+def test_plan_follows_a_chunked_loss_through_the_head() -> None:
+    """``loss(output, model)``: the head's calls in the loss are planned as the engine runs
+    them. It is gathered at each chunk's call in forward, after the root's post-forward (a
+    prefetch inside the root's forward would be freed there unused), once in backward, and
+    reduced once."""
+    reports = run_on_ranks(2, _chunked_measured, engine="shardkit")
+    for rank, measured in enumerate(reports):
+        report, predicted = RankReport.from_dict(measured["report"]), _chunked_planned(2, rank)
+        _assert_engine_figures_match(report, predicted, rank)  # so the plan's labels hold
+        assert report.memory is not None
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        head = [(c.kind, c.phase) for c in predicted.schedule if c.group == "head"]
+        assert head == [
+            *[("all_gather", Phase.FORWARD)] * _CHUNKS,
+            ("all_gather", Phase.BACKWARD),
+            ("reduce_scatter", Phase.BACKWARD),
+        ], f"rank {rank}"
+        events = list(predicted.events)
+        root_done = events.index(("post_forward", "<root>"))
+        first_gather = events.index(("all_gather", "head"))
+        assert root_done < first_gather, f"rank {rank}: the head is gathered in the root's forward"
+
+
+def test_chunked_loss_gathers_the_head_less_than_torch() -> None:
+    """torch's fully_shard gathers the head at each chunk's call, forward and backward;
+    shardkit keeps it gathered across the chunks' backward and prefetches nothing for it."""
+    head = [c for c in _chunked_planned(2, 0).schedule if c.group == "head"]
+    size = head[0].input_bytes
+    others = {c.input_bytes for c in _chunked_planned(2, 0).schedule if c.group != "head"}
+    assert size not in others, "the head's gathers must be told apart by their size"
+
+    def head_gathers(engine: str) -> tuple[int, list[float]]:
+        measured = run_on_ranks(2, _chunked_measured, engine=engine)[0]
+        report = RankReport.from_dict(measured["report"])
+        gathers = [c for c in report.collectives if c.kind == "all_gather"]
+        return sum(1 for c in gathers if c.input_bytes == size), measured["losses"]
+
+    torch_gathers, torch_losses = head_gathers("torch")
+    gathers, losses = head_gathers("shardkit")
+    assert torch_gathers == 2 * _CHUNKS
+    assert gathers == _CHUNKS + 1
+    assert losses == torch_losses  # bit for bit, three steps
+
+
+def test_the_cli_plans_a_loss_that_takes_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """``shardkit-plan --loss module:function`` with a ``(output, model)`` function: the same
+    collectives as the Python API, the head's reduction among them."""
+    from shardkit.tools.plan.cli import main
+
+    here = "tests.tools.test_plan_vs_trackers"
+    argv = [f"{here}:_trunk", "--world-size", "2", "--wrap", "GPTBlock,_Head"]
+    argv += ["--inputs", f"{here}:_inputs", "--loss", f"{here}:_plan_chunked_loss", "--json"]
+    assert main(argv) == 0
+    planned = json.loads(capsys.readouterr().out)
+    options = PlanOptions(inputs=_inputs, loss=_plan_chunked_loss, wrap=_chunked_wrap)
+    expected = plan(_trunk, world_size=2, options=options).to_dict()
+    assert planned["schedule"] == expected["schedule"]
+    head = [(c["kind"], c["calls"]) for c in planned["collectives"] if c["group"] == "head"]
+    assert head == [("all_gather", _CHUNKS + 1), ("reduce_scatter", 1)], head

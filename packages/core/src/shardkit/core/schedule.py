@@ -10,6 +10,8 @@ A step, as this module decides it:
 - **Forward.** A group gathers at its pre-forward (or finds its prefetched gather). It then
   prefetches the group after it in the *previous* step's forward order (a first step has
   none: it prefetches nothing), or the modules set with ``set_modules_to_forward_prefetch``.
+  That order ends with the root's forward: a call after it (a chunked loss calling the
+  output head) gathers at its own pre-forward (``step_orders``).
   At its post-forward it frees its full parameters, keeps them, or keeps a 1/n slice, as
   ``reshard_after_forward`` says (:func:`after_forward`); the root keeps its own where the
   user left the default, since backward needs them first (:func:`root_reshards_after_forward`).
@@ -34,12 +36,12 @@ hooks (:meth:`StepDriver.end_backward`, :meth:`StepDriver.final_callback`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from shardkit.core.state_machines import TrainingState
+from shardkit.core.step_orders import StepSchedule
 
 __all__ = [
     "MAX_REDUCES_IN_FLIGHT",
@@ -138,76 +140,6 @@ def ends_at_callback(state: TrainingState, *, holds_grads: bool) -> bool:
 def reductions_to_finish(in_flight: int, limit: int) -> int:
     """How many of the oldest reductions in flight to finish before starting another."""
     return max(0, in_flight - limit + 1)
-
-
-@dataclass(slots=True)
-class StepSchedule(Generic[G]):
-    """One root's orders of the step, and the prefetch decisions drawn from them."""
-
-    forward_order: list[G] = field(default_factory=list)
-    """Groups in pre-forward order this step."""
-    previous_forward_order: list[G] = field(default_factory=list)
-    """Last step's order: what forward prefetch follows."""
-    post_forward_order: list[G] = field(default_factory=list)
-    """Groups in post-forward order: backward runs it in reverse."""
-    backward_reaches: set[G] = field(default_factory=set)
-    """Groups whose forward outputs need gradients: the only ones backward gathers."""
-
-    def begin_forward(self) -> None:
-        """The root's pre-forward: this step's order becomes the previous one."""
-        if self.forward_order:
-            self.previous_forward_order = self.forward_order
-            self.forward_order = []
-
-    def ran_forward(self, group: G, explicit: Sequence[G] | None) -> Sequence[G]:
-        """A group's pre-forward gathered it: the groups to prefetch now.
-
-        ``explicit``: the modules set with ``set_modules_to_forward_prefetch``, or None.
-        """
-        self.forward_order.append(group)
-        if explicit is not None:
-            return explicit
-        previous, position = self.previous_forward_order, len(self.forward_order)
-        if position < len(previous) and previous[position] != group:
-            return [previous[position]]
-        return []
-
-    def finished_forward(self, group: G) -> None:
-        """A group's post-forward: its place in the order backward runs in reverse."""
-        self.post_forward_order.append(group)
-
-    def output_needs_grad(self, group: G) -> None:
-        """Backward will reach ``group`` (an output of one of its calls needs a gradient)."""
-        self.backward_reaches.add(group)
-
-    def backward_prefetch(
-        self, group: G, explicit: Sequence[G] | None, started: Callable[[G], bool]
-    ) -> Sequence[G]:
-        """A group's pre-backward gathered it: the groups to prefetch now.
-
-        The one before it in post-forward order, if backward will reach it (a group whose
-        outputs needed no gradient never runs backward: gathered now, it would be held until
-        the end-of-backward callback) and has not ``started`` its backward yet.
-        """
-        if explicit is not None:
-            return [g for g in explicit if not started(g)]
-        order = self.post_forward_order
-        for index in range(len(order) - 1, 0, -1):
-            if order[index] == group:
-                previous = order[index - 1]
-                needed = previous != group and previous in self.backward_reaches
-                return [previous] if needed and not started(previous) else []
-        return []
-
-    def end_backward(self) -> None:
-        """The end-of-backward callback: this step's backward orders are spent."""
-        self.post_forward_order.clear()
-        self.backward_reaches.clear()
-
-    def reset(self) -> None:
-        """Recovery after an exception mid-step: forget the step's orders."""
-        self.forward_order.clear()
-        self.end_backward()
 
 
 class GroupSettings(Protocol[G_co]):
@@ -345,6 +277,7 @@ class StepDriver(Generic[G]):
         where the root is nested in it, is left alone).
         """
         self.ops.keep_idle_buffers(False)
+        self.schedule.finished_root_forward()
         for group in groups:
             if self.ops.is_unsharded(group) and self.ops.state(group) is not TrainingState.FORWARD:
                 self._after_forward(group)

@@ -174,7 +174,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument("--inputs", metavar="FACTORY", help="module:function returning inputs")
-    parser.add_argument("--loss", metavar="FACTORY", help="module:function mapping output to loss")
+    parser.add_argument(
+        "--loss",
+        metavar="FACTORY",
+        help="module:function mapping output (or output and model) to loss",
+    )
     parser.add_argument(
         "--wrap",
         metavar="CLASSES",

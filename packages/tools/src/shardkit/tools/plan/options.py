@@ -8,6 +8,7 @@ the TP degree and the plan ``parallelize_module`` is given before ``fully_shard`
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from shardkit.core import ReducePrecision
 from shardkit.tools.plan.tp_styles import TPPlan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
-__all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy"]
+__all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy", "loss_takes_model"]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 """A model on the meta device, or a factory that returns one."""
@@ -81,9 +82,13 @@ class PlanOptions:
     arguments or a dict of keyword arguments. With it the planner runs forward on the meta
     device to measure activations and the order modules run in; without it activations are
     not counted and modules are assumed to run in registration order."""
-    loss: Callable[[Any], torch.Tensor] | None = None
+    loss: Callable[..., torch.Tensor] | None = None
     """Maps the model's output to the scalar loss, on the meta device (make targets there with
-    ``device="meta"``); its saved tensors and backward count too. None: a loss whose gradient
+    ``device="meta"``); its saved tensors and backward count too. One that takes two
+    positional parameters is called as ``loss(output, model)``: a loss that runs the model's
+    own modules after its forward (a chunked cross-entropy through a separately sharded output
+    head), whose all-gathers, gradients and reductions are then planned as the engine runs
+    them. None: a loss whose gradient
     is a ones tensor per output (the logits' gradient, but none of a real loss's own memory,
     such as cross-entropy's float32 log-softmax). Only used with ``inputs``."""
     bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
@@ -167,3 +172,18 @@ class PlanOptions:
     def num_states(self) -> int:
         """Optimizer state tensors per parameter."""
         return OPTIMIZER_STATES[self.optimizer]
+
+
+def loss_takes_model(loss: Callable[..., Any]) -> bool:
+    """Whether ``PlanOptions.loss`` is called with the model too.
+
+    Two required positional parameters: ``loss(output, model)``; anything else gets the
+    output alone.
+    """
+    try:
+        parameters = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the output alone
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
+    return len(required) >= 2

@@ -149,8 +149,13 @@ class _Step:
         self.ledger = self.ops.ledger
         events = inputs.trace.events
         # Steady state: the previous step ran forward in the order this one does.
+        # Forward prefetch follows the root's forward alone, not the loss's calls after it.
+        self.model_events = (
+            len(events) if inputs.trace.model_events is None else inputs.trace.model_events
+        )
         schedule: StepSchedule[int] = StepSchedule()
-        schedule.forward_order = [e.group for e in events if e.kind == "pre"]
+        inside = events[: self.model_events]
+        schedule.forward_order = [e.group for e in inside if e.kind == "pre"]
         self.driver = StepDriver(self.ops, schedule)
         self.first_pre: dict[int, int] = {}
         self.inputs_need_grad: set[int] = set()
@@ -191,6 +196,8 @@ class _Step:
         self.driver.root_pre_forward()
         owners = self._segment_owners()
         for j, nbytes in enumerate(trace.activation_bytes):
+            if j == self.model_events:  # the model's forward returns; a loss may call more
+                self.driver.root_post_forward(range(len(self.groups)))
             ledger.module = owners[j]
             if nbytes:
                 ledger.alloc(("act", j), Category.ACTIVATIONS, nbytes, "activations")
@@ -205,7 +212,6 @@ class _Step:
                     self.driver.post_forward(event.group)
                     if event.needs_grad:
                         self.driver.output_needs_grad(event.group)
-        self.driver.root_post_forward(range(len(self.groups)))
         ledger.module = ""
         if trace.loss_bytes:  # then the loss, outside the model; backward takes it over
             ledger.alloc(("loss", 0), Category.OTHER, trace.loss_bytes, "loss")

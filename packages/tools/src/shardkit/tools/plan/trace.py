@@ -47,7 +47,7 @@ from shardkit.tools.plan.backward import (
     unit_loss,
 )
 from shardkit.tools.plan.groups import GroupSpec
-from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.options import PlanOptions, loss_takes_model
 
 __all__ = [
     "ForwardWatch",
@@ -88,6 +88,9 @@ class StepTrace:
     """Parameter FQN -> (first, last) segment using it; empty when not traced."""
     traced: bool = False
     """Whether this came from a real (meta) forward."""
+    model_events: int | None = None
+    """How many of ``events`` the model's forward made; the rest are the loss's calls of the
+    model's modules (a chunked loss through the output head). None: all of them."""
 
 
 def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
@@ -163,6 +166,7 @@ class _Recorder:
         # (never saved again) must not be mistaken for a new one that reuses its address.
         self.saved = WeakIdKeyDictionary()  # storage -> (segment, saved by the loss)
         self.in_loss = False  # what the loss saves is not the model's activations
+        self.model_events: int | None = None  # events of the model's forward (then the loss's)
         self.excluded = excluded  # parameter and buffer storages (alive all along)
         self.params = params  # id of a replacement parameter tensor -> FQN
         self.uses: dict[str, tuple[int, int]] = {}
@@ -282,14 +286,9 @@ def trace_step(
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
         stack.enter_context(_TraceMode(recorder))
-        output = _run(
-            "forward", lambda: functional_call(model, replacements, args, kwargs, strict=False)
-        )
-        # The output exists before the root's post-forward event (when the root is a group).
-        _save_output(recorder, output, recorder.segment - (1 if root_is_group else 0))
-        recorder.in_loss = True
-        loss = _loss(output, options.loss)
-    del output  # only the loss's graph holds it now, as in training
+        step = _ForwardThenLoss(model, recorder, options.loss, root_is_group)
+        prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
+        loss = functional_call(step, prefixed, args, kwargs, strict=False)
     activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
     profile = None
     if loss is not None:
@@ -302,7 +301,38 @@ def trace_step(
         backward=profile,
         uses=dict(recorder.uses),
         traced=True,
+        model_events=recorder.model_events,
     )
+
+
+class _ForwardThenLoss(nn.Module):
+    """The model's forward and then the loss, as one call with the replacement parameters.
+
+    A loss may call the model's own modules after its forward (a chunked cross-entropy runs
+    the output head on slices of the hidden states), which must see the same replacement
+    parameters as the forward: their gradients and their group events are the step's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        recorder: _Recorder,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        root_is_group: bool,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self._recorder, self._loss_fn, self._root_is_group = recorder, loss_fn, root_is_group
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        recorder = self._recorder
+        output = _run("forward", lambda: self.model(*args, **kwargs))
+        # The output exists before the root's post-forward event (when the root is a group).
+        _save_output(recorder, output, recorder.segment - (1 if self._root_is_group else 0))
+        recorder.in_loss = True
+        recorder.model_events = recorder.segment
+        # Returning drops ``output``: only the loss's graph holds it now, as in training.
+        return _loss(output, self._loss_fn, self.model)
 
 
 def _save_output(recorder: _Recorder, output: Any, segment: int) -> None:
@@ -321,10 +351,13 @@ def _run(what: str, call: Callable[[], Any]) -> Any:
         ) from err
 
 
-def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
+def _loss(
+    output: Any, loss_fn: Callable[..., torch.Tensor] | None, model: nn.Module
+) -> torch.Tensor | None:
     """The scalar to backpropagate, or None when nothing in the output needs a gradient."""
     if loss_fn is not None:
-        loss = _run("loss", lambda: loss_fn(output))
+        call_args = (output, model) if loss_takes_model(loss_fn) else (output,)
+        loss = _run("loss", lambda: loss_fn(*call_args))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("shardkit.tools.plan: PlanOptions.loss must return a scalar tensor")
         return loss if loss.requires_grad else None
