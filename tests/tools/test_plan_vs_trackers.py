@@ -19,11 +19,10 @@ import torch.nn.functional as F
 
 from harness.pool import run_on_ranks
 from shardkit.tools import Category, Phase, Profiler, RankReport
-from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from tests.core import models
-from tests.tools import workloads
+from tests.tools import chunked_loss, workloads
 from tests.tools.plan_checks import assert_comm_matches_plan
 
 _ROWS, _SEQ, _VOCAB = 2, 8, 37  # per rank: the tiny GPT of tests.core.models
@@ -190,91 +189,16 @@ def _assert_engine_figures_match(report: RankReport, predicted: Plan, rank: int)
 
 # --- a chunked loss: the output head runs after the model's forward, once per chunk ---------
 
-_CHUNKS = 2
-
-
-class _Trunk(GPT):
-    """The tiny GPT without its head in forward: hidden states (B, T, dim) for token ids.
-
-    The loss runs ``head`` on each chunk of them (torchtitan's and torchtune's chunked
-    cross-entropy), so the head's group is called after the root's forward has returned.
-    """
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
-        h = self.tok(idx) + self.pos(pos)
-        for block in self.blocks:
-            h = block(h)
-        hidden: torch.Tensor = self.ln_f(h)
-        return hidden
-
-
-class _Head(torch.nn.Linear):
-    """The output head, a class of its own: ``shardkit-plan --wrap GPTBlock,_Head``."""
-
-
-def _trunk() -> _Trunk:
-    config = GPTConfig(vocab_size=_VOCAB, dim=16, n_layers=2, n_heads=2, max_seq_len=_SEQ)
-    model = _Trunk(config)
-    model.head = _Head(config.dim, config.vocab_size, bias=False)
-    return model
-
-
-def _plan_chunked_loss(hidden: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    """The chunked loss on the meta device, as the planner calls it: ``loss(output, model)``."""
-    return _chunked_loss(hidden, model, torch.zeros(_ROWS, _SEQ, dtype=torch.long, device="meta"))
-
-
-def _chunked_loss(hidden: torch.Tensor, model: Any, targets: torch.Tensor) -> torch.Tensor:
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for h, t in zip(hidden.chunk(_CHUNKS, dim=1), targets.chunk(_CHUNKS, dim=1), strict=True):
-        logits = model.head(h).float().flatten(0, 1)
-        total = total + F.cross_entropy(logits, t.flatten(), reduction="sum")
-    return total / targets.numel()
-
-
-def _chunked_wrap(fqn: str, module: torch.nn.Module) -> bool:
-    return fqn == "head" or (fqn.startswith("blocks.") and fqn.count(".") == 1)
-
-
-def _chunked_measured(rank: int, world_size: int, engine: str) -> dict[str, Any]:
-    import torch.distributed.fsdp as torch_fsdp
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import shardkit.core as shardkit_core
-
-    api: Any = shardkit_core if engine == "shardkit" else torch_fsdp
-    torch.manual_seed(0)
-    model = _trunk()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for fqn, module in list(model.named_modules()):
-        if _chunked_wrap(fqn, module):
-            api.fully_shard(module, mesh=mesh)
-    api.fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(seed: int) -> float:
-        gen = torch.Generator().manual_seed(seed)  # the same rows on every rank: fine here
-        x = torch.randint(0, _VOCAB, (_ROWS, _SEQ), generator=gen)
-        y = torch.randint(0, _VOCAB, (_ROWS, _SEQ), generator=gen)
-        opt.zero_grad()
-        loss = _chunked_loss(model(x), model, y)
-        loss.backward()
-        opt.step()
-        return float(loss.item())
-
-    losses = [step(0)]  # steady state from here: forward prefetch follows this step's order
-    with Profiler(model, optimizers=[opt]) as profiler:
-        losses.append(step(1))
-    losses.append(step(2))
-    return {"report": profiler.rank_report().to_dict(), "losses": losses}
-
 
 def _chunked_planned(world_size: int, rank: int) -> Plan:
     options = PlanOptions(
-        inputs=_inputs, loss=_plan_chunked_loss, backend="gloo", rank=rank, wrap=_chunked_wrap
+        inputs=chunked_loss.inputs,
+        loss=chunked_loss.plan_loss,
+        backend="gloo",
+        rank=rank,
+        wrap=chunked_loss.wrap,
     )
-    return plan(_trunk, world_size=world_size, options=options)
+    return plan(chunked_loss.trunk, world_size=world_size, options=options)
 
 
 def test_plan_follows_a_chunked_loss_through_the_head() -> None:
@@ -282,7 +206,7 @@ def test_plan_follows_a_chunked_loss_through_the_head() -> None:
     them. It is gathered at each chunk's call in forward, after the root's post-forward (a
     prefetch inside the root's forward would be freed there unused), once in backward, and
     reduced once."""
-    reports = run_on_ranks(2, _chunked_measured, engine="shardkit")
+    reports = run_on_ranks(2, chunked_loss.measured, engine="shardkit")
     for rank, measured in enumerate(reports):
         report, predicted = RankReport.from_dict(measured["report"]), _chunked_planned(2, rank)
         _assert_engine_figures_match(report, predicted, rank)  # so the plan's labels hold
@@ -290,7 +214,7 @@ def test_plan_follows_a_chunked_loss_through_the_head() -> None:
         assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
         head = [(c.kind, c.phase) for c in predicted.schedule if c.group == "head"]
         assert head == [
-            *[("all_gather", Phase.FORWARD)] * _CHUNKS,
+            *[("all_gather", Phase.FORWARD)] * chunked_loss.CHUNKS,
             ("all_gather", Phase.BACKWARD),
             ("reduce_scatter", Phase.BACKWARD),
         ], f"rank {rank}"
@@ -309,15 +233,15 @@ def test_chunked_loss_gathers_the_head_less_than_torch() -> None:
     assert size not in others, "the head's gathers must be told apart by their size"
 
     def head_gathers(engine: str) -> tuple[int, list[float]]:
-        measured = run_on_ranks(2, _chunked_measured, engine=engine)[0]
+        measured = run_on_ranks(2, chunked_loss.measured, engine=engine)[0]
         report = RankReport.from_dict(measured["report"])
         gathers = [c for c in report.collectives if c.kind == "all_gather"]
         return sum(1 for c in gathers if c.input_bytes == size), measured["losses"]
 
     torch_gathers, torch_losses = head_gathers("torch")
     gathers, losses = head_gathers("shardkit")
-    assert torch_gathers == 2 * _CHUNKS
-    assert gathers == _CHUNKS + 1
+    assert torch_gathers == 2 * chunked_loss.CHUNKS
+    assert gathers == chunked_loss.CHUNKS + 1
     assert losses == torch_losses  # bit for bit, three steps
 
 
@@ -326,13 +250,15 @@ def test_the_cli_plans_a_loss_that_takes_the_model(capsys: pytest.CaptureFixture
     collectives as the Python API, the head's reduction among them."""
     from shardkit.tools.plan.cli import main
 
-    here = "tests.tools.test_plan_vs_trackers"
-    argv = [f"{here}:_trunk", "--world-size", "2", "--wrap", "GPTBlock,_Head"]
-    argv += ["--inputs", f"{here}:_inputs", "--loss", f"{here}:_plan_chunked_loss", "--json"]
+    here = "tests.tools.chunked_loss"
+    argv = [f"{here}:trunk", "--world-size", "2", "--wrap", "GPTBlock,Head"]
+    argv += ["--inputs", f"{here}:inputs", "--loss", f"{here}:plan_loss", "--json"]
     assert main(argv) == 0
     planned = json.loads(capsys.readouterr().out)
-    options = PlanOptions(inputs=_inputs, loss=_plan_chunked_loss, wrap=_chunked_wrap)
-    expected = plan(_trunk, world_size=2, options=options).to_dict()
+    options = PlanOptions(
+        inputs=chunked_loss.inputs, loss=chunked_loss.plan_loss, wrap=chunked_loss.wrap
+    )
+    expected = plan(chunked_loss.trunk, world_size=2, options=options).to_dict()
     assert planned["schedule"] == expected["schedule"]
     head = [(c["kind"], c["calls"]) for c in planned["collectives"] if c["group"] == "head"]
-    assert head == [("all_gather", _CHUNKS + 1), ("reduce_scatter", 1)], head
+    assert head == [("all_gather", chunked_loss.CHUNKS + 1), ("reduce_scatter", 1)], head

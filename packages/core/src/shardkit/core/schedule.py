@@ -11,7 +11,8 @@ A step, as this module decides it:
   prefetches the group after it in the *previous* step's forward order (a first step has
   none: it prefetches nothing), or the modules set with ``set_modules_to_forward_prefetch``.
   That order ends with the root's forward: a call after it (a chunked loss calling the
-  output head) gathers at its own pre-forward (``step_orders``).
+  output head) gathers at its own pre-forward, and so, from then on, does a group that was
+  prefetched and then not run (a dropped layer): no gather is wasted twice (``step_orders``).
   At its post-forward it frees its full parameters, keeps them, or keeps a 1/n slice, as
   ``reshard_after_forward`` says (:func:`after_forward`); the root keeps its own where the
   user left the default, since backward needs them first (:func:`root_reshards_after_forward`).
@@ -280,6 +281,7 @@ class StepDriver(Generic[G]):
         self.schedule.finished_root_forward()
         for group in groups:
             if self.ops.is_unsharded(group) and self.ops.state(group) is not TrainingState.FORWARD:
+                self.schedule.found_gathered(group)
                 self._after_forward(group)
 
     def resume_forward(self, group: G) -> None:

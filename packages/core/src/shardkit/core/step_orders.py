@@ -27,6 +27,10 @@ class StepSchedule(Generic[G]):
     """How many of ``forward_order`` ran inside the root's forward (None: not ended yet).
     Calls after it (a chunked loss calling the output head) are not prefetched: the root's
     post-forward would free the prefetched gather before they run, wasting it."""
+    skipped: set[G] = field(default_factory=set)
+    """Groups prefetched by order that a forward then did not run (a layer dropped, a branch
+    not taken): freed unused at the root's post-forward, so they gather at their own
+    pre-forward from then on, as torch's ``fully_shard`` always does."""
     post_forward_order: list[G] = field(default_factory=list)
     """Groups in post-forward order: backward runs it in reverse."""
     backward_reaches: set[G] = field(default_factory=set)
@@ -53,9 +57,14 @@ class StepSchedule(Generic[G]):
         if explicit is not None:
             return explicit
         previous, position = self.previous_forward_order, len(self.forward_order)
-        if position < len(previous) and previous[position] != group:
+        if position < len(previous) and previous[position] not in (group, *self.skipped):
             return [previous[position]]
         return []
+
+    def found_gathered(self, group: G) -> None:
+        """The root's post-forward found ``group`` gathered: if not run, not prefetched again."""
+        if group not in self.forward_order[: self.root_forward_calls]:
+            self.skipped.add(group)
 
     def finished_forward(self, group: G) -> None:
         """A group's post-forward: its place in the order backward runs in reverse."""

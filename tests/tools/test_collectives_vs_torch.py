@@ -1,0 +1,42 @@
+"""shardkit never sends more than torch's ``fully_shard`` for the same program, and gets its bits.
+
+For each client pattern of ``client_patterns`` at W=2: every tracked step's collectives, by
+kind, are no more in number and bytes than torch's, and the losses are the same bit for bit.
+Where shardkit sends less, the test says where and why, so a change that loses it fails.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from harness.pool import run_on_ranks
+from tests.tools.client_patterns import PATTERNS, measured
+
+# What shardkit saves on purpose, per step: (kind, how many fewer calls than torch).
+_FEWER = {
+    # The block called twice stays gathered across its two backward passes (its gradient
+    # count completes after the second); torch gathers it again for the first.
+    "twice": {"all_gather": 1},
+}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_no_more_collectives_than_torch(pattern: str) -> None:
+    ours = run_on_ranks(2, measured, engine="shardkit", pattern=pattern)
+    theirs = run_on_ranks(2, measured, engine="torch", pattern=pattern)
+    for rank in range(2):
+        assert ours[rank]["losses"] == theirs[rank]["losses"], f"rank {rank}"
+        for step, (mine, torch_s) in enumerate(
+            zip(ours[rank]["steps"], theirs[rank]["steps"], strict=True)
+        ):
+            where = f"rank {rank}, tracked step {step}"
+            for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+                calls = Counter(k for k, _ in mine)[kind]
+                torch_calls = Counter(k for k, _ in torch_s)[kind]
+                fewer = _FEWER.get(pattern, {}).get(kind, 0)
+                assert calls == torch_calls - fewer, f"{where}: {kind} calls"
+                sent = sum(b for k, b in mine if k == kind)
+                torch_sent = sum(b for k, b in torch_s if k == kind)
+                assert sent <= torch_sent, f"{where}: {kind} bytes"
