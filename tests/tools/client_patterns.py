@@ -1,15 +1,19 @@
 """Client patterns for comparing shardkit's collectives with torch's ``fully_shard``.
 
 One small GPT (three blocks, each under its own ``fully_shard``, then the root), trained
-in the ways client code drives a model: as is, with blocks kept gathered after forward,
-with activation checkpointing, tied embeddings, a frozen block, a block called twice, a block
-dropped on odd steps (LayerDrop, a branch not taken), an evaluation forward before each step,
-and two micro-batches, the first without gradient sync. ``measured`` runs steps 0 to 3 and
-counts what steps 2 and 3 send (the steady state: forward prefetch follows the previous step).
+in the ways client code drives a model: as is, with blocks kept gathered after forward or
+resharded to 2 of 4 ranks, with activation checkpointing, tied embeddings, a frozen block, a
+block called twice, a block dropped on odd steps (LayerDrop, a branch not taken), an
+evaluation forward or three no-grad forwards (generation) before each step, two micro-batches
+(the first without gradient sync), bf16 mixed precision, each block's MLP sharded on its own
+too, torchtitan's explicit prefetch, the user's ``unshard()`` before forward, and HSDP (2 x 2).
+``measured`` runs steps 0 to 3 and counts what steps 2 and 3 send (the steady state: forward
+prefetch follows the previous step).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -19,7 +23,10 @@ from torch.utils.checkpoint import checkpoint
 from shardkit.tools import CommTracker
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 
-PATTERNS = ("plain", "kept", "checkpointed", "tied", "frozen", "twice", "dropped", "eval", "accum")
+PATTERNS: tuple[str, ...] = ("plain", "kept", "checkpointed", "tied", "frozen", "twice")
+PATTERNS += ("dropped", "eval", "generate", "accum", "bf16", "nested", "explicit", "unshard")
+PATTERNS += ("sliced", "hsdp")
+WORLD_SIZE = {"sliced": 4, "hsdp": 4}  # 2 otherwise
 _ROWS, _SEQ, _VOCAB = 2, 8, 37
 
 
@@ -46,7 +53,6 @@ class PatternGPT(GPT):
 def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str, Any]:
     """Per tracked step, the collectives (kind, input bytes) in issue order; every loss."""
     import torch.distributed.fsdp as torch_fsdp
-    from torch.distributed.device_mesh import init_device_mesh
 
     import shardkit.core as shardkit_core
 
@@ -64,15 +70,12 @@ def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str,
     model.pattern = pattern
     if pattern == "frozen":
         model.blocks[0].requires_grad_(False)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        api.fully_shard(block, mesh=mesh, reshard_after_forward=pattern != "kept")
-    api.fully_shard(model, mesh=mesh)
+    _shard(api, model, pattern, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses: list[float] = []
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
     def step(number: int) -> None:
         model.step = number
@@ -85,6 +88,13 @@ def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str,
             with torch.no_grad():
                 model(x)
             model.train()
+        if pattern == "generate":
+            with torch.no_grad():
+                for _ in range(3):
+                    model(x)
+        if pattern == "unshard":
+            sharded_root: Any = model
+            sharded_root.unshard()
         if pattern == "accum":
             sharded: Any = model  # an FSDPModule now, of either engine
             sharded.set_requires_gradient_sync(False)
@@ -103,3 +113,29 @@ def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str,
             step(number)
         steps.append([(c.kind, c.input_bytes) for c in comm.rank_report().collectives])
     return {"steps": steps, "losses": losses}
+
+
+def _shard(api: Any, model: PatternGPT, pattern: str, world_size: int) -> None:
+    """``fully_shard`` on each block (and its MLP where nested), then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if pattern == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+    options: dict[str, Any] = {"mesh": mesh}
+    if pattern == "bf16":
+        options["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    after_forward = {"kept": False, "sliced": 2}.get(pattern, True)
+    for block in model.blocks:
+        if pattern == "nested":
+            api.fully_shard(block.mlp, **options)
+        api.fully_shard(block, reshard_after_forward=after_forward, **options)
+    api.fully_shard(model, **options)
+    if pattern == "explicit":  # torchtitan's: each block names the next, both ways
+        blocks: list[Any] = list(model.blocks)
+        for earlier, later in itertools.pairwise(blocks):
+            earlier.set_modules_to_forward_prefetch([later])
+            later.set_modules_to_backward_prefetch([earlier])

@@ -1,7 +1,8 @@
 """shardkit never sends more than torch's ``fully_shard`` for the same program, and gets its bits.
 
-For each client pattern of ``client_patterns`` at W=2: every tracked step's collectives, by
-kind, are no more in number and bytes than torch's, and the losses are the same bit for bit.
+For each client pattern of ``client_patterns`` (W=2, or 4 for HSDP and a 2-rank reshard):
+every tracked step's collectives, by kind, are no more in number and bytes than torch's, and
+the losses are the same bit for bit.
 Where shardkit sends less, the test says where and why, so a change that loses it fails.
 """
 
@@ -12,7 +13,7 @@ from collections import Counter
 import pytest
 
 from harness.pool import run_on_ranks
-from tests.tools.client_patterns import PATTERNS, measured
+from tests.tools.client_patterns import PATTERNS, WORLD_SIZE, measured
 
 # What shardkit saves on purpose, per step: (kind, how many fewer calls than torch).
 _FEWER = {
@@ -24,9 +25,10 @@ _FEWER = {
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_no_more_collectives_than_torch(pattern: str) -> None:
-    ours = run_on_ranks(2, measured, engine="shardkit", pattern=pattern)
-    theirs = run_on_ranks(2, measured, engine="torch", pattern=pattern)
-    for rank in range(2):
+    world_size = WORLD_SIZE.get(pattern, 2)
+    ours = run_on_ranks(world_size, measured, engine="shardkit", pattern=pattern)
+    theirs = run_on_ranks(world_size, measured, engine="torch", pattern=pattern)
+    for rank in range(world_size):
         assert ours[rank]["losses"] == theirs[rank]["losses"], f"rank {rank}"
         for step, (mine, torch_s) in enumerate(
             zip(ours[rank]["steps"], theirs[rank]["steps"], strict=True)
