@@ -3,6 +3,7 @@
 unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
 backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
 Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
+Its re-planning when the parameters change under it is ``group_upkeep.GroupUpkeep``'s.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.group_plan import GroupConfig, plan_group
 from shardkit.core.engine.group_storage import GroupStorage
+from shardkit.core.engine.group_upkeep import GroupUpkeep
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
-from shardkit.core.engine.reduce import GroupReducer
 from shardkit.core.errors import DesyncError
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
@@ -55,7 +56,7 @@ class _PendingGather:
     from_post_forward: bool  # gathered within the post-forward subgroup
 
 
-class FSDPParamGroup:
+class FSDPParamGroup(GroupUpkeep):
     """The parameters of one ``fully_shard`` call, gathered and reduced together."""
 
     def __init__(self, params: list[FSDPParam], config: GroupConfig, options: GroupOptions):
@@ -122,41 +123,6 @@ class FSDPParamGroup:
 
     # --- construction -----------------------------------------------------------------------
 
-    def _plan_buffers(self) -> None:
-        """Plan anew for the parameters' current dtypes and hooks, and a new reducer."""
-        self._replan()
-        self.reducer = self._new_reducer()
-
-    def _replan(self) -> None:
-        """Replace the plan with one of the parameters as they are now; buffers follow it."""
-        before = self.plan
-        self.plan = plan_group(self.params, self._config, self.options.reshard_after_forward)
-        self._storage.replanned(before, self.plan)
-        self._follow_plan()
-
-    def _follow_plan(self) -> None:
-        for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
-            p.follow_plan_dtypes(param_layout.comm_dtype, self.plan.reduce_dtype)
-        if self.comm is not None:
-            self.attach_comm(self.comm)  # the pool learns the new sizes
-
-    def _new_reducer(self) -> GroupReducer:
-        plan = self.plan
-        reducer = GroupReducer(
-            plan.reduce_dtype, self.mesh_info, self.options, (plan.offload, plan.pin_memory)
-        )
-        if self.grads_in_flat_layout:
-            reducer.flat_layout(self.params, plan.layout)
-        return reducer
-
-    def reduce_in_flat_layout(self) -> None:
-        """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks).
-
-        For ``layout.GroupView.flat_grad``: the layout survives replanning (a dtype change).
-        """
-        self.grads_in_flat_layout = True
-        self.reducer.flat_layout(self.params, self.plan.layout)
-
     def list_params(self, listed: bool) -> None:
         """Register the parameters in ``_parameters`` (True) or as plain attributes (False).
 
@@ -191,61 +157,7 @@ class FSDPParamGroup:
         exchange = gathers_by_exchange(self.mesh_info.shard_group)
         return self.plan.layout.pool_sizes(exchange=exchange, offload=self.plan.offload)
 
-    def resync_sharded_storage(self) -> None:
-        """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads.
-
-        Those replace a parameter's local tensor with new storage; the group copies the values
-        back into one flat buffer (on their new device) and re-points every DTensor at it.
-        """
-        locals_ = [p.current_local() for p in self.params]
-        if any(t.is_meta for t in locals_):
-            return
-        self._storage.adopt_hooked(self.plan, locals_)
-        device = torch.device("cpu") if self.plan.offload else locals_[0].device
-        retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
-        if self._storage.holds(self.plan, locals_, device) and not retyped:
-            return
-        self.reshard()  # any full copy predates the new values
-        if retyped:
-            # model.to(dtype), .double(), .half(): the buffers follow the new dtypes.
-            for p, local in zip(self.params, locals_, strict=True):
-                p.retype(local.dtype)
-            self._plan_buffers()
-        self._storage.refill(self.plan, locals_, device)
-
-    def take_up_new_hooks(self) -> None:
-        """Gather through the all-gather hooks that local tensors gained since the last look.
-
-        torch's ``fully_shard`` looks for the hooks at every all-gather, so hooks attached
-        after it (on the local tensor, or on its class) take effect at the next one; so here,
-        at each unshard and each root forward (before the one-rank shortcuts that gather
-        nothing). Those parameters leave the flat buffer, and the group is laid out anew.
-        See [Note: all-gather extensions].
-        """
-        if self.sharded_state is not ShardedState.SHARDED:
-            return
-        gained = [self.params[i] for i in self.plan.flat if self.params[i].gained_hooks()]
-        if not gained:
-            return
-        if self.registered_unsharded:
-            self._register(unsharded=False)
-        for p in gained:
-            p.take_up_hooks()
-        self._plan_buffers()
-        locals_ = [p.current_local() for p in self.params]
-        self._storage.refill(self.plan, locals_, self._storage.sharded_buffer.device)
-
     # --- unshard / reshard ----------------------------------------------------------------
-
-    def _hook_inputs(self) -> dict[int, list[torch.Tensor]]:
-        """What the pre-all-gather hooks send, by parameter index (flat tensors)."""
-        if self.plan.hooks is None:
-            return {}
-        sent = self.plan.hooks.pre_all_gather(self.fqn)
-        if self.plan.layout.hooks_pending:
-            # The hooks' sizes are known now (their first call): lay the all-gather out once.
-            self._replan()
-        return sent
 
     def check_materialized(self) -> None:
         """Raise if parameters are still on the meta device at the first collective."""
