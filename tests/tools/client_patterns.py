@@ -7,8 +7,8 @@ block called twice, a block dropped on odd steps (LayerDrop, a branch not taken)
 evaluation forward or three no-grad forwards (generation) before each step, two micro-batches
 (the first without gradient sync), bf16 mixed precision, each block's MLP sharded on its own
 too, torchtitan's explicit prefetch, the user's ``unshard()`` before forward, and HSDP (2 x 2).
-``measured`` runs steps 0 to 3 and counts what steps 2 and 3 send (the steady state: forward
-prefetch follows the previous step).
+``measured`` runs steps 0 to 3 and profiles steps 2 and 3 (the steady state: forward prefetch
+follows the previous step): what they send, and their memory peak.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from shardkit.tools import CommTracker
+from shardkit.tools import Profiler
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 
 PATTERNS: tuple[str, ...] = ("plain", "kept", "checkpointed", "tied", "frozen", "twice")
@@ -51,7 +51,9 @@ class PatternGPT(GPT):
 
 
 def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str, Any]:
-    """Per tracked step, the collectives (kind, input bytes) in issue order; every loss."""
+    """Per tracked step, the collectives (kind, input bytes) in issue order and the peak of
+    the memory the tracker attributes (parameters, gradients, optimizer state, activations,
+    buffers); every loss."""
     import torch.distributed.fsdp as torch_fsdp
 
     import shardkit.core as shardkit_core
@@ -107,12 +109,15 @@ def measured(rank: int, world_size: int, engine: str, pattern: str) -> dict[str,
 
     step(0)
     step(1)
-    steps = []
+    steps, peaks = [], []
     for number in (2, 3):
-        with CommTracker() as comm:
+        with Profiler(model, optimizers=[opt]) as profiler:
             step(number)
-        steps.append([(c.kind, c.input_bytes) for c in comm.rank_report().collectives])
-    return {"steps": steps, "losses": losses}
+        report = profiler.rank_report()
+        steps.append([(c.kind, c.input_bytes) for c in report.collectives])
+        assert report.memory is not None
+        peaks.append(report.memory.peak.total)
+    return {"steps": steps, "peaks": peaks, "losses": losses}
 
 
 def _shard(api: Any, model: PatternGPT, pattern: str, world_size: int) -> None:

@@ -1,9 +1,11 @@
-"""shardkit never sends more than torch's ``fully_shard`` for the same program, and gets its bits.
+"""shardkit sends and holds no more than torch's ``fully_shard`` for the same program, and
+gets its bits.
 
 For each client pattern of ``client_patterns`` (W=2, or 4 for HSDP and a 2-rank reshard):
-every tracked step's collectives, by kind, are no more in number and bytes than torch's, and
-the losses are the same bit for bit.
-Where shardkit sends less, the test says where and why, so a change that loses it fails.
+every tracked step's collectives, by kind, are no more in number and bytes than torch's, its
+memory peak (as the tracker measures both engines) no higher, and the losses are the same bit
+for bit. Where shardkit sends less, the test says where and why, so a change that loses it
+fails.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _FEWER = {
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_no_more_collectives_than_torch(pattern: str) -> None:
+def test_no_more_collectives_or_memory_than_torch(pattern: str) -> None:
     world_size = WORLD_SIZE.get(pattern, 2)
     ours = run_on_ranks(world_size, measured, engine="shardkit", pattern=pattern)
     theirs = run_on_ranks(world_size, measured, engine="torch", pattern=pattern)
@@ -42,3 +44,5 @@ def test_no_more_collectives_than_torch(pattern: str) -> None:
                 sent = sum(b for k, b in mine if k == kind)
                 torch_sent = sum(b for k, b in torch_s if k == kind)
                 assert sent <= torch_sent, f"{where}: {kind} bytes"
+            peak, torch_peak = ours[rank]["peaks"][step], theirs[rank]["peaks"][step]
+            assert peak <= torch_peak, f"{where}: peak {peak} B, torch's {torch_peak} B"
