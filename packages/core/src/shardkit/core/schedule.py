@@ -278,11 +278,13 @@ class StepDriver(Generic[G]):
         where the root is nested in it, is left alone).
         """
         self.ops.keep_idle_buffers(False)
-        self.schedule.finished_root_forward()
-        for group in groups:
-            if self.ops.is_unsharded(group) and self.ops.state(group) is not TrainingState.FORWARD:
-                self.schedule.found_gathered(group)
-                self._after_forward(group)
+        ops = self.ops
+        gathered = [
+            g for g in groups if ops.is_unsharded(g) and ops.state(g) is not TrainingState.FORWARD
+        ]
+        self.schedule.finished_root_forward(gathered)
+        for group in gathered:
+            self._after_forward(group)
 
     def resume_forward(self, group: G) -> None:
         """A partial list-group call after an earlier one's backward ended: gather it again."""

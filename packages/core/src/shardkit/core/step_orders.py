@@ -6,7 +6,7 @@ backward prefetch the post-forward order of this step, reversed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -44,9 +44,15 @@ class StepSchedule(Generic[G]):
             self.forward_order = []
         self.root_forward_calls = None
 
-    def finished_root_forward(self) -> None:
-        """The root's post-forward: the calls so far are the ones forward prefetch follows."""
+    def finished_root_forward(self, gathered: Iterable[G]) -> None:
+        """The root's post-forward: the calls so far are the ones forward prefetch follows.
+
+        ``gathered``: the groups it found gathered and not in their forward; one the root's
+        forward did not run was prefetched for nothing, and is not prefetched again.
+        """
         self.root_forward_calls = len(self.forward_order)
+        ran = set(self.forward_order)
+        self.skipped.update(group for group in gathered if group not in ran)
 
     def ran_forward(self, group: G, explicit: Sequence[G] | None) -> Sequence[G]:
         """A group's pre-forward gathered it: the groups to prefetch now.
@@ -57,14 +63,10 @@ class StepSchedule(Generic[G]):
         if explicit is not None:
             return explicit
         previous, position = self.previous_forward_order, len(self.forward_order)
-        if position < len(previous) and previous[position] not in (group, *self.skipped):
-            return [previous[position]]
-        return []
-
-    def found_gathered(self, group: G) -> None:
-        """The root's post-forward found ``group`` gathered: if not run, not prefetched again."""
-        if group not in self.forward_order[: self.root_forward_calls]:
-            self.skipped.add(group)
+        if position >= len(previous):
+            return []
+        following = previous[position]
+        return [following] if following != group and following not in self.skipped else []
 
     def finished_forward(self, group: G) -> None:
         """A group's post-forward: its place in the order backward runs in reverse."""

@@ -165,12 +165,16 @@ class _Recorder:
         # Saved storages -> segment of the first save. Weak: a storage freed in forward
         # (never saved again) must not be mistaken for a new one that reuses its address.
         self.saved = WeakIdKeyDictionary()  # storage -> (segment, saved by the loss)
-        self.in_loss = False  # what the loss saves is not the model's activations
         self.model_events: int | None = None  # events of the model's forward (then the loss's)
         self.excluded = excluded  # parameter and buffer storages (alive all along)
         self.params = params  # id of a replacement parameter tensor -> FQN
         self.uses: dict[str, tuple[int, int]] = {}
         self.cursor = SegmentCursor()  # backward's position, moved by hooks set here
+
+    @property
+    def in_loss(self) -> bool:
+        """Whether the loss runs now: what it saves is not the model's activations."""
+        return self.model_events is not None
 
     @property
     def segment(self) -> int:
@@ -329,8 +333,7 @@ class _ForwardThenLoss(nn.Module):
         output = _run("forward", lambda: self.model(*args, **kwargs))
         # The output exists before the root's post-forward event (when the root is a group).
         _save_output(recorder, output, recorder.segment - (1 if self._root_is_group else 0))
-        recorder.in_loss = True
-        recorder.model_events = recorder.segment
+        recorder.model_events = recorder.segment  # the loss from here
         # Returning drops ``output``: only the loss's graph holds it now, as in training.
         return _loss(output, self._loss_fn, self.model)
 
