@@ -6,6 +6,14 @@ tasks, and is killed and started afresh only when its ranks can no longer be tru
 a dead worker, collectives left out of step). ``tests/conftest.py`` shuts the pools down at
 the end of the session, and an ``atexit`` hook does wherever no conftest does (benchmarks).
 
+A worker killed by a crash signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) in a task has its
+task run once more on a fresh pool, except under :func:`crashes_fail_at_once` or with
+``SHARDKIT_POOL_RETRY_CRASH=0``. A second crash fails the test. Every crash retried is kept
+(:func:`crashes_retried`): a warning on the test, and ``tests/conftest.py`` prints them, with
+the rank's last output, at the end of the run. Such a crash is a defect to find, not an
+accepted result: the retry keeps a rare one in torch's gloo paths from hiding the rest of a
+run (see docs/development.md, "Tests").
+
 Usage::
 
     def _body(rank: int, world_size: int, lr: float) -> float:  # module level
@@ -30,21 +38,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import os
 import pickle
+import signal
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TypeVar, cast
 
 from harness import protocol
 from harness.processes import WorkerProcess, wait_for_message
-from harness.report import RankTaskError, RankTaskTimeout, TaskFailure, output_tail
+from harness.report import CrashRetried, RankTaskError, RankTaskTimeout, TaskFailure, output_tail
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "CrashRetried",
     "RankPool",
     "RankTaskError",
     "RankTaskTimeout",
+    "crashes_fail_at_once",
+    "crashes_retried",
     "get_pool",
     "run_on_ranks",
     "shutdown_pools",
@@ -66,6 +80,12 @@ _GRACE_S = 5.0
 _EXIT_TIMEOUT_S = 10.0
 # faulthandler writes from a signal handler; this is ample for it to reach the log.
 _STACK_DUMP_WAIT_S = 0.5
+# The signals of a native crash: a task whose worker died of one is run once more.
+_CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
+)
+_CRASHES: list[CrashRetried] = []
+_RETRY_CRASHES = [True]  # a stack: crashes_fail_at_once() pushes False
 
 Replies = dict[int, protocol.Message | None]
 """One message per rank that answered, by rank; None for a rank whose worker exited."""
@@ -86,8 +106,13 @@ class RankPool:
         """The workers' process ids in rank order (empty when not started)."""
         return [worker.process.pid for worker in self._workers]
 
-    def run(self, task: protocol.Task, *, timeout_s: float) -> list[object]:
+    def run(
+        self, task: protocol.Task, *, timeout_s: float, retry_on_crash: bool = True
+    ) -> list[object]:
         """Runs ``task`` on every rank and returns the values in rank order.
+
+        ``retry_on_crash``: run the task once more, on a fresh pool, if a worker died of a
+        crash signal during it (see the module's docstring).
 
         Raises:
             RankTaskError: the task raised on some rank, a worker died, or the ranks could not
@@ -120,11 +145,27 @@ class RankPool:
             stuck=stuck,
             outputs=outputs,
         )
+        crashed = self._crash_signals(replies) if failure.failed else {}
         if not healthy or stuck:
             self.kill()
+        if crashed and retry_on_crash and os.environ.get("SHARDKIT_POOL_RETRY_CRASH") != "0":
+            record = CrashRetried(failure=failure, signals=crashed)
+            _CRASHES.append(record)
+            warnings.warn(record.headline(), RuntimeWarning, stacklevel=2)
+            self.kill()
+            return self.run(task, timeout_s=timeout_s, retry_on_crash=False)
         if failure.failed:
             raise failure.exception()
         return [_value_of(rank, replies[rank]) for rank in range(self.world_size)]
+
+    def _crash_signals(self, replies: Replies) -> dict[int, str]:
+        """Rank → signal name, for the ranks whose worker a crash signal killed in the task."""
+        crashed: dict[int, str] = {}
+        for rank, reply in replies.items():
+            code = self._workers[rank].exit_code() if reply is None else None
+            if code is not None and code < 0 and -code in _CRASH_SIGNALS:
+                crashed[rank] = signal.Signals(-code).name
+        return crashed
 
     def kill(self) -> None:
         """Kills the workers at once; the next task starts a fresh pool."""
@@ -294,8 +335,24 @@ def run_on_ranks(
     """
     __tracebackhide__ = True
     task = _make_task(fn, world_size, kwargs)
-    values = get_pool(world_size).run(task, timeout_s=timeout_s)
+    retry = _RETRY_CRASHES[-1]
+    values = get_pool(world_size).run(task, timeout_s=timeout_s, retry_on_crash=retry)
     return cast("list[T]", values)  # the workers ran fn, so each value is a T
+
+
+@contextlib.contextmanager
+def crashes_fail_at_once() -> Iterator[None]:
+    """Within: a worker's crash fails the task at once (for tests that hunt crashes)."""
+    _RETRY_CRASHES.append(False)
+    try:
+        yield
+    finally:
+        _RETRY_CRASHES.pop()
+
+
+def crashes_retried() -> tuple[CrashRetried, ...]:
+    """The tasks this process ran again because a worker crashed, in the order they crashed."""
+    return tuple(_CRASHES)
 
 
 def shutdown_pools() -> None:

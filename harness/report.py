@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RankTaskError", "RankTaskTimeout", "TaskFailure", "output_tail"]
+__all__ = ["CrashRetried", "RankTaskError", "RankTaskTimeout", "TaskFailure", "output_tail"]
 
 # How much of a rank's output goes into a message: the end, where a stack dump or a crash is.
 _OUTPUT_TAIL_CHARS = 4000
@@ -78,6 +78,31 @@ class TaskFailure:
                 f"collective the others did not) or broke the process group. {fresh}"
             )
         return summary
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CrashRetried:
+    """A task whose worker died of a crash signal, run again on a fresh pool."""
+
+    failure: TaskFailure
+    """How the crashed run went (each rank's error, the crashed ranks' output)."""
+    signals: dict[int, str]
+    """Rank → the signal that killed its worker ("SIGSEGV")."""
+
+    def headline(self) -> str:
+        """One line: the task, the ranks and signals, and that it ran again."""
+        ranks = ", ".join(f"rank {rank} ({name})" for rank, name in sorted(self.signals.items()))
+        return (
+            f"{self.failure.name} on world_size={self.failure.world_size}: the worker of "
+            f"{ranks} crashed; the task ran again on a fresh pool"
+        )
+
+    def report(self) -> str:
+        """The headline and the end of each crashed rank's output (faulthandler's stacks)."""
+        parts = [self.headline()]
+        for rank in sorted(self.signals):
+            parts.append(f"--- rank {rank} ---\n{self.failure.errors.get(rank, '').rstrip()}")
+        return "\n".join(parts)
 
 
 def output_tail(output: str) -> str:

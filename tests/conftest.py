@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from harness.pool import shutdown_pools
+from harness.pool import crashes_retried, shutdown_pools
 
 # The lifetime checks are on in every test (the pool's workers inherit the environment, and
 # shardkit reads it at import, which comes after this file): a buffer released under a
@@ -23,3 +23,14 @@ os.environ.setdefault("SHARDKIT_DEBUG_LIFETIMES", "1")
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     """Stops the multi-rank worker pools, so no worker outlives the test run."""
     shutdown_pools()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Lists the tasks that ran again because a worker crashed: each one is a defect to find."""
+    crashes = crashes_retried()
+    if not crashes:
+        return
+    terminalreporter.section("worker crashes retried (see docs/development.md, Tests)")
+    for crash in crashes:
+        terminalreporter.write_line(crash.report())
+    terminalreporter.write_line(f"{len(crashes)} task(s) ran again after a worker crashed")

@@ -6,7 +6,9 @@ The bodies below run in the workers, imported by name, so they live at module le
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from harness.compare import assert_all_equal
-from harness.pool import RankTaskError, RankTaskTimeout, get_pool, run_on_ranks
+from harness.pool import (
+    RankTaskError,
+    RankTaskTimeout,
+    crashes_fail_at_once,
+    crashes_retried,
+    get_pool,
+    run_on_ranks,
+)
 
 WORLD_SIZES = [1, 2, 4]
 _ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
@@ -177,6 +186,54 @@ def test_dead_worker_fails_the_task_and_is_replaced() -> None:
         run_on_ranks(1, _exit)
 
     assert run_on_ranks(1, _whoami)[0]["rank"] == 0
+
+
+def _crash_once(rank: int, world_size: int, marker: str, sig: int) -> int:
+    """Rank 1 dies of ``sig`` the first time (no ``marker`` file yet); then all return."""
+    if rank == 1 and not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+        os.kill(os.getpid(), sig)
+    return os.getpid()
+
+
+def test_a_crashed_worker_runs_its_task_once_more_and_is_reported(tmp_path: Path) -> None:
+    before = len(crashes_retried())
+    first = run_on_ranks(2, _whoami)
+    with pytest.warns(RuntimeWarning, match=r"rank 1 \(SIGSEGV\) crashed; the task ran again"):
+        pids = run_on_ranks(2, _crash_once, marker=str(tmp_path / "m"), sig=signal.SIGSEGV)
+
+    assert set(pids).isdisjoint(p["pid"] for p in first)  # a fresh pool ran it again
+    crashes = crashes_retried()[before:]
+    assert [c.signals for c in crashes] == [{1: "SIGSEGV"}]
+    assert "exited (code -11)" in crashes[0].report()
+    assert "Fatal Python error: Segmentation fault" in crashes[0].report()  # faulthandler's
+
+
+def _crash_always(rank: int, world_size: int, sig: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), sig)
+
+
+def test_a_second_crash_fails_the_test() -> None:
+    before = len(crashes_retried())
+    with pytest.warns(RuntimeWarning), pytest.raises(RankTaskError, match=r"exited \(code -6\)"):
+        run_on_ranks(2, _crash_always, sig=signal.SIGABRT)
+    assert len(crashes_retried()) == before + 1  # run twice, retried once
+
+
+def test_no_retry_where_the_caller_hunts_crashes() -> None:
+    before = len(crashes_retried())
+    with pytest.raises(RankTaskError, match=r"exited \(code -11\)"), crashes_fail_at_once():
+        run_on_ranks(2, _crash_always, sig=signal.SIGSEGV)
+    assert len(crashes_retried()) == before
+
+
+def test_a_killed_worker_is_not_retried(tmp_path: Path) -> None:
+    before = len(crashes_retried())
+    with pytest.raises(RankTaskError, match=r"exited \(code -9\)"):
+        run_on_ranks(2, _crash_once, marker=str(tmp_path / "m"), sig=signal.SIGKILL)
+    assert len(crashes_retried()) == before
 
 
 def _destroy_group(rank: int, world_size: int) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pool import run_on_ranks
+from harness.pool import crashes_fail_at_once, run_on_ranks
 from tests.core.runtime.lifetime_stress import LEGACY, check, stress_body
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,7 +33,9 @@ MALLOC_DEBUG = Path("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0")
 
 def test_short_stress_on_four_ranks(tmp_path: Path) -> None:
     names = ("reshard-to-half", "hsdp-reshard", "bf16", LEGACY)
-    for result in run_on_ranks(4, stress_body, steps=4, root=str(tmp_path), names=names):
+    with crashes_fail_at_once():  # the crash this test hunts must fail it
+        results = run_on_ranks(4, stress_body, steps=4, root=str(tmp_path), names=names)
+    for result in results:
         assert set(result) == set(names)
         check(result)
 
