@@ -58,6 +58,7 @@ __all__ = [
     "RankTaskError",
     "RankTaskTimeout",
     "crashes_fail_at_once",
+    "crashes_recorded_apart",
     "crashes_retried",
     "get_pool",
     "run_on_ranks",
@@ -84,7 +85,8 @@ _STACK_DUMP_WAIT_S = 0.5
 _CRASH_SIGNALS = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
 )
-_CRASHES: list[CrashRetried] = []
+# The crashes retried: the run's list first, then any that crashes_recorded_apart() pushed.
+_CRASH_LOGS: list[list[CrashRetried]] = [[]]
 _RETRY_CRASHES = [True]  # a stack: crashes_fail_at_once() pushes False
 
 Replies = dict[int, protocol.Message | None]
@@ -150,7 +152,7 @@ class RankPool:
             self.kill()
         if crashed and retry_on_crash and os.environ.get("SHARDKIT_POOL_RETRY_CRASH") != "0":
             record = CrashRetried(failure=failure, signals=crashed)
-            _CRASHES.append(record)
+            _CRASH_LOGS[-1].append(record)
             warnings.warn(record.headline(), RuntimeWarning, stacklevel=2)
             self.kill()
             return self.run(task, timeout_s=timeout_s, retry_on_crash=False)
@@ -352,7 +354,18 @@ def crashes_fail_at_once() -> Iterator[None]:
 
 def crashes_retried() -> tuple[CrashRetried, ...]:
     """The tasks this process ran again because a worker crashed, in the order they crashed."""
-    return tuple(_CRASHES)
+    return tuple(_CRASH_LOGS[0])
+
+
+@contextlib.contextmanager
+def crashes_recorded_apart() -> Iterator[list[CrashRetried]]:
+    """Within: crashes retried go to the list yielded, not the run's (the harness's tests)."""
+    log: list[CrashRetried] = []
+    _CRASH_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _CRASH_LOGS.remove(log)
 
 
 def shutdown_pools() -> None:

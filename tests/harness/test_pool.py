@@ -6,6 +6,7 @@ The bodies below run in the workers, imported by name, so they live at module le
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from harness.pool import (
     RankTaskError,
     RankTaskTimeout,
     crashes_fail_at_once,
+    crashes_recorded_apart,
     crashes_retried,
     get_pool,
     run_on_ranks,
@@ -193,47 +195,78 @@ def _crash_once(rank: int, world_size: int, marker: str, sig: int) -> int:
     if rank == 1 and not os.path.exists(marker):
         with open(marker, "w"):
             pass
-        os.kill(os.getpid(), sig)
+        _die_of(sig)
     return os.getpid()
 
 
-def test_a_crashed_worker_runs_its_task_once_more_and_is_reported(tmp_path: Path) -> None:
-    before = len(crashes_retried())
+def test_a_crashed_worker_runs_its_task_once_more_and_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHARDKIT_POOL_RETRY_CRASH", raising=False)  # a crash hunt's run
+    run_before = crashes_retried()
     first = run_on_ranks(2, _whoami)
-    with pytest.warns(RuntimeWarning, match=r"rank 1 \(SIGSEGV\) crashed; the task ran again"):
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.warns(RuntimeWarning, match=r"rank 1 \(SIGSEGV\) crashed; the task ran again"),
+    ):
         pids = run_on_ranks(2, _crash_once, marker=str(tmp_path / "m"), sig=signal.SIGSEGV)
 
     assert set(pids).isdisjoint(p["pid"] for p in first)  # a fresh pool ran it again
-    crashes = crashes_retried()[before:]
     assert [c.signals for c in crashes] == [{1: "SIGSEGV"}]
     assert "exited (code -11)" in crashes[0].report()
     assert "Fatal Python error: Segmentation fault" in crashes[0].report()  # faulthandler's
+    assert crashes_retried() == run_before  # the run's own list holds real crashes only
 
 
 def _crash_always(rank: int, world_size: int, sig: int) -> None:
     if rank == 1:
-        os.kill(os.getpid(), sig)
+        _die_of(sig)
 
 
-def test_a_second_crash_fails_the_test() -> None:
-    before = len(crashes_retried())
-    with pytest.warns(RuntimeWarning), pytest.raises(RankTaskError, match=r"exited \(code -6\)"):
+def _die_of(sig: int) -> None:
+    """Kill this worker with ``sig``, leaving no core file where cores are on."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), sig)
+
+
+def test_a_second_crash_fails_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SHARDKIT_POOL_RETRY_CRASH", raising=False)
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.warns(RuntimeWarning),
+        pytest.raises(RankTaskError, match=r"exited \(code -6\)"),
+    ):
         run_on_ranks(2, _crash_always, sig=signal.SIGABRT)
-    assert len(crashes_retried()) == before + 1  # run twice, retried once
+    assert [c.signals for c in crashes] == [{1: "SIGABRT"}]  # run twice, retried once
+
+
+def test_no_retry_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDKIT_POOL_RETRY_CRASH", "0")
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.raises(RankTaskError, match=r"exited \(code -11\)"),
+    ):
+        run_on_ranks(2, _crash_always, sig=signal.SIGSEGV)
+    assert crashes == []
 
 
 def test_no_retry_where_the_caller_hunts_crashes() -> None:
-    before = len(crashes_retried())
-    with pytest.raises(RankTaskError, match=r"exited \(code -11\)"), crashes_fail_at_once():
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.raises(RankTaskError, match=r"exited \(code -11\)"),
+        crashes_fail_at_once(),
+    ):
         run_on_ranks(2, _crash_always, sig=signal.SIGSEGV)
-    assert len(crashes_retried()) == before
+    assert crashes == []
 
 
 def test_a_killed_worker_is_not_retried(tmp_path: Path) -> None:
-    before = len(crashes_retried())
-    with pytest.raises(RankTaskError, match=r"exited \(code -9\)"):
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.raises(RankTaskError, match=r"exited \(code -9\)"),
+    ):
         run_on_ranks(2, _crash_once, marker=str(tmp_path / "m"), sig=signal.SIGKILL)
-    assert len(crashes_retried()) == before
+    assert crashes == []
 
 
 def _destroy_group(rank: int, world_size: int) -> None:
