@@ -454,3 +454,19 @@ def test_a_loss_with_two_required_parameters_is_given_the_model() -> None:
     assert not loss_takes_model(lambda output: output.sum())
     assert not loss_takes_model(with_default)
     assert not loss_takes_model(torch.sum)  # a builtin: the output alone, whatever it shows
+
+
+def test_backward_places_each_gradient_before_or_after_its_segments_peak() -> None:
+    # One segment, as backward_profile logs it: a saved activation (100 bytes), then in
+    # backward a scratch tensor (10), the gradient of w1 (50), the activation freed, the
+    # gradient of w2 (50), the scratch freed. The highest total, 160, comes once w1's
+    # gradient exists and before w2's: w1's belongs at the peak, w2's after it.
+    from types import SimpleNamespace
+
+    from shardkit.tools.plan.backward import BackwardSegment, _replay
+
+    act, scratch, g1, g2 = range(4)
+    log = [(act, 0), (scratch, 0), (g1, 0), (act, 0), (g2, 0), (scratch, 0)]
+    mode = SimpleNamespace(log=log, kind=[0, 1, 1, 1], nbytes=[100, 10, 50, 50])
+    profile = _replay(mode, {g1: "w1", g2: "w2"}, 1)  # type: ignore[arg-type]  # the log only
+    assert profile == (BackwardSegment(100, 10, 0, 0, frozenset({"w1"})),)

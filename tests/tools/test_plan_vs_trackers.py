@@ -1,11 +1,13 @@
 """The planner's predictions against the trackers' measurements of shardkit at W=2 and W=4.
 
 Bytes must match exactly (every collective of a step, in order); every category of memory
-the engine owns to the byte, and the peak within 10% (measured 0.916 to 0.995 of the
-prediction). Also under mixed precision, with frozen blocks, and with a chunked loss that
-calls the separately sharded output head after the model's forward. Under HSDP (2 replicas of 2
-shards, the layout of two nodes of 2 ranks) each collective's mesh axis must match too, and
-so must the bytes per axis: dp_shard stays inside a node, dp_replicate crosses nodes.
+the engine owns to the byte, and the peak within 3% (measured 0.984 to 1.004 of the
+prediction: backward places each parameter's gradient before or after its segment's peak, as
+it came on the meta device). Also under mixed precision, with frozen blocks, and with a
+chunked loss that calls the separately sharded output head after the model's forward. Under
+HSDP (2 replicas of 2 shards, the layout of two nodes of 2 ranks) each collective's mesh axis
+must match too, and so must the bytes per axis: dp_shard stays inside a node, dp_replicate
+crosses nodes.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def test_hsdp_plan_splits_bytes_by_axis_as_measured() -> None:
         assert set(by_axis) == {"dp_shard", "dp_replicate"}
         assert all(n > 0 for n in by_axis.values())
         assert report.memory is not None
-        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
 
 
 _VARIANTS = [(2, None, False), (4, None, False), (2, None, True), (2, "first_block", True)]
@@ -123,9 +125,9 @@ _VARIANTS = [(2, None, False), (4, None, False), (2, None, True), (2, "first_blo
 def test_plan_matches_trackers(world_size: int, freeze: str | None, bf16: bool) -> None:
     for rank, (report, predicted) in enumerate(_reports_and_plans(world_size, freeze, bf16)):
         _assert_engine_figures_match(report, predicted, rank)
-        # The peak within 10% (activations come from a meta-device forward).
+        # The peak within 3% (activations come from a meta-device forward and backward).
         assert report.memory is not None
-        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
 
 
 def test_plan_matches_trackers_with_kept_storage() -> None:
@@ -133,18 +135,19 @@ def test_plan_matches_trackers_with_kept_storage() -> None:
     for rank, (report, predicted) in enumerate(_reports_and_plans(2, None, True, keep=True)):
         _assert_engine_figures_match(report, predicted, rank)
         assert report.memory is not None
-        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
         freed = _planned(2, rank, bf16=True).memory.category_max[Category.UNSHARDED_PARAMS]
         assert predicted.memory.category_max[Category.UNSHARDED_PARAMS] > freed
 
 
 def test_plan_follows_a_frozen_bottom_block() -> None:
     # Backward never reaches the frozen first block: no all-gather of it in backward, in the
-    # engine and the plan alike. The peak total is left out: the planner's estimate of the
-    # activation gradients puts its backward peak 11% above what the engine now reaches.
+    # engine and the plan alike.
     pairs = _reports_and_plans(2, "bottom", False)
     for rank, (report, predicted) in enumerate(pairs):
         _assert_engine_figures_match(report, predicted, rank)
+        assert report.memory is not None
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
     gathers = [(c.kind, c.group, c.phase) for c in pairs[0][1].schedule]
     assert ("all_gather", "blocks.0", Phase.FORWARD) in gathers
     assert ("all_gather", "blocks.0", Phase.BACKWARD) not in gathers
@@ -211,7 +214,7 @@ def test_plan_follows_a_chunked_loss_through_the_head() -> None:
         report, predicted = RankReport.from_dict(measured["report"]), _chunked_planned(2, rank)
         _assert_engine_figures_match(report, predicted, rank)  # so the plan's labels hold
         assert report.memory is not None
-        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.10)
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
         head = [(c.kind, c.phase) for c in predicted.schedule if c.group == "head"]
         assert head == [
             *[("all_gather", Phase.FORWARD)] * chunked_loss.CHUNKS,

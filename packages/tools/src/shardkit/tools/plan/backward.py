@@ -7,9 +7,12 @@ overlap depends on each op's backward formula, so rather than guess it the plann
 backward on the meta device (free: meta tensors have sizes, no data) and follows every storage:
 the saved ones until autograd drops them, and every one backward creates.
 
-Parameter gradients are left out (the planner counts them itself, in the engine's dtype and
-lifetime). Per segment, the result is the moment of the highest total: the saved activations
-and the backward scratch live then, and the saved activations left when the segment is done.
+Parameter gradients are not counted here (the planner counts them itself, in the engine's
+dtype and lifetime), but when each appears is: a segment's gradients come one by one as its
+ops run backward, while its activations go. Per segment, the result is the moment of the
+highest total (the saved activations, the backward scratch and the segment's parameter
+gradients so far), which of its gradients exist then, and the saved activations left when the
+segment is done.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class BackwardSegment:
     """Saved activations still held once the segment's backward is done."""
     scratch_after: int
     """Backward's own bytes still held then (the gradient flowing on to the next segment)."""
+    grads_at_peak: frozenset[str] = frozenset()
+    """The parameters (FQNs) whose gradients this segment made before its peak; the rest of
+    its gradients come after it."""
 
 
 class FusedAttention(torch.autograd.Function):
@@ -166,7 +172,7 @@ def backward_profile(
     loss: torch.Tensor,
     cursor: SegmentCursor,
     saved: WeakIdKeyDictionary,
-    leaves: Sequence[torch.Tensor],
+    leaves: dict[str, torch.Tensor],
     segments: int,
 ) -> tuple[BackwardSegment, ...] | None:
     """Run backward from ``loss`` and profile each segment's memory.
@@ -177,7 +183,7 @@ def backward_profile(
         saved: The storages forward saved for backward, held weakly (autograd must be able to
             free them), each mapped to (segment, saved by the loss); the loss's count as
             scratch, not activations.
-        leaves: The parameters, whose gradients are not counted.
+        leaves: The parameters by FQN, whose gradients are not counted but placed.
         segments: How many segments the forward had.
 
     Returns:
@@ -192,35 +198,57 @@ def backward_profile(
     except Exception as err:  # a missing meta kernel, say: plan without this profile
         logger.warning("backward on the meta device failed (%s): not counting its memory", err)
         return None
-    grads = {mode.key_of(leaf.grad) for leaf in leaves if leaf.grad is not None}
+    grads: dict[int, str] = {}
+    for name, leaf in leaves.items():
+        key = mode.key_of(leaf.grad) if leaf.grad is not None else None
+        if key is not None:
+            grads[key] = name
     return _replay(mode, grads, segments)
 
 
-def _replay(mode: _Follow, skip: set[int | None], segments: int) -> tuple[BackwardSegment, ...]:
-    """Walk the log: per segment, the live bytes at its highest total, and when it ends."""
+@dataclass(slots=True)
+class _Peak:
+    total: int
+    saved: int
+    scratch: int
+    grads: frozenset[str]
+
+
+def _replay(mode: _Follow, grads: dict[int, str], segments: int) -> tuple[BackwardSegment, ...]:
+    """Walk the log: per segment, the live bytes at its highest total, and when it ends.
+
+    ``grads``: the storage keys of the parameters' gradients, and whose. Each counts in the
+    segment it appears in (the engine's lifetime of it is the planner's to model).
+    """
     live = [0, 0]  # (saved, scratch)
     alive: set[int] = set()
-    peaks: dict[int, tuple[int, int, int]] = {}  # segment -> (total, saved, scratch)
+    peaks: dict[int, _Peak] = {}
     after: dict[int, tuple[int, int]] = {}
+    segment_grads: dict[int, dict[str, int]] = {}  # segment -> its gradients so far: bytes
     for key, segment in mode.log:
-        if key in skip:
-            continue
+        name = grads.get(key)
         if key in alive:
-            alive.discard(key)
-            live[mode.kind[key]] -= mode.nbytes[key]
+            if name is None:  # a gradient is never freed here: its parameter holds it
+                alive.discard(key)
+                live[mode.kind[key]] -= mode.nbytes[key]
         else:
             alive.add(key)
-            live[mode.kind[key]] += mode.nbytes[key]
-            if sum(live) > peaks.get(segment, (-1, 0, 0))[0]:
-                peaks[segment] = (sum(live), live[_SAVED], live[_SCRATCH])
+            made = segment_grads.setdefault(segment, {})
+            if name is None:
+                live[mode.kind[key]] += mode.nbytes[key]
+            else:
+                made[name] = mode.nbytes[key]
+            total = sum(live) + sum(made.values())
+            if total > (peaks[segment].total if segment in peaks else -1):
+                peaks[segment] = _Peak(total, live[_SAVED], live[_SCRATCH], frozenset(made))
         after[segment] = (live[_SAVED], live[_SCRATCH])
     result: list[BackwardSegment] = []
     level = (0, 0)
     for j in range(segments - 1, -1, -1):  # backward order
         end = after.get(j, level)
         # A segment where nothing was allocated keeps the level it was entered with.
-        _, saved, scratch = peaks.get(j, (0, *level))
-        result.append(BackwardSegment(saved, scratch, *end))
+        peak = peaks.get(j, _Peak(0, level[0], level[1], frozenset()))
+        result.append(BackwardSegment(peak.saved, peak.scratch, *end, peak.grads))
         level = end
     return tuple(reversed(result))
 

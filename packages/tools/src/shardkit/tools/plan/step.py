@@ -241,11 +241,7 @@ class _Step:
         owners = self._segment_owners()
         for j in range(len(trace.events), -1, -1):
             ledger.module = owners[j]
-            for g, p in schedule.appear.get(j, []):
-                param = self.groups[g].params[p]
-                nbytes = param.numel * param.comm_dtype.itemsize
-                ledger.alloc(self.ops.grad_key(g, p), Category.GRADIENTS, nbytes, "gradient")
-            self._backward_segment(j)
+            self._backward_segment(j, schedule.appear.get(j, []))
             for g in schedule.reduce.get(j, []):
                 self.grads_in.add(g)  # rule 1 of the engine's backward: the count completes
                 pending = self._frozen(g) and g in self.inputs_need_grad
@@ -269,15 +265,23 @@ class _Step:
         group = self.groups[g]
         return len(group.trainable) < len(group.params)
 
-    def _backward_segment(self, j: int) -> None:
-        """Activations, activation gradients and tp collectives while backward runs ``j``."""
+    def _backward_segment(self, j: int, grads: list[tuple[int, int]]) -> None:
+        """Activations, activation and parameter gradients, tp collectives, in backward of ``j``.
+
+        ``grads``: (group, parameter) of the gradients the segment makes. With a measured
+        profile, the gradients the segment made before its peak are there at
+        the peak and the others come after it, as the segment's activations go.
+        """
         self.ops.record_tp(self.inputs.tp.backward.get(j, []) if self.inputs.tp else [])
         ledger, trace = self.ledger, self.inputs.trace
         if trace.backward is None:
+            self._grads_appear(grads)
             if trace.activation_bytes[j]:  # freed as backward leaves the segment
                 ledger.free(("act", j))
             return
         profile = trace.backward[j]
+        early = [(g, p) for g, p in grads if self._fqn(g, p) in profile.grads_at_peak]
+        self._grads_appear(early)
         # Backward's measured levels replace forward's per-segment records: one key from now.
         for key in [k for k in ledger.live if k[0] == "act" and k[1] >= 0]:
             ledger.free(key)
@@ -288,6 +292,17 @@ class _Step:
         # What is left when the segment is done stays through the group's reduce-scatter.
         ledger.set(activations, Category.ACTIVATIONS, profile.activations_after, "activations")
         ledger.set(scratch, Category.OTHER, profile.scratch_after, "activation gradients")
+        self._grads_appear([gp for gp in grads if gp not in early])
+
+    def _fqn(self, g: int, p: int) -> str:
+        return self.groups[g].params[p].fqn
+
+    def _grads_appear(self, grads: list[tuple[int, int]]) -> None:
+        """The unsharded gradients of ``grads`` (group, parameter), in the gather dtype."""
+        for g, p in grads:
+            param = self.groups[g].params[p]
+            nbytes = param.numel * param.comm_dtype.itemsize
+            self.ledger.alloc(self.ops.grad_key(g, p), Category.GRADIENTS, nbytes, "gradient")
 
     def _inputs_watched_at(self, g: int, index: int) -> bool:
         """Whether backward goes through group ``g``'s watched inputs at event ``index``.

@@ -296,8 +296,9 @@ def trace_step(
     activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
     profile = None
     if loss is not None:
-        leaves = list(replacements.values())
-        profile = backward_profile(loss, recorder.cursor, recorder.saved, leaves, len(activations))
+        profile = backward_profile(
+            loss, recorder.cursor, recorder.saved, replacements, len(activations)
+        )
     return StepTrace(
         events=tuple(recorder.events),
         activation_bytes=activations,
