@@ -43,6 +43,8 @@ class UnitState:
     """Decided at the first forward (or root-only call), as FSDP1 does."""
     flat: FlatParam | None = None
     """With ``use_orig_params=False``: its flat parameter (None: it shards no parameter)."""
+    comm_hook: object | None = None
+    """FSDP1's communication hook, once ``register_comm_hook`` set one (see comm_hooks)."""
 
 
 _UNITS: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()

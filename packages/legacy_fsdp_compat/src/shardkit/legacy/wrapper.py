@@ -20,7 +20,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core import FSDPModule
-from shardkit.legacy import flat_params, grads, optim_api, settings, state_dicts, summon
+from shardkit.legacy import (
+    comm_hooks,
+    flat_params,
+    grads,
+    optim_api,
+    settings,
+    state_dicts,
+    summon,
+)
 from shardkit.legacy.buffers import cast_buffers
 from shardkit.legacy.configs import (
     BackwardPrefetch,
@@ -327,16 +335,19 @@ class FullyShardedDataParallel(nn.Module):
     summon_full_params = staticmethod(summon.summon_full_params)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Not supported: shardkit's engine reduces gradients its own way.
+        """Reduce every unit's gradients with ``hook(state, grad, output)``, as FSDP1 does.
+
+        Call it on the root before the first backward. The sharded strategies only (see
+        ``shardkit.legacy.comm_hooks``).
 
         Raises:
-            NotImplementedError: always.
+            AssertionError: not the root, a hybrid strategy, a hook already registered.
+            ValueError: ``hook`` is not callable.
+            NotImplementedError: a ``NO_SHARD`` unit.
         """
-        raise NotImplementedError(
-            "register_comm_hook is not supported by shardkit.legacy: the engine's reductions "
-            "have their own switches (shardkit.core FSDPModule.set_all_reduce_hook, "
-            "set_custom_reduce_scatter) on the wrapped modules"
-        )
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        comm_hooks.register_comm_hook(self, state, hook)
 
     # --- state dicts ----------------------------------------------------------------------
 
