@@ -149,3 +149,19 @@ def test_fsdp1s_errors() -> None:
         assert ours[case] != "no error", case
     assert theirs["no shard"] == "no error"
     assert ours["no shard"].startswith("NotImplementedError: register_comm_hook with Sharding")
+
+
+def _one_rank(rank: int, world_size: int, impl: str) -> str:
+    model = wrap_model(impl, LegacyRun())
+    try:
+        model.register_comm_hook(_state(), default_hooks.reduce_scatter_hook)
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_one_rank_is_refused_where_fsdp1_runs_no_shard() -> None:
+    # FSDP1 turns a unit of one rank into NO_SHARD and calls its hook as hook(state, grad).
+    assert run_on_ranks(1, _one_rank, impl="torch") == ["no error"]
+    message = run_on_ranks(1, _one_rank, impl="shardkit")[0]
+    assert "NO_SHARD (which FSDP1 also makes of a unit of one rank)" in message

@@ -9,9 +9,9 @@ parameter) where FSDP1's are chunks of one flat parameter: a hook that treats th
 elementwise (casts, sums, scales: torch's hooks all do) reduces the same values into the same
 places of each parameter; one that reads positions in the flat gradient sees another order.
 
-``NO_SHARD`` (FSDP1's one-argument hook, an all-reduce) is refused: the engine replicates such a
-unit with its own all-reduce, which has no place for a hook yet. Hybrid strategies are refused
-as FSDP1 refuses them.
+``NO_SHARD`` (FSDP1's one-argument hook, an all-reduce) is refused, and so is a unit of one rank,
+which FSDP1 runs as ``NO_SHARD``: the engine replicates such a unit with its own all-reduce (or
+none), which has no place for a hook yet. Hybrid strategies are refused as FSDP1 refuses them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., Any])
         AssertionError: ``root`` is not the root wrapper, a unit is hybrid or already has a
             hook (FSDP1's errors and messages).
         ValueError: ``hook`` is not callable.
-        NotImplementedError: a unit is ``NO_SHARD``.
+        NotImplementedError: a unit is ``NO_SHARD`` or of one rank.
     """
     units = [unit_of(w) for w in units_in(root)]
     for unit in units:
@@ -87,11 +87,12 @@ def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., Any])
             raise AssertionError("A communication hook is already registered")
         if not callable(hook):
             raise ValueError(f"The communication hook must be callable but got {hook}")
-        if mesh == "replicate":  # NO_SHARD
+        if mesh == "replicate" or unit.unit.process_group.size() == 1:
             raise NotImplementedError(
-                "register_comm_hook with ShardingStrategy.NO_SHARD is not supported by "
-                "shardkit.legacy (the engine's all-reduce of a replicated unit takes no hook); "
-                "the sharded strategies (FULL_SHARD, SHARD_GRAD_OP) are"
+                "register_comm_hook with ShardingStrategy.NO_SHARD (which FSDP1 also makes of a "
+                "unit of one rank) is not supported by shardkit.legacy: the engine's all-reduce "
+                "of a replicated unit takes no hook; the sharded strategies (FULL_SHARD, "
+                "SHARD_GRAD_OP) over more than one rank are"
             )
     comm = CommHookReduceScatter(state, hook)
     for unit in units:
