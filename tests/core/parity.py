@@ -202,8 +202,14 @@ def _step(model: Any, run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     raise ValueError(run.loop)
 
 
+@torch.no_grad()
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full, plain tensor."""
+    """Every parameter as a full, plain tensor.
+
+    Without autograd: a ``full_tensor()`` of a parameter that requires grad leaves a
+    ``_ToTorchTensorBackward`` node on its result, and releasing one was where a full run under
+    glibc's checks caught a double free inside torch (note 002).
+    """
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         value = p.full_tensor() if isinstance(p, DTensor) else p
