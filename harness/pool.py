@@ -148,13 +148,12 @@ class RankPool:
             outputs=outputs,
         )
         crashed = self._crash_signals(replies) if failure.failed else {}
-        if not healthy or stuck:
+        if not healthy or stuck:  # a crashed worker is one: the retry below starts afresh
             self.kill()
         if crashed and retry_on_crash and os.environ.get("SHARDKIT_POOL_RETRY_CRASH") != "0":
             record = CrashRetried(failure=failure, signals=crashed)
             _CRASH_LOGS[-1].append(record)
             warnings.warn(record.headline(), RuntimeWarning, stacklevel=2)
-            self.kill()
             return self.run(task, timeout_s=timeout_s, retry_on_crash=False)
         if failure.failed:
             raise failure.exception()

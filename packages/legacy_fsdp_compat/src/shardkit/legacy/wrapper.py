@@ -343,7 +343,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             AssertionError: not the root, a hybrid strategy, a hook already registered.
             ValueError: ``hook`` is not callable.
-            NotImplementedError: a ``NO_SHARD`` unit.
+            NotImplementedError: a ``NO_SHARD`` unit, or a unit of one rank.
         """
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")

@@ -224,7 +224,8 @@ def _replay(mode: _Follow, grads: dict[int, str], segments: int) -> tuple[Backwa
     alive: set[int] = set()
     peaks: dict[int, _Peak] = {}
     after: dict[int, tuple[int, int]] = {}
-    segment_grads: dict[int, dict[str, int]] = {}  # segment -> its gradients so far: bytes
+    made: dict[int, set[str]] = {}  # segment -> the parameters whose gradients it made so far
+    made_bytes: dict[int, int] = {}  # segment -> their bytes
     for key, segment in mode.log:
         name = grads.get(key)
         if key in alive:
@@ -233,14 +234,15 @@ def _replay(mode: _Follow, grads: dict[int, str], segments: int) -> tuple[Backwa
                 live[mode.kind[key]] -= mode.nbytes[key]
         else:
             alive.add(key)
-            made = segment_grads.setdefault(segment, {})
             if name is None:
                 live[mode.kind[key]] += mode.nbytes[key]
             else:
-                made[name] = mode.nbytes[key]
-            total = sum(live) + sum(made.values())
+                made.setdefault(segment, set()).add(name)
+                made_bytes[segment] = made_bytes.get(segment, 0) + mode.nbytes[key]
+            total = sum(live) + made_bytes.get(segment, 0)
             if total > (peaks[segment].total if segment in peaks else -1):
-                peaks[segment] = _Peak(total, live[_SAVED], live[_SCRATCH], frozenset(made))
+                names = frozenset(made.get(segment, ()))
+                peaks[segment] = _Peak(total, live[_SAVED], live[_SCRATCH], names)
         after[segment] = (live[_SAVED], live[_SCRATCH])
     result: list[BackwardSegment] = []
     level = (0, 0)
