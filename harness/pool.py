@@ -61,6 +61,7 @@ __all__ = [
     "crashes_recorded_apart",
     "crashes_retried",
     "get_pool",
+    "group_restarts",
     "run_on_ranks",
     "shutdown_pools",
 ]
@@ -88,6 +89,8 @@ _CRASH_SIGNALS = frozenset(
 # The crashes retried: the run's list first, then any that crashes_recorded_apart() pushed.
 _CRASH_LOGS: list[list[CrashRetried]] = [[]]
 _RETRY_CRASHES = [True]  # a stack: crashes_fail_at_once() pushes False
+# The tasks after which a pool started afresh because they left process groups out of step.
+_GROUP_RESTARTS: list[str] = []
 
 Replies = dict[int, protocol.Message | None]
 """One message per rank that answered, by rank; None for a rank whose worker exited."""
@@ -102,6 +105,7 @@ class RankPool:
         # The rendezvous TCPStore, hosted here as torchrun's agent hosts it; held only to keep
         # its server alive as long as the workers.
         self._store: object | None = None
+        self._groups_in_step = True  # as the last task left the ranks (see protocol.Ready)
 
     @property
     def pids(self) -> list[int]:
@@ -149,6 +153,10 @@ class RankPool:
         )
         crashed = self._crash_signals(replies) if failure.failed else {}
         if not healthy or stuck:  # a crashed worker is one: the retry below starts afresh
+            self.kill()
+        elif not self._groups_in_step:
+            # The task's result stands; the next task gets workers whose groups agree.
+            _GROUP_RESTARTS.append(f"{task.module}.{task.qualname}")
             self.kill()
         if crashed and retry_on_crash and os.environ.get("SHARDKIT_POOL_RETRY_CRASH") != "0":
             record = CrashRetried(failure=failure, signals=crashed)
@@ -247,9 +255,13 @@ class RankPool:
         return replies
 
     def _settle(self) -> list[int]:
-        """Waits for every rank's Ready after a task; returns the ranks that did not send it."""
+        """Waits for every rank's Ready after a task; returns the ranks that did not send it.
+
+        Notes in ``_groups_in_step`` whether the ranks' process-group registries agree.
+        """
         replies = self._gather(_RESET_TIMEOUT_S, grace_s=0.0)
-        ready = [rank for rank, reply in replies.items() if isinstance(reply, protocol.Ready)]
+        ready = {r: m for r, m in replies.items() if isinstance(m, protocol.Ready)}
+        self._groups_in_step = all(message.groups_in_step for message in ready.values())
         return sorted(set(range(self.world_size)) - set(ready))
 
     def _errors(self, replies: Replies, outputs: dict[int, str]) -> dict[int, str]:
@@ -349,6 +361,11 @@ def crashes_fail_at_once() -> Iterator[None]:
         yield
     finally:
         _RETRY_CRASHES.pop()
+
+
+def group_restarts() -> tuple[str, ...]:
+    """The tasks after which a pool started afresh: they made process groups on some ranks."""
+    return tuple(_GROUP_RESTARTS)
 
 
 def crashes_retried() -> tuple[CrashRetried, ...]:

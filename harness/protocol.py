@@ -65,6 +65,11 @@ class Outcome:
 class Ready:
     """Worker → pool: reset done and barrier passed; the worker waits for the next task."""
 
+    groups_in_step: bool = True
+    """False: the ranks' registries of process groups differ (a task made groups on some
+    ranks only), so a group made later by its members alone would get different names on
+    them and hang; the pool starts afresh before the next task."""
+
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:

@@ -74,8 +74,7 @@ def main() -> None:
         protocol.send(conn, _run(message, rank, world_size))
         # A reset that raises (say the task destroyed the process group) ends the worker; the
         # pool sees the pipe close instead of Ready and restarts the pool.
-        _reset()
-        protocol.send(conn, protocol.Ready())
+        protocol.send(conn, protocol.Ready(groups_in_step=_reset()))
     dist.destroy_process_group()
     # Skip the interpreter's teardown: with torch loaded it costs about 0.5 s of CPU a worker,
     # paid by every test run, and a worker has nothing left to clean up.
@@ -99,18 +98,37 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
-def _reset() -> None:
+def _reset() -> bool:
     """Undoes the global state a task may leave behind, then waits for the other ranks.
 
-    The barrier doubles as a health check: if a task left the ranks' collectives out of step,
-    it hangs or raises, and the pool restarts rather than run the next task on a broken group.
+    The wait doubles as a health check: if a task left the ranks' collectives out of step, it
+    hangs or raises, and the pool restarts rather than run the next task on a broken group.
+    Returns whether every rank holds as many process groups as this one (see
+    :func:`_group_registry`).
     """
     torch.manual_seed(0)
     random.seed(0)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
-    dist.barrier()
+    mine = torch.tensor(_group_registry())
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)  # the barrier
+    return all(torch.equal(theirs, mine) for theirs in every)
+
+
+def _group_registry() -> list[int]:
+    """What torch names this rank's next process group by: how many it holds, its counter.
+
+    torch names a group made by its members alone (``use_local_synchronization=True``, as
+    ``set_separate_reduce_scatter_group`` makes one) by its ranks and the number of groups this
+    process holds (2.13), or by a counter the members advance (2.14 on). A task that made
+    groups on some ranks only (a model on a subset of ranks) leaves those numbers unequal, and
+    such a group made by a later task in the same workers would wait forever for its peers
+    under another name. Private torch state: the test harness only.
+    """
+    world = dist.distributed_c10d._world
+    return [len(world.pg_names), int(getattr(world, "group_count", 0))]
 
 
 def _run(task: protocol.Task, rank: int, world_size: int) -> protocol.Outcome:

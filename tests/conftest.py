@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from harness.pool import crashes_retried, shutdown_pools
+from harness.pool import crashes_retried, group_restarts, shutdown_pools
 
 # The lifetime checks are on in every test (the pool's workers inherit the environment, and
 # shardkit reads it at import, which comes after this file): a buffer released under a
@@ -26,7 +26,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Lists the tasks that ran again because a worker crashed: each one is a defect to find."""
+    """Lists the tasks that ran again because a worker crashed: each one is a defect to find.
+
+    And counts the pools started afresh after tasks that made process groups on some ranks
+    only (expected of tests of models on a subset of ranks; each costs a pool's start).
+    """
+    restarts = group_restarts()
+    if restarts:
+        terminalreporter.write_line(
+            f"{len(restarts)} pool(s) started afresh after tasks that made process groups on "
+            f"some ranks only (first: {restarts[0]})"
+        )
     crashes = crashes_retried()
     if not crashes:
         return

@@ -24,6 +24,7 @@ from harness.pool import (
     crashes_recorded_apart,
     crashes_retried,
     get_pool,
+    group_restarts,
     run_on_ranks,
 )
 
@@ -309,3 +310,33 @@ def test_arguments_are_checked_before_dispatch() -> None:
         run_on_ranks(1, _all_reduce, scael=1.0)
     with pytest.raises(TypeError, match=r"arguments for .*_all_reduce cannot be pickled"):
         run_on_ranks(1, _all_reduce, scale=lambda: 1.0)
+
+
+def _group_on_rank0(rank: int, world_size: int) -> int:
+    # A group of rank 0 alone, made by it alone: rank 0 now holds one group more.
+    if rank == 0:
+        dist.new_group([0], use_local_synchronization=True)
+    return os.getpid()
+
+
+def _members_group(rank: int, world_size: int) -> int:
+    # A group of every rank made by its members alone: named by each rank's registry, it pairs
+    # the ranks only where their registries agree (else each waits under its own name).
+    group = dist.new_group(list(range(world_size)), use_local_synchronization=True)
+    value = torch.ones(1)
+    dist.all_reduce(value, group=group)
+    return int(value.item())
+
+
+def test_a_task_leaving_groups_out_of_step_gets_the_next_one_a_fresh_pool() -> None:
+    run_on_ranks(2, _whoami)
+    pids = get_pool(2).pids
+    before = len(group_restarts())
+    assert run_on_ranks(2, _group_on_rank0) == pids  # its own result stands
+    assert group_restarts()[before:] == (f"{__name__}._group_on_rank0",)
+    assert set(get_pool(2).pids).isdisjoint(pids)  # the next task's pool is fresh
+    assert run_on_ranks(2, _members_group, timeout_s=30) == [2, 2]
+    # Groups made on every rank leave the pool as it is.
+    pids = get_pool(2).pids
+    run_on_ranks(2, _members_group)
+    assert get_pool(2).pids == pids and len(group_restarts()) == before + 1

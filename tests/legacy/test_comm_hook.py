@@ -4,7 +4,9 @@ FSDP1 hands a sharded unit's hook its padded full gradient and this rank's outpu
 nothing itself. Three hooks at W=2: torch's ``reduce_scatter_hook`` (it divides by FSDP1's own
 factors), a user hook that sends bfloat16 and scales the result, and one that rebinds
 ``.data`` to a float16 copy as torch's low-precision hooks do (those call ``record_stream``,
-which CPU tensors lack, so they cannot run here, in FSDP1 either). And FSDP1's errors.
+which CPU tensors lack, so they cannot run here, in FSDP1 either). ``NO_SHARD`` units, and
+units of one rank (FSDP1 makes those ``NO_SHARD``), hand theirs the whole gradient to
+all-reduce: torch's ``allreduce_hook`` and user hooks, at W=2 and W=1. And FSDP1's errors.
 """
 
 from __future__ import annotations
@@ -49,10 +51,25 @@ def _rebinding(state: default_hooks.DefaultState, grad: torch.Tensor, output: to
     output.data = output.data.to(torch.float32)
 
 
+def _bf16_all_reduce(state: default_hooks.DefaultState, grad: torch.Tensor) -> None:
+    sent = grad.to(torch.bfloat16)
+    dist.all_reduce(sent, group=state.process_group)
+    grad.copy_(sent).div_(state.world_size)
+
+
+def _rebinding_all_reduce(state: default_hooks.DefaultState, grad: torch.Tensor) -> None:
+    grad.data = grad.data.to(torch.float16)
+    default_hooks.allreduce_hook(state, grad)
+    grad.data = grad.data.to(torch.float32)
+
+
 HOOKS = {
     "reduce_scatter_hook": default_hooks.reduce_scatter_hook,
     "bf16_wire": _bf16_wire,
     "rebinding": _rebinding,
+    "allreduce_hook": default_hooks.allreduce_hook,
+    "bf16_all_reduce": _bf16_all_reduce,
+    "rebinding_all_reduce": _rebinding_all_reduce,
 }
 
 
@@ -71,6 +88,9 @@ CASES = [
     ("reduce_scatter_hook", LegacyRun(strategy="SHARD_GRAD_OP", extra={"use_orig_params": True})),
     ("bf16_wire", LegacyRun(model="gpt", optimizer="adamw", steps=3)),
     ("rebinding", LegacyRun(wrap="none")),
+    ("allreduce_hook", LegacyRun(strategy="NO_SHARD")),
+    ("bf16_all_reduce", LegacyRun(strategy="NO_SHARD", model="gpt", optimizer="adamw", steps=3)),
+    ("rebinding_all_reduce", LegacyRun(strategy="NO_SHARD", wrap="none")),
 ]
 
 
@@ -147,21 +167,45 @@ def test_fsdp1s_errors() -> None:
     for case in ("not root", "twice", "not callable", "hybrid"):
         assert ours[case] == theirs[case], case
         assert ours[case] != "no error", case
-    assert theirs["no shard"] == "no error"
-    assert ours["no shard"].startswith("NotImplementedError: register_comm_hook with Sharding")
+    assert ours["no shard"] == theirs["no shard"] == "no error"
 
 
-def _one_rank(rank: int, world_size: int, impl: str) -> str:
-    model = wrap_model(impl, LegacyRun())
-    try:
-        model.register_comm_hook(_state(), default_hooks.reduce_scatter_hook)
-    except NotImplementedError as error:
-        return str(error)
-    return "no error"
+ONE_RANK = [
+    ("allreduce_hook", LegacyRun()),
+    ("bf16_all_reduce", LegacyRun(strategy="SHARD_GRAD_OP", model="gpt", optimizer="adamw")),
+]
 
 
-def test_one_rank_is_refused_where_fsdp1_runs_no_shard() -> None:
-    # FSDP1 turns a unit of one rank into NO_SHARD and calls its hook as hook(state, grad).
-    assert run_on_ranks(1, _one_rank, impl="torch") == ["no error"]
-    message = run_on_ranks(1, _one_rank, impl="shardkit")[0]
-    assert "NO_SHARD (which FSDP1 also makes of a unit of one rank)" in message
+@pytest.mark.parametrize(("hook", "run"), ONE_RANK, ids=[h for h, _ in ONE_RANK])
+def test_one_rank_runs_the_hook_as_fsdp1s_no_shard(hook: str, run: LegacyRun) -> None:
+    # FSDP1 turns a sharded unit of one rank into NO_SHARD and calls hook(state, grad); a
+    # sharded hook's three arguments would fail there, in both.
+    (traces,) = run_on_ranks(1, _trained, hook=hook, run=run)
+    ours, theirs = traces["shardkit"], traces["torch"]
+    assert ours["losses"] == theirs["losses"]
+    for name, value in ours["params"].items():
+        assert torch.equal(value, theirs["params"][name]), name
+
+
+def _counted_calls(rank: int, world_size: int, strategy: str, impl: str) -> int:
+    calls = 0
+
+    def counting(state: default_hooks.DefaultState, grad: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        default_hooks.allreduce_hook(state, grad)
+
+    run = LegacyRun(strategy=strategy, steps=2)
+    model = wrap_model(impl, run)
+    model.register_comm_hook(_state(), counting)
+    train_steps(model, make_optimizer(run, model), run, range(run.steps))
+    return calls
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "NO_SHARD"), (1, "FULL_SHARD")])
+def test_the_no_shard_hook_runs_as_often_as_fsdp1s(world_size: int, strategy: str) -> None:
+    # Once per unit with parameters and step, in both.
+    ours = run_on_ranks(world_size, _counted_calls, strategy=strategy, impl="shardkit")
+    theirs = run_on_ranks(world_size, _counted_calls, strategy=strategy, impl="torch")
+    assert ours == theirs
+    assert all(calls > 0 for calls in ours)

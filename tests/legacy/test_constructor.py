@@ -15,9 +15,11 @@ from tests.core import models
 from tests.legacy.legacy_parity import (
     LegacyRun,
     assert_close_traces,
+    fsdp_kwargs,
     full_params,
     lib,
     parity_body,
+    train,
     wrap_model,
 )
 
@@ -135,3 +137,55 @@ def test_custom_policy_overrides_and_refused_arguments() -> None:
     assert out["strategies"]["shardkit"][1:] == ["SHARD_GRAD_OP"] * 3
     assert "Cannot pass both ignored_modules and ignored_states" in out["errors"][0]
     assert "Tuple[dist.ProcessGroup, dist.ProcessGroup]" in out["errors"][1]
+
+
+def _strategy_warnings(rank: int, world_size: int, impl: str, run: LegacyRun) -> dict[str, Any]:
+    """The strategy every unit ends up with, and the warnings construction gave."""
+    ns = lib(impl)
+    kwargs = fsdp_kwargs(impl, run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ns.FSDP(models.build(run.model), **kwargs)
+    return {
+        "strategies": [unit.sharding_strategy.name for unit in ns.FSDP.fsdp_modules(model)],
+        "warnings": sorted(
+            {f"{w.category.__name__}: {w.message}" for w in caught if "NO_SHARD" in str(w.message)}
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy"),
+    [(1, "FULL_SHARD"), (1, "SHARD_GRAD_OP"), (1, "NO_SHARD"), (2, "NO_SHARD"), (2, "FULL_SHARD")],
+)
+def test_one_rank_is_no_shard_with_fsdp1s_warnings(world_size: int, strategy: str) -> None:
+    run = LegacyRun(strategy=strategy)
+    ours = run_on_ranks(world_size, _strategy_warnings, impl="shardkit", run=run)
+    theirs = run_on_ranks(world_size, _strategy_warnings, impl="torch", run=run)
+    assert ours == theirs
+    expected = "NO_SHARD" if world_size == 1 else strategy
+    assert set(ours[0]["strategies"]) == {expected}
+    # The switch warns at one rank; NO_SHARD chosen warns it is deprecated, past one rank.
+    assert bool(ours[0]["warnings"]) == ((strategy == "NO_SHARD") != (world_size == 1))
+
+
+def _hybrid_of_one_shard(rank: int, world_size: int) -> dict[str, Any]:
+    hybrid = LegacyRun(strategy="HYBRID_SHARD", hybrid_mesh=(world_size, 1), steps=3)
+    no_shard = LegacyRun(strategy="NO_SHARD", steps=3)
+    return {
+        "ours": train("shardkit", hybrid, rank, world_size)["params"],
+        "fsdp1": train("torch", hybrid, rank, world_size)["params"],
+        "fsdp1 no_shard": train("torch", no_shard, rank, world_size)["params"],
+    }
+
+
+def test_a_hybrid_shard_group_of_one_still_all_reduces_across_replicas() -> None:
+    # FSDP1 makes HYBRID_SHARD over a shard group of one NO_SHARD over that group alone: its
+    # replicas never exchange gradients and drift apart (pytorch/pytorch#154888). shardkit
+    # keeps the all-reduce: its replicas stay equal, and equal to FSDP1's NO_SHARD.
+    first, second = run_on_ranks(2, _hybrid_of_one_shard)
+    for name, value in first["ours"].items():
+        assert torch.equal(value, second["ours"][name]), name
+        assert torch.equal(value, first["fsdp1 no_shard"][name]), name
+    drifted = [n for n, v in first["fsdp1"].items() if not torch.equal(v, second["fsdp1"][n])]
+    assert drifted

@@ -43,7 +43,7 @@ _OURS_ONLY_METHODS = {
     "load_state_dict": nn.Module.load_state_dict,
 }
 # shardkit's own settings, which torch's FSDPModule has no counterpart of.
-_SHARDKIT_SETTINGS = {"set_reduce_precision"}
+_SHARDKIT_SETTINGS = {"set_reduce_precision", "set_custom_all_reduce"}
 
 
 def _default(value: Any) -> Any:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.core.engine.finalization import (
@@ -238,10 +239,41 @@ class FSDPModule:
         S elements.
         """
         groups = self._only_group("set_custom_reduce_scatter")
+        setter = "set_custom_reduce_scatter" if comm is not None else None
         for group in groups:
-            check_policy(group.options.reduce_precision, group, custom=comm is not None)
+            check_policy(group.options.reduce_precision, group, custom=setter)
         for group in groups:
             group.options.custom_reduce_scatter = comm
+
+    def set_custom_all_reduce(
+        self, comm: Callable[[torch.Tensor, dist.ProcessGroup], None] | None
+    ) -> None:
+        """All-reduce this module's gradients across replicas with ``comm`` (shardkit's own).
+
+        With HSDP or a replicate-only mesh, ``comm(tensor, group)`` runs where the engine's
+        all-reduce over the replicate ``group`` would: it must leave the sum over ``group`` in
+        ``tensor``, in place, before it returns. The engine then divides as its own all-reduce
+        would have (a mean over the replicas, or the factor of
+        ``set_gradient_divide_factor``), and the all-reduce hook runs as before. torch has no
+        such setting; FSDP1's ``NO_SHARD`` communication hooks need one. None goes back to the
+        engine's all-reduce.
+
+        Raises:
+            ValueError: the module's group has no replicate axis (nothing would call ``comm``),
+                or it compresses its reduction (``set_reduce_precision``).
+        """
+        groups = self._only_group("set_custom_all_reduce")
+        for group in groups:
+            if comm is not None and group.mesh_info.replicate_group is None:
+                raise ValueError(
+                    f"set_custom_all_reduce: FSDP module {group.fqn or type(self).__name__} is "
+                    "sharded on a 1-D mesh, with no all-reduce across replicas to replace; use "
+                    "set_custom_reduce_scatter"
+                )
+            setter = "set_custom_all_reduce" if comm is not None else None
+            check_policy(group.options.reduce_precision, group, custom=setter)
+        for group in groups:
+            group.options.custom_all_reduce = comm
 
     def set_reduce_precision(self, policy: ReducePrecision | None, *, recurse: bool = True) -> None:
         """How gradients travel and are summed (shardkit's own: torch has no such setting).
@@ -252,11 +284,11 @@ class FSDPModule:
 
         Raises:
             TypeError: a parameter whose gradient is not floating point.
-            ValueError: a group with a custom reduce-scatter.
+            ValueError: a group with a custom reduce-scatter or all-reduce.
         """
         groups = self._groups_under(recurse)
         for group in groups:
-            check_policy(policy, group, custom=group.options.custom_reduce_scatter is not None)
+            check_policy(policy, group, custom=group.options.custom_collective())
         for group in groups:
             group.options.reduce_precision = policy
 

@@ -118,11 +118,13 @@ def mesh_ranks_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 
     None is the world: a mesh over every rank, or a 2-D (hybrid) mesh over some of them, for
     which no one group exists (those calls must then be made by every rank of the world).
+    A mesh with one axis only of more than one rank (``NO_SHARD``'s (N, 1)) is that axis.
     """
     if mesh.size() == dist.get_world_size():
         return None
-    if mesh.ndim == 1:
-        return mesh.get_group()
+    wide = [dim for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+    if mesh.ndim == 1 or len(wide) <= 1:
+        return mesh.get_group(wide[0] if wide else 0)
     return None
 
 

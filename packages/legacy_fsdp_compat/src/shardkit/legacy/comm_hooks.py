@@ -9,9 +9,10 @@ parameter) where FSDP1's are chunks of one flat parameter: a hook that treats th
 elementwise (casts, sums, scales: torch's hooks all do) reduces the same values into the same
 places of each parameter; one that reads positions in the flat gradient sees another order.
 
-``NO_SHARD`` (FSDP1's one-argument hook, an all-reduce) is refused, and so is a unit of one rank,
-which FSDP1 runs as ``NO_SHARD``: the engine replicates such a unit with its own all-reduce (or
-none), which has no place for a hook yet. Hybrid strategies are refused as FSDP1 refuses them.
+``NO_SHARD`` (and a unit of one rank, which FSDP1 and this package run as ``NO_SHARD``) hands
+the hook the unit's whole gradient, ``hook(state, grad)``, to all-reduce in place: it runs as the
+engine's custom all-reduce across the unit's replicas, again with the engine's division off.
+Hybrid strategies are refused as FSDP1 refuses them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from torch import nn
 
 from shardkit.core import FSDPModule
 from shardkit.legacy.mapping import STRATEGIES
-from shardkit.legacy.units import unit_of, units_in
+from shardkit.legacy.units import is_unit, unit_of, units_in
 
-__all__ = ["CommHookReduceScatter", "register_comm_hook"]
+__all__ = ["CommHookAllReduce", "CommHookReduceScatter", "register_comm_hook"]
 
 
 class CommHookReduceScatter:
@@ -64,22 +65,37 @@ class CommHookReduceScatter:
             output.copy_(out)
 
 
+class CommHookAllReduce:
+    """FSDP1's ``NO_SHARD`` hook, ``hook(state, grad)``, as the engine's custom all-reduce."""
+
+    def __init__(self, state: object, hook: Callable[..., Any]) -> None:
+        self.state = state
+        self.hook = hook
+
+    def __call__(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Run the hook on the unit's whole gradient, in place (its own process group stands)."""
+        grad = tensor.detach()  # a rebinding of ``.data`` stays the hook's
+        self.hook(self.state, grad)
+        if grad.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            tensor.copy_(grad)
+
+
 def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., Any]) -> None:
     """Reduce the gradients of every unit under ``root`` with ``hook`` (FSDP1's rules).
 
-    Every unit is checked before any changes.
+    Every unit is checked before any changes. A sharded unit calls ``hook(state, grad,
+    output)``; a ``NO_SHARD`` one (a unit of one rank is one) calls ``hook(state, grad)``.
 
     Raises:
         AssertionError: ``root`` is not the root wrapper, a unit is hybrid or already has a
             hook (FSDP1's errors and messages).
         ValueError: ``hook`` is not callable.
-        NotImplementedError: a unit is ``NO_SHARD`` or of one rank.
     """
-    units = [unit_of(w) for w in units_in(root)]
-    for unit in units:
+    units = units_in(root)
+    for wrapper in units:
+        unit = unit_of(wrapper)
         strategy = unit.unit.strategy
-        mesh = STRATEGIES[strategy].mesh
-        if mesh == "hybrid":
+        if STRATEGIES[strategy].mesh == "hybrid":
             raise AssertionError(
                 f"Communication hook is not supported for hybrid strategies: {strategy}"
             )
@@ -87,19 +103,30 @@ def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., Any])
             raise AssertionError("A communication hook is already registered")
         if not callable(hook):
             raise ValueError(f"The communication hook must be callable but got {hook}")
-        if mesh == "replicate" or unit.unit.process_group.size() == 1:
-            raise NotImplementedError(
-                "register_comm_hook with ShardingStrategy.NO_SHARD (which FSDP1 also makes of a "
-                "unit of one rank) is not supported by shardkit.legacy: the engine's all-reduce "
-                "of a replicated unit takes no hook; the sharded strategies (FULL_SHARD, "
-                "SHARD_GRAD_OP) over more than one rank are"
-            )
-    comm = CommHookReduceScatter(state, hook)
-    for unit in units:
-        unit.comm_hook = comm
-    # Every unit gets the same hook, so every engine module under the root takes it (a unit
-    # that wraps a container shards the modules inside it).
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
+    scatter = CommHookReduceScatter(state, hook)
+    replicated = CommHookAllReduce(state, hook)
+    for wrapper in units:
+        unit = unit_of(wrapper)
+        no_shard = STRATEGIES[unit.unit.strategy].mesh == "replicate"
+        unit.comm_hook = replicated if no_shard else scatter
+        for module in _engine_modules(unit.module):
+            if no_shard:
+                module.set_custom_all_reduce(replicated)
+            else:
+                module.set_custom_reduce_scatter(scatter)
             module.set_gradient_divide_factor(1.0)
+
+
+def _engine_modules(wrapped: nn.Module) -> list[FSDPModule]:
+    """The engine modules of one unit: those in its tree that no inner unit holds.
+
+    A unit that wraps a container shards the modules inside it, so there may be several.
+    """
+    found: list[FSDPModule] = []
+    queue = [wrapped]
+    while queue:
+        module = queue.pop()
+        if isinstance(module, FSDPModule):
+            found.append(module)
+        queue.extend(child for child in module.children() if not is_unit(child))
+    return found

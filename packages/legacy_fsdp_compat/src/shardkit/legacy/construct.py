@@ -11,6 +11,7 @@ Steps 3 and 4 touch only the wrapper's own part of the tree: inner wrappers did 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -30,7 +31,7 @@ from shardkit.legacy.configs import (
     MixedPrecision,
     ShardingStrategy,
 )
-from shardkit.legacy.mapping import core_args, resolve_mesh
+from shardkit.legacy.mapping import STRATEGIES, core_args, resolve_mesh
 from shardkit.legacy.orig_params import record_replaced
 from shardkit.legacy.torch_compat import root_mesh, translate
 from shardkit.legacy.wrap import auto_wrap_targets
@@ -115,6 +116,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
     ignored_modules, ignored_params = _ignored(module, args, wrapper_cls)
     device = _compute_device(module, args)
     mesh = resolve_mesh(strategy, args.process_group, args.device_mesh, device.type)
+    strategy, mesh = _one_rank_is_no_shard(strategy, mesh, args, device.type)
     if args.auto_wrap_policy is not None:
         _auto_wrap(module, args, ignored_modules, ignored_params, wrapper_cls)
     own = list(own_modules(module, ignored_modules, wrapper_cls))
@@ -158,6 +160,37 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         forward_prefetch=args.forward_prefetch,
         limit_all_gathers=args.limit_all_gathers,
     )
+
+
+def _one_rank_is_no_shard(
+    strategy: ShardingStrategy, mesh: DeviceMesh, args: Fsdp1Args, device_type: str
+) -> tuple[ShardingStrategy, DeviceMesh]:
+    """FSDP1's clamp: a unit sharded over one rank is ``NO_SHARD``, with FSDP1's warnings.
+
+    FSDP1 also clamps a hybrid strategy whose shard group has one rank, and then reduces over
+    that group alone: the replicas never exchange gradients (pytorch/pytorch#154888). Hybrid
+    units keep their all-reduce across replicas here.
+    """
+    kind = STRATEGIES[strategy].mesh
+    if kind == "hybrid":
+        return strategy, mesh
+    if mesh.size() == 1:
+        if strategy is not ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world "
+                "size is 1.",
+                stacklevel=4,
+            )
+            strategy = ShardingStrategy.NO_SHARD
+            mesh = resolve_mesh(strategy, args.process_group, args.device_mesh, device_type)
+    elif strategy is ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
+    return strategy, mesh
 
 
 def _has_forward(module: nn.Module) -> bool:

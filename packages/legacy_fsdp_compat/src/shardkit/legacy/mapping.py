@@ -151,6 +151,14 @@ def _from_device_mesh(mesh: DeviceMesh, kind: str) -> DeviceMesh:
 
 def _replicated(mesh: DeviceMesh) -> DeviceMesh:
     """NO_SHARD: every rank of ``mesh`` a replica, each a shard group of one."""
+    if mesh.size() == 1:
+        # One rank (FSDP1 makes such a unit NO_SHARD): its own group serves both axes. A new
+        # mesh would create groups, which every rank of the world must join, while a group of
+        # one rank may be built on that rank alone.
+        group = mesh.get_group(0)
+        return DeviceMesh.from_group(
+            [group, group], mesh.device_type, mesh=mesh.mesh.view(1, 1), mesh_dim_names=_NAMES
+        )
     return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, 1), mesh_dim_names=_NAMES)
 
 

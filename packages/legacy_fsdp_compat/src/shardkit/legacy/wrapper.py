@@ -335,15 +335,15 @@ class FullyShardedDataParallel(nn.Module):
     summon_full_params = staticmethod(summon.summon_full_params)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Reduce every unit's gradients with ``hook(state, grad, output)``, as FSDP1 does.
+        """Reduce every unit's gradients with ``hook``, as FSDP1 does.
 
-        Call it on the root before the first backward. The sharded strategies only (see
-        ``shardkit.legacy.comm_hooks``).
+        Call it on the root before the first backward. Sharded units call
+        ``hook(state, grad, output)``; ``NO_SHARD`` ones (a unit of one rank is one) call
+        ``hook(state, grad)`` (see ``shardkit.legacy.comm_hooks``).
 
         Raises:
             AssertionError: not the root, a hybrid strategy, a hook already registered.
             ValueError: ``hook`` is not callable.
-            NotImplementedError: a ``NO_SHARD`` unit, or a unit of one rank.
         """
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")

@@ -60,6 +60,8 @@ class GroupOptions:
     """A user all-gather (torch's ``AllGather``: ``allocate`` and ``__call__``), or None."""
     custom_reduce_scatter: Any = None
     """A user reduce-scatter (torch's ``ReduceScatter``), or None."""
+    custom_all_reduce: Callable[[torch.Tensor, dist.ProcessGroup], None] | None = None
+    """A user all-reduce across replicas, ``comm(tensor, group)``: a sum in place; or None."""
     reduce_precision: ReducePrecision | None = None
     """How gradients travel and are summed (``set_reduce_precision``); None: as torch."""
     forward_prefetch: list[Any] | None = None
@@ -68,3 +70,11 @@ class GroupOptions:
     backward_prefetch: list[Any] | None = None
     """Groups to gather right after this one's pre-backward
     (``set_modules_to_backward_prefetch``); None: the one before it in post-forward order."""
+
+    def custom_collective(self) -> str | None:
+        """The setter of the user collective this group reduces with, if any."""
+        if self.custom_reduce_scatter is not None:
+            return "set_custom_reduce_scatter"
+        if self.custom_all_reduce is not None:
+            return "set_custom_all_reduce"
+        return None

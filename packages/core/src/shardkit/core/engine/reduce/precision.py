@@ -59,13 +59,14 @@ class _Group(Protocol):
     def params(self) -> Sequence[_Param]: ...
 
 
-def check_policy(policy: ReducePrecision | None, group: _Group, *, custom: bool) -> None:
+def check_policy(policy: ReducePrecision | None, group: _Group, *, custom: str | None) -> None:
     """Raise if ``policy`` cannot apply to ``group`` (every rank raises the same, before a step).
 
     Args:
         policy: the policy being set (None: torch's behaviour, always fine).
         group: the group it would apply to, named in the message.
-        custom: whether a custom reduce-scatter is set on the group.
+        custom: the setter of a user collective set on the group (``set_custom_reduce_scatter``,
+            ``set_custom_all_reduce``), or None.
     """
     if policy is None:
         return
@@ -74,11 +75,11 @@ def check_policy(policy: ReducePrecision | None, group: _Group, *, custom: bool)
         raise TypeError(f"{where}: set_reduce_precision takes a ReducePrecision or None")
     if not policy.compresses:
         return
-    if custom:
+    if custom is not None:
+        what = custom.removeprefix("set_custom_").replace("_", "-")
         raise ValueError(
             f"{where}: set_reduce_precision({policy.wire_dtype}) cannot apply: the group has a "
-            "custom reduce-scatter (set_custom_reduce_scatter), which reduces as it likes; "
-            "set one or the other"
+            f"custom {what} ({custom}), which reduces as it likes; set one or the other"
         )
     for param in group.params:
         if not param.orig_dtype.is_floating_point:

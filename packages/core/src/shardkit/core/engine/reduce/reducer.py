@@ -291,7 +291,12 @@ class GroupReducer:
                 return
             wire = self._wire_reducer()
             replicas = self.mesh_info.replicate_group
-            if wire is not None:
+            custom = self.options.custom_all_reduce
+            if custom is not None:
+                # The user's collective sums; the engine's mean or scaled sum ends here.
+                custom(reduced, replicas)
+                pending.division.all_reduce.finish_sum(reduced, self.mesh_info.replicate_size)
+            elif wire is not None:
                 wire.all_reduce(reduced, replicas, comm, op=pending.division.all_reduce)
             else:
                 comm.runtime.all_reduce(
