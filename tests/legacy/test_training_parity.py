@@ -23,6 +23,8 @@ BF16 = {
 @pytest.mark.parametrize(
     ("world_size", "runs"),
     [
+        # One rank: both FSDP1s run NO_SHARD (a laptop's first run of an FSDP1 script).
+        (1, [LegacyRun(strategy="FULL_SHARD", model="gpt", optimizer="adamw")]),
         (2, [LegacyRun(strategy="FULL_SHARD"), LegacyRun(strategy="SHARD_GRAD_OP")]),
         (2, [LegacyRun(strategy="NO_SHARD", model="gpt", optimizer="adamw")]),
         (4, [LegacyRun(strategy="FULL_SHARD", model="gpt"), LegacyRun(strategy="NO_SHARD")]),
@@ -35,7 +37,7 @@ BF16 = {
             ],
         ),
     ],
-    ids=["2-full-zero2", "2-noshard", "4-full-noshard", "4-zero2", "4-hybrid"],
+    ids=["1-full", "2-full-zero2", "2-noshard", "4-full-noshard", "4-zero2", "4-hybrid"],
 )
 def test_strategies_match_fsdp1(world_size: int, runs: list[LegacyRun]) -> None:
     results = run_on_ranks(world_size, parity_body, runs=runs)
@@ -46,6 +48,7 @@ def test_strategies_match_fsdp1(world_size: int, runs: list[LegacyRun]) -> None:
 @pytest.mark.parametrize(
     ("world_size", "runs"),
     [
+        (1, [LegacyRun(strategy="SHARD_GRAD_OP", mixed_precision=BF16, model="gpt")]),
         (2, [LegacyRun(mixed_precision=BF16, model="gpt"), LegacyRun(cpu_offload=True)]),
         (
             4,
@@ -69,7 +72,7 @@ def test_strategies_match_fsdp1(world_size: int, runs: list[LegacyRun]) -> None:
             ],
         ),
     ],
-    ids=["2-mp-offload", "4-hybrid-mp-offload", "4-noshard-mp-zero2-offload"],
+    ids=["1-mp", "2-mp-offload", "4-hybrid-mp-offload", "4-noshard-mp-zero2-offload"],
 )
 def test_mixed_precision_and_offload_match_fsdp1(world_size: int, runs: list[LegacyRun]) -> None:
     results = run_on_ranks(world_size, parity_body, runs=runs)
