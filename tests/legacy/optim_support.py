@@ -39,11 +39,13 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model), lr=0.05)
 
 
-def trained(impl: str, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A model of ``RUN`` and its optimizer after ``steps`` steps."""
-    model = wrap_model(impl, RUN)
+def trained(
+    impl: str, steps: int = 2, run: LegacyRun = RUN
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model of ``run`` and its optimizer after ``steps`` steps."""
+    model = wrap_model(impl, run)
     opt = adamw(model)
-    train_steps(model, opt, RUN, range(steps))
+    train_steps(model, opt, run, range(steps))
     return model, opt
 
 

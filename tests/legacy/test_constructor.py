@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -189,3 +190,22 @@ def test_a_hybrid_shard_group_of_one_still_all_reduces_across_replicas() -> None
         assert torch.equal(value, first["fsdp1 no_shard"][name]), name
     drifted = [n for n, v in first["fsdp1"].items() if not torch.equal(v, second["fsdp1"][n])]
     assert drifted
+
+
+def _pairs_body(rank: int, world_size: int) -> dict[str, Any]:
+    # Two NO_SHARD models side by side, each on its own pair of ranks (every rank makes both
+    # groups; each pair builds only its own model).
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    run = LegacyRun(strategy="NO_SHARD", steps=3, extra={"process_group": pairs[rank // 2]})
+    return {impl: train(impl, run, rank, world_size)["params"] for impl in ("shardkit", "torch")}
+
+
+def test_no_shard_units_on_disjoint_groups_train_as_fsdp1s() -> None:
+    results = run_on_ranks(4, _pairs_body)
+    for out in results:
+        for name, value in out["shardkit"].items():
+            assert torch.equal(value, out["torch"][name]), name
+    # Each pair reduced over itself alone: the two pairs' models differ.
+    assert any(
+        not torch.equal(v, results[2]["shardkit"][n]) for n, v in results[0]["shardkit"].items()
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harness.pool import run_on_ranks
@@ -21,11 +24,13 @@ from tests.legacy.optim_support import (
     with_type,
 )
 
+STRATEGIES = {"FULL_SHARD": RUN, "NO_SHARD": dataclasses.replace(RUN, strategy="NO_SHARD")}
 
-def _forms_body(rank: int, world_size: int) -> dict[str, Any]:
+
+def _forms_body(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in ("shardkit", "torch"):
-        model, opt = trained(impl)
+        model, opt = trained(impl, run=STRATEGIES[strategy])
         for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
             with with_type(impl, model, kind):
                 out[f"{impl}/{kind}"] = comparable(call(impl, "optim_state_dict", model, opt))
@@ -39,8 +44,10 @@ def _forms_body(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_optimizer_state_dicts_have_fsdp1s_keys_values_and_groups() -> None:
-    for rank, out in enumerate(run_on_ranks(2, _forms_body)):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_optimizer_state_dicts_have_fsdp1s_keys_values_and_groups(strategy: str) -> None:
+    # NO_SHARD too: FSDP1 cuts its SHARDED and LOCAL state across the ranks, whole as it is.
+    for rank, out in enumerate(run_on_ranks(2, _forms_body, strategy=strategy)):
         for what in (
             "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "rank0_only",
             "legacy_full", "legacy_sharded",
@@ -52,32 +59,36 @@ def test_optimizer_state_dicts_have_fsdp1s_keys_values_and_groups() -> None:
         assert (out["shardkit/rank0_only"] == {}) == (rank != 0)
 
 
-def _round_trip_body(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+def _round_trip_body(rank: int, world_size: int, kind: str, strategy: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    run = STRATEGIES[strategy]
     for source, target in (("torch", "shardkit"), ("shardkit", "torch")):
-        model, opt = trained(source, steps=3)
+        model, opt = trained(source, steps=3, run=run)
         with with_type(source, model, kind):
             model_sd = state_dict_of(source, model, kind)
             osd = call(source, "optim_state_dict", model, opt)
         # A twin goes on: FSDP1's state dicts share the live `step` tensors, which training
         # the saved model further would change.
-        twin, twin_opt = trained(source, steps=3)
-        out[f"{source}/after"] = train_steps(twin, twin_opt, RUN, range(3, 5))
-        loaded = fresh(target, RUN)
+        twin, twin_opt = trained(source, steps=3, run=run)
+        out[f"{source}/after"] = train_steps(twin, twin_opt, run, range(3, 5))
+        loaded = fresh(target, run)
         loaded_opt = adamw(loaded)
         load_into(target, loaded, kind, model_sd)
         with with_type(target, loaded, kind):
             ready = call(target, "optim_state_dict_to_load", loaded, loaded_opt, osd)
         loaded_opt.load_state_dict(ready)
-        out[f"{target}/resumed"] = train_steps(loaded, loaded_opt, RUN, range(3, 5))
+        out[f"{target}/resumed"] = train_steps(loaded, loaded_opt, run, range(3, 5))
     return out
 
 
-def test_full_and_sharded_optimizer_state_load_both_ways_and_training_goes_on() -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_full_and_sharded_optimizer_state_load_both_ways_and_training_goes_on(
+    strategy: str,
+) -> None:
     # Under LOCAL_STATE_DICT FSDP1's optimizer state is its sharded form (only the model's
-    # state dict is flat), so it loads as SHARDED's does.
+    # state dict is flat), so it loads as SHARDED's does; NO_SHARD's chunks are gathered.
     for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
-        out = run_on_ranks(2, _round_trip_body, kind=kind)[0]
+        out = run_on_ranks(2, _round_trip_body, kind=kind, strategy=strategy)[0]
         torch.testing.assert_close(out["shardkit/resumed"], out["torch/after"], msg=kind)
         torch.testing.assert_close(out["torch/resumed"], out["shardkit/after"], msg=kind)
 
@@ -147,3 +158,26 @@ def test_legacy_optimizer_apis_load_fsdp1_state_and_rekey_like_fsdp1() -> None:
             torch.testing.assert_close(out[way], out["torch/after"], msg=way)
         assert out["rekey_names"] and out["rekey_back"]
         assert_same(out["shardkit/plain_rekey"], out["torch/plain_rekey"], "plain rekey")
+
+
+def _other_cut_body(rank: int, world_size: int) -> str:
+    # NO_SHARD's SHARDED state saved over four ranks, loaded into NO_SHARD units of two.
+    four = STRATEGIES["NO_SHARD"]
+    model, opt = trained("shardkit", run=four)
+    with with_type("shardkit", model, "SHARDED_STATE_DICT"):
+        saved = call("shardkit", "optim_state_dict", model, opt)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    two = dataclasses.replace(four, extra={"process_group": pairs[rank // 2]})
+    target, target_opt = trained("shardkit", run=two)
+    try:
+        with with_type("shardkit", target, "SHARDED_STATE_DICT"):
+            call("shardkit", "optim_state_dict_to_load", target, target_opt, saved)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_no_shard_chunks_of_another_cut_are_refused_on_every_rank() -> None:
+    for message in run_on_ranks(4, _other_cut_body):
+        assert "this rank's chunk has shape" in message, message
+        assert "saved on another number of ranks" in message

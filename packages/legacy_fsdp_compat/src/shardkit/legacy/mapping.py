@@ -151,15 +151,21 @@ def _from_device_mesh(mesh: DeviceMesh, kind: str) -> DeviceMesh:
 
 def _replicated(mesh: DeviceMesh) -> DeviceMesh:
     """NO_SHARD: every rank of ``mesh`` a replica, each a shard group of one."""
+    group = mesh.get_group(0)
     if mesh.size() == 1:
-        # One rank (FSDP1 makes such a unit NO_SHARD): its own group serves both axes. A new
-        # mesh would create groups, which every rank of the world must join, while a group of
-        # one rank may be built on that rank alone.
-        group = mesh.get_group(0)
+        # One rank (FSDP1 makes such a unit NO_SHARD): its own group serves both axes.
         return DeviceMesh.from_group(
             [group, group], mesh.device_type, mesh=mesh.mesh.view(1, 1), mesh_dim_names=_NAMES
         )
-    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, 1), mesh_dim_names=_NAMES)
+    if mesh.size() == dist.get_world_size():
+        return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, 1), mesh_dim_names=_NAMES)
+    # Some ranks of the world: a new mesh would make its groups with every rank of the world
+    # (ranks elsewhere building other units would pair with these and hang), so the replicas
+    # are the group given and each shard axis a group of this rank, made by it alone.
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return DeviceMesh.from_group(
+        [group, alone], mesh.device_type, mesh=mesh.mesh.view(-1, 1), mesh_dim_names=_NAMES
+    )
 
 
 def _hybrid_mesh(process_group: object, device_type: str) -> DeviceMesh:

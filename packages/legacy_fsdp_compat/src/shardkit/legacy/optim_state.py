@@ -26,9 +26,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.legacy.comm import broadcast, broadcast_object, gather_objects
+from shardkit.legacy.configs import ShardingStrategy
 from shardkit.legacy.optim_keys import ParamKey, names_by_param
-from shardkit.legacy.sharded_state_dict import chunk_2d, chunk_like, local_of_loaded
+from shardkit.legacy.sharded_state_dict import (
+    check_chunk,
+    chunk_2d,
+    chunk_like,
+    chunk_replicated,
+    gather_chunks,
+    is_chunked_whole,
+    local_of_loaded,
+)
 from shardkit.legacy.torch_compat import ShardedTensor
+from shardkit.legacy.units import unit_of, units_in
 
 __all__ = ["SaveForm", "load_ready", "loadable", "named_state", "receive_from_first"]
 
@@ -55,11 +65,17 @@ def _is_sharded(value: object) -> bool:
     )
 
 
-def _saved(value: Any, form: SaveForm) -> Any:
+def _saved(value: Any, form: SaveForm, no_shard_meshes: frozenset[int]) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if isinstance(value, DTensor) and not _is_sharded(value):
-        value = value.to_local()  # NO_SHARD: every rank holds it whole
+        # Every rank holds it whole. A copy, as the sharded strategies' gathers are: FSDP1's
+        # NO_SHARD hands out the live state, which the next step changes under the caller.
+        whole = value.to_local().detach().clone()
+        if form.full or id(value.device_mesh) not in no_shard_meshes or value.dim() == 0:
+            value = whole
+        else:  # FSDP1 cuts NO_SHARD's state across the unit's ranks all the same
+            value = chunk_replicated(whole, value, as_dtensor=form.use_dtensor)
     elif isinstance(value, DTensor):
         if form.full:
             value = value.full_tensor()
@@ -114,8 +130,13 @@ def named_state(
             found[names[id(keyed[key])]] = entry
     ordered = sorted(found, key=order.__getitem__)
     ordered = _agree_on_sharded(ordered, found, unnamed, group)
+    no_shard = frozenset(
+        id(unit_of(wrapper).unit.mesh)
+        for wrapper in units_in(model)
+        if unit_of(wrapper).unit.strategy is ShardingStrategy.NO_SHARD
+    )
     state: dict[Any, Any] = {
-        name: {k: _saved(v, form) for k, v in found[name].items()} for name in ordered
+        name: {k: _saved(v, form, no_shard) for k, v in found[name].items()} for name in ordered
     }
     if form.rank0_only and dist.get_rank(group) != 0:
         return {}
@@ -195,6 +216,15 @@ def _loaded(value: Any, param: torch.Tensor) -> Any:
         return value.detach().clone()
     if not isinstance(param, DTensor):
         return value
+    if isinstance(value, ShardedTensor) and is_chunked_whole(value, param):
+        return DTensor.from_local(
+            gather_chunks(value, param),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     if isinstance(value, ShardedTensor):
         local = local_of_loaded(value, param)
         return DTensor.from_local(
@@ -249,7 +279,11 @@ def loadable(model: nn.Module, keyed: Mapping[ParamKey, torch.Tensor], osd: obje
             continue
         param = keyed[_key_for(name, key_of)]
         for key, value in entry.items():
-            if _gathers(value, param):
+            chunked = isinstance(value, ShardedTensor) and is_chunked_whole(value, param)
+            if chunked and isinstance(param, DTensor):
+                check_chunk(value, param, f"optimizer state {name!r} {key!r}")
+                gathered.append(f"{name}.{key}")
+            elif _gathers(value, param):
                 gathered.append(f"{name}.{key}")
             elif isinstance(value, ShardedTensor) and isinstance(param, DTensor):
                 local, mine = local_of_loaded(value, param).shape, param.to_local().shape

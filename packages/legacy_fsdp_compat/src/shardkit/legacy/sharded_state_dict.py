@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from shardkit.core import iter_full_state_dict
 from shardkit.legacy.comm import first_error, mesh_ranks_group
@@ -29,7 +30,18 @@ from shardkit.legacy.torch_compat import ShardedTensor
 from shardkit.legacy.units import unit_of
 from shardkit.tp import DTensorExtensions
 
-__all__ = ["HANDLER", "ShardedStateDict", "as_live", "chunk_2d", "chunk_like", "local_of_loaded"]
+__all__ = [
+    "HANDLER",
+    "ShardedStateDict",
+    "as_live",
+    "check_chunk",
+    "chunk_2d",
+    "chunk_like",
+    "chunk_replicated",
+    "gather_chunks",
+    "is_chunked_whole",
+    "local_of_loaded",
+]
 
 _EXTENSIONS = DTensorExtensions()
 
@@ -47,6 +59,83 @@ def chunk_like(full: torch.Tensor, like: DTensor) -> torch.Tensor:
         group,
         device=full.device,
     )
+
+
+def chunk_replicated(full: torch.Tensor, like: DTensor, *, as_dtensor: bool) -> torch.Tensor:
+    """``full`` as FSDP1 saves a ``NO_SHARD`` unit's optimizer state: cut over its replicas.
+
+    FSDP1's SHARDED (and LOCAL) optimizer state dicts cut every state tensor on dim 0 across
+    the unit's process group, ``NO_SHARD``'s too, whose ranks all hold it whole: a ShardedTensor,
+    or with a device mesh a ``Shard(0)`` DTensor on it. ``like`` is on the unit's (W, 1) mesh.
+    """
+    mesh = like.device_mesh
+    if as_dtensor:
+        names = mesh.mesh_dim_names
+        assert names is not None, "a NO_SHARD unit's mesh has axis names"
+        return distribute_tensor(full, mesh[names[0]], [Shard(0)], src_data_rank=None)
+    return _EXTENSIONS.chunk_tensor(
+        full,
+        mesh.get_local_rank(0),
+        mesh.size(0),
+        _devices_per_node(full.device),
+        mesh.get_group(0),
+        device=full.device,
+    )
+
+
+def is_chunked_whole(value: ShardedTensor, like: torch.Tensor) -> bool:
+    """Whether ``value`` is a replicated parameter's state cut into chunks (FSDP1's NO_SHARD).
+
+    ``like`` is the parameter: a DTensor that no rank holds a part of (every rank holds it
+    whole), while ``value`` has more than one shard. The shards are global metadata, so every
+    rank decides alike.
+    """
+    if not isinstance(like, DTensor) or any(
+        p.is_shard() and like.device_mesh.size(axis) > 1 for axis, p in enumerate(like.placements)
+    ):
+        return False
+    return len(value.metadata().shards_metadata) > 1
+
+
+def check_chunk(value: ShardedTensor, like: DTensor, what: str) -> None:
+    """Raise unless ``value`` holds this rank's torch.chunk cut of a tensor shaped as ``like``.
+
+    Raises:
+        ValueError: another global shape, or another cut (saved on another number of ranks).
+    """
+    if tuple(value.size()) != tuple(like.shape):
+        raise ValueError(
+            f"{what}: a tensor of shape {tuple(value.size())}, the parameter's is "
+            f"{tuple(like.shape)}"
+        )
+    mesh = like.device_mesh
+    rank, size, rows = mesh.get_local_rank(0), mesh.size(0), like.shape[0]
+    step = -(-rows // size)
+    expected = (max(0, min(step, rows - rank * step)), *like.shape[1:])
+    local = tuple(local_of_loaded(value, like).shape)
+    if local != expected:
+        raise ValueError(
+            f"{what}: this rank's chunk has shape {local}, a cut over the unit's {size} "
+            f"ranks gives it {expected} (saved on another number of ranks?)"
+        )
+
+
+def gather_chunks(value: ShardedTensor, like: DTensor) -> torch.Tensor:
+    """The whole of a chunked ShardedTensor (see :func:`is_chunked_whole`), on every rank.
+
+    Every rank of ``like``'s replicas calls it: one all-gather of dim-0 chunks, each padded to
+    torch.chunk's size, over the first axis of ``like``'s mesh.
+    """
+    mesh = like.device_mesh
+    group = mesh.get_group(0)
+    size, rows = mesh.size(0), value.size(0)
+    step = -(-rows // size)  # torch.chunk's cut: ceil(rows / size) rows each, the last fewer
+    local = local_of_loaded(value, like).to(like.to_local().device, like.dtype)
+    padded = local.new_zeros((step, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = local.new_empty((step * size, *local.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    return gathered[:rows]
 
 
 def chunk_2d(full: torch.Tensor, like: DTensor, dp_mesh: DeviceMesh) -> DTensor:
