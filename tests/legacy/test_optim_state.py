@@ -169,10 +169,12 @@ def _other_cut_body(rank: int, world_size: int) -> str:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     two = dataclasses.replace(four, extra={"process_group": pairs[rank // 2]})
     target, target_opt = trained("shardkit", run=two)
+    before = comparable(target_opt.state_dict())
     try:
         with with_type("shardkit", target, "SHARDED_STATE_DICT"):
             call("shardkit", "optim_state_dict_to_load", target, target_opt, saved)
     except ValueError as error:
+        assert_same(comparable(target_opt.state_dict()), before, "the optimizer after a refusal")
         return str(error)
     return "loaded"
 
@@ -181,3 +183,28 @@ def test_no_shard_chunks_of_another_cut_are_refused_on_every_rank() -> None:
     for message in run_on_ranks(4, _other_cut_body):
         assert "this rank's chunk has shape" in message, message
         assert "saved on another number of ranks" in message
+
+
+def _live_body(rank: int, world_size: int) -> dict[str, int]:
+    # How many of a NO_SHARD FULL optimizer state dict's tensors the next step changes.
+    out = {}
+    for impl in ("shardkit", "torch"):
+        for orig in (True, False):
+            run = dataclasses.replace(STRATEGIES["NO_SHARD"], extra={"use_orig_params": orig})
+            model, opt = trained(impl, steps=1, run=run)
+            with with_type(impl, model, "FULL_STATE_DICT"):
+                saved = call(impl, "optim_state_dict", model, opt)
+            before = {name: entry["exp_avg"].clone() for name, entry in saved["state"].items()}
+            train_steps(model, opt, run, range(1, 2))
+            out[f"{impl}/{orig}"] = sum(
+                not torch.equal(value, saved["state"][name]["exp_avg"])
+                for name, value in before.items()
+            )
+    return out
+
+
+def test_no_shard_full_optimizer_state_is_the_live_state_as_fsdp1s() -> None:
+    # FSDP1 hands out NO_SHARD's live tensors: code written for it may read them after a step.
+    for out in run_on_ranks(2, _live_body):
+        for orig in (True, False):
+            assert out[f"shardkit/{orig}"] == out[f"torch/{orig}"] > 0, orig

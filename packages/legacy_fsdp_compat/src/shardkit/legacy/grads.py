@@ -13,10 +13,11 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from shardkit.legacy.comm import all_reduce
 from shardkit.legacy.flat_params import per_parameter_view
+from shardkit.legacy.sharded_state_dict import is_sharded
 from shardkit.legacy.torch_compat import foreach_mul_, foreach_norm
 from shardkit.legacy.units import unit_of
 
@@ -40,7 +41,7 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            (sharded if _is_sharded(grad) else whole).append(grad.to_local())
+            (sharded if is_sharded(grad) else whole).append(grad.to_local())
         else:
             whole.append(grad)
     zero = torch.tensor(0.0, device=unit.device)
@@ -65,13 +66,6 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     if not grads:
         return total
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
-
-
-def _is_sharded(grad: DTensor) -> bool:
-    mesh = grad.device_mesh
-    return any(
-        isinstance(p, Shard) and mesh.size(axis) > 1 for axis, p in enumerate(grad.placements)
-    )
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float, zero: torch.Tensor) -> torch.Tensor:

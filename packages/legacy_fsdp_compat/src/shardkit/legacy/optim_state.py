@@ -35,6 +35,7 @@ from shardkit.legacy.sharded_state_dict import (
     chunk_replicated,
     gather_chunks,
     is_chunked_whole,
+    is_sharded,
     local_of_loaded,
 )
 from shardkit.legacy.torch_compat import ShardedTensor
@@ -59,19 +60,13 @@ class SaveForm:
     """SHARDED of a 2D (FSDP x TP) model: the data-parallel mesh FSDP1's extension shards on."""
 
 
-def _is_sharded(value: object) -> bool:
-    return isinstance(value, DTensor) and any(
-        p.is_shard() and value.device_mesh.size(axis) > 1 for axis, p in enumerate(value.placements)
-    )
-
-
 def _saved(value: Any, form: SaveForm, no_shard_meshes: frozenset[int]) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, DTensor) and not _is_sharded(value):
-        # Every rank holds it whole. A copy, as the sharded strategies' gathers are: FSDP1's
-        # NO_SHARD hands out the live state, which the next step changes under the caller.
-        whole = value.to_local().detach().clone()
+    if isinstance(value, DTensor) and not is_sharded(value):
+        # Every rank holds it whole: the live state, as FSDP1's NO_SHARD hands it out (its
+        # cut below is a copy).
+        whole = value.to_local()
         if form.full or id(value.device_mesh) not in no_shard_meshes or value.dim() == 0:
             value = whole
         else:  # FSDP1 cuts NO_SHARD's state across the unit's ranks all the same
@@ -177,9 +172,9 @@ def _agree_on_sharded(
         RuntimeError: a rank has no state for a (name, state key) the first rank has.
     """
     mine = [
-        (name, tuple(k for k, v in found[name].items() if _is_sharded(v)))
+        (name, tuple(k for k, v in found[name].items() if is_sharded(v)))
         for name in ordered
-        if any(_is_sharded(v) for v in found[name].values())
+        if any(is_sharded(v) for v in found[name].values())
     ]
     exchanged = gather_objects((unnamed, mine), group)
     both = cast(list[tuple[str | None, list[tuple[str, tuple[str, ...]]]]], exchanged)

@@ -40,6 +40,7 @@ __all__ = [
     "chunk_replicated",
     "gather_chunks",
     "is_chunked_whole",
+    "is_sharded",
     "local_of_loaded",
 ]
 
@@ -83,6 +84,13 @@ def chunk_replicated(full: torch.Tensor, like: DTensor, *, as_dtensor: bool) -> 
     )
 
 
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is a DTensor that ranks hold parts of (sharded on an axis of 2+)."""
+    return isinstance(value, DTensor) and any(
+        p.is_shard() and value.device_mesh.size(axis) > 1 for axis, p in enumerate(value.placements)
+    )
+
+
 def is_chunked_whole(value: ShardedTensor, like: torch.Tensor) -> bool:
     """Whether ``value`` is a replicated parameter's state cut into chunks (FSDP1's NO_SHARD).
 
@@ -90,9 +98,7 @@ def is_chunked_whole(value: ShardedTensor, like: torch.Tensor) -> bool:
     whole), while ``value`` has more than one shard. The shards are global metadata, so every
     rank decides alike.
     """
-    if not isinstance(like, DTensor) or any(
-        p.is_shard() and like.device_mesh.size(axis) > 1 for axis, p in enumerate(like.placements)
-    ):
+    if not isinstance(like, DTensor) or is_sharded(like):
         return False
     return len(value.metadata().shards_metadata) > 1
 
