@@ -24,7 +24,14 @@ from tests.legacy.optim_support import (
     with_type,
 )
 
-STRATEGIES = {"FULL_SHARD": RUN, "NO_SHARD": dataclasses.replace(RUN, strategy="NO_SHARD")}
+STRATEGIES = {
+    "FULL_SHARD": RUN,
+    "NO_SHARD": dataclasses.replace(RUN, strategy="NO_SHARD"),
+    # FSDP1 cuts NO_SHARD's state only from flat parameters; with use_orig_params=True its
+    # SHARDED and LOCAL forms are whole tensors. (FULL_SHARD with use_orig_params=True is
+    # not here: torch 2.13's FSDP1 gives exp_avg_sq's values for exp_avg there.)
+    "NO_SHARD-orig": dataclasses.replace(RUN, strategy="NO_SHARD", extra={"use_orig_params": True}),
+}
 
 
 def _forms_body(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
@@ -185,18 +192,21 @@ def test_no_shard_chunks_of_another_cut_are_refused_on_every_rank() -> None:
         assert "saved on another number of ranks" in message
 
 
+_LIVE_FORMS = (("FULL_STATE_DICT", True), ("FULL_STATE_DICT", False), ("SHARDED_STATE_DICT", True))
+
+
 def _live_body(rank: int, world_size: int) -> dict[str, int]:
-    # How many of a NO_SHARD FULL optimizer state dict's tensors the next step changes.
+    # How many of a NO_SHARD optimizer state dict's tensors the next step changes.
     out = {}
     for impl in ("shardkit", "torch"):
-        for orig in (True, False):
+        for kind, orig in _LIVE_FORMS:
             run = dataclasses.replace(STRATEGIES["NO_SHARD"], extra={"use_orig_params": orig})
             model, opt = trained(impl, steps=1, run=run)
-            with with_type(impl, model, "FULL_STATE_DICT"):
+            with with_type(impl, model, kind):
                 saved = call(impl, "optim_state_dict", model, opt)
             before = {name: entry["exp_avg"].clone() for name, entry in saved["state"].items()}
             train_steps(model, opt, run, range(1, 2))
-            out[f"{impl}/{orig}"] = sum(
+            out[f"{impl}/{kind}/{orig}"] = sum(
                 not torch.equal(value, saved["state"][name]["exp_avg"])
                 for name, value in before.items()
             )
@@ -204,7 +214,9 @@ def _live_body(rank: int, world_size: int) -> dict[str, int]:
 
 
 def test_no_shard_full_optimizer_state_is_the_live_state_as_fsdp1s() -> None:
-    # FSDP1 hands out NO_SHARD's live tensors: code written for it may read them after a step.
+    # FSDP1 hands out NO_SHARD's live tensors (SHARDED too, with use_orig_params=True): code
+    # written for it may read them after a step.
     for out in run_on_ranks(2, _live_body):
-        for orig in (True, False):
-            assert out[f"shardkit/{orig}"] == out[f"torch/{orig}"] > 0, orig
+        for kind, orig in _LIVE_FORMS:
+            key = f"{kind}/{orig}"
+            assert out[f"shardkit/{key}"] == out[f"torch/{key}"] > 0, key

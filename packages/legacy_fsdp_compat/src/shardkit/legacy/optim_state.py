@@ -125,10 +125,12 @@ def named_state(
             found[names[id(keyed[key])]] = entry
     ordered = sorted(found, key=order.__getitem__)
     ordered = _agree_on_sharded(ordered, found, unnamed, group)
+    # FSDP1 cuts a NO_SHARD unit's state only from its flat parameters: with
+    # use_orig_params=True it hands out the optimizer's own whole tensors, SHARDED as FULL.
     no_shard = frozenset(
-        id(unit_of(wrapper).unit.mesh)
-        for wrapper in units_in(model)
-        if unit_of(wrapper).unit.strategy is ShardingStrategy.NO_SHARD
+        id(unit.mesh)
+        for unit in (unit_of(wrapper).unit for wrapper in units_in(model))
+        if unit.strategy is ShardingStrategy.NO_SHARD and not unit.use_orig_params
     )
     state: dict[Any, Any] = {
         name: {k: _saved(v, form, no_shard) for k, v in found[name].items()} for name in ordered
