@@ -3,14 +3,18 @@ parameter's local shard lies in any tensor laid out like it (gradients, optimize
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from shardkit.core import fully_shard
 from shardkit.core.layout import layout_of
+from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
 
 
 def _flat_shard_body(rank: int, world_size: int) -> dict[str, bool | str]:
@@ -178,3 +182,54 @@ def test_a_group_can_hold_its_parameters_off_parameters_and_state_dict() -> None
         assert out["listed again"] is False
         assert out["names back in order"] is True
         assert out["keys back in order"] is True
+
+
+def _accumulated_body(rank: int, world_size: int) -> dict[str, Any]:
+    from shardkit.core import MixedPrecisionPolicy
+
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    # Every rank the same data: the mean over replicas of equal values is exact, so the
+    # expected gradients below are a single process's arithmetic.
+    reference = nn.Linear(6, 3)
+    local_grads = []
+    for x in batches:
+        reference.zero_grad()
+        reference(x).square().sum().backward()
+        assert reference.weight.grad is not None
+        local_grads.append(reference.weight.grad.clone())
+    out: dict[str, Any] = {}
+    for fold in (False, True):
+        model = nn.Linear(6, 3)
+        model.load_state_dict(reference.state_dict())
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+        (group,) = layout_of(model)
+        group.reduce_accumulated_grads(fold)
+        for x in batches:  # two backwards, the gradient not zeroed between them
+            model(x).square().sum().backward()
+        grad = model.weight.grad
+        assert isinstance(grad, DTensor)
+        out[f"fold={fold}"] = grad.to_local().clone()
+    out["local"] = local_grads
+    sharded = nn.Linear(6, 3)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world_size,)))
+    with pytest.raises(ValueError) as caught:
+        layout_of(sharded)[0].reduce_accumulated_grads(True)
+    out["sharded"] = str(caught.value)
+    return out
+
+
+def test_a_replicated_group_can_reduce_accumulated_gradients_again_as_fsdp1s_no_shard() -> None:
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    for out in run_on_ranks(2, _accumulated_body):
+        first, second = out["local"]
+        # torch's way: each backward's gradient reduced (in bf16) alone, then added.
+        assert torch.equal(out["fold=False"], bf16(first) + bf16(second))
+        # FSDP1's NO_SHARD: the sum with the gradient already there reduced again. From
+        # torch 2.15 on autograd gives the gradient in the reduce dtype already.
+        arrives = bf16(second) if ACCUMULATES_IN_GRAD_DTYPE else second
+        assert torch.equal(out["fold=True"], bf16(bf16(first) + arrives))
+        assert not torch.equal(out["fold=True"], out["fold=False"])
+        assert "without sharding" in out["sharded"], out["sharded"]

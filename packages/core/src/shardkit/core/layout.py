@@ -11,12 +11,12 @@ Two halves share one piece of arithmetic:
   keys, geometry, a view of its local shard, and the mesh. The FSDP1 layer reads flat-parameter
   layouts and key mappings from it.
 
-Nothing here changes the engine's state but three opt-ins for an adapter that keeps one flat
+Nothing here changes the engine's state but opt-ins for an adapter that keeps one flat
 parameter per group (FSDP1's): the group's flat shard (:meth:`GroupView.flat_shard`), which an
 optimizer may step between steps as it steps the sharded parameters that view the same bytes;
-reductions laid out as that shard (:meth:`GroupView.reduce_into_flat_layout`); and parameters
-registered off ``parameters()`` (:meth:`GroupView.list_params`). See [Note: flat group
-buffers].
+reductions laid out as that shard (:meth:`GroupView.reduce_into_flat_layout`); parameters
+registered off ``parameters()`` (:meth:`GroupView.list_params`); and FSDP1's ``NO_SHARD``
+accumulation (:meth:`GroupView.reduce_accumulated_grads`). See [Note: flat group buffers].
 """
 
 from __future__ import annotations
@@ -197,6 +197,25 @@ class GroupView:
         ):
             return None
         return local.new_empty(0).set_(storage, 0, (numel,), (1,))
+
+    def reduce_accumulated_grads(self, enabled: bool) -> None:
+        """Whether a gradient already on a parameter is reduced again with the next one.
+
+        For FSDP1's ``NO_SHARD``, which lets a backward's gradient join the reduced one on the
+        parameter before its all-reduce, and gives each parameter the result: the same mean
+        as reducing the new gradient alone and adding it (torch's way, the default), rounded
+        as FSDP1 rounds it, in the reduce dtype too.
+
+        Raises:
+            ValueError: the group has a shard axis of more than one rank (FSDP1 reduces a
+                sharded gradient alone, as torch does).
+        """
+        if enabled and self._group.mesh_info.shard_size != 1:
+            raise ValueError(
+                f"FSDP module {self.fqn}: gradients already there are reduced again only "
+                "without sharding (a mesh whose shard axis has one rank)"
+            )
+        self._group.options.reduce_accumulated_grads = enabled
 
     def list_params(self, listed: bool) -> None:
         """Whether ``parameters()`` and ``state_dict()`` of the group's modules list its parameters.

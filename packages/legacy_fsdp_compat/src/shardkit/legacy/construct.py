@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardkit.core import fully_shard
+from shardkit.core.layout import layout_of
 from shardkit.legacy import configs
 from shardkit.legacy.comm import broadcast_from_first
 from shardkit.legacy.configs import (
@@ -139,6 +140,11 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
             offload_policy=core.offload_policy,
             ignored_params=set(ignored_params),
         )
+        if strategy is ShardingStrategy.NO_SHARD:  # FSDP1 reduces accumulated gradients again
+            first = sharded_modules[0] if isinstance(sharded_modules, list) else sharded_modules
+            for view in layout_of(first):
+                if any(m is first for m in view.modules):
+                    view.reduce_accumulated_grads(True)
     mp = args.mixed_precision
     if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
         _round_grads(_sharded_params(own, ignored_params), mp.param_dtype)

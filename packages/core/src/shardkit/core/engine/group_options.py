@@ -64,6 +64,10 @@ class GroupOptions:
     """A user all-reduce across replicas, ``comm(tensor, group)``: a sum in place; or None."""
     reduce_precision: ReducePrecision | None = None
     """How gradients travel and are summed (``set_reduce_precision``); None: as torch."""
+    reduce_accumulated_grads: bool = False
+    """No shard axis only (FSDP1's ``NO_SHARD``): a gradient already on a parameter joins the
+    new one in the reduction, and the result replaces it; False (torch's way) reduces the
+    new gradient alone and adds it to the one there (``GroupView.reduce_accumulated_grads``)."""
     forward_prefetch: list[Any] | None = None
     """Groups to gather right after this one's pre-forward (``set_modules_to_forward_prefetch``);
     None: the next in the previous step's forward order (``schedule``)."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
@@ -198,6 +199,8 @@ class GroupReducer:
         fused = prefers_fused_packing(self.mesh_info.device)
         division = self.division
         if world == 1:
+            if self.options.reduce_accumulated_grads:
+                full = _with_accumulated(packing.params, full)
             # Nothing to scatter: pack straight into the output, and divide as the
             # reduce-scatter of one rank would have (only a factor of the user's does).
             output = self._allocate_output(packing.numel)
@@ -316,3 +319,25 @@ class GroupReducer:
         assign_reduced(
             reduced, pending.packing, comm, offload=self.offload, pin_memory=self.pin_memory
         )
+
+
+def _with_accumulated(
+    params: Sequence[FSDPParam], full: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Each full gradient plus the gradient already on its parameter, which is taken off.
+
+    FSDP1's ``NO_SHARD`` lets autograd add a backward's gradient to the reduced one already
+    there (in that one's dtype) and reduces the sum again: the replicas hold the same old
+    gradient, so the mean keeps it, but its rounding is FSDP1's only this way.
+    """
+    summed: list[torch.Tensor | None] = []
+    for p, grad in zip(params, full, strict=True):
+        old = p.sharded_param.grad
+        if old is None:
+            summed.append(grad)
+            continue
+        local = old.to_local() if isinstance(old, DTensor) else old
+        local = local.reshape(p.geometry.shape)
+        summed.append(local.clone() if grad is None else local + grad)
+        p.sharded_param.grad = None  # the reduction's result is the whole gradient now
+    return summed

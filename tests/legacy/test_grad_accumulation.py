@@ -1,0 +1,98 @@
+"""Gradient accumulation over microbatches, bit for bit with torch's FSDP1.
+
+Three microbatches a step, AdamW (which turns the smallest difference in a gradient into a
+visible one), three steps: accumulated without ``no_sync`` (every backward reduces), with it
+(the first two do not), and never zeroed at all. FSDP1's ``NO_SHARD`` (and every unit in a
+world of one, which FSDP1 runs as ``NO_SHARD``) adds a backward's gradient to the reduced one
+already there and reduces the sum again; the engine's way, reducing the new gradient alone
+and adding it, gives the same mean rounded otherwise (``GroupView.reduce_accumulated_grads``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from harness.pool import run_on_ranks
+from tests.core import models
+from tests.legacy.legacy_parity import (
+    LegacyRun,
+    full_params,
+    global_loss,
+    make_optimizer,
+    rank_batch,
+    wrap_model,
+)
+
+MICROBATCHES = 3
+MODES = ("reduce_each", "no_sync", "never_zeroed")
+PRECISIONS: dict[str, dict[str, Any] | None] = {
+    "fp32": None,
+    "fp16": {"param_dtype": torch.float16},
+    "bf16": {"param_dtype": torch.bfloat16},
+}
+
+
+def _train(impl: str, run: LegacyRun, mode: str, rank: int, world_size: int) -> dict[str, Any]:
+    model = wrap_model(impl, run)
+    opt = make_optimizer(run, model)
+    losses = []
+    for step in range(run.steps):
+        for micro in range(MICROBATCHES):
+            last = micro == MICROBATCHES - 1
+            quiet = mode == "no_sync" and not last
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                x, y = rank_batch(run, step * MICROBATCHES + micro, rank, world_size)
+                loss = models.loss_of(run.model, model(x), y)
+                loss.backward()
+            losses.append(global_loss(loss, world_size))
+        opt.step()
+        if mode != "never_zeroed":
+            opt.zero_grad()
+    return {"losses": losses, "params": full_params(impl, model)}
+
+
+def _body(rank: int, world_size: int, strategies: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for strategy in strategies:
+        for precision, mp in PRECISIONS.items():
+            for mode in MODES:
+                for orig in (False, True):
+                    run = LegacyRun(
+                        model="gpt",
+                        strategy=strategy,
+                        steps=3,
+                        mixed_precision=mp,
+                        optimizer="adamw",
+                        extra={"use_orig_params": orig},
+                    )
+                    case = f"{strategy}/{precision}/{mode}/orig={orig}"
+                    for impl in run.impls:
+                        out[f"{impl}/{case}"] = _train(impl, run, mode, rank, world_size)
+    return out
+
+
+def _assert_bitwise(out: dict[str, Any]) -> None:
+    cases = [key.removeprefix("torch/") for key in out if key.startswith("torch/")]
+    assert cases
+    for case in cases:
+        ours, theirs = out[f"shardkit/{case}"], out[f"torch/{case}"]
+        assert ours["losses"] == theirs["losses"], case
+        assert ours["params"].keys() == theirs["params"].keys(), case
+        for name, value in ours["params"].items():
+            assert torch.equal(value, theirs["params"][name]), f"{case} {name}"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategies"),
+    [(2, ["NO_SHARD", "FULL_SHARD"]), (1, ["FULL_SHARD"])],
+)
+def test_accumulated_gradients_train_as_fsdp1s_bit_for_bit(
+    world_size: int, strategies: list[str]
+) -> None:
+    # W=1: FSDP1 runs FULL_SHARD over one rank as NO_SHARD, and so does shardkit.legacy.
+    for out in run_on_ranks(world_size, _body, strategies=strategies):
+        _assert_bitwise(out)
