@@ -233,3 +233,41 @@ def test_a_replicated_group_can_reduce_accumulated_gradients_again_as_fsdp1s_no_
         assert torch.equal(out["fold=True"], bf16(bf16(first) + arrives))
         assert not torch.equal(out["fold=True"], out["fold=False"])
         assert "without sharding" in out["sharded"], out["sharded"]
+
+
+def _unsynced_body(rank: int, world_size: int) -> dict[str, Any]:
+    from shardkit.core import FSDPModule, MixedPrecisionPolicy
+
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+    reference = nn.Linear(6, 3).bfloat16()
+    local_grads = []  # each backward's gradient in bf16, as the forward computes it
+    for x in batches:
+        reference.zero_grad()
+        reference(x.bfloat16()).float().square().sum().backward()
+        assert reference.weight.grad is not None
+        local_grads.append(reference.weight.grad.clone())
+    out: dict[str, Any] = {"local": local_grads}
+    for in_param_dtype in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        model.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)
+        layout_of(model)[0].accumulate_unsynced_grads_in_param_dtype(in_param_dtype)
+        for i, x in enumerate(batches):  # every rank the same data: the mean is exact
+            assert isinstance(model, FSDPModule)
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            model(x).float().square().sum().backward()
+        grad = model.weight.grad
+        assert isinstance(grad, DTensor)
+        out[f"in_param_dtype={in_param_dtype}"] = grad.full_tensor()
+    return out
+
+
+def test_unsynced_gradients_can_accumulate_in_the_param_dtype_as_fsdp1s() -> None:
+    for out in run_on_ranks(2, _unsynced_body):
+        first, second, third = out["local"]
+        # torch's way: in the reduce dtype (fp32); FSDP1's: in bf16, then cast for the reduction.
+        assert torch.equal(out["in_param_dtype=False"], first.float() + second.float() + third)
+        assert torch.equal(out["in_param_dtype=True"], (first + second + third).float())
+        assert not torch.equal(out["in_param_dtype=True"], out["in_param_dtype=False"])

@@ -15,8 +15,9 @@ Nothing here changes the engine's state but opt-ins for an adapter that keeps on
 parameter per group (FSDP1's): the group's flat shard (:meth:`GroupView.flat_shard`), which an
 optimizer may step between steps as it steps the sharded parameters that view the same bytes;
 reductions laid out as that shard (:meth:`GroupView.reduce_into_flat_layout`); parameters
-registered off ``parameters()`` (:meth:`GroupView.list_params`); and FSDP1's ``NO_SHARD``
-accumulation (:meth:`GroupView.reduce_accumulated_grads`). See [Note: flat group buffers].
+registered off ``parameters()`` (:meth:`GroupView.list_params`); and FSDP1's gradient
+accumulation (:meth:`GroupView.accumulate_unsynced_grads_in_param_dtype`,
+:meth:`GroupView.reduce_accumulated_grads`). See [Note: flat group buffers].
 """
 
 from __future__ import annotations
@@ -216,6 +217,15 @@ class GroupView:
                 "without sharding (a mesh whose shard axis has one rank)"
             )
         self._group.options.reduce_accumulated_grads = enabled
+
+    def accumulate_unsynced_grads_in_param_dtype(self, enabled: bool) -> None:
+        """Where gradients accumulate between backwards without gradient sync.
+
+        True: in the dtype the forward computes in (mixed precision's ``param_dtype``), as
+        autograd accumulates FSDP1's unsharded flat gradient, cast to the reduce dtype when
+        a backward reduces them. False (torch's way, the default): in the reduce dtype.
+        """
+        self._group.accumulate_unsynced_in_param_dtype(enabled)
 
     def list_params(self, listed: bool) -> None:
         """Whether ``parameters()`` and ``state_dict()`` of the group's modules list its parameters.

@@ -140,11 +140,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
             offload_policy=core.offload_policy,
             ignored_params=set(ignored_params),
         )
-        if strategy is ShardingStrategy.NO_SHARD:  # FSDP1 reduces accumulated gradients again
-            first = sharded_modules[0] if isinstance(sharded_modules, list) else sharded_modules
-            for view in layout_of(first):
-                if any(m is first for m in view.modules):
-                    view.reduce_accumulated_grads(True)
+        _accumulate_as_fsdp1(sharded_modules, strategy)
     mp = args.mixed_precision
     if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
         _round_grads(_sharded_params(own, ignored_params), mp.param_dtype)
@@ -166,6 +162,21 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
         forward_prefetch=args.forward_prefetch,
         limit_all_gathers=args.limit_all_gathers,
     )
+
+
+def _accumulate_as_fsdp1(modules: nn.Module | list[nn.Module], strategy: ShardingStrategy) -> None:
+    """The unit's group accumulates gradients as FSDP1's flat parameter does.
+
+    Between backwards without sync, in the forward's dtype (autograd's, on the flat
+    parameter), not the reduce dtype; and ``NO_SHARD`` adds a backward's gradient to the
+    reduced one already there and reduces the sum again. See [Note: FSDP1's gradient
+    accumulation].
+    """
+    first = modules[0] if isinstance(modules, list) else modules
+    for view in layout_of(first):
+        if any(m is first for m in view.modules):
+            view.accumulate_unsynced_grads_in_param_dtype(True)
+            view.reduce_accumulated_grads(strategy is ShardingStrategy.NO_SHARD)
 
 
 def _one_rank_is_no_shard(

@@ -64,6 +64,10 @@ class GroupOptions:
     """A user all-reduce across replicas, ``comm(tensor, group)``: a sum in place; or None."""
     reduce_precision: ReducePrecision | None = None
     """How gradients travel and are summed (``set_reduce_precision``); None: as torch."""
+    unsynced_grads_in_param_dtype: bool = False
+    """Without gradient sync, full gradients accumulate in the parameters' compute dtype
+    (FSDP1's, autograd's own); False (torch's way) accumulates them in the reduce dtype
+    (``GroupView.accumulate_unsynced_grads_in_param_dtype``)."""
     reduce_accumulated_grads: bool = False
     """No shard axis only (FSDP1's ``NO_SHARD``): a gradient already on a parameter joins the
     new one in the reduction, and the result replaces it; False (torch's way) reduces the

@@ -65,8 +65,11 @@ class GroupUpkeep:
         self._follow_plan()
 
     def _follow_plan(self) -> None:
+        in_param_dtype = self.options.unsynced_grads_in_param_dtype
         for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
-            p.follow_plan_dtypes(param_layout.comm_dtype, self.plan.reduce_dtype)
+            comm_dtype = param_layout.comm_dtype
+            accumulate = comm_dtype if in_param_dtype else self.plan.reduce_dtype
+            p.follow_plan_dtypes(comm_dtype, accumulate)
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 
@@ -78,6 +81,11 @@ class GroupUpkeep:
         if self.grads_in_flat_layout:
             reducer.flat_layout(self.params, plan.layout)
         return reducer
+
+    def accumulate_unsynced_in_param_dtype(self, enabled: bool) -> None:
+        """Accumulate gradients without sync in the compute dtype (True) or the reduce dtype."""
+        self.options.unsynced_grads_in_param_dtype = enabled
+        self._follow_plan()
 
     def reduce_in_flat_layout(self) -> None:
         """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks).

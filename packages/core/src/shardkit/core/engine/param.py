@@ -117,8 +117,10 @@ class FSDPParam:
     def follow_plan_dtypes(self, comm_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Take the group plan's dtypes: the unsharded parameter's, and its gradient's.
 
-        From torch 2.15 on, gradients accumulate in ``reduce_dtype`` inside autograd, through
-        the unsharded parameter's ``grad_dtype``. See [Note: post-backward trigger].
+        ``reduce_dtype``: the one full gradients accumulate in (the plan's reduce dtype, or
+        ``comm_dtype`` where the group accumulates as FSDP1 does). From torch 2.15 on,
+        gradients accumulate in it inside autograd, through the unsharded parameter's
+        ``grad_dtype``. See [Note: post-backward trigger].
         """
         self.comm_dtype = comm_dtype
         spec = self.sharding_spec
@@ -400,7 +402,7 @@ class FSDPParam:
         Before torch 2.15, in a copy of its own; from 2.15 on (as torch does), in ``.grad``,
         where autograd adds the next backward's gradient in that dtype.
         """
-        if self.accumulation_dtype is not None:
+        if self.accumulation_dtype is not None and self.accumulated_grad is None:
             self._upcast_held_grad()
             return
         param = self.unsharded_param

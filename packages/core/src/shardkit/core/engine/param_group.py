@@ -22,6 +22,7 @@ from shardkit.core.engine.group_storage import GroupStorage
 from shardkit.core.engine.group_upkeep import GroupUpkeep
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
+from shardkit.core.engine.reduce.assign import take_sharded_grad
 from shardkit.core.errors import DesyncError
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
@@ -314,8 +315,11 @@ class FSDPParamGroup(GroupUpkeep):
         [Note: post-backward trigger].
         """
         if not self.options.reduce_grads:
+            in_param_dtype = self.options.unsynced_grads_in_param_dtype
             for p in self.trainable:
-                p.stash_unsharded_grad(self.plan.reduce_dtype)
+                if self.options.reduce_accumulated_grads:
+                    _add_sharded_grad(p)
+                p.stash_unsharded_grad(p.comm_dtype if in_param_dtype else self.plan.reduce_dtype)
             return None
         return self.reducer.take_grads(self.trainable) or None
 
@@ -359,3 +363,18 @@ class FSDPParamGroup(GroupUpkeep):
 
 def _not_attached(_param: torch.Tensor) -> None:
     raise AssertionError("a gradient hook ran before the root attached its groups")
+
+
+def _add_sharded_grad(p: FSDPParam) -> None:
+    """Without sync, FSDP1's ``NO_SHARD``: the reduced gradient on ``p`` joins the unsynced one.
+
+    Autograd adds FSDP1's unsynced gradients to the flat parameter's reduced one, in that
+    one's dtype: from here on they accumulate there (``accumulated_grad``), and the next
+    backward that reduces reduces the sum (``GroupView.reduce_accumulated_grads``).
+    """
+    if p.unsharded_param is None or p.unsharded_param.grad is None:
+        return
+    old = take_sharded_grad(p)
+    if old is not None:
+        unsynced = p.take_unsharded_grad()
+        p.accumulated_grad = old if unsynced is None else old + unsynced

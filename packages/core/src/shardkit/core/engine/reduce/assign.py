@@ -9,13 +9,14 @@ host. See [Note: gpu schedule] (CPU offload).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.reduce.packing import Packing
 from shardkit.core.runtime.dtensors import accumulate_grads, has_post_accumulate_grad_hooks
 
-__all__ = ["assign_local", "assign_reduced"]
+__all__ = ["assign_local", "assign_reduced", "take_sharded_grad"]
 
 
 def assign_reduced(
@@ -49,6 +50,20 @@ def assign_reduced(
 def assign_local(p: FSDPParam, local: torch.Tensor) -> None:
     """Give ``p``'s sharded parameter the gradient ``local`` (its shard), or add it."""
     accumulate_grads(((p.sharded_param, local),))
+
+
+def take_sharded_grad(p: FSDPParam) -> torch.Tensor | None:
+    """The gradient on ``p``'s sharded parameter as a local tensor of its full shape, taken off.
+
+    For a group without a shard axis (FSDP1's ``NO_SHARD``), whose next gradient is to be
+    the sum of this one and what comes: the local tensor is the whole gradient there.
+    """
+    grad = p.sharded_param.grad
+    if grad is None:
+        return None
+    p.sharded_param.grad = None
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    return local.reshape(p.geometry.shape)
 
 
 def _read_on_host(packing: Packing, dtype: torch.dtype) -> bool:

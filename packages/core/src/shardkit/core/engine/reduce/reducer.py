@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.reduce.assign import assign_reduced
+from shardkit.core.engine.reduce.assign import assign_reduced, take_sharded_grad
 from shardkit.core.engine.reduce.division import Division, plan_division
 from shardkit.core.engine.reduce.packing import Packing
 from shardkit.core.engine.reduce.precision import WireReducer
@@ -328,16 +327,11 @@ def _with_accumulated(
 
     FSDP1's ``NO_SHARD`` lets autograd add a backward's gradient to the reduced one already
     there (in that one's dtype) and reduces the sum again: the replicas hold the same old
-    gradient, so the mean keeps it, but its rounding is FSDP1's only this way.
+    gradient, so the mean keeps it, but its rounding is FSDP1's only this way. See
+    [Note: FSDP1's gradient accumulation].
     """
     summed: list[torch.Tensor | None] = []
     for p, grad in zip(params, full, strict=True):
-        old = p.sharded_param.grad
-        if old is None:
-            summed.append(grad)
-            continue
-        local = old.to_local() if isinstance(old, DTensor) else old
-        local = local.reshape(p.geometry.shape)
-        summed.append(local.clone() if grad is None else local + grad)
-        p.sharded_param.grad = None  # the reduction's result is the whole gradient now
+        old = take_sharded_grad(p)
+        summed.append(grad if old is None else old if grad is None else old + grad)
     return summed
