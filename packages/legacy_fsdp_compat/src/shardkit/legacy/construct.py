@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardkit.core import fully_shard
+from shardkit.core import FSDPModule, fully_shard
 from shardkit.core.layout import layout_of
 from shardkit.legacy import configs
 from shardkit.legacy.comm import broadcast_from_first
@@ -140,7 +140,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
             offload_policy=core.offload_policy,
             ignored_params=set(ignored_params),
         )
-        _accumulate_as_fsdp1(sharded_modules, strategy)
+        _reduce_as_fsdp1(sharded_modules, strategy)
     mp = args.mixed_precision
     if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
         _round_grads(_sharded_params(own, ignored_params), mp.param_dtype)
@@ -164,15 +164,20 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
     )
 
 
-def _accumulate_as_fsdp1(modules: nn.Module | list[nn.Module], strategy: ShardingStrategy) -> None:
-    """The unit's group accumulates gradients as FSDP1's flat parameter does.
+def _reduce_as_fsdp1(modules: nn.Module | list[nn.Module], strategy: ShardingStrategy) -> None:
+    """The unit's group reduces and accumulates gradients as FSDP1's flat parameter does.
 
-    Between backwards without sync, in the forward's dtype (autograd's, on the flat
-    parameter), not the reduce dtype; and ``NO_SHARD`` adds a backward's gradient to the
+    A backward reduces the whole unit: a trainable parameter it did not reach gets a zero
+    gradient (FSDP1's flat gradient holds zeros there, and its ``use_orig_params=True``
+    views give them to the parameters), and ranks may reach different parameters. Between
+    backwards without sync, gradients accumulate in the forward's dtype (autograd's, on the
+    flat parameter), not the reduce dtype; and ``NO_SHARD`` adds a backward's gradient to the
     reduced one already there and reduces the sum again. See [Note: FSDP1's gradient
     accumulation].
     """
     first = modules[0] if isinstance(modules, list) else modules
+    if isinstance(first, FSDPModule):
+        first.set_reduce_scatter_unused_params(True, recurse=False)
     for view in layout_of(first):
         if any(m is first for m in view.modules):
             view.accumulate_unsynced_grads_in_param_dtype(True)
