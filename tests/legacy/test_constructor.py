@@ -209,3 +209,71 @@ def test_no_shard_units_on_disjoint_groups_train_as_fsdp1s() -> None:
     assert any(
         not torch.equal(v, results[2]["shardkit"][n]) for n, v in results[0]["shardkit"].items()
     )
+
+
+class _Mixed(nn.Module):
+    """A unit's parameters as FSDP1 may or may not flatten them (``kind``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 2)
+        if kind == "frozen":  # trainable and frozen in one unit
+            self.first.weight.requires_grad_(False)
+        elif kind == "dtypes":
+            self.second.double()
+        elif kind == "integer":
+            self.first.weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int64), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(torch.relu(self.first(x)))
+        return out
+
+
+def _flatten_body(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("frozen", "dtypes", "integer"):
+        for orig in (False, True):
+            for impl in ("shardkit", "torch"):
+                module = _Mixed(kind)
+                before = {n: p.detach().clone() for n, p in module.named_parameters()}
+                kwargs = {"device_id": torch.device("cpu"), "use_orig_params": orig}
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        model = lib(impl).FSDP(module, **kwargs)
+                except ValueError as error:
+                    out[f"{impl}/{kind}/{orig}"] = f"ValueError: {error}"
+                    out[f"{impl}/{kind}/{orig}/untouched"] = all(
+                        type(p) is nn.Parameter and torch.equal(p, before[n])
+                        for n, p in module.named_parameters()
+                    )
+                    continue
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+                data = torch.Generator().manual_seed(rank)
+                losses = []
+                for _ in range(3):
+                    loss = model(torch.randn(3, 4, generator=data)).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                out[f"{impl}/{kind}/{orig}"] = losses
+    return out
+
+
+def test_units_fsdp1_cannot_flatten_are_refused_with_its_errors() -> None:
+    for out in run_on_ranks(2, _flatten_body):
+        for kind in ("frozen", "dtypes", "integer"):
+            for orig in (False, True):
+                case = f"{kind}/{orig}"
+                assert out[f"shardkit/{case}"] == out[f"torch/{case}"], case
+        # Refused before anything is sharded: the module keeps its own parameters.
+        assert out["shardkit/frozen/False"].startswith("ValueError: Must flatten tensors with")
+        assert out["shardkit/frozen/False/untouched"] is True
+        assert "uniform dtype" in out["shardkit/dtypes/True"]
+        assert out["shardkit/dtypes/True/untouched"] is True
+        assert out["shardkit/integer/False"] == "ValueError: Cannot flatten integer dtype tensors"
+        # With use_orig_params=True a unit may mix trainable and frozen parameters.
+        assert isinstance(out["shardkit/frozen/True"], list)

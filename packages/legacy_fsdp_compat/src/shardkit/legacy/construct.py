@@ -32,6 +32,7 @@ from shardkit.legacy.configs import (
     MixedPrecision,
     ShardingStrategy,
 )
+from shardkit.legacy.flat_params import check_flattenable
 from shardkit.legacy.mapping import STRATEGIES, core_args, resolve_mesh
 from shardkit.legacy.orig_params import record_replaced
 from shardkit.legacy.torch_compat import root_mesh, translate
@@ -123,6 +124,7 @@ def build_unit(module: nn.Module, given: Fsdp1Args, wrapper_cls: type[nn.Module]
     own = list(own_modules(module, ignored_modules, wrapper_cls))
     _materialize(own, args.param_init_fn, device)
     managed = [p for m in own for p in m.parameters(recurse=False) if p not in ignored_params]
+    check_flattenable(managed, args.use_orig_params)
     if args.device_id is not None and device.type != "cpu":
         for m in own:
             m.to(device)

@@ -41,6 +41,7 @@ __all__ = [
     "FLAT_NAME",
     "FlatParam",
     "before_forward",
+    "check_flattenable",
     "flat_of",
     "make_flat",
     "per_parameter_view",
@@ -107,6 +108,39 @@ class FlatParam:
         """Drop the views of a gradient the flat parameter no longer has (freeing it)."""
         if self._grad_views is not None and self._grad_views[0] is not self.param.grad:
             self._grad_views = None
+
+
+def check_flattenable(params: list[nn.Parameter], use_orig_params: bool) -> None:
+    """Refuse a unit whose parameters FSDP1 cannot flatten, with FSDP1's errors.
+
+    Called before anything is sharded. FSDP1 checks every unit, whatever ``use_orig_params``
+    is (one flat parameter holds them all): floating point, one dtype, one device, and with
+    ``use_orig_params=False`` one ``requires_grad``.
+
+    Raises:
+        ValueError: an integer parameter, or two dtypes, devices or ``requires_grad``
+            values (FSDP1's messages).
+    """
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    requires_grad: bool | None = None
+    for param in dict.fromkeys(params):  # a shared parameter once
+        if dtype is None and not param.is_floating_point():
+            raise ValueError("Cannot flatten integer dtype tensors")
+        if dtype is not None and param.dtype != dtype:
+            raise ValueError(
+                f"Must flatten tensors with uniform dtype but got {dtype} and {param.dtype}"
+            )
+        if not use_orig_params and requires_grad not in (None, param.requires_grad):
+            raise ValueError(
+                "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+            )
+        if device is not None and param.device != device:
+            raise ValueError(
+                f"Must flatten tensors on the same device but got both {device} and {param.device}"
+            )
+        dtype, device = param.dtype, param.device
+        requires_grad = bool(requires_grad) or param.requires_grad
 
 
 def make_flat(module: nn.Module) -> FlatParam | None:
