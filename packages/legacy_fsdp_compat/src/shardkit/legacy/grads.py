@@ -2,7 +2,11 @@
 
 Each rank holds a shard of every sharded gradient: its local norms are summed (p-th powers)
 or maxed over the process group, as FSDP1 does; gradients that every rank holds whole
-(``NO_SHARD``, ignored parameters) are counted once, locally.
+(``NO_SHARD``, ignored parameters) are counted once, locally. FSDP1 takes one norm per
+parameter it sees: a flat parameter's is the norm of the unit's whole flat gradient, so a
+``NO_SHARD`` unit with flat parameters is normed as one tensor of its gradients in FSDP1's
+flat order (the same bits; sharded units' flat chunks hold other elements than the engine's
+shards, so there only the sum is FSDP1's, not its rounding).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.legacy.comm import all_reduce
+from shardkit.legacy.configs import ShardingStrategy
 from shardkit.legacy.flat_params import per_parameter_view
 from shardkit.legacy.sharded_state_dict import is_sharded
 from shardkit.legacy.torch_compat import foreach_mul_, foreach_norm
-from shardkit.legacy.units import unit_of
+from shardkit.legacy.units import unit_of, units_in
 
 __all__ = ["clip_grad_norm"]
 
@@ -34,19 +39,25 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     unit = unit_of(root).unit
     sharded: list[torch.Tensor] = []
     whole: list[torch.Tensor] = []
+    normed_whole: list[torch.Tensor] = []  # whole, a flat NO_SHARD unit's as one tensor
     with per_parameter_view():  # the flat parameters' gradients view these (flat_params)
         params = list(root.parameters())
+        flat_whole, in_flat = _flat_no_shard_grads(root)
     for param in params:
         grad = param.grad
         if grad is None:
             continue
-        if isinstance(grad, DTensor):
-            (sharded if is_sharded(grad) else whole).append(grad.to_local())
-        else:
-            whole.append(grad)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if isinstance(grad, DTensor) and is_sharded(grad):
+            sharded.append(local)
+            continue
+        whole.append(local)
+        if id(param) not in in_flat:
+            normed_whole.append(local)
+    normed_whole += flat_whole
     zero = torch.tensor(0.0, device=unit.device)
     local_sharded = _norm(sharded, norm_type, zero)
-    local_whole = _norm(whole, norm_type, zero) if whole else None
+    local_whole = _norm(normed_whole, norm_type, zero) if normed_whole else None
     if not sharded:
         total = local_whole if local_whole is not None else zero
     elif norm_type == math.inf:
@@ -66,6 +77,36 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     if not grads:
         return total
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+
+def _flat_no_shard_grads(root: nn.Module) -> tuple[list[torch.Tensor], set[int]]:
+    """FSDP1's flat gradient of each ``NO_SHARD`` unit with flat parameters under ``root``.
+
+    Returns the flat gradients (each unit's gradients in FSDP1's flat order, one tensor, zeros
+    for a parameter without one; none for a unit without any) and the ids of the parameters
+    whose gradients they stand for. Call inside ``per_parameter_view``.
+    """
+    flats: list[torch.Tensor] = []
+    covered: set[int] = set()
+    for wrapper in units_in(root):
+        state = unit_of(wrapper)
+        if state.flat is None or state.unit.strategy is not ShardingStrategy.NO_SHARD:
+            continue
+        mine = {id(p) for p in state.flat.originals}
+        ordered = [p for p in dict.fromkeys(state.module.parameters()) if id(p) in mine]
+        grads = [p.grad for p in ordered]
+        if all(g is None for g in grads):
+            continue
+        pieces = []
+        for param, grad in zip(ordered, grads, strict=True):
+            if grad is None:
+                pieces.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device))
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            covered.add(id(param))
+            pieces.append(local.reshape(-1))
+        flats.append(torch.cat(pieces))
+    return flats, covered
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float, zero: torch.Tensor) -> torch.Tensor:
