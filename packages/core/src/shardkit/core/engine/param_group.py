@@ -377,4 +377,5 @@ def _add_sharded_grad(p: FSDPParam) -> None:
     old = take_sharded_grad(p)
     if old is not None:
         unsynced = p.take_unsharded_grad()
+        old = old.to(p.unsharded_param.device)  # an offloaded gradient comes back first
         p.accumulated_grad = old if unsynced is None else old + unsynced

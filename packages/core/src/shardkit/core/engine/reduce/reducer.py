@@ -333,5 +333,7 @@ def _with_accumulated(
     summed: list[torch.Tensor | None] = []
     for p, grad in zip(params, full, strict=True):
         old = take_sharded_grad(p)
-        summed.append(grad if old is None else old if grad is None else old + grad)
+        if old is not None and grad is not None:
+            old = old.to(grad.device) + grad  # an offloaded gradient comes back first
+        summed.append(grad if old is None else old)
     return summed
