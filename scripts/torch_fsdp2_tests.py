@@ -41,6 +41,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_SRC = [
@@ -49,6 +50,7 @@ PACKAGE_SRC = [
 MODES = ("torch", "shardkit")
 MODE_ENV = "SHARDKIT_TORCH_TESTS_MODE"
 COUNT_ENV = "SHARDKIT_TORCH_TESTS_COUNTS"
+CPU_PROCESSES_ENV = "SHARDKIT_TORCH_TESTS_CPU_PROCESSES"
 
 # Imported by every interpreter of a run (pytest and the workers it spawns); kept to an import
 # so that the logic stays here, typed and tested by use.
@@ -74,6 +76,38 @@ def _add_missing_test_names() -> None:
 
     if not hasattr(common_utils, "HardwareClassification"):
         common_utils.HardwareClassification = _HardwareClassification  # type: ignore[attr-defined]
+
+
+def _run_process_tests_on_cpu() -> None:
+    """Let torch's multi-process FSDP tests (``FSDPTest``) run on a machine without accelerators.
+
+    Releases up to 2.15 spawn the ranks and then skip when there are fewer accelerators than
+    ranks, even for tests marked ``allow_cpu=True``, which torch's main runs on gloo. Each rank
+    here forms a gloo group instead and runs the test, as on main. Both engines get the same
+    harness, so the torch run stays the baseline.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal import common_fsdp
+    from torch.testing._internal.common_utils import set_rng_seed
+
+    if torch.accelerator.is_available():
+        return
+
+    # Named as the method it replaces: the spawned rank finds it on the class by that name.
+    def _run(cls: Any, rank: int, test_name: str, file_name: str, pipe: Any, **_: Any) -> None:
+        test = cls(test_name)
+        test.rank, test.file_name = rank, file_name
+        dist.init_process_group(
+            init_method=test.init_method, backend="gloo", world_size=test.world_size, rank=rank
+        )
+        dist.barrier()
+        set_rng_seed()
+        test.run_test(test_name, pipe)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    common_fsdp.FSDPTest._run = classmethod(_run)  # type: ignore[method-assign,assignment,arg-type]
 
 
 def _fsdp_class_counts() -> dict[str, int]:
@@ -126,6 +160,8 @@ def activate() -> None:
     if mode not in MODES:
         return
     _add_missing_test_names()
+    if os.environ.get(CPU_PROCESSES_ENV) == "1":
+        _run_process_tests_on_cpu()
     if mode == "shardkit":
         from shardkit.core import patch_torch
 
@@ -185,7 +221,14 @@ def _read_junit(path: Path, run: Run) -> None:
             run.messages[test_id] = message
 
 
-def run_file(python: str, test_file: Path, mode: str, site: list[Path], timeout: int) -> Run:
+def run_file(
+    python: str,
+    test_file: Path,
+    mode: str,
+    site: list[Path],
+    timeout: int,
+    cpu_processes: bool = False,
+) -> Run:
     run = Run()
     with tempfile.TemporaryDirectory(prefix="torch-fsdp2-") as tmp:
         hook = Path(tmp) / "hook"
@@ -199,6 +242,7 @@ def run_file(python: str, test_file: Path, mode: str, site: list[Path], timeout:
             "PYTHONPATH": os.pathsep.join(paths),
             MODE_ENV: mode,
             COUNT_ENV: str(counts),
+            CPU_PROCESSES_ENV: "1" if cpu_processes else "0",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
         args = [
@@ -250,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, action="append", default=[], help="extra packages")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per file and engine")
     parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument(
+        "--cpu-processes",
+        action="store_true",
+        help="run multi-process tests marked allow_cpu on gloo without accelerators, "
+        "as torch's main does (releases up to 2.15 skip them)",
+    )
     args = parser.parse_args(argv)
 
     names = args.files or sorted(p.name for p in args.tests.glob("test_fully_shard*.py"))
@@ -257,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':44} {'tests':>5}  torch p/f/s   shardkit p/f/s   classes t|s", flush=True)
     for name in names:
         results[name] = {
-            m: run_file(args.python, args.tests / name, m, args.site, args.timeout) for m in MODES
+            m: run_file(
+                args.python, args.tests / name, m, args.site, args.timeout, args.cpu_processes
+            )
+            for m in MODES
         }
         torch_run, ours = results[name]["torch"], results[name]["shardkit"]
         made = f"{torch_run.classes.get('torch', 0)}|{ours.classes.get('shardkit', 0)}"

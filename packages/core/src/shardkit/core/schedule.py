@@ -330,16 +330,20 @@ class StepDriver(Generic[G]):
         if inputs_end_backward(self.ops.state(group), count_complete=count_complete):
             self.end_backward(group)
 
-    def partial_call_done(self, group: G) -> None:
+    def partial_call_done(self, group: G, *, finish: bool = False) -> None:
         """Backward went through a partial list-group call's inputs (rule 5 of the note).
 
         Ended inside that call's forward (a chunked loss's own backward), the group goes back
-        between calls: its next call, or its pre-backward, gathers it again.
+        between calls: its next call, or its pre-backward, gathers it again. ``finish``: no
+        end-of-backward callback comes for this backward (a chunk's own), so the reduction is
+        finished here, and the gradient is there when that backward returns, as in torch.
         """
         state = self.ops.state(group)
         if not partial_call_ends_backward(state):
             return
         self.end_backward(group)
+        if finish:
+            self.ops.finish_reductions()
         if state is TrainingState.FORWARD:
             self.ops.set_state(group, TrainingState.IDLE)
 

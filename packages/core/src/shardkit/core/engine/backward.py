@@ -23,7 +23,9 @@ of these ways:
 5. **A partial list-group call** (some modules of a ``fully_shard([...])`` group, not
    completing it, as a chunked loss calls the head of ``[norm, head]``): as with torch's
    ``fully_shard``, its gradients are not counted and queue no callback; the gradients of
-   its inputs end the group's backward (``input_grads.after_input_grads``).
+   its inputs end the group's backward (``input_grads.after_input_grads``), finishing its
+   reduction where no callback comes. A call whose forward then completes the group was
+   not partial after all (``_PartialCall``).
 
 The rules themselves are pure functions of ``schedule`` (the planner runs them too); see
 [Note: post-backward trigger] for why each is as it is.
@@ -46,6 +48,19 @@ __all__ = ["BackwardTracker"]
 
 
 @dataclass(slots=True)
+class _PartialCall:
+    """A call of some of a list group's modules: partial unless the group's forward completes.
+
+    With two forwards before one backward, every call of the first module is partial when it
+    starts. A forward that then runs the rest (the group's post-forward, or the root's) marks
+    the calls completed: their inputs end nothing, the count or the callback ends the group
+    (ended early, the group would be freed while the other forward's backward still reads it).
+    """
+
+    completed: bool = False
+
+
+@dataclass(slots=True)
 class _Count:
     """One group's gradients of the current backward."""
 
@@ -61,6 +76,7 @@ class BackwardTracker:
         driver: StepDriver[FSDPParamGroup],
         queue_final_callback: Callable[[], None],
         is_local: Callable[[], bool],
+        callback_queued: Callable[[], bool],
     ) -> None:
         """Track a root's backward.
 
@@ -68,13 +84,17 @@ class BackwardTracker:
             driver: the root's step sequence, told what this tracker sees.
             queue_final_callback: queues the root's end-of-backward callback (once).
             is_local: whether this iteration took the local tree's path (rule 4).
+            callback_queued: whether the running backward ends in that callback.
         """
         self._driver = driver
         self._queue_final_callback = queue_final_callback
         self._is_local = is_local
         self._counts: dict[FSDPParamGroup, _Count] = {}
         self._inputs: dict[FSDPParamGroup, InputGradsWatch] = {}
+        self._callback_queued = callback_queued
         self._partial: set[FSDPParamGroup] = set()  # groups a partial call ran (rule 5)
+        # Per group, its partial calls since its forward last completed (``_PartialCall``).
+        self._calls: dict[FSDPParamGroup, list[_PartialCall]] = {}
 
     # --- what the groups' hooks report ------------------------------------------------------
 
@@ -115,8 +135,20 @@ class BackwardTracker:
         chunked loss reduces each chunk's gradients where its gradient sync is on.
         """
         self._partial.add(group)
-        wrapped = after_input_grads(args, kwargs, lambda: self._driver.partial_call_done(group))
+        call = _PartialCall()
+        self._calls.setdefault(group, []).append(call)
+        wrapped = after_input_grads(args, kwargs, lambda: self._partial_call_done(group, call))
         return (args, kwargs) if wrapped is None else wrapped
+
+    def forward_completed(self, group: FSDPParamGroup) -> None:
+        """Every module of ``group`` ran: its partial calls since were not partial after all."""
+        for call in self._calls.pop(group, ()):
+            call.completed = True
+
+    def _partial_call_done(self, group: FSDPParamGroup, call: _PartialCall) -> None:
+        if not call.completed:
+            # A chunk's own backward queues no callback: its reduction is finished at once.
+            self._driver.partial_call_done(group, finish=not self._callback_queued())
 
     def _inputs_pending(self, group: FSDPParamGroup) -> bool:
         watch = self._inputs.get(group)
@@ -140,3 +172,4 @@ class BackwardTracker:
         for watch in self._inputs.values():
             watch.reset()
         self._partial.clear()
+        self._calls.clear()

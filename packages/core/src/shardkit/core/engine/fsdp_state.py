@@ -156,7 +156,12 @@ class FSDPState:
             comm = new_comm_context()
         groups = [g for s in states for g in s.groups]
         driver = StepDriver(EngineOps(comm, groups, self.device))
-        tracker = BackwardTracker(driver, self._ensure_final_callback, lambda: ctx.local)
+        tracker = BackwardTracker(
+            driver,
+            self._ensure_final_callback,
+            lambda: ctx.local,
+            lambda: ctx.final_callback_queued,
+        )
         ctx = RootContext(
             states=states, comm=comm, driver=driver, backward=tracker, provisional=provisional
         )
@@ -282,6 +287,7 @@ class FSDPState:
             assert self.ctx is not None
             for group in self.groups:
                 self.ctx.driver.post_forward(group)
+                self.ctx.backward.forward_completed(group)
         output = self._register_pre_backward(output)
         if self.is_root:
             output = self._root_post_forward(output)
@@ -301,6 +307,7 @@ class FSDPState:
             if state is not self and state._forward_pending:
                 for group in state.groups:
                     self.ctx.driver.post_forward(group)
+                    self.ctx.backward.forward_completed(group)
                 output = state._register_pre_backward(output)
                 state._forward_pending.clear()
         # Groups that were prefetched but never ran. A local tree's stay unsharded: each is
