@@ -51,6 +51,7 @@ MODES = ("torch", "shardkit")
 MODE_ENV = "SHARDKIT_TORCH_TESTS_MODE"
 COUNT_ENV = "SHARDKIT_TORCH_TESTS_COUNTS"
 CPU_PROCESSES_ENV = "SHARDKIT_TORCH_TESTS_CPU_PROCESSES"
+ALL_ON_CPU_ENV = "SHARDKIT_TORCH_TESTS_ALL_ON_CPU"
 
 # Imported by every interpreter of a run (pytest and the workers it spawns); kept to an import
 # so that the logic stays here, typed and tested by use.
@@ -110,6 +111,22 @@ def _run_process_tests_on_cpu() -> None:
     common_fsdp.FSDPTest._run = classmethod(_run)  # type: ignore[method-assign,assignment,arg-type]
 
 
+def _run_accelerator_tests_on_cpu() -> None:
+    """Run the tests marked as needing accelerators on the CPU too (``allow_cpu`` everywhere).
+
+    Many of them use only ``device_type``, which is the CPU here; those that need CUDA fail on
+    both engines, and the torch run, the baseline, shows which.
+    """
+    from torch.testing._internal import common_distributed
+
+    needs_accelerators = common_distributed.skip_if_lt_x_gpu
+
+    def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Any:
+        return needs_accelerators(x, allow_cpu=True)  # type: ignore[no-untyped-call]
+
+    common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+
+
 def _fsdp_class_counts() -> dict[str, int]:
     """FSDP classes made so far: shardkit's, and torch's that are not shardkit's."""
     from torch.distributed.fsdp import _fully_shard as torch_fsdp
@@ -162,6 +179,8 @@ def activate() -> None:
     _add_missing_test_names()
     if os.environ.get(CPU_PROCESSES_ENV) == "1":
         _run_process_tests_on_cpu()
+    if os.environ.get(ALL_ON_CPU_ENV) == "1":
+        _run_accelerator_tests_on_cpu()
     if mode == "shardkit":
         from shardkit.core import patch_torch
 
@@ -228,6 +247,7 @@ def run_file(
     site: list[Path],
     timeout: int,
     cpu_processes: bool = False,
+    all_on_cpu: bool = False,
 ) -> Run:
     run = Run()
     with tempfile.TemporaryDirectory(prefix="torch-fsdp2-") as tmp:
@@ -243,6 +263,7 @@ def run_file(
             MODE_ENV: mode,
             COUNT_ENV: str(counts),
             CPU_PROCESSES_ENV: "1" if cpu_processes else "0",
+            ALL_ON_CPU_ENV: "1" if all_on_cpu else "0",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
         args = [
@@ -300,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run multi-process tests marked allow_cpu on gloo without accelerators, "
         "as torch's main does (releases up to 2.15 skip them)",
     )
+    parser.add_argument(
+        "--all-on-cpu",
+        action="store_true",
+        help="also run the tests marked as needing accelerators, on the CPU (with "
+        "--cpu-processes); the torch run shows which of them a CPU can pass",
+    )
     args = parser.parse_args(argv)
 
     names = args.files or sorted(p.name for p in args.tests.glob("test_fully_shard*.py"))
@@ -308,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         results[name] = {
             m: run_file(
-                args.python, args.tests / name, m, args.site, args.timeout, args.cpu_processes
+                args.python,
+                args.tests / name,
+                m,
+                args.site,
+                args.timeout,
+                args.cpu_processes,
+                args.all_on_cpu,
             )
             for m in MODES
         }

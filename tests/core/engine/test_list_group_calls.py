@@ -10,6 +10,7 @@ size 0") on the two forwards.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
+from tests.core.torch_releases import INSTALLED
 
 _DIM, _VOCAB, _CHUNKS = 16, 24, 4
 
@@ -102,8 +104,79 @@ def _two_forwards(engine: str, grouping: str, skip_head: bool) -> list[Any]:
     return seen
 
 
+class _Tied(nn.Module):
+    """An embedding and an output projection sharing one weight (one list group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(_VOCAB, _DIM)
+        self.out = nn.Linear(_DIM, _VOCAB, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.out(self.embed(tokens))
+        return logits
+
+
+def _read_full_weight(module: Any) -> torch.Tensor:
+    module.unshard()
+    weight: torch.Tensor = module.weight.detach().clone()
+    module.reshard()
+    return weight
+
+
+def _unshard_before_forward(engine: str) -> list[Any]:
+    """``unshard()`` on a module of a list group before any forward, to read the full weight,
+    then training, then reading it again."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import shardkit.core as shardkit_core
+
+    fully_shard: Any = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+    torch.manual_seed(0)
+    model = _Tied()
+    fully_shard([model.embed, model.out])
+    fully_shard(model)
+    seen: list[Any] = [_read_full_weight(model.embed)]
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(3):
+        tokens = torch.randint(0, _VOCAB, (2, 8))
+        loss = nn.functional.cross_entropy(model(tokens).view(-1, _VOCAB), tokens.view(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        seen.append(loss.detach())
+    seen.append(_read_full_weight(model.embed))
+    return seen
+
+
+def _shared_in_two_groups(engine: str) -> list[Any]:
+    """A tied weight in two ``fully_shard`` calls: torch refuses at the first forward,
+    shardkit at the second call, both with a ``ValueError`` that starts with torch's words."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import shardkit.core as shardkit_core
+
+    fully_shard: Any = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+    model = _Tied()
+    try:
+        fully_shard(model.embed)
+        fully_shard(model.out)
+        fully_shard(model)
+        model(torch.randint(0, _VOCAB, (2, 8)))
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
 def _both_engines(rank: int, world_size: int, case: str, **kwargs: Any) -> dict[str, list[Any]]:
-    run = _chunked_loss if case == "chunked" else _two_forwards
+    runs: dict[str, Any] = {
+        "chunked": _chunked_loss,
+        "two": _two_forwards,
+        "unshard": _unshard_before_forward,
+        "shared": _shared_in_two_groups,
+    }
+    run = runs[case]
     return {engine: run(engine, **kwargs) for engine in ("torch", "shardkit")}
 
 
@@ -121,6 +194,11 @@ def _assert_same(torch_seen: list[Any], ours: list[Any]) -> None:
             assert torch.equal(expected, got), f"entry {index} differs"
 
 
+@pytest.mark.skipif(
+    INSTALLED < (2, 13),
+    reason="the oracle fails: torch's own fully_shard raises 'mixed torch.Tensor and DTensor' "
+    "at the second chunk before 2.13",
+)
 def test_a_chunked_loss_sees_each_chunks_gradient_when_its_backward_returns() -> None:
     """The head of ``[norm, head]`` called per chunk after a forward that skipped it: its
     reduced gradient is there after each chunk's own backward (no end-of-backward callback
@@ -144,3 +222,24 @@ def test_two_forwards_before_one_backward_through_a_list_group(
     results = run_on_ranks(2, _both_engines, case="two", grouping=grouping, skip_head=skip_head)
     for result in results:
         _assert_same(result["torch"], result["shardkit"])
+
+
+def test_unshard_on_a_list_groups_module_before_any_forward() -> None:
+    """Reading a tied weight through ``unshard()`` before training: shardkit refused it (a
+    list call's modules cannot be a root), torch's ``fully_shard`` makes no root there."""
+    for result in run_on_ranks(2, _both_engines, case="unshard"):
+        _assert_same(result["torch"], result["shardkit"])
+
+
+def test_a_weight_shared_by_two_groups_is_refused_with_torchs_words() -> None:
+    torchs_words = re.compile(
+        r"Parameter '[\w.]+' is shared with a parameter already managed by another FSDP group\. "
+        r"For shared/tied parameters, use fully_shard\(\[module_a, module_b\]\) to place them "
+        r"in the same FSDP group\."
+    )
+    # torch finds it from 2.13 on; earlier releases accept it.
+    engines = ("torch", "shardkit") if INSTALLED >= (2, 13) else ("shardkit",)
+    for result in run_on_ranks(2, _both_engines, case="shared"):
+        for engine in engines:
+            assert len(result[engine]) == 1, f"{engine} accepted a weight in two groups"
+            assert torchs_words.match(result[engine][0]), (engine, result[engine][0])

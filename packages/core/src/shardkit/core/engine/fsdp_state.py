@@ -146,7 +146,7 @@ class FSDPState:
             return
         root_module = self.modules[0]
         states = states_under(root_module)
-        refuse_second_root(self, states)
+        refuse_second_root(self, states, provisional=provisional)
         self.is_root = True
         if runtime is not None:
             comm = CommContext(runtime=runtime, pool=runtime.pool)

@@ -237,10 +237,12 @@ def _check_params(
         name = names[key]
         owner = _owner_of(param)
         if owner is not None:
+            # torch's first line (2.13 on, which finds it at the first forward), then ours.
             raise ValueError(
-                f"parameter {name} is already sharded by another fully_shard call ({owner}); "
-                "a parameter shared by two groups must be in one group: apply fully_shard to "
-                "a module that contains every user of it, or pass the modules as one list"
+                f"Parameter '{name}' is shared with a parameter already managed by another "
+                "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) "
+                f"to place them in the same FSDP group. (shardkit: it is sharded by {owner}; "
+                "refused at this fully_shard call, before anything is sharded)"
             )
         if mesh_info.spmd is not None:
             check_spmd_param(param, name, mesh_info.spmd)

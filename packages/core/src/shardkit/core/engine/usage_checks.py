@@ -80,7 +80,9 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def refuse_second_root(root: FSDPState, states: list[FSDPState]) -> None:
+def refuse_second_root(
+    root: FSDPState, states: list[FSDPState], *, provisional: bool = False
+) -> None:
     """Refuse a root of several modules, or a tree where a state already has a root.
 
     As torch's ``fully_shard`` refuses them: a list call's modules have no one tree to run
@@ -88,9 +90,9 @@ def refuse_second_root(root: FSDPState, states: list[FSDPState]) -> None:
     it was made a root of its own, with its own communication context and order; making a
     second root take it over would leave two roots driving one group. A root ``unshard()``
     made before any forward (``RootContext.provisional``) is taken over, as torch's
-    ``unshard`` makes none.
+    ``unshard`` makes none: so a list call's modules may be gathered that way (``provisional``).
     """
-    if len(root.modules) > 1:
+    if len(root.modules) > 1 and not provisional:
         names = ", ".join(type(m).__name__ for m in root.modules)
         raise RuntimeError(
             f"FSDP requires a single root module but got [{names}]: run forward through a "
