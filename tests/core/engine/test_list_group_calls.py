@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor
 
+import shardkit.core as shardkit_core
 from harness.pool import run_on_ranks
 from tests.core.torch_releases import INSTALLED
 
@@ -40,12 +42,13 @@ class _ChunkedHead(nn.Module):
         return hidden if skip_head else self.head(hidden)
 
 
+def _fully_shard(engine: str) -> Any:
+    """The engine's ``fully_shard``: torch's or shardkit's."""
+    return torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+
+
 def _sharded(engine: str, grouping: str) -> _ChunkedHead:
-    import torch.distributed.fsdp as torch_fsdp
-
-    import shardkit.core as shardkit_core
-
-    fully_shard: Any = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+    fully_shard = _fully_shard(engine)
     torch.manual_seed(0)
     model = _ChunkedHead()
     if grouping == "norm_head":
@@ -128,11 +131,7 @@ def _read_full_weight(module: Any) -> torch.Tensor:
 def _unshard_before_forward(engine: str) -> list[Any]:
     """``unshard()`` on a module of a list group before any forward, to read the full weight,
     then training, then reading it again."""
-    import torch.distributed.fsdp as torch_fsdp
-
-    import shardkit.core as shardkit_core
-
-    fully_shard: Any = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+    fully_shard = _fully_shard(engine)
     torch.manual_seed(0)
     model = _Tied()
     fully_shard([model.embed, model.out])
@@ -153,11 +152,7 @@ def _unshard_before_forward(engine: str) -> list[Any]:
 def _shared_in_two_groups(engine: str) -> list[Any]:
     """A tied weight in two ``fully_shard`` calls: torch refuses at the first forward,
     shardkit at the second call, both with a ``ValueError`` that starts with torch's words."""
-    import torch.distributed.fsdp as torch_fsdp
-
-    import shardkit.core as shardkit_core
-
-    fully_shard: Any = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
+    fully_shard = _fully_shard(engine)
     model = _Tied()
     try:
         fully_shard(model.embed)
