@@ -19,6 +19,7 @@ from shardkit.core.engine.finalization import (
     set_manual_finalization,
     wait_for_gradient_reduction,
 )
+from shardkit.core.engine.grad_dtype_policy import hold_explicit_grads, restore_held_grads
 from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
@@ -394,6 +395,7 @@ class FSDPModule:
         unlisted = [g for g in groups if not all(p.listed for p in g.params)]
         for group in unlisted:
             group.list_params(True)
+        held = hold_explicit_grads(p for group in groups for p in group.params)
         try:
             result = nn.Module._apply(self, fn, recurse)
         finally:
@@ -401,6 +403,7 @@ class FSDPModule:
                 group.list_params(False)
         for group in groups:
             group.resync_sharded_storage()
+        restore_held_grads(held)
         return result
 
     def load_state_dict(

@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "ACCUMULATES_IN_GRAD_DTYPE",
+    "FOLLOWS_GRAD_DTYPE",
     "NEWEST_TESTED",
     "OLDEST_TESTED",
     "REDUCES_IN_PARAM_DTYPE",
@@ -55,6 +56,13 @@ ACCUMULATES_IN_GRAD_DTYPE = (release_of(torch.__version__) or (0, 0)) >= (2, 15)
 parameters' ``grad_dtype`` (torch 2.15 on), rather than being cast to it when a group's
 backward ends (2.10 to 2.14). Tensors have ``grad_dtype`` on every tested release: what changed
 is ``fully_shard``'s use of it, so the release decides. See [Note: post-backward trigger]."""
+
+FOLLOWS_GRAD_DTYPE = ACCUMULATES_IN_GRAD_DTYPE and hasattr(
+    torch.empty(0), "_has_grad_dtype_override"
+)
+"""Whether a ``grad_dtype`` the user set on a parameter before sharding is kept and decides its
+gradients' dtype (torch 2.15 on; earlier ``fully_shard`` builds the sharded parameter without
+it). See ``engine/grad_dtype_policy.py``."""
 
 
 def _tested_range() -> str:

@@ -8,6 +8,7 @@ a model it has never run, so their sizes cannot drift apart. See [Note: flat gro
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class ParamSpec:
     keeps_own_dtype: bool = False
     """Whether ``MixedPrecisionPolicy.param_dtype_override_fn`` keeps it out of
     ``param_dtype``: it is gathered and computed in its own dtype."""
+    grad_dtype_policy: tuple[bool, torch.dtype | None] = (False, None)
+    """Whether its user set its ``grad_dtype`` (torch 2.15 on), and to what (None: any)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -309,6 +312,7 @@ def _reduce_dtype(
 ) -> torch.dtype:
     if reduce_dtype is not None:
         return reduce_dtype
+    computed = comm_dtypes
     if REDUCES_IN_PARAM_DTYPE:
         # As torch's reduce_dtype=None does from 2.15 on: gradients reduce in their
         # parameters' own dtype (fp32 parameters computed in bf16 reduce in fp32).
@@ -324,7 +328,16 @@ def _reduce_dtype(
             "MixedPrecisionPolicy(param_dtype=...) (with param_dtype_override_fn, "
             "reduce_dtype=...) or shard them in separate calls."
         )
-    return trained.pop() if trained else torch.float32
+    if not trained:
+        return torch.float32
+    # Each gradient's dtype: the one its user set (None: any, so the computed one), else the
+    # parameter's. The group reduces in the widest of them.
+    wanted = [
+        (s.grad_dtype_policy[1] or made) if s.grad_dtype_policy[0] else own
+        for s, own, made in zip(specs, comm_dtypes, computed, strict=True)
+        if s.requires_grad
+    ]
+    return functools.reduce(torch.promote_types, wanted)
 
 
 def group_layout(

@@ -10,6 +10,8 @@ buffers] and [Note: all-gather extensions].
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from shardkit.core.engine.comm_context import CommContext
@@ -66,10 +68,15 @@ class GroupUpkeep:
 
     def _follow_plan(self) -> None:
         in_param_dtype = self.options.unsynced_grads_in_param_dtype
+        reduce_dtype = self._config.mp_policy.reduce_dtype
         for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
             comm_dtype = param_layout.comm_dtype
             accumulate = comm_dtype if in_param_dtype else self.plan.reduce_dtype
-            p.follow_plan_dtypes(comm_dtype, accumulate)
+            policy = p.grad_policy
+            if policy.explicit and not in_param_dtype:  # the grad_dtype its user set
+                accumulate = policy.accumulation_dtype(reduce_dtype, p.orig_dtype, comm_dtype)
+            any_dtype = policy.explicit and policy.dtype is None and reduce_dtype is None
+            p.follow_plan_dtypes(comm_dtype, accumulate, any_dtype=any_dtype and not in_param_dtype)
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 
@@ -101,13 +108,22 @@ class GroupUpkeep:
         Those replace a parameter's local tensor with new storage; the group copies the values
         back into one flat buffer (on their new device) and re-points every DTensor at it.
         """
+        # A grad_dtype set on a sharded parameter (before lazy init, as torch allows) counts.
+        policies = [replace(p.grad_policy) for p in self.params]  # copies
+        for p in self.params:
+            p.take_grad_policy()
         locals_ = [p.current_local() for p in self.params]
+        for p in self.params:  # _apply swaps new tensors in, without it
+            p.grad_policy.put_on(p.sharded_param)
+        new_policy = policies != [p.grad_policy for p in self.params]
         if any(t.is_meta for t in locals_):
             return
         self._storage.adopt_hooked(self.plan, locals_)
         device = torch.device("cpu") if self.plan.offload else locals_[0].device
         retyped = any(t.dtype != p.orig_dtype for t, p in zip(locals_, self.params, strict=True))
         if self._storage.holds(self.plan, locals_, device) and not retyped:
+            if new_policy:
+                self._plan_buffers()  # the reduce dtype may be another
             return
         self.reshard()  # any full copy predates the new values
         if retyped:

@@ -190,7 +190,8 @@ def _take_grads(plan: _Plan) -> bool:
     """Give each local tensor its parameter's local gradient.
 
     Returns False, with nothing left set, if a gradient is not a DTensor of its parameter's
-    spec.
+    spec, or not of its dtype (a ``grad_dtype`` set on it): the optimizer then steps the
+    DTensors, which accept such a gradient where the local tensor would refuse it.
     """
     entries = plan.entries
     for i, e in enumerate(entries):
@@ -198,7 +199,9 @@ def _take_grads(plan: _Plan) -> bool:
         e.had_grad = grad is not None
         if grad is None:
             continue
-        if not (isinstance(grad, DTensor) and same_spec(grad, e.param)):
+        if not (
+            isinstance(grad, DTensor) and same_spec(grad, e.param) and grad.dtype == e.local.dtype
+        ):
             for done in entries[:i]:
                 done.local.grad = None
             return False

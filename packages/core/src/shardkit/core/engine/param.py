@@ -23,9 +23,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardkit.core.engine.buffer_layout import ParamSpec
 from shardkit.core.engine.gather_hooks import AllGatherHooks, has_all_gather_hooks
+from shardkit.core.engine.grad_dtype_policy import GradDtypePolicy
 from shardkit.core.engine.local_step import allow_local_step
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param_listing import ParamSlot, read_slot, write_slot
+from shardkit.core.engine.weak_hooks import weak_grad_hook
 from shardkit.core.errors import UnsupportedWithHooksError
 from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
@@ -59,6 +61,8 @@ class FSDPParam:
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype (<2.15)
     accumulation_dtype: torch.dtype | None  # torch 2.15 on: the unsharded param's grad_dtype
+    grad_policy: GradDtypePolicy  # the grad_dtype its user set (torch 2.15 on)
+    any_grad_dtype: bool  # grad_dtype=None set and no reduce_dtype: gradients of any dtype
     hooks: AllGatherHooks | None  # a subclass gathered through its all-gather hooks
 
     def __init__(
@@ -84,7 +88,9 @@ class FSDPParam:
         self.unsharded_param = None
         self.accumulated_grad = None
         self.accumulation_dtype = None  # set with comm_dtype by the group's plan
+        self.grad_policy = GradDtypePolicy.of(param)
         self._defers_upcast = False  # see follow_plan_dtypes
+        self.any_grad_dtype = False
         # The tensor dp shards, until the group has copied this rank's shard of it.
         self._source: torch.Tensor | None = local
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
@@ -114,15 +120,19 @@ class FSDPParam:
         if self.hooks is not None:
             self.hooks.reset(inputs=True)  # the hook may send other tensors now
 
-    def follow_plan_dtypes(self, comm_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    def follow_plan_dtypes(
+        self, comm_dtype: torch.dtype, reduce_dtype: torch.dtype, *, any_dtype: bool = False
+    ) -> None:
         """Take the group plan's dtypes: the unsharded parameter's, and its gradient's.
 
         ``reduce_dtype``: the one full gradients accumulate in (the plan's reduce dtype, or
         ``comm_dtype`` where the group accumulates as FSDP1 does). From torch 2.15 on,
         gradients accumulate in it inside autograd, through the unsharded parameter's
-        ``grad_dtype``. See [Note: post-backward trigger].
+        ``grad_dtype`` (``any_dtype``: None there, as its user set). See [Note: post-backward
+        trigger].
         """
         self.comm_dtype = comm_dtype
+        self.any_grad_dtype = any_dtype
         spec = self.sharding_spec
         floating = comm_dtype.is_floating_point and reduce_dtype.is_floating_point
         follows = ACCUMULATES_IN_GRAD_DTYPE and floating
@@ -136,7 +146,7 @@ class FSDPParam:
             for axis, placement in enumerate(spec.unsharded_placements)
         )
         wider = reduce_dtype.itemsize > comm_dtype.itemsize
-        self._defers_upcast = follows and wider and not summed_outside_dp
+        self._defers_upcast = follows and wider and not summed_outside_dp and not any_dtype
         param = self.unsharded_param
         if param is not None and param.grad is None:
             self._set_grad_dtype(param)
@@ -145,6 +155,11 @@ class FSDPParam:
     def requires_grad(self) -> bool:
         """Whether the parameter trains now: the user may change it at any time."""
         return self.sharded_param.requires_grad
+
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype | None:
+        """The sharded gradient's dtype (None: the reduction's, as its user allowed)."""
+        return self.grad_policy.sharded_grad_dtype(self.orig_dtype)
 
     @property
     def spec(self) -> ParamSpec:
@@ -159,6 +174,7 @@ class FSDPParam:
             all_gather_hooks=self.hooks is not None,
             all_gather_inputs=self.hooks.inputs if self.hooks is not None else None,
             keeps_own_dtype=self.keeps_own_dtype,
+            grad_dtype_policy=(self.grad_policy.explicit, self.grad_policy.dtype),
         )
 
     # --- sharded side ---------------------------------------------------------------------
@@ -273,6 +289,7 @@ class FSDPParam:
             return
         dtensor = self.extension.make_sharded(local, self.sharding_spec)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.grad_policy.put_on(self.sharded_param)
         self._allow_local_step()
         # The group's buffer now holds the only copy we keep: let the original go.
         self._source = None
@@ -288,10 +305,20 @@ class FSDPParam:
         """The local tensor that the registered sharded parameter holds right now."""
         param = read_slot(self.slots[0])
         if isinstance(param, DTensor) and param is not self.sharded_param:
-            # load_state_dict(assign=True) put a new object in place: adopt it.
+            # load_state_dict(assign=True) or _apply put a new object in place: adopt it.
+            self.take_grad_policy()  # a grad_dtype set on the one it replaces, then its own
+            self.grad_policy.take_from(param)
             self.sharded_param = param
             self._allow_local_step()
+            self.grad_policy.put_on(param)
         return local_of(self.sharded_param)
+
+    def take_grad_policy(self) -> bool:
+        """Adopt a ``grad_dtype`` set on the sharded parameter since; whether it changed.
+
+        Its user may set one until lazy initialization, as with torch's ``fully_shard``.
+        """
+        return self.grad_policy.take_from(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------
 
@@ -329,7 +356,7 @@ class FSDPParam:
         Users freeze and unfreeze parameters between steps (fine-tuning schedules) on the
         parameters they see, the sharded ones; the engine follows at each unshard. A trainable
         parameter's gradient hook calls ``on_grad_ready`` (added once, on first need; a bound
-        method, held weakly: see ``_weakly``).
+        method, held weakly: see ``weak_grad_hook``).
         """
         param = self.unsharded_param
         assert param is not None, f"{self.fqn}: unsharded parameter used before creation"
@@ -337,7 +364,7 @@ class FSDPParam:
         if param.requires_grad != wanted:
             param.requires_grad_(wanted)
         if wanted and not self._grad_hook_added:
-            param.register_post_accumulate_grad_hook(_weakly(on_grad_ready))
+            param.register_post_accumulate_grad_hook(weak_grad_hook(on_grad_ready))
             self._grad_hook_added = True
 
     def register(self, unsharded: bool) -> None:
@@ -349,7 +376,7 @@ class FSDPParam:
 
     def _set_grad_dtype(self, param: nn.Parameter) -> None:
         if self.accumulation_dtype is not None:
-            param.grad_dtype = self.accumulation_dtype
+            param.grad_dtype = None if self.any_grad_dtype else self.accumulation_dtype
 
     def defer_grad_upcast(self, reducing: bool) -> None:
         """At the group's pre-backward (torch 2.15 on): let autograd's gradient keep its dtype.
@@ -419,21 +446,3 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"
-
-
-def _weakly(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    """A gradient hook that calls the bound ``method`` while its object lives.
-
-    torch keeps a post-accumulate-grad hook on the tensor's C++ side, out of the garbage
-    collector's sight: a hook that held its group (which holds this parameter) would be a
-    cycle never collected, and every sharded model, shards and all, would live as long as the
-    process.
-    """
-    ref = weakref.WeakMethod(method)  # its object is held weakly
-
-    def hook(tensor: torch.Tensor) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(tensor)
-
-    return hook

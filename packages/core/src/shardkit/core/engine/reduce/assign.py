@@ -32,7 +32,9 @@ def assign_reduced(
     ``offload``: the shards live on the host, and so must their gradients (``pin_memory``:
     in pinned memory, which a copy can fill without blocking).
     """
-    dtypes = {p.orig_dtype for p in packing.params}
+    # Each gradient in its parameter's dtype, or the grad_dtype its user set (None: as reduced).
+    wanted = [p.sharded_grad_dtype or reduced.dtype for p in packing.params]
+    dtypes = set(wanted)
     if len(dtypes) == 1 and reduced.dtype not in dtypes:
         reduced = reduced.to(dtypes.pop())  # one cast for the whole group
     if offload:
@@ -40,10 +42,10 @@ def assign_reduced(
         # before backward's end waits for it. See [Note: gpu schedule] (CPU offload).
         overlap = pin_memory and not _read_on_host(packing, reduced.dtype)
         reduced = comm.host_copies.to_host(reduced, non_blocking=overlap)
-    for p, offset in zip(packing.params, packing.offsets, strict=True):
+    for p, offset, dtype in zip(packing.params, packing.offsets, wanted, strict=True):
         local = p.local_at(reduced, offset)
-        if local.dtype != p.orig_dtype:
-            local = local.to(p.orig_dtype)
+        if local.dtype != dtype:
+            local = local.to(dtype)
         assign_local(p, local)
 
 
@@ -73,7 +75,7 @@ def _read_on_host(packing: Packing, dtype: torch.dtype) -> bool:
     gradient is assigned (optimizer-in-backward) all do.
     """
     return any(
-        p.orig_dtype != dtype
+        (p.sharded_grad_dtype or dtype) != dtype
         or p.sharded_param.grad is not None
         or has_post_accumulate_grad_hooks(p.sharded_param)
         for p in packing.params

@@ -134,6 +134,8 @@ class GroupReducer:
         optimizers skip it), unless the user asked to reduce unused parameters as zeros.
         """
         with_zeros = self.options.reduce_scatter_unused_params
+        if with_zeros:
+            _check_zeros_have_a_dtype(trainable, self.label)
         grads = [(p, p.take_unsharded_grad()) for p in trainable]
         chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
         return chosen if any(g is not None for _, g in chosen) else []
@@ -263,7 +265,7 @@ class GroupReducer:
         # A missing gradient would be sent as zeros: only the packing path makes those.
         return all(
             g is not None
-            and g.dtype == self.dtype == p.orig_dtype
+            and g.dtype == self.dtype == (p.sharded_grad_dtype or g.dtype)
             and g.shape == p.geometry.shape
             and g.is_contiguous()
             and type(g) is torch.Tensor
@@ -337,3 +339,18 @@ def _with_accumulated(
             old = old.to(grad.device) + grad  # an offloaded gradient comes back first
         summed.append(grad if old is None else old)
     return summed
+
+
+def _check_zeros_have_a_dtype(trainable: Sequence[FSDPParam], label: str) -> None:
+    """Zeros for unused parameters need one dtype on every rank, which grad_dtype=None lacks.
+
+    Checked on the configuration, not on which gradients came: every rank raises alike.
+    """
+    for p in trainable:
+        if p.any_grad_dtype:
+            raise ValueError(
+                f"FSDP module {label or '<root>'}: reducing unused parameters with "
+                "grad_dtype=None requires an explicit MixedPrecisionPolicy.reduce_dtype, so "
+                f"that every rank makes zeros of one dtype for {p.fqn}: set reduce_dtype to "
+                "the dtype its gradients have"
+            )
