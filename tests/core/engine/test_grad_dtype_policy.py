@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardkit.core as shardkit_core
@@ -44,7 +45,10 @@ def _model() -> nn.Sequential:
     return nn.Sequential(_Block(), _Block(), nn.Linear(_DIM, 4))
 
 
-_ALL_FP32 = ("fp32", "to_bf16", "no_sync", "set_after", "assign")
+_ALL_FP32 = ("fp32", "to_bf16", "no_sync", "set_after", "assign", "hsdp")
+# Kept in fp32 and computed in bf16 (MixedPrecisionPolicy), with bf16 gradients set on the
+# linear weights only: the group reduces in fp32, and those arrive in bf16.
+_MIXED = "mp_bf16_weight_grads"
 
 
 def _set_grad_dtype(model: nn.Module, case: str) -> None:
@@ -54,6 +58,8 @@ def _set_grad_dtype(model: nn.Module, case: str) -> None:
             p.grad_dtype = torch.float32
         elif case == "any":
             p.grad_dtype = None
+        elif case == _MIXED and "proj.weight" in name:
+            p.grad_dtype = torch.bfloat16
 
 
 def _policy(model: nn.Module) -> list[Any]:
@@ -66,13 +72,18 @@ def _policy(model: nn.Module) -> list[Any]:
 def _train(engine: str, case: str) -> dict[str, Any]:
     fully_shard = torch_fsdp.fully_shard if engine == "torch" else shardkit_core.fully_shard
     model: Any = _model()  # Sequential, then its sharded self
-    if case != "to_bf16":
+    if case not in ("to_bf16", _MIXED):
         model = model.to(torch.bfloat16)
     if case != "set_after":
         _set_grad_dtype(model, case)
+    kwargs: dict[str, Any] = {}
+    if case == "hsdp":  # the all-reduce across replicas runs in the set dtype too
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    if case == _MIXED:
+        kwargs["mp_policy"] = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in model[:2]:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     if case == "set_after":  # on the sharded parameters, before the first forward
         _set_grad_dtype(model, case)
     if case == "to_bf16":
@@ -117,6 +128,10 @@ def _both(rank: int, world_size: int, case: str) -> bool:
     # Where torch follows the setting, the gradients show it (a test that cannot pass vacuously).
     if FOLLOWS_GRAD_DTYPE and case in _ALL_FP32:
         assert all(dtype == torch.float32 for _, dtype, _ in ours["grads"][0])
+    if FOLLOWS_GRAD_DTYPE and case == _MIXED:
+        dtypes = {name: dtype for name, dtype, _ in ours["grads"][0]}
+        assert dtypes["0.proj.weight"] == torch.bfloat16, dtypes
+        assert dtypes["0.norm.weight"] == torch.float32, dtypes
     return True
 
 
@@ -132,6 +147,8 @@ _BEFORE_2_15 = "torch's own fully_shard fails its backward here before 2.15"
         "to_bf16",
         "no_sync",
         "assign",
+        "hsdp",
+        _MIXED,
         pytest.param(
             "set_after", marks=pytest.mark.skipif(not FOLLOWS_GRAD_DTYPE, reason=_BEFORE_2_15)
         ),

@@ -26,6 +26,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _tor
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
+    from shardkit.core.engine.param import FSDPParam
     from shardkit.core.engine.param_group import FSDPParamGroup
 
 __all__ = [
@@ -71,12 +72,23 @@ class _Strict:
 
 
 class TorchFacingParam(_Strict):
-    """A managed parameter as torch's ``FSDPParam`` is read: its name from the root."""
+    """A managed parameter as torch's ``FSDPParam`` is read: its name, its grad_dtype policy."""
 
-    __slots__ = ("_param_fqn",)
+    __slots__ = ("_param", "_param_fqn")
 
-    def __init__(self, fqn: str) -> None:
+    def __init__(self, fqn: str, param: FSDPParam) -> None:
         self._param_fqn = fqn
+        self._param = param
+
+    @property
+    def _has_sharded_grad_dtype_override(self) -> bool:
+        # Whether its user set a grad_dtype (torch 2.15 on; see engine/grad_dtype_policy.py).
+        return self._param.grad_policy.explicit
+
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype | None:
+        """The sharded gradient's dtype: the ``grad_dtype`` set, else the parameter's."""
+        return self._param.sharded_grad_dtype
 
 
 class TorchFacingGroup(_Strict):
@@ -91,7 +103,10 @@ class TorchFacingGroup(_Strict):
     @property
     def fsdp_params(self) -> list[TorchFacingParam]:
         """The group's parameters (their names from the root once the root ran lazy init)."""
-        return [TorchFacingParam(fqn) for fqn in self._group.param_fqns]
+        group = self._group
+        return [
+            TorchFacingParam(fqn, p) for fqn, p in zip(group.param_fqns, group.params, strict=True)
+        ]
 
     @property
     def _module_fqn(self) -> str:
