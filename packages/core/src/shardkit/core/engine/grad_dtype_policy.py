@@ -48,18 +48,14 @@ class GradDtypePolicy:
         policy.take_from(param)
         return policy
 
-    def take_from(self, param: torch.Tensor) -> bool:
-        """Adopt ``param``'s setting if it has an explicit one; whether the policy changed.
+    def take_from(self, param: torch.Tensor) -> None:
+        """Adopt ``param``'s setting if it has an explicit one.
 
         A parameter without one (rebuilt by ``Module._apply``, loaded with ``assign=True``)
         leaves the policy as it was: an explicit setting cannot be unset.
         """
-        if not FOLLOWS_GRAD_DTYPE or not getattr(param, "_has_grad_dtype_override", False):
-            return False
-        dtype = param.grad_dtype
-        changed = not self.explicit or dtype != self.dtype
-        self.explicit, self.dtype = True, dtype
-        return changed
+        if FOLLOWS_GRAD_DTYPE and getattr(param, "_has_grad_dtype_override", False):
+            self.explicit, self.dtype = True, param.grad_dtype
 
     def put_on(self, param: nn.Parameter) -> None:
         """Give ``param`` (a new sharded parameter) the setting, where it is explicit."""
@@ -72,29 +68,12 @@ class GradDtypePolicy:
         """The dtype of the sharded gradient (None: the reduction's), for a parameter of ``own``."""
         return self.dtype if self.explicit else own
 
-    def accumulation_dtype(
-        self, reduce_dtype: torch.dtype | None, own: torch.dtype, computed: torch.dtype
-    ) -> torch.dtype:
-        """The dtype the full gradient accumulates and is reduced from, for this parameter.
-
-        Args:
-            reduce_dtype: ``MixedPrecisionPolicy.reduce_dtype``; it decides where set.
-            own: the parameter's dtype.
-            computed: the unsharded parameter's dtype: what autograd gives a gradient of a
-                parameter set to any dtype (``None``), as the plan sizes its buffers for.
-        """
-        if reduce_dtype is not None:
-            return reduce_dtype
-        if self.explicit:
-            return computed if self.dtype is None else self.dtype
-        return own
-
 
 class _Sharded(Protocol):
     grad_policy: GradDtypePolicy
     sharded_param: nn.Parameter
 
-    def take_grad_policy(self) -> bool: ...
+    def take_grad_policy(self) -> None: ...
 
 
 def hold_explicit_grads(params: Iterable[_Sharded]) -> list[tuple[_Sharded, torch.Tensor]]:

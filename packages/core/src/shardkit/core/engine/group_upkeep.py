@@ -72,11 +72,12 @@ class GroupUpkeep:
         for p, param_layout in zip(self.params, self.plan.layout.params, strict=True):
             comm_dtype = param_layout.comm_dtype
             accumulate = comm_dtype if in_param_dtype else self.plan.reduce_dtype
-            policy = p.grad_policy
-            if policy.explicit and not in_param_dtype:  # the grad_dtype its user set
-                accumulate = policy.accumulation_dtype(reduce_dtype, p.orig_dtype, comm_dtype)
-            any_dtype = policy.explicit and policy.dtype is None and reduce_dtype is None
-            p.follow_plan_dtypes(comm_dtype, accumulate, any_dtype=any_dtype and not in_param_dtype)
+            policy, any_dtype = p.grad_policy, False
+            if policy.explicit and reduce_dtype is None and not in_param_dtype:
+                # The grad_dtype its user set (None: any; planned as the computed dtype).
+                accumulate = comm_dtype if policy.dtype is None else policy.dtype
+                any_dtype = policy.dtype is None
+            p.follow_plan_dtypes(comm_dtype, accumulate, any_dtype=any_dtype)
         if self.comm is not None:
             self.attach_comm(self.comm)  # the pool learns the new sizes
 

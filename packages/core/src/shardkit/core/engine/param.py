@@ -313,12 +313,12 @@ class FSDPParam:
             self.grad_policy.put_on(param)
         return local_of(self.sharded_param)
 
-    def take_grad_policy(self) -> bool:
-        """Adopt a ``grad_dtype`` set on the sharded parameter since; whether it changed.
+    def take_grad_policy(self) -> None:
+        """Adopt a ``grad_dtype`` set on the sharded parameter since it was made.
 
         Its user may set one until lazy initialization, as with torch's ``fully_shard``.
         """
-        return self.grad_policy.take_from(self.sharded_param)
+        self.grad_policy.take_from(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------
 
