@@ -135,7 +135,12 @@ def main(argv: list[str]) -> None:
         staging = getattr(getattr(snapshots, "_writer", None), "_staging", None)
         path = {"staged": staging is not None, "chunk_mib": snapshot_staging.CHUNK_BYTES // 2**20}
     finally:
+        # Each rank removes its own node's folder only: a rank that removed the whole root
+        # could pull a slower peer's files from under its close.
         snapshots.close()
+        shutil.rmtree(root / f"node{rank}", ignore_errors=True)
+    dist.barrier()
+    if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     ratios = [r[True] / r[False] for r in rounds]
     if rank == 0:

@@ -31,7 +31,8 @@ def _run(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
 
 def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     done = _run(["--cpu-smoke"], tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The table ends with each failed row's detail (its command's error): show it whole.
+    assert done.returncode == 0, f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
     results = json.loads((tmp_path / "gpu-check" / "results.json").read_text())
     rows = results["rows"]
     assert [r["check"] for r in rows] == [

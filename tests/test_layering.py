@@ -166,7 +166,8 @@ def test_the_dist_check_sees_every_spelling() -> None:
 
 # collectives.py (the step's), object_collectives.py (whole objects between steps) and
 # peer_transfer.py (memory snapshots to and from a peer) call them; flat_collectives.py only
-# picks the installed torch's names for two.
+# picks the installed torch's names for two; comm_debug.py issues them on meta tensors, for
+# torch's CommDebugMode to count (nothing is sent).
 COLLECTIVE_MODULES = {
     CORE / "runtime" / name
     for name in (
@@ -174,6 +175,7 @@ COLLECTIVE_MODULES = {
         "object_collectives.py",
         "flat_collectives.py",
         "peer_transfer.py",
+        "comm_debug.py",
     )
 }
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import desync, lifetimes
+from shardkit.core.runtime import comm_debug, desync, lifetimes
 from shardkit.core.runtime.announce import announce, announce_issued
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
@@ -153,6 +153,8 @@ class ProcessGroupRuntime:
             handle = GatherHandle(works, [RowBlock(0, rows)], None, self.pool)
         else:
             handle = self._all_gather(input, group, label, issued.tag, into)
+        if exchange:
+            comm_debug.count_all_gather(input, group)
         handle.info, handle.check = issued.info, issued.check
         issued.issued_as(handle.works)
         if SETTINGS.lifetime_checks:
@@ -225,6 +227,8 @@ class ProcessGroupRuntime:
             handle = WorkHandle(work, issued.info)
         else:
             handle = self._reduce_scatter(output, input, group, label, issued.tag, op)
+            if exchange:
+                comm_debug.count_reduce_scatter(output, input, group, op)
             if isinstance(handle, SumRowsHandle):
                 handle.info, handle.check = issued.info, issued.check
                 issued.issued_as(handle.works)
@@ -328,6 +332,7 @@ class ProcessGroupRuntime:
                 RowBlock(rank, rows[rank : rank + 1]),
                 RowBlock(rank + 1, received[rank:]),
             ]
+            comm_debug.count_all_to_all(rows, group)
         handle = GatherHandle(works, [b for b in blocks if b.rows.shape[0]], buffer, self.pool)
         handle.info, handle.check = issued.info, issued.check
         issued.issued_as(handle.works)
