@@ -159,9 +159,12 @@ def run_chunks(names: list[str], *, budget: float, device: str, smoke: bool = Fa
             print(f"[check_gpu] {name} (about {chunk.seconds} s)", flush=True)
             rows += [gpu_chunks.row_dict(row) for row in chunk.run(runner)]
         results = {"meta": meta, "rows": rows, "records": runner.records}
+        results["crashes_retried"] = runner.crashes_retried
         (folder / "results.json").write_text(json.dumps(results, indent=1))
         (folder / "table.md").write_text(table(rows) + "\n")
     print(f"\n{meta}\n\n{table(rows)}\n\nresults: {folder}")
+    for crash in runner.crashes_retried:
+        print(f"\nkilled by a crash signal, then run again:\n{crash}")
     return 1 if any(r["status"] in ("fail", "error") for r in rows) else 0
 
 

@@ -9,6 +9,7 @@ picks the chunks, runs them and prints the table.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ from tests.core.interop import cuda_offload_race, cuda_parity  # noqa: E402  (af
 from tests.tools import cuda_tools_run  # noqa: E402
 
 GIB = 2**30
+# A crash signal in an error: torchrun's report of a process ("exitcode  : -11"), or a
+# command's own negative exit status ("exit -6").
+_CRASH = re.compile(r"exitcode\s*:\s*-\d+|^exit -\d+", re.MULTILINE)
 H100_BYTES = 80 * 10**9  # an 80 GB H100 (what the scale points must fit)
 STEP_TARGET, PEAK_TARGET = 0.95, 1.0  # issue 31: at most 0.95 of torch's step, its peak
 
@@ -49,13 +53,31 @@ class Runner:
     gpus: int
     device: str = "cuda"
     records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    crashes_retried: list[str] = field(default_factory=list)
+    """Each command that a crash signal killed, then ran once more (as the test harness does:
+    a rare crash in torch's gloo threads must not hide the rest of the run), with its error."""
 
     def left(self) -> float:
         """Seconds left of the budget."""
         return self.deadline - time.monotonic()
 
     def run(self, label: str, cmd: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
-        """The JSON lines ``cmd`` printed, and an error ('' if none): a failure, a timeout."""
+        """The JSON lines ``cmd`` printed, and an error ('' if none): a failure, a timeout.
+
+        A command killed by a crash signal (a process of torchrun's, or the command itself)
+        runs once more; the first run's records are dropped and its error is kept.
+        """
+        kept = len(self.records.get(label, []))
+        records, error = self._run_once(label, cmd, timeout)
+        if error and _CRASH.search(error):
+            self.crashes_retried.append(f"{label}: {error[-1500:]}")
+            del self.records.setdefault(label, [])[kept:]
+            records, error = self._run_once(label, cmd, timeout)
+        return records, error
+
+    def _run_once(
+        self, label: str, cmd: list[str], timeout: float
+    ) -> tuple[list[dict[str, Any]], str]:
         limit = min(timeout, self.left())
         if limit < 10:
             return [], "not run: the time budget is spent"
