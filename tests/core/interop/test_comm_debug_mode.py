@@ -129,19 +129,25 @@ def test_gradient_accumulation_counts_as_torch_does() -> None:
         _assert_same(case, torch_run, ours)
 
 
-_HSDP = [
+_W4 = [
     {"mesh": (2, 2), "sync": "all", "reshard_after_forward": True, "reshard_after_backward": True,
      "reduce_scatter_only": only}
     for only in (False, True)
+] + [
+    # Resharded after forward to groups of 2 of the 4 ranks: the backward's all-gathers run
+    # on those smaller groups (torch's test_fully_shard_communication_count counts them).
+    {"sync": "all", "reshard_after_forward": 2, "reshard_after_backward": backward}
+    for backward in (True, False)
 ]  # fmt: skip
 
 
-def test_hsdp_counts_its_all_reduces_as_torch_does() -> None:
-    """HSDP (2 x 2): reduce-scatters and the all-reduces across replicas, and without them."""
-    results = run_on_ranks(4, _both_engines, cases=_HSDP)
+def test_hsdp_and_smaller_reshard_groups_count_as_torch_does() -> None:
+    """W=4: HSDP (2 x 2), with and without the all-reduce; resharding to 2 ranks after forward."""
+    results = run_on_ranks(4, _both_engines, cases=_W4)
     for per_rank in results:
-        for case, (torch_run, ours) in zip(_HSDP, per_rank, strict=True):
-            assert any("allreduce_" in key for key in torch_run["counted"]), case
+        for case, (torch_run, ours) in zip(_W4, per_rank, strict=True):
+            hsdp = "mesh" in case
+            assert hsdp == any("allreduce_" in key for key in torch_run["counted"]), case
             _assert_same(case, torch_run, ours)
 
 
