@@ -38,6 +38,7 @@ hooks (:meth:`StepDriver.end_backward`, :meth:`StepDriver.final_callback`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -190,6 +191,9 @@ class StepOps(Protocol[G]):
     def event(self, what: str, group: G) -> None:
         """Report a state transition (``shardkit.core.StateTransitionEvent``'s names)."""
 
+    def profiled(self, label: str, group: G | None = None) -> AbstractContextManager[object]:
+        """A profiler range named as torch's for ``label`` of ``group`` (None: the root's)."""
+
     def unshard(self, group: G, *, prefetch: bool = False) -> None:
         """Issue the group's all-gather (``prefetch``: ahead of its own hook)."""
 
@@ -243,28 +247,35 @@ class StepDriver(Generic[G]):
 
     def root_pre_forward(self) -> None:
         """The root's pre-forward: buffers may wait for reuse; a new forward order starts."""
-        self.ops.keep_idle_buffers(True)
-        self.schedule.begin_forward()
+        with self.ops.profiled("root_pre_forward"):
+            self.ops.keep_idle_buffers(True)
+            self.schedule.begin_forward()
 
     def pre_forward(self, group: G) -> None:
         """A group's (first) pre-forward: gather it, then prefetch what comes next."""
         ops = self.ops
-        ops.set_state(group, TrainingState.FORWARD)
-        ops.unshard(group)
-        ops.wait(group)
-        targets = self.schedule.ran_forward(group, ops.settings(group).forward_prefetch)
-        ops.event("pre_forward", group)
-        # After this group's wait, before its compute is queued: on CUDA the next all-gather
-        # runs beside this compute. See [Note: gpu schedule].
+        with ops.profiled("pre_forward", group):
+            ops.set_state(group, TrainingState.FORWARD)
+            ops.unshard(group)
+            ops.wait(group)
+            targets = self.schedule.ran_forward(group, ops.settings(group).forward_prefetch)
+            ops.event("pre_forward", group)
+            # After this group's wait, before its compute is queued: on CUDA the next
+            # all-gather runs beside this compute. See [Note: gpu schedule].
+            self._prefetch("forward_prefetch", targets)
+
+    def _prefetch(self, label: str, targets: Iterable[G]) -> None:
         for target in targets:
-            ops.unshard(target, prefetch=True)
+            with self.ops.profiled(label, target):
+                self.ops.unshard(target, prefetch=True)
 
     def post_forward(self, group: G) -> None:
         """A group's (last) post-forward: free, keep or slice it; backward's order grows."""
-        self._after_forward(group)
-        self.ops.set_state(group, TrainingState.IDLE)
-        self.schedule.finished_forward(group)
-        self.ops.event("post_forward", group)
+        with self.ops.profiled("post_forward", group):
+            self._after_forward(group)
+            self.ops.set_state(group, TrainingState.IDLE)
+            self.schedule.finished_forward(group)
+            self.ops.event("post_forward", group)
 
     def output_needs_grad(self, group: G) -> None:
         """An output of ``group``'s forward needs a gradient: backward will reach it."""
@@ -289,10 +300,11 @@ class StepDriver(Generic[G]):
     def resume_forward(self, group: G) -> None:
         """A partial list-group call after an earlier one's backward ended: gather it again."""
         ops = self.ops
-        ops.set_state(group, TrainingState.FORWARD)
-        ops.unshard(group)
-        ops.wait(group)
-        ops.event("pre_forward", group)
+        with ops.profiled("pre_forward", group):
+            ops.set_state(group, TrainingState.FORWARD)
+            ops.unshard(group)
+            ops.wait(group)
+            ops.event("pre_forward", group)
 
     def _after_forward(self, group: G) -> None:
         action = after_forward(self.ops.settings(group).reshard_after_forward)
@@ -310,15 +322,16 @@ class StepDriver(Generic[G]):
         if self.started_backward(group):
             return
         ops = self.ops
-        ops.set_state(group, TrainingState.PRE_BACKWARD)
-        ops.event("pre_backward", group)
-        settings = ops.settings(group)
-        if settings.unshard_in_backward:
-            ops.unshard(group)
-            ops.wait(group)
-        explicit = settings.backward_prefetch
-        for target in self.schedule.backward_prefetch(group, explicit, self.started_backward):
-            ops.unshard(target, prefetch=True)
+        with ops.profiled("pre_backward", group):
+            ops.set_state(group, TrainingState.PRE_BACKWARD)
+            ops.event("pre_backward", group)
+            settings = ops.settings(group)
+            if settings.unshard_in_backward:
+                ops.unshard(group)
+                ops.wait(group)
+            explicit = settings.backward_prefetch
+            targets = self.schedule.backward_prefetch(group, explicit, self.started_backward)
+            self._prefetch("backward_prefetch", targets)
 
     def grads_complete(self, group: G, *, inputs_pending: bool) -> None:
         """Rule 1: every trainable gradient of ``group`` is in (:func:`count_ends_backward`)."""
@@ -356,18 +369,25 @@ class StepDriver(Generic[G]):
         own reduction (one rank) are assigned at once, not when the callback finishes them.
         """
         ops = self.ops
+        # Ended before and looked at again by the callback (it holds gradients kept without
+        # sync): no range of its own, as its first end opened one (torch's engine has none).
+        again = ops.state(group) is TrainingState.POST_BACKWARD
         ops.set_state(group, TrainingState.POST_BACKWARD)
         ops.event("post_backward", group)
-        grads = ops.take_grads(group)
         settings = ops.settings(group)
-        if settings.reshard_after_backward:
-            ops.reshard(group)
+        with nullcontext() if again else ops.profiled("post_backward_reshard", group):
+            grads = ops.take_grads(group)
+            if settings.reshard_after_backward:
+                ops.reshard(group)
         if grads is None:
             return
-        limit = settings.max_reduces_in_flight
-        for _ in range(reductions_to_finish(ops.reductions_in_flight(), limit)):
-            ops.finish_oldest_reduction()
-        ops.start_reduction(group, grads, assign_now=assign_now)
+        waits = reductions_to_finish(ops.reductions_in_flight(), settings.max_reduces_in_flight)
+        if waits:
+            with ops.profiled("post_backward_rs_wait", group):
+                for _ in range(waits):
+                    ops.finish_oldest_reduction()
+        with ops.profiled("post_backward_reduce", group):
+            ops.start_reduction(group, grads, assign_now=assign_now)
 
     def final_callback(self, groups: Sequence[G], *, last: bool, assign_now: bool) -> None:
         """The end of backward: rule 3, every reduction finished, every group freed.
@@ -376,13 +396,14 @@ class StepDriver(Generic[G]):
         stay in flight for the next one. ``assign_now``: see :meth:`end_backward`.
         """
         ops = self.ops
-        for group in groups:
-            if ends_at_callback(ops.state(group), holds_grads=ops.holds_grads(group)):
-                self.end_backward(group, assign_now=assign_now)
-        if last:
-            ops.finish_reductions()
-        for group in groups:
-            if ops.settings(group).reshard_after_backward:
-                ops.reshard(group)
-            ops.set_state(group, TrainingState.IDLE)
-        self.schedule.end_backward()
+        with ops.profiled("root_post_backward_callback"):
+            for group in groups:
+                if ends_at_callback(ops.state(group), holds_grads=ops.holds_grads(group)):
+                    self.end_backward(group, assign_now=assign_now)
+            if last:
+                ops.finish_reductions()
+            for group in groups:
+                if ops.settings(group).reshard_after_backward:
+                    ops.reshard(group)
+                ops.set_state(group, TrainingState.IDLE)
+            self.schedule.end_backward()

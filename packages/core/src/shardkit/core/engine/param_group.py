@@ -22,6 +22,7 @@ from shardkit.core.engine.group_storage import GroupStorage
 from shardkit.core.engine.group_upkeep import GroupUpkeep
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
+from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.engine.reduce.assign import take_sharded_grad
 from shardkit.core.errors import DesyncError
 from shardkit.core.runtime.collectives import gathers_by_exchange
@@ -175,6 +176,10 @@ class FSDPParamGroup(GroupUpkeep):
         """Issue the all-gather of this group's parameters (async; ``wait_for_unshard`` ends it)."""
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
             return
+        with fsdp_range("all_gather", self.fqn):
+            self._issue_gather()
+
+    def _issue_gather(self) -> None:
         assert self.comm is not None, f"{self.fqn}: unshard before lazy init"
         self.check_materialized()
         self.take_up_new_hooks()
@@ -216,15 +221,16 @@ class FSDPParamGroup(GroupUpkeep):
                 self._register(unsharded=True)
             return
         self._pending_gather = None
-        blocks = pending.handle.wait()  # the rows of every rank; ours may be the input itself
-        from_pf = pending.from_post_forward and self.plan.post_forward is not None
-        self._storage.copy_out(self.plan, blocks, from_post_forward=from_pf)
-        pending.handle.release()
-        assert self.comm is not None
-        self._storage.return_staging(self.comm.pool)
-        if from_pf:
-            self._post_forward_slices = None
-        self._mark_unsharded()
+        with fsdp_range("all_gather_copy_out", self.fqn):
+            blocks = pending.handle.wait()  # every rank's rows; ours may be the input itself
+            from_pf = pending.from_post_forward and self.plan.post_forward is not None
+            self._storage.copy_out(self.plan, blocks, from_post_forward=from_pf)
+            pending.handle.release()
+            assert self.comm is not None
+            self._storage.return_staging(self.comm.pool)
+            if from_pf:
+                self._post_forward_slices = None
+            self._mark_unsharded()
 
     def _mark_unsharded(self) -> None:
         check_transition(SHARDED_TRANSITIONS, self.sharded_state, ShardedState.UNSHARDED, self.fqn)

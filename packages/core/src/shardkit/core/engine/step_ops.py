@@ -8,6 +8,7 @@ root's communication context.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -16,6 +17,7 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.schedule import AfterForward
 from shardkit.core.state_machines import TrainingState
 from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
@@ -56,6 +58,12 @@ class EngineOps:
         """Tell observers, if any (building the event costs a step's time otherwise)."""
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(group.fqn, what))
+
+    def profiled(
+        self, label: str, group: FSDPParamGroup | None = None
+    ) -> AbstractContextManager[object]:
+        """The profiler range torch names for ``label`` of ``group``, while a profiler records."""
+        return fsdp_range(label, group.fqn if group is not None else "")
 
     def unshard(self, group: FSDPParamGroup, *, prefetch: bool = False) -> None:
         """Issue the group's all-gather."""

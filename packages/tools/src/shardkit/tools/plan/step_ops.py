@@ -9,9 +9,11 @@ modelling assumptions are ``step``'s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,6 +96,10 @@ class LedgerOps:
     def event(self, what: str, group: int) -> None:
         """Record one of the engine's state transitions."""
         self.events.append((what, self.groups[group].fqn))
+
+    def profiled(self, label: str, group: int | None = None) -> AbstractContextManager[object]:
+        """No profiler range: a planned step runs nothing to profile."""
+        return contextlib.nullcontext()
 
     def keep_idle_buffers(self, keep: bool) -> None:
         """The pool keeps idle buffers (forward), or gives every one back."""
