@@ -110,8 +110,7 @@ class TorchFacingGroup(_Strict):
 
     @property
     def _module_fqn(self) -> str:
-        # shardkit names the root module "<root>" in its messages; torch names it "".
-        return ", ".join("" if name == "<root>" else name for name in self._group.fqn.split(", "))
+        return self._group.torch_fqn
 
     @property
     def _all_reduce_hook(self) -> Callable[[torch.Tensor], None] | None:

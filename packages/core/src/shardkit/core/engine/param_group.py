@@ -66,7 +66,8 @@ class FSDPParamGroup(GroupUpkeep):
         self.modules = config.modules
         self.mesh_info = config.mesh_info
         self.options = options
-        self.fqn = ""  # set at the root's lazy init, for messages and profiles
+        self.fqn = ""  # set at the root's lazy init, for messages
+        self.torch_fqn = ""  # the same names as torch's engine gives them (profiles, its view)
         # Named from the root at its lazy init, as torch names them in messages.
         self.param_fqns = [p.fqn for p in params]
         self.comm: CommContext | None = None  # set at the root's lazy init
@@ -136,6 +137,8 @@ class FSDPParamGroup(GroupUpkeep):
     def attach(self, wiring: GroupWiring) -> None:
         """Take what the root gives its groups at its lazy init (see ``GroupWiring``)."""
         self.fqn = wiring.fqn
+        # shardkit names the root module "<root>" in its messages; torch names it "".
+        self.torch_fqn = ", ".join("" if n == "<root>" else n for n in wiring.fqn.split(", "))
         self.param_fqns = wiring.param_fqns
         self._grad_hook = wiring.grad_hook
         self.attach_comm(wiring.comm)
@@ -176,7 +179,7 @@ class FSDPParamGroup(GroupUpkeep):
         """Issue the all-gather of this group's parameters (async; ``wait_for_unshard`` ends it)."""
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
             return
-        with fsdp_range("all_gather", self.fqn):
+        with fsdp_range("all_gather", self.torch_fqn):
             self._issue_gather()
 
     def _issue_gather(self) -> None:
@@ -221,7 +224,7 @@ class FSDPParamGroup(GroupUpkeep):
                 self._register(unsharded=True)
             return
         self._pending_gather = None
-        with fsdp_range("all_gather_copy_out", self.fqn):
+        with fsdp_range("all_gather_copy_out", self.torch_fqn):
             blocks = pending.handle.wait()  # every rank's rows; ours may be the input itself
             from_pf = pending.from_post_forward and self.plan.post_forward is not None
             self._storage.copy_out(self.plan, blocks, from_post_forward=from_pf)

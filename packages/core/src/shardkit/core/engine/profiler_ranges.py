@@ -26,12 +26,11 @@ _NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
 def fsdp_range(label: str, fqn: str = "") -> AbstractContextManager[object]:
     """The range ``FSDP::label (fqn)`` (``FSDP::label for fqn`` for a prefetch), or a no-op.
 
-    ``fqn``: the group's module names, as its ``fqn`` has them; the root's ("<root>" there,
-    for messages) are left out, as torch leaves them out.
+    ``fqn``: the group's module names as torch's engine gives them (``torch_fqn``: the root's
+    is "").
     """
     if not torch._C._autograd._profiler_enabled():
         return _NO_RANGE
-    fqn = "" if fqn == "<root>" else fqn
     if label.endswith("_prefetch"):
         return torch.profiler.record_function(f"FSDP::{label} for {fqn}")
     return torch.profiler.record_function(f"FSDP::{label} ({fqn})" if fqn else f"FSDP::{label}")

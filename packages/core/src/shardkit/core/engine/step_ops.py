@@ -63,7 +63,7 @@ class EngineOps:
         self, label: str, group: FSDPParamGroup | None = None
     ) -> AbstractContextManager[object]:
         """The profiler range torch names for ``label`` of ``group``, while a profiler records."""
-        return fsdp_range(label, group.fqn if group is not None else "")
+        return fsdp_range(label, group.torch_fqn if group is not None else "")
 
     def unshard(self, group: FSDPParamGroup, *, prefetch: bool = False) -> None:
         """Issue the group's all-gather."""
