@@ -8,8 +8,9 @@
 
 The chunks (scripts/gpu_chunks.py): deterministic parity with torch's fully_shard on NCCL at
 the GPUs present (fp32, bf16, CPU offload, activation checkpointing, accumulation, no reshard;
-compiled blocks), CPU offload's repeated runs against torch's own spread, the trackers on CUDA,
-W=1 step time and memory (each engine in its own process), and the fake-group scale points
+compiled blocks), CPU offload's repeated runs against torch's own spread, the trackers on CUDA
+(shardkit's; torch's FSDPMemTracker against the allocator's peak, on both engines), W=1 step
+time and memory (each engine in its own process), and the fake-group scale points
 (217M at W=8, 7.5B at W=8 and 64, 70B at W=256; one point per process, meta-device init),
 and memory snapshots' step time (issue 40: a snapshot every step, at most 1.05 of the step;
 scripts/gpu_snapshot_chunk.py).

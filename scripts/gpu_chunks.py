@@ -21,7 +21,11 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.core.interop import cuda_offload_race, cuda_parity  # noqa: E402  (after the path)
+from tests.core.interop import (  # noqa: E402  (after the path)
+    cuda_mem_tracker_run,
+    cuda_offload_race,
+    cuda_parity,
+)
 from tests.tools import cuda_tools_run  # noqa: E402
 
 GIB = 2**30
@@ -198,21 +202,38 @@ def offload(runner: Runner) -> list[Row]:
 # --- the trackers ------------------------------------------------------------------------
 
 
-def tools(runner: Runner) -> list[Row]:
-    """tests/tools/cuda_tools_run.py: the trackers on CUDA."""
+def _tracker_chunk(
+    runner: Runner, name: str, script: str, label: str, module: Any, figures: Callable[..., str]
+) -> list[Row]:
+    """Run ``script`` on up to 2 GPUs; judge its records with ``module.check``."""
     nproc = min(2, runner.gpus)
-    cmd = runner.torchrun(nproc, "tests/tools/cuda_tools_run.py")
-    records, error = runner.run("tools", cmd, timeout=300)
-    label = f"trackers on CUDA (W={nproc})"
+    records, error = runner.run(name, runner.torchrun(nproc, script), timeout=300)
+    label = f"{label} (W={nproc})"
     if error or not records:
         return [Row(chunk="", check=label, status="error", detail=error)]
-    problems = cuda_tools_run.check(records, nproc)
-    r = records[0]
-    figures = (
-        f"activations max {r['activations_max'] / 2**20:.1f} MiB, unsharded max "
-        f"{r['unsharded_max'] / 2**20:.1f} MiB, peak in {r['peak_phase']}"
-    )
-    return [_verdict(label, problems, figures)]
+    return [_verdict(label, module.check(records, nproc), figures(records))]
+
+
+def tools(runner: Runner) -> list[Row]:
+    """tests/tools/cuda_tools_run.py: the trackers on CUDA."""
+
+    def figures(records: list[dict[str, Any]]) -> str:
+        r = records[0]
+        return (
+            f"activations max {r['activations_max'] / 2**20:.1f} MiB, unsharded max "
+            f"{r['unsharded_max'] / 2**20:.1f} MiB, peak in {r['peak_phase']}"
+        )
+
+    script = "tests/tools/cuda_tools_run.py"
+    return _tracker_chunk(runner, "tools", script, "trackers on CUDA", cuda_tools_run, figures)
+
+
+def mem_tracker(runner: Runner) -> list[Row]:
+    """torch's FSDPMemTracker on both engines: its peak against the allocator's (torch's 10%)."""
+    script = "tests/core/interop/cuda_mem_tracker_run.py"
+    label = "torch's FSDPMemTracker, 4 MLPs fp16, peak vs the allocator's"
+    module = cuda_mem_tracker_run
+    return _tracker_chunk(runner, "mem-tracker", script, label, module, module.figures)
 
 
 # --- step time and memory ----------------------------------------------------------------
@@ -429,6 +450,7 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
         "compile": Chunk(compile_, 200),
         "offload": Chunk(offload, 120),
         "tools": Chunk(tools, 30),
+        "mem-tracker": Chunk(mem_tracker, 60),
         "w1": Chunk(w1, 100),
     }
     estimates = {("217m", 8): 40, ("7.5b", 8): 60, ("7.5b", 64): 60, ("70b", 256): 240}

@@ -37,9 +37,10 @@ hooks (:meth:`StepDriver.end_backward`, :meth:`StepDriver.final_callback`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
+from functools import partial
 from typing import Generic, Protocol, TypeVar
 
 from shardkit.core.state_machines import TrainingState
@@ -194,6 +195,13 @@ class StepOps(Protocol[G]):
     def profiled(self, label: str, group: G | None = None) -> AbstractContextManager[object]:
         """A profiler range named as torch's for ``label`` of ``group`` (None: the root's)."""
 
+    def run_step(self, name: str, group: G, step: Callable[[], None], *args: object) -> None:
+        """Do ``step``, the group's ``pre_backward`` or ``post_backward``, or what replaced it.
+
+        A tool may replace either through torch's names (``engine.replaceable_hooks``); it is
+        called with ``args``, torch's arguments for that method, and calls ``step`` back.
+        """
+
     def unshard(self, group: G, *, prefetch: bool = False) -> None:
         """Issue the group's all-gather (``prefetch``: ahead of its own hook)."""
 
@@ -321,6 +329,11 @@ class StepDriver(Generic[G]):
         """A group's pre-backward: gather it, then prefetch the group backward reaches next."""
         if self.started_backward(group):
             return
+        # torch's argument: whether no explicit prefetch was set.
+        unset = not self.ops.settings(group).backward_prefetch
+        self.ops.run_step("pre_backward", group, partial(self._pre_backward, group), unset)
+
+    def _pre_backward(self, group: G) -> None:
         ops = self.ops
         with ops.profiled("pre_backward", group):
             ops.set_state(group, TrainingState.PRE_BACKWARD)
@@ -368,6 +381,13 @@ class StepDriver(Generic[G]):
         limit are finished first for the same reason. ``assign_now``: gradients that are their
         own reduction (one rank) are assigned at once, not when the callback finishes them.
         """
+        step = partial(self._end_backward, group, assign_now)
+        if self.ops.state(group) is TrainingState.POST_BACKWARD:
+            step()  # the callback's second look (below): no post_backward of torch's
+        else:
+            self.ops.run_step("post_backward", group, step)
+
+    def _end_backward(self, group: G, assign_now: bool) -> None:
         ops = self.ops
         # Ended before and looked at again by the callback (it holds gradients kept without
         # sync): no range of its own, as its first end opened one (torch's engine has none).

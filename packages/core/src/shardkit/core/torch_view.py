@@ -90,6 +90,25 @@ class TorchFacingParam(_Strict):
         """The sharded gradient's dtype: the ``grad_dtype`` set, else the parameter's."""
         return self._param.sharded_grad_dtype
 
+    @property
+    def sharded_param(self) -> nn.Parameter:
+        """The parameter the module holds between steps: a DTensor of this rank's shard."""
+        return self._param.sharded_param
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        """The full parameter the module holds while gathered (its storage freed between)."""
+        param = self._param.unsharded_param
+        if param is None:
+            raise AttributeError(
+                f"{self._param_fqn}: no unsharded parameter before its group's first all-gather"
+            )
+        return param
+
+    @property
+    def _unsharded_param(self) -> nn.Parameter:
+        return self.unsharded_param
+
 
 class TorchFacingGroup(_Strict):
     """One shardkit ``FSDPParamGroup`` as torch's ``FSDPParamGroup`` is driven."""
@@ -121,16 +140,50 @@ class TorchFacingGroup(_Strict):
         # What FSDPModule.set_all_reduce_hook sets, for this group only (as torch's).
         self._group.options.all_reduce_hook = hook
 
-    def post_backward(self, *unused: Any) -> None:
+    # torch's group methods a tool may replace (FSDPMemTracker wraps both): reading gives the
+    # replacement or the group's own; setting the group's own back removes the replacement.
+    # The engine runs each step through the replacement (engine/replaceable_hooks.py).
+
+    @property
+    def pre_backward(self) -> Callable[..., None]:
+        """Gather this group for its backward and prefetch the next (``(default_prefetch)``)."""
+        return self._group.replaced.replacement("pre_backward") or self._own_pre_backward
+
+    @pre_backward.setter
+    def pre_backward(self, method: Callable[..., None]) -> None:
+        self._group.replaced.replace("pre_backward", None if self._is_own(method) else method)
+
+    @property
+    def post_backward(self) -> Callable[..., None]:
         """End this group's backward now: take its gradients, reshard as set, reduce.
 
         A pipeline schedule calls it once a stage's microbatches are done (torch 2.13's
         REDUCE_GRAD); the root's driver does what autograd's end of a group's backward does.
         A group whose root never ran forward has nothing to end.
         """
-        ctx = self._state.ctx
-        if ctx is not None:
-            ctx.driver.end_backward(self._group)
+        return self._group.replaced.replacement("post_backward") or self._own_post_backward
+
+    @post_backward.setter
+    def post_backward(self, method: Callable[..., None]) -> None:
+        self._group.replaced.replace("post_backward", None if self._is_own(method) else method)
+
+    def _own_pre_backward(self, *unused: Any) -> None:
+        ctx, group = self._state.ctx, self._group
+        direct = (lambda: ctx.driver.pre_backward(group)) if ctx is not None else _nothing
+        group.replaced.run_original("pre_backward", direct)
+
+    def _own_post_backward(self, *unused: Any) -> None:
+        ctx, group = self._state.ctx, self._group
+        direct = (lambda: ctx.driver.end_backward(group)) if ctx is not None else _nothing
+        group.replaced.run_original("post_backward", direct)
+
+    def _is_own(self, method: Callable[..., None]) -> bool:
+        owner = getattr(method, "__self__", None)
+        return isinstance(owner, TorchFacingGroup) and owner._group is self._group
+
+
+def _nothing() -> None:
+    pass
 
 
 class TorchFacingContext(_Strict):
@@ -189,6 +242,32 @@ class TorchFacingState(_Strict):
         # either, this state (distinct per root, as torch's own contexts are).
         ctx, shared = self._state.ctx, self._state.shared_comm
         return ctx.comm if ctx is not None else shared if shared is not None else self
+
+    # The forward hooks, as torch's FSDPMemTracker swaps them for wrappers and back.
+
+    @property
+    def _pre_forward(self) -> Callable[..., Any]:
+        return self._state.forward_hooks.pre
+
+    @property
+    def _post_forward(self) -> Callable[..., Any]:
+        return self._state.forward_hooks.post
+
+    @property
+    def _pre_forward_hook_handle(self) -> object:
+        return self._state.forward_hooks.pre_handle
+
+    @_pre_forward_hook_handle.setter
+    def _pre_forward_hook_handle(self, handle: object) -> None:
+        self._state.forward_hooks.pre_handle = handle
+
+    @property
+    def _post_forward_hook_handle(self) -> object:
+        return self._state.forward_hooks.post_handle
+
+    @_post_forward_hook_handle.setter
+    def _post_forward_hook_handle(self, handle: object) -> None:
+        self._state.forward_hooks.post_handle = handle
 
     def _lazy_init(self) -> None:
         self._state.lazy_init()

@@ -31,6 +31,7 @@ from shardkit.core.engine.offthread import (
 )
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
+from shardkit.core.engine.replaceable_hooks import ForwardHooks
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
@@ -115,10 +116,11 @@ class FSDPState:
         self.manual_finalization = False
         self._forward_pending: set[int] = set()
         # Run eagerly under torch.compile, fullgraph=True included (see eager_hook).
-        pre_forward, post_forward = eager_hook(self._pre_forward), eager_hook(self._post_forward)
+        # Kept with their handles: a tool may swap them for wrappers (torch_view).
+        self.forward_hooks = ForwardHooks(
+            modules, eager_hook(self._pre_forward), eager_hook(self._post_forward)
+        )
         for module in modules:
-            module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(post_forward, prepend=False)
             module.register_state_dict_pre_hook(self._before_state_dict)
             # A partial: torch marks the hooks it is given, which a bound method refuses.
             module.register_state_dict_post_hook(

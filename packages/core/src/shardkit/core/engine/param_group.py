@@ -24,6 +24,7 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.engine.reduce.assign import take_sharded_grad
+from shardkit.core.engine.replaceable_hooks import ReplacedSteps
 from shardkit.core.errors import DesyncError
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
@@ -68,6 +69,7 @@ class FSDPParamGroup(GroupUpkeep):
         self.options = options
         self.fqn = ""  # set at the root's lazy init, for messages
         self.torch_fqn = ""  # the same names as torch's engine gives them (profiles, its view)
+        self.replaced = ReplacedSteps()  # its backward steps as a tool replaced them, if any
         # Named from the root at its lazy init, as torch names them in messages.
         self.param_fqns = [p.fqn for p in params]
         self.comm: CommContext | None = None  # set at the root's lazy init

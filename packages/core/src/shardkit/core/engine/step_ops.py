@@ -7,7 +7,7 @@ root's communication context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -64,6 +64,12 @@ class EngineOps:
     ) -> AbstractContextManager[object]:
         """The profiler range torch names for ``label`` of ``group``, while a profiler records."""
         return fsdp_range(label, group.torch_fqn if group is not None else "")
+
+    def run_step(
+        self, name: str, group: FSDPParamGroup, step: Callable[[], None], *args: object
+    ) -> None:
+        """``step``, or what a tool replaced it with through the torch-facing view."""
+        group.replaced.run(name, step, *args)
 
     def unshard(self, group: FSDPParamGroup, *, prefetch: bool = False) -> None:
         """Issue the group's all-gather."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -100,6 +100,10 @@ class LedgerOps:
     def profiled(self, label: str, group: int | None = None) -> AbstractContextManager[object]:
         """No profiler range: a planned step runs nothing to profile."""
         return contextlib.nullcontext()
+
+    def run_step(self, name: str, group: int, step: Callable[[], None], *args: object) -> None:
+        """The step itself: nothing replaces a planned step's hooks."""
+        step()
 
     def keep_idle_buffers(self, keep: bool) -> None:
         """The pool keeps idle buffers (forward), or gives every one back."""
