@@ -1,10 +1,16 @@
 """The demo with tensor parallelism: dp 2 x tp 2 trains, checkpoints, and the checkpoint
-resumes at dp 4 x tp 1 (plain FSDP) with the loss going on as in the 2D run."""
+resumes at dp 4 x tp 1 (plain FSDP) with the loss going on as in the 2D run.
+
+The 2D run trains 6 steps and saves at steps 4 and 6; its steps 5 and 6 are the reference.
+Its step-6 checkpoint is deleted, so that the resumed run starts from step 4, as a user rolls
+back to an earlier checkpoint (``latest`` names a folder that is gone: the newest complete
+one loads)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +31,11 @@ def _run(metrics: Path, *args: str) -> dict[int, float]:
 
 def test_2d_checkpoint_resumes_at_dp4_tp1(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    _run(tmp_path / "job1.jsonl", "--tp=2", "--steps=4", f"--ckpt-dir={ckpt}", "--ckpt-every=4")
+    reference = _run(
+        tmp_path / "job1.jsonl", "--tp=2", "--steps=6", f"--ckpt-dir={ckpt}", "--ckpt-every=4"
+    )
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
+    shutil.rmtree(ckpt / "step_00000006")
     resumed = _run(
         tmp_path / "job2.jsonl",
         "--tp=1",
@@ -34,7 +44,6 @@ def test_2d_checkpoint_resumes_at_dp4_tp1(tmp_path: Path) -> None:
         f"--ckpt-dir={ckpt}",
         "--resume",
     )
-    reference = _run(tmp_path / "reference.jsonl", "--tp=2", "--steps=6")
     assert sorted(resumed) == [5, 6]
     for step in (5, 6):
         assert abs(resumed[step] - reference[step]) < 1e-4, (step, resumed, reference)

@@ -43,9 +43,10 @@ def _mlp(dim: int) -> nn.Sequential:
 
 def tracked_steps(
     tracker: FSDPMemTracker, optim: torch.optim.Optimizer, forward: Callable[[], torch.Tensor]
-) -> list[float]:
+) -> list[torch.Tensor]:
     """torch's tests' pattern: two steps under the tracker, its module stats reset after the
-    first (it refuses a module's second forward in one record); each step's loss."""
+    first (it refuses a module's second forward in one record); each step's loss (a tensor:
+    under ``FakeTensorMode``, as torchtitan's estimation runs, it has no value)."""
     losses = []
     with tracker:
         for step in range(2):
@@ -53,7 +54,7 @@ def tracked_steps(
             loss.backward()
             optim.step()
             optim.zero_grad()
-            losses.append(loss.item())
+            losses.append(loss.detach())
             if step == 0:
                 tracker.reset_mod_stats()
     return losses
@@ -86,7 +87,8 @@ def measure(
     inputs = torch.randn(batch, dim, device=dev)
     tracker = FSDPMemTracker(model, optim)
     tracker.track_inputs((inputs,))
-    losses = tracked_steps(tracker, optim, functools.partial(model, inputs))
+    steps = tracked_steps(tracker, optim, functools.partial(model, inputs))
+    losses = [loss.item() for loss in steps]
     tracker_max = int(tracker.get_tracker_snapshot("peak")[dev]["Total"])
     allocator_max = None
     if cuda:

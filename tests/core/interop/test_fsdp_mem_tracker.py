@@ -20,10 +20,12 @@ point-to-point exchanges, whose buffers count as Temp, not as All Gather / Reduc
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed._composable import checkpoint  # type: ignore[attr-defined]
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -37,6 +39,7 @@ import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core.engine.replaceable_hooks import ReplacedSteps
 from shardkit.core.layout import ALIGN_BYTES
+from tests.core.fake_group import fake_mesh
 from tests.core.interop import cuda_mem_tracker_run
 
 _DIM = 32
@@ -93,7 +96,8 @@ def _tracked(rank: int, world_size: int, engine: str, cases: list[dict[str, Any]
         run = functools.partial(model[0] if case.get("non_root") else model, inp)
         tracker = FSDPMemTracker(model, optim)
         tracker.track_inputs((inp,))
-        losses = cuda_mem_tracker_run.tracked_steps(tracker, optim, run)
+        steps = cuda_mem_tracker_run.tracked_steps(tracker, optim, run)
+        losses = [loss.item() for loss in steps]
         loss = run().float().sum()  # the hooks put back: training goes on as before
         loss.backward()
         optim.step()
@@ -221,6 +225,61 @@ def test_a_replacement_runs_the_step_once_when_it_calls_the_original() -> None:
     steps.run("post_backward", lambda: done.append("step"))
     assert done == ["step", "step", "direct", "step"]
     assert seen == [(True,)]
+
+
+# --- torchtitan's memory estimation: fake process group, fake tensors --------------------
+
+
+def _estimated(engine: str, world: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """torchtitan's estimation flow (its ``scripts/estimate``) on ``world`` fake ranks: the
+    model built on the meta device under ``FakeTensorMode``, sharded, materialized, two steps
+    tracked with clipping and AdamW; the peak by category, each module's snapshot counts."""
+    api: Any = torch_fsdp if engine == "torch" else sk
+    with fake_mesh(world) as mesh, FakeTensorMode():
+        with torch.device("meta"):
+            model = nn.Sequential(*[_Block() for _ in range(4)], nn.Linear(_DIM, _DIM))
+        for block in list(model)[:4]:
+            api.fully_shard(block, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inputs = torch.randn(16, _DIM)
+        tracker = FSDPMemTracker(model, optim)
+        tracker.track_inputs((inputs,))
+
+        def forward() -> torch.Tensor:
+            out: torch.Tensor = model(inputs)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before backward: no-op
+            return out
+
+        cuda_mem_tracker_run.tracked_steps(tracker, optim, forward)
+        peak = _categories(tracker.get_tracker_snapshot("peak"))
+        shape = {
+            stats.mod_fqn: {state.name: len(taken) for state, taken in stats.snapshots.items()}
+            for stats in tracker.memory_tracking.values()
+            if stats.snapshots
+        }
+    return peak, shape
+
+
+def test_torchtitans_memory_estimation_flow_runs_on_shardkit() -> None:
+    theirs, their_shape = _estimated("torch", 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, our_shape = _estimated("shardkit", 8)
+    # torch warns when code reads a fake tensor's address (it will raise one day): none does.
+    assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
+    assert our_shape == their_shape
+    # On the fake group shardkit issues the native collectives (no gloo exchanges): the
+    # tracker sees its all-gather and reduce-scatter buffers as on torch.
+    for key in ("OptState", "Inputs", "All Gather", "Reduce Scatter"):
+        assert ours[key] == theirs[key] > 0, (key, ours, theirs)
+    extra = ours["Sharded Param"] - theirs["Sharded Param"]
+    assert 0 <= extra < ALIGN_BYTES * 2 * 5, (ours, theirs)  # 2 tensors a Linear, 5 Linears
+    assert ours["Total"] <= theirs["Total"], (ours, theirs)
 
 
 # --- make check-gpu's mem-tracker chunk, its logic on a CPU --------------------------------

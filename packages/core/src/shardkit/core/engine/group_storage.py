@@ -32,7 +32,7 @@ from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.unsharded import UnshardedBuffer
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
-from shardkit.core.runtime.device import pin
+from shardkit.core.runtime.device import holds_no_memory, pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
 from shardkit.core.runtime.lifetimes import check_release
 from shardkit.core.runtime.pool import BufferPool
@@ -111,8 +111,12 @@ class GroupStorage:
         True unless something replaced them since it was made (``_apply``, an ``assign=True``
         load).
         """
+        if self.sharded_buffer.device != device:
+            return False
+        if holds_no_memory(self.sharded_buffer):
+            return True  # fake tensors have no addresses to compare, nor values to keep
         buffer = self.sharded_buffer.untyped_storage().data_ptr()
-        return self.sharded_buffer.device == device and all(
+        return all(
             locals_[i].untyped_storage().data_ptr() == buffer
             for i in plan.flat
             if locals_[i].numel() > 0

@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "HostCopies",
+    "holds_no_memory",
     "can_pin_memory",
     "device_for_mesh_type",
     "is_accelerator",
@@ -26,6 +27,15 @@ __all__ = [
     "prefers_fused_packing",
     "wait_for_host_copies",
 ]
+
+
+def holds_no_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a meta tensor, or a fake one (``FakeTensorMode``).
+
+    torchtitan's memory estimation runs a step on fake tensors: they have no bytes, and asking
+    for their address is deprecated (every one reads 0).
+    """
+    return tensor.device.type == "meta" or hasattr(tensor, "fake_mode")
 
 
 def is_accelerator(device: torch.device) -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.errors import BufferLifetimeError
+from shardkit.core.runtime.device import holds_no_memory
 from shardkit.core.runtime.progress import CollectiveInfo
 
 __all__ = ["Flight", "check_release", "in_flight", "track"]
@@ -50,7 +51,7 @@ class _Span:
     @staticmethod
     def of(tensor: torch.Tensor, role: str) -> _Span | None:
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
+        if nbytes == 0 or holds_no_memory(tensor):
             return None
         storage = tensor.untyped_storage()
         start = tensor.data_ptr()
@@ -129,6 +130,8 @@ def check_release(buffer: torch.Tensor, what: str) -> None:
     Raises:
         BufferLifetimeError: naming ``what``, the collective and the bytes it still uses.
     """
+    if holds_no_memory(buffer):
+        return
     storage = buffer.untyped_storage()
     start = storage.data_ptr()
     stop = start + storage.nbytes()
