@@ -82,3 +82,34 @@ def test_a_wrong_transition_names_the_module(fake_world: Any) -> None:
     group.training_state = TrainingState.POST_BACKWARD
     with pytest.raises(RuntimeError, match=r"in blocks\.1: TrainingState POST_BACKWARD -> FORWARD"):
         group.training_state = TrainingState.FORWARD
+
+
+def test_a_backward_without_sync_ends_each_group_once(fake_world: Any) -> None:
+    """Its gradients are kept for the next backward at its own end: the end-of-backward
+    callback leaves them, where it used to end every group a second time (a walk over its
+    parameters that did nothing). The backward that syncs reduces each group once."""
+    model = _sharded_mlp(fake_world)
+    runtime = RecordingRuntime()
+    state_of(model).lazy_init(runtime=runtime)
+    ends: list[str] = []
+    unsubscribe = subscribe(
+        lambda e: (
+            ends.append(e.module_fqn)
+            if isinstance(e, StateTransitionEvent) and e.what == "post_backward"
+            else None
+        )
+    )
+    groups = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    try:
+        for step, sync in enumerate((False, False, True)):
+            model.set_requires_gradient_sync(sync)
+            x, y = models.batch("mlp", step, 2)
+            models.loss_of("mlp", model(x), y).backward()
+            assert sorted(ends) == groups, (sync, ends)
+            ends.clear()
+    finally:
+        unsubscribe()
+    reductions = [label for kind, label, _ in runtime.calls if kind == "reduce_scatter"]
+    assert sorted(reductions) == groups
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name

@@ -131,13 +131,22 @@ def partial_call_ends_backward(state: TrainingState) -> bool:
     return state is not TrainingState.POST_BACKWARD
 
 
-def ends_at_callback(state: TrainingState, *, holds_grads: bool) -> bool:
+def ends_at_callback(
+    state: TrainingState, *, reduces: bool, holds_grads: Callable[[], bool]
+) -> bool:
     """Whether the end-of-backward callback ends a group's backward.
 
     So it does for a group that backward reached but whose count never completed (a
-    parameter got no gradient), and for one holding gradients nobody took.
+    parameter got no gradient), and for one holding gradients nobody took, unless they are
+    kept without gradient sync by its own end in this backward (``reduces`` False): they wait
+    for the next backward, and ending it again would only look at them. ``holds_grads`` (a
+    walk over the group's parameters) is asked only where it decides.
     """
-    return state is TrainingState.PRE_BACKWARD or holds_grads
+    if state is TrainingState.PRE_BACKWARD:
+        return True
+    if state is TrainingState.POST_BACKWARD and not reduces:
+        return False
+    return holds_grads()
 
 
 def reductions_to_finish(in_flight: int, limit: int) -> int:
@@ -159,6 +168,10 @@ class GroupSettings(Protocol[G_co]):
     @property
     def unshard_in_backward(self) -> bool:
         """Whether its pre-backward gathers its parameters."""
+
+    @property
+    def reduce_grads(self) -> bool:
+        """Whether its backward reduces gradients (False: kept without gradient sync)."""
 
     @property
     def max_reduces_in_flight(self) -> int:
@@ -389,8 +402,8 @@ class StepDriver(Generic[G]):
 
     def _end_backward(self, group: G, assign_now: bool) -> None:
         ops = self.ops
-        # Ended before and looked at again by the callback (it holds gradients kept without
-        # sync): no range of its own, as its first end opened one (torch's engine has none).
+        # Ended before and looked at again by the callback (gradients came after its end): no
+        # range of its own, as its first end opened one (torch's engine has none).
         again = ops.state(group) is TrainingState.POST_BACKWARD
         ops.set_state(group, TrainingState.POST_BACKWARD)
         ops.event("post_backward", group)
@@ -418,7 +431,9 @@ class StepDriver(Generic[G]):
         ops = self.ops
         with ops.profiled("root_post_backward_callback"):
             for group in groups:
-                if ends_at_callback(ops.state(group), holds_grads=ops.holds_grads(group)):
+                reduces = ops.settings(group).reduce_grads
+                held = partial(ops.holds_grads, group)
+                if ends_at_callback(ops.state(group), reduces=reduces, holds_grads=held):
                     self.end_backward(group, assign_now=assign_now)
             if last:
                 ops.finish_reductions()

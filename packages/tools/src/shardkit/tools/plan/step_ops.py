@@ -42,6 +42,7 @@ class _Settings:
     reshard_after_forward: bool | int
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
+    reduce_grads: bool = True  # a planned step synchronizes gradients
     max_reduces_in_flight: int = MAX_REDUCES_IN_FLIGHT
     forward_prefetch: Sequence[int] | None = None
     backward_prefetch: Sequence[int] | None = None
