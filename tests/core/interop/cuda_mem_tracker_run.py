@@ -42,7 +42,11 @@ def _mlp(dim: int) -> nn.Sequential:
 
 
 def tracked_steps(
-    tracker: FSDPMemTracker, optim: torch.optim.Optimizer, forward: Callable[[], torch.Tensor]
+    tracker: FSDPMemTracker,
+    optim: torch.optim.Optimizer,
+    forward: Callable[[], torch.Tensor],
+    *,
+    after_backward: Callable[[], object] | None = None,
 ) -> list[torch.Tensor]:
     """torch's tests' pattern: two steps under the tracker, its module stats reset after the
     first (it refuses a module's second forward in one record); each step's loss (a tensor:
@@ -52,6 +56,8 @@ def tracked_steps(
         for step in range(2):
             loss = forward().float().sum()
             loss.backward()
+            if after_backward is not None:
+                after_backward()  # gradient clipping, say
             optim.step()
             optim.zero_grad()
             losses.append(loss.detach())

@@ -23,6 +23,7 @@ import functools
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -33,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     apply_activation_checkpointing,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardkit.core as sk
@@ -230,46 +232,52 @@ def test_a_replacement_runs_the_step_once_when_it_calls_the_original() -> None:
 # --- torchtitan's memory estimation: fake process group, fake tensors --------------------
 
 
-def _estimated(engine: str, world: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """torchtitan's estimation flow (its ``scripts/estimate``) on ``world`` fake ranks: the
-    model built on the meta device under ``FakeTensorMode``, sharded, materialized, two steps
-    tracked with clipping and AdamW; the peak by category, each module's snapshot counts."""
+def _estimated(engine: str, replicas: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """torchtitan's estimation flow (its ``scripts/estimate``) on 8 fake ranks, FSDP or HSDP
+    of ``replicas`` (torchtitan estimates those two): the model built on the meta device under
+    ``FakeTensorMode``, sharded, materialized, two steps tracked with clipping and AdamW; the
+    peak by category, each module's snapshot counts."""
     api: Any = torch_fsdp if engine == "torch" else sk
-    with fake_mesh(world) as mesh, FakeTensorMode():
-        with torch.device("meta"):
-            model = nn.Sequential(*[_Block() for _ in range(4)], nn.Linear(_DIM, _DIM))
-        for block in list(model)[:4]:
-            api.fully_shard(block, mesh=mesh)
-        api.fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.reset_parameters()
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        inputs = torch.randn(16, _DIM)
-        tracker = FSDPMemTracker(model, optim)
-        tracker.track_inputs((inputs,))
+    with fake_mesh(8) as flat:
+        # The mesh is made before fake tensors, as torchtitan makes it.
+        names = ("dp_replicate", "dp_shard")
+        hsdp = (replicas, 8 // replicas)
+        mesh = flat if replicas == 1 else init_device_mesh("cpu", hsdp, mesh_dim_names=names)
+        with FakeTensorMode():
+            with torch.device("meta"):
+                model = nn.Sequential(*[_Block() for _ in range(4)], nn.Linear(_DIM, _DIM))
+            for block in list(model)[:4]:
+                api.fully_shard(block, mesh=mesh)
+            api.fully_shard(model, mesh=mesh)
+            model.to_empty(device="cpu")
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            inputs = torch.randn(16, _DIM)
+            tracker = FSDPMemTracker(model, optim)
+            tracker.track_inputs((inputs,))
 
-        def forward() -> torch.Tensor:
-            out: torch.Tensor = model(inputs)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before backward: no-op
-            return out
+            def clip() -> None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
-        cuda_mem_tracker_run.tracked_steps(tracker, optim, forward)
-        peak = _categories(tracker.get_tracker_snapshot("peak"))
-        shape = {
-            stats.mod_fqn: {state.name: len(taken) for state, taken in stats.snapshots.items()}
-            for stats in tracker.memory_tracking.values()
-            if stats.snapshots
-        }
+            steps = cuda_mem_tracker_run.tracked_steps
+            steps(tracker, optim, functools.partial(model, inputs), after_backward=clip)
+            peak = _categories(tracker.get_tracker_snapshot("peak"))
+            shape = {
+                stats.mod_fqn: {state.name: len(taken) for state, taken in stats.snapshots.items()}
+                for stats in tracker.memory_tracking.values()
+                if stats.snapshots
+            }
     return peak, shape
 
 
-def test_torchtitans_memory_estimation_flow_runs_on_shardkit() -> None:
-    theirs, their_shape = _estimated("torch", 8)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_torchtitans_memory_estimation_flow_runs_on_shardkit(replicas: int) -> None:
+    theirs, their_shape = _estimated("torch", replicas)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ours, our_shape = _estimated("shardkit", 8)
+        ours, our_shape = _estimated("shardkit", replicas)
     # torch warns when code reads a fake tensor's address (it will raise one day): none does.
     assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
     assert our_shape == their_shape
