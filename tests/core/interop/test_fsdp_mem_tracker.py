@@ -259,7 +259,7 @@ def _estimated(engine: str, replicas: int) -> tuple[dict[str, int], dict[str, di
             tracker.track_inputs((inputs,))
 
             def clip() -> None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
 
             steps = cuda_mem_tracker_run.tracked_steps
             steps(tracker, optim, functools.partial(model, inputs), after_backward=clip)
