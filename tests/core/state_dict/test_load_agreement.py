@@ -116,9 +116,10 @@ def _subgroup_body(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_model_on_a_subgroup_agrees_among_its_ranks_only() -> None:
-    # The agreement travels on the model's own group: ranks 0 and 1 make no group that ranks
-    # 2 and 3 do not, so these workers go on to the next test as they are (see
-    # tests/core/runtime/test_subset_groups.py).
+    # The agreement travels on the model's own group: shardkit makes no group of its own on
+    # ranks 0 and 1 (tests/core/runtime/test_subset_groups.py). The pool starts afresh after
+    # this task all the same: torch registers the test's own group on its members only, and
+    # names later groups by how many a process holds (harness/worker.py, _group_registry).
     results = run_on_ranks(4, _subgroup_body)
     assert results[2:] == [{"member": False}] * 2
     assert results[0] == results[1], results
