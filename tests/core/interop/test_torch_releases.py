@@ -46,11 +46,24 @@ def test_a_warning_names_the_tested_range_outside_it(version: str, side: str) ->
     assert f"torch {version} is {side}" in message
 
 
-def test_the_installed_torch_imports_shardkit_without_a_warning() -> None:
+# What importing shardkit loads beyond what torch's own fully_shard and DTensor load: torch's
+# compiler stack is most of a second of every process's start (each torchrun worker's).
+_IMPORT_PROBE = """
+import sys, warnings
+warnings.simplefilter("error")
+import torch.distributed.fsdp, torch.distributed.tensor, torch.distributed.tensor.parallel
+before = set(sys.modules)
+import shardkit.core, shardkit.tp, shardkit.legacy
+added = sorted(set(sys.modules) - before)
+print(" ".join(m for m in added if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+
+
+def test_the_installed_torch_imports_shardkit_without_a_warning_or_the_compiler() -> None:
     # A fresh interpreter: the import-time check runs once per process.
-    code = "import warnings; warnings.simplefilter('error'); import shardkit.core"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], "importing shardkit loaded torch's compiler"
 
 
 def test_refusals_name_the_feature_and_the_release() -> None:
