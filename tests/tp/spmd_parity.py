@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import (
     DTensor,
     Placement,
@@ -169,11 +170,25 @@ def parity_body(rank: int, world_size: int, run: SpmdRun) -> dict[str, Trace]:
 
 
 def _layout(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Each sharded parameter's mesh axes and placements, as text (empty for plain ones)."""
+    """Each sharded parameter's mesh axes and placements, as text (empty for plain ones), and
+    each group's ``mesh_info`` as code written for torch's ``fully_shard`` reads it."""
     out: dict[str, tuple[str, ...]] = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             out[name] = (*(p.device_mesh.mesh_dim_names or ()), *map(str, p.placements))
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):  # shardkit's modules are torch's FSDPModules
+            group: Any = module._get_fsdp_state()._fsdp_param_group
+            info = group.mesh_info
+            dims = getattr(info, "dp_mesh_dims", None)
+            if dims is None:  # torch before 2.12: its mesh-info objects have no such field
+                continue
+            sizes = (getattr(info, f"{axis}_mesh_size", None) for axis in ("shard", "replicate"))
+            out[f"{name or '<root>'}: mesh_info"] = (
+                type(info).__name__,
+                *map(str, (info.mesh.mesh_dim_names, *sizes, info.is_spmd_mesh)),
+                *map(str, (dims.shard_names, dims.replicate_names, info.spmd_mesh.mesh_dim_names)),
+            )
     return out
 
 

@@ -325,8 +325,7 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError("set_reshard_after_forward takes a bool")
         for group in self._groups_under(recurse):
-            group.options.reshard_after_forward = reshard_after_forward
-            group.options.reshard_after_forward_is_default = False
+            group.options.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

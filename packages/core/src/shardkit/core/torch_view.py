@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _TORCH_STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
+from shardkit.core.torch_mesh_info import as_torch_mesh_info, is_torch_mesh_info
+
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
     from shardkit.core.engine.param import FSDPParam
@@ -74,11 +76,22 @@ class _Strict:
 class TorchFacingParam(_Strict):
     """A managed parameter as torch's ``FSDPParam`` is read: its name, its grad_dtype policy."""
 
-    __slots__ = ("_param", "_param_fqn")
+    __slots__ = ("_group_view", "_param", "_param_fqn")
 
-    def __init__(self, fqn: str, param: FSDPParam) -> None:
+    def __init__(self, fqn: str, param: FSDPParam, group_view: TorchFacingGroup) -> None:
         self._param_fqn = fqn
         self._param = param
+        self._group_view = group_view
+
+    @property
+    def mesh_info(self) -> Any:
+        """Its group's: torch's parameters share their group's mesh-info object."""
+        return self._group_view.mesh_info
+
+    @property
+    def post_forward_mesh_info(self) -> Any:
+        """Its group's (None: the group keeps the full parameters after forward)."""
+        return self._group_view.post_forward_mesh_info
 
     @property
     def _has_sharded_grad_dtype_override(self) -> bool:
@@ -113,19 +126,65 @@ class TorchFacingParam(_Strict):
 class TorchFacingGroup(_Strict):
     """One shardkit ``FSDPParamGroup`` as torch's ``FSDPParamGroup`` is driven."""
 
-    __slots__ = ("_group", "_state")
+    __slots__ = ("_group", "_state", "_torch_mesh_info")
 
     def __init__(self, state: FSDPState, group: FSDPParamGroup) -> None:
         self._state = state
         self._group = group
+        self._torch_mesh_info: Any = None
 
     @property
     def fsdp_params(self) -> list[TorchFacingParam]:
         """The group's parameters (their names from the root once the root ran lazy init)."""
         group = self._group
         return [
-            TorchFacingParam(fqn, p) for fqn, p in zip(group.param_fqns, group.params, strict=True)
+            TorchFacingParam(fqn, p, self)
+            for fqn, p in zip(group.param_fqns, group.params, strict=True)
         ]
+
+    @property
+    def mesh_info(self) -> Any:
+        """Torch's mesh-info object of the group's mesh, one per group (torch_mesh_info.py)."""
+        info = self._torch_mesh_info
+        if info is None:
+            info = self._torch_mesh_info = as_torch_mesh_info(self._group.mesh_info)
+        if hasattr(info, "reduce_scatter_process_group"):  # torch 2.13 on
+            # What set_separate_reduce_scatter_group set, read now (None: the shard group).
+            info.reduce_scatter_process_group = self._group.options.reduce_scatter_group
+        return info
+
+    @property
+    def post_forward_mesh_info(self) -> Any:
+        """None where the group keeps its full parameters after forward, else ``mesh_info``."""
+        policy = self._group.options.reshard_after_forward
+        if isinstance(policy, bool):
+            return self.mesh_info if policy else None
+        # Not an AttributeError: a property's would be replaced by _Strict's generic one.
+        raise NotImplementedError(
+            f"{self._name}: post_forward_mesh_info of reshard_after_forward="
+            f"{policy} is not served (shardkit gathers within subgroups of {policy} ranks, not "
+            "a DeviceMesh of its own); FSDPModule.set_reshard_after_forward changes the policy"
+        )
+
+    @post_forward_mesh_info.setter
+    def post_forward_mesh_info(self, value: Any) -> None:
+        # Libraries set what torch's set_reshard_after_forward sets: None or mesh_info itself.
+        if value is None:
+            self._group.options.set_reshard_after_forward(False)
+        elif is_torch_mesh_info(value) and value == self.mesh_info:
+            self._group.options.set_reshard_after_forward(True)
+        else:
+            raise ValueError(
+                f"{self._name}: post_forward_mesh_info takes None (keep the "
+                "full parameters after forward) or the group's mesh_info (reshard them), not "
+                f"{value!r}: resharding to fewer ranks is fully_shard's "
+                "reshard_after_forward=n on shardkit"
+            )
+
+    @property
+    def _name(self) -> str:
+        """For messages: the group's name from the root, or its modules' classes before it."""
+        return self._group.fqn or ", ".join(type(m).__name__ for m in self._state.modules)
 
     @property
     def _module_fqn(self) -> str:

@@ -86,3 +86,8 @@ class GroupOptions:
         if self.custom_all_reduce is not None:
             return "set_custom_all_reduce"
         return None
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """The user's choice, which the root's lazy init then keeps."""
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward_is_default = False
