@@ -59,7 +59,9 @@ __all__ = [
     "RankTaskTimeout",
     "crashes_fail_at_once",
     "crashes_recorded_apart",
+    "MAX_GROUPS_HELD",
     "crashes_retried",
+    "crowded_restarts",
     "get_pool",
     "group_restarts",
     "run_on_ranks",
@@ -91,6 +93,14 @@ _CRASH_LOGS: list[list[CrashRetried]] = [[]]
 _RETRY_CRASHES = [True]  # a stack: crashes_fail_at_once() pushes False
 # The tasks after which a pool started afresh because they left process groups out of step.
 _GROUP_RESTARTS: list[str] = []
+# Workers holding more process groups than this start afresh before the next task. Tests make
+# groups with every mesh and none is destroyed (DTensor's caches hold meshes, so destroying
+# them is unsafe); each group's gloo thread wakes while idle, so after a few hundred the idle
+# workers took a tenth of a core each from whatever ran beside them (torchrun jobs, the demo).
+# A restart costs about 4 s at W=4; about one in 60 tasks reaches the cap.
+MAX_GROUPS_HELD = 96
+# The tasks after which a pool started afresh for that.
+_CROWDED_RESTARTS: list[str] = []
 
 Replies = dict[int, protocol.Message | None]
 """One message per rank that answered, by rank; None for a rank whose worker exited."""
@@ -106,6 +116,7 @@ class RankPool:
         # its server alive as long as the workers.
         self._store: object | None = None
         self._groups_in_step = True  # as the last task left the ranks (see protocol.Ready)
+        self._groups_held = 1  # the most any rank held after the last task
 
     @property
     def pids(self) -> list[int]:
@@ -158,6 +169,9 @@ class RankPool:
             # The task's result stands; the next task gets workers whose groups agree.
             _GROUP_RESTARTS.append(f"{task.module}.{task.qualname}")
             self.kill()
+        elif self._groups_held > MAX_GROUPS_HELD:
+            _CROWDED_RESTARTS.append(f"{task.module}.{task.qualname}")
+            self.kill()  # the next task gets workers without the idle groups
         if crashed and retry_on_crash and os.environ.get("SHARDKIT_POOL_RETRY_CRASH") != "0":
             record = CrashRetried(failure=failure, signals=crashed)
             _CRASH_LOGS[-1].append(record)
@@ -262,6 +276,7 @@ class RankPool:
         replies = self._gather(_RESET_TIMEOUT_S, grace_s=0.0)
         ready = {r: m for r, m in replies.items() if isinstance(m, protocol.Ready)}
         self._groups_in_step = all(message.groups_in_step for message in ready.values())
+        self._groups_held = max((message.groups_held for message in ready.values()), default=1)
         return sorted(set(range(self.world_size)) - set(ready))
 
     def _errors(self, replies: Replies, outputs: dict[int, str]) -> dict[int, str]:
@@ -366,6 +381,11 @@ def crashes_fail_at_once() -> Iterator[None]:
 def group_restarts() -> tuple[str, ...]:
     """The tasks after which a pool started afresh: they made process groups on some ranks."""
     return tuple(_GROUP_RESTARTS)
+
+
+def crowded_restarts() -> tuple[str, ...]:
+    """The tasks after which a pool started afresh: its workers held too many process groups."""
+    return tuple(_CROWDED_RESTARTS)
 
 
 def crashes_retried() -> tuple[CrashRetried, ...]:

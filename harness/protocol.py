@@ -69,6 +69,9 @@ class Ready:
     """False: the ranks' registries of process groups differ (a task made groups on some
     ranks only), so a group made later by its members alone would get different names on
     them and hang; the pool starts afresh before the next task."""
+    groups_held: int = 1
+    """Process groups this worker holds (each ``init_device_mesh`` makes some; none is ever
+    destroyed): each keeps a gloo thread that wakes while idle."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,9 @@ def main() -> None:
         protocol.send(conn, _run(message, rank, world_size))
         # A reset that raises (say the task destroyed the process group) ends the worker; the
         # pool sees the pipe close instead of Ready and restarts the pool.
-        protocol.send(conn, protocol.Ready(groups_in_step=_reset()))
+        in_step = _reset()
+        held = len(dist.distributed_c10d._world.pg_names)
+        protocol.send(conn, protocol.Ready(groups_in_step=in_step, groups_held=held))
     dist.destroy_process_group()
     # Skip the interpreter's teardown: with torch loaded it costs about 0.5 s of CPU a worker,
     # paid by every test run, and a worker has nothing left to clean up.

@@ -11,7 +11,13 @@ import os
 
 import pytest
 
-from harness.pool import crashes_retried, group_restarts, shutdown_pools
+from harness.pool import (
+    MAX_GROUPS_HELD,
+    crashes_retried,
+    crowded_restarts,
+    group_restarts,
+    shutdown_pools,
+)
 
 # The lifetime checks are on in every test (the pool's workers inherit the environment, and
 # shardkit reads it at import, which comes after this file): a buffer released under a
@@ -36,6 +42,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"{len(restarts)} pool(s) started afresh after tasks that made process groups on "
             f"some ranks only (first: {restarts[0]})"
+        )
+    if crowded := crowded_restarts():
+        terminalreporter.write_line(
+            f"{len(crowded)} pool(s) started afresh holding over {MAX_GROUPS_HELD} process groups"
         )
     crashes = crashes_retried()
     if not crashes:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness import pool as pool_module
 from harness.compare import assert_all_equal
 from harness.pool import (
     RankTaskError,
@@ -23,6 +24,7 @@ from harness.pool import (
     crashes_fail_at_once,
     crashes_recorded_apart,
     crashes_retried,
+    crowded_restarts,
     get_pool,
     group_restarts,
     run_on_ranks,
@@ -340,3 +342,22 @@ def test_a_task_leaving_groups_out_of_step_gets_the_next_one_a_fresh_pool() -> N
     pids = get_pool(2).pids
     run_on_ranks(2, _members_group)
     assert get_pool(2).pids == pids and len(group_restarts()) == before + 1
+
+
+def _make_groups(rank: int, world_size: int, count: int) -> int:
+    for _ in range(count):
+        dist.new_group(list(range(world_size)))
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def test_workers_holding_many_process_groups_start_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = run_on_ranks(2, _make_groups, count=0)[0]
+    pids = get_pool(2).pids
+    monkeypatch.setattr(pool_module, "MAX_GROUPS_HELD", held + 1)
+    before = len(crowded_restarts())
+    assert run_on_ranks(2, _make_groups, count=1) == [held + 1] * 2
+    assert get_pool(2).pids == pids  # at the cap: kept
+    assert run_on_ranks(2, _make_groups, count=1) == [held + 2] * 2  # its own result stands
+    assert crowded_restarts()[before:] == (f"{__name__}._make_groups",)
+    assert run_on_ranks(2, _make_groups, count=0) == [1, 1]  # fresh: the default group alone
+    assert set(get_pool(2).pids).isdisjoint(pids)
