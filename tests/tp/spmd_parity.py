@@ -171,7 +171,8 @@ def parity_body(rank: int, world_size: int, run: SpmdRun) -> dict[str, Trace]:
 
 def _layout(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Each sharded parameter's mesh axes and placements, as text (empty for plain ones), and
-    each group's ``mesh_info`` as code written for torch's ``fully_shard`` reads it."""
+    each group's ``mesh_info`` and parameters' sizes as code written for torch's
+    ``fully_shard`` reads them."""
     out: dict[str, tuple[str, ...]] = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -179,6 +180,10 @@ def _layout(model: nn.Module) -> dict[str, tuple[str, ...]]:
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):  # shardkit's modules are torch's FSDPModules
             group: Any = module._get_fsdp_state()._fsdp_param_group
+            for p in group.fsdp_params:  # sizes of the TP-local part, as torch's parameters'
+                shapes = (p._orig_size, p.sharded_size, p.padded_sharded_param_size)
+                fields = (*shapes, p.fsdp_placement, p.is_dtensor, p._sharded_param_data.shape)
+                out[f"{p._param_fqn}: fsdp_param"] = tuple(map(str, fields))
             info = group.mesh_info
             dims = getattr(info, "dp_mesh_dims", None)
             if dims is None:  # torch before 2.12: its mesh-info objects have no such field

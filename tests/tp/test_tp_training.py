@@ -8,13 +8,15 @@ import torch
 from harness.pool import run_on_ranks
 from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import assert_parity
-from tests.tp.tp_parity import TPRun, parity_body
+from tests.tp.tp_parity import TPRun, assert_same_fsdp_params, parity_body
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_2d_uneven_mlp_matches(reshard_after_forward: bool) -> None:
     run = TPRun(model="mlp", shard_kwargs={"reshard_after_forward": reshard_after_forward})
-    assert_parity(run_on_ranks(4, parity_body, run=run))
+    results = run_on_ranks(4, parity_body, run=run)
+    assert_parity(results)
+    assert_same_fsdp_params(results)  # the TP-local part's sizes, uneven on both axes
 
 
 def test_2d_sequence_parallel_matches() -> None:
@@ -38,4 +40,6 @@ def test_2d_activation_checkpointing_matches() -> None:
 def test_2d_bf16_mixed_precision_matches_torch() -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     run = TPRun(model="sp", shard_kwargs={"mp_policy": policy}, impls=("shardkit", "torch"))
-    assert_parity(run_on_ranks(4, parity_body, run=run), rtol=0, atol=0)
+    results = run_on_ranks(4, parity_body, run=run)
+    assert_parity(results, rtol=0, atol=0)
+    assert_same_fsdp_params(results)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -134,7 +135,30 @@ def train(impl: str, run: TPRun, rank: int, world_size: int) -> Trace:
             dist.all_reduce(value)  # TP ranks repeat their dp group's loss: the mean is right
             value /= world_size
         losses.append(value.item())
-    return {"losses": losses, "params": full_params(model)}
+    trace: Trace = {"losses": losses, "params": full_params(model)}
+    if impl != "local":
+        trace["fsdp_params"] = fsdp_param_fields(model)
+    return trace
+
+
+def assert_same_fsdp_params(results: list[dict[str, Trace]]) -> None:
+    """Every rank's ``fsdp_params`` fields read alike on shardkit and on torch's engine."""
+    for rank, traces in enumerate(results):
+        assert traces["shardkit"]["fsdp_params"] == traces["torch"]["fsdp_params"], rank
+
+
+def fsdp_param_fields(model: nn.Module) -> list[tuple[str, ...]]:
+    """What code written for torch's ``fully_shard`` reads of each group's parameters: under
+    TP, sizes of the TP-local part, and whether the parameter was a DTensor."""
+    out: list[tuple[str, ...]] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # shardkit's modules are torch's FSDPModules
+            group: Any = module._get_fsdp_state()._fsdp_param_group
+            for p in group.fsdp_params:
+                shapes = (p._orig_size, p.sharded_size, p.padded_sharded_param_size)
+                fields = (*shapes, p.fsdp_placement, p.is_dtensor, p._sharded_param_data.shape)
+                out.append((p._param_fqn, *map(str, fields), str(p.mp_policy.param_dtype)))
+    return out
 
 
 def _dp_size(run: TPRun) -> int:

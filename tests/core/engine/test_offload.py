@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 
 from harness.pool import run_on_ranks
-from shardkit.core import CPUOffloadPolicy
+from shardkit.core import CPUOffloadPolicy, fully_shard
 from shardkit.core.runtime.device import HostCopies
 from tests.core import host_copies
+from tests.core.fake_group import fake_mesh
 from tests.core.parity import Run, assert_parity, parity_body
 
 
@@ -41,10 +44,16 @@ def _late_copies_body(rank: int, world_size: int, run: Run) -> dict[str, Any]:
     return {"traces": traces, "log": list(host_copies.LOG)}
 
 
-@pytest.mark.parametrize("loop", ["plain", "last_backward"])
-def test_offloaded_grads_land_before_the_host_reads_them(loop: str) -> None:
+@pytest.mark.parametrize(
+    ("loop", "policy"),
+    [("plain", "shardkit's"), ("last_backward", "shardkit's"), ("plain", "torch's")],
+)
+def test_offloaded_grads_land_before_the_host_reads_them(loop: str, policy: str) -> None:
+    # torch's own policy class, as code that swapped only fully_shard's import passes it:
+    # shardkit ignored it until 2026-11-27 (no offload at all, and no error).
+    offload = (CPUOffloadPolicy if policy == "shardkit's" else TorchCPUOffloadPolicy)(True)
     run = Run(
-        shard_kwargs={"offload_policy": CPUOffloadPolicy(pin_memory=True)},
+        shard_kwargs={"offload_policy": offload},
         impls=("shardkit", "local"),
         setup="late_host_copies",
         loop=loop,
@@ -63,6 +72,11 @@ def test_offloaded_grads_land_before_the_host_reads_them(loop: str) -> None:
         # the first's on the host, so they come back blocking (after the first's landed).
         assert "overlapped" in log and "blocking" in log
         assert log.count("overlapped") == log.count("blocking") == groups * run.steps
+
+
+def test_an_offload_policy_of_neither_library_is_refused() -> None:
+    with fake_mesh(2) as mesh, pytest.raises(TypeError, match="offload_policy must be an Off"):
+        fully_shard(nn.Linear(2, 2), mesh=mesh, offload_policy=True)  # type: ignore[call-overload]
 
 
 def test_host_copies_on_cpu_are_free() -> None:

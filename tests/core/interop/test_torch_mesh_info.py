@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import shardkit.core as sk
 from harness.pool import run_on_ranks
+from tests.core.ckpt_helpers import mesh_of
 from tests.core.fake_group import fake_mesh
 from tests.core.torch_releases import torch_has
 
@@ -85,11 +86,7 @@ def _clip_norm(model: nn.Module) -> float:
 
 
 def _body(rank: int, world_size: int, layout: str) -> dict[str, Any]:
-    mesh = (
-        init_device_mesh("cpu", (world_size,))
-        if layout == "fsdp"
-        else init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-    )
+    mesh = mesh_of(world_size, None if layout == "fsdp" else (2, world_size // 2))
     out: dict[str, Any] = {}
     for engine in ("torch", "shardkit"):
         model = _model(engine, mesh)

@@ -37,6 +37,7 @@ from shardkit.core.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     keeps_own_dtype,
+    offload_policy_of,
     resolved,
 )
 from shardkit.core.runtime.groups import default_mesh
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py
     # takes any object with its two fields.
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
+    from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 
 __all__ = ["fully_shard", "register_fsdp_forward_method"]
 
@@ -61,6 +63,7 @@ _Placement = Callable[[nn.Parameter], Shard | Any | None] | None
 # Code written for torch passes torch's class; ours has the same fields. A string, so that
 # nothing evaluates torch's name where the installed torch lacks it.
 _MeshDims: TypeAlias = "DataParallelMeshDims | TorchDataParallelMeshDims | None"
+_Offload: TypeAlias = "OffloadPolicy | TorchOffloadPolicy"
 
 
 @overload
@@ -71,7 +74,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: _Placement = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: _Offload = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: _MeshDims = ...,
 ) -> FSDPModule: ...
@@ -83,7 +86,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: _Placement = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
+    offload_policy: _Offload = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: _MeshDims = ...,
 ) -> list[FSDPModule]: ...
@@ -96,7 +99,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: _Placement = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (frozen)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008  (frozen)
+    offload_policy: _Offload = OffloadPolicy(),  # noqa: B008  (frozen)
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: _MeshDims = None,
 ) -> FSDPModule | list[FSDPModule]:
@@ -113,7 +116,8 @@ def fully_shard(
             torch's ``ShardPlacementResult(placement, mesh_info)`` to shard it on a mesh of
             its own (experts on an expert mesh): each mesh's parameters form one group.
         mp_policy: mixed precision.
-        offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
+        offload_policy: ``CPUOffloadPolicy()`` (ours or torch's) keeps shards and gradients
+            on the CPU.
         ignored_params: parameters left alone: not sharded, not moved, not reduced.
         dp_mesh_dims: the data-parallel axes of ``mesh`` (``DataParallelMeshDims``, ours or
             torch's), when the parameters are already DTensors on the whole mesh,
@@ -124,6 +128,7 @@ def fully_shard(
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     _check_modules(modules)
+    offload_policy = offload_policy_of(offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None:
         mesh_info = spmd_mesh_info(mesh, dp_mesh_dims)

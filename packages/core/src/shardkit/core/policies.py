@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_api as _torch_policies
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -20,6 +21,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "keeps_own_dtype",
+    "offload_policy_of",
     "resolved",
 ]
 
@@ -124,6 +126,28 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
     """Pin the CPU shards for faster, asynchronous host-to-device copies. On a build without an
     accelerator there is nothing to pin for, and this is ignored rather than failing."""
+
+
+def offload_policy_of(policy: object) -> OffloadPolicy:
+    """``fully_shard``'s ``offload_policy`` as shardkit's class.
+
+    Code written for torch's ``fully_shard`` passes torch's own ``CPUOffloadPolicy`` (the
+    import of ``fully_shard`` swapped, the policy's kept): it offloads as shardkit's does.
+    torch's classes are read from the module that defines them, which ``patch_torch`` leaves.
+
+    Raises:
+        TypeError: ``policy`` is no offload policy of either library's.
+    """
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    if isinstance(policy, _torch_policies.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if isinstance(policy, _torch_policies.OffloadPolicy):
+        return OffloadPolicy()
+    raise TypeError(
+        "fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy (shardkit's "
+        f"or torch's), not {type(policy).__name__}"
+    )
 
 
 AxisNames = str | tuple[str, ...] | None

@@ -25,6 +25,7 @@ from torch.distributed._composable.contract import STATE_KEY as _TORCH_STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
 from shardkit.core.torch_mesh_info import as_torch_mesh_info, is_torch_mesh_info
+from shardkit.core.torch_param_fields import TorchParamFields, torch_param_order
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
@@ -73,8 +74,12 @@ class _Strict:
             raise _not_served(type(self).__name__, name) from None
 
 
-class TorchFacingParam(_Strict):
-    """A managed parameter as torch's ``FSDPParam`` is read: its name, its grad_dtype policy."""
+class TorchFacingParam(_Strict, TorchParamFields):
+    """A managed parameter as torch's ``FSDPParam`` is read.
+
+    Its name, mesh, sizes and dtypes (torch_param_fields.py), its grad_dtype policy, its
+    sharded and full parameters.
+    """
 
     __slots__ = ("_group_view", "_param", "_param_fqn")
 
@@ -82,6 +87,10 @@ class TorchFacingParam(_Strict):
         self._param_fqn = fqn
         self._param = param
         self._group_view = group_view
+
+    @property
+    def _owner(self) -> FSDPParamGroup:
+        return self._group_view._group
 
     @property
     def mesh_info(self) -> Any:
@@ -126,21 +135,22 @@ class TorchFacingParam(_Strict):
 class TorchFacingGroup(_Strict):
     """One shardkit ``FSDPParamGroup`` as torch's ``FSDPParamGroup`` is driven."""
 
-    __slots__ = ("_group", "_state", "_torch_mesh_info")
+    __slots__ = ("_group", "_state", "_torch_mesh_info", "_torch_order")
 
     def __init__(self, state: FSDPState, group: FSDPParamGroup) -> None:
         self._state = state
         self._group = group
         self._torch_mesh_info: Any = None
+        self._torch_order: list[int] | None = None
 
     @property
     def fsdp_params(self) -> list[TorchFacingParam]:
-        """The group's parameters (their names from the root once the root ran lazy init)."""
+        """The group's parameters in torch's order (named from the root after lazy init)."""
         group = self._group
-        return [
-            TorchFacingParam(fqn, p, self)
-            for fqn, p in zip(group.param_fqns, group.params, strict=True)
-        ]
+        order = self._torch_order
+        if order is None:  # the modules and their registrations are fixed by fully_shard
+            order = self._torch_order = torch_param_order(group.modules, group.params)
+        return [TorchFacingParam(group.param_fqns[i], group.params[i], self) for i in order]
 
     @property
     def mesh_info(self) -> Any:

@@ -26,6 +26,7 @@ from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.engine.reduce.assign import take_sharded_grad
 from shardkit.core.engine.replaceable_hooks import ReplacedSteps
 from shardkit.core.errors import DesyncError
+from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.collectives import gathers_by_exchange
 from shardkit.core.runtime.protocol import GatheredRows
 from shardkit.core.state_machines import (
@@ -106,6 +107,11 @@ class FSDPParamGroup(GroupUpkeep):
     def layout(self) -> GroupLayout:
         """The group's buffer layout (its plan's)."""
         return self.plan.layout
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The mixed precision policy ``fully_shard`` was given (torch's class or shardkit's)."""
+        return self._config.mp_policy
 
     @property
     def pin_memory(self) -> bool:
