@@ -66,6 +66,25 @@ def tracked_steps(
     return losses
 
 
+def estimated(model: nn.Module, inputs: torch.Tensor) -> tuple[FSDPMemTracker, list[torch.Tensor]]:
+    """torchtitan's estimation steps (its ``scripts/estimate``) on a model sharded on the meta
+    device under ``FakeTensorMode``: materialized (``to_empty``, ``reset_parameters``), AdamW,
+    the tracker over two steps with gradient clipping; the tracker and the losses."""
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = FSDPMemTracker(model, optim)
+    tracker.track_inputs((inputs,))
+
+    def clip() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+
+    losses = tracked_steps(tracker, optim, functools.partial(model, inputs), after_backward=clip)
+    return tracker, losses
+
+
 def measure(
     device: str, engine: str, reshard: bool, *, dim: int = 2048, batch: int = 8192
 ) -> dict[str, Any]:

@@ -249,20 +249,7 @@ def _estimated(engine: str, replicas: int) -> tuple[dict[str, int], dict[str, di
             for block in list(model)[:4]:
                 api.fully_shard(block, mesh=mesh)
             api.fully_shard(model, mesh=mesh)
-            model.to_empty(device="cpu")
-            for module in model.modules():
-                if isinstance(module, nn.Linear):
-                    module.reset_parameters()
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            inputs = torch.randn(16, _DIM)
-            tracker = FSDPMemTracker(model, optim)
-            tracker.track_inputs((inputs,))
-
-            def clip() -> None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-
-            steps = cuda_mem_tracker_run.tracked_steps
-            steps(tracker, optim, functools.partial(model, inputs), after_backward=clip)
+            tracker, _ = cuda_mem_tracker_run.estimated(model, torch.randn(16, _DIM))
             peak = _categories(tracker.get_tracker_snapshot("peak"))
             shape = {
                 stats.mod_fqn: {state.name: len(taken) for state, taken in stats.snapshots.items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import distributed_c10d
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._shard.metadata import ShardMetadata
@@ -47,7 +48,11 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     Raises:
         RuntimeError: the meshes come from different root meshes, or they overlap.
     """
-    return DeviceMesh._concatenate(meshes)
+    # The meshes' rank tensors are real: under a FakeTensorMode (memory estimation on fake
+    # tensors, as torchtitan's) the mode would take the concatenation's index arithmetic
+    # on them and fail it, as if the meshes did not fit together.
+    with unset_fake_temporarily():
+        return DeviceMesh._concatenate(meshes)
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
