@@ -1,7 +1,9 @@
 """The demo past one machine: two torchrun "nodes" of 2 ranks (fixed node ranks, the master on
 localhost) train with HSDP (sharded within a node, replicated across nodes), checkpoint, and
-compute the losses of torch's fully_shard on the same two-node layout bit for bit, and those of
-one node of 4 ranks training with plain FSDP on the same global batch.
+compute the losses of torch's fully_shard on the same layout bit for bit, and those of 4 ranks
+training with plain FSDP on the same global batch. The two references run the demo's own
+training function on the test pool's 4 ranks (the same mesh, ranks 0-1 and 2-3 the "nodes";
+tests/demo/in_pool.py), which saves two 4-rank torchrun launches.
 
 HSDP sums gradients within a node, then across nodes, and reduces the gradient norm per mesh
 axis, so the losses may differ from plain FSDP's in the last bits; 1e-5 relative is far
@@ -11,13 +13,14 @@ the same weights and rows, so its loss is equal bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from demo.run_demo import REPO, TRAIN_SCRIPT, launch_lines
+
+from tests.demo.in_pool import losses, train_in_pool
 
 SMALL = ["--d-model=64", "--n-layers=2", "--seq-len=32", "--batch-size=4", "--steps=4"]
 
@@ -41,19 +44,19 @@ def _train(name: str, nodes: int, tmp_path: Path, extra: list[str]) -> tuple[dic
     outputs = [launch.communicate(timeout=300)[0] for launch in launches]
     for launch, output in zip(launches, outputs, strict=True):
         assert launch.returncode == 0, output[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    losses = {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
-    return losses, "\n".join(outputs)
+    return losses(metrics), "\n".join(outputs)
 
 
 def test_two_nodes_train_with_hsdp_as_one_node_trains_with_fsdp(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     two, two_output = _train("hsdp", 2, tmp_path, [f"--ckpt-dir={ckpt}", "--ckpt-every=2"])
-    torch_two, _ = _train("torch_hsdp", 2, tmp_path, ["--impl=torch"])
-    one, one_output = _train("fsdp", 1, tmp_path, ["--replicas=1"])
+    torch_args = [*SMALL, "--impl=torch", "--replicas=2"]
+    torch_two, torch_output = train_in_pool(torch_args, tmp_path / "torch_hsdp.jsonl")
+    one, one_output = train_in_pool([*SMALL, "--replicas=1"], tmp_path / "fsdp.jsonl")
     assert two == torch_two  # torch's fully_shard on the same mesh: bit for bit
     # The runs are what they claim: HSDP across the launches, plain FSDP on one.
     assert "ranks=4 (dp_replicate 2 x dp_shard 2)" in two_output
+    assert "impl=torch ranks=4 (dp_replicate 2 x dp_shard 2)" in torch_output
     assert "ranks=4 (dp 4)" in one_output
     assert list(two) == list(one) == [1, 2, 3, 4]
     assert two[1] == one[1]
