@@ -106,7 +106,7 @@ class Options:
 
     reshard_after_forward: bool = True
     bf16: bool = False  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-    offload: bool = False  # CPUOffloadPolicy(pin_memory=True)
+    offload: bool = False  # torch's CPUOffloadPolicy(pin_memory=True), on either engine
     checkpoint: bool = False  # activation checkpointing around each block
     meta: bool = False  # built on the meta device, materialized after sharding (1/W of it)
     compile: bool = False  # torch.compile each block before sharding (torchtitan's order)
@@ -165,7 +165,9 @@ def build(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
         if options.offload:
-            kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=True)
+            # torch's class for both engines, as code that swapped only fully_shard's import
+            # passes it (shardkit ignored torch's class until 2026-11-27)
+            kwargs["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=True)
         mesh = init_device_mesh(device, (world_size,))
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh, **kwargs)
