@@ -72,7 +72,9 @@ def _build(engine: str, mesh: DeviceMesh) -> Net:
     model = Net()
     shard: Callable[..., Any] = sk.fully_shard if engine == "shardkit" else torch_fully_shard
     bf16 = TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    shard(model.a, mesh=mesh, mp_policy=bf16)
+    # On 4 shards, a keeps 2-rank slices after forward (SHARDED_POST_FORWARD)
+    after = 2 if mesh.ndim == 1 else True
+    shard(model.a, mesh=mesh, mp_policy=bf16, reshard_after_forward=after)
     shard(model.b, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.ndim == 2 else None)
     shard(model, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
     return model
@@ -107,6 +109,18 @@ def _describe(p: Any) -> dict[str, Any]:
     }
 
 
+def _states(modules: dict[str, nn.Module]) -> dict[str, Any]:
+    """Each group's and its parameters' states, as torch's enums and predicates."""
+    out: dict[str, Any] = {}
+    for name, module in modules.items():
+        assert isinstance(module, TorchFSDPModule)
+        group: Any = module._get_fsdp_state()._fsdp_param_group
+        predicates = (group.is_sharded, group.is_sharded_post_forward, group.is_unsharded)
+        states = (group._sharded_state, group._training_state, *predicates)
+        out[name] = (*states, [p.sharded_state for p in group.fsdp_params])
+    return out
+
+
 def _body(rank: int, world_size: int, layout: str) -> dict[str, Any]:
     mesh = mesh_of(world_size, None if layout == "fsdp" else (2, world_size // 2))
     out: dict[str, Any] = {}
@@ -119,10 +133,9 @@ def _body(rank: int, world_size: int, layout: str) -> dict[str, Any]:
             torch.manual_seed(10 + rank + step)
             loss = model(torch.randint(0, 10, (3, 5))).float().pow(2).mean()
             # after forward: the root keeps its parameters, the blocks reshard theirs
-            record[f"after_forward_{step}"] = {
-                name: [p.sharded_state for p in _params(m)] for name, m in modules.items()
-            }
+            record[f"after_forward_{step}"] = _states(modules)
             loss.backward()
+            record[f"after_backward_{step}"] = _states(modules)
             opt.step()
             opt.zero_grad()
             record[f"loss_{step}"] = loss.item()

@@ -26,13 +26,19 @@ from torch.distributed.tensor import Shard
 
 from shardkit.core.policies import resolved
 from shardkit.core.runtime.dtensors import contiguous_strides
+from shardkit.core.state_machines import ShardedState
 from shardkit.core.torch_release import REDUCES_IN_PARAM_DTYPE
 
 if TYPE_CHECKING:
     from shardkit.core.engine.param import FSDPParam
     from shardkit.core.engine.param_group import FSDPParamGroup
 
-__all__ = ["TorchParamFields", "torch_param_order"]
+__all__ = ["TorchParamFields", "torch_param_order", "torch_sharded_state"]
+
+
+def torch_sharded_state(state: ShardedState) -> Any:
+    """The member of torch's ``ShardedState`` named as shardkit's ``state`` is."""
+    return _torch_param.ShardedState[state.name]
 
 
 def torch_param_order(roots: Sequence[nn.Module], params: Sequence[FSDPParam]) -> list[int]:
@@ -181,7 +187,7 @@ class TorchParamFields:
     @property
     def sharded_state(self) -> Any:
         """The member of torch's ``ShardedState`` named as the group's state is."""
-        return _torch_param.ShardedState[self._owner.sharded_state.name]
+        return torch_sharded_state(self._owner.sharded_state)
 
     @property
     def _module_info(self) -> Any:

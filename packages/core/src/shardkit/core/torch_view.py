@@ -22,10 +22,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _TORCH_STATE_KEY
+from torch.distributed.fsdp._fully_shard import _fsdp_common as _torch_common
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
+from shardkit.core.state_machines import ShardedState
 from shardkit.core.torch_mesh_info import as_torch_mesh_info, is_torch_mesh_info
-from shardkit.core.torch_param_fields import TorchParamFields, torch_param_order
+from shardkit.core.torch_param_fields import (
+    TorchParamFields,
+    torch_param_order,
+    torch_sharded_state,
+)
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
@@ -190,6 +196,31 @@ class TorchFacingGroup(_Strict):
                 f"{value!r}: resharding to fewer ranks is fully_shard's "
                 "reshard_after_forward=n on shardkit"
             )
+
+    # What the group holds now and what it is doing, as torch's enums and predicates.
+
+    @property
+    def _sharded_state(self) -> Any:
+        return torch_sharded_state(self._group.sharded_state)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the sharded parameters are registered (no full storage held)."""
+        return self._group.sharded_state is ShardedState.SHARDED
+
+    @property
+    def is_sharded_post_forward(self) -> bool:
+        """Whether it holds 1/n slices after forward (``reshard_after_forward=n``)."""
+        return self._group.sharded_state is ShardedState.SHARDED_POST_FORWARD
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the full parameters are registered."""
+        return self._group.sharded_state is ShardedState.UNSHARDED
+
+    @property
+    def _training_state(self) -> Any:
+        return _torch_common.TrainingState[self._group.training_state.name]
 
     @property
     def _name(self) -> str:
