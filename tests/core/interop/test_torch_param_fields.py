@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 import shardkit.core as sk
 from harness.pool import run_on_ranks
+from tests.core import quant_support
 from tests.core.ckpt_helpers import mesh_of
 from tests.core.fake_group import fake_mesh
 from tests.core.torch_releases import torch_has
@@ -172,6 +173,15 @@ def test_a_write_is_refused_by_name() -> None:
         with pytest.raises(AttributeError, match=r"^TorchFacingParam\._orig_size: shardkit's"):
             param._orig_size = torch.Size([1])
         assert param._orig_size == torch.Size([4, 4])
+        # A weight gathered through all-gather hooks (a tensor subclass): its sizes are
+        # served, its padded shard's storage is the subclass's own and is not.
+        model = quant_support.build("sharded")
+        sk.fully_shard(model, mesh=mesh)
+        by_name = {p._param_fqn: p for p in _params(model)}
+        hooked = by_name["blocks.0.fc1.weight"]
+        assert hooked.padded_sharded_param_size == torch.Size([8, 16])
+        with pytest.raises(NotImplementedError, match=r"^blocks\.0\.fc1\.weight: _sharded_para"):
+            _ = hooked._sharded_param_data
 
 
 def _kept_in_own_dtype_body(rank: int, world_size: int) -> dict[str, Any]:

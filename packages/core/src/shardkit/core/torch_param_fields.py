@@ -129,8 +129,14 @@ class TorchParamFields:
 
         A view of the storage the engine gathers from, as torch's is: writes go to the shard.
         """
-        param, local = self._param, self._param.current_local()
-        geo = param.geometry
+        param = self._param
+        if param.hooks is not None:
+            # Not an AttributeError: a property's would be replaced by the view's generic one.
+            raise NotImplementedError(
+                f"{self._param_fqn}: _sharded_param_data of a parameter gathered through "
+                "all-gather hooks (a tensor subclass) is not served; its sharded_param is"
+            )
+        local, geo = param.current_local(), param.geometry
         # The local tensor is a narrow of the padded shard from its first element, so the
         # padded shard starts where the local tensor does and runs on contiguously.
         return local.as_strided((geo.shard_numel,), (1,), local.storage_offset())
