@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tests.core.ckpt_helpers import dcp_load_all, dcp_save_all
 from tests.core.parity import fully_shard_of, torch_policy
 from tests.tp import tp_ckpt, tp_models
-from tests.tp.tp_parity import Trace, full_params
+from tests.tp.tp_parity import Trace, fsdp_param_layout, full_params
 
 Names = str | tuple[str, ...] | None
 
@@ -181,9 +181,7 @@ def _layout(model: nn.Module) -> dict[str, tuple[str, ...]]:
         if isinstance(module, FSDPModule):  # shardkit's modules are torch's FSDPModules
             group: Any = module._get_fsdp_state()._fsdp_param_group
             for p in group.fsdp_params:  # sizes of the TP-local part, as torch's parameters'
-                shapes = (p._orig_size, p.sharded_size, p.padded_sharded_param_size)
-                fields = (*shapes, p.fsdp_placement, p.is_dtensor, p._sharded_param_data.shape)
-                out[f"{p._param_fqn}: fsdp_param"] = tuple(map(str, fields))
+                out[f"{p._param_fqn}: fsdp_param"] = fsdp_param_layout(p)
             info = group.mesh_info
             dims = getattr(info, "dp_mesh_dims", None)
             if dims is None:  # torch before 2.12: its mesh-info objects have no such field

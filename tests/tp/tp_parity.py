@@ -155,10 +155,15 @@ def fsdp_param_fields(model: nn.Module) -> list[tuple[str, ...]]:
         if isinstance(module, FSDPModule):  # shardkit's modules are torch's FSDPModules
             group: Any = module._get_fsdp_state()._fsdp_param_group
             for p in group.fsdp_params:
-                shapes = (p._orig_size, p.sharded_size, p.padded_sharded_param_size)
-                fields = (*shapes, p.fsdp_placement, p.is_dtensor, p._sharded_param_data.shape)
-                out.append((p._param_fqn, *map(str, fields), str(p.mp_policy.param_dtype)))
+                out.append((p._param_fqn, *fsdp_param_layout(p), str(p.mp_policy.param_dtype)))
     return out
+
+
+def fsdp_param_layout(p: Any) -> tuple[str, ...]:
+    """One of a group's ``fsdp_params``: its sizes, placement and kind, as text."""
+    shapes = (p._orig_size, p.sharded_size, p.padded_sharded_param_size)
+    fields = (*shapes, p.fsdp_placement, p.is_dtensor, p._sharded_param_data.shape)
+    return tuple(map(str, fields))
 
 
 def _dp_size(run: TPRun) -> int:
