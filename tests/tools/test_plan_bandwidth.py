@@ -56,6 +56,7 @@ def test_measured_once_then_cached(tmp_path: Path) -> None:
     [
         b"\x00\xff not json",
         b"[1, 2]",
+        b"[" * 20_000 + b"]" * 20_000,  # nested deeper than json's parser recurses
         b'{"version": 1, "entries": []}',
         b'{"version": 99, "entries": {}}',
         b'{"version": 1, "entries": {"HOST/ranks=2": {"gbps": NaN}}}',

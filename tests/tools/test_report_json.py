@@ -77,8 +77,12 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
     assert load_rank_reports(tmp_path) == [make_report(0)]
 
 
-def test_bad_json_names_the_file(tmp_path: Path) -> None:
-    (tmp_path / "rank-0.json").write_text('{"rank": 0,')
+@pytest.mark.parametrize(
+    "content",
+    ['{"rank": 0,', "[" * 20_000 + "]" * 20_000],  # cut short; nested deeper than json recurses
+)
+def test_bad_json_names_the_file(tmp_path: Path, content: str) -> None:
+    (tmp_path / "rank-0.json").write_text(content)
     with pytest.raises(ValueError, match=r"rank-0\.json is not valid JSON"):
         load_rank_reports(tmp_path)
 

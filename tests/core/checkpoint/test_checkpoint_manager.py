@@ -75,16 +75,33 @@ def _corrupt(checkpoint: Path, what: str) -> None:
     """Truncate one file of a DCP checkpoint (rank 0 does it; the others wait).
 
     ``what``: "metadata", "distcp", or "unchecked" (a ``.distcp`` of a checkpoint without
-    checksums, as older versions saved them: only DCP can find the damage).
+    checksums, as older versions saved them: only DCP can find the damage); or, with every
+    file intact, a marker that is not an object ("marker"), or one whose checksums name a
+    file outside the checkpoint ("outside": the checkpoint before's, with its true sums).
     """
     if dist.get_rank() == 0:
-        victim = checkpoint / (".metadata" if what == "metadata" else "__1_0.distcp")
-        victim.write_bytes(victim.read_bytes()[:-40])
+        marker_path = checkpoint / "COMPLETE"
+        marker = json.loads(marker_path.read_text())
+        if what == "marker":
+            marker_path.write_text(json.dumps([marker]))
+        elif what == "outside":
+            before = checkpoint.parent / "step_00000002" / ".metadata"
+            sums = {"bytes": before.stat().st_size, "sha256": _sha256(before.read_bytes())}
+            marker["files"]["../step_00000002/.metadata"] = sums
+            marker_path.write_text(json.dumps(marker))
+        else:
+            victim = checkpoint / (".metadata" if what == "metadata" else "__1_0.distcp")
+            victim.write_bytes(victim.read_bytes()[:-40])
         if what == "unchecked":
-            marker = json.loads((checkpoint / "COMPLETE").read_text())
             del marker["files"]
-            (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+            marker_path.write_text(json.dumps(marker))
     dist.barrier()
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def _corrupt_body(rank: int, world_size: int, root: str, what: str) -> dict[str, Any]:
@@ -118,7 +135,7 @@ def _corrupt_body(rank: int, world_size: int, root: str, what: str) -> dict[str,
     }
 
 
-@pytest.mark.parametrize("what", ["distcp", "metadata", "unchecked"])
+@pytest.mark.parametrize("what", ["distcp", "metadata", "unchecked", "marker", "outside"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(
     what: str, tmp_path: Path
 ) -> None:

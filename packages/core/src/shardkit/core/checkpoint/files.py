@@ -9,12 +9,14 @@ Ranks share the work: rank r of W handles every W-th file (``share``).
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import TypedDict
 
-__all__ = ["FileSum", "checksum", "list_files", "problems_with", "share"]
+__all__ = ["FileSum", "checksum", "list_files", "manifest_of", "problems_with", "share"]
 
 _CHUNK = 1 << 20  # bytes hashed per read
+_SHA256 = re.compile("[0-9a-f]{64}")
 
 
 class FileSum(TypedDict):
@@ -44,6 +46,36 @@ def checksum(path: Path) -> FileSum:
             digest.update(chunk)
             size += len(chunk)
     return FileSum(bytes=size, sha256=digest.hexdigest())
+
+
+def manifest_of(marker: object) -> dict[str, FileSum] | None:
+    """The files and checksums a checkpoint's ``COMPLETE`` marker records (None: saved without).
+
+    The marker is read from storage, so it is checked before it is followed: every name must
+    lie inside the checkpoint's directory (a relative path without ``..``), and every entry be a
+    size and a SHA-256. Anything else raises ``ValueError`` saying what.
+    """
+    if not isinstance(marker, dict):
+        raise ValueError("its COMPLETE marker is not a JSON object")
+    files = marker.get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        raise ValueError("its COMPLETE marker's files are not a JSON object")
+    for name, want in files.items():
+        path = PurePosixPath(name)
+        if not name or "\\" in name or path.is_absolute() or ".." in path.parts:
+            raise ValueError(f"its COMPLETE marker names {name!r}, outside the checkpoint")
+        if not (
+            isinstance(want, dict)
+            and type(want.get("bytes")) is int
+            and want["bytes"] >= 0
+            and isinstance(want.get("sha256"), str)
+            and _SHA256.fullmatch(want["sha256"])
+        ):
+            detail = f"its COMPLETE marker's entry for {name!r} is not a size and a SHA-256"
+            raise ValueError(detail)
+    return files
 
 
 def problems_with(directory: Path, expected: dict[str, FileSum]) -> list[str]:

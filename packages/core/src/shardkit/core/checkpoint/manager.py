@@ -39,7 +39,14 @@ from shardkit.core.checkpoint.async_save import (
     PendingSave,
     describe_dcp_failure,
 )
-from shardkit.core.checkpoint.files import FileSum, checksum, list_files, problems_with, share
+from shardkit.core.checkpoint.files import (
+    FileSum,
+    checksum,
+    list_files,
+    manifest_of,
+    problems_with,
+    share,
+)
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
 from shardkit.core.runtime.groups import barrier, global_rank, world_size
@@ -359,8 +366,7 @@ class CheckpointManager:
         """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank."""
 
         def check_my_share() -> list[str]:
-            marker = json.loads((checkpoint / _COMPLETE).read_text())
-            files: dict[str, FileSum] | None = marker.get("files")
+            files = manifest_of(json.loads((checkpoint / _COMPLETE).read_text()))
             if files is None:
                 logger.info("%s was saved without checksums: its files are not checked", checkpoint)
                 return []

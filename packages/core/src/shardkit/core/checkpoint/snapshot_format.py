@@ -36,7 +36,7 @@ from shardkit.core.checkpoint.snapshot_checksum import (
     checksum_count,
     first_mismatch,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout
+from shardkit.core.checkpoint.snapshot_layout import JSON_LEAVES, JSONValue, Layout
 
 __all__ = [
     "Expected",
@@ -64,6 +64,8 @@ JSON_AT = 32
 _PREFIX = struct.Struct("<IQQ")  # CRC-32, length, capacity (at REGION_AT)
 _PAGE = 4096
 FORMAT = 3  # 1 had a CRC-32 per tensor; 2 its block sums as a list of JSON numbers
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_JSON_KINDS |= {type(None): "null"}
 
 
 class SnapshotRefusal(enum.Enum):
@@ -137,26 +139,46 @@ class Header:
 
     @staticmethod
     def from_json(raw: bytes) -> Header:
-        """The header ``to_json`` wrote (ValueError, KeyError or TypeError if malformed)."""
+        """The header ``to_json`` wrote.
+
+        Raises ValueError, KeyError or TypeError if it is malformed, RecursionError if its
+        JSON is nested too deep for the parser.
+        """
         data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {_JSON_KINDS.get(type(data), 'value')}, not an object")
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this reader knows {FORMAT}")
         layout = Layout.from_json(data["layout"])
         checksums = bytes.fromhex(data["checksums"])
         if len(checksums) != 8 * checksum_count(layout.data_bytes):
             raise ValueError("the data's checksums are not two per block")
-        values = dict(data["values"])
+        values = data["values"]
+        if not isinstance(values, dict) or not all(
+            isinstance(value, JSON_LEAVES) for value in values.values()
+        ):
+            raise ValueError("the plain values must be an object of JSON scalars")
         if set(values) != set(layout.value_keys):
             raise ValueError("the plain values do not match the layout")
+        run_id = data["run_id"]
+        if not isinstance(run_id, str):
+            raise ValueError(f"run_id {run_id!r} is not a string")
         return Header(
-            str(data["run_id"]),
-            int(data["world_size"]),
-            int(data["rank"]),
-            int(data["step"]),
+            run_id,
+            _number(data["world_size"], "world_size", least=1),
+            _number(data["rank"], "rank"),
+            _number(data["step"], "step"),
             layout,
             checksums,
             values,
         )
+
+
+def _number(value: Any, name: str, *, least: int = 0) -> int:
+    """A header's count: a whole number (not a bool or a float) from ``least`` up."""
+    if type(value) is not int or not least <= value < 2**62:
+        raise ValueError(f"{name} {value!r} is not a whole number of at least {least}")
+    return value
 
 
 def layout_json_of(layout: Layout) -> str:
@@ -262,8 +284,13 @@ def _parse(region: torch.Tensor) -> Header:
         raise SnapshotRefused(SnapshotRefusal.CHECKSUM, "the header does not match its checksum")
     try:
         return Header.from_json(json_bytes)
-    except (ValueError, KeyError, TypeError) as error:
+    except KeyError as error:
+        detail = f"its header has no {error.args[0]!r}"
+        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, detail) from None
+    except (ValueError, TypeError) as error:
         raise SnapshotRefused(SnapshotRefusal.UNREADABLE, f"its header: {error}") from None
+    except RecursionError:  # arrays nested thousands deep: json's parser recurses
+        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, "its header is nested too deep") from None
 
 
 def _check_identity(header: Header, *, rank: int, expected: Expected) -> None:
@@ -283,6 +310,10 @@ def _check_identity(header: Header, *, rank: int, expected: Expected) -> None:
     if header.layout.local_shapes() != expected.layout.local_shapes():
         raise SnapshotRefused(
             SnapshotRefusal.OTHER_LAYOUT, "its local shards have other shapes (another mesh)"
+        )
+    if header.layout != expected.layout:  # the same writer places the same tensors alike
+        raise SnapshotRefused(
+            SnapshotRefusal.OTHER_LAYOUT, "its tensors lie elsewhere in its data than here"
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.core.runtime.dtensors import local_of
 
 __all__ = [
+    "JSON_LEAVES",
     "JSONValue",
     "Layout",
     "Leaves",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes: every tensor starts on a cache line (and any dtype's alignment)
-_JSON_LEAVES = (type(None), bool, int, float, str)
+JSON_LEAVES = (type(None), bool, int, float, str)  # the plain values a snapshot holds
 
 JSONValue = None | bool | int | float | str
 
@@ -101,7 +103,7 @@ def _walk(value: Any, key: str, leaves: Leaves) -> None:
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
             _walk(item, f"{key}/{index}", leaves)
-    elif isinstance(value, _JSON_LEAVES):
+    elif isinstance(value, JSON_LEAVES):
         leaves.values[key] = value
     else:
         raise TypeError(
@@ -163,17 +165,27 @@ class Layout:
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> Layout:
-        """The layout ``to_json`` wrote (ValueError or KeyError if it is malformed)."""
-        entries = []
-        for key, dtype, shape, global_shape, offset in data["entries"]:
-            dtype_named(dtype)
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype_named(dtype)).itemsize
-            entries.append(
-                TensorEntry(str(key), dtype, tuple(shape), tuple(global_shape), int(offset), size)
-            )
-        layout = Layout(tuple(entries), tuple(map(str, data["values"])), int(data["data_bytes"]))
-        if any(e.offset < 0 or e.offset + e.nbytes > layout.data_bytes for e in entries):
-            raise ValueError("a tensor lies outside the snapshot's data")
+        """The layout ``to_json`` wrote (ValueError, KeyError or TypeError if it is malformed).
+
+        Read from shared memory, so nothing is taken on trust: every field must have the type
+        and range a writer gives it, and every tensor must lie inside the data, aligned.
+        """
+        rows, value_keys = data["entries"], data["values"]
+        if not isinstance(rows, list) or not isinstance(value_keys, list):
+            raise ValueError("the layout's entries and plain values must be arrays")
+        if not all(isinstance(key, str) for key in value_keys):
+            raise ValueError("the plain values' keys must be strings")
+        layout = Layout(
+            tuple(_entry_of(row) for row in rows),
+            tuple(value_keys),
+            _whole(data["data_bytes"], "data_bytes"),
+        )
+        keys = [e.key for e in layout.entries] + list(layout.value_keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice in the layout")
+        end = layout.data_bytes
+        if any(e.offset % _ALIGN or e.offset + e.nbytes > end for e in layout.entries):
+            raise ValueError("a tensor lies outside the snapshot's data, or not aligned")
         if layout.data_bytes % _ALIGN:
             raise ValueError(f"the data's size is not a multiple of {_ALIGN} bytes")
         return layout
@@ -189,6 +201,31 @@ class Layout:
                 there, here = _describe(theirs.get(key)), _describe(mine.get(key))
                 return f"{key}: {there} in the snapshot, {here} here"
         return ""
+
+
+def _entry_of(row: Any) -> TensorEntry:
+    """One layout row (key, dtype, shape, global shape, offset), its types and ranges checked."""
+    if not isinstance(row, list) or len(row) != 5:
+        raise ValueError(f"a layout entry is [key, dtype, shape, global shape, offset]: {row!r}")
+    key, dtype, shape, global_shape, offset = row
+    if not isinstance(key, str) or not isinstance(dtype, str):
+        raise ValueError(f"a layout entry's key and dtype must be strings: {row!r}")
+    for sizes in (shape, global_shape):
+        if not isinstance(sizes, list) or len(sizes) != len(shape):
+            raise ValueError(f"{key!r}: its shapes must be arrays of one length")
+        for size in sizes:
+            _whole(size, f"{key!r}'s shape")
+    itemsize = torch.empty((), dtype=dtype_named(dtype)).element_size()
+    nbytes = math.prod(shape) * itemsize
+    offset = _whole(offset, f"{key!r}'s offset")
+    return TensorEntry(key, dtype, tuple(shape), tuple(global_shape), offset, nbytes)
+
+
+def _whole(value: Any, name: str) -> int:
+    """``value`` if it is a whole number a layout can hold (not a bool, float or negative)."""
+    if type(value) is not int or not 0 <= value < 2**62:
+        raise ValueError(f"{name}: {value!r} is not a whole number of bytes or elements")
+    return value
 
 
 def _describe(row: list[Any] | None) -> str:

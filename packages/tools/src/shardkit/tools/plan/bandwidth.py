@@ -109,7 +109,7 @@ def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
         return {}
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
         return {}
     if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
         return {}

@@ -137,6 +137,8 @@ def _read_json(path: Path) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
+    except RecursionError:  # json's parser recurses: arrays nested thousands deep
+        raise ValueError(f"{path} is not valid JSON: nested too deep to read") from None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:
