@@ -55,6 +55,7 @@ EXPECTED = {
         "load_torch_file",
         "patch_torch",
         "patched_torch",
+        "read_dcp_metadata",
         "register_extension",
         "register_fsdp_forward_method",
         "save_full_state_dict",

@@ -156,6 +156,139 @@ def test_when_no_checkpoint_loads_every_rank_raises_and_changes_nothing(tmp_path
     assert results[0]["error"] == results[1]["error"]
 
 
+class _Trap:
+    """A value whose unpickling makes a directory: code a crafted checkpoint could run."""
+
+    def __init__(self, witness: str) -> None:
+        self.witness = witness
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.mkdir, (self.witness,))
+
+
+def _crafted_body(rank: int, world_size: int, root: str, where: str) -> dict[str, Any]:
+    """Step 2 is plain; step 4 runs code when unpickled: in a value, or in its ``.metadata``
+    (its checksum in the marker updated, as whoever crafted it would)."""
+    import hashlib
+    import pickle
+
+    from shardkit.core import CheckpointLoadError, CheckpointManager
+
+    witness = Path(root).parent / f"ran-{rank}"
+    manager = CheckpointManager(root, keep=3)
+    app = build_app(world_size)
+    train_app(app, 2, rank, world_size)
+    manager.save(2, {"app": app, "note": "plain"})
+    train_app(app, 4, rank, world_size)
+    if where == "value":  # written as plain DCP would: the manager's own save refuses it
+        from unittest import mock
+
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from shardkit.core.checkpoint import manager as manager_module
+
+        with mock.patch.object(manager_module, "LoadableSavePlanner", DefaultSavePlanner):
+            manager.save(4, {"app": app, "note": _Trap(str(witness))})
+    else:
+        manager.save(4, {"app": app, "note": "plain"})
+    newest = Path(root) / "step_00000004"
+    if where == "metadata" and rank == 0:
+        (newest / ".metadata").write_bytes(pickle.dumps(_Trap(str(witness))))
+        marker = json.loads((newest / "COMPLETE").read_text())
+        data = (newest / ".metadata").read_bytes()
+        marker["files"][".metadata"] = {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        (newest / "COMPLETE").write_text(json.dumps(marker))
+    dist.barrier()
+    resumed = build_app(world_size)
+    state: dict[str, Any] = {"app": resumed, "note": None}
+    loaded = manager.load(state)
+    _rmtree(Path(root) / "step_00000002")  # now only the crafted one is left
+    try:
+        manager.load({"app": build_app(world_size), "note": None})
+        error = ""
+    except CheckpointLoadError as failure:
+        error = str(failure)
+    return {
+        "loaded": loaded.name if loaded else None,
+        "note": state["note"],
+        "ran": witness.exists(),
+        "error": error,
+    }
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("value", "is a pickled object that weights_only refuses"),
+        ("metadata", "refused: refused global posix.mkdir"),
+    ],
+)
+def test_a_checkpoint_that_would_run_code_is_refused_before_anything_loads(
+    tmp_path: Path, where: str, why: str
+) -> None:
+    """DCP unpickles ``.metadata`` and every value that is not a tensor with plain pickle; the
+    manager reads both without running pickled code (``checkpoint/dcp_reading.py``)."""
+    results = run_on_ranks(2, _crafted_body, root=str(tmp_path / "ckpt"), where=where)
+    for result in results:
+        assert result["loaded"] == "step_00000002" and result["note"] == "plain", result
+        assert not result["ran"], "the crafted pickle ran"
+        assert why in result["error"] and "step_00000004" in result["error"], result["error"]
+        assert "part-way" not in result["error"]  # refused before DCP wrote anything
+    assert results[0]["error"] == results[1]["error"]
+
+
+class _Note:
+    """A user's own class in the state: plain data, but no load reads it without allowing it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _unloadable_save_body(rank: int, world_size: int, root: str, async_save: bool) -> str:
+    from shardkit.core import CheckpointManager, CheckpointSaveError
+
+    manager = CheckpointManager(root)
+    app = build_app(world_size)
+    manager.save(1, {"app": app})
+    try:
+        manager.save(2, {"app": app, "note": _Note("hello")}, async_save=async_save)
+        manager.wait()
+        outcome = "saved"
+    except CheckpointSaveError as error:
+        outcome = str(error)
+    latest = manager.latest()
+    manager.close()
+    return f"{outcome} | latest {latest.name if latest else None}"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_value_no_load_would_take_fails_the_save_on_every_rank(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Found at the save, not at the restart days later: nothing is published."""
+    results = run_on_ranks(
+        2, _unloadable_save_body, root=str(tmp_path / "ckpt"), async_save=async_save
+    )
+    assert results[0] == results[1]
+    assert "value 'note' is a pickled object that weights_only refuses" in results[0]
+    assert "_Note" in results[0] and "add_safe_globals" in results[0]
+    assert results[0].endswith("latest step_00000001")
+
+
 def _publish_fails_body(rank: int, world_size: int, root: str, async_save: bool) -> dict[str, Any]:
     """Rank 0's disk is full when it publishes a save: every rank must learn it."""
     import errno

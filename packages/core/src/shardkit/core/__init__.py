@@ -22,6 +22,7 @@ from shardkit.core.checkpoint import (
     ResumePoint,
     SnapshotError,
     StateDictCache,
+    read_dcp_metadata,
 )
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
@@ -109,6 +110,7 @@ __all__ = [
     "layout_of",
     "load_full_state_dict",
     "load_torch_file",
+    "read_dcp_metadata",
     "patch_torch",
     "patched_torch",
     "register_extension",

@@ -208,13 +208,6 @@ def process_group_state_type() -> type:
     return state
 
 
-def dcp_storage_info_module() -> str:
-    """The module of DCP's ``_StorageInfo``, which its ``.metadata`` pickle names."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return _StorageInfo.__module__
-
-
 def dcp_fsdp_state_lookup(is_ours: Callable[[nn.Module], bool]) -> Callable[[nn.Module], Any]:
     """DCP's check that a module FSDP1 lists is a fully sharded module, knowing our wrappers.
 

@@ -3,15 +3,18 @@
 ``CheckpointManager`` (``manager.py``) saves and loads torch.distributed.checkpoint
 directories that an interrupted save or a corrupt file cannot break; ``async_save.py`` writes
 in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
-checksums a checkpoint's files. ``MemorySnapshots`` (``snapshots.py``) keeps per-step
-snapshots in the node's shared memory, replicated to a peer on another node, for restarts that
-lose at most the step in flight (``snapshot_*.py``); ``StateDictCache`` is torch's
-``get_state_dict`` for a loop that asks every step (``state_dict_cache.py``).
+checksums a checkpoint's files; ``dcp_reading.py`` reads a checkpoint's metadata and plain
+values without running pickled code (``read_dcp_metadata``). ``MemorySnapshots``
+(``snapshots.py``) keeps per-step snapshots in the node's shared memory, replicated to a peer
+on another node, for restarts that lose at most the step in flight (``snapshot_*.py``);
+``StateDictCache`` is torch's ``get_state_dict`` for a loop that asks every step
+(``state_dict_cache.py``).
 ``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
 exports the same names).
 """
 
 from shardkit.core.checkpoint.async_save import CheckpointSaveError
+from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata
 from shardkit.core.checkpoint.manager import (
     CheckpointLoadError,
     CheckpointManager,
@@ -30,4 +33,5 @@ __all__ = [
     "ResumePoint",
     "SnapshotError",
     "StateDictCache",
+    "read_dcp_metadata",
 ]

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
+from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
 from shardkit.core.errors import first_sentence
 from shardkit.core.runtime.agreement import everyone
@@ -48,7 +48,11 @@ _WRITER_NICENESS = 19
 
 
 class CheckpointSaveError(RuntimeError):
-    """An asynchronous save failed; it was not published (the message says why, per rank)."""
+    """A save failed and was not published; the message says why, per rank.
+
+    An asynchronous save's writing, or any save's planning (a value the safe reader could not
+    read back: ``dcp_reading.LoadableSavePlanner``).
+    """
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,8 +82,8 @@ class _AlreadyStaged(AsyncStager):
         return None  # the buffers belong to the manager and outlive this save
 
 
-class _BackgroundPlanner(DefaultSavePlanner):
-    """DCP's default save plan, set up from the writer thread, which it first deprioritizes.
+class _BackgroundPlanner(LoadableSavePlanner):
+    """The manager's save plan, set up from the writer thread, which it first deprioritizes.
 
     DCP calls ``set_up_planner`` at the start of the save, in the thread that writes (the
     planner is DCP's extension point for what happens there).

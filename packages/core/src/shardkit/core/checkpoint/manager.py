@@ -39,6 +39,14 @@ from shardkit.core.checkpoint.async_save import (
     PendingSave,
     describe_dcp_failure,
 )
+from shardkit.core.checkpoint.dcp_reading import (
+    LoadableSavePlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+    unsafe_values,
+    value_keys,
+)
 from shardkit.core.checkpoint.files import (
     FileSum,
     checksum,
@@ -182,7 +190,10 @@ class CheckpointManager:
             Where the checkpoint is (or will be, once published).
 
         Raises:
-            CheckpointSaveError: the pending asynchronous save failed (on every rank).
+            CheckpointSaveError: the pending asynchronous save failed, or this one could not
+                be planned: a value that is not a tensor and that a load would refuse to
+                unpickle (a class outside ``torch.load(weights_only=True)``'s allowlist; add it
+                with ``torch.serialization.add_safe_globals``). On every rank.
         """
         self.wait()
         target = self.path_for(step)
@@ -206,7 +217,10 @@ class CheckpointManager:
                 time.perf_counter() - started,
             )
             return target
-        dcp_save(state, checkpoint_id=partial)
+        try:
+            dcp_save(state, checkpoint_id=partial, planner=LoadableSavePlanner())
+        except CheckpointException as error:  # raised on every rank, the same failures
+            raise CheckpointSaveError(describe_dcp_failure(error, "save")) from None
         barrier()  # every rank's shards are written
         files = self._checksums(partial)
         self._publish_on_rank0(step, partial, target, files)
@@ -369,9 +383,16 @@ class CheckpointManager:
             files = manifest_of(json.loads((checkpoint / _COMPLETE).read_text()))
             if files is None:
                 logger.info("%s was saved without checksums: its files are not checked", checkpoint)
-                return []
-            mine = share(sorted(files), global_rank(), world_size())
-            return problems_with(checkpoint, {name: files[name] for name in mine})
+            else:
+                mine = share(sorted(files), global_rank(), world_size())
+                problems = problems_with(checkpoint, {name: files[name] for name in mine})
+                if problems:
+                    return problems
+            # Before anything loads: DCP's metadata and the values that are not tensors, read
+            # without running pickled code (a refused one fails the checkpoint, nothing written).
+            metadata = read_dcp_metadata(checkpoint)
+            keys = share(value_keys(metadata), global_rank(), world_size())
+            return unsafe_values(checkpoint, metadata, keys)
 
         found = everyone(check_my_share)  # a marker one rank cannot read fails it for all
         problems: list[str] = []
@@ -386,7 +407,8 @@ class CheckpointManager:
 
         def load() -> None:
             try:
-                dcp_load(state, checkpoint_id=checkpoint)
+                reader, planner = SafeFileSystemReader(checkpoint), SafeLoadPlanner()
+                dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
             except CheckpointException as error:  # a BaseException: `except Exception` misses it
                 raise RuntimeError(describe_dcp_failure(error, "load")) from None
 

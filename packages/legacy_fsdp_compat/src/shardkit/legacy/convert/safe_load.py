@@ -9,8 +9,9 @@
   process group it was saved from), so its name maps to :class:`ShardedTensorRecord`, which
   only keeps the pickled state; and the one ``getattr`` such a pickle makes (to reach
   ``ShardedTensor.ProcessGroupState``) maps to a function that allows exactly that lookup.
-- DCP's ``.metadata`` is a plain pickle, which torch reads with ``pickle.load``; here a
-  restricted unpickler admits DCP's metadata classes, torch dtypes and sizes, and nothing else.
+- DCP's ``.metadata`` is a plain pickle, which torch reads with ``pickle.load``; the core's
+  ``read_dcp_metadata`` reads it with a restricted unpickler that admits DCP's metadata
+  classes, torch dtypes and sizes, and nothing else.
 
 torch's private ShardedTensor classes themselves are named in ``torch_compat.py`` only.
 See [Note: FSDP1 checkpoints] (docs/notes/010-fsdp1-checkpoints.md).
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -32,10 +32,10 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from shardkit.core import StateDictFileError
 from shardkit.core import load_torch_file as core_load_torch_file
+from shardkit.core import read_dcp_metadata as core_read_dcp_metadata
 from shardkit.legacy.convert.plan import CheckpointError
 from shardkit.legacy.torch_compat import (
     SHARDED_TENSOR_CLASS,
-    dcp_storage_info_module,
     process_group_state_type,
     sharded_tensor_pickle_types,
 )
@@ -171,122 +171,21 @@ def missing_file(path: Path, what: str = "file") -> str:
     return f"no such {what}"
 
 
-_DCP_CLASSES = {
-    (dcp_metadata.__name__, name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    (dcp_storage_info_module(), "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout by its name
-    ("collections", "OrderedDict"),
-    *((pathlib.__name__, kind) for kind in ("PosixPath", "WindowsPath", "PurePosixPath")),
-}
-
-
-class _RefusedGlobal(pickle.UnpicklingError):
-    """A global outside the allowlist (other unpickling errors mean damaged bytes)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: its own dataclasses, torch sizes and dtypes, paths."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _RefusedGlobal(f"refused global {module}.{name}")
-
-
 def read_dcp_metadata(checkpoint: str | os.PathLike[str]) -> dcp_metadata.Metadata:
-    """The ``.metadata`` of a DCP checkpoint directory, read with the restricted unpickler.
-
-    Its structure is checked too (what each field holds), so that damaged metadata is
-    reported here rather than as a raw error where a field is used.
+    """The ``.metadata`` of a DCP checkpoint directory, read by the core's restricted reader.
 
     Raises:
         CheckpointError: naming the file, when it is missing, truncated, damaged, or names
-            any other global.
+            any global but DCP's metadata classes, torch sizes, dtypes and paths.
     """
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         found = missing_file(checkpoint, "directory") or "is a file, not a directory"
         raise CheckpointError(f"{checkpoint}: {found} (a DCP checkpoint is a directory)")
-    path = checkpoint / ".metadata"
-    not_a_file = missing_file(path)
+    not_a_file = missing_file(checkpoint / ".metadata")
     if not_a_file:
         raise CheckpointError(f"{checkpoint}: not a DCP checkpoint (.metadata {not_a_file})")
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except _RefusedGlobal as err:
-        raise CheckpointError(f"{path}: refused: {err}") from err
-    except Exception as err:  # UnpicklingError or EOFError when truncated, and the like
-        raise CheckpointError(f"{path}: truncated or corrupt: {type(err).__name__}: {err}") from err
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
-    problem = _metadata_problem(metadata)
-    if problem:
-        raise CheckpointError(f"{path}: damaged DCP metadata: {problem}")
-    return metadata
-
-
-def _metadata_problem(metadata: dcp_metadata.Metadata) -> str:
-    """What in the metadata is not of the kind DCP writes ('' when all is)."""
-    entries, storage = metadata.state_dict_metadata, metadata.storage_data
-    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
-        return f"state_dict_metadata is a {type(entries).__name__}, not a dict by key"
-    for key, entry in entries.items():
-        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            problem = _tensor_problem(entry)
-            if problem:
-                return f"{key}: {problem}"
-        elif not isinstance(entry, dcp_metadata.BytesStorageMetadata):
-            return f"{key} is described by a {type(entry).__name__}"
-    if storage is None:
-        return ""
-    if not isinstance(storage, dict):
-        return f"storage_data is a {type(storage).__name__}, not a dict"
-    for index, info in storage.items():
-        where = getattr(index, "fqn", index)
-        fields = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
-        relative_path, offset, length = fields
-        if not isinstance(relative_path, str) or not _inside(relative_path):
-            return f"{where}: its data file is {relative_path!r}"
-        if not _natural(offset) or not _natural(length):
-            return f"{where}: its bytes are at offset {offset!r}, length {length!r}"
-    return ""
-
-
-def _tensor_problem(entry: dcp_metadata.TensorStorageMetadata) -> str:
-    properties = getattr(entry, "properties", None)
-    if not isinstance(getattr(properties, "dtype", None), torch.dtype):
-        return "no dtype"
-    if not isinstance(entry.size, torch.Size) or not all(_natural(n) for n in entry.size):
-        return f"size {entry.size!r}"
-    for chunk in entry.chunks if isinstance(entry.chunks, list) else [None]:
-        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if not isinstance(offsets, torch.Size) or not isinstance(sizes, torch.Size):
-            return f"a chunk of {chunk!r}"
-        if len(offsets) != len(entry.size) or len(sizes) != len(entry.size):
-            return f"a chunk at {list(offsets)} of {list(sizes)} in a tensor of {list(entry.size)}"
-    return ""
-
-
-def _inside(relative_path: str) -> bool:
-    """A path that stays inside the checkpoint directory (not absolute, no ``..``)."""
-    return not Path(relative_path).is_absolute() and ".." not in Path(relative_path).parts
-
-
-def _natural(value: object) -> bool:
-    """A non-negative int (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return core_read_dcp_metadata(checkpoint)
+    except StateDictFileError as err:
+        raise CheckpointError(str(err)) from err
