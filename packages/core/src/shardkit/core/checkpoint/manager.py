@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -357,10 +358,10 @@ class CheckpointManager:
         reasons: list[str] = []
         attempted = False
         for candidate in candidates:
-            reason = self._verify(candidate)
-            if not reason:
+            reason, metadata = self._verify(candidate)
+            if not reason and metadata is not None:
                 attempted = True
-                reason = self._try_load(state, candidate)
+                reason = self._try_load(state, candidate, metadata)
             if not reason:
                 return candidate
             reasons.append(f"{candidate.name}: {reason}")
@@ -376,8 +377,12 @@ class CheckpointManager:
         return [latest, *(p for p in done if p != latest)] if latest is not None else done
 
     @staticmethod
-    def _verify(checkpoint: Path) -> str:
-        """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank."""
+    def _verify(checkpoint: Path) -> tuple[str, Metadata | None]:
+        """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank.
+
+        Also its metadata as this rank read it (None where it got no further), for the load.
+        """
+        read: list[Metadata] = []
 
         def check_my_share() -> list[str]:
             files = manifest_of(json.loads((checkpoint / _COMPLETE).read_text()))
@@ -391,6 +396,7 @@ class CheckpointManager:
             # Before anything loads: DCP's metadata and the values that are not tensors, read
             # without running pickled code (a refused one fails the checkpoint, nothing written).
             metadata = read_dcp_metadata(checkpoint)
+            read.append(metadata)
             keys = share(value_keys(metadata), global_rank(), world_size())
             return unsafe_values(checkpoint, metadata, keys)
 
@@ -399,15 +405,18 @@ class CheckpointManager:
         for rank, outcome in enumerate(found):
             failed = [f"rank {rank} could not check its files: {outcome.message}"]
             problems += failed if outcome.failed else outcome.value
-        return "; ".join(sorted(problems))
+        return "; ".join(sorted(problems)), read[0] if read else None
 
     @staticmethod
-    def _try_load(state: dict[str, Any], checkpoint: Path) -> str:
-        """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank)."""
+    def _try_load(state: dict[str, Any], checkpoint: Path, metadata: Metadata) -> str:
+        """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank).
+
+        ``metadata``: as ``_verify`` read it, so that the load does not read it again.
+        """
 
         def load() -> None:
             try:
-                reader, planner = SafeFileSystemReader(checkpoint), SafeLoadPlanner()
+                reader, planner = SafeFileSystemReader(checkpoint, metadata), SafeLoadPlanner()
                 dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
             except CheckpointException as error:  # a BaseException: `except Exception` misses it
                 raise RuntimeError(describe_dcp_failure(error, "load")) from None

@@ -36,7 +36,7 @@ from shardkit.core.checkpoint.snapshot_checksum import (
     checksum_count,
     first_mismatch,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSON_LEAVES, JSONValue, Layout
+from shardkit.core.checkpoint.snapshot_layout import JSON_LEAVES, JSONValue, Layout, whole_number
 
 __all__ = [
     "Expected",
@@ -64,8 +64,14 @@ JSON_AT = 32
 _PREFIX = struct.Struct("<IQQ")  # CRC-32, length, capacity (at REGION_AT)
 _PAGE = 4096
 FORMAT = 3  # 1 had a CRC-32 per tensor; 2 its block sums as a list of JSON numbers
-_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
-_JSON_KINDS |= {type(None): "null"}
+_JSON_KINDS = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
 
 
 class SnapshotRefusal(enum.Enum):
@@ -165,20 +171,13 @@ class Header:
             raise ValueError(f"run_id {run_id!r} is not a string")
         return Header(
             run_id,
-            _number(data["world_size"], "world_size", least=1),
-            _number(data["rank"], "rank"),
-            _number(data["step"], "step"),
+            whole_number(data["world_size"], "world_size", least=1),
+            whole_number(data["rank"], "rank"),
+            whole_number(data["step"], "step"),
             layout,
             checksums,
             values,
         )
-
-
-def _number(value: Any, name: str, *, least: int = 0) -> int:
-    """A header's count: a whole number (not a bool or a float) from ``least`` up."""
-    if type(value) is not int or not least <= value < 2**62:
-        raise ValueError(f"{name} {value!r} is not a whole number of at least {least}")
-    return value
 
 
 def layout_json_of(layout: Layout) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "dtype_named",
     "leaves_of",
     "restore_into",
+    "whole_number",
 ]
 
 _ALIGN = 64  # bytes: every tensor starts on a cache line (and any dtype's alignment)
@@ -178,7 +179,7 @@ class Layout:
         layout = Layout(
             tuple(_entry_of(row) for row in rows),
             tuple(value_keys),
-            _whole(data["data_bytes"], "data_bytes"),
+            whole_number(data["data_bytes"], "data_bytes"),
         )
         keys = [e.key for e in layout.entries] + list(layout.value_keys)
         if len(set(keys)) != len(keys):
@@ -214,17 +215,20 @@ def _entry_of(row: Any) -> TensorEntry:
         if not isinstance(sizes, list) or len(sizes) != len(shape):
             raise ValueError(f"{key!r}: its shapes must be arrays of one length")
         for size in sizes:
-            _whole(size, f"{key!r}'s shape")
+            whole_number(size, f"{key!r}'s shape")
     itemsize = torch.empty((), dtype=dtype_named(dtype)).element_size()
     nbytes = math.prod(shape) * itemsize
-    offset = _whole(offset, f"{key!r}'s offset")
+    offset = whole_number(offset, f"{key!r}'s offset")
     return TensorEntry(key, dtype, tuple(shape), tuple(global_shape), offset, nbytes)
 
 
-def _whole(value: Any, name: str) -> int:
-    """``value`` if it is a whole number a layout can hold (not a bool, float or negative)."""
-    if type(value) is not int or not 0 <= value < 2**62:
-        raise ValueError(f"{name}: {value!r} is not a whole number of bytes or elements")
+def whole_number(value: Any, name: str, *, least: int = 0) -> int:
+    """``value`` if it is a whole number from ``least`` up that a snapshot can hold.
+
+    Not a bool or a float, and below 2**62: a size, offset, shape, step, rank or world size.
+    """
+    if type(value) is not int or not least <= value < 2**62:
+        raise ValueError(f"{name} {value!r} is not a whole number of at least {least}")
     return value
 
 
