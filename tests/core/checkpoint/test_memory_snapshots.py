@@ -542,6 +542,64 @@ def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(
             assert checksums_of(data, executor, pieces) == sums
 
 
+@pytest.mark.parametrize("nbytes", [8, 16384, 16384 * 2 + 40])  # a word, a block, 2 and a bit
+def test_the_checksums_are_the_formats_sums_of_words_modulo_two_to_the_64(nbytes: int) -> None:
+    """The sums, computed the slow way with Python's integers: the format, whatever the code."""
+    import struct
+
+    from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES, checksums_of
+
+    data = _random_data(nbytes)  # words of every size: the sums wrap in most blocks
+    words = [value for (value,) in struct.iter_unpack("<Q", bytes(data.numpy()))]
+    expected = b""
+    for start in range(0, len(words), BLOCK_BYTES // 8):
+        block = words[start : start + BLOCK_BYTES // 8]
+        plain = sum(block) % 2**64
+        weighted = sum((k + 1) * word for k, word in enumerate(block)) % 2**64
+        expected += struct.pack("<QQ", plain, weighted)
+    assert checksums_of(data) == expected
+
+
+def test_the_slot_copy_follows_tensors_changed_in_place_replaced_or_repointed() -> None:
+    """One concatenation into the slot, its byte views kept between snapshots: never stale."""
+    from shardkit.core.checkpoint.snapshot_layout import Layout, SlotCopier, leaves_of
+
+    c = torch.tensor(7, dtype=torch.int64)  # a 0-dim tensor, as an optimizer's step
+    state: dict[str, Any] = {
+        "a": torch.arange(5, dtype=torch.float32),  # 20 bytes, then a gap to the next 64
+        "b": torch.ones(3, 3, dtype=torch.float64),
+        "c": c,
+        "lr": 0.1,
+    }
+    layout = Layout.of(leaves_of(state))
+    data = torch.zeros(layout.data_bytes, dtype=torch.uint8)  # a new slot's bytes
+    views = [entry.view(data) for entry in layout.entries]
+    copier = SlotCopier(layout)
+
+    def copied_exactly() -> bool:
+        leaves = leaves_of(state)
+        copier.copy(data, views, leaves)
+        expected = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+        for entry in layout.entries:
+            entry.view(expected).copy_(leaves.tensors[entry.key])
+        return torch.equal(data, expected)
+
+    assert copied_exactly()
+    state["a"].add_(1)  # the optimizer's step: in place
+    assert copied_exactly()
+    state["a"] = state["a"].detach()  # another tensor over the same memory (a state_dict())
+    state["a"].add_(1)
+    assert copied_exactly()
+    state["b"] = state["b"] * 2  # another tensor (a state dict loaded, a DTensor re-pointed)
+    assert copied_exactly()
+    c.set_(torch.tensor(9, dtype=torch.int64).untyped_storage(), 0, (), ())  # other memory
+    assert copied_exactly()
+    state["b"] = torch.arange(18.0, dtype=torch.float64).view(3, 6)[:, ::2]  # not contiguous
+    assert copied_exactly()
+    state["b"] = state["b"].contiguous()
+    assert copied_exactly()
+
+
 def test_the_checksums_refuse_data_that_is_not_whole_words() -> None:
     from shardkit.core.checkpoint.snapshot_checksum import checksums_of
 

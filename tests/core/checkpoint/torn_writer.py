@@ -28,12 +28,21 @@ from shardkit.core.checkpoint.snapshot_writer import SnapshotWriter
 class KillOnCopy(torch.Tensor):
     """A tensor whose copy into the snapshot kills this process, the tensors before it copied.
 
-    The writer copies every tensor in one foreach call: this one copies the tensors that come
-    before it in that call, one by one, then dies, so the slot is left half written.
+    The writer copies every tensor in one call (a concatenation of their bytes into the slot,
+    or a foreach copy): this one copies what comes before it in that call, then dies, so the
+    slot is left half written.
     """
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.cat and kwargs and "out" in kwargs:
+            written = 0
+            for piece in args[0]:
+                if isinstance(piece, KillOnCopy):
+                    break
+                kwargs["out"][written : written + piece.numel()].copy_(piece)
+                written += piece.numel()
+            os.kill(os.getpid(), signal.SIGKILL)
         if func is torch._foreach_copy_:
             destinations, sources = args[0], args[1]
             for destination, source in zip(destinations, sources, strict=True):

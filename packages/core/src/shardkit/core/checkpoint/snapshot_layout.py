@@ -14,6 +14,7 @@ the world size and the mesh decide.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ __all__ = [
     "JSONValue",
     "Layout",
     "Leaves",
+    "SlotCopier",
     "TensorEntry",
     "copy_to_views",
     "fits",
@@ -43,6 +45,7 @@ __all__ = [
 
 _ALIGN = 64  # bytes: every tensor starts on a cache line (and any dtype's alignment)
 JSON_LEAVES = (type(None), bool, int, float, str)  # the plain values a snapshot holds
+_EXACT_JSON = frozenset(JSON_LEAVES)  # those types themselves (subclasses take the long way)
 
 JSONValue = None | bool | int | float | str
 
@@ -92,13 +95,15 @@ def leaves_of(state: Mapping[str, Any]) -> Leaves:
 def _walk(value: Any, key: str, leaves: Leaves) -> None:
     if key in leaves.tensors or key in leaves.values:
         raise ValueError(f"memory snapshot: two values of the state have the key {key!r}")
-    if isinstance(value, DTensor):
+    if type(value) in _EXACT_JSON:  # first: a state's most common leaf, and the cheapest test
+        leaves.values[key] = value
+    elif isinstance(value, DTensor):
         leaves.tensors[key] = local_of(value)  # no autograd view: read, never differentiated
         leaves.global_shapes[key] = tuple(value.shape)
     elif isinstance(value, torch.Tensor):
         leaves.tensors[key] = value
         leaves.global_shapes[key] = tuple(value.shape)
-    elif isinstance(value, Mapping):
+    elif type(value) is dict or isinstance(value, Mapping):  # a plain dict skips the ABC test
         for name, item in value.items():
             _walk(item, f"{key}/{name}", leaves)
     elif isinstance(value, list | tuple):
@@ -111,6 +116,12 @@ def _walk(value: Any, key: str, leaves: Leaves) -> None:
             f"memory snapshot: {key!r} is a {type(value).__name__}; a snapshot holds tensors "
             "and JSON values (None, bool, int, float, str) only, and never pickles"
         )
+
+
+@functools.cache
+def _dtype_of(name: str) -> torch.dtype:
+    """``dtype_named``, remembered: a snapshot every step compares hundreds of dtypes."""
+    return dtype_named(name)
 
 
 def dtype_named(name: str) -> torch.dtype:
@@ -259,6 +270,68 @@ def copy_to_views(views: list[torch.Tensor], layout: Layout, leaves: Leaves) -> 
                 view.copy_(source)
 
 
+class SlotCopier:
+    """Copies a state's tensors into a slot's data bytes in one call: a concatenation.
+
+    A per-tensor copy, even a foreach one, pays a few microseconds a tensor, which for the
+    hundreds of a state (each parameter and each one's optimizer state) is most of the copy:
+    1.5 ms for the demo's 405 tensors (7.4 MB) against 0.5 ms for one ``torch.cat`` of their
+    bytes into the slot, the 64-byte gaps between them written as the zeros they are.
+
+    Each source's byte view is made once and kept while the source starts where its view does,
+    contiguous, checked every time; one that moved (an RNG state is a new tensor every call;
+    an optimizer's ``load_state_dict``, a re-pointed DTensor or a ``set_`` moves others) gets
+    a new view. Not the same tensor objects: a module's ``state_dict()`` gives new ones every
+    call (``detach()``) over the same memory. The address suffices: the kept view holds its
+    memory alive, so no other allocation can start there, and the same start, shape
+    (``fits``), dtype and contiguity are the same bytes. Where a source is not a contiguous
+    host tensor (an accelerator's), it copies tensor by tensor.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = layout
+        gap = torch.zeros(_ALIGN, dtype=torch.uint8)
+        self._pieces: list[torch.Tensor] = []  # the sources' bytes, with the gaps between
+        self._places: list[int] = []  # each entry's piece
+        end = 0
+        for entry in layout.entries:
+            if entry.offset > end:
+                self._pieces.append(gap[: entry.offset - end])
+            self._places.append(len(self._pieces))
+            self._pieces.append(gap[:0])  # a view that no source matches: made at first copy
+            end = entry.offset + entry.nbytes
+        if layout.data_bytes > end:
+            self._pieces.append(gap[: layout.data_bytes - end])
+
+    def copy(self, data: torch.Tensor, views: list[torch.Tensor], leaves: Leaves) -> None:
+        """Copy ``leaves``' tensors into ``data`` (a slot's bytes); ``views``: their places in it.
+
+        The caller checked ``fits(layout, leaves)``.
+        """
+        sources = [leaves.tensors[entry.key] for entry in self._layout.entries]
+        with torch.no_grad():
+            if self._follow(sources):
+                torch.cat(self._pieces, out=data)
+            else:
+                copy_to_views(views, self._layout, leaves)
+
+    def _follow(self, sources: list[torch.Tensor]) -> bool:
+        """Point the byte views at ``sources``; False if one is not a contiguous host tensor."""
+        pieces = self._pieces
+        # The view's address, not one remembered: a storage resized in place moves its views.
+        moved = [
+            k
+            for k, (source, place) in enumerate(zip(sources, self._places, strict=True))
+            if source.data_ptr() != pieces[place].data_ptr() or not source.is_contiguous()
+        ]
+        for k in moved:
+            source = sources[k]
+            if source.device.type != "cpu" or not source.is_contiguous():
+                return False
+            pieces[self._places[k]] = source.detach().reshape(-1).view(torch.uint8)
+        return True
+
+
 def fits(layout: Layout, leaves: Leaves) -> bool:
     """Whether ``leaves`` have ``layout`` (keys, dtypes, shapes): ``Layout.of`` without its cost.
 
@@ -274,7 +347,7 @@ def fits(layout: Layout, leaves: Leaves) -> bool:
             tensor is None
             or tensor.shape != entry.shape
             or shapes[entry.key] != entry.global_shape
-            or str(tensor.dtype) != f"torch.{entry.dtype}"
+            or tensor.dtype != _dtype_of(entry.dtype)
         ):
             return False
     return True

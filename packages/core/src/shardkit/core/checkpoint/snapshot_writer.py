@@ -36,7 +36,7 @@ from shardkit.core.checkpoint.snapshot_format import (
     layout_json_of,
     peek_step,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, copy_to_views, fits
+from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, SlotCopier, fits
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
 from shardkit.core.checkpoint.snapshot_staging import DeviceStaging
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
@@ -146,6 +146,7 @@ class SnapshotWriter:
         self._views: list[list[torch.Tensor]] = [
             [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
         ]
+        self._copier = SlotCopier(layout)
         self._replicate_every = replicate_every
         # The first snapshot is replicated whatever its step (every rank's writer starts at the
         # same step, so the exchanges still pair): after a restart, a replica of a step after
@@ -202,7 +203,7 @@ class SnapshotWriter:
         if self._staging is not None:
             self._staging.stage(leaves)  # launched on the device; moved to the slot below
         else:
-            copy_to_views(self._views[index], self.layout, leaves)
+            self._copier.copy(slot.data(), self._views[index], leaves)
         values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
         replica = None
         if self._replicas and replicate:
