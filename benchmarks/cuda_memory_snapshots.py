@@ -77,6 +77,39 @@ def _block(run: dict[str, Any], snapshot: bool) -> float:
     return statistics.mean(seconds)
 
 
+def _training_thread_parts(run: dict[str, Any]) -> dict[str, float]:
+    """The training thread's part of a snapshot, piece by piece (medians of 10 on this rank).
+
+    The state's ``state_dict()`` and the walk over its leaves, the check against the first
+    snapshot's layout, and the copy: the staging copy's launch (not the device's work, which
+    the training thread does not wait for), or on the host the copy into a slot. Read through
+    the writer's own pieces, after the rounds (the slot written last holds garbage after it).
+    """
+    from shardkit.core.checkpoint.snapshot_layout import fits, leaves_of
+
+    snapshots: MemorySnapshots = run["snapshots"]
+    snapshots.wait()
+    writer = snapshots._writer
+    assert writer is not None
+    times: dict[str, list[float]] = {"state_dict_and_walk_s": [], "check_s": [], "copy_s": []}
+    for _ in range(10):
+        started = time.perf_counter()
+        leaves = leaves_of({"train": run["state"]})
+        walked = time.perf_counter()
+        fits(writer.layout, leaves)
+        checked = time.perf_counter()
+        if writer._staging is not None:
+            writer._staging.stage(leaves)
+        else:
+            writer._copier.copy(writer._own[0].data(), writer._views[0], leaves)
+        times["state_dict_and_walk_s"].append(walked - started)
+        times["check_s"].append(checked - walked)
+        times["copy_s"].append(time.perf_counter() - checked)
+    if run["device"] == "cuda":
+        torch.cuda.synchronize()  # the launched copies done before anything else runs
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def _slowest(value: float, device: str) -> float:
     """The largest ``value`` over the ranks."""
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
@@ -130,6 +163,7 @@ def main(argv: list[str]) -> None:
             found = {snap: _slowest(_block(run, snap), args.device) for snap in order}
             rounds.append(found)
         shared = snapshots.nbytes
+        parts = _training_thread_parts(run)
         # Whether the copy was staged on the device: the writer's own state, read here only
         # to say which path the figures are of.
         staging = getattr(getattr(snapshots, "_writer", None), "_staging", None)
@@ -158,6 +192,8 @@ def main(argv: list[str]) -> None:
             # Rank 0's medians: the wait for the previous snapshot, the training thread's part.
             "wait_s": statistics.median(w for w, _ in run["parts"]),
             "copy_s": statistics.median(c for _, c in run["parts"]),
+            # And that part piece by piece (rank 0's): where the training thread's time goes.
+            "parts": parts,
         }
         print(json.dumps(record), flush=True)
     dist.destroy_process_group()

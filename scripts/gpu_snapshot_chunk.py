@@ -11,6 +11,7 @@ model) checks that the run and its record work; its ratio, on two busy cores, is
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from scripts.gpu_chunks import Row, Runner
 
@@ -56,7 +57,7 @@ def memory_snapshots(
             f"{min(r['ratios']):.2f} to {max(r['ratios']):.2f}), "
             f"{r['shared_memory_mib_per_rank']:.0f} MiB of slots per rank in "
             f"{r.get('directory', '?')}; per "
-            f"snapshot {r['copy_s'] * 1e3:.1f} ms on the training thread, then "
+            f"snapshot {r['copy_s'] * 1e3:.1f} ms on the training thread{_parts(r)}, then "
             f"{r['wait_s'] * 1e3:.1f} ms waiting for it at the next step; staged on the "
             f"device: {r.get('staged')}"
         )
@@ -64,3 +65,14 @@ def memory_snapshots(
         return Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)
 
     return run
+
+
+def _parts(record: dict[str, Any]) -> str:
+    """The training thread's part piece by piece, where the benchmark measured it."""
+    parts = record.get("parts")
+    if not parts:
+        return ""
+    return (
+        f" (state_dict() and walk {parts['state_dict_and_walk_s'] * 1e3:.1f} ms, check "
+        f"{parts['check_s'] * 1e3:.1f}, copy {parts['copy_s'] * 1e3:.1f})"
+    )

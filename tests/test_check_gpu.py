@@ -60,6 +60,8 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     (snapshots,) = results["records"]["memory-snapshots"]
     assert snapshots["world"] == 2 and len(snapshots["ratios"]) == 2, snapshots
     assert snapshots["shared_memory_mib_per_rank"] > 0, snapshots
+    assert set(snapshots["parts"]) == {"state_dict_and_walk_s", "check_s", "copy_s"}, snapshots
+    assert all(seconds > 0 for seconds in snapshots["parts"].values()), snapshots
     rows = rows[:4]
     # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
     records = results["records"]["scale-smoke"]
