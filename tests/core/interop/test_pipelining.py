@@ -157,10 +157,11 @@ def test_a_pipeline_schedule_over_shardkit_stages_matches_torchs(
 ) -> None:
     if not hasattr(schedules, SCHEDULES[kind]):
         pytest.skip(f"torch {torch.__version__} has no {SCHEDULES[kind]}")
-    if kind == "zbv_zero_bubble" and (release_of(torch.__version__) or (0, 0)) < (2, 11):
-        # Checked on 2.10.0: torch's run (the oracle, before shardkit's) dies in the
-        # schedule's first step, _initialize_stages -> batch_isend_irecv: gloo's "Pair is not
-        # connected" on one rank while the other waits.
+    if kind == "zbv_zero_bubble" and (release_of(torch.__version__) or (0, 0)) < (2, 12):
+        # Checked on 2.10.0 and 2.11.0: torch's run (the oracle, before shardkit's) dies in
+        # the schedule's first step, _initialize_stages -> batch_isend_irecv: gloo's "Pair is
+        # not connected" on one rank while the other waits (on 2.11 shardkit's stages alone
+        # fail there too, the same way: the schedule's, not an engine's).
         pytest.skip(f"torch {torch.__version__}'s own zero-bubble V schedule fails on gloo")
     for rank, result in enumerate(
         run_on_ranks(world_size, _pipeline_body, kind=kind, timeout_s=300)
