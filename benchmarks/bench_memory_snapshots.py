@@ -10,7 +10,9 @@
    and the ratio is the median of the rounds' ratios. The demo's batch (8 sequences of 128
    tokens per rank), and 32 per rank: a snapshot's work is fixed per step (the rank's share
    of the state), so its share of a longer step is smaller. And a snapshot every step with
-   only every fourth replicated (``replicate_every=4``: a quarter of the exchange). Also
+   only every fourth replicated (``replicate_every=4``: a quarter of the exchange), and the
+   same with the gradient log between (``optimizer=``: the steps between send their
+   gradients, a third of the bytes; the blocks without snapshots take no gradients). Also
    timed, on the training thread: the state's ``state_dict()`` (the demo's,
    ``StateDictCache``) and the copy. And the CPU time a snapshot adds to a step (each
    process's, all its threads: the copy, the checksums, the exchange), which on two cores that
@@ -51,7 +53,7 @@ _STATE: dict[str, Any] = {}
 
 
 def _setup(
-    rank: int, world_size: int, root: str, every: int, batch: int, replicate_every: int
+    rank: int, world_size: int, root: str, every: int, batch: int, replicate_every: int, log: bool
 ) -> None:
     import torch
     from demo.batches import BatchSampler, load_corpus
@@ -89,6 +91,7 @@ def _setup(
         every=every,
         ranks_per_node=1,
         replicate_every=replicate_every,
+        optimizer=_STATE["state"].optimizer if log else None,
     )
     for _ in range(every + 1):  # warm-up: lazy init, the optimizer's state, the slots
         _step(snapshot=True)
@@ -99,8 +102,13 @@ def _step(*, snapshot: bool) -> float:
     from demo.train_gpt import train_step
 
     state, cfg = _STATE["state"], _STATE["cfg"]
+    log = _STATE["snapshots"]._log
     started = time.perf_counter()
-    train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
+    if log is not None and not snapshot:  # the baseline pays no gradient capture either
+        with log.replaying():
+            train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
+    else:
+        train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
     if snapshot:
         _STATE["snapshots"].snapshot(state.step, {"train": state})
     return time.perf_counter() - started
@@ -142,11 +150,15 @@ def _teardown(rank: int, world_size: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("every", "batch", "replicate_every"), [(1, 8, 1), (4, 8, 4), (1, 32, 1), (1, 8, 4)]
+    ("every", "batch", "replicate_every", "log"),
+    [(1, 8, 1, False), (4, 8, 4, False), (1, 32, 1, False), (1, 8, 4, False), (1, 8, 4, True)],
+    ids=["every-step", "every-4th", "every-step-batch-32", "every-4th-replicated", "gradient-log"],
 )
-def test_snapshot_step_time(benchmark: Any, every: int, batch: int, replicate_every: int) -> None:
+def test_snapshot_step_time(
+    benchmark: Any, every: int, batch: int, replicate_every: int, log: bool
+) -> None:
     root = Path("/dev/shm") / f"shardkit-bench-{os.getpid()}"
-    kwargs = {"every": every, "batch": batch, "replicate_every": replicate_every}
+    kwargs = {"every": every, "batch": batch, "replicate_every": replicate_every, "log": log}
     run_on_ranks(2, _setup, root=str(root), timeout_s=600, **kwargs)
     rounds: list[dict[str, float]] = []
     order = [False, True]
@@ -182,6 +194,7 @@ def test_snapshot_step_time(benchmark: Any, every: int, batch: int, replicate_ev
         subject="shardkit",
         every=every,
         replicate_every=replicate_every,
+        gradient_log=log,
         batch_per_rank=batch,
         step_with_snapshots_over_without=statistics.median(ratios),
         ratio_min=min(ratios),
@@ -194,7 +207,8 @@ def test_snapshot_step_time(benchmark: Any, every: int, batch: int, replicate_ev
         **parts,
     )
     print(
-        f"\nmemory snapshots every {every} step(s), replicated every {replicate_every}, "
+        f"\nmemory snapshots every {every} step(s), replicated every {replicate_every}"
+        f"{' with the gradient log between' if log else ''}, "
         f"demo GPT W=2, batch {batch} per rank:"
     )
     for r in rounds:

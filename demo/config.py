@@ -64,6 +64,10 @@ class TrainConfig:
     snapshot_replicate_every: int = 0
     """Replicate only the snapshots of steps that are a multiple of this (0: each one): a
     killed process still costs at most one step, a lost node up to this many."""
+    snapshot_log: bool = False
+    """With --snapshot-replicate-every, send the peer a log entry on the steps between (the
+    step's gradients: a third of the bytes with AdamW): a lost node then also costs at most
+    one step, its ranks replaying the log from the newest replicated step."""
     snapshot_dir: Path | None = None
     """Where the snapshots go, a folder node<N> per torchrun node (two "nodes" on one machine
     then keep apart, as two machines' memories are); default /dev/shm/shardkit-<run id>."""
@@ -86,6 +90,8 @@ class TrainConfig:
             raise ValueError("--snapshot-every needs --ckpt-dir (the disk checkpoints behind it)")
         if self.snapshot_replicate_every and not self.snapshot_every:
             raise ValueError("--snapshot-replicate-every needs --snapshot-every")
+        if self.snapshot_log and (self.snapshot_every != 1 or self.snapshot_replicate_every < 2):
+            raise ValueError("--snapshot-log needs --snapshot-every=1 --snapshot-replicate-every=N")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
@@ -104,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainCon
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--snapshot-every", type=int, default=t.snapshot_every)
     p.add_argument("--snapshot-replicate-every", type=int, default=t.snapshot_replicate_every)
+    p.add_argument("--snapshot-log", action="store_true")
     p.add_argument("--snapshot-dir", type=Path, default=None)
     p.add_argument("--run-id", default=t.run_id)
     p.add_argument("--log-every", type=int, default=t.log_every)

@@ -123,8 +123,11 @@ def node_memory(cfg: TrainConfig) -> Path:
     return root / f"node{os.environ.get('GROUP_RANK', '0')}"
 
 
-def memory_snapshots(cfg: TrainConfig) -> MemorySnapshots | None:
-    """This node's memory snapshots (None without --snapshot-every)."""
+def memory_snapshots(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer | None = None
+) -> MemorySnapshots | None:
+    """This node's memory snapshots (None without --snapshot-every); ``optimizer`` replays the
+    gradient log of a lost node (--snapshot-log)."""
     if not cfg.snapshot_every:
         return None
     return MemorySnapshots(
@@ -132,6 +135,7 @@ def memory_snapshots(cfg: TrainConfig) -> MemorySnapshots | None:
         directory=node_memory(cfg),
         every=cfg.snapshot_every,
         replicate_every=cfg.snapshot_replicate_every or None,
+        optimizer=optimizer if cfg.snapshot_log else None,
     )
 
 
@@ -269,7 +273,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
     tokens = cfg.batch_size * dp_size * model_cfg.seq_len  # per step
     ranks = f"ranks={dist.get_world_size()} ({describe(mesh)})"
     log(cfg, f"impl={cfg.impl} {ranks} params={n_params:,} tokens/step={tokens:,}")
-    snapshots = memory_snapshots(cfg)
+    snapshots = memory_snapshots(cfg, state.optimizer)
     manager = restore(state, cfg, snapshots)
     hooks.started(state)
     while state.step < cfg.steps:

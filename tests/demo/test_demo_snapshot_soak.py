@@ -66,7 +66,12 @@ def _run(tmp: Path, name: str, *, steps: int, nodes: int, restarts: int, extra: 
     return metrics
 
 
-def _soak(tmp_path: Path, steps: int, kills: list[KillPoint]) -> None:
+# How the snapshots reach the other node: each one whole, or every fourth whole and a log of
+# the steps' gradients between (--snapshot-log: a lost node's rank replays it).
+REPLICATION = {"whole": [], "log": ["--snapshot-replicate-every=4", "--snapshot-log"]}
+
+
+def _soak(tmp_path: Path, steps: int, kills: list[KillPoint], replication: str) -> None:
     """The uninterrupted run, then the killed one on two nodes; every check, and the table."""
     started = time.monotonic()
     reference = _run(tmp_path, "ref", steps=steps, nodes=1, restarts=0, extra=[])
@@ -74,6 +79,7 @@ def _soak(tmp_path: Path, steps: int, kills: list[KillPoint]) -> None:
     log, memory = tmp_path / "kills.log", Path("/dev/shm") / f"shardkit-soak-{os.getpid()}"
     rig = [f"--kill-at={','.join(map(str, kills))}", f"--kill-log={log}", "--replicas=1"]
     rig += ["--snapshot-every=1", f"--snapshot-dir={memory}", "--run-id=soak"]
+    rig += REPLICATION[replication]
     try:
         restarts = len(kills) + 1
         metrics = _run(tmp_path, "soak", steps=steps, nodes=2, restarts=restarts, extra=rig)
@@ -88,7 +94,7 @@ def _soak(tmp_path: Path, steps: int, kills: list[KillPoint]) -> None:
     lost = [(r.done, r.step, r.path) for r in resumes]
 
     print(f"\nsnapshot soak: {steps} steps, W=2 on two torchrun nodes, a memory snapshot every")
-    print(f"step, disk checkpoints every {EVERY} (async), {len(kills)} kills")
+    print(f"step ({replication}), disk checkpoints every {EVERY} (async), {len(kills)} kills")
     print(f"uninterrupted run {reference_s:.0f} s; killed and restarted run {soak_s:.0f} s")
     print("kill  rank  step  phase        last logged step  resumed from  lost  source")
     assert len(lost) == len(kills), lost
@@ -102,11 +108,16 @@ def _soak(tmp_path: Path, steps: int, kills: list[KillPoint]) -> None:
 
 
 @pytest.mark.slow
-def test_soak_with_memory_snapshots_loses_at_most_one_step_per_kill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replication", list(REPLICATION))
+def test_soak_with_memory_snapshots_loses_at_most_one_step_per_kill(
+    tmp_path: Path, replication: str
+) -> None:
     seed = int(os.environ.get("SHARDKIT_SOAK_SEED", "0"))
-    _soak(tmp_path, STEPS, _with_a_node_lost(kill_points(seed), seed))
+    _soak(tmp_path, STEPS, _with_a_node_lost(kill_points(seed), seed), replication)
 
 
-def test_a_lost_node_and_a_killed_rank_resume_from_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replication", list(REPLICATION))
+def test_a_lost_node_and_a_killed_rank_resume_from_memory(tmp_path: Path, replication: str) -> None:
+    # Step 14's node loss: with the log, rank 1 replays step 13 from step 12's replica.
     kills = [KillPoint(1, 14, "node"), KillPoint(0, 23, "forward")]
-    _soak(tmp_path, 30, kills)
+    _soak(tmp_path, 30, kills, replication)

@@ -122,6 +122,23 @@ def test_snapshots_replicated_every_n_steps_from_the_command_line() -> None:
         parse_args(["--ckpt-dir=x", "--snapshot-replicate-every=4"])
 
 
+def test_the_gradient_log_from_the_command_line() -> None:
+    from demo.train_gpt import memory_snapshots
+
+    args = ["--ckpt-dir=x", "--snapshot-every=1", "--snapshot-replicate-every=4"]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    _, cfg = parse_args([*args, "--snapshot-log"])
+    snapshots = memory_snapshots(cfg, optimizer)
+    assert snapshots is not None and snapshots._log is not None
+    assert snapshots._log.optimizer is optimizer
+    snapshots.close()
+    _, cfg = parse_args(args)
+    snapshots = memory_snapshots(cfg, optimizer)
+    assert snapshots is not None and snapshots._log is None  # not asked for
+    with pytest.raises(ValueError, match="--snapshot-log needs --snapshot-every=1"):
+        parse_args(["--ckpt-dir=x", "--snapshot-every=1", "--snapshot-log"])
+
+
 def test_command_line_fills_both_configs() -> None:
     model_cfg, cfg = parse_args(
         ["--steps=7", "--d-model=64", "--n-layers=2", "--ckpt-dir=x", "--auto-resume", "--tp=2"]

@@ -91,6 +91,8 @@ class SnapshotRefusal(enum.Enum):
     """Same model and world size, but other local shards (another mesh)."""
     OTHER_RANK = "another rank"
     """It holds another rank's state than its name says."""
+    UNREPLAYABLE = "not replayable"
+    """A log entry whose replay cannot give its step (``snapshot_log``), or did not."""
     UNREADABLE = "unreadable"
     """Not a snapshot of this format: too short, a foreign magic, a header that is not JSON."""
 

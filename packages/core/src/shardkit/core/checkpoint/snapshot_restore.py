@@ -1,27 +1,31 @@
 """Restoring from memory snapshots: the newest step every rank holds, agreed before any write.
 
-1. **Survey** (each rank): the snapshots it holds, its own and the replicas of its source's,
-   each read and checked up to its data's checksums (``snapshot_format.read_header``); a
+1. **Survey** (each rank): the snapshots it holds, its own, the replicas of its source's and
+   their log entries, each checked up to its data's checksums (``snapshot_survey``); a
    snapshot that fails a check is refused, by name.
 2. **Agree** (one all-gather): every rank gets every rank's survey and computes the same
-   choice from it: the newest step for which every rank has a snapshot, its own or a replica
-   held by its peer (own preferred), and no older than ``not_before`` (a newer disk
-   checkpoint wins).
-3. **Fetch**: a rank whose own copy is missing receives the replica from its holder, point to
-   point (``runtime.peer_transfer``); the others send nothing.
+   choice from it: the newest step for which every rank has a snapshot, its own or one held
+   by its peer (own preferred), and no older than ``not_before`` (a newer disk checkpoint
+   wins).
+3. **Fetch**: a rank whose own copy is missing receives the replica (and the log entries that
+   take it to the step) from its holder, point to point (``runtime.peer_transfer``).
 4. **Verify** (one all-gather): each rank checks the bytes it will load (its own slot, or what
    it received) against their checksums and its state's layout. If any rank's check fails,
    that snapshot is refused on every rank and the choice is made again without it.
-5. **Load**: only now does any rank write into its state, in place, as DCP loads.
+5. **Load**: only now does any rank write into its state, in place, as DCP loads. A rank with
+   log entries replays them (``snapshot_log``) and checks the state it reached against its
+   step's checksums (one all-gather); a replay that does not reproduce its step is refused
+   on every rank, and the choice is made again (the ranks then load an older step over it).
 
 Nothing is written before step 4's agreement, so a refused snapshot leaves the state as it was
-on every rank (see [Note: memory snapshots] and [Note: agreed loads]).
+on every rank, except a refused replay, after which every rank loads an older step whole (see
+[Note: memory snapshots] and [Note: agreed loads]).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,15 +42,21 @@ from shardkit.core.checkpoint.snapshot_format import (
     SnapshotRefused,
     capacity_in,
     data_offset,
-    is_blank,
     parse_region,
     read_header,
-    region_bytes,
-    summary,
     verify_data,
 )
-from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of, restore_into
+from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, leaves_of, restore_into
+from shardkit.core.checkpoint.snapshot_log import BASE, GradientLog, check_entry, reached, replay
 from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, map_existing
+from shardkit.core.checkpoint.snapshot_survey import (
+    Holding,
+    choose,
+    evaluate,
+    holds_files,
+    mapped,
+    survey,
+)
 from shardkit.core.runtime.agreement import Outcome, everyone, raise_shared
 from shardkit.core.runtime.groups import is_distributed
 from shardkit.core.runtime.peer_transfer import Message, transfer
@@ -57,25 +67,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Holding:
-    """A snapshot of ``owner``'s state at ``step``, in ``holder``'s slot."""
+class _Fetched:
+    """What a rank restoring from a replica received: the replica, then its log entries."""
 
-    owner: int
-    holder: int
-    slot: int
-    step: int
-    region_bytes: int
-    data_bytes: int
+    region: torch.Tensor
+    data: torch.Tensor
+    links: list[tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def own(self) -> bool:
-        """Whether the owner holds it (not a replica)."""
-        return self.owner == self.holder
 
-    def describe(self) -> str:
-        """Whose snapshot, where, of which step: for refusals."""
-        where = "own" if self.own else f"replica held by rank {self.holder},"
-        return f"rank {self.owner}'s {where} slot {self.slot} (step {self.step})"
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """The snapshot a rank will load, checked: its header and data, and entries to replay."""
+
+    header: Header
+    data: torch.Tensor
+    entries: list[tuple[Header, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,37 +94,43 @@ class Restored:
 
 
 def restore(
-    state: dict[str, Any], directory: SnapshotDirectory, topology: Topology, not_before: int
+    state: dict[str, Any],
+    directory: SnapshotDirectory,
+    topology: Topology,
+    not_before: int,
+    log: GradientLog | None = None,
 ) -> Restored:
-    """Restore ``state`` from the newest snapshot every rank holds (collective)."""
+    """Restore ``state`` from the newest snapshot every rank holds (collective).
+
+    ``log``: this rank's gradient log, to replay its replica's log entries with, if it has one.
+    """
     # Where no rank holds a file, the state is not even asked for its state_dict(): torch's
     # get_state_dict initializes an optimizer that has no state yet (a step with lr=0 that
     # counts), which a fresh start must not see.
-    if not any(o.value for o in gathered(lambda: _holds_files(directory, topology))):
+    if not any(o.value for o in gathered(lambda: holds_files(directory, topology))):
         return Restored(None, (), ())
     layout_box: list[Layout] = []
 
-    def survey() -> dict[str, Any]:
+    def surveyed() -> dict[str, Any]:
         layout_box.append(Layout.of(leaves_of(state)))
-        return _survey(directory, topology, layout_box[0])
+        return survey(directory, topology, layout_box[0]) | {"replays": log is not None}
 
-    surveys = raise_shared(gathered(survey))
+    surveys = raise_shared(gathered(surveyed))
     layout = layout_box[0]
-    holdings, refused = _evaluate(surveys, topology)
+    holdings, refused = evaluate(surveys, topology)
     while True:
-        plan = _choose(holdings, topology.world_size, not_before)
+        plan = choose(holdings, topology.world_size, not_before)
         if plan is None:
             return Restored(None, (), tuple(refused))
         mine = plan[topology.rank]
         received = _fetch(plan, directory, topology)
-        headers: list[Header] = []
-        checking = partial(_verify, mine, received, directory, topology, layout)
-        outcomes = gathered(lambda: headers.append(checking()))  # noqa: B023 (called at once)
+        checked: list[_Checked] = []
+        checking = partial(_verify, mine, received, directory, topology, layout, log)
+        outcomes = gathered(lambda: checked.append(checking()))  # noqa: B023 (called at once)
         failures = [(plan[r], o) for r, o in enumerate(outcomes) if o.failed]
         if not failures:
-            header = headers[0]
-            data = received[1] if received is not None else _own_data(directory, mine, header)
-            _load(state, layout, data, header)
+            failures = _load(state, layout, checked[0], log, plan)
+        if not failures:
             _discard_others(directory, topology, holdings, mine.step)
             from_replicas = tuple(r for r, h in enumerate(plan) if not h.own)
             return Restored(mine.step, from_replicas, tuple(refused))
@@ -137,167 +149,108 @@ def gathered(work: Callable[[], Any]) -> list[Outcome]:
         return [Outcome(error_type=type(error).__name__, message=str(error))]
 
 
-def _holds_files(directory: SnapshotDirectory, topology: Topology) -> bool:
-    source = topology.source(topology.rank)
-    replicas = directory.replica_files(source) if topology.replicated else iter(())
-    return any(True for _ in directory.own_files()) or any(True for _ in replicas)
-
-
-def _survey(directory: SnapshotDirectory, topology: Topology, layout: Layout) -> dict[str, Any]:
-    """This rank's snapshots, and the replicas it holds, checked up to their data (JSON)."""
-    mine = Expected(topology.run_id, topology.world_size, layout)
-    own, replicas, refused = [], [], []
-    for slot, path in directory.own_files():
-        try:
-            raw = _mapped(path)
-            if is_blank(raw):
-                continue
-            header = read_header(raw, rank=topology.rank, expected=mine)
-            own.append({"slot": slot, **_sizes(header, raw)})
-        except SnapshotRefused as error:
-            refused.append(f"rank {topology.rank}'s own slot {slot}{_at(error)}: {error}")
-    source = topology.source(topology.rank)
-    theirs = Expected(topology.run_id, topology.world_size, None)
-    for slot, path in directory.replica_files(source) if topology.replicated else ():
-        try:
-            raw = _mapped(path)
-            if is_blank(raw):
-                continue
-            header = read_header(raw, rank=source, expected=theirs)
-            replicas.append({"slot": slot, **summary(header), **_sizes(header, raw)})
-        except SnapshotRefused as error:
-            holder = f"rank {source}'s replica held by rank {topology.rank}"
-            refused.append(f"{holder}, slot {slot}{_at(error)}: {error}")
-    expected = {"fingerprint": layout.fingerprint(), "local_shapes": layout.local_shapes()}
-    return {"expected": expected, "own": own, "replicas": replicas, "refused": refused}
-
-
-def _at(error: SnapshotRefused) -> str:
-    return f" (step {error.step})" if error.step is not None else ""
-
-
-def _sizes(header: Header, raw: torch.Tensor) -> dict[str, int]:
-    return {
-        "step": header.step,
-        "region_bytes": region_bytes(capacity_in(raw)),
-        "data_bytes": header.layout.data_bytes,
-    }
-
-
-def _evaluate(surveys: list[Any], topology: Topology) -> tuple[list[Holding], list[str]]:
-    """Every snapshot any rank holds that fits its owner, and the refusals (same on all ranks)."""
-    holdings: list[Holding] = []
-    refused = [reason for survey in surveys for reason in survey["refused"]]
-    for rank, survey in enumerate(surveys):
-        for own in survey["own"]:
-            sizes = own["region_bytes"], own["data_bytes"]
-            holdings.append(Holding(rank, rank, own["slot"], own["step"], *sizes))
-        if not topology.replicated:
-            continue
-        owner = topology.source(rank)
-        wanted = surveys[owner]["expected"]
-        for replica in survey["replicas"]:
-            held = Holding(
-                owner,
-                rank,
-                replica["slot"],
-                replica["step"],
-                replica["region_bytes"],
-                replica["data_bytes"],
-            )
-            if replica["fingerprint"] != wanted["fingerprint"]:
-                refused.append(f"{held.describe()}: another model: not rank {owner}'s model now")
-            elif replica["local_shapes"] != wanted["local_shapes"]:
-                refused.append(f"{held.describe()}: another layout: other local shard shapes")
-            else:
-                holdings.append(held)
-    return holdings, refused
-
-
-def _choose(holdings: list[Holding], world_size: int, not_before: int) -> list[Holding] | None:
-    """For the newest step every rank holds, each rank's snapshot (own first); None if none."""
-    steps_of = [{h.step for h in holdings if h.owner == rank} for rank in range(world_size)]
-    common = set.intersection(*steps_of) if steps_of else set()
-    candidates = sorted((s for s in common if s >= not_before), reverse=True)
-    if not candidates:
-        return None
-    step = candidates[0]
-    plan = []
-    for rank in range(world_size):
-        found = [h for h in holdings if h.owner == rank and h.step == step]
-        plan.append(min(found, key=lambda h: (not h.own, h.holder, h.slot)))
-    return plan
-
-
 def _fetch(
     plan: list[Holding], directory: SnapshotDirectory, topology: Topology
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Send the replicas this rank holds for the plan; receive this rank's if it needs one."""
+) -> _Fetched | None:
+    """Send the replicas (and log entries) this rank holds for the plan; receive this rank's.
+
+    Each file travels as two messages, its header region and its data, in parts 0 and 1 for
+    the replica and 2 + 2i and 3 + 2i for its i-th log entry.
+    """
     me = topology.rank
     sends: list[Message] = []
     for holding in plan:
         if holding.holder == me and not holding.own:
-            region, data = _replica_bytes(directory, holding)
-            sends += [Message(region, holding.owner, 0), Message(data, holding.owner, 1)]
+            owner = holding.owner
+            pieces = [
+                (directory.replica(owner, holding.slot), holding.region_bytes, holding.data_bytes)
+            ]
+            pieces += [
+                (directory.log(owner, link.slot), link.region_bytes, link.data_bytes)
+                for link in holding.chain
+            ]
+            for part, (path, region_bytes, data_bytes) in enumerate(pieces):
+                region, data = _held_bytes(path, region_bytes, data_bytes)
+                sends += [Message(region, owner, 2 * part), Message(data, owner, 2 * part + 1)]
     mine = plan[me]
-    received = None
-    receives: list[Message] = []
-    if not mine.own:
-        received = (
-            torch.empty(mine.region_bytes, dtype=torch.uint8),
-            torch.empty(mine.data_bytes, dtype=torch.uint8),
-        )
-        receives = [Message(received[0], mine.holder, 0), Message(received[1], mine.holder, 1)]
-    if sends or receives:
-        transfer(sends, receives)
-    return received
+    if mine.own:
+        if sends:
+            transfer(sends, [])
+        return None
+    sized = [(mine.region_bytes, mine.data_bytes)]
+    sized += [(link.region_bytes, link.data_bytes) for link in mine.chain]
+    buffers = [(_empty(r), _empty(d)) for r, d in sized]
+    receives = []
+    for part, (region, data) in enumerate(buffers):
+        receives += [
+            Message(region, mine.holder, 2 * part),
+            Message(data, mine.holder, 2 * part + 1),
+        ]
+    transfer(sends, receives)
+    return _Fetched(buffers[0][0], buffers[0][1], buffers[1:])
 
 
-def _replica_bytes(
-    directory: SnapshotDirectory, holding: Holding
+def _empty(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _held_bytes(
+    path: Path, region_bytes: int, data_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header region and data of a replica held here, as the survey found them.
+    """A held file's header region and data (a replica or a log entry), as surveyed.
 
     A file gone since then is sent as zeros: the owner's receive still completes, and its
     check refuses the bytes, instead of waiting forever.
     """
-    raw = map_existing(directory.replica(holding.owner, holding.slot))
+    raw = map_existing(path)
     if raw is not None:
         capacity = capacity_in(raw)
-        region = raw[REGION_AT : REGION_AT + holding.region_bytes]
+        region = raw[REGION_AT : REGION_AT + region_bytes]
         start = data_offset(capacity)
-        data = raw[start : start + holding.data_bytes]
-        if region.numel() == holding.region_bytes and data.numel() == holding.data_bytes:
+        data = raw[start : start + data_bytes]
+        if region.numel() == region_bytes and data.numel() == data_bytes:
             return region, data
-    zeros = torch.zeros(holding.region_bytes, dtype=torch.uint8)
-    return zeros, torch.zeros(holding.data_bytes, dtype=torch.uint8)
+    return torch.zeros(region_bytes, dtype=torch.uint8), torch.zeros(data_bytes, dtype=torch.uint8)
 
 
 def _verify(
     mine: Holding,
-    received: tuple[torch.Tensor, torch.Tensor] | None,
+    received: _Fetched | None,
     directory: SnapshotDirectory,
     topology: Topology,
     layout: Layout,
-) -> Header:
-    """The header of the snapshot this rank will load, every check passed (else raises)."""
+    log: GradientLog | None,
+) -> _Checked:
+    """The snapshot this rank will load, every check passed (else raises)."""
     expected = Expected(topology.run_id, topology.world_size, layout)
     if received is not None:
-        header = parse_region(received[0], rank=topology.rank, expected=expected)
-        data = received[1]
+        header = parse_region(received.region, rank=topology.rank, expected=expected)
+        data = received.data
     else:
-        raw = _mapped(directory.own(mine.slot))
+        raw = mapped(directory.own(mine.slot))
         header = read_header(raw, rank=topology.rank, expected=expected)
         data = _data_of(raw, header)
-    if header.step != mine.step or data.numel() != header.layout.data_bytes:
-        detail = f"holds step {header.step} now, the survey found {mine.step}"
-        raise SnapshotRefused(SnapshotRefusal.TORN, detail)
+    base = mine.chain[0].step - 1 if mine.chain else mine.step
+    _check_sizes(header, data, base)
     verify_data(header, data)
-    return header
+    entries = []
+    logged = Expected(topology.run_id, topology.world_size, None)
+    for step, (region, entry_data) in enumerate(received.links if received else [], base + 1):
+        entry = parse_region(region, rank=topology.rank, expected=logged)
+        _check_sizes(entry, entry_data, step)
+        if entry.values.get(BASE) != base or log is None:
+            detail = f"its log entry of step {step} follows another step than {base}"
+            raise SnapshotRefused(SnapshotRefusal.TORN, detail if log else "no optimizer")
+        verify_data(entry, entry_data)
+        check_entry(entry, layout, log)
+        entries.append((entry, entry_data))
+    return _Checked(header, data, entries)
 
 
-def _own_data(directory: SnapshotDirectory, mine: Holding, header: Header) -> torch.Tensor:
-    return _data_of(_mapped(directory.own(mine.slot)), header)
+def _check_sizes(header: Header, data: torch.Tensor, step: int) -> None:
+    if header.step != step or data.numel() != header.layout.data_bytes:
+        detail = f"holds step {header.step} now, the survey found {step}"
+        raise SnapshotRefused(SnapshotRefusal.TORN, detail)
 
 
 def _data_of(raw: torch.Tensor, header: Header) -> torch.Tensor:
@@ -305,24 +258,54 @@ def _data_of(raw: torch.Tensor, header: Header) -> torch.Tensor:
     return raw[start : start + header.layout.data_bytes]
 
 
-def _mapped(path: Path) -> torch.Tensor:
-    raw = map_existing(path)
-    if raw is None:
-        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, f"{path.name} is gone or empty")
-    return raw
+def _load(
+    state: dict[str, Any],
+    layout: Layout,
+    checked: _Checked,
+    log: GradientLog | None,
+    plan: list[Holding],
+) -> list[tuple[Holding, Outcome]]:
+    """Write the snapshot into ``state`` on every rank; one rank's failure raised on all.
 
-
-def _load(state: dict[str, Any], layout: Layout, data: torch.Tensor, header: Header) -> None:
-    """Write the snapshot into ``state`` on every rank; one rank's failure raised on all."""
+    A rank restoring from a replica and its log replays the log here. A replay that does not
+    reproduce its step is refused, not raised: its holding and outcome are returned (on every
+    rank), and the ranks choose again, overwriting what they loaded.
+    """
+    header = checked.header
 
     def load() -> None:
-        restore_into(state, layout, data, header.values)
+        restore_into(state, layout, checked.data, header.values)
+        if checked.entries and log is not None:
+            replay(checked.entries, log)
 
-    failed = [(r, o) for r, o in enumerate(gathered(load)) if o.failed]
+    _raise_failures(gathered(load), header.step)
+    if not any(holding.chain for holding in plan):
+        return []
+    # Every rank takes its state's state_dict() and loads one again (for some states both are
+    # collective): the replaying ranks check what they reached and load its carried tensors
+    # and values, the others load what they loaded before.
+    final: list[tuple[torch.Tensor, Mapping[str, JSONValue]]] = [(checked.data, header.values)]
+
+    def check() -> None:
+        leaves = leaves_of(state)
+        if checked.entries and log is not None:
+            final[0] = reached(leaves, layout, checked.entries, len(log.params))
+
+    outcomes = gathered(check)
+    refusals = [(plan[r], o) for r, o in enumerate(outcomes) if o.error_type == "SnapshotRefused"]
+    if refusals:
+        return refusals
+    _raise_failures(outcomes, header.step)
+    _raise_failures(gathered(lambda: restore_into(state, layout, *final[0])), header.step)
+    return []
+
+
+def _raise_failures(outcomes: list[Outcome], step: int) -> None:
+    failed = [(r, o) for r, o in enumerate(outcomes) if o.failed]
     if failed:
         rank, outcome = failed[0]
         raise SnapshotError(
-            f"restoring the memory snapshot of step {header.step} failed on rank {rank} "
+            f"restoring the memory snapshot of step {step} failed on rank {rank} "
             f"part-way, so the state may be partly restored: {outcome.error_type}: "
             f"{outcome.message}"
         )
@@ -343,9 +326,11 @@ def _discard_others(
         for h in kept
         if h.holder == me and h.step <= step
     }
+    chains = [h.chain for h in kept if h.holder == me and h.step <= step]
+    keep |= {directory.log(topology.source(me), link.slot) for chain in chains for link in chain}
     files = [path for _, path in directory.own_files()]
     if topology.replicated:
-        files += [path for _, path in directory.replica_files(topology.source(me))]
+        files += directory.held_files(topology.source(me))
     for path in files:
         if path not in keep:
             path.unlink(missing_ok=True)

@@ -160,6 +160,10 @@ class SnapshotDirectory:
         """The file of the replica of ``owner``'s snapshot in ``slot``, held here."""
         return self.root / f"replica-of-rank{owner:05d}.slot{slot}.snap"
 
+    def log(self, owner: int, slot: int) -> Path:
+        """The file of a log entry of ``owner``'s in ``slot``, held here (``snapshot_log``)."""
+        return self.root / f"log-of-rank{owner:05d}.slot{slot}.snap"
+
     def own_files(self) -> Iterator[tuple[int, Path]]:
         """(slot, path) of every own snapshot file of this rank, in slot order."""
         return self._slots(f"rank{self.rank:05d}.slot")
@@ -167,6 +171,15 @@ class SnapshotDirectory:
     def replica_files(self, owner: int) -> Iterator[tuple[int, Path]]:
         """(slot, path) of every replica file of ``owner`` held here, in slot order."""
         return self._slots(f"replica-of-rank{owner:05d}.slot")
+
+    def log_files(self, owner: int) -> Iterator[tuple[int, Path]]:
+        """(slot, path) of every log entry file of ``owner`` held here, in slot order."""
+        return self._slots(f"log-of-rank{owner:05d}.slot")
+
+    def held_files(self, owner: int) -> list[Path]:
+        """Every file this rank holds for ``owner``: its replicas and log entries."""
+        found = [path for _, path in self.replica_files(owner)]
+        return found + [path for _, path in self.log_files(owner)]
 
     def _slots(self, prefix: str) -> Iterator[tuple[int, Path]]:
         if not self.root.is_dir():

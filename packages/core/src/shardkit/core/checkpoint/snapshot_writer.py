@@ -37,6 +37,7 @@ from shardkit.core.checkpoint.snapshot_format import (
     peek_step,
 )
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, SlotCopier, fits
+from shardkit.core.checkpoint.snapshot_log import GradientLog, LogEntry
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
 from shardkit.core.checkpoint.snapshot_staging import DeviceStaging
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
@@ -55,6 +56,8 @@ class Replication:
     source: int  # sends its snapshots here
     source_capacity: int  # the source's header capacity
     source_data_bytes: int  # and its data size
+    source_log_capacity: int = 0  # and its log entries' (snapshot_log), where it logs
+    source_log_bytes: int = 0
 
 
 def header_capacity(topology: Topology, layout: Layout, values: dict[str, JSONValue]) -> int:
@@ -118,12 +121,15 @@ class SnapshotWriter:
         staging_on: torch.device | None = None,
         replica_slots: int = 0,
         replicate_every: int = 1,
+        log: GradientLog | None = None,
     ) -> None:
         """Own ``slots``; ``replica_slots`` of the source's (default: as many).
 
         ``staging_on``: the accelerator the state lives on (``staging_device``), if any.
         ``replicate_every``: replicate the snapshots of steps that are a multiple of it only;
         the newest replicated one stays in its own slot until the next (``_pinned``).
+        ``log``: the steps between two replicated ones send a log entry (``snapshot_log``);
+        the source's go to ``replicate_every - 1`` slots, one for each such step.
         """
         self.topology, self.layout, self.replication = topology, layout, replication
         self._layout_json = layout_json_of(layout)  # every header repeats it
@@ -142,6 +148,18 @@ class SnapshotWriter:
                 )
                 for k in range(replica_slots or slots)
             ]
+        self._log = log if replication is not None else None
+        self._logs: list[SlotFile] = []  # the source's log entries, by step after its base
+        if self._log is not None and replication is not None:
+            self._logs = [
+                SlotFile.create(
+                    directory.log(replication.source, k),
+                    capacity=replication.source_log_capacity,
+                    data_bytes=replication.source_log_bytes,
+                )
+                for k in range(replicate_every - 1)
+            ]
+        self._base = -1  # the newest replicated step: log entries follow it
         # Each tensor's place in each slot, made once: a snapshot every step copies into them.
         self._views: list[list[torch.Tensor]] = [
             [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
@@ -179,7 +197,7 @@ class SnapshotWriter:
     @property
     def nbytes(self) -> int:
         """Bytes of shared memory this rank's slots take (own and replicas)."""
-        return sum(slot.raw.numel() for slot in self._own + self._replicas)
+        return sum(slot.raw.numel() for slot in self.files())
 
     def write(self, step: int, leaves: Leaves) -> None:
         """Copy ``leaves`` into the next slot; the rest happens in the background.
@@ -189,7 +207,14 @@ class SnapshotWriter:
                 tensors are not those of the first snapshot.
         """
         self.wait()
-        replicate = step % self._replicate_every == 0 or not self._replicated_any
+        entry = self._log.take() if self._log is not None else None
+        # A step too far after the base for a log slot (snapshots skipped) is replicated in
+        # full; every rank sees the same steps, so the exchanges still pair.
+        replicate = (
+            step % self._replicate_every == 0
+            or not self._replicated_any
+            or (entry is not None and step - self._base > len(self._logs))
+        )
         if not fits(self.layout, leaves):
             raise SnapshotError(
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
@@ -205,14 +230,18 @@ class SnapshotWriter:
         else:
             self._copier.copy(slot.data(), self._views[index], leaves)
         values = dict(leaves.values)  # plain values: immutable, safe to hand to the thread
-        replica = None
+        replica, logged = None, None
         if self._replicas and replicate:
             replica = self._replicas[self._next_replica]
             self._next_replica = (self._next_replica + 1) % len(self._replicas)
-        self._in_flight = self._worker.submit(lambda: self._finish(step, slot, replica, values))
+        elif entry is not None and self._logs:
+            logged = _Logged(entry, self._logs[step - self._base - 1], self._base)
+        self._in_flight = self._worker.submit(
+            lambda: self._finish(step, slot, replica, values, logged)
+        )
         self._steps[index] = step
         if replicate:
-            self._pinned, self._replicated_any = index, True
+            self._pinned, self._replicated_any, self._base = index, True, step
 
     def wait(self) -> None:
         """Wait for the snapshot in flight; raise its error if it failed."""
@@ -238,10 +267,15 @@ class SnapshotWriter:
 
     def files(self) -> list[SlotFile]:
         """Every slot file of this rank, own and replicas."""
-        return self._own + self._replicas
+        return self._own + self._replicas + self._logs
 
     def _finish(
-        self, step: int, slot: SlotFile, replica: SlotFile | None, values: dict[str, JSONValue]
+        self,
+        step: int,
+        slot: SlotFile,
+        replica: SlotFile | None,
+        values: dict[str, JSONValue],
+        logged: _Logged | None,
     ) -> None:
         data = slot.data()
         if self._staging is not None:  # summed chunk by chunk as it lands
@@ -252,7 +286,17 @@ class SnapshotWriter:
         header = Header(who.run_id, who.world_size, who.rank, step, self.layout, sums, values)
         slot.write_header(header.to_json(self._layout_json))
         slot.mark_complete()
-        if self.replication is None or replica is None:
+        if self.replication is None:
+            return
+        if logged is not None and self._log is not None:  # this step's log entry, not all of it
+            span = self._log.finish(logged.entry, header, data, logged.base)
+            logged.held.mark_writing()
+            transfer(
+                sends=[Message(span, self.replication.peer)],
+                receives=[Message(logged.held.span(), self.replication.source)],
+            )
+            logged.held.mark_complete()
+        if replica is None:
             return
         replica.mark_writing()
         # Header and data in one message each way, straight from the slot into the replica
@@ -263,6 +307,15 @@ class SnapshotWriter:
             receives=[Message(replica.span(), self.replication.source)],
         )
         replica.mark_complete()
+
+
+@dataclass(frozen=True, slots=True)
+class _Logged:
+    """A step's log entry: what goes to the peer, and the slot that takes the source's."""
+
+    entry: LogEntry
+    held: SlotFile
+    base: int
 
 
 def _lower_this_thread() -> None:

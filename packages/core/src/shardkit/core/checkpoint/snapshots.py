@@ -25,8 +25,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import torch
+
 from shardkit.core.checkpoint.manager import CheckpointManager
 from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves, leaves_of
+from shardkit.core.checkpoint.snapshot_log import GradientLog, LogPlan
 from shardkit.core.checkpoint.snapshot_restore import Restored, gathered, restore
 from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, default_directory
 from shardkit.core.checkpoint.snapshot_staging import staging_device
@@ -86,6 +89,16 @@ class MemorySnapshots:
         ranks_per_node: ranks on each node, consecutive; a rank's replica goes to the same
             local rank on the next node. Default: torchrun's ``LOCAL_WORLD_SIZE``, else the
             world size (one node: no replicas).
+        optimizer: with ``replicate_every`` above ``every`` (which must be 1), the steps
+            between two replicated ones send the peer a log entry instead of nothing: the
+            gradients this optimizer consumed (taken by a step pre-hook), its groups' values,
+            and the tensors it does not produce (``snapshot_log``). A lost node's ranks then
+            replay from the newest replicated step with this optimizer, so a lost node also
+            costs at most one step, for about a third of the bytes of replicating every step
+            (fp32 AdamW). The optimizer must be the one the state's optimizer state is of,
+            and its ``step()`` local to the rank (no collective: SGD, Adam, AdamW ...); a
+            replay that does not reproduce the step's checksums is refused, and an older
+            step is restored. A state on the host only, for now (an accelerator's raises).
     """
 
     def __init__(
@@ -97,6 +110,7 @@ class MemorySnapshots:
         slots: int = 2,
         ranks_per_node: int | None = None,
         replicate_every: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not _RUN_ID.fullmatch(run_id):
             raise ValueError(f"MemorySnapshots: run_id {run_id!r} must be [A-Za-z0-9._-]+")
@@ -112,11 +126,18 @@ class MemorySnapshots:
                 f"MemorySnapshots: replicate_every={replicate_every} must be a multiple of "
                 f"every={every}"
             )
+        if optimizer is not None and replicate_every > every and every != 1:
+            raise ValueError(
+                f"MemorySnapshots: the gradient log (optimizer=) needs a snapshot every step, "
+                f"got every={every}"
+            )
         self.run_id, self.every, self.slots = run_id, every, slots
         self.replicate_every = replicate_every
         self.root = Path(directory) if directory is not None else default_directory(run_id)
         self._ranks_per_node = ranks_per_node
         self._writer: SnapshotWriter | None = None
+        # Hooked now, so that its steps are taken from the first snapshot's next step on.
+        self._log = GradientLog(optimizer) if optimizer and replicate_every > every else None
 
     def __enter__(self) -> MemorySnapshots:
         return self
@@ -182,7 +203,7 @@ class MemorySnapshots:
         if is_distributed():
             snapshot_group()  # made here, on the training thread, by every rank
         topology = self.topology()
-        restored = restore(state, self._directory(topology), topology, not_before)
+        restored = restore(state, self._directory(topology), topology, not_before, self._log)
         for reason in restored.refused:
             logger.warning("memory snapshot refused: %s", reason)
         return restored
@@ -231,6 +252,8 @@ class MemorySnapshots:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        if self._log is not None:
+            self._log.close()
         if remove:
             self._discard(self.topology())
 
@@ -241,18 +264,28 @@ class MemorySnapshots:
         """Allocate the slots and a GPU state's device buffer, learn the source's (collective)."""
         layout = Layout.of(leaves)
         staging_on = staging_device(layout, leaves)
+        if self._log is not None and staging_on is not None:  # the same on every rank
+            raise ValueError(
+                f"MemorySnapshots: the gradient log (optimizer=) takes gradients on the host "
+                f"only for now, and this state is on {staging_on}; leave optimizer= out (a "
+                "lost node then goes back to the newest replicated step)"
+            )
         topology = self.topology()
         capacity = header_capacity(topology, layout, leaves.values)
         if is_distributed():
             snapshot_group()
-        sizes = raise_shared(gathered(lambda: [capacity, layout.data_bytes]))
+        log = self._log if topology.replicated else None
+        log_sizes = [0, 0]
+        if log is not None:
+            log.start(LogPlan.of(layout, leaves, log.optimizer), topology, layout, leaves.values)
+            log_sizes = [log.capacity, log.data_bytes]
+        sizes = raise_shared(gathered(lambda: [capacity, layout.data_bytes, *log_sizes]))
+        if len({bool(size[2]) for size in sizes}) > 1:
+            raise ValueError("MemorySnapshots: optimizer= was given on some ranks only")
         replication = None
         if topology.replicated:
             source = topology.source(topology.rank)
-            source_capacity, source_bytes = sizes[source]
-            replication = Replication(
-                topology.peer(topology.rank), source, source_capacity, source_bytes
-            )
+            replication = Replication(topology.peer(topology.rank), source, *sizes[source])
 
         # Without a peer (one node) nothing is replicated, so no slot is pinned for it.
         replicate_every = self.replicate_every if replication is not None else self.every
@@ -268,6 +301,7 @@ class MemorySnapshots:
                 staging_on=staging_on,
                 replica_slots=self.slots,
                 replicate_every=replicate_every,
+                log=log,
             )
 
         made: list[SnapshotWriter] = []
@@ -289,7 +323,7 @@ class MemorySnapshots:
         directory = self._directory(topology)
         files = [path for _, path in directory.own_files()]
         if topology.replicated:
-            files += [path for _, path in directory.replica_files(topology.source(topology.rank))]
+            files += directory.held_files(topology.source(topology.rank))
         for path in files:
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # the last rank of the node to leave removes it

@@ -21,8 +21,9 @@ from shardkit.core.runtime.groups import snapshot_group
 __all__ = ["Message", "transfer"]
 
 # The tags of these messages: the step's exchanges use 1 and 2 (collectives.py), whole objects
-# 3 (object_collectives.py). Two per pair of ranks and direction: a snapshot's header and its
-# data, posted together; gloo pairs messages by sender and tag.
+# 3 (object_collectives.py). From 4 on, per pair of ranks and direction: a snapshot's header and
+# its data, then each log entry's (snapshot_log), posted together; gloo pairs messages by
+# sender and tag.
 _FIRST_TAG = 4
 
 
@@ -33,8 +34,9 @@ class Message:
     Attributes:
         tensor: what is sent, or where the bytes received are written (contiguous).
         rank: the global rank it goes to or comes from.
-        part: which of the two parts of a transfer between one pair of ranks (0 or 1): each
-            has its own tag, so the receiver never writes one part into the other's tensor.
+        part: which part of a transfer between one pair of ranks (0, 1, ...: a snapshot's
+            header and data, then a log entry's each): each has its own tag, so the receiver
+            never writes one part into another's tensor.
     """
 
     tensor: torch.Tensor
