@@ -43,11 +43,12 @@ def _train(rank: int, world_size: int, root: str, skip: int = 0) -> dict[str, An
         if app.step != skip:
             snapshots.snapshot(app.step, {"app": app})
         kept[app.step] = state_of(app)
+    staged = bool(snapshots._log._staged)  # the gradients went through a device buffer
     snapshots.close(remove=False)  # as a killed worker leaves them
     files = sorted(p.name for p in Path(f"{root}/node{rank}").iterdir())
     train_app(app, 8, rank, world_size)
     kept[8] = state_of(app)
-    return {"at": kept, "files": files}
+    return {"at": kept, "files": files, "staged": staged}
 
 
 def _lose_node1_and_resume(
@@ -83,6 +84,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_a_lost_node_replays_its_replicas_log_to_the_newest_step(tmp_path: Path) -> None:
     root = str(tmp_path)
     trained = run_on_ranks(2, _train, root=root)
+    assert not any(t["staged"] for t in trained)
     own = [f"rank00000.slot{k}.snap" for k in range(3)]  # two, and step 4 pinned
     held = [f"replica-of-rank00001.slot{k}.snap" for k in range(2)]
     logs = [f"log-of-rank00001.slot{k}.snap" for k in range(3)]  # steps 5, 6, 7
@@ -177,17 +179,152 @@ def test_the_log_needs_a_snapshot_every_step() -> None:
         MemorySnapshots(RUN, every=2, replicate_every=4, optimizer=optimizer)
 
 
-def test_an_accelerators_state_is_refused_with_the_way_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from shardkit.core import MemorySnapshots
+def _train_staged(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """``_train`` with the host standing in for an accelerator: the state staged, and the
+    gradients concatenated into a "device" buffer and moved by the background thread."""
     from shardkit.core.checkpoint import snapshots as snapshots_module
 
-    monkeypatch.setattr(snapshots_module, "staging_device", lambda *_: torch.device("cuda", 0))
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 3)).sum().backward()
+    with pytest.MonkeyPatch.context() as patch:  # undone: the worker runs other tests after
+        patch.setattr(snapshots_module, "staging_device", lambda *_: torch.device("cpu"))
+        return _train(rank, world_size, root)
+
+
+def test_an_accelerators_gradients_staged_on_the_device_replay_alike(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    trained = run_on_ranks(2, _train_staged, root=root)
+    assert all(t["staged"] for t in trained)
+    for result in run_on_ranks(2, _lose_node1_and_resume, root=root):
+        assert (result["step"], result["from_replicas"], result["refused"]) == (7, (1,), ())
+        assert _same(result["state"], trained[0]["at"][7])
+
+
+def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
+    """A log entry's header rewritten as a crafted writer would, its CRC made to match."""
+    import dataclasses
+    import json
+
+    from shardkit.core.checkpoint.snapshot_format import (
+        REGION_AT,
+        Expected,
+        capacity_in,
+        header_region,
+        peek_step,
+        read_header,
+    )
+
+    for path in Path(f"{root}/node0").glob("log-of-rank00001.*"):
+        raw = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+        if peek_step(raw) != step:
+            continue
+        header = read_header(raw, rank=1, expected=Expected(RUN, 2, None))
+        values = dict(header.values)
+        groups = json.loads(str(values["log/groups"]))
+        if change == "params":  # a group that would replace the optimizer's parameters
+            groups[0]["params"] = [0, 1]
+        elif change == "lr":  # a value of a known key that the optimizer cannot use
+            groups[0]["lr"] = "fast"
+        else:
+            values["log/full_checksums"] = "zz"
+        values["log/groups"] = json.dumps(groups)
+        region = header_region(
+            dataclasses.replace(header, values=values).to_json(), capacity_in(raw)
+        )
+        raw[REGION_AT : REGION_AT + len(region)] = torch.frombuffer(
+            bytearray(region), dtype=torch.uint8
+        )
+        return
+    raise AssertionError(f"no log entry of step {step}")
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ("params", "unreadable: its parameter groups are not objects of the live groups' keys"),
+        ("sums", "unreadable: its step's checksums are malformed"),
+        ("lr", "not replayable: the optimizer's step 5 raised TypeError"),
+    ],
+)
+def test_a_crafted_log_entry_is_refused_never_raised(
+    tmp_path: Path, change: str, refusal: str
+) -> None:
+    root = str(tmp_path)
+    trained = run_on_ranks(2, _train, root=root)
+    _rewrite_log_entry_of_step(root, 5, change)
+    for result in run_on_ranks(2, _lose_node1_and_resume, root=root):
+        assert result["step"] == 4 and _same(result["state"], trained[0]["at"][4])
+        refused = [r for r in result["refused"] if refusal in r]
+        assert len(refused) == 2, result["refused"]  # the chains to steps 7 and 6
+
+
+_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+# "host": a host state, the gradients concatenated straight into the entry's bytes; "cpu": the
+# host standing in for a device (a device buffer, no streams); "cuda": the real device path,
+# the concatenation launched on the device and moved by the background thread on a stream of
+# its own (make check-gpu's pytest-gpu chunk runs it).
+@pytest.mark.parametrize("device", ["host", "cpu", _CUDA])
+def test_an_entry_holds_the_gradients_the_optimizer_consumed(device: str) -> None:
+    import json
+
+    from shardkit.core.checkpoint.snapshot_checksum import checksums_of
+    from shardkit.core.checkpoint.snapshot_format import (
+        REGION_AT,
+        Expected,
+        Header,
+        data_offset,
+        parse_region,
+        region_bytes,
+    )
+    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
+    from shardkit.core.checkpoint.snapshot_log import GradientLog, LogPlan
+    from shardkit.core.checkpoint.snapshot_slots import Topology
+
+    on = "cuda" if device == "cuda" else "cpu"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(on)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    log = GradientLog(optimizer)
+
+    def backward() -> None:
+        model(torch.randn(2, 5, device=on)).sum().backward()
+
+    backward()
+    optimizer.step()  # the optimizer's state exists: the plan tells its tensors apart
+    optimizer.zero_grad()
+    state = {"model": model, "optim": optimizer}
+    leaves = leaves_of(state)
+    layout = Layout.of(leaves)
+    plan = LogPlan.of(layout, leaves, optimizer)
+    assert plan.carried == ()  # parameters and AdamW's state: all of it the optimizer's
+    staged_on = None if device == "host" else torch.device(on)
+    log.start(plan, Topology("t", 0, 1, 1), layout, leaves.values, staged_on)
+    backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # the log takes them after this
+    consumed = [p.grad.detach().cpu().clone() for p in model.parameters() if p.grad is not None]
+    assert len(consumed) == 4
+    optimizer.param_groups[0]["lr"] = 0.05
     optimizer.step()
-    snapshots = MemorySnapshots(RUN, directory=tmp_path, replicate_every=4, optimizer=optimizer)
-    with pytest.raises(ValueError, match=r"takes gradients on the host only for now.*cuda:0"):
-        snapshots.snapshot(1, {"model": model, "optim": optimizer})
+    optimizer.zero_grad()
+    entry = log.take()
+    assert (entry.staged is None) == (device == "host")
+    full_data = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+    now = leaves_of(state).tensors
+    for full_entry in layout.entries:
+        full_entry.view(full_data).copy_(now[full_entry.key])
+    full = Header("t", 1, 0, 3, layout, checksums_of(full_data), dict(leaves.values))
+    span = log.finish(entry, full, full_data, base=2)
+    header = parse_region(
+        span[: region_bytes(log.capacity)], rank=0, expected=Expected("t", 1, None)
+    )
+    data = span[data_offset(log.capacity) - REGION_AT :]
+    log.close()
+    assert header.values["log/base"] == 2 and header.values["log/stepped"] == 1
+    assert header.values["log/present"] == "1111"
+    assert json.loads(str(header.values["log/groups"]))[0]["lr"] == 0.05
+    assert header.values["log/full_checksums"] == full.checksums.hex()
+    for index, grad in enumerate(consumed):
+        assert torch.equal(header.layout.entries[index].view(data), grad)

@@ -20,7 +20,8 @@ never replays: its own slots hold every step in full.
 An entry is a snapshot in the same format (``snapshot_format``): its layout lists the gradients
 first (``log/grad/00000`` on, in the optimizer's parameter order, each as the parameter's local
 shard), then the carried tensors under their own keys; its plain values are the step's and the
-log's own, under ``log/``. See [Note: memory snapshots].
+log's own, under ``log/``. Reading and replaying entries: ``snapshot_replay``. See [Note:
+memory snapshots].
 """
 
 from __future__ import annotations
@@ -39,44 +40,32 @@ from shardkit.core.checkpoint.snapshot_checksum import checksum_count, checksums
 from shardkit.core.checkpoint.snapshot_format import (
     REGION_AT,
     Header,
-    SnapshotRefusal,
-    SnapshotRefused,
     data_offset,
     header_region,
     layout_json_of,
-    verify_data,
 )
 from shardkit.core.checkpoint.snapshot_layout import (
     JSONValue,
     Layout,
     Leaves,
-    SlotCopier,
     TensorEntry,
     dtype_named,
 )
 from shardkit.core.checkpoint.snapshot_slots import Topology
-from shardkit.core.runtime.dtensors import dtensor_like, local_of
+from shardkit.core.runtime.device import can_pin_memory, is_accelerator
+from shardkit.core.runtime.dtensors import local_of
 
-__all__ = [
-    "GradientLog",
-    "LogEntry",
-    "LogPlan",
-    "check_entry",
-    "entry_capacity",
-    "params_of",
-    "reached",
-    "replay",
-]
+__all__ = ["GradientLog", "LogEntry", "LogPlan", "entry_capacity", "params_of"]
 
 _ALIGN = 64  # as the layout aligns tensors
-_GRAD = "log/grad/"
+GRAD = "log/grad/"
 BASE = "log/base"  # the step of the full replica the entry follows
 STEPPED = "log/stepped"  # optimizer steps since the snapshot before (1; 0 if none ran)
 GROUPS = "log/groups"  # the parameter groups' values at the step, JSON text
 PRESENT = "log/present"  # "1" for each parameter that had a gradient, else "0"
 FULL_SUMS = "log/full_checksums"  # the step's full snapshot's checksums, hex
 UNUSABLE = "log/unusable"  # why this entry cannot be replayed ("" when it can)
-_LOG_VALUES = (BASE, FULL_SUMS, GROUPS, PRESENT, STEPPED, UNUSABLE)
+LOG_VALUES = (BASE, FULL_SUMS, GROUPS, PRESENT, STEPPED, UNUSABLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +95,7 @@ class LogPlan:
             nbytes = local.numel() * local.element_size()
             dtype = str(local.dtype).removeprefix("torch.")
             shapes = tuple(local.shape), tuple(param.shape)
-            entries.append(TensorEntry(f"{_GRAD}{index:05d}", dtype, *shapes, offset, nbytes))
+            entries.append(TensorEntry(f"{GRAD}{index:05d}", dtype, *shapes, offset, nbytes))
             offset += _aligned(nbytes)
         grads_end = offset
         carried = []
@@ -117,7 +106,7 @@ class LogPlan:
             carried.append((replace(entry, offset=offset), entry))
             entries.append(carried[-1][0])
             offset += _aligned(entry.nbytes)
-        values = tuple(sorted(layout.value_keys + _LOG_VALUES))
+        values = tuple(sorted(layout.value_keys + LOG_VALUES))
         return LogPlan(Layout(tuple(entries), values, offset), grads_end, tuple(carried))
 
 
@@ -130,6 +119,8 @@ class LogEntry:
     groups: str
     present: str
     problem: str
+    staged: torch.Tensor | None = None  # the gradients on their device, where they are there
+    captured: Any = None  # the device's event after they were staged (None on the host)
 
 
 class GradientLog:
@@ -137,6 +128,8 @@ class GradientLog:
 
     A step pre-hook on ``optimizer`` copies every parameter's gradient (its local shard) into
     one of two buffers in one concatenation: one entry is being sent while the next is taken.
+    An accelerator's gradients are concatenated on the device, in stream order (the hook only
+    launches it), and the background thread moves them to the host on a stream of its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -146,7 +139,11 @@ class GradientLog:
         self.capacity = 0
         self._buffers: list[torch.Tensor] = []
         self._next = 0
-        self._pieces: list[torch.Tensor] = []  # gradients' bytes and the gaps between
+        self._device = torch.device("cpu")  # where the gradients are
+        self._staged: list[torch.Tensor] = []  # two device buffers, where they are not here
+        self._events: list[Any] = [None, None]
+        self._module: Any = None  # the device's module (torch.cuda), for streams and events
+        self._copy_stream: Any = None
         self._zeros = torch.zeros(0, dtype=torch.uint8)
         self._stepped, self._problem = 0, ""
         self._groups, self._present = "[]", ""
@@ -161,12 +158,18 @@ class GradientLog:
         return self.plan.layout.data_bytes if self.plan is not None else 0
 
     def start(
-        self, plan: LogPlan, topology: Topology, full: Layout, values: dict[str, JSONValue]
+        self,
+        plan: LogPlan,
+        topology: Topology,
+        full: Layout,
+        values: dict[str, JSONValue],
+        device: torch.device | None = None,
     ) -> None:
         """Allocate the two entry buffers (the first snapshot, before its entries are taken).
 
         ``full``: the full snapshot's layout; ``values``: the state's plain values now (for
-        the headers' room).
+        the headers' room); ``device``: the accelerator the state lives on, if it does
+        (``staging_device``; the host itself only in tests: the same steps, no streams).
         """
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
@@ -176,11 +179,20 @@ class GradientLog:
         self.plan, self.capacity = plan, capacity
         self._layout_json = layout_json_of(plan.layout)  # every entry's header repeats it
         size = data_offset(capacity) + plan.layout.data_bytes
-        self._buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(2)]
+        pin = device is not None and is_accelerator(device) and can_pin_memory()
+        self._buffers = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         grads = plan.layout.entries[: len(self.params)]
         self._expected = [(dtype_named(e.dtype), e.shape, e.nbytes) for e in grads]
         widest = max((e.nbytes for e in plan.layout.entries), default=0)
-        self._zeros = torch.zeros(max(widest, _ALIGN), dtype=torch.uint8)
+        self._device = device if device is not None else torch.device("cpu")
+        self._zeros = torch.zeros(max(widest, _ALIGN), dtype=torch.uint8, device=self._device)
+        if device is not None:
+            self._staged = [
+                torch.empty(plan.grads_end, dtype=torch.uint8, device=device) for _ in range(2)
+            ]
+            if device.type != "cpu":
+                self._module = torch.get_device_module(device)
+                self._copy_stream = self._module.Stream(device=device)
         self._stepped = 0
 
     def finish(
@@ -194,6 +206,8 @@ class GradientLog:
         assert self.plan is not None
         start = data_offset(self.capacity)
         data = entry.buffer[start : start + self.plan.layout.data_bytes]
+        if entry.staged is not None:
+            self._to_host(entry, data[: self.plan.grads_end])
         for in_entry, in_full in self.plan.carried:
             data[in_entry.offset : in_entry.offset + in_entry.nbytes].copy_(
                 full_data[in_full.offset : in_full.offset + in_full.nbytes]
@@ -224,8 +238,15 @@ class GradientLog:
         problem = self._problem
         if self._stepped > 1:
             problem = f"the optimizer stepped {self._stepped} times between two snapshots"
+        staged = self._staged[self._next] if self._staged else None
         entry = LogEntry(
-            self._buffers[self._next], self._stepped, self._groups, self._present, problem
+            self._buffers[self._next],
+            self._stepped,
+            self._groups,
+            self._present,
+            problem,
+            staged,
+            self._events[self._next],
         )
         self._next ^= 1
         self._stepped, self._problem = 0, ""
@@ -260,10 +281,10 @@ class GradientLog:
             if local is None:
                 pieces.append(self._zeros[:nbytes])
                 present.append("0")
-            elif local.dtype != dtype or local.shape != shape or local.device.type != "cpu":
+            elif local.dtype != dtype or local.shape != shape or local.device != self._device:
                 self._problem = (
                     f"a gradient ({local.dtype}, {tuple(local.shape)} on {local.device}) is "
-                    f"not its parameter's local shard's ({dtype}, {shape}, on the host)"
+                    f"not its parameter's local shard's ({dtype}, {shape} on {self._device})"
                 )
                 pieces.append(self._zeros[:nbytes])
                 present.append("0")
@@ -275,9 +296,32 @@ class GradientLog:
                 pieces.append(self._zeros[:gap])
         self._present = "".join(present)
         start = data_offset(self.capacity)
-        buffer = self._buffers[self._next]
+        if self._staged:
+            target = self._staged[self._next]
+        else:
+            target = self._buffers[self._next][start : start + self.plan.grads_end]
         with torch.no_grad():
-            torch.cat(pieces, out=buffer[start : start + self.plan.grads_end])
+            torch.cat(pieces, out=target)
+        if self._module is not None:  # after the step's gradients, before the next step's
+            self._events[self._next] = self._module.Event()
+            self._events[self._next].record(self._module.current_stream(self._device))
+
+    def _to_host(self, entry: LogEntry, grads: torch.Tensor) -> None:
+        """The staged gradients into the entry's bytes (background thread).
+
+        On a stream of its own: the training's kernels never queue behind the copy.
+        """
+        assert entry.staged is not None
+        if self._module is None:  # the host standing in for a device (tests)
+            grads.copy_(entry.staged)
+            return
+        with self._module.stream(self._copy_stream):
+            if entry.captured is not None:
+                self._copy_stream.wait_event(entry.captured)
+            grads.copy_(entry.staged, non_blocking=True)
+            done = self._module.Event()
+            done.record(self._copy_stream)
+        done.synchronize()
 
 
 def entry_capacity(
@@ -302,118 +346,9 @@ def entry_capacity(
     return 2 * len(widest.to_json()) + 4096
 
 
-def check_entry(header: Header, layout: Layout, log: GradientLog) -> None:
-    """Refuse an entry this rank cannot replay into a state of ``layout``.
-
-    Raises:
-        SnapshotRefused: OTHER_LAYOUT (its gradients or carried tensors are not the live
-            optimizer's and state's), UNUSABLE (the writer said why it cannot be replayed).
-    """
-    problem = header.values.get(UNUSABLE)
-    if problem:
-        raise SnapshotRefused(SnapshotRefusal.UNREPLAYABLE, str(problem))
-    full = {e.key: e for e in layout.entries}
-    grads = [e for e in header.layout.entries if e.key.startswith(_GRAD)]
-    if len(grads) != len(log.params):
-        detail = f"{len(grads)} gradients logged, the optimizer has {len(log.params)} parameters"
-        raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, detail)
-    for index, (entry, param) in enumerate(zip(grads, log.params, strict=True)):
-        local = local_of(param) if isinstance(param, DTensor) else param
-        dtype = str(local.dtype).removeprefix("torch.")
-        if entry.key != f"{_GRAD}{index:05d}" or (entry.dtype, entry.shape) != (
-            dtype,
-            tuple(local.shape),
-        ):
-            detail = f"{entry.key} is not the local shard of the optimizer's parameter {index}"
-            raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, detail)
-    for entry in header.layout.entries[len(grads) :]:
-        mine = full.get(entry.key)
-        if mine is None or (mine.dtype, mine.shape) != (entry.dtype, entry.shape):
-            raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, f"{entry.key} is not the state's")
-    expected = set(layout.value_keys) | set(_LOG_VALUES)
-    if set(header.layout.value_keys) != expected:
-        raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, "its plain values are not the state's")
-    try:
-        groups = json.loads(str(header.values[GROUPS]))
-    except ValueError:
-        groups = None
-    present = header.values[PRESENT]
-    if not isinstance(groups, list) or len(groups) != len(log.optimizer.param_groups):
-        raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, "its parameter groups are not these")
-    if not all(isinstance(group, dict) for group in groups):
-        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, "its parameter groups are not objects")
-    if not isinstance(present, str) or len(present) != len(grads) or set(present) - {"0", "1"}:
-        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, "its gradients' presence is malformed")
-    if header.values[STEPPED] not in (0, 1):
-        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, "its count of optimizer steps")
-
-
-def replay(entries: list[tuple[Header, torch.Tensor]], log: GradientLog) -> None:
-    """Replay ``entries`` (headers and data, checked) with ``log``'s optimizer.
-
-    The state must hold the entries' base step. Only the optimizer runs (no state dict is
-    taken or loaded: those are collective for some states, and only a lost node's ranks
-    replay); ``reached`` then checks what it gave.
-    """
-    optimizer = log.optimizer
-    with log.replaying(), torch.no_grad():
-        for header, data in entries:
-            groups = json.loads(str(header.values[GROUPS]))
-            for group, logged in zip(optimizer.param_groups, groups, strict=True):
-                for key, value in logged.items():
-                    live = group.get(key)
-                    group[key] = tuple(value) if isinstance(live, tuple) else value
-            if header.values[STEPPED] != 1:
-                continue
-            present = str(header.values[PRESENT])
-            grads = header.layout.entries[: len(log.params)]
-            for param, entry, flag in zip(log.params, grads, present, strict=True):
-                param.grad = _grad_for(param, entry.view(data).clone()) if flag == "1" else None
-            try:
-                optimizer.step()
-            finally:
-                for param in log.params:
-                    param.grad = None
-
-
-def reached(
-    leaves: Leaves, layout: Layout, entries: list[tuple[Header, torch.Tensor]], n_grads: int
-) -> tuple[torch.Tensor, dict[str, JSONValue]]:
-    """The full snapshot of the last entry's step, as a replay reached it: data and values.
-
-    ``leaves``: the state's after the replay; the last entry's carried tensors and plain values
-    replace theirs. ``n_grads``: the gradients an entry starts with.
-
-    Raises:
-        SnapshotRefused: UNREPLAYABLE, naming the first tensor whose bytes are not the step's.
-    """
-    last, data = entries[-1]
-    state = torch.zeros(layout.data_bytes, dtype=torch.uint8)
-    SlotCopier(layout).copy(state, [entry.view(state) for entry in layout.entries], leaves)
-    full = {e.key: e for e in layout.entries}
-    for entry in last.layout.entries[n_grads:]:
-        full[entry.key].view(state).copy_(entry.view(data))
-    values = {k: v for k, v in last.values.items() if not k.startswith("log/")}
-    sums = bytes.fromhex(str(last.values[FULL_SUMS]))
-    claimed = Header(last.run_id, last.world_size, last.rank, last.step, layout, sums, values)
-    try:
-        verify_data(claimed, state)
-    except SnapshotRefused as error:
-        first = entries[0][0].step
-        detail = f"replaying steps {first} to {last.step} did not give step {last.step}'s state"
-        raise SnapshotRefused(
-            SnapshotRefusal.UNREPLAYABLE, f"{detail}: {str(error).split(': ', 1)[1]}"
-        ) from None
-    return state, values
-
-
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters, in its groups' order."""
     return [param for group in optimizer.param_groups for param in group["params"]]
-
-
-def _grad_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    return dtensor_like(local, param) if isinstance(param, DTensor) else local
 
 
 def _start(tensor: torch.Tensor) -> int:

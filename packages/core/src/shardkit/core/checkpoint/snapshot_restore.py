@@ -47,7 +47,8 @@ from shardkit.core.checkpoint.snapshot_format import (
     verify_data,
 )
 from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, leaves_of, restore_into
-from shardkit.core.checkpoint.snapshot_log import BASE, GradientLog, check_entry, reached, replay
+from shardkit.core.checkpoint.snapshot_log import BASE, GradientLog
+from shardkit.core.checkpoint.snapshot_replay import check_entry, reached, replay
 from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, map_existing
 from shardkit.core.checkpoint.snapshot_survey import (
     Holding,
@@ -278,8 +279,9 @@ def _load(
         if checked.entries and log is not None:
             replay(checked.entries, log)
 
-    _raise_failures(gathered(load), header.step)
-    if not any(holding.chain for holding in plan):
+    refusals = _refusals(gathered(load), header.step, plan)
+    if refusals or not any(holding.chain for holding in plan):
+        return refusals
         return []
     # Every rank takes its state's state_dict() and loads one again (for some states both are
     # collective): the replaying ranks check what they reached and load its carried tensors
@@ -291,17 +293,25 @@ def _load(
         if checked.entries and log is not None:
             final[0] = reached(leaves, layout, checked.entries, len(log.params))
 
-    outcomes = gathered(check)
-    refusals = [(plan[r], o) for r, o in enumerate(outcomes) if o.error_type == "SnapshotRefused"]
-    if refusals:
-        return refusals
-    _raise_failures(outcomes, header.step)
-    _raise_failures(gathered(lambda: restore_into(state, layout, *final[0])), header.step)
-    return []
+    refusals = _refusals(gathered(check), header.step, plan)
+    if not refusals:
+        _raise_failures(gathered(lambda: restore_into(state, layout, *final[0])), header.step)
+    return refusals
+
+
+def _refusals(
+    outcomes: list[Outcome], step: int, plan: list[Holding]
+) -> list[tuple[Holding, Outcome]]:
+    """The refused replays among ``outcomes``, with their holdings; any other failure raised."""
+    refused = [(plan[r], o) for r, o in enumerate(outcomes) if o.error_type == "SnapshotRefused"]
+    _raise_failures(outcomes, step)
+    return refused
 
 
 def _raise_failures(outcomes: list[Outcome], step: int) -> None:
-    failed = [(r, o) for r, o in enumerate(outcomes) if o.failed]
+    """The first failure of ``outcomes`` raised on every rank; a refused replay is not one."""
+    refused = "SnapshotRefused"
+    failed = [(r, o) for r, o in enumerate(outcomes) if o.failed and o.error_type != refused]
     if failed:
         rank, outcome = failed[0]
         raise SnapshotError(

@@ -78,7 +78,9 @@ class DeviceStaging:
             raise ValueError(f"staging needs whole checksum blocks per chunk, got {chunk_bytes}")
         self.device, self.layout = device, layout
         self._chunk_bytes = chunk_bytes
-        self._buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=device)
+        # Zeros: the gaps between tensors are never written, and a snapshot's bytes are the
+        # same whichever path made them (a replayed gradient log is checked against them).
+        self._buffer = torch.zeros(layout.data_bytes, dtype=torch.uint8, device=device)
         self._views = [entry.view(self._buffer) for entry in layout.entries]
         self._module: Any = torch.get_device_module(device) if device.type != "cpu" else None
         # Streams and events of the device's module; a host "device" (tests) needs neither.

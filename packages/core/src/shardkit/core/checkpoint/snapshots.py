@@ -98,7 +98,7 @@ class MemorySnapshots:
             (fp32 AdamW). The optimizer must be the one the state's optimizer state is of,
             and its ``step()`` local to the rank (no collective: SGD, Adam, AdamW ...); a
             replay that does not reproduce the step's checksums is refused, and an older
-            step is restored. A state on the host only, for now (an accelerator's raises).
+            step is restored.
     """
 
     def __init__(
@@ -264,12 +264,6 @@ class MemorySnapshots:
         """Allocate the slots and a GPU state's device buffer, learn the source's (collective)."""
         layout = Layout.of(leaves)
         staging_on = staging_device(layout, leaves)
-        if self._log is not None and staging_on is not None:  # the same on every rank
-            raise ValueError(
-                f"MemorySnapshots: the gradient log (optimizer=) takes gradients on the host "
-                f"only for now, and this state is on {staging_on}; leave optimizer= out (a "
-                "lost node then goes back to the newest replicated step)"
-            )
         topology = self.topology()
         capacity = header_capacity(topology, layout, leaves.values)
         if is_distributed():
@@ -277,7 +271,8 @@ class MemorySnapshots:
         log = self._log if topology.replicated else None
         log_sizes = [0, 0]
         if log is not None:
-            log.start(LogPlan.of(layout, leaves, log.optimizer), topology, layout, leaves.values)
+            plan = LogPlan.of(layout, leaves, log.optimizer)
+            log.start(plan, topology, layout, leaves.values, staging_on)
             log_sizes = [log.capacity, log.data_bytes]
         sizes = raise_shared(gathered(lambda: [capacity, layout.data_bytes, *log_sizes]))
         if len({bool(size[2]) for size in sizes}) > 1:
