@@ -15,6 +15,7 @@ the medians and each round's ratio. ``make check-gpu`` runs it (chunk ``memory-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -62,7 +63,9 @@ def _block(run: dict[str, Any], snapshot: bool) -> float:
     for _ in range(run["steps"]):
         data = batch(run["size"], state.step, rank, world).to(run["device"])
         started = time.perf_counter()
-        train_step(model, optimizer, data)  # ends in loss.item(): the device is synchronized
+        log = snapshots._log  # the gradient log's capture, off in the blocks without snapshots
+        with log.replaying() if log is not None and not snapshot else contextlib.nullcontext():
+            train_step(model, optimizer, data)  # ends in loss.item(): the device is synchronized
         state.step += 1
         if snapshot:
             # Where the time goes: waiting for the previous snapshot's background work
@@ -141,6 +144,11 @@ def main(argv: list[str]) -> None:
         default=0,
         help="the staged copy's chunk (snapshot_staging.CHUNK_BYTES; 0: its default)",
     )
+    parser.add_argument(
+        "--gradient-log",
+        action="store_true",
+        help="every 4th snapshot replicated whole, the gradient log between (optimizer=)",
+    )
     args = parser.parse_args(argv)
     if args.chunk_mib:  # fewer, larger chunks: fewer handovers of the GIL, more pinned memory
         snapshot_staging.CHUNK_BYTES = args.chunk_mib * 2**20
@@ -150,7 +158,13 @@ def main(argv: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build("shardkit", args.size, world, device=args.device)
     root = _memory() / f"shardkit-cuda-snapshots-{os.environ['MASTER_PORT']}"
-    snapshots = MemorySnapshots("cuda-snapshots", directory=root / f"node{rank}", ranks_per_node=1)
+    snapshots = MemorySnapshots(
+        "cuda-snapshots",
+        directory=root / f"node{rank}",
+        ranks_per_node=1,
+        replicate_every=4 if args.gradient_log else None,
+        optimizer=optimizer if args.gradient_log else None,
+    )
     run = {"model": model, "optimizer": optimizer, "state": _State(model, optimizer)}
     run |= {"snapshots": snapshots, "steps": args.steps, "size": args.size, "device": args.device}
     run["parts"] = []
@@ -182,6 +196,7 @@ def main(argv: list[str]) -> None:
             "device": args.device,
             "size": args.size,
             "world": world,
+            "gradient_log": args.gradient_log,
             "step_s": statistics.median(r[False] for r in rounds),
             "with_s": statistics.median(r[True] for r in rounds),
             "ratio": statistics.median(ratios),

@@ -433,7 +433,8 @@ def smoke_chunks() -> dict[str, Chunk]:
 
     float8 = scale_smoke(FLOAT8_SMOKE_POINTS, float8=True)
     precision = reduce_precision("cpu", (4096,))
-    snapshots = memory_snapshots("cpu", "fake-tiny", steps=3, rounds=2)
+    # With the gradient log: the same script, and the log's arguments and capture as well.
+    snapshots = memory_snapshots("cpu", "fake-tiny", steps=3, rounds=2, gradient_log=True)
     return {
         "scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60),
         "float8-smoke": Chunk(_timed("float8-smoke", float8), 60),
@@ -470,6 +471,9 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     # on this machine's host cores, most of them idle, as on a GPU node.
     host = memory_snapshots("cpu", "demo", steps=8, rounds=8, judged=True)
     table["memory-snapshots-host"] = Chunk(host, 60)
+    # The same with the gradient log between every 4th whole replica: fewer bytes exchanged.
+    log = memory_snapshots("cpu", "demo", steps=8, rounds=8, judged=True, gradient_log=True)
+    table["memory-snapshots-host-log"] = Chunk(log, 60)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
 

@@ -27,13 +27,15 @@ def memory_snapshots(
     rounds: int,
     chunk_mib: tuple[int, ...] = (0,),
     judged: bool | None = None,
+    gradient_log: bool = False,
 ) -> Callable[[Runner], list[Row]]:
     """The chunk: every GPU (two gloo ranks with ``device="cpu"``), ``rounds`` paired blocks.
 
     ``chunk_mib``: one run for each size of the staged copy's chunks (0: the default), so a
     GPU session compares them in one go. ``judged``: whether a ratio above ``SNAPSHOT_TARGET``
     is a miss (default: on CUDA only; the CPU smoke run's two busy cores are not judged, the
-    GPU machine's host, whose cores mostly idle, is).
+    GPU machine's host, whose cores mostly idle, is). ``gradient_log``: every 4th snapshot
+    replicated whole and the gradient log between (``optimizer=``), instead of each whole.
     """
     judged = device == "cuda" if judged is None else judged
 
@@ -43,12 +45,13 @@ def memory_snapshots(
     def _one(runner: Runner, mib: int) -> Row:
         nproc = max(1, runner.gpus) if device == "cuda" else 2
         args = ["--device", device, "--size", size, "--steps", str(steps), "--rounds", str(rounds)]
-        args += ["--chunk-mib", str(mib)]
+        args += ["--chunk-mib", str(mib)] + (["--gradient-log"] if gradient_log else [])
         cmd = runner.torchrun(nproc, "benchmarks/cuda_memory_snapshots.py", *args)
         records, error = runner.run("memory-snapshots", cmd, timeout=420)
         where = device if device == "cuda" or not judged else "cpu, this host's cores"
         label = f"memory snapshots every step, {size} W={nproc} ({where}): step with / without"
         label += f", {mib} MiB chunks" if mib else ""
+        label += ", every 4th replicated whole, the gradient log between" if gradient_log else ""
         if error or not records:
             return Row(chunk="", check=label, status="error", detail=error)
         r = records[0]

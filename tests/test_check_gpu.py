@@ -47,7 +47,8 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         "fake group W=1 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
         "fake group W=8 fake-tiny, bf16 + Float8 all-gather (torchao) (cpu)",
         "reduce-precision cpu 4,096 elements, W=1 (bytes at W=64)",
-        "memory snapshots every step, fake-tiny W=2 (cpu): step with / without",
+        "memory snapshots every step, fake-tiny W=2 (cpu): step with / without, every 4th"
+        " replicated whole, the gradient log between",
     ]
     assert all(r["status"] == "pass" for r in rows[:2]), rows
     # Issue 38's chunk: both reduce-scatters and both compressed modes timed, bytes counted.
@@ -59,6 +60,7 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     assert rows[5]["status"] == "pass", rows[5]
     (snapshots,) = results["records"]["memory-snapshots"]
     assert snapshots["world"] == 2 and len(snapshots["ratios"]) == 2, snapshots
+    assert snapshots["gradient_log"], snapshots
     assert snapshots["shared_memory_mib_per_rank"] > 0, snapshots
     assert set(snapshots["parts"]) == {"state_dict_and_walk_s", "check_s", "copy_s"}, snapshots
     assert all(seconds > 0 for seconds in snapshots["parts"].values()), snapshots
