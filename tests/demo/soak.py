@@ -48,6 +48,7 @@ class Resumed:
     done: int
     step: int
     path: str
+    seconds: float = 0.0  # the restore itself, as the demo logs it
 
 
 def check_against_reference(reference: Path, metrics: Path, ref: Path, run: Path) -> list[Resumed]:
@@ -62,7 +63,8 @@ def check_against_reference(reference: Path, metrics: Path, ref: Path, run: Path
             last_done = max(last_done, step)
         elif record.get("event") == "resumed":
             resumed = int(record["step"])  # type: ignore[call-overload]
-            resumes.append(Resumed(last_done, resumed, str(record["path"])))
+            seconds = float(record.get("seconds", 0.0))  # type: ignore[arg-type]
+            resumes.append(Resumed(last_done, resumed, str(record["path"]), seconds))
     got = {int(r["step"]): r["loss"] for r in _records(metrics) if "loss" in r}  # type: ignore[call-overload]
     assert got == want  # the final curve, every step
     exported = load_file(run / "model.safetensors")

@@ -91,16 +91,17 @@ def _soak(tmp_path: Path, steps: int, kills: list[KillPoint], replication: str) 
     assert log.read_text().split() == [str(k) for k in kills]  # each fired, once, in order
     assert leftover == [], leftover  # close() freed the shared memory
     resumes = check_against_reference(reference, metrics, tmp_path / "ref", tmp_path / "soak")
-    lost = [(r.done, r.step, r.path) for r in resumes]
+    lost = [(r.done, r.step, r.path, r.seconds) for r in resumes]
 
     print(f"\nsnapshot soak: {steps} steps, W=2 on two torchrun nodes, a memory snapshot every")
     print(f"step ({replication}), disk checkpoints every {EVERY} (async), {len(kills)} kills")
     print(f"uninterrupted run {reference_s:.0f} s; killed and restarted run {soak_s:.0f} s")
-    print("kill  rank  step  phase        last logged step  resumed from  lost  source")
+    print("kill  rank  step  phase        last logged step  resumed from  lost  restore  source")
     assert len(lost) == len(kills), lost
-    for index, (kill, (done, resumed, source)) in enumerate(zip(kills, lost, strict=True)):
+    for index, (kill, (done, resumed, source, seconds)) in enumerate(zip(kills, lost, strict=True)):
         print(f"{index + 1:4d}  {kill.rank:4d}  {kill.step:4d}  {kill.phase:11s}  "
-              f"{done:16d}  {resumed:12d}  {done - resumed:4d}  {source}")  # fmt: skip
+              f"{done:16d}  {resumed:12d}  {done - resumed:4d}  {seconds:6.3f}s  "
+              f"{source}")  # fmt: skip
         assert source.startswith("memory"), (kill, source)  # never the disk
         assert done - resumed <= 1, (kill, done, resumed)
         if kill.phase == "node":

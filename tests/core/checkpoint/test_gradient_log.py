@@ -223,12 +223,15 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
             groups[0]["params"] = [0, 1]
         elif change == "lr":  # a value of a known key that the optimizer cannot use
             groups[0]["lr"] = "fast"
-        else:
+        elif change == "sums":
             values["log/full_checksums"] = "zz"
         values["log/groups"] = json.dumps(groups)
-        region = header_region(
-            dataclasses.replace(header, values=values).to_json(), capacity_in(raw)
-        )
+        crafted = dataclasses.replace(header, values=values)
+        if change == "run":  # an entry another job left in this node's memory
+            crafted = dataclasses.replace(crafted, run_id="another-run")
+        elif change == "world":
+            crafted = dataclasses.replace(crafted, world_size=4)
+        region = header_region(crafted.to_json(), capacity_in(raw))
         raw[REGION_AT : REGION_AT + len(region)] = torch.frombuffer(
             bytearray(region), dtype=torch.uint8
         )
@@ -236,16 +239,20 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
     raise AssertionError(f"no log entry of step {step}")
 
 
+# Refused when the chains through it are verified (one refusal each: to steps 7 and 6) or
+# replayed, or at once by the survey (one refusal: the entry itself).
 @pytest.mark.parametrize(
-    ("change", "refusal"),
+    ("change", "refusal", "times"),
     [
-        ("params", "unreadable: its parameter groups are not objects of the live groups' keys"),
-        ("sums", "unreadable: its step's checksums are malformed"),
-        ("lr", "not replayable: the optimizer's step 5 raised TypeError"),
+        ("params", "unreadable: its parameter groups are not objects of the live groups' keys", 2),
+        ("sums", "unreadable: its step's checksums are malformed", 2),
+        ("lr", "not replayable: the optimizer's step 5 raised TypeError", 2),
+        ("run", "(step 5): another run: run 'another-run', this job is run 'log-run'", 1),
+        ("world", "(step 5): another world size: written at world size 4, this job has 2", 1),
     ],
 )
 def test_a_crafted_log_entry_is_refused_never_raised(
-    tmp_path: Path, change: str, refusal: str
+    tmp_path: Path, change: str, refusal: str, times: int
 ) -> None:
     root = str(tmp_path)
     trained = run_on_ranks(2, _train, root=root)
@@ -253,7 +260,7 @@ def test_a_crafted_log_entry_is_refused_never_raised(
     for result in run_on_ranks(2, _lose_node1_and_resume, root=root):
         assert result["step"] == 4 and _same(result["state"], trained[0]["at"][4])
         refused = [r for r in result["refused"] if refusal in r]
-        assert len(refused) == 2, result["refused"]  # the chains to steps 7 and 6
+        assert len(refused) == times, result["refused"]
 
 
 _CUDA = pytest.param(
@@ -267,7 +274,7 @@ _CUDA = pytest.param(
 # the concatenation launched on the device and moved by the background thread on a stream of
 # its own (make check-gpu's pytest-gpu chunk runs it).
 @pytest.mark.parametrize("device", ["host", "cpu", _CUDA])
-def test_an_entry_holds_the_gradients_the_optimizer_consumed(device: str) -> None:
+def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: str) -> None:
     import json
 
     from shardkit.core.checkpoint.snapshot_checksum import checksums_of
@@ -279,8 +286,9 @@ def test_an_entry_holds_the_gradients_the_optimizer_consumed(device: str) -> Non
         parse_region,
         region_bytes,
     )
-    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
+    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of, restore_into
     from shardkit.core.checkpoint.snapshot_log import GradientLog, LogPlan
+    from shardkit.core.checkpoint.snapshot_replay import check_entry, reached, replay
     from shardkit.core.checkpoint.snapshot_slots import Topology
 
     on = "cuda" if device == "cuda" else "cpu"
@@ -298,6 +306,15 @@ def test_an_entry_holds_the_gradients_the_optimizer_consumed(device: str) -> Non
     state = {"model": model, "optim": optimizer}
     leaves = leaves_of(state)
     layout = Layout.of(leaves)
+
+    def snapshot_bytes() -> torch.Tensor:  # the state as a snapshot's data, on the host
+        data = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+        now = leaves_of(state).tensors
+        for full_entry in layout.entries:
+            full_entry.view(data).copy_(now[full_entry.key])
+        return data
+
+    before, values_before = snapshot_bytes(), dict(leaves_of(state).values)
     plan = LogPlan.of(layout, leaves, optimizer)
     assert plan.carried == ()  # parameters and AdamW's state: all of it the optimizer's
     staged_on = None if device == "host" else torch.device(on)
@@ -311,20 +328,24 @@ def test_an_entry_holds_the_gradients_the_optimizer_consumed(device: str) -> Non
     optimizer.zero_grad()
     entry = log.take()
     assert (entry.staged is None) == (device == "host")
-    full_data = torch.zeros(layout.data_bytes, dtype=torch.uint8)
-    now = leaves_of(state).tensors
-    for full_entry in layout.entries:
-        full_entry.view(full_data).copy_(now[full_entry.key])
-    full = Header("t", 1, 0, 3, layout, checksums_of(full_data), dict(leaves.values))
+    full_data = snapshot_bytes()
+    full = Header("t", 1, 0, 3, layout, checksums_of(full_data), dict(leaves_of(state).values))
     span = log.finish(entry, full, full_data, base=2)
     header = parse_region(
         span[: region_bytes(log.capacity)], rank=0, expected=Expected("t", 1, None)
     )
     data = span[data_offset(log.capacity) - REGION_AT :]
-    log.close()
     assert header.values["log/base"] == 2 and header.values["log/stepped"] == 1
     assert header.values["log/present"] == "1111"
     assert json.loads(str(header.values["log/groups"]))[0]["lr"] == 0.05
     assert header.values["log/full_checksums"] == full.checksums.hex()
     for index, grad in enumerate(consumed):
         assert torch.equal(header.layout.entries[index].view(data), grad)
+    # Back to the step before, then the entry replayed on the state's device: the step's bytes.
+    restore_into(state, layout, before, values_before)
+    assert not torch.equal(snapshot_bytes(), full_data)
+    check_entry(header, layout, log)
+    replay([(header, data)], log)
+    replayed, values = reached(leaves_of(state), layout, [(header, data)], len(log.params))
+    assert torch.equal(replayed, full_data) and values == full.values
+    log.close()

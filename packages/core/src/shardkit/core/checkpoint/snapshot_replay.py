@@ -119,7 +119,7 @@ def replay(entries: list[tuple[Header, torch.Tensor]], log: GradientLog) -> None
             present = str(header.values[PRESENT])
             grads = header.layout.entries[: len(log.params)]
             for param, entry, flag in zip(log.params, grads, present, strict=True):
-                param.grad = _grad_for(param, entry.view(data).clone()) if flag == "1" else None
+                param.grad = _grad_for(param, entry.view(data)) if flag == "1" else None
             try:
                 optimizer.step()
             except Exception as error:  # values the log holds that the optimizer refuses
@@ -161,5 +161,8 @@ def reached(
     return state, values
 
 
-def _grad_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def _grad_for(param: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
+    """The gradient ``param`` had: ``logged``'s values on its local shard's device (a copy)."""
+    device = (local_of(param) if isinstance(param, DTensor) else param).device
+    local = logged.to(device=device, copy=True)
     return dtensor_like(local, param) if isinstance(param, DTensor) else local
