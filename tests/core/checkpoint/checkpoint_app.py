@@ -70,4 +70,7 @@ def state_of(app: TrainingApp) -> dict[str, torch.Tensor]:
 
 
 def full_value(value: torch.Tensor) -> torch.Tensor:
-    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+    # Without autograd: a parameter's full_tensor() would otherwise make a to-local autograd
+    # node, whose release is where torch's double free was caught (note 002).
+    with torch.no_grad():
+        return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()

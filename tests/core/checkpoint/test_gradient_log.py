@@ -52,13 +52,24 @@ def _train(rank: int, world_size: int, root: str, skip: int = 0) -> dict[str, An
 
 
 def _lose_node1_and_resume(
-    rank: int, world_size: int, root: str, replays: bool = True, nudge: bool = False
+    rank: int,
+    world_size: int,
+    root: str,
+    restart: str = "restart",
+    replays: bool = True,
+    nudge: bool = False,
 ) -> dict[str, Any]:
-    """Node 1's memory gone, both ranks restart and resume; then one step and its snapshot."""
+    """Node 1's memory gone, both ranks restart and resume; then one step and its snapshot.
+
+    On a copy of node 0's memory in ``{root}/{restart}``, made afresh each time: a worker
+    crash makes the pool run the task again, which must find the files as they were.
+    """
     torch.distributed.barrier()
     if rank == 0:
-        shutil.rmtree(f"{root}/node1", ignore_errors=True)
+        shutil.rmtree(f"{root}/{restart}", ignore_errors=True)
+        shutil.copytree(f"{root}/node0", f"{root}/{restart}/node0")
     torch.distributed.barrier()
+    root = f"{root}/{restart}"
     app = build_app(world_size)
     if nudge:  # a hook the log knows nothing of: the replay cannot give the logged bits
         app.optimizer.register_step_post_hook(lambda *_: _nudge(app))
@@ -95,7 +106,8 @@ def test_a_lost_node_replays_its_replicas_log_to_the_newest_step(tmp_path: Path)
         assert _same(result["state"], trained[0]["at"][7])
         assert _same(result["after"], trained[0]["at"][8])  # and trains on as it would have
     # The restarted run's first snapshot (step 8) is replicated whole: lost again, 8 is back.
-    for result in run_on_ranks(2, _lose_node1_and_resume, root=root):
+    again = f"{root}/restart"
+    for result in run_on_ranks(2, _lose_node1_and_resume, root=again):
         assert (result["step"], result["from_replicas"]) == (8, (1,))
         assert _same(result["state"], trained[0]["at"][8])
 
