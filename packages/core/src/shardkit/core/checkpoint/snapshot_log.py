@@ -55,7 +55,7 @@ from shardkit.core.checkpoint.snapshot_slots import Topology
 from shardkit.core.runtime.device import can_pin_memory, is_accelerator
 from shardkit.core.runtime.dtensors import local_of
 
-__all__ = ["GradientLog", "LogEntry", "LogPlan", "entry_capacity", "params_of"]
+__all__ = ["GradientLog", "LogEntry", "LogPlan", "entry_capacity", "local_shard", "params_of"]
 
 _ALIGN = 64  # as the layout aligns tensors
 GRAD = "log/grad/"
@@ -91,7 +91,7 @@ class LogPlan:
         entries: list[TensorEntry] = []
         offset = 0
         for index, param in enumerate(params):
-            local = local_of(param) if isinstance(param, DTensor) else param
+            local = local_shard(param)
             nbytes = local.numel() * local.element_size()
             dtype = str(local.dtype).removeprefix("torch.")
             shapes = tuple(local.shape), tuple(param.shape)
@@ -277,7 +277,7 @@ class GradientLog:
         pieces, present = [], []
         for param, (dtype, shape, nbytes) in zip(self.params, self._expected, strict=True):
             grad = param.grad
-            local = local_of(grad) if isinstance(grad, DTensor) else grad
+            local = local_shard(grad) if grad is not None else None
             if local is None:
                 pieces.append(self._zeros[:nbytes])
                 present.append("0")
@@ -351,9 +351,13 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, or the tensor itself: what this rank holds of it."""
+    return local_of(tensor) if isinstance(tensor, DTensor) else tensor
+
+
 def _start(tensor: torch.Tensor) -> int:
-    local = local_of(tensor) if isinstance(tensor, DTensor) else tensor
-    return int(local.data_ptr())
+    return int(local_shard(tensor).data_ptr())
 
 
 def _aligned(nbytes: int) -> int:

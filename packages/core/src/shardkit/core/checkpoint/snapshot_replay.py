@@ -33,8 +33,9 @@ from shardkit.core.checkpoint.snapshot_log import (
     STEPPED,
     UNUSABLE,
     GradientLog,
+    local_shard,
 )
-from shardkit.core.runtime.dtensors import dtensor_like, local_of
+from shardkit.core.runtime.dtensors import dtensor_like
 
 __all__ = ["check_entry", "reached", "replay"]
 
@@ -55,7 +56,7 @@ def check_entry(header: Header, layout: Layout, log: GradientLog) -> None:
         detail = f"{len(grads)} gradients logged, the optimizer has {len(log.params)} parameters"
         raise SnapshotRefused(SnapshotRefusal.OTHER_LAYOUT, detail)
     for index, (entry, param) in enumerate(zip(grads, log.params, strict=True)):
-        local = local_of(param) if isinstance(param, DTensor) else param
+        local = local_shard(param)
         dtype = str(local.dtype).removeprefix("torch.")
         if entry.key != f"{GRAD}{index:05d}" or (entry.dtype, entry.shape) != (
             dtype,
@@ -163,6 +164,5 @@ def reached(
 
 def _grad_for(param: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
     """The gradient ``param`` had: ``logged``'s values on its local shard's device (a copy)."""
-    device = (local_of(param) if isinstance(param, DTensor) else param).device
-    local = logged.to(device=device, copy=True)
+    local = logged.to(device=local_shard(param).device, copy=True)
     return dtensor_like(local, param) if isinstance(param, DTensor) else local

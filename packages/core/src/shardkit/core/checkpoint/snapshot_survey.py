@@ -10,6 +10,7 @@ same choice: the newest step for which every rank has a snapshot, its own or one
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,57 +78,70 @@ def holds_files(directory: SnapshotDirectory, topology: Topology) -> bool:
 
 
 def survey(directory: SnapshotDirectory, topology: Topology, layout: Layout) -> dict[str, Any]:
-    """This rank's snapshots, and the replicas it holds, checked up to their data (JSON)."""
+    """This rank's snapshots, the replicas and log entries it holds, checked up to their data.
+
+    JSON, for the other ranks: each file's slot and sizes (and what a holding needs), and every
+    refusal by name.
+    """
+    me, refused = topology.rank, list[str]()
     mine = Expected(topology.run_id, topology.world_size, layout)
-    own, replicas, refused = [], [], []
-    for slot, path in directory.own_files():
-        try:
-            raw = mapped(path)
-            if is_blank(raw):
-                continue
-            header = read_header(raw, rank=topology.rank, expected=mine)
-            own.append({"slot": slot, **_sizes(header, raw)})
-        except SnapshotRefused as error:
-            refused.append(f"rank {topology.rank}'s own slot {slot}{_at(error)}: {error}")
-    source = topology.source(topology.rank)
-    theirs = Expected(topology.run_id, topology.world_size, None)
-    for slot, path in directory.replica_files(source) if topology.replicated else ():
-        try:
-            raw = mapped(path)
-            if is_blank(raw):
-                continue
-            header = read_header(raw, rank=source, expected=theirs)
-            replicas.append({"slot": slot, **summary(header), **_sizes(header, raw)})
-        except SnapshotRefused as error:
-            holder = f"rank {source}'s replica held by rank {topology.rank}"
-            refused.append(f"{holder}, slot {slot}{_at(error)}: {error}")
-    logs = []
-    for slot, path in directory.log_files(source) if topology.replicated else ():
-        try:
-            raw = mapped(path)
-            if is_blank(raw):
-                continue
-            header = read_header(raw, rank=source, expected=theirs)
-            base, problem = header.values.get(BASE), header.values.get(UNUSABLE)
-            if type(base) is not int or not 0 <= base < header.step:
-                detail = "its base step is malformed"
-                raise SnapshotRefused(SnapshotRefusal.UNREADABLE, detail, header.step)
-            if problem:  # its writer knew it could not be replayed, and said why
-                raise SnapshotRefused(SnapshotRefusal.UNREPLAYABLE, str(problem), header.step)
-            logs.append({"slot": slot, "base": base, **_sizes(header, raw)})
-        except SnapshotRefused as error:
-            holder = f"rank {source}'s log entry held by rank {topology.rank}"
-            refused.append(f"{holder}, slot {slot}{_at(error)}: {error}")
+    own = _read_all(directory.own_files(), me, mine, f"rank {me}'s own", refused, _sizes)
+    replicas, logs = [], []
+    if topology.replicated:
+        source = topology.source(me)
+        theirs = Expected(topology.run_id, topology.world_size, None)
+        held = f"rank {source}'s replica held by rank {me},"
+        files = directory.replica_files(source)
+        replicas = _read_all(files, source, theirs, held, refused, _replica_facts)
+        held = f"rank {source}'s log entry held by rank {me},"
+        logs = _read_all(directory.log_files(source), source, theirs, held, refused, _log_facts)
     expected = {"fingerprint": layout.fingerprint(), "local_shapes": layout.local_shapes()}
     found = {"own": own, "replicas": replicas, "logs": logs}
     return {"expected": expected, **found, "refused": refused}
+
+
+def _read_all(
+    files: Iterator[tuple[int, Path]],
+    rank: int,
+    expected: Expected,
+    whose: str,
+    refused: list[str],
+    facts: Callable[[Header, torch.Tensor], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each file's header read and checked as ``rank``'s, and its ``facts``; refusals named."""
+    found = []
+    for slot, path in files:
+        try:
+            raw = mapped(path)
+            if is_blank(raw):
+                continue
+            header = read_header(raw, rank=rank, expected=expected)
+            found.append({"slot": slot, **facts(header, raw)})
+        except SnapshotRefused as error:
+            refused.append(f"{whose} slot {slot}{_at(error)}: {error}")
+    return found
+
+
+def _replica_facts(header: Header, raw: torch.Tensor) -> dict[str, Any]:
+    return {**summary(header), **_sizes(header, raw)}
+
+
+def _log_facts(header: Header, raw: torch.Tensor) -> dict[str, Any]:
+    """A log entry's base step and sizes; refused if its writer said it cannot be replayed."""
+    base, problem = header.values.get(BASE), header.values.get(UNUSABLE)
+    if type(base) is not int or not 0 <= base < header.step:
+        detail = "its base step is malformed"
+        raise SnapshotRefused(SnapshotRefusal.UNREADABLE, detail, header.step)
+    if problem:  # its writer knew it could not be replayed, and said why
+        raise SnapshotRefused(SnapshotRefusal.UNREPLAYABLE, str(problem), header.step)
+    return {"base": base, **_sizes(header, raw)}
 
 
 def _at(error: SnapshotRefused) -> str:
     return f" (step {error.step})" if error.step is not None else ""
 
 
-def _sizes(header: Header, raw: torch.Tensor) -> dict[str, int]:
+def _sizes(header: Header, raw: torch.Tensor) -> dict[str, Any]:
     return {
         "step": header.step,
         "region_bytes": region_bytes(capacity_in(raw)),
