@@ -11,6 +11,7 @@ tensor, full), and an uninterrupted run's next step.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,7 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
         REGION_AT,
         Expected,
         capacity_in,
+        data_offset,
         header_region,
         peek_step,
         read_header,
@@ -228,6 +230,12 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
         raw = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
         if peek_step(raw) != step:
             continue
+        if change == "cut":  # a file cut short, its last page of gradients gone
+            os.truncate(path, path.stat().st_size - 4096)
+            return
+        if change == "data":  # one byte of the first gradient changed, its checksum not
+            raw[data_offset(capacity_in(raw))] ^= 0xFF
+            return
         header = read_header(raw, rank=1, expected=Expected(RUN, 2, None))
         values = dict(header.values)
         groups = json.loads(str(values["log/groups"]))
@@ -261,6 +269,8 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
         ("lr", "not replayable: the optimizer's step 5 raised TypeError", 2),
         ("run", "(step 5): another run: run 'another-run', this job is run 'log-run'", 1),
         ("world", "(step 5): another world size: written at world size 4, this job has 2", 1),
+        ("cut", "log entry held by rank 0, slot 0: unreadable: its data is cut short", 1),
+        ("data", ": checksum: log/grad/00000's", 2),
     ],
 )
 def test_a_crafted_log_entry_is_refused_never_raised(
