@@ -14,10 +14,16 @@
    same with the gradient log between (``optimizer=``: the steps between send their
    gradients, a third of the bytes; the blocks without snapshots take no gradients). Also
    timed, on the training thread: the state's ``state_dict()`` (the demo's,
-   ``StateDictCache``) and the copy. And the CPU time a snapshot adds to a step (each
-   process's, all its threads: the copy, the checksums, the exchange), which on two cores that
-   both train is what the snapshot takes from training; the step times of a shared machine
-   show it only through their noise.
+   ``StateDictCache``) and the copy. And the CPU time a snapshot adds to a step, two ways:
+   each process's, all its threads (``cpu_ms_added_per_step``: the difference of two blocks,
+   as noisy as the step), and the snapshots' own (``snapshot_cpu_ms_per_step``: the training
+   thread's time in ``snapshot()`` and in the gradient log's hook, and the CPU of the threads
+   at the snapshots' niceness, which are theirs alone: the writer and the snapshot group's
+   gloo threads), stable from block to block. On two cores that both train, that CPU is what
+   a snapshot takes from training: the step with snapshots is about ``1 + snapshot CPU /
+   a step's CPU`` of the step without, which the step times of a shared machine show only
+   through their noise. Every block starts on a replicated step, so a block with the log
+   replicates as many snapshots whole as steady training does.
 2. **Restart** (``test_restart_time``): the demo as two torchrun "nodes" of one rank (as the
    snapshot soak runs it), killed once mid-forward at the same step, resumed by torchrun
    --max-restarts: from memory snapshots (every step), and from the disk checkpoint (every 10
@@ -93,9 +99,51 @@ def _setup(
         replicate_every=replicate_every,
         optimizer=_STATE["state"].optimizer if log else None,
     )
-    for _ in range(every + 1):  # warm-up: lazy init, the optimizer's state, the slots
+    _STATE["training_cpu"] = 0.0
+    gradient_log = _STATE["snapshots"]._log
+    if gradient_log is not None:  # the capture hook, timed on the training thread (its CPU)
+        gradient_log._handle.remove()
+        hook = _timed(gradient_log._capture)
+        gradient_log._handle = _STATE["state"].optimizer.register_step_pre_hook(hook)
+    # Warm-up (lazy init, the optimizer's state, the slots) up to a replicated step: every
+    # block then starts on one (BLOCK is a multiple of replicate_every), so a block with
+    # snapshots replicates as many whole as steady training does, not one more after the
+    # steps without.
+    _step(snapshot=True)
+    while _STATE["state"].step <= every or (_STATE["state"].step + 1) % replicate_every:
         _step(snapshot=True)
     _STATE["snapshots"].wait()
+
+
+def _timed(hook: Any) -> Any:
+    def timed(*args: Any) -> None:
+        started = time.thread_time()
+        hook(*args)
+        _STATE["training_cpu"] += time.thread_time() - started
+
+    return timed
+
+
+def _background_cpu() -> float:
+    """CPU seconds so far of this process's threads at the snapshots' niceness.
+
+    Those are the snapshots' background work and no other's: the writer's thread (checksums,
+    header, the exchange's calls) and the gloo threads of the snapshot group (the exchange).
+    Per thread from ``/proc/self/task/*/schedstat`` (nanoseconds), where the process's CPU
+    time mixes them with a step's own, which moves by more than a snapshot costs.
+    """
+    from shardkit.core.runtime.groups import SNAPSHOT_NICENESS
+
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            nice = int(stat[stat.rindex(")") + 2 :].split()[16])  # field 19 of proc(5)
+            if nice == SNAPSHOT_NICENESS:
+                total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def _step(*, snapshot: bool) -> float:
@@ -110,19 +158,24 @@ def _step(*, snapshot: bool) -> float:
     else:
         train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
     if snapshot:
+        cpu = time.thread_time()
         _STATE["snapshots"].snapshot(state.step, {"train": state})
+        _STATE["training_cpu"] += time.thread_time() - cpu
     return time.perf_counter() - started
 
 
-def _block(rank: int, world_size: int, snapshot: bool) -> tuple[float, float]:
-    """The block's mean step time, and this process's CPU time a step (all its threads)."""
+def _block(rank: int, world_size: int, snapshot: bool) -> tuple[float, float, float]:
+    """The block's mean step time; this process's CPU time a step (all its threads); and
+    the snapshots' own CPU time a step (their part of the training thread, their threads)."""
     import torch.distributed as dist
 
     dist.barrier()
-    cpu = time.process_time()
+    cpu, background = time.process_time(), _background_cpu()
+    _STATE["training_cpu"] = 0.0
     seconds = [_step(snapshot=snapshot) for _ in range(BLOCK)]
     _STATE["snapshots"].wait()  # the last one's background work stays out of the next block
-    return statistics.mean(seconds), (time.process_time() - cpu) / BLOCK
+    own = _STATE["training_cpu"] + _background_cpu() - background
+    return statistics.mean(seconds), (time.process_time() - cpu) / BLOCK, own / BLOCK
 
 
 def _parts(rank: int, world_size: int) -> dict[str, float]:
@@ -170,15 +223,19 @@ def test_snapshot_step_time(
             measured[snapshot] = run_on_ranks(2, _block, snapshot=snapshot, timeout_s=600)
         rounds.append(
             {
-                "without": max(wall for wall, _ in measured[False]),
-                "with": max(wall for wall, _ in measured[True]),
+                "without": max(wall for wall, _, _ in measured[False]),
+                "with": max(wall for wall, _, _ in measured[True]),
                 # CPU a snapshot adds a step, a rank's (the mean of the ranks'): what two busy
                 # cores pay, which a shared machine's step times show only through their noise.
                 "cpu_added": statistics.mean(
                     with_[1] - without[1]
                     for with_, without in zip(measured[True], measured[False], strict=True)
                 ),
-                "cpu_without": statistics.mean(cpu for _, cpu in measured[False]),
+                "cpu_without": statistics.mean(cpu for _, cpu, _ in measured[False]),
+                # The snapshots' own CPU a step (the mean of the ranks'), and what their
+                # threads spent in the block without them (nothing, or a leftover).
+                "snapshot_cpu": statistics.mean(own for _, _, own in measured[True]),
+                "snapshot_cpu_without": statistics.mean(own for _, _, own in measured[False]),
             }
         )
 
@@ -203,6 +260,9 @@ def test_snapshot_step_time(
         step_with_snapshots_s=statistics.median(r["with"] for r in rounds),
         cpu_ms_added_per_step=1e3 * statistics.median(r["cpu_added"] for r in rounds),
         cpu_ms_per_step_without=1e3 * statistics.median(r["cpu_without"] for r in rounds),
+        snapshot_cpu_ms_per_step=1e3 * statistics.median(r["snapshot_cpu"] for r in rounds),
+        snapshot_threads_cpu_ms_without=1e3
+        * statistics.median(r["snapshot_cpu_without"] for r in rounds),
         shared_memory_mib_per_rank=nbytes / 2**20,
         **parts,
     )
@@ -214,7 +274,8 @@ def test_snapshot_step_time(
     for r in rounds:
         print(f"  without {r['without']:.4f} s  with {r['with']:.4f} s  "
               f"ratio {r['with'] / r['without']:.3f}  "
-              f"CPU added {1e3 * r['cpu_added']:.1f} ms a step")  # fmt: skip
+              f"CPU added {1e3 * r['cpu_added']:.1f} ms a step, "
+              f"the snapshots' own {1e3 * r['snapshot_cpu']:.1f} ms")  # fmt: skip
     print("  " + " ".join(f"{k}={v}" for k, v in benchmark.extra_info.items()))
 
 

@@ -370,4 +370,21 @@ def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: s
     replay([(header, data)], log)
     replayed, values = reached(leaves_of(state), layout, [(header, data)], len(log.params))
     assert torch.equal(replayed, full_data) and values == full.values
+    # Two steps on, the same buffer again, with one parameter left without a gradient: its
+    # place holds zeros, not the bytes that buffer held two steps before, and it is absent.
+    for absent in (False, True):
+        backward()
+        if absent:
+            model[1].bias.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+        entry = log.take()
+    span = log.finish(entry, full, full_data, base=2)
+    header = parse_region(
+        span[: region_bytes(log.capacity)], rank=0, expected=Expected("t", 1, None)
+    )
+    data = span[data_offset(log.capacity) - REGION_AT :]
+    assert header.values["log/present"] == "1110"
+    assert not header.layout.entries[3].view(data).any()
+    assert header.layout.entries[2].view(data).any()
     log.close()

@@ -498,6 +498,56 @@ def test_a_value_that_is_neither_a_tensor_nor_json_is_refused_by_key(tmp_path: P
     snapshots.close()
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ("a tensor reshaped", r"model/weight: float32 \[3, 4\] in the snapshot, float32 \[4, 3\]"),
+        ("a tensor of another dtype", r"model/bias: float32 \[3\] in the snapshot, float64"),
+        ("a tensor more", r"model/extra: absent in the snapshot"),
+        ("a plain value more", r"loop/seed: absent in the snapshot, a plain value here"),
+        ("a plain value now a tensor", r"loop/step: a plain value in the snapshot, int64 \[\]"),
+    ],
+)
+def test_a_state_whose_tensors_changed_since_the_first_snapshot_is_refused(
+    tmp_path: Path, change: str, named: str
+) -> None:
+    """Each snapshot is checked against the first one's layout: a state that changed is
+    refused by its first key that differs, and the slots keep what they held; the same state
+    walked in another order still fits."""
+    from shardkit.core import MemorySnapshots, SnapshotError
+
+    def state() -> dict[str, Any]:
+        return {"model": {"weight": weight, "bias": bias}, "loop": {"step": 2, "name": "x"}}
+
+    weight, bias = torch.ones(3, 4), torch.zeros(3)
+    changed = state()
+    if change == "a tensor reshaped":
+        changed["model"]["weight"] = torch.ones(4, 3)
+    elif change == "a tensor of another dtype":
+        changed["model"]["bias"] = torch.zeros(3, dtype=torch.float64)
+    elif change == "a tensor more":
+        changed["model"]["extra"] = torch.zeros(2)
+    elif change == "a plain value more":
+        changed["loop"]["seed"] = 7
+    else:
+        changed["loop"]["step"] = torch.tensor(2)
+    snapshots = MemorySnapshots(RUN, directory=tmp_path)
+    snapshots.snapshot(1, state())
+    snapshots.snapshot(2, state())  # the same state: it fits (and is remembered)
+    with pytest.raises(SnapshotError, match=f"step 3: the state's tensors changed.*{named}"):
+        snapshots.snapshot(3, changed)
+    reordered = {"loop": {"name": "x", "step": 2}, "model": {"bias": bias, "weight": weight}}
+    weight += 1  # step 3's values, in the same state walked in another order
+    snapshots.snapshot(3, reordered)
+    snapshots.close(remove=False)  # as a killed process leaves them
+    with MemorySnapshots(RUN, directory=tmp_path) as again:
+        model = {"weight": torch.zeros(3, 4), "bias": torch.ones(3)}
+        target: dict[str, Any] = {"model": model, "loop": {"step": 0, "name": ""}}
+        assert again.restore(target).step == 3
+        assert torch.equal(target["model"]["weight"], weight) and weight[0, 0] == 2
+        assert torch.equal(target["model"]["bias"], bias) and target["loop"]["step"] == 2
+
+
 # --- the data's checksums, on their own --------------------------------------------------------
 
 

@@ -127,9 +127,10 @@ class GradientLog:
     """Takes the gradients an optimizer consumes at each step, for the replicas' log entries.
 
     A step pre-hook on ``optimizer`` copies every parameter's gradient (its local shard) into
-    one of two buffers in one concatenation: one entry is being sent while the next is taken.
-    An accelerator's gradients are concatenated on the device, in stream order (the hook only
-    launches it), and the background thread moves them to the host on a stream of its own.
+    its place in one of two buffers, in one multi-tensor copy: one entry is being sent while
+    the next is taken. An accelerator's gradients are copied on the device, in stream order
+    (the hook only launches it), and the background thread moves them to the host on a stream
+    of its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -144,12 +145,12 @@ class GradientLog:
         self._events: list[Any] = [None, None]
         self._module: Any = None  # the device's module (torch.cuda), for streams and events
         self._copy_stream: Any = None
-        self._zeros = torch.zeros(0, dtype=torch.uint8)
+        self._places: list[list[torch.Tensor]] = [[], []]  # each gradient's, in each target
         self._stepped, self._problem = 0, ""
         self._groups, self._present = "[]", ""
         self._replaying = False
         self._layout_json = ""
-        self._expected: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # each gradient's
+        self._expected: list[tuple[torch.dtype, tuple[int, ...]]] = []  # each gradient's
         self._handle = optimizer.register_step_pre_hook(self._capture)
 
     @property
@@ -182,17 +183,23 @@ class GradientLog:
         pin = device is not None and is_accelerator(device) and can_pin_memory()
         self._buffers = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         grads = plan.layout.entries[: len(self.params)]
-        self._expected = [(dtype_named(e.dtype), e.shape, e.nbytes) for e in grads]
-        widest = max((e.nbytes for e in plan.layout.entries), default=0)
+        self._expected = [(dtype_named(e.dtype), e.shape) for e in grads]
         self._device = device if device is not None else torch.device("cpu")
-        self._zeros = torch.zeros(max(widest, _ALIGN), dtype=torch.uint8, device=self._device)
+        start = data_offset(capacity)
+        targets = [buffer[start : start + plan.grads_end] for buffer in self._buffers]
         if device is not None:
+            # Zeroed once, as the host buffers are: the gaps between gradients are never
+            # written, and an entry's bytes must not depend on what memory held before.
             self._staged = [
-                torch.empty(plan.grads_end, dtype=torch.uint8, device=device) for _ in range(2)
+                torch.zeros(plan.grads_end, dtype=torch.uint8, device=device) for _ in range(2)
             ]
+            targets = self._staged
             if device.type != "cpu":
                 self._module = torch.get_device_module(device)
                 self._copy_stream = self._module.Stream(device=device)
+        # Each gradient's place in each target, as a tensor of its dtype and shape: a step's
+        # capture is then one multi-tensor copy, with no per-gradient view to make.
+        self._places = [[entry.view(target) for entry in grads] for target in targets]
         self._stepped = 0
 
     def finish(
@@ -274,34 +281,32 @@ class GradientLog:
             )
         except (TypeError, ValueError) as error:  # a tensor lr, an object in a group
             self._problem = f"a parameter group holds a value that is not JSON: {error}"
-        pieces, present = [], []
-        for param, (dtype, shape, nbytes) in zip(self.params, self._expected, strict=True):
+        places = self._places[self._next]
+        sources, targets, absent, present = [], [], [], []
+        for param, place, (dtype, shape) in zip(self.params, places, self._expected, strict=True):
             grad = param.grad
             local = local_shard(grad) if grad is not None else None
-            if local is None:
-                pieces.append(self._zeros[:nbytes])
-                present.append("0")
-            elif local.dtype != dtype or local.shape != shape or local.device != self._device:
+            if local is not None and (
+                local.dtype != dtype or local.shape != shape or local.device != self._device
+            ):
                 self._problem = (
                     f"a gradient ({local.dtype}, {tuple(local.shape)} on {local.device}) is "
                     f"not its parameter's local shard's ({dtype}, {shape} on {self._device})"
                 )
-                pieces.append(self._zeros[:nbytes])
+                local = None
+            if local is None:
+                absent.append(place)
                 present.append("0")
             else:
-                pieces.append(local.detach().reshape(-1).view(torch.uint8))
+                sources.append(local)
+                targets.append(place)
                 present.append("1")
-            gap = _aligned(nbytes) - nbytes
-            if gap:
-                pieces.append(self._zeros[:gap])
         self._present = "".join(present)
-        start = data_offset(self.capacity)
-        if self._staged:
-            target = self._staged[self._next]
-        else:
-            target = self._buffers[self._next][start : start + self.plan.grads_end]
         with torch.no_grad():
-            torch.cat(pieces, out=target)
+            if sources:
+                torch._foreach_copy_(targets, sources)
+            for place in absent:  # the previous capture's bytes in this buffer: zeros now
+                place.zero_()
         if self._module is not None:  # after the step's gradients, before the next step's
             self._events[self._next] = self._module.Event()
             self._events[self._next].record(self._module.current_stream(self._device))

@@ -36,7 +36,7 @@ from shardkit.core.checkpoint.snapshot_format import (
     layout_json_of,
     peek_step,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, SlotCopier, fits
+from shardkit.core.checkpoint.snapshot_layout import FitCheck, JSONValue, Layout, Leaves, SlotCopier
 from shardkit.core.checkpoint.snapshot_log import GradientLog, LogEntry
 from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
 from shardkit.core.checkpoint.snapshot_staging import DeviceStaging
@@ -165,6 +165,7 @@ class SnapshotWriter:
             [entry.view(slot.data()) for entry in layout.entries] for slot in self._own
         ]
         self._copier = SlotCopier(layout)
+        self._fits = FitCheck(layout)  # the state at each snapshot against the first's layout
         self._replicate_every = replicate_every
         # The first snapshot is replicated whatever its step (every rank's writer starts at the
         # same step, so the exchanges still pair): after a restart, a replica of a step after
@@ -215,10 +216,10 @@ class SnapshotWriter:
             or not self._replicated_any
             or (entry is not None and step - self._base > len(self._logs))
         )
-        if not fits(self.layout, leaves):
+        if not self._fits(leaves):
             raise SnapshotError(
                 f"memory snapshot of step {step}: the state's tensors changed since the first "
-                f"snapshot ({self.layout.first_difference(Layout.of(leaves)) or 'their layout'})"
+                f"snapshot ({Layout.of(leaves).first_difference(self.layout) or 'their layout'})"
             )
         free = [k for k in range(len(self._own)) if k != self._pinned]
         index = min(free, key=lambda k: self._steps[k])  # the oldest slot not pinned
