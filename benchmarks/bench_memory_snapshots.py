@@ -47,6 +47,7 @@ from typing import Any
 import pytest
 from demo.run_demo import launch_lines
 
+from benchmarks.snapshot_cpu import SnapshotCPU
 from harness.pool import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,12 +100,7 @@ def _setup(
         replicate_every=replicate_every,
         optimizer=_STATE["state"].optimizer if log else None,
     )
-    _STATE["training_cpu"] = 0.0
-    gradient_log = _STATE["snapshots"]._log
-    if gradient_log is not None:  # the capture hook, timed on the training thread (its CPU)
-        gradient_log._handle.remove()
-        hook = _timed(gradient_log._capture)
-        gradient_log._handle = _STATE["state"].optimizer.register_step_pre_hook(hook)
+    _STATE["cpu"] = SnapshotCPU(_STATE["snapshots"], _STATE["state"].optimizer)
     # Warm-up (lazy init, the optimizer's state, the slots) up to a replicated step: every
     # block then starts on one (BLOCK is a multiple of replicate_every), so a block with
     # snapshots replicates as many whole as steady training does, not one more after the
@@ -113,37 +109,6 @@ def _setup(
     while _STATE["state"].step <= every or (_STATE["state"].step + 1) % replicate_every:
         _step(snapshot=True)
     _STATE["snapshots"].wait()
-
-
-def _timed(hook: Any) -> Any:
-    def timed(*args: Any) -> None:
-        started = time.thread_time()
-        hook(*args)
-        _STATE["training_cpu"] += time.thread_time() - started
-
-    return timed
-
-
-def _background_cpu() -> float:
-    """CPU seconds so far of this process's threads at the snapshots' niceness.
-
-    Those are the snapshots' background work and no other's: the writer's thread (checksums,
-    header, the exchange's calls) and the gloo threads of the snapshot group (the exchange).
-    Per thread from ``/proc/self/task/*/schedstat`` (nanoseconds), where the process's CPU
-    time mixes them with a step's own, which moves by more than a snapshot costs.
-    """
-    from shardkit.core.runtime.groups import SNAPSHOT_NICENESS
-
-    total = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-            nice = int(stat[stat.rindex(")") + 2 :].split()[16])  # field 19 of proc(5)
-            if nice == SNAPSHOT_NICENESS:
-                total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
-            continue
-    return total / 1e9
 
 
 def _step(*, snapshot: bool) -> float:
@@ -158,9 +123,7 @@ def _step(*, snapshot: bool) -> float:
     else:
         train_step(state, _STATE["sampler"].batch(state.step + 1), cfg)
     if snapshot:
-        cpu = time.thread_time()
-        _STATE["snapshots"].snapshot(state.step, {"train": state})
-        _STATE["training_cpu"] += time.thread_time() - cpu
+        _STATE["cpu"].snapshot(state.step, {"train": state})
     return time.perf_counter() - started
 
 
@@ -170,11 +133,10 @@ def _block(rank: int, world_size: int, snapshot: bool) -> tuple[float, float, fl
     import torch.distributed as dist
 
     dist.barrier()
-    cpu, background = time.process_time(), _background_cpu()
-    _STATE["training_cpu"] = 0.0
+    cpu, own = time.process_time(), _STATE["cpu"].total()
     seconds = [_step(snapshot=snapshot) for _ in range(BLOCK)]
     _STATE["snapshots"].wait()  # the last one's background work stays out of the next block
-    own = _STATE["training_cpu"] + _background_cpu() - background
+    own = _STATE["cpu"].total() - own
     return statistics.mean(seconds), (time.process_time() - cpu) / BLOCK, own / BLOCK
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
 
 from benchmarks.gpt import batch, build, train_step
+from benchmarks.snapshot_cpu import SnapshotCPU
 from shardkit.core import MemorySnapshots, StateDictCache
 from shardkit.core.checkpoint import snapshot_staging
 
@@ -59,7 +60,7 @@ def _block(run: dict[str, Any], snapshot: bool) -> float:
     snapshots: MemorySnapshots = run["snapshots"]
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
-    seconds = []
+    seconds, own = [], run["cpu"].total()
     for _ in range(run["steps"]):
         data = batch(run["size"], state.step, rank, world).to(run["device"])
         started = time.perf_counter()
@@ -73,10 +74,12 @@ def _block(run: dict[str, Any], snapshot: bool) -> float:
             trained = time.perf_counter()
             snapshots.wait()
             waited = time.perf_counter()
-            snapshots.snapshot(state.step, {"train": state})
+            run["cpu"].snapshot(state.step, {"train": state})
             run["parts"].append((waited - trained, time.perf_counter() - waited))
         seconds.append(time.perf_counter() - started)
     snapshots.wait()  # the last one's background work stays out of the next block
+    if snapshot:  # the snapshots' own CPU a step (on the training thread, and their threads')
+        run["own_cpu"].append((run["cpu"].total() - own) / run["steps"])
     return statistics.mean(seconds)
 
 
@@ -88,7 +91,7 @@ def _training_thread_parts(run: dict[str, Any]) -> dict[str, float]:
     the training thread does not wait for), or on the host the copy into a slot. Read through
     the writer's own pieces, after the rounds (the slot written last holds garbage after it).
     """
-    from shardkit.core.checkpoint.snapshot_layout import fits, leaves_of
+    from shardkit.core.checkpoint.snapshot_layout import leaves_of
 
     snapshots: MemorySnapshots = run["snapshots"]
     snapshots.wait()
@@ -99,7 +102,7 @@ def _training_thread_parts(run: dict[str, Any]) -> dict[str, float]:
         started = time.perf_counter()
         leaves = leaves_of({"train": run["state"]})
         walked = time.perf_counter()
-        fits(writer.layout, leaves)
+        writer._fits(leaves)
         checked = time.perf_counter()
         if writer._staging is not None:
             writer._staging.stage(leaves)
@@ -167,10 +170,11 @@ def main(argv: list[str]) -> None:
     )
     run = {"model": model, "optimizer": optimizer, "state": _State(model, optimizer)}
     run |= {"snapshots": snapshots, "steps": args.steps, "size": args.size, "device": args.device}
-    run["parts"] = []
+    run |= {"parts": [], "own_cpu": [], "cpu": SnapshotCPU(snapshots, optimizer)}
     try:
         _block(run | {"steps": 2}, snapshot=True)  # warm-up: lazy init, optimizer state, slots
         run["parts"].clear()
+        run["own_cpu"].clear()
         rounds = []
         for index in range(args.rounds):
             order = [False, True] if index % 2 == 0 else [True, False]
@@ -209,6 +213,9 @@ def main(argv: list[str]) -> None:
             "copy_s": statistics.median(c for _, c in run["parts"]),
             # And that part piece by piece (rank 0's): where the training thread's time goes.
             "parts": parts,
+            # The snapshots' own CPU a step, rank 0's median over the blocks with them: the
+            # training thread's part and their threads' (the checksums, the exchange).
+            "snapshot_cpu_s": statistics.median(run["own_cpu"]),
         }
         print(json.dumps(record), flush=True)
     dist.destroy_process_group()

@@ -61,8 +61,9 @@ def memory_snapshots(
             f"{r['shared_memory_mib_per_rank']:.0f} MiB of slots per rank in "
             f"{r.get('directory', '?')}; per "
             f"snapshot {r['copy_s'] * 1e3:.1f} ms on the training thread{_parts(r)}, then "
-            f"{r['wait_s'] * 1e3:.1f} ms waiting for it at the next step; staged on the "
-            f"device: {r.get('staged')}"
+            f"{r['wait_s'] * 1e3:.1f} ms waiting for it at the next step; the snapshots' own "
+            f"CPU {r.get('snapshot_cpu_s', float('nan')) * 1e3:.1f} ms a step (training thread "
+            f"and their threads); staged on the device: {r.get('staged')}"
         )
         met = not judged or r["ratio"] <= SNAPSHOT_TARGET
         return Row(chunk="", check=label, status="pass" if met else "miss", figures=figures)

@@ -64,6 +64,9 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     assert snapshots["shared_memory_mib_per_rank"] > 0, snapshots
     assert set(snapshots["parts"]) == {"state_dict_and_walk_s", "check_s", "copy_s"}, snapshots
     assert all(seconds > 0 for seconds in snapshots["parts"].values()), snapshots
+    # The snapshots' own CPU: at least the training thread's copy, at most a step's.
+    assert 0 < snapshots["snapshot_cpu_s"] < snapshots["with_s"], snapshots
+    assert "the snapshots' own CPU" in rows[5]["figures"], rows[5]
     rows = rows[:4]
     # Each point ran both engines in the fake group of its world, 1/W of the parameters here.
     records = results["records"]["scale-smoke"]
