@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardkit.core import MemorySnapshots
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS
 
@@ -49,7 +51,7 @@ class SnapshotCPU:
     wrapped: the benchmarks reach into the log for that).
     """
 
-    def __init__(self, snapshots: MemorySnapshots, optimizer: Any) -> None:
+    def __init__(self, snapshots: MemorySnapshots, optimizer: torch.optim.Optimizer) -> None:
         self.snapshots = snapshots
         self.training = 0.0  # seconds of the training thread's CPU
         log = snapshots._log

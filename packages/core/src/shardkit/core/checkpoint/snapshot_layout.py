@@ -30,9 +30,9 @@ from shardkit.core.runtime.dtensors import local_of
 
 __all__ = [
     "JSON_LEAVES",
+    "FitCheck",
     "JSONValue",
     "Layout",
-    "FitCheck",
     "Leaves",
     "SlotCopier",
     "TensorEntry",
