@@ -142,7 +142,7 @@ def _block(rank: int, world_size: int, snapshot: bool) -> tuple[float, float, fl
 
 def _parts(rank: int, world_size: int) -> dict[str, float]:
     """The training thread's share of a snapshot: the state_dict() call, and the copy."""
-    from shardkit.core.checkpoint.snapshot_layout import leaves_of
+    from shardkit.core.snapshots.contents import leaves_of
 
     state, snapshots = _STATE["state"], _STATE["snapshots"]
     writer = snapshots._writer  # the benchmark times the writer's own copy

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, r
 from benchmarks.gpt import batch, build, train_step
 from benchmarks.snapshot_cpu import SnapshotCPU
 from shardkit.core import MemorySnapshots, StateDictCache
-from shardkit.core.checkpoint import snapshot_staging
+from shardkit.core.snapshots import device_staging
 
 SHM_NEEDED = 16 * 2**30  # the slots of the 217M GPT at W=1 and more: /dev/shm, when it has this
 
@@ -91,7 +91,7 @@ def _training_thread_parts(run: dict[str, Any]) -> dict[str, float]:
     the training thread does not wait for), or on the host the copy into a slot. Read through
     the writer's own pieces, after the rounds (the slot written last holds garbage after it).
     """
-    from shardkit.core.checkpoint.snapshot_layout import leaves_of
+    from shardkit.core.snapshots.contents import leaves_of
 
     snapshots: MemorySnapshots = run["snapshots"]
     snapshots.wait()
@@ -145,7 +145,7 @@ def main(argv: list[str]) -> None:
         "--chunk-mib",
         type=int,
         default=0,
-        help="the staged copy's chunk (snapshot_staging.CHUNK_BYTES; 0: its default)",
+        help="the staged copy's chunk (device_staging.CHUNK_BYTES; 0: its default)",
     )
     parser.add_argument(
         "--gradient-log",
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     )
     args = parser.parse_args(argv)
     if args.chunk_mib:  # fewer, larger chunks: fewer handovers of the GIL, more pinned memory
-        snapshot_staging.CHUNK_BYTES = args.chunk_mib * 2**20
+        device_staging.CHUNK_BYTES = args.chunk_mib * 2**20
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> None:
         # Whether the copy was staged on the device: the writer's own state, read here only
         # to say which path the figures are of.
         staging = getattr(getattr(snapshots, "_writer", None), "_staging", None)
-        path = {"staged": staging is not None, "chunk_mib": snapshot_staging.CHUNK_BYTES // 2**20}
+        path = {"staged": staging is not None, "chunk_mib": device_staging.CHUNK_BYTES // 2**20}
     finally:
         # Each rank removes its own node's folder only: a rank that removed the whole root
         # could pull a slower peer's files from under its close.

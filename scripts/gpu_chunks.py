@@ -401,8 +401,8 @@ def reduce_precision(device: str, numels: tuple[int, ...]) -> Callable[[Runner],
 def pytest_gpu(runner: Runner) -> list[Row]:
     """The pytest GPU tests themselves (the scripts above, through pytest's assertions)."""
     files = ["tests/core/interop/test_cuda.py", "tests/tools/test_cuda_tools.py"]
-    files += ["tests/core/checkpoint/test_memory_snapshots.py"]  # the staged copy on CUDA
-    files += ["tests/core/checkpoint/test_gradient_log.py"]  # the log's capture on CUDA
+    files += ["tests/core/snapshots/test_memory_snapshots.py"]  # the staged copy on CUDA
+    files += ["tests/core/snapshots/test_gradient_log.py"]  # the log's capture on CUDA
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     _, error = runner.run("pytest-gpu", cmd, timeout=600)
     status = "error" if error else "pass"

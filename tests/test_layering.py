@@ -331,7 +331,7 @@ def test_one_module_per_package_touches_private_torch(package: Path, allowed: st
     assert not uses, f"private torch outside {package.name}/{allowed}:\n" + "\n".join(uses)
 
 
-_GROUP_STORAGE = "shardkit.core.engine.group_storage"
+_GROUP_STORAGE = "shardkit.core.engine.group.storage"
 
 
 def _storage_reaches(path: Path) -> list[str]:
@@ -343,18 +343,18 @@ def _storage_reaches(path: Path) -> list[str]:
             if owner.split(".")[-1] in ("group", "g") or owner.endswith("group"):
                 found.append(f"{path.name}:{node.lineno} .{node.attr} of {owner}")
         elif (
-            isinstance(node, ast.ImportFrom) and node.module == "shardkit.core.engine.group_storage"
+            isinstance(node, ast.ImportFrom) and node.module == "shardkit.core.engine.group.storage"
         ):
-            found.append(f"{path.name}:{node.lineno} imports group_storage")
+            found.append(f"{path.name}:{node.lineno} imports group/storage")
     return found
 
 
 def test_nothing_outside_the_group_reaches_into_its_storage() -> None:
     # A group's storage (its buffers) is the group's own: others ask the group's accessors
-    # and its plan. Only the group itself holds it (group_upkeep.py: a base class of the
+    # and its plan. Only the group itself holds it (group/upkeep.py: a base class of the
     # group, its re-planning).
-    engine = CORE / "engine"
-    owners = {engine / "param_group.py", engine / "group_upkeep.py", engine / "group_storage.py"}
+    group = CORE / "engine" / "group"
+    owners = {group / "param_group.py", group / "upkeep.py", group / "storage.py"}
     reaches = [
         reach
         for path in sorted(CORE.rglob("*.py"))
@@ -367,7 +367,7 @@ def test_nothing_outside_the_group_reaches_into_its_storage() -> None:
 def test_the_storage_check_sees_a_reach(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from shardkit.core.engine.group_storage import GroupStorage\n"
+        "from shardkit.core.engine.group.storage import GroupStorage\n"
         "def f(group, state):\n    return group.storage.x, state.group._storage\n"
     )
     assert len(_storage_reaches(probe)) == 3

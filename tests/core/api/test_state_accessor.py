@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardkit.core
-from shardkit.core.torch_view import TorchFacingState
+from shardkit.core.torch_facing.view import TorchFacingState
 from tests.core.fake_group import fake_mesh
 
 WORLD = 2

@@ -18,9 +18,6 @@ from shardkit.core.checkpoint import (
     CheckpointManager,
     CheckpointSaveError,
     IncompleteCheckpointError,
-    MemorySnapshots,
-    ResumePoint,
-    SnapshotError,
     StateDictCache,
     read_dcp_metadata,
 )
@@ -58,6 +55,7 @@ from shardkit.core.policies import (
 )
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.progress import set_debug, set_hang_timeout
+from shardkit.core.snapshots import MemorySnapshots, ResumePoint, SnapshotError
 from shardkit.core.state_dict import (
     iter_full_state_dict,
     load_full_state_dict,

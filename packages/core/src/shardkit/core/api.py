@@ -16,10 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.group.plan import GroupConfig
 from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.group_plan import GroupConfig
 from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
-from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.sharding import (
     ManagedGroup,
     check_hooked_params,
@@ -41,8 +41,8 @@ from shardkit.core.policies import (
     resolved,
 )
 from shardkit.core.runtime.groups import default_mesh
-from shardkit.core.torch_fsdp import TorchFacing, managed_by_torch_fsdp
-from shardkit.core.torch_view import TorchFacingState, attach_view, view_of
+from shardkit.core.torch_facing.fsdp_classes import TorchFacing, managed_by_torch_fsdp
+from shardkit.core.torch_facing.view import TorchFacingState, attach_view, view_of
 
 if TYPE_CHECKING:
     # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py

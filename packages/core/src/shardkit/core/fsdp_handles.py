@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shardkit.core.torch_fsdp import TorchUnshardHandle
+from shardkit.core.torch_facing.fsdp_classes import TorchUnshardHandle
 
 if TYPE_CHECKING:
-    from shardkit.core.engine.param_group import FSDPParamGroup
+    from shardkit.core.engine.group.param_group import FSDPParamGroup
 
 __all__ = ["GradientReductionHandle", "UnshardHandle"]
 

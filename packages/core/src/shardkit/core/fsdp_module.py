@@ -20,7 +20,7 @@ from shardkit.core.engine.finalization import (
     wait_for_gradient_reduction,
 )
 from shardkit.core.engine.grad_dtype_policy import hold_explicit_grads, restore_held_grads
-from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.param_listing import read_slot, write_slot
 from shardkit.core.engine.state_registry import is_managed, state_of, states_under
 from shardkit.core.extensions import DataParallelSharding

@@ -40,7 +40,7 @@ from shardkit.core.engine.buffer_layout import (
     group_layout,
     pooled_sizes,
 )
-from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param_listing import ParamSlot
 from shardkit.core.engine.reduce import WireFormat
 from shardkit.core.engine.state_registry import states_under

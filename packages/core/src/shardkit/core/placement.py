@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
 from shardkit.core.engine.sharding import Placed, PlaceFn
 from shardkit.core.errors import InvalidPlacementError
-from shardkit.core.torch_fsdp import (
+from shardkit.core.torch_facing.fsdp_classes import (
     TORCH_FSDP_MESH_INFO,
     TORCH_HSDP_MESH_INFO,
     TORCH_SHARD_PLACEMENT_RESULT,

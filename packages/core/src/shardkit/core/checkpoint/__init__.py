@@ -4,14 +4,15 @@
 directories that an interrupted save or a corrupt file cannot break; ``async_save.py`` writes
 in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
 checksums a checkpoint's files; ``dcp_reading.py`` reads a checkpoint's metadata and plain
-values without running pickled code (``read_dcp_metadata``). ``MemorySnapshots``
-(``snapshots.py``) keeps per-step snapshots in the node's shared memory, replicated to a peer
-on another node, for restarts that lose at most the step in flight (``snapshot_*.py``);
-``StateDictCache`` is torch's ``get_state_dict`` for a loop that asks every step
-(``state_dict_cache.py``).
+values without running pickled code (``read_dcp_metadata``); ``StateDictCache`` is torch's
+``get_state_dict`` for a loop that asks every step (``state_dict_cache.py``).
 ``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
-exports the same names).
+exports the same names). Memory snapshots are a wing of their own, ``shardkit.core.snapshots``;
+their three names are still found here, loaded on first use (they import this package's
+manager, so importing them here at load would close a circle).
 """
+
+from typing import Any
 
 from shardkit.core.checkpoint.async_save import CheckpointSaveError
 from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata
@@ -20,8 +21,6 @@ from shardkit.core.checkpoint.manager import (
     CheckpointManager,
     IncompleteCheckpointError,
 )
-from shardkit.core.checkpoint.snapshot_format import SnapshotError
-from shardkit.core.checkpoint.snapshots import MemorySnapshots, ResumePoint
 from shardkit.core.checkpoint.state_dict_cache import StateDictCache
 
 __all__ = [
@@ -29,9 +28,17 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
-    "MemorySnapshots",
-    "ResumePoint",
-    "SnapshotError",
     "StateDictCache",
     "read_dcp_metadata",
 ]
+
+_MOVED_TO_SNAPSHOTS = ("MemorySnapshots", "ResumePoint", "SnapshotError")
+
+
+def __getattr__(name: str) -> Any:
+    # The names this package exported before memory snapshots got their own folder.
+    if name in _MOVED_TO_SNAPSHOTS:
+        from shardkit.core import snapshots
+
+        return getattr(snapshots, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,7 @@
 optimizer's own state dicts into DCP's form: every key a canonical FQN (wrappers' prefixes
 removed), the optimizer's parameter indices replaced by those FQNs. Finding the FQNs walks the
 module tree once per parameter, every call: about 5 ms for a 100-parameter model, more than
-the rest of a memory snapshot (``snapshots.py``) together. The names do not change from step
+the rest of a memory snapshot (``memory_snapshots.py``) together. The names do not change from step
 to step, so ``StateDictCache`` learns them once from torch's own answer and then asks only the
 module and the optimizer for their state dicts (their hooks run as always) and renames.
 

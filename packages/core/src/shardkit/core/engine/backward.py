@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.input_grads import InputGradsWatch, after_input_grads
-from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.schedule import StepDriver
 from shardkit.core.state_machines import TrainingState
 

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.forward_io import cast_floats, move_to
+from shardkit.core.engine.group.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.offthread import (
@@ -30,7 +31,6 @@ from shardkit.core.engine.offthread import (
     take_shards,
 )
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.step_ops import EngineOps

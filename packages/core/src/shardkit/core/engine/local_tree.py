@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from shardkit.core import observe
-from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.runtime.dtensors import has_post_accumulate_grad_hooks
 
 __all__ = ["enter_local_forward", "is_local_tree"]

@@ -14,9 +14,9 @@ import torch
 
 from shardkit.core import observe
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.schedule import AfterForward
 from shardkit.core.state_machines import TrainingState

@@ -19,7 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
-    from shardkit.core.engine.param_group import FSDPParamGroup
+    from shardkit.core.engine.group.param_group import FSDPParamGroup
 
 __all__ = [
     "check_backward_finished",

@@ -22,7 +22,7 @@ __all__ = ["Message", "transfer"]
 
 # The tags of these messages: the step's exchanges use 1 and 2 (collectives.py), whole objects
 # 3 (object_collectives.py). From 4 on, per pair of ranks and direction: a snapshot's header and
-# its data, then each log entry's (snapshot_log), posted together; gloo pairs messages by
+# its data, then each log entry's (gradient_log), posted together; gloo pairs messages by
 # sender and tag.
 _FIRST_TAG = 4
 

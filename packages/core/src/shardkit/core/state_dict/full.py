@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.state_registry import is_managed, states_under
 from shardkit.core.extensions import DataParallelSharding
 from shardkit.core.runtime.agreement import Outcome, agreed

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.core.engine.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import pack_grads_rank_major
 from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
 from shardkit.core.formats.file_readers import StateDictReader, open_reader

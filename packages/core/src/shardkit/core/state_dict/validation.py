@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.param_group import FSDPParamGroup
 from shardkit.core.runtime.dtensors import as_dtensor, make_dtensor
 
 __all__ = [

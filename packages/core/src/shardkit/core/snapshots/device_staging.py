@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES, checksums_of
-from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves
 from shardkit.core.runtime.device import can_pin_memory, is_accelerator
+from shardkit.core.snapshots.checksum import BLOCK_BYTES, checksums_of
+from shardkit.core.snapshots.contents import Layout, Leaves
 
 __all__ = ["CHUNK_BYTES", "DeviceStaging", "staging_device"]
 

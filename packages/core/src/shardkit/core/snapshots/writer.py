@@ -2,7 +2,7 @@
 
 After a step, the training thread copies the state's tensors into the next slot of the node's
 shared memory (a memory copy) and returns; an accelerator's state is staged on its device
-instead and moved to the slot by the background thread (``snapshot_staging``). A background
+instead and moved to the slot by the background thread (``device_staging``). A background
 thread then checksums the bytes (a GPU's share on several threads),
 writes the header, marks the slot complete, and replicates it: it sends the snapshot to this
 rank's peer on the next node while it receives its source's into a replica slot. Each rank's
@@ -29,19 +29,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_checksum import PARALLEL_BYTES, checksum_count, checksums_of
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
+from shardkit.core.runtime.peer_transfer import Message, transfer
+from shardkit.core.snapshots.checksum import PARALLEL_BYTES, checksum_count, checksums_of
+from shardkit.core.snapshots.contents import FitCheck, JSONValue, Layout, Leaves, SlotCopier
+from shardkit.core.snapshots.device_staging import DeviceStaging
+from shardkit.core.snapshots.format import (
     Header,
     SnapshotError,
     layout_json_of,
     peek_step,
 )
-from shardkit.core.checkpoint.snapshot_layout import FitCheck, JSONValue, Layout, Leaves, SlotCopier
-from shardkit.core.checkpoint.snapshot_log import GradientLog, LogEntry
-from shardkit.core.checkpoint.snapshot_slots import SlotFile, SnapshotDirectory, Topology
-from shardkit.core.checkpoint.snapshot_staging import DeviceStaging
-from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
-from shardkit.core.runtime.peer_transfer import Message, transfer
+from shardkit.core.snapshots.gradient_log import GradientLog, LogEntry
+from shardkit.core.snapshots.slots import SlotFile, SnapshotDirectory, Topology
 
 __all__ = ["Replication", "SnapshotWriter", "header_capacity"]
 
@@ -56,7 +56,7 @@ class Replication:
     source: int  # sends its snapshots here
     source_capacity: int  # the source's header capacity
     source_data_bytes: int  # and its data size
-    source_log_capacity: int = 0  # and its log entries' (snapshot_log), where it logs
+    source_log_capacity: int = 0  # and its log entries' (gradient_log), where it logs
     source_log_bytes: int = 0
 
 
@@ -128,7 +128,7 @@ class SnapshotWriter:
         ``staging_on``: the accelerator the state lives on (``staging_device``), if any.
         ``replicate_every``: replicate the snapshots of steps that are a multiple of it only;
         the newest replicated one stays in its own slot until the next (``_pinned``).
-        ``log``: the steps between two replicated ones send a log entry (``snapshot_log``);
+        ``log``: the steps between two replicated ones send a log entry (``gradient_log``);
         the source's go to ``replicate_every - 1`` slots, one for each such step.
         """
         self.topology, self.layout, self.replication = topology, layout, replication

@@ -14,7 +14,7 @@ all-gather input (borrowed from the pool), and the plans that move bytes between
 
 So the copies a group launches per unshard do not grow with the world size or, where the
 layouts line up, with its number of parameters. What they copy where is the group's plan
-(``group_plan.GroupPlan``), made again, whole, when the group lays itself out anew (a dtype
+(``plan.GroupPlan``), made again, whole, when the group lays itself out anew (a dtype
 change, all-gather hooks taken up): every method here is given it, and nothing here keeps a
 copy of it. See [Note: flat group buffers] and [Note: unsharded storage].
 """
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardkit.core.engine.group.plan import GroupPlan
+from shardkit.core.engine.group.unsharded import UnshardedBuffer
 from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.group_plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.unsharded import UnshardedBuffer
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 from shardkit.core.runtime.device import holds_no_memory, pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget

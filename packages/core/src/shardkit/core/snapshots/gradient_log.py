@@ -17,10 +17,10 @@ whose state is not a function of its gradients, a hook that changed what the log
 is refused by name, like a torn slot, and the ranks choose an older step. A killed process
 never replays: its own slots hold every step in full.
 
-An entry is a snapshot in the same format (``snapshot_format``): its layout lists the gradients
+An entry is a snapshot in the same format (``format``): its layout lists the gradients
 first (``log/grad/00000`` on, in the optimizer's parameter order, each as the parameter's local
 shard), then the carried tensors under their own keys; its plain values are the step's and the
-log's own, under ``log/``. Reading and replaying entries: ``snapshot_replay``. See [Note:
+log's own, under ``log/``. Reading and replaying entries: ``log_replay``. See [Note:
 memory snapshots].
 """
 
@@ -36,24 +36,24 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.checkpoint.snapshot_checksum import checksum_count, checksums_of
-from shardkit.core.checkpoint.snapshot_format import (
-    REGION_AT,
-    Header,
-    data_offset,
-    header_region,
-    layout_json_of,
-)
-from shardkit.core.checkpoint.snapshot_layout import (
+from shardkit.core.runtime.device import can_pin_memory, is_accelerator
+from shardkit.core.runtime.dtensors import local_of
+from shardkit.core.snapshots.checksum import checksum_count, checksums_of
+from shardkit.core.snapshots.contents import (
     JSONValue,
     Layout,
     Leaves,
     TensorEntry,
     dtype_named,
 )
-from shardkit.core.checkpoint.snapshot_slots import Topology
-from shardkit.core.runtime.device import can_pin_memory, is_accelerator
-from shardkit.core.runtime.dtensors import local_of
+from shardkit.core.snapshots.format import (
+    REGION_AT,
+    Header,
+    data_offset,
+    header_region,
+    layout_json_of,
+)
+from shardkit.core.snapshots.slots import Topology
 
 __all__ = ["GradientLog", "LogEntry", "LogPlan", "entry_capacity", "local_shard", "params_of"]
 

@@ -114,7 +114,7 @@ def test_a_lost_node_replays_its_replicas_log_to_the_newest_step(tmp_path: Path)
 
 
 def _tear_log_entry_of_step(root: str, step: int) -> None:
-    from shardkit.core.checkpoint.snapshot_format import STATE_AT, peek_step
+    from shardkit.core.snapshots.format import STATE_AT, peek_step
 
     for path in Path(f"{root}/node0").glob("log-of-rank00001.*"):
         raw = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
@@ -195,7 +195,7 @@ def test_the_log_needs_a_snapshot_every_step() -> None:
 def _train_staged(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """``_train`` with the host standing in for an accelerator: the state staged, and the
     gradients concatenated into a "device" buffer and moved by the background thread."""
-    from shardkit.core.checkpoint import snapshots as snapshots_module
+    from shardkit.core.snapshots import memory_snapshots as snapshots_module
 
     with pytest.MonkeyPatch.context() as patch:  # undone: the worker runs other tests after
         patch.setattr(snapshots_module, "staging_device", lambda *_: torch.device("cpu"))
@@ -216,7 +216,7 @@ def _rewrite_log_entry_of_step(root: str, step: int, change: str) -> None:
     import dataclasses
     import json
 
-    from shardkit.core.checkpoint.snapshot_format import (
+    from shardkit.core.snapshots.format import (
         REGION_AT,
         Expected,
         capacity_in,
@@ -299,8 +299,9 @@ _CUDA = pytest.param(
 def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: str) -> None:
     import json
 
-    from shardkit.core.checkpoint.snapshot_checksum import checksums_of
-    from shardkit.core.checkpoint.snapshot_format import (
+    from shardkit.core.snapshots.checksum import checksums_of
+    from shardkit.core.snapshots.contents import Layout, leaves_of, restore_into
+    from shardkit.core.snapshots.format import (
         REGION_AT,
         Expected,
         Header,
@@ -308,10 +309,9 @@ def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: s
         parse_region,
         region_bytes,
     )
-    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of, restore_into
-    from shardkit.core.checkpoint.snapshot_log import GradientLog, LogPlan
-    from shardkit.core.checkpoint.snapshot_replay import check_entry, reached, replay
-    from shardkit.core.checkpoint.snapshot_slots import Topology
+    from shardkit.core.snapshots.gradient_log import GradientLog, LogPlan
+    from shardkit.core.snapshots.log_replay import check_entry, reached, replay
+    from shardkit.core.snapshots.slots import Topology
 
     on = "cuda" if device == "cuda" else "cpu"
     torch.manual_seed(0)

@@ -15,9 +15,9 @@ from dataclasses import replace
 import torch
 
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.group.plan import GroupConfig, GroupPlan, plan_group
+from shardkit.core.engine.group.storage import GroupStorage
 from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.group_plan import GroupConfig, GroupPlan, plan_group
-from shardkit.core.engine.group_storage import GroupStorage
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.reduce import GroupReducer

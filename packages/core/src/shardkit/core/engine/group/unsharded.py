@@ -1,7 +1,7 @@
 """A group's unsharded flat buffer, and the full parameters that view it.
 
 The buffer's memory exists only between unshard and reshard: resharding frees it, and the
-next unshard re-allocates the same storage object and fills it (``group_storage`` copies the
+next unshard re-allocates the same storage object and fills it (``storage`` copies the
 gathered rows in, or on a shard axis of one rank the shards). See [Note: unsharded storage].
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardkit.core.engine.group_plan import GroupPlan
+from shardkit.core.engine.group.plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.lifetimes import check_release
 from shardkit.core.runtime.progress import SETTINGS

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from shardkit.core import MemorySnapshots
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.snapshots.contents import Layout, leaves_of
+from shardkit.core.snapshots.format import (
     JSON_AT,
     REGION_AT,
     Expected,
@@ -32,7 +33,6 @@ from shardkit.core.checkpoint.snapshot_format import (
     read_header,
     verify_data,
 )
-from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
 
 RUN = "test-run"
 

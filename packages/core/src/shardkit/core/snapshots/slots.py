@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.snapshots.format import (
     JSON_AT,
     MAGIC,
     REGION_AT,
@@ -161,7 +161,7 @@ class SnapshotDirectory:
         return self.root / f"replica-of-rank{owner:05d}.slot{slot}.snap"
 
     def log(self, owner: int, slot: int) -> Path:
-        """The file of a log entry of ``owner``'s in ``slot``, held here (``snapshot_log``)."""
+        """The file of a log entry of ``owner``'s in ``slot``, held here (``gradient_log``)."""
         return self.root / f"log-of-rank{owner:05d}.slot{slot}.snap"
 
     def own_files(self) -> Iterator[tuple[int, Path]]:

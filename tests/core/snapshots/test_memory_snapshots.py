@@ -123,7 +123,7 @@ def _restart_and_train_one_step(rank: int, world_size: int, root: str) -> dict[s
 
 
 def _steps_held(root: str, rank: int) -> list[int]:
-    from shardkit.core.checkpoint.snapshot_format import peek_step
+    from shardkit.core.snapshots.format import peek_step
 
     steps = []
     for path in sorted(Path(f"{root}/node{rank}").iterdir()):
@@ -253,7 +253,7 @@ def _holding_step6(paths: list[Path]) -> list[Path]:
 
 
 def test_a_snapshot_that_fails_its_checksum_is_refused(tmp_path: Path) -> None:
-    from shardkit.core.checkpoint.snapshot_format import capacity_in, data_offset
+    from shardkit.core.snapshots.format import capacity_in, data_offset
 
     at_five = run_on_ranks(2, _disk_at_five, root=str(tmp_path), step6="ours")[0]
     rank0s = [*tmp_path.glob("node0/rank00000.*"), *tmp_path.glob("node1/replica-of-*")]
@@ -271,7 +271,7 @@ def test_a_snapshot_of_the_previous_format_is_refused(tmp_path: Path) -> None:
     import json
     import struct
 
-    from shardkit.core.checkpoint.snapshot_format import (
+    from shardkit.core.snapshots.format import (
         JSON_AT,
         REGION_AT,
         capacity_in,
@@ -324,9 +324,9 @@ def test_a_snapshot_of_another_world_size_is_refused(tmp_path: Path) -> None:
 
 def _rank0_step6(rank: int, world_size: int, root: str) -> dict[str, Any] | None:
     """Rank 0's state at step 6, as its snapshot writer would copy it (rank 0 only)."""
-    from shardkit.core.checkpoint.snapshot_format import capacity_in
-    from shardkit.core.checkpoint.snapshot_layout import Layout, leaves_of
-    from shardkit.core.checkpoint.snapshot_slots import map_existing
+    from shardkit.core.snapshots.contents import Layout, leaves_of
+    from shardkit.core.snapshots.format import capacity_in
+    from shardkit.core.snapshots.slots import map_existing
 
     app = build_app(world_size)
     app.step = 5
@@ -352,7 +352,7 @@ def test_a_torn_snapshot_writer_killed_mid_copy_is_refused(tmp_path: Path) -> No
     leaves = tmp_path / "rank0_step6.pt"
     torch.save(rank0, leaves)
     # Rank 0's writer, SIGKILLed in the middle of copying step 6 into its slot.
-    command = [sys.executable, "-m", "tests.core.checkpoint.torn_writer", str(leaves), root, RUN]
+    command = [sys.executable, "-m", "tests.core.snapshots.torn_writer", str(leaves), root, RUN]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     refused = _expect_disk(tmp_path, at_five, "torn")
@@ -444,17 +444,18 @@ def test_a_staged_snapshot_summed_in_pieces_restores_its_own_step(
     through bounce buffers, summed on several threads. Each snapshot holds its step's
     values, not later ones, the optimizer's step counts included."""
     from shardkit.core import MemorySnapshots
-    from shardkit.core.checkpoint import snapshot_staging, snapshot_writer
-    from shardkit.core.checkpoint import snapshots as snapshots_module
-    from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES
+    from shardkit.core.snapshots import device_staging
+    from shardkit.core.snapshots import memory_snapshots as snapshots_module
+    from shardkit.core.snapshots import writer as writer_module
+    from shardkit.core.snapshots.checksum import BLOCK_BYTES
 
     pieces = 1 if device == "cpu-inline" else 3
     device = device.removesuffix("-inline")
     if device != "cuda":  # the host stands in for the device
         monkeypatch.setattr(snapshots_module, "staging_device", lambda *_: torch.device(device))
-    monkeypatch.setattr(snapshot_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
-    monkeypatch.setattr(snapshot_writer, "PARALLEL_BYTES", 0)
-    monkeypatch.setattr(snapshot_writer, "_cores_per_rank", lambda _: pieces)
+    monkeypatch.setattr(device_staging, "CHUNK_BYTES", 2 * BLOCK_BYTES)  # dozens of chunks
+    monkeypatch.setattr(writer_module, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(writer_module, "_cores_per_rank", lambda _: pieces)
     torch.manual_seed(0)
     on = "cuda" if device == "cuda" else "cpu"
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3)).to(on)
@@ -560,15 +561,15 @@ def _random_data(nbytes: int) -> torch.Tensor:
 def test_the_checksums_catch_a_changed_word_swapped_words_and_a_torn_write(
     nbytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardkit.core.checkpoint import snapshot_checksum
-    from shardkit.core.checkpoint.snapshot_checksum import (
+    from shardkit.core.snapshots import checksum
+    from shardkit.core.snapshots.checksum import (
         BLOCK_BYTES,
         checksum_count,
         checksums_of,
         first_mismatch,
     )
 
-    monkeypatch.setattr(snapshot_checksum, "PARALLEL_BYTES", 0)  # any size may be in pieces
+    monkeypatch.setattr(checksum, "PARALLEL_BYTES", 0)  # any size may be in pieces
     data = _random_data(nbytes)
     sums = checksums_of(data)
     assert len(sums) == 8 * checksum_count(nbytes)
@@ -597,7 +598,7 @@ def test_the_checksums_are_the_formats_sums_of_words_modulo_two_to_the_64(nbytes
     """The sums, computed the slow way with Python's integers: the format, whatever the code."""
     import struct
 
-    from shardkit.core.checkpoint.snapshot_checksum import BLOCK_BYTES, checksums_of
+    from shardkit.core.snapshots.checksum import BLOCK_BYTES, checksums_of
 
     data = _random_data(nbytes)  # words of every size: the sums wrap in most blocks
     words = [value for (value,) in struct.iter_unpack("<Q", bytes(data.numpy()))]
@@ -612,7 +613,7 @@ def test_the_checksums_are_the_formats_sums_of_words_modulo_two_to_the_64(nbytes
 
 def test_the_slot_copy_follows_tensors_changed_in_place_replaced_or_repointed() -> None:
     """One concatenation into the slot, its byte views kept between snapshots: never stale."""
-    from shardkit.core.checkpoint.snapshot_layout import Layout, SlotCopier, leaves_of
+    from shardkit.core.snapshots.contents import Layout, SlotCopier, leaves_of
 
     c = torch.tensor(7, dtype=torch.int64)  # a 0-dim tensor, as an optimizer's step
     state: dict[str, Any] = {
@@ -651,7 +652,7 @@ def test_the_slot_copy_follows_tensors_changed_in_place_replaced_or_repointed() 
 
 
 def test_the_checksums_refuse_data_that_is_not_whole_words() -> None:
-    from shardkit.core.checkpoint.snapshot_checksum import checksums_of
+    from shardkit.core.snapshots.checksum import checksums_of
 
     with pytest.raises(ValueError, match="8-byte words"):
         checksums_of(torch.zeros(12, dtype=torch.uint8))
@@ -667,9 +668,9 @@ def test_the_summing_threads_are_this_ranks_share_of_its_cores(
     """The node's cores over its ranks; a process bound to fewer cores has those; at most 8."""
     import os
 
-    from shardkit.core.checkpoint import snapshot_writer
-    from shardkit.core.checkpoint.snapshot_slots import Topology
+    from shardkit.core.snapshots import writer
+    from shardkit.core.snapshots.slots import Topology
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(allowed)))
-    assert snapshot_writer._cores_per_rank(Topology(RUN, 0, 16, per_node)) == threads
+    assert writer._cores_per_rank(Topology(RUN, 0, 16, per_node)) == threads

@@ -1,8 +1,8 @@
 """A memory snapshot's writer killed in the middle of its copy: what a torn snapshot is.
 
-Run by tests/core/checkpoint/test_memory_snapshots.py in a process of its own:
+Run by tests/core/snapshots/test_memory_snapshots.py in a process of its own:
 
-    python -m tests.core.checkpoint.torn_writer LEAVES ROOT RUN_ID
+    python -m tests.core.snapshots.torn_writer LEAVES ROOT RUN_ID
 
 LEAVES holds rank 0's state at step 6 as its writer copies it (tensors, plain values, layout,
 the slot's header capacity). The real writer (``SnapshotWriter``) copies it into rank 0's next
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves
-from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology
-from shardkit.core.checkpoint.snapshot_writer import SnapshotWriter
+from shardkit.core.snapshots.contents import Layout, Leaves
+from shardkit.core.snapshots.slots import SnapshotDirectory, Topology
+from shardkit.core.snapshots.writer import SnapshotWriter
 
 
 class KillOnCopy(torch.Tensor):

@@ -6,7 +6,7 @@ subgroup only (fewer bytes and hops, e.g. within a node), at the cost of W/n tim
 sharded memory between forward and backward.
 
 :class:`PostForwardPlan` is the pure part, planned with the rest of the group
-(``group_plan``); the slices themselves are a buffer the group holds from its
+(``plan``); the slices themselves are a buffer the group holds from its
 ``reshard_post_forward`` to the backward all-gather.
 """
 

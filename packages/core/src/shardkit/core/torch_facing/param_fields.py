@@ -30,8 +30,8 @@ from shardkit.core.state_machines import ShardedState
 from shardkit.core.torch_release import REDUCES_IN_PARAM_DTYPE
 
 if TYPE_CHECKING:
+    from shardkit.core.engine.group.param_group import FSDPParamGroup
     from shardkit.core.engine.param import FSDPParam
-    from shardkit.core.engine.param_group import FSDPParamGroup
 
 __all__ = ["TorchParamFields", "torch_param_order", "torch_sharded_state"]
 

@@ -20,9 +20,9 @@ from torch import nn
 
 from shardkit.core.engine.buffer_layout import GroupLayout, group_layout
 from shardkit.core.engine.gather_hooks import GroupHooks
+from shardkit.core.engine.group.post_forward import PostForwardPlan
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.engine.post_forward import PostForwardPlan
 from shardkit.core.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.core.runtime.buffers import one_copy_numel
 

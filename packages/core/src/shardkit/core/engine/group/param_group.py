@@ -3,7 +3,7 @@
 unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
 backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
 Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
-Its re-planning when the parameters change under it is ``group_upkeep.GroupUpkeep``'s.
+Its re-planning when the parameters change under it is ``upkeep.GroupUpkeep``'s.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from shardkit.core import observe
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.group.plan import GroupConfig, plan_group
+from shardkit.core.engine.group.storage import GroupStorage
+from shardkit.core.engine.group.upkeep import GroupUpkeep
 from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.group_plan import GroupConfig, plan_group
-from shardkit.core.engine.group_storage import GroupStorage
-from shardkit.core.engine.group_upkeep import GroupUpkeep
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.profiler_ranges import fsdp_range

@@ -1,9 +1,9 @@
 """Surveying memory snapshots: what each rank holds, checked, and the step every rank can have.
 
 Each rank reads the snapshots it holds (its own slots, the replicas of its source's, and the
-log entries that follow them: ``snapshot_log``), each checked up to its data's checksums
-(``snapshot_format.read_header``); one that fails a check is refused, by name. From every
-rank's survey (gathered by ``snapshot_restore``), every rank computes the same holdings and the
+log entries that follow them: ``gradient_log``), each checked up to its data's checksums
+(``format.read_header``); one that fails a check is refused, by name. From every
+rank's survey (gathered by ``restore``), every rank computes the same holdings and the
 same choice: the newest step for which every rank has a snapshot, its own or one its peer holds
 (own preferred, then a replica, then a replica and the fewest log entries after it).
 """
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.snapshots.contents import Layout
+from shardkit.core.snapshots.format import (
     Expected,
     Header,
     SnapshotRefusal,
@@ -28,9 +29,8 @@ from shardkit.core.checkpoint.snapshot_format import (
     region_bytes,
     summary,
 )
-from shardkit.core.checkpoint.snapshot_layout import Layout
-from shardkit.core.checkpoint.snapshot_log import BASE, UNUSABLE
-from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, map_existing
+from shardkit.core.snapshots.gradient_log import BASE, UNUSABLE
+from shardkit.core.snapshots.slots import SnapshotDirectory, Topology, map_existing
 
 __all__ = ["Holding", "Link", "choose", "evaluate", "holds_files", "mapped", "survey"]
 
@@ -63,7 +63,7 @@ class Holding:
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """A log entry of a chain (``snapshot_log``): its slot, step and sizes."""
+    """A log entry of a chain (``gradient_log``): its slot, step and sizes."""
 
     slot: int
     step: int

@@ -1,7 +1,7 @@
 """Restoring from memory snapshots: the newest step every rank holds, agreed before any write.
 
 1. **Survey** (each rank): the snapshots it holds, its own, the replicas of its source's and
-   their log entries, each checked up to its data's checksums (``snapshot_survey``); a
+   their log entries, each checked up to its data's checksums (``survey``); a
    snapshot that fails a check is refused, by name.
 2. **Agree** (one all-gather): every rank gets every rank's survey and computes the same
    choice from it: the newest step for which every rank has a snapshot, its own or one held
@@ -13,7 +13,7 @@
    it received) against their checksums and its state's layout. If any rank's check fails,
    that snapshot is refused on every rank and the choice is made again without it.
 5. **Load**: only now does any rank write into its state, in place, as DCP loads. A rank with
-   log entries replays them (``snapshot_log``) and checks the state it reached against its
+   log entries replays them (``gradient_log``) and checks the state it reached against its
    step's checksums (one all-gather); a replay that does not reproduce its step is refused
    on every rank, and the choice is made again (the ranks then load an older step over it).
 
@@ -33,7 +33,11 @@ from typing import Any
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.runtime.agreement import Outcome, everyone, raise_shared
+from shardkit.core.runtime.groups import is_distributed
+from shardkit.core.runtime.peer_transfer import Message, transfer
+from shardkit.core.snapshots.contents import JSONValue, Layout, leaves_of, restore_into
+from shardkit.core.snapshots.format import (
     REGION_AT,
     Expected,
     Header,
@@ -46,11 +50,10 @@ from shardkit.core.checkpoint.snapshot_format import (
     read_header,
     verify_data,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, leaves_of, restore_into
-from shardkit.core.checkpoint.snapshot_log import BASE, GradientLog
-from shardkit.core.checkpoint.snapshot_replay import check_entry, reached, replay
-from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, map_existing
-from shardkit.core.checkpoint.snapshot_survey import (
+from shardkit.core.snapshots.gradient_log import BASE, GradientLog
+from shardkit.core.snapshots.log_replay import check_entry, reached, replay
+from shardkit.core.snapshots.slots import SnapshotDirectory, Topology, map_existing
+from shardkit.core.snapshots.survey import (
     Holding,
     choose,
     evaluate,
@@ -58,9 +61,6 @@ from shardkit.core.checkpoint.snapshot_survey import (
     mapped,
     survey,
 )
-from shardkit.core.runtime.agreement import Outcome, everyone, raise_shared
-from shardkit.core.runtime.groups import is_distributed
-from shardkit.core.runtime.peer_transfer import Message, transfer
 
 __all__ = ["Holding", "Restored", "gathered", "restore"]
 

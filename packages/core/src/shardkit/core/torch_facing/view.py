@@ -26,8 +26,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_common as _torch_common
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
 from shardkit.core.state_machines import ShardedState
-from shardkit.core.torch_mesh_info import as_torch_mesh_info, is_torch_mesh_info
-from shardkit.core.torch_param_fields import (
+from shardkit.core.torch_facing.mesh_infos import as_torch_mesh_info, is_torch_mesh_info
+from shardkit.core.torch_facing.param_fields import (
     TorchParamFields,
     torch_param_order,
     torch_sharded_state,
@@ -35,8 +35,8 @@ from shardkit.core.torch_param_fields import (
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
+    from shardkit.core.engine.group.param_group import FSDPParamGroup
     from shardkit.core.engine.param import FSDPParam
-    from shardkit.core.engine.param_group import FSDPParamGroup
 
 __all__ = [
     "TorchFacingGroup",
@@ -83,7 +83,7 @@ class _Strict:
 class TorchFacingParam(_Strict, TorchParamFields):
     """A managed parameter as torch's ``FSDPParam`` is read.
 
-    Its name, mesh, sizes and dtypes (torch_param_fields.py), its grad_dtype policy, its
+    Its name, mesh, sizes and dtypes (param_fields.py), its grad_dtype policy, its
     sharded and full parameters.
     """
 
@@ -160,7 +160,7 @@ class TorchFacingGroup(_Strict):
 
     @property
     def mesh_info(self) -> Any:
-        """Torch's mesh-info object of the group's mesh, one per group (torch_mesh_info.py)."""
+        """Torch's mesh-info object of the group's mesh, one per group (mesh_infos.py)."""
         info = self._torch_mesh_info
         if info is None:
             info = self._torch_mesh_info = as_torch_mesh_info(self._group.mesh_info)

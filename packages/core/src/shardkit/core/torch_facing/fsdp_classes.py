@@ -26,7 +26,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
     FullyShardedDataParallel as _TorchFSDP1,
 )
 
-from shardkit.core.torch_view import TorchFacingState, view_of
+from shardkit.core.torch_facing.view import TorchFacingState, view_of
 
 try:  # torch 2.13 on: shard_placement_fn may return a mesh of its own
     from torch.distributed.fsdp._fully_shard._fsdp_common import (

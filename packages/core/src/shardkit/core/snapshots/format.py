@@ -10,7 +10,7 @@ peer::
     24  8 bytes   the JSON's capacity                |
     32  JSON      run id, world size, rank, step,   /
                   the layout, the data's checksums (two sums per 16 KiB block:
-                  ``snapshot_checksum``, as hex), the plain values
+                  ``checksum``, as hex), the plain values
     data_offset   the data: each tensor's bytes where the layout puts it (4096-aligned start)
 
 A writer marks the snapshot incomplete before it touches the data, and complete after the
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from shardkit.core.checkpoint.snapshot_checksum import (
+from shardkit.core.snapshots.checksum import (
     BLOCK_BYTES,
     checksum_count,
     first_mismatch,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSON_LEAVES, JSONValue, Layout, whole_number
+from shardkit.core.snapshots.contents import JSON_LEAVES, JSONValue, Layout, whole_number
 
 __all__ = [
     "Expected",
@@ -92,7 +92,7 @@ class SnapshotRefusal(enum.Enum):
     OTHER_RANK = "another rank"
     """It holds another rank's state than its name says."""
     UNREPLAYABLE = "not replayable"
-    """A log entry whose replay cannot give its step (``snapshot_log``), or did not."""
+    """A log entry whose replay cannot give its step (``gradient_log``), or did not."""
     UNREADABLE = "unreadable"
     """Not a snapshot of this format: too short, a foreign magic, a header that is not JSON."""
 
@@ -118,7 +118,7 @@ class Header:
     rank: int  # whose state it is
     step: int
     layout: Layout
-    checksums: bytes  # two 8-byte sums per block of the data (snapshot_checksum)
+    checksums: bytes  # two 8-byte sums per block of the data (checksum)
     values: dict[str, JSONValue]
 
     def to_json(self, layout_json: str | None = None) -> bytes:

@@ -1,11 +1,11 @@
 """Replaying the gradient log: a lost node's rank from its newest replica to the newest step.
 
 A rank whose node's memory is gone restores the newest full replica its peer holds (step b)
-and the log entries of steps b+1..k after it (``snapshot_log``). ``check_entry`` refuses an
+and the log entries of steps b+1..k after it (``gradient_log``). ``check_entry`` refuses an
 entry it could not replay into its live state before anything is written; ``replay`` runs the
 live optimizer once per entry (the logged gradients and group values set); ``reached`` lays
 the state it reached out as step k's full snapshot and checks it against the checksums the
-writer recorded for step k, all of it. ``snapshot_restore`` calls them between its agreements.
+writer recorded for step k, all of it. ``restore`` calls them between its agreements.
 See [Note: memory snapshots].
 """
 
@@ -16,15 +16,16 @@ import json
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.checkpoint.snapshot_checksum import checksum_count
-from shardkit.core.checkpoint.snapshot_format import (
+from shardkit.core.runtime.dtensors import dtensor_like
+from shardkit.core.snapshots.checksum import checksum_count
+from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves, SlotCopier
+from shardkit.core.snapshots.format import (
     Header,
     SnapshotRefusal,
     SnapshotRefused,
     verify_data,
 )
-from shardkit.core.checkpoint.snapshot_layout import JSONValue, Layout, Leaves, SlotCopier
-from shardkit.core.checkpoint.snapshot_log import (
+from shardkit.core.snapshots.gradient_log import (
     FULL_SUMS,
     GRAD,
     GROUPS,
@@ -35,7 +36,6 @@ from shardkit.core.checkpoint.snapshot_log import (
     GradientLog,
     local_shard,
 )
-from shardkit.core.runtime.dtensors import dtensor_like
 
 __all__ = ["check_entry", "reached", "replay"]
 

@@ -6,9 +6,9 @@ thread replicates each snapshot to the same local rank on the next node. When ``
 --max-restarts`` starts the workers again, ``resume`` restores the newest step that every rank
 holds, its own copy or its peer's replica, with no read from storage; without one it falls
 back to the newest disk checkpoint of a ``CheckpointManager``. A kill costs the step in
-flight, not a checkpoint interval. The pieces: ``snapshot_layout`` (what a snapshot holds),
-``snapshot_format`` (its bytes and checks), ``snapshot_slots`` (the files),
-``snapshot_writer`` (copy, checksum, replicate), ``snapshot_restore`` (the agreed restore).
+flight, not a checkpoint interval. The pieces: ``contents`` (what a snapshot holds),
+``format`` (its bytes and checks), ``slots`` (the files),
+``writer`` (copy, checksum, replicate), ``restore`` (the agreed restore).
 See [Note: memory snapshots] in ``docs/notes/021-memory-snapshots.md``.
 """
 
@@ -28,14 +28,14 @@ from typing import Any, Literal
 import torch
 
 from shardkit.core.checkpoint.manager import CheckpointManager
-from shardkit.core.checkpoint.snapshot_layout import Layout, Leaves, leaves_of
-from shardkit.core.checkpoint.snapshot_log import GradientLog, LogPlan
-from shardkit.core.checkpoint.snapshot_restore import Restored, gathered, restore
-from shardkit.core.checkpoint.snapshot_slots import SnapshotDirectory, Topology, default_directory
-from shardkit.core.checkpoint.snapshot_staging import staging_device
-from shardkit.core.checkpoint.snapshot_writer import Replication, SnapshotWriter, header_capacity
 from shardkit.core.runtime.agreement import from_rank, raise_shared
 from shardkit.core.runtime.groups import global_rank, is_distributed, snapshot_group, world_size
+from shardkit.core.snapshots.contents import Layout, Leaves, leaves_of
+from shardkit.core.snapshots.device_staging import staging_device
+from shardkit.core.snapshots.gradient_log import GradientLog, LogPlan
+from shardkit.core.snapshots.restore import Restored, gathered, restore
+from shardkit.core.snapshots.slots import SnapshotDirectory, Topology, default_directory
+from shardkit.core.snapshots.writer import Replication, SnapshotWriter, header_capacity
 
 __all__ = ["MemorySnapshots", "ResumePoint"]
 
@@ -92,7 +92,7 @@ class MemorySnapshots:
         optimizer: with ``replicate_every`` above ``every`` (which must be 1), the steps
             between two replicated ones send the peer a log entry instead of nothing: the
             gradients this optimizer consumed (taken by a step pre-hook), its groups' values,
-            and the tensors it does not produce (``snapshot_log``). A lost node's ranks then
+            and the tensors it does not produce (``gradient_log``). A lost node's ranks then
             replay from the newest replicated step with this optimizer, so a lost node also
             costs at most one step, for about a third of the bytes of replicating every step
             (fp32 AdamW). The optimizer must be the one the state's optimizer state is of,
@@ -195,7 +195,7 @@ class MemorySnapshots:
         """Restore ``state`` from the newest step every rank holds, at least ``not_before``.
 
         Collective. Every snapshot is checked before it is trusted, and the ranks agree on the
-        step before any rank writes (see ``snapshot_restore``); refusals are logged on every
+        step before any rank writes (see ``restore``); refusals are logged on every
         rank. ``Restored.step`` is None, and the state untouched, if none fits.
         """
         if self._writer is not None:
