@@ -25,7 +25,7 @@ Usage (torch's FSDP, then shardkit's through the launcher; the arguments are tor
     torchrun --nproc-per-node 2 -m shardkit.core.run demo/torchtitan_cpu.py --module llama3 \
         --config llama3_debugmodel ...
 
-See docs/guides/torchtitan.md for the flags of a short CPU run and the losses measured.
+See docs/guide/torchtitan.md for the flags of a short CPU run and the losses measured.
 """
 
 from __future__ import annotations

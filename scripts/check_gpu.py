@@ -141,11 +141,11 @@ def _meta(device: str) -> dict[str, Any]:
 def run_chunks(names: list[str], *, budget: float, device: str, smoke: bool = False) -> int:
     """Run the chunks ``names`` and print the table; the exit status (1: a check failed)."""
     import torch
-    from scripts import gpu_chunks
+    from scripts import gpu_chunks, gpu_runner
 
     known = gpu_chunks.smoke_chunks() if smoke else gpu_chunks.chunks()
     gpus = torch.cuda.device_count() if device == "cuda" else 1
-    runner = gpu_chunks.Runner(
+    runner = gpu_runner.Runner(
         env=os.environ.copy(), deadline=time.monotonic() + budget, gpus=gpus, device=device
     )
     folder, meta = _out_dir(), _meta(device)
@@ -154,11 +154,11 @@ def run_chunks(names: list[str], *, budget: float, device: str, smoke: bool = Fa
         chunk = known[name]
         if runner.left() < chunk.seconds:
             why = f"not started: about {chunk.seconds} s needed, {runner.left():.0f} s left"
-            skipped = gpu_chunks.Row(chunk=name, check="-", status="skip", detail=why)
-            rows.append(gpu_chunks.row_dict(skipped))
+            skipped = gpu_runner.Row(chunk=name, check="-", status="skip", detail=why)
+            rows.append(gpu_runner.row_dict(skipped))
         else:
             print(f"[check_gpu] {name} (about {chunk.seconds} s)", flush=True)
-            rows += [gpu_chunks.row_dict(row) for row in chunk.run(runner)]
+            rows += [gpu_runner.row_dict(row) for row in chunk.run(runner)]
         results = {"meta": meta, "rows": rows, "records": runner.records}
         results["crashes_retried"] = runner.crashes_retried
         (folder / "results.json").write_text(json.dumps(results, indent=1))

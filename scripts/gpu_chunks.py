@@ -8,20 +8,18 @@ picks the chunks, runs them and prints the table.
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.core.interop import (  # noqa: E402  (after the path)
+from scripts.gpu_runner import Row, Runner  # noqa: E402  (after the path)
+from scripts.gpu_snapshot_chunk import memory_snapshots  # noqa: E402
+from tests.core.interop import (  # noqa: E402
     cuda_mem_tracker_run,
     cuda_offload_race,
     cuda_parity,
@@ -29,88 +27,8 @@ from tests.core.interop import (  # noqa: E402  (after the path)
 from tests.tools import cuda_tools_run  # noqa: E402
 
 GIB = 2**30
-# A crash signal in an error: torchrun's report of a process ("exitcode  : -11"), or a
-# command's own negative exit status ("exit -6").
-_CRASH = re.compile(r"exitcode\s*:\s*-\d+|^exit -\d+", re.MULTILINE)
 H100_BYTES = 80 * 10**9  # an 80 GB H100 (what the scale points must fit)
 STEP_TARGET, PEAK_TARGET = 0.95, 1.0  # issue 31: at most 0.95 of torch's step, its peak
-
-
-@dataclass(kw_only=True, slots=True)
-class Row:
-    """One line of the table."""
-
-    chunk: str
-    check: str
-    status: str  # pass, fail (a check failed), miss (a target missed), error, skip
-    figures: str = ""
-    seconds: float = 0.0
-    detail: str = ""  # why it failed: an error's tail, the problems found
-
-
-@dataclass(kw_only=True, slots=True)
-class Runner:
-    """Runs one invocation's commands inside its time budget."""
-
-    env: dict[str, str]
-    deadline: float  # time.monotonic() by which everything must have finished
-    gpus: int
-    device: str = "cuda"
-    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    crashes_retried: list[str] = field(default_factory=list)
-    """Each command that a crash signal killed, then ran once more (as the test harness does:
-    a rare crash in torch's gloo threads must not hide the rest of the run), with its error."""
-
-    def left(self) -> float:
-        """Seconds left of the budget."""
-        return self.deadline - time.monotonic()
-
-    def run(self, label: str, cmd: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
-        """The JSON lines ``cmd`` printed, and an error ('' if none): a failure, a timeout.
-
-        A command killed by a crash signal (a process of torchrun's, or the command itself)
-        runs once more; the first run's records are dropped and its error is kept.
-        """
-        kept = len(self.records.get(label, []))
-        records, error = self._run_once(label, cmd, timeout)
-        if error and _CRASH.search(error):
-            self.crashes_retried.append(f"{label}: {error[-1500:]}")
-            del self.records.setdefault(label, [])[kept:]
-            records, error = self._run_once(label, cmd, timeout)
-        return records, error
-
-    def _run_once(
-        self, label: str, cmd: list[str], timeout: float
-    ) -> tuple[list[dict[str, Any]], str]:
-        limit = min(timeout, self.left())
-        if limit < 10:
-            return [], "not run: the time budget is spent"
-        try:
-            done = subprocess.run(
-                cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=limit
-            )
-        except subprocess.TimeoutExpired as expired:
-            # What it printed before the limit still counts (parity prints case by case).
-            records = self._keep(label, _text(expired.stdout))
-            return records, f"timed out after {limit:.0f} s\n{_text(expired.stderr)[-1500:]}"
-        records = self._keep(label, done.stdout)
-        if done.returncode != 0:
-            return records, f"exit {done.returncode}\n{done.stderr[-3000:]}"
-        return records, ""
-
-    def _keep(self, label: str, stdout: str) -> list[dict[str, Any]]:
-        records = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
-        self.records.setdefault(label, []).extend(records)
-        return records
-
-    def torchrun(self, nproc: int, script: str, *args: str) -> list[str]:
-        """A torchrun command line for ``nproc`` processes on this machine."""
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        return [*head, f"--nproc-per-node={nproc}", script, *args]
-
-
-def _text(output: str | bytes | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _timed(chunk: str, fn: Callable[[Runner], list[Row]]) -> Callable[[Runner], list[Row]]:
@@ -429,8 +347,6 @@ FLOAT8_SMOKE_POINTS = (("fake-tiny", 1), ("fake-tiny", 8))
 
 def smoke_chunks() -> dict[str, Chunk]:
     """``--cpu-smoke``: the fake-group scale code on a CPU, with a tiny model."""
-    from scripts.gpu_snapshot_chunk import memory_snapshots  # it imports this module
-
     float8 = scale_smoke(FLOAT8_SMOKE_POINTS, float8=True)
     precision = reduce_precision("cpu", (4096,))
     # With the gradient log: the same script, and the log's arguments and capture as well.
@@ -445,8 +361,6 @@ def smoke_chunks() -> dict[str, Chunk]:
 
 def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chunk]:
     """Every chunk, by name; ``points`` are the fake-group scale points (size, world)."""
-    from scripts.gpu_snapshot_chunk import memory_snapshots  # it imports this module
-
     table = {
         "parity": Chunk(parity, 60),
         "compile": Chunk(compile_, 200),
@@ -476,8 +390,3 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     table["memory-snapshots-host-log"] = Chunk(log, 60)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}
-
-
-def row_dict(row: Row) -> dict[str, Any]:
-    """A row as JSON."""
-    return asdict(row)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from scripts.gpu_chunks import Row, Runner
+from scripts.gpu_runner import Row, Runner
 
 __all__ = ["SNAPSHOT_TARGET", "memory_snapshots"]
 

@@ -1,9 +1,10 @@
-"""The core's import graph at load time: which of its modules each module imports as it loads.
+"""A package's import graph at load time: which of its modules each module imports as it loads.
 
 Imports under ``if TYPE_CHECKING:`` are left out (they never run), and so are imports inside
 functions (they run later); ``from package import name`` counts as importing the submodule
 ``package.name`` where there is one, else the package itself (whose ``__init__`` runs first).
-Shared by the structure tests: no import cycle, no arrow from a published seam into the engine.
+Shared by the structure tests: no import cycle (the core, the tools, scripts/), no arrow from a
+published seam into the engine.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-__all__ = ["CORE", "import_graph"]
+__all__ = ["CORE", "REPO", "SCRIPTS", "TOOLS", "import_graph"]
 
-CORE = Path(__file__).resolve().parents[1] / "packages" / "core" / "src" / "shardkit" / "core"
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "packages" / "core" / "src" / "shardkit" / "core"
+TOOLS = REPO / "packages" / "tools" / "src" / "shardkit" / "tools"
+SCRIPTS = REPO / "scripts"  # imported as ``scripts.<name>`` from the repository root
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(CORE.parents[1]).with_suffix("").parts)
+def _module_name(path: Path, top: Path) -> str:
+    parts = list(path.relative_to(top).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -35,9 +39,15 @@ def _load_time_imports(tree: ast.Module, modules: set[str]) -> set[str]:
     return found & modules
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Each module of the package at ``root`` and the package's modules it imports at load."""
-    paths = {_module_name(p): p for p in root.rglob("*.py")}
+def import_graph(root: Path, top: Path | None = None) -> dict[str, set[str]]:
+    """Each module of the package at ``root`` and the package's modules it imports at load.
+
+    ``top`` is the folder the dotted names start from: by default two above ``root``, the
+    ``src/`` of a ``src/shardkit/<package>`` layout (``shardkit.core.engine``); the repository
+    root for ``scripts/`` (``scripts.gpu_chunks``).
+    """
+    top = root.parents[1] if top is None else top
+    paths = {_module_name(p, top): p for p in root.rglob("*.py")}
     names = set(paths)
     return {
         name: _load_time_imports(ast.parse(path.read_text()), names) - {name}

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from scripts.check_gpu import select, table
-from scripts.gpu_chunks import Runner
+from scripts.gpu_runner import Runner
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "scripts" / "check_gpu.py")
@@ -156,7 +156,8 @@ def test_the_host_snapshot_chunk_is_judged_and_the_smoke_run_is_not(
 def test_a_gpu_scale_row_says_whether_the_allocator_retried() -> None:
     import time
 
-    from scripts.gpu_chunks import Runner, _scale_row
+    from scripts.gpu_chunks import _scale_row
+    from scripts.gpu_runner import Runner
 
     runner = Runner(env={}, deadline=time.monotonic() + 60, gpus=1, device="cuda")
     found = {

@@ -160,6 +160,7 @@ EXPECTED = {
         "PhaseSpan",
         "Plan",
         "PlanOptions",
+        "PlannedGroup",
         "Profiler",
         "RankReport",
         "StepComm",

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from shardkit.core.formats import file_formats
+from shardkit.core.formats import file_writers
 from shardkit.legacy.convert.cli import main
 from tests.core.full_disk import full_disk_open
 from tests.legacy.convert_support import (
@@ -240,7 +240,7 @@ def test_a_full_disk_leaves_nothing_and_says_so_in_one_line(
     room: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = _small_full(tmp_path)
-    monkeypatch.setattr(file_formats, "open", full_disk_open(room), raising=False)
+    monkeypatch.setattr(file_writers, "open", full_disk_open(room), raising=False)
     out = tmp_path / "out"
     out.mkdir()
     target = out / "model.safetensors"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardkit.core import write_state_dict_file
-from shardkit.core.formats import file_formats
+from shardkit.core.formats import file_writers
 from tests.core.full_disk import full_disk_open
 
 FORMATS = ["model.safetensors", "model.pt"]
@@ -119,7 +119,7 @@ def test_a_full_disk_leaves_no_partial_file_and_names_the_file(
 ) -> None:
     # The safetensors writer fails at its header (opened outside the cleanup, it once left
     # model.safetensors.partial behind) or in the middle; the write's OSError names no file.
-    monkeypatch.setattr(file_formats, "open", full_disk_open(room), raising=False)
+    monkeypatch.setattr(file_writers, "open", full_disk_open(room), raising=False)
     target = tmp_path / "model.safetensors"
     values = _values()
     with pytest.raises(OSError, match=f"No space left on device: '{target}'") as raised:
@@ -134,7 +134,7 @@ def test_a_full_disk_in_torch_format_leaves_no_partial_file(
     def no_space(self: object, name: str, tensor: torch.Tensor) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(file_formats.TorchSaveWriter, "write", no_space)
+    monkeypatch.setattr(file_writers.TorchSaveWriter, "write", no_space)
     target = tmp_path / "model.pt"
     values = _values()
     with pytest.raises(OSError, match=f"No space left on device: '{target}'"):

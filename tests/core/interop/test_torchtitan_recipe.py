@@ -1,4 +1,4 @@
-"""torchtitan's recipe (docs/guides/torchtitan.md): its trainer on CPU, shardkit's losses torch's.
+"""torchtitan's recipe (docs/guide/torchtitan.md): its trainer on CPU, shardkit's losses torch's.
 
 Runs only where torchtitan is importable (0.3.0 was used; the guide says how to install it
 beside the pinned torch). The training comparison also needs torchtitan's tokenizer files
@@ -28,7 +28,7 @@ LAUNCHER = REPO / "demo" / "torchtitan_cpu.py"
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None or importlib.util.find_spec("triton") is None,
     reason="torchtitan (0.3.0, --no-deps) and triton, which it imports on every run, are not "
-    "both importable (docs/guides/torchtitan.md says how to install them)",
+    "both importable (docs/guide/torchtitan.md says how to install them)",
 )
 
 
@@ -112,7 +112,7 @@ def _pp(degree: int, schedule: str, *more: str) -> tuple[str, ...]:
 
 
 # torchtitan 0.3.0's integration tests of these names (tests/integration_tests/features.py),
-# with 4 microbatches per step. See docs/guides/torchtitan.md.
+# with 4 microbatches per step. See docs/guide/torchtitan.md.
 TITAN_LAYOUTS = {
     "pp_1f1b": _Run(
         local_batch=4, flags=_pp(2, "1F1B", "--parallelism.data_parallel_shard_degree", "1")
@@ -139,7 +139,7 @@ def _deepseek_ep(ranks: int, *degrees: str) -> _Run:
 # Expert parallelism: the experts go on their own (efsdp) mesh through torch's
 # ShardPlacementResult. deepseek_v3_hsdp+ep is torchtitan 0.3.0's integration test of that name
 # (tests/integration_tests/models.py); the other two have its flags with other data-parallel
-# degrees: efsdp 1 (dp 2) and efsdp 2 (dp 4). See docs/guides/torchtitan.md.
+# degrees: efsdp 1 (dp 2) and efsdp 2 (dp 4). See docs/guide/torchtitan.md.
 TITAN_EP_LAYOUTS = {
     "deepseek_v3_fsdp+ep": _deepseek_ep(2),
     "deepseek_v3_hsdp+ep": _deepseek_ep(

@@ -67,10 +67,10 @@ def _full_disk_body(
 ) -> dict[str, Any]:
     """Rank 0's disk fills up after ``writes_before`` tensors; then every rank saves again."""
     from shardkit.core import save_full_state_dict
-    from shardkit.core.formats import file_formats
+    from shardkit.core.formats import file_writers
 
     model = _sharded(world_size)
-    cls = getattr(file_formats, WRITERS[Path(path).name])
+    cls = getattr(file_writers, WRITERS[Path(path).name])
     full_disk = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     error, message = _outcome_with_failures(
         rank,

@@ -28,6 +28,7 @@ from shardkit.tools.plan.records import (
     GroupPlan,
     MemoryPlan,
     MemoryPoint,
+    PlannedGroup,
 )
 from shardkit.tools.records import (
     AxisComm,
@@ -72,6 +73,7 @@ __all__ = [
     "PhaseSpan",
     "Plan",
     "PlanOptions",
+    "PlannedGroup",
     "Profiler",
     "RankReport",
     "StepComm",

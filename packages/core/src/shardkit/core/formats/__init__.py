@@ -4,7 +4,7 @@ Nothing here knows of process groups or parameter groups: these modules turn ten
 files and files into tensors, so ``state_dict/`` (what walks the engine's groups) and
 converters outside the engine share one implementation.
 
-- :mod:`~shardkit.core.formats.file_formats`: writing safetensors and torch.save's format;
+- :mod:`~shardkit.core.formats.file_writers`: writing safetensors and torch.save's format;
 - :mod:`~shardkit.core.formats.file_readers`: reading them, the whole file checked first;
 - :mod:`~shardkit.core.formats.safetensors_explain`: where a refused safetensors file is wrong;
 - :mod:`~shardkit.core.formats.stream_file`: a file from tensors produced one at a time;

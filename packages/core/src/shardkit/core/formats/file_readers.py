@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardkit.core.errors import StateDictFileError, first_sentence
-from shardkit.core.formats.file_formats import SAFETENSORS_DTYPES, Entry, format_of
+from shardkit.core.formats.file_writers import SAFETENSORS_DTYPES, Entry, format_of
 from shardkit.core.formats.safetensors_explain import explain_safetensors
 from shardkit.core.formats.torch_legacy import BoundedFile, check_storage_claims
 from shardkit.core.formats.torch_zip import ZIP_MAGIC, check_zip

@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from shardkit.core.formats.file_formats import SAFETENSORS_DTYPES
+from shardkit.core.formats.file_writers import SAFETENSORS_DTYPES
 
 __all__ = ["MAX_HEADER_BYTES", "explain_safetensors"]
 

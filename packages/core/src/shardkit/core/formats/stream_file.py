@@ -1,7 +1,7 @@
 """A state dict written to one file from tensors produced one at a time.
 
 For state dicts that never exist whole in memory: a converter that rebuilds one tensor at a
-time from another checkpoint, say. The writers of ``file_formats.py`` take the entries up
+time from another checkpoint, say. The writers of ``file_writers.py`` take the entries up
 front (that fixes the safetensors header) and then each tensor's bytes as it comes.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
+from shardkit.core.formats.file_writers import Entry, FileWriter, format_of, open_writer
 
 __all__ = ["partial_writer", "write_state_dict_file"]
 

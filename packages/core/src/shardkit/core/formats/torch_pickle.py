@@ -152,7 +152,7 @@ _ClaimsUnpickler.dispatch = {
 
 def _itemsizes() -> dict[str, int]:
     """Bytes per element of each storage type, by its name (``FloatStorage``: 4)."""
-    # torch names no public map from storage type to dtype; file_formats uses the same one.
+    # torch names no public map from storage type to dtype; file_writers uses the same one.
     names = torch.storage._dtype_to_storage_type_map()
     # UntypedStorage counts bytes: torch.save uses it for dtypes without a typed storage.
     return {"UntypedStorage": 1} | {name: dtype.itemsize for dtype, name in names.items()}

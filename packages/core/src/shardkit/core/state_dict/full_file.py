@@ -28,8 +28,8 @@ from torch import nn
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import pack_grads_rank_major
-from shardkit.core.formats.file_formats import Entry, FileWriter, format_of, open_writer
 from shardkit.core.formats.file_readers import StateDictReader, open_reader
+from shardkit.core.formats.file_writers import Entry, FileWriter, format_of, open_writer
 from shardkit.core.runtime.agreement import from_rank
 from shardkit.core.runtime.groups import barrier, global_rank, world_group
 from shardkit.core.runtime.object_collectives import (

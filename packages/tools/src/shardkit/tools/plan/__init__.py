@@ -17,6 +17,7 @@ from shardkit.tools.plan.records import (
     GroupPlan,
     MemoryPlan,
     MemoryPoint,
+    PlannedGroup,
 )
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "MemoryPoint",
     "Plan",
     "PlanOptions",
+    "PlannedGroup",
     "plan",
 ]

@@ -38,11 +38,12 @@ from shardkit.tools.plan.options import ModelSource, PlanOptions
 from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
-    GroupPlan,
     MemoryPlan,
     MemoryPoint,
+    PlannedGroup,
 )
-from shardkit.tools.plan.step import StepInputs, simulate_step
+from shardkit.tools.plan.step import simulate_step
+from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPTracer
 from shardkit.tools.plan.tp_styles import (
     check_shardable,
@@ -75,7 +76,7 @@ class Plan:
     """Parameters of the model (unique elements, before any sharding)."""
     trainable_count: int
     """Of which trainable."""
-    groups: tuple[GroupPlan, ...]
+    groups: tuple[PlannedGroup, ...]
     """One per ``fully_shard`` call, root last."""
     schedule: tuple[CollectiveCall, ...]
     """Every collective of one step, in the engine's issue order."""
@@ -219,7 +220,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         param_count=sum(p.numel() for p in module.parameters()),
         trainable_count=sum(p.numel() for p in module.parameters() if p.requires_grad),
         groups=tuple(
-            _group_plan(g, raf) for g, raf in zip(groups, step.reshard_after_forward, strict=True)
+            _planned_group(g, raf)
+            for g, raf in zip(groups, step.reshard_after_forward, strict=True)
         ),
         schedule=step.schedule,
         events=step.events,
@@ -310,8 +312,8 @@ def _tensor_parallel(
     return _TensorParallel(local_shapes, tracer)
 
 
-def _group_plan(group: GroupSpec, reshard_after_forward: bool) -> GroupPlan:
-    return GroupPlan(
+def _planned_group(group: GroupSpec, reshard_after_forward: bool) -> PlannedGroup:
+    return PlannedGroup(
         fqn=group.fqn,
         module_class=type(group.module).__name__,
         param_count=group.param_count,

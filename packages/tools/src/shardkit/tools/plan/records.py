@@ -6,11 +6,18 @@ from dataclasses import dataclass
 
 from shardkit.tools.records import Category, Phase
 
-__all__ = ["CollectiveCall", "CollectivePlan", "GroupPlan", "MemoryPlan", "MemoryPoint"]
+__all__ = [
+    "CollectiveCall",
+    "CollectivePlan",
+    "GroupPlan",
+    "MemoryPlan",
+    "MemoryPoint",
+    "PlannedGroup",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GroupPlan:
+class PlannedGroup:
     """One FSDP group (one ``fully_shard`` call) and its per-rank buffer sizes."""
 
     fqn: str
@@ -31,6 +38,12 @@ class GroupPlan:
     """One rank's reduce-scatter output (padded gradient shards in the reduce dtype)."""
     reshard_after_forward: bool
     """Whether this group frees its parameters after forward (the root may keep them)."""
+
+
+# The old name stays importable: it was public (shardkit.tools.__all__), but it is also the
+# name of the engine's own value (shardkit.core.engine.group.plan.GroupPlan).
+GroupPlan = PlannedGroup
+"""The former name of :class:`PlannedGroup`, kept for old imports."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

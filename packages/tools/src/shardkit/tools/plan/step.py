@@ -59,41 +59,13 @@ from shardkit.core.schedule import (
     StepSchedule,
     TrainingState,
 )
-from shardkit.tools.plan.groups import GroupSpec
-from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.step_ops import LedgerOps
-from shardkit.tools.plan.tp_comm import TPSchedule
-from shardkit.tools.plan.trace import StepTrace, gradient_schedule
+from shardkit.tools.plan.trace import gradient_schedule
 from shardkit.tools.records import Category, Phase
 
-__all__ = ["StepInputs", "StepResult", "simulate_step"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepInputs:
-    """What the simulation needs."""
-
-    groups: list[GroupSpec]
-    """The FSDP groups, root last."""
-    root: int | None
-    """Index of the root module's group (None when the root holds no parameters)."""
-    trace: StepTrace
-    """Event order and activations of the forward."""
-    options: PlanOptions
-    """Dtypes, optimizer, backend and rank."""
-    replicas: int
-    """HSDP replica groups (1 for plain FSDP)."""
-    buffer_bytes: int
-    """Module buffers (``model.buffers()``), resident for the whole step."""
-    shard_rank: int
-    """The planned rank's index on the shard axis."""
-    hsdp: bool = False
-    """Whether the data-parallel mesh is 2-D (its axes: dp_replicate, dp_shard; else dp)."""
-    tp: TPSchedule | None = None
-    """The tensor-parallel collectives, placed on the forward's segments (None: no TP)."""
-    tp_degree: int = 1
-    """Ranks of the tp axis."""
+__all__ = ["StepResult", "simulate_step"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

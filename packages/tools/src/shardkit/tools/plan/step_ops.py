@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shardkit.core.layout import pooled_sizes, wire_row_bytes
 from shardkit.core.schedule import (
@@ -26,11 +25,9 @@ from shardkit.core.schedule import (
 )
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
 from shardkit.tools.plan.records import CollectiveCall
+from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
-
-if TYPE_CHECKING:
-    from shardkit.tools.plan.step import StepInputs
 
 __all__ = ["LedgerOps"]
 

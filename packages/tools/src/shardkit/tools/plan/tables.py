@@ -8,7 +8,7 @@ import torch
 
 from shardkit.tools.plan.bandwidth import Bandwidth
 from shardkit.tools.plan.planner import Plan
-from shardkit.tools.plan.records import CollectivePlan, GroupPlan
+from shardkit.tools.plan.records import CollectivePlan, PlannedGroup
 from shardkit.tools.records import Category
 from shardkit.tools.units import format_bytes
 
@@ -91,7 +91,7 @@ def _runs(names: list[str], keys: list[Any], collapse: bool) -> list[tuple[str, 
     return runs
 
 
-def _group_table(groups: tuple[GroupPlan, ...], all_groups: bool) -> list[str]:
+def _group_table(groups: tuple[PlannedGroup, ...], all_groups: bool) -> list[str]:
     header = f"{'group (per rank)':<28} {'params':>9} {'sharded':>11} {'unsharded':>11} "
     header += f"{'gather in':>11} {'reduce out':>11}  reshard"
     lines = [header]
