@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkit.core.engine.comm_context import CommContext
-from shardkit.core.engine.fsdp_state import FSDPState, new_comm_context
+from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.engine.root_context import new_comm_context
 from shardkit.core.engine.state_registry import state_of
 
 __all__ = ["share_comm_ctx"]

@@ -2,7 +2,8 @@
 
 A sharded module's class becomes ``FSDP<Cls>``, a subclass of ``FSDPModule`` and its own
 class (``api.fully_shard`` makes the swap). The methods act on the module's parameter groups
-and options; they validate their arguments before changing anything.
+and options; they validate their arguments before changing anything. Its overrides of
+``nn.Module``'s construction, ``_apply`` and ``load_state_dict`` run ``module_overrides``.
 """
 
 from __future__ import annotations
@@ -19,22 +20,14 @@ from shardkit.core.engine.finalization import (
     set_manual_finalization,
     wait_for_gradient_reduction,
 )
-from shardkit.core.engine.grad_dtype_policy import hold_explicit_grads, restore_held_grads
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
 from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
+from shardkit.core.module_overrides import apply_resharded, load_all_or_nothing, new_plain_module
 from shardkit.core.reduce_precision import ReducePrecision
-from shardkit.core.runtime.agreement import agreed
 from shardkit.core.runtime.groups import group_ranks, subgroup_of
-from shardkit.core.state_dict.validation import (
-    check_state_dict,
-    format_problems,
-    model_mesh,
-    param_keys,
-    shard_full_tensors,
-)
 
 __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
@@ -48,17 +41,7 @@ class FSDPModule:
         Code that makes a module of its own type (``model[:2]`` on a Sequential builds
         ``type(self)(...)``) gets a plain module, not an FSDP class with no FSDP state.
         """
-        # The first module class that is not an FSDP class (torch's FSDPModule base, which
-        # FSDP<Cls> also has, is no module).
-        original = next(
-            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
-        )
-        if original.__new__ is object.__new__:
-            module = object.__new__(original)
-        else:
-            module = original.__new__(original, *args, **kwargs)
-        original.__init__(module, *args, **kwargs)
-        return module
+        return new_plain_module(cls, FSDPModule, args, kwargs)
 
     def _groups_under(self, recurse: bool) -> list[FSDPParamGroup]:
         assert isinstance(self, nn.Module)
@@ -385,25 +368,8 @@ class FSDPModule:
         """Accepted for compatibility: collectives are ordered after the optimizer already."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        # .to(), .to_empty(), .float() replace local tensors: reshard first, re-adopt after.
-        groups = self._groups_under(recurse=True)
-        for group in groups:
-            group.reshard()
         assert isinstance(self, nn.Module)
-        # Parameters an adapter keeps off _parameters (param_listing) move with the rest.
-        unlisted = [g for g in groups if not all(p.listed for p in g.params)]
-        for group in unlisted:
-            group.list_params(True)
-        held = hold_explicit_grads(p for group in groups for p in group.params)
-        try:
-            result = nn.Module._apply(self, fn, recurse)
-        finally:
-            for group in unlisted:
-                group.list_params(False)
-        for group in groups:
-            group.resync_sharded_storage()
-        restore_held_grads(held)
-        return result
+        return apply_resharded(self, self._groups_under(recurse=True), fn, recurse)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -424,18 +390,7 @@ class FSDPModule:
         """
         assert isinstance(self, nn.Module)
         groups = self._groups_under(recurse=True)
-        expected = self.state_dict(keep_vars=True)
-        by_key = {key: g.params[i] for key, (g, i) in param_keys(self, groups, expected).items()}
-        cpu_only = any(g.plan.offload for g in groups)
-
-        def checked() -> dict[str, Any]:
-            problems = check_state_dict(expected, state_dict, strict=strict, cpu_only=cpu_only)
-            if problems:
-                raise RuntimeError(format_problems(self, problems))
-            return shard_full_tensors(state_dict, by_key)
-
-        converted = agreed(checked, model_mesh(groups))
-        return nn.Module.load_state_dict(self, converted, strict=strict, assign=assign)
+        return load_all_or_nothing(self, groups, state_dict, strict=strict, assign=assign)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise UnsupportedCopyError(

@@ -2,6 +2,8 @@
 
 The first state to run forward becomes the root: it collects every state in its module tree
 into one RootContext, and queues the end-of-backward callback that finishes reductions.
+RootContext itself, the default communication context and the names a root gives its
+parameters are ``root_context``'s.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import contextlib
 import functools
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ from shardkit.core.engine.offthread import (
     put_shards,
     take_shards,
 )
-from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
+from shardkit.core.engine.root_context import RootContext, name_from_root, new_comm_context
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
@@ -42,7 +43,6 @@ from shardkit.core.engine.usage_checks import (
 )
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
-from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.dynamo import eager_hook
 from shardkit.core.runtime.progress import PROGRESS
@@ -50,43 +50,9 @@ from shardkit.core.runtime.protocol import CollectiveRuntime
 from shardkit.core.schedule import StepDriver, root_reshards_after_forward
 from shardkit.core.state_machines import ShardedState, TrainingState
 
-__all__ = [
-    "FSDPState",
-    "RootContext",
-    "new_comm_context",
-]
+__all__ = ["FSDPState"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RootContext:
-    """Iteration state of one root: every state, and the order groups ran in."""
-
-    states: list[FSDPState]
-    comm: CommContext
-    driver: StepDriver[FSDPParamGroup]
-    """The step's sequence (``schedule``): every hook's operations, in their order."""
-    backward: BackwardTracker
-    """What autograd tells of each group's backward (see ``backward``)."""
-    final_callback_queued: bool = False
-    manual_finalization: bool | None = None
-    """The root's ``set_manual_backward_finalization`` as this iteration's first backward
-    found it (None: no backward since the last finalization); see [Note: torch-facing view]."""
-    reduction_pending: bool = False
-    """``finalize_backward(async_op=True)`` started reductions its handle has not finished."""
-    local: bool = False
-    """This forward took the local path: only the root's hooks work, until backward's end
-    (see [Note: post-backward trigger], rule 4)."""
-    in_root_forward: bool = False
-    """The root's forward is running: outside it (a chunked loss calling a head), a local
-    tree's groups run their own hooks (rule 5 of [Note: post-backward trigger])."""
-    thread: int | None = None
-    """The thread that ran the latest forward: state dicts from any other are taken off
-    the modules (see [Note: off-thread state dicts])."""
-    provisional: bool = False
-    """Made by ``unshard()`` before any forward, which torch's does without making a root:
-    a root that contains these states later takes them over (see ``lazy_init``)."""
 
 
 class FSDPState:
@@ -175,7 +141,7 @@ class FSDPState:
             state.ctx = ctx
             state.fqn = ", ".join(names.get(id(m), "") or "<root>" for m in state.modules)
             for group in state.groups:
-                fqns = [_name_from_root(p, param_names, names) for p in group.params]
+                fqns = [name_from_root(p, param_names, names) for p in group.params]
                 wiring = GroupWiring(state.fqn, fqns, ctx.comm, tracker.grad_hook(group))
                 group.attach(wiring)
                 group.resync_sharded_storage()
@@ -428,21 +394,3 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for group in self.groups:
             group.resync_sharded_storage()
-
-
-def new_comm_context() -> CommContext:
-    """A communication context on c10d process groups (the default runtime)."""
-    runtime = ProcessGroupRuntime()
-    return CommContext(runtime=runtime, pool=runtime.pool)
-
-
-def _name_from_root(p: FSDPParam, param_names: dict[int, str], names: dict[int, str]) -> str:
-    """``p``'s name from the root: as listed, or where it is held (``param_listing``)."""
-    listed = param_names.get(id(p.sharded_param))
-    if listed is not None:
-        return listed
-    slot = p.slots[0]
-    module_name = names.get(id(slot.module))
-    if module_name is None:
-        return p.fqn
-    return f"{module_name}.{slot.name}" if module_name else slot.name
