@@ -371,3 +371,35 @@ def test_the_storage_check_sees_a_reach(tmp_path: Path) -> None:
         "def f(group, state):\n    return group.storage.x, state.group._storage\n"
     )
     assert len(_storage_reaches(probe)) == 3
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every ``shardkit.*`` module a file names in an import, at load or inside a function."""
+    return {module for module, _ in _shardkit_imports(path)}
+
+
+def test_the_engine_and_runtime_never_import_the_torch_facing_view() -> None:
+    # The view answers torch's private names from the engine; the engine knows nothing of it
+    # (see [Note: torch-facing view]), so a change to what torch reads stays in torch_facing/.
+    reaches = [
+        f"{path.relative_to(CORE)} imports {module}"
+        for folder in ("engine", "runtime")
+        for path in sorted((CORE / folder).rglob("*.py"))
+        for module in sorted(_imports_of(path))
+        if module.startswith("shardkit.core.torch_facing")
+    ]
+    assert not reaches, "\n".join(reaches)
+
+
+def test_memory_snapshots_load_nothing_of_the_engine() -> None:
+    # A snapshot is of a state dict: the snapshots' wing loads the runtime (peer transfers,
+    # agreement) and the checkpoint manager, never the engine.
+    graph = import_graph(CORE)
+    wing = sorted(m for m in graph if m.startswith("shardkit.core.snapshots"))
+    assert len(wing) > 10  # the walk sees the wing's modules
+    arrows = [
+        chain
+        for module in wing
+        for chain in arrows_into_internals(graph, module, ("shardkit.core.runtime",))
+    ]
+    assert not arrows, "\n".join(arrows)
