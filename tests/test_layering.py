@@ -351,8 +351,8 @@ def _storage_reaches(path: Path) -> list[str]:
 
 def test_nothing_outside_the_group_reaches_into_its_storage() -> None:
     # A group's storage (its buffers) is the group's own: others ask the group's accessors
-    # and its plan. Only the group itself holds it (group/upkeep.py: a base class of the
-    # group, its re-planning).
+    # and its plan. Only the group itself holds it (group/upkeep.py: the GroupUpkeep the
+    # group holds, its re-planning, is given it when the group is made).
     group = CORE / "engine" / "group"
     owners = {group / "param_group.py", group / "upkeep.py", group / "storage.py"}
     reaches = [
@@ -371,6 +371,47 @@ def test_the_storage_check_sees_a_reach(tmp_path: Path) -> None:
         "def f(group, state):\n    return group.storage.x, state.group._storage\n"
     )
     assert len(_storage_reaches(probe)) == 3
+
+
+_REDUCE = "shardkit.core.engine.reduce"
+
+
+def _reduce_reaches(path: Path, exports: set[str]) -> list[str]:
+    """Where a module imports past the reduce folder's door.
+
+    That is a module inside the folder, or a name its ``__init__`` does not export (``exports``).
+    """
+    found: list[str] = []
+    for module, names in _shardkit_imports(path):
+        if module.startswith(f"{_REDUCE}."):
+            found.append(f"{path.name} imports {module}")
+        elif module == _REDUCE and set(names) - exports:
+            found.append(f"{path.name} imports {sorted(set(names) - exports)} from {module}")
+    return found
+
+
+def test_the_core_enters_the_reduce_folder_by_its_door() -> None:
+    # engine/reduce/ is one room: the rest of the core imports only what its __init__ exports
+    # (its docstring says why each export is there), so the room's modules may change alone.
+    room = CORE / "engine" / "reduce"
+    exports = set(importlib.import_module(_REDUCE).__all__)
+    reaches = [
+        reach
+        for path in sorted(CORE.rglob("*.py"))
+        if room not in path.parents
+        for reach in _reduce_reaches(path, exports)
+    ]
+    assert not reaches, "\n".join(reaches)
+
+
+def test_the_reduce_door_check_sees_a_reach(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from shardkit.core.engine.reduce import GroupReducer, assign\n"
+        "from shardkit.core.engine.reduce.assign import take_sharded_grad\n"
+        "def f():\n    import shardkit.core.engine.reduce.packing\n"
+    )
+    assert len(_reduce_reaches(probe, {"GroupReducer"})) == 3
 
 
 def _imports_of(path: Path) -> set[str]:

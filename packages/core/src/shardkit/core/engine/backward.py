@@ -10,10 +10,10 @@ of these ways:
    group ends its backward at once, as early as possible, unless the inputs of one of its
    forward calls still wait for their gradients (2).
 2. **Backward is through its inputs.** A group with frozen parameters passes the inputs of
-   each forward call that need gradients through an identity function (``input_grads``)
-   whose backward runs once autograd made those gradients inside the group: then no node
-   reads its parameters any more. A group with no trainable parameter ends there; one with
-   both ends when both are in.
+   each forward call that need gradients through an identity function (``_AfterInputGrads``,
+   in the section below) whose backward runs once autograd made those gradients inside the
+   group: then no node reads its parameters any more. A group with no trainable parameter
+   ends there; one with both ends when both are in.
 3. **The end-of-backward callback** (``StepDriver.final_callback``). A group that backward
    reached but whose count never completed (a parameter got no gradient), or that holds
    gradients nobody took, ends there.
@@ -23,9 +23,9 @@ of these ways:
 5. **A partial list-group call** (some modules of a ``fully_shard([...])`` group, not
    completing it, as a chunked loss calls the head of ``[norm, head]``): as with torch's
    ``fully_shard``, its gradients are not counted and queue no callback; the gradients of
-   its inputs end the group's backward (``input_grads.after_input_grads``), finishing its
-   reduction where no callback comes. A call whose forward then completes the group was
-   not partial after all (``_PartialCall``).
+   its inputs end the group's backward (``_after_input_grads``), finishing its reduction
+   where no callback comes. A call whose forward then completes the group was not partial
+   after all (``_PartialCall``).
 
 The rules themselves are pure functions of ``schedule`` (the planner runs them too); see
 [Note: post-backward trigger] for why each is as it is.
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.engine.input_grads import InputGradsWatch, after_input_grads
 from shardkit.core.schedule import StepDriver
 from shardkit.core.state_machines import TrainingState
 
@@ -68,6 +68,87 @@ class _Count:
     expected: int | None = None  # its trainable parameters, counted at the first gradient
 
 
+# --- when backward is done with a group's inputs: their gradients are made (rules 2 and 5) ---
+#
+# A group whose parameters are all frozen still unshards in backward when gradients flow
+# through it (to its inputs), but no gradient hook tells it when that is over, so without this
+# it would stay gathered until the end-of-backward callback: a full copy of its parameters
+# held through the rest of backward. A group with frozen and trainable parameters (QLoRA's
+# frozen base weights and trainable adapters) may get its last gradient before autograd is
+# done with the frozen ones (the input gradient through a frozen weight is a node of its own):
+# it waits for this too. See [Note: post-backward trigger].
+#
+# Its forward inputs that need gradients pass through an identity autograd function; the
+# function's backward runs once autograd has computed the gradients of those inputs inside the
+# group, that is, right after the group's own backward. Gradients pass through unchanged.
+
+
+class _AfterInputGrads(torch.autograd.Function):
+    """Identity on its tensors; its backward calls ``done`` and passes gradients through."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.done()
+        return (None, *grads)
+
+
+class _InputGradsWatch:
+    """Counts a group's forward calls that backward has yet to go through.
+
+    ``done`` runs when the last of them is through: a module called twice in one forward is
+    needed by both backwards, so the group may reshard only after the second.
+    """
+
+    def __init__(self, done: Callable[[], None]) -> None:
+        self._done = done
+        self._pending = 0
+
+    def wrap(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``args`` and ``kwargs`` with the tensors that need gradients passed through."""
+        wrapped = _after_input_grads(args, kwargs, self._one_done)
+        if wrapped is not None:
+            self._pending += 1
+            return wrapped
+        return args, kwargs  # backward never reaches this call
+
+    def pending(self) -> bool:
+        """Whether a forward call's backward through this group has yet to finish."""
+        return self._pending > 0
+
+    def _one_done(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._done()
+
+    def reset(self) -> None:
+        """Forget calls whose backward never ran (the end-of-backward callback covered them)."""
+        self._pending = 0
+
+
+def _after_input_grads(
+    args: tuple[Any, ...], kwargs: dict[str, Any], done: Callable[[], None]
+) -> tuple[Any, Any] | None:
+    """``args`` and ``kwargs`` passed through a function whose backward calls ``done``.
+
+    None where no tensor among them needs a gradient (backward never reaches the call).
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    needing = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not needing:
+        return None
+    tensors = (leaves[i] for i in needing)
+    through = _AfterInputGrads.apply(done, *tensors)  # type: ignore[no-untyped-call]
+    for i, tensor in zip(needing, through, strict=True):
+        leaves[i] = tensor
+    wrapped: tuple[Any, Any] = pytree.tree_unflatten(leaves, spec)
+    return wrapped
+
+
 class BackwardTracker:
     """Where one root's groups learn that their backward is over (see the module docstring)."""
 
@@ -90,7 +171,7 @@ class BackwardTracker:
         self._queue_final_callback = queue_final_callback
         self._is_local = is_local
         self._counts: dict[FSDPParamGroup, _Count] = {}
-        self._inputs: dict[FSDPParamGroup, InputGradsWatch] = {}
+        self._inputs: dict[FSDPParamGroup, _InputGradsWatch] = {}
         self._callback_queued = callback_queued
         self._partial: set[FSDPParamGroup] = set()  # groups a partial call ran (rule 5)
         # Per group, its partial calls since its forward last completed (``_PartialCall``).
@@ -122,7 +203,7 @@ class BackwardTracker:
         """A frozen group's forward inputs, passed through the identity that reports rule 2."""
         watch = self._inputs.get(group)
         if watch is None:
-            watch = InputGradsWatch(lambda: self._inputs_done(group))
+            watch = _InputGradsWatch(lambda: self._inputs_done(group))
             self._inputs[group] = watch
         return watch.wrap(args, kwargs)
 
@@ -137,7 +218,7 @@ class BackwardTracker:
         self._partial.add(group)
         call = _PartialCall()
         self._calls.setdefault(group, []).append(call)
-        wrapped = after_input_grads(args, kwargs, lambda: self._partial_call_done(group, call))
+        wrapped = _after_input_grads(args, kwargs, lambda: self._partial_call_done(group, call))
         return (args, kwargs) if wrapped is None else wrapped
 
     def forward_completed(self, group: FSDPParamGroup) -> None:

@@ -9,6 +9,10 @@ buffers belong to the group (see [Note: flat group buffers]); this class holds t
 A tensor subclass with all-gather hooks is the exception: its local tensor is the subclass,
 with storage of its own, and its unsharded parameter is what its post-all-gather hook builds
 (see [Note: all-gather extensions]).
+
+The dtype its full gradients accumulate in inside autograd (torch 2.15 on) is held in
+``grad_accumulation``, the ``grad_dtype`` its user set in ``grad_policy``: both are
+``grad_dtype_policy``'s.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.buffer_layout import ParamSpec
 from shardkit.core.engine.gather_hooks import AllGatherHooks, has_all_gather_hooks
-from shardkit.core.engine.grad_dtype_policy import GradDtypePolicy
+from shardkit.core.engine.grad_dtype_policy import (
+    GradAccumulation,
+    GradDtypePolicy,
+    take_grad_policy,
+)
 from shardkit.core.engine.local_step import allow_local_step
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param_listing import ParamSlot, read_slot, write_slot
@@ -32,7 +40,6 @@ from shardkit.core.errors import UnsupportedWithHooksError
 from shardkit.core.extensions import DataParallelSharding, ParamShardingSpec, ShardingExtension
 from shardkit.core.runtime.buffers import ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides, local_of, set_local
-from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
 
 __all__ = ["FSDPParam", "ParamSlot", "Sharding"]
 
@@ -60,9 +67,8 @@ class FSDPParam:
     sharded_param: nn.Parameter  # wraps a DTensor; its identity never changes
     unsharded_param: nn.Parameter | None  # created at the first unshard
     accumulated_grad: torch.Tensor | None  # no-sync accumulation in the reduce dtype (<2.15)
-    accumulation_dtype: torch.dtype | None  # torch 2.15 on: the unsharded param's grad_dtype
+    grad_accumulation: GradAccumulation  # torch 2.15 on: the unsharded param's grad_dtype
     grad_policy: GradDtypePolicy  # the grad_dtype its user set (torch 2.15 on)
-    any_grad_dtype: bool  # grad_dtype=None set and no reduce_dtype: gradients of any dtype
     hooks: AllGatherHooks | None  # a subclass gathered through its all-gather hooks
 
     def __init__(
@@ -87,10 +93,8 @@ class FSDPParam:
         self._grad_hook_added = False  # on the unsharded parameter, once it needs one
         self.unsharded_param = None
         self.accumulated_grad = None
-        self.accumulation_dtype = None  # set with comm_dtype by the group's plan
+        self.grad_accumulation = GradAccumulation()  # set with comm_dtype by the group's plan
         self.grad_policy = GradDtypePolicy.of(param)
-        self._defers_upcast = False  # see follow_plan_dtypes
-        self.any_grad_dtype = False
         # The tensor dp shards, until the group has copied this rank's shard of it.
         self._source: torch.Tensor | None = local
         # Weak: users elsewhere may still hold the original (a tie across groups is an error).
@@ -132,24 +136,11 @@ class FSDPParam:
         trigger].
         """
         self.comm_dtype = comm_dtype
-        self.any_grad_dtype = any_dtype
-        spec = self.sharding_spec
-        floating = comm_dtype.is_floating_point and reduce_dtype.is_floating_point
-        follows = ACCUMULATES_IN_GRAD_DTYPE and floating
-        self.accumulation_dtype = reduce_dtype if follows else None
-        # A gradient that tensor parallelism sums before FSDP reduces it (a parameter
-        # replicated over a TP axis: its gradient may be Partial there) keeps autograd's cast,
-        # as torch 2.15 does, so that sum runs in the reduce dtype too. Only a wider dtype is
-        # lifted while a backward runs (defer_grad_upcast). See [Note: post-backward trigger].
-        summed_outside_dp = spec.unsharded_mesh is not None and any(
-            isinstance(placement, Replicate) and axis not in spec.dp_axes
-            for axis, placement in enumerate(spec.unsharded_placements)
-        )
-        wider = reduce_dtype.itemsize > comm_dtype.itemsize
-        self._defers_upcast = follows and wider and not summed_outside_dp and not any_dtype
+        accumulation = self.grad_accumulation  # see grad_dtype_policy.GradAccumulation.follow
+        accumulation.follow(self.sharding_spec, comm_dtype, reduce_dtype, any_dtype=any_dtype)
         param = self.unsharded_param
         if param is not None and param.grad is None:
-            self._set_grad_dtype(param)
+            accumulation.set_on(param)
 
     @property
     def requires_grad(self) -> bool:
@@ -306,19 +297,12 @@ class FSDPParam:
         param = read_slot(self.slots[0])
         if isinstance(param, DTensor) and param is not self.sharded_param:
             # load_state_dict(assign=True) or _apply put a new object in place: adopt it.
-            self.take_grad_policy()  # a grad_dtype set on the one it replaces, then its own
+            take_grad_policy(self)  # a grad_dtype set on the one it replaces, then its own
             self.grad_policy.take_from(param)
             self.sharded_param = param
             self._allow_local_step()
             self.grad_policy.put_on(param)
         return local_of(self.sharded_param)
-
-    def take_grad_policy(self) -> None:
-        """Adopt a ``grad_dtype`` set on the sharded parameter since it was made.
-
-        Its user may set one until lazy initialization, as with torch's ``fully_shard``.
-        """
-        self.grad_policy.take_from(self.sharded_param)
 
     # --- unsharded side -------------------------------------------------------------------
 
@@ -328,7 +312,7 @@ class FSDPParam:
         view = padded_flat[:numel].view(self.geometry.shape)
         unsharded = self.extension.make_unsharded(view, self.sharding_spec)
         param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
-        self._set_grad_dtype(param)
+        self.grad_accumulation.set_on(param)
         self.unsharded_param = param
         self._grad_hook_added = False  # a new Parameter: its gradient hook is still to add
 
@@ -347,7 +331,7 @@ class FSDPParam:
         # Padding rows past the full size (an uneven dim 0) are cut off here, as torch does.
         full = torch.as_strided(tensor, shape, contiguous_strides(shape), 0)
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
-        self._set_grad_dtype(self.unsharded_param)
+        self.grad_accumulation.set_on(self.unsharded_param)
         self._grad_hook_added = False
 
     def follow_requires_grad(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
@@ -374,45 +358,13 @@ class FSDPParam:
         for slot in self.slots:
             write_slot(slot, param, self.listed)
 
-    def _set_grad_dtype(self, param: nn.Parameter) -> None:
-        if self.accumulation_dtype is not None:
-            param.grad_dtype = None if self.any_grad_dtype else self.accumulation_dtype
-
-    def defer_grad_upcast(self, reducing: bool) -> None:
-        """At the group's pre-backward (torch 2.15 on): let autograd's gradient keep its dtype.
-
-        A gradient this backward's reduction takes is upcast when the reduction packs it,
-        and one added to a held gradient (already wide) by the in-place add: only the first
-        gradient of an accumulation needs autograd's cast, so only then is ``grad_dtype`` kept.
-        ``reducing``: the group's gradient sync is on.
-        """
-        param = self.unsharded_param
-        if not self._defers_upcast or param is None or not param.requires_grad:
-            return
-        if param.grad is not None or reducing:
-            param.grad_dtype = None
-
-    def _upcast_held_grad(self) -> None:
-        """Where a group's backward ends (torch 2.15 on): back to the accumulation dtype.
-
-        The gradient held, and what autograd adds to it from now on.
-        """
-        param = self.unsharded_param
-        if not self._defers_upcast or param is None or not param.requires_grad:
-            return
-        dtype = self.accumulation_dtype
-        grad = param.grad
-        if grad is not None and grad.dtype != dtype:
-            param.grad = grad.to(dtype)  # made while the upcast was deferred
-        param.grad_dtype = dtype
-
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The full gradient accumulated so far (no-sync steps included); clears it."""
         param = self.unsharded_param
         grad = param.grad if param is not None else None
         if param is not None:
             param.grad = None
-            self._upcast_held_grad()  # none is held: autograd's cast is back on
+            self.grad_accumulation.upcast_held(param)  # none is held: autograd's cast is back on
         if grad is not None:
             grad = self.extension.grad_local(grad, self.sharding_spec)
         acc = self.accumulated_grad
@@ -429,8 +381,8 @@ class FSDPParam:
         Before torch 2.15, in a copy of its own; from 2.15 on (as torch does), in ``.grad``,
         where autograd adds the next backward's gradient in that dtype.
         """
-        if self.accumulation_dtype is not None and self.accumulated_grad is None:
-            self._upcast_held_grad()
+        if self.grad_accumulation.dtype is not None and self.accumulated_grad is None:
+            self.grad_accumulation.upcast_held(self.unsharded_param)
             return
         param = self.unsharded_param
         if param is None or param.grad is None:

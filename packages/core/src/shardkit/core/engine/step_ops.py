@@ -86,7 +86,7 @@ class EngineOps:
         if ACCUMULATES_IN_GRAD_DTYPE and group.training_state is TrainingState.PRE_BACKWARD:
             reducing = group.options.reduce_grads
             for p in group.params:
-                p.defer_grad_upcast(reducing)
+                p.grad_accumulation.defer_upcast(p.unsharded_param, reducing)
 
     def is_unsharded(self, group: FSDPParamGroup) -> bool:
         """Whether its full parameters are in, or being gathered."""

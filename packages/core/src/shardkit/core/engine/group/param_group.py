@@ -3,7 +3,9 @@
 unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
 backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
 Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
-Its re-planning when the parameters change under it is ``upkeep.GroupUpkeep``'s.
+Its re-planning when its parameters change under it is the ``upkeep.GroupUpkeep`` it holds.
+Next to split off: its gradients' bookkeeping without sync (``take_grads``' stash and
+``_add_sharded_grad``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.profiler_ranges import fsdp_range
-from shardkit.core.engine.reduce.assign import take_sharded_grad
+from shardkit.core.engine.reduce import take_sharded_grad
 from shardkit.core.engine.replaceable_hooks import ReplacedSteps
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
@@ -60,7 +62,7 @@ class _PendingGather:
     from_post_forward: bool  # gathered within the post-forward subgroup
 
 
-class FSDPParamGroup(GroupUpkeep):
+class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call, gathered and reduced together."""
 
     def __init__(self, params: list[FSDPParam], config: GroupConfig, options: GroupOptions):
@@ -86,9 +88,10 @@ class FSDPParamGroup(GroupUpkeep):
         self._config = config
         self.plan = plan_group(params, config, options.reshard_after_forward)
         self._storage = GroupStorage(params)  # the buffers, read against the plan
+        self._upkeep = GroupUpkeep(config, self._storage)  # its re-planning
         self._post_forward_slices: torch.Tensor | None = None  # see reshard_post_forward
-        self._follow_plan()
-        self.reducer = self._new_reducer()
+        self._upkeep.follow_plan(self)
+        self.reducer = self._upkeep.new_reducer(self)
         self._storage.init_sharded(self.plan)
 
     @property
@@ -170,6 +173,24 @@ class FSDPParamGroup(GroupUpkeep):
         exchange = gathers_by_exchange(self.mesh_info.shard_group)
         return self.plan.layout.pool_sizes(exchange=exchange, offload=self.plan.offload)
 
+    # --- re-planning when the parameters change under it (upkeep.GroupUpkeep) -------------
+
+    def resync_sharded_storage(self) -> None:
+        """Re-adopt the registered sharded tensors after ``_apply`` or ``assign=True`` loads."""
+        self._upkeep.resync_sharded_storage(self)
+
+    def take_up_new_hooks(self) -> None:
+        """Gather through the all-gather hooks that local tensors gained since the last look."""
+        self._upkeep.take_up_new_hooks(self)
+
+    def accumulate_unsynced_in_param_dtype(self, enabled: bool) -> None:
+        """Accumulate gradients without sync in the compute dtype (True) or the reduce dtype."""
+        self._upkeep.accumulate_unsynced_in_param_dtype(self, enabled)
+
+    def reduce_in_flat_layout(self) -> None:
+        """Land reductions in the sharded buffer's layout from now on (one dtype, no hooks)."""
+        self._upkeep.reduce_in_flat_layout(self)
+
     # --- unshard / reshard ----------------------------------------------------------------
 
     def check_materialized(self) -> None:
@@ -211,7 +232,7 @@ class FSDPParamGroup(GroupUpkeep):
             )
             self._pending_gather = _PendingGather(handle, from_post_forward=True)
         else:
-            sent, group = self._hook_inputs(), self.mesh_info.shard_group
+            sent, group = self._upkeep.hook_inputs(self), self.mesh_info.shard_group
             custom = self.options.custom_all_gather
             sends, into = self._storage.gather_input(
                 self.plan, runtime, group, sent, in_place=custom is None

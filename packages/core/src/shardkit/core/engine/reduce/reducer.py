@@ -347,7 +347,7 @@ def _check_zeros_have_a_dtype(trainable: Sequence[FSDPParam], label: str) -> Non
     Checked on the configuration, not on which gradients came: every rank raises alike.
     """
     for p in trainable:
-        if p.any_grad_dtype:
+        if p.grad_accumulation.any_dtype:
             raise ValueError(
                 f"FSDP module {label or '<root>'}: reducing unused parameters with "
                 "grad_dtype=None requires an explicit MixedPrecisionPolicy.reduce_dtype, so "
