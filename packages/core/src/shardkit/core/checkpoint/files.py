@@ -13,7 +13,18 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import TypedDict
 
-__all__ = ["FileSum", "checksum", "list_files", "manifest_of", "problems_with", "share"]
+__all__ = [
+    "COMPLETE",
+    "FileSum",
+    "checksum",
+    "list_files",
+    "manifest_of",
+    "problems_with",
+    "share",
+]
+
+# The marker a checkpoint is complete by: written last, it holds the files' manifest.
+COMPLETE = "COMPLETE"
 
 _CHUNK = 1 << 20  # bytes hashed per read
 _SHA256 = re.compile("[0-9a-f]{64}")

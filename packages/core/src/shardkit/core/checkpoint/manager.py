@@ -8,7 +8,8 @@ checkpoint stays current. The newest ``keep`` checkpoints are kept.
 
 Loading checks a checkpoint's files against their checksums before DCP reads any of them,
 so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
-``runtime.agreement.everyone``, on which checkpoint they load.
+``runtime.agreement.everyone``, on which checkpoint they load (the checks and the load of
+one candidate: ``load_checks``).
 
 An asynchronous save (``save(..., async_save=True)``) stages the state into reused CPU
 buffers, returns, and writes in the background (``async_save``). It is published, the
@@ -30,8 +31,6 @@ from types import TracebackType
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardkit.core.checkpoint import async_save as background
@@ -42,20 +41,9 @@ from shardkit.core.checkpoint.async_save import (
 )
 from shardkit.core.checkpoint.dcp_reading import (
     LoadableSavePlanner,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_dcp_metadata,
-    unsafe_values,
-    value_keys,
 )
-from shardkit.core.checkpoint.files import (
-    FileSum,
-    checksum,
-    list_files,
-    manifest_of,
-    problems_with,
-    share,
-)
+from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
+from shardkit.core.checkpoint.load_checks import no_checkpoint_loads, try_load, verify
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
 from shardkit.core.runtime.groups import barrier, global_rank, world_size
@@ -69,9 +57,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_COMPLETE = "COMPLETE"
 _LATEST = "latest"
-_MARKERS = frozenset({_COMPLETE, f".{_COMPLETE}.tmp"})  # the manager's own, not the save's
+_MARKERS = frozenset({COMPLETE, f".{COMPLETE}.tmp"})  # the manager's own, not the save's
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -160,7 +147,7 @@ class CheckpointManager:
         """Every complete checkpoint, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob("step_*") if (p / _COMPLETE).is_file()]
+        found = [p for p in self.root.glob("step_*") if (p / COMPLETE).is_file()]
         return sorted(found, key=_step_of)
 
     def latest(self) -> Path | None:
@@ -168,7 +155,7 @@ class CheckpointManager:
         pointer = self.root / _LATEST
         if pointer.is_file():
             named = self.root / pointer.read_text().strip()
-            if (named / _COMPLETE).is_file():
+            if (named / COMPLETE).is_file():
                 return named
             logger.warning("%s names %s, which is not complete; scanning", pointer, named)
         done = self.complete()
@@ -305,7 +292,7 @@ class CheckpointManager:
             "saved_at": time.time(),
             "files": files,  # size and SHA-256 of each, checked before a load
         }
-        _write_atomic(partial / _COMPLETE, json.dumps(marker) + "\n")
+        _write_atomic(partial / COMPLETE, json.dumps(marker) + "\n")
         if target.exists():
             shutil.rmtree(target)  # the same step saved again
         os.replace(partial, target)
@@ -318,7 +305,7 @@ class CheckpointManager:
         saves = sorted(self.root.glob("step_*"), key=_step_of)
         # Steps after this one belong to a run that went further and was then resumed from an
         # earlier checkpoint: that future is abandoned.
-        kept = [p for p in saves if _step_of(p) <= step and (p / _COMPLETE).is_file()]
+        kept = [p for p in saves if _step_of(p) <= step and (p / COMPLETE).is_file()]
         doomed = [p for p in saves if p not in kept[-self.keep :]]
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
@@ -344,11 +331,11 @@ class CheckpointManager:
         self.wait()  # a save in flight may become the newest
         if path is not None:
             chosen = Path(path)
-            if not (chosen / _COMPLETE).is_file():
+            if not (chosen / COMPLETE).is_file():
                 alternatives = ", ".join(p.name for p in self.complete()) or "none"
                 raise IncompleteCheckpointError(
                     f"checkpoint {chosen} is incomplete: its save was interrupted before every "
-                    f"rank finished (no {_COMPLETE} marker). Complete checkpoints here: "
+                    f"rank finished (no {COMPLETE} marker). Complete checkpoints here: "
                     f"{alternatives}"
                 )
             candidates = [chosen]
@@ -358,74 +345,23 @@ class CheckpointManager:
         reasons: list[str] = []
         attempted = False
         for candidate in candidates:
-            reason, metadata = self._verify(candidate)
+            reason, metadata = verify(candidate)
             if not reason and metadata is not None:
                 attempted = True
-                reason = self._try_load(state, candidate, metadata)
+                reason = try_load(state, candidate, metadata)
             if not reason:
                 return candidate
             reasons.append(f"{candidate.name}: {reason}")
             logger.warning("checkpoint %s does not load, passed over: %s", candidate, reason)
         if not reasons:
             return None
-        raise CheckpointLoadError(_no_checkpoint_loads(self.root, reasons, attempted))
+        raise CheckpointLoadError(no_checkpoint_loads(self.root, reasons, attempted))
 
     def _newest_first(self) -> list[Path]:
         """The complete checkpoints, ``latest``'s first, then the others newest first."""
         done = self.complete()[::-1]
         latest = self.latest()
         return [latest, *(p for p in done if p != latest)] if latest is not None else done
-
-    @staticmethod
-    def _verify(checkpoint: Path) -> tuple[str, Metadata | None]:
-        """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank.
-
-        Also its metadata as this rank read it (None where it got no further), for the load.
-        """
-        read: list[Metadata] = []
-
-        def check_my_share() -> list[str]:
-            files = manifest_of(json.loads((checkpoint / _COMPLETE).read_text()))
-            if files is None:
-                logger.info("%s was saved without checksums: its files are not checked", checkpoint)
-            else:
-                mine = share(sorted(files), global_rank(), world_size())
-                problems = problems_with(checkpoint, {name: files[name] for name in mine})
-                if problems:
-                    return problems
-            # Before anything loads: DCP's metadata and the values that are not tensors, read
-            # without running pickled code (a refused one fails the checkpoint, nothing written).
-            metadata = read_dcp_metadata(checkpoint)
-            read.append(metadata)
-            keys = share(value_keys(metadata), global_rank(), world_size())
-            return unsafe_values(checkpoint, metadata, keys)
-
-        found = everyone(check_my_share)  # a marker one rank cannot read fails it for all
-        problems: list[str] = []
-        for rank, outcome in enumerate(found):
-            failed = [f"rank {rank} could not check its files: {outcome.message}"]
-            problems += failed if outcome.failed else outcome.value
-        return "; ".join(sorted(problems)), read[0] if read else None
-
-    @staticmethod
-    def _try_load(state: dict[str, Any], checkpoint: Path, metadata: Metadata) -> str:
-        """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank).
-
-        ``metadata``: as ``_verify`` read it, so that the load does not read it again.
-        """
-
-        def load() -> None:
-            try:
-                reader, planner = SafeFileSystemReader(checkpoint, metadata), SafeLoadPlanner()
-                dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
-            except CheckpointException as error:  # a BaseException: `except Exception` misses it
-                raise RuntimeError(describe_dcp_failure(error, "load")) from None
-
-        by_message: dict[str, list[int]] = {}  # DCP raises the same error on every rank
-        for rank, outcome in enumerate(everyone(load)):
-            if outcome.failed:
-                by_message.setdefault(f"{outcome.error_type}: {outcome.message}", []).append(rank)
-        return "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())
 
 
 def _warn_if_pending(manager: weakref.ref[CheckpointManager]) -> None:
@@ -436,13 +372,3 @@ def _warn_if_pending(manager: weakref.ref[CheckpointManager]) -> None:
             "CheckpointManager.close() on every rank before destroying the process group",
             alive.pending,
         )
-
-
-def _no_checkpoint_loads(root: Path, reasons: list[str], attempted: bool) -> str:
-    state = (
-        "A load was attempted and failed part-way, so the state may be partly loaded."
-        if attempted
-        else "Nothing was loaded: the model and optimizer are as they were."
-    )
-    listed = "\n".join(f"  {reason}" for reason in reasons)
-    return f"no checkpoint under {root} loads on every rank. {state}\n{listed}"
