@@ -300,7 +300,7 @@ def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: s
     import json
 
     from shardkit.core.snapshots.checksum import checksums_of
-    from shardkit.core.snapshots.contents import Layout, leaves_of, restore_into
+    from shardkit.core.snapshots.contents import Layout, leaves_of
     from shardkit.core.snapshots.format import (
         REGION_AT,
         Expected,
@@ -312,6 +312,7 @@ def test_an_entry_holds_the_consumed_gradients_and_replays_to_its_step(device: s
     from shardkit.core.snapshots.gradient_log import GradientLog, LogPlan
     from shardkit.core.snapshots.log_replay import check_entry, reached, replay
     from shardkit.core.snapshots.slots import Topology
+    from shardkit.core.snapshots.state_copy import restore_into
 
     on = "cuda" if device == "cuda" else "cpu"
     torch.manual_seed(0)

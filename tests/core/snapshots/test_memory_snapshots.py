@@ -613,7 +613,8 @@ def test_the_checksums_are_the_formats_sums_of_words_modulo_two_to_the_64(nbytes
 
 def test_the_slot_copy_follows_tensors_changed_in_place_replaced_or_repointed() -> None:
     """One concatenation into the slot, its byte views kept between snapshots: never stale."""
-    from shardkit.core.snapshots.contents import Layout, SlotCopier, leaves_of
+    from shardkit.core.snapshots.contents import Layout, leaves_of
+    from shardkit.core.snapshots.state_copy import SlotCopier
 
     c = torch.tensor(7, dtype=torch.int64)  # a 0-dim tensor, as an optimizer's step
     state: dict[str, Any] = {

@@ -23,6 +23,7 @@ import torch
 from shardkit.core.snapshots.contents import Layout, Leaves
 from shardkit.core.snapshots.slots import SnapshotDirectory, Topology
 from shardkit.core.snapshots.writer import SnapshotWriter
+from shardkit.core.snapshots.writer_plan import WriterPlan
 
 
 class KillOnCopy(torch.Tensor):
@@ -62,14 +63,13 @@ def main(leaves_file: str, root: str, run_id: str) -> None:
     tensors[middle] = tensors[middle].as_subclass(KillOnCopy)
     shapes = {key: tuple(shape) for key, shape in saved["global_shapes"].items()}
     leaves = Leaves(tensors, shapes, saved["values"])
-    writer = SnapshotWriter(
-        directory=SnapshotDirectory(Path(root) / "node0", 0),
+    plan = WriterPlan(
         topology=Topology(run_id, rank=0, world_size=2, ranks_per_node=1),
         layout=Layout.from_json(saved["layout"]),
         capacity=saved["capacity"],
         slots=2,
-        replication=None,
     )
+    writer = SnapshotWriter(plan, SnapshotDirectory(Path(root) / "node0", 0))
     writer.write(6, leaves)
     raise AssertionError("unreachable: the copy kills the process")
 

@@ -8,13 +8,15 @@ on another node.
 ``CheckpointManager``). Behind it, in the order a snapshot travels:
 
 - ``contents``: what a snapshot holds (a state's tensors as one byte range, its other values
-  as JSON), the model fingerprint, and writing a snapshot back in place;
+  as JSON) and the model fingerprint; ``state_copy``: a state's tensors copied into a slot
+  (and checked against the layout first), a snapshot written back into a state in place;
 - ``format`` and ``checksum``: a snapshot's bytes (header, checksums, data) and every check
   before they are trusted;
 - ``slots``: the slot files under ``/dev/shm``;
-- ``writer``: the copy on the training thread, then checksums, header and the replica's
-  exchange with the peer on a thread of its own; ``device_staging`` the accelerator's path
-  (staged on the device, moved off the training thread);
+- ``writer_plan`` and ``writer``: what a rank's writer will do (one frozen value), then the
+  copy on the training thread, and checksums, header and the replica's exchange with the
+  peer on a thread of its own; ``device_staging`` the accelerator's path (staged on the
+  device, moved off the training thread);
 - ``gradient_log`` and ``log_replay``: the steps between two whole replicas sent as their
   gradients, and replayed on a lost node;
 - ``survey`` and ``restore``: what each rank holds, and the agreed restore.

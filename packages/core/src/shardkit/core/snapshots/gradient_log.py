@@ -39,13 +39,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.core.runtime.device import can_pin_memory, is_accelerator
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.snapshots.checksum import checksum_count, checksums_of
-from shardkit.core.snapshots.contents import (
-    JSONValue,
-    Layout,
-    Leaves,
-    TensorEntry,
-    dtype_named,
-)
+from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves, TensorEntry, dtype_named
 from shardkit.core.snapshots.format import (
     REGION_AT,
     Header,

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit.core.runtime.dtensors import dtensor_like
 from shardkit.core.snapshots.checksum import checksum_count
-from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves, SlotCopier
+from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves
 from shardkit.core.snapshots.format import (
     Header,
     SnapshotRefusal,
@@ -36,6 +36,7 @@ from shardkit.core.snapshots.gradient_log import (
     GradientLog,
     local_shard,
 )
+from shardkit.core.snapshots.state_copy import SlotCopier
 
 __all__ = ["check_entry", "reached", "replay"]
 

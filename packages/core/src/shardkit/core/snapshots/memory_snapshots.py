@@ -35,7 +35,8 @@ from shardkit.core.snapshots.device_staging import staging_device
 from shardkit.core.snapshots.gradient_log import GradientLog, LogPlan
 from shardkit.core.snapshots.restore import Restored, gathered, restore
 from shardkit.core.snapshots.slots import SnapshotDirectory, Topology, default_directory
-from shardkit.core.snapshots.writer import Replication, SnapshotWriter, header_capacity
+from shardkit.core.snapshots.writer import SnapshotWriter
+from shardkit.core.snapshots.writer_plan import Replication, WriterPlan, header_capacity
 
 __all__ = ["MemorySnapshots", "ResumePoint"]
 
@@ -286,8 +287,7 @@ class MemorySnapshots:
         replicate_every = self.replicate_every if replication is not None else self.every
 
         def allocate() -> SnapshotWriter:
-            return SnapshotWriter(
-                directory=self._directory(topology),
+            plan = WriterPlan(
                 topology=topology,
                 layout=layout,
                 capacity=capacity,
@@ -296,8 +296,8 @@ class MemorySnapshots:
                 staging_on=staging_on,
                 replica_slots=self.slots,
                 replicate_every=replicate_every,
-                log=log,
             )
+            return SnapshotWriter(plan, self._directory(topology), log)
 
         made: list[SnapshotWriter] = []
         raise_shared(gathered(lambda: made.append(allocate())))

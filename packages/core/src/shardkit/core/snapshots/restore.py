@@ -36,7 +36,7 @@ import torch
 from shardkit.core.runtime.agreement import Outcome, everyone, raise_shared
 from shardkit.core.runtime.groups import is_distributed
 from shardkit.core.runtime.peer_transfer import Message, transfer
-from shardkit.core.snapshots.contents import JSONValue, Layout, leaves_of, restore_into
+from shardkit.core.snapshots.contents import JSONValue, Layout, leaves_of
 from shardkit.core.snapshots.format import (
     REGION_AT,
     Expected,
@@ -53,6 +53,7 @@ from shardkit.core.snapshots.format import (
 from shardkit.core.snapshots.gradient_log import BASE, GradientLog
 from shardkit.core.snapshots.log_replay import check_entry, reached, replay
 from shardkit.core.snapshots.slots import SnapshotDirectory, Topology, map_existing
+from shardkit.core.snapshots.state_copy import restore_into
 from shardkit.core.snapshots.survey import (
     Holding,
     choose,

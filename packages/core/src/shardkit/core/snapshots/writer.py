@@ -31,8 +31,8 @@ import torch
 
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
 from shardkit.core.runtime.peer_transfer import Message, transfer
-from shardkit.core.snapshots.checksum import PARALLEL_BYTES, checksum_count, checksums_of
-from shardkit.core.snapshots.contents import FitCheck, JSONValue, Layout, Leaves, SlotCopier
+from shardkit.core.snapshots.checksum import PARALLEL_BYTES, checksums_of
+from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves
 from shardkit.core.snapshots.device_staging import DeviceStaging
 from shardkit.core.snapshots.format import (
     Header,
@@ -42,36 +42,12 @@ from shardkit.core.snapshots.format import (
 )
 from shardkit.core.snapshots.gradient_log import GradientLog, LogEntry
 from shardkit.core.snapshots.slots import SlotFile, SnapshotDirectory, Topology
+from shardkit.core.snapshots.state_copy import FitCheck, SlotCopier
+from shardkit.core.snapshots.writer_plan import WriterPlan
 
-__all__ = ["Replication", "SnapshotWriter", "header_capacity"]
+__all__ = ["SnapshotWriter"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Replication:
-    """Where this rank's snapshots go and whose it holds: ranks on other nodes."""
-
-    peer: int  # receives this rank's snapshots
-    source: int  # sends its snapshots here
-    source_capacity: int  # the source's header capacity
-    source_data_bytes: int  # and its data size
-    source_log_capacity: int = 0  # and its log entries' (gradient_log), where it logs
-    source_log_bytes: int = 0
-
-
-def header_capacity(topology: Topology, layout: Layout, values: dict[str, JSONValue]) -> int:
-    """Room for any later header of this state: twice the first, and 4 KiB more."""
-    widest = Header(
-        topology.run_id,
-        topology.world_size,
-        topology.rank,
-        2**62,
-        layout,
-        bytes(8 * checksum_count(layout.data_bytes)),
-        values,
-    )
-    return 2 * len(widest.to_json()) + 4096
 
 
 class _Worker:
@@ -106,59 +82,64 @@ class _Worker:
                 done.set_exception(error)
 
 
+@dataclass(frozen=True, slots=True)
+class _SlotFiles:
+    """The shared-memory files a writer holds: its own slots, its source's replicas and log."""
+
+    own: list[SlotFile]
+    replicas: list[SlotFile]
+    logs: list[SlotFile]
+
+    @staticmethod
+    def create(plan: WriterPlan, directory: SnapshotDirectory, *, logged: bool) -> _SlotFiles:
+        """Make (or map again, after a restart) every slot file of ``plan`` in ``directory``."""
+        directory.prepare()
+        data_bytes = plan.layout.data_bytes
+        own = [
+            SlotFile.create(directory.own(k), capacity=plan.capacity, data_bytes=data_bytes)
+            for k in range(plan.slots)
+        ]
+        replication = plan.replication
+        if replication is None:
+            return _SlotFiles(own, [], [])
+        replicas = [
+            SlotFile.create(
+                directory.replica(replication.source, k),
+                capacity=replication.source_capacity,
+                data_bytes=replication.source_data_bytes,
+            )
+            for k in range(plan.replica_count)
+        ]
+        logs = [  # one for each step between two replicated ones
+            SlotFile.create(
+                directory.log(replication.source, k),
+                capacity=replication.source_log_capacity,
+                data_bytes=replication.source_log_bytes,
+            )
+            for k in range(plan.replicate_every - 1 if logged else 0)
+        ]
+        return _SlotFiles(own, replicas, logs)
+
+
 class SnapshotWriter:
     """Writes one rank's snapshots into its slots and replicates them to its peer."""
 
     def __init__(
-        self,
-        *,
-        directory: SnapshotDirectory,
-        topology: Topology,
-        layout: Layout,
-        capacity: int,
-        slots: int,
-        replication: Replication | None,
-        staging_on: torch.device | None = None,
-        replica_slots: int = 0,
-        replicate_every: int = 1,
-        log: GradientLog | None = None,
+        self, plan: WriterPlan, directory: SnapshotDirectory, log: GradientLog | None = None
     ) -> None:
-        """Own ``slots``; ``replica_slots`` of the source's (default: as many).
+        """Make the slots of ``plan`` in ``directory``, and take ``log``'s entries (if any).
 
-        ``staging_on``: the accelerator the state lives on (``staging_device``), if any.
-        ``replicate_every``: replicate the snapshots of steps that are a multiple of it only;
-        the newest replicated one stays in its own slot until the next (``_pinned``).
         ``log``: the steps between two replicated ones send a log entry (``gradient_log``);
-        the source's go to ``replicate_every - 1`` slots, one for each such step.
+        with no replication it is not used.
         """
+        topology, layout, replication = plan.topology, plan.layout, plan.replication
+        replicate_every = plan.replicate_every
         self.topology, self.layout, self.replication = topology, layout, replication
         self._layout_json = layout_json_of(layout)  # every header repeats it
-        directory.prepare()
-        self._own = [
-            SlotFile.create(directory.own(k), capacity=capacity, data_bytes=layout.data_bytes)
-            for k in range(slots)
-        ]
-        self._replicas: list[SlotFile] = []
-        if replication is not None:
-            self._replicas = [
-                SlotFile.create(
-                    directory.replica(replication.source, k),
-                    capacity=replication.source_capacity,
-                    data_bytes=replication.source_data_bytes,
-                )
-                for k in range(replica_slots or slots)
-            ]
         self._log = log if replication is not None else None
-        self._logs: list[SlotFile] = []  # the source's log entries, by step after its base
-        if self._log is not None and replication is not None:
-            self._logs = [
-                SlotFile.create(
-                    directory.log(replication.source, k),
-                    capacity=replication.source_log_capacity,
-                    data_bytes=replication.source_log_bytes,
-                )
-                for k in range(replicate_every - 1)
-            ]
+        files = _SlotFiles.create(plan, directory, logged=self._log is not None)
+        self._own, self._replicas = files.own, files.replicas
+        self._logs = files.logs  # the source's log entries, by step after its base
         self._base = -1  # the newest replicated step: log entries follow it
         # Each tensor's place in each slot, made once: a snapshot every step copies into them.
         self._views: list[list[torch.Tensor]] = [
@@ -191,9 +172,9 @@ class SnapshotWriter:
                 self._pieces, "shardkit-snapshot-sums", initializer=_lower_this_thread
             )
         self._staging: DeviceStaging | None = None
-        if staging_on is not None:  # bounce buffers for the copying threads, and one more
+        if plan.staging_on is not None:  # bounce buffers for the copying threads, and one more
             depth = self._pieces + 1 if self._summers is not None else 1
-            self._staging = DeviceStaging(layout, staging_on, depth=depth)
+            self._staging = DeviceStaging(layout, plan.staging_on, depth=depth)
 
     @property
     def nbytes(self) -> int:
