@@ -68,17 +68,17 @@ def core_replacements() -> dict[str, dict[str, object]]:
     ``UnshardHandle``, say; torch 2.11 has no ``DataParallelMeshDims``, 2.14 no
     ``GradientReductionHandle``), so the patch never adds a name torch does not define there.
     """
-    from shardkit.core import (
+    # From the modules that define them, not the package (whose __init__ imports this
+    # module): no circle of imports, even a late one.
+    from shardkit.core.api import fully_shard, register_fsdp_forward_method
+    from shardkit.core.comm_sharing import share_comm_ctx
+    from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
+    from shardkit.core.fsdp_module import FSDPModule
+    from shardkit.core.policies import (
         CPUOffloadPolicy,
         DataParallelMeshDims,
-        FSDPModule,
-        GradientReductionHandle,
         MixedPrecisionPolicy,
         OffloadPolicy,
-        UnshardHandle,
-        fully_shard,
-        register_fsdp_forward_method,
-        share_comm_ctx,
     )
 
     ours: dict[str, object] = {
