@@ -1,7 +1,7 @@
 """Bytes from one rank to another, point to point: memory snapshots and their replicas.
 
 A memory snapshot of each rank is copied to a rank of another node (its peer), and back to its
-owner when a restart needs it (``checkpoint/snapshot_*.py``). Each transfer names who sends
+owner when a restart needs it (``shardkit.core.snapshots``). Each transfer names who sends
 what to whom; every rank posts all of its sends and receives at once, then waits for them, so
 two ranks that send to each other (the peers of a two-node job) never wait on one another.
 They run on ``groups.snapshot_group()``, a gloo group nothing else uses: the replicas travel
