@@ -1,11 +1,13 @@
 """Checkpoints: the manager of checkpoint directories and the pieces behind it.
 
 ``CheckpointManager`` (``manager.py``) saves and loads torch.distributed.checkpoint
-directories that an interrupted save or a corrupt file cannot break; ``async_save.py`` writes
-in the background, ``staging.py`` keeps the reused CPU copy of the state, and ``files.py``
-checksums a checkpoint's files; ``dcp_reading.py`` reads a checkpoint's metadata and plain
-values without running pickled code (``read_dcp_metadata``); ``StateDictCache`` is torch's
-``get_state_dict`` for a loop that asks every step (``state_dict_cache.py``).
+directories that an interrupted save or a corrupt file cannot break; ``load_checks.py``
+checks a candidate's files before anything of it loads, then loads it (one verdict on every
+rank); ``async_save.py`` writes in the background, ``staging.py`` keeps the reused CPU copy of
+the state, and ``files.py`` checksums a checkpoint's files; ``dcp_reading.py`` reads a
+checkpoint's metadata and plain values without running pickled code (``read_dcp_metadata``);
+``StateDictCache`` is torch's ``get_state_dict`` for a loop that asks every step
+(``state_dict_cache.py``).
 ``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
 exports the same names). Memory snapshots are a wing of their own, ``shardkit.core.snapshots``;
 their three names are still found here, loaded on first use (they import this package's
