@@ -29,6 +29,9 @@ _STATE: dict[str, Any] = {}
 DEBUG_SUFFIX = "-debug"
 # The same with the lifetime checks (``SHARDKIT_DEBUG_LIFETIMES``) on for its steps only.
 LIFETIMES_SUFFIX = "-lifetimes"
+# The same with the step check (on by default) off for its steps only (``set_step_checks``).
+NO_STEP_CHECK_SUFFIX = "-nocheck"
+_SUFFIXES = (DEBUG_SUFFIX, LIFETIMES_SUFFIX, NO_STEP_CHECK_SUFFIX)
 
 
 def _setup(
@@ -37,7 +40,9 @@ def _setup(
     _STATE.clear()
     _STATE["size"] = size
     for impl in impls:
-        engine = impl.removesuffix(DEBUG_SUFFIX).removesuffix(LIFETIMES_SUFFIX)
+        engine = impl
+        for suffix in _SUFFIXES:
+            engine = engine.removesuffix(suffix)
         _STATE[impl] = gpt.build(engine, size, world_size, options)
         for step in range(2):  # warm-up: lazy init, allocator, the optimizer's first state
             _step(rank, world_size, impl, step)
@@ -54,6 +59,14 @@ def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
             return gpt.train_step(model, opt, data)
         finally:
             SETTINGS.lifetime_checks = False
+    if impl.endswith(NO_STEP_CHECK_SUFFIX):
+        from shardkit.core import set_step_checks
+
+        set_step_checks(False)
+        try:
+            return gpt.train_step(model, opt, data)
+        finally:
+            set_step_checks(True)
     if not impl.endswith(DEBUG_SUFFIX):
         return gpt.train_step(model, opt, data)
     from shardkit.core import set_debug

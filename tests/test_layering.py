@@ -164,7 +164,8 @@ def test_the_dist_check_sees_every_spelling() -> None:
     ]  # fmt: skip
 
 
-# collectives.py (the step's), object_collectives.py (whole objects between steps) and
+# collectives.py (the step's), object_collectives.py (whole objects between steps),
+# step_check.py (the step check's exchange of digests, apart from the step's collectives) and
 # peer_transfer.py (memory snapshots to and from a peer) call them; flat_collectives.py only
 # picks the installed torch's names for two; comm_debug.py issues them on meta tensors, for
 # torch's CommDebugMode to count (nothing is sent).
@@ -176,6 +177,7 @@ COLLECTIVE_MODULES = {
         "flat_collectives.py",
         "peer_transfer.py",
         "comm_debug.py",
+        "step_check.py",
     )
 }
 

@@ -61,6 +61,7 @@ EXPECTED = {
         "save_full_state_dict",
         "set_debug",
         "set_hang_timeout",
+        "set_step_checks",
         "share_comm_ctx",
         "subscribe",
         "unpatch_torch",

@@ -152,16 +152,38 @@ def test_hsdp_and_smaller_reshard_groups_count_as_torch_does() -> None:
 
 
 def test_a_mode_on_one_rank_only_counts_there_and_changes_nothing() -> None:
-    """No collective is switched, so the rank counting nothing is not left waiting."""
-    case = {"sync": "all", "reshard_after_forward": True, "reshard_after_backward": True}
+    """No collective is switched, so the rank counting nothing is not left waiting.
+
+    Without resharding after forward: backward gathers nothing, so the module hooks the mode
+    adds on rank 0 alone (which change the order backward reaches the groups there) cannot
+    put the ranks' collectives out of step (see the next test).
+    """
+    case = {"sync": "all", "reshard_after_forward": False, "reshard_after_backward": True}
     one = dict(case, counting_ranks="rank0")
     (rank0, rank1) = run_on_ranks(2, _both_engines, cases=[case, one])
     assert rank0[1][1]["counted"] == rank0[0][0]["counted"]  # as where every rank counts
     assert rank1[1][0]["counted"] == rank1[1][1]["counted"] == {}
-    # A dispatch mode changes rank 0's arithmetic (on torch's engine too): the oracle is
-    # torch's fully_shard with the mode on rank 0 alone.
     for per_rank in (rank0, rank1):
         _assert_same(one, per_rank[1][0], per_rank[1][1])
+
+
+def _mode_on_rank0_regathering(rank: int, world_size: int) -> str:
+    case = {"sync": "all", "reshard_after_forward": True, "reshard_after_backward": True}
+    try:
+        _train("shardkit", dict(case, counting_ranks="rank0"), rank)
+    except shardkit_core.DesyncError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_mode_on_one_rank_that_reorders_backward_gathers_is_named() -> None:
+    """The mode's module hooks on rank 0 alone make it gather the root before block 3 in
+    backward, where rank 1 gathers block 3 first: two all-gathers of the same size that pair
+    with each other's module. torch's engine and shardkit's (before its step check) trained on
+    with the other module's parameters; the step check raises on both ranks."""
+    for message in run_on_ranks(2, _mode_on_rank0_regathering):
+        assert "rank 0: all-gather of <root> in backward" in message, message
+        assert "rank 1: all-gather of 3 in backward" in message, message
 
 
 def _compressed(rank: int, world_size: int) -> dict[str, int]:

@@ -55,6 +55,7 @@ from shardkit.core.policies import (
 )
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.progress import set_debug, set_hang_timeout
+from shardkit.core.runtime.step_check import set_step_checks
 from shardkit.core.snapshots import MemorySnapshots, ResumePoint, SnapshotError
 from shardkit.core.state_dict import (
     iter_full_state_dict,
@@ -116,6 +117,7 @@ __all__ = [
     "save_full_state_dict",
     "set_debug",
     "set_hang_timeout",
+    "set_step_checks",
     "share_comm_ctx",
     "subscribe",
     "unpatch_torch",

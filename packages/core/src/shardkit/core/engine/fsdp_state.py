@@ -34,6 +34,7 @@ from shardkit.core.engine.offthread import (
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
 from shardkit.core.engine.root_context import RootContext, name_from_root, new_comm_context
 from shardkit.core.engine.state_registry import states_under
+from shardkit.core.engine.step_end import check_step
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
     check_backward_finished,
@@ -43,6 +44,7 @@ from shardkit.core.engine.usage_checks import (
 )
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
+from shardkit.core.runtime import step_check
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.dynamo import eager_hook
 from shardkit.core.runtime.progress import PROGRESS
@@ -204,6 +206,9 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
+        verdict, self.ctx.verdict = self.ctx.verdict, None
+        if verdict is not None:
+            verdict.settle()  # the last step's check, on an accelerator
         groups = self.all_groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)
@@ -231,6 +236,7 @@ class FSDPState:
         if entering:
             self._forward_pending = {id(m) for m in self.modules}
         for group in self.groups:
+            group.ran_forward_with_grad |= torch.is_grad_enabled()
             if entering:
                 self.ctx.driver.pre_forward(group)
             elif group.training_state is not TrainingState.FORWARD:
@@ -281,6 +287,8 @@ class FSDPState:
         # Groups that were prefetched but never ran. A local tree's stay unsharded: each is
         # its shards.
         self.ctx.driver.root_post_forward([] if self.ctx.local else self.all_groups)
+        if not torch.is_grad_enabled():
+            self._check_step()  # no backward follows to check this forward's collectives
         return output
 
     def _register_pre_backward(self, output: Any) -> Any:
@@ -345,6 +353,13 @@ class FSDPState:
         for state in ctx.states:
             state._forward_pending.clear()  # partial list-group calls since: the next starts afresh
         PROGRESS.enter("idle")
+        if last:
+            self._check_step()
+
+    def _check_step(self) -> None:
+        """The step check (``step_end``): on the CPU it raises here, before the optimizer step."""
+        assert self.ctx is not None
+        self.ctx.verdict = check_step(self.all_groups, self.device)
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish or drop in-flight work, reshard all."""
@@ -365,6 +380,8 @@ class FSDPState:
         self.ctx.final_callback_queued = False
         self.ctx.manual_finalization = None
         self.ctx.reduction_pending = False
+        self.ctx.verdict = None
+        step_check.forget()  # what each rank issued before the exception may differ
         self.ctx.local = self.ctx.in_root_forward = False
         PROGRESS.enter("idle")
 

@@ -16,6 +16,7 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
+from shardkit.core.runtime.step_check import Verdict
 from shardkit.core.schedule import StepDriver
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ class RootContext:
     thread: int | None = None
     """The thread that ran the latest forward: state dicts from any other are taken off
     the modules (see [Note: off-thread state dicts])."""
+    verdict: Verdict | None = None
+    """The last step check's verdict, on an accelerator, settled at the root's next forward
+    (``step_end``)."""
     provisional: bool = False
     """Made by ``unshard()`` before any forward, which torch's does without making a root:
     a root that contains these states later takes them over (see ``lazy_init``)."""

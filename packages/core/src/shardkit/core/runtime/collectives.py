@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import comm_debug, desync, lifetimes
+from shardkit.core.runtime import comm_debug, desync, lifetimes, step_check
 from shardkit.core.runtime.announce import announce, announce_issued
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
@@ -102,6 +102,7 @@ class ProcessGroupRuntime:
         step = PROGRESS.steps_taken - self._steps_before + 1
         info = CollectiveInfo(seq, kind, label, nbytes, dtype, PROGRESS.phase, step)
         PROGRESS.issued(info)
+        step_check.record(group, info)
         ensure_watching()
         if not SETTINGS.desync_checks or group.size() == 1:
             return _Issued(info, tag or 0)

@@ -34,6 +34,7 @@ __all__ = [
     "Waitable",
     "check_fingerprints",
     "data_tag",
+    "epoch_of",
     "expect",
     "fingerprint_tag",
 ]
@@ -79,6 +80,12 @@ def _checks(group: dist.ProcessGroup) -> _GroupChecks:
     if checks is None:
         checks = _GROUPS[group] = _GroupChecks()
     return checks
+
+
+def epoch_of(group: dist.ProcessGroup) -> int:
+    """Desync errors raised on ``group`` so far (every member counts the same)."""
+    checks = _GROUPS.get(group)
+    return 0 if checks is None else checks.epoch
 
 
 def fingerprint_tag(group: dist.ProcessGroup) -> int:
@@ -207,7 +214,9 @@ def check_fingerprints(infos: list[CollectiveInfo], ranks: list[int]) -> None:
     raise DesyncError(
         f"ranks {ranks} are out of step: {sides}. Every rank must run the same forwards and "
         "backwards on a sharded model (the same micro-batches, the same modules, an optimizer "
-        "step at the same time); the first difference is shown"
+        "step at the same time); the first difference is shown. Modules that some ranks skip "
+        "or run in another order: mark them with set_conditional(True); ranks with fewer "
+        "batches: train under torch's Join([model], optimizer=...)"
     )
 
 

@@ -99,6 +99,9 @@ class Settings:
     lifetime_checks: bool = False
     """Check that no buffer is released while a collective not yet waited for uses it
     (``SHARDKIT_DEBUG_LIFETIMES``; see ``runtime/lifetimes.py``)."""
+    step_checks: bool = True
+    """Compare every rank's collectives once per step (``SHARDKIT_STEP_CHECK``, on unless
+    set to 0; see ``runtime/step_check.py``)."""
 
 
 def _switched_on(name: str) -> bool:
@@ -114,12 +117,16 @@ def _from_environment() -> Settings:
         logger.warning("SHARDKIT_HANG_TIMEOUT=%r is not a number of seconds; using 300", raw)
         timeout = 300.0
     lifetimes = _switched_on("SHARDKIT_DEBUG_LIFETIMES")
-    return Settings(debug, max(timeout, 0.0), lifetimes)
+    step_checks = os.environ.get("SHARDKIT_STEP_CHECK", "1").strip().lower() not in _OFF
+    return Settings(debug, max(timeout, 0.0), lifetimes, step_checks)
+
+
+_OFF = ("0", "false", "off", "no")
 
 
 SETTINGS = _from_environment()
 """The settings in force (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``,
-``SHARDKIT_DEBUG_LIFETIMES``, or set in code)."""
+``SHARDKIT_DEBUG_LIFETIMES``, ``SHARDKIT_STEP_CHECK``, or set in code)."""
 
 
 def set_debug(enabled: bool = True) -> None:

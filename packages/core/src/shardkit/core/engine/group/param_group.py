@@ -82,6 +82,7 @@ class FSDPParamGroup:
         self._pending_gather: _PendingGather | None = None
         self._grad_hook: Callable[[torch.Tensor], None] = _not_attached
         self.grads_in_flat_layout = False  # see reduce_in_flat_layout
+        self.ran_forward_with_grad = False  # since its last reduction: see holds_grads
         # While unlisted (list_params), each module's _parameters names as they were.
         self._listing_order: dict[int, list[str]] = {}
         # Everything derived from the parameters and config: read it, a re-plan replaces it.
@@ -337,7 +338,14 @@ class FSDPParamGroup:
     # --- backward ---------------------------------------------------------------------------
 
     def holds_grads(self) -> bool:
-        """Whether a gradient no reduction took is held (in ``.grad``, or accumulated)."""
+        """Whether a gradient no reduction took is held (in ``.grad``, or accumulated).
+
+        So is one that ran forward with gradients since its last reduction, where missing
+        gradients are reduced as zeros: another rank may reduce it though this one got no
+        gradient at all (``reduce.unused``).
+        """
+        if self.ran_forward_with_grad and self.reducer.reduces_zeros() and self.trainable:
+            return True
         return any(
             p.accumulated_grad is not None
             or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
@@ -359,7 +367,8 @@ class FSDPParamGroup:
                     _add_sharded_grad(p)
                 p.stash_unsharded_grad(p.comm_dtype if in_param_dtype else self.plan.reduce_dtype)
             return None
-        return self.reducer.take_grads(self.trainable) or None
+        ran_forward, self.ran_forward_with_grad = self.ran_forward_with_grad, False
+        return self.reducer.take_grads(self.trainable, ran_forward=ran_forward) or None
 
     def start_reduction(
         self, grads: list[tuple[FSDPParam, torch.Tensor | None]], *, assign_now: bool
@@ -392,6 +401,8 @@ class FSDPParamGroup:
         for p in self.trainable:
             p.take_unsharded_grad()
         self.reducer.partial = None
+        self.reducer.unused.forget()
+        self.ran_forward_with_grad = False
         self.reshard()
         self.training_state = TrainingState.IDLE
 

@@ -24,9 +24,11 @@ from shardkit.core.engine.reduce.assign import assign_reduced, take_sharded_grad
 from shardkit.core.engine.reduce.division import Division, plan_division
 from shardkit.core.engine.reduce.packing import Packing
 from shardkit.core.engine.reduce.precision import WireReducer
+from shardkit.core.engine.reduce.unused import UnusedGrads
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing
 from shardkit.core.runtime.dtensors import accumulate_grads
+from shardkit.core.runtime.progress import SETTINGS
 from shardkit.core.runtime.protocol import CollectiveHandle
 
 __all__ = ["AssignInPlace", "GroupReducer", "PendingReduce"]
@@ -70,8 +72,7 @@ class GroupReducer:
 
     Which parameters those are can change from one backward to the next (``requires_grad``
     set by the user, a parameter unused in a forward), so the packing is chosen per reduction.
-    Every rank must reduce the same parameters: a parameter used on some ranks only is not
-    supported (see [Note: post-backward trigger]).
+    A parameter used on some ranks only is reduced as zeros on the others (``unused``).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class GroupReducer:
         # HSDP: reduced but not yet all-reduced, with the packing it was reduced in.
         self.partial: tuple[Packing, torch.Tensor] | None = None
         self._wire: WireReducer | None = None  # for options.reduce_precision, when it compresses
+        self.unused = UnusedGrads()  # zeros reduced for parameters without a gradient here
 
     def _wire_reducer(self) -> WireReducer | None:
         """The compressed reductions of ``options.reduce_precision`` (None: torch's way).
@@ -126,19 +128,29 @@ class GroupReducer:
         self._packings.clear()
 
     def take_grads(
-        self, trainable: Sequence[FSDPParam]
+        self, trainable: Sequence[FSDPParam], *, ran_forward: bool = False
     ) -> list[tuple[FSDPParam, torch.Tensor | None]]:
-        """The gradients to reduce, taken off the parameters (none if no parameter got one).
+        """The gradients to reduce, taken off the parameters (none if none is to be reduced).
 
-        As torch: a parameter that took no part in this backward gets no gradient (None, so
-        optimizers skip it), unless the user asked to reduce unused parameters as zeros.
+        A parameter that took no part in this backward on this rank is reduced as zeros, and
+        gets None back if no rank used it (``unused.UnusedGrads``); with
+        ``set_reduce_scatter_unused_params(True)`` it keeps the zeros, as torch's switch does.
+        ``ran_forward``: see ``UnusedGrads.choose``.
         """
-        with_zeros = self.options.reduce_scatter_unused_params
-        if with_zeros:
+        if self.options.reduce_scatter_unused_params:
             _check_zeros_have_a_dtype(trainable, self.label)
+            grads = [(p, p.take_unsharded_grad()) for p in trainable]
+            return grads if any(g is not None for _, g in grads) else []
         grads = [(p, p.take_unsharded_grad()) for p in trainable]
-        chosen = [(p, g) for p, g in grads if g is not None or with_zeros]
-        return chosen if any(g is not None for _, g in chosen) else []
+        world = self.mesh_info.shard_size * self.mesh_info.replicate_size
+        return self.unused.choose(grads, world=world, ran_forward=ran_forward)
+
+    def reduces_zeros(self) -> bool:
+        """Whether a group with no gradient on this rank still reduces (zeros) at backward's end."""
+        opts = self.options
+        world = self.mesh_info.shard_size * self.mesh_info.replicate_size
+        automatic = SETTINGS.step_checks and not opts.reduce_scatter_unused_params
+        return opts.reduce_grads and world > 1 and automatic
 
     def _packing_of(self, params: Sequence[FSDPParam]) -> Packing:
         key = tuple(id(p) for p in params)
