@@ -1,0 +1,240 @@
+"""Conditional modules: groups some ranks skip, or run in another order than others do.
+
+The engine's schedule assumes SPMD: every rank runs the same sharded modules in the same
+order, so each group's collectives meet their peers' on every rank. A vision tower that
+text-only batches skip, an early exit, blocks run as B(A(x)) on one rank and A(B(x)) on
+another, or an expert with no tokens on some ranks break that: a rank waits for a gather
+that never comes, or the collectives of two groups of one size pair up and exchange the
+wrong data. ``FSDPModule.set_conditional`` marks such a module (``GroupOptions.conditional``);
+its collectives are then issued at points every rank reaches, by its *anchor*, in one fixed
+order (the groups' registration order, the same on every rank):
+
+- **Forward.** The anchor's pre-forward gathers its marked dependents, right after its own
+  gather and forward prefetch. A marked group's own pre-forward issues nothing: it waits for
+  that gather and registers the full parameters; its post-forward frees nothing. The
+  anchor's post-forward waits for every dependent's gather (one a rank did not run was
+  never waited on) and frees them as ``reshard_after_forward`` says, where they ran or not.
+  An int policy frees them as True does: a 1/n slice kept for a backward gather within n
+  ranks would be one more collective whose peers depend on the control flow.
+- **Backward.** The anchor's pre-backward gathers the dependents it freed, right after its
+  own gather and backward prefetch. A marked group's pre-backward only waits; its gradients
+  end nothing (no count, no rule of ``backward``): they stay on the full parameters.
+- **The end of backward.** The dependents' gradients are taken and reduced, in the same
+  fixed order on every rank, before the callback ends the other groups. A parameter with
+  no gradient on a rank is reduced as zeros (``reduce_scatter_unused_params`` is forced on
+  marked groups), also where the module did not run at all (one zero gradient stands in,
+  so that the group's reduction has every rank's rows): the result is the mean over ranks
+  of each rank's gradient, a skipped rank counting zeros.
+- **Orders.** Marked groups take no place in the schedule's forward and backward orders,
+  so implicit prefetch neither follows nor targets them (those orders differ by rank).
+
+The anchor is the root for every marked module (a non-root anchor would have to end its
+backward only once its dependents' gradients are in; not built yet). A root with no
+parameters of its own has no pre-backward group: its dependents then keep their full
+parameters from forward to backward, whatever their policy.
+
+Costs, against the same module unmarked in an SPMD program: its full parameters are held
+from the root's pre-forward to its post-forward (not only around its own forward), and from
+the root's pre-backward to the end of backward, with its full gradients; its reduction waits
+for the end of backward instead of overlapping backward. Its collectives are the same ones
+(one all-gather per forward and per backward where freed, one reduction), with the same
+bytes, on every rank including those that skip it. Unmarked groups in a program with marked
+ones pay one set lookup per hook, and a program with none runs the plain driver: nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.schedule import AfterForward, StepDriver, StepOps, StepSchedule
+from shardkit.core.state_machines import TrainingState
+
+__all__ = ["ConditionalDriver", "mark_conditional", "new_driver"]
+
+
+def mark_conditional(groups: Sequence[FSDPParamGroup], conditional: bool, owner: str) -> None:
+    """``FSDPModule.set_conditional``'s work: mark (or unmark) ``groups``.
+
+    Raises:
+        TypeError: ``conditional`` is not a bool.
+        RuntimeError: a group's root already ran a forward (its driver is chosen then).
+    """
+    if not isinstance(conditional, bool):
+        raise TypeError(f"set_conditional takes a bool, got {type(conditional).__name__}")
+    for group in groups:
+        if group.comm is not None and group.options.conditional != conditional:
+            raise RuntimeError(
+                f"set_conditional: FSDP module {group.fqn or owner} already ran a forward; "
+                "mark conditional modules before the first forward (the root's schedule for "
+                "them is set up then)"
+            )
+    for group in groups:
+        group.options.conditional = conditional
+        if conditional:
+            group.options.reduce_scatter_unused_params = True
+
+
+def new_driver(
+    ops: StepOps[FSDPParamGroup],
+    root: nn.Module,
+    anchors: Sequence[FSDPParamGroup],
+    groups: Sequence[FSDPParamGroup],
+) -> StepDriver[FSDPParamGroup]:
+    """The root's driver: the plain one unless a group under it is marked conditional.
+
+    Args:
+        ops: the engine's operations on the root's groups.
+        root: the root module, named in errors.
+        anchors: the root's own groups, whose hooks issue the marked groups' collectives.
+        groups: every group under the root, in registration order (the same on every rank).
+
+    Raises:
+        ValueError: one of the root's own groups is marked (every rank runs the root).
+    """
+    marked = [g for g in groups if g.options.conditional]
+    if not marked:
+        return StepDriver(ops)
+    for group in anchors:
+        if group.options.conditional:
+            raise ValueError(
+                f"set_conditional: the root FSDP module ({type(root).__name__}) cannot be "
+                "conditional: every rank runs it, and its hooks issue the conditional "
+                "modules' collectives. Mark its submodules (set_conditional(True, "
+                "recurse=True) on the root marks the root too)"
+            )
+    return ConditionalDriver(ops, anchors, marked)
+
+
+class ConditionalDriver(StepDriver[FSDPParamGroup]):
+    """The step's sequence with marked groups anchored at the root (module docstring)."""
+
+    def __init__(
+        self,
+        ops: StepOps[FSDPParamGroup],
+        anchors: Sequence[FSDPParamGroup],
+        marked: Sequence[FSDPParamGroup],
+        schedule: StepSchedule[FSDPParamGroup] | None = None,
+    ) -> None:
+        """Drive ``ops``; ``anchors`` (the root's groups) issue ``marked``'s collectives."""
+        super().__init__(ops, schedule)
+        self.marked = tuple(marked)  # the fixed order every rank issues their collectives in
+        self._marked = frozenset(marked)
+        self.anchors = frozenset(anchors)
+        # The anchor whose pre-forward issues the dependents' gathers: the root's last group
+        # to gather, so they queue behind the root's own (None: the root has no parameters).
+        self._gathers_after = anchors[-1] if anchors else None
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def root_pre_forward(self) -> None:
+        """As the plain driver's; with no root group, the dependents are gathered here."""
+        super().root_pre_forward()
+        if self._gathers_after is None:
+            self._gather_dependents()
+
+    def pre_forward(self, group: FSDPParamGroup) -> None:
+        """A marked group waits for its anchor's gather; the anchor issues the dependents'."""
+        if group in self._marked:
+            self._wait_gathered(group, "forward")
+            self.ops.set_state(group, TrainingState.FORWARD)
+            self.ops.event("pre_forward", group)
+            return
+        super().pre_forward(group)
+        if group is self._gathers_after:
+            self._gather_dependents()
+
+    def post_forward(self, group: FSDPParamGroup) -> None:
+        """A marked group frees nothing and takes no place in backward's order."""
+        if group in self._marked:
+            self.ops.set_state(group, TrainingState.IDLE)
+            self.ops.event("post_forward", group)
+            return
+        super().post_forward(group)
+
+    def root_post_forward(self, groups: Iterable[FSDPParamGroup]) -> None:
+        """Every dependent's gather is finished, and freed as its policy says (int as True)."""
+        keep_all = self._gathers_after is None  # no pre-backward of the root to gather again
+        for group in self.marked:
+            if not self.ops.is_unsharded(group):
+                continue
+            self.ops.wait(group)  # a rank that skipped the module never waited for its gather
+            if not keep_all and self.ops.settings(group).reshard_after_forward is not False:
+                self.ops.free_after_forward(group, AfterForward.FREE)
+        super().root_post_forward(groups)
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def pre_backward(self, group: FSDPParamGroup) -> None:
+        """A marked group waits; the anchor gathers its freed dependents after its own work."""
+        if group in self._marked:
+            if self.started_backward(group):
+                return
+            self._wait_gathered(group, "backward")
+            self.ops.set_state(group, TrainingState.PRE_BACKWARD)
+            self.ops.event("pre_backward", group)
+            return
+        super().pre_backward(group)
+        if group is self._gathers_after:
+            self._gather_dependents()
+
+    def grads_complete(self, group: FSDPParamGroup, *, inputs_pending: bool) -> None:
+        """A marked group's gradients wait for the end of backward (every rank reduces there)."""
+        if group not in self._marked:
+            super().grads_complete(group, inputs_pending=inputs_pending)
+
+    def inputs_done(self, group: FSDPParamGroup, *, count_complete: bool) -> None:
+        """As :meth:`grads_complete`: a marked group's backward ends at the callback only."""
+        if group not in self._marked:
+            super().inputs_done(group, count_complete=count_complete)
+
+    def final_callback(
+        self, groups: Sequence[FSDPParamGroup], *, last: bool, assign_now: bool
+    ) -> None:
+        """The dependents' reductions first, in the fixed order on every rank; then the rest."""
+        ops = self.ops
+        for group in self.marked:
+            if not ops.is_unsharded(group):
+                ops.unshard(group)  # every rank alike: the same policies freed it everywhere
+            ops.wait(group)
+            # Forced again: a user's recursive set_reduce_scatter_unused_params may undo it.
+            group.options.reduce_scatter_unused_params = True
+            if group.options.reduce_grads and not ops.holds_grads(group):
+                _stand_in_zero_grad(group)
+            self.end_backward(group, assign_now=assign_now)
+        super().final_callback(groups, last=last, assign_now=assign_now)
+
+    # --- the dependents ---------------------------------------------------------------------
+
+    def _gather_dependents(self) -> None:
+        for group in self.marked:
+            if not self.ops.is_unsharded(group):
+                with self.ops.profiled("conditional_prefetch", group):
+                    self.ops.unshard(group, prefetch=True)
+
+    def _wait_gathered(self, group: FSDPParamGroup, where: str) -> None:
+        """Finish the anchor's gather of ``group``; never issue one (its peers may not)."""
+        if not self.ops.is_unsharded(group):
+            raise RuntimeError(
+                f"conditional FSDP module {group.fqn}: its {where} ran where the root had not "
+                "gathered its parameters (a conditional module runs inside the root's forward, "
+                "and its backward after the root's pre-backward); gathering it here would "
+                "issue a collective that ranks which skip it never issue"
+            )
+        self.ops.wait(group)
+
+
+def _stand_in_zero_grad(group: FSDPParamGroup) -> None:
+    """One zero gradient, so that a group no rank's backward reached here is still reduced.
+
+    The reducer packs every trainable parameter (zeros for those with none) once one has a
+    gradient; with none it would skip the reduction the other ranks issue.
+    """
+    for p in group.params:
+        param = p.unsharded_param
+        if p.requires_grad and param is not None:
+            param.grad = torch.zeros_like(param)
+            return
