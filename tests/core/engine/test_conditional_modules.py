@@ -10,9 +10,10 @@ and the swapped blocks as the control: what it does there is recorded, not requi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import multiprocessing as mp
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,7 +153,7 @@ def _batch(case: Case, step: int, rank: int, micro: int) -> torch.Tensor:
         # per rank and step, so an expert gets no tokens on some ranks.
         allowed = [(rank + step) % EXPERTS, (rank + step + 1) % EXPERTS]
         for row in range(x.shape[0]):
-            x[row, allowed[row % 2]] += 10.0
+            x[row, allowed[row % 2]] += 3.0
     return x
 
 
@@ -192,9 +193,7 @@ def _oracle(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor
 # --- shardkit (and torch's fully_shard, the control) ------------------------------------------
 
 
-def _mesh(case: Case, group: dist.ProcessGroup | None = None) -> DeviceMesh:
-    if group is not None:
-        return DeviceMesh.from_group(group, "cpu")
+def _mesh(case: Case) -> DeviceMesh:
     if case.hsdp:
         return init_device_mesh("cpu", (2, case.world // 2), mesh_dim_names=("rep", "shard"))
     return init_device_mesh("cpu", (case.world,))
@@ -313,6 +312,20 @@ def test_marked_modules_matrix(case: Case) -> None:
     _run(case)
 
 
+def _unmarked_body(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    return {"ours": _train(case, rank, mark=False), "oracle": _oracle(case)}
+
+
+def test_unmarked_swapped_blocks_pair_silently_the_failure_marking_fixes() -> None:
+    # The same program unmarked: A's and B's gathers and reductions are of one size, so
+    # rank 0's A pairs with rank 1's B and every gradient is wrong, with no error.
+    from harness.pool import run_on_ranks
+
+    result = run_on_ranks(2, _unmarked_body, case=CASES[2])[0]
+    with pytest.raises(AssertionError):
+        _assert_matches(result, CASES[2])
+
+
 # --- the cost, against the same module unmarked where every rank runs it ------------------
 
 
@@ -377,7 +390,7 @@ def test_the_root_cannot_be_conditional() -> None:
     from harness.pool import run_on_ranks
 
     message = run_on_ranks(2, _root_marked_body)[0]
-    assert "root FSDP module (Tower) cannot be conditional" in message
+    assert "the root FSDP module (FSDPTower) cannot be conditional" in message
 
 
 def _late_mark_body(rank: int, world_size: int) -> str:
@@ -402,15 +415,21 @@ def test_marking_after_the_first_forward_is_refused_by_name() -> None:
 
 
 # --- torch's fully_shard, the control -------------------------------------------------------
+#
+# Run in processes of their own, not the pool's: torch's collectives out of step abort a rank
+# inside gloo (SIGABRT) or leave it waiting, which would take the pool's workers down with it.
 
 
-def _torch_control_body(rank: int, world_size: int, case: Case) -> dict[str, Any]:
-    # A process group of its own with a short timeout: collectives out of step fail there
-    # within seconds instead of gloo's 30 minutes, and the default group stays clean.
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=15))
+def _torch_control_rank(rank: int, case: Case, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=case.world,
+        timeout=timedelta(seconds=20),
+    )  # fmt: skip
+    torch.manual_seed(0)
     model: Any = _build(case)
+    result: dict[str, Any]
     try:
-        _shard(case, model, _mesh(case, group), "torch", mark=False)
+        _shard(case, model, _mesh(case), "torch", mark=False)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         first: dict[str, torch.Tensor] = {}
         for step in range(STEPS):
@@ -419,32 +438,51 @@ def _torch_control_body(rank: int, world_size: int, case: Case) -> dict[str, Any
                 first = _full_grads(model)
             opt.step()
             opt.zero_grad()
-        return {"grads": first, "params": full_params(model), "oracle": _oracle(case)}
+        result = {"grads": first, "params": full_params(model)}
     except Exception as error:  # the control's failure is its result
-        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-    finally:
-        dist.destroy_process_group(group)
+        result = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
 
 
-def _torch_outcome(result: dict[str, Any]) -> str:
+def _torch_outcome(rank: int, exitcode: int | None, out: Path, case: Case) -> str:
+    path = out / f"rank{rank}.pt"
+    if not path.exists():
+        return "hangs (killed)" if exitcode is None else f"dies (exit code {exitcode})"
+    result = torch.load(path)
     if "error" in result:
-        return f"fails: {result['error']}"
-    first, _ = result["oracle"]
+        return f"raises {result['error']}"
+    first, final = _oracle(case)
     wrong = [
         name
         for name, expected in first.items()
         if name not in result["grads"]
         or not torch.allclose(result["grads"][name], expected, rtol=1e-5, atol=1e-6)
     ]
-    return f"wrong gradients: {wrong}" if wrong else "matches the oracle"
+    return f"wrong gradients of {wrong}" if wrong else "matches the oracle"
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.name)
-def test_torch_fully_shard_control(case: Case, record_property: Callable[..., None]) -> None:
-    from harness.pool import run_on_ranks
-
-    outcomes = [_torch_outcome(r) for r in run_on_ranks(2, _torch_control_body, case=case)]
-    record_property("torch_outcome", outcomes)
+def test_torch_fully_shard_control(case: Case, tmp_path: Path) -> None:
+    context = mp.get_context("spawn")
+    store = tmp_path / "store"
+    ranks = [
+        context.Process(target=_torch_control_rank, args=(r, case, str(store), str(tmp_path)))
+        for r in range(case.world)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=90)
+    exitcodes = []
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+            exitcodes.append(None)
+        else:
+            exitcodes.append(process.exitcode)
+    outcomes = [_torch_outcome(r, exitcodes[r], tmp_path, case) for r in range(case.world)]
     print(f"torch fully_shard on {case.name}: {outcomes}")  # noqa: T201 - the recorded result
     assert all(o != "matches the oracle" for o in outcomes), outcomes
 
