@@ -164,7 +164,8 @@ class ConditionalDriver(StepDriver[FSDPParamGroup]):
             self.ops.wait(group)  # a rank that skipped the module never waited for its gather
             if not keep_all and self.ops.settings(group).reshard_after_forward is not False:
                 self.ops.free_after_forward(group, AfterForward.FREE)
-        super().root_post_forward(groups)
+        # Done with: the plain rule would free what a root without parameters keeps.
+        super().root_post_forward([g for g in groups if g not in self._marked])
 
     # --- backward ---------------------------------------------------------------------------
 
