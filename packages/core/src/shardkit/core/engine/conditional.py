@@ -44,12 +44,16 @@ ones pay one set lookup per hook, and a program with none runs the plain driver:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from shardkit.core.engine.anchors import Anchoring, anchor_marked
+from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.usage_checks import in_backward
 from shardkit.core.schedule import AfterForward, StepDriver, StepOps, StepSchedule
 from shardkit.core.state_machines import TrainingState
 
@@ -81,24 +85,25 @@ def mark_conditional(groups: Sequence[FSDPParamGroup], conditional: bool, owner:
 def new_driver(
     ops: StepOps[FSDPParamGroup],
     root: nn.Module,
-    anchors: Sequence[FSDPParamGroup],
+    root_groups: Sequence[FSDPParamGroup],
     groups: Sequence[FSDPParamGroup],
+    tracker: Callable[[], BackwardTracker],
 ) -> StepDriver[FSDPParamGroup]:
     """The root's driver: the plain one unless a group under it is marked conditional.
 
     Args:
         ops: the engine's operations on the root's groups.
-        root: the root module, named in errors.
-        anchors: the root's own groups, whose hooks issue the marked groups' collectives.
+        root: the root module.
+        root_groups: the root's own groups.
         groups: every group under the root, in registration order (the same on every rank).
+        tracker: the root's backward tracker (made after the driver, which it reports to).
 
     Raises:
         ValueError: one of the root's own groups is marked (every rank runs the root).
     """
-    marked = [g for g in groups if g.options.conditional]
-    if not marked:
+    if not any(g.options.conditional for g in groups):
         return StepDriver(ops)
-    for group in anchors:
+    for group in root_groups:
         if group.options.conditional:
             raise ValueError(
                 f"set_conditional: the root FSDP module ({type(root).__name__}) cannot be "
@@ -106,71 +111,84 @@ def new_driver(
                 "modules' collectives. Mark its submodules (set_conditional(True, "
                 "recurse=True) on the root marks the root too)"
             )
-    return ConditionalDriver(ops, anchors, marked)
+    return ConditionalDriver(ops, anchor_marked(root, root_groups, groups), tracker)
 
 
 class ConditionalDriver(StepDriver[FSDPParamGroup]):
-    """The step's sequence with marked groups anchored at the root (module docstring)."""
+    """The step's sequence with marked groups anchored (see the module docstring)."""
 
     def __init__(
         self,
         ops: StepOps[FSDPParamGroup],
-        anchors: Sequence[FSDPParamGroup],
-        marked: Sequence[FSDPParamGroup],
+        anchoring: Anchoring,
+        tracker: Callable[[], BackwardTracker],
         schedule: StepSchedule[FSDPParamGroup] | None = None,
     ) -> None:
-        """Drive ``ops``; ``anchors`` (the root's groups) issue ``marked``'s collectives."""
+        """Drive ``ops``; each anchor of ``anchoring`` issues its dependents' collectives."""
         super().__init__(ops, schedule)
-        self.marked = tuple(marked)  # the fixed order every rank issues their collectives in
-        self._marked = frozenset(marked)
-        self.anchors = frozenset(anchors)
-        # The anchor whose pre-forward issues the dependents' gathers: the root's last group
-        # to gather, so they queue behind the root's own (None: the root has no parameters).
-        self._gathers_after = anchors[-1] if anchors else None
+        self.anchoring = anchoring
+        self._marked = frozenset(anchoring.marked)
+        self._dependents = anchoring.dependents
+        self._root_key = anchoring.root_key
+        self._inner = anchoring.inner()
+        # Inner anchors whose inputs this forward needed gradients: backward through them ends
+        # their backward (``backward``, rule 2), after their dependents' gradients are in.
+        self._watched: set[FSDPParamGroup] = set()
+        self._tracker = tracker
+        for anchor in self._inner:
+            for module in anchor.modules:
+                module.register_forward_pre_hook(self._input_watch(anchor), with_kwargs=True)
 
     # --- forward ----------------------------------------------------------------------------
 
     def root_pre_forward(self) -> None:
-        """As the plain driver's; with no root group, the dependents are gathered here."""
+        """As the plain driver's; a root without parameters gathers its dependents here."""
         super().root_pre_forward()
-        if self._gathers_after is None:
-            self._gather_dependents()
+        if self._root_key is None:
+            self._gather(self._dependents.get(None, ()))
 
     def pre_forward(self, group: FSDPParamGroup) -> None:
-        """A marked group waits for its anchor's gather; the anchor issues the dependents'."""
+        """A marked group waits for its anchor's gather; an anchor issues its dependents'."""
         if group in self._marked:
             self._wait_gathered(group, "forward")
             self.ops.set_state(group, TrainingState.FORWARD)
             self.ops.event("pre_forward", group)
             return
         super().pre_forward(group)
-        if group is self._gathers_after:
-            self._gather_dependents()
+        dependents = self._dependents.get(group)
+        if dependents:
+            self._gather(dependents)
 
     def post_forward(self, group: FSDPParamGroup) -> None:
-        """A marked group frees nothing and takes no place in backward's order."""
+        """A marked group frees nothing; an inner anchor frees its dependents before itself."""
         if group in self._marked:
             self.ops.set_state(group, TrainingState.IDLE)
             self.ops.event("post_forward", group)
             return
+        dependents = self._inner.get(group)
+        if dependents:
+            self._after_forward_of(dependents, keep=False)
         super().post_forward(group)
 
     def root_post_forward(self, groups: Iterable[FSDPParamGroup]) -> None:
-        """Every dependent's gather is finished, and freed as its policy says (int as True)."""
-        keep_all = self._gathers_after is None  # no pre-backward of the root to gather again
-        for group in self.marked:
+        """The root's dependents are freed (a root without parameters keeps them)."""
+        self._after_forward_of(self.anchoring.at_root(), keep=self._root_key is None)
+        # The plain rule would free every marked group gathered: inner anchors did theirs.
+        super().root_post_forward([g for g in groups if g not in self._marked])
+
+    def _after_forward_of(self, dependents: Sequence[FSDPParamGroup], *, keep: bool) -> None:
+        """Finish each gather (a rank that skipped a module never waited), free as set."""
+        for group in dependents:
             if not self.ops.is_unsharded(group):
                 continue
-            self.ops.wait(group)  # a rank that skipped the module never waited for its gather
-            if not keep_all and self.ops.settings(group).reshard_after_forward is not False:
-                self.ops.free_after_forward(group, AfterForward.FREE)
-        # Done with: the plain rule would free what a root without parameters keeps.
-        super().root_post_forward([g for g in groups if g not in self._marked])
+            self.ops.wait(group)
+            if not keep and self.ops.settings(group).reshard_after_forward is not False:
+                self.ops.free_after_forward(group, AfterForward.FREE)  # an int as True
 
     # --- backward ---------------------------------------------------------------------------
 
     def pre_backward(self, group: FSDPParamGroup) -> None:
-        """A marked group waits; the anchor gathers its freed dependents after its own work."""
+        """A marked group waits; an anchor gathers its freed dependents after its own work."""
         if group in self._marked:
             if self.started_backward(group):
                 return
@@ -179,25 +197,60 @@ class ConditionalDriver(StepDriver[FSDPParamGroup]):
             self.ops.event("pre_backward", group)
             return
         super().pre_backward(group)
-        if group is self._gathers_after:
-            self._gather_dependents()
+        dependents = self._dependents.get(group)
+        if dependents:
+            self._gather(dependents)
 
     def grads_complete(self, group: FSDPParamGroup, *, inputs_pending: bool) -> None:
-        """A marked group's gradients wait for the end of backward (every rank reduces there)."""
-        if group not in self._marked:
-            super().grads_complete(group, inputs_pending=inputs_pending)
+        """A marked group's count ends nothing; nor an inner anchor's with no input watched.
+
+        An inner anchor ends where backward is through its inputs (its dependents' gradients
+        are in by then); where its inputs needed no gradient, at the callback.
+        """
+        if group in self._marked:
+            return
+        if group in self._inner and group not in self._watched:
+            return
+        super().grads_complete(group, inputs_pending=inputs_pending)
 
     def inputs_done(self, group: FSDPParamGroup, *, count_complete: bool) -> None:
-        """As :meth:`grads_complete`: a marked group's backward ends at the callback only."""
+        """As :meth:`grads_complete`: a marked group's backward ends at its anchor's end."""
         if group not in self._marked:
             super().inputs_done(group, count_complete=count_complete)
+
+    def end_backward(self, group: FSDPParamGroup, *, assign_now: bool = False) -> None:
+        """An inner anchor's end of backward reduces its dependents' gradients first."""
+        dependents = self._inner.get(group)
+        if dependents and self.ops.state(group) is not TrainingState.POST_BACKWARD:
+            self._end_dependents(dependents, assign_now)
+        super().end_backward(group, assign_now=assign_now)
 
     def final_callback(
         self, groups: Sequence[FSDPParamGroup], *, last: bool, assign_now: bool
     ) -> None:
-        """The dependents' reductions first, in the fixed order on every rank; then the rest."""
+        """The root's dependents' reductions first, in the fixed order; then the rest.
+
+        Also those of inner anchors whose backward backward never reached (every rank alike,
+        as the anchors are not marked): their dependents' gradients are reduced all the same.
+        """
+        self._end_dependents(self.anchoring.marked, assign_now)
+        super().final_callback(groups, last=last, assign_now=assign_now)
+        self._watched.clear()
+
+    # --- the dependents ---------------------------------------------------------------------
+
+    def _gather(self, dependents: Sequence[FSDPParamGroup]) -> None:
+        for group in dependents:
+            if not self.ops.is_unsharded(group):
+                with self.ops.profiled("conditional_prefetch", group):
+                    self.ops.unshard(group, prefetch=True)
+
+    def _end_dependents(self, dependents: Sequence[FSDPParamGroup], assign_now: bool) -> None:
+        """Take and reduce each dependent's gradients, zeros where this rank has none."""
         ops = self.ops
-        for group in self.marked:
+        for group in dependents:
+            if ops.state(group) is TrainingState.POST_BACKWARD:
+                continue  # its anchor's end reduced it
             if not ops.is_unsharded(group):
                 ops.unshard(group)  # every rank alike: the same policies freed it everywhere
             ops.wait(group)
@@ -205,27 +258,32 @@ class ConditionalDriver(StepDriver[FSDPParamGroup]):
             group.options.reduce_scatter_unused_params = True
             if group.options.reduce_grads and not ops.holds_grads(group):
                 _stand_in_zero_grad(group)
-            self.end_backward(group, assign_now=assign_now)
-        super().final_callback(groups, last=last, assign_now=assign_now)
-
-    # --- the dependents ---------------------------------------------------------------------
-
-    def _gather_dependents(self) -> None:
-        for group in self.marked:
-            if not self.ops.is_unsharded(group):
-                with self.ops.profiled("conditional_prefetch", group):
-                    self.ops.unshard(group, prefetch=True)
+            super().end_backward(group, assign_now=assign_now)
 
     def _wait_gathered(self, group: FSDPParamGroup, where: str) -> None:
         """Finish the anchor's gather of ``group``; never issue one (its peers may not)."""
         if not self.ops.is_unsharded(group):
             raise RuntimeError(
-                f"conditional FSDP module {group.fqn}: its {where} ran where the root had not "
-                "gathered its parameters (a conditional module runs inside the root's forward, "
-                "and its backward after the root's pre-backward); gathering it here would "
-                "issue a collective that ranks which skip it never issue"
+                f"conditional FSDP module {group.fqn}: its {where} ran where its anchor had "
+                "not gathered its parameters (a conditional module runs inside the forward of "
+                "the nearest FSDP module around it that is not conditional, and its backward "
+                "after that one's pre-backward); gathering it here would issue a collective "
+                "that ranks which skip it never issue"
             )
         self.ops.wait(group)
+
+    def _input_watch(self, anchor: FSDPParamGroup) -> Callable[..., Any]:
+        """A forward pre-hook passing ``anchor``'s inputs through the tracker's watch."""
+
+        def watch(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+            if not torch.is_grad_enabled() or in_backward():
+                return None  # no backward to watch, or a recomputation inside one
+            wrapped = self._tracker().wrap_inputs(anchor, args, kwargs)
+            if wrapped[0] is not args or wrapped[1] is not kwargs:
+                self._watched.add(anchor)
+            return wrapped
+
+        return watch
 
 
 def _stand_in_zero_grad(group: FSDPParamGroup) -> None:

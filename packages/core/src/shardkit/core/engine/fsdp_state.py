@@ -124,7 +124,8 @@ class FSDPState:
         else:
             comm = new_comm_context()
         groups = [g for s in states for g in s.groups]
-        driver = new_driver(EngineOps(comm, groups, self.device), root_module, self.groups, groups)
+        ops = EngineOps(comm, groups, self.device)
+        driver = new_driver(ops, root_module, self.groups, groups, lambda: tracker)
         tracker = BackwardTracker(
             driver,
             self._ensure_final_callback,
