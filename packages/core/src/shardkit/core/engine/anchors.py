@@ -64,11 +64,11 @@ def anchor_marked(
     marked = tuple(g for g in groups if g.options.conditional)
     for group in marked:
         anchor = root_key
-        module = parent.get(id(group.modules[0]))
-        while module is not None:
-            if id(module) in owner:
-                anchor = owner[id(module)]
+        above = parent.get(id(group.modules[0]))
+        while above is not None:
+            if id(above) in owner:
+                anchor = owner[id(above)]
                 break
-            module = parent.get(id(module))
+            above = parent.get(id(above))
         dependents.setdefault(anchor, []).append(group)
     return Anchoring(marked, root_key, {a: tuple(d) for a, d in dependents.items()})
