@@ -125,10 +125,10 @@ class MoE(nn.Module):
         self.layers = nn.ModuleList(MoELayer() for _ in range(2))
         self.head = nn.Linear(DIM, DIM)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: bool) -> torch.Tensor:
         route = x[:, :EXPERTS].argmax(dim=1)
         for layer in self.layers:
-            x = layer(x, route)
+            x = checkpoint(layer, x, route, use_reentrant=False) if recompute else layer(x, route)
         out: torch.Tensor = self.head(x)
         return out
 
@@ -147,6 +147,7 @@ class Case:
     bare_root: bool = False  # the head sharded by a call of its own: the root holds nothing
     unused: bool = False  # the tower: no rank runs it (zeros everywhere)
     evaluate: bool = False  # a no_grad forward between steps
+    recompute_layers: bool = False  # moe: activation checkpointing around each layer too
 
 
 def _build(case: Case) -> nn.Module:
@@ -193,7 +194,7 @@ def _forward(case: Case, model: Any, x: torch.Tensor, rank: int, micro: int) -> 
     if case.name == "swap":
         return model(x, order=[0, 1] if flip == 0 else [1, 0])  # type: ignore[no-any-return]
     if case.name == "moe":
-        return model(x)  # type: ignore[no-any-return]
+        return model(x, recompute=case.recompute_layers)  # type: ignore[no-any-return]
     return model(x, recompute=True)  # type: ignore[no-any-return]
 
 
@@ -372,6 +373,7 @@ MATRIX = [
     Case(name="early_exit", evaluate=True),
     Case(name="swap", world=1),
     Case(name="moe", reshard=False),
+    Case(name="moe", recompute_layers=True),
     Case(name="moe", accumulate=True),
     Case(name="moe", world=4, hsdp=True),
     Case(name="moe", bf16=True),
@@ -391,6 +393,7 @@ MATRIX = [
         + (["bare_root"] if c.bare_root else [])
         + (["unused"] if c.unused else [])
         + (["eval"] if c.evaluate else [])
+        + (["recompute_layers"] if c.recompute_layers else [])
     ),
 )
 def test_marked_modules_matrix(case: Case) -> None:

@@ -19,27 +19,35 @@ order (the groups' registration order, the same on every rank):
 - **Backward.** The anchor's pre-backward gathers the dependents it freed, right after its
   own gather and backward prefetch. A marked group's pre-backward only waits; its gradients
   end nothing (no count, no rule of ``backward``): they stay on the full parameters.
-- **The end of backward.** The dependents' gradients are taken and reduced, in the same
-  fixed order on every rank, before the callback ends the other groups. A parameter with
-  no gradient on a rank is reduced as zeros (``reduce_scatter_unused_params`` is forced on
-  marked groups), also where the module did not run at all (one zero gradient stands in,
-  so that the group's reduction has every rank's rows): the result is the mean over ranks
-  of each rank's gradient, a skipped rank counting zeros.
+- **The end of backward.** When the anchor's backward ends, its dependents' gradients are
+  taken and reduced first, in the fixed order. A parameter with no gradient on a rank is
+  reduced as zeros (``reduce_scatter_unused_params`` is forced on marked groups), also where
+  the module did not run at all (one zero gradient stands in, so that the group's reduction
+  has every rank's rows): the result is the mean over ranks of each rank's gradient, a
+  skipped rank counting zeros. The root's dependents are reduced by the end-of-backward
+  callback, before it ends the other groups (the root's count may complete first).
+- **When an inner anchor's backward ends.** Not at its count: its own gradients may all be
+  in before its dependents' (experts run before the layer's projection). Its forward inputs
+  pass through the tracker's watch (``backward``, rule 2), so it ends once backward is
+  through them, when no dependent's gradient can still come; where they needed no
+  gradient (the batch itself), at the callback (rule 3). Either is the same on every rank.
 - **Orders.** Marked groups take no place in the schedule's forward and backward orders,
   so implicit prefetch neither follows nor targets them (those orders differ by rank).
 
-The anchor is the root for every marked module (a non-root anchor would have to end its
-backward only once its dependents' gradients are in; not built yet). A root with no
-parameters of its own has no pre-backward group: its dependents then keep their full
-parameters from forward to backward, whatever their policy.
+A marked group's anchor is the nearest FSDP module around it that is not marked, the root
+at worst (``anchors``). A root with no parameters of its own has no pre-backward group:
+the dependents it anchors keep their full parameters from forward to backward.
 
 Costs, against the same module unmarked in an SPMD program: its full parameters are held
-from the root's pre-forward to its post-forward (not only around its own forward), and from
-the root's pre-backward to the end of backward, with its full gradients; its reduction waits
-for the end of backward instead of overlapping backward. Its collectives are the same ones
-(one all-gather per forward and per backward where freed, one reduction), with the same
-bytes, on every rank including those that skip it. Unmarked groups in a program with marked
-ones pay one set lookup per hook, and a program with none runs the plain driver: nothing.
+from its anchor's pre-forward to its post-forward (not only around its own forward; all of
+an anchor's dependents at once), and from the anchor's pre-backward to the anchor's end of
+backward, with its full gradients; its reduction waits for that end instead of following
+its own backward. Its collectives are the same ones (one all-gather per forward and per
+backward where freed, one reduction), with the same bytes, on every rank including those
+that skip it. An inner anchor (not marked) ends its backward when backward is through its
+inputs, or at the callback, rather than at its last gradient. Other unmarked groups, in a
+program with marked ones, pay a set lookup per hook; a program with none runs the plain
+driver, and pays nothing.
 """
 
 from __future__ import annotations
