@@ -486,6 +486,26 @@ def test_experts_are_held_and_reduced_within_their_layer() -> None:
             assert trace.index((late, "post_backward")) < trace.index(("layers.0", "pre_backward"))
 
 
+def _driver_body(rank: int, world_size: int, mark: bool) -> str:
+    from shardkit.core.engine.state_registry import state_of
+
+    case = Case(name="tower")
+    model: Any = _build(case)
+    _shard(case, model, _mesh(case), "shardkit", mark)
+    model(_batch(case, 0, rank, 0), use_tower=True)
+    ctx = state_of(model).ctx
+    assert ctx is not None
+    return type(ctx.driver).__name__
+
+
+def test_a_program_with_no_marked_module_runs_the_plain_driver() -> None:
+    # Nothing marked, nothing changed: not one check on any hook's path.
+    from harness.pool import run_on_ranks
+
+    assert run_on_ranks(2, _driver_body, mark=False) == ["StepDriver", "StepDriver"]
+    assert run_on_ranks(2, _driver_body, mark=True) == ["ConditionalDriver"] * 2
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
