@@ -148,6 +148,7 @@ class Case:
     unused: bool = False  # the tower: no rank runs it (zeros everywhere)
     evaluate: bool = False  # a no_grad forward between steps
     recompute_layers: bool = False  # moe: activation checkpointing around each layer too
+    nested: bool = False  # tower: its linears sharded by calls of their own, marked through it
 
 
 def _build(case: Case) -> nn.Module:
@@ -175,6 +176,8 @@ def _marked(case: Case, model: Any) -> list[nn.Module]:
 
 def _sharded(case: Case, model: Any) -> list[nn.Module]:
     """The modules sharded by their own call, before the root's."""
+    if case.name == "tower" and case.nested:
+        return [model.text, model.tower.fc1, model.tower.fc2, model.tower]
     if case.name == "tower":
         return [model.text, model.tower]
     if case.name == "experts":
@@ -370,6 +373,7 @@ MATRIX = [
     Case(name="swap", bare_root=True),
     Case(name="swap", bare_root=True, reshard=False),
     Case(name="tower", unused=True),
+    Case(name="tower", nested=True),
     Case(name="early_exit", evaluate=True),
     Case(name="swap", world=1),
     Case(name="moe", reshard=False),
@@ -394,6 +398,7 @@ MATRIX = [
         + (["unused"] if c.unused else [])
         + (["eval"] if c.evaluate else [])
         + (["recompute_layers"] if c.recompute_layers else [])
+        + (["nested"] if c.nested else [])
     ),
 )
 def test_marked_modules_matrix(case: Case) -> None:
