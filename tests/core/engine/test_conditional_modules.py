@@ -376,6 +376,7 @@ MATRIX = [
     Case(name="tower", nested=True),
     Case(name="early_exit", evaluate=True),
     Case(name="swap", world=1),
+    Case(name="moe", world=1),
     Case(name="moe", reshard=False),
     Case(name="moe", recompute_layers=True),
     Case(name="moe", accumulate=True),

@@ -21,7 +21,7 @@ order (the groups' registration order, the same on every rank):
   end nothing (no count, no rule of ``backward``): they stay on the full parameters.
 - **The end of backward.** When the anchor's backward ends, its dependents' gradients are
   taken and reduced first, in the fixed order. A parameter with no gradient on a rank is
-  reduced as zeros (``reduce_scatter_unused_params`` is forced on marked groups), also where
+  reduced as zeros (``reduce_scatter_unused_params`` is set on marked groups), also where
   the module did not run at all (one zero gradient stands in, so that the group's reduction
   has every rank's rows): the result is the mean over ranks of each rank's gradient, a
   skipped rank counting zeros. The root's dependents are reduced by the end-of-backward
@@ -73,21 +73,20 @@ def mark_conditional(groups: Sequence[FSDPParamGroup], conditional: bool, owner:
 
     Raises:
         TypeError: ``conditional`` is not a bool.
-        RuntimeError: a group's root already ran a forward (its driver is chosen then).
+        RuntimeError: a group's root is already set up (a forward or ``unshard`` ran): its
+            driver is chosen then.
     """
     if not isinstance(conditional, bool):
         raise TypeError(f"set_conditional takes a bool, got {type(conditional).__name__}")
     for group in groups:
         if group.comm is not None and group.options.conditional != conditional:
             raise RuntimeError(
-                f"set_conditional: FSDP module {group.fqn or owner} already ran a forward; "
-                "mark conditional modules before the first forward (the root's schedule for "
-                "them is set up then)"
+                f"set_conditional: FSDP module {group.fqn or owner} already ran a forward (or "
+                "an unshard); mark conditional modules before the first one (the root's "
+                "schedule for them is set up then)"
             )
     for group in groups:
         group.options.conditional = conditional
-        if conditional:
-            group.options.reduce_scatter_unused_params = True
 
 
 def new_driver(
@@ -238,8 +237,8 @@ class ConditionalDriver(StepDriver[FSDPParamGroup]):
     ) -> None:
         """The root's dependents' reductions first, in the fixed order; then the rest.
 
-        Also those of inner anchors whose backward backward never reached (every rank alike,
-        as the anchors are not marked): their dependents' gradients are reduced all the same.
+        Also the dependents of inner anchors that backward never reached (every rank alike, as
+        the anchors are not marked): their gradients, zeros at least, are reduced all the same.
         """
         self._end_dependents(self.anchoring.marked, assign_now)
         super().final_callback(groups, last=last, assign_now=assign_now)
@@ -262,7 +261,7 @@ class ConditionalDriver(StepDriver[FSDPParamGroup]):
             if not ops.is_unsharded(group):
                 ops.unshard(group)  # every rank alike: the same policies freed it everywhere
             ops.wait(group)
-            # Forced again: a user's recursive set_reduce_scatter_unused_params may undo it.
+            # Set at every reduction: sizes must agree, whatever a recursive setter last said.
             group.options.reduce_scatter_unused_params = True
             if group.options.reduce_grads and not ops.holds_grads(group):
                 _stand_in_zero_grad(group)
