@@ -557,6 +557,25 @@ def test_marking_after_the_first_forward_is_refused_by_name() -> None:
     assert "FSDP module tower already ran a forward" in message
 
 
+def _outside_anchor_body(rank: int, world_size: int) -> str:
+    case = Case(name="tower")
+    model: Any = _build(case)
+    _shard(case, model, _mesh(case), "shardkit", mark=True)
+    _loss(model(_batch(case, 0, rank, 0), use_tower=True)).backward()
+    try:
+        model.tower(torch.randn(2, DIM))  # outside the root's forward: nobody gathered it
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def test_a_marked_module_run_outside_its_anchor_raises_rather_than_gathering_alone() -> None:
+    from harness.pool import run_on_ranks
+
+    for message in run_on_ranks(2, _outside_anchor_body):
+        assert "conditional FSDP module tower: its forward ran where its anchor had not" in message
+
+
 # --- torch's fully_shard, the control -------------------------------------------------------
 #
 # Run in processes of their own, not the pool's: torch's collectives out of step abort a rank
