@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.core.engine.conditional import mark_conditional
 from shardkit.core.engine.finalization import (
     finalize_backward,
     set_manual_finalization,
@@ -145,6 +146,16 @@ class FSDPModule:
         """
         for group in self._groups_under(recurse):
             group.options.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_conditional(self, conditional: bool, *, recurse: bool = True) -> None:
+        """True: this module may be skipped on some ranks, or run in another order than on others.
+
+        Its gathers and reduction are then issued by the root's hooks, which every rank runs,
+        in one order on every rank; its gradient is the mean over ranks of each rank's own
+        (zeros where it did not run). Call before the first forward, not on the root. See
+        ``engine/conditional`` for the schedule and its costs.
+        """
+        mark_conditional(self._groups_under(recurse), conditional, type(self).__name__)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True

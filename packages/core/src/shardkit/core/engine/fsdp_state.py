@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.comm_context import CommContext
+from shardkit.core.engine.conditional import new_driver
 from shardkit.core.engine.forward_io import cast_floats, move_to
 from shardkit.core.engine.group.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.local_step import restore_all
@@ -49,7 +50,7 @@ from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.dynamo import eager_hook
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
-from shardkit.core.schedule import StepDriver, root_reshards_after_forward
+from shardkit.core.schedule import root_reshards_after_forward
 from shardkit.core.state_machines import ShardedState, TrainingState
 
 __all__ = ["FSDPState"]
@@ -125,7 +126,8 @@ class FSDPState:
         else:
             comm = new_comm_context()
         groups = [g for s in states for g in s.groups]
-        driver = StepDriver(EngineOps(comm, groups, self.device))
+        ops = EngineOps(comm, groups, self.device)
+        driver = new_driver(ops, root_module, self.groups, groups, lambda: tracker)
         tracker = BackwardTracker(
             driver,
             self._ensure_final_callback,

@@ -44,6 +44,9 @@ class GroupOptions:
     reduce_scatter_unused_params: bool = False
     """Reduce trainable parameters that got no gradient as zeros (they then get a zero
     gradient); False leaves their gradient None, as torch does by default."""
+    conditional: bool = False
+    """The module may be skipped on some ranks, or run in another order than on others
+    (``set_conditional``): the root issues its collectives (``engine/conditional``)."""
     is_last_backward: bool = True
     """False defers end-of-backward finalization (microbatching, pipeline schedules)."""
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
