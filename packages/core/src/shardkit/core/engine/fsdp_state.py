@@ -23,6 +23,7 @@ from shardkit.core.engine.backward import BackwardTracker
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.forward_io import cast_floats, move_to
 from shardkit.core.engine.group.param_group import FSDPParamGroup, GroupWiring
+from shardkit.core.engine.join import notify as notify_join
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.offthread import (
@@ -204,6 +205,7 @@ class FSDPState:
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
         check_backward_finished(self.ctx.final_callback_queued, self.fqn)
+        notify_join(self)  # before this iteration's collectives; nothing without a Join
         groups = self.all_groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)

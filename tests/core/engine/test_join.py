@@ -1,0 +1,319 @@
+"""Uneven inputs through torch's ``Join``: a rank out of batches shadows the others' steps.
+
+The oracle is unsharded: on every rank a plain copy of the model (same seed) trained on every
+rank's batches, each iteration's gradient the sum of the gradients of the ranks that had a
+batch then, divided by the initial world size (``divide_by_initial_world_size=True``) or by
+the number of those ranks. Every rank computes it alone: each rank's batches follow from the
+iteration and the rank. torch's own ``fully_shard`` is the control: its modules are not
+joinable.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.distributed.device_mesh import init_device_mesh
+
+from harness.pool import run_on_ranks
+from tests.core import models
+from tests.core.parity import full_params, fully_shard_of, rank_batch
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+class HeadRoot(nn.Module):
+    """Blocks, then a head held by the root: the root's gradients are complete first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(models.Block(7) for _ in range(2))
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _build(model: str) -> Any:
+    """``mlp``: the root holds an input projection and a head, so its gradients are complete
+    last; ``head_root``: first; ``gpt_tied``: its embedding is the head's weight."""
+    if model == "head_root":
+        torch.manual_seed(0)
+        return HeadRoot()
+    return models.build(model)
+
+
+def _data(model: str) -> str:
+    return "mlp" if model == "head_root" else model.removesuffix("_tied")
+
+
+def _batch(model: str, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_batch(_data(model), step, rank, world_size, "shardkit")
+
+
+def _loss(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return models.loss_of(_data(model), out, target)
+
+
+def _syncs(step: int, accumulate: bool) -> bool:
+    """With accumulation, two micro-batches per optimizer step: the second syncs."""
+    return not accumulate or step % 2 == 1
+
+
+def _oracle(
+    name: str,
+    world_size: int,
+    counts: list[int],
+    opt: str,
+    *,
+    accumulate: bool,
+    divide_initial: bool,
+) -> dict[str, torch.Tensor]:
+    """Single-process training with each iteration's gradient over the ranks active in it."""
+    model = _build(name)
+    optimizer = _optimizer(opt, model.parameters())
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for step in range(max(counts)):
+        active = [r for r in range(world_size) if counts[r] > step]
+        divisor = world_size if divide_initial else len(active)
+        for rank in active:
+            model.zero_grad()
+            x, y = _batch(name, step, rank, world_size)
+            _loss(name, model(x), y).backward()
+            for acc, p in zip(total, params, strict=True):
+                acc += p.grad / divisor
+        if _syncs(step, accumulate):
+            for acc, p in zip(total, params, strict=True):
+                p.grad = acc.clone()
+                acc.zero_()
+            optimizer.step()
+            optimizer.zero_grad()
+    return full_params(model)
+
+
+def _sharded(world_size: int, mesh_shape: tuple[int, ...], name: str = "mlp") -> Any:
+    model = _build(name)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    fully_shard = fully_shard_of("shardkit")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _iterate(
+    name: str,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    rank: int,
+    world_size: int,
+    *,
+    accumulate: bool,
+) -> None:
+    x, y = _batch(name, step, rank, world_size)
+    syncs = _syncs(step, accumulate)
+    model.set_requires_gradient_sync(syncs)
+    _loss(name, model(x), y).backward()
+    if syncs:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _join_body(
+    rank: int,
+    world_size: int,
+    counts: list[int],
+    opt: str,
+    accumulate: bool = False,
+    divide_initial: bool = True,
+    mesh_shape: tuple[int, ...] | None = None,
+    name: str = "mlp",
+) -> dict[str, Any]:
+    model = _sharded(world_size, mesh_shape or (world_size,), name)
+    optimizer = _optimizer(opt, model.parameters())
+    with Join([model], optimizer=optimizer, divide_by_initial_world_size=divide_initial):
+        for step in range(counts[rank]):
+            _iterate(name, model, optimizer, step, rank, world_size, accumulate=accumulate)
+    expected = _oracle(
+        name, world_size, counts, opt, accumulate=accumulate, divide_initial=divide_initial
+    )
+    return {"params": full_params(model), "expected": expected}
+
+
+def _assert_matches_oracle(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        for name, value in result["params"].items():
+            torch.testing.assert_close(
+                value, result["expected"][name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}"
+            )
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("counts", [[4, 2], [5, 0], [1, 3]])
+def test_uneven_batches_match_the_oracle(counts: list[int], opt: str) -> None:
+    _assert_matches_oracle(run_on_ranks(2, _join_body, counts=counts, opt=opt))
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [3, 0]])
+@pytest.mark.parametrize("name", ["head_root", "gpt_tied"])
+def test_other_model_shapes(name: str, counts: list[int]) -> None:
+    """Where the root's backward ends, first or last, a rank that never ran must guess too."""
+    results = run_on_ranks(2, _join_body, counts=counts, opt="adamw", name=name)
+    _assert_matches_oracle(results)
+
+
+def test_divide_by_active_ranks() -> None:
+    results = run_on_ranks(2, _join_body, counts=[4, 2], opt="sgd", divide_initial=False)
+    _assert_matches_oracle(results)
+
+
+@pytest.mark.parametrize("counts", [[4, 2], [6, 0]])
+def test_gradient_accumulation(counts: list[int]) -> None:
+    results = run_on_ranks(2, _join_body, counts=counts, opt="adamw", accumulate=True)
+    _assert_matches_oracle(results)
+
+
+def test_hsdp_uneven() -> None:
+    results = run_on_ranks(4, _join_body, counts=[3, 1, 2, 0], opt="adamw", mesh_shape=(2, 2))
+    _assert_matches_oracle(results)
+
+
+# --- throw_on_early_termination, and nothing left behind -------------------------------------
+
+
+def _count_all_reduces(fn: Callable[[], None]) -> int:
+    calls = 0
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        fn()
+    finally:
+        dist.all_reduce = original
+    return calls
+
+
+def _throw_body(rank: int, world_size: int) -> dict[str, Any]:
+    model = _sharded(world_size, (world_size,))
+    optimizer = _optimizer("sgd", model.parameters())
+    message = ""
+    try:
+        with Join([model], throw_on_early_termination=True, optimizer=optimizer):
+            for step in range(3 if rank == 0 else 1):
+                _iterate("mlp", model, optimizer, step, rank, world_size, accumulate=False)
+    except RuntimeError as error:
+        message = str(error)
+    # The Join is over on every rank: an iteration issues the engine's collectives only.
+    after = _count_all_reduces(
+        lambda: _iterate("mlp", model, optimizer, 5, rank, world_size, accumulate=False)
+    )
+    return {"message": message, "all_reduces_after": after}
+
+
+def test_throw_on_early_termination_raises_on_every_rank() -> None:
+    results = run_on_ranks(2, _throw_body)
+    assert "exhausted" in results[0]["message"]  # the one still running: "Detected ..."
+    assert "Rank 1 exhausted all inputs" in results[1]["message"]
+    assert [r["all_reduces_after"] for r in results] == [0, 0]
+
+
+def _after_join_body(rank: int, world_size: int) -> dict[str, int]:
+    model = _sharded(world_size, (world_size,))
+    optimizer = _optimizer("sgd", model.parameters())
+    during = 0
+    with Join([model], optimizer=optimizer):
+        for step in range(2 if rank == 0 else 1):
+            one = functools.partial(_iterate, "mlp", model, optimizer, step, rank, world_size)
+            during += _count_all_reduces(functools.partial(one, accumulate=False))
+    after = _count_all_reduces(
+        lambda: _iterate("mlp", model, optimizer, 3, rank, world_size, accumulate=False)
+    )
+    return {"during": during, "after": after}
+
+
+def test_an_ended_join_costs_no_collective() -> None:
+    results = run_on_ranks(2, _after_join_body)
+    # While active, an iteration adds torch's notification and the agreement: two all-reduces.
+    assert results[0]["during"] == 4 and results[1]["during"] == 2
+    assert [r["after"] for r in results] == [0, 0]
+
+
+# --- errors, and the control ------------------------------------------------------------------
+
+
+def _errors_body(rank: int, world_size: int) -> dict[str, str]:
+    model = _sharded(world_size, (world_size,))
+    optimizer = _optimizer("sgd", model.parameters())
+    x, y = _batch("mlp", 0, rank, world_size)
+    _loss("mlp", model(x), y).backward()  # the root is known from here on
+    found: dict[str, str] = {}
+    attempts: dict[str, Callable[[], Any]] = {
+        "non_root": lambda: Join([model.blocks[0]], optimizer=optimizer),
+        "no_optimizer": lambda: Join([model]),
+        "not_an_optimizer": lambda: Join([model], optimizer=lambda: None),
+        "other_params": lambda: Join(
+            [model], optimizer=torch.optim.SGD(model.blocks[0].parameters(), lr=0.1)
+        ),
+    }
+    for label, attempt in attempts.items():
+        try:
+            attempt()
+        except (RuntimeError, ValueError, TypeError) as error:
+            found[label] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def test_misuse_raises_naming_the_module() -> None:
+    found = run_on_ranks(1, _errors_body)[0]
+    assert found["non_root"].startswith("RuntimeError") and "blocks.0" in found["non_root"]
+    assert found["no_optimizer"].startswith("ValueError") and "MLPNet" in found["no_optimizer"]
+    assert found["not_an_optimizer"].startswith("TypeError")
+    assert "function" in found["not_an_optimizer"]
+    assert found["other_params"].startswith("ValueError") and "inp.weight" in found["other_params"]
+
+
+def _torch_body(rank: int, world_size: int) -> str:
+    model = models.build("mlp")
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard_of("torch")(model, mesh=mesh)
+    try:
+        Join([model], optimizer=_optimizer("sgd", model.parameters()))
+    except AttributeError as error:
+        return str(error)
+    return ""
+
+
+def test_torch_fully_shard_is_not_joinable() -> None:
+    assert "join_hook" in run_on_ranks(2, _torch_body)[0]
+
+
+def test_a_model_without_join_is_not_joined() -> None:
+    from shardkit.core import FSDPModule
+
+    module: Any = nn.Linear(2, 2)
+    assert not hasattr(module, "join_hook")
+    assert FSDPModule._join_config.enable is False
