@@ -11,6 +11,7 @@ joinable.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -147,8 +148,15 @@ def _join_body(
     divide_initial: bool = True,
     mesh_shape: tuple[int, ...] | None = None,
     name: str = "mlp",
+    explicit_prefetch: bool = False,
 ) -> dict[str, Any]:
     model = _sharded(world_size, mesh_shape or (world_size,), name)
+    if explicit_prefetch:
+        blocks = list(model.blocks)
+        for before, after in itertools.pairwise(blocks):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+        model.set_reduce_scatter_max_input_buffers(2)
     optimizer = _optimizer(opt, model.parameters())
     with Join([model], optimizer=optimizer, divide_by_initial_world_size=divide_initial):
         for step in range(counts[rank]):
@@ -181,13 +189,21 @@ def test_other_model_shapes(name: str, counts: list[int]) -> None:
     _assert_matches_oracle(results)
 
 
+@pytest.mark.parametrize("counts", [[4, 2], [4, 0]])
+def test_explicit_prefetch_and_reductions_in_flight(counts: list[int]) -> None:
+    """Prefetching and reductions left in flight change the order the collectives go out in."""
+    results = run_on_ranks(2, _join_body, counts=counts, opt="sgd", explicit_prefetch=True)
+    _assert_matches_oracle(results)
+
+
 def test_divide_by_active_ranks() -> None:
     results = run_on_ranks(2, _join_body, counts=[4, 2], opt="sgd", divide_initial=False)
     _assert_matches_oracle(results)
 
 
-@pytest.mark.parametrize("counts", [[4, 2], [6, 0]])
+@pytest.mark.parametrize("counts", [[4, 2], [6, 0], [4, 3]])
 def test_gradient_accumulation(counts: list[int]) -> None:
+    """[4, 3]: rank 1 joins inside a window; its first micro-batch's gradient still counts."""
     results = run_on_ranks(2, _join_body, counts=counts, opt="adamw", accumulate=True)
     _assert_matches_oracle(results)
 

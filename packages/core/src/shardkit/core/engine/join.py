@@ -213,6 +213,7 @@ class FSDPJoinHook(JoinHook):
         """Every rank joined: finish the agreement in flight, put the divide factors back."""
         self.wait_pending()
         self.restore_factors()
+        _HOOKS.pop(self.state, None)
         if self.state.ctx is not None:
             _ops(self.state).trace = None
 
@@ -316,6 +317,8 @@ def join_process_group(module: object) -> dist.ProcessGroup:
 
 def notify(state: FSDPState) -> None:
     """The root's pre-forward: tell a live Join this rank runs an iteration (else nothing)."""
+    if not _HOOKS:
+        return  # no Join was ever made: the common case costs one test
     ref = _HOOKS.get(state)
     if ref is None:
         return
