@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from tests.core import models
@@ -30,9 +31,31 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps every parameter's full gradient at each step, to compare with the oracle.
+
+    A sharded gradient is gathered (a collective): every rank steps in the same iterations,
+    the joined one from its join hook, so they gather together.
+    """
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.05, momentum=0.9)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        self.seen.append([_full(g) for g in grads if g is not None])
+        return super().step(closure)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return full.detach().clone()
+
+
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return RecordingSGD(params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
@@ -85,10 +108,16 @@ def _oracle(
     *,
     accumulate: bool,
     divide_initial: bool,
-) -> dict[str, torch.Tensor]:
-    """Single-process training with each iteration's gradient over the ranks active in it."""
+    scheduler: bool,
+) -> dict[str, Any]:
+    """Single-process training with each iteration's gradient over the ranks active in it.
+
+    Returns:
+        The full parameters at the end, and (SGD) every parameter's gradient at each step.
+    """
     model = _build(name)
     optimizer = _optimizer(opt, model.parameters())
+    schedule = _scheduler(optimizer) if scheduler else None
     params = list(model.parameters())
     total = [torch.zeros_like(p) for p in params]
     for step in range(max(counts)):
@@ -105,8 +134,18 @@ def _oracle(
                 p.grad = acc.clone()
                 acc.zero_()
             optimizer.step()
+            if schedule is not None:
+                schedule.step()
             optimizer.zero_grad()
-    return full_params(model)
+    return {"params": full_params(model), "grads": _seen(optimizer)}
+
+
+def _seen(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    return optimizer.seen if isinstance(optimizer, RecordingSGD) else []
+
+
+def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
 
 def _sharded(world_size: int, mesh_shape: tuple[int, ...], name: str = "mlp") -> Any:
@@ -149,6 +188,7 @@ def _join_body(
     mesh_shape: tuple[int, ...] | None = None,
     name: str = "mlp",
     explicit_prefetch: bool = False,
+    scheduler: bool = False,
 ) -> dict[str, Any]:
     model = _sharded(world_size, mesh_shape or (world_size,), name)
     if explicit_prefetch:
@@ -158,20 +198,41 @@ def _join_body(
             after.set_modules_to_backward_prefetch([before])
         model.set_reduce_scatter_max_input_buffers(2)
     optimizer = _optimizer(opt, model.parameters())
-    with Join([model], optimizer=optimizer, divide_by_initial_world_size=divide_initial):
+    schedule = _scheduler(optimizer) if scheduler else None
+    join = Join(
+        [model],
+        optimizer=optimizer,
+        divide_by_initial_world_size=divide_initial,
+        lr_scheduler=schedule,
+    )
+    with join:
         for step in range(counts[rank]):
             _iterate(name, model, optimizer, step, rank, world_size, accumulate=accumulate)
+            if schedule is not None and _syncs(step, accumulate):
+                schedule.step()
     expected = _oracle(
-        name, world_size, counts, opt, accumulate=accumulate, divide_initial=divide_initial
+        name,
+        world_size,
+        counts,
+        opt,
+        accumulate=accumulate,
+        divide_initial=divide_initial,
+        scheduler=scheduler,
     )
-    return {"params": full_params(model), "expected": expected}
+    return {"params": full_params(model), "grads": _seen(optimizer), "expected": expected}
 
 
 def _assert_matches_oracle(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
+        expected = result["expected"]
         for name, value in result["params"].items():
             torch.testing.assert_close(
-                value, result["expected"][name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}"
+                value, expected["params"][name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}"
+            )
+        assert len(result["grads"]) == len(expected["grads"]), f"rank {rank}: optimizer steps"
+        for step, (ours, theirs) in enumerate(zip(result["grads"], expected["grads"], strict=True)):
+            torch.testing.assert_close(
+                ours, theirs, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: gradients at step {step}"
             )
 
 
@@ -193,6 +254,11 @@ def test_other_model_shapes(name: str, counts: list[int]) -> None:
 def test_explicit_prefetch_and_reductions_in_flight(counts: list[int]) -> None:
     """Prefetching and reductions left in flight change the order the collectives go out in."""
     results = run_on_ranks(2, _join_body, counts=counts, opt="sgd", explicit_prefetch=True)
+    _assert_matches_oracle(results)
+
+
+def test_the_joined_rank_steps_the_lr_scheduler() -> None:
+    results = run_on_ranks(2, _join_body, counts=[4, 1], opt="sgd", scheduler=True)
     _assert_matches_oracle(results)
 
 
@@ -291,6 +357,7 @@ def _errors_body(rank: int, world_size: int) -> dict[str, str]:
         "non_root": lambda: Join([model.blocks[0]], optimizer=optimizer),
         "no_optimizer": lambda: Join([model]),
         "not_an_optimizer": lambda: Join([model], optimizer=lambda: None),
+        "not_a_scheduler": lambda: Join([model], optimizer=optimizer, lr_scheduler=3),
         "other_params": lambda: Join(
             [model], optimizer=torch.optim.SGD(model.blocks[0].parameters(), lr=0.1)
         ),
@@ -309,6 +376,7 @@ def test_misuse_raises_naming_the_module() -> None:
     assert found["no_optimizer"].startswith("ValueError") and "MLPNet" in found["no_optimizer"]
     assert found["not_an_optimizer"].startswith("TypeError")
     assert "function" in found["not_an_optimizer"]
+    assert found["not_a_scheduler"].startswith("TypeError") and "int" in found["not_a_scheduler"]
     assert found["other_params"].startswith("ValueError") and "inp.weight" in found["other_params"]
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.optim.lr_scheduler import LRScheduler
 
 from shardkit.core.engine.dry_step import run_dry_step
 from shardkit.core.engine.group.param_group import FSDPParamGroup
@@ -96,6 +97,21 @@ class _Agreed:
         return any(self.reduces) and all(self.last)
 
 
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """An active rank's agreement, waited on at its next iteration or at the Join's end."""
+
+    notified: Any
+    """torch's ``notify_join_context`` work (None where another joinable notified)."""
+    agreement: CollectiveHandle
+    summed: torch.Tensor
+
+    def wait(self) -> None:
+        if self.notified is not None:
+            self.notified.wait()
+        self.agreement.wait()
+
+
 class FSDPJoinHook(JoinHook):
     """The join hook of a root FSDP module: shadow an iteration, then step this rank's shards."""
 
@@ -103,7 +119,7 @@ class FSDPJoinHook(JoinHook):
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: Any,
+        lr_scheduler: LRScheduler | None,
         divide_by_initial_world_size: bool,
     ) -> None:
         """Made by :func:`join_hook` (``FSDPModule.join_hook``), which validates the arguments."""
@@ -115,10 +131,11 @@ class FSDPJoinHook(JoinHook):
         self.groups = [g for s in states_under(module) for g in s.groups]
         self.factors = [g.options.gradient_divide_factor for g in self.groups]
         self.mesh = self.groups[0].mesh_info.mesh
+        self.group = mesh_group(self.mesh)
+        """The join group: every rank of the root's mesh."""
         self.replay: StepTrace | None = None
         self.last_trace: StepTrace | None = None
-        # An active rank's agreement in flight: (torch's notify work, ours, its tensor).
-        self.pending: tuple[Any, CollectiveHandle, torch.Tensor] | None = None
+        self.pending: _InFlight | None = None
 
     # --- a rank with a batch ----------------------------------------------------------------
 
@@ -141,19 +158,16 @@ class FSDPJoinHook(JoinHook):
         vector = torch.tensor(flags, dtype=torch.int64, device=self.state.device)
         handle = _runtime_all_reduce(self.state, vector, self.group)
         self._keep_trace(ops, recording=True)
-        self.pending = (work, handle, vector)
+        self.pending = _InFlight(work, handle, vector)
         if not self.divide_by_initial_world_size:
-            self.wait_pending()
+            self.wait_pending()  # the reductions of this iteration need the count
             self.set_factors(int(vector[0]))
 
     def wait_pending(self) -> None:
         """Finish the agreement left in flight by the previous iteration."""
-        if self.pending is not None:
-            work, handle, _ = self.pending
-            self.pending = None
-            if work is not None:
-                work.wait()
-            handle.wait()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     def _keep_trace(self, ops: EngineOps, *, recording: bool) -> None:
         if ops.trace is not None and ops.trace.events:
@@ -219,11 +233,6 @@ class FSDPJoinHook(JoinHook):
 
     # --- both -------------------------------------------------------------------------------
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The join group: every rank of the root's mesh."""
-        return mesh_group(self.mesh)
-
     def set_factors(self, active: int) -> None:
         """Divide by the ``active`` ranks' count instead of every rank's."""
         world = self.mesh.size()
@@ -252,7 +261,8 @@ def join_hook(module: object, **kwargs: Any) -> FSDPJoinHook:
         RuntimeError: ``module`` is not managed by ``fully_shard``, or is not a root.
         ValueError: no optimizer, one that does not hold the module's parameters, or a
             module with no parameters.
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or ``lr_scheduler`` no
+            ``LRScheduler``.
     """
     assert isinstance(module, nn.Module)
     state = state_of(module)
@@ -277,8 +287,14 @@ def join_hook(module: object, **kwargs: Any) -> FSDPJoinHook:
     if not groups:
         raise ValueError(f"Join: FSDP module {name} has no sharded parameters")
     _check_optimizer_holds(optimizer, groups, name)
+    scheduler = kwargs.get("lr_scheduler")
+    if scheduler is not None and not isinstance(scheduler, LRScheduler):
+        raise TypeError(
+            f"Join: lr_scheduler for FSDP module {name} must be a torch.optim.lr_scheduler."
+            f"LRScheduler, got {type(scheduler).__name__}"
+        )
     divide = kwargs.get("divide_by_initial_world_size", True)
-    hook = FSDPJoinHook(module, optimizer, kwargs.get("lr_scheduler"), bool(divide))
+    hook = FSDPJoinHook(module, optimizer, scheduler, bool(divide))
     _HOOKS[state] = weakref.ref(hook)
     return hook
 
