@@ -279,6 +279,32 @@ def test_hsdp_uneven() -> None:
     _assert_matches_oracle(results)
 
 
+def _trace_body(rank: int, world_size: int, name: str) -> dict[str, list[tuple[str, str, int]]]:
+    from shardkit.core.engine.state_registry import state_of
+    from shardkit.core.engine.step_ops import EngineOps
+    from shardkit.core.engine.step_trace import StepTrace, tree_trace
+
+    model = _sharded(world_size, (world_size,), name)
+    x, y = _batch(name, 0, rank, world_size)
+    state = state_of(model)
+    state.lazy_init()
+    assert state.ctx is not None and isinstance(state.ctx.driver.ops, EngineOps)
+    recorded = state.ctx.driver.ops.trace = StepTrace()
+    _loss(name, model(x), y).backward()
+
+    def listed(trace: StepTrace) -> list[tuple[str, str, int]]:
+        return [(e.kind, e.group.fqn, len(e.grads or ())) for e in trace.events]
+
+    return {"recorded": listed(recorded), "derived": listed(tree_trace(model, state.ctx.states))}
+
+
+@pytest.mark.parametrize("name", ["mlp", "head_root", "gpt_tied"])
+def test_the_module_tree_gives_the_recorded_order(name: str) -> None:
+    """What a rank that never ran replays is what a real iteration records."""
+    result = run_on_ranks(2, _trace_body, name=name)[0]
+    assert result["derived"] == result["recorded"]
+
+
 # --- throw_on_early_termination, and nothing left behind -------------------------------------
 
 
