@@ -11,8 +11,9 @@ that the others still run; the hook shadows that iteration (:class:`FSDPJoinHook
    and whether this iteration reduces gradients and ends with an optimizer step (gradient
    accumulation turns sync off on all but the last micro-batch). Cost, while a Join is
    active only: one small all-reduce per iteration (8 * (1 + 3G) bytes; 248 bytes for ten
-   groups), which active ranks leave in flight and wait on at their next iteration, unless
-   ``divide_by_initial_world_size=False`` needs its count before backward. DDP pays the same.
+   groups) beside torch's notification (one float), which active ranks leave in flight and
+   wait on at their next iteration, unless ``divide_by_initial_world_size=False`` needs its
+   count before backward. DDP's join pays as much, and blocks on it.
 2. **Dry iteration.** The step's collectives with zero gradients (``dry_step``), over the
    events of this rank's last real iteration (recorded in a ``StepTrace`` while the Join is
    active), or, for a rank that never ran one, the events the module tree gives
@@ -32,7 +33,8 @@ never disables the config, but the ``Join`` object, which holds the hook, goes w
 lookup and issues nothing. Supported: every iteration runs the same groups in the same order
 (the others' order is the recorded one), gradients enabled in every forward inside the Join,
 no ``set_manual_backward_finalization`` and no collective outside the engine (gradient-norm
-clipping) between forward and the optimizer step.
+clipping) between forward and the optimizer step. A rank with no batch in this Join takes the
+module tree's order, even if it trained before it (recording runs only under a Join).
 """
 
 from __future__ import annotations
