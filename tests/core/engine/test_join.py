@@ -76,15 +76,20 @@ class HeadRoot(nn.Module):
 
 def _build(model: str) -> Any:
     """``mlp``: the root holds an input projection and a head, so its gradients are complete
-    last; ``head_root``: first; ``gpt_tied``: its embedding is the head's weight."""
+    last; ``head_root``: first; ``gpt_tied``: its embedding is the head's weight;
+    ``mlp_frozen``: a block with a frozen norm, whose backward ends through its inputs."""
     if model == "head_root":
         torch.manual_seed(0)
         return HeadRoot()
+    if model == "mlp_frozen":
+        built = models.build("mlp")
+        built.blocks[1].norm.requires_grad_(False)
+        return built
     return models.build(model)
 
 
 def _data(model: str) -> str:
-    return "mlp" if model == "head_root" else model.removesuffix("_tied")
+    return "mlp" if model in ("head_root", "mlp_frozen") else model.removesuffix("_tied")
 
 
 def _batch(model: str, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +123,7 @@ def _oracle(
     model = _build(name)
     optimizer = _optimizer(opt, model.parameters())
     schedule = _scheduler(optimizer) if scheduler else None
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     for step in range(max(counts)):
         active = [r for r in range(world_size) if counts[r] > step]
@@ -148,14 +153,20 @@ def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRS
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
 
-def _sharded(world_size: int, mesh_shape: tuple[int, ...], name: str = "mlp") -> Any:
+def _sharded(
+    world_size: int, mesh_shape: tuple[int, ...], name: str = "mlp", bf16: bool = False
+) -> Any:
+    from shardkit.core import MixedPrecisionPolicy
+
     model = _build(name)
     names = ("replicate", "shard") if len(mesh_shape) == 2 else None
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     fully_shard = fully_shard_of("shardkit")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": policy} if bf16 else {"mesh": mesh}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -189,8 +200,9 @@ def _join_body(
     name: str = "mlp",
     explicit_prefetch: bool = False,
     scheduler: bool = False,
+    bf16: bool = False,
 ) -> dict[str, Any]:
-    model = _sharded(world_size, mesh_shape or (world_size,), name)
+    model = _sharded(world_size, mesh_shape or (world_size,), name, bf16)
     if explicit_prefetch:
         blocks = list(model.blocks)
         for before, after in itertools.pairwise(blocks):
@@ -222,17 +234,26 @@ def _join_body(
     return {"params": full_params(model), "grads": _seen(optimizer), "expected": expected}
 
 
-def _assert_matches_oracle(results: list[dict[str, Any]]) -> None:
+def _assert_matches_oracle(
+    results: list[dict[str, Any]],
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    grad_tolerances: tuple[float, float] = (RTOL, ATOL),
+) -> None:
     for rank, result in enumerate(results):
         expected = result["expected"]
         for name, value in result["params"].items():
             torch.testing.assert_close(
-                value, expected["params"][name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}"
+                value, expected["params"][name], rtol=rtol, atol=atol, msg=f"rank {rank}: {name}"
             )
         assert len(result["grads"]) == len(expected["grads"]), f"rank {rank}: optimizer steps"
         for step, (ours, theirs) in enumerate(zip(result["grads"], expected["grads"], strict=True)):
             torch.testing.assert_close(
-                ours, theirs, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: gradients at step {step}"
+                ours,
+                theirs,
+                rtol=grad_tolerances[0],
+                atol=grad_tolerances[1],
+                msg=f"rank {rank}: gradients at step {step}",
             )
 
 
@@ -243,7 +264,7 @@ def test_uneven_batches_match_the_oracle(counts: list[int], opt: str) -> None:
 
 
 @pytest.mark.parametrize("counts", [[3, 1], [3, 0]])
-@pytest.mark.parametrize("name", ["head_root", "gpt_tied"])
+@pytest.mark.parametrize("name", ["head_root", "gpt_tied", "mlp_frozen"])
 def test_other_model_shapes(name: str, counts: list[int]) -> None:
     """Where the root's backward ends, first or last, a rank that never ran must guess too."""
     results = run_on_ranks(2, _join_body, counts=counts, opt="adamw", name=name)
@@ -260,6 +281,14 @@ def test_explicit_prefetch_and_reductions_in_flight(counts: list[int]) -> None:
 def test_the_joined_rank_steps_the_lr_scheduler() -> None:
     results = run_on_ranks(2, _join_body, counts=[4, 1], opt="sgd", scheduler=True)
     _assert_matches_oracle(results)
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [3, 0]])
+def test_mixed_precision(counts: list[int]) -> None:
+    """bf16 parameters, fp32 reductions: the joined rank's zeros are cast as gradients are."""
+    results = run_on_ranks(2, _join_body, counts=counts, opt="sgd", bf16=True)
+    # bf16's forward and backward against fp32's.
+    _assert_matches_oracle(results, rtol=2e-2, atol=2e-3, grad_tolerances=(5e-2, 1e-2))
 
 
 def test_divide_by_active_ranks() -> None:
@@ -298,7 +327,7 @@ def _trace_body(rank: int, world_size: int, name: str) -> dict[str, list[tuple[s
     return {"recorded": listed(recorded), "derived": listed(tree_trace(model, state.ctx.states))}
 
 
-@pytest.mark.parametrize("name", ["mlp", "head_root", "gpt_tied"])
+@pytest.mark.parametrize("name", ["mlp", "head_root", "gpt_tied", "mlp_frozen"])
 def test_the_module_tree_gives_the_recorded_order(name: str) -> None:
     """What a rank that never ran replays is what a real iteration records."""
     result = run_on_ranks(2, _trace_body, name=name)[0]
