@@ -4,6 +4,10 @@ A sharded module's class becomes ``FSDP<Cls>``, a subclass of ``FSDPModule`` and
 class (``api.fully_shard`` makes the swap). The methods act on the module's parameter groups
 and options; they validate their arguments before changing anything. Its overrides of
 ``nn.Module``'s construction, ``_apply`` and ``load_state_dict`` run ``module_overrides``.
+
+Next to split off: the checks and effects of the ``set_*`` runtime switches (the options of
+each group under the module, with ``recurse``), as functions the methods call, the way
+``module_overrides`` holds the overrides.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.core.engine import join
 from shardkit.core.engine.conditional import mark_conditional
 from shardkit.core.engine.finalization import (
     finalize_backward,
@@ -35,6 +40,8 @@ __all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle"]
 
 class FSDPModule:
     """Methods that ``fully_shard`` adds to a module (by swapping in an ``FSDP<Cls>`` class)."""
+
+    _join_config = join.NO_JOIN  # torch's ``Join`` sets its own on the module it is given
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Build the original class: a new module is not sharded, whatever built it.
@@ -377,6 +384,20 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: Any) -> None:
         """Accepted for compatibility: collectives are ordered after the optimizer already."""
+
+    def join_hook(self, **kwargs: Any) -> join.FSDPJoinHook:
+        """Uneven inputs under torch's ``Join([root], optimizer=...)`` (see ``engine/join``)."""
+        return join.join_hook(self, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join`` all-reduces its counts: the root's device."""
+        return join.join_device(self)
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group ``Join`` counts ranks on: every rank of the root's mesh."""
+        return join.join_process_group(self)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         assert isinstance(self, nn.Module)

@@ -24,6 +24,7 @@ from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.conditional import new_driver
 from shardkit.core.engine.forward_io import cast_floats, move_to
 from shardkit.core.engine.group.param_group import FSDPParamGroup, GroupWiring
+from shardkit.core.engine.join import notify as notify_join
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.offthread import (
@@ -211,6 +212,7 @@ class FSDPState:
         verdict, self.ctx.verdict = self.ctx.verdict, None
         if verdict is not None:
             verdict.settle()  # the last step's check, on an accelerator
+        notify_join(self)  # before this iteration's collectives; nothing without a Join
         groups = self.all_groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)

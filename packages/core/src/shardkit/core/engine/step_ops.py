@@ -18,6 +18,7 @@ from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.profiler_ranges import fsdp_range
+from shardkit.core.engine.step_trace import StepTrace
 from shardkit.core.schedule import AfterForward
 from shardkit.core.state_machines import TrainingState
 from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
@@ -41,6 +42,8 @@ class EngineOps:
         self.comm = comm
         self._pins_memory = any(g.pin_memory for g in groups)
         self._device = device
+        self.trace: StepTrace | None = None
+        """Where this iteration's events are recorded, while a ``Join`` is active (``join``)."""
 
     def settings(self, group: FSDPParamGroup) -> GroupOptions:
         """The group's runtime switches (``FSDPModule.set_*``)."""
@@ -56,6 +59,8 @@ class EngineOps:
 
     def event(self, what: str, group: FSDPParamGroup) -> None:
         """Tell observers, if any (building the event costs a step's time otherwise)."""
+        if self.trace is not None:
+            self.trace.record(what, group)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(group.fqn, what))
 
@@ -118,7 +123,10 @@ class EngineOps:
 
     def take_grads(self, group: FSDPParamGroup) -> TakenGrads | None:
         """The gradients to reduce, taken off the full parameters (see ``take_grads``)."""
-        return group.take_grads()
+        grads = group.take_grads()
+        if self.trace is not None:
+            self.trace.took(group, grads)
+        return grads
 
     def reductions_in_flight(self) -> int:
         """Reductions queued in the shared context."""

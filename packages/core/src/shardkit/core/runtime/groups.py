@@ -25,6 +25,7 @@ __all__ = [
     "new_subgroup",
     "own_group",
     "lower_thread_priority",
+    "mesh_group",
     "progress_store",
     "snapshot_group",
     "SNAPSHOT_NICENESS",
@@ -73,6 +74,22 @@ def _world() -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "the default process group is not initialised"
     return world
+
+
+def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of every rank of ``mesh`` (its one group where it is 1-D).
+
+    An N-D mesh over the whole world gives the default group; one over some ranks a group of
+    its own, made as :func:`world_group` makes it (every rank of the world calls this).
+    """
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    members = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    if len(members) == dist.get_world_size():
+        return _world()
+    group = world_group(members)
+    assert group is not None, f"rank {dist.get_rank()} is not in the mesh {mesh}"
+    return group
 
 
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
