@@ -456,3 +456,35 @@ def test_a_model_without_join_is_not_joined() -> None:
     module: Any = nn.Linear(2, 2)
     assert not hasattr(module, "join_hook")
     assert FSDPModule._join_config.enable is False
+
+
+def _eval_body(rank: int, world_size: int, counts: list[int]) -> dict[str, Any]:
+    """Train a step under a Join, then evaluate uneven numbers of batches under another."""
+    model = _sharded(world_size, (world_size,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], optimizer=optimizer):
+        _iterate("mlp", model, optimizer, 0, rank, world_size, accumulate=False)
+    outputs = []
+    with Join([model], optimizer=optimizer), torch.no_grad():
+        for step in range(counts[rank]):
+            x, _ = _batch("mlp", 10 + step, rank, world_size)
+            outputs.append(model(x))
+    plain = _build("mlp")  # the oracle: the same step on every rank's batch, then the forwards
+    plain.zero_grad()
+    for r in range(world_size):
+        x, y = _batch("mlp", 0, r, world_size)
+        (_loss("mlp", plain(x), y) / world_size).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        expected = [plain(_batch("mlp", 10 + s, rank, world_size)[0]) for s in range(counts[rank])]
+    return {"outputs": outputs, "expected": expected}
+
+
+@pytest.mark.parametrize("counts", [[5, 3], [2, 0]])
+def test_an_evaluation_loop_with_uneven_batches(counts: list[int]) -> None:
+    # The joined rank shadows each evaluation forward's gathers (and its step check): no hang,
+    # and every output is the unsharded model's.
+    for result in run_on_ranks(2, _eval_body, counts=counts):
+        assert len(result["outputs"]) == len(result["expected"])
+        for got, want in zip(result["outputs"], result["expected"], strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -46,17 +47,21 @@ def _make() -> nn.Module:
     return Experts()
 
 
-def _routes(rank: int, step: int) -> list[int]:
-    # Rank 0 uses experts 0 and 1; rank 1 expert 0 only (expert 1 on step 2 too); none uses 2.
+def _routes(rank: int, step: int, world_size: int = 2) -> list[int]:
+    # W=2: rank 0 uses experts 0 and 1; rank 1 expert 0 only (expert 1 on step 2 too); none
+    # uses 2. W=4 (HSDP, 2 x 2): expert 1 on rank 3 alone, which is in neither rank 0's shard
+    # group nor its replicate group: the flags must cross both.
+    if world_size == 4:
+        return [0, 1, 0, 1] if rank == 3 else [0, 0, 0, 0]
     if rank == 0:
         return [0, 1, 0, 1]
     return [0, 0, 1, 0] if step == 2 else [0, 0, 0, 0]
 
 
-def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+def _loss(model: nn.Module, rank: int, step: int, world_size: int = 2) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(4, DIM, generator=gen)
-    return cast(torch.Tensor, model(x, _routes(rank, step)).pow(2).mean())
+    return cast(torch.Tensor, model(x, _routes(rank, step, world_size)).pow(2).mean())
 
 
 def _train(impl: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
@@ -65,8 +70,9 @@ def _train(impl: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
     fully_shard_of(impl)(model, mesh=mesh)  # the experts: one group, one reduction
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     first: dict[str, Any] = {}
+    world_size = mesh.size()
     for step in range(STEPS):
-        _loss(model, rank, step).backward()
+        _loss(model, rank, step, world_size).backward()
         if step == 0:
             first = plain({n: p.grad for n, p in model.named_parameters()})
         opt.step()
@@ -75,16 +81,23 @@ def _train(impl: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
 
 
 def _body(rank: int, world_size: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world_size,))
+    shape = (2, 2) if world_size == 4 else (world_size,)
+    names = ("replicate", "shard") if world_size == 4 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ours = _train("shardkit", rank, mesh)
-    grads, params = oracle_train(_make, _loss, world_size=world_size, steps=STEPS, lr=LR)
+
+    def loss(model: nn.Module, r: int, step: int) -> torch.Tensor:
+        return _loss(model, r, step, world_size)
+
+    grads, params = oracle_train(_make, loss, world_size=world_size, steps=STEPS, lr=LR)
     return {"ours": ours, "oracle": {"first": grads, "params": params}}
 
 
-def test_experts_unused_on_some_ranks_match_the_oracle() -> None:
+@pytest.mark.parametrize("world_size", [2, 4], ids=["w2", "hsdp-2x2"])
+def test_experts_unused_on_some_ranks_match_the_oracle(world_size: int) -> None:
     from harness.pool import run_on_ranks
 
-    for result in run_on_ranks(2, _body):
+    for result in run_on_ranks(world_size, _body):
         ours, oracle = result["ours"], result["oracle"]
         for name, expected in oracle["first"].items():
             got = ours["first"][name]

@@ -27,8 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["run_dry_step"]
 
 
-def run_dry_step(root: FSDPState, trace: StepTrace) -> None:
+def run_dry_step(root: FSDPState, trace: StepTrace, *, forward_only: bool = False) -> None:
     """Run one iteration of ``root``'s step over ``trace``'s events, with zero gradients.
+
+    ``forward_only``: an evaluation's iteration (gradients disabled): the forward's events,
+    then the root's post-forward and the step check a forward without backward ends with.
 
     Forward: the root's pre-forward, each recorded pre- and post-forward, the root's
     post-forward. Backward: each recorded pre-backward and end of backward, then what the
@@ -52,8 +55,10 @@ def run_dry_step(root: FSDPState, trace: StepTrace) -> None:
             driver.pre_forward(group)
         elif event.kind == "post_forward":
             driver.post_forward(group)
-            if group in reaches:
+            if group in reaches and not forward_only:
                 driver.output_needs_grad(group)
+        elif forward_only:
+            break
         else:
             if in_forward:
                 _root_post_forward(root, groups)
@@ -64,6 +69,10 @@ def run_dry_step(root: FSDPState, trace: StepTrace) -> None:
             else:
                 _put_zero_grads(group, event.grads)
                 driver.end_backward(group)
+    if forward_only:
+        _root_post_forward(root, groups)
+        root.check_step_end()
+        return
     if in_forward:
         _root_post_forward(root, groups)
         PROGRESS.enter("backward")
@@ -85,9 +94,15 @@ def _root_post_forward(root: FSDPState, groups: list[FSDPParamGroup]) -> None:
 def _put_zero_grads(group: FSDPParamGroup, params: tuple[FSDPParam, ...] | None) -> None:
     """Zeros where autograd would have put ``params``' gradients (None: every trainable one).
 
+    Where the group reduces missing gradients as zeros itself (``reduce.unused``), it is only
+    told that it ran: its reduction then has every rank's rows, and a parameter none of the
+    active ranks used keeps None, as theirs. Elsewhere zeros are put on the full parameters.
     A gradient already held (kept without gradient sync by a real iteration before this rank
     joined) stays: zeros added to it would change nothing.
     """
+    if group.reducer.reduces_zeros():
+        group.ran_forward_with_grad = True
+        return
     for p in group.trainable if params is None else params:
         full = p.unsharded_param
         if full is not None and full.grad is None:

@@ -292,7 +292,7 @@ class FSDPState:
         # its shards.
         self.ctx.driver.root_post_forward([] if self.ctx.local else self.all_groups)
         if not torch.is_grad_enabled():
-            self._check_step()  # no backward follows to check this forward's collectives
+            self.check_step_end()  # no backward follows to check this forward's collectives
         return output
 
     def _register_pre_backward(self, output: Any) -> Any:
@@ -358,9 +358,9 @@ class FSDPState:
             state._forward_pending.clear()  # partial list-group calls since: the next starts afresh
         PROGRESS.enter("idle")
         if last:
-            self._check_step()
+            self.check_step_end()
 
-    def _check_step(self) -> None:
+    def check_step_end(self) -> None:
         """The step check (``step_end``): on the CPU it raises here, before the optimizer step."""
         assert self.ctx is not None
         self.ctx.verdict = check_step(self.all_groups, self.device)

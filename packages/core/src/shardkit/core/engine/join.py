@@ -5,16 +5,18 @@ out of batches enters ``Join.__exit__``, which calls this module's hook once per
 that the others still run; the hook shadows that iteration (:class:`FSDPJoinHook`):
 
 1. **Agreement.** Each active rank, at its root's pre-forward, after torch's own
-   ``Join.notify_join_context``, all-reduces ``1 + 3 * groups`` int64s over the join group
-   (:func:`notify`): a one, and per group its ``reduce_grads``, ``all_reduce_grads`` and
+   ``Join.notify_join_context``, all-reduces ``2 + 3 * groups`` int64s over the join group
+   (:func:`notify`): a one, whether gradients are enabled (an evaluation's forward has no
+   backward to shadow), and per group its ``reduce_grads``, ``all_reduce_grads`` and
    ``is_last_backward``. A joined rank adds zeros, so it learns how many ranks are active
    and whether this iteration reduces gradients and ends with an optimizer step (gradient
    accumulation turns sync off on all but the last micro-batch). Cost, while a Join is
-   active only: one small all-reduce per iteration (8 * (1 + 3G) bytes; 248 bytes for ten
+   active only: one small all-reduce per iteration (8 * (2 + 3G) bytes; 256 bytes for ten
    groups) beside torch's notification (one float), which active ranks leave in flight and
    wait on at their next iteration, unless ``divide_by_initial_world_size=False`` needs its
    count before backward. DDP's join pays as much, and blocks on it.
-2. **Dry iteration.** The step's collectives with zero gradients (``dry_step``), over the
+2. **Dry iteration.** The step's collectives with zero gradients (``dry_step``; an
+   evaluation's: its forward's gathers and the step check only), over the
    events of this rank's last real iteration (recorded in a ``StepTrace`` while the Join is
    active), or, for a rank that never ran one, the events the module tree gives
    (``step_trace.tree_trace``). The root's lazy init runs first where no forward did.
@@ -31,8 +33,8 @@ A Join counts as active while its config is enabled and the hook it made is aliv
 never disables the config, but the ``Join`` object, which holds the hook, goes with the
 ``with`` statement (or the exception it raised), and from then on a forward costs one
 lookup and issues nothing. Supported: every iteration runs the same groups in the same order
-(the others' order is the recorded one), gradients enabled in every forward inside the Join,
-no ``set_manual_backward_finalization`` and no collective outside the engine (gradient-norm
+(the others' order is the recorded one; an evaluation's forward, the forward of a training
+iteration), no ``set_manual_backward_finalization`` and no collective outside the engine (gradient-norm
 clipping) between forward and the optimizer step. A rank with no batch in this Join takes the
 module tree's order, even if it trained before it (recording runs only under a Join).
 """
@@ -78,6 +80,8 @@ class _Agreed:
     """What the active ranks of one iteration agreed (summed over the join group)."""
 
     active: int
+    backward: bool
+    """Whether the iteration has a backward (a forward with gradients): else an evaluation's."""
     reduces: list[bool]
     all_reduces: list[bool]
     last: list[bool]
@@ -85,9 +89,10 @@ class _Agreed:
     @staticmethod
     def of(summed: torch.Tensor) -> _Agreed:
         values = [int(v) for v in summed.tolist()]
-        flags = values[1:]
+        flags = values[2:]
         return _Agreed(
             values[0],
+            values[1] > 0,
             [v > 0 for v in flags[0::3]],
             [v > 0 for v in flags[1::3]],
             [v > 0 for v in flags[2::3]],
@@ -96,7 +101,7 @@ class _Agreed:
     @property
     def steps(self) -> bool:
         """Whether the active ranks' iteration ends in an optimizer step."""
-        return any(self.reduces) and all(self.last)
+        return self.backward and any(self.reduces) and all(self.last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +150,21 @@ class FSDPJoinHook(JoinHook):
         """This rank runs an iteration: torch's notification, then the agreement (step 1)."""
         self.wait_pending()
         ops = _ops(self.state)
-        if not torch.is_grad_enabled():
-            self._keep_trace(ops, recording=False)
-            return
+        backward = torch.is_grad_enabled()
         try:
             work = Join.notify_join_context(self.module)  # type: ignore[arg-type]
         except RuntimeError:
             self.restore_factors()  # throw_on_early_termination: this Join ends here
             raise
-        flags = [1]
+        flags = [1, int(backward)]  # an evaluation's forward (no gradients) has no backward
         for group in self.groups:
             o = group.options
             flags += [int(o.reduce_grads), int(o.all_reduce_grads), int(o.is_last_backward)]
         vector = torch.tensor(flags, dtype=torch.int64, device=self.state.device)
         handle = _runtime_all_reduce(self.state, vector, self.group)
-        self._keep_trace(ops, recording=True)
+        self._keep_trace(ops, recording=backward)  # the trace to replay is a training one
         self.pending = _InFlight(work, handle, vector)
-        if not self.divide_by_initial_world_size:
+        if backward and not self.divide_by_initial_world_size:
             self.wait_pending()  # the reductions of this iteration need the count
             self.set_factors(int(vector[0]))
 
@@ -184,10 +187,14 @@ class FSDPJoinHook(JoinHook):
         state.lazy_init()
         if not state.is_root:
             raise RuntimeError(f"Join: FSDP module {_name(self.module)} is not the root")
-        vector = torch.zeros(1 + 3 * len(self.groups), dtype=torch.int64, device=state.device)
+        vector = torch.zeros(2 + 3 * len(self.groups), dtype=torch.int64, device=state.device)
         _runtime_all_reduce(state, vector, self.group).wait()
         agreed = _Agreed.of(vector)
         trace = self._replay_trace(state)
+        if not agreed.backward:
+            with torch.no_grad():  # an evaluation's forward: its gathers, then the step check
+                run_dry_step(state, trace, forward_only=True)
+            return
         with self._options_of(agreed):
             run_dry_step(state, trace)
         if agreed.steps:
