@@ -34,9 +34,10 @@ never disables the config, but the ``Join`` object, which holds the hook, goes w
 ``with`` statement (or the exception it raised), and from then on a forward costs one
 lookup and issues nothing. Supported: every iteration runs the same groups in the same order
 (the others' order is the recorded one; an evaluation's forward, the forward of a training
-iteration), no ``set_manual_backward_finalization`` and no collective outside the engine (gradient-norm
-clipping) between forward and the optimizer step. A rank with no batch in this Join takes the
-module tree's order, even if it trained before it (recording runs only under a Join).
+iteration), no ``set_manual_backward_finalization`` and no collective outside the engine
+(gradient-norm clipping) between forward and the optimizer step. A rank with no batch in this
+Join takes the module tree's order, even if it trained before it (recording runs only under a
+Join).
 """
 
 from __future__ import annotations
