@@ -43,6 +43,15 @@ def _group_shard_bytes(world_size: int, align: int) -> dict[str, int]:
     return groups
 
 
+def _step_check_bytes(world_size: int) -> int:
+    """What shardkit's step check sends at the end of a backward, at W ranks on gloo: its
+    header and one byte per trainable parameter, to each peer (``runtime/step_check.py``)."""
+    from shardkit.core.layout import STEP_CHECK_HEADER_BYTES
+
+    flags = sum(1 for _ in models.build("mlp").parameters())
+    return (STEP_CHECK_HEADER_BYTES + flags) * (world_size - 1)
+
+
 def _minimum_of_schedule(world_size: int) -> int:
     """Ψ·4·(W-1)/W per fp32 gather and reduction of each group of the MLP (the root, kept
     unsharded between forward and backward, gathered once)."""
@@ -76,6 +85,8 @@ def test_fully_shard_engines_bytes_phases_and_modules(
     # shardkit aligns each parameter's shard to 16 bytes in the gathered buffer only.
     expected_gather = (2 * sum(shards.values()) - shards[""]) * (world_size - 1)
     expected_reduce = sum(_group_shard_bytes(world_size, 1).values()) * (world_size - 1)
+    # shardkit's step check: a few dozen bytes to each peer where a backward ends.
+    check = {"send": _step_check_bytes(world_size), "recv": 0} if engine == "shardkit" else {}
     for report in reports:
         assert report.world_size == world_size
         assert report.comm is not None and len(report.comm.steps) == 2
@@ -83,14 +94,15 @@ def test_fully_shard_engines_bytes_phases_and_modules(
             assert step.sent_bytes_by_kind == {
                 "all_gather": expected_gather,
                 "reduce_scatter": expected_reduce,
+                **check,
             }
-            assert step.sent_bytes == expected_gather + expected_reduce
+            assert step.sent_bytes == expected_gather + expected_reduce + sum(check.values())
             assert 0 <= step.exposed_s <= step.step_s and 0 < step.comm_s <= step.step_s
         # No minimum given: computed from the model's groups, the same for both engines:
         # each group's parameters gathered as often as the engine did, reduced once, unpadded.
         assert report.comm.minimum_computed
         assert report.comm.theoretical_min_bytes == _minimum_of_schedule(world_size)
-        rows = _per_step(report, 1)
+        rows = [c for c in _per_step(report, 1) if c.kind not in check]
         by_phase = Counter((c.kind, c.phase) for c in rows)
         assert by_phase == {
             ("all_gather", Phase.FORWARD): 4,

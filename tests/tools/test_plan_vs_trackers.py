@@ -165,12 +165,15 @@ def _reports_and_plans(
 
 
 def _assert_engine_figures_match(report: RankReport, predicted: Plan, rank: int) -> None:
-    # Communication: every collective of the step, in issue order, byte for byte.
+    # Communication: every collective of the step, in issue order, byte for byte, then the
+    # step check's messages where the backward ends.
     measured_calls = [(c.kind, c.input_bytes, c.sent_bytes) for c in report.collectives]
-    planned_calls = [(c.kind, c.input_bytes, c.sent_bytes) for c in predicted.schedule]
+    calls = [*predicted.schedule, *predicted.step_check]
+    planned_calls = [(c.kind, c.input_bytes, c.sent_bytes) for c in calls]
     assert measured_calls == planned_calls, f"rank {rank}"
     assert report.comm is not None
-    assert report.comm.steps[0].sent_bytes == predicted.sent_bytes_per_step
+    check_bytes = sum(c.sent_bytes for c in predicted.step_check)
+    assert report.comm.steps[0].sent_bytes == predicted.sent_bytes_per_step + check_bytes
     # Memory: every category the engine owns exactly; activations (from a meta-device
     # forward) within 10%. "other" (temporaries) is not predicted closely and is left out.
     memory = report.memory

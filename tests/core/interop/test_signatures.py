@@ -43,7 +43,10 @@ _OURS_ONLY_METHODS = {
     "load_state_dict": nn.Module.load_state_dict,
 }
 # shardkit's own settings, which torch's FSDPModule has no counterpart of.
-_SHARDKIT_SETTINGS = {"set_reduce_precision", "set_custom_all_reduce"}
+_SHARDKIT_SETTINGS = {"set_reduce_precision", "set_custom_all_reduce", "set_conditional"}
+# torch's Joinable protocol (torch.distributed.algorithms.join), for uneven inputs under Join
+# (its join_device and join_process_group are properties).
+_JOINABLE = {"join_hook"}
 
 
 def _default(value: Any) -> Any:
@@ -110,7 +113,8 @@ def test_fsdp_module_has_torchs_methods_and_no_others() -> None:
     theirs = set(_public_methods(torch_fsdp.FSDPModule))
     newer = {name for name in added_under("FSDPModule") if not torch_has(f"FSDPModule.{name}")}
     assert sorted(theirs - ours) == []
-    assert sorted(ours - theirs) == sorted({*_OURS_ONLY_METHODS, *_SHARDKIT_SETTINGS, *newer})
+    expected = {*_OURS_ONLY_METHODS, *_SHARDKIT_SETTINGS, *_JOINABLE, *newer}
+    assert sorted(ours - theirs) == sorted(expected)
     assert theirs & newer == set(), "torch_releases.ADDED_IN gives a later release"
 
 

@@ -46,6 +46,8 @@ from shardkit.core.engine.reduce import WireFormat
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.policies import keeps_own_dtype
 from shardkit.core.reduce_precision import ReducePrecision
+from shardkit.core.runtime.step_check import HEADER_BYTES as STEP_CHECK_HEADER_BYTES
+from shardkit.core.runtime.step_check import step_checks_on
 
 __all__ = [
     "ALIGN_BYTES",
@@ -54,12 +56,14 @@ __all__ = [
     "HookInput",
     "ParamLayout",
     "ParamSpec",
+    "STEP_CHECK_HEADER_BYTES",
     "ShardGeometry",
     "ShardedParamView",
     "group_layout",
     "keeps_own_dtype",
     "layout_of",
     "pooled_sizes",
+    "step_checks_on",
     "wire_row_bytes",
 ]
 

@@ -5,7 +5,9 @@ rank 0's all-gather of one block meets rank 1's all-gather of another block of t
 and both go on with the wrong parameters (pytorch#174862). So each rank folds every collective
 the runtime issues on a group into a running digest of that group, on the host, as it issues
 it (:func:`record`: the fields of :class:`~shardkit.core.runtime.progress.CollectiveInfo`, the
-module's name among them): no byte on the wire and no device work per collective. Where a
+module's name among them, but its step: a process that trains another model on some ranks
+only counts optimizer steps the others do not): no byte on the wire and no device work per
+collective. Where a
 backward ends, or a forward that no backward follows, the engine compares the digests of every
 group the collectives used (:func:`verify`): one small all-gather per group, a few dozen bytes.
 Equal digests mean that every collective met its own kind on every member; a difference raises
@@ -31,7 +33,7 @@ from __future__ import annotations
 import struct
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -42,9 +44,21 @@ from shardkit.core.runtime.device import HostCopies
 from shardkit.core.runtime.flat_collectives import all_gather_single
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 
-__all__ = ["Verdict", "forget", "pending_groups", "record", "set_step_checks", "verify"]
+__all__ = [
+    "HEADER_BYTES",
+    "Verdict",
+    "forget",
+    "pending_groups",
+    "record",
+    "set_step_checks",
+    "step_checks_on",
+    "verify",
+]
 
 _HEADER = struct.Struct("<IIQ")  # digest, collectives in the window, reserved (zeros)
+HEADER_BYTES = _HEADER.size
+"""Bytes of a member's header in a check's exchange; one byte per flag follows (the engine's:
+one per trainable parameter of the root). The planner predicts the exchange from these."""
 _KEPT = 4096
 """Collectives a window keeps to name the first difference; past that only the digest counts
 (a forward repeated without backward or check, for example, must not grow without bound)."""
@@ -77,6 +91,11 @@ def set_step_checks(enabled: bool = True) -> None:
         forget()
 
 
+def step_checks_on() -> bool:
+    """Whether the step check runs (``set_step_checks``, ``SHARDKIT_STEP_CHECK``)."""
+    return SETTINGS.step_checks
+
+
 def forget() -> None:
     """Start every window afresh (every rank, at one point: a recovery after an exception)."""
     _WINDOWS.clear()
@@ -90,7 +109,8 @@ def record(group: dist.ProcessGroup, info: CollectiveInfo) -> None:
     epoch = epoch_of(group)
     if window is None or window.epoch != epoch:
         window = _WINDOWS[group] = _Window(epoch)
-    window.digest = zlib.crc32(info.encode(), window.digest)
+    text = f"{info.seq}|{info.kind}|{info.label}|{info.phase}|{info.nbytes}|{info.dtype}"
+    window.digest = zlib.crc32(text.encode(), window.digest)
     window.count += 1
     if len(window.infos) < _KEPT:
         window.infos.append(info)
@@ -242,7 +262,8 @@ def _name_difference(checked: _Checked, counts: list[int], device: torch.device)
             CollectiveInfo.decode(bytes(r.tolist())) if i < kept[m] else _NOTHING
             for m, r in enumerate(records)
         ]
-        check_fingerprints(infos, ranks)  # raises at the first difference
+        if len({replace(info, step=0) for info in infos}) > 1:
+            check_fingerprints(infos, ranks)  # raises at the first difference
     # Equal lists that differ past what was kept, or by the bytes decoding drops.
     raise DesyncError(
         f"ranks {ranks} ran different collectives since the last step check ({counts} "

@@ -80,6 +80,9 @@ class Plan:
     """One per ``fully_shard`` call, root last."""
     schedule: tuple[CollectiveCall, ...]
     """Every collective of one step, in the engine's issue order."""
+    step_check: tuple[CollectiveCall, ...]
+    """The engine's step check where the backward ends, after the schedule: a few dozen bytes
+    per peer, which a tracker sees (``sent_bytes_per_step`` leaves them out)."""
     collectives: tuple[CollectivePlan, ...]
     """The schedule summed up per (kind, group)."""
     sent_bytes_per_step: int
@@ -224,6 +227,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             for g, raf in zip(groups, step.reshard_after_forward, strict=True)
         ),
         schedule=step.schedule,
+        step_check=step.step_check,
         events=step.events,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,

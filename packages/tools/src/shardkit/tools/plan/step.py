@@ -74,6 +74,9 @@ class StepResult:
 
     schedule: tuple[CollectiveCall, ...]
     """Every collective, in issue order."""
+    step_check: tuple[CollectiveCall, ...]
+    """The step check's messages where the backward ends (the core's ``runtime/step_check``),
+    after ``schedule``: not collectives of the step's, and announced by no event."""
     memory: MemoryPlan
     """The ledger's samples, peak and per-category maxima."""
     reshard_after_forward: tuple[bool, ...]
@@ -97,6 +100,7 @@ def simulate_step(inputs: StepInputs) -> StepResult:
     category_max = {c: max(p.by_category[c] for p in points) for c in Category}
     return StepResult(
         schedule=tuple(step.ops.calls),
+        step_check=tuple(step.ops.check_calls),
         memory=MemoryPlan(peak=peak, category_max=category_max, timeline=points),
         reshard_after_forward=tuple(
             step.ops.settings(i).reshard_after_forward is not False for i in range(len(step.groups))
@@ -231,6 +235,7 @@ class _Step:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
         ledger.module = ""
         self.driver.final_callback(range(len(self.groups)), last=True, assign_now=False)
+        self.ops.record_step_check()
 
     def _frozen(self, g: int) -> bool:
         """Whether group ``g`` has frozen parameters (its inputs' gradients are watched)."""

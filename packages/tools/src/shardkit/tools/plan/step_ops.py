@@ -16,7 +16,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from shardkit.core.layout import pooled_sizes, wire_row_bytes
+from shardkit.core.layout import (
+    STEP_CHECK_HEADER_BYTES,
+    pooled_sizes,
+    step_checks_on,
+    wire_row_bytes,
+)
 from shardkit.core.schedule import (
     MAX_REDUCES_IN_FLIGHT,
     AfterForward,
@@ -68,6 +73,7 @@ class LedgerOps:
             self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
         )
         self.calls: list[CollectiveCall] = []
+        self.check_calls: list[CollectiveCall] = []  # the step check's (record_step_check)
         self.events: list[tuple[str, str]] = []
         count = len(self.groups)
         self._settings = [_Settings(reshard_after_forward=_policy(inputs, i)) for i in range(count)]
@@ -185,6 +191,29 @@ class LedgerOps:
             axis = "dp_replicate"
         self._append(kind, self.groups[g].fqn, axis, size, input_bytes, sent)
 
+    def record_step_check(self) -> None:
+        """The engine's step check where a backward ends (the core's ``runtime/step_check``).
+
+        For each mesh axis the step's collectives used, in order of first use: every member's
+        header and one byte per trainable parameter, point to point on gloo (a receive and a
+        send per peer), one all-gather elsewhere. No event: the engine announces none.
+        """
+        if not step_checks_on():
+            return
+        nbytes = STEP_CHECK_HEADER_BYTES + sum(len(g.trainable) for g in self.groups)
+        sizes: dict[str, int] = {}
+        for call in self.calls:
+            if call.axis != "tp":
+                sizes.setdefault(call.axis, call.group_size)
+        for axis, size in sizes.items():
+            if self.gloo:
+                for _ in range(size - 1):
+                    self.check_calls.append(self._made("recv", "", axis, size, nbytes, 0))
+                    self.check_calls.append(self._made("send", "", axis, size, nbytes, nbytes))
+            else:
+                sent = nbytes * (size - 1)
+                self.check_calls.append(self._made("all_gather", "", axis, size, nbytes, sent))
+
     def record_tp(self, calls: list[TPCall]) -> None:
         """Record tensor-parallel collectives (the replay places them on its segments)."""
         for c in calls:
@@ -195,16 +224,19 @@ class LedgerOps:
     ) -> None:
         if axis != "tp":
             self.events.append((kind, group))
-        self.calls.append(
-            CollectiveCall(
-                kind=kind,
-                group=group,
-                axis=axis,
-                group_size=size,
-                input_bytes=input_bytes,
-                sent_bytes=sent,
-                phase=self.ledger.phase,
-            )
+        self.calls.append(self._made(kind, group, axis, size, input_bytes, sent))
+
+    def _made(
+        self, kind: str, group: str, axis: str, size: int, input_bytes: int, sent: int
+    ) -> CollectiveCall:
+        return CollectiveCall(
+            kind=kind,
+            group=group,
+            axis=axis,
+            group_size=size,
+            input_bytes=input_bytes,
+            sent_bytes=sent,
+            phase=self.ledger.phase,
         )
 
     def grad_key(self, g: int, p: int) -> Key:

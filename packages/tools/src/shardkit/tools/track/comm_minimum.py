@@ -46,6 +46,8 @@ def minimum_bytes(records: Sequence[CollectiveRecord], groups: Sequence[FSDPGrou
         if record.kind == "all_reduce":
             total += record.sent_bytes
             continue
+        if record.kind in ("send", "recv") and record.serves is None:
+            continue  # no module's data: shardkit's step check (a few dozen bytes), not FSDP's
         group = by_fqn.get(record.serves) if record.serves is not None else None
         if group is None or record.kind not in ("all_gather", "reduce_scatter"):
             return None
