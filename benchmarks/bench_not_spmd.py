@@ -100,11 +100,18 @@ def _tower_setup(rank: int, world_size: int) -> None:
             _tower_step(rank, world_size, variant)
 
 
-def _tower_step(rank: int, world_size: int, variant: str) -> dict[str, float]:
+def _tower_step(
+    rank: int, world_size: int, variant: str, count_ops: bool = False
+) -> dict[str, float]:
     import time
 
     from shardkit.core import observe
+    from shardkit.tools import OpCounter
 
+    if count_ops:  # one step apart, not timed: the operators it dispatches (launches on a GPU)
+        with OpCounter() as ops:
+            _tower_step(rank, world_size, variant)
+        return {"launches": float(ops.launches)}
     model, opt = _MODELS[variant]
     issued = [0]
 
@@ -151,6 +158,10 @@ def test_marked_module_cost(benchmark: Any) -> None:
             collectives[variant] = max(r["collectives"] for r in ranks)
 
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    launches = {
+        v: [r["launches"] for r in run_on_ranks(WORLD, _tower_step, variant=v, count_ops=True)]
+        for v in VARIANTS
+    }
     run_on_ranks(WORLD, _tower_teardown)
     spmd = times["spmd"]
     ratios = {
@@ -161,10 +172,12 @@ def test_marked_module_cost(benchmark: Any) -> None:
             "median_step_s": {v: statistics.median(times[v]) for v in VARIANTS},
             "ratio_vs_spmd": ratios,
             "collectives_per_step": collectives,
+            "launches_per_step_by_rank": launches,
         }
     )
     for v in VARIANTS:
         print(
             f"\n{v}: {1e3 * statistics.median(times[v]):.2f} ms a step, {ratios[v]:.3f} of the "
-            f"SPMD program's, {collectives[v]:.0f} collectives (the slowest rank)"
+            f"SPMD program's, {collectives[v]:.0f} collectives, operators per rank "
+            f"{[int(n) for n in launches[v]]}"
         )
