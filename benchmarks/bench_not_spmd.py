@@ -73,6 +73,16 @@ class _Tower(nn.Module):
         )
         self.tower = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
 
+    def forward(self, x: torch.Tensor, tower: str) -> torch.Tensor:
+        """``tower``: "run", "skip", or "dummy" (on zeros, its output times zero)."""
+        for block in self.blocks:
+            x = block(x)
+        if tower == "run":
+            x = x + self.tower(x)
+        elif tower == "dummy":
+            x = x + 0 * self.tower(torch.zeros_like(x))
+        return x
+
 
 def _tower_model(variant: str, world_size: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
@@ -120,14 +130,8 @@ def _tower_step(
 
     unsubscribe = observe.subscribe(count)
     start = time.perf_counter()
-    x = torch.randn(16, DIM)
-    for block in model.blocks:
-        x = block(x)
-    if variant == "spmd" or rank == 0:
-        x = x + model.tower(x)
-    elif variant == "dummy":
-        x = x + 0 * model.tower(torch.zeros_like(x))
-    x.pow(2).mean().backward()
+    tower = "run" if variant == "spmd" or rank == 0 else variant.replace("marked", "skip")
+    model(torch.randn(16, DIM), tower).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
     seconds = time.perf_counter() - start
