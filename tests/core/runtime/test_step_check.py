@@ -139,3 +139,29 @@ def test_torch_control_trains_the_swapped_blocks_silently_wrong() -> None:
         assert "blocks.1" not in text, text
         if text.startswith("trained"):
             assert float(text.split()[2]) > 1e-3, text
+
+
+def _destroyed_body(rank: int, world_size: int) -> str:
+    # A model trained on a group of its own that is then destroyed: the next model's check
+    # forgets that group's window instead of exchanging on it.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group(list(range(world_size)))
+    first = _make()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    fully_shard_of("shardkit")(first, mesh=mesh)
+    first(torch.randn(4, DIM), (0, 1)).sum().backward()  # checked: its window is empty again
+    first.reshard()
+    first.unshard()  # a gather the group's window keeps: no backward or forward ends it
+    first.reshard()
+    dist.destroy_process_group(group)
+    second = _sharded("shardkit", world_size)
+    _loss(second, 0, 0).backward()
+    return "trained"
+
+
+def test_a_destroyed_group_is_forgotten() -> None:
+    from harness.pool import run_on_ranks
+
+    assert run_on_ranks(2, _destroyed_body) == ["trained", "trained"]

@@ -117,8 +117,21 @@ def record(group: dist.ProcessGroup, info: CollectiveInfo) -> None:
 
 
 def pending_groups() -> list[dist.ProcessGroup]:
-    """The groups with collectives since their last check, in order of first use."""
+    """The groups with collectives since their last check, in order of first use.
+
+    A group destroyed since (``destroy_process_group``, on every member) is forgotten.
+    """
+    for group in [g for g in _WINDOWS if not _alive(g)]:
+        del _WINDOWS[group]
     return [g for g, w in _WINDOWS.items() if w.count and w.epoch == epoch_of(g)]
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False  # "not initialized in the world group map": destroyed
+    return True
 
 
 @dataclass(slots=True)
