@@ -148,7 +148,7 @@ def _destroyed_body(rank: int, world_size: int) -> str:
     from torch.distributed.device_mesh import DeviceMesh
 
     group = dist.new_group(list(range(world_size)))
-    first = _make()
+    first: Any = _make()  # an FSDPModule once sharded
     mesh = DeviceMesh.from_group(group, "cpu")
     fully_shard_of("shardkit")(first, mesh=mesh)
     first(torch.randn(4, DIM), (0, 1)).sum().backward()  # checked: its window is empty again
