@@ -5,9 +5,8 @@ class (``api.fully_shard`` makes the swap). The methods act on the module's para
 and options; they validate their arguments before changing anything. Its overrides of
 ``nn.Module``'s construction, ``_apply`` and ``load_state_dict`` run ``module_overrides``.
 
-Next to split off: the checks and effects of the ``set_*`` runtime switches (the options of
-each group under the module, with ``recurse``), as functions the methods call, the way
-``module_overrides`` holds the overrides.
+The checks and effects of its communication switches (custom collectives, the all-reduce
+hook, the reduction's precision, reductions in flight) are ``comm_switches``' functions.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.core import comm_switches
 from shardkit.core.engine import join
 from shardkit.core.engine.conditional import mark_conditional
 from shardkit.core.engine.finalization import (
@@ -27,7 +27,6 @@ from shardkit.core.engine.finalization import (
     wait_for_gradient_reduction,
 )
 from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.engine.reduce import check_policy
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
 from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
@@ -173,14 +172,7 @@ class FSDPModule:
         send buffer; more lets communication run behind more of backward, at the cost of
         that many send buffers alive at backward's memory peak.
         """
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(
-                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
-            )
-        if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for group in self._groups_under(recurse):
-            group.options.max_reduces_in_flight = max_input_buffers
+        comm_switches.set_max_input_buffers(self._groups_under(recurse), max_input_buffers)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -213,16 +205,7 @@ class FSDPModule:
             ValueError: ``stream`` is given for a module on an HSDP mesh.
         """
         groups = self._only_group("set_all_reduce_hook")
-        for group in groups:
-            info = group.mesh_info
-            if stream is not None and info.replicate_group is not None and info.has_shard_axis:
-                raise ValueError(
-                    "stream cannot be set when using native HSDP (FSDP module "
-                    f"{type(self).__name__} is on a (replicate, shard) mesh)"
-                )
-        for group in groups:
-            group.options.all_reduce_hook = hook
-            group.options.all_reduce_hook_stream = stream
+        comm_switches.set_all_reduce_hook(groups, hook, stream, type(self).__name__)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this module's parameters with ``comm`` (torch's ``AllGather`` interface).
@@ -240,12 +223,7 @@ class FSDPModule:
         ``comm(output, input, group, op, async_op=)`` sums the (W * S) input into each rank's
         S elements.
         """
-        groups = self._only_group("set_custom_reduce_scatter")
-        setter = "set_custom_reduce_scatter" if comm is not None else None
-        for group in groups:
-            check_policy(group.options.reduce_precision, group, custom=setter)
-        for group in groups:
-            group.options.custom_reduce_scatter = comm
+        comm_switches.set_custom_reduce_scatter(self._only_group("set_custom_reduce_scatter"), comm)
 
     def set_custom_all_reduce(
         self, comm: Callable[[torch.Tensor, dist.ProcessGroup], None] | None
@@ -265,17 +243,7 @@ class FSDPModule:
                 or it compresses its reduction (``set_reduce_precision``).
         """
         groups = self._only_group("set_custom_all_reduce")
-        for group in groups:
-            if comm is not None and group.mesh_info.replicate_group is None:
-                raise ValueError(
-                    f"set_custom_all_reduce: FSDP module {group.fqn or type(self).__name__} is "
-                    "sharded on a 1-D mesh, with no all-reduce across replicas to replace; use "
-                    "set_custom_reduce_scatter"
-                )
-            setter = "set_custom_all_reduce" if comm is not None else None
-            check_policy(group.options.reduce_precision, group, custom=setter)
-        for group in groups:
-            group.options.custom_all_reduce = comm
+        comm_switches.set_custom_all_reduce(groups, comm, type(self).__name__)
 
     def set_reduce_precision(self, policy: ReducePrecision | None, *, recurse: bool = True) -> None:
         """How gradients travel and are summed (shardkit's own: torch has no such setting).
@@ -288,11 +256,7 @@ class FSDPModule:
             TypeError: a parameter whose gradient is not floating point.
             ValueError: a group with a custom reduce-scatter or all-reduce.
         """
-        groups = self._groups_under(recurse)
-        for group in groups:
-            check_policy(policy, group, custom=group.options.custom_collective())
-        for group in groups:
-            group.options.reduce_precision = policy
+        comm_switches.set_reduce_precision(self._groups_under(recurse), policy)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; communication buffers come from shardkit's own pool.

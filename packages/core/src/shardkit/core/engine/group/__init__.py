@@ -6,7 +6,8 @@
 - ``storage``: the group's buffers and the fused copies between them (copy-in, copy-out);
 - ``unsharded``: the unsharded flat buffer, its memory between unshard and reshard;
 - ``post_forward``: ``reshard_after_forward=int``, the 1/n slices kept for backward;
-- ``upkeep``: the plan made again when the group's parameters change under it.
+- ``upkeep``: the plan made again when the group's parameters change under it;
+- ``unsynced``: its gradients without gradient sync, kept for the next backward.
 
 When each of these happens is the schedule's (``shardkit.core.schedule``); the operations the
 schedule's driver runs on the groups are ``engine/step_ops.py``'s.

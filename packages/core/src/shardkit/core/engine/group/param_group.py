@@ -3,9 +3,8 @@
 unshard -> wait_for_unshard -> (compute) -> reshard, one all-gather per unshard; after
 backward, one reduce-scatter of all the group's gradients. See [Note: flat group buffers].
 Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
-Its re-planning when its parameters change under it is the ``upkeep.GroupUpkeep`` it holds.
-Next to split off: its gradients' bookkeeping without sync (``take_grads``' stash and
-``_add_sharded_grad``).
+Its re-planning when its parameters change under it is the ``upkeep.GroupUpkeep`` it holds;
+its gradients' bookkeeping without sync is ``unsynced``'s.
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.group.plan import GroupConfig, plan_group
 from shardkit.core.engine.group.storage import GroupStorage
+from shardkit.core.engine.group.unsynced import stash_unsynced
 from shardkit.core.engine.group.upkeep import GroupUpkeep
 from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.param_listing import set_listed
 from shardkit.core.engine.profiler_ranges import fsdp_range
-from shardkit.core.engine.reduce import take_sharded_grad
 from shardkit.core.engine.replaceable_hooks import ReplacedSteps
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
@@ -361,11 +360,7 @@ class FSDPParamGroup:
         [Note: post-backward trigger].
         """
         if not self.options.reduce_grads:
-            in_param_dtype = self.options.unsynced_grads_in_param_dtype
-            for p in self.trainable:
-                if self.options.reduce_accumulated_grads:
-                    _add_sharded_grad(p)
-                p.stash_unsharded_grad(p.comm_dtype if in_param_dtype else self.plan.reduce_dtype)
+            stash_unsynced(self.trainable, self.options, self.plan.reduce_dtype)
             return None
         ran_forward, self.ran_forward_with_grad = self.ran_forward_with_grad, False
         return self.reducer.take_grads(self.trainable, ran_forward=ran_forward) or None
@@ -412,19 +407,3 @@ class FSDPParamGroup:
 
 def _not_attached(_param: torch.Tensor) -> None:
     raise AssertionError("a gradient hook ran before the root attached its groups")
-
-
-def _add_sharded_grad(p: FSDPParam) -> None:
-    """Without sync, FSDP1's ``NO_SHARD``: the reduced gradient on ``p`` joins the unsynced one.
-
-    Autograd adds FSDP1's unsynced gradients to the flat parameter's reduced one, in that
-    one's dtype: from here on they accumulate there (``accumulated_grad``), and the next
-    backward that reduces reduces the sum (``GroupView.reduce_accumulated_grads``).
-    """
-    if p.unsharded_param is None or p.unsharded_param.grad is None:
-        return
-    old = take_sharded_grad(p)
-    if old is not None:
-        unsynced = p.take_unsharded_grad()
-        old = old.to(p.unsharded_param.device)  # an offloaded gradient comes back first
-        p.accumulated_grad = old if unsynced is None else old + unsynced
