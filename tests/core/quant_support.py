@@ -238,6 +238,35 @@ class PostOnlyTensor(QuantData):
         return values, (values,)
 
 
+class ReleasingQuantTensor(QuantTensor):
+    """Declares that its post hook's values do not view the all-gather outputs (they are
+    dequantized anew), so FSDP may free the outputs right after it (torch 2.15's hook)."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True
+
+
+class KeepingQuantTensor(QuantTensor):
+    """Defines the release hook and answers False: the outputs stay until reshard."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return False
+
+
+class NonBoolReleaseTensor(QuantTensor):
+    """A release hook that answers something other than a bool (a user error)."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> Any:
+        return 1
+
+
+class ReleaseOnlyTensor(QuantData):
+    """Defines the release hook without the all-gather hooks it is about (a user error)."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True
+
+
 class QuantLinear(nn.Linear):
     """A Linear whose weight is fake-quantized in forward when ``fake_quant`` is set.
 

@@ -13,7 +13,7 @@ See [Note: all-gather extensions].
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -33,10 +33,19 @@ from shardkit.core.runtime.progress import SETTINGS
 if TYPE_CHECKING:  # param.py imports this module
     from shardkit.core.engine.param import FSDPParam
 
-__all__ = ["AllGatherHooks", "GroupHooks", "HookCall", "has_all_gather_hooks"]
+__all__ = [
+    "AllGatherHooks",
+    "GroupHooks",
+    "HookCall",
+    "has_all_gather_hooks",
+    "releases_outputs_after_post",
+]
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"
+# torch 2.15's third, optional hook: the subclass says its post hook's result does not view
+# the all-gather outputs, so their memory can go as soon as the post hook has run.
+_RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
 
 
 def has_all_gather_hooks(tensor: torch.Tensor, fqn: str) -> bool:
@@ -53,7 +62,38 @@ def has_all_gather_hooks(tensor: torch.Tensor, fqn: str) -> bool:
             f"parameter {fqn} ({type(tensor).__name__}) defines {have} but not {lack}; define "
             "both, or neither to be gathered as a plain tensor"
         )
+    if hasattr(tensor, _RELEASE) and not post:
+        raise AllGatherHookError(
+            f"{_RELEASE} requires {_PRE} and {_POST} to be defined: parameter {fqn} "
+            f"({type(tensor).__name__}) defines it without them"
+        )
     return pre
+
+
+def releases_outputs_after_post(tensor: torch.Tensor, fqn: str) -> bool:
+    """Whether the all-gather outputs of ``tensor`` (parameter ``fqn``) go after its post hook.
+
+    As its ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` answers (asked
+    once, at ``fully_shard``, as torch asks; False without the hook).
+
+    Freeing them early lowers the peak by one gathered copy per such parameter while it stays
+    unsharded (``reshard_after_forward=False``, or between forward and backward); the next
+    unshard allocates them again. Only the subclass knows that its post hook's tensors do not
+    view them (MXFP8's do not, a plain dequantized view would), so the default keeps them.
+
+    Raises:
+        AllGatherHookError: the hook returns something other than a bool.
+    """
+    hook = getattr(tensor, _RELEASE, None)
+    if hook is None:
+        return False
+    answer = hook()
+    if not isinstance(answer, bool):
+        raise AllGatherHookError(
+            f"{_RELEASE} must return a bool, got {type(answer)} (parameter {fqn}, "
+            f"{type(tensor).__name__})"
+        )
+    return answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +120,13 @@ class AllGatherHooks:
     have saved the unsharded parameter that views them.
     """
 
-    def __init__(self, fqn: str, geometry: ShardGeometry) -> None:
+    def __init__(
+        self, fqn: str, geometry: ShardGeometry, *, release_after_post: bool = False
+    ) -> None:
         self.fqn = fqn
         self.geometry = geometry
+        self.release_after_post = release_after_post
+        """The outputs' memory goes right after the post hook (see releases_outputs_after_post)."""
         self.inputs: tuple[HookInput, ...] | None = None
         """Numel and dtype of each tensor the pre hook returns; learnt at its first call."""
         self._sizes: tuple[torch.Size, ...] = ()  # of the pre hook's tensors (post hook views)
@@ -211,20 +255,21 @@ class AllGatherHooks:
         if out is None:
             tensor, inner = hook(outputs, metadata, dtype)
             self._inner = tuple(inner)
+            self._release_outputs_if_declared()
             return tensor  # type: ignore[no-any-return]  # the hook's protocol
         for tensor in self._inner:
             _allocate(tensor)
         hook(outputs, metadata, dtype, out=out)
+        self._release_outputs_if_declared()
         return None
+
+    def _release_outputs_if_declared(self) -> None:
+        if self.release_after_post:
+            _free_all(self._outputs, self.fqn)
 
     def free(self) -> None:
         """Free the memory of the outputs and of the post hook's tensors (on reshard)."""
-        for tensor in chain(self._outputs, self._inner):
-            storage = tensor.untyped_storage()
-            if storage.size() != 0:
-                if SETTINGS.lifetime_checks:
-                    check_release(tensor, f"an all-gather output of parameter {self.fqn}")
-                storage.resize_(0)
+        _free_all(chain(self._outputs, self._inner), self.fqn)
 
     def reset(self, *, inputs: bool) -> None:
         """Drop the outputs and the post hook's tensors (the parameter's storage changed).
@@ -261,6 +306,16 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     alias.set_(tensor.untyped_storage(), 0, tensor.shape, (1,))
     return alias
+
+
+def _free_all(tensors: Iterable[torch.Tensor], fqn: str) -> None:
+    """Free the memory of ``tensors`` (parameter ``fqn``'s hook tensors) that still have it."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            if SETTINGS.lifetime_checks:
+                check_release(tensor, f"an all-gather output of parameter {fqn}")
+            storage.resize_(0)
 
 
 def _allocate(tensor: torch.Tensor) -> None:

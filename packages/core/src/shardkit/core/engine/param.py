@@ -26,7 +26,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.engine.buffer_layout import ParamSpec
-from shardkit.core.engine.gather_hooks import AllGatherHooks, has_all_gather_hooks
+from shardkit.core.engine.gather_hooks import (
+    AllGatherHooks,
+    has_all_gather_hooks,
+    releases_outputs_after_post,
+)
 from shardkit.core.engine.grad_dtype_policy import (
     GradAccumulation,
     GradDtypePolicy,
@@ -113,7 +117,8 @@ class FSDPParam:
                 f"that {type(extension).__name__} shards (tensor parallelism) are not "
                 "supported yet"
             )
-        return AllGatherHooks(self.fqn, self.geometry)
+        release = releases_outputs_after_post(local, self.fqn)
+        return AllGatherHooks(self.fqn, self.geometry, release_after_post=release)
 
     def retype(self, dtype: torch.dtype) -> None:
         """The parameter now has ``dtype`` (a module ``.to(dtype)``); unshard anew."""
