@@ -124,6 +124,11 @@ TITAN_LAYOUTS = {
     ),
     "pp_looped_1f1b": _Run(ranks=4, local_batch=4, flags=_pp(4, "Interleaved1F1B")),
     "pp_zbv": _Run(local_batch=4, flags=_pp(2, "ZBVZeroBubble", "activation-checkpoint:full")),
+    # pp 2 x tp 2: FSDP on a dp axis of one rank beside TP; its grad norm differed from
+    # torch's in the seventh digit before TP settled no-sync gradients once (note 009).
+    "pp_tp_gpipe": _Run(
+        ranks=4, local_batch=4, flags=_pp(2, "GPipe", "--parallelism.tensor_parallel_degree", "2")
+    ),
     "cp": _Run(ranks=4, seq_len=512, flags=("--parallelism.context_parallel_degree=4",)),
 }
 

@@ -364,27 +364,33 @@ class FSDPParam:
             write_slot(slot, param, self.listed)
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The full gradient accumulated so far (no-sync steps included); clears it."""
+        """The full gradient accumulated so far (no-sync steps included), local; clears it.
+
+        The sum over backwards comes before TP settles it (``grad_local``), as in
+        :meth:`stash_unsharded_grad`.
+        """
         param = self.unsharded_param
         grad = param.grad if param is not None else None
         if param is not None:
             param.grad = None
             self.grad_accumulation.upcast_held(param)  # none is held: autograd's cast is back on
-        if grad is not None:
-            grad = self.extension.grad_local(grad, self.sharding_spec)
         acc = self.accumulated_grad
         self.accumulated_grad = None
-        if acc is None:
-            return grad
-        if grad is not None:
-            acc.add_(grad)
-        return acc
+        if acc is not None:
+            grad = acc if grad is None else self._accumulate(acc, grad)
+        if grad is None:
+            return None
+        return self.extension.grad_local(grad, self.sharding_spec)
 
     def stash_unsharded_grad(self, reduce_dtype: torch.dtype) -> None:
         """Between no-sync backwards: keep the full gradient, accumulated in ``reduce_dtype``.
 
         Before torch 2.15, in a copy of its own; from 2.15 on (as torch does), in ``.grad``,
-        where autograd adds the next backward's gradient in that dtype.
+        where autograd adds the next backward's gradient in that dtype. A gradient TP has not
+        settled yet (a sequence-parallel norm's, ``Partial`` over tp) is kept as it is: the
+        backwards' sum is settled once, in the reduce dtype, where the reduction takes it, as
+        torch's engine does; settled per backward, TP would sum each in the compute dtype
+        (bf16), and in another order (pipeline stages with TP differed from torch's there).
         """
         if self.grad_accumulation.dtype is not None and self.accumulated_grad is None:
             self.grad_accumulation.upcast_held(self.unsharded_param)
@@ -394,12 +400,21 @@ class FSDPParam:
             return
         if param.grad.dtype == reduce_dtype and self.accumulated_grad is None:
             return  # autograd keeps accumulating into .grad in this dtype
-        grad = self.extension.grad_local(param.grad, self.sharding_spec)
-        param.grad = None
+        grad, param.grad = param.grad, None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)
         else:
-            self.accumulated_grad.add_(grad)
+            self._accumulate(self.accumulated_grad, grad)
+
+    def _accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``acc += grad``, in ``acc``'s dtype.
+
+        TP settles ``grad`` first where ``acc`` is local: FSDP1's ``NO_SHARD`` puts a reduced,
+        local gradient there (``unsynced``).
+        """
+        if isinstance(grad, DTensor) and not isinstance(acc, DTensor):
+            grad = self.extension.grad_local(grad, self.sharding_spec)
+        return acc.add_(grad)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.geometry.shape)})"

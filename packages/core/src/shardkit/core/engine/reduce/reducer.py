@@ -4,16 +4,18 @@ The full gradients of the group's trainable parameters are packed rank-major int
 buffer (row r: rank r's padded shards; ``packing``), reduced with one collective, optionally
 all-reduced across HSDP replicas, divided (``division``), and assigned as DTensor gradients
 that view the result, or added to gradients already there (``assign``). Until it finishes, a
-reduction in flight is a ``PendingReduce`` (or an ``AssignInPlace``).
-See [Note: flat group buffers].
+reduction in flight is a ``PendingReduce`` (or an ``AssignInPlace``), which keeps the group's
+switches as they were when it was issued (``IssuedUnder``). See [Note: flat group buffers].
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardkit.core.engine.buffer_layout import GroupLayout
 from shardkit.core.engine.comm_context import CommContext
@@ -31,7 +33,29 @@ from shardkit.core.runtime.dtensors import accumulate_grads
 from shardkit.core.runtime.progress import SETTINGS
 from shardkit.core.runtime.protocol import CollectiveHandle
 
-__all__ = ["AssignInPlace", "GroupReducer", "PendingReduce"]
+__all__ = ["AssignInPlace", "GroupReducer", "IssuedUnder", "PendingReduce"]
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedUnder:
+    """The group's switches when a reduction was issued: the ones it finishes with.
+
+    A reduction may stay in flight past the end of a backward that is not the last
+    (``set_is_last_backward(False)``) and finish in the next one, after the user changed the
+    switches for that one: OLMo-core calls ``set_requires_all_reduce(last)`` per micro-batch.
+    torch's engine all-reduces, runs the hook and divides in the call that reduce-scatters,
+    under that call's settings; so does this one, by reading them here and not from the
+    group's options at finish. See [Note: post-backward trigger] (reductions in flight).
+    """
+
+    division: Division
+    all_reduce: bool
+    """HSDP: all-reduce across replicas (``set_requires_all_reduce``), else keep it partial."""
+    custom_all_reduce: Callable[[torch.Tensor, dist.ProcessGroup], None] | None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    all_reduce_hook_stream: Any
+    wire: WireReducer | None
+    """The compressed all-reduce of ``set_reduce_precision``, or None (torch's)."""
 
 
 @dataclass(slots=True)
@@ -43,7 +67,7 @@ class PendingReduce:
     handle: CollectiveHandle
     output: torch.Tensor  # (S,) in the reduce dtype: this rank's reduced shard
     buffers: tuple[torch.Tensor, ...]  # pool buffers to return once the exchange is done
-    division: Division  # as planned when the reduction was issued
+    issued: IssuedUnder
 
     def finish(self, comm: CommContext) -> None:
         """Wait, all-reduce across replicas, divide and assign the sharded gradients."""
@@ -177,6 +201,17 @@ class GroupReducer:
             device_type=self.mesh_info.device.type,
         )
 
+    def _issued_under(self, wire: WireReducer | None) -> IssuedUnder:
+        opts = self.options
+        return IssuedUnder(
+            division=self.division,
+            all_reduce=opts.all_reduce_grads,
+            custom_all_reduce=opts.custom_all_reduce,
+            all_reduce_hook=opts.all_reduce_hook,
+            all_reduce_hook_stream=opts.all_reduce_hook_stream,
+            wire=wire,
+        )
+
     def start(
         self,
         grads: list[tuple[FSDPParam, torch.Tensor | None]],
@@ -210,7 +245,9 @@ class GroupReducer:
         device = self.mesh_info.device
         custom = self.options.custom_reduce_scatter
         fused = prefers_fused_packing(self.mesh_info.device)
-        division = self.division
+        wire = self._wire_reducer()
+        issued = self._issued_under(wire)
+        division = issued.division
         if world == 1:
             if self.options.reduce_accumulated_grads:
                 full = _with_accumulated(packing.params, full)
@@ -221,7 +258,7 @@ class GroupReducer:
             if division.pre != 1:
                 output.div_(division.pre)
             division.reduce_scatter.finish_sum(output, 1)
-            done = PendingReduce(self, packing, DoneHandle(), output, (), division)
+            done = PendingReduce(self, packing, DoneHandle(), output, (), issued)
             comm.pending_reduces.append(done)
             return
         nbytes = world * packing.numel * self.dtype.itemsize
@@ -239,7 +276,6 @@ class GroupReducer:
         output = self._allocate_output(packing.numel)
         group = self.options.reduce_scatter_group or self.mesh_info.shard_group
         handle: CollectiveHandle
-        wire = self._wire_reducer()
         if wire is not None:
             key = tuple(id(p) for p in packing.params)
             handle = wire.reduce_scatter(
@@ -249,7 +285,7 @@ class GroupReducer:
             handle = comm.runtime.reduce_scatter(
                 output, rows, group, label=self.label, custom=custom, op=division.reduce_scatter
             )
-        pending = PendingReduce(self, packing, handle, output, pooled, division)
+        pending = PendingReduce(self, packing, handle, output, pooled, issued)
         comm.pending_reduces.append(pending)
 
     def _allocate_output(self, numel: int) -> torch.Tensor:
@@ -290,6 +326,7 @@ class GroupReducer:
         for buffer in pending.buffers:
             comm.pool.put(buffer)
         reduced = pending.output
+        issued = pending.issued
         if self.mesh_info.replicate_group is not None:
             if self.partial is not None:
                 packing, partial = self.partial
@@ -302,33 +339,31 @@ class GroupReducer:
                     )
                 reduced.add_(partial)
                 self.partial = None
-            if not self.options.all_reduce_grads:
+            if not issued.all_reduce:
                 self.partial = (pending.packing, reduced)
                 return
-            wire = self._wire_reducer()
             replicas = self.mesh_info.replicate_group
-            custom = self.options.custom_all_reduce
-            if custom is not None:
+            division = issued.division
+            if issued.custom_all_reduce is not None:
                 # The user's collective sums; the engine's mean or scaled sum ends here.
-                custom(reduced, replicas)
-                pending.division.all_reduce.finish_sum(reduced, self.mesh_info.replicate_size)
-            elif wire is not None:
-                wire.all_reduce(reduced, replicas, comm, op=pending.division.all_reduce)
+                issued.custom_all_reduce(reduced, replicas)
+                division.all_reduce.finish_sum(reduced, self.mesh_info.replicate_size)
+            elif issued.wire is not None:
+                issued.wire.all_reduce(reduced, replicas, comm, op=division.all_reduce)
             else:
                 comm.runtime.all_reduce(
-                    reduced, replicas, label=self.label, op=pending.division.all_reduce
+                    reduced, replicas, label=self.label, op=division.all_reduce
                 ).wait()
-        hook = self.options.all_reduce_hook
-        if hook is not None:
+        if issued.all_reduce_hook is not None:
             # Replicate only (no shard axis) runs the hook where its all-reduce ran, as
             # torch's does with the stream given: that is the current stream here.
-            stream = self.options.all_reduce_hook_stream
+            stream = issued.all_reduce_hook_stream
             if self.mesh_info.replicate_group is not None:
                 stream = None
             with on_stream(stream, self.mesh_info.device):
-                hook(reduced)  # divided by the collectives, not yet by ``post``
-        if pending.division.post != 1:
-            reduced.div_(pending.division.post)
+                issued.all_reduce_hook(reduced)  # divided by the collectives, not yet by ``post``
+        if issued.division.post != 1:
+            reduced.div_(issued.division.post)
         assign_reduced(
             reduced, pending.packing, comm, offload=self.offload, pin_memory=self.pin_memory
         )
