@@ -58,7 +58,8 @@ _installed = False
 # Orders a root's training thread changing (claim_training_thread) against a state-dict
 # pre-hook's choice of path and its registering: a pre-hook that chose the training thread's
 # path has registered the shards before the claiming forward registers a full parameter.
-_claims = threading.Lock()
+# Reentrant: whatever a registration sets off on this thread may take a state dict itself.
+_claims = threading.RLock()
 
 
 class _Root(Protocol):
