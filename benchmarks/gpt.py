@@ -56,6 +56,13 @@ SIZES = {
     "demo": Size(
         model=GPTConfig(vocab_size=256, dim=128, n_layers=6, n_heads=4, max_seq_len=128), batch=8
     ),
+    # The fake-group points' peak memory against torch's on a CPU (issue 64's test,
+    # tests/core/interop/test_fake_scale_memory.py): the 217M and 7.5B models' plain decoder,
+    # narrow enough for the CPU, wide enough that every shard of a 1-D parameter at W=64 is a
+    # multiple of 16 bytes, as at the GPU points.
+    "fake-scale-cpu": Size(
+        model=GPTConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, max_seq_len=128), batch=2
+    ),
     # The fake-group benchmark's smoke test on a CPU (scripts/check_gpu.py --cpu-smoke).
     "fake-tiny": Size(
         model=GPTConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=32), batch=2

@@ -216,6 +216,11 @@ def _scale_row(
         row.figures += "; fits an 80 GB H100" if fits else "; does NOT fit an 80 GB H100"
         retries = [found[impl].get("num_alloc_retries", 0) for impl in ("shardkit", "torch")]
         row.figures += f"; allocator retries {retries[0]} vs {retries[1]}"
+        ours_asked = found["shardkit"].get("peak_requested_bytes")
+        torchs_asked = found["torch"].get("peak_requested_bytes")
+        if ours_asked is not None and torchs_asked is not None:
+            # What the tensors asked for, the allocator's whole blocks left out.
+            row.figures += f"; requested peak {(ours_asked - torchs_asked) / 1e6:+.1f} MB"
     else:
         # A CPU run checks that the code path works; its figures say little (one process
         # for all points: its peak RSS is theirs together).

@@ -27,6 +27,7 @@ from shardkit.core.engine.finalization import (
     wait_for_gradient_reduction,
 )
 from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.offthread import claim_training_thread
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.errors import UnsupportedCopyError
 from shardkit.core.fsdp_handles import GradientReductionHandle, UnshardHandle
@@ -72,6 +73,8 @@ class FSDPModule:
         assert isinstance(self, nn.Module)
         state = state_of(self)
         state.lazy_init(provisional=True)
+        assert state.ctx is not None
+        claim_training_thread(state.ctx)  # its full parameters: other threads copy the shards
         for group in state.groups:
             group.unshard()
         handle = UnshardHandle(state.groups)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from typing import Any
 
 import torch
@@ -28,10 +27,10 @@ from shardkit.core.engine.join import notify as notify_join
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
 from shardkit.core.engine.offthread import (
+    after_state_dict,
+    before_state_dict,
+    claim_training_thread,
     install_step_marks,
-    is_off_thread,
-    put_shards,
-    take_shards,
 )
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
 from shardkit.core.engine.root_context import RootContext, name_from_root, new_comm_context
@@ -216,7 +215,7 @@ class FSDPState:
         groups = self.all_groups
         # An optimizer step that raised left its optimizer on local tensors: this root's.
         restore_all(p.sharded_param for group in groups for p in group.params)
-        self.ctx.thread = threading.get_ident()
+        claim_training_thread(self.ctx)  # before any full parameter is registered
         PROGRESS.enter("forward")
         for group in groups:
             group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
@@ -392,19 +391,12 @@ class FSDPState:
     # --- state dict -------------------------------------------------------------------------
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if self.ctx is not None and is_off_thread(self.ctx.thread):
-            # The training thread may be reading the registered full parameters: leave them.
-            groups = [g for s in states_under(module) for g in s.groups]
-            take_shards(module, prefix, groups)
-        else:
-            for group in self.groups:
-                group.register_sharded_for_state_dict()
+        before_state_dict(self, module, prefix)  # off the training thread: leaves the modules
 
     def _after_state_dict(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any
     ) -> None:
-        # A no-op unless this thread's call took copies in _before_state_dict.
-        put_shards(module, [p for g in self.groups for p in g.params], state_dict, prefix)
+        after_state_dict(self, module, state_dict, prefix)  # off-thread: copies put in place
 
     def _before_load(self, module: nn.Module, *args: Any) -> None:
         for group in self.groups:

@@ -145,12 +145,16 @@ class FlatLayout:
         (item,) = {d.itemsize for d in self.dtypes} or {dtype.itemsize}
         assert all(offset % item == 0 for offset in self.offsets)
         elements = [offset // item for offset in self.offsets]
+        # As many elements as self holds, not rounded up to 16 bytes: an all-gather's rows
+        # are laid end to end, so each byte past the last element would be sent by, and
+        # kept for, every rank (W bytes of buffer each). The one copy of the group needs no
+        # more, and a row of whole elements keeps the next row's views aligned.
         total = self.nbytes // item * dtype.itemsize
         return FlatLayout(
             self.numels,
             (dtype,) * len(self.numels),
             tuple(e * dtype.itemsize for e in elements),
-            -(-total // ALIGN_BYTES) * ALIGN_BYTES,
+            total,
         )
 
     def view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
