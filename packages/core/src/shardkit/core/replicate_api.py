@@ -142,7 +142,7 @@ def replicate(
         attach_view(m, state, "replicate")
         record_api(m, "replicate")
         m.__class__ = _replicate_class(type(m))
-    replicated = [m for m in modules if isinstance(m, ReplicateModule)]
+    replicated: list[ReplicateModule] = [m for m in modules if isinstance(m, ReplicateModule)]
     return replicated if isinstance(module, list) else replicated[0]
 
 

@@ -32,7 +32,7 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _tor
 try:  # torch's replicate on FSDP's engine (its ReplicateModule: the pipelining stage's check)
     from torch.distributed._composable.replicate_with_fsdp import replicate as _torch_replicate
 except ImportError:  # a torch without it: nothing reads a replicate state there
-    _torch_replicate = None
+    _torch_replicate = None  # type: ignore[assignment]
 
 from shardkit.core.state_machines import ShardedState
 from shardkit.core.torch_facing.mesh_infos import as_torch_mesh_info, is_torch_mesh_info
