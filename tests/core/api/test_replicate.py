@@ -109,9 +109,9 @@ def _classes_body(rank: int, world_size: int) -> dict[str, Any]:
     for block in model.blocks[:2]:
         replicate(block)
     fully_shard(model.blocks[2])
-    # torch's fully_shard on the root would leave out what replicate and fully_shard manage.
+    # A call on the root would leave out what replicate and fully_shard manage.
     managed = set(_get_managed_modules((model,)))
-    left_out = {m for b in model.blocks[:2] for m in b.modules()}
+    left_out = {m for b in model.blocks for m in b.modules()}
     replicate(model)
     x, y = models.batch("mlp", 0, 2)
     models.loss_of("mlp", model(x), y).backward()
@@ -130,7 +130,7 @@ def _classes_body(rank: int, world_size: int) -> dict[str, Any]:
         "states": len(view._state_ctx.all_states),
         "fully_shard_state": _state_of(fully_shard, model) is None
         and _state_of(torch_fully_shard, model) is None,
-        "replicated_left_out": managed.isdisjoint(left_out),
+        "left_out": managed.isdisjoint(left_out),
         "rest_managed": {model, *model.inp.modules(), *model.norm.modules()} <= managed,
     }
 
@@ -149,10 +149,79 @@ def test_modules_pass_torchs_checks() -> None:
         assert result["composable"] == [True, True, False]
         assert result["torch_state"] and result["states"] == 4
         assert result["fully_shard_state"]
-        # torch's test_managed_modules_nested_fully_shard_and_replicate, replicate's half:
-        # the modules replicate manages are left out, as torch's registry says.
-        assert result["replicated_left_out"]
+        # What replicate and fully_shard manage is left out, as torch's registry and its
+        # table of states say.
+        assert result["left_out"]
         assert result["rest_managed"]
+
+
+class _MLP(nn.Module):
+    """torch's test MLP (``common_fsdp.MLP``): two Linears, a buffer if asked."""
+
+    def __init__(self, dim: int, with_buffer: bool = False) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        if with_buffer:
+            self.register_buffer("buffer", torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.in_proj(x))  # type: ignore[no-any-return]
+
+
+def _managed_modules_body(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed._composable import replicate_with_fsdp as torchs
+    from torch.distributed.fsdp._fully_shard._fsdp_init import (
+        _get_managed_modules,
+        _get_managed_states,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    from shardkit.core import fully_shard, replicate
+
+    # torch's test_managed_modules_nested_fully_shard_and_replicate, on shardkit's APIs.
+    model = nn.Sequential(*[_MLP(8) for _ in range(3)])
+    replicate(model[0])
+    fully_shard(model[2])
+    managed = _get_managed_modules((model,))
+    expected = [*model[1].modules(), model]
+    # test_managed_states_nested_fully_shard: what a call on the root would take.
+    stateful = nn.Sequential(*[_MLP(8, with_buffer=True) for _ in range(2)])
+    fully_shard(stateful[0])
+    params, buffers = _get_managed_states(_get_managed_modules((stateful,)))
+    # test_replicate_transformer_managed_modules: replicate's own lookup, before and after.
+    tower = nn.Sequential(*[_MLP(8) for _ in range(3)])
+
+    def replicate_managed() -> int:
+        modules = _get_managed_modules(
+            (tower,),
+            is_composable_fn=torchs.is_composable_with_replicate,
+            get_state_fn=torchs._get_module_replicate_state,
+        )
+        return len(modules)
+
+    before = replicate_managed()
+    replicate(tower[0])
+    fully_shard(tower[1])
+    replicate(tower)
+    stand_in: Any = _get_module_fsdp_state(model[2])
+    return {
+        "nested": len(managed) == len(expected) and set(managed) == set(expected),
+        "states": (set(params), set(buffers))
+        == (set(stateful[1].parameters()), set(stateful[1].buffers())),
+        "replicate_lookup": (before, replicate_managed()),
+        "tower_rest": 1 + len(list(tower[2].modules())),
+        "stand_in_reads_the_view": stand_in._fsdp_param_groups[0]._module_fqn == "",
+        "replicate_state": isinstance(
+            torchs._get_module_replicate_state(tower[0]), torchs._ReplicateState
+        ),
+    }
+
+
+def test_torchs_managed_modules_leave_out_shardkits_modules() -> None:
+    for result in run_on_ranks(WORLD_SIZE, _managed_modules_body):
+        assert result["nested"] and result["states"]
+        assert result["replicate_lookup"] == (10, result["tower_rest"])
+        assert result["stand_in_reads_the_view"] and result["replicate_state"]
 
 
 def _raised(call: Any) -> tuple[list[str], str]:

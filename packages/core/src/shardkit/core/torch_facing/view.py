@@ -41,6 +41,7 @@ from shardkit.core.torch_facing.param_fields import (
     torch_param_order,
     torch_sharded_state,
 )
+from shardkit.core.torch_facing.state_mapping import enter_torch_state
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
@@ -400,7 +401,8 @@ def attach_view(module: nn.Module, state: FSDPState, api: str = "fully_shard") -
     if isinstance(view, TorchFacingState) and view.state is state:
         return  # a list call's modules share one state, hence one view
     states: dict[object, object] = module.__dict__.setdefault(_TORCH_STATE_KEY, {})
-    states[key] = _view_for(state, module)
+    view = states[key] = _view_for(state, module)
+    enter_torch_state(module, view, api)  # torch's _get_managed_modules looks there
 
 
 def _view_for(state: FSDPState, module: nn.Module) -> TorchFacingState:
