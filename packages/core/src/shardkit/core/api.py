@@ -1,7 +1,9 @@
 """The public entry point: ``fully_shard``, which adds FSDPModule's methods to a module.
 
 Everything is validated before anything is changed, so a failed call leaves the module as it
-was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else.
+was; what the call builds is the engine's (``engine/build.py``, shared with ``replicate``). The
+class swap (``Linear`` -> ``FSDPLinear``) happens here (``replicate``'s, to
+``ReplicateLinear``, in ``replicate_api``) and nowhere else.
 """
 
 from __future__ import annotations
