@@ -15,7 +15,6 @@ The module's class becomes ``Replicate<Cls>``, an instance of shardkit's ``Repli
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, TypeAlias, overload
 
 from torch import nn
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from shardkit.core.policies import DataParallelMeshDims
 
 __all__ = ["ReplicateModule", "is_composable_with_replicate", "replicate"]
-
-logger = logging.getLogger(__name__)
 
 _REPLICATE_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
