@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.core.ckpt_helpers import dcp_load_all, dcp_save_all
 from tests.core.parity import fully_shard_of, torch_policy
+from tests.core.replicate_runs import apis
 from tests.tp import tp_ckpt, tp_models
 from tests.tp.tp_parity import Trace, fsdp_param_layout, full_params
 
@@ -49,6 +50,7 @@ class SpmdRun:
     per_rank_batch: int = 2
     shard_kwargs: dict[str, Any] = field(default_factory=dict)  # for every fully_shard call
     torch_dims: bool = False  # give shardkit torch's DataParallelMeshDims (drop-in)
+    api: str = "fully_shard"  # or "replicate" (replicate axes only)
     impls: tuple[str, ...] = ("shardkit", "torch", "local")
 
     @property
@@ -126,7 +128,7 @@ def build(impl: str, run: SpmdRun, seed: int = 0) -> tuple[nn.Module, int]:
     first = next(iter(model.parameters()))
     assert isinstance(first, DTensor)
     mesh = first.device_mesh
-    shard = fully_shard_of(impl)
+    shard = apis(impl)[0] if run.api == "replicate" else fully_shard_of(impl)
     kwargs = dict(run.shard_kwargs, mesh=mesh, dp_mesh_dims=mesh_dims(impl, run))
     if "mp_policy" in kwargs and impl == "torch":
         kwargs["mp_policy"] = torch_policy(kwargs["mp_policy"])

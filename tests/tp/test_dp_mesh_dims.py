@@ -5,6 +5,7 @@ interchange with torch's; user errors are torch's."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,6 +79,25 @@ def test_training_matches_torch_and_one_process(layout: str) -> None:
     # shardkit does on every release.
     several = not isinstance(run.shard, str) and run.shard is not None
     if TORCHS and not (several and INSTALLED < (2, 13)):
+        assert traces[0]["shardkit"]["layout"] == traces[0]["torch"]["layout"]
+
+
+def _torchs_replicate_takes_dp_mesh_dims() -> bool:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return "dp_mesh_dims" in inspect.signature(replicate).parameters
+
+
+def test_replicate_with_dp_mesh_dims_matches_torchs_replicate_and_one_process() -> None:
+    # replicate on the whole SPMD mesh: each rank its whole TP part, all-reduced over "dp".
+    run = SpmdRun(shard=None, replicate="dp", api="replicate")
+    if not _torchs_replicate_takes_dp_mesh_dims():
+        run = dataclasses.replace(run, impls=("shardkit", "local"))
+    traces = run_on_ranks(4, parity_body, run=run)
+    assert_parity(traces)
+    if "torch" in run.impls:
+        engines = [{k: v for k, v in t.items() if k != "local"} for t in traces]
+        assert_parity(engines, rtol=0, atol=0)  # against torch's replicate: bit for bit
         assert traces[0]["shardkit"]["layout"] == traces[0]["torch"]["layout"]
 
 

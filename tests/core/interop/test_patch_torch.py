@@ -24,6 +24,7 @@ import pytest
 import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core import torch_patch
+from shardkit.core.replicate_api import is_composable_with_replicate
 from tests.core.interop.fsdp2_example import Plan, train
 from tests.core.torch_releases import torch_has
 
@@ -41,6 +42,13 @@ FSDP2_NAMES = {
     "share_comm_ctx": sk.share_comm_ctx,
     "GradientReductionHandle": sk.GradientReductionHandle,
 }
+# torch's replicate on FSDP's engine, where torch's pipelining imports it.
+REPLICATE_NAMES = {
+    "replicate": sk.replicate,
+    "ReplicateModule": sk.ReplicateModule,
+    "is_composable_with_replicate": is_composable_with_replicate,
+}
+PATCHED = {**FSDP2_NAMES, **REPLICATE_NAMES}
 # The names the installed torch has (DataParallelMeshDims from 2.12, GradientReductionHandle
 # from 2.15): the patch replaces those and adds no other.
 _TORCHS = {name for name in FSDP2_NAMES if torch_has(name)}
@@ -55,6 +63,7 @@ WHERE = {
     "torch.distributed._composable.fsdp.fully_shard": {
         "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     },
+    "torch.distributed._composable.replicate_with_fsdp": set(REPLICATE_NAMES),
 }  # fmt: skip
 
 
@@ -81,7 +90,7 @@ def test_patch_replaces_every_name_and_unpatch_restores_torchs() -> None:
     sk.patch_torch()
     assert sk.is_torch_patched()
     for (module, name), value in _torch_names().items():
-        assert value is FSDP2_NAMES[name], (module, name)
+        assert value is PATCHED[name], (module, name)
     sk.unpatch_torch()
     assert not sk.is_torch_patched()
     after = _torch_names()

@@ -162,3 +162,17 @@ def test_policies_stay_frozen() -> None:
     policy = shardkit.core.MixedPrecisionPolicy(torch.bfloat16)
     with pytest.raises(AttributeError):
         policy.param_dtype = torch.float32  # type: ignore[misc]
+
+
+def test_replicate_matches_torchs_replicate_with_fsdp() -> None:
+    """``replicate``'s signature and its module class's public methods are torch's."""
+    from torch.distributed._composable import replicate_with_fsdp as torchs
+
+    from shardkit.core.replicate_api import is_composable_with_replicate
+
+    assert _problems(shardkit.core.replicate, torchs.replicate) == []
+    assert _problems(is_composable_with_replicate, torchs.is_composable_with_replicate) == []
+    # torch's ReplicateModule adds no public method to its FSDPModule; neither does ours.
+    assert _public_methods(torchs.ReplicateModule) == {}
+    assert _public_methods(shardkit.core.ReplicateModule) == {}
+    assert issubclass(shardkit.core.ReplicateModule, shardkit.core.FSDPModule)

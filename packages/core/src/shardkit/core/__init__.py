@@ -54,6 +54,7 @@ from shardkit.core.policies import (
     OffloadPolicy,
 )
 from shardkit.core.reduce_precision import ReducePrecision
+from shardkit.core.replicate_api import ReplicateModule, replicate
 from shardkit.core.runtime.progress import set_debug, set_hang_timeout
 from shardkit.core.runtime.step_check import set_step_checks
 from shardkit.core.snapshots import MemorySnapshots, ResumePoint, SnapshotError
@@ -89,6 +90,7 @@ __all__ = [
     "OffloadPolicy",
     "ParamShardingSpec",
     "ReducePrecision",
+    "ReplicateModule",
     "ResumePoint",
     "ShardingExtension",
     "ShardkitError",
@@ -114,6 +116,7 @@ __all__ = [
     "patched_torch",
     "register_extension",
     "register_fsdp_forward_method",
+    "replicate",
     "save_full_state_dict",
     "set_debug",
     "set_hang_timeout",

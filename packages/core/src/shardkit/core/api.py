@@ -1,13 +1,15 @@
 """The public entry point: ``fully_shard``, which adds FSDPModule's methods to a module.
 
 Everything is validated before anything is changed, so a failed call leaves the module as it
-was. The class swap (``Linear`` -> ``FSDPLinear``) happens here and nowhere else.
+was; what the call builds is the engine's (``engine/build.py``, shared with ``replicate``). The
+class swap (``Linear`` -> ``FSDPLinear``) happens here (``replicate``'s, to
+``ReplicateLinear``, in ``replicate_api``) and nowhere else.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import MethodType
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
@@ -15,20 +17,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit.core.engine.fsdp_state import FSDPState
-from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.engine.group.plan import GroupConfig
-from shardkit.core.engine.group_options import GroupOptions
-from shardkit.core.engine.mesh_info import MeshInfo, mesh_info_for
-from shardkit.core.engine.sharding import (
-    ManagedGroup,
-    check_hooked_params,
-    collect_params,
-    mark_owned,
-    validate_reshard_after_forward,
-)
+from shardkit.core.engine.build import CallSettings, build_state
+from shardkit.core.engine.mesh_info import mesh_info_for
+from shardkit.core.engine.sharding import validate_reshard_after_forward
 from shardkit.core.engine.spmd import spmd_mesh_info
-from shardkit.core.engine.state_registry import is_managed, register_state, state_of
+from shardkit.core.engine.state_registry import is_managed, state_of
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.fsdp_module import FSDPModule
 from shardkit.core.placement import placement_resolver
@@ -36,13 +29,12 @@ from shardkit.core.policies import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    keeps_own_dtype,
     offload_policy_of,
-    resolved,
 )
 from shardkit.core.runtime.groups import default_mesh
+from shardkit.core.torch_facing.composable_registry import applied_apis, record_api
 from shardkit.core.torch_facing.fsdp_classes import TorchFacing, managed_by_torch_fsdp
-from shardkit.core.torch_facing.view import TorchFacingState, attach_view, view_of
+from shardkit.core.torch_facing.view import TorchFacingState, api_view, attach_view
 
 if TYPE_CHECKING:
     # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py
@@ -136,42 +128,25 @@ def fully_shard(
         mesh_info = mesh_info_for(mesh)
     policy = validate_reshard_after_forward(reshard_after_forward, mesh_info)
     place = placement_resolver(shard_placement_fn, mesh_info)
-    managed = collect_params(modules, set(ignored_params or ()), place, mesh_info)
-    name = type(modules[0]).__name__
-    check_hooked_params([p for m in managed for p in m.params], policy, name)
-    for p in (p for m in managed for p in m.params):  # once, on the parameters as given
-        original = p.original_ref()
-        assert original is not None, "fully_shard holds the module, which holds the parameter"
-        p.keeps_own_dtype = keeps_own_dtype(mp_policy, original, p.fqn)
-    groups = tuple(
-        _build_group(
-            m,
-            modules,
-            mp_policy,
-            offload_policy,
-            _options(m, mesh_info, reshard_after_forward, policy),
-        )
-        for m in managed
+    settings = CallSettings(
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=frozenset(ignored_params or ()),
+        reshard_after_forward=reshard_after_forward,
+        reshard_policy=policy,
     )
-    # Nothing above changed the modules; from here on it cannot fail on user input.
-    _move_buffers(modules, mesh_info, set(ignored_params or ()))
-    for group in groups:
-        for p in group.params:
-            p.register(unsharded=False)
-        mark_owned(group.params, name)
-    # As torch's state: the per-parameter function has been applied; inputs use param_dtype.
-    state = FSDPState(modules, groups, resolved(mp_policy), mesh_info.device)
+    state = build_state(modules, mesh_info, place, settings)
     for m in modules:
-        register_state(m, state)
         attach_view(m, state)
+        record_api(m, "fully_shard")
         m.__class__ = _fsdp_class(type(m))
     fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
     return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
 
 
 def _state(module: nn.Module) -> TorchFacingState | None:
-    """The torch-facing view of the call that manages ``module`` itself, else None."""
-    return view_of(module) if is_managed(module) else None
+    """The torch-facing view of the fully_shard call that manages ``module`` itself, else None."""
+    return api_view(module, "fully_shard") if is_managed(module) else None
 
 
 # torch's fully_shard carries ``fully_shard.state(module)`` (its composable-API decorator adds
@@ -187,6 +162,13 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
         name = type(m).__name__
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if is_managed(m) and "replicate" in applied_apis(m):
+            # torch's fully_shard would manage nothing of it (replicate's modules are not
+            # composable with it): refused, as torch's replicate refuses the other order.
+            raise RuntimeError(
+                f"Cannot apply `fully_shard()` on a Module already managed by `replicate` "
+                f"({name}); apply fully_shard or replicate to a module, not both"
+            )
         if is_managed(m):
             raise FullyShardUsageError(
                 "Each distinct composable distributed API can only be applied to a module "
@@ -210,43 +192,6 @@ def _managed_by_torch_fsdp(module: nn.Module) -> bool:
     # Torch's classes as captured at import: patch_torch renames torch's public names to
     # shardkit's, and our own FSDP<Cls> classes are torch FSDPModules too.
     return managed_by_torch_fsdp(module)
-
-
-def _build_group(
-    managed: ManagedGroup,
-    modules: tuple[nn.Module, ...],
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    options: GroupOptions,
-) -> FSDPParamGroup:
-    config = GroupConfig(modules, managed.mesh_info, mp_policy, offload_policy)
-    return FSDPParamGroup(managed.params, config, options)
-
-
-def _options(
-    managed: ManagedGroup, mesh_info: MeshInfo, given: bool | int | None, policy: bool | int
-) -> GroupOptions:
-    """A group's own runtime switches, from ``reshard_after_forward`` as ``given``.
-
-    ``policy``: that value as the call's mesh took it; a group on a mesh of its own checks
-    an int against its own shard size.
-    """
-    if managed.mesh_info is not mesh_info:
-        policy = validate_reshard_after_forward(given, managed.mesh_info)
-    return GroupOptions(
-        reshard_after_forward=policy, reshard_after_forward_is_default=given is None
-    )
-
-
-def _move_buffers(
-    modules: Iterable[nn.Module], mesh_info: MeshInfo, ignored: set[nn.Parameter]
-) -> None:
-    device = mesh_info.device
-    for m in modules:
-        for sub in m.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and not buf.is_meta and buf.device != device:
-                    sub._buffers[name] = buf.to(device)
 
 
 def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -30,6 +30,7 @@ from types import ModuleType
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FSDP2_MODULES",
+    "REPLICATE_MODULE",
     "Replacements",
     "core_replacements",
     "is_torch_patched",
@@ -52,6 +53,9 @@ FSDP2_MODULES = (
     "torch.distributed._composable.fsdp.fully_shard",
 )
 """Where libraries import torch's FSDP2 names from (the last two are older spellings)."""
+
+REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp"
+"""Where torch's ``replicate`` on FSDP's engine lives (torch's pipelining imports it there)."""
 
 # Torch's modules that bind FSDP names at import for their own use: imported before the patch
 # so they keep torch's objects (DCP's helpers call FSDP1's class methods on torch's FSDP1).
@@ -97,7 +101,28 @@ def core_replacements() -> dict[str, dict[str, object]]:
     for name in FSDP2_MODULES:
         module = importlib.import_module(name)
         out[name] = {attr: obj for attr, obj in ours.items() if hasattr(module, attr)}
+    out.update(_replicate_replacements())
     return out
+
+
+def _replicate_replacements() -> dict[str, dict[str, object]]:
+    """Shardkit's ``replicate`` names in :data:`REPLICATE_MODULE`, where torch has it."""
+    from shardkit.core.replicate_api import (
+        ReplicateModule,
+        is_composable_with_replicate,
+        replicate,
+    )
+
+    try:
+        module = importlib.import_module(REPLICATE_MODULE)
+    except ImportError:  # a torch without it: nothing to replace
+        return {}
+    ours: dict[str, object] = {
+        "ReplicateModule": ReplicateModule,
+        "is_composable_with_replicate": is_composable_with_replicate,
+        "replicate": replicate,
+    }
+    return {REPLICATE_MODULE: {a: obj for a, obj in ours.items() if hasattr(module, a)}}
 
 
 def is_torch_patched() -> bool:
@@ -111,9 +136,10 @@ def patch_torch() -> None:
     ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, ``CPUOffloadPolicy``,
     ``OffloadPolicy``, ``UnshardHandle``, ``register_fsdp_forward_method``,
     ``DataParallelMeshDims``, ``share_comm_ctx`` and ``GradientReductionHandle`` in
-    :data:`FSDP2_MODULES` (those of them the installed torch has), plus what the
-    packages registered under :data:`ENTRY_POINT_GROUP` add (FSDP1's names, with
-    shardkit-legacy installed).
+    :data:`FSDP2_MODULES` (those of them the installed torch has); ``replicate``,
+    ``ReplicateModule`` and ``is_composable_with_replicate`` in :data:`REPLICATE_MODULE`;
+    plus what the packages registered under :data:`ENTRY_POINT_GROUP` add (FSDP1's names,
+    with shardkit-legacy installed).
 
     Raises:
         RuntimeError: a registered patch could not be loaded, names a module that does not

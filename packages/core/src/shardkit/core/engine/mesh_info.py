@@ -12,16 +12,18 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.extensions import SpmdMeshAxes
 from shardkit.core.runtime.device import device_for_mesh_type
+from shardkit.core.runtime.groups import own_group
 
-__all__ = ["MeshInfo", "mesh_info_for"]
+__all__ = ["MeshInfo", "mesh_info_for", "replicate_mesh_info"]
 
 
 @dataclass(frozen=True, slots=True)
 class MeshInfo:
     """A 1-D (FSDP) or 2-D (HSDP: replicate x shard) data-parallel mesh.
 
-    With ``dp_mesh_dims`` it may also be replicate only: ``mesh`` is then the replicate axis
-    and the shard group is this rank alone (``shard_size`` 1).
+    It may also be replicate only (``replicate``, or ``dp_mesh_dims`` naming no shard axis):
+    ``mesh`` is then the replicate axis and the shard group is this rank alone
+    (``shard_size`` 1).
     """
 
     mesh: DeviceMesh
@@ -35,11 +37,13 @@ class MeshInfo:
     spmd: SpmdMeshAxes | None = None
     """Set with ``dp_mesh_dims``: the whole SPMD mesh the parameters are DTensors on, and the
     data-parallel axes ``mesh`` was built from."""
+    replicate_only: bool = False
+    """Nothing sharded: parameters are ``Replicate()`` on ``mesh``, gradients all-reduced."""
 
     @property
     def has_shard_axis(self) -> bool:
-        """False for replicate only (``dp_mesh_dims`` naming no shard axis)."""
-        return self.spmd is None or bool(self.spmd.shard)
+        """False for replicate only (``replicate``, or ``dp_mesh_dims`` naming no shard axis)."""
+        return not self.replicate_only
 
     @property
     def dp_size(self) -> int:
@@ -89,4 +93,26 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     raise ValueError(
         f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}, a {mesh.ndim}-D mesh; "
         "for tensor parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
+    )
+
+
+def replicate_mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Validate a 1-D ``mesh`` for ``replicate`` and describe it: replicate only.
+
+    Raises:
+        TypeError: ``mesh`` is not a DeviceMesh.
+        ValueError: ``mesh`` is not 1-D (torch's words, then what to pass instead).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"replicate expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"replicate expects a 1D DeviceMesh but got {mesh}; pass its replicate axis "
+            "(mesh['dp']), or the whole mesh with dp_mesh_dims=DataParallelMeshDims(replicate=...)"
+        )
+    device = device_for_mesh_type(mesh.device_type)
+    # The shard group is this rank alone: nothing is gathered, gradients are all-reduced over
+    # the replicate group (the mesh's one group), as HSDP's replicate axis is.
+    return MeshInfo(
+        mesh, own_group(), 0, 1, mesh.get_group(0), mesh.size(0), device, replicate_only=True
     )

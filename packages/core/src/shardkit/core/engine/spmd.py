@@ -80,7 +80,8 @@ def spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: Any) -> MeshInfo:
         dp_mesh = flattened(mesh, replicate)
         axes = SpmdMeshAxes(mesh=mesh, shard=(), replicate=replicate, dp_mesh=dp_mesh)
         group = dp_mesh.get_group(0)
-        return MeshInfo(dp_mesh, own_group(), 0, 1, group, dp_mesh.size(0), device, axes)
+        size = dp_mesh.size(0)
+        return MeshInfo(dp_mesh, own_group(), 0, 1, group, size, device, axes, replicate_only=True)
     shard_mesh = flattened(mesh, shard)
     if not replicate:
         axes = SpmdMeshAxes(mesh=mesh, shard=shard, replicate=(), dp_mesh=shard_mesh)

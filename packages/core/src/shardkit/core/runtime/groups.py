@@ -59,15 +59,17 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 
 
-def default_mesh() -> DeviceMesh:
+def default_mesh(axis_name: str | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole default process group, on the device type it serves.
 
     The default group is initialised from the environment (as torchrun sets it) if needed.
+    ``axis_name`` names the mesh's axis (``replicate``'s is ``"replicate"``, as torch's).
     """
     if not dist.is_initialized():
         dist.init_process_group()
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    names = None if axis_name is None else (axis_name,)
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=names)
 
 
 def _world() -> dist.ProcessGroup:

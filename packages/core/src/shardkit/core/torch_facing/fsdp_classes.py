@@ -41,6 +41,13 @@ try:  # torch 2.13 on: shard_placement_fn may return a mesh of its own
 except ImportError:  # an older torch: no such result can be made
     _TorchFSDPMeshInfo = _TorchHSDPMeshInfo = _TorchShardPlacementResult = None  # type: ignore[assignment,misc]
 
+try:  # torch's replicate on FSDP's engine, whose modules torch's pipelining tells apart
+    from torch.distributed._composable.replicate_with_fsdp import (
+        ReplicateModule as _TorchReplicateModule,
+    )
+except ImportError:  # a torch without it: torch's FSDPModule is the only class to pass
+    _TorchReplicateModule = _TorchFSDPModule  # type: ignore[assignment,misc]
+
 __all__ = [
     "TORCH_FSDP1",
     "TORCH_FSDP_MESH_INFO",
@@ -48,6 +55,7 @@ __all__ = [
     "TORCH_HSDP_MESH_INFO",
     "TORCH_SHARD_PLACEMENT_RESULT",
     "TorchFacing",
+    "TorchReplicateFacing",
     "TorchUnshardHandle",
     "managed_by_torch_fsdp",
 ]
@@ -108,6 +116,15 @@ class TorchFacing(_TorchFSDPModule):
                 f"got {type(async_op).__name__}"
             )
         logger.debug("%s._set_unshard_async_op(%s): no effect", type(self).__name__, async_op)
+
+
+class TorchReplicateFacing(TorchFacing, _TorchReplicateModule):
+    """The base that makes ``Replicate<Cls>`` an instance of torch's ``ReplicateModule``.
+
+    Torch's pipelining asks ``isinstance(m, ReplicateModule)`` to read the state through
+    torch's ``replicate.state(m)`` (the view answers it). Torch's ``ReplicateModule`` adds
+    nothing to its ``FSDPModule`` but its place in the method resolution order.
+    """
 
 
 def managed_by_torch_fsdp(module: nn.Module) -> bool:

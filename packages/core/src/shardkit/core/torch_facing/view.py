@@ -9,8 +9,12 @@ engine through its seams (the root's ``StepDriver``, a group's options); any oth
 an ``AttributeError`` that names shardkit and the attribute. See [Note: torch-facing view].
 
 The view is kept where torch's composable-API decorator keeps a call's state (the module's
-``__dict__``, under torch's ``fully_shard``), so torch's ``fully_shard.state(m)`` finds it
-too, whichever ``fully_shard`` a library imported.
+``__dict__``, under torch's ``fully_shard``, or its ``replicate`` for shardkit's
+``replicate``), so torch's ``fully_shard.state(m)`` (``replicate.state(m)``) finds it too,
+whichever function a library imported.
+
+Next to split off: where the views are kept on the modules (``attach_view``, ``view_of``,
+``api_view``), into a module of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from torch.distributed._composable.contract import STATE_KEY as _TORCH_STATE_KEY
 from torch.distributed.fsdp._fully_shard import _fsdp_common as _torch_common
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
+try:  # torch's replicate on FSDP's engine (its ReplicateModule: the pipelining stage's check)
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _torch_replicate
+except ImportError:  # a torch without it: nothing reads a replicate state there
+    _torch_replicate = None  # type: ignore[assignment]
+
 from shardkit.core.state_machines import ShardedState
 from shardkit.core.torch_facing.mesh_infos import as_torch_mesh_info, is_torch_mesh_info
 from shardkit.core.torch_facing.param_fields import (
@@ -32,6 +41,7 @@ from shardkit.core.torch_facing.param_fields import (
     torch_param_order,
     torch_sharded_state,
 )
+from shardkit.core.torch_facing.state_mapping import enter_torch_state
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
@@ -42,14 +52,19 @@ __all__ = [
     "TorchFacingGroup",
     "TorchFacingParam",
     "TorchFacingState",
+    "api_view",
     "attach_view",
     "view_of",
 ]
 
 logger = logging.getLogger(__name__)
 
-# The key torch's decorator files fully_shard's state under: the undecorated function.
-_TORCH_KEY: object = getattr(_torch_fully_shard, "__wrapped__", _torch_fully_shard)
+# The keys torch's decorator files each API's state under: the undecorated function.
+_TORCH_KEYS: dict[str, object] = {
+    name: getattr(api, "__wrapped__", api)
+    for name, api in (("fully_shard", _torch_fully_shard), ("replicate", _torch_replicate))
+    if api is not None
+}
 
 
 def _not_served(owner: str, name: str) -> AttributeError:
@@ -379,20 +394,22 @@ class TorchFacingState(_Strict):
             self._state.root_final_callback()
 
 
-def attach_view(module: nn.Module, state: FSDPState) -> None:
-    """Keep ``state``'s view on ``module``, where torch's ``fully_shard.state`` looks."""
-    view = _views(module).get(_TORCH_KEY)
+def attach_view(module: nn.Module, state: FSDPState, api: str = "fully_shard") -> None:
+    """Keep ``state``'s view on ``module``, where torch's ``<api>.state`` looks."""
+    key = _TORCH_KEYS.get(api, api)  # a torch without that API: kept under its name
+    view = _views(module).get(key)
     if isinstance(view, TorchFacingState) and view.state is state:
         return  # a list call's modules share one state, hence one view
     states: dict[object, object] = module.__dict__.setdefault(_TORCH_STATE_KEY, {})
-    states[_TORCH_KEY] = _view_for(state, module)
+    view = states[key] = _view_for(state, module)
+    enter_torch_state(module, view, api)  # torch's _get_managed_modules looks there
 
 
 def _view_for(state: FSDPState, module: nn.Module) -> TorchFacingState:
     for other in state.modules:
         if other is not module:
-            view = _views(other).get(_TORCH_KEY)
-            if isinstance(view, TorchFacingState) and view.state is state:
+            view = _find(other)
+            if view is not None and view.state is state:
                 return view
     return TorchFacingState(state)
 
@@ -402,13 +419,25 @@ def _views(module: nn.Module) -> dict[object, object]:
     return found if isinstance(found, dict) else {}
 
 
+def _find(module: nn.Module) -> TorchFacingState | None:
+    views = _views(module)
+    found = (views.get(_TORCH_KEYS.get(api, api)) for api in ("fully_shard", "replicate"))
+    return next((v for v in found if isinstance(v, TorchFacingState)), None)
+
+
+def api_view(module: nn.Module, api: str) -> TorchFacingState | None:
+    """The view ``<api>.state(module)`` gives (``api``: fully_shard or replicate), else None."""
+    view = _views(module).get(_TORCH_KEYS.get(api, api))
+    return view if isinstance(view, TorchFacingState) else None
+
+
 def view_of(module: nn.Module) -> TorchFacingState:
-    """The view of the ``fully_shard`` call that manages ``module``.
+    """The view of the ``fully_shard`` or ``replicate`` call that manages ``module``.
 
     Raises:
-        RuntimeError: shardkit's ``fully_shard`` does not manage ``module`` itself.
+        RuntimeError: neither of shardkit's APIs manages ``module`` itself.
     """
-    view = _views(module).get(_TORCH_KEY)
-    if not isinstance(view, TorchFacingState):
+    view = _find(module)
+    if view is None:
         raise RuntimeError(f"{type(module).__name__} is not managed by shardkit's fully_shard")
     return view
