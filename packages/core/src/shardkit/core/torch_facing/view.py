@@ -10,7 +10,9 @@ an ``AttributeError`` that names shardkit and the attribute. See [Note: torch-fa
 
 The view is kept where torch's composable-API decorator keeps a call's state (the module's
 ``__dict__``, under torch's ``fully_shard``), so torch's ``fully_shard.state(m)`` finds it
-too, whichever ``fully_shard`` a library imported.
+too, whichever ``fully_shard`` a library imported; and in torch's registry of composable
+states, as an instance of torch's ``FSDPState``, where torch's own helpers ask whether a
+module is managed already (``_get_module_fsdp_state``, ``_get_managed_modules``).
 """
 
 from __future__ import annotations
