@@ -1,6 +1,7 @@
 """Torch's own FSDP2 test files, run on torch's ``fully_shard`` and then on shardkit's.
 
-    python scripts/torch_fsdp2_tests.py --tests .torch-tests/files [--python PY] [FILE ...]
+    python scripts/torch_fsdp2_tests.py --tests .torch-tests/files [--python PY] [-k EXPR]
+        [FILE ...]
 
 torch's tests (``test/distributed/_composable/fsdp/test_fully_shard_*.py`` in the pytorch
 repository) are not in the wheels, and this repository does not carry them: put copies in a
@@ -23,8 +24,10 @@ proof that the tests ran on the engine the mode names; shardkit's classes also s
 
 Per file it prints the tests collected and passed/failed/skipped on each engine, then every test
 that passes on torch and fails on shardkit with the first line of its error. ``--json PATH``
-writes all outcomes. The python given with ``--python`` needs pytest and expecttest (which
-``torch.testing._internal`` imports); ``--site DIR`` adds a folder of such packages.
+writes all outcomes; ``-k EXPR`` runs only the tests pytest's ``-k`` selects (a fixed test
+again, without the whole file). The python given with ``--python`` needs pytest and
+expecttest (which ``torch.testing._internal`` imports); ``--site DIR`` adds a folder of such
+packages.
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ def run_file(
     timeout: int,
     cpu_processes: bool = False,
     all_on_cpu: bool = False,
+    select: str | None = None,
 ) -> Run:
     run = Run()
     with tempfile.TemporaryDirectory(prefix="torch-fsdp2-") as tmp:
@@ -280,6 +284,7 @@ def run_file(
             "--rootdir",
             str(test_file.parent),
             f"--junitxml={junit}",
+            *(["-k", select] if select else []),
         ]
         try:
             proc = subprocess.run(
@@ -315,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, action="append", default=[], help="extra packages")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per file and engine")
     parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument("-k", dest="select", help="only the tests pytest's -k EXPR selects")
     parser.add_argument(
         "--cpu-processes",
         action="store_true",
@@ -342,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.timeout,
                 args.cpu_processes,
                 args.all_on_cpu,
+                args.select,
             )
             for m in MODES
         }

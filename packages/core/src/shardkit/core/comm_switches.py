@@ -48,10 +48,11 @@ def set_all_reduce_hook(
     for group in groups:
         info = group.mesh_info
         if stream is not None and info.replicate_group is not None and info.has_shard_axis:
-            raise ValueError(
-                "stream cannot be set when using native HSDP (FSDP module "
-                f"{owner} is on a (replicate, shard) mesh)"
-            )
+            # torch's words alone (torch's own tests compare the whole message); the module
+            # and its mesh go in a note, which the traceback shows.
+            error = ValueError("stream cannot be set when using native HSDP")
+            error.add_note(f"FSDP module {owner} is on a (replicate, shard) mesh")
+            raise error
     for group in groups:
         group.options.all_reduce_hook = hook
         group.options.all_reduce_hook_stream = stream

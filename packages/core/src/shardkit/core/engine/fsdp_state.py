@@ -4,6 +4,9 @@ The first state to run forward becomes the root: it collects every state in its 
 into one RootContext, and queues the end-of-backward callback that finishes reductions.
 RootContext itself, the default communication context and the names a root gives its
 parameters are ``root_context``'s.
+
+Next to split off: the state-dict hooks (``_before_state_dict`` to ``_after_load``), into a
+module of their own beside ``local_step``.
 """
 
 from __future__ import annotations
@@ -164,6 +167,11 @@ class FSDPState:
         """Every parameter group under this root."""
         assert self.ctx is not None
         return [g for s in self.ctx.states for g in s.groups]
+
+    @property
+    def forward_pending(self) -> list[nn.Module]:
+        """This call's modules whose forward has yet to run in the current pass."""
+        return [m for m in self.modules if id(m) in self._forward_pending]
 
     # --- forward ----------------------------------------------------------------------------
 
