@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import shardkit.core as sk
 from harness.pool import run_on_ranks
+from tests.core.interop.hf_models import tiny_llama
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -33,23 +34,6 @@ needs_accelerate = pytest.mark.skipif(
     or importlib.util.find_spec("transformers") is None,
     reason="accelerate and transformers are not installed (not dependencies of shardkit)",
 )
-
-
-def _llama() -> Any:
-    """A tiny Llama decoder from a config: no download, the same weights on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
 
 
 def _batch(step: int, rank: int, world_size: int) -> torch.Tensor:
@@ -68,7 +52,7 @@ def _hf_body(rank: int, world_size: int, patched: bool) -> dict[str, Any]:
     with sk.patched_torch() if patched else _unpatched():
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        model = _llama()
+        model = tiny_llama()
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -123,7 +107,7 @@ def _accelerate_body(rank: int, world_size: int, patched: bool) -> dict[str, Any
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
         try:
-            model = _llama()
+            model = tiny_llama()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             model, opt = accelerator.prepare(model, opt)
             wrapped = [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]

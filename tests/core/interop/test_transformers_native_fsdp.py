@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.core.interop.hf_models import tiny_llama
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers.distributed") is None,
     reason="transformers with native distributed support (5.x) is not installed",
@@ -48,19 +50,7 @@ def _header(path: Path) -> dict[str, Any]:
 
 def _save_source(path: Path) -> None:
     """A tiny Llama checkpoint, made here (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama().save_pretrained(path)
 
 
 def _launch(engine: str, src: Path, out: Path, *extra: str) -> dict[str, Any]:
