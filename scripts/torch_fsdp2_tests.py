@@ -130,6 +130,11 @@ def _run_accelerator_tests_on_cpu() -> None:
     common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
 
 
+def _defined_by_name(cls: type) -> bool:
+    """Whether ``cls`` is an attribute of its module under its name (defined, not made)."""
+    return getattr(sys.modules.get(cls.__module__), cls.__name__, None) is cls
+
+
 def _fsdp_class_counts() -> dict[str, int]:
     """FSDP classes made so far: shardkit's, and torch's that are not shardkit's."""
     from torch.distributed.fsdp import _fully_shard as torch_fsdp
@@ -151,7 +156,9 @@ def _fsdp_class_counts() -> dict[str, int]:
         from shardkit.core import FSDPModule as ShardkitFSDPModule
 
         ours = subclasses(ShardkitFSDPModule)
-        counts["shardkit"] = len(ours)
+        # Only the classes calls made (FSDP<Cls>, Replicate<Cls>): a class its module defines
+        # by name (shardkit's ReplicateModule) is counted in every interpreter otherwise.
+        counts["shardkit"] = sum(1 for c in ours if not _defined_by_name(c))
         torch_classes -= ours
     # fully_shard names its classes FSDP<module class>; other subclasses of torch's FSDPModule
     # (shardkit's TorchFacing, torch's replicate) are defined, not made by a call.

@@ -126,3 +126,47 @@ def test_torch_control_fails_on_the_same_program() -> None:
     outcome = run_control(f"{__name__}:torch_control")
     # torch reduces the gradients a rank has: 4 parameters' on rank 0, 2 on rank 1.
     assert not outcome.trained, outcome
+
+
+class _Pair(nn.Module):
+    """Two Linears (1 -> 5, no bias) in one list group; forward may skip the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(1, 5, bias=False)
+        self.second = nn.Linear(1, 5, bias=False)
+
+    def forward(self, x: torch.Tensor, use_second: bool = True) -> torch.Tensor:
+        h = cast(torch.Tensor, self.first(x))
+        return h + cast(torch.Tensor, self.second(x)) if use_second else h
+
+
+def _deferred_body(rank: int, world_size: int) -> dict[str, Any]:
+    from shardkit.core import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _Pair()
+    fully_shard([model.first, model.second], mesh=mesh)
+    sharded = cast(Any, fully_shard(model, mesh=mesh))
+    sharded(torch.ones(1, 1)).sum().backward()  # a whole step first: the root initializes
+    sharded.zero_grad(set_to_none=True)
+    sharded.set_requires_all_reduce(False)  # each module alone, the all-reduce deferred
+    sharded.first(torch.full((1, 1), 4.0)).sum().backward()
+    sharded.second(torch.full((1, 1), 5.0)).sum().backward()
+    sharded.set_requires_all_reduce(True)
+    sharded(torch.full((1, 1), 2.0), use_second=False).sum().backward()  # second unused now
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {n: None if g is None else cast(Any, g).full_tensor() for n, g in grads.items()}
+
+
+def test_a_gradient_carried_by_a_deferred_all_reduce_is_kept_when_unused_at_the_end() -> None:
+    # torch's test_grad_dtype_pending_reductions (pending_grad, torch 2.15): the gradient of
+    # a Linear's weight under sum() is its input, the same on every rank, so the means are
+    # 4 + 2 and 5. The second module got no gradient in the backward that all-reduces, on any
+    # rank: before, the automatic zeros' check gave it None, dropping its deferred 5.
+    from harness.pool import run_on_ranks
+
+    for grads in run_on_ranks(4, _deferred_body):
+        assert torch.equal(grads["first.weight"], torch.full((5, 1), 6.0))
+        assert grads["second.weight"] is not None
+        assert torch.equal(grads["second.weight"], torch.full((5, 1), 5.0))

@@ -43,10 +43,10 @@ def check_step(groups: Sequence[FSDPParamGroup], device: torch.device) -> step_c
     deferred = is_accelerator(device)
     if not deferred:
         verdict.settle()  # before any flag is trusted: they came with the digests
-    if zeroed:
-        unused = verdict.flags()
-        offset = 0
-        for group, params in zip(groups, trainable, strict=True):
-            group.reducer.unused.settle(unused, offset, params)
-            offset += len(params)
+    # Every group settles, flags or not: a settle also ends what a deferred all-reduce carried.
+    unused = verdict.flags() if zeroed else None
+    offset = 0
+    for group, params in zip(groups, trainable, strict=True):
+        group.reducer.unused.settle(unused, offset, params)
+        offset += len(params)
     return verdict if deferred else None

@@ -339,8 +339,10 @@ class GroupReducer:
                     )
                 reduced.add_(partial)
                 self.partial = None
+                self.unused.fold()
             if not issued.all_reduce:
                 self.partial = (pending.packing, reduced)
+                self.unused.defer(pending.packing.params)
                 return
             replicas = self.mesh_info.replicate_group
             division = issued.division

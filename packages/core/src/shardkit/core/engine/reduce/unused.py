@@ -38,6 +38,11 @@ class UnusedGrads:
     def __init__(self) -> None:
         # id(param) -> (param, whether its sharded gradient was None when zeros were taken)
         self._zeroed: dict[int, tuple[FSDPParam, bool]] = {}
+        # HSDP with the all-reduce deferred (set_requires_all_reduce(False)): parameters whose
+        # real gradients wait in the group's partial sum. Unused in the backward that finally
+        # all-reduces, they still get that sum, never None; kept until the sum is assigned.
+        self._carried: set[int] = set()
+        self._deferring = False
 
     def choose(self, grads: Taken, *, world: int, ran_forward: bool) -> Taken:
         """What to reduce of ``grads`` (one per trainable parameter; None: no gradient).
@@ -83,20 +88,35 @@ class UnusedGrads:
                 flags[offset + i] = 1
         return True
 
+    def defer(self, params: Sequence[FSDPParam]) -> None:
+        """A reduction of ``params`` stays partial: carry those with real gradients in it."""
+        self._carried.update(id(p) for p in params if id(p) not in self._zeroed)
+        self._deferring = True
+
+    def fold(self) -> None:
+        """The partial sum went into a reduction that all-reduces and assigns."""
+        self._deferring = False
+
     def settle(self, unused: bytes | None, offset: int, trainable: Sequence[FSDPParam]) -> None:
         """Give None back where no rank used a parameter (``unused``: the ANDed flags).
 
         Only to gradients this rank created from zeros: one that held a value before keeps it
-        (the zeros added nothing to it).
+        (the zeros added nothing to it), and so does one whose earlier gradients a deferred
+        all-reduce carried into this sum.
         """
         zeroed, self._zeroed = self._zeroed, {}
+        carried = self._carried
+        if not self._deferring:
+            self._carried = set()
         if unused is None:
             return
         for i, p in enumerate(trainable):
             entry = zeroed.get(id(p))
-            if entry is not None and entry[1] and unused[offset + i]:
+            if entry is not None and entry[1] and unused[offset + i] and id(p) not in carried:
                 p.sharded_param.grad = None
 
     def forget(self) -> None:
         """Drop the record (recovery after an exception, or a check that did not run)."""
         self._zeroed.clear()
+        self._carried.clear()
+        self._deferring = False
