@@ -1,0 +1,289 @@
+"""The search: the fastest sharding plan whose predicted peak fits a memory budget.
+
+It compares the configurations of ``candidates`` by their predicted peak and step time (an
+``Evaluate`` function: the planner's memory model and the step-time model), without running
+anything. Trying every combination would cost hundreds of predictions; the search leans on
+what each choice does to memory and time instead:
+
+- per structure (unit boundary, edge modules, precision, offload), the plan that saves the
+  most memory (every block recomputed, nothing kept) bounds what can fit: if it does not
+  fit, no plan of that structure does;
+- and the plan that saves the most time (nothing recomputed, every block kept, the deepest
+  prefetch) bounds how fast the structure can be: a structure whose bound is no faster than
+  the best plan found is not explored;
+- within a structure, recomputing fewer blocks costs memory and saves time, and so does
+  keeping more blocks' parameters: for each recomputation level (fewest blocks first), the
+  search finds the most blocks it can keep by bisection (memory grows with each kept block),
+  then tries the deeper prefetch there.
+
+So the answer is the fastest plan among those tried, not a proof that no untried one is
+faster; ``SearchResult.evaluated`` lists every plan predicted, so a user can see what was
+compared. When nothing fits, the result says which plan came closest and by how much.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from shardkit.tools.plan.candidates import (
+    Boundary,
+    Choice,
+    ModelShape,
+    Precision,
+    sharding_plan,
+)
+from shardkit.tools.plan.sharding_plan import CheckpointMode, ShardingPlan
+
+__all__ = [
+    "Estimate",
+    "Evaluate",
+    "Evaluated",
+    "SearchResult",
+    "SearchSpace",
+    "search",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """What the models predict for one plan."""
+
+    peak_bytes: int
+    """Device memory at the step's peak, on the rank that needs the most."""
+    seconds: float
+    """Predicted step time."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """The step time's parts by name (compute, exposed communication, recompute, ...), for
+    saying why one plan is slower than another."""
+
+
+Evaluate = Callable[[ShardingPlan], Estimate]
+"""Predicts a plan's peak and step time (``evaluator.planner_evaluator`` builds one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """A plan the search predicted."""
+
+    choice: Choice
+    plan: ShardingPlan
+    estimate: Estimate
+    fits: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpace:
+    """What the search may choose from; the user's limits (precision, offload) go here."""
+
+    boundaries: tuple[Boundary, ...] = ("block", "pair", "sub")
+    edges_apart: tuple[bool, ...] = (False, True)
+    prefetch: tuple[int, ...] = (1, 2)
+    checkpoint_levels: tuple[int, ...] = (0, 4, 2, 1)
+    """Recompute every n-th block (0: none), fewest recomputed first."""
+    selective: bool = True
+    """Also try selective recomputation of every block (where the installed torch has it)."""
+    reshard_slices: tuple[int, ...] = ()
+    """Slices ``n`` to try for ``reshard_after_forward=n`` (each must divide the shard count;
+    the ranks of a node, say)."""
+    precisions: tuple[Precision, ...] = (Precision(),)
+    offload: tuple[bool, ...] = (False,)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """The chosen plan, the runners-up and every plan predicted."""
+
+    budget_bytes: int
+    best: Evaluated | None
+    """The fastest plan that fits; None when none does."""
+    evaluated: tuple[Evaluated, ...]
+    """Every plan predicted, in the order predicted."""
+
+    @property
+    def closest(self) -> Evaluated:
+        """The plan with the smallest predicted peak (what comes nearest when nothing fits)."""
+        return min(self.evaluated, key=lambda e: (e.estimate.peak_bytes, e.estimate.seconds))
+
+    def runners_up(self, count: int = 5) -> list[tuple[Evaluated, str]]:
+        """Plans that lost, each with why: slower ones that fit, faster ones that do not."""
+        out: list[tuple[Evaluated, str]] = []
+        best = self.best
+        seen = {best.plan} if best else set()
+        ranked = sorted(self.evaluated, key=lambda e: e.estimate.seconds)
+        for entry in ranked:
+            if entry.plan in seen:
+                continue
+            seen.add(entry.plan)
+            out.append((entry, self.why_lost(entry)))
+            if len(out) >= count:
+                break
+        return out
+
+    def why_lost(self, entry: Evaluated) -> str:
+        """Why ``entry`` lost: by how much it is over the budget, or how much slower it is.
+
+        A slower plan names the part of the step that grew most.
+        """
+        est = entry.estimate
+        if not entry.fits:
+            over = est.peak_bytes - self.budget_bytes
+            return f"does not fit: peak {_gib(est.peak_bytes)} is {_gib(over)} over the budget"
+        best = self.best
+        if best is None:  # pragma: no cover - a fitting entry implies a best
+            return "fits"
+        slower = est.seconds / best.estimate.seconds - 1.0
+        deltas = {
+            name: est.parts.get(name, 0.0) - best.estimate.parts.get(name, 0.0)
+            for name in {*est.parts, *best.estimate.parts}
+        }
+        part = max(deltas, key=lambda n: deltas[n]) if deltas else None
+        why = f" (mostly {part}: +{deltas[part] * 1e3:.1f} ms)" if part and deltas[part] > 0 else ""
+        return f"fits, {slower:+.1%} step time{why}"
+
+
+def search(
+    shape: ModelShape,
+    evaluate: Evaluate,
+    *,
+    budget_bytes: int,
+    space: SearchSpace | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """The fastest plan for a model of ``shape`` whose predicted peak is within the budget.
+
+    Args:
+        shape: the model's blocks and edges (``candidates.model_shape``).
+        evaluate: predicts a plan's peak and step time.
+        budget_bytes: device memory a rank may use at its peak.
+        space: what may be chosen; the defaults try every boundary, edges apart or not,
+            prefetch 1 and 2, recomputation of none, every 4th, every 2nd and every block,
+            and selective recomputation.
+        progress: called with a line per structure explored (long searches say where
+            they are).
+
+    Raises:
+        ValueError: a budget that is not a positive int.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"search: budget_bytes must be a positive int, got {budget_bytes!r}")
+    space = space if space is not None else SearchSpace()
+    memo: dict[Choice, Evaluated] = {}
+    order: list[Evaluated] = []
+
+    def predict(choice: Choice) -> Evaluated:
+        hit = memo.get(choice)
+        if hit is None:
+            plan = sharding_plan(shape, choice)
+            estimate = evaluate(plan)
+            hit = Evaluated(choice, plan, estimate, estimate.peak_bytes <= budget_bytes)
+            memo[choice] = hit
+            order.append(hit)
+        return hit
+
+    best: Evaluated | None = None
+
+    def consider(entry: Evaluated) -> None:
+        nonlocal best
+        if entry.fits and (best is None or entry.estimate.seconds < best.estimate.seconds):
+            best = entry
+
+    blocks = len(shape.blocks)
+    deepest = max(space.prefetch)
+    for structure in _structures(space):
+        boundary = structure.boundary
+        prefetches = space.prefetch if boundary != "sub" else (1,)
+        lightest = predict(replace(structure, checkpoint_every=1))
+        if not lightest.fits:
+            _say(progress, f"{structure.describe()}: no fit even recomputing every block")
+            continue
+        fastest = predict(
+            replace(structure, keep_last=blocks, prefetch=deepest if boundary != "sub" else 1)
+        )
+        consider(fastest)
+        if fastest.fits or (best is not None and fastest.estimate.seconds >= best.estimate.seconds):
+            _say(progress, f"{structure.describe()}: bounded ({len(order)} plans predicted)")
+            continue
+        for mode, every in _recompute_levels(space):
+            start = replace(structure, checkpoint_every=every, checkpoint_mode=mode)
+            base = predict(start)
+            if not base.fits:
+                continue
+            bound = predict(replace(start, keep_last=blocks, prefetch=max(prefetches)))
+            consider(bound)
+            if best is not None and bound.estimate.seconds >= best.estimate.seconds:
+                continue
+            kept = _most_kept(_fits_keeping(predict, start), blocks)
+            top = replace(start, keep_last=kept)
+            consider(predict(top))
+            for depth in prefetches:
+                consider(predict(replace(top, prefetch=depth)))
+            for n in space.reshard_slices:
+                consider(predict(replace(top, reshard_slice=n)))
+        _say(progress, f"{structure.describe()}: explored ({len(order)} plans predicted)")
+    return SearchResult(budget_bytes=budget_bytes, best=best, evaluated=tuple(order))
+
+
+def _structures(space: SearchSpace) -> list[Choice]:
+    """Every (boundary, edges, precision, offload) combination, other choices at defaults."""
+    return [
+        Choice(boundary=b, edges_apart=e, precision=p, offload=o)
+        for b, e, p, o in itertools.product(
+            space.boundaries, space.edges_apart, space.precisions, space.offload
+        )
+    ]
+
+
+def _recompute_levels(space: SearchSpace) -> list[tuple[CheckpointMode, int]]:
+    """(mode, every n-th block), fewest recomputed first.
+
+    Selective comes right after none: it keeps the matmuls' outputs, so it costs less time
+    than full recomputation of any block.
+    """
+    levels: list[tuple[CheckpointMode, int]] = [("full", n) for n in space.checkpoint_levels]
+    if space.selective:
+        levels.insert(1 if levels and levels[0][1] == 0 else 0, ("selective", 1))
+    return levels
+
+
+def _fits_keeping(predict: Callable[[Choice], Evaluated], start: Choice) -> Callable[[int], bool]:
+    """Whether ``start`` fits with its last k blocks kept, as a function of k."""
+    return lambda k: predict(replace(start, keep_last=k)).fits
+
+
+def _most_kept(fits: Callable[[int], bool], blocks: int) -> int:
+    """The largest k in [0, blocks] with ``fits(k)``, given ``fits(0)``.
+
+    Memory grows with k, so bisection finds it in log2(blocks) predictions.
+    """
+    low, high = 0, blocks
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _say(progress: Callable[[str], None] | None, line: str) -> None:
+    logger.debug(line)
+    if progress is not None:
+        progress(line)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def describe_plans(entries: Sequence[Evaluated]) -> list[str]:
+    """One line per plan: its choice, peak and step time."""
+    return [
+        f"{e.choice.describe()}: peak {_gib(e.estimate.peak_bytes)}, "
+        f"{e.estimate.seconds * 1e3:.1f} ms{'' if e.fits else ' (does not fit)'}"
+        for e in entries
+    ]
