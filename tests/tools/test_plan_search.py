@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 
+from shardkit.tools.plan.budget import parse_budget
 from shardkit.tools.plan.candidates import Choice, model_shape, sharding_plan
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.search import Estimate, SearchSpace, search
@@ -112,3 +113,25 @@ def test_runners_up_say_why_they_lost() -> None:
 def test_a_bad_budget_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="budget_bytes"):
         search(model_shape(_model()), _synthetic, budget_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("80 GiB", 80 * 2**30),
+        ("75GB", 75 * 10**9),
+        ("141e9", 141 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5g", 3 * 2**29),
+        ("4096", 4096),
+    ],
+)
+def test_budgets_parse_as_written(text: str, expected: int) -> None:
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "80 parsecs", "-1GiB", "0", "nan", "1e400GB"])
+def test_bad_budgets_are_refused_naming_the_text(text: str) -> None:
+    with pytest.raises(ValueError, match="budget"):
+        parse_budget(text)
