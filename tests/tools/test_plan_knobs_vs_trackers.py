@@ -21,6 +21,7 @@ from harness.pool import run_on_ranks
 from shardkit.tools import Category, Profiler, RankReport
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.recompute import selective_context
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
 from tests.core import models
 from tests.tools import workloads
@@ -35,7 +36,8 @@ def _apply(model: torch.nn.Module, sharding: ShardingPlan, world_size: int) -> N
     import shardkit.core as core
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    named = dict(model.named_modules())  # names as the plan gives them, before any call
+    _wrap_checkpointed(model, sharding)
+    named = dict(model.named_modules())  # a wrapper takes its module's name
     mp = core.MixedPrecisionPolicy(
         param_dtype=sharding.param_dtype, reduce_dtype=sharding.reduce_dtype
     )
@@ -51,6 +53,18 @@ def _apply(model: torch.nn.Module, sharding: ShardingPlan, world_size: int) -> N
     for handle, (forward, backward) in zip(handles, lists or (), strict=False):
         handle.set_modules_to_forward_prefetch([handles[i] for i in forward])
         handle.set_modules_to_backward_prefetch([handles[i] for i in backward])
+
+
+def _wrap_checkpointed(model: torch.nn.Module, sharding: ShardingPlan) -> None:
+    """torch's non-reentrant checkpoint_wrapper around each checkpointed module."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for fqn, mode in sharding.checkpoint:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = parent.get_submodule(child)
+        extra = {"context_fn": selective_context} if mode == "selective" else {}
+        setattr(parent, child, checkpoint_wrapper(module, **extra))
 
 
 def _measured(rank: int, world_size: int, sharding: ShardingPlan) -> dict[str, Any]:
@@ -115,6 +129,17 @@ _PLANS: dict[str, ShardingPlan] = {
     ),
     "prefetch_2": ShardingPlan(units=_units(*_EDGES), prefetch=2),
     "bf16_submodules": ShardingPlan(units=_units(*_SUBMODULES), param_dtype=torch.bfloat16),
+    "checkpoint_full": ShardingPlan(
+        units=_units(*_BLOCKS, root=False), checkpoint=tuple((b, "full") for b in _BLOCKS)
+    ),
+    "checkpoint_selective": ShardingPlan(
+        units=_units(*_BLOCKS, root=False), checkpoint=tuple((b, "selective") for b in _BLOCKS)
+    ),
+    # Checkpointed modules inside units: attention and MLP of each block.
+    "checkpoint_inside_units": ShardingPlan(
+        units=_units(*_BLOCKS, root=False),
+        checkpoint=tuple((f"{b}.{part}", "full") for b in _BLOCKS for part in ("attn", "mlp")),
+    ),
 }
 
 # Measured peak over predicted peak, ranks 0 and 1 (tiny GPT, W=2, gloo).

@@ -22,19 +22,18 @@ inputs are given, come from a forward, the loss and backward run on the meta dev
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from shardkit.core import ReducePrecision
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import ModelSource, PlanOptions
+from shardkit.tools.plan.options_json import options_json
+from shardkit.tools.plan.recompute import check_checkpoint
 from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
@@ -119,37 +118,12 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (dtypes and enums as strings; the memory timeline left out)."""
-        options = self.options
         return {
             "world_size": self.world_size,
             "shard_size": self.shard_size,
             "replicas": self.replicas,
             "tp_degree": self.tp_degree,
-            "options": {
-                "reshard_after_forward": options.reshard_after_forward,
-                "units": (
-                    None
-                    if options.units is None
-                    else [
-                        {
-                            "modules": list(u.modules),
-                            "reshard_after_forward": u.reshard_after_forward,
-                        }
-                        for u in options.units
-                    ]
-                ),
-                "prefetch": options.prefetch,
-                "checkpoint": [list(c) for c in options.checkpoint],
-                "offload": options.offload,
-                "param_dtype": _dtype_name(options.param_dtype),
-                "param_dtype_override_fn": _function_name(options.param_dtype_override_fn),
-                "reduce_dtype": _dtype_name(options.reduce_dtype),
-                "reduce_precision": _precision(options.reduce_precision),
-                "optimizer": options.optimizer,
-                "bandwidth_gbps": options.bandwidth_gbps,
-                "backend": options.backend,
-                "rank": options.rank,
-            },
+            "options": options_json(self.options),
             "param_count": self.param_count,
             "trainable_count": self.trainable_count,
             "groups": [_fields(g) for g in self.groups],
@@ -201,6 +175,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     groups = build_groups(module, options, shard, replicas, local_shapes)
     if not groups:
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
+    if options.checkpoint:
+        check_checkpoint(module, options, groups)
     if options.inputs is not None:
         trace = trace_step(module, groups, options, tp.tracer if tp is not None else None)
     else:
@@ -416,27 +392,6 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
                 optimizer_bytes=options.num_states * size if trained else 0,
             )
     return total
-
-
-def _precision(policy: ReducePrecision | None) -> dict[str, Any] | None:
-    """A ``ReducePrecision`` as JSON: its fields, the wire dtype by name."""
-    if policy is None:
-        return None
-    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-    wire = fields["wire_dtype"]
-    fields["wire_dtype"] = _dtype_name(wire) if isinstance(wire, torch.dtype) else wire
-    return fields
-
-
-def _function_name(fn: Any) -> str | None:
-    """``module:qualname`` of a function option, as the CLI names one (None if unset)."""
-    if fn is None:
-        return None
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _fields(record: Any) -> dict[str, Any]:
