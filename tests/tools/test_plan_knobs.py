@@ -178,11 +178,6 @@ def test_checkpoint_keeps_less_and_recomputes_in_backward() -> None:
             ValueError,
             "near names: blocks.0.attn",
         ),
-        (
-            ShardingPlan(units=(Unit(modules=(ROOT,)),), offload=True),
-            NotImplementedError,
-            "offload",
-        ),
     ],
 )
 def test_refusals_name_the_unit_or_module(
@@ -201,3 +196,33 @@ def test_option_checks() -> None:
         PlanOptions(units=("blocks.0",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="checkpoint entries"):
         PlanOptions(checkpoint=(("blocks.0", "sometimes"),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_offload_moves_shards_gradients_and_state_to_the_host(backend: str) -> None:
+    units = (*_BLOCKS, Unit(modules=(ROOT,), reshard_after_forward=False))
+    base = PlanOptions(inputs=_inputs, loss=_loss, backend=backend)  # type: ignore[arg-type]
+
+    def planned(offload: bool) -> Plan:
+        options = options_for(ShardingPlan(units=units, offload=offload), base)
+        return plan(_meta_gpt, world_size=2, options=options)
+
+    on, off = planned(True), planned(False)
+    assert on.schedule == off.schedule  # the same collectives, the same bytes
+    on_max, off_max = on.memory.category_max, off.memory.category_max
+    for category in (Category.SHARDED_PARAMS, Category.OPTIMIZER_STATE):
+        assert on_max[category] == 0  # none on the device
+    sharded = sum(g.sharded_bytes for g in on.groups)
+    state = off_max[Category.OPTIMIZER_STATE]
+    last = on.memory.timeline[-1]
+    assert last.host_by_category[Category.SHARDED_PARAMS] == sharded
+    assert last.host_by_category[Category.OPTIMIZER_STATE] == state
+    # Host: shards, state and every group's sharded gradients at the optimizer step.
+    grads = sum(g.reduce_output_bytes for g in on.groups)
+    assert on.host_bytes >= sharded + state + grads
+    assert off.host_bytes == 0
+    # The device stages each all-gather's input (a copy of the host's shard) in the pool.
+    staged = max(g.gather_input_bytes for g in on.groups)
+    assert on_max[Category.COMM_BUFFERS] >= off_max[Category.COMM_BUFFERS]
+    assert on.memory.peak.total < off.memory.peak.total + staged
+    assert on.to_dict()["memory"]["host_peak"] == on.host_bytes

@@ -10,6 +10,7 @@ engine owns to the byte, and the peak within 3%. Measured peak / predicted peak,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -46,7 +47,11 @@ def _apply(model: torch.nn.Module, sharding: ShardingPlan, world_size: int) -> N
         modules = [named[fqn] for fqn in unit.modules]
         target: Any = modules if len(modules) > 1 else modules[0]
         core.fully_shard(
-            target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward, mp_policy=mp
+            target,
+            mesh=mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp,
+            offload_policy=core.CPUOffloadPolicy() if sharding.offload else core.OffloadPolicy(),
         )
         handles.append(modules[0])
     lists = sharding.prefetch_lists()
@@ -63,8 +68,11 @@ def _wrap_checkpointed(model: torch.nn.Module, sharding: ShardingPlan) -> None:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = parent.get_submodule(child)
-        extra = {"context_fn": selective_context} if mode == "selective" else {}
-        setattr(parent, child, checkpoint_wrapper(module, **extra))
+        if mode == "selective":
+            wrapped = checkpoint_wrapper(module, context_fn=selective_context)
+        else:
+            wrapped = checkpoint_wrapper(module)
+        setattr(parent, child, wrapped)
 
 
 def _measured(rank: int, world_size: int, sharding: ShardingPlan) -> dict[str, Any]:
@@ -161,19 +169,52 @@ def test_plan_knob_matches_trackers(name: str) -> None:
     print(f"{name}: measured/predicted peak {[round(r, 4) for r in ratios]}")
 
 
+@pytest.mark.parametrize("name", ["pairs", "bf16_submodules"])
+def test_offload_on_a_cpu_matches_trackers(name: str) -> None:
+    """CPUOffloadPolicy on a CPU run: host and device are one memory here, so the trackers
+    see both; the plan's device and host bytes together must match them, and the engine's
+    staging copies of the shards (the device's own cost of offloading) must be where the plan
+    puts them: at the peak, with the pool holding them."""
+    sharding = dataclasses.replace(_PLANS[name], offload=True)
+    measured = run_on_ranks(_W, _measured, sharding=sharding)
+    for rank, raw in enumerate(measured):
+        report, predicted = RankReport.from_dict(raw), _planned(sharding, rank)
+        assert_comm_matches_plan(report, predicted, rank)
+        memory = report.memory
+        assert memory is not None
+        planned = predicted.memory
+        assert planned.category_max[Category.SHARDED_PARAMS] == 0  # none on the device
+        assert planned.category_max[Category.OPTIMIZER_STATE] == 0
+        for category in _EXACT:
+            measured_max = max(s.by_category[category] for s in memory.timeline)
+            both = max(
+                p.by_category[category] + p.host_by_category.get(category, 0)
+                for p in planned.timeline
+            )
+            assert measured_max == both, f"rank {rank}: {category}"
+        peak = planned.combined_peak
+        assert memory.peak.total == pytest.approx(peak.total + peak.host_total, rel=0.03)
+        comm = Category.COMM_BUFFERS
+        assert memory.peak.by_category[comm] == peak.by_category[comm], f"rank {rank}"
+        ratio = memory.peak.total / (peak.total + peak.host_total)
+        print(f"offload {name}: measured/predicted peak {ratio:.4f}")
+
+
+_EXACT = (
+    Category.SHARDED_PARAMS,
+    Category.UNSHARDED_PARAMS,
+    Category.GRADIENTS,
+    Category.OPTIMIZER_STATE,
+    Category.COMM_BUFFERS,
+)
+
+
 def _assert_engine_memory_matches(report: RankReport, predicted: Plan, rank: int) -> None:
     # Every category the engine owns exactly; activations within 10% (as test_plan_vs_trackers).
     memory = report.memory
     assert memory is not None
     measured_max = {c: max(s.by_category[c] for s in memory.timeline) for c in Category}
-    exact = (
-        Category.SHARDED_PARAMS,
-        Category.UNSHARDED_PARAMS,
-        Category.GRADIENTS,
-        Category.OPTIMIZER_STATE,
-        Category.COMM_BUFFERS,
-    )
-    for category in exact:
+    for category in _EXACT:
         planned = predicted.memory.category_max[category]
         assert measured_max[category] == planned, f"rank {rank}: {category}"
     assert measured_max[Category.ACTIVATIONS] == pytest.approx(

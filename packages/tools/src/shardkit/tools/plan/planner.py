@@ -1,7 +1,8 @@
 """The planner: per-rank memory and communication of a sharded training step, before running it.
 
 ``plan(model, world_size=64)`` takes a model built on the meta device (or a factory for one),
-decides the FSDP groups as a per-block ``fully_shard`` would, asks shardkit.core's layout view
+decides the FSDP groups as a per-block ``fully_shard`` would (or as a ``ShardingPlan``'s units
+say: ``options_for``), asks shardkit.core's layout view
 (``shardkit.core.layout.group_layout``) for every buffer size from the parameter shapes, and
 simulates one steady-state training step of the engine:
 
@@ -106,6 +107,15 @@ class Plan:
     ``shardkit.core.schedule``, which the plan and the engine both run)."""
 
     @property
+    def host_bytes(self) -> int:
+        """The most host memory the step holds (0 without CPU offload).
+
+        Offloaded: sharded parameters, gradients and optimizer state, and the optimizer's
+        step; ``memory.peak`` is the device's alone.
+        """
+        return self.memory.host_peak
+
+    @property
     def sent_over_theory(self) -> float | None:
         """Planned data-parallel bytes over their minimum (1.0 is optimal; None: none sent).
 
@@ -140,6 +150,7 @@ class Plan:
             "activations_traced": self.activations_traced,
             "memory": {
                 "peak": _point(self.memory.peak),
+                "host_peak": self.memory.host_peak,
                 "category_max": {c.value: n for c, n in self.memory.category_max.items()},
             },
         }
@@ -166,7 +177,6 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             matches no module, or a style that is not modelled.
     """
     options = options if options is not None else PlanOptions()
-    _refuse_unmodelled(options)
     module = _resolve(model)
     mesh = _mesh(world_size, options)
     replicas, shard = mesh.replicas, mesh.shard
@@ -231,16 +241,6 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         theory_memory_bytes=_theory_memory(groups, options),
         activations_traced=trace.traced,
     )
-
-
-def _refuse_unmodelled(options: PlanOptions) -> None:
-    """Knobs the planner cannot yet predict faithfully: refused rather than guessed."""
-    if options.offload:
-        raise NotImplementedError(
-            "shardkit.tools.plan: PlanOptions.offload (CPUOffloadPolicy) is not modelled yet: "
-            "the host copies of shards and gradients and their device staging are not "
-            "planned; plan without offload, or measure with MemoryTracker"
-        )
 
 
 def _resolve(model: ModelSource) -> nn.Module:

@@ -29,6 +29,7 @@ from shardkit.core.schedule import (
     root_reshards_after_forward,
 )
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
+from shardkit.tools.plan.offload import assign_sharded_grads
 from shardkit.tools.plan.records import CollectiveCall
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
@@ -74,9 +75,11 @@ class LedgerOps:
         self.groups = inputs.groups
         self.world = self.groups[0].world
         self.gloo = inputs.options.backend == "gloo"
+        self.offload = inputs.options.offload  # shards and their gradients on the host
         self.ledger = Ledger()
         self.pool = Pool(
-            self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
+            self.ledger,
+            pooled_sizes((g.layout for g in self.groups), exchange=self.gloo, offload=self.offload),
         )
         self.calls: list[CollectiveCall] = []
         self.check_calls: list[CollectiveCall] = []  # the step check's (record_step_check)
@@ -149,7 +152,7 @@ class LedgerOps:
         self.pending[g] = True
         spec = self.groups[g]
         layout = spec.layout
-        if layout.stages_gather_input(exchange=self.gloo):
+        if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
             nbytes = layout.all_gather_input_bytes
             self.pool.get(nbytes, ("staging", g), f"{label} {spec.fqn}: staging copy")
         if self.world > 1:
@@ -173,7 +176,7 @@ class LedgerOps:
             self.hold_unsharded(g, f"unshard {self.groups[g].fqn}")
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
-        if layout.stages_gather_input(exchange=self.gloo):
+        if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
             self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
@@ -192,7 +195,10 @@ class LedgerOps:
     def hold_unsharded(self, group: int, label: str) -> None:
         """Allocate the unsharded buffer's memory (an unshard, or kept from the last step)."""
         layout = self.groups[group].layout
-        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+        # One shard rank: the unsharded parameters are views of the shards, unless those are
+        # on the host (offload), when they are copied in.
+        views = layout.unsharded_views_storage and not self.offload
+        nbytes = 0 if views else layout.unsharded_bytes
         self.ledger.alloc(("unsharded", group), Category.UNSHARDED_PARAMS, nbytes, label)
         self.held[group] = True
 
@@ -309,9 +315,9 @@ class LedgerOps:
         label = f"reduce-scatter {group.fqn}"
         # The output becomes the sharded gradient: it counts as one from the start. In another
         # dtype it is cast into the gradient and stays a collective's output buffer.
-        category = (
-            Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
-        )
+        # Offloaded to a GPU's host, it is copied there: a collective's output meanwhile.
+        becomes_grad = layout.reduce_dtype == group.grad_dtype and (self.gloo or not self.offload)
+        category = Category.GRADIENTS if becomes_grad else Category.COMM_BUFFERS
         if self.world > 1:
             # The gradients are packed into the send buffer and freed before the output comes.
             self.pool.get(send, ("reduce_send", g), label)
@@ -364,13 +370,7 @@ class LedgerOps:
             self._record("all_gather", g, replicas, chunk, sent, replicas=True)
         elif replicas > 1:
             self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
-        if group.layout.reduce_dtype == group.grad_dtype:
-            self.ledger.move(("reduce_out", g), ("sharded_grad", g))
-        else:
-            label = f"sharded gradients {group.fqn}"
-            nbytes = group.sharded_grad_nbytes
-            self.ledger.alloc(("sharded_grad", g), Category.GRADIENTS, nbytes, label)
-            held.append((("reduce_out", g), 0))
+        held += assign_sharded_grads(self.ledger, g, group, offload=self.offload, cpu=self.gloo)
         return held
 
     def _release(self, held: list[tuple[Key, int]]) -> None:
