@@ -7,8 +7,7 @@ the wrapper calls), on the meta device, so what is kept and what is recomputed i
 
 - The checkpoint's own saved-tensor hooks sit inside the trace's: tensors saved in the module
   never reach the trace's hook; the checkpoint keeps the module's inputs (its recomputation
-  needs them), which are counted here as saved in the segment where the module is called,
-  and, with ``preserve_rng_state`` (the wrapper's default), the CPU generator's state.
+  needs them), which are counted here as saved in the segment where the module is called.
 - ``selective`` (``create_selective_checkpoint_contexts``) also keeps the outputs of matrix
   multiplies and attention (the ops of :data:`SAVED_OPS`), counted as they are made.
 - In backward, the module's forward runs again (its saved tensors are backward's scratch,
@@ -39,7 +38,13 @@ from shardkit.tools.plan.backward import fused_attention, in_fused_attention
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 
-__all__ = ["SAVED_OPS", "check_checkpoint", "checkpointed_forwards", "saved_op_policy"]
+__all__ = [
+    "SAVED_OPS",
+    "check_checkpoint",
+    "checkpointed_forwards",
+    "saved_op_policy",
+    "selective_context",
+]
 
 _aten = torch.ops.aten
 SAVED_OPS: frozenset[Any] = frozenset(
@@ -124,7 +129,6 @@ def checkpointed_forwards(model: nn.Module, options: PlanOptions, save: Save) ->
     named = dict(model.named_modules())
     forward_done = [False]
     patched: list[nn.Module] = []
-    rng_bytes = 0
     try:
         for fqn, mode in options.checkpoint:
             module = named[fqn]
@@ -134,7 +138,7 @@ def checkpointed_forwards(model: nn.Module, options: PlanOptions, save: Save) ->
             setattr(  # noqa: B010  (a method replaced on one instance)
                 module,
                 "forward",
-                functools.partial(_checkpointed, run, context_fn, save, rng_bytes),
+                functools.partial(_checkpointed, run, context_fn, save),
             )
             patched.append(module)
         yield
@@ -148,41 +152,21 @@ def _checkpointed(
     run: Callable[..., Any],
     context_fn: Callable[[], Any] | None,
     save: Save,
-    rng_bytes: int,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    # What the checkpoint keeps for its recomputation: the inputs, and on the CPU (gloo) the
-    # generator's state (preserve_rng_state), a tensor kept as long as the inputs.
+    # The checkpoint keeps the inputs for its recomputation (its saved-tensor hooks, inside
+    # the trace's, keep nothing else of full mode). The CPU generator state it keeps
+    # (preserve_rng_state) is host memory the trackers do not see: not counted, and not
+    # taken here (a meta tensor has no generator).
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             save(leaf)
-    # A meta tensor has no generator to keep: a stand-in of the CPU state's size is passed
-    # as one more input, which the checkpoint keeps exactly as long as it keeps the real one.
-    state = torch.empty(rng_bytes, dtype=torch.uint8, device="meta")
-    if rng_bytes:
-        save(state)
-    call = _drop_first(run)
     if context_fn is None:
-        return checkpoint(
-            call, state, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
-        )
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
     return checkpoint(
-        call,
-        state,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=False,
-        context_fn=context_fn,
-        **kwargs,
+        run, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
     )
-
-
-def _drop_first(run: Callable[..., Any]) -> Callable[..., Any]:
-    def call(_state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return run(*args, **kwargs)
-
-    return call
 
 
 def _runner(
