@@ -226,3 +226,15 @@ def test_offload_moves_shards_gradients_and_state_to_the_host(backend: str) -> N
     assert on_max[Category.COMM_BUFFERS] >= off_max[Category.COMM_BUFFERS]
     assert on.memory.peak.total < off.memory.peak.total + staged
     assert on.to_dict()["memory"]["host_peak"] == on.host_bytes
+
+
+def test_a_unit_of_several_modules_with_frozen_parameters_is_refused() -> None:
+    def frozen() -> torch.nn.Module:
+        model = _meta_gpt()
+        model.get_submodule("blocks.0").requires_grad_(False)
+        return model
+
+    units = (Unit(modules=("blocks.0", "blocks.1")), Unit(modules=(ROOT,)))
+    options = options_for(ShardingPlan(units=units), _BASE)
+    with pytest.raises(NotImplementedError, match=r"blocks\.0, blocks\.1 of several modules"):
+        plan(frozen, world_size=2, options=options)

@@ -9,7 +9,7 @@ ranks alike; printed with ``-s``): units of both blocks 1.0013, attention and ML
 embeddings and head units 1.0015, per-unit reshard 1.0013, int reshard 1.0014, prefetch 2
 1.0015, bf16 with sub-module units 0.9989, full checkpoint 1.0014, selective 1.0014,
 checkpointed attention and MLP inside block units 1.0015; CPU offload 1.0011 and 0.9989 (device
-and host together: one memory on a CPU); at W=4, prefetch 2 with offload 1.0046 and 1.0049,
+and host together: one memory on a CPU); at W=4, prefetch 2 with offload 1.0046 (1.0049 without),
 selective checkpoint 1.0046.
 """
 

@@ -163,6 +163,13 @@ def build_groups(
             spec = _param_spec(pname, param, (local_shapes or {}).get(pname))
             keeps = keeps_own_dtype(options, param, pname)  # options: the policy's fields
             specs.append(replace(spec, keeps_own_dtype=keeps) if keeps else spec)
+        if len(modules) > 1 and not all(spec.requires_grad for spec in specs):
+            # The engine ends such a group's backward through its first call's inputs (a
+            # partial call), not through a frozen group's watched inputs: not modelled.
+            raise NotImplementedError(
+                f"shardkit.tools.plan: unit {fqn} of several modules has frozen parameters, "
+                "whose backward the planner does not model; make each module a unit"
+            )
         if specs:
             layout = _layout(fqn, specs, options, shard_size, replicas)
             groups.append(
