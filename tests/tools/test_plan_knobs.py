@@ -99,8 +99,11 @@ def test_int_reshard_after_forward_resolves_as_the_engine() -> None:
     assert planned(1, 2).groups[0].reshard_after_forward is False  # a 1/1 slice
     with pytest.raises(ValueError, match="must divide the shard count 4"):
         planned(3, 4)
-    with pytest.raises(NotImplementedError, match="1/2 slice"):
-        planned(2, 4)
+    sliced = planned(2, 4)  # a 1/2 slice kept, gathered within 2 ranks in backward
+    backward = [c for c in sliced.schedule if c.group == "blocks.0" and c.phase is Phase.BACKWARD]
+    assert [(c.kind, c.group_size) for c in backward][:1] == [("all_gather", 2)]
+    labels = [p.label for p in sliced.memory.timeline]
+    assert "post-forward slices blocks.0" in labels
 
 
 def test_prefetch_lists_follow_the_plan_order() -> None:

@@ -29,6 +29,7 @@ from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.recompute import selective_context
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
+from shardkit.tools.plan.step_ops import SLICE_AXIS
 from tests.core import models
 from tests.tools import workloads
 from tests.tools.plan_checks import assert_comm_matches_plan
@@ -224,6 +225,34 @@ def test_plan_knobs_match_trackers_at_w4(name: str, offload: bool) -> None:
             assert measured_max == both, f"rank {rank}: {category}"
         peak = predicted.memory.combined_peak
         assert memory.peak.total == pytest.approx(peak.total + peak.host_total, rel=0.03)
+
+
+def test_int_reshard_slices_match_trackers_at_w4() -> None:
+    """reshard_after_forward=2 at W=4: each rank keeps half the parameters after forward (the
+    engine's post-forward slices) and backward gathers them within a pair of ranks, a subgroup
+    no mesh names (the trackers give it no axis; the plan calls it SLICE_AXIS). Measured
+    1.0044 of the plan."""
+    sharding = ShardingPlan(
+        units=(
+            Unit(modules=("blocks.0",), reshard_after_forward=2),
+            Unit(modules=("blocks.1",)),
+            Unit(modules=(ROOT,), reshard_after_forward=2),
+        )
+    )
+    measured = run_on_ranks(4, _measured, sharding=sharding)
+    for rank, raw in enumerate(measured):
+        report, predicted = RankReport.from_dict(raw), _planned(sharding, rank, 4)
+        got = [
+            (c.kind, c.axis or SLICE_AXIS, c.group_size, c.input_bytes, c.sent_bytes)
+            for c in report.collectives
+        ]
+        calls = [*predicted.schedule, *predicted.step_check]
+        assert got == [(c.kind, c.axis, c.group_size, c.input_bytes, c.sent_bytes) for c in calls]
+        sliced = [c for c in calls if c.axis == SLICE_AXIS and c.kind == "all_gather"]
+        assert [c.group for c in sliced] == ["<root>", "blocks.0"], f"rank {rank}"
+        _assert_engine_memory_matches(report, predicted, rank)
+        assert report.memory is not None
+        assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
 
 
 _EXACT = (

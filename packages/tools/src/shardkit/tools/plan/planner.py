@@ -370,6 +370,11 @@ def _theory_bytes(groups: list[GroupSpec], reshards: tuple[bool, ...], replicas:
         gathered = sum(p.numel * p.comm_dtype.itemsize for p in group.params)
         reduced = sum(p.numel for p in group.trainable) * group.layout.reduce_dtype.itemsize
         total += (2 if reshard else 1) * theory.all_gather_bytes(gathered, world, 1)
+        slice_n = group.reshard_after_forward
+        if reshard and not isinstance(slice_n, bool) and slice_n is not None:
+            # Backward gathers 1/n slices within n ranks instead.
+            total += theory.all_gather_bytes(gathered, slice_n, 1)
+            total -= theory.all_gather_bytes(gathered, world, 1)
         if reduced:
             total += theory.reduce_scatter_bytes(reduced, world, 1)
             total += theory.all_reduce_bytes(reduced // world, replicas, 1)

@@ -20,7 +20,9 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   made; one whose inputs need none stays gathered until the end-of-backward callback. A
   group whose outputs need no gradient is never gathered in backward (not even prefetched).
   With ``PlanOptions.units``, each unit's own ``reshard_after_forward`` (the root's too: a
-  unit always gives one), and a unit of several modules is one group, gathered at the first
+  unit always gives one; an int n between 1 and the shard count keeps the engine's 1/n
+  post-forward slices, gathered in backward within n ranks on ``SLICE_AXIS``), and a unit of
+  several modules is one group, gathered at the first
   of its modules to run and ended after the last (``group_hooks``); with ``prefetch`` > 1,
   every group's explicit prefetch lists replace the engine's next-group rule.
 - Activation checkpointing (``recompute``): what a checkpointed module keeps and recomputes

@@ -35,7 +35,11 @@ from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
 
-__all__ = ["LedgerOps"]
+__all__ = ["SLICE_AXIS", "LedgerOps"]
+
+SLICE_AXIS = "dp_post_forward"
+"""The axis of backward's all-gather of post-forward slices (``reshard_after_forward=n``): a
+subgroup of n ranks of the shard axis, which the engine makes and no mesh names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,7 @@ class LedgerOps:
         self.unsharded = [False] * count
         self.pending = [False] * count
         self.held = [False] * count  # the unsharded buffer's memory is allocated
+        self.sliced = [False] * count  # holds its post-forward slices (reshard_after_forward=n)
         self.state_of = [TrainingState.IDLE] * count
         self.reduces: deque[int] = deque()
 
@@ -137,12 +142,33 @@ class LedgerOps:
         return self.unsharded[group] or self.pending[group]
 
     def free_after_forward(self, group: int, action: AfterForward) -> None:
-        """Free the full parameters (*approximate* for SLICE: the 1/n slice is not kept)."""
-        self.reshard(group)
+        """Free the full parameters, or keep this rank's 1/n slice of them (SLICE)."""
+        layout = self.groups[group].layout
+        if action is not AfterForward.SLICE or layout.post_forward is None:
+            self.reshard(group)
+            return
+        if self.pending[group]:
+            self.wait(group)
+        if not self.unsharded[group]:
+            return
+        # The slices are copied out of the full parameters, which are freed after; the engine
+        # announces no reshard here (the group is in its own post-forward state).
+        label = f"post-forward slices {self.groups[group].fqn}"
+        self.ledger.alloc(
+            ("slices", group), Category.COMM_BUFFERS, layout.post_forward.nbytes, label
+        )
+        if not self.inputs.options.keep_unsharded_storage:
+            self.ledger.free(("unsharded", group))
+            self.held[group] = False
+        self.unsharded[group] = False
+        self.sliced[group] = True
 
     def _receive_bytes(self, g: int) -> int:
         # gloo gathers by direct exchange, where this rank's own row never needs a buffer.
-        return self.groups[g].layout.all_gather_receive_bytes(exchange=self.gloo)
+        layout = self.groups[g].layout
+        if self.sliced[g]:
+            return layout.post_forward_receive_bytes(exchange=self.gloo)
+        return layout.all_gather_receive_bytes(exchange=self.gloo)
 
     def unshard(self, group: int, *, prefetch: bool = False) -> None:
         """Issue the all-gather: its receive buffer (and staging copy) from the pool."""
@@ -152,6 +178,13 @@ class LedgerOps:
         self.pending[g] = True
         spec = self.groups[g]
         layout = spec.layout
+        if self.sliced[g] and layout.post_forward is not None:
+            # Backward gathers the slices within the n ranks that hold them (no staging).
+            n, nbytes = layout.post_forward_world or 1, layout.post_forward.nbytes
+            self._append("all_gather", spec.fqn, SLICE_AXIS, n, nbytes, nbytes * (n - 1))
+            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {spec.fqn} (slices)")
+            self.event("unshard", g)
+            return
         if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
             nbytes = layout.all_gather_input_bytes
             self.pool.get(nbytes, ("staging", g), f"{label} {spec.fqn}: staging copy")
@@ -174,6 +207,12 @@ class LedgerOps:
         layout = self.groups[g].layout
         if not self.held[g]:
             self.hold_unsharded(g, f"unshard {self.groups[g].fqn}")
+        if self.sliced[g]:
+            self.pool.put(self._receive_bytes(g), ("gather", g))
+            self.ledger.free(("slices", g))
+            self.sliced[g] = False
+            self.unsharded[g] = True
+            return
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
         if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
@@ -185,6 +224,10 @@ class LedgerOps:
         g = group
         if self.pending[g]:
             self.wait(g)
+        if self.sliced[g]:  # the slices kept after forward, never gathered again
+            self.ledger.free(("slices", g))
+            self.sliced[g] = False
+            self.event("reshard", g)
         if self.unsharded[g]:
             if not self.inputs.options.keep_unsharded_storage:
                 self.ledger.free(("unsharded", g))
