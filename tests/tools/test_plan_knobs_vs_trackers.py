@@ -31,7 +31,7 @@ from shardkit.tools.plan.recompute import selective_context
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
 from shardkit.tools.plan.step_ops import SLICE_AXIS
 from tests.core import models
-from tests.tools import workloads
+from tests.tools import test_plan_events, workloads
 from tests.tools.plan_checks import assert_comm_matches_plan
 
 _ROWS, _SEQ, _VOCAB = 2, 8, 37  # per rank: the tiny GPT of tests.core.models
@@ -156,6 +156,14 @@ _PLANS: dict[str, ShardingPlan] = {
     ),
 }
 
+_SLICED = ShardingPlan(
+    units=(
+        Unit(modules=("blocks.0",), reshard_after_forward=2),
+        Unit(modules=("blocks.1",)),
+        Unit(modules=(ROOT,), reshard_after_forward=2),
+    )
+)
+
 
 @pytest.mark.parametrize("name", list(_PLANS))
 def test_plan_knob_matches_trackers(name: str) -> None:
@@ -232,13 +240,7 @@ def test_int_reshard_slices_match_trackers_at_w4() -> None:
     engine's post-forward slices) and backward gathers them within a pair of ranks, a subgroup
     no mesh names (the trackers give it no axis; the plan calls it SLICE_AXIS). Measured
     1.0044 of the plan."""
-    sharding = ShardingPlan(
-        units=(
-            Unit(modules=("blocks.0",), reshard_after_forward=2),
-            Unit(modules=("blocks.1",)),
-            Unit(modules=(ROOT,), reshard_after_forward=2),
-        )
-    )
+    sharding = _SLICED
     measured = run_on_ranks(4, _measured, sharding=sharding)
     for rank, raw in enumerate(measured):
         report, predicted = RankReport.from_dict(raw), _planned(sharding, rank, 4)
@@ -253,6 +255,34 @@ def test_int_reshard_slices_match_trackers_at_w4() -> None:
         _assert_engine_memory_matches(report, predicted, rank)
         assert report.memory is not None
         assert report.memory.peak.total == pytest.approx(predicted.memory.peak.total, rel=0.03)
+
+
+def _engine_events(rank: int, world_size: int, sharding: ShardingPlan) -> list[tuple[str, str]]:
+    from shardkit.core import subscribe
+
+    model = models.build("gpt")
+    _apply(model, sharding, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    workloads.train_step(model, opt, 0, rank, world_size, "gpt")  # steady state from here
+    events: list[tuple[str, str]] = []
+    unsubscribe = subscribe(test_plan_events._record(events))
+    workloads.train_step(model, opt, 1, rank, world_size, "gpt")
+    unsubscribe()
+    return events
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size"),
+    [("pairs", 2), ("submodules", 2), ("prefetch_2", 2), ("checkpoint_full", 2), ("sliced", 4)],
+)
+def test_plan_events_are_the_engines(name: str, world_size: int) -> None:
+    """Every state transition and collective of the step, with its group, in the engine's
+    order: a unit of two modules named as the engine names it, explicit prefetch lists,
+    checkpointed blocks, post-forward slices (no reshard event where the slices are kept)."""
+    sharding = _SLICED if name == "sliced" else _PLANS[name]
+    engine = run_on_ranks(world_size, _engine_events, sharding=sharding)
+    assert all(events == engine[0] for events in engine), "ranks disagree"
+    assert list(_planned(sharding, 0, world_size).events) == engine[0]
 
 
 _EXACT = (
