@@ -152,7 +152,9 @@ class LedgerOps:
         if not self.unsharded[group]:
             return
         # The slices are copied out of the full parameters, which are freed after; the engine
-        # announces no reshard here (the group is in its own post-forward state).
+        # announces no reshard here (the group is in its own post-forward state). They are a
+        # buffer of the group's communication (backward's all-gather sends them), as the
+        # engine's trackers count them.
         label = f"post-forward slices {self.groups[group].fqn}"
         self.ledger.alloc(
             ("slices", group), Category.COMM_BUFFERS, layout.post_forward.nbytes, label
