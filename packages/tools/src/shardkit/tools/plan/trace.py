@@ -25,8 +25,8 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -41,13 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.tools.plan.backward import (
     BackwardSegment,
-    FusedAttention,
     SegmentCursor,
     backward_profile,
+    fused_attention,
     unit_loss,
 )
+from shardkit.tools.plan.group_hooks import group_hooks
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model
+from shardkit.tools.plan.recompute import checkpointed_forwards
 
 __all__ = [
     "ForwardWatch",
@@ -94,8 +96,12 @@ class StepTrace:
 
 
 def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
-    """Events in module registration order (a group runs its children in order), no saves."""
-    index = {id(g.module): i for i, g in enumerate(groups)}
+    """Events in module registration order (a group runs its children in order), no saves.
+
+    A group of several modules starts at the first of them and ends after the last.
+    """
+    index = {id(m): i for i, g in enumerate(groups) for m in g.call_modules}
+    left = [len(g.call_modules) for g in groups]  # modules of each group yet to run
     events: list[GroupEvent] = []
     seen: set[int] = set()
 
@@ -104,12 +110,14 @@ def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
             return
         seen.add(id(module))
         group = index.get(id(module))
-        if group is not None:
+        if group is not None and left[group] == len(groups[group].call_modules):
             events.append(GroupEvent("pre", group))
         for child in module.children():
             visit(child)
         if group is not None:
-            events.append(GroupEvent("post", group))
+            left[group] -= 1
+            if not left[group]:
+                events.append(GroupEvent("post", group))
 
     visit(model)
     return StepTrace(events=tuple(events), activation_bytes=(0,) * (len(events) + 1))
@@ -170,6 +178,9 @@ class _Recorder:
         self.params = params  # id of a replacement parameter tensor -> FQN
         self.uses: dict[str, tuple[int, int]] = {}
         self.cursor = SegmentCursor()  # backward's position, moved by hooks set here
+        # The model's output, held through the loss (the training step holds it there), so
+        # that it counts as forward's even when no op saves it.
+        self.outputs: list[torch.UntypedStorage] = []
 
     @property
     def in_loss(self) -> bool:
@@ -241,7 +252,7 @@ class _TraceMode(TorchFunctionMode):
             names = ("query", "key", "value")
             qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
             if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
-                return FusedAttention.apply(*qkv)  # type: ignore[no-untyped-call]  # torch's
+                return fused_attention(*qkv)
         return func(*args, **kwargs)
 
 
@@ -286,7 +297,8 @@ def trace_step(
     with ExitStack() as stack:
         if watch is not None:
             stack.enter_context(watch.hooks(lambda: recorder.segment))
-        stack.enter_context(_group_hooks(model, groups, recorder, options.param_dtype))
+        stack.enter_context(group_hooks(groups, recorder.event, options.param_dtype))
+        stack.enter_context(checkpointed_forwards(model, options, recorder.save))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
         stack.enter_context(_TraceMode(recorder))
@@ -294,6 +306,7 @@ def trace_step(
         prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
         loss = functional_call(step, prefixed, args, kwargs, strict=False)
     activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
+    recorder.outputs.clear()  # the step's caller drops the output once the loss is made
     profile = None
     if loss is not None:
         profile = backward_profile(
@@ -344,6 +357,7 @@ def _save_output(recorder: _Recorder, output: Any, segment: int) -> None:
     for tensor in pytree.tree_leaves(output):
         if isinstance(tensor, torch.Tensor):
             recorder.save(tensor, segment)
+            recorder.outputs.append(tensor.untyped_storage())
 
 
 def _run(what: str, call: Callable[[], Any]) -> Any:
@@ -376,44 +390,6 @@ def _packer(recorder: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
         return tensor
 
     return pack
-
-
-@contextmanager
-def _group_hooks(
-    model: nn.Module,
-    groups: list[GroupSpec],
-    recorder: _Recorder,
-    param_dtype: torch.dtype | None,
-) -> Iterator[None]:
-    """Forward hooks on every group module: record events, cast inputs as the engine does."""
-    handles = []
-    for index, group in enumerate(groups):
-
-        def pre(
-            module: nn.Module,
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            index: int = index,
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if param_dtype is not None:
-                args, kwargs = pytree.tree_map_only(
-                    torch.Tensor,
-                    lambda t: t.to(param_dtype) if t.is_floating_point() else t,
-                    (args, kwargs),
-                )
-            recorder.event("pre", index, (args, kwargs))
-            return args, kwargs
-
-        def post(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
-            recorder.event("post", index, output)
-
-        handles.append(group.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(group.module.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
