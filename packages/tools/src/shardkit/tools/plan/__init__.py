@@ -9,6 +9,7 @@ closed-form minima it compares with, ``gpt`` and ``examples`` the models that th
 ``shardkit-plan`` command (``cli``) accepts.
 """
 
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -29,5 +30,6 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "PlannedGroup",
+    "apply_plan",
     "plan",
 ]
