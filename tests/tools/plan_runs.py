@@ -10,7 +10,9 @@ parameters after the last step (names without ``_checkpoint_wrapped_module``).
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,9 +177,17 @@ def train(model: nn.Module, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def shard(how: str, plan: ShardingPlan, model: Any, mesh: DeviceMesh) -> None:
-    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine)."""
+    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine), or
+    ``json`` (shardkit's, the plan read back from a file ``dump_plan`` wrote)."""
     from shardkit.tools import apply_plan
+    from shardkit.tools.plan.plan_json import dump_plan
 
+    if how == "json":
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "plan.json"
+            path.write_text(dump_plan(plan))
+            apply_plan(model, path, mesh=mesh)
+        return
     engine = None if how == "shardkit" else fully_shard
     apply_plan(model, plan, mesh=mesh, fully_shard=engine)
 

@@ -3,10 +3,10 @@
 At W=2 on gloo, for each plan of ``tests.tools.plan_runs`` (per-block units, pairs of blocks,
 sub-module units, embeddings and head apart, units kept gathered, prefetch 2, full and
 selective recomputation, bf16 parameters with fp32 reduction): ``apply_plan`` on shardkit's
-engine, on torch's ``fully_shard``, and the hand-written twin give the same losses over 3
-AdamW steps and the same parameters, bit for bit. ``reduce_precision`` reaches every unit of
-shardkit's engine. Every mistake raises before the model changes: its state dict, module
-tree and classes are compared before and after.
+engine, on torch's ``fully_shard`` and from the plan's JSON file, and the hand-written twin,
+give the same losses over 3 AdamW steps and the same parameters, bit for bit.
+``reduce_precision`` reaches every unit of shardkit's engine. Every mistake raises before the
+model changes: its state dict, module tree and classes are compared before and after.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ WORLD_SIZE = 2
 
 @pytest.mark.parametrize("plan_name", list(plan_runs.PLANS))
 def test_apply_plan_is_bitwise_the_hand_written_calls(plan_name: str) -> None:
-    hows = ("hand", "shardkit", "torch")
+    hows = ("hand", "shardkit", "torch", "json")
     for traces in run_on_ranks(WORLD_SIZE, plan_runs.train_body, plan_name=plan_name, hows=hows):
         plan_runs.assert_bitwise(traces)
 

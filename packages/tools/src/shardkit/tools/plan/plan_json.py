@@ -111,15 +111,15 @@ def _precision_fields(precision: ReducePrecision) -> dict[str, Any]:
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
     """The plan in a JSON document: its text, or the path of a file holding it.
 
-    A ``str`` whose first non-blank character is ``{`` is the document itself; any other
-    ``str`` or path-like is a file's path.
+    A ``str`` whose first non-blank character is ``{`` or ``[`` is the document itself; any
+    other ``str`` or path-like is a file's path.
 
     Raises:
         PlanFormatError: (a ValueError) a document over :data:`MAX_BYTES`, not strict JSON,
             or not a valid plan; the message names the JSON path at fault.
         OSError: the file cannot be read.
     """
-    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("{"):
+    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith(("{", "[")):
         text = text_or_path
         if len(text) > MAX_BYTES:
             raise PlanFormatError(f"plan JSON: {len(text)} characters, over {MAX_BYTES}")
