@@ -177,11 +177,21 @@ def train(model: nn.Module, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def shard(how: str, plan: ShardingPlan, model: Any, mesh: DeviceMesh) -> None:
-    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine), or
-    ``json`` (shardkit's, the plan read back from a file ``dump_plan`` wrote)."""
+    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine),
+    ``json`` (shardkit's, the plan read back from a file ``dump_plan`` wrote), or
+    ``source_<engine>`` (``parallelize_source``'s function run; ``_model``: written knowing
+    the model)."""
     from shardkit.tools import apply_plan
+    from shardkit.tools.plan.parallelize_source import parallelize_source
     from shardkit.tools.plan.plan_json import dump_plan
 
+    if how.startswith("source_"):
+        name = how.split("_")[1]
+        text = parallelize_source(plan, engine=name, model=build() if "model" in how else None)
+        namespace: dict[str, Any] = {}
+        exec(compile(text, f"<parallelize {how}>", "exec"), namespace)
+        namespace["parallelize"](model, mesh)
+        return
     if how == "json":
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "plan.json"
@@ -193,17 +203,19 @@ def shard(how: str, plan: ShardingPlan, model: Any, mesh: DeviceMesh) -> None:
 
 
 def train_body(
-    rank: int, world_size: int, plan_name: str, hows: tuple[str, ...]
+    rank: int, world_size: int, plan_name: str | ShardingPlan, hows: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
-    """Runs on every rank: the plan applied each way in ``hows`` (or ``hand``), trained."""
+    """Runs on every rank: the plan (of ``PLANS``, or given) applied each way in ``hows``
+    (``hand`` for its twin in ``BY_HAND``), trained."""
     mesh = init_device_mesh("cpu", (world_size,))
+    plan = PLANS[plan_name] if isinstance(plan_name, str) else plan_name
     traces: dict[str, dict[str, Any]] = {}
     for how in hows:
         model = build()
         if how == "hand":
-            BY_HAND[plan_name](model, mesh)
+            BY_HAND[str(plan_name)](model, mesh)
         else:
-            shard(how, PLANS[plan_name], model, mesh)
+            shard(how, plan, model, mesh)
         traces[how] = train(model, rank, world_size)
         dist.barrier()
     return traces

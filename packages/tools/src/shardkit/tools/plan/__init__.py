@@ -10,11 +10,13 @@ closed-form minima it compares with, ``gpt`` and ``examples`` the models that th
 
 A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``:
 :func:`apply_plan` carries one out on a model, ``plan_json`` (:func:`dump_plan`,
-:func:`load_plan`) writes and reads it as JSON.
+:func:`load_plan`) writes and reads it as JSON, and :func:`parallelize_source` writes it as a
+``parallelize(model, mesh)`` function to paste into a training script.
 """
 
 from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.parallelize_source import parallelize_source
 from shardkit.tools.plan.plan_json import PlanFormatError, dump_plan, load_plan
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -39,5 +41,6 @@ __all__ = [
     "apply_plan",
     "dump_plan",
     "load_plan",
+    "parallelize_source",
     "plan",
 ]
