@@ -246,6 +246,12 @@ def _resolve(
             "apply_plan: the plan sets reduce_precision, which only shardkit's engine has "
             "(FSDPModule.set_reduce_precision); apply it with fully_shard=None"
         )
+    if plan.offload and engine.name == "torch" and not torch.accelerator.is_available():
+        # torch's CPUOffloadPolicy pins host memory, which fails mid-way without one.
+        raise ValueError(
+            "apply_plan: the plan offloads, and torch's CPUOffloadPolicy pins host memory, "
+            "which needs an accelerator (none here); apply it with shardkit's engine"
+        )
     return _Resolved(units, checkpointed)
 
 
