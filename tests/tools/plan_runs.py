@@ -10,6 +10,7 @@ parameters after the last step (names without ``_checkpoint_wrapped_module``).
 from __future__ import annotations
 
 import functools
+import random
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
+from shardkit.tools.plan.sharding_plan import ROOT, CheckpointMode, ShardingPlan, Unit
 from tests.core import models
 from tests.core.parity import global_loss, rank_batch
 
@@ -232,3 +233,54 @@ def assert_bitwise(traces: dict[str, dict[str, Any]], oracle: str = "hand") -> N
             n for n, v in trace["params"].items() if not torch.equal(v, expected["params"][n])
         ]
         assert differs == [], (how, differs)
+
+
+def random_plan(seed: int) -> ShardingPlan:
+    """A plan for the ``DEPTH``-block GPT drawn from ``seed``: units whole, split or paired,
+    embeddings and head in units or left to the root, any reshard, checkpoint and prefetch."""
+    rng = random.Random(seed)
+    reshard = (True, False, 2)
+    units: list[Unit] = []
+
+    def unit(*modules: str) -> None:
+        units.append(Unit(modules=modules, reshard_after_forward=rng.choice(reshard)))
+
+    for group in rng.choice(((), (("tok", "pos"),), (("tok",), ("pos",)))):
+        unit(*group)
+    checkpoint: list[tuple[str, CheckpointMode]] = []
+    i = 0
+    while i < DEPTH:
+        shape = rng.choice(("whole", "parts", "pair") if i + 1 < DEPTH else ("whole", "parts"))
+        mode: CheckpointMode = rng.choice(("full", "selective"))
+        if shape == "pair":
+            unit(f"blocks.{i}", f"blocks.{i + 1}")
+            i += 2
+            continue
+        if shape == "parts":
+            unit(f"blocks.{i}.attn")
+            unit(f"blocks.{i}.mlp")
+        else:
+            unit(f"blocks.{i}")
+        if rng.random() < 0.5:
+            checkpoint.append((f"blocks.{i}" if rng.random() < 0.5 else f"blocks.{i}.mlp", mode))
+        i += 1
+    for group in rng.choice(((), (("ln_f", "head"),), (("head",),))):
+        unit(*group)
+    units.append(Unit(modules=(ROOT,), reshard_after_forward=rng.choice((True, False))))
+    bf16 = rng.random() < 0.3
+    return ShardingPlan(
+        units=tuple(units),
+        prefetch=rng.choice((1, 2, 3)),
+        checkpoint=tuple(checkpoint),
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
+
+
+def random_plans_body(rank: int, world_size: int, seeds: list[int]) -> list[dict[str, Any]]:
+    """Each seed's plan applied and written out, on both engines, trained: their traces."""
+    out = []
+    for seed in seeds:
+        hows = ("shardkit", "source_shardkit", "torch", "source_torch")
+        out.append(train_body(rank, world_size, random_plan(seed), hows))
+    return out

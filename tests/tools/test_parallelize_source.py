@@ -3,7 +3,9 @@
 At W=2 on gloo, the function written for each plan (both engines, with and without the model
 at hand, and with prefetch, offload-free reduce precision and sub-module loops) trains bit
 for bit as ``apply_plan`` does. The source is plain: loops where units repeat, lines that
-pass ``ruff check`` and ``ruff format --check`` as written.
+pass ``ruff check`` and ``ruff format --check`` as written. Twelve drawn plans (units whole,
+split, paired, embeddings and head in units or not, any reshard, checkpoint, prefetch and
+precision) train alike applied and written out, on both engines.
 """
 
 from __future__ import annotations
@@ -123,3 +125,11 @@ def test_the_source_passes_ruff_as_written(engine: str, tmp_path: Path) -> None:
         for command in (["check", *style, *rules], ["format", "--check", *style]):
             done = subprocess.run([ruff, *command, str(path)], capture_output=True, text=True)
             assert done.returncode == 0, (name, command, done.stdout, path.read_text())
+
+
+def test_random_plans_written_out_train_as_applied() -> None:
+    seeds = list(range(12))
+    for rank_traces in run_on_ranks(WORLD_SIZE, plan_runs.random_plans_body, seeds=seeds):
+        for seed, traces in zip(seeds, rank_traces, strict=True):
+            assert traces["shardkit"]["losses"], seed
+            plan_runs.assert_bitwise(traces, oracle="shardkit")
