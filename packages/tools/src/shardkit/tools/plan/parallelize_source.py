@@ -4,16 +4,15 @@ The function makes the calls :func:`~shardkit.tools.plan.apply.apply_plan` makes
 same order, as plain code a user can paste into a training script and edit: modules reached
 by attribute and index (``model.blocks[3].attn``), and a ``for`` loop where consecutive units
 repeat over the items of one container (every block, or every block's attention and MLP).
-Loops are found from the plan's names alone; digits index a ``ModuleList`` or
-``Sequential``, and a ``ModuleDict`` keyed by digits is indexed by string when the model is
-given.
+Loops are found from the plan's names alone (``source_loops``); digits index a
+``ModuleList`` or ``Sequential``, and a ``ModuleDict`` keyed by digits is indexed by string
+when the model is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import keyword
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,96 +20,11 @@ from torch import nn
 from shardkit.core import ReducePrecision
 from shardkit.tools.plan.apply import SELECTIVE_SAVED_OPS
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan
+from shardkit.tools.plan.source_loops import Item, Loop, runs
 
 __all__ = ["parallelize_source"]
 
 _WIDTH = 100  # the house line length: the source should pass ruff as written
-_MAX_PERIOD = 4  # units in one loop body: attention and MLP apart is 2
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """One call to write: its modules and what else varies (reshard value, checkpoint mode)."""
-
-    modules: tuple[str, ...]
-    extra: object
-
-
-@dataclass(frozen=True, slots=True)
-class _Loop:
-    """Items repeating over ``container[i]`` for i in ``range(start, stop, step)``.
-
-    Each body item's modules are (offset, tail): the module ``container.{i + offset}{tail}``.
-    """
-
-    container: str
-    start: int
-    stop: int
-    step: int
-    body: tuple[tuple[tuple[tuple[int, str], ...], object], ...]
-
-
-def _index_of(fqn: str, container: str) -> tuple[int, str] | None:
-    """(index, tail) when ``fqn`` is ``container.<index><tail>``; None otherwise."""
-    prefix = f"{container}." if container else ""
-    if not fqn.startswith(prefix):
-        return None
-    head, dot, tail = fqn[len(prefix) :].partition(".")
-    if not head.isdigit() or (head != "0" and head.startswith("0")):
-        return None
-    return int(head), dot + tail
-
-
-def _template(item: _Item, container: str, i: int) -> tuple[tuple[tuple[int, str], ...], object]:
-    found = [_index_of(m, container) for m in item.modules]
-    if any(f is None for f in found):
-        return ((), None)
-    return tuple((f[0] - i, f[1]) for f in found if f is not None), item.extra
-
-
-def _loop_at(items: list[_Item], k: int) -> tuple[_Loop, int] | None:
-    """The loop covering the most items from ``k`` on (3 repeats at least), and its length."""
-    best: tuple[_Loop, int] | None = None
-    segments = items[k].modules[0].split(".")
-    for s, segment in enumerate(segments):
-        container = ".".join(segments[:s])
-        start = _index_of(items[k].modules[0], container)
-        if not segment.isdigit() or start is None:
-            continue
-        base = start[0]
-        for period in range(1, min(_MAX_PERIOD, len(items) - k) + 1):
-            body = [_template(items[k + r], container, base) for r in range(period)]
-            if any(not modules for modules, _ in body) or k + period >= len(items):
-                continue
-            following = _index_of(items[k + period].modules[0], container)
-            step = following[0] - base if following else 0
-            if step < 1:
-                continue
-            reps = 1
-            while k + (reps + 1) * period <= len(items) and all(
-                _template(items[k + reps * period + r], container, base + reps * step) == body[r]
-                for r in range(period)
-            ):
-                reps += 1
-            if reps >= 3 and (best is None or reps * period > best[1]):
-                loop = _Loop(container, base, base + reps * step, step, tuple(body))
-                best = (loop, reps * period)
-    return best
-
-
-def _runs(items: list[_Item]) -> list[_Item | _Loop]:
-    """``items`` with each stretch that repeats over a container folded into a loop."""
-    out: list[_Item | _Loop] = []
-    k = 0
-    while k < len(items):
-        found = _loop_at(items, k)
-        if found is None:
-            out.append(items[k])
-            k += 1
-        else:
-            out.append(found[0])
-            k += found[1]
-    return out
 
 
 class _Paths:
@@ -136,14 +50,14 @@ class _Paths:
             parent = f"{parent}.{segment}" if parent else segment
         return expr
 
-    def item(self, loop: _Loop, offset: int) -> tuple[str, str]:
+    def item(self, loop: Loop, offset: int) -> tuple[str, str]:
         """``container[i + offset]`` for the loop's index ``i``, and its FQN on the first pass."""
         index = "i" if offset == 0 else f"i {'+' if offset > 0 else '-'} {abs(offset)}"
         key = f"str({index})" if loop.container in self.dicts else index
         inner = f"{loop.container}.{loop.start + offset}".lstrip(".")
         return f"{self.access(loop.container)}[{key}]", inner
 
-    def in_loop(self, loop: _Loop, offset: int, tail: str) -> str:
+    def in_loop(self, loop: Loop, offset: int, tail: str) -> str:
         """``container[i + offset]tail`` for the loop's index ``i``."""
         return self.access(tail.lstrip("."), *self.item(loop, offset))
 
@@ -159,7 +73,7 @@ class _Paths:
         target = self.access(last, owner, owner_fqn)
         return (target, "") if not target.endswith(")") else (owner, _quote(last))
 
-    def loop_head(self, loop: _Loop) -> tuple[str, str] | None:
+    def loop_head(self, loop: Loop) -> tuple[str, str] | None:
         """``for block in model.blocks[a:b]:`` and the name, when the loop is that simple."""
         (modules, _), *more = loop.body
         if more or len(modules) != 1 or modules[0] != (0, "") or loop.step != 1:
@@ -232,8 +146,8 @@ class _Writer:
             self.lines.append(
                 "    selective = functools.partial(create_selective_checkpoint_contexts, SAVED_OPS)"
             )
-        for run in _runs([_Item((fqn,), mode) for fqn, mode in entries]):
-            if isinstance(run, _Item):
+        for run in runs([Item((fqn,), mode) for fqn, mode in entries]):
+            if isinstance(run, Item):
                 fqn = run.modules[0]
                 self._wrap("    ", self.paths.access(fqn), self.paths.assignment(fqn), run.extra)
                 continue
@@ -278,9 +192,9 @@ class _Writer:
             self.need(self.engine_module, "CPUOffloadPolicy")
             self.lines.append("    offload_policy = CPUOffloadPolicy()")
             shared.append("offload_policy=offload_policy")
-        items = [_Item(unit.modules, unit.reshard_after_forward) for unit in plan.units]
-        for run in _runs(items):
-            if isinstance(run, _Item):
+        items = [Item(unit.modules, unit.reshard_after_forward) for unit in plan.units]
+        for run in runs(items):
+            if isinstance(run, Item):
                 targets = [self.paths.access(m) for m in run.modules]
                 self._shard("    ", targets, run.extra, shared)
                 continue
@@ -302,9 +216,9 @@ class _Writer:
     def unit_list(self) -> None:
         """``units``: each non-root unit's first module, in forward order (the setters' list)."""
         parts: list[str] = []
-        non_root = [_Item(u.modules, None) for u in self.plan.units if u.modules != (ROOT,)]
-        for run in _runs(non_root):
-            if isinstance(run, _Item):
+        non_root = [Item(u.modules, None) for u in self.plan.units if u.modules != (ROOT,)]
+        for run in runs(non_root):
+            if isinstance(run, Item):
                 parts.append(self.paths.access(run.modules[0]))
                 continue
             simple = self.paths.loop_head(run)
@@ -390,7 +304,7 @@ def _saved_op_names() -> list[str]:
     return [name for name in SELECTIVE_SAVED_OPS if hasattr(torch.ops.aten, name)]
 
 
-def _range(loop: _Loop) -> str:
+def _range(loop: Loop) -> str:
     if loop.step != 1:
         return f"range({loop.start}, {loop.stop}, {loop.step})"
     return f"range({loop.stop})" if loop.start == 0 else f"range({loop.start}, {loop.stop})"
