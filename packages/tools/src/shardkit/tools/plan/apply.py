@@ -13,6 +13,7 @@ writes the same calls out as source.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from shardkit.tools.plan.plan_json import load_plan
 from shardkit.tools.plan.sharding_plan import ROOT, CheckpointMode, ShardingPlan
 
 __all__ = ["SELECTIVE_SAVED_OPS", "apply_plan", "selective_context_fn"]
+
+logger = logging.getLogger(__name__)
 
 EngineName = Literal["shardkit", "torch"]
 
@@ -179,6 +182,13 @@ def apply_plan(
     if plan.reduce_precision is not None:
         for module in firsts:
             module.set_reduce_precision(plan.reduce_precision, recurse=False)
+    logger.info(
+        "apply_plan: %d units sharded (%s engine), %d modules checkpointed, prefetch %d",
+        len(plan.units),
+        engine.name,
+        len(plan.checkpoint),
+        plan.prefetch,
+    )
     return model
 
 
