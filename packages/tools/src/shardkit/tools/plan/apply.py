@@ -156,10 +156,10 @@ def apply_plan(
     Raises:
         ValueError: a name the model lacks (with close matches), units out of ``fully_shard``
             order, a module already sharded or checkpoint-wrapped, a ``reshard_after_forward``
-            that does not divide the shard size, an option the engine or torch lacks.
-        TypeError: a ``fully_shard`` or ``mesh`` of the wrong kind.
-        RuntimeError: no mesh and no initialised process group.
-        All of these are raised before the model is changed.
+            that does not divide the shard size, an option the engine or torch lacks; a plan
+            file ``load_plan`` refuses. Before the model is changed.
+        TypeError: a ``fully_shard`` or ``mesh`` of the wrong kind (before any change).
+        RuntimeError: no mesh and no initialised process group (before any change).
     """
     plan = plan if isinstance(plan, ShardingPlan) else load_plan(plan)
     engine = _engine(fully_shard)
