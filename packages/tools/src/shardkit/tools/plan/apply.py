@@ -160,6 +160,9 @@ def apply_plan(
             file ``load_plan`` refuses. Before the model is changed.
         TypeError: a ``fully_shard`` or ``mesh`` of the wrong kind (before any change).
         RuntimeError: no mesh and no initialised process group (before any change).
+
+    An error ``fully_shard`` itself raises, one these checks do not foresee, can leave the
+    model partly sharded.
     """
     plan = plan if isinstance(plan, ShardingPlan) else load_plan(plan)
     engine = _engine(fully_shard)
@@ -291,18 +294,25 @@ def _module_at(model: nn.Module, fqn: str, names: list[str], where: str) -> nn.M
 
 
 def _check_unit_order(plan: ShardingPlan) -> None:
-    """``fully_shard`` goes inner modules first: no unit may hold a later unit's module."""
-    for i, unit in enumerate(plan.units):
-        for j, later in enumerate(plan.units[i:], start=i):
-            for outer in unit.modules:
-                for inner in later.modules:
-                    if inner != outer and (outer == ROOT or inner.startswith(outer + ".")):
-                        where = "the same unit" if i == j else f"units[{j}], a later unit"
-                        raise ValueError(
-                            f"apply_plan: units[{i}] module {outer or '<root>'!r} contains "
-                            f"{inner!r} of {where}; fully_shard is called on inner modules "
-                            "first, each module in one unit"
-                        )
+    """``fully_shard`` goes inner modules first: no unit may hold a later unit's module.
+
+    Each module's ancestors are looked up among the units' modules (linear in the plan's
+    size: a plan read from a file may hold many units).
+    """
+    unit_of = {fqn: i for i, unit in enumerate(plan.units) for fqn in unit.modules}
+    for j, unit in enumerate(plan.units):
+        for inner in unit.modules:
+            parts = inner.split(".") if inner else []
+            for depth in range(len(parts)):
+                outer = ".".join(parts[:depth])
+                i = unit_of.get(outer)
+                if i is not None and i <= j:
+                    where = "the same unit" if i == j else f"units[{j}], a later unit"
+                    raise ValueError(
+                        f"apply_plan: units[{i}] module {outer or '<root>'!r} contains "
+                        f"{inner!r} of {where}; fully_shard is called on inner modules "
+                        "first, each module in one unit"
+                    )
 
 
 def _checkpointed(
