@@ -13,13 +13,15 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
   (the operators a step dispatches: on a GPU, its kernel launches).
 - :mod:`shardkit.tools.plan`, what will happen: :func:`plan` (and the ``shardkit-plan``
   command) predicts per-rank memory by category and the bytes of every collective of a step
-  from a meta-device model.
+  from a meta-device model; :func:`apply_plan` carries out a sharding plan (units,
+  prefetch, activation checkpointing, offload, precision) with the calls a script would make.
 - :mod:`shardkit.tools.report`, showing it: :func:`summarize` (terminal tables),
   :func:`write_report` (a folder with the summary, JSON, a Perfetto trace and PNG plots), and
   the ``shardkit-profile`` command.
 """
 
 from shardkit.tools.__about__ import __version__
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -78,6 +80,7 @@ __all__ = [
     "RankReport",
     "StepComm",
     "__version__",
+    "apply_plan",
     "load_merged_report",
     "load_rank_reports",
     "plan",
