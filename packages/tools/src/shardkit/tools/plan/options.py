@@ -100,6 +100,13 @@ class PlanOptions:
     rank: int = 0
     """Whose memory to report. Rank 0 holds the largest unpadded shards when dims do not
     divide evenly, which only changes the optimizer state."""
+    prefetch: int = 1
+    """Units gathered ahead in forward and backward (``ShardingPlan.prefetch``)."""
+    checkpoint: tuple[tuple[str, Literal["full", "selective"]], ...] = ()
+    """(FQN, mode) of the modules that recompute their activations in backward
+    (``ShardingPlan.checkpoint``)."""
+    offload: bool = False
+    """``CPUOffloadPolicy()`` on every unit (``ShardingPlan.offload``)."""
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:

@@ -34,6 +34,7 @@ from shardkit.core import ReducePrecision
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
+from shardkit.tools.plan.op_costs import StepCosts, optimizer_costs
 from shardkit.tools.plan.options import ModelSource, PlanOptions
 from shardkit.tools.plan.records import (
     CollectiveCall,
@@ -41,6 +42,7 @@ from shardkit.tools.plan.records import (
     MemoryPlan,
     MemoryPoint,
     PlannedGroup,
+    StepMark,
 )
 from shardkit.tools.plan.step import simulate_step
 from shardkit.tools.plan.step_inputs import StepInputs
@@ -104,6 +106,10 @@ class Plan:
     """The engine's events of the step, in order, as (what, group): the transitions of
     ``shardkit.core.StateTransitionEvent`` and the data-parallel collectives (see
     ``shardkit.core.schedule``, which the plan and the engine both run)."""
+    marks: tuple[StepMark, ...] = ()
+    """Compute segments, collectives and waits in program order (``step_time`` replays them)."""
+    costs: StepCosts | None = None
+    """The step's operators by segment and module (None: no ``inputs``, nothing traced)."""
 
     @property
     def sent_over_theory(self) -> float | None:
@@ -206,6 +212,10 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
+    costs = trace.costs
+    if costs is not None:
+        shard_rank = mesh.shard_rank(options.rank)
+        costs = dataclasses.replace(costs, optimizer=optimizer_costs(groups, options, shard_rank))
     logger.debug(
         "planned %s on %d ranks: %d groups, %d collectives, peak %d bytes",
         type(module).__name__,
@@ -229,6 +239,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         schedule=step.schedule,
         step_check=step.step_check,
         events=step.events,
+        marks=step.marks,
+        costs=costs,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
         sent_bytes_by_axis=_by_axis(step.schedule),
