@@ -6,9 +6,15 @@ the engine builds its buffers with) and replays the engine's step to predict per
 by category and the bytes of every collective; with a tensor-parallel plan, on both axes
 (``tp_styles`` reads the plan, ``tp_comm`` prices DTensor's collectives). ``theory`` holds the
 closed-form minima it compares with, ``gpt`` and ``examples`` the models that the
-``shardkit-plan`` command (``cli``) accepts.
+``shardkit-plan`` command (``cli``) accepts. :func:`estimate_step_time` predicts the step's
+time on a :class:`Hardware` profile (``hardware``; ``calibrate`` measures this machine) from
+the operators the meta-device trace counted (``op_costs``), replayed with the collectives
+(``step_time``).
 """
 
+from shardkit.tools.plan.calibrate import calibrate
+from shardkit.tools.plan.hardware import H100, H200, Hardware, Link
+from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -18,16 +24,28 @@ from shardkit.tools.plan.records import (
     MemoryPlan,
     MemoryPoint,
     PlannedGroup,
+    StepMark,
 )
+from shardkit.tools.plan.step_time import StepTime, estimate_step_time
 
 __all__ = [
+    "H100",
+    "H200",
     "CollectiveCall",
     "CollectivePlan",
     "GroupPlan",
+    "Hardware",
+    "Link",
     "MemoryPlan",
     "MemoryPoint",
+    "OpCost",
     "Plan",
     "PlanOptions",
     "PlannedGroup",
+    "StepCosts",
+    "StepMark",
+    "StepTime",
+    "calibrate",
+    "estimate_step_time",
     "plan",
 ]

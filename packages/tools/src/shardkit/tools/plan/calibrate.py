@@ -87,7 +87,8 @@ def measure(
     try:
         for dtype in (torch.float32, torch.bfloat16):
             figures.update(_measure_dtype(dtype, matmul))
-        one, two = torch.ones(1), torch.ones(1)
+        # An input that requires grad: a training step's forward records autograd's graph.
+        one, two = torch.ones(1, requires_grad=True), torch.ones(1)
 
         def launches() -> None:
             for _ in range(_LAUNCHES):

@@ -227,7 +227,7 @@ class _Replay:
             compute_s=self.compute_s,
             communication_s=self.comm_s,
             exposed_communication_s=self.waited_s,
-            recompute_s=sum(self.recompute.values()),
+            recompute_s=sum(self.recompute.values(), 0.0),
             offload_s=self.offload_s,
             optimizer_s=self.optimizer_s,
             kernels=self.kernels,
