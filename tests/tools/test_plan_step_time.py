@@ -176,7 +176,7 @@ def test_checkpointing_reruns_the_module_forward_in_its_backward_segment() -> No
         assert timed.recompute_s == pytest.approx(rerun)
         assert timed.total_s == pytest.approx(base.total_s + rerun)
         assert timed.kernels > base.kernels
-    with pytest.raises(ValueError, match="blocks.7"):
+    with pytest.raises(ValueError, match=r"blocks\.7"):
         estimate_step_time(_tiny_plan(checkpoint=(("blocks.7", "full"),)), hw)
 
 
