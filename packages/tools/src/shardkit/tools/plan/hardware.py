@@ -46,6 +46,9 @@ class Hardware:
     matmul_flops: Mapping[str, float]
     """Peak FLOP/s of FLOP-counted operators (matrix multiplies, attention) by dtype name
     ('float32', 'bfloat16', 'float16'); a dtype missing falls back to 'float32'."""
+    attention_flops: Mapping[str, float] = field(default_factory=dict)
+    """FLOP/s of fused attention by dtype, where it differs from ``matmul_flops`` (a CPU's
+    flash kernel in bfloat16 gains nothing from its matrix units); missing: theirs."""
     memory_gbps: Mapping[str, float]
     """GB/s that operators bound by bytes reach, by dtype name (as ``matmul_flops``)."""
     compute_efficiency: float = 1.0
@@ -75,8 +78,10 @@ class Hardware:
     notes: tuple[str, ...] = field(default=())
     """Where the figures come from."""
 
-    def flop_rate(self, dtype: str) -> float:
-        """FLOP/s reached by FLOP-counted operators in ``dtype``."""
+    def flop_rate(self, dtype: str, *, attention: bool = False) -> float:
+        """FLOP/s reached by FLOP-counted operators in ``dtype`` (by attention's)."""
+        if attention and dtype in self.attention_flops:
+            return self.attention_flops[dtype] * self.compute_efficiency
         if dtype == "float32" and self.tf32 and self.tf32_flops:
             return self.tf32_flops * self.compute_efficiency
         peak = self.matmul_flops.get(dtype) or self.matmul_flops["float32"]
@@ -101,6 +106,7 @@ class Hardware:
         return {
             "name": self.name,
             "matmul_flops": dict(self.matmul_flops),
+            "attention_flops": dict(self.attention_flops),
             "memory_gbps": dict(self.memory_gbps),
             "compute_efficiency": self.compute_efficiency,
             "launch_s": self.launch_s,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 
-__all__ = ["CostCounter", "OpCost", "StepCosts", "optimizer_costs"]
+__all__ = ["CostCounter", "OpCost", "StepCosts", "attention_flops", "optimizer_costs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,8 @@ class OpCost:
     """The dtype it computes in (its first floating tensor's; '' if none), e.g. 'bfloat16'."""
     count: int = 1
     """How many such operators ran."""
+    attention: bool = False
+    """Whether it is attention (a fused kernel, whose FLOP rate is not a matrix multiply's)."""
 
 
 Costs = tuple[OpCost, ...]
@@ -120,16 +122,18 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 class _Tally:
-    """Operators counted by (flops, bytes, dtype)."""
+    """Operators counted by (flops, bytes, dtype, attention)."""
 
     def __init__(self) -> None:
-        self.counts: Counter[tuple[int, int, str]] = Counter()
+        self.counts: Counter[tuple[int, int, str, bool]] = Counter()
 
-    def add(self, flops: int, nbytes: int, dtype: str, count: int = 1) -> None:
-        self.counts[(flops, nbytes, dtype)] += count
+    def add(self, flops: int, nbytes: int, dtype: str, attention: bool) -> None:
+        self.counts[(flops, nbytes, dtype, attention)] += 1
 
     def costs(self, keep: Callable[[int], bool] = lambda flops: True) -> Costs:
-        return tuple(OpCost(f, b, d, n) for (f, b, d), n in self.counts.items() if keep(f))
+        return tuple(
+            OpCost(f, b, d, n, attention=a) for (f, b, d, a), n in self.counts.items() if keep(f)
+        )
 
 
 class CostCounter:
@@ -149,20 +153,22 @@ class CostCounter:
         self._module_segment: dict[str, int] = {}
         self._stack: list[str] = []  # the modules whose forward runs now, outermost first
 
-    def add(self, flops: int, nbytes: int, dtype: str) -> None:
+    def add(self, flops: int, nbytes: int, dtype: str, *, attention: bool = False) -> None:
         """One operator, in the current segment of forward or backward."""
         if self.in_backward:
-            self.add_backward(self._backward_segment(), flops, nbytes, dtype)
+            self.add_backward(self._backward_segment(), flops, nbytes, dtype, attention=attention)
             return
         segment = self._segment()
-        self._forward.setdefault(segment, _Tally()).add(flops, nbytes, dtype)
+        self._forward.setdefault(segment, _Tally()).add(flops, nbytes, dtype, attention)
         for name in self._stack:
-            self._modules.setdefault(name, _Tally()).add(flops, nbytes, dtype)
+            self._modules.setdefault(name, _Tally()).add(flops, nbytes, dtype, attention)
             self._module_segment[name] = segment
 
-    def add_backward(self, segment: int, flops: int, nbytes: int, dtype: str) -> None:
+    def add_backward(
+        self, segment: int, flops: int, nbytes: int, dtype: str, *, attention: bool = False
+    ) -> None:
         """One operator of backward in ``segment`` (known in forward, for a fused kernel's)."""
-        self._backward.setdefault(segment, _Tally()).add(flops, nbytes, dtype)
+        self._backward.setdefault(segment, _Tally()).add(flops, nbytes, dtype, attention)
 
     def forward_segment(self) -> int:
         """The forward segment running now."""
@@ -259,19 +265,29 @@ class _Attention(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _count(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
-        batch = math.prod(q.shape[:-2])  # (B, H, L, E)
-        length, keys, width, value_width = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-        flops = 2 * batch * length * keys * (width + value_width)  # Q Kᵀ, then P V
-        if causal:
-            flops //= 2
+        flops = attention_flops(q.shape, k.shape, v.shape, causal=causal)
+        batch, length, value_width = math.prod(q.shape[:-2]), q.shape[-2], v.shape[-1]
         out = batch * length * value_width * q.element_size()
         moved = _nbytes([q, k, v]) + out
         dtype = _dtype([q])
-        self.counter.add(flops, moved, dtype)
+        self.counter.add(flops, moved, dtype, attention=True)
         # Backward of the same segment: five products (QKᵀ again, dV, dP, dQ, dK), reading
         # q, k, v, out and its gradient and writing three gradients.
         segment = self.counter.forward_segment()
-        self.counter.add_backward(segment, 5 * flops // 2, 2 * moved + out, dtype)
+        self.counter.add_backward(segment, 5 * flops // 2, 2 * moved + out, dtype, attention=True)
+
+
+def attention_flops(
+    query: Sequence[int], key: Sequence[int], value: Sequence[int], *, causal: bool
+) -> int:
+    """Forward FLOPs of attention: Q Kᵀ then P V, half of it when causal.
+
+    Shapes: queries (..., L, E), keys (..., S, E), values (..., S, Ev). Causal attention
+    counts half: a fused kernel skips the masked blocks.
+    """
+    batch, length, keys = math.prod(query[:-2]), query[-2], key[-2]
+    flops = 2 * batch * length * keys * (query[-1] + value[-1])
+    return flops // 2 if causal else flops
 
 
 def optimizer_costs(groups: list[GroupSpec], options: PlanOptions, shard_rank: int) -> Costs:

@@ -72,7 +72,8 @@ class StepTime:
 def op_seconds(cost: OpCost, hardware: Hardware) -> float:
     """``cost.count`` operators at their roofline, each with its launch overhead."""
     dtype = cost.dtype or "float32"
-    compute = cost.flops / hardware.flop_rate(dtype) if cost.flops else 0.0
+    rate = hardware.flop_rate(dtype, attention=cost.attention)
+    compute = cost.flops / rate if cost.flops else 0.0
     memory = cost.nbytes / hardware.bytes_rate(dtype)
     return cost.count * (max(compute, memory) + hardware.launch_s)
 
