@@ -4,7 +4,7 @@ Twelve configurations (batch and sequence length, bfloat16 parameters, one unit 
 model, parameters kept after forward, recomputed blocks) are trained on two ranks and timed
 by the calibrated model of this machine; the model must order them as measured. Issue 65's
 target is a Spearman correlation of 0.9 or more; measured step times on a shared machine are
-noisy (each configuration keeps the fastest of two interleaved rounds' medians), so the
+noisy (each configuration keeps its fastest step of three interleaved rounds), so the
 assertion is looser and the figure is reported.
 """
 

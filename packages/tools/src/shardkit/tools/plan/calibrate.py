@@ -153,7 +153,7 @@ def _measure_attention(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> 
         out.backward(grad)
 
     flops = attention_flops(shape, shape, shape, causal=True) * (1 + 2.5)  # 2.5: backward's
-    return {f"{str(dtype).removeprefix('torch.')}_attention_flops": flops / _best(step, 3)}
+    return {f"{str(dtype).removeprefix('torch.')}_attention_flops": flops / _best(step)}
 
 
 def _key(ranks: int, threads: int, shapes: tuple[int, ...]) -> str:
