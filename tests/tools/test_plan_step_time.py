@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from shardkit.tools.plan import (
+    H100,
+    H200,
     Hardware,
     Link,
     OpCost,
@@ -245,3 +247,29 @@ def test_the_cli_prints_the_step_time(capsys: pytest.CaptureFixture[str]) -> Non
     assert "Step time on H100" in capsys.readouterr().out
     assert main(argv[:5]) == 1  # no inputs: nothing to time
     assert "inputs" in capsys.readouterr().err
+
+
+def test_the_marks_replay_every_collective_and_segment_once_in_order() -> None:
+    p = _tiny_plan(param_dtype=torch.bfloat16)
+    assert p.costs is not None
+    issued = [m.index for m in p.marks if m.kind == "collective"]
+    assert issued == list(range(len(p.schedule)))
+    segments = len(p.costs.forward)
+    forward = [m.index for m in p.marks if m.kind == "compute" and m.phase is Phase.FORWARD]
+    backward = [m.index for m in p.marks if m.kind == "compute" and m.phase is Phase.BACKWARD]
+    assert forward == list(range(segments))
+    assert backward == list(range(segments - 1, -1, -1))
+    assert [m.kind for m in p.marks][-1] == "optimizer"
+    gathered = {c.group for c in p.schedule if c.kind == "all_gather"}
+    assert {m.group for m in p.marks if m.kind == "wait"} == gathered
+
+
+def test_the_published_profiles() -> None:
+    nccl = dataclasses.replace(_tiny_plan(), options=PlanOptions(backend="nccl"))
+    h100, h200 = estimate_step_time(nccl, H100), estimate_step_time(nccl, H200)
+    assert H100.flop_rate("bfloat16") == H200.flop_rate("bfloat16") > H100.flop_rate("float32")
+    assert H200.bytes_rate("float32") > H100.bytes_rate("float32")
+    assert h200.total_s <= h100.total_s
+    # A GPU hides collectives: the step is shorter than its parts in a row.
+    assert h100.total_s < h100.compute_s + h100.communication_s + h100.optimizer_s
+    assert H100.link("dp", 16) is H100.inter_node and H100.link("tp", 8) is H100.intra_node
