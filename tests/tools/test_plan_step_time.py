@@ -273,3 +273,19 @@ def test_the_published_profiles() -> None:
     # A GPU hides collectives: the step is shorter than its parts in a row.
     assert h100.total_s < h100.compute_s + h100.communication_s + h100.optimizer_s
     assert H100.link("dp", 16) is H100.inter_node and H100.link("tp", 8) is H100.intra_node
+
+
+def test_hsdp_reduces_across_replicas_after_the_shard_axis() -> None:
+    bwd = Phase.BACKWARD
+    shard = dataclasses.replace(_call("reduce_scatter", "a", 2, bwd), axis="dp_shard")
+    replicas = dataclasses.replace(_call("all_reduce", "a", 1, bwd), axis="dp_replicate")
+    marks = (
+        StepMark(kind="collective", phase=bwd, index=0),  # 0 -> 2 in the node
+        StepMark(kind="collective", phase=bwd, index=1),  # 2 -> 2 + 3 s latency + 2 s
+        StepMark(kind="optimizer", phase=Phase.OPTIMIZER),
+    )
+    costs = StepCosts(forward=(), backward=())
+    hsdp = dataclasses.replace(_tiny_plan(), schedule=(shard, replicas), marks=marks, costs=costs)
+    step = estimate_step_time(hsdp, _unit())
+    assert step.total_s == 7.0
+    assert step.communication_s == 7.0

@@ -9,7 +9,8 @@ planner's step simulation notes as the engine's schedule runs):
 - a collective is issued where the engine issues it and runs on its axis' link for
   ``latency + sent bytes / bandwidth``, after the previous collective on that axis (one
   process group runs one collective at a time); a prefetched all-gather thus overlaps the
-  compute before its wait, a reduce-scatter the next segments' backward;
+  compute before its wait, a reduce-scatter the next segments' backward; HSDP's collectives
+  across replicas start once the shard axis' reduce-scatter of the group has landed;
 - compute that needs a group's parameters waits for its all-gather to land (``wait``) and
   copies the rows out (the engine's copy-out, at memory bandwidth; a reduction's copy-in
   counts with its collective); a tensor-parallel collective is waited for at once (its
@@ -138,6 +139,7 @@ class _Replay:
         self.busy: dict[str, float] = {}  # link (axis) or copy direction -> busy until
         self.gathered: dict[str, float] = {}  # group -> its last all-gather lands
         self.copy_out: dict[str, float] = {}  # group -> its gather's copy-out, at the wait
+        self.reduced: dict[str, float] = {}  # group -> its last reduce-scatter lands
         self.compute_s = self.comm_s = self.waited_s = self.offload_s = self.optimizer_s = 0.0
         self.backward_start: float | None = None
         self.optimizer_start = 0.0
@@ -180,6 +182,8 @@ class _Replay:
 
     def _collective(self, call: CollectiveCall) -> None:
         ready = self.now
+        if call.axis == "dp_replicate":  # HSDP: across replicas, what the shard axis reduced
+            ready = max(ready, self.reduced.get(call.group, 0.0))
         if self.offload and call.kind == "all_gather" and call.axis != "tp":
             ready = self._copy("h2d", ready, call.input_bytes)  # the shards to the device
         seconds = self.hw.link(call.axis, call.group_size).seconds(call.sent_bytes)
@@ -191,6 +195,8 @@ class _Replay:
             seconds += packed
         self.comm_s += seconds
         end = self._occupy(call.axis, ready, seconds)
+        if call.kind == "reduce_scatter":
+            self.reduced[call.group] = end
         if call.kind == "all_gather":
             self.gathered[call.group] = end
             if call.axis != "tp":
