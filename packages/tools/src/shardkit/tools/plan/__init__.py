@@ -6,7 +6,10 @@ the engine builds its buffers with) and replays the engine's step to predict per
 by category and the bytes of every collective; with a tensor-parallel plan, on both axes
 (``tp_styles`` reads the plan, ``tp_comm`` prices DTensor's collectives). ``theory`` holds the
 closed-form minima it compares with, ``gpt`` and ``examples`` the models that the
-``shardkit-plan`` command (``cli``) accepts.
+``shardkit-plan`` command (``cli``) accepts. :func:`estimate_step_time` predicts the step's
+time on a :class:`Hardware` profile (``hardware``; ``calibrate`` measures this machine) from
+the operators the meta-device trace counted (``op_costs``), replayed with the collectives
+(``step_time``).
 
 A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``:
 :func:`apply_plan` carries one out on a model, ``plan_json`` (:func:`dump_plan`,
@@ -15,6 +18,9 @@ A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard`
 """
 
 from shardkit.tools.plan.apply import apply_plan
+from shardkit.tools.plan.calibrate import calibrate
+from shardkit.tools.plan.hardware import H100, H200, Hardware, Link
+from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.parallelize_source import parallelize_source
 from shardkit.tools.plan.plan_json import PlanFormatError, dump_plan, load_plan
@@ -26,14 +32,21 @@ from shardkit.tools.plan.records import (
     MemoryPlan,
     MemoryPoint,
     PlannedGroup,
+    StepMark,
 )
+from shardkit.tools.plan.step_time import StepTime, estimate_step_time
 
 __all__ = [
+    "H100",
+    "H200",
     "CollectiveCall",
     "CollectivePlan",
     "GroupPlan",
+    "Hardware",
+    "Link",
     "MemoryPlan",
     "MemoryPoint",
+    "OpCost",
     "Plan",
     "PlanFormatError",
     "PlanOptions",
@@ -42,5 +55,10 @@ __all__ = [
     "dump_plan",
     "load_plan",
     "parallelize_source",
+    "StepCosts",
+    "StepMark",
+    "StepTime",
+    "calibrate",
+    "estimate_step_time",
     "plan",
 ]

@@ -28,9 +28,12 @@ from torch import nn
 
 from shardkit.core import ReducePrecision
 from shardkit.tools.plan.bandwidth import Bandwidth, default_bandwidth, gloo_bandwidth
+from shardkit.tools.plan.calibrate import calibrate
+from shardkit.tools.plan.hardware import PROFILES, Hardware
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
-from shardkit.tools.plan.planner import plan
+from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.step_time import StepTime, estimate_step_time
 from shardkit.tools.plan.tables import format_plan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
@@ -199,6 +202,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="on gloo without --bandwidth-gbps: measure nothing, and print no time",
     )
+    parser.add_argument(
+        "--hardware",
+        choices=(*PROFILES, "calibrate"),
+        help="predict the step time on this machine profile (h100, h200) or on this machine, "
+        "measured and cached (calibrate: gloo on its CPU); needs --inputs",
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -252,10 +261,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, RuntimeError) as err:
         sys.stderr.write(f"shardkit-plan: cannot plan {args.factory}: {err}\n")
         return 1
+    timed = None
+    if args.hardware is not None:
+        try:
+            timed = _step_time(result, args.hardware)
+        except (ValueError, RuntimeError) as err:
+            sys.stderr.write(f"shardkit-plan: cannot time {args.factory}: {err}\n")
+            return 1
     if args.json:
         data = {"factory": args.factory, **result.to_dict(), "bandwidth": bandwidth.to_dict()}
         if bandwidth.gbps is None:
             data["comm_seconds"] = None
+        if timed is not None:
+            data["step_time"] = {**timed[1].to_dict(), "hardware": timed[0].to_dict()}
         sys.stdout.write(json.dumps(data, indent=2))
         sys.stdout.write("\n")
     else:
@@ -263,7 +281,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             result, title=args.factory, all_groups=args.all_groups, bandwidth=bandwidth
         )
         sys.stdout.write(text)
+        if timed is not None:
+            sys.stdout.write(_format_step_time(*timed))
     return 0
+
+
+def _step_time(result: Plan, name: str) -> tuple[Hardware, StepTime]:
+    """The profile named on the command line, and the plan's step time on it."""
+    if name == "calibrate":
+        hardware = calibrate(max(2, min(result.world_size, 4)), threads=torch.get_num_threads())
+    else:
+        hardware = PROFILES[name]
+    return hardware, estimate_step_time(result, hardware)
+
+
+def _format_step_time(hardware: Hardware, step: StepTime) -> str:
+    """The predicted step time and where it goes, in milliseconds."""
+    rows = [
+        ("compute (forward, backward)", step.compute_s),
+        ("  of which recomputation", step.recompute_s),
+        ("communication (all)", step.communication_s),
+        ("  exposed", step.exposed_communication_s),
+        ("offload copies", step.offload_s),
+        ("optimizer step", step.optimizer_s),
+        *((f"phase {name}", seconds) for name, seconds in step.phases.items()),
+    ]
+    lines = [f"\nStep time on {hardware.name}: {step.total_s * 1e3:.3f} ms"]
+    lines += [f"  {label:<30} {seconds * 1e3:10.3f} ms" for label, seconds in rows]
+    lines.append(f"  {'operators launched':<30} {step.kernels:10d}")
+    return "\n".join(lines) + "\n"
 
 
 def _bandwidth(args: argparse.Namespace) -> Bandwidth:

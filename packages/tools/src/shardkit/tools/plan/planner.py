@@ -24,7 +24,7 @@ inputs are given, come from a forward, the loss and backward run on the meta dev
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -32,6 +32,7 @@ from torch import nn
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
+from shardkit.tools.plan.op_costs import StepCosts, optimizer_costs
 from shardkit.tools.plan.options import ModelSource, PlanOptions
 from shardkit.tools.plan.options_json import options_json
 from shardkit.tools.plan.recompute import check_checkpoint
@@ -41,6 +42,7 @@ from shardkit.tools.plan.records import (
     MemoryPlan,
     MemoryPoint,
     PlannedGroup,
+    StepMark,
 )
 from shardkit.tools.plan.sharding_plan import prefetch_lists
 from shardkit.tools.plan.step import simulate_step
@@ -105,6 +107,10 @@ class Plan:
     """The engine's events of the step, in order, as (what, group): the transitions of
     ``shardkit.core.StateTransitionEvent`` and the data-parallel collectives (see
     ``shardkit.core.schedule``, which the plan and the engine both run)."""
+    marks: tuple[StepMark, ...] = ()
+    """Compute segments, collectives and waits in program order (``step_time`` replays them)."""
+    costs: StepCosts | None = None
+    """The step's operators by segment and module (None: no ``inputs``, nothing traced)."""
 
     @property
     def host_bytes(self) -> int:
@@ -209,6 +215,10 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
+    costs = trace.costs
+    if costs is not None:
+        shard_rank = mesh.shard_rank(options.rank)
+        costs = replace(costs, optimizer=optimizer_costs(groups, options, shard_rank))
     logger.debug(
         "planned %s on %d ranks: %d groups, %d collectives, peak %d bytes",
         type(module).__name__,
@@ -232,6 +242,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         schedule=step.schedule,
         step_check=step.step_check,
         events=step.events,
+        marks=step.marks,
+        costs=costs,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
         sent_bytes_by_axis=_by_axis(step.schedule),

@@ -13,6 +13,7 @@ __all__ = [
     "MemoryPlan",
     "MemoryPoint",
     "PlannedGroup",
+    "StepMark",
 ]
 
 
@@ -141,3 +142,19 @@ class MemoryPlan:
     def combined_peak(self) -> MemoryPoint:
         """The moment of the most device and host bytes together (one memory on a CPU)."""
         return max(self.timeline, key=lambda p: p.total + p.host_total)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMark:
+    """One point of a step, in program order, for the step-time replay (``step_time``)."""
+
+    kind: str
+    """'compute' (a segment's forward or backward runs), 'collective' (one is issued),
+    'wait' (compute needs a group's all-gather to have landed) or 'optimizer' (the step ends:
+    every collective is waited for, then the optimizer runs)."""
+    phase: Phase
+    """Forward, backward or optimizer."""
+    index: int = 0
+    """The segment (compute) or the position in the plan's schedule (collective)."""
+    group: str = ""
+    """The group's FQN (wait)."""

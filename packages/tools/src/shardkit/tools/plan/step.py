@@ -73,7 +73,7 @@ from shardkit.core.schedule import (
     TrainingState,
 )
 from shardkit.tools.plan.offload import free_resident, resident
-from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
+from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.step_ops import LedgerOps
 from shardkit.tools.plan.trace import gradient_schedule
@@ -100,6 +100,8 @@ class StepResult:
     'unshard', 'reshard', 'post_forward', 'pre_backward', 'post_backward', the names of
     ``shardkit.core.StateTransitionEvent``) and its data-parallel collectives ('all_gather',
     'reduce_scatter', 'all_reduce')."""
+    marks: tuple[StepMark, ...] = ()
+    """Compute, collectives and waits in program order, for the step's timing."""
 
 
 def simulate_step(inputs: StepInputs) -> StepResult:
@@ -120,6 +122,7 @@ def simulate_step(inputs: StepInputs) -> StepResult:
             step.ops.settings(i).reshard_after_forward is not False for i in range(len(step.groups))
         ),
         events=tuple(step.ops.events),
+        marks=tuple(step.ops.marks),
     )
 
 
@@ -193,6 +196,7 @@ class _Step:
             if j == self.model_events:  # the model's forward returns; a loss may call more
                 self.driver.root_post_forward(range(len(self.groups)))
             ledger.module = owners[j]
+            self.ops.mark("compute", j)
             if nbytes:
                 ledger.alloc(("act", j), Category.ACTIVATIONS, nbytes, "activations")
             self.ops.record_tp(self.inputs.tp.forward.get(j, []) if self.inputs.tp else [])
@@ -235,6 +239,7 @@ class _Step:
         owners = self._segment_owners()
         for j in range(len(trace.events), -1, -1):
             ledger.module = owners[j]
+            self.ops.mark("compute", j)
             self._backward_segment(j, schedule.appear.get(j, []))
             for g in schedule.reduce.get(j, []):
                 self.grads_in.add(g)  # rule 1 of the engine's backward: the count completes
@@ -312,6 +317,7 @@ class _Step:
     def optimizer(self) -> None:
         options, ledger = self.inputs.options, self.ledger
         ledger.phase, ledger.module = Phase.OPTIMIZER, ""
+        self.ops.mark("optimizer")
         shard_rank = self.inputs.shard_rank
         sizes = [
             p.local_numel(shard_rank) * p.dtype.itemsize for g in self.groups for p in g.trainable

@@ -30,7 +30,7 @@ from shardkit.core.schedule import (
 )
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
 from shardkit.tools.plan.offload import assign_sharded_grads
-from shardkit.tools.plan.records import CollectiveCall
+from shardkit.tools.plan.records import CollectiveCall, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
@@ -88,6 +88,7 @@ class LedgerOps:
         self.calls: list[CollectiveCall] = []
         self.check_calls: list[CollectiveCall] = []  # the step check's (record_step_check)
         self.events: list[tuple[str, str]] = []
+        self.marks: list[StepMark] = []  # compute, issues and waits in order (``step_time``)
         count = len(self.groups)
         lists = inputs.prefetch or ((None, None),) * count
         self._settings = [
@@ -122,6 +123,10 @@ class LedgerOps:
     def event(self, what: str, group: int) -> None:
         """Record one of the engine's state transitions."""
         self.events.append((what, self.groups[group].fqn))
+
+    def mark(self, kind: str, index: int = 0, group: str = "") -> None:
+        """Note a point of the step for its timing (a ``StepMark``)."""
+        self.marks.append(StepMark(kind=kind, phase=self.ledger.phase, index=index, group=group))
 
     def profiled(self, label: str, group: int | None = None) -> AbstractContextManager[object]:
         """No profiler range: a planned step runs nothing to profile."""
@@ -206,6 +211,7 @@ class LedgerOps:
                 self.wait(g)
             return
         self.pending[g] = False
+        self.mark("wait", group=self.groups[g].fqn)
         layout = self.groups[g].layout
         if not self.held[g]:
             self.hold_unsharded(g, f"unshard {self.groups[g].fqn}")
@@ -289,6 +295,7 @@ class LedgerOps:
     ) -> None:
         if axis != "tp":
             self.events.append((kind, group))
+        self.mark("collective", len(self.calls))
         self.calls.append(self._made(kind, group, axis, size, input_bytes, sent))
 
     def _made(

@@ -48,6 +48,7 @@ from shardkit.tools.plan.backward import (
 )
 from shardkit.tools.plan.group_hooks import group_hooks
 from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.op_costs import CostCounter, StepCosts
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model
 from shardkit.tools.plan.recompute import checkpointed_forwards
 
@@ -93,6 +94,8 @@ class StepTrace:
     model_events: int | None = None
     """How many of ``events`` the model's forward made; the rest are the loss's calls of the
     model's modules (a chunked loss through the output head). None: all of them."""
+    costs: StepCosts | None = None
+    """The operators of forward and backward, by segment and module (``op_costs``)."""
 
 
 def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
@@ -302,16 +305,20 @@ def trace_step(
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
         stack.enter_context(_TraceMode(recorder))
+        counter = CostCounter(lambda: recorder.segment, lambda: recorder.cursor.segment)
+        stack.enter_context(counter.counting(model))
         step = _ForwardThenLoss(model, recorder, options.loss, root_is_group)
         prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
         loss = functional_call(step, prefixed, args, kwargs, strict=False)
     activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
     recorder.outputs.clear()  # the step's caller drops the output once the loss is made
     profile = None
+    counter.in_backward = True
     if loss is not None:
-        profile = backward_profile(
-            loss, recorder.cursor, recorder.saved, replacements, len(activations)
-        )
+        with counter.counting():
+            profile = backward_profile(
+                loss, recorder.cursor, recorder.saved, replacements, len(activations)
+            )
     return StepTrace(
         events=tuple(recorder.events),
         activation_bytes=activations,
@@ -320,6 +327,7 @@ def trace_step(
         uses=dict(recorder.uses),
         traced=True,
         model_events=recorder.model_events,
+        costs=counter.costs(len(activations)),
     )
 
 
