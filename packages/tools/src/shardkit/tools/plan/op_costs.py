@@ -38,6 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.recompute import observing_recomputed_attention, recomputing
 
 __all__ = ["CostCounter", "OpCost", "StepCosts", "attention_flops", "optimizer_costs"]
 
@@ -75,6 +76,9 @@ class StepCosts:
     matmul_free: dict[str, Costs] = field(default_factory=dict)
     """Module FQN -> its forward without FLOP-counted operators: what selective
     checkpointing reruns (it saves the outputs of matrix multiplies and attention)."""
+    recompute: tuple[Costs, ...] = ()
+    """Per segment, the part of ``backward`` that reruns checkpointed modules' forwards
+    (torch's own checkpoint runs in the meta backward, so this is what it really reruns)."""
     module_segment: dict[str, int] = field(default_factory=dict)
     """Module FQN -> the last forward segment its operators ran in: backward reruns it
     there (modules that ran no operator are left out)."""
@@ -83,7 +87,7 @@ class StepCosts:
 
     @property
     def kernels(self) -> int:
-        """Operators launched by forward, backward and the optimizer (no recomputation)."""
+        """Operators launched by forward, backward (recomputation included) and the optimizer."""
         every = [*self.forward, *self.backward, self.optimizer]
         return sum(c.count for costs in every for c in costs)
 
@@ -149,6 +153,7 @@ class CostCounter:
         self.in_backward = False
         self._forward: dict[int, _Tally] = {}
         self._backward: dict[int, _Tally] = {}
+        self._recompute: dict[int, _Tally] = {}
         self._modules: dict[str, _Tally] = {}
         self._module_segment: dict[str, int] = {}
         self._stack: list[str] = []  # the modules whose forward runs now, outermost first
@@ -169,6 +174,8 @@ class CostCounter:
     ) -> None:
         """One operator of backward in ``segment`` (known in forward, for a fused kernel's)."""
         self._backward.setdefault(segment, _Tally()).add(flops, nbytes, dtype, attention)
+        if recomputing():
+            self._recompute.setdefault(segment, _Tally()).add(flops, nbytes, dtype, attention)
 
     def forward_segment(self) -> int:
         """The forward segment running now."""
@@ -181,7 +188,8 @@ class CostCounter:
             if model is not None:
                 stack.enter_context(self._module_hooks(model))
             stack.enter_context(_Dispatch(self))
-            stack.enter_context(_Attention(self))
+            attention = stack.enter_context(_Attention(self))
+            stack.enter_context(observing_recomputed_attention(attention.recomputed))
             yield
 
     @contextmanager
@@ -210,6 +218,7 @@ class CostCounter:
         return StepCosts(
             forward=tuple(self._forward.get(j, empty).costs() for j in range(segments)),
             backward=tuple(self._backward.get(j, empty).costs() for j in range(segments)),
+            recompute=tuple(self._recompute.get(j, empty).costs() for j in range(segments)),
             modules={name: t.costs() for name, t in self._modules.items()},
             matmul_free={name: t.costs(lambda f: f == 0) for name, t in self._modules.items()},
             module_segment=dict(self._module_segment),
@@ -264,17 +273,29 @@ class _Attention(TorchFunctionMode):
             self._count(args[0], args[1], args[2], causal=bool(kwargs.get("is_causal", False)))
         return func(*args, **kwargs)
 
+    def recomputed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+        """Attention rerun by a checkpointed module in backward: its forward kernel again."""
+        flops, moved, _ = _attention_cost(q, k, v, causal=causal)
+        self.counter.add(flops, moved, _dtype([q]), attention=True)
+
     def _count(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
-        flops = attention_flops(q.shape, k.shape, v.shape, causal=causal)
-        batch, length, value_width = math.prod(q.shape[:-2]), q.shape[-2], v.shape[-1]
-        out = batch * length * value_width * q.element_size()
-        moved = _nbytes([q, k, v]) + out
+        flops, moved, out = _attention_cost(q, k, v, causal=causal)
         dtype = _dtype([q])
         self.counter.add(flops, moved, dtype, attention=True)
         # Backward of the same segment: five products (QKᵀ again, dV, dP, dQ, dK), reading
         # q, k, v, out and its gradient and writing three gradients.
         segment = self.counter.forward_segment()
         self.counter.add_backward(segment, 5 * flops // 2, 2 * moved + out, dtype, attention=True)
+
+
+def _attention_cost(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
+) -> tuple[int, int, int]:
+    """Forward FLOPs, bytes moved and bytes written of a fused attention kernel."""
+    flops = attention_flops(q.shape, k.shape, v.shape, causal=causal)
+    batch, length, value_width = math.prod(q.shape[:-2]), q.shape[-2], v.shape[-1]
+    out = batch * length * value_width * q.element_size()
+    return flops, _nbytes([q, k, v]) + out, out
 
 
 def attention_flops(

@@ -42,6 +42,8 @@ __all__ = [
     "SAVED_OPS",
     "check_checkpoint",
     "checkpointed_forwards",
+    "observing_recomputed_attention",
+    "recomputing",
     "saved_op_policy",
     "selective_context",
 ]
@@ -169,6 +171,48 @@ def _checkpointed(
     )
 
 
+AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+"""Told of each attention a recomputation runs: (query, key, value, is_causal)."""
+
+_ATTENTION_OBSERVERS: list[AttentionObserver] = []
+
+
+@contextmanager
+def observing_recomputed_attention(observe: AttentionObserver) -> Iterator[None]:
+    """Call ``observe`` for each attention a recomputation runs while held.
+
+    The recomputation runs attention as the fused kernel by a function mode of its own,
+    entered after (inside) any other: an operator counter's mode never sees that call.
+    """
+    _ATTENTION_OBSERVERS.append(observe)
+    try:
+        yield
+    finally:
+        _ATTENTION_OBSERVERS.remove(observe)
+
+
+_RECOMPUTING = [0]
+"""How many checkpointed forwards are being rerun in backward now (they may nest)."""
+
+
+def recomputing() -> bool:
+    """Whether backward is rerunning a checkpointed module's forward now.
+
+    The step-time model reports those operators as recomputation (they are backward's, and
+    counted there).
+    """
+    return _RECOMPUTING[0] > 0
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
+
+
 def _runner(
     forward: Callable[..., Any], forward_done: list[bool], save: Save, *, selective: bool
 ) -> Callable[..., Any]:
@@ -178,7 +222,8 @@ def _runner(
                 return forward(*args, **kwargs)
             with _KeptOutputs(save):
                 return forward(*args, **kwargs)
-        with _FusedAttentionOnly():
+        # Selective recomputation reuses attention's saved output: no kernel runs again.
+        with _FusedAttentionOnly(reruns_kernel=not selective), _recomputing():
             return forward(*args, **kwargs)
 
     return run
@@ -209,6 +254,10 @@ class _KeptOutputs(TorchDispatchMode):
 class _FusedAttentionOnly(TorchFunctionMode):
     """Attention as the fused kernel, in backward's recomputation as in the traced forward."""
 
+    def __init__(self, *, reruns_kernel: bool) -> None:
+        super().__init__()
+        self.reruns_kernel = reruns_kernel
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -221,5 +270,8 @@ class _FusedAttentionOnly(TorchFunctionMode):
             names = ("query", "key", "value")
             qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
             if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
+                causal = bool(kwargs.get("is_causal", False))
+                for observe in _ATTENTION_OBSERVERS if self.reruns_kernel else ():
+                    observe(qkv[0], qkv[1], qkv[2], causal)
                 return fused_attention(*qkv)
         return func(*args, **kwargs)

@@ -109,22 +109,21 @@ def estimate_step_time(plan: Plan, hardware: Hardware) -> StepTime:
     return replay.result()
 
 
-def _recompute(plan: Plan, costs: StepCosts, hardware: Hardware) -> tuple[dict[int, float], int]:
-    """Seconds and operators of recomputation, by the backward segment that runs them."""
-    seconds: dict[int, float] = {}
-    kernels = 0
-    for fqn, mode in plan.options.checkpoint:
-        table = costs.modules if mode == "full" else costs.matmul_free
+def _recompute(plan: Plan, costs: StepCosts, hardware: Hardware) -> tuple[float, int]:
+    """Seconds and operators of recomputation: part of backward's segments already.
+
+    The planner's meta backward runs torch's own checkpoint, so the operators it reruns are
+    counted in the segments backward runs them in (``StepCosts.recompute`` holds them apart,
+    to say how much of backward they are); they are not added again.
+    """
+    for fqn, _ in plan.options.checkpoint:
         if fqn not in costs.module_segment:
             raise ValueError(
                 f"shardkit.tools.plan.estimate_step_time: checkpointed module {fqn!r} ran no "
                 "operator in the plan's forward (is the FQN the model's?)"
             )
-        segment = costs.module_segment[fqn]
-        rerun = table.get(fqn, ())
-        seconds[segment] = seconds.get(segment, 0.0) + costs_seconds(rerun, hardware)
-        kernels += sum(c.count for c in rerun)
-    return seconds, kernels
+    seconds = sum((costs_seconds(c, hardware) for c in costs.recompute), 0.0)
+    return seconds, sum(c.count for segment in costs.recompute for c in segment)
 
 
 class _Replay:
@@ -132,8 +131,8 @@ class _Replay:
 
     def __init__(self, plan: Plan, costs: StepCosts, hardware: Hardware) -> None:
         self.plan, self.costs, self.hw = plan, costs, hardware
-        self.recompute, recompute_kernels = _recompute(plan, costs, hardware)
-        self.kernels = costs.kernels + recompute_kernels
+        self.recompute_s, _ = _recompute(plan, costs, hardware)
+        self.kernels = costs.kernels
         self.offload = plan.options.offload and hardware.host_link is not None
         self.now = 0.0  # the compute stream
         self.busy: dict[str, float] = {}  # link (axis) or copy direction -> busy until
@@ -165,7 +164,6 @@ class _Replay:
             seconds = costs_seconds(self.costs.forward[segment], self.hw)
         else:
             seconds = costs_seconds(self.costs.backward[segment], self.hw)
-            seconds += self.recompute.get(segment, 0.0)
         self.now += seconds
         self.compute_s += seconds
 
@@ -234,7 +232,7 @@ class _Replay:
             compute_s=self.compute_s,
             communication_s=self.comm_s,
             exposed_communication_s=self.waited_s,
-            recompute_s=sum(self.recompute.values(), 0.0),
+            recompute_s=self.recompute_s,
             offload_s=self.offload_s,
             optimizer_s=self.optimizer_s,
             kernels=self.kernels,
