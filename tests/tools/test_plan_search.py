@@ -30,8 +30,11 @@ def _model() -> GPT:
 def _synthetic(plan: ShardingPlan) -> Estimate:
     units = len(plan.units)
     kept = sum(1 for u in plan.units if u.reshard_after_forward is False)
-    full = sum(1 for _, mode in plan.checkpoint if mode == "full")
-    selective = sum(1 for _, mode in plan.checkpoint if mode == "selective")
+    # Blocks recomputed (per sub-module units, a block recomputes through its children).
+    full = len({".".join(m.split(".")[:2]) for m, mode in plan.checkpoint if mode == "full"})
+    selective = len(
+        {".".join(m.split(".")[:2]) for m, mode in plan.checkpoint if mode == "selective"}
+    )
     unsharded = 40 * _MIB * 16 // units  # a larger unit gathers more at once
     peak = (
         200 * _MIB

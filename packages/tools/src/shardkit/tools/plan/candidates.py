@@ -203,9 +203,10 @@ def sharding_plan(shape: ModelShape, choice: Choice) -> ShardingPlan:
     units.append(Unit(modules=(ROOT,), reshard_after_forward=False))
     every = choice.checkpoint_every
     checkpoint = tuple(
-        (block, choice.checkpoint_mode)
+        (module, choice.checkpoint_mode)
         for i, block in enumerate(shape.blocks)
         if every and i % every == 0
+        for module in _recomputed(shape, block, choice.boundary)
     )
     precision = choice.precision
     return ShardingPlan(
@@ -236,6 +237,17 @@ def _block_units(
         if shape.block_keeps_params[block] or not shape.sub_modules[block]:
             units.append(((block,), (block,)))
     return units
+
+
+def _recomputed(shape: ModelShape, block: str, boundary: Boundary) -> tuple[str, ...]:
+    """What recomputes for ``block``: the block, or under ``sub`` its large children.
+
+    Those children are units: a checkpointed block would rerun their gathers' hooks in its
+    recomputation, which the planner does not model.
+    """
+    if boundary == "sub" and shape.sub_modules[block]:
+        return shape.sub_modules[block]
+    return (block,)
 
 
 def _kept_blocks(blocks: Sequence[str], keep_last: int) -> set[str]:

@@ -182,7 +182,9 @@ def build_groups(
                     reshard_after_forward=policy,
                 )
             )
-        elif options.units is not None:
+        elif options.units is not None and modules != (model,):
+            # A root with nothing of its own is usual (every module under it a unit): it
+            # still runs the step's hooks, with no group to gather, as without units.
             raise ValueError(
                 f"shardkit.tools.plan: unit {fqn} holds no parameters of its own (the units "
                 "before it hold them all): it would gather nothing; drop it"

@@ -19,6 +19,9 @@ simulates one steady-state training step of the engine:
 Nothing is allocated: parameters stay on the meta device, and activations, when example
 inputs are given, come from a forward, the loss and backward run on the meta device
 (``trace``).
+
+Next to split off: the ``Plan`` record and its JSON form (``to_dict``), into a module of its
+own beside ``records``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from shardkit.tools.plan.tp_styles import (
     tp_local_shape,
 )
 from shardkit.tools.plan.trace import assumed_trace, trace_step
+from shardkit.tools.plan.trace_cache import TraceCache
 
 __all__ = ["Plan", "plan"]
 
@@ -162,7 +166,13 @@ class Plan:
         }
 
 
-def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = None) -> Plan:
+def plan(
+    model: ModelSource,
+    *,
+    world_size: int,
+    options: PlanOptions | None = None,
+    traces: TraceCache | None = None,
+) -> Plan:
     """Plan per-rank memory and communication of FSDP training, allocating nothing.
 
     Args:
@@ -172,6 +182,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         world_size: Ranks in all (replicas x shard for HSDP, times ``options.tp_degree``).
         options: How it is sharded and trained; defaults to ``PlanOptions()`` (fp32, AdamW,
             per-block wrap, the root keeping its parameters after forward).
+        traces: Reuse the meta-device traces of earlier plans of the same model (a search's
+            plans differ mostly in what does not change the trace); None traces afresh.
 
     Returns:
         The plan.
@@ -193,7 +205,9 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
     if options.checkpoint:
         check_checkpoint(module, options, groups)
-    if options.inputs is not None:
+    if options.inputs is not None and tp is None and traces is not None:
+        trace = traces.get(module, groups, options, lambda: trace_step(module, groups, options))
+    elif options.inputs is not None:
         trace = trace_step(module, groups, options, tp.tracer if tp is not None else None)
     else:
         trace = assumed_trace(module, groups)

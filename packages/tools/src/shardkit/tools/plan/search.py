@@ -110,19 +110,27 @@ class SearchResult:
         return min(self.evaluated, key=lambda e: (e.estimate.peak_bytes, e.estimate.seconds))
 
     def runners_up(self, count: int = 5) -> list[tuple[Evaluated, str]]:
-        """Plans that lost, each with why: slower ones that fit, faster ones that do not."""
-        out: list[tuple[Evaluated, str]] = []
+        """Plans that lost, each with why.
+
+        The fastest plans that fit come first (slower than the best), then the plans faster
+        than the best that came nearest to fitting; with nothing fitting, the nearest.
+        """
         best = self.best
         seen = {best.plan} if best else set()
-        ranked = sorted(self.evaluated, key=lambda e: e.estimate.seconds)
-        for entry in ranked:
-            if entry.plan in seen:
-                continue
-            seen.add(entry.plan)
-            out.append((entry, self.why_lost(entry)))
-            if len(out) >= count:
-                break
-        return out
+        unique: list[Evaluated] = []
+        for entry in self.evaluated:
+            if entry.plan not in seen:
+                seen.add(entry.plan)
+                unique.append(entry)
+        fitting = sorted((e for e in unique if e.fits), key=lambda e: e.estimate.seconds)
+        limit = best.estimate.seconds if best else float("inf")
+        near = sorted(
+            (e for e in unique if not e.fits and e.estimate.seconds < limit),
+            key=lambda e: e.estimate.peak_bytes,
+        )
+        slower = fitting[: max(count - min(len(near), 2), 0)]
+        chosen = [*slower, *near[: count - len(slower)]]
+        return [(entry, self.why_lost(entry)) for entry in chosen]
 
     def why_lost(self, entry: Evaluated) -> str:
         """Why ``entry`` lost: by how much it is over the budget, or how much slower it is.
@@ -193,25 +201,21 @@ def search(
             best = entry
 
     blocks = len(shape.blocks)
-    deepest = max(space.prefetch)
-    for structure in _structures(space):
-        boundary = structure.boundary
-        prefetches = space.prefetch if boundary != "sub" else (1,)
-        lightest = predict(replace(structure, checkpoint_every=1))
-        if not lightest.fits:
-            _say(progress, f"{structure.describe()}: no fit even recomputing every block")
-            continue
-        fastest = predict(
-            replace(structure, keep_last=blocks, prefetch=deepest if boundary != "sub" else 1)
-        )
+
+    def explore(structure: Choice) -> None:
+        prefetches = space.prefetch if structure.boundary != "sub" else (1,)
+        fastest = predict(replace(structure, keep_last=blocks, prefetch=max(prefetches)))
         consider(fastest)
         if fastest.fits or (best is not None and fastest.estimate.seconds >= best.estimate.seconds):
             _say(progress, f"{structure.describe()}: bounded ({len(order)} plans predicted)")
-            continue
+            return
+        lightest = predict(replace(structure, checkpoint_every=1))
+        if not lightest.fits:
+            _say(progress, f"{structure.describe()}: no fit even recomputing every block")
+            return
         for mode, every in _recompute_levels(space):
             start = replace(structure, checkpoint_every=every, checkpoint_mode=mode)
-            base = predict(start)
-            if not base.fits:
+            if not predict(start).fits:
                 continue
             bound = predict(replace(start, keep_last=blocks, prefetch=max(prefetches)))
             consider(bound)
@@ -219,23 +223,39 @@ def search(
                 continue
             kept = _most_kept(_fits_keeping(predict, start), blocks)
             top = replace(start, keep_last=kept)
-            consider(predict(top))
             for depth in prefetches:
                 consider(predict(replace(top, prefetch=depth)))
             for n in space.reshard_slices:
                 consider(predict(replace(top, reshard_slice=n)))
         _say(progress, f"{structure.describe()}: explored ({len(order)} plans predicted)")
+
+    first_edges, *other_edges = space.edges_apart
+    for structure in _structures(space, first_edges):
+        explore(structure)
+    # The edge modules' units change little of the step (two small groups): tried on the
+    # structures of the best plan found, and on all of them when none fits yet.
+    for edges in other_edges:
+        for structure in _structures(space, edges):
+            if best is None or _same_structure(structure, best.choice):
+                explore(structure)
     return SearchResult(budget_bytes=budget_bytes, best=best, evaluated=tuple(order))
 
 
-def _structures(space: SearchSpace) -> list[Choice]:
-    """Every (boundary, edges, precision, offload) combination, other choices at defaults."""
+def _structures(space: SearchSpace, edges_apart: bool) -> list[Choice]:
+    """Every (boundary, precision, offload) combination with these edges, the rest default."""
     return [
-        Choice(boundary=b, edges_apart=e, precision=p, offload=o)
-        for b, e, p, o in itertools.product(
-            space.boundaries, space.edges_apart, space.precisions, space.offload
-        )
+        Choice(boundary=b, edges_apart=edges_apart, precision=p, offload=o)
+        for b, p, o in itertools.product(space.boundaries, space.precisions, space.offload)
     ]
+
+
+def _same_structure(structure: Choice, choice: Choice) -> bool:
+    """Whether ``choice`` has the boundary, precision and offload of ``structure``."""
+    return (structure.boundary, structure.precision, structure.offload) == (
+        choice.boundary,
+        choice.precision,
+        choice.offload,
+    )
 
 
 def _recompute_levels(space: SearchSpace) -> list[tuple[CheckpointMode, int]]:

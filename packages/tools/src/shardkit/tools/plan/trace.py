@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
@@ -297,28 +297,31 @@ def trace_step(
     excluded |= {b.untyped_storage()._cdata for b in model.buffers()}
     recorder = _Recorder(excluded, param_names)
     root_is_group = any(g.module is model for g in groups)
-    with ExitStack() as stack:
-        if watch is not None:
-            stack.enter_context(watch.hooks(lambda: recorder.segment))
-        stack.enter_context(group_hooks(groups, recorder.event, options.param_dtype))
-        stack.enter_context(checkpointed_forwards(model, options, recorder.save))
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
-        stack.enter_context(_TraceMode(recorder))
-        counter = CostCounter(lambda: recorder.segment, lambda: recorder.cursor.segment)
-        stack.enter_context(counter.counting(model))
-        step = _ForwardThenLoss(model, recorder, options.loss, root_is_group)
-        prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
-        loss = functional_call(step, prefixed, args, kwargs, strict=False)
-    activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
-    recorder.outputs.clear()  # the step's caller drops the output once the loss is made
-    profile = None
-    counter.in_backward = True
-    if loss is not None:
-        with counter.counting():
-            profile = backward_profile(
-                loss, recorder.cursor, recorder.saved, replacements, len(activations)
-            )
+    step = _ForwardThenLoss(model, recorder, options.loss, root_is_group)
+    prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
+    counter = CostCounter(lambda: recorder.segment, lambda: recorder.cursor.segment)
+    # The replacement parameters stay in place through backward too: a checkpointed module
+    # reruns its forward there, on the parameters backward gathers (the gather dtype).
+    with _reparametrize_module(step, prefixed, tie_weights=True):
+        with ExitStack() as stack:
+            if watch is not None:
+                stack.enter_context(watch.hooks(lambda: recorder.segment))
+            stack.enter_context(group_hooks(groups, recorder.event, options.param_dtype))
+            stack.enter_context(checkpointed_forwards(model, options, recorder.save))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
+            stack.enter_context(_TraceMode(recorder))
+            stack.enter_context(counter.counting(model))
+            loss = step(*args, **kwargs)
+        activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
+        recorder.outputs.clear()  # the step's caller drops the output once the loss is made
+        profile = None
+        counter.in_backward = True
+        if loss is not None:
+            with counter.counting():
+                profile = backward_profile(
+                    loss, recorder.cursor, recorder.saved, replacements, len(activations)
+                )
     return StepTrace(
         events=tuple(recorder.events),
         activation_bytes=activations,
