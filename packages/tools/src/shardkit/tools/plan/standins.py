@@ -1,0 +1,134 @@
+"""Stand-ins for ``apply_plan`` and ``options_for`` until their branches are merged.
+
+``plan-apply`` writes ``shardkit.tools.apply_plan`` and ``plan-memory`` writes
+``options_for``; the launch check and the planner benchmark are written against their
+signatures and use these until then. Delete this module when both are merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan
+
+__all__ = ["apply_plan", "options_for"]
+
+_SAVED_OPS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(model: nn.Module, fqn: str, mode: str) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    module = parent.get_submodule(child)
+    if mode == "full":
+        wrapped = checkpoint_wrapper(module)
+    else:
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        wrapped = checkpoint_wrapper(module, context_fn=context)
+    parent.register_module(child, wrapped)
+    return wrapped
+
+
+def apply_plan(
+    model: nn.Module,
+    sharding_plan: ShardingPlan,
+    *,
+    mesh: Any = None,
+    fully_shard: Callable[..., Any] | None = None,
+) -> nn.Module:
+    """Checkpoint wrappers, then ``fully_shard`` per unit, prefetch and reduce precision."""
+    import shardkit.core as core
+
+    shard = fully_shard if fully_shard is not None else core.fully_shard
+    found = {fqn: model.get_submodule(fqn) for fqn in sharding_plan.module_names}
+    for fqn, mode in sharding_plan.checkpoint:
+        found[fqn] = _wrap(model, fqn, mode)
+    mp = core.MixedPrecisionPolicy(
+        param_dtype=sharding_plan.param_dtype, reduce_dtype=sharding_plan.reduce_dtype
+    )
+    extra: dict[str, Any] = (
+        {"offload_policy": core.CPUOffloadPolicy()} if sharding_plan.offload else {}
+    )
+    units: list[Any] = []
+    for unit in sharding_plan.units:
+        modules = [found[m] for m in unit.modules]
+        target: Any = modules[0] if len(modules) == 1 else modules
+        done = shard(
+            target,
+            mesh=mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp,
+            **extra,
+        )
+        units.append(done[0] if isinstance(done, list) else done)
+    inner = [
+        u for u, unit in zip(units, sharding_plan.units, strict=True) if ROOT not in unit.modules
+    ]
+    k = sharding_plan.prefetch
+    if k > 1:
+        for i, module in enumerate(inner):
+            module.set_modules_to_forward_prefetch(inner[i + 1 : i + 1 + k])
+            module.set_modules_to_backward_prefetch(inner[max(0, i - k) : i][::-1])
+    if sharding_plan.reduce_precision is not None:
+        for module in units:
+            module.set_reduce_precision(sharding_plan.reduce_precision, recurse=False)
+    return model
+
+
+def options_for(sharding: ShardingPlan, base: PlanOptions | None = None) -> PlanOptions | None:
+    """The ``PlanOptions`` of ``sharding``, or None where today's options cannot say it.
+
+    Today's options name the wrapped modules and one ``reshard_after_forward`` for all:
+    one module per unit, the root a unit, every unit the same (or the root alone keeping its
+    parameters), the engine's own prefetch, no checkpointing and no offload.
+    """
+    base = base if base is not None else PlanOptions()
+    units = sharding.units
+    if (
+        any(len(u.modules) != 1 for u in units)
+        or units[-1].modules != (ROOT,)
+        or sharding.prefetch != 1
+        or sharding.checkpoint
+        or sharding.offload
+    ):
+        return None
+    inner = {u.reshard_after_forward for u in units[:-1]}
+    root = units[-1].reshard_after_forward
+    if inner == {True} and root is False:
+        reshard: bool | None = None
+    elif inner <= {root} and isinstance(root, bool):
+        reshard = root
+    else:
+        return None
+    names = {u.modules[0] for u in units[:-1]}
+    return dataclasses.replace(
+        base,
+        wrap=lambda fqn, module: fqn in names,
+        reshard_after_forward=reshard,
+        param_dtype=sharding.param_dtype,
+        reduce_dtype=sharding.reduce_dtype,
+        reduce_precision=sharding.reduce_precision,
+    )
