@@ -25,6 +25,7 @@ from shardkit.core.layout import (
     keeps_own_dtype,
 )
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
+from shardkit.tools.plan.units_groups import select_units
 
 __all__ = ["GroupSpec", "build_groups", "select_group_modules"]
 
@@ -39,6 +40,16 @@ class GroupSpec:
     """The sharded module."""
     layout: GroupLayout
     """Every size and offset of its buffers, as the engine computes them."""
+    modules: tuple[nn.Module, ...] = ()
+    """Every module of the ``fully_shard`` call when it was given several (a unit of
+    ``PlanOptions.units``); empty for one (``module``)."""
+    reshard_after_forward: bool | None = None
+    """The unit's own policy (``PlanOptions.units``); None: ``PlanOptions``'s."""
+
+    @property
+    def call_modules(self) -> tuple[nn.Module, ...]:
+        """The modules of the ``fully_shard`` call, ``module`` first."""
+        return self.modules or (self.module,)
 
     @property
     def params(self) -> tuple[ParamLayout, ...]:
@@ -133,15 +144,15 @@ def build_groups(
             parameters of a group have different gather dtypes and no ``reduce_dtype`` is
             set (the engine refuses all three).
     """
-    selected = select_group_modules(model, options.wrap)
-    is_group = {id(m) for _, m in selected}
+    calls = _calls(model, options, shard_size)
+    is_group = {id(m) for _, modules, _ in calls for m in modules}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
     owner: dict[int, str] = {}
     groups: list[GroupSpec] = []
-    for name, module in selected:
-        fqn = name or "<root>"
+    for fqn, modules, policy in calls:
         specs: list[ParamSpec] = []
-        for param in _own_params(module, is_group):
+        params = [p for m in modules for p in _own_params(m, is_group)]
+        for param in dict.fromkeys(params):  # tied across the call's modules: once
             pname = names.get(id(param), "?")
             if id(param) in owner:
                 raise ValueError(
@@ -154,8 +165,33 @@ def build_groups(
             specs.append(replace(spec, keeps_own_dtype=keeps) if keeps else spec)
         if specs:
             layout = _layout(fqn, specs, options, shard_size, replicas)
-            groups.append(GroupSpec(fqn=fqn, module=module, layout=layout))
+            groups.append(
+                GroupSpec(
+                    fqn=fqn,
+                    module=modules[0],
+                    layout=layout,
+                    modules=modules if len(modules) > 1 else (),
+                    reshard_after_forward=policy,
+                )
+            )
+        elif options.units is not None:
+            raise ValueError(
+                f"shardkit.tools.plan: unit {fqn} holds no parameters of its own (the units "
+                "before it hold them all): it would gather nothing; drop it"
+            )
     return groups
+
+
+def _calls(
+    model: nn.Module, options: PlanOptions, shard_size: int
+) -> list[tuple[str, tuple[nn.Module, ...], bool | None]]:
+    """(group name, modules, own policy) of each ``fully_shard`` call, root last."""
+    if options.units is not None:
+        return [
+            (u.name, u.modules, u.reshard_after_forward)
+            for u in select_units(model, options.units, shard_size)
+        ]
+    return [(name or "<root>", (m,), None) for name, m in select_group_modules(model, options.wrap)]
 
 
 def _own_params(module: nn.Module, is_group: set[int]) -> list[nn.Parameter]:

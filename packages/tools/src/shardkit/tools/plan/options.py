@@ -8,6 +8,7 @@ the TP degree and the plan ``parallelize_module`` is given before ``fully_shard`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -17,10 +18,18 @@ import torch
 from torch import nn
 
 from shardkit.core import ReducePrecision
+from shardkit.tools.plan.sharding_plan import CheckpointMode, ShardingPlan, Unit
 from shardkit.tools.plan.tp_styles import TPPlan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
-__all__ = ["OPTIMIZER_STATES", "ModelSource", "PlanOptions", "WrapPolicy", "loss_takes_model"]
+__all__ = [
+    "OPTIMIZER_STATES",
+    "ModelSource",
+    "PlanOptions",
+    "WrapPolicy",
+    "loss_takes_model",
+    "options_for",
+]
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 """A model on the meta device, or a factory that returns one."""
@@ -100,6 +109,22 @@ class PlanOptions:
     rank: int = 0
     """Whose memory to report. Rank 0 holds the largest unpadded shards when dims do not
     divide evenly, which only changes the optimizer state."""
+    units: tuple[Unit, ...] | None = None
+    """The ``fully_shard`` calls, in call order (a ``ShardingPlan``'s units): when set, they
+    replace ``wrap`` and ``reshard_after_forward``. One group per unit (several modules
+    make one group, as ``fully_shard([m1, m2])``), each with its own
+    ``reshard_after_forward``; the root unit (``ROOT``) is required and comes last."""
+    prefetch: int = 1
+    """Units gathered ahead. 1: the engine's own prefetch (the next group); k > 1: every
+    unit's ``set_modules_to_forward_prefetch`` and ``set_modules_to_backward_prefetch`` get
+    the next k units (``ShardingPlan.prefetch_lists``). Needs ``units``."""
+    checkpoint: tuple[tuple[str, Literal["full", "selective"]], ...] = ()
+    """(FQN, mode) of the modules wrapped with torch's non-reentrant ``checkpoint_wrapper``
+    before ``fully_shard``: they keep only their inputs (``full``) or also their matrix
+    multiplies' and attention's outputs (``selective``), and recompute in backward."""
+    offload: bool = False
+    """``CPUOffloadPolicy()`` on every unit: sharded parameters, gradients and optimizer
+    state in host memory."""
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:
@@ -146,6 +171,40 @@ class PlanOptions:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"PlanOptions.rank must be a non-negative int: {self.rank!r}")
         self._check_tp()
+        self._check_units()
+
+    def _check_units(self) -> None:
+        units = self.units
+        if units is not None:
+            if not isinstance(units, tuple) or not units:
+                raise TypeError("PlanOptions.units must be a non-empty tuple of Unit, or None")
+            for unit in units:
+                if not isinstance(unit, Unit):
+                    raise TypeError(f"PlanOptions.units holds {unit!r}, not a Unit")
+            # The plan's own checks: each module in one unit, the root last.
+            ShardingPlan(units=units, prefetch=1)
+            if self.wrap is not None or self.reshard_after_forward is not None:
+                raise ValueError(
+                    "PlanOptions.units replaces wrap and reshard_after_forward: set only units"
+                )
+        prefetch = self.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"PlanOptions.prefetch must be a positive int, got {prefetch!r}")
+        if prefetch > 1 and units is None:
+            raise ValueError(
+                "PlanOptions.prefetch > 1 sets each unit's prefetch lists: it needs units"
+            )
+        if not isinstance(self.checkpoint, tuple):
+            raise TypeError("PlanOptions.checkpoint must be a tuple of (FQN, mode) pairs")
+        if self.checkpoint:  # the plan's own checks of the entries
+            ShardingPlan(units=(Unit(modules=("",)),), checkpoint=self.checkpoint)
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"PlanOptions.offload must be a bool, got {self.offload!r}")
+
+    @property
+    def checkpointed(self) -> dict[str, CheckpointMode]:
+        """FQN -> recomputation mode, for the modules ``checkpoint`` wraps."""
+        return dict(self.checkpoint)
 
     def _check_tp(self) -> None:
         degree = self.tp_degree
@@ -187,3 +246,28 @@ def loss_takes_model(loss: Callable[..., Any]) -> bool:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [p for p in parameters if p.kind in positional and p.default is p.empty]
     return len(required) >= 2
+
+
+def options_for(sharding: ShardingPlan, base: PlanOptions | None = None) -> PlanOptions:
+    """The planner's options for ``sharding``: its choices, everything else from ``base``.
+
+    The units, prefetch, checkpoint, offload and precision fields come from the plan (so
+    ``base``'s ``wrap`` and ``reshard_after_forward`` are dropped: the units replace them);
+    the inputs, loss, optimizer, mesh, backend and rank from ``base`` (default
+    ``PlanOptions()``).
+    """
+    if not isinstance(sharding, ShardingPlan):
+        raise TypeError(f"options_for expects a ShardingPlan, got {type(sharding).__name__}")
+    base = base if base is not None else PlanOptions()
+    return dataclasses.replace(
+        base,
+        wrap=None,
+        reshard_after_forward=None,
+        units=sharding.units,
+        prefetch=sharding.prefetch,
+        checkpoint=sharding.checkpoint,
+        offload=sharding.offload,
+        param_dtype=sharding.param_dtype,
+        reduce_dtype=sharding.reduce_dtype,
+        reduce_precision=sharding.reduce_precision,
+    )

@@ -42,6 +42,7 @@ from shardkit.tools.plan.records import (
     MemoryPoint,
     PlannedGroup,
 )
+from shardkit.tools.plan.sharding_plan import prefetch_lists
 from shardkit.tools.plan.step import simulate_step
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPTracer
@@ -126,6 +127,20 @@ class Plan:
             "tp_degree": self.tp_degree,
             "options": {
                 "reshard_after_forward": options.reshard_after_forward,
+                "units": (
+                    None
+                    if options.units is None
+                    else [
+                        {
+                            "modules": list(u.modules),
+                            "reshard_after_forward": u.reshard_after_forward,
+                        }
+                        for u in options.units
+                    ]
+                ),
+                "prefetch": options.prefetch,
+                "checkpoint": [list(c) for c in options.checkpoint],
+                "offload": options.offload,
                 "param_dtype": _dtype_name(options.param_dtype),
                 "param_dtype_override_fn": _function_name(options.param_dtype_override_fn),
                 "reduce_dtype": _dtype_name(options.reduce_dtype),
@@ -177,6 +192,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             matches no module, or a style that is not modelled.
     """
     options = options if options is not None else PlanOptions()
+    _refuse_unmodelled(options)
     module = _resolve(model)
     mesh = _mesh(world_size, options)
     replicas, shard = mesh.replicas, mesh.shard
@@ -203,6 +219,7 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             hsdp=options.mesh_shape is not None,
             tp=tp.tracer.schedule() if tp is not None else None,
             tp_degree=options.tp_degree,
+            prefetch=(prefetch_lists(options.units, options.prefetch) if options.units else None),
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
@@ -238,6 +255,16 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         theory_memory_bytes=_theory_memory(groups, options),
         activations_traced=trace.traced,
     )
+
+
+def _refuse_unmodelled(options: PlanOptions) -> None:
+    """Knobs the planner cannot yet predict faithfully: refused rather than guessed."""
+    if options.offload:
+        raise NotImplementedError(
+            "shardkit.tools.plan: PlanOptions.offload (CPUOffloadPolicy) is not modelled yet: "
+            "the host copies of shards and gradients and their device staging are not "
+            "planned; plan without offload, or measure with MemoryTracker"
+        )
 
 
 def _resolve(model: ModelSource) -> nn.Module:

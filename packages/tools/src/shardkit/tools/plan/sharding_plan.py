@@ -22,7 +22,7 @@ import torch
 
 from shardkit.core import ReducePrecision
 
-__all__ = ["ROOT", "CheckpointMode", "ShardingPlan", "Unit"]
+__all__ = ["ROOT", "CheckpointMode", "ShardingPlan", "Unit", "prefetch_lists"]
 
 ROOT = ""
 """The root module's name in a plan (its FQN in ``named_modules()``)."""
@@ -150,3 +150,35 @@ class ShardingPlan:
     def checkpointed(self) -> dict[str, CheckpointMode]:
         """FQN -> recomputation mode."""
         return dict(self.checkpoint)
+
+    def prefetch_lists(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+        """Per unit, the units (by index) its forward and backward prefetch lists name.
+
+        None at ``prefetch == 1`` (the engine's own prefetch, no lists set); see
+        :func:`prefetch_lists`.
+        """
+        return prefetch_lists(self.units, self.prefetch)
+
+
+def prefetch_lists(
+    units: tuple[Unit, ...], prefetch: int
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """What ``set_modules_to_forward_prefetch`` / ``..._backward_prefetch`` get, per unit.
+
+    Forward runs the root first, then the other units in plan order; backward runs the root
+    first, then the others in reverse. Each unit's list is the next ``prefetch`` units in that
+    direction (possibly empty: an empty list is still set, so no implicit prefetch is left).
+    Returned as (forward targets, backward targets) unit indices, one pair per unit; None at
+    ``prefetch == 1``, where no list is set.
+    """
+    if prefetch == 1:
+        return None
+    roots = [i for i, u in enumerate(units) if u.modules == (ROOT,)]
+    others = [i for i, u in enumerate(units) if u.modules != (ROOT,)]
+    forward, backward = [*roots, *others], [*roots, *reversed(others)]
+
+    def after(order: list[int], unit: int) -> tuple[int, ...]:
+        at = order.index(unit)
+        return tuple(order[at + 1 : at + 1 + prefetch])
+
+    return tuple((after(forward, i), after(backward, i)) for i in range(len(units)))

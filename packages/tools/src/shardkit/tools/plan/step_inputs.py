@@ -40,3 +40,6 @@ class StepInputs:
     """The tensor-parallel collectives, placed on the forward's segments (None: no TP)."""
     tp_degree: int = 1
     """Ranks of the tp axis."""
+    prefetch: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
+    """Per group, the groups (indices) of its explicit forward and backward prefetch lists
+    (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``); None: none set."""

@@ -51,7 +51,13 @@ class _Settings:
 
 
 def _policy(inputs: StepInputs, index: int) -> bool | int:
-    """Group ``index``'s ``reshard_after_forward``, the root's adjusted as the engine does."""
+    """Group ``index``'s ``reshard_after_forward``, the root's adjusted as the engine does.
+
+    A unit's own (``PlanOptions.units``) is always given, so the root keeps no default.
+    """
+    own = inputs.groups[index].reshard_after_forward
+    if own is not None:
+        return own
     value = inputs.options.reshard_after_forward
     policy: bool | int = True if value is None else value
     if index == inputs.root:
@@ -76,7 +82,15 @@ class LedgerOps:
         self.check_calls: list[CollectiveCall] = []  # the step check's (record_step_check)
         self.events: list[tuple[str, str]] = []
         count = len(self.groups)
-        self._settings = [_Settings(reshard_after_forward=_policy(inputs, i)) for i in range(count)]
+        lists = inputs.prefetch or ((None, None),) * count
+        self._settings = [
+            _Settings(
+                reshard_after_forward=_policy(inputs, i),
+                forward_prefetch=lists[i][0],
+                backward_prefetch=lists[i][1],
+            )
+            for i in range(count)
+        ]
         self.unsharded = [False] * count
         self.pending = [False] * count
         self.held = [False] * count  # the unsharded buffer's memory is allocated

@@ -25,8 +25,8 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -46,6 +46,7 @@ from shardkit.tools.plan.backward import (
     backward_profile,
     unit_loss,
 )
+from shardkit.tools.plan.group_hooks import group_hooks
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model
 
@@ -94,8 +95,12 @@ class StepTrace:
 
 
 def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
-    """Events in module registration order (a group runs its children in order), no saves."""
-    index = {id(g.module): i for i, g in enumerate(groups)}
+    """Events in module registration order (a group runs its children in order), no saves.
+
+    A group of several modules starts at the first of them and ends after the last.
+    """
+    index = {id(m): i for i, g in enumerate(groups) for m in g.call_modules}
+    left = [len(g.call_modules) for g in groups]  # modules of each group yet to run
     events: list[GroupEvent] = []
     seen: set[int] = set()
 
@@ -104,12 +109,14 @@ def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
             return
         seen.add(id(module))
         group = index.get(id(module))
-        if group is not None:
+        if group is not None and left[group] == len(groups[group].call_modules):
             events.append(GroupEvent("pre", group))
         for child in module.children():
             visit(child)
         if group is not None:
-            events.append(GroupEvent("post", group))
+            left[group] -= 1
+            if not left[group]:
+                events.append(GroupEvent("post", group))
 
     visit(model)
     return StepTrace(events=tuple(events), activation_bytes=(0,) * (len(events) + 1))
@@ -286,7 +293,7 @@ def trace_step(
     with ExitStack() as stack:
         if watch is not None:
             stack.enter_context(watch.hooks(lambda: recorder.segment))
-        stack.enter_context(_group_hooks(model, groups, recorder, options.param_dtype))
+        stack.enter_context(group_hooks(groups, recorder.event, options.param_dtype))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
         stack.enter_context(_TraceMode(recorder))
@@ -376,44 +383,6 @@ def _packer(recorder: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
         return tensor
 
     return pack
-
-
-@contextmanager
-def _group_hooks(
-    model: nn.Module,
-    groups: list[GroupSpec],
-    recorder: _Recorder,
-    param_dtype: torch.dtype | None,
-) -> Iterator[None]:
-    """Forward hooks on every group module: record events, cast inputs as the engine does."""
-    handles = []
-    for index, group in enumerate(groups):
-
-        def pre(
-            module: nn.Module,
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            index: int = index,
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if param_dtype is not None:
-                args, kwargs = pytree.tree_map_only(
-                    torch.Tensor,
-                    lambda t: t.to(param_dtype) if t.is_floating_point() else t,
-                    (args, kwargs),
-                )
-            recorder.event("pre", index, (args, kwargs))
-            return args, kwargs
-
-        def post(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
-            recorder.event("post", index, output)
-
-        handles.append(group.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(group.module.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
