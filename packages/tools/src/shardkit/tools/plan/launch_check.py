@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from shardkit.tools.plan.options import PlanOptions, loss_takes_model
+from shardkit.tools.plan.options import PlanOptions, loss_takes_model, options_for
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.sharding_plan import ShardingPlan
-from shardkit.tools.plan.standins import apply_plan, options_for
+from shardkit.tools.plan.standins import apply_plan
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.live_peak import LivePeak
 from shardkit.tools.track.ops import OpCounter
@@ -143,7 +143,8 @@ def check_plan(
         The check.
 
     Raises:
-        ValueError: ``steps`` below 2; the plan's options cannot express ``sharding``.
+        ValueError: ``steps`` below 2.
+        NotImplementedError: the planner does not model a choice of ``sharding`` (offload).
         RuntimeError: a process group other than a fake one of ``world_size`` is initialized.
     """
     if steps < 2:
@@ -196,10 +197,7 @@ def _predict(
     base = base_options if base_options is not None else PlanOptions()
     # The fake group runs the engine's native collectives, whose buffers are NCCL's.
     base = dataclasses.replace(base, inputs=inputs, loss=loss, backend="nccl", rank=0)
-    options = options_for(sharding, base)
-    if options is None:
-        raise ValueError("check_plan: the planner's options cannot express this sharding plan")
-    return plan(model_factory, world_size=world_size, options=options)
+    return plan(model_factory, world_size=world_size, options=options_for(sharding, base))
 
 
 @contextlib.contextmanager

@@ -1,13 +1,12 @@
-"""Stand-ins for ``apply_plan`` and ``options_for`` until their branches are merged.
+"""A stand-in for ``apply_plan`` until its branch is merged.
 
-``plan-apply`` writes ``shardkit.tools.apply_plan`` and ``plan-memory`` writes
-``options_for``; the launch check and the planner benchmark are written against their
-signatures and use these until then. Delete this module when both are merged.
+``plan-apply`` writes ``shardkit.tools.apply_plan``; the launch check and the planner
+benchmark are written against its signature and use this until then. Delete this module
+when it is merged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.tools.plan.options import PlanOptions
-from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan
+from shardkit.tools.plan.sharding_plan import ShardingPlan
 
-__all__ = ["apply_plan", "options_for"]
+__all__ = ["apply_plan"]
 
 _SAVED_OPS = (
     torch.ops.aten.mm.default,
@@ -84,51 +82,11 @@ def apply_plan(
             **extra,
         )
         units.append(done[0] if isinstance(done, list) else done)
-    inner = [
-        u for u, unit in zip(units, sharding_plan.units, strict=True) if ROOT not in unit.modules
-    ]
-    k = sharding_plan.prefetch
-    if k > 1:
-        for i, module in enumerate(inner):
-            module.set_modules_to_forward_prefetch(inner[i + 1 : i + 1 + k])
-            module.set_modules_to_backward_prefetch(inner[max(0, i - k) : i][::-1])
+    lists = sharding_plan.prefetch_lists()
+    for module, (forward, backward) in zip(units, lists or (), strict=False):
+        module.set_modules_to_forward_prefetch([units[i] for i in forward])
+        module.set_modules_to_backward_prefetch([units[i] for i in backward])
     if sharding_plan.reduce_precision is not None:
         for module in units:
             module.set_reduce_precision(sharding_plan.reduce_precision, recurse=False)
     return model
-
-
-def options_for(sharding: ShardingPlan, base: PlanOptions | None = None) -> PlanOptions | None:
-    """The ``PlanOptions`` of ``sharding``, or None where today's options cannot say it.
-
-    Today's options name the wrapped modules and one ``reshard_after_forward`` for all:
-    one module per unit, the root a unit, every unit the same (or the root alone keeping its
-    parameters), the engine's own prefetch, no checkpointing and no offload.
-    """
-    base = base if base is not None else PlanOptions()
-    units = sharding.units
-    if (
-        any(len(u.modules) != 1 for u in units)
-        or units[-1].modules != (ROOT,)
-        or sharding.prefetch != 1
-        or sharding.checkpoint
-        or sharding.offload
-    ):
-        return None
-    inner = {u.reshard_after_forward for u in units[:-1]}
-    root = units[-1].reshard_after_forward
-    if inner == {True} and root is False:
-        reshard: bool | None = None
-    elif inner <= {root} and isinstance(root, bool):
-        reshard = root
-    else:
-        return None
-    names = {u.modules[0] for u in units[:-1]}
-    return dataclasses.replace(
-        base,
-        wrap=lambda fqn, module: fqn in names,
-        reshard_after_forward=reshard,
-        param_dtype=sharding.param_dtype,
-        reduce_dtype=sharding.reduce_dtype,
-        reduce_precision=sharding.reduce_precision,
-    )
