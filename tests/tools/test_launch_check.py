@@ -16,6 +16,7 @@ from torch import nn
 
 from shardkit.tools.examples import llama_8b, llama_8b_inputs
 from shardkit.tools.plan.launch_check import check_plan
+from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
 from tests.core import models
 
@@ -60,6 +61,20 @@ def test_the_tiny_gpt_at_8_ranks_runs_as_planned(fake: bool) -> None:
     assert check.measured_peak == pytest.approx(check.predicted_peak, rel=0.03)
     assert check.ops > 0
     assert not dist.is_initialized(), "the check's fake group outlived it"
+
+
+def test_hsdp_runs_on_the_mesh_the_options_name() -> None:
+    """Two replicas of 4 shards: the replicas' all-reduces are planned and run too."""
+    check = check_plan(
+        _tiny_gpt,
+        _per_block("blocks", 2),
+        world_size=8,
+        inputs=_tiny_inputs,
+        base_options=PlanOptions(mesh_shape=(2, 4)),
+    )
+    assert check.collectives_match, check.first_mismatch
+    assert "all_reduce" in {kind for kind, _, _ in check.measured_calls}
+    assert check.measured_peak == pytest.approx(check.predicted_peak, rel=0.03)
 
 
 def test_fake_tensors_measure_what_real_ones_do() -> None:

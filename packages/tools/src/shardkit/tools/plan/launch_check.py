@@ -42,6 +42,7 @@ from shardkit.tools.plan.standins import apply_plan
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.live_peak import LivePeak
 from shardkit.tools.track.ops import OpCounter
+from shardkit.tools.units import format_bytes
 
 __all__ = ["FAKE_TENSORS_ABOVE_BYTES", "PlanCheck", "check_plan"]
 
@@ -104,10 +105,9 @@ class PlanCheck:
             [
                 f"launch check: rank 0 of {self.world_size} on the fake group, {tensors}, "
                 f"{self.seconds:.1f} s",
-                f"  peak: measured {self.measured_peak / 2**20:,.1f} MiB, predicted "
-                f"{self.predicted_peak / 2**20:,.1f} MiB (ratio {self.ratio:.3f})",
-                f"  collectives: {len(self.measured_calls)} ({sent / 2**20:,.1f} MiB sent), "
-                f"{calls}",
+                f"  peak: measured {format_bytes(self.measured_peak)}, predicted "
+                f"{format_bytes(self.predicted_peak)} (ratio {self.ratio:.3f})",
+                f"  collectives: {len(self.measured_calls)} ({format_bytes(sent)} sent), {calls}",
                 f"  operators: {self.ops:,} ({self.launches:,} kernel launches on a GPU)",
             ]
         )
