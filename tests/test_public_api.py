@@ -170,6 +170,7 @@ EXPECTED = {
         "RankReport",
         "StepComm",
         "__version__",
+        "apply_plan",
         "load_merged_report",
         "load_rank_reports",
         "plan",

@@ -20,6 +20,7 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
 """
 
 from shardkit.tools.__about__ import __version__
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -78,6 +79,7 @@ __all__ = [
     "RankReport",
     "StepComm",
     "__version__",
+    "apply_plan",
     "load_merged_report",
     "load_rank_reports",
     "plan",

@@ -7,9 +7,15 @@ by category and the bytes of every collective; with a tensor-parallel plan, on b
 (``tp_styles`` reads the plan, ``tp_comm`` prices DTensor's collectives). ``theory`` holds the
 closed-form minima it compares with, ``gpt`` and ``examples`` the models that the
 ``shardkit-plan`` command (``cli``) accepts.
+
+A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``:
+:func:`apply_plan` carries one out on a model, ``plan_json`` (:func:`dump_plan`,
+:func:`load_plan`) writes and reads it as JSON.
 """
 
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.plan_json import PlanFormatError, dump_plan, load_plan
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
     CollectiveCall,
@@ -27,7 +33,11 @@ __all__ = [
     "MemoryPlan",
     "MemoryPoint",
     "Plan",
+    "PlanFormatError",
     "PlanOptions",
     "PlannedGroup",
+    "apply_plan",
+    "dump_plan",
+    "load_plan",
     "plan",
 ]
