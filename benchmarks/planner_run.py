@@ -32,10 +32,10 @@ from torch import nn
 from harness.pool import RankTaskError, run_on_ranks
 from shardkit.tools.examples import gpt_35m, gpt_35m_inputs, gpt_demo, gpt_demo_inputs
 from shardkit.tools.plan import Plan, PlanOptions, plan
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.options import options_for
 from shardkit.tools.plan.sharding_plan import ShardingPlan
-from shardkit.tools.plan.standins import apply_plan
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "demo": (gpt_demo, gpt_demo_inputs),

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model, options_for
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.sharding_plan import ShardingPlan
-from shardkit.tools.plan.standins import apply_plan
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.live_peak import LivePeak
 from shardkit.tools.track.ops import OpCounter
