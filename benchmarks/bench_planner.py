@@ -33,6 +33,7 @@ from benchmarks.planner_run import (
     Measurement,
     PredictMs,
     check_configs,
+    cpu_step_time_model,
     measure_configs,
 )
 from shardkit.tools.plan.launch_check import PlanCheck
@@ -71,8 +72,13 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 
 
 def run_model(model_name: str, predict_ms: PredictMs | None = None) -> dict[str, Any]:
-    """The matrix for one model: W=2 measurements, W=8 checks, the correlation."""
+    """The matrix for one model: W=2 measurements, W=8 checks, the correlation.
+
+    ``predict_ms``: the step-time model; default, plan-time's on this machine's calibrated
+    profile where it is merged (else no predicted times).
+    """
     plans = gpt_plans(LAYERS[model_name])
+    predict_ms = predict_ms if predict_ms is not None else cpu_step_time_model(2)
     measured = measure_configs(model_name, plans, 2, predict_ms)
     checks = check_configs(model_name, plans, CHECK_WORLD)
     timed = [m for m in measured if m.predicted_ms is not None]

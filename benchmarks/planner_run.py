@@ -17,6 +17,7 @@ scale this machine has no ranks for, measured.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import statistics
 import time
@@ -73,6 +74,18 @@ class Measurement:
     """The step-time model's step, where one was given."""
     error: str | None = None
     """Why the planner refused the plan."""
+
+
+def cpu_step_time_model(world_size: int) -> PredictMs | None:
+    """The step-time model (branch plan-time: ``estimate_step_time``) on this machine's
+    calibrated profile for ``world_size`` gloo ranks; None where it is not merged yet."""
+    try:
+        calibrate = importlib.import_module("shardkit.tools.plan.calibrate").calibrate
+        estimate = importlib.import_module("shardkit.tools.plan.step_time").estimate_step_time
+    except ImportError:
+        return None
+    hardware = calibrate(world_size, threads=1)
+    return lambda predicted: 1000 * float(estimate(predicted, hardware).total_s)
 
 
 def next_token_loss(out: torch.Tensor) -> torch.Tensor:
