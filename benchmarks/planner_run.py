@@ -1,9 +1,10 @@
 """Sharding plans measured against the planner: W gloo ranks for step time and peak memory.
 
 :func:`measure_configs` runs each plan on the worker pool's W gloo ranks (the processes are
-reused across plans, so start-up is paid once): the model is built on the meta device,
-sharded by ``apply_plan``, materialized, trained ``WARMUP`` steps, then ``STEPS`` timed steps
-(a step's time is its slowest rank's; the median over steps is kept), then one more step under
+reused across plans, so start-up is paid once), ``ROUNDS`` times, the plans interleaved: the
+model is built on the meta device, sharded by ``apply_plan``, materialized, trained ``WARMUP``
+steps, then ``STEPS`` timed steps (a step's time is its slowest rank's; the median over every
+round's steps is kept); in the first round one more step runs under
 :class:`~shardkit.tools.track.live_peak.LivePeak` and :class:`CommTracker` for rank 0's peak of
 live tensor bytes and bytes sent (the trackers slow a step, so it is not timed). Beside each,
 the plan's prediction for the same world size on gloo: ``memory.peak.total``, the bytes sent
@@ -46,7 +47,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
 
 logger = logging.getLogger(__name__)
 
-WARMUP, STEPS = 2, 6
+WARMUP, STEPS, ROUNDS = 2, 2, 3
 _TIMEOUT_S = 600.0  # a 35M model's build and eight steps on two busy cores
 
 PredictMs = Callable[[Plan], float | None]
@@ -107,43 +108,76 @@ def measure_configs(
     plans: dict[str, ShardingPlan],
     world_size: int = 2,
     predict_ms: PredictMs | None = None,
+    rounds: int = ROUNDS,
 ) -> list[Measurement]:
-    """Each plan on ``world_size`` gloo ranks of the worker pool, beside its prediction."""
-    results = []
-    for name, sharding in plans.items():
-        try:
-            ranks = run_on_ranks(
-                world_size,
-                _run_plan,
-                timeout_s=_TIMEOUT_S,
-                model_name=model_name,
-                sharding=sharding,
-            )
-        except RankTaskError as err:  # the engine refused the plan: recorded, not fatal
-            logger.warning("%s %s: %s", model_name, name, str(err).splitlines()[-1])
-            continue
-        slowest = [max(r["seconds"][i] for r in ranks) for i in range(STEPS)]
-        predicted: Plan | None = None
-        error = None
-        try:
-            predicted = predict(model_name, sharding, world_size, "gloo")
-        except (NotImplementedError, ValueError) as err:
-            error = f"{type(err).__name__}: {err}"
-        results.append(
-            Measurement(
-                name=name,
-                model=model_name,
-                world_size=world_size,
-                step_ms=1000 * statistics.median(slowest),
-                peak_bytes=ranks[0]["peak"],
-                sent_bytes=ranks[0]["sent"],
-                predicted_peak=predicted.memory.peak.total if predicted else None,
-                predicted_sent=_sent_with_check(predicted) if predicted else None,
-                predicted_ms=predict_ms(predicted) if predicted and predict_ms else None,
-                error=error,
-            )
+    """Each plan on ``world_size`` gloo ranks of the worker pool, beside its prediction.
+
+    Plans are interleaved: each round builds and times every plan once, in an order rotated
+    from round to round, so a change in the machine's load over the minutes a matrix takes
+    reaches every plan alike (the house's paired rounds, for many configurations). A plan's
+    step time is the median over all its timed steps; its peak and bytes come from round 0.
+    """
+    names = list(plans)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    tracked: dict[str, dict[str, Any]] = {}
+    refused: set[str] = set()
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in refused:
+                continue
+            try:
+                ranks = run_on_ranks(
+                    world_size,
+                    _run_plan,
+                    timeout_s=_TIMEOUT_S,
+                    model_name=model_name,
+                    sharding=plans[name],
+                    track=rnd == 0,
+                )
+            except RankTaskError as err:  # the engine refused the plan: recorded, not fatal
+                logger.warning("%s %s: %s", model_name, name, str(err).splitlines()[-1])
+                refused.add(name)
+                continue
+            seconds[name] += [max(r["seconds"][i] for r in ranks) for i in range(STEPS)]
+            if rnd == 0:
+                tracked[name] = ranks[0]
+    return [
+        _measurement(
+            model_name, name, plans[name], world_size, seconds[name], tracked[name], predict_ms
         )
-    return results
+        for name in names
+        if name not in refused
+    ]
+
+
+def _measurement(
+    model_name: str,
+    name: str,
+    sharding: ShardingPlan,
+    world_size: int,
+    seconds: list[float],
+    tracked: dict[str, Any],
+    predict_ms: PredictMs | None,
+) -> Measurement:
+    predicted: Plan | None = None
+    error = None
+    try:
+        predicted = predict(model_name, sharding, world_size, "gloo")
+    except (NotImplementedError, ValueError) as err:
+        error = f"{type(err).__name__}: {err}"
+    return Measurement(
+        name=name,
+        model=model_name,
+        world_size=world_size,
+        step_ms=1000 * statistics.median(seconds),
+        peak_bytes=tracked["peak"],
+        sent_bytes=tracked["sent"],
+        predicted_peak=predicted.memory.peak.total if predicted else None,
+        predicted_sent=_sent_with_check(predicted) if predicted else None,
+        predicted_ms=predict_ms(predicted) if predicted and predict_ms else None,
+        error=error,
+    )
 
 
 def check_configs(
@@ -168,9 +202,9 @@ def _sent_with_check(predicted: Plan) -> int:
 
 
 def _run_plan(
-    rank: int, world_size: int, model_name: str, sharding: ShardingPlan
+    rank: int, world_size: int, model_name: str, sharding: ShardingPlan, track: bool
 ) -> dict[str, Any]:
-    """Worker task: build, warm up, time ``STEPS`` steps, then track one."""
+    """Worker task: build, warm up, time ``STEPS`` steps, then (``track``) track one."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardkit.tools import CommTracker
@@ -209,9 +243,11 @@ def _run_plan(
         started = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - started)
-    with LivePeak(model, optimizers=[optimizer]) as live, CommTracker() as comm:
-        step()
-    sent = sum(r.sent_bytes for r in comm.records)
+    result: dict[str, Any] = {"seconds": seconds}
+    if track:
+        with LivePeak(model, optimizers=[optimizer]) as live, CommTracker() as comm:
+            step()
+        result |= {"peak": live.peak, "sent": sum(r.sent_bytes for r in comm.records)}
     optimizer.state.clear()  # the next plan's model starts from a clean heap
     gc.collect()
-    return {"seconds": seconds, "peak": live.peak, "sent": sent}
+    return result
