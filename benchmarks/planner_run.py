@@ -122,7 +122,7 @@ def measure_configs(
     tracked: dict[str, dict[str, Any]] = {}
     refused: set[str] = set()
     for rnd in range(rounds):
-        shift = rnd % len(names)
+        shift = rnd * len(names) // rounds  # each round starts a part of the list further on
         for name in names[shift:] + names[:shift]:
             if name in refused:
                 continue
