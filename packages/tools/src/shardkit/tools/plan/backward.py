@@ -28,7 +28,15 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["BackwardSegment", "FusedAttention", "SegmentCursor", "backward_profile", "unit_loss"]
+__all__ = [
+    "BackwardSegment",
+    "FusedAttention",
+    "SegmentCursor",
+    "backward_profile",
+    "fused_attention",
+    "in_fused_attention",
+    "unit_loss",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +91,13 @@ class FusedAttention(torch.autograd.Function):
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         """Output (..., L, Ev) for query (..., L, E) and value (..., S, Ev)."""
-        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        if query.dim() == 4:
+            # Fused kernels (flash on GPUs and CPUs) write (B, L, H, Ev) and return it as
+            # (B, H, L, Ev): transposing back for the output projection then copies nothing.
+            b, h, length, _ = query.shape
+            out = query.new_empty((b, length, h, value.shape[-1])).transpose(1, 2)
+        else:
+            out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, out, lse)
         return out
@@ -93,6 +107,28 @@ class FusedAttention(torch.autograd.Function):
         """Gradients shaped like query, key and value."""
         query, key, value, _, _ = ctx.saved_tensors
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+_FUSED = [0]  # FusedAttention forwards running now (what they allocate is attention's)
+
+
+def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """:class:`FusedAttention` on ``query``, ``key``, ``value``, marked as attention's.
+
+    While it runs, :func:`in_fused_attention` is true: a selective checkpoint keeps what it
+    makes (its output and log-sum-exp), as it keeps a fused kernel's outputs.
+    """
+    _FUSED[0] += 1
+    try:
+        out: torch.Tensor = FusedAttention.apply(query, key, value)  # type: ignore[no-untyped-call]
+    finally:
+        _FUSED[0] -= 1
+    return out
+
+
+def in_fused_attention() -> bool:
+    """Whether a :func:`fused_attention` forward is running."""
+    return _FUSED[0] > 0
 
 
 class _UnitLoss(torch.autograd.Function):

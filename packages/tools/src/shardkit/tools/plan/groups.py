@@ -43,7 +43,7 @@ class GroupSpec:
     modules: tuple[nn.Module, ...] = ()
     """Every module of the ``fully_shard`` call when it was given several (a unit of
     ``PlanOptions.units``); empty for one (``module``)."""
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | int | None = None
     """The unit's own policy (``PlanOptions.units``); None: ``PlanOptions``'s."""
 
     @property
@@ -163,8 +163,16 @@ def build_groups(
             spec = _param_spec(pname, param, (local_shapes or {}).get(pname))
             keeps = keeps_own_dtype(options, param, pname)  # options: the policy's fields
             specs.append(replace(spec, keeps_own_dtype=keeps) if keeps else spec)
+        if len(modules) > 1 and not all(spec.requires_grad for spec in specs):
+            # The engine ends such a group's backward through its first call's inputs (a
+            # partial call), not through a frozen group's watched inputs: not modelled.
+            raise NotImplementedError(
+                f"shardkit.tools.plan: unit {fqn} of several modules has frozen parameters, "
+                "whose backward the planner does not model; make each module a unit"
+            )
         if specs:
-            layout = _layout(fqn, specs, options, shard_size, replicas)
+            slice_n = None if isinstance(policy, bool) or policy is None else policy
+            layout = _layout(fqn, specs, options, (shard_size, replicas), slice_n)
             groups.append(
                 GroupSpec(
                     fqn=fqn,
@@ -184,7 +192,7 @@ def build_groups(
 
 def _calls(
     model: nn.Module, options: PlanOptions, shard_size: int
-) -> list[tuple[str, tuple[nn.Module, ...], bool | None]]:
+) -> list[tuple[str, tuple[nn.Module, ...], bool | int | None]]:
     """(group name, modules, own policy) of each ``fully_shard`` call, root last."""
     if options.units is not None:
         return [
@@ -234,8 +242,13 @@ def _param_spec(name: str, param: nn.Parameter, local: tuple[int, ...] | None) -
 
 
 def _layout(
-    fqn: str, specs: list[ParamSpec], options: PlanOptions, shard_size: int, replicas: int
+    fqn: str,
+    specs: list[ParamSpec],
+    options: PlanOptions,
+    mesh: tuple[int, int],
+    post_forward_world: int | None,
 ) -> GroupLayout:
+    shard_size, replicas = mesh
     try:
         return group_layout(
             specs,
@@ -243,6 +256,7 @@ def _layout(
             replicate_world=replicas,
             param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
+            post_forward_world=post_forward_world,
         )
     except ValueError as err:  # the engine's refusal, said of the group it concerns
         raise ValueError(f"shardkit.tools.plan: group {fqn}: {err}") from err

@@ -21,6 +21,8 @@ class Ledger:
     def __init__(self) -> None:
         self.live: dict[Key, tuple[Category, int]] = {}
         self.totals = dict.fromkeys(Category, 0)
+        self.host: dict[Key, tuple[Category, int]] = {}  # buffers in host memory (offload)
+        self.host_totals: dict[Category, int] = {}
         self.points: list[MemoryPoint] = []
         self.phase = Phase.OTHER
         self.module = ""
@@ -30,9 +32,28 @@ class Ledger:
         assert key not in self.live, f"planner bug: {key} allocated twice"
         self.live[key] = (category, nbytes)
         self.totals[category] += nbytes
+        self._sample(label)
+
+    def alloc_host(self, key: Key, category: Category, nbytes: int, label: str) -> None:
+        """Add a buffer in host memory (CPU offload): sampled apart from the device's."""
+        assert key not in self.host, f"planner bug: host {key} allocated twice"
+        self.host[key] = (category, nbytes)
+        self.host_totals[category] = self.host_totals.get(category, 0) + nbytes
+        self._sample(label)
+
+    def free_host(self, key: Key) -> None:
+        """Drop a buffer in host memory."""
+        category, nbytes = self.host.pop(key)
+        self.host_totals[category] -= nbytes
+
+    def _sample(self, label: str) -> None:
         self.points.append(
             MemoryPoint(
-                label=label, module=self.module, phase=self.phase, by_category=dict(self.totals)
+                label=label,
+                module=self.module,
+                phase=self.phase,
+                by_category=dict(self.totals),
+                host_by_category=dict(self.host_totals),
             )
         )
 

@@ -1,7 +1,8 @@
 """The planner: per-rank memory and communication of a sharded training step, before running it.
 
 ``plan(model, world_size=64)`` takes a model built on the meta device (or a factory for one),
-decides the FSDP groups as a per-block ``fully_shard`` would, asks shardkit.core's layout view
+decides the FSDP groups as a per-block ``fully_shard`` would (or as a ``ShardingPlan``'s units
+say: ``options_for``), asks shardkit.core's layout view
 (``shardkit.core.layout.group_layout``) for every buffer size from the parameter shapes, and
 simulates one steady-state training step of the engine:
 
@@ -22,19 +23,18 @@ inputs are given, come from a forward, the loss and backward run on the meta dev
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from shardkit.core import ReducePrecision
 from shardkit.tools.plan import theory
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import ModelSource, PlanOptions
+from shardkit.tools.plan.options_json import options_json
+from shardkit.tools.plan.recompute import check_checkpoint
 from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,
@@ -107,6 +107,15 @@ class Plan:
     ``shardkit.core.schedule``, which the plan and the engine both run)."""
 
     @property
+    def host_bytes(self) -> int:
+        """The most host memory the step holds (0 without CPU offload).
+
+        Offloaded: sharded parameters, gradients and optimizer state, and the optimizer's
+        step; ``memory.peak`` is the device's alone.
+        """
+        return self.memory.host_peak
+
+    @property
     def sent_over_theory(self) -> float | None:
         """Planned data-parallel bytes over their minimum (1.0 is optimal; None: none sent).
 
@@ -119,37 +128,12 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (dtypes and enums as strings; the memory timeline left out)."""
-        options = self.options
         return {
             "world_size": self.world_size,
             "shard_size": self.shard_size,
             "replicas": self.replicas,
             "tp_degree": self.tp_degree,
-            "options": {
-                "reshard_after_forward": options.reshard_after_forward,
-                "units": (
-                    None
-                    if options.units is None
-                    else [
-                        {
-                            "modules": list(u.modules),
-                            "reshard_after_forward": u.reshard_after_forward,
-                        }
-                        for u in options.units
-                    ]
-                ),
-                "prefetch": options.prefetch,
-                "checkpoint": [list(c) for c in options.checkpoint],
-                "offload": options.offload,
-                "param_dtype": _dtype_name(options.param_dtype),
-                "param_dtype_override_fn": _function_name(options.param_dtype_override_fn),
-                "reduce_dtype": _dtype_name(options.reduce_dtype),
-                "reduce_precision": _precision(options.reduce_precision),
-                "optimizer": options.optimizer,
-                "bandwidth_gbps": options.bandwidth_gbps,
-                "backend": options.backend,
-                "rank": options.rank,
-            },
+            "options": options_json(self.options),
             "param_count": self.param_count,
             "trainable_count": self.trainable_count,
             "groups": [_fields(g) for g in self.groups],
@@ -166,6 +150,7 @@ class Plan:
             "activations_traced": self.activations_traced,
             "memory": {
                 "peak": _point(self.memory.peak),
+                "host_peak": self.memory.host_peak,
                 "category_max": {c.value: n for c, n in self.memory.category_max.items()},
             },
         }
@@ -192,7 +177,6 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
             matches no module, or a style that is not modelled.
     """
     options = options if options is not None else PlanOptions()
-    _refuse_unmodelled(options)
     module = _resolve(model)
     mesh = _mesh(world_size, options)
     replicas, shard = mesh.replicas, mesh.shard
@@ -201,6 +185,8 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
     groups = build_groups(module, options, shard, replicas, local_shapes)
     if not groups:
         raise ValueError(f"shardkit.tools.plan: {type(module).__name__} has no parameters")
+    if options.checkpoint:
+        check_checkpoint(module, options, groups)
     if options.inputs is not None:
         trace = trace_step(module, groups, options, tp.tracer if tp is not None else None)
     else:
@@ -255,16 +241,6 @@ def plan(model: ModelSource, *, world_size: int, options: PlanOptions | None = N
         theory_memory_bytes=_theory_memory(groups, options),
         activations_traced=trace.traced,
     )
-
-
-def _refuse_unmodelled(options: PlanOptions) -> None:
-    """Knobs the planner cannot yet predict faithfully: refused rather than guessed."""
-    if options.offload:
-        raise NotImplementedError(
-            "shardkit.tools.plan: PlanOptions.offload (CPUOffloadPolicy) is not modelled yet: "
-            "the host copies of shards and gradients and their device staging are not "
-            "planned; plan without offload, or measure with MemoryTracker"
-        )
 
 
 def _resolve(model: ModelSource) -> nn.Module:
@@ -394,6 +370,11 @@ def _theory_bytes(groups: list[GroupSpec], reshards: tuple[bool, ...], replicas:
         gathered = sum(p.numel * p.comm_dtype.itemsize for p in group.params)
         reduced = sum(p.numel for p in group.trainable) * group.layout.reduce_dtype.itemsize
         total += (2 if reshard else 1) * theory.all_gather_bytes(gathered, world, 1)
+        slice_n = group.reshard_after_forward
+        if reshard and not isinstance(slice_n, bool) and slice_n is not None:
+            # Backward gathers 1/n slices within n ranks instead.
+            total += theory.all_gather_bytes(gathered, slice_n, 1)
+            total -= theory.all_gather_bytes(gathered, world, 1)
         if reduced:
             total += theory.reduce_scatter_bytes(reduced, world, 1)
             total += theory.all_reduce_bytes(reduced // world, replicas, 1)
@@ -416,27 +397,6 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
                 optimizer_bytes=options.num_states * size if trained else 0,
             )
     return total
-
-
-def _precision(policy: ReducePrecision | None) -> dict[str, Any] | None:
-    """A ``ReducePrecision`` as JSON: its fields, the wire dtype by name."""
-    if policy is None:
-        return None
-    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-    wire = fields["wire_dtype"]
-    fields["wire_dtype"] = _dtype_name(wire) if isinstance(wire, torch.dtype) else wire
-    return fields
-
-
-def _function_name(fn: Any) -> str | None:
-    """``module:qualname`` of a function option, as the CLI names one (None if unset)."""
-    if fn is None:
-        return None
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _fields(record: Any) -> dict[str, Any]:

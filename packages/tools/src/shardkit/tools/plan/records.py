@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardkit.tools.records import Category, Phase
 
@@ -105,12 +105,20 @@ class MemoryPoint:
     phase: Phase
     """Forward, backward or optimizer."""
     by_category: dict[Category, int]
-    """Bytes per category (every category present)."""
+    """Bytes per category (every category present), in the device's memory."""
+    host_by_category: dict[Category, int] = field(default_factory=dict)
+    """Bytes per category in host memory (CPU offload: sharded parameters, their gradients,
+    optimizer state); empty without offload. Not in ``total``."""
 
     @property
     def total(self) -> int:
-        """All live bytes."""
+        """All live bytes on the device."""
         return sum(self.by_category.values())
+
+    @property
+    def host_total(self) -> int:
+        """All live bytes in host memory."""
+        return sum(self.host_by_category.values())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,3 +131,13 @@ class MemoryPlan:
     """The highest value each category reaches (at different moments)."""
     timeline: tuple[MemoryPoint, ...]
     """Every allocation of the step, in order."""
+
+    @property
+    def host_peak(self) -> int:
+        """The most host memory the step holds (CPU offload; 0 without)."""
+        return max((p.host_total for p in self.timeline), default=0)
+
+    @property
+    def combined_peak(self) -> MemoryPoint:
+        """The moment of the most device and host bytes together (one memory on a CPU)."""
+        return max(self.timeline, key=lambda p: p.total + p.host_total)

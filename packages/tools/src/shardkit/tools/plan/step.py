@@ -19,6 +19,19 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
   reshards once backward has passed its (first) pre-forward, where its inputs' gradients are
   made; one whose inputs need none stays gathered until the end-of-backward callback. A
   group whose outputs need no gradient is never gathered in backward (not even prefetched).
+  With ``PlanOptions.units``, each unit's own ``reshard_after_forward`` (the root's too: a
+  unit always gives one; an int n between 1 and the shard count keeps the engine's 1/n
+  post-forward slices, gathered in backward within n ranks on ``SLICE_AXIS``), and a unit of
+  several modules is one group, gathered at the first
+  of its modules to run and ended after the last (``group_hooks``); with ``prefetch`` > 1,
+  every group's explicit prefetch lists replace the engine's next-group rule.
+- Activation checkpointing (``recompute``): what a checkpointed module keeps and recomputes
+  is measured by running torch's checkpoint in the meta trace; the recomputation's tensors
+  are backward's own bytes (category OTHER), as the trackers count them.
+- CPU offload (``offload``): sharded parameters, sharded gradients, optimizer state and the
+  optimizer's scratch in host memory (``MemoryPoint.host_by_category``), outside the device's
+  categories; the all-gather input staged on the device (the core's
+  ``stages_gather_input(offload=True)``).
 - Buffers, every size from the core's layout (``GroupSpec.layout``): sharded parameters (one
   aligned flat buffer per group); the all-gather's staging copy of it when ``param_dtype``
   differs (the core's ``stages_gather_input``; on gloo only: elsewhere the copy goes into
@@ -59,6 +72,7 @@ from shardkit.core.schedule import (
     StepSchedule,
     TrainingState,
 )
+from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.step_ops import LedgerOps
@@ -153,14 +167,18 @@ class _Step:
         for i, g in enumerate(self.groups):
             ledger.module = g.fqn
             layout = g.layout
-            ledger.alloc(("sharded", i), Category.SHARDED_PARAMS, layout.sharded_bytes, "sharded")
+            nbytes, offload = layout.sharded_bytes, options.offload
+            key = ("sharded", i)
+            resident(ledger, key, Category.SHARDED_PARAMS, nbytes, "sharded", offload=offload)
             state = sum(
                 options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
                 + (4 if options.num_states == 2 else 0)  # Adam's float32 step
                 for p in g.trainable
             )
             if state:
-                ledger.alloc(("optim", i), Category.OPTIMIZER_STATE, state, "optimizer state")
+                label = "optimizer state"
+                key = ("optim", i)
+                resident(ledger, key, Category.OPTIMIZER_STATE, state, label, offload=offload)
             if options.keep_unsharded_storage:  # held since the first step's unshard
                 self.ops.hold_unsharded(i, f"unsharded {g.fqn} (kept)")
 
@@ -303,9 +321,10 @@ class _Step:
             # Adam's denominator: per tensor on the CPU (sqrt, then divide: two temporaries),
             # one foreach list for all parameters on GPUs.
             scratch = sum(sizes) if not self.ops.gloo else 2 * max(sizes)
-        if scratch:
-            ledger.alloc(("optim_scratch", 0), Category.OTHER, scratch, "optimizer step scratch")
-            ledger.free(("optim_scratch", 0))
+        if scratch:  # where the step runs: the host, when offloading
+            key, label = ("optim_scratch", 0), "optimizer step scratch"
+            resident(ledger, key, Category.OTHER, scratch, label, offload=options.offload)
+            free_resident(ledger, key)
         for g in range(len(self.groups)):
-            if ("sharded_grad", g) in ledger.live:
-                ledger.free(("sharded_grad", g))
+            if ("sharded_grad", g) in ledger.live or ("sharded_grad", g) in ledger.host:
+                free_resident(ledger, ("sharded_grad", g))

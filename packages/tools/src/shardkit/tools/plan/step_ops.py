@@ -29,12 +29,17 @@ from shardkit.core.schedule import (
     root_reshards_after_forward,
 )
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
+from shardkit.tools.plan.offload import assign_sharded_grads
 from shardkit.tools.plan.records import CollectiveCall
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
 
-__all__ = ["LedgerOps"]
+__all__ = ["SLICE_AXIS", "LedgerOps"]
+
+SLICE_AXIS = "dp_post_forward"
+"""The axis of backward's all-gather of post-forward slices (``reshard_after_forward=n``): a
+subgroup of n ranks of the shard axis, which the engine makes and no mesh names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +79,11 @@ class LedgerOps:
         self.groups = inputs.groups
         self.world = self.groups[0].world
         self.gloo = inputs.options.backend == "gloo"
+        self.offload = inputs.options.offload  # shards and their gradients on the host
         self.ledger = Ledger()
         self.pool = Pool(
-            self.ledger, pooled_sizes((g.layout for g in self.groups), exchange=self.gloo)
+            self.ledger,
+            pooled_sizes((g.layout for g in self.groups), exchange=self.gloo, offload=self.offload),
         )
         self.calls: list[CollectiveCall] = []
         self.check_calls: list[CollectiveCall] = []  # the step check's (record_step_check)
@@ -94,6 +101,7 @@ class LedgerOps:
         self.unsharded = [False] * count
         self.pending = [False] * count
         self.held = [False] * count  # the unsharded buffer's memory is allocated
+        self.sliced = [False] * count  # holds its post-forward slices (reshard_after_forward=n)
         self.state_of = [TrainingState.IDLE] * count
         self.reduces: deque[int] = deque()
 
@@ -134,12 +142,35 @@ class LedgerOps:
         return self.unsharded[group] or self.pending[group]
 
     def free_after_forward(self, group: int, action: AfterForward) -> None:
-        """Free the full parameters (*approximate* for SLICE: the 1/n slice is not kept)."""
-        self.reshard(group)
+        """Free the full parameters, or keep this rank's 1/n slice of them (SLICE)."""
+        layout = self.groups[group].layout
+        if action is not AfterForward.SLICE or layout.post_forward is None:
+            self.reshard(group)
+            return
+        if self.pending[group]:
+            self.wait(group)
+        if not self.unsharded[group]:
+            return
+        # The slices are copied out of the full parameters, which are freed after; the engine
+        # announces no reshard here (the group is in its own post-forward state). They are a
+        # buffer of the group's communication (backward's all-gather sends them), as the
+        # engine's trackers count them.
+        label = f"post-forward slices {self.groups[group].fqn}"
+        self.ledger.alloc(
+            ("slices", group), Category.COMM_BUFFERS, layout.post_forward.nbytes, label
+        )
+        if not self.inputs.options.keep_unsharded_storage:
+            self.ledger.free(("unsharded", group))
+            self.held[group] = False
+        self.unsharded[group] = False
+        self.sliced[group] = True
 
     def _receive_bytes(self, g: int) -> int:
         # gloo gathers by direct exchange, where this rank's own row never needs a buffer.
-        return self.groups[g].layout.all_gather_receive_bytes(exchange=self.gloo)
+        layout = self.groups[g].layout
+        if self.sliced[g]:
+            return layout.post_forward_receive_bytes(exchange=self.gloo)
+        return layout.all_gather_receive_bytes(exchange=self.gloo)
 
     def unshard(self, group: int, *, prefetch: bool = False) -> None:
         """Issue the all-gather: its receive buffer (and staging copy) from the pool."""
@@ -149,7 +180,14 @@ class LedgerOps:
         self.pending[g] = True
         spec = self.groups[g]
         layout = spec.layout
-        if layout.stages_gather_input(exchange=self.gloo):
+        if self.sliced[g] and layout.post_forward is not None:
+            # Backward gathers the slices within the n ranks that hold them (no staging).
+            n, nbytes = layout.post_forward_world or 1, layout.post_forward.nbytes
+            self._append("all_gather", spec.fqn, SLICE_AXIS, n, nbytes, nbytes * (n - 1))
+            self.pool.get(self._receive_bytes(g), ("gather", g), f"{label} {spec.fqn} (slices)")
+            self.event("unshard", g)
+            return
+        if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
             nbytes = layout.all_gather_input_bytes
             self.pool.get(nbytes, ("staging", g), f"{label} {spec.fqn}: staging copy")
         if self.world > 1:
@@ -171,9 +209,15 @@ class LedgerOps:
         layout = self.groups[g].layout
         if not self.held[g]:
             self.hold_unsharded(g, f"unshard {self.groups[g].fqn}")
+        if self.sliced[g]:
+            self.pool.put(self._receive_bytes(g), ("gather", g))
+            self.ledger.free(("slices", g))
+            self.sliced[g] = False
+            self.unsharded[g] = True
+            return
         if self.world > 1:
             self.pool.put(self._receive_bytes(g), ("gather", g))
-        if layout.stages_gather_input(exchange=self.gloo):
+        if layout.stages_gather_input(offload=self.offload, exchange=self.gloo):
             self.pool.put(layout.all_gather_input_bytes, ("staging", g))
         self.unsharded[g] = True
 
@@ -182,6 +226,10 @@ class LedgerOps:
         g = group
         if self.pending[g]:
             self.wait(g)
+        if self.sliced[g]:  # the slices kept after forward, never gathered again
+            self.ledger.free(("slices", g))
+            self.sliced[g] = False
+            self.event("reshard", g)
         if self.unsharded[g]:
             if not self.inputs.options.keep_unsharded_storage:
                 self.ledger.free(("unsharded", g))
@@ -192,7 +240,10 @@ class LedgerOps:
     def hold_unsharded(self, group: int, label: str) -> None:
         """Allocate the unsharded buffer's memory (an unshard, or kept from the last step)."""
         layout = self.groups[group].layout
-        nbytes = 0 if layout.unsharded_views_storage else layout.unsharded_bytes
+        # One shard rank: the unsharded parameters are views of the shards, unless those are
+        # on the host (offload), when they are copied in.
+        views = layout.unsharded_views_storage and not self.offload
+        nbytes = 0 if views else layout.unsharded_bytes
         self.ledger.alloc(("unsharded", group), Category.UNSHARDED_PARAMS, nbytes, label)
         self.held[group] = True
 
@@ -309,9 +360,9 @@ class LedgerOps:
         label = f"reduce-scatter {group.fqn}"
         # The output becomes the sharded gradient: it counts as one from the start. In another
         # dtype it is cast into the gradient and stays a collective's output buffer.
-        category = (
-            Category.GRADIENTS if layout.reduce_dtype == group.grad_dtype else Category.COMM_BUFFERS
-        )
+        # Offloaded to a GPU's host, it is copied there: a collective's output meanwhile.
+        becomes_grad = layout.reduce_dtype == group.grad_dtype and (self.gloo or not self.offload)
+        category = Category.GRADIENTS if becomes_grad else Category.COMM_BUFFERS
         if self.world > 1:
             # The gradients are packed into the send buffer and freed before the output comes.
             self.pool.get(send, ("reduce_send", g), label)
@@ -364,13 +415,7 @@ class LedgerOps:
             self._record("all_gather", g, replicas, chunk, sent, replicas=True)
         elif replicas > 1:
             self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
-        if group.layout.reduce_dtype == group.grad_dtype:
-            self.ledger.move(("reduce_out", g), ("sharded_grad", g))
-        else:
-            label = f"sharded gradients {group.fqn}"
-            nbytes = group.sharded_grad_nbytes
-            self.ledger.alloc(("sharded_grad", g), Category.GRADIENTS, nbytes, label)
-            held.append((("reduce_out", g), 0))
+        held += assign_sharded_grads(self.ledger, g, group, offload=self.offload, cpu=self.gloo)
         return held
 
     def _release(self, held: list[tuple[Key, int]]) -> None:

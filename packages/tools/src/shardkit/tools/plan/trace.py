@@ -41,14 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.tools.plan.backward import (
     BackwardSegment,
-    FusedAttention,
     SegmentCursor,
     backward_profile,
+    fused_attention,
     unit_loss,
 )
 from shardkit.tools.plan.group_hooks import group_hooks
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model
+from shardkit.tools.plan.recompute import checkpointed_forwards
 
 __all__ = [
     "ForwardWatch",
@@ -177,6 +178,9 @@ class _Recorder:
         self.params = params  # id of a replacement parameter tensor -> FQN
         self.uses: dict[str, tuple[int, int]] = {}
         self.cursor = SegmentCursor()  # backward's position, moved by hooks set here
+        # The model's output, held through the loss (the training step holds it there), so
+        # that it counts as forward's even when no op saves it.
+        self.outputs: list[torch.UntypedStorage] = []
 
     @property
     def in_loss(self) -> bool:
@@ -248,7 +252,7 @@ class _TraceMode(TorchFunctionMode):
             names = ("query", "key", "value")
             qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
             if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
-                return FusedAttention.apply(*qkv)  # type: ignore[no-untyped-call]  # torch's
+                return fused_attention(*qkv)
         return func(*args, **kwargs)
 
 
@@ -294,6 +298,7 @@ def trace_step(
         if watch is not None:
             stack.enter_context(watch.hooks(lambda: recorder.segment))
         stack.enter_context(group_hooks(groups, recorder.event, options.param_dtype))
+        stack.enter_context(checkpointed_forwards(model, options, recorder.save))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
         stack.enter_context(_TraceMode(recorder))
@@ -301,6 +306,7 @@ def trace_step(
         prefixed = {f"model.{name}": fake for name, fake in replacements.items()}
         loss = functional_call(step, prefixed, args, kwargs, strict=False)
     activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
+    recorder.outputs.clear()  # the step's caller drops the output once the loss is made
     profile = None
     if loss is not None:
         profile = backward_profile(
@@ -351,6 +357,7 @@ def _save_output(recorder: _Recorder, output: Any, segment: int) -> None:
     for tensor in pytree.tree_leaves(output):
         if isinstance(tensor, torch.Tensor):
             recorder.save(tensor, segment)
+            recorder.outputs.append(tensor.untyped_storage())
 
 
 def _run(what: str, call: Callable[[], Any]) -> Any:

@@ -26,8 +26,9 @@ class UnitSelection:
     """The engine's name of the group: its modules' FQNs joined by ", " (``<root>``)."""
     modules: tuple[nn.Module, ...]
     """The modules ``fully_shard`` is given, in the unit's order."""
-    reshard_after_forward: bool
-    """The unit's policy as the engine resolves it against the shard count. Always given, so
+    reshard_after_forward: bool | int
+    """The unit's policy as the engine resolves it against the shard count (an int n: keep a
+    1/n slice, 1 < n < the shard count). Always given, so
     the root unit keeps no default: it frees its parameters after forward when True."""
 
 
@@ -39,8 +40,6 @@ def select_units(model: nn.Module, units: tuple[Unit, ...], shard_size: int) -> 
             without forward; a unit listed after one of its ancestors' units (``fully_shard``
             is applied inner modules first); an int ``reshard_after_forward`` that does not
             divide the shard count.
-        NotImplementedError: an int ``reshard_after_forward`` n with 1 < n < shard count
-            (a kept 1/n slice, not modelled).
     """
     if units[-1].modules != (ROOT,):
         raise ValueError(
@@ -93,7 +92,7 @@ def _check_order(units: tuple[Unit, ...]) -> None:
                     )
 
 
-def _policy(unit: Unit, name: str, shard_size: int) -> bool:
+def _policy(unit: Unit, name: str, shard_size: int) -> bool | int:
     """``reshard_after_forward`` as ``fully_shard`` resolves it on a shard axis of this size."""
     value = unit.reshard_after_forward
     if isinstance(value, bool):
@@ -107,8 +106,4 @@ def _policy(unit: Unit, name: str, shard_size: int) -> bool:
         return False  # the engine: a 1/1 slice is the full parameters
     if value == shard_size:
         return True  # the engine: a 1/W slice is the shard itself
-    raise NotImplementedError(
-        f"shardkit.tools.plan: unit {name}: reshard_after_forward={value} keeps a 1/{value} "
-        "slice after forward and gathers within the slice's ranks in backward, which the "
-        "planner does not model; use True, False or the shard count"
-    )
+    return value  # a 1/n slice kept after forward, gathered within n ranks in backward
