@@ -10,6 +10,7 @@ parameters after the last step (names without ``_checkpoint_wrapped_module``).
 from __future__ import annotations
 
 import functools
+import random
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
+from shardkit.tools.plan.sharding_plan import ROOT, CheckpointMode, ShardingPlan, Unit
 from tests.core import models
 from tests.core.parity import global_loss, rank_batch
 
@@ -177,11 +178,21 @@ def train(model: nn.Module, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def shard(how: str, plan: ShardingPlan, model: Any, mesh: DeviceMesh) -> None:
-    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine), or
-    ``json`` (shardkit's, the plan read back from a file ``dump_plan`` wrote)."""
+    """Shard ``model`` by ``how``: ``shardkit`` or ``torch`` (apply_plan on that engine),
+    ``json`` (shardkit's, the plan read back from a file ``dump_plan`` wrote), or
+    ``source_<engine>`` (``parallelize_source``'s function run; ``_model``: written knowing
+    the model)."""
     from shardkit.tools import apply_plan
+    from shardkit.tools.plan.parallelize_source import parallelize_source
     from shardkit.tools.plan.plan_json import dump_plan
 
+    if how.startswith("source_"):
+        name = how.split("_")[1]
+        text = parallelize_source(plan, engine=name, model=build() if "model" in how else None)
+        namespace: dict[str, Any] = {}
+        exec(compile(text, f"<parallelize {how}>", "exec"), namespace)
+        namespace["parallelize"](model, mesh)
+        return
     if how == "json":
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "plan.json"
@@ -193,17 +204,19 @@ def shard(how: str, plan: ShardingPlan, model: Any, mesh: DeviceMesh) -> None:
 
 
 def train_body(
-    rank: int, world_size: int, plan_name: str, hows: tuple[str, ...]
+    rank: int, world_size: int, plan_name: str | ShardingPlan, hows: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
-    """Runs on every rank: the plan applied each way in ``hows`` (or ``hand``), trained."""
+    """Runs on every rank: the plan (of ``PLANS``, or given) applied each way in ``hows``
+    (``hand`` for its twin in ``BY_HAND``), trained."""
     mesh = init_device_mesh("cpu", (world_size,))
+    plan = PLANS[plan_name] if isinstance(plan_name, str) else plan_name
     traces: dict[str, dict[str, Any]] = {}
     for how in hows:
         model = build()
         if how == "hand":
-            BY_HAND[plan_name](model, mesh)
+            BY_HAND[str(plan_name)](model, mesh)
         else:
-            shard(how, PLANS[plan_name], model, mesh)
+            shard(how, plan, model, mesh)
         traces[how] = train(model, rank, world_size)
         dist.barrier()
     return traces
@@ -220,3 +233,54 @@ def assert_bitwise(traces: dict[str, dict[str, Any]], oracle: str = "hand") -> N
             n for n, v in trace["params"].items() if not torch.equal(v, expected["params"][n])
         ]
         assert differs == [], (how, differs)
+
+
+def random_plan(seed: int) -> ShardingPlan:
+    """A plan for the ``DEPTH``-block GPT drawn from ``seed``: units whole, split or paired,
+    embeddings and head in units or left to the root, any reshard, checkpoint and prefetch."""
+    rng = random.Random(seed)
+    reshard = (True, False, 2)
+    units: list[Unit] = []
+
+    def unit(*modules: str) -> None:
+        units.append(Unit(modules=modules, reshard_after_forward=rng.choice(reshard)))
+
+    for group in rng.choice(((), (("tok", "pos"),), (("tok",), ("pos",)))):
+        unit(*group)
+    checkpoint: list[tuple[str, CheckpointMode]] = []
+    i = 0
+    while i < DEPTH:
+        shape = rng.choice(("whole", "parts", "pair") if i + 1 < DEPTH else ("whole", "parts"))
+        mode: CheckpointMode = rng.choice(("full", "selective"))
+        if shape == "pair":
+            unit(f"blocks.{i}", f"blocks.{i + 1}")
+            i += 2
+            continue
+        if shape == "parts":
+            unit(f"blocks.{i}.attn")
+            unit(f"blocks.{i}.mlp")
+        else:
+            unit(f"blocks.{i}")
+        if rng.random() < 0.5:
+            checkpoint.append((f"blocks.{i}" if rng.random() < 0.5 else f"blocks.{i}.mlp", mode))
+        i += 1
+    for group in rng.choice(((), (("ln_f", "head"),), (("head",),))):
+        unit(*group)
+    units.append(Unit(modules=(ROOT,), reshard_after_forward=rng.choice((True, False))))
+    bf16 = rng.random() < 0.3
+    return ShardingPlan(
+        units=tuple(units),
+        prefetch=rng.choice((1, 2, 3)),
+        checkpoint=tuple(checkpoint),
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
+
+
+def random_plans_body(rank: int, world_size: int, seeds: list[int]) -> list[dict[str, Any]]:
+    """Each seed's plan applied and written out, on both engines, trained: their traces."""
+    out = []
+    for seed in seeds:
+        hows = ("shardkit", "source_shardkit", "torch", "source_torch")
+        out.append(train_body(rank, world_size, random_plan(seed), hows))
+    return out

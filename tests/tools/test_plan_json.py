@@ -174,3 +174,9 @@ def test_a_file_over_the_cap_is_not_read(tmp_path: Path) -> None:
         file.truncate(MAX_BYTES + 1)
     with pytest.raises(PlanFormatError, match="bytes, over"):
         load_plan(path)
+
+
+def test_drawn_plans_survive_the_round_trip() -> None:
+    for seed in range(50):
+        plan = plan_runs.random_plan(seed)
+        assert load_plan(dump_plan(plan)) == plan, seed

@@ -13,7 +13,8 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
   (the operators a step dispatches: on a GPU, its kernel launches).
 - :mod:`shardkit.tools.plan`, what will happen: :func:`plan` (and the ``shardkit-plan``
   command) predicts per-rank memory by category and the bytes of every collective of a step
-  from a meta-device model.
+  from a meta-device model; :func:`apply_plan` carries out a sharding plan (units,
+  prefetch, activation checkpointing, offload, precision) with the calls a script would make.
 - :mod:`shardkit.tools.report`, showing it: :func:`summarize` (terminal tables),
   :func:`write_report` (a folder with the summary, JSON, a Perfetto trace and PNG plots), and
   the ``shardkit-profile`` command.

@@ -10,14 +10,16 @@ closed-form minima it compares with, ``gpt`` and ``examples`` the models that th
 
 A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``:
 :func:`apply_plan` carries one out on a model, ``plan_json`` (:func:`dump_plan`,
-:func:`load_plan`) writes and reads it as JSON. :func:`check_plan` (``launch_check``) runs
-one rank of a plan's step on torch's fake process group before launch and measures it against
-the prediction.
+:func:`load_plan`) writes and reads it as JSON, and :func:`parallelize_source` writes it as a
+``parallelize(model, mesh)`` function to paste into a training script. :func:`check_plan`
+(``launch_check``) runs one rank of a plan's step on torch's fake process group before launch
+and measures it against the prediction.
 """
 
 from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.parallelize_source import parallelize_source
 from shardkit.tools.plan.plan_json import PlanFormatError, dump_plan, load_plan
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.records import (
@@ -44,5 +46,6 @@ __all__ = [
     "check_plan",
     "dump_plan",
     "load_plan",
+    "parallelize_source",
     "plan",
 ]

@@ -13,6 +13,7 @@ writes the same calls out as source.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from shardkit.tools.plan.plan_json import load_plan
 from shardkit.tools.plan.sharding_plan import ROOT, CheckpointMode, ShardingPlan
 
 __all__ = ["SELECTIVE_SAVED_OPS", "apply_plan", "selective_context_fn"]
+
+logger = logging.getLogger(__name__)
 
 EngineName = Literal["shardkit", "torch"]
 
@@ -153,10 +156,13 @@ def apply_plan(
     Raises:
         ValueError: a name the model lacks (with close matches), units out of ``fully_shard``
             order, a module already sharded or checkpoint-wrapped, a ``reshard_after_forward``
-            that does not divide the shard size, an option the engine or torch lacks.
-        TypeError: a ``fully_shard`` or ``mesh`` of the wrong kind.
-        RuntimeError: no mesh and no initialised process group.
-        All of these are raised before the model is changed.
+            that does not divide the shard size, an option the engine or torch lacks; a plan
+            file ``load_plan`` refuses. Before the model is changed.
+        TypeError: a ``fully_shard`` or ``mesh`` of the wrong kind (before any change).
+        RuntimeError: no mesh and no initialised process group (before any change).
+
+    An error ``fully_shard`` itself raises, one these checks do not foresee, can leave the
+    model partly sharded.
     """
     plan = plan if isinstance(plan, ShardingPlan) else load_plan(plan)
     engine = _engine(fully_shard)
@@ -179,6 +185,13 @@ def apply_plan(
     if plan.reduce_precision is not None:
         for module in firsts:
             module.set_reduce_precision(plan.reduce_precision, recurse=False)
+    logger.info(
+        "apply_plan: %d units sharded (%s engine), %d modules checkpointed, prefetch %d",
+        len(plan.units),
+        engine.name,
+        len(plan.checkpoint),
+        plan.prefetch,
+    )
     return model
 
 
@@ -246,6 +259,12 @@ def _resolve(
             "apply_plan: the plan sets reduce_precision, which only shardkit's engine has "
             "(FSDPModule.set_reduce_precision); apply it with fully_shard=None"
         )
+    if plan.offload and engine.name == "torch" and not torch.accelerator.is_available():
+        # torch's CPUOffloadPolicy pins host memory, which fails mid-way without one.
+        raise ValueError(
+            "apply_plan: the plan offloads, and torch's CPUOffloadPolicy pins host memory, "
+            "which needs an accelerator (none here); apply it with shardkit's engine"
+        )
     return _Resolved(units, checkpointed)
 
 
@@ -275,18 +294,25 @@ def _module_at(model: nn.Module, fqn: str, names: list[str], where: str) -> nn.M
 
 
 def _check_unit_order(plan: ShardingPlan) -> None:
-    """``fully_shard`` goes inner modules first: no unit may hold a later unit's module."""
-    for i, unit in enumerate(plan.units):
-        for j, later in enumerate(plan.units[i:], start=i):
-            for outer in unit.modules:
-                for inner in later.modules:
-                    if inner != outer and (outer == ROOT or inner.startswith(outer + ".")):
-                        where = "the same unit" if i == j else f"units[{j}], a later unit"
-                        raise ValueError(
-                            f"apply_plan: units[{i}] module {outer or '<root>'!r} contains "
-                            f"{inner!r} of {where}; fully_shard is called on inner modules "
-                            "first, each module in one unit"
-                        )
+    """``fully_shard`` goes inner modules first: no unit may hold a later unit's module.
+
+    Each module's ancestors are looked up among the units' modules (linear in the plan's
+    size: a plan read from a file may hold many units).
+    """
+    unit_of = {fqn: i for i, unit in enumerate(plan.units) for fqn in unit.modules}
+    for j, unit in enumerate(plan.units):
+        for inner in unit.modules:
+            parts = inner.split(".") if inner else []
+            for depth in range(len(parts)):
+                outer = ".".join(parts[:depth])
+                i = unit_of.get(outer)
+                if i is not None and i <= j:
+                    where = "the same unit" if i == j else f"units[{j}], a later unit"
+                    raise ValueError(
+                        f"apply_plan: units[{i}] module {outer or '<root>'!r} contains "
+                        f"{inner!r} of {where}; fully_shard is called on inner modules "
+                        "first, each module in one unit"
+                    )
 
 
 def _checkpointed(
