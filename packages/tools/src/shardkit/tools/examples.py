@@ -7,6 +7,10 @@ They live in :mod:`shardkit.tools.plan.examples`; this module keeps the short sp
 from shardkit.tools.plan.examples import (
     Llama,
     LlamaConfig,
+    gpt_35m,
+    gpt_35m_inputs,
+    gpt_demo,
+    gpt_demo_inputs,
     gpt_small,
     gpt_small_inputs,
     llama_8b,
@@ -20,6 +24,10 @@ from shardkit.tools.plan.examples import (
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "gpt_35m",
+    "gpt_35m_inputs",
+    "gpt_demo",
+    "gpt_demo_inputs",
     "gpt_small",
     "gpt_small_inputs",
     "llama_8b",

@@ -14,12 +14,15 @@ the operators the meta-device trace counted (``op_costs``), replayed with the co
 A ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``:
 :func:`apply_plan` carries one out on a model, ``plan_json`` (:func:`dump_plan`,
 :func:`load_plan`) writes and reads it as JSON, and :func:`parallelize_source` writes it as a
-``parallelize(model, mesh)`` function to paste into a training script.
+``parallelize(model, mesh)`` function to paste into a training script. :func:`check_plan`
+(``launch_check``) runs one rank of a plan's step on torch's fake process group before launch
+and measures it against the prediction.
 """
 
 from shardkit.tools.plan.apply import apply_plan
 from shardkit.tools.plan.calibrate import calibrate
 from shardkit.tools.plan.hardware import H100, H200, Hardware, Link
+from shardkit.tools.plan.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.parallelize_source import parallelize_source
@@ -48,10 +51,12 @@ __all__ = [
     "MemoryPoint",
     "OpCost",
     "Plan",
+    "PlanCheck",
     "PlanFormatError",
     "PlanOptions",
     "PlannedGroup",
     "apply_plan",
+    "check_plan",
     "dump_plan",
     "load_plan",
     "parallelize_source",

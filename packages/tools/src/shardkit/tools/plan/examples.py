@@ -33,6 +33,10 @@ from shardkit.tools.plan.gpt import GPT, GPTConfig
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "gpt_35m",
+    "gpt_35m_inputs",
+    "gpt_demo",
+    "gpt_demo_inputs",
     "gpt_small",
     "gpt_small_inputs",
     "llama_8b",
@@ -266,6 +270,30 @@ def gpt_small() -> GPT:
 
 def gpt_small_inputs(batch: int = 4, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`gpt_small`: one rank's micro-batch."""
+    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+
+
+def gpt_35m() -> GPT:
+    """The "35M" GPT of the benchmarks (8 blocks of width 512, 8192 tokens: 33.7e6 params)."""
+    config = GPTConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=256)
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def gpt_35m_inputs(batch: int = 2, seq_len: int = 128) -> torch.Tensor:
+    """Meta token ids (batch, seq_len) for :func:`gpt_35m`: a CPU rank's quick micro-batch."""
+    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+
+
+def gpt_demo() -> GPT:
+    """The demo GPT's shape (6 blocks of width 128, 256 tokens: about 1.3e6 params)."""
+    config = GPTConfig(vocab_size=256, dim=128, n_layers=6, n_heads=4, max_seq_len=128)
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def gpt_demo_inputs(batch: int = 8, seq_len: int = 128) -> torch.Tensor:
+    """Meta token ids (batch, seq_len) for :func:`gpt_demo`: the demo's 8 sequences a rank."""
     return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
 
 

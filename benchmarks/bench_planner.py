@@ -1,0 +1,171 @@
+"""The planner's measurement matrix: sixteen sharding plans of two GPTs, measured and predicted.
+
+For the demo GPT (1.3M parameters, 8 sequences of 128 a rank) and the 35M GPT (2 sequences of
+128 a rank), every plan of ``planner_configs.gpt_plans`` runs (a) on 2 gloo ranks: median
+step time and rank 0's peak of live tensor bytes, beside the planner's predicted peak (and
+step time, where a step-time model is given); (b) as rank 0 of 8 on the fake group
+(``check_plan``): the peak measured there beside the predicted one. See ``planner_run``.
+
+Prints a table per model and the Spearman rank correlation between predicted and measured
+W=2 step times; writes every figure as JSON to ``$SHARDKIT_BENCH_OUT/planner.json`` (or a
+temporary folder).
+
+Usage: ``python benchmarks/bench_planner.py [demo|35m ...]``, or through pytest-benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.planner_configs import gpt_plans
+from benchmarks.planner_run import (
+    MODELS,
+    Measurement,
+    PredictMs,
+    check_configs,
+    cpu_step_time_model,
+    measure_configs,
+)
+from shardkit.tools.plan.launch_check import PlanCheck
+
+LAYERS = {"demo": 6, "35m": 8}
+CHECK_WORLD = 8
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties given the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    result = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            result[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return result
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation: Pearson's of the ranks (None: fewer than 2 or constant)."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    if vx == 0 or vy == 0:
+        return None
+    return cov / math.sqrt(vx * vy)
+
+
+def run_model(model_name: str, predict_ms: PredictMs | None = None) -> dict[str, Any]:
+    """The matrix for one model: W=2 measurements, W=8 checks, the correlation.
+
+    ``predict_ms``: the step-time model; default, plan-time's on this machine's calibrated
+    profile where it is merged (else no predicted times).
+    """
+    plans = gpt_plans(LAYERS[model_name])
+    predict_ms = predict_ms if predict_ms is not None else cpu_step_time_model(2)
+    measured = measure_configs(model_name, plans, 2, predict_ms)
+    checks = check_configs(model_name, plans, CHECK_WORLD)
+    timed = [m for m in measured if m.predicted_ms is not None]
+    rho = spearman([m.predicted_ms or 0.0 for m in timed], [m.step_ms for m in timed])
+    return {
+        "model": model_name,
+        "w2": [dataclasses.asdict(m) for m in measured],
+        f"w{CHECK_WORLD}": {name: _check_record(c) for name, c in checks.items()},
+        "spearman_step_time": rho,
+        "table": table(measured, checks),
+    }
+
+
+def _check_record(check: PlanCheck | str) -> dict[str, Any]:
+    if isinstance(check, str):
+        return {"error": check}
+    return {
+        "measured_peak": check.measured_peak,
+        "predicted_peak": check.predicted_peak,
+        "ratio": check.ratio,
+        "collectives_match": check.collectives_match,
+        "first_mismatch": check.first_mismatch,
+        "ops": check.ops,
+        "seconds": check.seconds,
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _ratio(measured: int | None, predicted: int | None) -> str:
+    return "-" if not measured or not predicted else f"{measured / predicted:.3f}"
+
+
+def table(measured: list[Measurement], checks: dict[str, PlanCheck | str]) -> str:
+    """One line per plan: W=2 peak measured/predicted, step ms, W=8 peak measured/predicted."""
+    head = (
+        f"{'config':22} {'W2 peak MiB':>11} {'pred':>7} {'ratio':>6} {'step ms':>8} "
+        f"{'pred ms':>8} {'W8 peak':>8} {'pred':>7} {'ratio':>6} {'calls':>5}"
+    )
+    lines = [head]
+    for m in measured:
+        check = checks.get(m.name)
+        w8: int | None = None
+        w8p: int | None = None
+        calls = "-"
+        if isinstance(check, PlanCheck):
+            w8, w8p = check.measured_peak, check.predicted_peak
+            calls = "ok" if check.collectives_match else "DIFF"
+        pred_ms = "-" if m.predicted_ms is None else f"{m.predicted_ms:.0f}"
+        lines.append(
+            f"{m.name:22} {_mib(m.peak_bytes):>11} {_mib(m.predicted_peak):>7} "
+            f"{_ratio(m.peak_bytes, m.predicted_peak):>6} {m.step_ms:>8.0f} {pred_ms:>8} "
+            f"{_mib(w8):>8} {_mib(w8p):>7} {_ratio(w8, w8p):>6} {calls:>5}"
+        )
+    return "\n".join(lines)
+
+
+def write(records: list[dict[str, Any]]) -> Path:
+    """The records as JSON under ``$SHARDKIT_BENCH_OUT`` (or a temporary folder)."""
+    folder = Path(os.environ.get("SHARDKIT_BENCH_OUT") or tempfile.mkdtemp(prefix="planner-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "planner.json"
+    path.write_text(json.dumps(records, indent=1))
+    return path
+
+
+def main(models: Sequence[str]) -> None:
+    records = []
+    for name in models:
+        record = run_model(name)
+        records.append(record)
+        rho = record["spearman_step_time"]
+        sys.stdout.write(f"\n{name}:\n{record['table']}\n")
+        sys.stdout.write(f"Spearman (predicted vs measured W=2 step time): {rho}\n")
+    sys.stdout.write(f"written: {write(records)}\n")
+
+
+def test_planner_matrix(benchmark: Any) -> None:
+    records: list[dict[str, Any]] = []
+    benchmark.pedantic(lambda: records.extend(run_model(m) for m in MODELS), rounds=1, iterations=1)
+    for record in records:
+        sys.stdout.write(f"\n{record['model']}:\n{record['table']}\n")
+    benchmark.extra_info["planner"] = records
+    write(records)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(MODELS))
