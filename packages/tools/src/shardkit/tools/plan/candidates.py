@@ -190,16 +190,18 @@ def sharding_plan(shape: ModelShape, choice: Choice) -> ShardingPlan:
         for modules, owners in block_units
     ]
     if choice.edges_apart:
-        edges = (
-            [(*shape.leading, *shape.trailing)]
-            if shape.edges_share_params
-            else [shape.leading, shape.trailing]
-        )
-        # The trailing modules run last in forward and first in backward: like the last
-        # blocks, freeing them after forward buys nothing (the root's default keeps them).
-        for i, modules in enumerate(e for e in edges if e):
-            last = i == len(edges) - 1 and bool(shape.trailing)
-            units.append(Unit(modules=tuple(modules), reshard_after_forward=not last))
+        # In forward order, so that prefetch lists (which follow the units' order) do: the
+        # leading modules first, the trailing ones after the blocks. Those run last in forward
+        # and first in backward: like the last blocks, freeing them after forward buys
+        # nothing. Tied edges share a parameter, so they are one unit, run first and kept.
+        if shape.edges_share_params:
+            tied = (*shape.leading, *shape.trailing)
+            units.insert(0, Unit(modules=tied, reshard_after_forward=False))
+        else:
+            if shape.leading:
+                units.insert(0, Unit(modules=shape.leading, reshard_after_forward=True))
+            if shape.trailing:
+                units.append(Unit(modules=shape.trailing, reshard_after_forward=False))
     units.append(Unit(modules=(ROOT,), reshard_after_forward=False))
     every = choice.checkpoint_every
     checkpoint = tuple(

@@ -29,6 +29,8 @@ from torch import nn
 from shardkit.core import ReducePrecision
 from shardkit.tools.plan.bandwidth import Bandwidth, default_bandwidth, gloo_bandwidth
 from shardkit.tools.plan.calibrate import calibrate
+from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
+from shardkit.tools.plan.fit import run_fit
 from shardkit.tools.plan.hardware import PROFILES, Hardware
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
@@ -38,19 +40,6 @@ from shardkit.tools.plan.tables import format_plan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 __all__ = ["format_plan", "load_factory", "main"]
-
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-}
 
 
 class FactoryError(Exception):
@@ -114,14 +103,6 @@ def _check_wrap(model: nn.Module, wrap: frozenset[str] | None) -> None:
             f"--wrap names {', '.join(unknown)}, which no module of the model is an instance "
             f"of (its classes: {', '.join(sorted(classes))})"
         )
-
-
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        known = ", ".join(_DTYPES)
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r} (one of {known})") from None
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -208,6 +189,40 @@ def _parser() -> argparse.ArgumentParser:
         help="predict the step time on this machine profile (h100, h200) or on this machine, "
         "measured and cached (calibrate: gloo on its CPU); needs --inputs",
     )
+    fitting = parser.add_argument_group(
+        "choosing a plan (--fit)",
+        "search unit boundaries, per-unit reshard_after_forward, prefetch and recomputation "
+        "for the fastest plan that fits; --param-dtype/--reduce-dtype/--reduce-precision fix "
+        "the precision unless --precision lists the ones allowed",
+    )
+    fitting.add_argument(
+        "--fit",
+        metavar="BUDGET",
+        help="device memory per rank (80GiB, 75GB, 141e9): print the fastest plan that fits, "
+        "its check on the fake process group and the code to apply it; needs --inputs",
+    )
+    fitting.add_argument(
+        "--precision",
+        action="append",
+        metavar="PARAM[/REDUCE][+WIRE]",
+        help="a precision the search may choose (repeatable): bf16/fp32, fp32, bf16/fp32+int8",
+    )
+    fitting.add_argument("--allow-offload", action="store_true", help="also try CPU offload")
+    fitting.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="also try reshard_after_forward=N (a slice of N ranks kept after forward)",
+    )
+    fitting.add_argument("--plan-out", metavar="FILE", help="write the chosen plan as JSON")
+    fitting.add_argument(
+        "--engine",
+        choices=("shardkit", "torch"),
+        default="shardkit",
+        help="whose fully_shard the printed parallelize function calls",
+    )
+    fitting.add_argument(
+        "--no-check", dest="check", action="store_false", help="skip the fake-group check"
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -256,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FactoryError, ValueError, TypeError) as err:
         sys.stderr.write(f"shardkit-plan: error: {err}\n")
         return 2
+    if args.fit is not None:
+        return run_fit(model, load_factory(args.factory), args, options)
     try:
         result = plan(model, world_size=args.world_size, options=options)
     except (ValueError, TypeError, RuntimeError) as err:

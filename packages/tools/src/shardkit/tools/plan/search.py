@@ -213,8 +213,12 @@ def search(
         if not lightest.fits:
             _say(progress, f"{structure.describe()}: no fit even recomputing every block")
             return
-        for mode, every in _recompute_levels(space):
-            start = replace(structure, checkpoint_every=every, checkpoint_mode=mode)
+
+        def at_level(level: tuple[CheckpointMode, int]) -> Choice:
+            return replace(structure, checkpoint_mode=level[0], checkpoint_every=level[1])
+
+        for level in _levels_to_explore(space, lambda lv: predict(at_level(lv)).fits):
+            start = at_level(level)
             if not predict(start).fits:
                 continue
             bound = predict(replace(start, keep_last=blocks, prefetch=max(prefetches)))
@@ -258,16 +262,26 @@ def _same_structure(structure: Choice, choice: Choice) -> bool:
     )
 
 
-def _recompute_levels(space: SearchSpace) -> list[tuple[CheckpointMode, int]]:
-    """(mode, every n-th block), fewest recomputed first.
+def _levels_to_explore(
+    space: SearchSpace, fits: Callable[[tuple[CheckpointMode, int]], bool]
+) -> list[tuple[CheckpointMode, int]]:
+    """The recomputation levels worth exploring, fewest recomputed first.
 
-    Selective comes right after none: it keeps the matmuls' outputs, so it costs less time
-    than full recomputation of any block.
+    Full recomputation's levels save memory in order (every 4th block, every 2nd, every
+    block): the first that fits is found by bisection, and the ones before it are skipped.
+    Selective recomputation, whose memory falls anywhere among them, comes first (it keeps
+    the matrix multiplies' outputs, so it costs less time than full recomputation).
     """
-    levels: list[tuple[CheckpointMode, int]] = [("full", n) for n in space.checkpoint_levels]
-    if space.selective:
-        levels.insert(1 if levels and levels[0][1] == 0 else 0, ("selective", 1))
-    return levels
+    full: list[tuple[CheckpointMode, int]] = [("full", n) for n in space.checkpoint_levels]
+    low, high = 0, len(full) - 1  # the last (the most recomputed) fits: the caller checked
+    while low < high:
+        mid = (low + high) // 2
+        if fits(full[mid]):
+            high = mid
+        else:
+            low = mid + 1
+    selective: list[tuple[CheckpointMode, int]] = [("selective", 1)] if space.selective else []
+    return [*selective, *full[low:]]
 
 
 def _fits_keeping(predict: Callable[[Choice], Evaluated], start: Choice) -> Callable[[int], bool]:
