@@ -1,7 +1,8 @@
 """How a ``make check-gpu`` chunk runs its commands (``Runner``) and what it reports (``Row``).
 
 Its own module so that scripts/gpu_chunks.py and the chunks kept apart from it
-(scripts/gpu_snapshot_chunk.py) both build on it without importing each other.
+(scripts/gpu_snapshot_chunk.py, scripts/gpu_planner_chunk.py) build on it without importing
+each other.
 """
 
 from __future__ import annotations

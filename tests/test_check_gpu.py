@@ -1,7 +1,7 @@
 """`make check-gpu` (scripts/check_gpu.py) where there is no GPU: what it can do on a CPU.
 
 Its GPU chunks run only on CUDA; here: the fake-group scale code on a CPU (``--cpu-smoke``),
-the refusal without CUDA, and the table from saved results. About 40 s (six processes).
+the refusal without CUDA, and the table from saved results. About 40 s (seven processes).
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         "reduce-precision cpu 4,096 elements, W=1 (bytes at W=64)",
         "memory snapshots every step, fake-tiny W=2 (cpu): step with / without, every 4th"
         " replicated whole, the gradient log between",
+        "planner: fake-tiny default plan, fake group W=8 (cpu)",
+        "planner: fake-tiny chosen plan, fake group W=8 (cpu) (budget 0.6 of the default's"
+        " predicted peak)",
     ]
+    assert all(r["status"] == "pass" for r in rows[6:]), rows[6:]
     assert all(r["status"] == "pass" for r in rows[:2]), rows
     # Issue 38's chunk: both reduce-scatters and both compressed modes timed, bytes counted.
     assert rows[4]["status"] == "pass", rows[4]
@@ -199,3 +203,48 @@ def test_a_command_that_fails_without_a_crash_runs_once(tmp_path: Path) -> None:
     runner = Runner(env=dict(os.environ), deadline=time.monotonic() + 120, gpus=0, device="cpu")
     records, error = runner.run("failing", [sys.executable, "-c", "raise SystemExit(3)"], 60)
     assert error.startswith("exit 3") and records == [] and runner.crashes_retried == []
+
+
+def test_the_planner_smoke_chunk_measures_both_plans_on_the_cpu() -> None:
+    """Issue 65's chunk on a CPU: the default and the chosen plan of a tiny GPT at W=8."""
+    from scripts.gpu_planner_chunk import planner
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runner = Runner(env=env, deadline=time.monotonic() + 240, gpus=1, device="cpu")
+    rows = planner("cpu", "fake-tiny", steps=2, warmup=1)(runner)
+    assert [r.status for r in rows] == ["pass", "pass"], rows
+    default, chosen = runner.records["planner"]
+    # The default plan does not fit the budget (0.6 of its predicted peak); the chosen does,
+    # as predicted (live tensor bytes on a CPU: the planner's own figure).
+    assert not default["fits_budget"] and chosen["fits_budget"], (default, chosen)
+    assert chosen["measured_peak_bytes"] < default["measured_peak_bytes"]
+    for record in (default, chosen):
+        assert abs(record["peak_ratio"] - 1.0) < 0.01, record
+        assert record["step_s"] > 0 and record["predicted_step_s"] > 0, record
+    assert "fits its budget" in rows[1].figures, rows[1].figures
+
+
+def _planner_record(plan: str, ratio: float, fits: bool) -> dict[str, Any]:
+    return {"plan": plan, "description": "per block", "predicted_peak_bytes": 2**30,
+            "measured_peak_bytes": int(ratio * 2**30), "peak_ratio": ratio,
+            "live_peak_bytes": 2**30, "budget_bytes": 2**30, "fits_budget": fits,
+            "predicted_step_s": 0.2, "step_s": 0.25, "hardware": "H100"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("ratio", "fits", "statuses"),
+    [(1.08, True, ["pass", "pass"]), (1.12, True, ["fail", "fail"]),
+     (0.95, False, ["pass", "fail"])],
+)  # fmt: skip
+def test_the_planner_rows_judge_the_peak_and_the_budget(
+    ratio: float, fits: bool, statuses: list[str]
+) -> None:
+    from scripts.gpu_planner_chunk import planner_rows
+
+    records = [_planner_record(p, ratio, fits) for p in ("default", "chosen")]
+    rows = planner_rows(records, "", device="cuda", size="217m", world=8, share=0.6)
+    assert [r.status for r in rows] == statuses, rows
+    assert rows[0].check == "planner: 217M default plan, fake group W=8 (cuda)"
+    assert "live tensors 1024.0 MiB" in rows[0].figures, rows[0].figures
+    (missing,) = planner_rows([], "exit 1", device="cuda", size="217m", world=8, share=0.6)[1:]
+    assert missing.status == "error" and missing.detail == "exit 1"
