@@ -8,6 +8,7 @@ train 3 AdamW steps on the same seeded data; the losses are compared bit for bit
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -58,23 +59,14 @@ def train_body(rank: int, world_size: int, plan_json: str, how: str) -> dict[str
     peak = 0
     for step in range(STEPS):
         tokens = torch.randint(0, CONFIG.vocab_size, shape, generator=generator)
-        measured = how == "shardkit" and step == STEPS - 1
-        with LivePeak(model, optimizers=[optimizer]) if measured else _Nothing() as live:
+        live = LivePeak(model, optimizers=[optimizer])
+        with live if how == "shardkit" and step == STEPS - 1 else contextlib.nullcontext():
             loss = next_token_loss(model(tokens))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        if measured:
-            peak = live.peak
+        peak = max(peak, live.peak)
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
     return {"losses": losses, "peak": peak}
-
-
-class _Nothing:
-    def __enter__(self) -> _Nothing:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
