@@ -281,7 +281,6 @@ class _Step:
             return
         profile = trace.backward[j]
         early = [(g, p) for g, p in grads if self._fqn(g, p) in profile.grads_at_peak]
-        self._grads_appear(early)
         # Backward's measured levels replace forward's per-segment records: one key from now.
         for key in [k for k in ledger.live if k[0] == "act" and k[1] >= 0]:
             ledger.free(key)
@@ -289,6 +288,10 @@ class _Step:
         ledger.set(scratch, Category.OTHER, 0, "")  # the measured pair replaces what was left
         ledger.set(activations, Category.ACTIVATIONS, profile.activations, "activations")
         ledger.set(scratch, Category.OTHER, profile.scratch, "activation gradients")
+        # The gradients made before the segment's peak are there at it, beside the levels
+        # measured then (not beside forward's, which backward has been freeing meanwhile: in
+        # a segment holding the whole model, every activation would count twice).
+        self._grads_appear(early)
         # What is left when the segment is done stays through the group's reduce-scatter.
         ledger.set(activations, Category.ACTIVATIONS, profile.activations_after, "activations")
         ledger.set(scratch, Category.OTHER, profile.scratch_after, "activation gradients")
