@@ -31,12 +31,18 @@ from benchmarks.planner_configs import gpt_plans
 from benchmarks.planner_run import (
     MODELS,
     Measurement,
-    PredictMs,
     check_configs,
     cpu_step_time_model,
     measure_configs,
+    next_token_loss,
+    predict,
 )
+from shardkit.tools.plan.fit import fit
+from shardkit.tools.plan.hardware import Hardware
 from shardkit.tools.plan.launch_check import PlanCheck
+from shardkit.tools.plan.meta_build import build_on_meta
+from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.sharding_plan import ShardingPlan
 
 LAYERS = {"demo": 6, "35m": 8}
 CHECK_WORLD = 8
@@ -71,24 +77,67 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     return cov / math.sqrt(vx * vy)
 
 
-def run_model(model_name: str, predict_ms: PredictMs | None = None) -> dict[str, Any]:
-    """The matrix for one model: W=2 measurements, W=8 checks, the correlation.
+def run_model(model_name: str) -> dict[str, Any]:
+    """The matrix for one model: W=2 measurements, W=8 checks, the correlation, the search.
 
-    ``predict_ms``: the step-time model; default, plan-time's on this machine's calibrated
-    profile where it is merged (else no predicted times).
+    The search (``fit``, on this machine's calibrated profile) picks a plan for a budget the
+    default plan (every block a unit) does not fit (``TIGHT`` of its predicted peak) and one
+    it fits (``LOOSE``); both picks are measured in the same rounds as the matrix, so each is
+    compared with the fastest measured plan that fits its budget, and the loose pick with
+    the default.
     """
     plans = gpt_plans(LAYERS[model_name])
-    predict_ms = predict_ms if predict_ms is not None else cpu_step_time_model(2)
+    hardware, predict_ms = cpu_step_time_model(2)
+    default_peak = predict(model_name, plans["per-block"], 2, "gloo").memory.peak.total
+    budgets = {f"search@{share}": int(default_peak * share) for share in (TIGHT, LOOSE)}
+    picks = {name: _pick(model_name, budget, hardware) for name, budget in budgets.items()}
+    for name, pick in picks.items():
+        if pick is not None:
+            plans[name] = pick
     measured = measure_configs(model_name, plans, 2, predict_ms)
     checks = check_configs(model_name, plans, CHECK_WORLD)
-    timed = [m for m in measured if m.predicted_ms is not None]
+    timed = [m for m in measured if m.predicted_ms is not None and m.name not in picks]
     rho = spearman([m.predicted_ms or 0.0 for m in timed], [m.step_ms for m in timed])
     return {
         "model": model_name,
+        "hardware": hardware.to_dict(),
         "w2": [dataclasses.asdict(m) for m in measured],
         f"w{CHECK_WORLD}": {name: _check_record(c) for name, c in checks.items()},
         "spearman_step_time": rho,
+        "search": [_judge(name, budget, measured) for name, budget in budgets.items()],
         "table": table(measured, checks),
+    }
+
+
+TIGHT, LOOSE = 0.75, 2.0
+"""Budgets as shares of the default plan's predicted peak: one it does not fit, one it does."""
+
+
+def _pick(model_name: str, budget: int, hardware: Hardware) -> ShardingPlan | None:
+    factory, inputs = MODELS[model_name]
+    base = PlanOptions(inputs=inputs, loss=next_token_loss, backend="gloo")
+    model = build_on_meta(factory, model_name)
+    return fit(model, world_size=2, budget_bytes=budget, base=base, hardware=hardware).plan
+
+
+def _judge(name: str, budget: int, measured: list[Measurement]) -> dict[str, Any]:
+    """The pick against the fastest measured plan that fits ``budget`` (and the default)."""
+    by_name = {m.name: m for m in measured}
+    pick = by_name.get(name)
+    fitting = [m for m in measured if m.peak_bytes <= budget]
+    fastest = min(fitting, key=lambda m: m.step_ms) if fitting else None
+    default = by_name["per-block"]
+    return {
+        "pick": name,
+        "budget": budget,
+        "pick_step_ms": pick.step_ms if pick else None,
+        "pick_peak": pick.peak_bytes if pick else None,
+        "pick_fits": pick.peak_bytes <= budget if pick else None,
+        "fastest_fitting": fastest.name if fastest else None,
+        "fastest_fitting_ms": fastest.step_ms if fastest else None,
+        "pick_over_fastest": pick.step_ms / fastest.step_ms if pick and fastest else None,
+        "default_fits": default.peak_bytes <= budget,
+        "pick_over_default": pick.step_ms / default.step_ms if pick else None,
     }
 
 
@@ -155,6 +204,8 @@ def main(models: Sequence[str]) -> None:
         rho = record["spearman_step_time"]
         sys.stdout.write(f"\n{name}:\n{record['table']}\n")
         sys.stdout.write(f"Spearman (predicted vs measured W=2 step time): {rho}\n")
+        for judged in record["search"]:
+            sys.stdout.write(f"{json.dumps(judged)}\n")
     sys.stdout.write(f"written: {write(records)}\n")
 
 

@@ -18,7 +18,6 @@ scale this machine has no ranks for, measured.
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import statistics
 import time
@@ -35,9 +34,12 @@ from harness.pool import RankTaskError, run_on_ranks
 from shardkit.tools.examples import gpt_35m, gpt_35m_inputs, gpt_demo, gpt_demo_inputs
 from shardkit.tools.plan import Plan, PlanOptions, plan
 from shardkit.tools.plan.apply import apply_plan
+from shardkit.tools.plan.calibrate import calibrate
+from shardkit.tools.plan.hardware import Hardware
 from shardkit.tools.plan.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.options import options_for
 from shardkit.tools.plan.sharding_plan import ShardingPlan
+from shardkit.tools.plan.step_time import estimate_step_time
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "demo": (gpt_demo, gpt_demo_inputs),
@@ -77,16 +79,11 @@ class Measurement:
     """Why the planner refused the plan."""
 
 
-def cpu_step_time_model(world_size: int) -> PredictMs | None:
-    """The step-time model (branch plan-time: ``estimate_step_time``) on this machine's
-    calibrated profile for ``world_size`` gloo ranks; None where it is not merged yet."""
-    try:
-        calibrate = importlib.import_module("shardkit.tools.plan.calibrate").calibrate
-        estimate = importlib.import_module("shardkit.tools.plan.step_time").estimate_step_time
-    except ImportError:
-        return None
+def cpu_step_time_model(world_size: int) -> tuple[Hardware, PredictMs]:
+    """This machine's calibrated profile for ``world_size`` gloo ranks of one thread each,
+    and the step-time model on it."""
     hardware = calibrate(world_size, threads=1)
-    return lambda predicted: 1000 * float(estimate(predicted, hardware).total_s)
+    return hardware, lambda predicted: 1000 * estimate_step_time(predicted, hardware).total_s
 
 
 def next_token_loss(out: torch.Tensor) -> torch.Tensor:
