@@ -2,8 +2,8 @@
 
 The tiny GPT of the library tests at W=8, on real tensors and on fake ones (the two must
 measure the same peak: fake tensors keep every storage's size); the 8B Llama at 64 ranks on
-fake tensors. The peak within 3% of the plan's (see below for the checks where the plan now
-falls short), every collective as planned. Byte counts and operator counts, never times.
+fake tensors. The peak within 3% of the plan's, every collective as planned. Byte counts and
+operator counts, never times.
 """
 
 from __future__ import annotations
@@ -100,16 +100,6 @@ def test_steps_must_include_a_warm_up() -> None:
         check_plan(_tiny_gpt, _per_block("blocks", 2), world_size=8, inputs=_tiny_inputs, steps=1)
 
 
-# --- checks whose peak the planner now predicts below what CPU kernels hold -----------------
-#
-# Since plan-memory's 3950fe6 ("fused attention's output in the kernel's layout") the plan
-# holds one (B, heads, T, head_dim) attention output less per block than a step on this CPU
-# does (real tensors and fake ones alike): 1,024 bytes a block for the tiny GPT, 4 GiB over the
-# 8B Llama's 32 blocks at 8192 tokens (measured 1.036 of the plan). The collectives still match
-# call for call; the peaks are marked until the plan and the CPU's kernels agree again.
-_ATTENTION_LAYOUT = "the plan counts one attention output a block less than CPU kernels hold"
-
-
 @pytest.fixture(scope="module")
 def hsdp_check() -> PlanCheck:
     """Two replicas of 4 shards, the stand-in loss."""
@@ -157,7 +147,6 @@ def test_the_8b_llama_at_64_ranks_runs_the_collectives_planned(llama_check: Plan
     assert llama_check.collectives_match, llama_check.first_mismatch
 
 
-@pytest.mark.xfail(strict=True, reason=_ATTENTION_LAYOUT)
 @pytest.mark.parametrize("name", ["hsdp_check", "ones_check", "llama_check"])
 def test_the_peak_is_as_planned(name: str, request: pytest.FixtureRequest) -> None:
     check: PlanCheck = request.getfixturevalue(name)

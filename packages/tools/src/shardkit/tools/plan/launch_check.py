@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from shardkit.tools.plan.apply import apply_plan
+from shardkit.tools.plan.backward import unit_loss
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model, options_for
 from shardkit.tools.plan.planner import Plan, plan
 from shardkit.tools.plan.sharding_plan import ShardingPlan
@@ -289,6 +290,20 @@ def _train_step(
     loss: Callable[..., torch.Tensor] | None,
 ) -> None:
     """Forward, loss, backward, the optimizer's step and ``zero_grad``."""
+    _loss_of_forward(model, batch, loss).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _loss_of_forward(
+    model: nn.Module, batch: Any, loss: Callable[..., torch.Tensor] | None
+) -> torch.Tensor:
+    """Forward and the loss, the model's output dropped on return.
+
+    The plan has the step's caller drop the output once the loss is made (as in
+    ``loss_fn(model(x), y).backward()``); a step that kept it through backward would hold one
+    more output (the logits: 4 GiB for the 8B Llama at 8192 tokens) than the plan.
+    """
     if isinstance(batch, dict):
         out = model(**batch)
     elif isinstance(batch, tuple):
@@ -296,11 +311,9 @@ def _train_step(
     else:
         out = model(batch)
     if loss is None:
-        # The plan's stand-in loss: a ones gradient for each output that needs one.
+        # The plan's stand-in loss itself: its ones gradients are made in backward and
+        # dropped once used, where seeds passed to ``backward`` would live through it.
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    else:
-        value = loss(out, model) if loss_takes_model(loss) else loss(out)
-        value.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+        return unit_loss(outputs)
+    value: torch.Tensor = loss(out, model) if loss_takes_model(loss) else loss(out)
+    return value
