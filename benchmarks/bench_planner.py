@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.planner_configs import gpt_plans
@@ -37,11 +39,13 @@ from benchmarks.planner_run import (
     next_token_loss,
     predict,
 )
+from shardkit.tools.plan.candidates import Precision
 from shardkit.tools.plan.fit import fit
 from shardkit.tools.plan.hardware import Hardware
 from shardkit.tools.plan.launch_check import PlanCheck
 from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.search import SearchSpace
 from shardkit.tools.plan.sharding_plan import ShardingPlan
 
 LAYERS = {"demo": 6, "35m": 8}
@@ -117,7 +121,10 @@ def _pick(model_name: str, budget: int, hardware: Hardware) -> ShardingPlan | No
     factory, inputs = MODELS[model_name]
     base = PlanOptions(inputs=inputs, loss=next_token_loss, backend="gloo")
     model = build_on_meta(factory, model_name)
-    return fit(model, world_size=2, budget_bytes=budget, base=base, hardware=hardware).plan
+    # The user allows bf16 parameters with a float32 reduction, as the matrix tries them.
+    space = SearchSpace(precisions=(Precision(), Precision(torch.bfloat16, torch.float32)))
+    found = fit(model, world_size=2, budget_bytes=budget, base=base, hardware=hardware, space=space)
+    return found.plan
 
 
 def _judge(name: str, budget: int, measured: list[Measurement]) -> dict[str, Any]:

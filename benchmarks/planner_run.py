@@ -225,8 +225,7 @@ def _run_plan(
     batch = torch.randint(0, vocab, (shape[0], shape[1] + 1), generator=gen)
 
     def step() -> float:
-        out = model(batch[:, :-1])
-        loss = F.cross_entropy(out.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        loss = _loss_of_forward(model, batch, vocab)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -248,3 +247,10 @@ def _run_plan(
     optimizer.state.clear()  # the next plan's model starts from a clean heap
     gc.collect()
     return result
+
+
+def _loss_of_forward(model: nn.Module, batch: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Forward and the loss; the logits go out of scope here, as in a training loop that
+    does not keep them (the plan assumes it: only the loss's graph holds them)."""
+    out = model(batch[:, :-1])
+    return F.cross_entropy(out.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
