@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from benchmarks.planner_run import (
     next_token_loss,
     predict,
 )
+from benchmarks.ranking import spearman
 from shardkit.tools.plan.candidates import Precision
 from shardkit.tools.plan.fit import fit
 from shardkit.tools.plan.hardware import Hardware
@@ -50,35 +50,6 @@ from shardkit.tools.plan.sharding_plan import ShardingPlan
 
 LAYERS = {"demo": 6, "35m": 8}
 CHECK_WORLD = 8
-
-
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks, ties given the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    result = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for k in range(start, end + 1):
-            result[order[k]] = (start + end) / 2 + 1
-        start = end + 1
-    return result
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman's rank correlation: Pearson's of the ranks (None: fewer than 2 or constant)."""
-    if len(xs) != len(ys) or len(xs) < 2:
-        return None
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    if vx == 0 or vy == 0:
-        return None
-    return cov / math.sqrt(vx * vy)
 
 
 def run_model(model_name: str) -> dict[str, Any]:

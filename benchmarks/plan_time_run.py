@@ -13,7 +13,6 @@ Run alone (``python -m benchmarks.plan_time_run``) it prints the table.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.ranking import spearman
 from shardkit.tools.plan import Hardware, PlanOptions, StepTime, estimate_step_time, plan
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 
@@ -143,29 +143,6 @@ def predict(config: Config, hardware: Hardware, world_size: int = 2) -> StepTime
     return estimate_step_time(planned, hardware)
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (ties get their mean rank)."""
-
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                result[order[k]] = (i + j) / 2
-            i = j + 1
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.mean(rx), statistics.mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 0.0
-
-
 def run(rounds: int = 3) -> dict[str, Any]:
     """Measure every configuration (the fastest step of ``rounds``) and predict it."""
     from harness.pool import run_on_ranks
@@ -187,6 +164,7 @@ def run(rounds: int = 3) -> dict[str, Any]:
     predicted = {c.name: predict(c, hardware).total_s for c in CONFIGS}
     names = [c.name for c in CONFIGS]
     rho = spearman([measured[n] for n in names], [predicted[n] for n in names])
+    assert rho is not None, "Spearman needs two configurations of different times"
     return {"measured": measured, "predicted": predicted, "spearman": rho, "hardware": hardware}
 
 

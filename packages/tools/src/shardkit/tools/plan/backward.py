@@ -24,14 +24,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "AttentionCall",
     "BackwardSegment",
     "FusedAttention",
     "SegmentCursor",
+    "attention_call",
     "backward_profile",
     "fused_attention",
     "in_fused_attention",
@@ -124,6 +127,38 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     finally:
         _FUSED[0] -= 1
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """The tensors and causality of one ``scaled_dot_product_attention`` call."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    causal: bool
+
+
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def attention_call(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> AttentionCall | None:
+    """``func(*args, **kwargs)`` read as attention, or None when it is something else.
+
+    Each argument may come by position or by name, as the function's signature allows; the
+    planner's stand-ins (forward, recomputation) and its operator count read it alike.
+    """
+    if func is not F.scaled_dot_product_attention:
+        return None
+    given = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
+    q, k, v = (given.get(name) for name in _ATTENTION_ARGS[:3])
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    return AttentionCall(q, k, v, bool(given.get("is_causal", False)))
 
 
 def in_fused_attention() -> bool:

@@ -18,11 +18,9 @@ rewritten (atomically, keeping only the valid entries).
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.tools.plan.measure_cache import read_entries, write_entries
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 __all__ = [
@@ -52,7 +51,6 @@ MAX_CALIBRATION_RANKS = 4
 """Ranks the calibration runs with at most: enough for the ring's per-rank rate."""
 _CACHE_FILE = "gloo-bandwidth.json"
 _CACHE_VERSION = 1
-_MAX_CACHE_BYTES = 64 * 1024
 _MAX_GBPS = 1e5  # above any link: a larger cached figure is not a measurement
 _CALIBRATION_BYTES = 4 * 1024 * 1024
 _REPEATS = 3
@@ -98,37 +96,21 @@ def _valid_entry(entry: object) -> float | None:
     return float(gbps)
 
 
+def _checked_entry(entry: object) -> dict[str, Any] | None:
+    """An entry's bandwidth and when it was measured, checked; None if it is not valid."""
+    gbps = _valid_entry(entry)
+    if gbps is None or not isinstance(entry, dict):
+        return None
+    checked: dict[str, Any] = {"gbps": gbps}
+    when = entry.get("measured_unix_s")
+    if isinstance(when, float) and math.isfinite(when):
+        checked["measured_unix_s"] = when
+    return checked
+
+
 def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
-    """The valid entries of the cache file; {} when it is missing, too big or malformed."""
-    try:
-        with path.open("rb") as file:
-            raw = file.read(_MAX_CACHE_BYTES + 1)
-    except OSError:
-        return {}
-    if len(raw) > _MAX_CACHE_BYTES:
-        return {}
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
-        return {}
-    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-        return {}
-    entries = data.get("entries")
-    if not isinstance(entries, dict):
-        return {}
-    valid: dict[str, dict[str, Any]] = {}
-    for key, entry in entries.items():
-        gbps = _valid_entry(entry)
-        if isinstance(key, str) and gbps is not None:
-            valid[key] = {"gbps": gbps}
-            when = entry.get("measured_unix_s")
-            if isinstance(when, float) and math.isfinite(when):
-                valid[key]["measured_unix_s"] = when
-    return valid
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a bandwidth")  # NaN, Infinity: refused, not parsed
+    """The valid entries of the cache file (``measure_cache``)."""
+    return read_entries(path, _CACHE_VERSION, _checked_entry)
 
 
 def read_cached_gbps(path: Path, ranks: int) -> float | None:
@@ -140,18 +122,7 @@ def read_cached_gbps(path: Path, ranks: int) -> float | None:
 def _write_entry(path: Path, ranks: int, gbps: float) -> None:
     entries = _read_entries(path)
     entries[_key(ranks)] = {"gbps": gbps, "measured_unix_s": time.time()}
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    text = json.dumps({"version": _CACHE_VERSION, "entries": entries}, indent=1)
-    # Written aside then renamed: a reader never sees half a file, and a link at the path is
-    # replaced rather than followed.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gloo-bandwidth.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_entries(path, _CACHE_VERSION, entries)
 
 
 def measure_gloo_gbps(ranks: int, nbytes: int = _CALIBRATION_BYTES) -> float:

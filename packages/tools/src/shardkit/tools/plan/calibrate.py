@@ -19,11 +19,8 @@ is measured again and the file rewritten atomically.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +32,7 @@ import torch.nn.functional as F
 from shardkit.tools.plan.bandwidth import cache_path as bandwidth_cache_path
 from shardkit.tools.plan.bandwidth import measure_gloo_gbps
 from shardkit.tools.plan.hardware import Hardware, Link
+from shardkit.tools.plan.measure_cache import read_entries, write_entries
 from shardkit.tools.plan.op_costs import attention_flops
 
 __all__ = [
@@ -61,7 +59,6 @@ CALIBRATION_FIELDS = (
 """What a calibration measures: FLOP/s and GB/s per dtype, seconds per operator, gloo."""
 _CACHE_FILE = "hardware.json"
 _CACHE_VERSION = 1
-_MAX_CACHE_BYTES = 64 * 1024
 _MAX_FIGURE = 1e18  # above any machine's FLOP/s: a larger cached figure is not a measurement
 _REPEATS = 5
 _STREAM_NUMEL = 4 * 1024 * 1024
@@ -175,46 +172,15 @@ def _valid(entry: object) -> dict[str, float] | None:
     return figures
 
 
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a measurement")  # NaN, Infinity: refused, not parsed
-
-
 def _read(path: Path) -> dict[str, dict[str, float]]:
-    """The valid entries of the cache file; {} when it is missing, too big or malformed."""
-    try:
-        with path.open("rb") as file:
-            raw = file.read(_MAX_CACHE_BYTES + 1)
-    except OSError:
-        return {}
-    if len(raw) > _MAX_CACHE_BYTES:
-        return {}
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-        return {}
-    entries = data.get("entries")
-    if not isinstance(entries, dict):
-        return {}
-    valid = {key: _valid(entry) for key, entry in entries.items() if isinstance(key, str)}
-    return {key: figures for key, figures in valid.items() if figures is not None}
+    """The valid entries of the cache file (``measure_cache``)."""
+    return read_entries(path, _CACHE_VERSION, _valid)
 
 
 def _write(path: Path, key: str, figures: dict[str, float]) -> None:
     entries: dict[str, Any] = dict(_read(path))
     entries[key] = figures
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    text = json.dumps({"version": _CACHE_VERSION, "entries": entries}, indent=1)
-    # Written aside then renamed: a reader never sees half a file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".hardware.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_entries(path, _CACHE_VERSION, entries)
 
 
 def profile(figures: dict[str, float], name: str) -> Hardware:

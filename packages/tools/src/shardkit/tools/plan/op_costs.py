@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from shardkit.tools.plan.backward import attention_call
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.recompute import observing_recomputed_attention, recomputing
@@ -269,8 +269,9 @@ class _Attention(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and len(args) >= 3:
-            self._count(args[0], args[1], args[2], causal=bool(kwargs.get("is_causal", False)))
+        call = attention_call(func, args, kwargs)
+        if call is not None:
+            self._count(call.query, call.key, call.value, causal=call.causal)
         return func(*args, **kwargs)
 
     def recomputed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:

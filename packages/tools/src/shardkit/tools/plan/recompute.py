@@ -27,14 +27,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from shardkit.tools.plan.backward import fused_attention, in_fused_attention
+from shardkit.tools.plan.backward import attention_call, fused_attention, in_fused_attention
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 
@@ -266,12 +265,9 @@ class _FusedAttentionOnly(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value")
-            qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
-            if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
-                causal = bool(kwargs.get("is_causal", False))
-                for observe in _ATTENTION_OBSERVERS if self.reruns_kernel else ():
-                    observe(qkv[0], qkv[1], qkv[2], causal)
-                return fused_attention(*qkv)
+        call = attention_call(func, args, kwargs)
+        if call is not None:
+            for observe in _ATTENTION_OBSERVERS if self.reruns_kernel else ():
+                observe(call.query, call.key, call.value, call.causal)
+            return fused_attention(call.query, call.key, call.value)
         return func(*args, **kwargs)

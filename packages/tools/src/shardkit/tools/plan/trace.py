@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.utils.stateless import _reparametrize_module
@@ -42,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardkit.tools.plan.backward import (
     BackwardSegment,
     SegmentCursor,
+    attention_call,
     backward_profile,
     fused_attention,
     unit_loss,
@@ -251,11 +251,9 @@ class _TraceMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         self.recorder.use(pytree.tree_leaves((args, kwargs)))
-        if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value")
-            qkv = [*args[:3], *(kwargs[n] for n in names[len(args[:3]) :] if n in kwargs)]
-            if len(qkv) == 3 and all(isinstance(t, torch.Tensor) for t in qkv):
-                return fused_attention(*qkv)
+        call = attention_call(func, args, kwargs)
+        if call is not None:
+            return fused_attention(call.query, call.key, call.value)
         return func(*args, **kwargs)
 
 
