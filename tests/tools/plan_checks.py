@@ -1,6 +1,9 @@
-"""The check the planner-against-tracker tests share: a step's collectives, axis by axis."""
+"""What the planner-against-engine tests share: a step's collectives axis by axis, and its
+events as the engine publishes them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from shardkit.tools.plan.planner import Plan
 from shardkit.tools.records import RankReport
@@ -31,3 +34,20 @@ def assert_comm_matches_plan(
         a: b - sum(c.sent_bytes for c in predicted.step_check if c.axis == a)
         for a, b in by_axis.items()
     }
+
+
+Event = tuple[str, str]
+"""(what, group): an engine event as the plan lists them (``Plan.events``)."""
+
+
+def event_recorder(events: list[Event]) -> Any:
+    """A subscriber appending the engine's transitions and collectives to ``events``."""
+    from shardkit.core import CollectiveEvent, StateTransitionEvent
+
+    def record(event: object) -> None:
+        if isinstance(event, StateTransitionEvent):
+            events.append((event.what, event.module_fqn))
+        elif isinstance(event, CollectiveEvent):
+            events.append((event.kind, event.module_fqn))
+
+    return record

@@ -26,10 +26,9 @@ from harness.pool import run_on_ranks
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.planner import plan
 from tests.core import models
+from tests.tools.plan_checks import Event, event_recorder
 from tests.tp import tp_models
 from tests.tp.tp_parity import TPRun, build_sharded, global_mesh
-
-Event = tuple[str, str]  # (what, group)
 
 
 def _prepare(model: Any, case: str) -> Any:
@@ -51,18 +50,6 @@ def _prepare(model: Any, case: str) -> Any:
 _MODEL = {"tied": "gpt_tied"}  # the model of each case; "gpt" for the others
 
 
-def _record(events: list[Event]) -> Any:
-    from shardkit.core import CollectiveEvent, StateTransitionEvent
-
-    def record(event: object) -> None:
-        if isinstance(event, StateTransitionEvent):
-            events.append((event.what, event.module_fqn))
-        elif isinstance(event, CollectiveEvent):
-            events.append((event.kind, event.module_fqn))
-
-    return record
-
-
 def _engine_events(rank: int, world_size: int, case: str, mesh_shape: tuple[int, ...]) -> Any:
     from shardkit.core import fully_shard, subscribe
 
@@ -76,7 +63,7 @@ def _engine_events(rank: int, world_size: int, case: str, mesh_shape: tuple[int,
     events: list[Event] = []
     for step in range(2):  # the second: a steady state (the first has no forward order)
         events.clear()
-        unsubscribe = subscribe(_record(events))
+        unsubscribe = subscribe(event_recorder(events))
         x, y = models.batch("gpt", step, 2)
         models.loss_of("gpt", model(x), y).backward()
         unsubscribe()
@@ -141,7 +128,7 @@ def _tp_engine_events(rank: int, world_size: int, run: TPRun) -> list[Event]:
     events: list[Event] = []
     for step in range(2):
         events.clear()
-        unsubscribe = subscribe(_record(events))
+        unsubscribe = subscribe(event_recorder(events))
         _tp_step(model, run, step)
         unsubscribe()
         opt.step()

@@ -31,8 +31,8 @@ from shardkit.tools.plan.recompute import selective_context
 from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
 from shardkit.tools.plan.step_ops import SLICE_AXIS
 from tests.core import models
-from tests.tools import test_plan_events, workloads
-from tests.tools.plan_checks import assert_comm_matches_plan
+from tests.tools import workloads
+from tests.tools.plan_checks import assert_comm_matches_plan, event_recorder
 
 _ROWS, _SEQ, _VOCAB = 2, 8, 37  # per rank: the tiny GPT of tests.core.models
 _W = 2
@@ -265,7 +265,7 @@ def _engine_events(rank: int, world_size: int, sharding: ShardingPlan) -> list[t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     workloads.train_step(model, opt, 0, rank, world_size, "gpt")  # steady state from here
     events: list[tuple[str, str]] = []
-    unsubscribe = subscribe(test_plan_events._record(events))
+    unsubscribe = subscribe(event_recorder(events))
     workloads.train_step(model, opt, 1, rank, world_size, "gpt")
     unsubscribe()
     return events
