@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
 
 logger = logging.getLogger(__name__)
 
-WARMUP, STEPS, ROUNDS = 2, 2, 3
+WARMUP, STEPS, ROUNDS = 2, 3, 4
 _TIMEOUT_S = 600.0  # a 35M model's build and eight steps on two busy cores
 
 PredictMs = Callable[[Plan], float | None]
@@ -64,7 +63,9 @@ class Measurement:
     model: str
     world_size: int
     step_ms: float
-    """Median over the timed steps of the slowest rank's step."""
+    """The fastest of the timed steps (each its slowest rank's): on a shared 2-core machine
+    other work only ever adds time, and medians ranked the plans less consistently run to
+    run (benchmarks/plan_time_run.py found the same)."""
     peak_bytes: int
     """Rank 0's peak of live tensor bytes in one step."""
     sent_bytes: int
@@ -112,7 +113,7 @@ def measure_configs(
     Plans are interleaved: each round builds and times every plan once, in an order rotated
     from round to round, so a change in the machine's load over the minutes a matrix takes
     reaches every plan alike (the house's paired rounds, for many configurations). A plan's
-    step time is the median over all its timed steps; its peak and bytes come from round 0.
+    step time is the fastest of all its timed steps; its peak and bytes come from round 0.
     """
     names = list(plans)
     seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -167,7 +168,7 @@ def _measurement(
         name=name,
         model=model_name,
         world_size=world_size,
-        step_ms=1000 * statistics.median(seconds),
+        step_ms=1000 * min(seconds),
         peak_bytes=tracked["peak"],
         sent_bytes=tracked["sent"],
         predicted_peak=predicted.memory.peak.total if predicted else None,
