@@ -8,6 +8,8 @@ operator counts, never times.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,3 +153,27 @@ def test_the_8b_llama_at_64_ranks_runs_the_collectives_planned(llama_check: Plan
 def test_the_peak_is_as_planned(name: str, request: pytest.FixtureRequest) -> None:
     check: PlanCheck = request.getfixturevalue(name)
     assert check.measured_peak == pytest.approx(check.predicted_peak, rel=0.03)
+
+
+def test_a_given_prediction_is_used_and_must_be_rank_0_s_on_nccl() -> None:
+    from shardkit.tools.plan.options import options_for
+    from shardkit.tools.plan.planner import plan
+
+    sharding = _per_block("blocks", 2)
+    base = PlanOptions(inputs=_tiny_inputs, loss=_next_token_loss)
+    predicted = plan(_tiny_gpt, world_size=8, options=options_for(sharding, base))
+    check = check_plan(
+        _tiny_gpt,
+        sharding,
+        world_size=8,
+        inputs=_tiny_inputs,
+        loss=_next_token_loss,
+        predicted=predicted,
+    )
+    assert check.predicted_peak == predicted.memory.peak.total
+    assert check.measured_peak == pytest.approx(check.predicted_peak, rel=0.03)
+    gloo = plan(
+        _tiny_gpt, world_size=8, options=options_for(sharding, replace(base, backend="gloo"))
+    )
+    with pytest.raises(ValueError, match="nccl"):
+        check_plan(_tiny_gpt, sharding, world_size=8, inputs=_tiny_inputs, predicted=gloo)

@@ -301,6 +301,10 @@ def _checked(
         inputs=options.inputs,  # type: ignore[arg-type]  # checked by run_fit
         loss=options.loss,
         base_options=options,
+        # The search's own prediction, when it is the one the fake group runs.
+        predicted=found.chosen.plan
+        if found.chosen is not None and options.backend == "nccl" and options.rank == 0
+        else None,
     )
     return replace(found, check=check)
 

@@ -124,6 +124,7 @@ def check_plan(
     base_options: PlanOptions | None = None,
     steps: int = 2,
     fake_tensors: bool | None = None,
+    predicted: Plan | None = None,
 ) -> PlanCheck:
     """Run rank 0 of ``sharding``'s training step on the fake group and compare with its plan.
 
@@ -139,6 +140,9 @@ def check_plan(
         steps: Steps run in all; the last is measured (the plan is a steady-state step).
         fake_tensors: Run on fake tensors; None: when the predicted peak is above
             :data:`FAKE_TENSORS_ABOVE_BYTES`.
+        predicted: The plan of ``sharding`` when the caller has it (``shardkit-plan --fit``
+            does): planned for rank 0 on NCCL's buffers, as the fake group runs; None plans
+            it here.
 
     Returns:
         The check.
@@ -151,7 +155,10 @@ def check_plan(
     if steps < 2:
         raise ValueError(f"check_plan: steps must be at least 2 (one warm-up), got {steps}")
     started = time.perf_counter()
-    predicted = _predict(model_factory, sharding, world_size, inputs, loss, base_options)
+    if predicted is None:
+        predicted = _predict(model_factory, sharding, world_size, inputs, loss, base_options)
+    elif predicted.options.backend != "nccl" or predicted.options.rank != 0:
+        raise ValueError("check_plan: a given prediction must be rank 0's on nccl buffers")
     if fake_tensors is None:
         fake_tensors = predicted.memory.peak.total > FAKE_TENSORS_ABOVE_BYTES
     with _fake_group(world_size):
