@@ -5,6 +5,10 @@ engine (``engine/step_ops.py`` in the core) and for the planner alike. This is t
 side: each operation on a group index allocates and frees on the ledger what the engine's
 allocates and frees, and records the collectives it issues and the events it emits. The
 modelling assumptions are ``step``'s.
+
+Next to split off: the reductions (``start_reduction`` to ``_release``: the reduce-scatter's
+buffers, the replicas' all-reduce, the sharded gradients' assignment), as functions of the
+ledger and the group in a module of their own.
 """
 
 from __future__ import annotations

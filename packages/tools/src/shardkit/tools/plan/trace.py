@@ -21,6 +21,9 @@ allocated) with the parameters replaced by meta tensors of the gather dtype, and
 
 Without inputs, :func:`assumed_trace` orders events as the module tree is registered and saves
 nothing.
+
+Next to split off: the gradients' schedule (``GradientSchedule``, ``gradient_schedule``: where
+in backward each gradient appears and each group reduces), which reads a finished trace.
 """
 
 from __future__ import annotations
