@@ -48,7 +48,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
 
 logger = logging.getLogger(__name__)
 
-WARMUP, STEPS, ROUNDS = 2, 3, 4
+WARMUP, STEPS, ROUNDS = 2, 6, 4
 _TIMEOUT_S = 600.0  # a 35M model's build and eight steps on two busy cores
 
 PredictMs = Callable[[Plan], float | None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,13 @@ from shardkit.tools.plan import (
     estimate_step_time,
     plan,
 )
-from shardkit.tools.plan.calibrate import CALIBRATION_FIELDS, calibrate
+from shardkit.tools.plan.calibrate import (
+    CALIBRATION_FIELDS,
+    _measure_fresh_alloc,
+    _measure_per_operator,
+    calibrate,
+)
+from shardkit.tools.plan.calibrate_gloo import isotonic, measure_gloo
 from shardkit.tools.plan.cli import main
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.records import CollectiveCall
@@ -137,6 +144,48 @@ def test_without_overlap_every_collective_adds() -> None:
     assert step.exposed_communication_s == step.communication_s == 8.0
 
 
+def test_contention_takes_part_of_each_overlapped_collective_from_the_compute() -> None:
+    step = estimate_step_time(_hand_built(), dataclasses.replace(_unit(), contention=0.5))
+    # Each collective takes 1 s of its 2 from the compute where it is issued; a's gather is
+    # waited for 1 s more, b's lands in time, and the end waits 1 s for a's reduction.
+    assert step.total_s == 17.0
+    assert step.exposed_communication_s == 6.0
+    assert step.compute_s == 10.0
+
+
+def test_the_engine_s_host_work_runs_before_each_collective() -> None:
+    hw = dataclasses.replace(_unit(), collective_overhead_s=0.25)
+    step = estimate_step_time(_hand_built(), hw)
+    assert step.compute_s == 11.0  # four collectives' 0.25 s on the compute stream
+    assert step.total_s == 17.0  # the issues a quarter late: b waits for them, a ends at 16
+
+
+def test_large_engine_buffers_are_paged_in_where_the_host_maps_them_afresh() -> None:
+    calls = tuple(dataclasses.replace(c, input_bytes=2) for c in _hand_built().schedule)
+    timed = dataclasses.replace(_hand_built(), schedule=calls)
+    base = _unit(overlap=False)
+    paged = dataclasses.replace(base, fresh_alloc_bytes=4, fresh_alloc_gbps=1e-9)
+    # An all-gather's unsharded parameters (2 ranks x 2 bytes) reach 4 bytes, its receive
+    # buffer (2) does not; a reduce-scatter's input (2) and output (1) neither.
+    extra = estimate_step_time(timed, paged).total_s - estimate_step_time(timed, base).total_s
+    assert extra == pytest.approx(2 * 4.0)
+
+
+def test_a_selective_checkpoint_s_policy_costs_per_operator_twice() -> None:
+    checkpointed = _tiny_plan(checkpoint=(("blocks.1", "selective"),))
+    assert checkpointed.costs is not None
+    operators = sum(c.count for c in checkpointed.costs.modules["blocks.1"])
+    hw = _unit(overlap=False)
+    with_policy = dataclasses.replace(hw, selective_op_s=1e-3)
+    extra = (
+        estimate_step_time(checkpointed, with_policy).total_s
+        - estimate_step_time(checkpointed, hw).total_s
+    )
+    assert extra == pytest.approx(2 * operators * 1e-3)
+    full = _tiny_plan(checkpoint=(("blocks.1", "full"),))
+    assert estimate_step_time(full, with_policy) == estimate_step_time(full, hw)
+
+
 def _linear_costs() -> StepCosts:
     model_inputs = PlanOptions(inputs=lambda: torch.zeros(_M, _K, device="meta"))
     model = lambda: nn.Sequential(nn.Linear(_K, _N, bias=False), nn.Linear(_N, _P, bias=False))  # noqa: E731
@@ -218,9 +267,18 @@ class _FakeMeasure:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, ranks: int, threads: int) -> dict[str, float]:
+    def __call__(self, ranks: int, threads: int) -> dict[str, object]:
         self.calls += 1
-        return dict.fromkeys(CALIBRATION_FIELDS, 2.0)
+        return _figures()
+
+
+def _figures(**changes: object) -> dict[str, object]:
+    """Figures a calibration could give: every rate 2, contention a half, two curves."""
+    figures: dict[str, object] = dict.fromkeys(CALIBRATION_FIELDS, 2.0)
+    figures["contention"] = 0.5
+    figures["all_gather"] = [[4096, 1e-4], [1 << 20, 1e-3]]
+    figures["reduce_scatter"] = [[4096, 2e-4], [1 << 20, 3e-3]]
+    return figures | changes
 
 
 def test_calibration_is_measured_once_then_cached(tmp_path: Path) -> None:
@@ -229,19 +287,47 @@ def test_calibration_is_measured_once_then_cached(tmp_path: Path) -> None:
     second = calibrate(2, path=path, measure_fn=fake)
     assert fake.calls == 1
     assert first == second
-    assert not first.overlap and first.launch_s == 2.0 and first.flop_rate("bfloat16") == 2.0
+    assert first.overlap and first.contention == 0.5
+    assert first.launch_s == 2.0 and first.flop_rate("bfloat16") == 2.0
+    assert first.selective_op_s == first.collective_overhead_s == 2.0
+    assert first.fresh_alloc_gbps == 2.0 and first.fresh_alloc_bytes == 2
+    assert first.intra_node.seconds(4096, "all_gather") == 1e-4
+    assert first.intra_node.seconds(1 << 20, "reduce_scatter") == 3e-3
     calibrate(2, path=path, measure_fn=fake, refresh=True)
     assert fake.calls == 2
+
+
+def _cache_of(**changes: object) -> str:
+    """A cache file whose one entry is this host's, with ``changes`` to good figures."""
+    key = f"{socket.gethostname()}/threads=1/ranks=2/shapes=1024x512x512x8x4x128x32"
+    return json.dumps({"version": 2, "entries": {key: _figures(**changes)}})
+
+
+def test_a_good_cache_is_read_not_measured(tmp_path: Path) -> None:
+    path, fake = tmp_path / "hardware.json", _FakeMeasure()
+    path.write_text(_cache_of())
+    assert calibrate(2, path=path, measure_fn=fake).contention == 0.5
+    assert fake.calls == 0
 
 
 @pytest.mark.parametrize(
     "text",
     [
         "not json",
-        '{"version": 1, "entries": {"HOST": {"launch_s": NaN}}}',
-        '{"version": 1, "entries": {"HOST": {"launch_s": -1}}}',
-        '{"version": 1, "entries": []}',
+        '{"version": 2, "entries": {"HOST": {"launch_s": NaN}}}',
+        '{"version": 2, "entries": []}',
         "[" * 100000,
+        _cache_of(launch_s=-1),
+        _cache_of(launch_s=True),
+        _cache_of(contention=1.5),  # a fraction
+        _cache_of(collective_overhead_s=-1e-3),
+        _cache_of(all_gather=[[4096, 1e-3], [1 << 20, 1e-4]]),  # cheaper for more bytes
+        _cache_of(all_gather=[[1 << 20, 1e-3], [4096, 2e-3]]),  # bytes out of order
+        _cache_of(reduce_scatter=[[4096, True]]),
+        _cache_of(reduce_scatter=[[4096]]),
+        _cache_of(reduce_scatter=[]),
+        _cache_of(reduce_scatter=[[i + 1, 1.0] for i in range(300)]),  # too many points
+        _cache_of(all_gather=None),
     ],
 )
 def test_a_bad_cache_is_measured_again(tmp_path: Path, text: str) -> None:
@@ -249,7 +335,43 @@ def test_a_bad_cache_is_measured_again(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     calibrate(2, path=path, measure_fn=fake)
     assert fake.calls == 1
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
+
+
+def test_a_measured_curve_is_interpolated_between_its_points() -> None:
+    link = Link(gbps=1.0, latency_s=1.0, curves={"all_gather": ((10, 1.0), (20, 3.0))})
+    assert link.seconds(4, "all_gather") == 1.0  # below the first: its start-up
+    assert link.seconds(15, "all_gather") == 2.0
+    assert link.seconds(40, "all_gather") == 6.0  # past the last: its rate
+    assert link.seconds(10, "reduce_scatter") == 1.0 + 10 / 1e9  # no curve: latency + rate
+
+
+def test_isotonic_pools_adjacent_violators() -> None:
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert isotonic([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_the_host_figures_are_measured() -> None:
+    per_operator = _measure_per_operator()
+    assert 0 < per_operator["launch_s"] < 1e-2
+    assert per_operator["selective_op_s"] >= 0
+    fresh = _measure_fresh_alloc()
+    # Zero where the host keeps even 256 MiB allocations; else a size and a rate.
+    assert (fresh["fresh_alloc_bytes"] > 0) == (fresh["fresh_alloc_gbps"] > 0)
+    assert 0 <= fresh["fresh_alloc_bytes"] <= 256 * 1024 * 1024
+
+
+def test_gloo_is_timed_between_processes() -> None:
+    figures = measure_gloo(2, sizes=(4096, 1 << 16), repeats=1)
+    for kind in ("all_gather", "reduce_scatter"):
+        (small_bytes, small_s), (large_bytes, large_s) = figures[kind]
+        assert (small_bytes, large_bytes) == (4096, 1 << 16)
+        assert 0 < small_s <= large_s  # made monotone
+    assert 0 <= figures["contention"] <= 1
+    assert figures["collective_overhead_s"] >= 0
+    with pytest.raises(ValueError, match="2 ranks"):
+        measure_gloo(1)
 
 
 def test_the_cli_prints_the_step_time(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,11 +16,12 @@ adapter per GPU (50 GB/s). The efficiencies and latencies are assumptions, marke
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["H100", "H200", "PROFILES", "Hardware", "Link"]
+__all__ = ["H100", "H200", "PROFILES", "Hardware", "Link", "interpolate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,10 +32,37 @@ class Link:
     """GB/s (1e9 bytes per second) one rank sends at, each way, as reached (not peak)."""
     latency_s: float
     """Seconds a collective costs before its bytes: start-up, synchronisation, small hops."""
+    curves: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """Measured seconds by bytes sent, per collective kind ('all_gather', 'reduce_scatter'):
+    ``(sent bytes, seconds)`` points in increasing order of bytes, their seconds
+    non-decreasing. Where a kind has one, it replaces ``latency_s`` and ``gbps``: a link's
+    rate need not be one figure (gloo over loopback slows past the socket buffers, and
+    reduces on the CPU)."""
 
-    def seconds(self, sent_bytes: int) -> float:
-        """Time of a collective in which this rank sends ``sent_bytes``."""
-        return self.latency_s + sent_bytes / (self.gbps * 1e9)
+    def seconds(self, sent_bytes: int, kind: str = "all_gather") -> float:
+        """Time of a collective of ``kind`` in which this rank sends ``sent_bytes``.
+
+        On a measured curve: linear between the two points around ``sent_bytes``, the first
+        point's time below it (a collective costs its start-up however small), and the last
+        point's rate above it.
+        """
+        curve = self.curves.get(kind)
+        if not curve:
+            return self.latency_s + sent_bytes / (self.gbps * 1e9)
+        return interpolate(curve, sent_bytes)
+
+
+def interpolate(curve: tuple[tuple[int, float], ...], nbytes: int) -> float:
+    """Seconds at ``nbytes`` on ``(bytes, seconds)`` points (see :meth:`Link.seconds`)."""
+    first_bytes, first_s = curve[0]
+    if nbytes <= first_bytes:
+        return first_s
+    last_bytes, last_s = curve[-1]
+    if nbytes >= last_bytes:
+        return last_s * nbytes / last_bytes
+    upper = bisect.bisect_left(curve, nbytes, key=lambda point: point[0])
+    (low_bytes, low_s), (high_bytes, high_s) = curve[upper - 1], curve[upper]
+    return low_s + (high_s - low_s) * (nbytes - low_bytes) / (high_bytes - low_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,7 +98,27 @@ class Hardware:
     """Seconds per operator on the host (the offloaded optimizer's dispatch)."""
     overlap: bool = True
     """Whether collectives run beside compute (GPUs: side streams). False: each one adds its
-    time (gloo on a CPU whose cores the ranks share: the collectives take the same cores)."""
+    time, as if the compute stood waiting for it."""
+    contention: float = 0.0
+    """The fraction of an overlapped collective's time the compute loses to it all the same
+    (0 on a GPU; on a CPU, gloo's threads move the bytes on the cores the compute runs on, so
+    most of a collective's time is taken from the compute even while it overlaps)."""
+    collective_overhead_s: float = 0.0
+    """Seconds of the engine's own host work per collective, on the compute stream: its
+    hooks, buffers and the ranks meeting (a CPU profile measures it; a GPU's is hidden behind
+    its kernels, 0)."""
+    fresh_alloc_bytes: int = 0
+    """Host allocations this large or larger come fresh from the operating system each time
+    and are paged in as they are first written (glibc maps them above a threshold that moves
+    with what was freed: measured by ``calibrate``); 0: none do (a GPU's caching allocator
+    keeps its blocks)."""
+    fresh_alloc_gbps: float = 0.0
+    """GB/s at which a fresh allocation is paged in (beyond writing it), for
+    ``fresh_alloc_bytes``."""
+    selective_op_s: float = 0.0
+    """Seconds a ``selective`` checkpoint adds per operator of the checkpointed forward: its
+    policy runs in Python for each, in forward and again in the recomputation (measured on a
+    CPU profile; 0 on the GPU profiles, where the host runs ahead of the kernels)."""
     tf32: bool = False
     """Whether float32 matrix multiplies run as TF32 (``torch.backends.cuda.matmul.allow_tf32``)."""
     tf32_flops: float = 0.0
@@ -110,17 +158,29 @@ class Hardware:
             "memory_gbps": dict(self.memory_gbps),
             "compute_efficiency": self.compute_efficiency,
             "launch_s": self.launch_s,
-            "intra_node": {"gbps": self.intra_node.gbps, "latency_s": self.intra_node.latency_s},
-            "inter_node": {"gbps": self.inter_node.gbps, "latency_s": self.inter_node.latency_s},
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
             "ranks_per_node": self.ranks_per_node,
             "host_link": None
             if self.host_link is None
             else {"gbps": self.host_link.gbps, "latency_s": self.host_link.latency_s},
             "host_memory_gbps": self.host_memory_gbps,
             "overlap": self.overlap,
+            "contention": self.contention,
+            "collective_overhead_s": self.collective_overhead_s,
+            "selective_op_s": self.selective_op_s,
+            "fresh_alloc_bytes": self.fresh_alloc_bytes,
+            "fresh_alloc_gbps": self.fresh_alloc_gbps,
             "tf32": self.tf32,
             "notes": list(self.notes),
         }
+
+
+def _link_dict(link: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"gbps": link.gbps, "latency_s": link.latency_s}
+    if link.curves:
+        out["curves"] = {kind: [list(p) for p in points] for kind, points in link.curves.items()}
+    return out
 
 
 _TERA = 1e12

@@ -40,7 +40,14 @@ from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.recompute import observing_recomputed_attention, recomputing
 
-__all__ = ["CostCounter", "OpCost", "StepCosts", "attention_flops", "optimizer_costs"]
+__all__ = [
+    "CostCounter",
+    "OpCost",
+    "StepCosts",
+    "attention_flops",
+    "operator_bytes",
+    "optimizer_costs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,17 @@ def _launches(func: Any) -> bool:
         return False
     returns = func._schema.returns
     return not any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def operator_bytes(func: Any, args: Any, kwargs: Any, out: Any) -> int | None:
+    """Bytes an ATen operator reads and writes, as the step's counts have them.
+
+    Its tensor inputs and outputs; None for one that launches no kernel (a view, an
+    allocation).
+    """
+    if not _launches(func):
+        return None
+    return _nbytes(_tensors((args, kwargs))) + _nbytes(_tensors(out))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -15,11 +15,20 @@ planner's step simulation notes as the engine's schedule runs):
   copies the rows out (the engine's copy-out, at memory bandwidth; a reduction's copy-in
   counts with its collective); a tensor-parallel collective is waited for at once (its
   result is the next operator's input);
-- without overlap (``Hardware.overlap`` False: gloo on a CPU, where collectives take the
-  cores the compute runs on) every collective adds its time where it is issued;
+- without overlap (``Hardware.overlap`` False) every collective adds its time where it is
+  issued; with overlap, a collective still takes ``Hardware.contention`` of its time from
+  the compute (a CPU's gloo threads move the bytes on the compute's cores), and the engine's
+  own host work per collective (``Hardware.collective_overhead_s``) runs on the compute
+  stream;
+- a collective's time is its link's for its kind and bytes (``Link.seconds``: a measured
+  curve where the profile has one); on a host whose allocator maps large buffers afresh
+  (``Hardware.fresh_alloc_bytes``), the engine's buffers that large are paged in again
+  every step, on the compute stream;
 - recomputation: a checkpointed module's forward (``full``), or its operators other than
   matrix multiplies and attention (``selective``), runs again in the backward segment where
-  its last forward operator ran;
+  its last forward operator ran; a ``selective`` checkpoint's policy costs
+  ``Hardware.selective_op_s`` per operator of the module's forward, in forward and again in
+  that backward segment;
 - CPU offload: each all-gather first copies the unit's shards to the device (host link, one
   copy at a time each way), each reduce-scatter's output is copied back, and the optimizer
   runs on the host at its memory bandwidth;
@@ -126,6 +135,24 @@ def _recompute(plan: Plan, costs: StepCosts, hardware: Hardware) -> tuple[float,
     return seconds, sum(c.count for segment in costs.recompute for c in segment)
 
 
+def _selective_policy_seconds(plan: Plan, costs: StepCosts, hardware: Hardware) -> dict[int, float]:
+    """Segment -> seconds a ``selective`` checkpoint's policy adds there.
+
+    Forward and backward alike: the policy sees each operator of the module's forward once
+    in each.
+    """
+    seconds: dict[int, float] = {}
+    if not hardware.selective_op_s:
+        return seconds
+    for fqn, mode in plan.options.checkpoint:
+        if mode != "selective" or fqn not in costs.module_segment:
+            continue
+        operators = sum(c.count for c in costs.modules.get(fqn, ()))
+        segment = costs.module_segment[fqn]
+        seconds[segment] = seconds.get(segment, 0.0) + operators * hardware.selective_op_s
+    return seconds
+
+
 class _Replay:
     """The step's clocks: the compute stream's, each link's and each copy direction's."""
 
@@ -142,6 +169,7 @@ class _Replay:
         self.compute_s = self.comm_s = self.waited_s = self.offload_s = self.optimizer_s = 0.0
         self.backward_start: float | None = None
         self.optimizer_start = 0.0
+        self.policy_s = _selective_policy_seconds(plan, costs, hardware)  # segment -> seconds
 
     def run(self, mark: StepMark) -> None:
         if mark.phase is Phase.BACKWARD and self.backward_start is None:
@@ -164,6 +192,7 @@ class _Replay:
             seconds = costs_seconds(self.costs.forward[segment], self.hw)
         else:
             seconds = costs_seconds(self.costs.backward[segment], self.hw)
+        seconds += self.policy_s.get(segment, 0.0)  # in forward, and in the recomputation
         self.now += seconds
         self.compute_s += seconds
 
@@ -184,11 +213,20 @@ class _Replay:
             ready = max(ready, self.reduced.get(call.group, 0.0))
         if self.offload and call.kind == "all_gather" and call.axis != "tp":
             ready = self._copy("h2d", ready, call.input_bytes)  # the shards to the device
-        seconds = self.hw.link(call.axis, call.group_size).seconds(call.sent_bytes)
+        seconds = self.hw.link(call.axis, call.group_size).seconds(call.sent_bytes, call.kind)
+        if call.axis != "tp":  # the engine's hooks and buffers issue it (not DTensor's)
+            self.now += self.hw.collective_overhead_s
+            self.compute_s += self.hw.collective_overhead_s
+            ready = max(ready, self.now)
         # The engine's copies on flat buffers, read and written at memory speed: gradients
         # packed into the send buffer before a reduction, the gathered rows copied out into
         # the parameters once the all-gather is waited for.
         packed = 2 * call.input_bytes / self.hw.bytes_rate("float32")
+        if call.axis != "tp":  # the engine's buffers: paged in afresh where they are large
+            faults = self._fresh_seconds(call)
+            self.now += faults
+            self.compute_s += faults
+            ready = max(ready, self.now)
         if call.kind == "reduce_scatter":
             seconds += packed
         self.comm_s += seconds
@@ -203,6 +241,30 @@ class _Replay:
             self._copy("d2h", end, call.input_bytes // max(call.group_size, 1))  # the output
         if not self.hw.overlap or call.axis == "tp":
             self._wait_until(end)
+        elif self.hw.contention:
+            taken = self.hw.contention * seconds  # the cores it moves its bytes on
+            self.now += taken
+            self.waited_s += taken
+
+    def _fresh_seconds(self, call: CollectiveCall) -> float:
+        """Paging in the engine's buffers of ``call`` that come fresh from the OS.
+
+        An all-gather writes the peers' rows into a receive buffer, then the unsharded
+        parameters; a reduce-scatter packs the gradients into its input, and its output is
+        the new sharded gradient. Each buffer at least ``Hardware.fresh_alloc_bytes`` large is
+        paged in at ``fresh_alloc_gbps`` (a host's allocator hands it out anew every step).
+        """
+        threshold, rate = self.hw.fresh_alloc_bytes, self.hw.fresh_alloc_gbps
+        if not threshold or not rate:
+            return 0.0
+        size = max(call.group_size, 1)
+        if call.kind == "all_gather":
+            buffers = (call.input_bytes * (size - 1), call.input_bytes * size)
+        elif call.kind == "reduce_scatter":
+            buffers = (call.input_bytes, call.input_bytes // size)
+        else:
+            return 0.0
+        return sum(b for b in buffers if b >= threshold) / (rate * 1e9)
 
     def _copy(self, direction: str, ready: float, nbytes: int) -> float:
         assert self.hw.host_link is not None  # only with offload, which needs the link
