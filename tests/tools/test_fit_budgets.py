@@ -13,6 +13,7 @@ never asserted in a unit test).
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
 from harness.pool import run_on_ranks
 from shardkit.tools.plan.candidates import Choice, model_shape, sharding_plan
@@ -23,10 +24,17 @@ from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.plan_json import dump_plan
 from shardkit.tools.plan.planner import plan
+from shardkit.tools.plan.trace_cache import TraceCache
 from tests.tools import fit_runs
 
 WORLD_SIZE = 2
 SHARES = (0.9, 0.75, 0.6)
+
+
+@pytest.fixture(scope="module")
+def searched() -> tuple[nn.Module, TraceCache]:
+    """The meta model the three searches share, and their meta traces (one model, one base)."""
+    return build_on_meta(gpt_demo, "gpt_demo"), TraceCache()
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +55,20 @@ def _base() -> PlanOptions:
 
 @pytest.mark.parametrize("share", SHARES)
 def test_a_budget_the_default_does_not_fit_gets_a_plan_that_fits_and_trains_alike(
-    share: float, default_peaks: tuple[int, int]
+    share: float, default_peaks: tuple[int, int], searched: tuple[nn.Module, TraceCache]
 ) -> None:
     predicted_default, measured_default = default_peaks
     budget = int(predicted_default * share)
     assert measured_default > budget  # the default plan does not fit
-    model = build_on_meta(gpt_demo, "gpt_demo")
-    found = fit(model, world_size=WORLD_SIZE, budget_bytes=budget, base=_base(), hardware=H100)
+    model, traces = searched
+    found = fit(
+        model,
+        world_size=WORLD_SIZE,
+        budget_bytes=budget,
+        base=_base(),
+        hardware=H100,
+        traces=traces,
+    )
     best = found.result.best
     assert best is not None, f"nothing fits {budget} bytes"
     plan_json = dump_plan(best.plan)

@@ -8,6 +8,7 @@ times is benchmarks/bench_plan_time.py's (timings are too noisy for a unit test)
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import socket
 from pathlib import Path
@@ -41,6 +42,9 @@ from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.records import CollectiveCall
 from shardkit.tools.plan.step_time import costs_seconds, op_seconds
 from shardkit.tools.records import Phase
+
+# The package's ``calibrate`` is the function; its module, for monkeypatching, by name.
+calibrate_module = importlib.import_module("shardkit.tools.plan.calibrate")
 
 _M, _K, _N, _P = 16, 32, 24, 8
 
@@ -356,10 +360,25 @@ def test_the_host_figures_are_measured() -> None:
     per_operator = _measure_per_operator()
     assert 0 < per_operator["launch_s"] < 1e-2
     assert per_operator["selective_op_s"] >= 0
+    assert calibrate_module._fresh_seconds(1 << 20) >= 0
+
+
+@pytest.mark.parametrize("threshold", [40 << 20, 1 << 20, None])
+def test_the_size_the_host_maps_afresh_is_found_by_bisection(
+    monkeypatch: pytest.MonkeyPatch, threshold: int | None
+) -> None:
+    """A host that pages in allocations from ``threshold`` bytes at 1 GB/s (None: never)."""
+
+    def paged_in(nbytes: int) -> float:
+        return nbytes / 1e9 if threshold is not None and nbytes >= threshold else 0.0
+
+    monkeypatch.setattr(calibrate_module, "_fresh_seconds", paged_in)
     fresh = _measure_fresh_alloc()
-    # Zero where the host keeps even 256 MiB allocations; else a size and a rate.
-    assert (fresh["fresh_alloc_bytes"] > 0) == (fresh["fresh_alloc_gbps"] > 0)
-    assert 0 <= fresh["fresh_alloc_bytes"] <= 256 * 1024 * 1024
+    if threshold is None:
+        assert fresh == {"fresh_alloc_gbps": 0.0, "fresh_alloc_bytes": 0.0}
+        return
+    assert fresh["fresh_alloc_gbps"] == pytest.approx(1.0)
+    assert threshold <= fresh["fresh_alloc_bytes"] <= threshold + (256 << 10)
 
 
 def test_gloo_is_timed_between_processes() -> None:

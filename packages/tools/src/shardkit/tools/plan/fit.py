@@ -75,14 +75,17 @@ def fit(
     hardware: Hardware,
     space: SearchSpace | None = None,
     progress: Callable[[str], None] | None = None,
+    traces: TraceCache | None = None,
 ) -> Fit:
     """Search for the fastest plan of ``model`` that fits ``budget_bytes`` on every rank.
 
     ``model`` is built on the meta device; ``base`` holds what the search does not choose
     (inputs, loss, optimizer, mesh, backend). See ``search.search`` for the space searched.
+    ``traces`` shares the meta traces between searches of the same model and ``base`` (for
+    several budgets, say); each search makes its own by default.
     """
     started = time.perf_counter()
-    traces = TraceCache()
+    traces = traces if traces is not None else TraceCache()
     record: dict[ShardingPlan, PlannedChoice] = {}
     evaluate = planner_evaluator(
         model, world_size=world_size, base=base, hardware=hardware, traces=traces, record=record
