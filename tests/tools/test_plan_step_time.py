@@ -30,21 +30,17 @@ from shardkit.tools.plan import (
     estimate_step_time,
     plan,
 )
-from shardkit.tools.plan.calibrate import (
-    CALIBRATION_FIELDS,
-    _measure_fresh_alloc,
-    _measure_per_operator,
-    calibrate,
-)
+from shardkit.tools.plan.calibrate import CALIBRATION_FIELDS, calibrate
 from shardkit.tools.plan.calibrate_gloo import isotonic, measure_gloo
+from shardkit.tools.plan.calibrate_host import measure_fresh_alloc, measure_per_operator
 from shardkit.tools.plan.cli import main
 from shardkit.tools.plan.gpt import GPT, GPTConfig
 from shardkit.tools.plan.records import CollectiveCall
 from shardkit.tools.plan.step_time import costs_seconds, op_seconds
 from shardkit.tools.records import Phase
 
-# The package's ``calibrate`` is the function; its module, for monkeypatching, by name.
-calibrate_module = importlib.import_module("shardkit.tools.plan.calibrate")
+# The host measurements' module, for monkeypatching, by name.
+calibrate_host = importlib.import_module("shardkit.tools.plan.calibrate_host")
 
 _M, _K, _N, _P = 16, 32, 24, 8
 
@@ -357,10 +353,10 @@ def test_isotonic_pools_adjacent_violators() -> None:
 
 
 def test_the_host_figures_are_measured() -> None:
-    per_operator = _measure_per_operator()
+    per_operator = measure_per_operator()
     assert 0 < per_operator["launch_s"] < 1e-2
     assert per_operator["selective_op_s"] >= 0
-    assert calibrate_module._fresh_seconds(1 << 20) >= 0
+    assert calibrate_host.fresh_seconds(1 << 20) >= 0
 
 
 @pytest.mark.parametrize("threshold", [40 << 20, 1 << 20, None])
@@ -372,8 +368,8 @@ def test_the_size_the_host_maps_afresh_is_found_by_bisection(
     def paged_in(nbytes: int) -> float:
         return nbytes / 1e9 if threshold is not None and nbytes >= threshold else 0.0
 
-    monkeypatch.setattr(calibrate_module, "_fresh_seconds", paged_in)
-    fresh = _measure_fresh_alloc()
+    monkeypatch.setattr(calibrate_host, "fresh_seconds", paged_in)
+    fresh = measure_fresh_alloc()
     if threshold is None:
         assert fresh == {"fresh_alloc_gbps": 0.0, "fresh_alloc_bytes": 0.0}
         return
