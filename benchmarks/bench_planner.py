@@ -1,7 +1,7 @@
 """The planner's measurement matrix: sixteen sharding plans of two GPTs, measured and predicted.
 
 For the demo GPT (1.3M parameters, 8 sequences of 128 a rank) and the 35M GPT (2 sequences of
-128 a rank), every plan of ``planner_configs.gpt_plans`` runs (a) on 2 gloo ranks: median
+128 a rank), every plan of ``planner_configs.gpt_plans`` runs (a) on 2 gloo ranks: fastest
 step time and rank 0's peak of live tensor bytes, beside the planner's predicted peak (and
 step time, where a step-time model is given); (b) as rank 0 of 8 on the fake group
 (``check_plan``): the peak measured there beside the predicted one. See ``planner_run``.

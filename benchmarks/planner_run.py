@@ -3,7 +3,7 @@
 :func:`measure_configs` runs each plan on the worker pool's W gloo ranks (the processes are
 reused across plans, so start-up is paid once), ``ROUNDS`` times, the plans interleaved: the
 model is built on the meta device, sharded by ``apply_plan``, materialized, trained ``WARMUP``
-steps, then ``STEPS`` timed steps (a step's time is its slowest rank's; the median over every
+steps, then ``STEPS`` timed steps (a step's time is its slowest rank's; the fastest over every
 round's steps is kept); in the first round one more step runs under
 :class:`~shardkit.tools.track.live_peak.LivePeak` and :class:`CommTracker` for rank 0's peak of
 live tensor bytes and bytes sent (the trackers slow a step, so it is not timed). Beside each,
