@@ -260,11 +260,11 @@ class _Dispatch(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _launches(func):
-            inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        moved = operator_bytes(func, args, kwargs, out)
+        if moved is not None:
             formula = flop_registry.get(func._overloadpacket)
             flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-            self.counter.add(flops, _nbytes(inputs) + _nbytes(outputs), _dtype(inputs + outputs))
+            self.counter.add(flops, moved, _dtype(_tensors((args, kwargs)) + _tensors(out)))
         return out
 
 

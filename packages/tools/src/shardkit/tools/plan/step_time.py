@@ -214,19 +214,15 @@ class _Replay:
         if self.offload and call.kind == "all_gather" and call.axis != "tp":
             ready = self._copy("h2d", ready, call.input_bytes)  # the shards to the device
         seconds = self.hw.link(call.axis, call.group_size).seconds(call.sent_bytes, call.kind)
-        if call.axis != "tp":  # the engine's hooks and buffers issue it (not DTensor's)
-            self.now += self.hw.collective_overhead_s
-            self.compute_s += self.hw.collective_overhead_s
+        if call.axis != "tp":  # the engine issues it (not DTensor): its hooks, its buffers
+            host = self.hw.collective_overhead_s + self._fresh_seconds(call)
+            self.now += host
+            self.compute_s += host
             ready = max(ready, self.now)
         # The engine's copies on flat buffers, read and written at memory speed: gradients
         # packed into the send buffer before a reduction, the gathered rows copied out into
         # the parameters once the all-gather is waited for.
         packed = 2 * call.input_bytes / self.hw.bytes_rate("float32")
-        if call.axis != "tp":  # the engine's buffers: paged in afresh where they are large
-            faults = self._fresh_seconds(call)
-            self.now += faults
-            self.compute_s += faults
-            ready = max(ready, self.now)
         if call.kind == "reduce_scatter":
             seconds += packed
         self.comm_s += seconds
