@@ -21,88 +21,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
 from tests.core import models
-from tests.core.parity import full_params, fully_shard_of, rank_batch
-
-RTOL = 1e-5
-ATOL = 1e-6
-
-
-class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps every parameter's full gradient at each step, to compare with the oracle.
-
-    A sharded gradient is gathered (a collective): every rank steps in the same iterations,
-    the joined one from its join hook, so they gather together.
-    """
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(params, lr=0.05, momentum=0.9)
-        self.seen: list[list[torch.Tensor]] = []
-
-    def step(self, closure: Any = None) -> Any:
-        grads = [p.grad for group in self.param_groups for p in group["params"]]
-        self.seen.append([_full(g) for g in grads if g is not None])
-        return super().step(closure)
-
-
-def _full(grad: torch.Tensor) -> torch.Tensor:
-    full = grad.full_tensor() if isinstance(grad, DTensor) else grad
-    return full.detach().clone()
+from tests.core.engine.join_helpers import ATOL, RTOL, RecordingSGD
+from tests.core.engine.join_helpers import assert_matches_oracle as _assert_matches_oracle
+from tests.core.engine.join_helpers import batch as _batch
+from tests.core.engine.join_helpers import build as _build
+from tests.core.engine.join_helpers import loss as _loss
+from tests.core.engine.join_helpers import sharded as _sharded
+from tests.core.engine.join_helpers import syncs as _syncs
+from tests.core.parity import full_params, fully_shard_of
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return RecordingSGD(params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-
-
-class HeadRoot(nn.Module):
-    """Blocks, then a head held by the root: the root's gradients are complete first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(models.Block(7) for _ in range(2))
-        self.head = nn.Linear(7, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        out: torch.Tensor = self.head(x)
-        return out
-
-
-def _build(model: str) -> Any:
-    """``mlp``: the root holds an input projection and a head, so its gradients are complete
-    last; ``head_root``: first; ``gpt_tied``: its embedding is the head's weight;
-    ``mlp_frozen``: a block with a frozen norm, whose backward ends through its inputs."""
-    if model == "head_root":
-        torch.manual_seed(0)
-        return HeadRoot()
-    if model == "mlp_frozen":
-        built = models.build("mlp")
-        built.blocks[1].norm.requires_grad_(False)
-        return built
-    return models.build(model)
-
-
-def _data(model: str) -> str:
-    return "mlp" if model in ("head_root", "mlp_frozen") else model.removesuffix("_tied")
-
-
-def _batch(model: str, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return rank_batch(_data(model), step, rank, world_size, "shardkit")
-
-
-def _loss(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return models.loss_of(_data(model), out, target)
-
-
-def _syncs(step: int, accumulate: bool) -> bool:
-    """With accumulation, two micro-batches per optimizer step: the second syncs."""
-    return not accumulate or step % 2 == 1
 
 
 def _oracle(
@@ -151,23 +86,6 @@ def _seen(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
 
 def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-
-
-def _sharded(
-    world_size: int, mesh_shape: tuple[int, ...], name: str = "mlp", bf16: bool = False
-) -> Any:
-    from shardkit.core import MixedPrecisionPolicy
-
-    model = _build(name)
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    fully_shard = fully_shard_of("shardkit")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": policy} if bf16 else {"mesh": mesh}
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 def _iterate(
@@ -232,29 +150,6 @@ def _join_body(
         scheduler=scheduler,
     )
     return {"params": full_params(model), "grads": _seen(optimizer), "expected": expected}
-
-
-def _assert_matches_oracle(
-    results: list[dict[str, Any]],
-    rtol: float = RTOL,
-    atol: float = ATOL,
-    grad_tolerances: tuple[float, float] = (RTOL, ATOL),
-) -> None:
-    for rank, result in enumerate(results):
-        expected = result["expected"]
-        for name, value in result["params"].items():
-            torch.testing.assert_close(
-                value, expected["params"][name], rtol=rtol, atol=atol, msg=f"rank {rank}: {name}"
-            )
-        assert len(result["grads"]) == len(expected["grads"]), f"rank {rank}: optimizer steps"
-        for step, (ours, theirs) in enumerate(zip(result["grads"], expected["grads"], strict=True)):
-            torch.testing.assert_close(
-                ours,
-                theirs,
-                rtol=grad_tolerances[0],
-                atol=grad_tolerances[1],
-                msg=f"rank {rank}: gradients at step {step}",
-            )
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -395,7 +290,9 @@ def _after_join_body(rank: int, world_size: int) -> dict[str, int]:
 def test_an_ended_join_costs_no_collective() -> None:
     results = run_on_ranks(2, _after_join_body)
     # While active, an iteration adds torch's notification and the agreement: two all-reduces.
-    assert results[0]["during"] == 4 and results[1]["during"] == 2
+    # Rank 0's second iteration, rank 1 out of batches, announces its optimizer step too:
+    # a header and the scale factors, two more.
+    assert results[0]["during"] == 6 and results[1]["during"] == 2
     assert [r["after"] for r in results] == [0, 0]
 
 
@@ -488,3 +385,81 @@ def test_an_evaluation_loop_with_uneven_batches(counts: list[int]) -> None:
         assert len(result["outputs"]) == len(result["expected"])
         for got, want in zip(result["outputs"], result["expected"], strict=True):
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_gradient_accumulation_under_hsdp() -> None:
+    """Accumulation windows cut short by a rank out of batches, on a 2 x 2 mesh."""
+    results = run_on_ranks(
+        4, _join_body, counts=[4, 2, 3, 0], opt="adamw", accumulate=True, mesh_shape=(2, 2)
+    )
+    _assert_matches_oracle(results)
+
+
+# --- a conditional module under Join ----------------------------------------------------------
+
+
+class _Tower(nn.Module):
+    """A text projection, a tower only some batches use (marked conditional), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.Linear(6, 6)
+        self.tower = models.Block(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_tower: bool) -> torch.Tensor:
+        h = self.text(x)
+        if use_tower:
+            h = h + self.tower(x)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def _tower_model() -> _Tower:
+    torch.manual_seed(0)
+    return _Tower()
+
+
+def _tower_step(model: nn.Module, rank: int, step: int, counts: list[int]) -> torch.Tensor:
+    """Rank ``rank``'s loss at ``step``; a rank out of batches has none (a constant)."""
+    if step >= counts[rank]:
+        return torch.zeros(())
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 6, generator=generator)
+    out: torch.Tensor = model(x, (step + rank) % 2 == 0)  # ranks take turns skipping the tower
+    return out.pow(2).mean()
+
+
+def _conditional_body(rank: int, world_size: int, counts: list[int]) -> dict[str, Any]:
+    from shardkit.core import fully_shard
+    from tests.core.replica_oracle import oracle_train, plain
+
+    model: Any = _tower_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model.tower, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.tower.set_conditional(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], optimizer=optimizer):
+        for step in range(counts[rank]):
+            _tower_step(model, rank, step, counts).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    _, expected = oracle_train(
+        _tower_model,
+        lambda m, r, s: _tower_step(m, r, s, counts),
+        world_size=world_size,
+        steps=max(counts),
+        lr=0.1,
+    )
+    return {"params": plain(dict(model.named_parameters())), "expected": expected}
+
+
+@pytest.mark.parametrize("counts", [[4, 2], [3, 0]])
+def test_a_conditional_module_under_join(counts: list[int]) -> None:
+    """The tower's collectives are its anchor's: the joined rank's shadow issues them too."""
+    for rank, result in enumerate(run_on_ranks(2, _conditional_body, counts=counts)):
+        for name, value in result["params"].items():
+            torch.testing.assert_close(
+                value, result["expected"][name], rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {name}"
+            )

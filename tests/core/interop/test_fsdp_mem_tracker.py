@@ -166,7 +166,13 @@ def test_the_tracker_runs_on_shardkit_as_on_torchs_fully_shard() -> None:
                     assert 0 <= extra < ALIGN_BYTES * len(s["params"]) * 2, (case, fqn, key)
         gathered = s["snapshots"][first]["AFT_PRE_FW"][0]["Unsharded Param"]
         assert gathered > 0, case
-        assert s["peak"] <= t["peak"], case  # 0.91 to 0.99 of torch's when written
+        # 0.91 to 0.99 of torch's when written. Since 2026-11-28 a group whose inputs need no
+        # gradient (this root) ends its backward at the callback, as torch's does (the order
+        # of reductions may not depend on which parameters a rank used): with activation
+        # checkpointing and offload both engines then peak at the root's backward, where
+        # shardkit holds its 16-byte aligned shards (8 bytes more here) and 16 bytes more of
+        # activations: 80,532 bytes against 80,508 (1.0003).
+        assert s["peak"] <= t["peak"] * 1.001, case
 
 
 def _counted(rank: int, world_size: int, engine: str) -> list[dict[str, int]]:

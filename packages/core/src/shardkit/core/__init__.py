@@ -32,6 +32,7 @@ from shardkit.core.errors import (
     NumericsCheckError,
     ShardkitError,
     StateDictFileError,
+    StuckCollectiveError,
     UnevenShardingError,
     UnsupportedCopyError,
     UnsupportedWithHooksError,
@@ -55,7 +56,7 @@ from shardkit.core.policies import (
 )
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.replicate_api import ReplicateModule, replicate
-from shardkit.core.runtime.progress import set_debug, set_hang_timeout
+from shardkit.core.runtime.progress import set_collective_bound, set_debug, set_hang_timeout
 from shardkit.core.runtime.step_check import set_step_checks
 from shardkit.core.snapshots import MemorySnapshots, ResumePoint, SnapshotError
 from shardkit.core.state_dict import (
@@ -98,6 +99,7 @@ __all__ = [
     "StateDictCache",
     "StateDictFileError",
     "StateTransitionEvent",
+    "StuckCollectiveError",
     "UnevenShardingError",
     "UnshardHandle",
     "UntestedTorchWarning",
@@ -118,6 +120,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "save_full_state_dict",
+    "set_collective_bound",
     "set_debug",
     "set_hang_timeout",
     "set_step_checks",

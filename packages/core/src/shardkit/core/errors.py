@@ -20,6 +20,7 @@ __all__ = [
     "NumericsCheckError",
     "ShardkitError",
     "StateDictFileError",
+    "StuckCollectiveError",
     "UnevenShardingError",
     "UnsupportedCopyError",
     "UnsupportedWithHooksError",
@@ -90,6 +91,16 @@ class StateDictFileError(ShardkitError, ValueError):
 
 class DesyncError(ShardkitError, RuntimeError):
     """Ranks about to run different collectives (``SHARDKIT_DEBUG``); names what each runs."""
+
+
+class StuckCollectiveError(DesyncError):
+    """Every rank waits in one of the engine's collectives, and they cannot pair.
+
+    Raised on every rank, with the same message, once each has waited longer than
+    ``SHARDKIT_COLLECTIVE_BOUND`` (``set_collective_bound``) and they do not all wait on the
+    same collective; names what each waits on. The process group's connections are closed to
+    end the waits: it cannot be used again.
+    """
 
 
 class BufferLifetimeError(ShardkitError, RuntimeError):

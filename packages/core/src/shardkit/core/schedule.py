@@ -58,12 +58,14 @@ __all__ = [
     "StepSchedule",
     "TrainingState",
     "after_forward",
+    "count_can_end_backward",
     "count_ends_backward",
     "ends_at_callback",
     "inputs_end_backward",
     "partial_call_ends_backward",
     "reductions_to_finish",
     "root_reshards_after_forward",
+    "watches_inputs",
 ]
 
 G = TypeVar("G", bound=Hashable)
@@ -113,6 +115,29 @@ def count_ends_backward(state: TrainingState, *, inputs_pending: bool) -> bool:
     """
     ends = state in (TrainingState.PRE_BACKWARD, TrainingState.FORWARD, TrainingState.IDLE)
     return ends and not inputs_pending
+
+
+def count_can_end_backward(*, fills_missing: bool) -> bool:
+    """Whether a group's count of gradients may end its backward (rule 1).
+
+    Not where a parameter with no gradient is reduced as zeros (``reduce.unused``): a rank
+    that did not use it never completes the count that another rank completes, so the count
+    would end the group at other points on different ranks, and its reduction would pair
+    with another group's. Such a group ends where every rank's backward ends it, whatever it
+    used: when backward is through its forward inputs (rule 2, :func:`watches_inputs`), or at
+    the end-of-backward callback where no input needed a gradient (rule 3), as torch's
+    ``fully_shard`` ends every group.
+    """
+    return not fills_missing
+
+
+def watches_inputs(*, frozen: bool, fills_missing: bool) -> bool:
+    """Whether backward through a group's forward inputs is watched (rule 2).
+
+    ``frozen``: it has frozen parameters, which autograd may read after its last gradient;
+    ``fills_missing``: its count ends nothing (:func:`count_can_end_backward`).
+    """
+    return frozen or fills_missing
 
 
 def inputs_end_backward(state: TrainingState, *, count_complete: bool) -> bool:

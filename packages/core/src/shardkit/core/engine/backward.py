@@ -41,7 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.schedule import StepDriver
+from shardkit.core.schedule import StepDriver, count_can_end_backward
 from shardkit.core.state_machines import TrainingState
 
 __all__ = ["BackwardTracker"]
@@ -192,7 +192,9 @@ class BackwardTracker:
             count.ready += 1
             if count.expected is None:
                 count.expected = len(group.trainable)
-            if count.ready == count.expected:
+            if count.ready != count.expected:
+                return
+            if count_can_end_backward(fills_missing=group.fills_missing_grads()):
                 self._driver.grads_complete(group, inputs_pending=self._inputs_pending(group))
 
         return grad_ready
@@ -239,7 +241,10 @@ class BackwardTracker:
         self._driver.inputs_done(group, count_complete=self._count_complete(group))
 
     def _count_complete(self, group: FSDPParamGroup) -> bool:
-        if not group.trainable:
+        # Where missing gradients are reduced as zeros, backward through the inputs ends it.
+        if not group.trainable or not count_can_end_backward(
+            fills_missing=group.fills_missing_grads()
+        ):
             return True
         count = self._counts.get(group)
         return count is not None and count.ready == count.expected

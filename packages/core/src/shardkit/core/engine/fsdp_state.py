@@ -53,7 +53,7 @@ from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.dynamo import eager_hook
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
-from shardkit.core.schedule import root_reshards_after_forward
+from shardkit.core.schedule import root_reshards_after_forward, watches_inputs
 from shardkit.core.state_machines import ShardedState, TrainingState
 
 __all__ = ["FSDPState"]
@@ -193,7 +193,10 @@ class FSDPState:
                 assert self.ctx is not None
                 if partial:
                     args, kwargs = self.ctx.backward.wrap_partial_call(group, args, kwargs)
-                elif len(group.trainable) < len(group.params):
+                frozen = len(group.trainable) < len(group.params)
+                if watches_inputs(frozen=frozen, fills_missing=group.fills_missing_grads()):
+                    # Every call's inputs, a list group's first (partial so far) included:
+                    # backward is through the group only once it is through all of them.
                     args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)

@@ -1,28 +1,43 @@
 """Uneven inputs: a root FSDP module under torch's ``Join``, as DDP is.
 
 ``with Join([model], optimizer=opt):`` lets ranks run different numbers of iterations. A rank
-out of batches enters ``Join.__exit__``, which calls this module's hook once per iteration
-that the others still run; the hook shadows that iteration (:class:`FSDPJoinHook`):
+out of batches enters ``Join.__exit__``, whose loop calls each joinable's hook once per
+iteration the others still run (torch's count of active ranks first). This module's hook
+shadows the iteration by what the active ranks announce to it, in small all-reduces over the
+mesh (``engine/join_message``), and returns at the iteration's step, so a ``Joinable`` listed
+after the model shadows what the program issues after the step, as torch's pattern has it.
+The active ranks announce (the arguments ``Join`` passes are checked by ``engine/join_args``):
 
-1. **Agreement.** Each active rank, at its root's pre-forward, after torch's own
-   ``Join.notify_join_context``, all-reduces ``2 + 3 * groups`` int64s over the join group
-   (:func:`notify`): a one, whether gradients are enabled (an evaluation's forward has no
-   backward to shadow), and per group its ``reduce_grads``, ``all_reduce_grads`` and
-   ``is_last_backward``. A joined rank adds zeros, so it learns how many ranks are active
-   and whether this iteration reduces gradients and ends with an optimizer step (gradient
-   accumulation turns sync off on all but the last micro-batch). Cost, while a Join is
-   active only: one small all-reduce per iteration (8 * (2 + 3G) bytes; 256 bytes for ten
-   groups) beside torch's notification (one float), which active ranks leave in flight and
-   wait on at their next iteration, unless ``divide_by_initial_world_size=False`` needs its
-   count before backward. DDP's join pays as much, and blocks on it.
-2. **Dry iteration.** The step's collectives with zero gradients (``dry_step``; an
-   evaluation's: its forward's gathers and the step check only), over the
-   events of this rank's last real iteration (recorded in a ``StepTrace`` while the Join is
-   active), or, for a rank that never ran one, the events the module tree gives
-   (``step_trace.tree_trace``). The root's lazy init runs first where no forward did.
-3. **Optimizer step.** Where the iteration reduced and was the last backward, the shards
-   this rank owns hold the others' gradient: ``optimizer.step()`` (then
-   ``lr_scheduler.step()``, if given) and ``optimizer.zero_grad()``, as the active ranks do.
+1. **An iteration** (``ITERATION``, :func:`notify`, at the root's pre-forward, after torch's
+   own ``Join.notify_join_context``): a one, whether gradients are enabled (an evaluation's
+   forward has no backward to shadow), and per group its ``reduce_grads``,
+   ``all_reduce_grads`` and ``is_last_backward``. A joined rank adds zeros, so it learns how
+   many ranks are active and whether the iteration reduces gradients (gradient accumulation
+   turns sync off on all but the last micro-batch). It shadows the iteration: the step's
+   collectives with zero gradients (``dry_step``; an evaluation's: its forward's gathers and
+   the step check only), over the events of this rank's last real iteration (recorded in a
+   ``StepTrace`` while the Join is active), or, for a rank that never ran one, the events the
+   module tree gives (``step_trace.tree_trace``). The root's lazy init runs first where no
+   forward did. The active ranks wait for it before their forward: they must know whether a
+   rank is out of batches before the iteration's own code runs.
+2. **A gradient norm** (``NORM``), before its all-reduce goes out, in an iteration that steps
+   (the joined rank listens, after its dry iteration, until the step): the joined rank computes
+   the same norm over its shards (``torch.nn.utils.get_total_norm``), which hold its part of
+   the averaged gradient, so the norm is the averaged gradient's on every rank.
+3. **An optimizer step** (``STEP``), from the optimizer's step pre-hook, with the factor each
+   gradient was scaled by since the backward (gradient clipping): the joined rank scales its
+   shards alike, then ``optimizer.step()`` (then ``lr_scheduler.step()``, if given) and
+   ``optimizer.zero_grad()``.
+4. **Something it cannot shadow** (``FOREIGN``): every rank raises the same error.
+
+Announcements 2 to 4 happen only while some rank is out of batches; the active ranks then run
+under a :class:`~shardkit.core.runtime.collective_watch.CollectiveWatch` (``engine/
+join_watch``), which sees the norms, the scaling, and any other collective before it goes
+out. Such a collective (unless a method of another ``Joinable`` issues it) is held back (its
+caller sees its tensors unchanged) and named at the next announcement (the step, or the next
+iteration, which then opens with ``FOREIGN``), where every rank raises; one still held at the
+Join's end is named by the exchange of the hooks' ``post_hook``. A watch left behind by an
+exception in the loop lets everything pass and is dropped at the root's next forward.
 
 A gradient is the sum over the active ranks divided by the initial world size
 (``divide_by_initial_world_size=True``, DDP's default), or by the number of active ranks:
@@ -34,9 +49,8 @@ never disables the config, but the ``Join`` object, which holds the hook, goes w
 ``with`` statement (or the exception it raised), and from then on a forward costs one
 lookup and issues nothing. Supported: every iteration runs the same groups in the same order
 (the others' order is the recorded one; an evaluation's forward, the forward of a training
-iteration), no ``set_manual_backward_finalization`` and no collective outside the engine
-(gradient-norm clipping) between forward and the optimizer step. A rank with no batch in this
-Join takes the module tree's order, even if it trained before it (recording runs only under a
+iteration), and no ``set_manual_backward_finalization``. A rank with no batch in this Join
+takes the module tree's order, even if it trained before it (recording runs only under a
 Join).
 """
 
@@ -45,7 +59,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,10 +67,28 @@ from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardkit.core.engine.dry_step import run_dry_step
-from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.join_args import join_args, root_name
+from shardkit.core.engine.join_message import (
+    NAME_SLOTS,
+    Kind,
+    Message,
+    decode_name,
+    encode_name,
+    header_size,
+    norm_body,
+    unshadowable_message,
+)
+from shardkit.core.engine.join_watch import (
+    GradNorm,
+    JoinWatchPolicy,
+    scale_grads,
+    shadow_norm,
+    watch_steps,
+)
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.step_trace import StepTrace, tree_trace
+from shardkit.core.runtime.collective_watch import CollectiveWatch, drop_orphaned_watch
 from shardkit.core.runtime.groups import mesh_group
 from shardkit.core.runtime.protocol import CollectiveHandle
 
@@ -76,52 +107,8 @@ _HOOKS: weakref.WeakKeyDictionary[FSDPState, weakref.ref[FSDPJoinHook]]
 _HOOKS = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True, slots=True)
-class _Agreed:
-    """What the active ranks of one iteration agreed (summed over the join group)."""
-
-    active: int
-    backward: bool
-    """Whether the iteration has a backward (a forward with gradients): else an evaluation's."""
-    reduces: list[bool]
-    all_reduces: list[bool]
-    last: list[bool]
-
-    @staticmethod
-    def of(summed: torch.Tensor) -> _Agreed:
-        values = [int(v) for v in summed.tolist()]
-        flags = values[2:]
-        return _Agreed(
-            values[0],
-            values[1] > 0,
-            [v > 0 for v in flags[0::3]],
-            [v > 0 for v in flags[1::3]],
-            [v > 0 for v in flags[2::3]],
-        )
-
-    @property
-    def steps(self) -> bool:
-        """Whether the active ranks' iteration ends in an optimizer step."""
-        return self.backward and any(self.reduces) and all(self.last)
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    """An active rank's agreement, waited on at its next iteration or at the Join's end."""
-
-    notified: Any
-    """torch's ``notify_join_context`` work (None where another joinable notified)."""
-    agreement: CollectiveHandle
-    summed: torch.Tensor
-
-    def wait(self) -> None:
-        if self.notified is not None:
-            self.notified.wait()
-        self.agreement.wait()
-
-
 class FSDPJoinHook(JoinHook):
-    """The join hook of a root FSDP module: shadow an iteration, then step this rank's shards."""
+    """The join hook of a root FSDP module: shadow the others' turns, step this rank's shards."""
 
     def __init__(
         self,
@@ -138,42 +125,111 @@ class FSDPJoinHook(JoinHook):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.groups = [g for s in states_under(module) for g in s.groups]
         self.factors = [g.options.gradient_divide_factor for g in self.groups]
+        self.params = [p.sharded_param for g in self.groups for p in g.params if p.requires_grad]
         self.mesh = self.groups[0].mesh_info.mesh
         self.group = mesh_group(self.mesh)
         """The join group: every rank of the root's mesh."""
         self.replay: StepTrace | None = None
         self.last_trace: StepTrace | None = None
-        self.pending: _InFlight | None = None
+        # The step hooks and the watch hold this hook weakly: its life is the Join's.
+        self.policy = JoinWatchPolicy(weakref.proxy(self), self.params)
+        self.watch = CollectiveWatch(self.policy)
+        self.step_hooks = watch_steps(optimizer, self)
+        self.listening = False
+        """An active rank's: whether the joined ranks listen for announcements now."""
+        self.step_depth = 0
 
     # --- a rank with a batch ----------------------------------------------------------------
 
     def active_iteration(self) -> None:
-        """This rank runs an iteration: torch's notification, then the agreement (step 1)."""
-        self.wait_pending()
+        """This rank runs an iteration: announce it (a turn), watch it if a rank has joined."""
+        self.watch.stop()
+        if self.policy.unshadowable is not None:
+            self.raise_unshadowable(turn=not self.listening)  # held in the previous iteration
+        if self.listening:  # the previous iteration did not step: the joined ranks skip it too
+            self.announce(Kind.NO_STEP, [], turn=False)
+            self.listening = False
         ops = _ops(self.state)
         backward = torch.is_grad_enabled()
-        try:
-            work = Join.notify_join_context(self.module)  # type: ignore[arg-type]
-        except RuntimeError:
-            self.restore_factors()  # throw_on_early_termination: this Join ends here
-            raise
-        flags = [1, int(backward)]  # an evaluation's forward (no gradients) has no backward
+        flags = [float(backward)]  # an evaluation's forward (no gradients) has no backward
         for group in self.groups:
             o = group.options
-            flags += [int(o.reduce_grads), int(o.all_reduce_grads), int(o.is_last_backward)]
-        vector = torch.tensor(flags, dtype=torch.int64, device=self.state.device)
-        handle = _runtime_all_reduce(self.state, vector, self.group)
+            flags += [float(o.reduce_grads), float(o.all_reduce_grads), float(o.is_last_backward)]
+        message = Message.of(self.announce(Kind.ITERATION, flags, turn=True))
         self._keep_trace(ops, recording=backward)  # the trace to replay is a training one
-        self.pending = _InFlight(work, handle, vector)
         if backward and not self.divide_by_initial_world_size:
-            self.wait_pending()  # the reductions of this iteration need the count
-            self.set_factors(int(vector[0]))
+            self.set_factors(message.active)  # the reductions of this iteration need the count
+        # A joined rank listens, after its dry iteration, until this iteration's step.
+        self.listening = message.active < self.mesh.size() and message.steps
+        if message.active < self.mesh.size():
+            self.policy.begin_iteration()
+            self.watch.start()
 
-    def wait_pending(self) -> None:
-        """Finish the agreement left in flight by the previous iteration."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.wait()
+    def announce(
+        self, kind: Kind, body: list[float], payload: torch.Tensor | None = None, *, turn: bool
+    ) -> torch.Tensor:
+        """Send ``kind``; a ``turn`` opens one of the joined ranks' loop (torch's notification)."""
+        work = None
+        if turn:
+            try:
+                work = Join.notify_join_context(self.module)  # type: ignore[arg-type]
+            except RuntimeError:
+                self.restore_factors()  # throw_on_early_termination: this Join ends here
+                self.watch.stop()
+                raise
+        header = Message.header(kind, body, len(self.groups)).to(self.state.device)
+        _runtime_all_reduce(self.state, header, self.group).wait()
+        if work is not None:
+            work.wait()
+        if payload is not None:
+            _runtime_all_reduce(self.state, payload.to(self.state.device), self.group).wait()
+        return header
+
+    def announce_norm(self, norm: GradNorm) -> bool:
+        """A norm over gradients is about to be all-reduced: whether it may go out."""
+        if not self.listening:
+            self.policy.unshadowable = "a gradient norm in an iteration that does not step"
+            return False
+        if self.policy.unshadowable is not None:
+            self.raise_unshadowable(turn=False)
+        covers = torch.tensor(norm.covers, dtype=torch.float64)
+        self.announce(Kind.NORM, norm_body(norm.norm_type, norm.foreach), covers, turn=False)
+        return True
+
+    def before_step(self) -> None:
+        """The optimizer is about to step on an active rank: the joined ranks step too."""
+        self.step_depth += 1
+        # An optimizer subclass whose step calls its parent's runs the hooks twice, nested.
+        if not self.watch.started or self.step_depth > 1:
+            return  # no rank out of batches, this rank is the joined one, or a nested step
+        if not self.listening:
+            self.policy.unshadowable = "optimizer.step() in an iteration that reduced no gradients"
+        if self.policy.unshadowable is not None:
+            self.raise_unshadowable(turn=not self.listening)
+        scales = torch.tensor(self.policy.scales, dtype=torch.float64)
+        self.announce(Kind.STEP, [], scales, turn=False)
+        self.listening = False
+        self.policy.stepping = True
+
+    def after_step(self) -> None:
+        """The optimizer stepped: what the watch kept starts again."""
+        self.step_depth = max(self.step_depth - 1, 0)
+        if self.policy.stepping and self.step_depth == 0:
+            self.policy.stepping = False
+            self.policy.begin_iteration()
+
+    def raise_unshadowable(self, *, turn: bool) -> None:
+        """Name what the joined ranks cannot shadow to them, then raise it here too.
+
+        ``turn``: at an iteration's start (a turn of their loop), else while they listen.
+        """
+        name = self.policy.unshadowable
+        assert name is not None
+        self.announce(Kind.FOREIGN, [], encode_name(name), turn=turn)
+        self.watch.stop()
+        self.policy.unshadowable = None
+        self.listening, self.step_depth = False, 0
+        raise RuntimeError(unshadowable_message(name, root_name(self.module)))
 
     def _keep_trace(self, ops: EngineOps, *, recording: bool) -> None:
         if ops.trace is not None and ops.trace.events:
@@ -183,26 +239,61 @@ class FSDPJoinHook(JoinHook):
     # --- a joined rank ----------------------------------------------------------------------
 
     def main_hook(self) -> None:
-        """Shadow one iteration of the active ranks (steps 1 to 3 of the module docstring)."""
+        """Shadow one iteration of the active ranks (see the module docstring)."""
         state = self.state
         state.lazy_init()
         if not state.is_root:
-            raise RuntimeError(f"Join: FSDP module {_name(self.module)} is not the root")
-        vector = torch.zeros(2 + 3 * len(self.groups), dtype=torch.int64, device=state.device)
-        _runtime_all_reduce(state, vector, self.group).wait()
-        agreed = _Agreed.of(vector)
-        trace = self._replay_trace(state)
-        if not agreed.backward:
+            raise RuntimeError(f"Join: FSDP module {root_name(self.module)} is not the root")
+        self.watch.stop()  # this rank was active until now
+        iteration = self._listen()
+        self._shadow_iteration(iteration)
+        while iteration.steps:  # what the active ranks announce until their step
+            message = self._listen()
+            if message.kind is Kind.NORM:
+                covers = self._payload(len(self.params)).gt(0.5 * message.active).tolist()
+                shadow_norm(self.params, covers, message.norm_type, message.foreach)
+            elif message.kind is Kind.STEP:
+                self._shadow_step((self._payload(len(self.params)) / message.active).tolist())
+                return
+            elif message.kind is Kind.NO_STEP:  # as a skipped step's loop goes on: zero_grad()
+                self.optimizer.zero_grad(set_to_none=True)
+                return
+            else:
+                raise AssertionError(f"Join: {message.kind.name} announced before the step")
+
+    def _listen(self) -> Message:
+        """The active ranks' next message (raising what they could not let this rank shadow)."""
+        header = torch.zeros(header_size(len(self.groups)), dtype=torch.float64)
+        header = header.to(self.state.device)
+        _runtime_all_reduce(self.state, header, self.group).wait()
+        message = Message.of(header)
+        if message.kind is Kind.FOREIGN:
+            name = decode_name(self._payload(NAME_SLOTS), message.active)
+            raise RuntimeError(unshadowable_message(name, root_name(self.module)))
+        return message
+
+    def _payload(self, size: int) -> torch.Tensor:
+        payload = torch.zeros(size, dtype=torch.float64, device=self.state.device)
+        _runtime_all_reduce(self.state, payload, self.group).wait()
+        return payload.cpu()
+
+    def _shadow_iteration(self, message: Message) -> None:
+        assert message.kind is Kind.ITERATION, f"Join: {message.kind.name} opened a turn"
+        trace = self._replay_trace(self.state)
+        if not message.backward:
             with torch.no_grad():  # an evaluation's forward: its gathers, then the step check
-                run_dry_step(state, trace, forward_only=True)
+                run_dry_step(self.state, trace, forward_only=True)
             return
-        with self._options_of(agreed):
-            run_dry_step(state, trace)
-        if agreed.steps:
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        with self._options_of(message):
+            run_dry_step(self.state, trace)
+
+    def _shadow_step(self, scales: list[float]) -> None:
+        """The active ranks' optimizer step, on gradients scaled as theirs were."""
+        scale_grads(self.params, scales)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _replay_trace(self, state: FSDPState) -> StepTrace:
         if self.replay is None:
@@ -214,32 +305,45 @@ class FSDPJoinHook(JoinHook):
         return self.replay
 
     @contextmanager
-    def _options_of(self, agreed: _Agreed) -> Iterator[None]:
+    def _options_of(self, message: Message) -> Iterator[None]:
         """The active ranks' switches on this rank's groups, for one dry iteration."""
         saved = [
             (o.reduce_grads, o.all_reduce_grads, o.is_last_backward)
             for o in (g.options for g in self.groups)
         ]
+        reduces, all_reduces, last = (message.flags(i) for i in range(3))
         for i, group in enumerate(self.groups):
             o = group.options
-            o.reduce_grads, o.all_reduce_grads = agreed.reduces[i], agreed.all_reduces[i]
-            o.is_last_backward = agreed.last[i]
+            o.reduce_grads, o.all_reduce_grads = reduces[i], all_reduces[i]
+            o.is_last_backward = last[i]
         if not self.divide_by_initial_world_size:
-            self.set_factors(agreed.active)
+            self.set_factors(message.active)
         try:
             yield
         finally:
-            for group, (reduce, all_reduce, last) in zip(self.groups, saved, strict=True):
+            for group, (reduce, all_reduce, last_) in zip(self.groups, saved, strict=True):
                 o = group.options
-                o.reduce_grads, o.all_reduce_grads, o.is_last_backward = reduce, all_reduce, last
+                o.reduce_grads, o.all_reduce_grads, o.is_last_backward = reduce, all_reduce, last_
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank joined: finish the agreement in flight, put the divide factors back."""
-        self.wait_pending()
+        """Every rank joined: name anything still held back, put the divide factors back."""
+        self.watch.stop()
         self.restore_factors()
         _HOOKS.pop(self.state, None)
+        for handle in self.step_hooks:
+            handle.remove()
         if self.state.ctx is not None:
             _ops(self.state).trace = None
+        # An active rank's last iteration may have held a collective back: every rank learns.
+        held = self.policy.unshadowable
+        self.policy.unshadowable = None
+        names = torch.cat([torch.tensor([float(held is not None)]), encode_name(held or "")])
+        names = names.to(dtype=torch.float64, device=self.state.device)
+        _runtime_all_reduce(self.state, names, self.group).wait()
+        count = round(float(names[0]))
+        if count:
+            name = decode_name(names[1:].cpu(), count)
+            raise RuntimeError(unshadowable_message(name, root_name(self.module)))
 
     # --- both -------------------------------------------------------------------------------
 
@@ -261,69 +365,15 @@ class FSDPJoinHook(JoinHook):
 def join_hook(module: object, **kwargs: Any) -> FSDPJoinHook:
     """``FSDPModule.join_hook``: validate ``Join``'s keyword arguments and make the hook.
 
-    Args:
-        module: the root FSDP module.
-        **kwargs: ``Join``'s, shared by its joinables: ``optimizer`` (required: each rank
-            updates the shards it owns), ``lr_scheduler`` (stepped after it, if given) and
-            ``divide_by_initial_world_size`` (default True); others are another joinable's.
-
-    Raises:
-        RuntimeError: ``module`` is not managed by ``fully_shard``, or is not a root.
-        ValueError: no optimizer, one that does not hold the module's parameters, or a
-            module with no parameters.
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or ``lr_scheduler`` no
-            ``LRScheduler``.
+    See :func:`~shardkit.core.engine.join_args.join_args` for the arguments and the errors.
     """
     assert isinstance(module, nn.Module)
-    state = state_of(module)
-    name = _name(module)
-    if state.is_root is False:
-        raise RuntimeError(
-            f"Join: FSDP module {name} is not the root; pass the root module (the outermost "
-            "fully_shard) to Join"
-        )
-    optimizer = kwargs.get("optimizer")
-    if optimizer is None:
-        raise ValueError(
-            f"Join([{name}], optimizer=...): FSDP's join hook needs the optimizer, since each "
-            "rank updates the shards it owns while the others still train"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"Join: optimizer for FSDP module {name} must be a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}"
-        )
-    groups = [g for s in states_under(module) for g in s.groups]
-    if not groups:
-        raise ValueError(f"Join: FSDP module {name} has no sharded parameters")
-    _check_optimizer_holds(optimizer, groups, name)
-    scheduler = kwargs.get("lr_scheduler")
-    if scheduler is not None and not isinstance(scheduler, LRScheduler):
-        raise TypeError(
-            f"Join: lr_scheduler for FSDP module {name} must be a torch.optim.lr_scheduler."
-            f"LRScheduler, got {type(scheduler).__name__}"
-        )
-    divide = kwargs.get("divide_by_initial_world_size", True)
-    hook = FSDPJoinHook(module, optimizer, scheduler, bool(divide))
-    _HOOKS[state] = weakref.ref(hook)
+    args = join_args(module, kwargs)
+    hook = FSDPJoinHook(
+        module, args.optimizer, args.lr_scheduler, args.divide_by_initial_world_size
+    )
+    _HOOKS[state_of(module)] = weakref.ref(hook)
     return hook
-
-
-def _check_optimizer_holds(
-    optimizer: torch.optim.Optimizer, groups: list[FSDPParamGroup], name: str
-) -> None:
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing = [
-        p.fqn
-        for g in groups
-        for p in g.params
-        if p.requires_grad and id(p.sharded_param) not in held
-    ]
-    if missing:
-        raise ValueError(
-            f"Join: the optimizer does not hold FSDP module {name}'s parameters "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; a joined rank steps it on them"
-        )
 
 
 def join_device(module: object) -> torch.device:
@@ -337,7 +387,7 @@ def join_process_group(module: object) -> dist.ProcessGroup:
     assert isinstance(module, nn.Module)
     groups = [g for s in states_under(module) for g in s.groups]
     if not groups:
-        raise ValueError(f"Join: FSDP module {_name(module)} has no sharded parameters")
+        raise ValueError(f"Join: FSDP module {root_name(module)} has no sharded parameters")
     return mesh_group(groups[0].mesh_info.mesh)
 
 
@@ -351,6 +401,7 @@ def notify(state: FSDPState) -> None:
     hook = ref()
     # Join sets it in the instance's dict (as any attribute that is no tensor or module).
     if hook is None or not hook.module.__dict__.get("_join_config", NO_JOIN).enable:
+        drop_orphaned_watch()  # a Join that ended by an exception while a rank was joined
         return
     hook.active_iteration()
 
@@ -367,8 +418,3 @@ def _ops(state: FSDPState) -> EngineOps:
     ops = state.ctx.driver.ops
     assert isinstance(ops, EngineOps)
     return ops
-
-
-def _name(module: nn.Module) -> str:
-    fqn = state_of(module).fqn
-    return fqn if fqn and fqn != "<root>" else type(module).__name__

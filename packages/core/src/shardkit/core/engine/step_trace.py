@@ -25,6 +25,7 @@ from torch import nn
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
+from shardkit.core.schedule import count_can_end_backward
 
 if TYPE_CHECKING:
     from shardkit.core.engine.fsdp_state import FSDPState
@@ -103,7 +104,9 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
     in reverse: a state's pre-backward where its forward ended; a group's end where the
     backward passes the first use in forward of the last of its trainable parameters (as
     autograd accumulates a parameter's gradient once its every use is through), or, for a
-    group with frozen parameters, not before its inputs (``backward``, rule 2).
+    group with frozen parameters, not before its inputs (``backward``, rule 2); a group whose
+    missing gradients are reduced as zeros where backward is through its inputs, or at the
+    callback for one whose inputs are the batch (``schedule.count_can_end_backward``).
     """
     tokens = _walk(root_module, states)
     trace = StepTrace()
@@ -116,6 +119,7 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
     for index, token in enumerate(tokens):
         if isinstance(token, _Use):
             first_use.setdefault(id(token.param), index)
+    first_any_use = min(first_use.values(), default=len(tokens))
     left = {g: {id(p) for p in g.trainable} for s in states for g in s.groups}
     ended: set[FSDPParamGroup] = set()
 
@@ -131,12 +135,23 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
             group = token.group
             left[group].discard(id(token.param))
             frozen = len(group.trainable) < len(group.params)
-            if not left[group] and not frozen and group not in ended:
+            counts = count_can_end_backward(fills_missing=group.fills_missing_grads())
+            if not left[group] and not frozen and counts and group not in ended:
                 end(group)
         elif isinstance(token, _Enter):
+            # Entered before any parameter was used, its inputs are the batch, which needs no
+            # gradient: nothing watches them, and only its count may end it before the callback.
+            watched = index > first_any_use
             for group in token.state.groups:
-                if not left[group] and group not in ended:
-                    end(group)
+                fills = group.fills_missing_grads()
+                if group in ended:
+                    continue
+                if watched and (fills or not left[group]):
+                    end(group)  # backward through its inputs (rule 2), or its count (rule 1)
+                elif not left[group] and count_can_end_backward(fills_missing=fills):
+                    end(group)  # its count, before the callback
+    for group in (g for state in states for g in state.groups if g not in ended):
+        end(group)  # the end-of-backward callback's, in its order (rule 3)
     return trace
 
 

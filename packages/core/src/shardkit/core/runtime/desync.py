@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.errors import DesyncError
+from shardkit.core.runtime import stuck
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, CollectiveInfo
 
 __all__ = [
@@ -143,10 +144,13 @@ class PendingCheck:
         raise AssertionError(f"{self.info.detail()}: its fingerprint exchange was never queued")
 
     def _compare(self) -> None:
-        PROGRESS.begin_wait(self.info)
+        PROGRESS.begin_wait(self.info, self.works)
         try:
             for work in self.works:
                 work.wait()
+        except RuntimeError as error:  # the stuck check broke a wait past its bound
+            stuck.raise_if_stuck(error)
+            raise
         finally:
             PROGRESS.end_wait()
         self.done = True
@@ -201,7 +205,9 @@ def check_fingerprints(infos: list[CollectiveInfo], ranks: list[int]) -> None:
     by_info: dict[CollectiveInfo, list[int]] = {}
     for rank, info in zip(ranks, infos, strict=True):
         by_info.setdefault(info, []).append(rank)
-    sides = "; ".join(f"{_ranks(members)}: {info.detail()}" for info, members in by_info.items())
+    sides = "; ".join(
+        f"{stuck.ranks_label(members)}: {info.detail()}" for info, members in by_info.items()
+    )
     if len({replace(info, nbytes=0, dtype="") for info in infos}) == 1:
         # In step, yet one collective carries other bytes: the ranks built different groups.
         raise DesyncError(
@@ -218,9 +224,3 @@ def check_fingerprints(infos: list[CollectiveInfo], ranks: list[int]) -> None:
         "or run in another order: mark them with set_conditional(True); ranks with fewer "
         "batches: train under torch's Join([model], optimizer=...)"
     )
-
-
-def _ranks(members: list[int]) -> str:
-    if len(members) == 1:
-        return f"rank {members[0]}"
-    return "ranks " + ", ".join(str(m) for m in members)

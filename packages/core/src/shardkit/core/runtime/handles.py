@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import desync
+from shardkit.core.runtime import desync, stuck
 from shardkit.core.runtime.lifetimes import Flight
 from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
@@ -39,6 +39,9 @@ def wait_all(
 ) -> None:
     """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
 
+    A wait that the stuck check broke raises its
+    :class:`~shardkit.core.errors.StuckCollectiveError` (``runtime/stuck.py``).
+
     With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
     With lifetime checks, ``flight`` (the memory the works use) is checked before the wait
     and released from the records after it.
@@ -48,11 +51,14 @@ def wait_all(
     if flight is not None:
         flight.landing()
     if info is not None:
-        PROGRESS.begin_wait(info)
+        PROGRESS.begin_wait(info, works)
     try:
         for work in works:
             if work is not None:
                 work.wait()
+    except RuntimeError as error:  # gloo's, or the stuck check's break of a wait past its bound
+        stuck.raise_if_stuck(error)
+        raise
     finally:
         if info is not None:
             PROGRESS.end_wait()

@@ -18,6 +18,10 @@ the store with it), and a rank killed before it reported leaves no explanation. 
 in minutes with the rank that went astray named, in every rank's log. See [Note: desync
 checks].
 
+The same thread runs the stuck check (``runtime/stuck.py``): waits past
+``SHARDKIT_COLLECTIVE_BOUND`` (5 s) in collectives that cannot pair raise an error in the
+training thread of every rank, long before this report.
+
 The thread is stopped and joined at interpreter exit (``atexit``), before the interpreter
 tears down: a daemon thread caught inside a store call (C++, the GIL released) while the
 process destroys its C++ globals could crash a job that had finished.
@@ -38,6 +42,7 @@ from typing import Any
 
 from shardkit.core.runtime.groups import global_rank, progress_store, world_size
 from shardkit.core.runtime.progress import PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.stuck import StuckCheck
 
 __all__ = ["HANG_EXIT_CODE", "HangWatch", "ensure_watching"]
 
@@ -67,15 +72,17 @@ class HangWatch(threading.Thread):
         self._stopping = threading.Event()
         # An alarm already in the store belongs to an earlier process group on the same store.
         self._stale_alarm = self._get(_ALARM)
+        self._stuck = StuckCheck(self.rank, self.world, self._set, self._get)
 
     def run(self) -> None:
         """Post progress, check the current wait and look for alarms, until stopped."""
         while True:
             poll = min(_POLL_S, SETTINGS.hang_timeout_s / 4) if SETTINGS.hang_timeout_s else _POLL_S
-            if self._stopping.wait(poll):
+            if self._stopping.wait(self._stuck.next_poll(poll)):
                 return
             if not self._post():
                 return  # the store is gone (the process group was destroyed): nothing to do
+            self._stuck.poll()  # a wait past SHARDKIT_COLLECTIVE_BOUND: see runtime/stuck.py
             if self.check():
                 return
 
@@ -254,7 +261,7 @@ def ensure_watching() -> None:
     """
     if _WATCH and _WATCH[0].is_alive():
         return
-    if not SETTINGS.hang_timeout_s or world_size() < 2:
+    if not (SETTINGS.hang_timeout_s or SETTINGS.collective_bound_s) or world_size() < 2:
         return
     if not _WATCH:
         atexit.register(_stop_watching)

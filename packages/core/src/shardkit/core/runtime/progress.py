@@ -6,8 +6,9 @@ that desync checks compare across ranks and that hang reports show. The hooks te
 attribute writes per collective; nothing is sent anywhere unless a check or a report asks.
 
 The settings come from the environment (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``,
-``SHARDKIT_DEBUG_LIFETIMES``) and can be changed in code (:func:`set_debug`,
-:func:`set_hang_timeout`, ``SETTINGS.lifetime_checks``). See [Note: desync checks].
+``SHARDKIT_COLLECTIVE_BOUND``, ``SHARDKIT_DEBUG_LIFETIMES``) and can be changed in code
+(:func:`set_debug`, :func:`set_hang_timeout`, :func:`set_collective_bound`,
+``SETTINGS.lifetime_checks``). See [Note: desync checks].
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "CollectiveInfo",
     "Progress",
     "Settings",
+    "set_collective_bound",
     "set_debug",
     "set_hang_timeout",
 ]
@@ -102,23 +105,32 @@ class Settings:
     step_checks: bool = True
     """Compare every rank's collectives once per step (``SHARDKIT_STEP_CHECK``, on unless
     set to 0; see ``runtime/step_check.py``)."""
+    collective_bound_s: float = 5.0
+    """Seconds a wait in an engine collective lasts before the ranks compare what they wait
+    on, through the store, and raise if they cannot pair (``SHARDKIT_COLLECTIVE_BOUND``; 0
+    turns it off; see ``runtime/stuck.py``)."""
 
 
 def _switched_on(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "off")
 
 
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, str(default))
+    try:
+        return max(float(raw), 0.0)
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds; using %g", name, raw, default)
+        return default
+
+
 def _from_environment() -> Settings:
     debug = _switched_on("SHARDKIT_DEBUG")
-    raw = os.environ.get("SHARDKIT_HANG_TIMEOUT", "300")
-    try:
-        timeout = float(raw)
-    except ValueError:
-        logger.warning("SHARDKIT_HANG_TIMEOUT=%r is not a number of seconds; using 300", raw)
-        timeout = 300.0
+    timeout = _seconds("SHARDKIT_HANG_TIMEOUT", 300.0)
     lifetimes = _switched_on("SHARDKIT_DEBUG_LIFETIMES")
     step_checks = os.environ.get("SHARDKIT_STEP_CHECK", "1").strip().lower() not in _OFF
-    return Settings(debug, max(timeout, 0.0), lifetimes, step_checks)
+    bound = _seconds("SHARDKIT_COLLECTIVE_BOUND", 5.0)
+    return Settings(debug, timeout, lifetimes, step_checks, collective_bound_s=bound)
 
 
 _OFF = ("0", "false", "off", "no")
@@ -126,7 +138,8 @@ _OFF = ("0", "false", "off", "no")
 
 SETTINGS = _from_environment()
 """The settings in force (``SHARDKIT_DEBUG``, ``SHARDKIT_HANG_TIMEOUT``,
-``SHARDKIT_DEBUG_LIFETIMES``, ``SHARDKIT_STEP_CHECK``, or set in code)."""
+``SHARDKIT_COLLECTIVE_BOUND``, ``SHARDKIT_DEBUG_LIFETIMES``, ``SHARDKIT_STEP_CHECK``, or set in
+code)."""
 
 
 def set_debug(enabled: bool = True) -> None:
@@ -148,6 +161,20 @@ def set_hang_timeout(seconds: float) -> None:
     SETTINGS.hang_timeout_s = float(seconds)
 
 
+def set_collective_bound(seconds: float) -> None:
+    """Seconds an engine collective may wait before the ranks look whether it can ever pair.
+
+    The same as ``SHARDKIT_COLLECTIVE_BOUND``; the default is 5, 0 turns the look off. When
+    every rank has waited that long in one of the engine's collectives and they do not all
+    wait on the same one, every rank raises
+    :class:`~shardkit.core.errors.StuckCollectiveError` naming what each waits on. Set it on
+    every rank, above the longest time one collective's transfer takes.
+    """
+    if seconds < 0:
+        raise ValueError(f"set_collective_bound takes seconds >= 0 (0: off), got {seconds}")
+    SETTINGS.collective_bound_s = float(seconds)
+
+
 class Progress:
     """This rank's position in training, updated by the hooks and the runtime."""
 
@@ -159,6 +186,8 @@ class Progress:
         self.waiting: CollectiveInfo | None = None
         """The collective being waited on now, if any."""
         self.waiting_since = 0.0  # time.monotonic() when the wait began
+        self.waiting_works: Sequence[object] = ()
+        """The c10d works of the wait, which the stuck check may break (``runtime/stuck.py``)."""
         self.version = 0  # bumped on every change the hang watch publishes
         self._hook: Any = None
         self._backward_since_step = False
@@ -180,15 +209,17 @@ class Progress:
         self.last = info
         self.version += 1
 
-    def begin_wait(self, info: CollectiveInfo) -> None:
-        """A wait on ``info`` begins."""
+    def begin_wait(self, info: CollectiveInfo, works: Sequence[object] = ()) -> None:
+        """A wait on ``info`` (on ``works``, its c10d works) begins."""
         self.waiting = info
+        self.waiting_works = works
         self.waiting_since = time.monotonic()
         self.version += 1
 
     def end_wait(self) -> None:
         """The wait is over (done or raised)."""
         self.waiting = None
+        self.waiting_works = ()
         self.version += 1
 
     def count_optimizer_steps(self) -> None:

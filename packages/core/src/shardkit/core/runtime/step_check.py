@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.errors import DesyncError
+from shardkit.core.runtime import stuck
 from shardkit.core.runtime.desync import check_fingerprints, epoch_of
 from shardkit.core.runtime.device import HostCopies
 from shardkit.core.runtime.flat_collectives import all_gather_single
@@ -241,11 +242,11 @@ def _exchange(
     size, rank, length = group.size(), group.rank(), mine.numel()
     rows = torch.empty(size, length, dtype=torch.uint8, device=mine.device)  # (W, len)
     info = CollectiveInfo(0, "all_gather", "step check", length, "uint8", PROGRESS.phase, 0)
-    PROGRESS.begin_wait(info)
+    works: list[dist.Work | None] = []
+    PROGRESS.begin_wait(info, works)  # the works, filled below, for the stuck check to break
     try:
         if gloo:
             rows[rank].copy_(mine)
-            works = []
             for peer in range(size):
                 if peer != rank:
                     works.append(dist.irecv(rows[peer], group=group, group_src=peer, tag=_TAG))
@@ -255,6 +256,9 @@ def _exchange(
                     work.wait()
         else:
             all_gather_single(rows.view(-1), mine, group=group)
+    except RuntimeError as error:  # the stuck check broke a wait past its bound
+        stuck.raise_if_stuck(error)
+        raise
     finally:
         PROGRESS.end_wait()
     return None if dist.get_backend(group) == "fake" else rows

@@ -67,10 +67,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardkit.core.layout import step_checks_on
 from shardkit.core.schedule import (
     StepDriver,
     StepSchedule,
     TrainingState,
+    count_can_end_backward,
+    watches_inputs,
 )
 from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
@@ -243,7 +246,9 @@ class _Step:
             self._backward_segment(j, schedule.appear.get(j, []))
             for g in schedule.reduce.get(j, []):
                 self.grads_in.add(g)  # rule 1 of the engine's backward: the count completes
-                pending = self._frozen(g) and g in self.inputs_need_grad
+                if not count_can_end_backward(fills_missing=self._fills(g)):
+                    continue  # its inputs end it, or the callback
+                pending = self._watched(g) and g in self.inputs_need_grad
                 pending = pending and self.first_pre[g] < j - 1
                 self.driver.grads_complete(g, inputs_pending=pending)
             event = trace.events[j - 1] if j > 0 else None
@@ -252,18 +257,33 @@ class _Step:
             elif event is not None and self._inputs_watched_at(event.group, j - 1):
                 # Rule 2: backward is through the group's inputs at its first pre-forward.
                 g = event.group
-                complete = not self.groups[g].trainable or g in self.grads_in
+                complete = not self.groups[g].trainable or g in self.grads_in or self._fills(g)
                 self.driver.inputs_done(g, count_complete=complete)
         for key in [k for k in ledger.live if k[0] in ("act", "backward_scratch")]:
             ledger.free(key)  # autograd is done: the graph and its gradients are gone
         ledger.module = ""
-        self.driver.final_callback(range(len(self.groups)), last=True, assign_now=False)
+        # The callback's order is the engine's states' (outermost first): the root, then the
+        # others in the module tree's order, where ``groups`` lists the root last.
+        root = self.inputs.root
+        order = [i for i in range(len(self.groups)) if i != root]
+        callback_order = order if root is None else [root, *order]
+        self.driver.final_callback(callback_order, last=True, assign_now=False)
         self.ops.record_step_check()
 
-    def _frozen(self, g: int) -> bool:
-        """Whether group ``g`` has frozen parameters (its inputs' gradients are watched)."""
+    def _watched(self, g: int) -> bool:
+        """Whether the engine watches group ``g``'s inputs' gradients (``watches_inputs``)."""
         group = self.groups[g]
-        return len(group.trainable) < len(group.params)
+        frozen = len(group.trainable) < len(group.params)
+        return watches_inputs(frozen=frozen, fills_missing=self._fills(g))
+
+    def _fills(self, g: int) -> bool:
+        """Whether group ``g`` reduces a missing gradient as zeros, as the engine's reducer.
+
+        A planned step synchronizes gradients, with one reduce dtype; the step check decides.
+        """
+        group = self.groups[g]
+        world = group.world * max(1, self.inputs.replicas)
+        return step_checks_on() and world > 1 and bool(group.trainable)
 
     def _backward_segment(self, j: int, grads: list[tuple[int, int]]) -> None:
         """Activations, activation and parameter gradients, tp collectives, in backward of ``j``.
@@ -310,10 +330,10 @@ class _Step:
     def _inputs_watched_at(self, g: int, index: int) -> bool:
         """Whether backward goes through group ``g``'s watched inputs at event ``index``.
 
-        The engine watches the inputs of a group with frozen parameters; backward is through
-        them at its first pre-forward event.
+        The engine watches the inputs of a group with frozen parameters, or whose missing
+        gradients are reduced as zeros; backward is through them at its first pre-forward event.
         """
-        return self._frozen(g) and g in self.inputs_need_grad and self.first_pre[g] == index
+        return self._watched(g) and g in self.inputs_need_grad and self.first_pre[g] == index
 
     # --- optimizer -------------------------------------------------------------------------
 

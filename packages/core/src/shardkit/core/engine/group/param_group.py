@@ -351,6 +351,10 @@ class FSDPParamGroup:
             for p in self.params
         )
 
+    def fills_missing_grads(self) -> bool:
+        """Whether a trainable parameter with no gradient on this rank is reduced (zeros)."""
+        return self.reducer.fills_missing(self.trainable)
+
     def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]] | None:
         """Take the full gradients for a reduction; None when none starts.
 

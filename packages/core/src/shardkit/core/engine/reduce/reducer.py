@@ -169,6 +169,20 @@ class GroupReducer:
         world = self.mesh_info.shard_size * self.mesh_info.replicate_size
         return self.unused.choose(grads, world=world, ran_forward=ran_forward)
 
+    def fills_missing(self, trainable: Sequence[FSDPParam]) -> bool:
+        """Whether a parameter of ``trainable`` with no gradient here is reduced all the same.
+
+        Then this rank's count of gradients cannot tell where the group's backward ends: a
+        rank that did not use a parameter never completes a count that another rank does.
+        The group must end where every rank's backward ends it (see
+        [Note: post-backward trigger], "Parameters used on some ranks").
+        """
+        opts = self.options
+        world = self.mesh_info.shard_size * self.mesh_info.replicate_size
+        if not opts.reduce_grads or world == 1 or not trainable:
+            return False
+        return opts.reduce_scatter_unused_params or self.unused.fills(trainable, world)
+
     def reduces_zeros(self) -> bool:
         """Whether a group with no gradient on this rank still reduces (zeros) at backward's end."""
         opts = self.options

@@ -61,7 +61,7 @@ class UnusedGrads:
             return grads
         if not present and not ran_forward:
             return []
-        if not self._fills(grads, world):
+        if not self.fills([p for p, _ in grads], world):
             return present
         for p, g in grads:
             if g is None and id(p) not in self._zeroed:
@@ -69,12 +69,13 @@ class UnusedGrads:
         return grads
 
     @staticmethod
-    def _fills(grads: Taken, world: int) -> bool:
+    def fills(trainable: Sequence[FSDPParam], world: int) -> bool:
+        """Whether a missing gradient among ``trainable`` is reduced as zeros (automatically)."""
         # Zeros need one dtype on every rank, which grad_dtype=None leaves to each gradient;
         # without the step check nothing would give None back to a parameter no rank used.
         if world == 1 or not SETTINGS.step_checks:
             return False
-        return not any(p.grad_accumulation.any_dtype for p, _ in grads)
+        return not any(p.grad_accumulation.any_dtype for p in trainable)
 
     def flag(self, flags: bytearray, offset: int, trainable: Sequence[FSDPParam]) -> bool:
         """Set ``flags[offset + i]`` for each trainable parameter ``i`` reduced as zeros only.
