@@ -222,6 +222,17 @@ class GroupView:
             )
         self._group.options.reduce_accumulated_grads = enabled
 
+    def end_at_last_grad(self, enabled: bool) -> None:
+        """Whether the group's backward ends at its last gradient, as FSDP1's flat parameter's.
+
+        True: at its count, even where missing gradients are reduced as zeros, with no watch
+        on its forward inputs (FSDP1 adds no autograd node there, and one changes the order in
+        which autograd sums the gradients of a tensor used in several places). False (the
+        default): where every rank's backward ends it, whatever parameters the rank used
+        ([Note: post-backward trigger]).
+        """
+        self._group.options.ends_at_last_grad = enabled
+
     def accumulate_unsynced_grads_in_param_dtype(self, enabled: bool) -> None:
         """Where gradients accumulate between backwards without gradient sync.
 

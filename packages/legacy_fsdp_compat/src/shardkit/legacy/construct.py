@@ -175,7 +175,9 @@ def _reduce_as_fsdp1(modules: nn.Module | list[nn.Module], strategy: ShardingStr
     backwards without sync, gradients accumulate in the forward's dtype (autograd's, on the
     flat parameter), not the reduce dtype; and ``NO_SHARD`` adds a backward's gradient to the
     reduced one already there and reduces the sum again. See [Note: FSDP1's gradient
-    accumulation].
+    accumulation]. Its backward ends at its last gradient, as the flat parameter's hook ends
+    FSDP1's, not where every rank's backward does (which watches the unit's inputs through an
+    autograd node of its own: autograd would then sum some gradients in another order).
     """
     first = modules[0] if isinstance(modules, list) else modules
     if isinstance(first, FSDPModule):
@@ -183,6 +185,7 @@ def _reduce_as_fsdp1(modules: nn.Module | list[nn.Module], strategy: ShardingStr
     for view in layout_of(first):
         if any(m is first for m in view.modules):
             view.accumulate_unsynced_grads_in_param_dtype(True)
+            view.end_at_last_grad(True)
             view.reduce_accumulated_grads(strategy is ShardingStrategy.NO_SHARD)
 
 

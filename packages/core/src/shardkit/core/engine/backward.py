@@ -194,7 +194,7 @@ class BackwardTracker:
                 count.expected = len(group.trainable)
             if count.ready != count.expected:
                 return
-            if count_can_end_backward(fills_missing=group.fills_missing_grads()):
+            if count_can_end_backward(fills_missing=group.ends_where_every_rank_does()):
                 self._driver.grads_complete(group, inputs_pending=self._inputs_pending(group))
 
         return grad_ready
@@ -243,7 +243,7 @@ class BackwardTracker:
     def _count_complete(self, group: FSDPParamGroup) -> bool:
         # Where missing gradients are reduced as zeros, backward through the inputs ends it.
         if not group.trainable or not count_can_end_backward(
-            fills_missing=group.fills_missing_grads()
+            fills_missing=group.ends_where_every_rank_does()
         ):
             return True
         count = self._counts.get(group)

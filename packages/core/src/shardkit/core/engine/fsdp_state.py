@@ -194,7 +194,7 @@ class FSDPState:
                 if partial:
                     args, kwargs = self.ctx.backward.wrap_partial_call(group, args, kwargs)
                 frozen = len(group.trainable) < len(group.params)
-                if watches_inputs(frozen=frozen, fills_missing=group.fills_missing_grads()):
+                if watches_inputs(frozen=frozen, fills_missing=group.ends_where_every_rank_does()):
                     # Every call's inputs, a list group's first (partial so far) included:
                     # backward is through the group only once it is through all of them.
                     args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)

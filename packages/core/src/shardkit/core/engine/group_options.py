@@ -71,6 +71,10 @@ class GroupOptions:
     """Without gradient sync, full gradients accumulate in the parameters' compute dtype
     (FSDP1's, autograd's own); False (torch's way) accumulates them in the reduce dtype
     (``GroupView.accumulate_unsynced_grads_in_param_dtype``)."""
+    ends_at_last_grad: bool = False
+    """Its backward ends at its count of gradients even where missing ones are reduced as
+    zeros (FSDP1's flat parameter ends at its gradient hook; ``GroupView.end_at_last_grad``);
+    False (the default) ends it where every rank's backward does (``schedule``)."""
     reduce_accumulated_grads: bool = False
     """No shard axis only (FSDP1's ``NO_SHARD``): a gradient already on a parameter joins the
     new one in the reduction, and the result replaces it; False (torch's way) reduces the

@@ -135,7 +135,7 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
             group = token.group
             left[group].discard(id(token.param))
             frozen = len(group.trainable) < len(group.params)
-            counts = count_can_end_backward(fills_missing=group.fills_missing_grads())
+            counts = count_can_end_backward(fills_missing=group.ends_where_every_rank_does())
             if not left[group] and not frozen and counts and group not in ended:
                 end(group)
         elif isinstance(token, _Enter):
@@ -143,7 +143,7 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
             # gradient: nothing watches them, and only its count may end it before the callback.
             watched = index > first_any_use
             for group in token.state.groups:
-                fills = group.fills_missing_grads()
+                fills = group.ends_where_every_rank_does()
                 if group in ended:
                     continue
                 if watched and (fills or not left[group]):

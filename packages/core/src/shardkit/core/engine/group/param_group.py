@@ -351,8 +351,14 @@ class FSDPParamGroup:
             for p in self.params
         )
 
-    def fills_missing_grads(self) -> bool:
-        """Whether a trainable parameter with no gradient on this rank is reduced (zeros)."""
+    def ends_where_every_rank_does(self) -> bool:
+        """Whether its backward ends where every rank's does, not at this rank's count.
+
+        So it must where a trainable parameter with no gradient here is reduced (zeros); see
+        ``schedule.count_can_end_backward``.
+        """
+        if self.options.ends_at_last_grad:
+            return False
         return self.reducer.fills_missing(self.trainable)
 
     def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor | None]] | None:
