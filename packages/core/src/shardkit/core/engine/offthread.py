@@ -23,7 +23,9 @@ up after ``STEP_WAIT_S`` with an error that says so.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -52,7 +54,9 @@ STEP_WAIT_S = 60.0
 
 _steps = threading.Condition()
 # Optimizers inside step(), by id: the thread that runs each step. Guarded by _steps.
-_in_step: dict[int, int] = {}
+# Weakly keyed: the mark of a step that raised goes with its optimizer, so an optimizer that
+# is gone (a failed run's) never holds a later copy back.
+_in_step: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _installed = False
 
 # Orders a root's training thread changing (claim_training_thread) against a state-dict
@@ -129,12 +133,12 @@ def install_step_marks() -> None:
 
 def _step_starts(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     with _steps:  # waits while a copy is being taken
-        _in_step[id(opt)] = threading.get_ident()  # replaces the mark of a step that raised
+        _in_step[opt] = threading.get_ident()  # replaces the mark of a step that raised
 
 
 def _step_ends(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     with _steps:
-        _in_step.pop(id(opt), None)
+        _in_step.pop(opt, None)
         _steps.notify_all()
 
 
@@ -215,6 +219,8 @@ def _copies_between_steps(params: list[FSDPParam]) -> dict[int, DTensor]:
     """Copies of ``params``' shards, taken while no other thread's optimizer step runs."""
     me = threading.get_ident()
     with _steps:
+        if not all(t == me for t in _in_step.values()):
+            gc.collect()  # an optimizer that raised in its step and is gone, held by a cycle
         # Steps of this very thread cannot end while it waits here: a state dict called from
         # inside a step (a closure) copies what that step has written so far.
         if not _steps.wait_for(
