@@ -39,14 +39,14 @@ from benchmarks.planner_run import (
     predict,
 )
 from benchmarks.ranking import spearman
-from shardkit.tools.plan.candidates import Precision
-from shardkit.tools.plan.fit import fit
-from shardkit.tools.plan.hardware import Hardware
-from shardkit.tools.plan.launch_check import PlanCheck
+from shardkit.tools.plan.apply.launch_check import PlanCheck
 from shardkit.tools.plan.meta_build import build_on_meta
 from shardkit.tools.plan.options import PlanOptions
-from shardkit.tools.plan.search import SearchSpace
+from shardkit.tools.plan.search.candidates import Precision
+from shardkit.tools.plan.search.fit import fit
+from shardkit.tools.plan.search.search import SearchSpace
 from shardkit.tools.plan.sharding_plan import ShardingPlan
+from shardkit.tools.plan.timing.hardware import Hardware
 
 LAYERS = {"demo": 6, "35m": 8}
 CHECK_WORLD = 8

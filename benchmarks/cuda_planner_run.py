@@ -51,16 +51,16 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import gpt as bench_gpt
-from shardkit.tools.plan.apply import apply_plan
-from shardkit.tools.plan.candidates import Choice, Precision, model_shape, sharding_plan
-from shardkit.tools.plan.fit import fit
+from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.gpt import GPT
-from shardkit.tools.plan.hardware import H100, H200, Hardware
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.planner import plan
-from shardkit.tools.plan.search import SearchSpace
+from shardkit.tools.plan.search.candidates import Choice, Precision, model_shape, sharding_plan
+from shardkit.tools.plan.search.fit import fit
+from shardkit.tools.plan.search.search import SearchSpace
 from shardkit.tools.plan.sharding_plan import ShardingPlan
-from shardkit.tools.plan.step_time import estimate_step_time
+from shardkit.tools.plan.timing.hardware import H100, H200, Hardware
+from shardkit.tools.plan.timing.step_time import estimate_step_time
 from shardkit.tools.track.live_peak import LivePeak
 
 BF16 = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -11,7 +11,7 @@ the plan's prediction for the same world size on gloo: ``memory.peak.total``, th
 and, where a step-time model is given, the step time.
 
 :func:`check_configs` runs each plan as rank 0 of a larger W on the fake group
-(:func:`shardkit.tools.plan.launch_check.check_plan`): the peak the planner predicts at a
+(:func:`shardkit.tools.plan.apply.launch_check.check_plan`): the peak the planner predicts at a
 scale this machine has no ranks for, measured.
 """
 
@@ -32,13 +32,13 @@ from torch import nn
 from harness.pool import RankTaskError, run_on_ranks
 from shardkit.tools.examples import gpt_35m, gpt_35m_inputs, gpt_demo, gpt_demo_inputs
 from shardkit.tools.plan import Plan, PlanOptions, plan
-from shardkit.tools.plan.apply import apply_plan
-from shardkit.tools.plan.calibrate import calibrate
-from shardkit.tools.plan.hardware import Hardware
-from shardkit.tools.plan.launch_check import PlanCheck, check_plan
+from shardkit.tools.plan.apply.apply import apply_plan
+from shardkit.tools.plan.apply.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.options import options_for
 from shardkit.tools.plan.sharding_plan import ShardingPlan
-from shardkit.tools.plan.step_time import estimate_step_time
+from shardkit.tools.plan.timing.calibrate import calibrate
+from shardkit.tools.plan.timing.hardware import Hardware
+from shardkit.tools.plan.timing.step_time import estimate_step_time
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "demo": (gpt_demo, gpt_demo_inputs),

@@ -25,7 +25,7 @@ from tests.core.interop import (  # noqa: E402
     cuda_offload_race,
     cuda_parity,
 )
-from tests.tools import cuda_tools_run  # noqa: E402
+from tests.tools.track import cuda_tools_run  # noqa: E402
 
 GIB = 2**30
 H100_BYTES = 80 * 10**9  # an 80 GB H100 (what the scale points must fit)
@@ -134,7 +134,7 @@ def _tracker_chunk(
 
 
 def tools(runner: Runner) -> list[Row]:
-    """tests/tools/cuda_tools_run.py: the trackers on CUDA."""
+    """tests/tools/track/cuda_tools_run.py: the trackers on CUDA."""
 
     def figures(records: list[dict[str, Any]]) -> str:
         r = records[0]
@@ -143,7 +143,7 @@ def tools(runner: Runner) -> list[Row]:
             f"{r['unsharded_max'] / 2**20:.1f} MiB, peak in {r['peak_phase']}"
         )
 
-    script = "tests/tools/cuda_tools_run.py"
+    script = "tests/tools/track/cuda_tools_run.py"
     return _tracker_chunk(runner, "tools", script, "trackers on CUDA", cuda_tools_run, figures)
 
 
@@ -324,7 +324,7 @@ def reduce_precision(device: str, numels: tuple[int, ...]) -> Callable[[Runner],
 
 def pytest_gpu(runner: Runner) -> list[Row]:
     """The pytest GPU tests themselves (the scripts above, through pytest's assertions)."""
-    files = ["tests/core/interop/test_cuda.py", "tests/tools/test_cuda_tools.py"]
+    files = ["tests/core/interop/test_cuda.py", "tests/tools/track/test_cuda_tools.py"]
     files += ["tests/core/snapshots/test_memory_snapshots.py"]  # the staged copy on CUDA
     files += ["tests/core/snapshots/test_gradient_log.py"]  # the log's capture on CUDA
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]

@@ -18,6 +18,8 @@ from harness.pool import (
     group_restarts,
     shutdown_pools,
 )
+from tests.slow_list import LIST as SLOW_LIST
+from tests.slow_list import read_slow_list, stale_names
 
 # The lifetime checks are on in every test (the pool's workers inherit the environment, and
 # shardkit reads it at import, which comes after this file): a buffer released under a
@@ -54,3 +56,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for crash in crashes:
         terminalreporter.write_line(crash.report())
     terminalreporter.write_line(f"{len(crashes)} task(s) ran again after a worker crashed")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m 'not slow'`` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the tests named in ``tests/slow_tests.txt`` slow (see ``tests/slow_list.py``).
+
+    Raises:
+        pytest.UsageError: a listed name matches no test of its collected file.
+    """
+    listed = read_slow_list(SLOW_LIST.read_text())
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    if any("::" in arg for arg in config.args):
+        return  # tests picked by node id: the rest of their files was never collected
+    stale = stale_names(listed, (item.nodeid for item in items))
+    if stale:
+        raise pytest.UsageError(
+            "tests/slow_tests.txt names tests that do not exist (renamed? update the list): "
+            + ", ".join(stale)
+        )

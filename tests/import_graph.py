@@ -1,9 +1,10 @@
 """A package's import graph at load time: which of its modules each module imports as it loads.
 
-Imports under ``if TYPE_CHECKING:`` are left out (they never run), and so are imports inside
-functions (they run later) unless asked for (``late=True``); ``from package import name``
-counts as importing the submodule ``package.name`` where there is one, else the package
-itself (whose ``__init__`` runs first).
+Imports under ``if TYPE_CHECKING:`` are left out (they never run) unless asked for
+(``typing=True``: a module that names another's types depends on it all the same), and so are
+imports inside functions (they run later) unless asked for (``late=True``); ``from package
+import name`` counts as importing the submodule ``package.name`` where there is one, else the
+package itself (whose ``__init__`` runs first).
 Shared by the structure tests: no import cycle (the core, the tools, scripts/), no arrow from a
 published seam into the engine.
 """
@@ -26,30 +27,33 @@ def _module_name(path: Path, top: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _statements(tree: ast.Module, late: bool) -> list[ast.stmt]:
-    """The import statements that run: at module level, or (``late``) anywhere.
+def _statements(tree: ast.Module, late: bool, typing: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that count: those that run as the module loads (outside every
+    function, in any block), with ``late`` those inside functions too, with ``typing`` those
+    under ``if TYPE_CHECKING:`` too (its ``else:`` runs, and always counts)."""
+    found: list[ast.Import | ast.ImportFrom] = []
 
-    Never those under ``if TYPE_CHECKING:``.
-    """
-    if not late:  # module level only: imports inside functions run later
-        return [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
-    type_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for statement in node.body
-        for inner in ast.walk(statement)
-    }
-    return [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in type_only
-    ]
+    def visit(node: ast.AST, in_function: bool, type_only: bool) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            if (late or not in_function) and (typing or not type_only):
+                found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for statement in node.body:
+                visit(statement, in_function, True)
+            for statement in node.orelse:
+                visit(statement, in_function, type_only)
+        else:
+            inside = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for child in ast.iter_child_nodes(node):
+                visit(child, inside, type_only)
+
+    visit(tree, False, False)
+    return found
 
 
-def _imports(tree: ast.Module, modules: set[str], late: bool) -> set[str]:
+def _imports(tree: ast.Module, modules: set[str], late: bool, typing: bool) -> set[str]:
     found: set[str] = set()
-    for node in _statements(tree, late):
+    for node in _statements(tree, late, typing):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -59,11 +63,15 @@ def _imports(tree: ast.Module, modules: set[str], late: bool) -> set[str]:
     return found & modules
 
 
-def import_graph(root: Path, top: Path | None = None, *, late: bool = False) -> dict[str, set[str]]:
+def import_graph(
+    root: Path, top: Path | None = None, *, late: bool = False, typing: bool = False
+) -> dict[str, set[str]]:
     """Each module of the package at ``root`` and the package's modules it imports at load.
 
     ``late``: imports inside functions too (those that run after load), for circles that only
-    close when a function runs; type-only imports never count.
+    close when a function runs. ``typing``: imports under ``if TYPE_CHECKING:`` too, for the
+    circles that a module closes by naming a type (they never run, but the two modules still
+    depend on each other).
 
     ``top`` is the folder the dotted names start from: by default two above ``root``, the
     ``src/`` of a ``src/shardkit/<package>`` layout (``shardkit.core.engine``); the repository
@@ -73,6 +81,6 @@ def import_graph(root: Path, top: Path | None = None, *, late: bool = False) -> 
     paths = {_module_name(p, top): p for p in root.rglob("*.py")}
     names = set(paths)
     return {
-        name: _imports(ast.parse(path.read_text()), names, late) - {name}
+        name: _imports(ast.parse(path.read_text()), names, late, typing) - {name}
         for name, path in paths.items()
     }

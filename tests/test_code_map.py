@@ -1,5 +1,5 @@
-"""The code map of docs/development.md names every module of the core, under its own folder,
-and its errands point at folders that exist."""
+"""The code map of docs/development.md names every module of the core and of the tools, under
+its own folder, and its errands point at folders that exist."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "packages" / "core" / "src" / "shardkit" / "core"
+TOOLS = ROOT / "packages" / "tools" / "src" / "shardkit" / "tools"
 PAGE = ROOT / "docs" / "development.md"
 _HEADING = re.compile(r"^(?P<indent> *)(?P<folder>[a-z_]+)/(\s|$)")
 
@@ -15,6 +16,12 @@ _HEADING = re.compile(r"^(?P<indent> *)(?P<folder>[a-z_]+)/(\s|$)")
 def core_map(page: str) -> str:
     """The core's part of the code map: from its root folder to the next package's."""
     return page[page.index("packages/core/src/shardkit/core/") : page.index("packages/tp_adapter")]
+
+
+def tools_map(page: str) -> str:
+    """The tools' part of the code map: from their root folder to the tests' line."""
+    start = page.index("packages/tools/src/shardkit/tools/")
+    return page[start : page.index("\ntests/ ", start)]
 
 
 def folder_sections(map_: str) -> dict[Path, str]:
@@ -39,12 +46,12 @@ def folder_sections(map_: str) -> dict[Path, str]:
     return {folder: "\n".join(text) for folder, text in sections.items()}
 
 
-def modules_missing_from_their_folder(core: Path, map_: str) -> list[str]:
-    """The core's modules the map does not name under their own folder."""
+def modules_missing_from_their_folder(package: Path, map_: str) -> list[str]:
+    """The package's modules the map does not name under their own folder."""
     sections = folder_sections(map_)
     modules = sorted(
-        p.relative_to(core)
-        for p in core.rglob("*.py")
+        p.relative_to(package)
+        for p in package.rglob("*.py")
         if p.name not in ("__init__.py", "__about__.py") and "__pycache__" not in p.parts
     )
     return [
@@ -63,6 +70,17 @@ def test_the_code_map_lists_every_core_module_under_its_folder() -> None:
     assert not missing, f"docs/development.md's code map does not name, in their folder: {missing}"
     folders = {p.parent.relative_to(CORE) for p in CORE.rglob("*.py")} - {Path(".")}
     assert not folders - sections.keys(), "folders without a heading in the code map"
+
+
+def test_the_code_map_lists_every_tools_module_under_its_folder() -> None:
+    map_ = tools_map(PAGE.read_text())
+    sections = folder_sections(map_)
+    wings = {Path("plan/timing"), Path("plan/search"), Path("plan/apply")}
+    assert {Path("track"), Path("plan"), Path("report"), *wings} <= sections.keys()
+    missing = modules_missing_from_their_folder(TOOLS, map_)
+    assert not missing, f"docs/development.md's code map does not name, in their folder: {missing}"
+    folders = {p.parent.relative_to(TOOLS) for p in TOOLS.rglob("*.py")} - {Path(".")}
+    assert not folders - sections.keys(), "folders of the tools without a heading in the code map"
 
 
 def test_the_map_check_sees_a_module_named_in_another_folder() -> None:
@@ -91,6 +109,12 @@ ERRANDS = {
     "how a group's gradients are reduced": ["engine/reduce/"],
     "what happens at a group's pre-forward": ["engine/group/", "schedule.py"],
     "a file format's reader": ["formats/"],
+    "change the step check": ["runtime/step_check.py", "engine/collectives_agree.py"],
+    "under torch's `Join`": ["engine/join.py", "runtime/collective_watch.py"],
+    "marked `set_conditional(True)`": ["engine/conditional.py", "conditional_schedule.py"],
+    "change `replicate`": ["replicate_api.py", "adoption.py"],
+    "how the planner searches": ["tools/plan/search/"],
+    "modelled or calibrated": ["tools/plan/timing/"],
 }
 
 
@@ -104,4 +128,6 @@ def test_the_errands_name_their_folders() -> None:
             assert f"`{place}" in line, f"the errand {phrase!r} does not name {place}"
     rows = "\n".join(row for row in errands.splitlines() if row.startswith("|"))
     for place in re.findall(r"`([a-z_/]+(?:/|\.py))`", rows):
-        assert (CORE / place).exists(), f"the errands name {place}, which the core lacks"
+        # ``tools/...`` is the tools' (packages/tools/src/shardkit/tools/...), the rest the core's
+        where = TOOLS.parent / place if place.startswith("tools/") else CORE / place
+        assert where.exists(), f"the errands name {place}, which does not exist"

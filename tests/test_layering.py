@@ -20,6 +20,7 @@ SEAMS = {
     "shardkit.core.layout",
     "shardkit.core.extensions",
     "shardkit.core.schedule",
+    "shardkit.core.conditional_schedule",
 }
 
 
@@ -58,6 +59,7 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     "shardkit.core.layout": INTERNALS,  # a read-only view of the engine's live groups
     "shardkit.core.extensions": ("shardkit.core.runtime.dtensors",),  # DTensor internals
     "shardkit.core.schedule": (),
+    "shardkit.core.conditional_schedule": (),  # the conditional modules' schedule, as pure
 }
 
 
@@ -165,10 +167,10 @@ def test_the_dist_check_sees_every_spelling() -> None:
 
 
 # collectives.py (the step's), object_collectives.py (whole objects between steps),
-# step_check.py (the step check's exchange of digests, apart from the step's collectives) and
-# peer_transfer.py (memory snapshots to and from a peer) call them; flat_collectives.py only
-# picks the installed torch's names for two; comm_debug.py issues them on meta tensors, for
-# torch's CommDebugMode to count (nothing is sent).
+# row_exchange.py (the exchange of rows that gloo's collectives and the step check's digests
+# are posted through) and peer_transfer.py (memory snapshots to and from a peer) call them;
+# flat_collectives.py only picks the installed torch's names for two; comm_debug.py issues
+# them on meta tensors, for torch's CommDebugMode to count (nothing is sent).
 COLLECTIVE_MODULES = {
     CORE / "runtime" / name
     for name in (
@@ -177,7 +179,7 @@ COLLECTIVE_MODULES = {
         "flat_collectives.py",
         "peer_transfer.py",
         "comm_debug.py",
-        "step_check.py",
+        "row_exchange.py",
     )
 }
 

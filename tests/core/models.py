@@ -39,6 +39,22 @@ class MLPNet(nn.Module):
         return cast(torch.Tensor, self.head(self.norm(h)))
 
 
+class Tower(nn.Module):
+    """A text projection, a tower only some batches use, and a head: a conditional module."""
+
+    def __init__(self, dim: int, out: int) -> None:
+        super().__init__()
+        self.text = nn.Linear(dim, dim)
+        self.tower = Block(dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor, use_tower: bool) -> torch.Tensor:
+        h = self.text(x)
+        if use_tower:
+            h = h + self.tower(x)
+        return cast(torch.Tensor, self.head(h))
+
+
 class TinyGPT(GPT):
     """shardkit.tools' GPT, tiny, plus a persistent buffer (state dicts carry buffers too);
     ``tie=True`` shares the embedding with the head."""

@@ -120,7 +120,10 @@ def test_kill_mid_async_write_then_resume(tmp_path: Path) -> None:
     complete = sorted(p.name for p in ckpt.glob("step_*") if (p / "COMPLETE").is_file())
     assert complete == ["step_00000005", "step_00000010"], complete
     assert (ckpt / "latest").read_text().strip() == "step_00000010"
-    assert (ckpt / ".step_00000015.partial").is_dir()  # the write began and never finished
+    # Step 15's write began and never finished: no step_00000015 was published. Whether its
+    # partial folder is there depends on how far rank 0's writer got before torchrun stopped
+    # it (on a loaded machine, not yet), so only what a load can see is asserted.
+    assert not (ckpt / "step_00000015").exists()
 
     resumed = _launch(ckpt, second, steps=killed_at + 2, resume=True)
     output, _ = resumed.communicate(timeout=180)

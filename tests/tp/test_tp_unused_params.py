@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from harness.pool import run_on_ranks
 from tests.core.parity import fully_shard_of
-from tests.core.replica_oracle import oracle_train, plain
+from tests.core.replica_oracle import ReplicaTraining, Turn, plain, sgd, train_replicas
 
 STEPS, LR, PER_RANK = 3, 0.1, 2
 
@@ -95,13 +95,15 @@ def _body(rank: int, world_size: int, mode: str, explicit: bool, impls: tuple[st
             out[impl] = _train(impl, mode, explicit)
         except Exception as error:  # torch before the fix: a mixed Tensor/DTensor error
             out[impl] = f"{type(error).__name__}: {error}"
-    out["oracle"] = oracle_train(
-        _make,
-        lambda m, r, s: _loss(m, mode, r, s),
-        world_size=2,
-        steps=STEPS,
-        lr=LR,
+
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor:
+        return _loss(model, mode, turn.rank, turn.step)
+
+    training = ReplicaTraining(
+        make_model=_make, loss=loss, world_size=2, steps=STEPS, optimizer=sgd(LR)
     )
+    run = train_replicas(training)
+    out["oracle"] = (run.grads[0], run.params)
     return out
 
 

@@ -1,8 +1,9 @@
 """Shared by the Join tests: the models, each rank's batches, SGD that records its gradients,
-the sharded model, and the comparison with an oracle's result.
+the sharded model, the oracle, and the comparison with it.
 
 Each rank's batches follow from the iteration and the rank, so every rank can compute the
-oracle (single-process training over the ranks active in each iteration) alone.
+oracle alone: ``tests.core.replica_oracle``'s unsharded replicas, a rank taking part in the
+iterations it has batches for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.core import models
 from tests.core.parity import fully_shard_of, rank_batch
+from tests.core.replica_oracle import ReplicaTraining, Turn, train_replicas
 
 __all__ = [
     "ATOL",
@@ -28,6 +30,9 @@ __all__ = [
     "data_of",
     "full_grad",
     "loss",
+    "oracle",
+    "recorded",
+    "replicas",
     "sharded",
     "syncs",
 ]
@@ -51,6 +56,11 @@ class RecordingSGD(torch.optim.SGD):
         grads = [p.grad for group in self.param_groups for p in group["params"]]
         self.seen.append([full_grad(g) for g in grads if g is not None])
         return super().step(closure)
+
+
+def recorded(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """A recording optimizer's gradients at each step (another optimizer records none)."""
+    return optimizer.seen if isinstance(optimizer, RecordingSGD) else []
 
 
 def full_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -102,6 +112,36 @@ def loss(model: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def syncs(step: int, accumulate: bool) -> bool:
     """With accumulation, two micro-batches per optimizer step: the second syncs."""
     return not accumulate or step % 2 == 1
+
+
+def replicas(
+    name: str, world_size: int, counts: list[int], *, accumulate: bool = False
+) -> ReplicaTraining:
+    """The oracle's training: rank ``r`` runs iterations ``0 .. counts[r] - 1``, each
+    iteration's gradient divided by the world size, ``RecordingSGD`` steps (replace any of it).
+    """
+    micro_batches = 2 if accumulate else 1  # as ``syncs`` says
+
+    def turn_loss(model: nn.Module, turn: Turn) -> torch.Tensor | None:
+        if turn.iteration >= counts[turn.rank]:
+            return None  # out of batches
+        x, y = batch(name, turn.iteration, turn.rank, world_size)
+        return loss(name, model(x), y)
+
+    return ReplicaTraining(
+        make_model=lambda: build(name),
+        loss=turn_loss,
+        world_size=world_size,
+        steps=max(counts) // micro_batches,  # a window left open never steps
+        micro_batches=micro_batches,
+        optimizer=lambda model: RecordingSGD(model.parameters()),
+    )
+
+
+def oracle(training: ReplicaTraining) -> dict[str, Any]:
+    """The replicas' final parameters and the gradients their optimizer stepped with."""
+    run = train_replicas(training)
+    return {"params": run.params, "grads": recorded(run.optimizer)}
 
 
 def sharded(

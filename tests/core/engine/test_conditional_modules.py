@@ -1,11 +1,12 @@
 """Conditional modules (``set_conditional``): skipped on some ranks, or run in another order.
 
-The oracle is unsharded replicas: every rank builds a plain copy of the model (same seed) and
-runs each rank's batch with that rank's control flow, one after another; a parameter's
-gradient is the mean over ranks of each rank's own (zeros where a rank did not use it), and
-plain SGD steps the copy. shardkit's first-step gradients and its parameters after three SGD
-steps must match it within fp32 rounding. torch's ``fully_shard`` runs beside on the tower
-and the swapped blocks as the control: what it does there is recorded, not required.
+The oracle is unsharded replicas (``tests.core.replica_oracle``): every rank builds a plain
+copy of the model (same seed) and runs each rank's batch with that rank's control flow, one
+after another; a parameter's gradient is the mean over ranks of each rank's own (zeros where
+a rank did not use it), and plain SGD steps the copy. shardkit's first-step gradients and its
+parameters after three SGD steps must match it within fp32 rounding. torch's ``fully_shard``
+runs beside on the tower and the swapped blocks as the control: what it does there is
+recorded, not required.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from shardkit.core import FSDPModule, MixedPrecisionPolicy
 from tests.core import models
 from tests.core.parity import full_params, fully_shard_of, torch_policy
+from tests.core.replica_oracle import ReplicaTraining, Turn, sgd, train_replicas
 
 DIM = 8
 LR = 0.1
@@ -36,23 +38,6 @@ EXPERTS = 3
 
 
 # --- the models and each rank's control flow ---------------------------------------------
-
-
-class Tower(nn.Module):
-    """Text projection, a tower only some batches use, and a head (case 1)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.text = nn.Linear(DIM, DIM)
-        self.tower = models.Block(DIM)
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor, use_tower: bool) -> torch.Tensor:
-        h = self.text(x)
-        if use_tower:
-            h = h + self.tower(x)
-        out: torch.Tensor = self.head(h)
-        return out
 
 
 class Stack(nn.Module):
@@ -154,7 +139,7 @@ class Case:
 def _build(case: Case) -> nn.Module:
     torch.manual_seed(11)
     if case.name == "tower":
-        return Tower()
+        return models.Tower(DIM, DIM)  # text, a tower only some batches use, a head (case 1)
     if case.name == "experts":
         return Experts()
     if case.name == "moe":
@@ -225,29 +210,24 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def _oracle(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """First-step gradients and final parameters: the mean over ranks of each rank's own."""
-    model: Any = _build(case)
-    params = dict(model.named_parameters())
-    first: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
-        mean = {name: torch.zeros_like(p) for name, p in params.items()}
-        used: set[str] = set()
-        for micro in range(_micro_batches(case)):
-            for rank in range(case.world):
-                model.zero_grad(set_to_none=True)
-                _loss(
-                    _forward(case, model, _batch(case, step, rank, micro), rank, micro)
-                ).backward()
-                for name, p in params.items():
-                    if p.grad is not None:
-                        mean[name] += p.grad / case.world
-                        used.add(name)
-        with torch.no_grad():
-            for name, p in params.items():
-                p -= LR * mean[name]
-        if step == 0:
-            first = {name: g for name, g in mean.items() if name in used}  # no rank: None
-    return first, {name: p.detach().clone() for name, p in params.items()}
+    """First-step gradients (of the parameters some rank used) and final parameters."""
+
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor:
+        x = _batch(case, turn.step, turn.rank, turn.micro)
+        return _loss(_forward(case, model, x, turn.rank, turn.micro))
+
+    run = train_replicas(
+        ReplicaTraining(
+            make_model=lambda: _build(case),
+            loss=loss,
+            world_size=case.world,
+            steps=STEPS,
+            micro_batches=_micro_batches(case),
+            optimizer=sgd(LR),
+        )
+    )
+    first = {name: g for name, g in run.grads[0].items() if g is not None}  # no rank: None
+    return first, run.params
 
 
 # --- shardkit (and torch's fully_shard, the control) ------------------------------------------

@@ -1,6 +1,7 @@
 """Uneven inputs through torch's ``Join``: a rank out of batches shadows the others' steps.
 
-The oracle is unsharded: on every rank a plain copy of the model (same seed) trained on every
+The oracle is unsharded replicas (``tests.core.replica_oracle``, set up by
+``join_helpers.replicas``): on every rank a plain copy of the model (same seed) trained on every
 rank's batches, each iteration's gradient the sum of the gradients of the ranks that had a
 batch then, divided by the initial world size (``divide_by_initial_world_size=True``) or by
 the number of those ranks. Every rank computes it alone: each rank's batches follow from the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,64 +26,20 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from harness.pool import run_on_ranks
 from tests.core import models
-from tests.core.engine.join_helpers import ATOL, RTOL, RecordingSGD
+from tests.core.engine.join_helpers import ATOL, RTOL, RecordingSGD, oracle, recorded, replicas
 from tests.core.engine.join_helpers import assert_matches_oracle as _assert_matches_oracle
 from tests.core.engine.join_helpers import batch as _batch
-from tests.core.engine.join_helpers import build as _build
 from tests.core.engine.join_helpers import loss as _loss
 from tests.core.engine.join_helpers import sharded as _sharded
 from tests.core.engine.join_helpers import syncs as _syncs
 from tests.core.parity import full_params, fully_shard_of
+from tests.core.replica_oracle import ReplicaTraining, Turn, plain, sgd, train_replicas
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return RecordingSGD(params)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-
-
-def _oracle(
-    name: str,
-    world_size: int,
-    counts: list[int],
-    opt: str,
-    *,
-    accumulate: bool,
-    divide_initial: bool,
-    scheduler: bool,
-) -> dict[str, Any]:
-    """Single-process training with each iteration's gradient over the ranks active in it.
-
-    Returns:
-        The full parameters at the end, and (SGD) every parameter's gradient at each step.
-    """
-    model = _build(name)
-    optimizer = _optimizer(opt, model.parameters())
-    schedule = _scheduler(optimizer) if scheduler else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    for step in range(max(counts)):
-        active = [r for r in range(world_size) if counts[r] > step]
-        divisor = world_size if divide_initial else len(active)
-        for rank in active:
-            model.zero_grad()
-            x, y = _batch(name, step, rank, world_size)
-            _loss(name, model(x), y).backward()
-            for acc, p in zip(total, params, strict=True):
-                acc += p.grad / divisor
-        if _syncs(step, accumulate):
-            for acc, p in zip(total, params, strict=True):
-                p.grad = acc.clone()
-                acc.zero_()
-            optimizer.step()
-            if schedule is not None:
-                schedule.step()
-            optimizer.zero_grad()
-    return {"params": full_params(model), "grads": _seen(optimizer)}
-
-
-def _seen(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    return optimizer.seen if isinstance(optimizer, RecordingSGD) else []
 
 
 def _scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -140,16 +98,14 @@ def _join_body(
             _iterate(name, model, optimizer, step, rank, world_size, accumulate=accumulate)
             if schedule is not None and _syncs(step, accumulate):
                 schedule.step()
-    expected = _oracle(
-        name,
-        world_size,
-        counts,
-        opt,
-        accumulate=accumulate,
-        divide_initial=divide_initial,
-        scheduler=scheduler,
+    training = replace(
+        replicas(name, world_size, counts, accumulate=accumulate),
+        optimizer=lambda plain: _optimizer(opt, plain.parameters()),
+        divide_by_active_ranks=not divide_initial,
+        scheduler=_scheduler if scheduler else None,
     )
-    return {"params": full_params(model), "grads": _seen(optimizer), "expected": expected}
+    expected = oracle(training)
+    return {"params": full_params(model), "grads": recorded(optimizer), "expected": expected}
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -366,14 +322,14 @@ def _eval_body(rank: int, world_size: int, counts: list[int]) -> dict[str, Any]:
         for step in range(counts[rank]):
             x, _ = _batch("mlp", 10 + step, rank, world_size)
             outputs.append(model(x))
-    plain = _build("mlp")  # the oracle: the same step on every rank's batch, then the forwards
-    plain.zero_grad()
-    for r in range(world_size):
-        x, y = _batch("mlp", 0, r, world_size)
-        (_loss("mlp", plain(x), y) / world_size).backward()
-    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    # The oracle: the same step on every rank's batch, then the forwards.
+    trained = train_replicas(
+        replace(replicas("mlp", world_size, [1] * world_size), optimizer=sgd(0.1))
+    ).model
     with torch.no_grad():
-        expected = [plain(_batch("mlp", 10 + s, rank, world_size)[0]) for s in range(counts[rank])]
+        expected = [
+            trained(_batch("mlp", 10 + s, rank, world_size)[0]) for s in range(counts[rank])
+        ]
     return {"outputs": outputs, "expected": expected}
 
 
@@ -398,32 +354,12 @@ def test_gradient_accumulation_under_hsdp() -> None:
 # --- a conditional module under Join ----------------------------------------------------------
 
 
-class _Tower(nn.Module):
-    """A text projection, a tower only some batches use (marked conditional), a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.text = nn.Linear(6, 6)
-        self.tower = models.Block(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor, use_tower: bool) -> torch.Tensor:
-        h = self.text(x)
-        if use_tower:
-            h = h + self.tower(x)
-        out: torch.Tensor = self.head(h)
-        return out
-
-
-def _tower_model() -> _Tower:
+def _tower_model() -> models.Tower:
     torch.manual_seed(0)
-    return _Tower()
+    return models.Tower(6, 3)
 
 
-def _tower_step(model: nn.Module, rank: int, step: int, counts: list[int]) -> torch.Tensor:
-    """Rank ``rank``'s loss at ``step``; a rank out of batches has none (a constant)."""
-    if step >= counts[rank]:
-        return torch.zeros(())
+def _tower_step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(4, 6, generator=generator)
     out: torch.Tensor = model(x, (step + rank) % 2 == 0)  # ranks take turns skipping the tower
@@ -432,7 +368,6 @@ def _tower_step(model: nn.Module, rank: int, step: int, counts: list[int]) -> to
 
 def _conditional_body(rank: int, world_size: int, counts: list[int]) -> dict[str, Any]:
     from shardkit.core import fully_shard
-    from tests.core.replica_oracle import oracle_train, plain
 
     model: Any = _tower_model()
     mesh = init_device_mesh("cpu", (world_size,))
@@ -442,17 +377,26 @@ def _conditional_body(rank: int, world_size: int, counts: list[int]) -> dict[str
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Join([model], optimizer=optimizer):
         for step in range(counts[rank]):
-            _tower_step(model, rank, step, counts).backward()
+            _tower_step(model, rank, step).backward()
             optimizer.step()
             optimizer.zero_grad()
-    _, expected = oracle_train(
-        _tower_model,
-        lambda m, r, s: _tower_step(m, r, s, counts),
+    expected = train_replicas(_tower_replicas(world_size, counts)).params
+    return {"params": plain(dict(model.named_parameters())), "expected": expected}
+
+
+def _tower_replicas(world_size: int, counts: list[int]) -> ReplicaTraining:
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor | None:
+        if turn.step >= counts[turn.rank]:
+            return None  # out of batches
+        return _tower_step(model, turn.rank, turn.step)
+
+    return ReplicaTraining(
+        make_model=_tower_model,
+        loss=loss,
         world_size=world_size,
         steps=max(counts),
-        lr=0.1,
+        optimizer=sgd(0.1),
     )
-    return {"params": plain(dict(model.named_parameters())), "expected": expected}
 
 
 @pytest.mark.parametrize("counts", [[4, 2], [3, 0]])

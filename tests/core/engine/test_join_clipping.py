@@ -3,8 +3,8 @@
 torch's gradient clipping on the model's DTensor gradients all-reduces their norm over the
 mesh. A rank out of batches must take part: its shards hold its part of the averaged
 gradient, so it adds that part to the norm and clips its shards by the same factor before it
-steps. The oracle (``test_join``'s, on ``join_helpers``) clips the averaged gradient of the
-ranks active in each iteration, as one process training on every rank's batches would.
+steps. The oracle (``join_helpers``' replicas, as ``test_join``'s) clips the averaged gradient
+of the ranks active in each iteration, as one process training on every rank's batches would.
 
 Any other collective an active rank issues while a rank is out of batches (a loss all-reduced
 for logging) cannot be shadowed: every rank raises the same error naming it, at once.
@@ -13,16 +13,19 @@ for logging) cannot be shadowed: every rank raises the same error naming it, at 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from harness.pool import run_on_ranks
 from tests.core.engine import join_helpers as base
 from tests.core.parity import full_params
+from tests.core.replica_oracle import train_replicas
 
 MAX_NORM = 0.05  # small enough that every step of these models clips
 
@@ -43,36 +46,22 @@ def _clip(model: Any, style: str) -> None:
 
 
 def _oracle(
-    name: str,
     world_size: int,
     counts: list[int],
     *,
-    accumulate: bool,
-    style: str,
+    accumulate: bool = False,
+    style: str = "clip_grad_norm_",
     skip: int | None = None,
 ) -> dict[str, Any]:
-    """``test_join``'s oracle, clipping each step's averaged gradient before the step."""
-    model = base.build(name)
-    optimizer = base.RecordingSGD(model.parameters())
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    for step in range(max(counts)):
-        active = [r for r in range(world_size) if counts[r] > step]
-        for rank in active:
-            model.zero_grad()
-            x, y = base.batch(name, step, rank, world_size)
-            base.loss(name, model(x), y).backward()
-            for acc, p in zip(total, params, strict=True):
-                acc += p.grad / world_size
-        if base.syncs(step, accumulate):
-            for acc, p in zip(total, params, strict=True):
-                p.grad = acc.clone()
-                acc.zero_()
-            _clip(model, style)
-            if step != skip:
-                optimizer.step()
-            optimizer.zero_grad()
-    return {"params": full_params(model), "grads": optimizer.seen}
+    """The Join tests' oracle, clipping each step's averaged gradient before the step (and
+    skipping step ``skip``, as a loop does on gradients that are not finite)."""
+
+    def clip(model: nn.Module, step: int) -> bool:
+        _clip(model, style)
+        return step != skip
+
+    training = base.replicas("mlp", world_size, counts, accumulate=accumulate)
+    return base.oracle(replace(training, before_step=clip))
 
 
 def _clip_body(
@@ -96,7 +85,7 @@ def _clip_body(
                 _clip(model, style)
                 optimizer.step()
                 optimizer.zero_grad()
-    expected = _oracle(name, world_size, counts, accumulate=accumulate, style=style)
+    expected = _oracle(world_size, counts, accumulate=accumulate, style=style)
     return {"params": full_params(model), "grads": optimizer.seen, "expected": expected}
 
 
@@ -122,17 +111,18 @@ def test_clipping_under_hsdp() -> None:
 
 def _the_clip_oracle_clips() -> bool:
     """The oracle's first step, clipped and not: a test that passed unclipped would say nothing."""
-    clipped = _oracle("mlp", 2, [1, 1], accumulate=False, style="clip_grad_norm_")
-    model = base.build("mlp")
-    grads = [torch.zeros_like(p) for p in model.parameters()]
-    for rank in range(2):
-        model.zero_grad()
-        x, y = base.batch("mlp", 0, rank, 2)
-        base.loss("mlp", model(x), y).backward()
-        grads = [g + p.grad / 2 for g, p in zip(grads, model.parameters(), strict=True)]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    seen = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped["grads"][0]]))
+    clipped = train_replicas(replace(base.replicas("mlp", 2, [1, 1]), before_step=_clip_norm))
+    unclipped = [g for g in clipped.grads[0].values() if g is not None]  # before the clipping
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in unclipped]))
+    seen = torch.linalg.vector_norm(
+        torch.stack([g.norm() for g in base.recorded(clipped.optimizer)[0]])
+    )
     return bool(norm > MAX_NORM * 2) and bool(torch.isclose(seen, torch.tensor(MAX_NORM)))
+
+
+def _clip_norm(model: nn.Module, step: int) -> bool:
+    _clip(model, "clip_grad_norm_")
+    return True
 
 
 def test_the_oracle_clips() -> None:
@@ -294,7 +284,7 @@ def _joinable_body(rank: int, world_size: int, counts: list[int]) -> dict[str, A
             optimizer.step()
             optimizer.zero_grad()
             logged.append(log.log(loss))
-    expected = _oracle(name, world_size, counts, accumulate=False, style="clip_grad_norm_")
+    expected = _oracle(world_size, counts)
     result = {"params": full_params(model), "grads": optimizer.seen, "expected": expected}
     return {**result, "logged": logged}
 
@@ -343,9 +333,7 @@ def _skip_body(rank: int, world_size: int, counts: list[int], skip: int) -> dict
             if step != skip:
                 optimizer.step()
             optimizer.zero_grad()
-    expected = _oracle(
-        "mlp", world_size, counts, accumulate=False, style="clip_grad_norm_", skip=skip
-    )
+    expected = _oracle(world_size, counts, skip=skip)
     return {"params": full_params(model), "grads": optimizer.seen, "expected": expected}
 
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit.core import MixedPrecisionPolicy
 from tests.core.parity import full_params, fully_shard_of, torch_policy
+from tests.core.replica_oracle import Grads, ReplicaTraining, Turn, sgd, train_replicas
 
 DIM, EXPERTS, DEPTH, TOKENS, STEPS, LR = 8, 4, 3, 4, 2, 0.1
 # Added to the router's logits of a token's two chosen experts, so top-2 picks them; their
@@ -156,33 +157,24 @@ def _build() -> Model:
 # --- the oracle: unsharded replicas -----------------------------------------------------------
 
 
-Grads = dict[str, torch.Tensor | None]
-
-
 def _oracle(case: Case) -> dict[str, Any]:
     """Each step's mean over ranks of each rank's gradient (None: no rank used it); the final
     parameters after SGD on them."""
-    model = _build()
-    params = dict(model.named_parameters())
-    steps: list[Grads] = []
-    for step in range(STEPS):
-        summed: Grads = dict.fromkeys(params)
-        for micro in range(_micro_batches(case)):
-            for rank in range(case.world):
-                model.zero_grad(set_to_none=True)
-                _loss(case, model, rank, step, micro).backward()
-                for name, p in params.items():
-                    prev = summed[name]
-                    if p.grad is not None:
-                        summed[name] = p.grad.clone() if prev is None else prev + p.grad
-        mean = {n: None if g is None else g / case.world for n, g in summed.items()}
-        steps.append(mean)
-        with torch.no_grad():
-            for name, p in params.items():
-                grad = mean[name]
-                if grad is not None:
-                    p.add_(grad, alpha=-LR)
-    return {"grads": steps, "params": {n: p.detach().clone() for n, p in params.items()}}
+
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor:
+        return _loss(case, model, turn.rank, turn.step, turn.micro)
+
+    run = train_replicas(
+        ReplicaTraining(
+            make_model=_build,
+            loss=loss,
+            world_size=case.world,
+            steps=STEPS,
+            micro_batches=_micro_batches(case),
+            optimizer=sgd(LR),
+        )
+    )
+    return {"grads": run.grads, "params": run.params}
 
 
 # --- shardkit, and torch's fully_shard ----------------------------------------------------------

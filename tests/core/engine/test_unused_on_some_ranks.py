@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.core.parity import fully_shard_of
-from tests.core.replica_oracle import oracle_train, plain
+from tests.core.replica_oracle import ReplicaTraining, Turn, plain, sgd, train_replicas
 
 DIM, EXPERTS, STEPS, LR = 6, 3, 3, 0.1
 
@@ -86,11 +86,14 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ours = _train("shardkit", rank, mesh)
 
-    def loss(model: nn.Module, r: int, step: int) -> torch.Tensor:
-        return _loss(model, r, step, world_size)
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor:
+        return _loss(model, turn.rank, turn.step, world_size)
 
-    grads, params = oracle_train(_make, loss, world_size=world_size, steps=STEPS, lr=LR)
-    return {"ours": ours, "oracle": {"first": grads, "params": params}}
+    training = ReplicaTraining(
+        make_model=_make, loss=loss, world_size=world_size, steps=STEPS, optimizer=sgd(LR)
+    )
+    run = train_replicas(training)
+    return {"ours": ours, "oracle": {"first": run.grads[0], "params": run.params}}
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["w2", "hsdp-2x2"])

@@ -18,7 +18,8 @@ import shardkit.core as sk
 from harness.pool import run_on_ranks
 from shardkit.core import torch_release
 from shardkit.core.engine import buffer_layout as group_layout_module
-from shardkit.core.engine.buffer_layout import ParamSpec, group_layout
+from shardkit.core.engine.buffer_layout import group_layout
+from shardkit.core.engine.param_layout import ParamSpec
 from shardkit.core.torch_release import UntestedTorchWarning, release_of, warn_if_untested
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.core.parity import full_params, fully_shard_of
-from tests.core.replica_oracle import oracle_train, plain
+from tests.core.replica_oracle import ReplicaTraining, Turn, plain, sgd, train_replicas
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -183,11 +183,14 @@ def _train(name: str, impl: str, rank: int, layout: str, unused_zeros: bool) -> 
 
 
 def _oracle(name: str) -> dict[str, Any]:
-    def step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-        return _loss(name, model, rank, step)
+    def loss(model: nn.Module, turn: Turn) -> torch.Tensor:
+        return _loss(name, model, turn.rank, turn.step)
 
-    first, params = oracle_train(lambda: _build(name), step, world_size=2, steps=STEPS, lr=LR)
-    return {"first": first, "params": params}
+    training = ReplicaTraining(
+        make_model=lambda: _build(name), loss=loss, world_size=2, steps=STEPS, optimizer=sgd(LR)
+    )
+    run = train_replicas(training)
+    return {"first": run.grads[0], "params": run.params}
 
 
 def _unused_per_rank(name: str) -> list[set[str]]:

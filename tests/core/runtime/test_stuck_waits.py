@@ -53,6 +53,7 @@ def _tower_body(rank: int, world_size: int, skip: bool, bound_s: float, sleep_s:
     fully_shard(model, mesh=mesh)  # the tower is not marked set_conditional(True)
     before = SETTINGS.collective_bound_s
     set_collective_bound(bound_s)
+    dist.barrier(group=group)  # both clocks start together: sharding took longer on one rank
     start = time.monotonic()
     try:
         image = None if skip and rank == 1 else torch.randn(4, 8)
@@ -84,7 +85,9 @@ def test_a_rank_slower_than_the_bound_is_not_accused() -> None:
     # root's all-gather while rank 1 waits in nothing, so the step goes on.
     results = run_on_ranks(2, _tower_body, skip=False, bound_s=1.0, sleep_s=3.0, timeout_s=90)
     assert [r["outcome"] for r in results] == ["trained", "trained"], results
-    assert results[0]["elapsed"] >= 3.0, results
+    # Rank 0 waited past the bound for rank 1's sleep (less the moments between the two
+    # ranks leaving the barrier) and was not accused.
+    assert results[0]["elapsed"] >= 2.5, results
 
 
 def _info(seq: int, kind: str, label: str, phase: str) -> Any:

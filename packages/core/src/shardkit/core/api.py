@@ -1,9 +1,10 @@
 """The public entry point: ``fully_shard``, which adds FSDPModule's methods to a module.
 
 Everything is validated before anything is changed, so a failed call leaves the module as it
-was; what the call builds is the engine's (``engine/build.py``, shared with ``replicate``). The
-class swap (``Linear`` -> ``FSDPLinear``) happens here (``replicate``'s, to
-``ReplicateLinear``, in ``replicate_api``) and nowhere else.
+was; what the call builds is the engine's (``engine/build.py``, shared with ``replicate``), and
+how it then takes the modules over is ``adoption``'s (shared too). The classes swapped in
+(``Linear`` -> ``FSDPLinear``) are made here (``replicate``'s, ``ReplicateLinear``, in
+``replicate_api``) and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from shardkit.core.adoption import ComposableApi, modules_of
 from shardkit.core.engine.build import CallSettings, build_state
+from shardkit.core.engine.fsdp_state import FSDPState
 from shardkit.core.engine.mesh_info import mesh_info_for
 from shardkit.core.engine.sharding import validate_reshard_after_forward
 from shardkit.core.engine.spmd import spmd_mesh_info
@@ -32,9 +35,8 @@ from shardkit.core.policies import (
     offload_policy_of,
 )
 from shardkit.core.runtime.groups import default_mesh
-from shardkit.core.torch_facing.composable_registry import applied_apis, record_api
+from shardkit.core.torch_facing.composable_registry import applied_apis
 from shardkit.core.torch_facing.fsdp_classes import TorchFacing, managed_by_torch_fsdp
-from shardkit.core.torch_facing.view import TorchFacingState, api_view, attach_view
 
 if TYPE_CHECKING:
     # Only for the annotation: torch releases before 2.12 have no such class, and spmd.py
@@ -118,7 +120,7 @@ def fully_shard(
     Returns:
         The same module(s), now also instances of ``FSDPModule``.
     """
-    modules = tuple(module) if isinstance(module, list) else (module,)
+    modules = modules_of(module)
     _check_modules(modules)
     offload_policy = offload_policy_of(offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
@@ -136,25 +138,7 @@ def fully_shard(
         reshard_policy=policy,
     )
     state = build_state(modules, mesh_info, place, settings)
-    for m in modules:
-        attach_view(m, state)
-        record_api(m, "fully_shard")
-        m.__class__ = _fsdp_class(type(m))
-    fsdp_modules: list[FSDPModule] = [m for m in modules if isinstance(m, FSDPModule)]
-    return fsdp_modules if isinstance(module, list) else fsdp_modules[0]
-
-
-def _state(module: nn.Module) -> TorchFacingState | None:
-    """The torch-facing view of the fully_shard call that manages ``module`` itself, else None."""
-    return api_view(module, "fully_shard") if is_managed(module) else None
-
-
-# torch's fully_shard carries ``fully_shard.state(module)`` (its composable-API decorator adds
-# it); code and tests written for torch read the state through it, and reach torch's private
-# names on it: they get the same view as torch's own ``fully_shard.state`` gives for a shardkit
-# module. See [Note: torch-facing view]. Set by name: a type checker does not let a function,
-# overloaded at that, grow an attribute.
-setattr(fully_shard, "state", _state)  # noqa: B010
+    return _FULLY_SHARD.adopt(module, state)
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -206,11 +190,22 @@ def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
     return fsdp_cls
 
 
+_FULLY_SHARD = ComposableApi("fully_shard", FSDPModule, _fsdp_class)
+
+# torch's fully_shard carries ``fully_shard.state(module)`` (its composable-API decorator adds
+# it); code and tests written for torch read the state through it, and reach torch's private
+# names on it: they get the same view as torch's own ``fully_shard.state`` gives for a shardkit
+# module. See [Note: torch-facing view]. Set by name: a type checker does not let a function,
+# overloaded at that, grow an attribute.
+setattr(fully_shard, "state", _FULLY_SHARD.state)  # noqa: B010
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run FSDP's pre/post-forward logic around ``module.<method_name>`` (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
         return
     state = state_of(module)
+    assert isinstance(state, FSDPState)  # the registry holds the states build made
     original = getattr(type(module), method_name)
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkit.core.engine.comm_context import CommContext
-from shardkit.core.engine.fsdp_state import FSDPState
-from shardkit.core.engine.root_context import new_comm_context
+from shardkit.core.engine.root_context import RootState, new_comm_context
 from shardkit.core.engine.state_registry import state_of
 
 __all__ = ["share_comm_ctx"]
@@ -40,7 +39,7 @@ def share_comm_ctx(modules: Sequence[Any]) -> None:
         _use(state, comm)
 
 
-def _comm_of(state: FSDPState) -> CommContext:
+def _comm_of(state: RootState) -> CommContext:
     if state.ctx is not None:
         return state.ctx.comm
     if state.shared_comm is None:
@@ -48,7 +47,7 @@ def _comm_of(state: FSDPState) -> CommContext:
     return state.shared_comm
 
 
-def _use(state: FSDPState, comm: CommContext) -> None:
+def _use(state: RootState, comm: CommContext) -> None:
     if state.ctx is None:
         state.shared_comm = comm  # taken at the state's lazy init
         return

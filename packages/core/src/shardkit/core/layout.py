@@ -30,22 +30,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.engine.buffer_layout import (
-    ALIGN_BYTES,
-    GroupLayout,
-    HookInput,
-    ParamLayout,
-    ParamSpec,
-    ShardGeometry,
-    group_layout,
-    pooled_sizes,
-)
+from shardkit.core.engine.buffer_layout import GroupLayout, group_layout, pooled_sizes
 from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.param_layout import HookInput, ParamLayout, ParamSpec
 from shardkit.core.engine.param_listing import ParamSlot
 from shardkit.core.engine.reduce import WireFormat
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.policies import keeps_own_dtype
 from shardkit.core.reduce_precision import ReducePrecision
+from shardkit.core.runtime.buffers import ALIGN_BYTES, ShardGeometry
 from shardkit.core.runtime.step_check import HEADER_BYTES as STEP_CHECK_HEADER_BYTES
 from shardkit.core.runtime.step_check import step_checks_on
 

@@ -20,18 +20,17 @@ from typing import TYPE_CHECKING, TypeAlias, overload
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.core.adoption import ComposableApi, modules_of
 from shardkit.core.engine.build import CallSettings, build_state
 from shardkit.core.engine.mesh_info import replicate_mesh_info
 from shardkit.core.engine.spmd import spmd_mesh_info
-from shardkit.core.engine.state_registry import is_managed
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.fsdp_module import FSDPModule
 from shardkit.core.placement import placement_resolver
 from shardkit.core.policies import MixedPrecisionPolicy, OffloadPolicy, offload_policy_of
 from shardkit.core.runtime.groups import default_mesh
-from shardkit.core.torch_facing.composable_registry import applied_apis, record_api
+from shardkit.core.torch_facing.composable_registry import applied_apis
 from shardkit.core.torch_facing.fsdp_classes import TorchReplicateFacing, managed_by_torch_fsdp
-from shardkit.core.torch_facing.view import TorchFacingState, api_view, attach_view
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
@@ -112,7 +111,7 @@ def replicate(
         ValueError: a container without ``forward``, a mesh that is not 1-D, ``dp_mesh_dims``
             naming a shard axis, or a module torch's own FSDP manages.
     """
-    modules = tuple(module) if isinstance(module, list) else (module,)
+    modules = modules_of(module)
     _check_modules(modules)
     offload_policy = offload_policy_of(offload_policy)
     mesh = mesh if mesh is not None else default_mesh("replicate")
@@ -135,22 +134,7 @@ def replicate(
         reshard_policy=False,
     )
     state = build_state(modules, mesh_info, placement_resolver(None, mesh_info), settings)
-    for m in modules:
-        attach_view(m, state, "replicate")
-        record_api(m, "replicate")
-        m.__class__ = _replicate_class(type(m))
-    replicated: list[ReplicateModule] = [m for m in modules if isinstance(m, ReplicateModule)]
-    return replicated if isinstance(module, list) else replicated[0]
-
-
-def _state(module: nn.Module) -> TorchFacingState | None:
-    """The torch-facing view of the replicate call that manages ``module`` itself, else None."""
-    return api_view(module, "replicate") if is_managed(module) else None
-
-
-# As torch's ``replicate.state(module)`` (its composable-API decorator adds it): the view
-# torch's pipelining reads. Set by name, as on fully_shard.
-setattr(replicate, "state", _state)  # noqa: B010
+    return _REPLICATE.adopt(module, state)
 
 
 def is_composable_with_replicate(module: nn.Module) -> bool:
@@ -198,3 +182,10 @@ def _replicate_class(cls: type[nn.Module]) -> type[nn.Module]:
         replicate_cls._orig_cls_mro_index = replicate_cls.__mro__.index(cls)  # type: ignore[attr-defined]
         _REPLICATE_CLASSES[cls] = replicate_cls
     return replicate_cls
+
+
+_REPLICATE = ComposableApi("replicate", ReplicateModule, _replicate_class)
+
+# As torch's ``replicate.state(module)`` (its composable-API decorator adds it): the view
+# torch's pipelining reads. Set by name, as on fully_shard.
+setattr(replicate, "state", _REPLICATE.state)  # noqa: B010

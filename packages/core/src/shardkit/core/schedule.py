@@ -33,21 +33,21 @@ The engine and the planner each implement :class:`StepOps` (what a decision does
 free, reduce, on real groups or on a ledger) and call the driver's hooks; neither restates the
 sequence. A pipeline schedule that ends a stage's backward outside autograd calls the same
 hooks (:meth:`StepDriver.end_backward`, :meth:`StepDriver.final_callback`). The two
-protocols, :class:`StepOps` and the :class:`GroupSettings` it hands the driver, are
-``step_protocols``'s, and published here.
+protocols (:class:`StepOps`, and the :class:`GroupSettings` it hands the driver) and
+:class:`AfterForward` are ``step_protocols``'s; this seam publishes them to the other packages,
+as it does ``TrainingState`` and :class:`StepSchedule`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import nullcontext
-from enum import Enum
 from functools import partial
 from typing import Generic, TypeVar
 
 from shardkit.core.state_machines import TrainingState
 from shardkit.core.step_orders import StepSchedule
-from shardkit.core.step_protocols import GroupSettings, StepOps
+from shardkit.core.step_protocols import AfterForward, GroupSettings, StepOps
 
 __all__ = [
     "MAX_REDUCES_IN_FLIGHT",
@@ -74,17 +74,6 @@ MAX_REDUCES_IN_FLIGHT = 1
 """Gradient reductions left in flight by default before the oldest is finished: one, so two
 send buffers never coexist at backward's memory peak (``set_reduce_scatter_max_input_buffers``
 raises it per group)."""
-
-
-class AfterForward(Enum):
-    """What a group does with its full parameters at its post-forward."""
-
-    KEEP = "keep"
-    """Keep them for backward (``reshard_after_forward=False``)."""
-    FREE = "free"
-    """Free them; backward gathers again (``True``)."""
-    SLICE = "slice"
-    """Keep this rank's 1/n of them; backward gathers within n ranks (an int n)."""
 
 
 def after_forward(policy: bool | int) -> AfterForward:

@@ -1,29 +1,38 @@
-"""The step's operations as its driver asks for them: :class:`StepOps` and :class:`GroupSettings`.
+"""The step's operations as its driver asks for them: :class:`StepOps`, :class:`GroupSettings`.
 
 :class:`~shardkit.core.schedule.StepDriver` decides which operation comes at which hook;
 whoever runs the step decides what each one does: the engine on its ``FSDPParamGroup``
 objects (``engine/step_ops.py``), the planner in ``shardkit.tools`` on group indices and a
-ledger of bytes. These two protocols are all the driver knows of either. Split out of ``schedule``,
-which re-exports both: ``shardkit.core.schedule`` is where they are published, and, like it,
-this module loads nothing of the engine or the runtime.
+ledger of bytes. These two protocols, and the :class:`AfterForward` action that one operation
+takes, are all the driver knows of either. Inside the core, the schedule and the engine import
+them from here; the other packages reach them through the published seam,
+``shardkit.core.schedule``. Like it, this module loads nothing of the engine or the runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from enum import Enum
+from typing import Protocol, TypeVar
 
 from shardkit.core.state_machines import TrainingState
 
-if TYPE_CHECKING:
-    # schedule imports this module to re-export its protocols: no import back at load time.
-    from shardkit.core.schedule import AfterForward
-
-__all__ = ["GroupSettings", "StepOps"]
+__all__ = ["AfterForward", "GroupSettings", "StepOps"]
 
 G = TypeVar("G", bound=Hashable)
 G_co = TypeVar("G_co", bound=Hashable, covariant=True)
+
+
+class AfterForward(Enum):
+    """What a group does with its full parameters at its post-forward."""
+
+    KEEP = "keep"
+    """Keep them for backward (``reshard_after_forward=False``)."""
+    FREE = "free"
+    """Free them; backward gathers again (``True``)."""
+    SLICE = "slice"
+    """Keep this rank's 1/n of them; backward gathers within n ranks (an int n)."""
 
 
 class GroupSettings(Protocol[G_co]):
@@ -77,6 +86,9 @@ class StepOps(Protocol[G]):
     def event(self, what: str, group: G) -> None:
         """Report a state transition (``shardkit.core.StateTransitionEvent``'s names)."""
 
+    def name(self, group: G) -> str:
+        """The group's modules' FQNs, as the engine's messages and events name it."""
+
     def profiled(self, label: str, group: G | None = None) -> AbstractContextManager[object]:
         """A profiler range named as torch's for ``label`` of ``group`` (None: the root's)."""
 
@@ -107,6 +119,14 @@ class StepOps(Protocol[G]):
 
     def holds_grads(self, group: G) -> bool:
         """Whether its full parameters hold gradients that no reduction has taken."""
+
+    def cover_missing_grads(self, group: G) -> None:
+        """Let a conditional group's coming reduction go ahead where this rank lacks gradients.
+
+        Its anchor's end of backward reduces it on every rank, also where a parameter got no
+        gradient or the module did not run: zeros stand for what is missing, so the reduction
+        is issued here as on its peers (``conditional_schedule``).
+        """
 
     def take_grads(self, group: G) -> object | None:
         """Take its gradients for a reduction; None when there is none to start."""

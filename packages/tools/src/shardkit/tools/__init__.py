@@ -21,9 +21,10 @@ The tools live in three rooms, with the records they share (:mod:`shardkit.tools
 """
 
 from shardkit.tools.__about__ import __version__
-from shardkit.tools.plan.apply import apply_plan
+from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.options import PlanOptions
-from shardkit.tools.plan.planner import Plan, plan
+from shardkit.tools.plan.plan_record import Plan
+from shardkit.tools.plan.planner import plan
 from shardkit.tools.plan.records import (
     CollectiveCall,
     CollectivePlan,

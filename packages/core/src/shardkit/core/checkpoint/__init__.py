@@ -9,12 +9,8 @@ checkpoint's metadata and plain values without running pickled code (``read_dcp_
 ``StateDictCache`` is torch's ``get_state_dict`` for a loop that asks every step
 (``state_dict_cache.py``).
 ``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
-exports the same names). Memory snapshots are a wing of their own, ``shardkit.core.snapshots``;
-their three names are still found here, loaded on first use (they import this package's
-manager, so importing them here at load would close a circle).
+exports the same names). Memory snapshots are a wing of their own, ``shardkit.core.snapshots``.
 """
-
-from typing import Any
 
 from shardkit.core.checkpoint.async_save import CheckpointSaveError
 from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata
@@ -33,14 +29,3 @@ __all__ = [
     "StateDictCache",
     "read_dcp_metadata",
 ]
-
-_MOVED_TO_SNAPSHOTS = ("MemorySnapshots", "ResumePoint", "SnapshotError")
-
-
-def __getattr__(name: str) -> Any:
-    # The names this package exported before memory snapshots got their own folder.
-    if name in _MOVED_TO_SNAPSHOTS:
-        from shardkit.core import snapshots
-
-        return getattr(snapshots, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,10 +5,9 @@ big they are, with no process group and no allocation. The engine builds its buf
 it, and the planner in ``shardkit.tools`` calls it (through :mod:`shardkit.core.layout`) for
 a model it has never run, so their sizes cannot drift apart. See [Note: flat group buffers].
 
-The per-parameter values it reads and makes, :class:`ParamSpec` (with the :class:`HookInput`
-tensors of all-gather hooks) and :class:`ParamLayout`, are ``param_layout``'s. They are
-re-exported here, as ``runtime.buffers``' ``ALIGN_BYTES`` and ``ShardGeometry`` are, so the
-engine and :mod:`shardkit.core.layout` take the layout arithmetic from one module.
+The per-parameter values it reads and makes, ``ParamSpec`` (with the ``HookInput`` tensors of
+all-gather hooks) and ``ParamLayout``, are ``param_layout``'s: the engine's parameters describe
+themselves in them, and :mod:`shardkit.core.layout` publishes them beside this arithmetic.
 """
 
 from __future__ import annotations
@@ -20,20 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.engine.param_layout import HookInput, ParamLayout, ParamSpec
-from shardkit.core.runtime.buffers import ALIGN_BYTES, FlatLayout, ShardGeometry, shard_geometry
+from shardkit.core.engine.param_layout import ParamLayout, ParamSpec
+from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.torch_release import REDUCES_IN_PARAM_DTYPE
 
-__all__ = [
-    "ALIGN_BYTES",
-    "GroupLayout",
-    "HookInput",
-    "ParamLayout",
-    "ParamSpec",
-    "ShardGeometry",
-    "group_layout",
-    "pooled_sizes",
-]
+__all__ = ["GroupLayout", "group_layout", "pooled_sizes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

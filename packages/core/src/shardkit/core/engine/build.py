@@ -5,7 +5,7 @@ only: nothing sharded, gradients all-reduced); from there the engine is the same
 parameters are collected and validated before anything changes, so a failed call leaves the
 modules as they were; then the parameters are swapped for their sharded DTensors, buffers
 moved, and the state registered as managing the call's modules. The class swap and the
-torch-facing view are the API's (the engine never loads ``torch_facing``).
+torch-facing view are the APIs' (``adoption``: the engine never loads ``torch_facing``).
 """
 
 from __future__ import annotations

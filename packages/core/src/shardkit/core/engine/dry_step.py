@@ -11,23 +11,19 @@ it owns receives the others' sum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.root_context import RootState
 from shardkit.core.engine.step_trace import StepTrace
 from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.state_machines import ShardedState, TrainingState
 
-if TYPE_CHECKING:
-    from shardkit.core.engine.fsdp_state import FSDPState
-
 __all__ = ["run_dry_step"]
 
 
-def run_dry_step(root: FSDPState, trace: StepTrace, *, forward_only: bool = False) -> None:
+def run_dry_step(root: RootState, trace: StepTrace, *, forward_only: bool = False) -> None:
     """Run one iteration of ``root``'s step over ``trace``'s events, with zero gradients.
 
     ``forward_only``: an evaluation's iteration (gradients disabled): the forward's events,
@@ -84,7 +80,7 @@ def run_dry_step(root: FSDPState, trace: StepTrace, *, forward_only: bool = Fals
     root.end_backward(last=all(g.options.is_last_backward for g in groups))
 
 
-def _root_post_forward(root: FSDPState, groups: list[FSDPParamGroup]) -> None:
+def _root_post_forward(root: RootState, groups: list[FSDPParamGroup]) -> None:
     ctx = root.ctx
     assert ctx is not None
     ctx.in_root_forward = False

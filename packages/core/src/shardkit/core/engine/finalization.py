@@ -11,13 +11,13 @@ pipeline stages drive shardkit's stages through these. See [Note: torch-facing v
 
 from __future__ import annotations
 
-from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.engine.root_context import RootState
 from shardkit.core.engine.usage_checks import in_backward
 
 __all__ = ["finalize_backward", "set_manual_finalization", "wait_for_gradient_reduction"]
 
 
-def set_manual_finalization(state: FSDPState, enabled: bool) -> None:
+def set_manual_finalization(state: RootState, enabled: bool) -> None:
     """``FSDPModule.set_manual_backward_finalization``, checked as torch's.
 
     Raises:
@@ -40,7 +40,7 @@ def set_manual_finalization(state: FSDPState, enabled: bool) -> None:
     state.manual_finalization = enabled
 
 
-def finalize_backward(state: FSDPState, *, wait: bool = True) -> None:
+def finalize_backward(state: RootState, *, wait: bool = True) -> None:
     """``FSDPModule.finalize_backward``: end the backward iteration of ``state``'s root.
 
     With ``wait``, every reduction is finished too, else :func:`wait_for_gradient_reduction`
@@ -79,7 +79,7 @@ def finalize_backward(state: FSDPState, *, wait: bool = True) -> None:
         state.end_backward(last=False)
 
 
-def wait_for_gradient_reduction(state: FSDPState) -> None:
+def wait_for_gradient_reduction(state: RootState) -> None:
     """Finish what :func:`finalize_backward` started: the backward iteration ends."""
     ctx = state.ctx
     if ctx is None or not ctx.reduction_pending:

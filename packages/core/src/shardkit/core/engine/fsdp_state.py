@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from shardkit.core.engine.backward import BackwardTracker
+from shardkit.core.engine.collectives_agree import check_step
 from shardkit.core.engine.comm_context import CommContext
 from shardkit.core.engine.conditional import new_driver
 from shardkit.core.engine.forward_io import cast_floats, move_to
@@ -36,9 +37,8 @@ from shardkit.core.engine.offthread import (
     install_step_marks,
 )
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
-from shardkit.core.engine.root_context import RootContext, name_from_root, new_comm_context
+from shardkit.core.engine.root_context import RootContext, comm_context_for, name_from_root
 from shardkit.core.engine.state_registry import states_under
-from shardkit.core.engine.step_end import check_step
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
     check_backward_finished,
@@ -122,12 +122,7 @@ class FSDPState:
         states = states_under(root_module)
         refuse_second_root(self, states, provisional=provisional)
         self.is_root = True
-        if runtime is not None:
-            comm = CommContext(runtime=runtime, pool=runtime.pool)
-        elif self.shared_comm is not None:
-            comm = self.shared_comm
-        else:
-            comm = new_comm_context()
+        comm = comm_context_for(runtime, self.shared_comm)
         groups = [g for s in states for g in s.groups]
         ops = EngineOps(comm, groups, self.device)
         driver = new_driver(ops, root_module, self.groups, groups, lambda: tracker)
@@ -265,9 +260,7 @@ class FSDPState:
         if self._in_local_forward():
             # The root's output hook queues the end-of-backward callback, which takes this
             # group's gradients: no hook on this output.
-            if self.mp_policy.output_dtype is not None:
-                output = cast_floats(output, self.mp_policy.output_dtype)
-            return output
+            return self._cast_output(output)
         if self.groups:
             self._forward_pending.discard(id(module))
             if self._forward_pending:  # a partial list-group call: no pre-backward hook
@@ -291,7 +284,7 @@ class FSDPState:
         self.ctx.in_root_forward = False
         # List groups only partly run (a chunked loss calls the head later): their forward
         # ends here, and backward reaches them through the root's output, as with torch's.
-        for state in reversed(self.ctx.states):
+        for state in reversed(_states(self.ctx)):
             if state is not self and state._forward_pending:
                 for group in state.groups:
                     self.ctx.driver.post_forward(group)
@@ -333,7 +326,7 @@ class FSDPState:
         if ctx.final_callback_queued:
             return
         ctx.final_callback_queued = True
-        root = next(s for s in ctx.states if s.is_root)
+        root = next(s for s in _states(ctx) if s.is_root)
         if ctx.manual_finalization is None:
             ctx.manual_finalization = root.manual_finalization
         Variable._execution_engine.queue_callback(root.root_final_callback)
@@ -364,14 +357,14 @@ class FSDPState:
         at_end, ctx.local = ctx.local and last, False
         ctx.driver.final_callback(self.all_groups, last=last, assign_now=at_end)
         ctx.backward.reset()
-        for state in ctx.states:
+        for state in _states(ctx):
             state._forward_pending.clear()  # partial list-group calls since: the next starts afresh
         PROGRESS.enter("idle")
         if last:
             self.check_step_end()
 
     def check_step_end(self) -> None:
-        """The step check (``step_end``): on the CPU it raises here, before the optimizer step."""
+        """The step check (``collectives_agree``): on the CPU, raises before the optimizer step."""
         assert self.ctx is not None
         self.ctx.verdict = check_step(self.all_groups, self.device)
 
@@ -388,7 +381,7 @@ class FSDPState:
         for group in self.all_groups:
             group.drop_pending_state()
         self.ctx.backward.reset()
-        for state in self.ctx.states:
+        for state in _states(self.ctx):
             state._forward_pending.clear()
         self.ctx.driver.schedule.reset()
         self.ctx.final_callback_queued = False
@@ -418,3 +411,9 @@ class FSDPState:
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for group in self.groups:
             group.resync_sharded_storage()
+
+
+def _states(ctx: RootContext) -> list[FSDPState]:
+    """Every state under ``ctx``'s root, as the ``FSDPState`` it is."""
+    # The context holds them as RootState, what the helpers below read; build makes no other.
+    return cast("list[FSDPState]", ctx.states)

@@ -5,37 +5,33 @@ torch's ``fully_shard`` protocol for gathering something other than the paramete
 values: before each all-gather the engine asks the sharded local tensor (still the subclass)
 for the tensors to send (int8 data and scales, say), and after it hands the gathered tensors
 to the post hook, which builds the unsharded parameter. :class:`AllGatherHooks` calls both
-hooks for one parameter and owns what they produce from one unshard to the next;
-:class:`GroupHooks` does a group's part of each unshard and reshard for such parameters.
-See [Note: all-gather extensions].
+hooks for one parameter and owns what they produce from one unshard to the next. A group's
+part of each unshard and reshard for such parameters is ``group/hooked_params``'s
+(``GroupHooks``). See [Note: all-gather extensions].
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardkit.core.engine.buffer_layout import GroupLayout, HookInput
+from shardkit.core.engine.param_layout import HookInput
 from shardkit.core.errors import AllGatherHookError, AllGatherInputError
-from shardkit.core.policies import MixedPrecisionPolicy, resolved
+from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
-from shardkit.core.runtime.dtensors import contiguous_strides, local_of
+from shardkit.core.runtime.dtensors import contiguous_strides
 from shardkit.core.runtime.lifetimes import check_release
 from shardkit.core.runtime.progress import SETTINGS
 
-if TYPE_CHECKING:  # param.py imports this module
-    from shardkit.core.engine.param import FSDPParam
-
 __all__ = [
     "AllGatherHooks",
-    "GroupHooks",
     "HookCall",
     "has_all_gather_hooks",
     "releases_outputs_after_post",
@@ -324,84 +320,3 @@ def _allocate(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
-
-
-class GroupHooks:
-    """A group's parameters with all-gather hooks: their part of its unshards and reshards.
-
-    They join the group's one all-gather: each sends its pre hook's tensors in its slot of
-    the group's (byte) gather input, and builds its unsharded parameter from its slot of
-    every rank's row.
-    """
-
-    def __init__(self, params: Mapping[int, FSDPParam], calls: Mapping[int, HookCall]) -> None:
-        self.params = dict(params)  # by index in the group
-        self.calls = dict(calls)
-
-    @staticmethod
-    def of(
-        params: Sequence[FSDPParam],
-        mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy,
-        device: torch.device | None,
-    ) -> GroupHooks | None:
-        """The hooked parameters among a group's ``params`` (None if there is none).
-
-        Args:
-            params: the group's parameters.
-            mesh: the shard axis's mesh.
-            mp_policy: the group's mixed precision policy.
-            device: where local tensors move before the pre hook (offloading), or None.
-        """
-        hooked = {i: p for i, p in enumerate(params) if p.hooks is not None}
-        if not hooked:
-            return None
-        calls = {
-            i: HookCall(
-                mesh,
-                p.slots[0].module,
-                resolved(mp_policy, p.orig_dtype if p.keeps_own_dtype else None),
-                device,
-            )
-            for i, p in hooked.items()
-        }
-        return GroupHooks(hooked, calls)
-
-    def pre_all_gather(self, module_fqn: str) -> dict[int, list[torch.Tensor]]:
-        """What each pre hook sends, flat, by parameter index (``module_fqn``: for errors)."""
-        sent: dict[int, list[torch.Tensor]] = {}
-        for i, p in self.params.items():
-            assert p.hooks is not None
-            local = local_of(p.sharded_param)
-            sent[i] = p.hooks.pre_all_gather(local, self.calls[i], module_fqn)
-        return sent
-
-    def copy_in(
-        self, sent: Mapping[int, list[torch.Tensor]], staging: torch.Tensor, layout: GroupLayout
-    ) -> None:
-        """Write what the pre hooks returned into their slots of the gather input."""
-        for i, tensors in sent.items():
-            inputs = layout.params[i].all_gather_inputs
-            assert inputs is not None, f"{self.params[i].fqn}: hook inputs not laid out"
-            AllGatherHooks.copy_in(tensors, layout.comm.view(staging, i), inputs)
-
-    def finish_unshard(self) -> None:
-        """Build or refresh each unsharded parameter from its filled all-gather outputs."""
-        for p in self.params.values():
-            p.finish_hooked_unshard()
-
-    def bind_own_storage(self, device: torch.device) -> None:
-        """Give each parameter its shard in storage of its own, on ``device``."""
-        for p in self.params.values():
-            p.bind_own_storage(device)
-
-    def adopt(self, locals_: Sequence[torch.Tensor]) -> None:
-        """Take up new local tensors (``_apply``, ``assign=True`` loads), by group index."""
-        for i, p in self.params.items():
-            p.adopt_own_local(locals_[i])
-
-    def free(self) -> None:
-        """Free the hooks' outputs and unsharded tensors (reshard)."""
-        for p in self.params.values():
-            assert p.hooks is not None
-            p.hooks.free()

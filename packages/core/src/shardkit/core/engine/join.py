@@ -85,6 +85,7 @@ from shardkit.core.engine.join_watch import (
     shadow_norm,
     watch_steps,
 )
+from shardkit.core.engine.root_context import RootState
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.step_trace import StepTrace, tree_trace
@@ -95,15 +96,13 @@ from shardkit.core.runtime.protocol import CollectiveHandle
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from shardkit.core.engine.fsdp_state import FSDPState
-
 __all__ = ["NO_JOIN", "FSDPJoinHook", "join_device", "join_hook", "join_process_group", "notify"]
 
 NO_JOIN = _JoinConfig.construct_disabled_join_config()
 """A module's ``_join_config`` until a ``Join`` sets one (what ``Joinable.__init__`` sets)."""
 
 # Each root's live hook, weakly: the Join object holds it, and its end ends the Join.
-_HOOKS: weakref.WeakKeyDictionary[FSDPState, weakref.ref[FSDPJoinHook]]
+_HOOKS: weakref.WeakKeyDictionary[RootState, weakref.ref[FSDPJoinHook]]
 _HOOKS = weakref.WeakKeyDictionary()
 
 
@@ -295,7 +294,7 @@ class FSDPJoinHook(JoinHook):
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _replay_trace(self, state: FSDPState) -> StepTrace:
+    def _replay_trace(self, state: RootState) -> StepTrace:
         if self.replay is None:
             ops = _ops(state)
             self._keep_trace(ops, recording=False)
@@ -391,7 +390,7 @@ def join_process_group(module: object) -> dist.ProcessGroup:
     return mesh_group(groups[0].mesh_info.mesh)
 
 
-def notify(state: FSDPState) -> None:
+def notify(state: RootState) -> None:
     """The root's pre-forward: tell a live Join this rank runs an iteration (else nothing)."""
     if not _HOOKS:
         return  # no Join was ever made: the common case costs one test
@@ -407,13 +406,13 @@ def notify(state: FSDPState) -> None:
 
 
 def _runtime_all_reduce(
-    state: FSDPState, tensor: torch.Tensor, group: dist.ProcessGroup
+    state: RootState, tensor: torch.Tensor, group: dist.ProcessGroup
 ) -> CollectiveHandle:
     assert state.ctx is not None
     return state.ctx.comm.runtime.all_reduce(tensor, group, label="join")
 
 
-def _ops(state: FSDPState) -> EngineOps:
+def _ops(state: RootState) -> EngineOps:
     assert state.ctx is not None
     ops = state.ctx.driver.ops
     assert isinstance(ops, EngineOps)

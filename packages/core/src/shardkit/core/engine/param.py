@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.engine.buffer_layout import ParamSpec
 from shardkit.core.engine.gather_hooks import (
     AllGatherHooks,
     has_all_gather_hooks,
@@ -38,6 +37,7 @@ from shardkit.core.engine.grad_dtype_policy import (
 )
 from shardkit.core.engine.local_step import allow_local_step
 from shardkit.core.engine.mesh_info import MeshInfo
+from shardkit.core.engine.param_layout import ParamSpec
 from shardkit.core.engine.param_listing import ParamSlot, read_slot, write_slot
 from shardkit.core.engine.weak_hooks import weak_grad_hook
 from shardkit.core.errors import UnsupportedWithHooksError

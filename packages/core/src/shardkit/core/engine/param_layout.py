@@ -3,8 +3,9 @@
 A :class:`ParamSpec` is a parameter as ``buffer_layout.group_layout`` needs it (shape, dtype,
 how it is gathered; with all-gather hooks, the :class:`HookInput` tensors they send); a
 :class:`ParamLayout` is where ``group_layout`` put it in its group's flat buffers, and its
-shards' sizes. Values only: nothing here computes a layout. Split out of ``buffer_layout``,
-which re-exports the three.
+shards' sizes. Values only: nothing here computes a layout. A parameter describes itself in
+a spec (``param``), the group's layout is made of them (``buffer_layout``), and the all-gather
+hooks report their tensors in them (``gather_hooks``); ``shardkit.core.layout`` publishes them.
 """
 
 from __future__ import annotations

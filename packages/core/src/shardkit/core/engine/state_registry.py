@@ -1,18 +1,17 @@
 """Which ``FSDPState`` manages which module: the one table ``fully_shard`` writes.
 
 The layout view, the state-dict code and the FSDPModule methods find a model's groups
-through it.
+through it. It holds the states as :class:`~shardkit.core.engine.root_context.RootState`
+(what the engine's helpers use of them): ``fsdp_state`` imports this table.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from shardkit.core.engine.fsdp_state import FSDPState
+from shardkit.core.engine.root_context import RootState
 
 __all__ = ["is_managed", "register_state", "state_of", "states_under"]
 
@@ -20,15 +19,15 @@ __all__ = ["is_managed", "register_state", "state_of", "states_under"]
 # buffers) with it. The module keeps its state alive through the hooks it registered (bound
 # methods), and the state refers to its modules: a strong value here would refer to its own
 # key, and no sharded module, nor its shards, would ever be freed in this process.
-_STATES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]] = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[RootState]] = weakref.WeakKeyDictionary()
 
 
-def register_state(module: nn.Module, state: FSDPState) -> None:
+def register_state(module: nn.Module, state: RootState) -> None:
     """Record that ``state`` manages ``module`` (``module`` must hold ``state`` alive)."""
     _STATES[module] = weakref.ref(state)
 
 
-def _lookup(module: nn.Module) -> FSDPState | None:
+def _lookup(module: nn.Module) -> RootState | None:
     ref = _STATES.get(module)
     return None if ref is None else ref()
 
@@ -38,7 +37,7 @@ def is_managed(module: nn.Module) -> bool:
     return _lookup(module) is not None
 
 
-def state_of(module: nn.Module) -> FSDPState:
+def state_of(module: nn.Module) -> RootState:
     """The state managing ``module``.
 
     Raises:
@@ -50,9 +49,9 @@ def state_of(module: nn.Module) -> FSDPState:
     return state
 
 
-def states_under(module: nn.Module) -> list[FSDPState]:
+def states_under(module: nn.Module) -> list[RootState]:
     """Every state whose modules lie in ``module``'s tree, outermost first, each once."""
-    seen: dict[int, FSDPState] = {}
+    seen: dict[int, RootState] = {}
     for sub in module.modules():
         state = _lookup(sub)
         if state is not None:

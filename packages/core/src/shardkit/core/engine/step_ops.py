@@ -19,8 +19,8 @@ from shardkit.core.engine.group_options import GroupOptions
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.profiler_ranges import fsdp_range
 from shardkit.core.engine.step_trace import StepTrace
-from shardkit.core.schedule import AfterForward
 from shardkit.core.state_machines import TrainingState
+from shardkit.core.step_protocols import AfterForward
 from shardkit.core.torch_release import ACCUMULATES_IN_GRAD_DTYPE
 
 __all__ = ["EngineOps", "TakenGrads"]
@@ -30,7 +30,7 @@ TakenGrads = list[tuple[FSDPParam, torch.Tensor | None]]
 
 
 class EngineOps:
-    """``schedule.StepOps`` on one root's groups, sharing its communication context."""
+    """``step_protocols.StepOps`` on one root's groups, sharing its communication context."""
 
     def __init__(
         self, comm: CommContext, groups: Sequence[FSDPParamGroup], device: torch.device
@@ -63,6 +63,10 @@ class EngineOps:
             self.trace.record(what, group)
         if observe.has_subscribers():
             observe.emit(observe.StateTransitionEvent(group.fqn, what))
+
+    def name(self, group: FSDPParamGroup) -> str:
+        """The group's FQN as the root names it."""
+        return group.fqn
 
     def profiled(
         self, label: str, group: FSDPParamGroup | None = None
@@ -121,6 +125,22 @@ class EngineOps:
         """Whether a full parameter holds a gradient nobody took."""
         return group.holds_grads()
 
+    def cover_missing_grads(self, group: FSDPParamGroup) -> None:
+        """Zeros for the gradients this rank lacks, so that the group's reduction is issued.
+
+        Where its reducer fills missing gradients with zeros (the step check on), the group
+        counts as run with gradients even where this rank never ran the module; ``None`` goes
+        back where no rank used a parameter (``reduce.unused``). With the step check off,
+        torch's switch is set at every reduction (sizes must agree, whatever a recursive
+        setter last said), and one zero gradient stands in where none came: the zeros stay.
+        """
+        if group.reducer.reduces_zeros():
+            group.ran_forward_with_grad = True
+        elif group.mesh_info.shard_size * group.mesh_info.replicate_size > 1:
+            group.options.reduce_scatter_unused_params = True
+            if group.options.reduce_grads and not group.holds_grads():
+                _stand_in_zero_grad(group)
+
     def take_grads(self, group: FSDPParamGroup) -> TakenGrads | None:
         """The gradients to reduce, taken off the full parameters (see ``take_grads``)."""
         grads = group.take_grads()
@@ -164,3 +184,16 @@ def _stays_unsharded(group: FSDPParamGroup) -> bool:
     reshards it, and a forward without gradients reshards it as any group.
     """
     return group.plan.aliases_shards and torch.is_grad_enabled()
+
+
+def _stand_in_zero_grad(group: FSDPParamGroup) -> None:
+    """One zero gradient, so that a group no rank's backward reached here is still reduced.
+
+    The reducer packs every trainable parameter (zeros for those with none) once one has a
+    gradient; with none it would skip the reduction the other ranks issue.
+    """
+    for p in group.params:
+        param = p.unsharded_param
+        if p.requires_grad and param is not None:
+            param.grad = torch.zeros_like(param)
+            return

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
+from shardkit.core.engine.root_context import RootState
 from shardkit.core.schedule import count_can_end_backward
-
-if TYPE_CHECKING:
-    from shardkit.core.engine.fsdp_state import FSDPState
 
 __all__ = ["EventKind", "StepTrace", "TraceEvent", "tree_trace"]
 
@@ -80,12 +78,12 @@ class StepTrace:
 
 @dataclass(frozen=True, slots=True)
 class _Enter:
-    state: FSDPState
+    state: RootState
 
 
 @dataclass(frozen=True, slots=True)
 class _Exit:
-    state: FSDPState
+    state: RootState
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +95,7 @@ class _Use:
 _Token = _Enter | _Exit | _Use
 
 
-def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace:
+def tree_trace(root_module: nn.Module, states: Sequence[RootState]) -> StepTrace:
     """The events of an iteration whose modules run in registration order.
 
     Forward enters each state's modules and leaves them in the tree's order. Backward runs it
@@ -155,7 +153,7 @@ def tree_trace(root_module: nn.Module, states: Sequence[FSDPState]) -> StepTrace
     return trace
 
 
-def _walk(root_module: nn.Module, states: Sequence[FSDPState]) -> list[_Token]:
+def _walk(root_module: nn.Module, states: Sequence[RootState]) -> list[_Token]:
     """Enter, use and exit tokens over the module tree, in registration order."""
     state_of_module = {id(m): s for s in states for m in s.modules}
     uses: dict[int, list[_Use]] = {}

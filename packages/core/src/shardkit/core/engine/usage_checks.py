@@ -13,13 +13,11 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from shardkit.core.engine.fsdp_state import FSDPState
-    from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.group.param_group import FSDPParamGroup
+from shardkit.core.engine.root_context import RootState
 
 __all__ = [
     "check_backward_finished",
@@ -81,7 +79,7 @@ def in_backward() -> bool:
 
 
 def refuse_second_root(
-    root: FSDPState, states: list[FSDPState], *, provisional: bool = False
+    root: RootState, states: list[RootState], *, provisional: bool = False
 ) -> None:
     """Refuse a root of several modules, or a tree where a state already has a root.
 

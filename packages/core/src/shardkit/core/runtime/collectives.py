@@ -4,7 +4,8 @@ Collectives are issued asynchronously and return handles; ``wait()`` comes right
 output is used. On gloo, a reduce-scatter is carried out as an exchange of rows plus a local sum,
 because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an all-reduce).
 Whole objects moved between steps (state dicts, agreements) go through
-``object_collectives.py``; the two are the core's only callers of collectives.
+``object_collectives.py``. gloo's exchanges (and the fingerprints of the desync checks) post
+their messages through ``row_exchange.py``, with tags from ``p2p_tags.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import comm_debug, desync, lifetimes, step_check
+from shardkit.core.runtime import comm_debug, desync, lifetimes, p2p_tags, step_check
 from shardkit.core.runtime.announce import announce, announce_issued
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
@@ -25,6 +26,7 @@ from shardkit.core.runtime.pool import BufferPool
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 from shardkit.core.runtime.protocol import CustomComm, RowBlock
 from shardkit.core.runtime.reduction import SUM, Reduction
+from shardkit.core.runtime.row_exchange import post_row_exchange
 
 __all__ = [
     "DoneHandle",
@@ -33,11 +35,6 @@ __all__ = [
     "WorkHandle",
     "gathers_by_exchange",
 ]
-
-# Point-to-point tags: gathers and reductions in flight to the same peer never cross. With
-# desync checks, each collective's tag is derived from its fingerprint instead.
-_GATHER_TAG = 1
-_REDUCE_TAG = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +143,8 @@ class ProcessGroupRuntime:
         if custom is None and group.size() == 1:
             return GatherHandle([], [RowBlock(0, input.view(1, -1))], None, self.pool)
         exchange = custom is None and _uses_gloo(group)
-        issued = self._begin("all_gather", group, label, input, _GATHER_TAG if exchange else None)
+        tag = p2p_tags.GATHER_EXCHANGE.tag() if exchange else None
+        issued = self._begin("all_gather", group, label, input, tag)
         if custom is not None:
             announce("all_gather", group.size(), input.numel(), "custom", label)
             rows, work = custom_all_gather_rows(custom, input, group)
@@ -191,14 +189,7 @@ class ProcessGroupRuntime:
             return GatherHandle([w for w in (work,) if w is not None], native, buffer, self.pool)
         buffer = self.pool.get((size - 1) * nbytes, input.device)
         received = buffer.view(size - 1, nbytes)  # (W-1, N): the peers' rows, in rank order
-        works: list[dist.Work] = []
-        for peer in range(size):
-            if peer == rank:
-                continue
-            row = received[peer if peer < rank else peer - 1]
-            recv = dist.irecv(row, group=group, group_src=peer, tag=tag)
-            send = dist.isend(input, group=group, group_dst=peer, tag=tag)
-            works += [w for w in (recv, send) if w is not None]
+        works = post_row_exchange(group, tag, send=input, receive_into=received)
         blocks = [
             RowBlock(0, received[:rank]),
             RowBlock(rank, input.view(1, nbytes)),
@@ -219,7 +210,7 @@ class ProcessGroupRuntime:
         """Reduce row r of ``input`` (W, S) over the group into ``output`` (S) on rank r."""
         handle: WorkHandle | DoneHandle | SumRowsHandle
         exchange = custom is None and group.size() > 1 and _uses_gloo(group)
-        tag = _REDUCE_TAG if exchange else None
+        tag = p2p_tags.REDUCE_EXCHANGE.tag() if exchange else None
         issued = self._begin("reduce_scatter", group, label, input, tag)
         if custom is not None:
             row_bytes = output.numel() * output.element_size()
@@ -288,12 +279,7 @@ class ProcessGroupRuntime:
         else:
             scratch = self.pool.get((size - 1) * row * input.element_size(), input.device)
             received = scratch.view(input.dtype).view(size - 1, row)
-        works: list[dist.Work] = []
-        peers = [j for j in range(size) if j != rank]
-        for slot, peer in enumerate(peers):
-            recv = dist.irecv(received[slot], group=group, group_src=peer, tag=tag)
-            send = dist.isend(input[peer], group=group, group_dst=peer, tag=tag)
-            works += [w for w in (recv, send) if w is not None]
+        works = post_row_exchange(group, tag, send=input, receive_into=received, row_per_peer=True)
         # gloo's own mean is this sum divided by W, bit for bit; its lack of a scaled sum is
         # made up the same way (divided after the sum, where NCCL scales each input).
         return SumRowsHandle(works, input[rank], received, output, scratch, self.pool, rank, op)
@@ -310,12 +296,10 @@ class ProcessGroupRuntime:
         """
         size, rank = group.size(), group.rank()
         exchange = _uses_gloo(group)
-        issued = self._begin(
-            "reduce_scatter", group, label, rows, _REDUCE_TAG if exchange else None
-        )
+        tag = p2p_tags.REDUCE_EXCHANGE.tag() if exchange else None
+        issued = self._begin("reduce_scatter", group, label, rows, tag)
         announce("reduce_scatter", size, rows.numel(), algorithm, label)
         nbytes = rows.size(1)
-        works: list[dist.Work] = []
         if not exchange:
             buffer = self.pool.get(size * nbytes, rows.device)
             work = dist.all_to_all_single(buffer, rows.view(-1), group=group, async_op=True)
@@ -324,10 +308,9 @@ class ProcessGroupRuntime:
         else:
             buffer = self.pool.get((size - 1) * nbytes, rows.device)
             received = buffer.view(size - 1, nbytes)  # (W-1, B): the peers' rows, rank order
-            for slot, peer in enumerate(j for j in range(size) if j != rank):
-                recv = dist.irecv(received[slot], group=group, group_src=peer, tag=issued.tag)
-                send = dist.isend(rows[peer], group=group, group_dst=peer, tag=issued.tag)
-                works += [w for w in (recv, send) if w is not None]
+            works = post_row_exchange(
+                group, issued.tag, send=rows, receive_into=received, row_per_peer=True
+            )
             blocks = [
                 RowBlock(0, received[:rank]),
                 RowBlock(rank, rows[rank : rank + 1]),
@@ -396,13 +379,8 @@ def _send_fingerprint(
         assert work is not None, "an all-gather with async_op=True returns its work"
         return desync.expect(info, group, rows, [_ToHost(work, gathered, rows)])
     tag = desync.fingerprint_tag(group)
-    works: list[desync.Waitable] = []
-    for peer in range(size):
-        if peer != rank:
-            recv = dist.irecv(rows[peer], group=group, group_src=peer, tag=tag)
-            send = dist.isend(mine, group=group, group_dst=peer, tag=tag)
-            works += [w for w in (recv, send) if w is not None]
-    return desync.expect(info, group, rows, works)
+    works = post_row_exchange(group, tag, send=mine, receive_into=rows)
+    return desync.expect(info, group, rows, list(works))
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from shardkit.core.errors import DesyncError
 from shardkit.core.runtime import stuck
+from shardkit.core.runtime.p2p_tags import DATA_BY_FINGERPRINT, FINGERPRINTS
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, CollectiveInfo
 
 __all__ = [
@@ -39,13 +40,6 @@ __all__ = [
     "expect",
     "fingerprint_tag",
 ]
-
-# Point-to-point tags: the runtime's fixed tags are small numbers; the fingerprints' own tags
-# start here, and the tags derived from fingerprints above the next base (below 2**31, as c10d
-# takes them), so that none meets another kind or a fixed one.
-_FINGERPRINT_TAG_BASE = 1 << 10
-_DATA_TAG_BASE = 1 << 20
-_DATA_TAG_SPAN = 1 << 30
 
 
 class Waitable(Protocol):
@@ -91,7 +85,7 @@ def epoch_of(group: dist.ProcessGroup) -> int:
 
 def fingerprint_tag(group: dist.ProcessGroup) -> int:
     """The tag of ``group``'s fingerprint messages (on its gloo twin), in its current epoch."""
-    return _FINGERPRINT_TAG_BASE + _checks(group).epoch
+    return FINGERPRINTS.tag(_checks(group).epoch)
 
 
 def data_tag(encoded: bytes, group: dist.ProcessGroup) -> int:
@@ -103,7 +97,7 @@ def data_tag(encoded: bytes, group: dist.ProcessGroup) -> int:
     process, and one paired with a message of the same size mixes data silently.
     """
     digest = zlib.crc32(_checks(group).epoch.to_bytes(8, "little"), zlib.crc32(encoded))
-    return _DATA_TAG_BASE + digest % _DATA_TAG_SPAN
+    return DATA_BY_FINGERPRINT.tag(digest % DATA_BY_FINGERPRINT.count)
 
 
 @dataclass(slots=True, eq=False)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardkit.core.runtime.flat_collectives import all_gather_single
 from shardkit.core.runtime.groups import cpu_world
+from shardkit.core.runtime.p2p_tags import OBJECT_TRANSFERS
 
 __all__ = [
     "all_gather_bytes",
@@ -24,10 +25,6 @@ __all__ = [
     "scatter_from_first",
 ]
 
-# The tag of these point-to-point messages: the step's exchanges use 1 and 2 (collectives.py),
-# so a transfer between steps never matches a message of theirs.
-_STATE_TAG = 3
-
 
 def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
     """Every rank's ``tensor`` on the group's first rank (rank order), None elsewhere.
@@ -37,13 +34,13 @@ def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
     """
     size, rank = group.size(), group.rank()
     if rank != 0:
-        work = dist.isend(tensor, group=group, group_dst=0, tag=_STATE_TAG)
+        work = dist.isend(tensor, group=group, group_dst=0, tag=OBJECT_TRANSFERS.tag())
         if work is not None:
             work.wait()
         return None
     rows = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
     works = [
-        dist.irecv(rows[peer], group=group, group_src=peer, tag=_STATE_TAG)
+        dist.irecv(rows[peer], group=group, group_src=peer, tag=OBJECT_TRANSFERS.tag())
         for peer in range(1, size)
     ]
     for work in works:
@@ -57,13 +54,13 @@ def scatter_from_first(
 ) -> None:
     """Row r of the first rank's ``rows`` into ``out`` on rank r (``rows`` only on the first)."""
     if group.rank() != 0:
-        work = dist.irecv(out, group=group, group_src=0, tag=_STATE_TAG)
+        work = dist.irecv(out, group=group, group_src=0, tag=OBJECT_TRANSFERS.tag())
         if work is not None:
             work.wait()
         return
     assert rows is not None and len(rows) == group.size()
     works = [
-        dist.isend(rows[peer], group=group, group_dst=peer, tag=_STATE_TAG)
+        dist.isend(rows[peer], group=group, group_dst=peer, tag=OBJECT_TRANSFERS.tag())
         for peer in range(1, group.size())
     ]
     out.copy_(rows[0])

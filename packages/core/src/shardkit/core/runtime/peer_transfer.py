@@ -17,14 +17,9 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.groups import snapshot_group
+from shardkit.core.runtime.p2p_tags import PEER_TRANSFER
 
 __all__ = ["Message", "transfer"]
-
-# The tags of these messages: the step's exchanges use 1 and 2 (collectives.py), whole objects
-# 3 (object_collectives.py). From 4 on, per pair of ranks and direction: a snapshot's header and
-# its data, then each log entry's (gradient_log), posted together; gloo pairs messages by
-# sender and tag.
-_FIRST_TAG = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +47,12 @@ def transfer(sends: Sequence[Message], receives: Sequence[Message]) -> None:
     """
     group = snapshot_group()
     works = [
-        dist.irecv(m.tensor, src=m.rank, group=group, tag=_FIRST_TAG + m.part) for m in receives
+        dist.irecv(m.tensor, src=m.rank, group=group, tag=PEER_TRANSFER.tag(m.part))
+        for m in receives
     ]
-    works += [dist.isend(m.tensor, dst=m.rank, group=group, tag=_FIRST_TAG + m.part) for m in sends]
+    works += [
+        dist.isend(m.tensor, dst=m.rank, group=group, tag=PEER_TRANSFER.tag(m.part)) for m in sends
+    ]
     for work in works:
         if work is not None:
             work.wait()

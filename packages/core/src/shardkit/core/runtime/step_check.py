@@ -43,7 +43,9 @@ from shardkit.core.runtime import stuck
 from shardkit.core.runtime.desync import check_fingerprints, epoch_of
 from shardkit.core.runtime.device import HostCopies
 from shardkit.core.runtime.flat_collectives import all_gather_single
+from shardkit.core.runtime.p2p_tags import STEP_CHECK
 from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.row_exchange import post_row_exchange
 
 __all__ = [
     "HEADER_BYTES",
@@ -242,18 +244,14 @@ def _exchange(
     size, rank, length = group.size(), group.rank(), mine.numel()
     rows = torch.empty(size, length, dtype=torch.uint8, device=mine.device)  # (W, len)
     info = CollectiveInfo(0, "all_gather", "step check", length, "uint8", PROGRESS.phase, 0)
-    works: list[dist.Work | None] = []
+    works: list[dist.Work] = []
     PROGRESS.begin_wait(info, works)  # the works, filled below, for the stuck check to break
     try:
         if gloo:
             rows[rank].copy_(mine)
-            for peer in range(size):
-                if peer != rank:
-                    works.append(dist.irecv(rows[peer], group=group, group_src=peer, tag=_TAG))
-                    works.append(dist.isend(mine, group=group, group_dst=peer, tag=_TAG))
+            works += post_row_exchange(group, STEP_CHECK.tag(), send=mine, receive_into=rows)
             for work in works:
-                if work is not None:
-                    work.wait()
+                work.wait()
         else:
             all_gather_single(rows.view(-1), mine, group=group)
     except RuntimeError as error:  # the stuck check broke a wait past its bound
@@ -262,11 +260,6 @@ def _exchange(
     finally:
         PROGRESS.end_wait()
     return None if dist.get_backend(group) == "fake" else rows
-
-
-_TAG = 3
-"""The point-to-point tag of the check's messages on gloo (the runtime's gathers take 1 and its
-reductions 2, so none of theirs pairs with one of these)."""
 
 
 def _name_difference(checked: _Checked, counts: list[int], device: torch.device) -> None:

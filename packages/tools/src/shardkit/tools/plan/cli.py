@@ -9,8 +9,11 @@ tensor on a device of its own is refused, naming it). The current directory is i
 ``python -m``. With tensor parallelism, ``--tp N --tp-plan module:function`` names a function
 of the model returning the plan ``parallelize_module`` would get (and ``--inputs``). Prints
 tables (groups, collectives, memory by category) or, with ``--json``,
-:meth:`shardkit.tools.plan.planner.Plan.to_dict`. Exit status: 0 planned, 1 the model could not be
-planned, 2 bad arguments (including a factory that cannot be imported).
+:meth:`shardkit.tools.plan.plan_record.Plan.to_dict`; with ``--fit BUDGET``, the chosen plan
+and the search's report, as text or (``--json``) one JSON document
+(:func:`~shardkit.tools.plan.search.fit.fit_json`). Exit status: 0 planned (or a plan fits),
+1 the model could not be planned (or nothing fits), 2 bad arguments (including a factory that
+cannot be imported).
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ import torch
 from torch import nn
 
 from shardkit.core import ReducePrecision
-from shardkit.tools.plan.bandwidth import Bandwidth, default_bandwidth, gloo_bandwidth
-from shardkit.tools.plan.calibrate import calibrate
 from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
-from shardkit.tools.plan.fit import run_fit
-from shardkit.tools.plan.hardware import PROFILES, Hardware
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
-from shardkit.tools.plan.planner import Plan, plan
-from shardkit.tools.plan.step_time import StepTime, estimate_step_time
+from shardkit.tools.plan.plan_record import Plan
+from shardkit.tools.plan.planner import plan
+from shardkit.tools.plan.records import Bandwidth
+from shardkit.tools.plan.search.fit import run_fit
 from shardkit.tools.plan.tables import format_plan
+from shardkit.tools.plan.timing.bandwidth import default_bandwidth, gloo_bandwidth
+from shardkit.tools.plan.timing.calibrate import calibrate
+from shardkit.tools.plan.timing.hardware import PROFILES, Hardware
+from shardkit.tools.plan.timing.step_time import StepTime, estimate_step_time
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 __all__ = ["format_plan", "load_factory", "main"]
@@ -225,7 +230,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON; with --fit, the chosen plan and the search's report",
+    )
     return parser
 
 

@@ -6,11 +6,19 @@ process group, no allocation); so a plan's bytes equal what the engine reports. 
 planner adds is which modules become groups, and the few facts about a group's buffers that
 the step needs beyond their sizes (the sharded gradients' dtype).
 
+Which modules: those a wrap policy selects (by default every element of an ``nn.ModuleList``,
+a decoder's blocks), or the units of a plan (``PlanOptions.units``, each a ``fully_shard``
+call of one or several modules). Units are resolved on the model by FQN, refused where the
+engine would refuse them (or where they would leave parameters unsharded), named as the engine
+names its groups (the modules' FQNs joined by ", ", ``<root>`` for the root), and their
+``reshard_after_forward`` resolved as ``fully_shard`` resolves it.
+
 See docs/notes/001-flat-group-buffers.md.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -25,9 +33,9 @@ from shardkit.core.layout import (
     keeps_own_dtype,
 )
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
-from shardkit.tools.plan.units_groups import select_units
+from shardkit.tools.plan.sharding_plan import ROOT, Unit
 
-__all__ = ["GroupSpec", "build_groups", "select_group_modules"]
+__all__ = ["GroupSpec", "UnitSelection", "build_groups", "select_group_modules", "select_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,6 +132,97 @@ def _module_list_elements(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # The stack visits children in registration order; keep that order (forward order).
     order = {id(m): i for i, m in enumerate(model.modules())}
     return sorted(found, key=lambda item: order[id(item[1])])
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSelection:
+    """One unit, resolved on the model."""
+
+    name: str
+    """The engine's name of the group: its modules' FQNs joined by ", " (``<root>``)."""
+    modules: tuple[nn.Module, ...]
+    """The modules ``fully_shard`` is given, in the unit's order."""
+    reshard_after_forward: bool | int
+    """The unit's policy as the engine resolves it against the shard count (an int n: keep a
+    1/n slice, 1 < n < the shard count). Always given, so
+    the root unit keeps no default: it frees its parameters after forward when True."""
+
+
+def select_units(model: nn.Module, units: tuple[Unit, ...], shard_size: int) -> list[UnitSelection]:
+    """The units of ``units`` on ``model``, in call order (root last).
+
+    Raises:
+        ValueError: no root unit; an FQN no module has (near names listed); a container
+            without forward; a unit listed after one of its ancestors' units (``fully_shard``
+            is applied inner modules first); an int ``reshard_after_forward`` that does not
+            divide the shard count.
+    """
+    if units[-1].modules != (ROOT,):
+        raise ValueError(
+            "shardkit.tools.plan: PlanOptions.units has no root unit (Unit(modules=(ROOT,)), "
+            "last). Without it the first unit to run forward becomes the root of its own tree "
+            "only: the other units would each try to be a root, and parameters outside every "
+            "unit would be neither sharded nor have their gradients reduced"
+        )
+    named = dict(model.named_modules())
+    selections: list[UnitSelection] = []
+    for unit in units:
+        modules = tuple(_module(named, fqn, unit) for fqn in unit.modules)
+        name = ", ".join(fqn or "<root>" for fqn in unit.modules)
+        policy = _policy(unit, name, shard_size)
+        selections.append(UnitSelection(name, modules, policy))
+    _check_order(units)
+    return selections
+
+
+def _module(named: dict[str, nn.Module], fqn: str, unit: Unit) -> nn.Module:
+    module = named.get(fqn)
+    if module is None:
+        near = difflib.get_close_matches(fqn, [n for n in named if n], n=5, cutoff=0.5)
+        hint = f"; near names: {', '.join(near)}" if near else ""
+        raise ValueError(
+            f"shardkit.tools.plan: unit {unit.name} names module {fqn!r}, which the model "
+            f"does not have{hint}"
+        )
+    if isinstance(module, nn.ModuleList | nn.ModuleDict):
+        raise ValueError(
+            f"shardkit.tools.plan: unit {unit.name}: {fqn} is a {type(module).__name__} (a "
+            "container with no forward), which fully_shard refuses; name the modules inside it"
+        )
+    return module
+
+
+def _check_order(units: tuple[Unit, ...]) -> None:
+    """Inner modules first: a module's call must come before any ancestor's."""
+    for i, unit in enumerate(units):
+        for later in units[i + 1 :]:
+            for outer in unit.modules:
+                if outer == ROOT:
+                    continue
+                inner = [m for m in later.modules if m.startswith(f"{outer}.")]
+                if inner:
+                    raise ValueError(
+                        f"shardkit.tools.plan: unit {unit.name} comes before unit {later.name}, "
+                        f"whose {inner[0]} is inside {outer}: fully_shard takes inner modules "
+                        "first, so list the inner unit first"
+                    )
+
+
+def _policy(unit: Unit, name: str, shard_size: int) -> bool | int:
+    """``reshard_after_forward`` as ``fully_shard`` resolves it on a shard axis of this size."""
+    value = unit.reshard_after_forward
+    if isinstance(value, bool):
+        return value
+    if shard_size % value:
+        raise ValueError(
+            f"shardkit.tools.plan: unit {name}: reshard_after_forward={value} must divide the "
+            f"shard count {shard_size} (an int n keeps a 1/n slice of the parameters)"
+        )
+    if value == 1:
+        return False  # the engine: a 1/1 slice is the full parameters
+    if value == shard_size:
+        return True  # the engine: a 1/W slice is the shard itself
+    return value  # a 1/n slice kept after forward, gathered within n ranks in backward
 
 
 def build_groups(

@@ -9,8 +9,8 @@ each) and by module FQN (each module's forward, children included), so that a ch
 module's recomputation can be priced as its forward again in backward. The optimizer's step is
 counted the same way, by running ``torch.optim`` on meta shards (:func:`optimizer_costs`).
 
-Nothing here knows a machine: :mod:`shardkit.tools.plan.step_time` turns the counts into
-seconds with a :class:`~shardkit.tools.plan.hardware.Hardware` profile.
+Nothing here knows a machine: :mod:`shardkit.tools.plan.timing.step_time` turns the counts into
+seconds with a :class:`~shardkit.tools.plan.timing.hardware.Hardware` profile.
 
 What is not a kernel is left out: views, factory functions that only allocate (``empty``),
 and profiler markers. Attention run by the trace as a fused kernel (``FusedAttention``) is

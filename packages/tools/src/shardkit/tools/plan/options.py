@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from shardkit.core import ReducePrecision
-from shardkit.tools.plan.sharding_plan import CheckpointMode, ShardingPlan, Unit
+from shardkit.tools.plan.sharding_plan import (
+    CheckpointMode,
+    ShardingPlan,
+    Unit,
+    check_conditional,
+)
 from shardkit.tools.plan.tp_styles import TPPlan
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
@@ -125,6 +130,10 @@ class PlanOptions:
     offload: bool = False
     """``CPUOffloadPolicy()`` on every unit: sharded parameters, gradients and optimizer
     state in host memory."""
+    conditional: tuple[str, ...] = ()
+    """FQNs of sharded modules marked ``set_conditional(True, recurse=False)``: each names a
+    module of a group (a unit's, or one ``wrap`` selects), not the root. The planned rank runs
+    them as the trace does; their anchors issue their collectives (``ShardingPlan``)."""
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:
@@ -194,6 +203,7 @@ class PlanOptions:
             raise ValueError(
                 "PlanOptions.prefetch > 1 sets each unit's prefetch lists: it needs units"
             )
+        check_conditional(self.conditional, "PlanOptions.conditional")
         if not isinstance(self.checkpoint, tuple):
             raise TypeError("PlanOptions.checkpoint must be a tuple of (FQN, mode) pairs")
         if self.checkpoint:  # the plan's own checks of the entries
@@ -251,8 +261,8 @@ def loss_takes_model(loss: Callable[..., Any]) -> bool:
 def options_for(sharding: ShardingPlan, base: PlanOptions | None = None) -> PlanOptions:
     """The planner's options for ``sharding``: its choices, everything else from ``base``.
 
-    The units, prefetch, checkpoint, offload and precision fields come from the plan (so
-    ``base``'s ``wrap`` and ``reshard_after_forward`` are dropped: the units replace them);
+    The units, prefetch, checkpoint, offload, precision and conditional fields come from the
+    plan (so ``base``'s ``wrap`` and ``reshard_after_forward`` are dropped: the units replace them);
     the inputs, loss, optimizer, mesh, backend and rank from ``base`` (default
     ``PlanOptions()``).
     """
@@ -270,4 +280,5 @@ def options_for(sharding: ShardingPlan, base: PlanOptions | None = None) -> Plan
         param_dtype=sharding.param_dtype,
         reduce_dtype=sharding.reduce_dtype,
         reduce_precision=sharding.reduce_precision,
+        conditional=sharding.conditional,
     )

@@ -20,33 +20,25 @@ Nothing is allocated: parameters stay on the meta device, and activations, when 
 inputs are given, come from a forward, the loss and backward run on the meta device
 (``trace``).
 
-Next to split off: the ``Plan`` record and its JSON form (``to_dict``), into a module of its
-own beside ``records``.
+The record it returns, ``Plan``, and its JSON form live in ``plan_record``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
 
 from torch import nn
 
-from shardkit.tools.plan import theory
+from shardkit.tools import theory
+from shardkit.tools.plan.conditional import plan_anchoring
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
-from shardkit.tools.plan.op_costs import StepCosts, optimizer_costs
+from shardkit.tools.plan.op_costs import optimizer_costs
 from shardkit.tools.plan.options import ModelSource, PlanOptions
-from shardkit.tools.plan.options_json import options_json
+from shardkit.tools.plan.plan_record import Plan
 from shardkit.tools.plan.recompute import check_checkpoint
-from shardkit.tools.plan.records import (
-    CollectiveCall,
-    CollectivePlan,
-    MemoryPlan,
-    MemoryPoint,
-    PlannedGroup,
-    StepMark,
-)
+from shardkit.tools.plan.records import CollectiveCall, CollectivePlan, PlannedGroup
 from shardkit.tools.plan.sharding_plan import prefetch_lists
 from shardkit.tools.plan.step import simulate_step
 from shardkit.tools.plan.step_inputs import StepInputs
@@ -60,110 +52,9 @@ from shardkit.tools.plan.tp_styles import (
 from shardkit.tools.plan.trace import assumed_trace, trace_step
 from shardkit.tools.plan.trace_cache import TraceCache
 
-__all__ = ["Plan", "plan"]
+__all__ = ["plan"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Plan:
-    """What one rank holds and sends in a training step; see :func:`plan`."""
-
-    world_size: int
-    """Ranks in all."""
-    shard_size: int
-    """Ranks each parameter is sharded over (the data-parallel size, or the HSDP shard axis)."""
-    replicas: int
-    """HSDP replica groups (1 for FSDP)."""
-    tp_degree: int
-    """Ranks of the tensor-parallel axis (1: no tensor parallelism)."""
-    options: PlanOptions
-    """What was planned."""
-    param_count: int
-    """Parameters of the model (unique elements, before any sharding)."""
-    trainable_count: int
-    """Of which trainable."""
-    groups: tuple[PlannedGroup, ...]
-    """One per ``fully_shard`` call, root last."""
-    schedule: tuple[CollectiveCall, ...]
-    """Every collective of one step, in the engine's issue order."""
-    step_check: tuple[CollectiveCall, ...]
-    """The engine's step check where the backward ends, after the schedule: a few dozen bytes
-    per peer, which a tracker sees (``sent_bytes_per_step`` leaves them out)."""
-    collectives: tuple[CollectivePlan, ...]
-    """The schedule summed up per (kind, group)."""
-    sent_bytes_per_step: int
-    """Bytes one rank sends per step, on every axis."""
-    sent_bytes_by_axis: dict[str, int]
-    """The same by mesh axis ('dp', or 'dp_shard' and 'dp_replicate'; 'tp')."""
-    comm_seconds: float
-    """``sent_bytes_per_step`` at ``options.bandwidth_gbps``, with no overlap."""
-    memory: MemoryPlan
-    """Per-rank memory over the step."""
-    theory_sent_bytes: int
-    """The data-parallel schedule's bytes without padding or alignment (``theory``)."""
-    theory_memory_bytes: int
-    """Sharded parameters, gradients and optimizer state without padding: 16Ψ/W for fp32
-    AdamW (``theory.zero_memory_per_rank`` at stage 3)."""
-    activations_traced: bool
-    """Whether activations were measured by a meta forward (False: not counted)."""
-    events: tuple[tuple[str, str], ...] = ()
-    """The engine's events of the step, in order, as (what, group): the transitions of
-    ``shardkit.core.StateTransitionEvent`` and the data-parallel collectives (see
-    ``shardkit.core.schedule``, which the plan and the engine both run)."""
-    marks: tuple[StepMark, ...] = ()
-    """Compute segments, collectives and waits in program order (``step_time`` replays them)."""
-    costs: StepCosts | None = None
-    """The step's operators by segment and module (None: no ``inputs``, nothing traced)."""
-
-    @property
-    def host_bytes(self) -> int:
-        """The most host memory the step holds (0 without CPU offload).
-
-        Offloaded: sharded parameters, gradients and optimizer state, and the optimizer's
-        step; ``memory.peak`` is the device's alone.
-        """
-        return self.memory.host_peak
-
-    @property
-    def sent_over_theory(self) -> float | None:
-        """Planned data-parallel bytes over their minimum (1.0 is optimal; None: none sent).
-
-        Tensor parallelism's bytes are what its plan asks for, with no minimum: left out.
-        """
-        if not self.theory_sent_bytes:
-            return None
-        dp_bytes = self.sent_bytes_per_step - self.sent_bytes_by_axis.get("tp", 0)
-        return dp_bytes / self.theory_sent_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (dtypes and enums as strings; the memory timeline left out)."""
-        return {
-            "world_size": self.world_size,
-            "shard_size": self.shard_size,
-            "replicas": self.replicas,
-            "tp_degree": self.tp_degree,
-            "options": options_json(self.options),
-            "param_count": self.param_count,
-            "trainable_count": self.trainable_count,
-            "groups": [_fields(g) for g in self.groups],
-            "schedule": [{**_fields(c), "phase": c.phase.value} for c in self.schedule],
-            "collectives": [
-                {**_fields(c), "sent_bytes_per_step": c.sent_bytes_per_step}
-                for c in self.collectives
-            ],
-            "sent_bytes_per_step": self.sent_bytes_per_step,
-            "sent_bytes_by_axis": self.sent_bytes_by_axis,
-            "comm_seconds": self.comm_seconds,
-            "theory_sent_bytes": self.theory_sent_bytes,
-            "theory_memory_bytes": self.theory_memory_bytes,
-            "activations_traced": self.activations_traced,
-            "memory": {
-                "peak": _point(self.memory.peak),
-                "host_peak": self.memory.host_peak,
-                "category_max": {c.value: n for c, n in self.memory.category_max.items()},
-            },
-        }
 
 
 def plan(
@@ -212,6 +103,7 @@ def plan(
     else:
         trace = assumed_trace(module, groups)
     root = next((i for i, g in enumerate(groups) if g.module is module), None)
+    anchoring = plan_anchoring(module, groups, root, options.conditional)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     step = simulate_step(
         StepInputs(
@@ -226,6 +118,7 @@ def plan(
             tp=tp.tracer.schedule() if tp is not None else None,
             tp_degree=options.tp_degree,
             prefetch=(prefetch_lists(options.units, options.prefetch) if options.units else None),
+            anchoring=anchoring,
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
@@ -423,17 +316,3 @@ def _theory_memory(groups: list[GroupSpec], options: PlanOptions) -> int:
                 optimizer_bytes=options.num_states * size if trained else 0,
             )
     return total
-
-
-def _fields(record: Any) -> dict[str, Any]:
-    return {name: getattr(record, name) for name in record.__slots__}
-
-
-def _point(point: MemoryPoint) -> dict[str, Any]:
-    return {
-        "label": point.label,
-        "module": point.module,
-        "phase": point.phase.value,
-        "total": point.total,
-        "by_category": {c.value: n for c, n in point.by_category.items()},
-    }

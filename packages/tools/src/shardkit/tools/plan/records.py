@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardkit.tools.records import Category, Phase
 
 __all__ = [
+    "Bandwidth",
     "CollectiveCall",
     "CollectivePlan",
     "GroupPlan",
@@ -158,3 +160,19 @@ class StepMark:
     """The segment (compute) or the position in the plan's schedule (collective)."""
     group: str = ""
     """The group's FQN (wait)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bandwidth:
+    """The bandwidth a plan's communication time uses, and where it came from."""
+
+    gbps: float | None
+    """GB/s (1e9 bytes per second) one rank sends at; None: no time can be given."""
+    source: str
+    """'given', 'default', 'measured', 'cached' or 'unavailable'."""
+    detail: str
+    """For people: how it was obtained, or why there is none."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"gbps": self.gbps, "source": self.source, "detail": self.detail}

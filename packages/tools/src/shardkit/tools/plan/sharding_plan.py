@@ -5,10 +5,11 @@ parameters gathered and reduced together). Around the calls a script chooses, pe
 full parameters are freed (``reshard_after_forward``), how far ahead units are gathered
 (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``), which modules
 recompute their activations in backward (``checkpoint_wrapper``), whether shards live in host
-memory (``CPUOffloadPolicy``), mixed precision and how gradients travel
-(``set_reduce_precision``). :class:`ShardingPlan` holds those choices by module name, so the
-planner can predict them (``PlanOptions``), the search can compare them, ``apply_plan`` can
-carry them out on a model and ``shardkit-plan`` can write them as JSON.
+memory (``CPUOffloadPolicy``), mixed precision, how gradients travel
+(``set_reduce_precision``) and which modules some ranks skip (``set_conditional``).
+:class:`ShardingPlan` holds those choices by module name, so the planner can predict them
+(``PlanOptions``), the search can compare them, ``apply_plan`` can carry them out on a model
+and ``shardkit-plan`` can write them as JSON.
 
 This module holds the record and its own consistency checks only: it knows no model.
 """
@@ -22,7 +23,14 @@ import torch
 
 from shardkit.core import ReducePrecision
 
-__all__ = ["ROOT", "CheckpointMode", "ShardingPlan", "Unit", "prefetch_lists"]
+__all__ = [
+    "ROOT",
+    "CheckpointMode",
+    "ShardingPlan",
+    "Unit",
+    "check_conditional",
+    "prefetch_lists",
+]
 
 ROOT = ""
 """The root module's name in a plan (its FQN in ``named_modules()``)."""
@@ -92,6 +100,11 @@ class ShardingPlan:
     """``MixedPrecisionPolicy.reduce_dtype`` of every unit."""
     reduce_precision: ReducePrecision | None = None
     """``set_reduce_precision`` on every unit (shardkit's engine only)."""
+    conditional: tuple[str, ...] = ()
+    """FQNs of the modules some ranks skip or run in another order (a vision tower, an early
+    exit): each names a module of a unit, not the root, and that unit is marked with
+    ``set_conditional(True, recurse=False)`` (shardkit's engine only); list nested units too.
+    Its collectives are then issued by its anchor, the nearest unit around it not marked."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, tuple) or not self.units:
@@ -128,6 +141,13 @@ class ShardingPlan:
             if entry[0] in names:
                 raise ValueError(f"ShardingPlan.checkpoint names {entry[0]!r} twice")
             names.add(entry[0])
+        check_conditional(self.conditional, "ShardingPlan.conditional")
+        for fqn in self.conditional:
+            if fqn not in seen:
+                raise ValueError(
+                    f"ShardingPlan.conditional: module {fqn!r} is in no unit; only a unit "
+                    "(a fully_shard call) can be marked conditional"
+                )
         if not isinstance(self.offload, bool):
             raise TypeError(f"ShardingPlan.offload must be a bool, got {self.offload!r}")
         for name in ("param_dtype", "reduce_dtype"):
@@ -158,6 +178,22 @@ class ShardingPlan:
         :func:`prefetch_lists`.
         """
         return prefetch_lists(self.units, self.prefetch)
+
+
+def check_conditional(conditional: object, where: str) -> None:
+    """Refuse a list of conditional modules that is not a tuple of distinct non-root FQNs.
+
+    Raises:
+        TypeError: not a tuple of strings.
+        ValueError: the root (every rank runs it, and its hooks issue the marked modules'
+            collectives), or a name given twice.
+    """
+    if not isinstance(conditional, tuple) or not all(isinstance(m, str) for m in conditional):
+        raise TypeError(f"{where} must be a tuple of module FQNs, got {conditional!r}")
+    if ROOT in conditional:
+        raise ValueError(f"{where}: the root cannot be conditional (every rank runs it)")
+    if len(set(conditional)) != len(conditional):
+        raise ValueError(f"{where} names a module twice: {conditional!r}")
 
 
 def prefetch_lists(

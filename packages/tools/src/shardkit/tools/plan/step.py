@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardkit.core.conditional_schedule import ConditionalDriver
 from shardkit.core.layout import step_checks_on
 from shardkit.core.schedule import (
     StepDriver,
@@ -75,11 +76,11 @@ from shardkit.core.schedule import (
     count_can_end_backward,
     watches_inputs,
 )
+from shardkit.tools.plan.gradient_schedule import gradient_schedule
 from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.step_ops import LedgerOps
-from shardkit.tools.plan.trace import gradient_schedule
 from shardkit.tools.records import Category, Phase
 
 __all__ = ["StepResult", "simulate_step"]
@@ -151,8 +152,19 @@ class _Step:
         )
         schedule: StepSchedule[int] = StepSchedule()
         inside = events[: self.model_events]
-        schedule.forward_order = [e.group for e in inside if e.kind == "pre"]
-        self.driver = StepDriver(self.ops, schedule)
+        anchoring = inputs.anchoring
+        # Conditional groups take no place in the orders prefetch follows (``conditional``).
+        marked = frozenset(anchoring.marked if anchoring is not None else ())
+        schedule.forward_order = [
+            e.group for e in inside if e.kind == "pre" and e.group not in marked
+        ]
+        self.driver: StepDriver[int] = (
+            StepDriver(self.ops, schedule)
+            if anchoring is None
+            else ConditionalDriver(self.ops, anchoring, schedule)
+        )
+        # Inner anchors: the engine watches their inputs, and backward through them ends them.
+        self.inner_anchors = frozenset(anchoring.inner() if anchoring is not None else ())
         self.first_pre: dict[int, int] = {}
         self.inputs_need_grad: set[int] = set()
         for index, event in enumerate(events):
@@ -207,6 +219,8 @@ class _Step:
                 event = trace.events[j]
                 ledger.module = self.groups[event.group].fqn
                 if event.kind == "pre":
+                    if event.group in self.inner_anchors and event.needs_grad:
+                        self._watching_inputs(event.group)
                     if self.ops.state(event.group) is not TrainingState.FORWARD:
                         self.driver.pre_forward(event.group)  # (the first module of a list)
                 else:
@@ -217,6 +231,11 @@ class _Step:
         if trace.loss_bytes:  # then the loss, outside the model; backward takes it over
             ledger.alloc(("loss", 0), Category.OTHER, trace.loss_bytes, "loss")
             ledger.free(("loss", 0))
+
+    def _watching_inputs(self, anchor: int) -> None:
+        """The engine's watch of an inner anchor's inputs that need gradients (its hook)."""
+        assert isinstance(self.driver, ConditionalDriver)
+        self.driver.watching_inputs(anchor)
 
     def _segment_owners(self) -> list[str]:
         """The innermost group running in each segment ('' outside every group)."""
@@ -274,7 +293,9 @@ class _Step:
         """Whether the engine watches group ``g``'s inputs' gradients (``watches_inputs``)."""
         group = self.groups[g]
         frozen = len(group.trainable) < len(group.params)
-        return watches_inputs(frozen=frozen, fills_missing=self._fills(g))
+        return g in self.inner_anchors or watches_inputs(
+            frozen=frozen, fills_missing=self._fills(g)
+        )
 
     def _fills(self, g: int) -> bool:
         """Whether group ``g`` reduces a missing gradient as zeros, as the engine's reducer.

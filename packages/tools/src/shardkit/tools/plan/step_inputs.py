@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardkit.core.conditional_schedule import Anchoring
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.tp_comm import TPSchedule
-from shardkit.tools.plan.trace import StepTrace
+from shardkit.tools.plan.trace import MetaStepTrace
 
 __all__ = ["StepInputs"]
 
@@ -24,7 +25,7 @@ class StepInputs:
     """The FSDP groups, root last."""
     root: int | None
     """Index of the root module's group (None when the root holds no parameters)."""
-    trace: StepTrace
+    trace: MetaStepTrace
     """Event order and activations of the forward."""
     options: PlanOptions
     """Dtypes, optimizer, backend and rank."""
@@ -43,3 +44,6 @@ class StepInputs:
     prefetch: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
     """Per group, the groups (indices) of its explicit forward and backward prefetch lists
     (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``); None: none set."""
+    anchoring: Anchoring[int] | None = None
+    """The conditional groups (``PlanOptions.conditional``) with their anchors, which issue
+    their collectives; None: none marked, the plain driver runs the step."""

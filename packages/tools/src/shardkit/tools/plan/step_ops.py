@@ -6,26 +6,18 @@ side: each operation on a group index allocates and frees on the ledger what the
 allocates and frees, and records the collectives it issues and the events it emits. The
 modelling assumptions are ``step``'s.
 
-Next to split off: the reductions (``start_reduction`` to ``_release``: the reduce-scatter's
-buffers, the replicas' all-reduce, the sharded gradients' assignment), as functions of the
-ledger and the group in a module of their own.
+The reductions (the reduce-scatter's buffers, the replicas' all-reduce, the sharded
+gradients' assignment) are ``reductions``'s: a helper these operations hold and call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from shardkit.core.layout import (
-    STEP_CHECK_HEADER_BYTES,
-    pooled_sizes,
-    step_checks_on,
-    wire_row_bytes,
-)
+from shardkit.core.layout import STEP_CHECK_HEADER_BYTES, pooled_sizes, step_checks_on
 from shardkit.core.schedule import (
     MAX_REDUCES_IN_FLIGHT,
     AfterForward,
@@ -33,8 +25,8 @@ from shardkit.core.schedule import (
     root_reshards_after_forward,
 )
 from shardkit.tools.plan.ledger import Key, Ledger, Pool
-from shardkit.tools.plan.offload import assign_sharded_grads
 from shardkit.tools.plan.records import CollectiveCall, StepMark
+from shardkit.tools.plan.reductions import Reductions
 from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
@@ -108,7 +100,7 @@ class LedgerOps:
         self.held = [False] * count  # the unsharded buffer's memory is allocated
         self.sliced = [False] * count  # holds its post-forward slices (reshard_after_forward=n)
         self.state_of = [TrainingState.IDLE] * count
-        self.reduces: deque[int] = deque()
+        self.reductions = Reductions(inputs, self.ledger, self.pool, self._record)
 
     def settings(self, group: int) -> _Settings:
         """The planned group's switches."""
@@ -127,6 +119,10 @@ class LedgerOps:
     def event(self, what: str, group: int) -> None:
         """Record one of the engine's state transitions."""
         self.events.append((what, self.groups[group].fqn))
+
+    def name(self, group: int) -> str:
+        """The group's FQN, as the engine names it."""
+        return self.groups[group].fqn
 
     def mark(self, kind: str, index: int = 0, group: str = "") -> None:
         """Note a point of the step for its timing (a ``StepMark``)."""
@@ -327,6 +323,13 @@ class LedgerOps:
         """Whether unsharded gradients of the group are alive, not yet reduced."""
         return bool(self._grad_keys(group))
 
+    def cover_missing_grads(self, group: int) -> None:
+        """Nothing to add: the planned rank runs a conditional module as the trace did.
+
+        Its gradients are on the ledger as autograd made them, and the reduction takes them
+        (zeros for a parameter without one cost the engine no allocation: it packs them).
+        """
+
     def take_grads(self, group: int) -> list[Key] | None:
         """The group's live unsharded gradients (None: none); tp's partial ones settled.
 
@@ -338,17 +341,22 @@ class LedgerOps:
         self._settle_partial_grads(group)
         return keys
 
+    def start_reduction(self, group_index: int, grads: object, *, assign_now: bool) -> None:
+        """Allocate the reduction's buffers (the gradients packed and freed) and send it."""
+        assert isinstance(grads, list)
+        self.reductions.start(group_index, grads)
+
     def reductions_in_flight(self) -> int:
         """Reductions started and not finished."""
-        return len(self.reduces)
+        return len(self.reductions.in_flight)
 
     def finish_oldest_reduction(self) -> None:
         """Finish the oldest reduction; its buffers go before the next one allocates."""
-        self._release(self._finish_reduce(self.reduces.popleft()))
+        self.reductions.finish_oldest()
 
     def finish_reductions(self) -> None:
         """The end-of-backward callback finishes every reduction."""
-        while self.reduces:
+        while self.reductions.in_flight:
             self.finish_oldest_reduction()
 
     def _settle_partial_grads(self, g: int) -> None:
@@ -360,78 +368,3 @@ class LedgerOps:
             if param.fqn in tp.partial_grads and self.grad_key(g, p) in self.ledger.live:
                 n = param.numel * param.comm_dtype.itemsize
                 self._append("all_reduce", param.fqn, "tp", size, n, 2 * n * (size - 1) // size)
-
-    def start_reduction(self, group_index: int, grads: object, *, assign_now: bool) -> None:
-        """Allocate the reduction's buffers (the gradients packed and freed) and send it."""
-        g, grad_keys = group_index, grads
-        assert isinstance(grad_keys, list)
-        group = self.groups[g]
-        layout = group.layout
-        row, send = layout.reduce_scatter_output_bytes, layout.reduce_scatter_input_bytes
-        label = f"reduce-scatter {group.fqn}"
-        # The output becomes the sharded gradient: it counts as one from the start. In another
-        # dtype it is cast into the gradient and stays a collective's output buffer.
-        # Offloaded to a GPU's host, it is copied there: a collective's output meanwhile.
-        becomes_grad = layout.reduce_dtype == group.grad_dtype and (self.gloo or not self.offload)
-        category = Category.GRADIENTS if becomes_grad else Category.COMM_BUFFERS
-        if self.world > 1:
-            # The gradients are packed into the send buffer and freed before the output comes.
-            self.pool.get(send, ("reduce_send", g), label)
-            self._free_all(grad_keys)
-            self.ledger.alloc(("reduce_out", g), category, row, label)
-            wire = self._wire_bytes(g, row)  # a row in the reduction's messages
-            self._record(
-                "reduce_scatter", g, self.world, self.world * wire, (self.world - 1) * wire
-            )
-            if self.gloo and self.world > 2:
-                self.pool.get((self.world - 1) * row, ("reduce_scatter_rows", g), label)
-        else:
-            self.ledger.alloc(("reduce_out", g), category, row, label)  # packed into directly
-            self._free_all(grad_keys)
-        self.reduces.append(g)
-
-    @property
-    def _compresses(self) -> bool:
-        policy = self.inputs.options.reduce_precision
-        return policy is not None and policy.compresses
-
-    def _wire_bytes(self, g: int, row: int) -> int:
-        """Bytes of a reduction's row of ``row`` bytes (in the reduce dtype) on the wire."""
-        itemsize = self.groups[g].layout.reduce_dtype.itemsize
-        return wire_row_bytes(self.inputs.options.reduce_precision, row // itemsize, itemsize)
-
-    def _free_all(self, keys: list[Key]) -> None:
-        for key in keys:
-            self.ledger.free(key)
-
-    def _finish_reduce(self, g: int) -> list[tuple[Key, int]]:
-        """Finish a reduction; returns the buffers its record keeps alive (key, pool size)."""
-        group = self.groups[g]
-        row = group.layout.reduce_scatter_output_bytes
-        held: list[tuple[Key, int]] = []
-        if self.world > 1:
-            if self.gloo and self.world > 2:
-                # The received rows are summed into a temporary, then added to the output.
-                self.ledger.alloc(("reduce_sum", g), Category.COMM_BUFFERS, row, "row sum")
-                self.ledger.free(("reduce_sum", g))
-                held.append((("reduce_scatter_rows", g), (self.world - 1) * row))
-            held.append((("reduce_send", g), group.layout.reduce_scatter_input_bytes))
-        replicas = self.inputs.replicas
-        if replicas > 1 and self._compresses:
-            # A compressed reduce-scatter over the replicas, then an all-gather of the sums.
-            itemsize = group.layout.reduce_dtype.itemsize
-            chunk = self._wire_bytes(g, math.ceil(row // itemsize / replicas) * itemsize)
-            sent = (replicas - 1) * chunk
-            self._record("reduce_scatter", g, replicas, replicas * chunk, sent, replicas=True)
-            self._record("all_gather", g, replicas, chunk, sent, replicas=True)
-        elif replicas > 1:
-            self._record("all_reduce", g, replicas, row, 2 * row * (replicas - 1) // replicas)
-        held += assign_sharded_grads(self.ledger, g, group, offload=self.offload, cpu=self.gloo)
-        return held
-
-    def _release(self, held: list[tuple[Key, int]]) -> None:
-        for key, pool_size in held:
-            if pool_size:
-                self.pool.put(pool_size, key)
-            else:
-                self.ledger.free(key)

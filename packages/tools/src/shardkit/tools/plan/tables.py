@@ -6,9 +6,8 @@ from typing import Any
 
 import torch
 
-from shardkit.tools.plan.bandwidth import Bandwidth
-from shardkit.tools.plan.planner import Plan
-from shardkit.tools.plan.records import CollectivePlan, PlannedGroup
+from shardkit.tools.plan.plan_record import Plan
+from shardkit.tools.plan.records import Bandwidth, CollectivePlan, PlannedGroup
 from shardkit.tools.records import Category
 from shardkit.tools.units import format_bytes
 

@@ -22,8 +22,8 @@ allocated) with the parameters replaced by meta tensors of the gather dtype, and
 Without inputs, :func:`assumed_trace` orders events as the module tree is registered and saves
 nothing.
 
-Next to split off: the gradients' schedule (``GradientSchedule``, ``gradient_schedule``: where
-in backward each gradient appears and each group reduces), which reads a finished trace.
+Where in backward each gradient appears and each group reduces, read from a finished trace, is
+``gradient_schedule``'s.
 """
 
 from __future__ import annotations
@@ -57,11 +57,9 @@ from shardkit.tools.plan.recompute import checkpointed_forwards
 
 __all__ = [
     "ForwardWatch",
-    "GradientSchedule",
     "GroupEvent",
-    "StepTrace",
+    "MetaStepTrace",
     "assumed_trace",
-    "gradient_schedule",
     "trace_step",
 ]
 
@@ -78,8 +76,12 @@ class GroupEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepTrace:
-    """What the forward did, segment by segment."""
+class MetaStepTrace:
+    """What a step's forward did on the meta device, segment by segment (the planner's trace).
+
+    Made by :func:`trace_step`, or by :func:`assumed_trace` without inputs; not the engine's
+    ``StepTrace`` (``shardkit.core.engine.step_trace``), which records a real step's events.
+    """
 
     events: tuple[GroupEvent, ...]
     """Group events in forward order."""
@@ -101,7 +103,7 @@ class StepTrace:
     """The operators of forward and backward, by segment and module (``op_costs``)."""
 
 
-def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
+def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> MetaStepTrace:
     """Events in module registration order (a group runs its children in order), no saves.
 
     A group of several modules starts at the first of them and ends after the last.
@@ -126,49 +128,7 @@ def assumed_trace(model: nn.Module, groups: list[GroupSpec]) -> StepTrace:
                 events.append(GroupEvent("post", group))
 
     visit(model)
-    return StepTrace(events=tuple(events), activation_bytes=(0,) * (len(events) + 1))
-
-
-@dataclass(frozen=True, slots=True)
-class GradientSchedule:
-    """Where in backward each unsharded gradient appears and each group reduces."""
-
-    appear: dict[int, list[tuple[int, int]]]
-    """Segment -> (group, parameter) pairs whose gradient backward makes there."""
-    reduce: dict[int, list[int]]
-    """Segment -> groups whose last gradient is complete there: the engine reduces them.
-    A group with a trainable parameter backward never reaches is left out (the engine
-    reduces it in its end-of-backward callback)."""
-
-
-def gradient_schedule(trace: StepTrace, groups: list[GroupSpec]) -> GradientSchedule:
-    """A gradient appears at its parameter's last use; a group's last is done at its first.
-
-    Untraced, a group's gradients all appear at the end of its backward, just before it
-    reduces (the segment after its pre-forward).
-    """
-    appear: dict[int, list[tuple[int, int]]] = {}
-    reduce: dict[int, list[int]] = {}
-    pre_index: dict[int, int] = {}
-    for index, event in enumerate(trace.events):
-        if event.kind == "pre":
-            pre_index.setdefault(event.group, index)
-    for g, group in enumerate(groups):
-        trainable = [i for i, p in enumerate(group.params) if p.requires_grad]
-        if not trace.traced:
-            segment = pre_index[g] + 1
-            appear.setdefault(segment, []).extend((g, i) for i in trainable)
-            if trainable:
-                reduce.setdefault(segment, []).append(g)
-            continue
-        uses = [trace.uses.get(group.params[i].fqn) for i in trainable]
-        for i, use in zip(trainable, uses, strict=True):
-            if use is not None:
-                appear.setdefault(use[1], []).append((g, i))
-        if trainable and all(u is not None for u in uses):
-            first = min(u[0] for u in uses if u is not None)
-            reduce.setdefault(first, []).append(g)
-    return GradientSchedule(appear, reduce)
+    return MetaStepTrace(events=tuple(events), activation_bytes=(0,) * (len(events) + 1))
 
 
 class _Recorder:
@@ -272,7 +232,7 @@ def trace_step(
     groups: list[GroupSpec],
     options: PlanOptions,
     watch: ForwardWatch | None = None,
-) -> StepTrace:
+) -> MetaStepTrace:
     """Run ``model`` forward, the loss and backward on the meta device, and record.
 
     The model runs unparallelized: parameters are replaced by meta tensors of their full
@@ -323,7 +283,7 @@ def trace_step(
                 profile = backward_profile(
                     loss, recorder.cursor, recorder.saved, replacements, len(activations)
                 )
-    return StepTrace(
+    return MetaStepTrace(
         events=tuple(recorder.events),
         activation_bytes=activations,
         loss_bytes=loss_bytes,

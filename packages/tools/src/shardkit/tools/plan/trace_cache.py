@@ -19,7 +19,7 @@ from torch import nn
 
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
-from shardkit.tools.plan.trace import StepTrace
+from shardkit.tools.plan.trace import MetaStepTrace
 
 __all__ = ["TraceCache"]
 
@@ -28,7 +28,7 @@ class TraceCache:
     """Traces of one model by what decides them; pass one to every ``plan()`` of a search."""
 
     def __init__(self) -> None:
-        self._traces: dict[Hashable, StepTrace] = {}
+        self._traces: dict[Hashable, MetaStepTrace] = {}
         self._model: nn.Module | None = None
         self.hits = 0
         """Plans that reused a trace."""
@@ -41,8 +41,8 @@ class TraceCache:
         model: nn.Module,
         groups: list[GroupSpec],
         options: PlanOptions,
-        trace: Callable[[], StepTrace],
-    ) -> StepTrace:
+        trace: Callable[[], MetaStepTrace],
+    ) -> MetaStepTrace:
         """The trace for these groups and options: cached, else ``trace()``'s.
 
         Raises:

@@ -4,10 +4,12 @@ Three questions shape the sections: is communication hidden behind compute (per 
 the payload and the bytes on the wire, the payload against the theoretical minimum, the exposed
 (waited-on) time first, then the total time in flight and what of it overlapped; per mesh axis,
 such as data against tensor parallelism, where the collectives' groups belong to a named mesh),
-which
-collectives cost the most (grouped by kind, axis, module and phase), and where the memory goes
-(each rank's peak by category, the modules at the top of the peak, the CUDA allocator's own
-figures).
+which collectives cost the most (grouped by kind, axis, module and phase), and where the memory
+goes (each rank's peak by category, the modules at the top of the peak, the CUDA allocator's
+own figures).
+
+Next to split off: the memory section (``_memory_section`` to ``_allocator_table``: the peak,
+module and allocator tables), into a module of its own beside this one.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class CommTracker(Tracker):
 
     Args:
         theoretical_min_bytes: the bytes a rank must send per training step for this model and
-            sharding (``shardkit.tools.plan.theory`` or the planner give it); reports then show how
+            sharding (``shardkit.tools.theory`` or the planner give it); reports then show how
             far each step is from it. None: computed from the model's FSDP groups where it can
             be (``comm_minimum``).
         scope: a started :class:`ModuleScope` to share with other trackers; by default the

@@ -2,13 +2,13 @@
 
 When no minimum is given to the tracker, it is worked out from the FSDP groups of the model
 (``fsdp_serves.fsdp_groups``: each group's parameter count Ψ and shard world W, from its
-DTensor parameters) and the collectives a step ran, with the planner's closed forms
-(``plan.theory``): a group's all-gather of Ψ elements of b bytes sends at least Ψ·b·(W-1)/W,
-its reduce-scatter of the Ψ_trainable gradients as much of those. The element size b of each
-collective is read from its bytes (it is the param dtype or the reduce dtype, which mixed
-precision may make smaller than the parameters' own). So the minimum is that of the schedule
-that ran (as many gathers per group as the engine made, no padding, no alignment, a
-bandwidth-optimal algorithm), the same figure the planner compares its plan to.
+DTensor parameters) and the collectives a step ran, with the closed forms the planner uses
+too (``shardkit.tools.theory``): a group's all-gather of Ψ elements of b bytes sends at least
+Ψ·b·(W-1)/W, its reduce-scatter of the Ψ_trainable gradients as much of those. The element
+size b of each collective is read from its bytes (it is the param dtype or the reduce dtype,
+which mixed precision may make smaller than the parameters' own). So the minimum is that of
+the schedule that ran (as many gathers per group as the engine made, no padding, no
+alignment, a bandwidth-optimal algorithm), the same figure the planner compares its plan to.
 
 An all-reduce (HSDP's across replicas) counts at its payload, which is a ring's minimum up to
 the shard's padding. A step with any other collective (tensor parallelism's, a broadcast, a
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardkit.tools.plan import theory
+from shardkit.tools import theory
 from shardkit.tools.records import CollectiveRecord
 from shardkit.tools.track.fsdp_serves import FSDPGroup
 

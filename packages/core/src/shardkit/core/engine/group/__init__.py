@@ -6,6 +6,7 @@
 - ``storage``: the group's buffers and the fused copies between them (copy-in, copy-out);
 - ``unsharded``: the unsharded flat buffer, its memory between unshard and reshard;
 - ``post_forward``: ``reshard_after_forward=int``, the 1/n slices kept for backward;
+- ``hooked_params``: its parameters gathered through their all-gather hooks (Float8, NF4);
 - ``upkeep``: the plan made again when the group's parameters change under it;
 - ``unsynced``: its gradients without gradient sync, kept for the next backward.
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shardkit.core.engine.buffer_layout import GroupLayout, group_layout
-from shardkit.core.engine.gather_hooks import GroupHooks
+from shardkit.core.engine.group.hooked_params import GroupHooks
 from shardkit.core.engine.group.post_forward import PostForwardPlan
 from shardkit.core.engine.mesh_info import MeshInfo
 from shardkit.core.engine.param import FSDPParam

@@ -1,0 +1,53 @@
+"""What the planner-against-engine tests share: a step's collectives axis by axis, and its
+events as the engine publishes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardkit.tools.plan.plan_record import Plan
+from shardkit.tools.records import RankReport
+
+
+def assert_comm_matches_plan(
+    report: RankReport, predicted: Plan, rank: int
+) -> dict[str | None, int]:
+    """Every collective of the one tracked step, in issue order, with its kind, mesh axis and
+    bytes, and the bytes sent per axis, as planned; returns the measured bytes per axis."""
+    measured = [(c.kind, c.axis, c.input_bytes, c.sent_bytes) for c in report.collectives]
+    # The step's collectives, then the step check's messages where the backward ends.
+    calls = [*predicted.schedule, *predicted.step_check]
+    planned = [(c.kind, c.axis, c.input_bytes, c.sent_bytes) for c in calls]
+    assert measured == planned, f"rank {rank}"
+    assert report.comm is not None
+    (step,) = report.comm.steps
+    by_axis = {a.axis: a.sent_bytes for a in step.by_axis}
+    checked = dict(predicted.sent_bytes_by_axis)
+    for c in predicted.step_check:
+        checked[c.axis] = checked.get(c.axis, 0) + c.sent_bytes
+    assert by_axis == checked, f"rank {rank}"
+    assert step.sent_bytes == sum(checked.values())
+    # The step check's bytes stand apart: what the step's collectives send is as planned.
+    check_bytes = sum(c.sent_bytes for c in predicted.step_check)
+    assert step.sent_bytes - check_bytes == predicted.sent_bytes_per_step
+    return {
+        a: b - sum(c.sent_bytes for c in predicted.step_check if c.axis == a)
+        for a, b in by_axis.items()
+    }
+
+
+Event = tuple[str, str]
+"""(what, group): an engine event as the plan lists them (``Plan.events``)."""
+
+
+def event_recorder(events: list[Event]) -> Any:
+    """A subscriber appending the engine's transitions and collectives to ``events``."""
+    from shardkit.core import CollectiveEvent, StateTransitionEvent
+
+    def record(event: object) -> None:
+        if isinstance(event, StateTransitionEvent):
+            events.append((event.what, event.module_fqn))
+        elif isinstance(event, CollectiveEvent):
+            events.append((event.kind, event.module_fqn))
+
+    return record
