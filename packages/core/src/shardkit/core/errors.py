@@ -24,6 +24,8 @@ __all__ = [
     "UnevenShardingError",
     "UnsupportedCopyError",
     "UnsupportedWithHooksError",
+    "WeightExportError",
+    "WeightLoadError",
     "first_sentence",
 ]
 
@@ -109,6 +111,24 @@ class BufferLifetimeError(ShardkitError, RuntimeError):
     Raised by the lifetime checks (``SHARDKIT_DEBUG_LIFETIMES``): a bug of the engine or of a
     custom collective, never of the user's model. Names the buffer, the collective, its
     module and its process group.
+    """
+
+
+class WeightExportError(ShardkitError, RuntimeError):
+    """A weight export failed, and every trainer rank says so with one message.
+
+    A rank late past the bound, a receiver that failed, or ranks that disagree on what to
+    export: every rank raises the same message, which names the bucket (and its first tensor)
+    and the rank. The export's own process groups are dropped; the next export is a full one,
+    on new groups.
+    """
+
+
+class WeightLoadError(ShardkitError, RuntimeError):
+    """A receiver could not take an export.
+
+    Names, shapes or dtypes that do not fit (nothing was written), or a load that failed
+    partway (the message names the tensors written).
     """
 
 

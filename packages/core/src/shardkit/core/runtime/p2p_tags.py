@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DATA_BY_FINGERPRINT",
+    "EXPORT_GATHER",
     "FINGERPRINTS",
     "GATHER_EXCHANGE",
     "OBJECT_TRANSFERS",
@@ -75,6 +76,10 @@ DATA_BY_FINGERPRINT = TagBlock("desync", _DATA_FIRST, 1 << 30)
 the exchange's fixed tag: the messages of collectives that differ never pair. They end below
 2**31, the largest tag c10d takes."""
 
+EXPORT_GATHER = TagBlock("export_groups", _DATA_FIRST + (1 << 30))
+"""A weight export's buckets gathered on gloo as point-to-point messages (gloo's own gather
+moves about a tenth of the bytes a second here), on the export's own groups."""
+
 TABLE = (
     GATHER_EXCHANGE,
     REDUCE_EXCHANGE,
@@ -83,5 +88,6 @@ TABLE = (
     PEER_TRANSFER,
     FINGERPRINTS,
     DATA_BY_FINGERPRINT,
+    EXPORT_GATHER,
 )
 """Every block of tags, in the order of their values."""

@@ -1,0 +1,66 @@
+"""Weights to an inference engine at W=2: shardkit's export beside trl's per-parameter pattern.
+
+Per sync, for the 5M and ~150M Qwen2-style models (fp32 masters, bf16 receiver), in each
+transport (in rank 0's process, another process through shared memory, another process over
+a group of its own): the time (the export's own part and the receiver's load), the bytes on
+the wire against the model's bf16 bytes, a delta export's bytes after an AdamW step at
+lr 1e-6, and each trainer rank's peak RSS against its training step's
+(benchmarks/export_run.py measures; SHARDKIT_BENCH_EXPORT_SIZES picks sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = os.environ.get("SHARDKIT_BENCH_EXPORT_SIZES", "5m,150m").split(",")
+
+
+def _run(size: str, transport: str, rounds: int) -> dict[str, Any]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "benchmarks" / "export_run.py"), size, transport, str(rounds)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=3600)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("{"))
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+@pytest.mark.parametrize("transport", ["colocated", "shm", "group"])
+@pytest.mark.parametrize("size", SIZES)
+def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -> None:
+    results: dict[str, Any] = {}
+
+    def measure() -> None:
+        results.update(_run(size, transport, rounds=5 if size == "5m" else 3))
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    r = results
+    full_wire = r["model_bytes_bf16"] // 2  # W=2: the minimum, the other rank's half
+    step_peak = max(row[0] for row in r["peaks_mib"])
+    export_peak = max(row[1] for row in r["peaks_mib"])
+    bucket_mib = r["bucket_bytes"] / 2**20
+    benchmark.extra_info.update(
+        r,
+        export_part_ratio=r["ours_export_s"] / r["trl_export_s"],
+        sync_ratio=r["ours_s"] / r["trl_s"],
+        wire_over_minimum=r["wire_ours"] / full_wire,
+        delta_over_full=r["wire_delta"] / r["wire_ours"],
+    )
+    sys.stdout.write(
+        f"\n{size} {transport}: sync {r['ours_s']:.3f} s vs trl {r['trl_s']:.3f} s; export part "
+        f"{r['ours_export_s']:.3f} vs {r['trl_export_s']:.3f} s "
+        f"({r['ours_export_s'] / r['trl_export_s']:.2f}x); load {r['ours_load_s']:.3f} vs "
+        f"{r['trl_load_s']:.3f} s; wire {r['wire_ours'] / 2**20:.1f} MiB (minimum "
+        f"{full_wire / 2**20:.1f}) vs trl {r['wire_trl'] / 2**20:.1f}; delta "
+        f"{100 * r['wire_delta'] / r['wire_ours']:.2f}% of a full export; peak RSS above the "
+        f"start: export {export_peak:.0f} MiB, step {step_peak:.0f} MiB, bucket {bucket_mib:.0f}\n"
+    )
+    assert r["wire_ours"] == full_wire  # the minimum bytes: each rank's half once, in bf16

@@ -1,0 +1,58 @@
+"""Weights to an inference engine: a sharded model's weights, out of its shards, in buckets.
+
+:class:`WeightExporter` (every rank of the model's mesh) sends the weights, whole or as the
+elements changed since its last export, in the receiver's dtype, a bucket of whole layers at a
+time, to a :class:`WeightReceiver`: in the same process (:class:`ModuleReceiver`,
+:class:`FullTensorReceiver`, ``shardkit.core.export.vllm``), through shared memory to another
+process on the host (:class:`SharedMemorySender`), or to receiver processes over a group of
+their own (:class:`GroupSender`). See docs/guide/export.md.
+"""
+
+from shardkit.core.export.exporter import (
+    ExportOptions,
+    ExportReport,
+    WeightExporter,
+    export_weights,
+)
+from shardkit.core.export.group_transport import (
+    GroupSender,
+    ReceiverGroupSpec,
+    serve_receiver_group,
+)
+from shardkit.core.export.messages import (
+    ChangedElements,
+    ExportedTensor,
+    ExportKind,
+    ExportManifest,
+    WeightBucket,
+)
+from shardkit.core.export.receivers import (
+    FullTensorReceiver,
+    ModuleReceiver,
+    TensorLoader,
+    WeightReceiver,
+)
+from shardkit.core.export.shared_memory import SharedMemorySender, serve_shared_memory
+from shardkit.core.export.transfer import TransferCounts
+
+__all__ = [
+    "ChangedElements",
+    "ExportKind",
+    "ExportManifest",
+    "ExportOptions",
+    "ExportReport",
+    "ExportedTensor",
+    "FullTensorReceiver",
+    "GroupSender",
+    "ModuleReceiver",
+    "ReceiverGroupSpec",
+    "SharedMemorySender",
+    "TensorLoader",
+    "TransferCounts",
+    "WeightBucket",
+    "WeightExporter",
+    "WeightReceiver",
+    "export_weights",
+    "serve_receiver_group",
+    "serve_shared_memory",
+]

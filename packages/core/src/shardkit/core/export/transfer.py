@@ -1,0 +1,314 @@
+"""One export's buckets on the wire: pack (casting), gather, unpack; whole or changes only.
+
+A bucket's tensors travel together, one collective per gathered mesh axis. Each rank packs its
+pieces into one byte buffer (each tensor's segment aligned to 8 bytes and padded to the
+stage's rows per part, so every rank sends the same length), casting to the export dtype in
+the copy. The gathering rank narrows each rank's segment and joins the pieces.
+
+Under ``delta`` the packed part is compared, bit for bit, with the one this rank packed last
+(``delta_transfer.py``), and only the changes travel.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardkit.core.export.buckets import ExportBucket
+from shardkit.core.export.layout import Stage, TensorSource, chunk_rows
+from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.runtime.export_groups import (
+    ExportGroups,
+    ExportWatch,
+    gather_buffer,
+    on_gloo,
+    post_pieces,
+)
+from shardkit.core.runtime.groups import global_rank
+
+__all__ = ["BucketTransfer", "PreviousExport", "TransferCounts"]
+
+_ALIGN = 8
+
+
+@dataclass(slots=True)
+class TransferCounts:
+    """Collectives and bytes of one export on one rank."""
+
+    collectives: int = 0
+    sent_bytes: int = 0
+    """Bytes this rank put into the export's gathers."""
+    received_bytes: int = 0
+    """Bytes gathered into this rank (its own part included)."""
+    handed_bytes: int = 0
+    """Bytes handed to the receiver (the receiving rank)."""
+
+
+@dataclass(slots=True)
+class PreviousExport:
+    """What this rank exported last, for a delta.
+
+    Its packed part per bucket, and the plain tensors it sent (the receiving rank).
+    """
+
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    plain: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _first_stage(source: TensorSource) -> Stage:
+    return source.stages[0]
+
+
+@dataclass(slots=True)
+class BucketTransfer:
+    """One export in flight on this rank."""
+
+    manifest: ExportManifest
+    buckets: list[ExportBucket]
+    groups: ExportGroups | None
+    watch: ExportWatch | None
+    mesh: DeviceMesh | None
+    to_all: bool
+    keep_dims: set[int]
+    order: list[int]
+    """The gathered mesh dims, in the order every bucket gathers them."""
+    receiving: bool
+    """This rank hands the buckets to a receiver."""
+    previous: PreviousExport | None
+    """The last export's parts (a delta is relative to them); None for a full export."""
+    track: bool
+    """Keep this export's parts for the next delta."""
+    counts: TransferCounts = field(default_factory=TransferCounts)
+    all_counts: torch.Tensor | None = None
+    """(mesh ranks, buckets): every rank's changed elements per bucket (a delta)."""
+    kept: PreviousExport = field(default_factory=PreviousExport)
+    """This export's parts, for the next delta."""
+
+    # Who takes part -------------------------------------------------------------------
+    def takes_part(self, mesh_dim: int) -> bool:
+        """Whether this rank gathers along ``mesh_dim``.
+
+        With ``to="first"``, only ranks at coordinate 0 of the replicated axes and of the axes
+        gathered before it do.
+        """
+        if self.to_all or self.mesh is None:
+            return True
+        coord = self.mesh.get_coordinate()
+        assert coord is not None
+        before = self.order[: self.order.index(mesh_dim)]
+        replicated = [
+            m for m in range(len(coord)) if m not in self.keep_dims and m not in self.order
+        ]
+        return all(coord[m] == 0 for m in before + replicated)
+
+    # Packing ----------------------------------------------------------------------------
+    def _pack(
+        self, sources: list[TensorSource], stages: list[Stage], pieces: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[int]]:
+        offsets, total = [], 0
+        for source, stage in zip(sources, stages, strict=True):
+            offsets.append(total)
+            total += _aligned(stage.padded_numel * source.dtype.itemsize)
+        buffer = torch.empty(total, dtype=torch.uint8, device=pieces[0].device if pieces else "cpu")
+        for source, stage, piece, offset in zip(sources, stages, pieces, offsets, strict=True):
+            end = offset + stage.padded_numel * source.dtype.itemsize
+            stage.pack(piece, buffer[offset:end].view(source.dtype))
+            # The alignment gap is zeroed: a delta compares the whole part, bit for bit.
+            buffer[end : offset + _aligned(end - offset)].zero_()
+        return buffer, offsets
+
+    def first_part(self, bucket: ExportBucket) -> tuple[torch.Tensor, list[int]] | None:
+        """This rank's packed part of the bucket's sharded tensors (first stage), or None."""
+        sharded = [s for s in bucket.sources if s.stages]
+        if not sharded or not self.takes_part(self.order[0]):
+            return None
+        stages = [_first_stage(s) for s in sharded]
+        return self._pack(sharded, stages, [s.local() for s in sharded])
+
+    # Per bucket -------------------------------------------------------------------------------
+    def move(self, bucket: ExportBucket) -> WeightBucket | None:
+        """Move one bucket whole; the bucket as the receiver gets it (None on other ranks).
+
+        A delta export's buckets move through ``delta_transfer.move_changes`` instead.
+        """
+        if self.watch is not None:
+            self.watch.raise_if_failed()
+        sharded = [s for s in bucket.sources if s.stages]
+        gathered = self._gather_whole(bucket, sharded)
+        if gathered is None or not self.receiving:
+            return None
+        full = [(s.name, gathered[s.key] if s.stages else self._plain(s)) for s in bucket.sources]
+        self.counts.handed_bytes += sum(t.numel() * t.element_size() for _, t in full)
+        return WeightBucket(bucket.index, full=tuple(full))
+
+    def _plain(self, source: TensorSource) -> torch.Tensor:
+        value = source.local().to(source.dtype, copy=True)
+        if self.track:
+            self.kept.plain[source.key] = value
+        return value
+
+    def gather(self, buffer: torch.Tensor, mesh_dim: int, what: str) -> torch.Tensor | None:
+        """Gather ``buffer`` along ``mesh_dim`` (every member's row; None where not received)."""
+        assert self.groups is not None and self.watch is not None
+        entry = self.groups.axes[mesh_dim]
+        assert entry is not None, f"no export group along mesh dim {mesh_dim}"
+        group, members = entry
+        self.watch.post(what)
+        self.watch.raise_if_failed()
+        works, out = gather_buffer(buffer, group, members, to_all=self.to_all)
+        self.watch.wait(works, members)
+        self.counts.collectives += 1
+        self.counts.sent_bytes += buffer.numel()
+        if out is not None:
+            self.counts.received_bytes += out.numel()
+        return out
+
+    def _gather_whole(
+        self, bucket: ExportBucket, sharded: list[TensorSource]
+    ) -> dict[str, torch.Tensor] | None:
+        current = {s.key: s.local() for s in sharded}
+        first = True
+        for mesh_dim in self.order:
+            batch = [s for s in sharded if any(st.mesh_dim == mesh_dim for st in s.stages)]
+            if not batch:
+                continue
+            if not self.takes_part(mesh_dim):
+                return None
+            stages = [next(st for st in s.stages if st.mesh_dim == mesh_dim) for s in batch]
+            if self._direct(mesh_dim, stages):
+                what = f"bucket {bucket.index} ({batch[0].name}, ...): pieces, mesh dim {mesh_dim}"
+                whole = self._gather_pieces(
+                    bucket.index, batch, stages, current, mesh_dim, first, what
+                )
+                if whole is None:
+                    return None
+                current.update(whole)
+                first = False
+                continue
+            buffer, offsets = self._pack(batch, stages, [current[s.key] for s in batch])
+            if first and self.track:
+                self.kept.parts[bucket.index] = buffer
+            first = False
+            what = f"bucket {bucket.index} ({batch[0].name}, ...): gather along mesh dim {mesh_dim}"
+            out = self.gather(buffer, mesh_dim, what)
+            if out is None:
+                return None
+            for source, stage, offset in zip(batch, stages, offsets, strict=True):
+                nbytes = stage.padded_numel * source.dtype.itemsize
+                parts = [row[offset : offset + nbytes].view(source.dtype) for row in out]
+                current[source.key] = stage.unpack(parts)
+        return current
+
+    def _direct(self, mesh_dim: int, stages: list[Stage]) -> bool:
+        """Whether a stage's pieces travel as messages into their places (gloo, dim-0 cuts)."""
+        assert self.groups is not None
+        entry = self.groups.axes[mesh_dim]
+        return entry is not None and on_gloo(entry[0]) and all(st.tensor_dim == 0 for st in stages)
+
+    def _gather_pieces(
+        self,
+        bucket: int,
+        batch: list[TensorSource],
+        stages: list[Stage],
+        current: dict[str, torch.Tensor],
+        mesh_dim: int,
+        first: bool,
+        what: str,
+    ) -> dict[str, torch.Tensor] | None:
+        """One stage of dim-0 cuts: each rank's rows of each tensor land in place.
+
+        A dim-0 piece is a run of whole rows, contiguous in the full tensor: the receiving rank
+        posts one receive per rank and tensor straight into it, and copies (casting) its own
+        rows in; a sending rank packs its pieces (the cast) and sends each tensor's rows.
+        """
+        assert self.groups is not None and self.watch is not None
+        entry = self.groups.axes[mesh_dim]
+        assert entry is not None
+        group, members = entry
+        me = members.index(global_rank())
+        receives = self.to_all or me == 0
+        sends = self.to_all or me != 0
+        pieces = [current[s.key] for s in batch]
+        packed = None
+        if sends or (first and self.track):
+            packed = self._pack(batch, stages, pieces)
+            if first and self.track:
+                self.kept.parts[bucket] = packed[0]
+        sent: dict[int, list[torch.Tensor]] = {}
+        taken: dict[int, list[torch.Tensor]] = {}
+        full: dict[str, torch.Tensor] = {}
+        for index, (source, stage, piece) in enumerate(zip(batch, stages, pieces, strict=True)):
+            row = stage.padded_numel // max(stage.rows_per_part, 1)
+            if receives:
+                whole = torch.empty(stage.shape, dtype=source.dtype, device=piece.device)
+                full[source.key] = whole
+                start, rows = _rows(stage, me)
+                if rows:
+                    whole.narrow(0, start, rows).copy_(piece)
+                for peer in range(len(members)):
+                    peer_start, peer_rows = _rows(stage, peer)
+                    if peer != me and peer_rows:
+                        flat = whole.view(-1)[peer_start * row : (peer_start + peer_rows) * row]
+                        taken.setdefault(peer, []).append(flat)
+            mine = _rows(stage, me)[1] * row
+            if sends and mine:
+                assert packed is not None
+                offset = packed[1][index]
+                data = packed[0][offset : offset + mine * source.dtype.itemsize].view(source.dtype)
+                for peer in range(len(members)) if self.to_all else [0]:
+                    if peer != me:
+                        sent.setdefault(peer, []).append(data)
+        self.watch.post(what)
+        self.watch.raise_if_failed()
+        works = post_pieces(group, sends=sent, receives=taken)
+        self.watch.wait(works, members)
+        self.counts.collectives += 1
+        self.counts.sent_bytes += sum(
+            t.numel() * t.element_size() for ts in sent.values() for t in ts
+        )
+        self.counts.received_bytes += sum(
+            t.numel() * t.element_size() for ts in taken.values() for t in ts
+        )
+        return full if receives else None
+
+    # The receiver ---------------------------------------------------------------------------
+    def guarded(self, work: Callable[[], None], where: object) -> float:
+        """Run receiver work; its failure or lateness becomes the export's verdict."""
+        start = time.perf_counter()
+        label = (
+            f"bucket {where.index} ({where.sources[0].name}, ...)"
+            if isinstance(where, ExportBucket)
+            else str(where)
+        )
+        if self.watch is not None:
+            self.watch.post(f"the receiver, {label}")
+        try:
+            work()
+        except Exception as error:
+            if self.watch is None:
+                raise
+            raise self.watch.give_verdict(
+                f"weight export {self.manifest.export_id}: the receiver on rank "
+                f"{global_rank()} failed at {label}: {type(error).__name__}: {error}"
+            ) from error
+        seconds = time.perf_counter() - start
+        if self.watch is not None and seconds > self.watch.bound_s:
+            raise self.watch.give_verdict(
+                f"weight export {self.manifest.export_id}: rank {global_rank()} is late: its "
+                f"receiver took {seconds:.1f} s at {label} (bound {self.watch.bound_s:g} s, "
+                "SHARDKIT_EXPORT_BOUND)"
+            )
+        return seconds
+
+
+def _rows(stage: Stage, index: int) -> tuple[int, int]:
+    """``(first row, rows)`` of rank ``index``'s piece along the stage's (dim-0) cut."""
+    return chunk_rows(stage.shape[0], stage.parts, index)

@@ -1,0 +1,73 @@
+"""A delta's encodings on the trainers' wire: each round-trips bit for bit, the smallest wins,
+and an optimizer-like change costs about two bytes (gap and step) a changed element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardkit.core.export.changes import (
+    Encoding,
+    _read_varints,
+    _varint_sizes,
+    _varints,
+    choose_encoding,
+    decode,
+    encode,
+    local_changes,
+    message_bytes,
+)
+
+
+def test_varints_round_trip_from_zero_to_the_largest_int64() -> None:
+    values = torch.tensor([0, 1, 127, 128, 300, 2**14, 2**20, 5, 2**35, 2**62, 2**63 - 1])
+    encoded = _varints(values)
+    assert _varint_sizes(values).tolist() == [1, 1, 1, 2, 2, 3, 3, 1, 6, 9, 9]
+    decoded, used = _read_varints(
+        torch.cat([encoded, torch.tensor([7, 7], dtype=torch.uint8)]), len(values)
+    )
+    assert decoded.tolist() == values.tolist() and used == encoded.numel()
+
+
+def _optimizer_like(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Old and new values: most elements one unit in the last place up or down, a few sign
+    changes and large moves, a NaN kept and a -0.0 made from 0.0."""
+    g = torch.Generator().manual_seed(0)
+    old = (torch.randn(50_000, generator=g) * 0.02).to(dtype)
+    new = old.clone()
+    width = {2: torch.int16, 4: torch.int32}[old.element_size()]
+    picked = torch.randperm(50_000, generator=g)[:1500]
+    new.view(width)[picked] += torch.where(torch.rand(1500, generator=g) < 0.5, 1, -1).to(width)
+    new[7], new[11], new[13] = -new[7], 3.0, float("nan")
+    old[13] = float("nan")
+    old[17], new[17] = 0.0, -0.0
+    return old, new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_each_encoding_gives_back_the_new_bits(dtype: torch.dtype, encoding: Encoding) -> None:
+    old, new = _optimizer_like(dtype)
+    changes = local_changes(new, old)
+    assert 13 not in changes.positions.tolist() and 17 in changes.positions.tolist()
+    size = message_bytes(
+        encoding, changes.count, changes.length, old.element_size(), changes.steps_bytes()
+    )
+    message = encode(changes, encoding, size + 5)  # padded, as a gather pads
+    decoded = decode(message, changes.count, changes.length, dtype, encoding)
+    rebuilt = old.clone()
+    rebuilt[decoded.positions] = decoded.values
+    width = {2: torch.int16, 4: torch.int32}[old.element_size()]
+    rebuilt.view(width)[decoded.stepped] += decoded.steps.to(width)
+    assert torch.equal(rebuilt.view(width), new.view(width))
+
+
+def test_steps_win_for_an_optimizer_step_at_about_two_bytes_a_change() -> None:
+    old, new = _optimizer_like(torch.bfloat16)
+    changes = local_changes(new, old)
+    steps = changes.steps_bytes()
+    encoding, size = choose_encoding([changes.count, 0], [steps, 4], changes.length, 2)
+    assert encoding is Encoding.STEPS and size == steps
+    assert steps < 2.2 * changes.count  # a 1-byte gap and a 1-byte step, a few literals
+    # Dense changes go as a bitmask and values.
+    assert choose_encoding([40_000], [10**6], 50_000, 2)[0] is Encoding.BITMASK

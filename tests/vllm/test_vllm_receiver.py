@@ -1,0 +1,209 @@
+"""vLLM as an export's receiver: after a full or a delta export, an engine's greedy tokens and
+log-probabilities equal, bit for bit, those of an engine started from the exported weights; a
+load that fails partway names what it wrote.
+
+Three engines start in this process, once for the module (vLLM's CPU build: bf16, eager): the
+receiving one, and one from each set of weights exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from shardkit.core.errors import WeightLoadError
+from shardkit.core.export import ExportedTensor, ExportManifest, WeightBucket
+from shardkit.core.export.vllm import VLLMReceiver, _choose_path, engine_dtype, vllm_receiver
+from tests.vllm.engines import (
+    delta_export,
+    full_export,
+    greedy,
+    perturbed,
+    save_tiny_qwen2,
+    save_weights_beside,
+    start_engine,
+    with_changes,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """The receiving engine, started from the first weights, and two references."""
+
+    receiving: Any
+    first: dict[str, torch.Tensor]
+    second: dict[str, torch.Tensor]
+    """What the full export sends; ``second_engine`` was started from it."""
+    second_engine: Any
+    third: dict[str, torch.Tensor]
+    """``second`` with a few elements changed (the delta export); ``third_engine``'s weights."""
+    third_engine: Any
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    root = tmp_path_factory.mktemp("vllm")
+    first = save_tiny_qwen2(root / "first", seed=0)
+    second = perturbed(first, seed=1)
+    third = with_changes(second, seed=2)
+    receiving = start_engine(root / "first")
+    second_engine = start_engine(save_weights_beside(root / "first", root / "second", second))
+    third_engine = start_engine(save_weights_beside(root / "first", root / "third", third))
+    yield Engines(receiving, first, second, second_engine, third, third_engine)
+
+
+def _export(receiver: VLLMReceiver, manifest: ExportManifest, buckets: list[WeightBucket]) -> None:
+    """What the exporter does on the receiving side: begin, every bucket, then finish (or abort
+    with the error)."""
+    receiver.begin(manifest)
+    try:
+        for bucket in buckets:
+            receiver.receive(bucket)
+    except Exception as error:
+        receiver.abort(error)
+        raise
+    receiver.finish()
+
+
+def test_full_export_equals_a_fresh_engine(engines: Engines) -> None:
+    before = greedy(engines.receiving)
+    receiver = vllm_receiver(engines.receiving)
+    assert receiver.dtype == engine_dtype(engines.receiving) == torch.bfloat16
+
+    _export(receiver, *full_export(engines.second))
+
+    after = greedy(engines.receiving)
+    assert after == greedy(engines.second_engine)
+    assert after != before  # the export changed what the engine computes
+
+
+def test_delta_export_equals_a_fresh_engine(engines: Engines) -> None:
+    receiver = vllm_receiver(engines.receiving)
+    _export(receiver, *full_export(engines.second, export_id=0))
+    manifest, buckets = delta_export(engines.second, engines.third, export_id=1)
+    changes = [c for b in buckets for _, c in b.changed]
+    assert sum(c.count for c in changes) < 100
+    assert any(c.stepped is not None and c.stepped.numel() for c in changes)  # both encodings
+
+    _export(receiver, manifest, buckets)
+
+    assert greedy(engines.receiving) == greedy(engines.third_engine)
+    assert greedy(engines.third_engine) != greedy(engines.second_engine)  # the delta counts
+
+
+def test_the_cpu_build_takes_reload_weights_not_load_weights(engines: Engines) -> None:
+    # vLLM's CPU build repacks the linear layers' weights after loading: the model's
+    # load_weights cannot take them, and forcing it is refused before anything is written.
+    manifest, buckets = full_export(engines.second)
+    forced = vllm_receiver(engines.receiving, path="load_weights")
+    forced.begin(manifest)
+    with pytest.raises(
+        WeightLoadError, match=r"lost their weight loader.*Tensors already written.*none"
+    ):
+        forced.receive(buckets[0])
+    forced.abort(RuntimeError("refused"))
+
+
+def test_an_export_that_does_not_fit_the_engine_is_refused_before_any_write(
+    engines: Engines,
+) -> None:
+    receiver = vllm_receiver(engines.receiving)
+    in_fp32 = {name: t.float() for name, t in engines.second.items()}
+    with pytest.raises(WeightLoadError, match=r"nothing was written.*model\.embed_tokens"):
+        receiver.begin(full_export(in_fp32)[0])
+
+    manifest, _ = full_export(engines.second)
+    bad_name = "model.layers.1.self_attn.q_proj.weight"
+    entries = tuple(_with_shape(e, (7, 3)) if e.name == bad_name else e for e in manifest.tensors)
+    entries += (ExportedTensor("model.extra.weight", (4,), torch.bfloat16, 0),)
+    with pytest.raises(WeightLoadError) as caught:
+        receiver.begin(_with_tensors(manifest, entries))
+    message = str(caught.value)
+    assert f"{bad_name}: sent as [7, 3], the engine's checkpoint holds [128, 128]" in message
+    assert "model.extra.weight: not a tensor of the engine's checkpoint" in message
+    assert receiver.loaded == []
+
+
+def test_a_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:
+    # The manifest fits; one tensor of the second layer's bucket does not (a sender's bug).
+    receiver = vllm_receiver(engines.receiving)
+    manifest, buckets = full_export(engines.second)
+    bad_name = "model.layers.1.self_attn.q_proj.weight"
+    failing = next(b for b in buckets if bad_name in b.names)
+    bad = torch.zeros(7, 3, dtype=torch.bfloat16)
+    buckets[failing.index] = WeightBucket(
+        index=failing.index,
+        full=tuple((n, bad if n == bad_name else t) for n, t in failing.full),
+    )
+    written = [n for b in buckets[: failing.index] for n in b.names]
+
+    with pytest.raises(WeightLoadError) as caught:
+        _export(receiver, manifest, buckets)
+
+    message = str(caught.value)
+    assert f"bucket {failing.index}" in message and bad_name in message
+    assert "given back their previous weights" in message
+    assert message.endswith(", ".join(written))
+    assert receiver.loaded == written
+    # The engine runs on, and the next full export makes it whole again.
+    greedy(engines.receiving)
+    _export(vllm_receiver(engines.receiving), *full_export(engines.second))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+
+
+def _with_shape(entry: ExportedTensor, shape: tuple[int, ...]) -> ExportedTensor:
+    return ExportedTensor(entry.name, shape, entry.dtype, entry.bucket)
+
+
+def _with_tensors(manifest: ExportManifest, entries: tuple[ExportedTensor, ...]) -> ExportManifest:
+    return ExportManifest(
+        export_id=manifest.export_id,
+        kind=manifest.kind,
+        tensors=entries,
+        bucket_count=manifest.bucket_count,
+    )
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, *, loader: bool) -> None:
+        super().__init__()
+        self.quant_method = object()  # what marks vLLM's linear and embedding layers
+        self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        if loader:
+            self.weight.weight_loader = print  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Worker:
+    """What the path choice reads of vLLM's worker."""
+
+    model_runner: Any
+
+
+def _fake_worker(*, loader: bool, reload: bool) -> Any:
+    config = type("Config", (), {"dtype": torch.bfloat16, "quantization": None})()
+    runner = type("Runner", (), {"model_config": config, "model": _Linear(loader=loader)})()
+    worker = _Worker(model_runner=runner)
+    if reload:
+        worker.reload_weights = print  # type: ignore[attr-defined]
+    return worker
+
+
+@pytest.mark.parametrize(
+    ("loader", "reload", "path"),
+    [(True, True, "load_weights"), (False, True, "reload_weights"), (False, False, None)],
+)
+def test_the_path_follows_what_the_model_and_worker_offer(
+    loader: bool, reload: bool, path: str | None
+) -> None:
+    chosen, dtype, _ = _choose_path(_fake_worker(loader=loader, reload=reload), "auto")
+    assert (chosen, dtype) == (path, torch.bfloat16)
+
+
+def test_a_receiver_needs_an_engine() -> None:
+    with pytest.raises(TypeError, match="offers no way to its worker"):
+        VLLMReceiver(object())
