@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.gpu_export_chunk import export  # noqa: E402
 from scripts.gpu_planner_chunk import planner  # noqa: E402
 from scripts.gpu_runner import Row, Runner  # noqa: E402  (after the path)
 from scripts.gpu_snapshot_chunk import memory_snapshots  # noqa: E402
@@ -363,6 +364,7 @@ def smoke_chunks() -> dict[str, Chunk]:
         "reduce-precision-smoke": Chunk(_timed("reduce-precision-smoke", precision), 30),
         "memory-snapshots-smoke": Chunk(_timed("memory-snapshots-smoke", snapshots), 40),
         "planner-smoke": Chunk(_timed("planner-smoke", planner("cpu", "fake-tiny", steps=2)), 20),
+        "export-smoke": Chunk(_timed("export-smoke", export("cpu", "5m", syncs=3, rounds=2)), 60),
     }
 
 
@@ -398,5 +400,7 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     # Issue 65: the planner's peak and step time against the GPU's, default and chosen plans
     # (a guess: not run on a GPU yet; the search takes about 10 s on one core, the steps few).
     table["planner"] = Chunk(planner("cuda", "217m"), 90)
+    # Issue 74: the weight export on NCCL, into the GPU and through both transports (a guess).
+    table["export"] = Chunk(export("cuda", "150m", syncs=10, rounds=5), 90)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}

@@ -52,8 +52,18 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         "planner: fake-tiny default plan, fake group W=8 (cpu)",
         "planner: fake-tiny chosen plan, fake group W=8 (cpu) (budget 0.6 of the default's"
         " predicted peak)",
+        *(
+            f"export from {impl}'s fully_shard, 5m, W=1 (gloo, cpu): {what}"
+            for impl in ("shardkit", "torch")
+            for what in ("bit-identity, full and delta", "peak (2 buckets at most), time")
+        ),
     ]
     assert all(r["status"] == "pass" for r in rows[6:]), rows[6:]
+    # Issue 74's chunk: every sync reached all three receivers, bit-identical, deltas smaller.
+    for record in results["records"]["export"]:
+        assert record["identical"] and not record["errors"], record
+        assert set(record["exports"].values()) == {record["syncs"]}, record
+        assert 0 < record["delta_share_max"] < 0.5, record
     # Issue 65's chunk: the default plan does not fit the budget (0.6 of its predicted
     # peak), the chosen one does, as predicted (live tensor bytes on a CPU: the planner's).
     default, chosen = results["records"]["planner"]

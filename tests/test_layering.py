@@ -21,6 +21,7 @@ SEAMS = {
     "shardkit.core.extensions",
     "shardkit.core.schedule",
     "shardkit.core.conditional_schedule",
+    "shardkit.core.export",
 }
 
 
@@ -60,6 +61,7 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     "shardkit.core.extensions": ("shardkit.core.runtime.dtensors",),  # DTensor internals
     "shardkit.core.schedule": (),
     "shardkit.core.conditional_schedule": (),  # the conditional modules' schedule, as pure
+    "shardkit.core.export": ("shardkit.core.runtime",),  # its own groups and collectives
 }
 
 

@@ -187,9 +187,11 @@ def _crafted_body(rank: int, world_size: int, root: str, where: str) -> dict[str
 
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        from shardkit.core.checkpoint import manager as manager_module
+        from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
 
-        with mock.patch.object(manager_module, "LoadableSavePlanner", DefaultSavePlanner):
+        # Without its read-back of the values: the planner set up as DCP's own.
+        plain = DefaultSavePlanner.set_up_planner
+        with mock.patch.object(LoadableSavePlanner, "set_up_planner", plain):
             manager.save(4, {"app": app, "note": _Trap(str(witness))})
     else:
         manager.save(4, {"app": app, "note": "plain"})

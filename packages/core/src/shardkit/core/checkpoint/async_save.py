@@ -1,16 +1,17 @@
-"""The background half of an asynchronous checkpoint: DCP's async save, then checksums.
+"""The background half of an asynchronous checkpoint: the save in a thread, then checksums.
 
 ``CheckpointManager.save(..., async_save=True)`` stages the state (``staging``) on
-the training thread, then hands it to ``torch.distributed.checkpoint.async_save``, which writes
-it from a thread of its own while training goes on. When the write is done, the same thread
-hashes this rank's share of the checkpoint's files, so that publishing it later costs the
-training thread one small exchange of checksums.
+the training thread, then a thread of its own saves it (``local_save``: planned by each rank
+alone, DCP's files) while training goes on. When the write is done, the same thread hashes
+this rank's share of the checkpoint's files, so that publishing it later costs the training
+thread one small exchange of checksums.
 
 Which thread talks to which ranks (see [Note: async checkpoint threads] in
-``docs/notes/011-async-checkpoints.md``): DCP's writer exchanges plans and results with the
-other ranks through collectives. It does so on ``checkpoint_group()``, a gloo group that
-nothing else uses, never on the default group: two threads issuing collectives on one group
-can pair one rank's checkpoint message with another rank's training collective. Everything
+``docs/notes/011-async-checkpoints.md``): the writer exchanges its results and the outcome
+with the other ranks' writers through collectives. It does so on ``checkpoint_group()``, a
+gloo group that nothing else uses, never on the default group: two threads issuing
+collectives on one group can pair one rank's checkpoint message with another rank's training
+collective. Everything
 that publishes the checkpoint (sharing the outcome and the checksums, the barrier, the
 rename) runs on the training thread, in ``CheckpointManager.wait()``.
 """
@@ -26,18 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict_saver import async_save
-
-from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
-from shardkit.core.errors import first_sentence
+from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
 from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
 
-__all__ = ["CheckpointSaveError", "PendingSave", "describe_dcp_failure", "finish", "start"]
+__all__ = ["CheckpointSaveError", "PendingSave", "finish", "start"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,39 +61,6 @@ class PendingSave:
     sums: Future[dict[str, FileSum]]  # this rank's share of the checksums, once written
 
 
-class _AlreadyStaged(AsyncStager):
-    """Hands async_save a state that is staged already (into the manager's reused buffers)."""
-
-    # Staging finished before async_save was called: nothing to wait for after it returns.
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        return None  # nothing in flight: the copy was made before async_save
-
-    def close(self) -> None:
-        return None  # the buffers belong to the manager and outlive this save
-
-
-class _BackgroundPlanner(LoadableSavePlanner):
-    """The manager's save plan, set up from the writer thread, which it first deprioritizes.
-
-    DCP calls ``set_up_planner`` at the start of the save, in the thread that writes (the
-    planner is DCP's extension point for what happens there).
-    """
-
-    def set_up_planner(
-        self,
-        state_dict: dict[str, Any],
-        storage_meta: StorageMeta | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        _deprioritize_this_thread()
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-
-
 def _deprioritize_this_thread() -> None:
     # On Linux, PRIO_PROCESS with a thread id sets that thread's niceness only.
     try:
@@ -108,33 +70,34 @@ def _deprioritize_this_thread() -> None:
 
 
 def start(
-    staged: dict[str, Any], *, step: int, partial: Path, target: Path, leave_out: frozenset[str]
+    staged: dict[str, Any],
+    *,
+    step: int,
+    partial: Path,
+    target: Path,
+    leave_out: frozenset[str],
+    layouts: LayoutCache,
 ) -> PendingSave:
-    """Begin writing ``staged`` into ``partial`` in the background (collective: every rank)."""
+    """Begin writing ``staged`` into ``partial`` in the background (collective: every rank).
+
+    The writer thread plans alone (``local_save``: no collective until the files are written),
+    writes, meets the other ranks' writers on ``checkpoint_group()`` for the results and the
+    outcome, then hashes this rank's share of the files.
+    """
     started = time.perf_counter()
     sums: Future[dict[str, FileSum]] = Future()
-    upload = async_save(
-        staged,
-        checkpoint_id=partial,
-        process_group=checkpoint_group(),
-        planner=_BackgroundPlanner(),
-        async_stager=_AlreadyStaged(),
-    )
-    assert isinstance(upload, Future), "an already staged state gives a plain future"
+    group = checkpoint_group()  # made here, on the training thread, on every rank
 
-    def hash_my_share(written: Future[Any]) -> None:
-        # Runs in DCP's writer thread once the write ended: DCP's last collective has told
-        # every rank that every file, the metadata included, is in place.
+    def write() -> None:
+        _deprioritize_this_thread()
         try:
-            written.result()
+            save_planned_locally(staged, partial, layouts, group)
             names = share(list_files(partial, leave_out=leave_out), global_rank(), world_size())
             sums.set_result({name: checksum(partial / name) for name in names})
-        except CheckpointException as error:  # a BaseException: `except Exception` misses it
-            sums.set_exception(RuntimeError(describe_dcp_failure(error, "save")))
         except Exception as error:
             sums.set_exception(error)
 
-    upload.add_done_callback(hash_my_share)
+    threading.Thread(target=write, name="shardkit-checkpoint-writer", daemon=True).start()
     return PendingSave(step=step, partial=partial, target=target, started=started, sums=sums)
 
 
@@ -159,10 +122,3 @@ def finish(pending: PendingSave, current: Path | None) -> dict[str, FileSum]:
             f"was not published (the latest checkpoint is still {stays}): " + "; ".join(failures)
         )
     return {name: part[name] for o in outcomes for part in [o.value] for name in part}
-
-
-def describe_dcp_failure(error: CheckpointException, what: str) -> str:
-    """DCP's failures, one line per rank (its str is every rank's traceback)."""
-    failures = error.failures.items()
-    lines = [f"rank {r}: {type(e).__name__}: {first_sentence(str(e))}" for r, (e, _) in failures]
-    return f"DCP failed to {what}: " + "; ".join(lines)

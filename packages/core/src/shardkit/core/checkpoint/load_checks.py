@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from shardkit.core.checkpoint.async_save import describe_dcp_failure
 from shardkit.core.checkpoint.dcp_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -29,6 +28,7 @@ from shardkit.core.checkpoint.dcp_reading import (
     value_keys,
 )
 from shardkit.core.checkpoint.files import COMPLETE, manifest_of, problems_with, share
+from shardkit.core.checkpoint.local_save import describe_dcp_failure
 from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import global_rank, world_size
 

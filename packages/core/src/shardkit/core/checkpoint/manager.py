@@ -30,23 +30,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
 from shardkit.core.checkpoint import async_save as background
 from shardkit.core.checkpoint.async_save import (
     CheckpointSaveError,
     PendingSave,
-    describe_dcp_failure,
-)
-from shardkit.core.checkpoint.dcp_reading import (
-    LoadableSavePlanner,
 )
 from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.load_checks import no_checkpoint_loads, try_load, verify
+from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
-from shardkit.core.runtime.groups import barrier, global_rank, world_size
+from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
 
 __all__ = [
     "CheckpointLoadError",
@@ -111,6 +105,7 @@ class CheckpointManager:
         self.keep = keep
         self._pending: PendingSave | None = None
         self._staging = StagingBuffers()  # allocated by the first asynchronous save
+        self._layouts = LayoutCache()  # the last save's plan, reused while the layout stays
         atexit.register(_warn_if_pending, weakref.ref(self))
 
     def __enter__(self) -> CheckpointManager:
@@ -197,7 +192,12 @@ class CheckpointManager:
         if async_save:
             staged = self._stage(state)
             self._pending = background.start(
-                staged, step=step, partial=partial, target=target, leave_out=_MARKERS
+                staged,
+                step=step,
+                partial=partial,
+                target=target,
+                leave_out=_MARKERS,
+                layouts=self._layouts,
             )
             logger.info(
                 "staged %s in %.3f s; writing it in the background",
@@ -206,10 +206,11 @@ class CheckpointManager:
             )
             return target
         try:
-            dcp_save(state, checkpoint_id=partial, planner=LoadableSavePlanner())
-        except CheckpointException as error:  # raised on every rank, the same failures
-            raise CheckpointSaveError(describe_dcp_failure(error, "save")) from None
-        barrier()  # every rank's shards are written
+            # Planned by each rank alone; the outcome is every rank's once it returns (and
+            # every rank's files are written by then).
+            save_planned_locally(state, partial, self._layouts, checkpoint_group())
+        except RuntimeError as error:  # raised on every rank, the same text
+            raise CheckpointSaveError(f"the save of step {step} failed: {error}") from None
         files = self._checksums(partial)
         self._publish_on_rank0(step, partial, target, files)
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)

@@ -8,6 +8,14 @@ process on the host (:class:`SharedMemorySender`), or to receiver processes over
 their own (:class:`GroupSender`). See docs/guide/export.md.
 """
 
+# The plan's arithmetic (buckets, names, stages) is published too: shardkit-plan repeats an
+# export's layout from a model on the meta device with the export's own rules.
+from shardkit.core.export.buckets import (
+    ExportBucket,
+    default_layer_of,
+    export_sources,
+    plan_buckets,
+)
 from shardkit.core.export.exporter import (
     ExportOptions,
     ExportReport,
@@ -19,6 +27,7 @@ from shardkit.core.export.group_transport import (
     ReceiverGroupSpec,
     serve_receiver_group,
 )
+from shardkit.core.export.layout import Stage, TensorSource
 from shardkit.core.export.messages import (
     ChangedElements,
     ExportedTensor,
@@ -37,6 +46,7 @@ from shardkit.core.export.transfer import TransferCounts
 
 __all__ = [
     "ChangedElements",
+    "ExportBucket",
     "ExportKind",
     "ExportManifest",
     "ExportOptions",
@@ -47,12 +57,17 @@ __all__ = [
     "ModuleReceiver",
     "ReceiverGroupSpec",
     "SharedMemorySender",
+    "Stage",
     "TensorLoader",
+    "TensorSource",
     "TransferCounts",
     "WeightBucket",
     "WeightExporter",
     "WeightReceiver",
+    "default_layer_of",
+    "export_sources",
     "export_weights",
+    "plan_buckets",
     "serve_receiver_group",
     "serve_shared_memory",
 ]

@@ -141,16 +141,17 @@ def choose_encoding(
 
 def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor:
     """One rank's message: uint8, ``size`` bytes (zeros after the message)."""
-    out = torch.zeros(size, dtype=torch.uint8)
+    device = changes.positions.device
+    out = torch.zeros(size, dtype=torch.uint8, device=device)
     if encoding is Encoding.STEPS:
         regions = _steps_regions(changes)
     elif encoding is Encoding.INDICES:
         index = changes.positions.to(_index_dtype(changes.length))
         regions = [index.view(torch.uint8), changes.values.contiguous().view(torch.uint8)]
     else:
-        mask = torch.zeros(-(-changes.length // 8) * 8, dtype=torch.uint8)
+        mask = torch.zeros(-(-changes.length // 8) * 8, dtype=torch.uint8, device=device)
         mask[changes.positions] = 1
-        head = (mask.view(-1, 8) * _BITS).sum(dim=1, dtype=torch.uint8)
+        head = (mask.view(-1, 8) * _BITS.to(device)).sum(dim=1, dtype=torch.uint8)
         regions = [head, changes.values.contiguous().view(torch.uint8)]
     at = 0
     for region in regions:
@@ -163,7 +164,8 @@ def _steps_regions(changes: LocalChanges) -> list[torch.Tensor]:
     literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
     steps = changes.steps.clone()
     steps[literal] = 0
-    count = torch.tensor([literal.numel()], dtype=torch.int32).view(torch.uint8)
+    count = torch.tensor([literal.numel()], dtype=torch.int32, device=steps.device)
+    count = count.view(torch.uint8)
     return [
         count,
         _varints(_gaps(changes.positions)),
@@ -177,7 +179,7 @@ def _varints(values: torch.Tensor) -> torch.Tensor:
     """Base-128 varints (low groups first, high bit: more follows), one after another."""
     sizes = _varint_sizes(values)
     starts = torch.cumsum(sizes, 0) - sizes
-    out = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    out = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=values.device)
     for k in range(int(sizes.max()) if values.numel() else 0):
         has = sizes > k
         group = (values[has] >> (7 * k)) & 0x7F
@@ -189,16 +191,16 @@ def _varints(values: torch.Tensor) -> torch.Tensor:
 def _read_varints(data: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
     """``count`` varints from the start of ``data``; and the bytes they took."""
     if count == 0:
-        return torch.empty(0, dtype=torch.int64), 0
+        return torch.empty(0, dtype=torch.int64, device=data.device), 0
     last = (data < 0x80).nonzero().view(-1)[:count]  # each varint's last byte
     end = int(last[-1]) + 1
     body = data[:end].to(torch.int64)
-    ends = torch.zeros(end, dtype=torch.int64)
+    ends = torch.zeros(end, dtype=torch.int64, device=data.device)
     ends[last] = 1
     which = torch.cumsum(ends, 0) - ends  # the varint each byte belongs to
-    firsts = torch.cat([torch.zeros(1, dtype=torch.int64), last[:-1] + 1])
-    shift = 7 * (torch.arange(end) - firsts[which])
-    values = torch.zeros(count, dtype=torch.int64)
+    firsts = torch.cat([torch.zeros(1, dtype=torch.int64, device=data.device), last[:-1] + 1])
+    shift = 7 * (torch.arange(end, device=data.device) - firsts[which])
+    values = torch.zeros(count, dtype=torch.int64, device=data.device)
     values.index_add_(0, which, (body & 0x7F) << shift)
     return values, end
 
@@ -208,7 +210,7 @@ def decode(
 ) -> Decoded:
     """What :func:`encode` put in ``message``."""
     itemsize = dtype.itemsize
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64, device=message.device)
     if encoding is Encoding.STEPS:
         literals = int(message[:4].clone().view(torch.int32))
         gaps, used = _read_varints(message[4:], count)
@@ -219,7 +221,7 @@ def decode(
         literal = message[at : at + 4 * literals].clone().view(torch.int32).to(torch.int64)
         at += 4 * literals
         values = message[at : at + literals * itemsize].clone().view(dtype)
-        stepped = torch.ones(count, dtype=torch.bool)
+        stepped = torch.ones(count, dtype=torch.bool, device=message.device)
         stepped[literal] = False
         return Decoded(positions[literal], values, positions[stepped], steps[stepped])
     if encoding is Encoding.INDICES:
@@ -228,7 +230,7 @@ def decode(
         positions = message[:head].clone().view(index_dtype).to(torch.int64)
     else:
         head = -(-length // 8)
-        bits = (message[:head].unsqueeze(1) >> _SHIFTS) & 1
+        bits = (message[:head].unsqueeze(1) >> _SHIFTS.to(message.device)) & 1
         positions = torch.nonzero(bits.view(-1)[:length]).view(-1)
         assert positions.numel() == count, "a bitmask's count disagrees with the exchanged one"
     # Cloned: a view of another dtype needs its start aligned to that dtype's size.

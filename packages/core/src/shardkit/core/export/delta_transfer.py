@@ -107,9 +107,10 @@ def gather_changes(
     counts = [int(row[2 * bucket.index]) for row in rows]
     steps = [int(row[2 * bucket.index + 1]) for row in rows]
     receives = transfer.to_all or members[0] == global_rank()
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64, device=buffer.device)
     if max(counts) == 0:
-        decoded = [Decoded(empty, torch.empty(0, dtype=dtype), empty, empty)] * len(members)
+        nothing = torch.empty(0, dtype=dtype, device=buffer.device)
+        decoded = [Decoded(empty, nothing, empty, empty)] * len(members)
     else:
         encoding, size = choose_encoding(counts, steps, changes.length, dtype.itemsize)
         what = (

@@ -304,6 +304,8 @@ class WeightExporter:
             if receiver is not None:
                 assert ready is not None
                 handoff += transfer.guarded(partial(receiver.receive, ready), bucket)
+            # Dropped before the next bucket is packed: two buckets at most beyond training.
+            del ready
         self._finish(transfer)
         if receiver is not None:
             handoff += transfer.guarded(receiver.finish, "finish")
@@ -340,9 +342,9 @@ class WeightExporter:
         transfer.watch.post(f"the export's {what}")
         transfer.watch.raise_if_failed()
         works, rows = all_gather_vector(vector, transfer.groups)
-        transfer.watch.wait(works, transfer.groups.world_ranks)
+        transfer.watch.wait(works, transfer.groups.world_ranks, on_device=rows.device.type != "cpu")
         transfer.counts.collectives += 1
-        return rows
+        return rows.cpu()  # read element by element: on the host
 
     def _finish(self, transfer: BucketTransfer) -> None:
         """Step 4: every rank got through (a failed one has given the verdict instead)."""

@@ -97,10 +97,11 @@ class ChangedElements:
         place.
         """
         flat = full.view(-1)
-        flat[self.indices] = self.values
+        where = full.device  # a receiver may hold its tensors elsewhere (the trainer's GPU, a CPU)
+        flat[self.indices.to(where)] = self.values.to(where)
         if self.stepped is not None and self.steps is not None and self.stepped.numel():
             bits = flat.view(_BITS[full.element_size()])
-            bits[self.stepped] += self.steps.to(bits.dtype)
+            bits[self.stepped.to(where)] += self.steps.to(where, bits.dtype)
 
 
 # Integers as wide as each element size: a value's bits, read as a number.

@@ -164,11 +164,12 @@ class BucketTransfer:
         self.watch.post(what)
         self.watch.raise_if_failed()
         works, out = gather_buffer(buffer, group, members, to_all=self.to_all)
-        self.watch.wait(works, members)
-        self.counts.collectives += 1
-        self.counts.sent_bytes += buffer.numel()
-        if out is not None:
-            self.counts.received_bytes += out.numel()
+        self.watch.wait(works, members, on_device=buffer.device.type != "cpu")
+        if len(members) > 1:  # a group of one moves nothing
+            self.counts.collectives += 1
+            self.counts.sent_bytes += buffer.numel()
+            if out is not None:
+                self.counts.received_bytes += out.numel()
         return out
 
     def _gather_whole(
@@ -199,6 +200,9 @@ class BucketTransfer:
             first = False
             what = f"bucket {bucket.index} ({batch[0].name}, ...): gather along mesh dim {mesh_dim}"
             out = self.gather(buffer, mesh_dim, what)
+            # The part is no longer needed (unless a delta keeps it): the unpacked tensors
+            # take its place, so the bucket is held twice at most (``out`` and them).
+            del buffer
             if out is None:
                 return None
             for source, stage, offset in zip(batch, stages, offsets, strict=True):
@@ -269,7 +273,10 @@ class BucketTransfer:
         self.watch.post(what)
         self.watch.raise_if_failed()
         works = post_pieces(group, sends=sent, receives=taken)
-        self.watch.wait(works, members)
+        on_device = any(
+            t.device.type != "cpu" for ts in (*sent.values(), *taken.values()) for t in ts
+        )
+        self.watch.wait(works, members, on_device=on_device)
         self.counts.collectives += 1
         self.counts.sent_bytes += sum(
             t.numel() * t.element_size() for ts in sent.values() for t in ts

@@ -14,9 +14,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 __all__ = [
     "accumulate_grads",
+    "chunk_at",
     "as_dtensor",
     "contiguous_strides",
     "dtensor_like",
@@ -114,3 +116,20 @@ def same_spec(a: DTensor, b: DTensor) -> bool:
 def set_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
     """Re-point a DTensor (a Parameter, kept by the optimizer) at a new local tensor."""
     as_dtensor(tensor)._local_tensor = local
+
+
+def chunk_at(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: list[int],
+    placements: tuple[Placement, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sizes, offsets) of the chunk a DTensor of ``shape`` has at ``coordinate`` of a mesh.
+
+    torch's own arithmetic, for any placement (``_StridedShard`` too); the checkpoint's plan
+    uses it where its vectorized arithmetic does not cover a placement.
+    """
+    sizes, offsets = _compute_local_shape_and_global_offset(
+        shape, mesh_shape, coordinate, list(placements)
+    )
+    return tuple(sizes), tuple(offsets)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -43,10 +44,12 @@ __all__ = [
     "make_export_groups",
     "on_gloo",
     "post_pieces",
+    "vector_device",
 ]
 
 DEFAULT_EXPORT_BOUND_S = 300.0
 _POLL_S = 0.05  # how often a waiting rank reads the store
+_DEVICE_POLL_S = 0.0002  # how often a device collective's completion is asked for
 
 
 def export_bound_s(bound_s: float | None) -> float:
@@ -145,14 +148,24 @@ class ExportWatch:
         if verdict is not None:
             raise WeightExportError(verdict)
 
-    def wait(self, works: list[dist.Work], members: list[int]) -> None:
+    def wait(self, works: list[dist.Work], members: list[int], on_device: bool = False) -> None:
         """Wait for ``works``, raising the verdict, or giving one if a member is late.
 
         gloo's point-to-point works report completion only to ``wait()``, and a ``wait`` with a
         timeout closes the group's connections when it runs out: so a thread of its own waits
         without one while this one watches the store. A wait given up on (a verdict) leaves
         that thread in gloo until the group's timeout; the group is dropped.
+
+        Works on device tensors (``on_device``: NCCL) are different: their ``wait()`` returns
+        at once, having ordered this thread's current stream after the collective (so it must
+        run here, not on another thread, whose stream is another), and their completion is
+        polled.
         """
+        if on_device:
+            for work in works:
+                work.wait()
+            self._watch(lambda: all(work.is_completed() for work in works), members)
+            return
         done = threading.Event()
         failures: list[BaseException] = []
 
@@ -166,13 +179,7 @@ class ExportWatch:
                 done.set()
 
         threading.Thread(target=wait_all, name="shardkit-export-wait", daemon=True).start()
-        start = time.monotonic()
-        while not done.wait(_POLL_S):
-            self.raise_if_failed()
-            if time.monotonic() - start >= self.bound_s:
-                late = self._late_member(members)
-                if late is not None:
-                    raise self.give_verdict(late)
+        self._watch(lambda: done.wait(_POLL_S), members)
         if failures:
             self.raise_if_failed()
             error = failures[0]
@@ -180,6 +187,25 @@ class ExportWatch:
                 f"weight export {self.export_key}: rank {self.rank} failed in {self.where}: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+    def _watch(self, finished: Callable[[], bool], members: list[int]) -> None:
+        """Until ``finished()``: every ``_POLL_S``, read the verdict and judge late members.
+
+        ``finished`` may block for a while itself (the gloo thread's event); a device work's
+        completion is polled every 0.2 ms (a collective of a bucket takes milliseconds).
+        """
+        start = last = time.monotonic()
+        while not finished():
+            now = time.monotonic()
+            if now - last < _POLL_S:
+                time.sleep(_DEVICE_POLL_S)
+                continue
+            last = now
+            self.raise_if_failed()
+            if now - start >= self.bound_s:
+                late = self._late_member(members)
+                if late is not None:
+                    raise self.give_verdict(late)
 
     def _late_member(self, members: list[int]) -> str | None:
         keys = [f"{self.export_key}/beat/{m}" for m in members if m != self.rank]
@@ -214,6 +240,10 @@ def gather_buffer(
     fraction of the bytes a second that its sends do here.
     """
     size = len(members)
+    if size == 1:
+        # A group of one (one GPU, or a mesh axis of one): the buffer is the result; the
+        # gather would be a copy of a bucket, and one more bucket held.
+        return [], buffer.view(1, -1)
     me = dist.get_rank(group)
     receives = to_all or me == 0
     out = (
@@ -276,8 +306,24 @@ def post_pieces(
 def all_gather_vector(
     values: torch.Tensor, groups: ExportGroups
 ) -> tuple[list[dist.Work], torch.Tensor]:
-    """Start an all-gather of a small int64 vector over every rank of the mesh."""
-    flat = torch.empty(len(groups.world_ranks) * values.numel(), dtype=values.dtype)
-    work = all_gather_single(flat, values, group=groups.world, async_op=True)
+    """Start an all-gather of a small int64 vector over every rank of the mesh.
+
+    The vector travels on a device the group serves: a group made under
+    ``init_process_group("nccl")`` has no CPU backend, so there it goes through the GPU (the
+    rows come back on the host: the caller reads them at once).
+    """
+    device = vector_device(groups.world)
+    flat = torch.empty(len(groups.world_ranks) * values.numel(), dtype=values.dtype, device=device)
+    work = all_gather_single(flat, values.to(device), group=groups.world, async_op=True)
     assert work is not None
     return [work], flat.view(len(groups.world_ranks), values.numel())
+
+
+def vector_device(group: dist.ProcessGroup) -> torch.device:
+    """The host where ``group`` serves CPU tensors, else this process's accelerator."""
+    served = getattr(group, "_device_types", None)
+    if served is None or any(d.type == "cpu" for d in served):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None, "a process group without a CPU backend, and no accelerator"
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -20,6 +20,7 @@ __all__ = [
     "broadcast_bytes",
     "broadcast_from",
     "broadcast_from_first",
+    "gather_rows_to_first",
     "gather_to_first",
     "ranks_where",
     "scatter_from_first",
@@ -47,6 +48,35 @@ def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
         if work is not None:
             work.wait()
     return rows
+
+
+def gather_rows_to_first(
+    head: torch.Tensor, body: torch.Tensor, group: dist.ProcessGroup
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every rank's ``(head, body)`` on the group's first rank (rank order), None elsewhere.
+
+    ``head``: int64, the same length on every rank; ``body``: 1-D int64 of any length (its
+    length travels with the head, so the first rank sizes each receive before it posts it).
+    """
+    framed = torch.cat([head.reshape(-1), torch.tensor([body.numel()], dtype=torch.int64)])
+    heads = gather_to_first(framed, group)
+    tag = OBJECT_TRANSFERS.tag()
+    if heads is None:
+        if body.numel():
+            work = dist.isend(body.contiguous(), group=group, group_dst=0, tag=tag)
+            if work is not None:
+                work.wait()
+        return None
+    bodies = [body] + [torch.empty(int(h[-1]), dtype=torch.int64) for h in heads[1:]]
+    works = [
+        dist.irecv(bodies[peer], group=group, group_src=peer, tag=tag)
+        for peer in range(1, len(heads))
+        if bodies[peer].numel()
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+    return [(h[:-1], b) for h, b in zip(heads, bodies, strict=True)]
 
 
 def scatter_from_first(
@@ -90,9 +120,15 @@ def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None =
 # --- small messages between ranks (outcomes, agreements) -----------------------------------
 
 
-def broadcast_bytes(payload: bytes | None, src: int) -> bytes:
-    """Global rank ``src``'s ``payload`` on every rank of the world (the others pass None)."""
-    group = cpu_world()
+def broadcast_bytes(
+    payload: bytes | None, src: int, group: dist.ProcessGroup | None = None
+) -> bytes:
+    """Global rank ``src``'s ``payload`` on every rank of ``group`` (the others pass None).
+
+    ``group``: a gloo group (default: the world's, :func:`~shardkit.core.runtime.groups.
+    cpu_world`); a background checkpoint write passes its own.
+    """
+    group = group if group is not None else cpu_world()
     mine = payload if dist.get_rank() == src and payload is not None else b""
     size = torch.tensor([len(mine)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)

@@ -29,6 +29,9 @@ from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.apply.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.apply.parallelize_source import parallelize_source
 from shardkit.tools.plan.apply.plan_json import PlanFormatError, dump_plan, load_plan
+from shardkit.tools.plan.export_cli import tp_dims_of
+from shardkit.tools.plan.export_cost import ExportCost, ExportSpec, RankCounts, export_cost
+from shardkit.tools.plan.export_layout import ExportTensor, export_tensors
 from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.plan_record import Plan
@@ -87,4 +90,11 @@ __all__ = [
     "calibrate",
     "estimate_step_time",
     "plan",
+    "ExportCost",
+    "ExportSpec",
+    "ExportTensor",
+    "RankCounts",
+    "export_cost",
+    "export_tensors",
+    "tp_dims_of",
 ]

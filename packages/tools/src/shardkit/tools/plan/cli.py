@@ -31,6 +31,7 @@ from torch import nn
 
 from shardkit.core import ReducePrecision
 from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
+from shardkit.tools.plan.export_cli import export_cost_of, format_export_cost
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
 from shardkit.tools.plan.plan_record import Plan
@@ -228,6 +229,20 @@ def _parser() -> argparse.ArgumentParser:
     fitting.add_argument(
         "--no-check", dest="check", action="store_false", help="skip the fake-group check"
     )
+    exporting = parser.add_argument_group(
+        "a weight export's cost (shardkit.core.export)",
+        "the bytes, buckets, collectives, peak and time of one export to an inference engine",
+    )
+    exporting.add_argument("--export-dtype", type=_dtype, help="the export's dtype (bf16)")
+    exporting.add_argument(
+        "--export-bucket-mib", type=float, default=512.0, help="a bucket's bound, MiB"
+    )
+    exporting.add_argument(
+        "--export-to", choices=("first", "all"), default="first", help="who receives"
+    )
+    exporting.add_argument(
+        "--export-delta", type=float, metavar="FRACTION", help="a delta export: changed elements"
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument(
@@ -294,8 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, RuntimeError) as err:
             sys.stderr.write(f"shardkit-plan: cannot time {args.factory}: {err}\n")
             return 1
+    try:
+        exported = export_cost_of(model, args, timed[0] if timed else None, tp_plan=options.tp_plan)
+    except ValueError as err:
+        sys.stderr.write(f"shardkit-plan: cannot plan the export: {err}\n")
+        return 2
     if args.json:
         data = {"factory": args.factory, **result.to_dict(), "bandwidth": bandwidth.to_dict()}
+        if exported is not None:
+            data["export"] = exported.to_dict()
         if bandwidth.gbps is None:
             data["comm_seconds"] = None
         if timed is not None:
@@ -309,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(text)
         if timed is not None:
             sys.stdout.write(_format_step_time(*timed))
+        if exported is not None:
+            sys.stdout.write(format_export_cost(exported))
     return 0
 
 

@@ -1,0 +1,270 @@
+"""A save's planning at thousands of ranks, in one process: shardkit's local plan beside DCP's.
+
+Usage: python benchmarks/save_plan_run.py [--torch-worlds 64,256] [--worlds 1024,4096,8192]
+
+The state is a Llama's under FSDP (``Shard(0)`` on a 1-D mesh of W ranks) or HSDP (8 ranks a
+replica: ``(Replicate(), Shard(0))`` on a (W/8, 8) mesh) with AdamW's state, flattened as
+``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
+``exp_avg_sq`` (DTensors), its ``step`` (a plain tensor) and the param group's values.
+
+- shardkit (``checkpoint/save_layout.py``): what a rank computes alone. Its wait at a save is
+  the layout's digest (every save: it says whether the layout changed) and its own items
+  (from the cached layout). The first save of a layout also computes the geometries. Rank 0
+  builds the metadata (once per layout) and, after the write, checks every rank's results
+  against the layout; the metadata's bytes are its pickle's, as DCP writes ``.metadata``.
+- torch: the W ranks' local plans built as DCP builds them (each rank's DTensor chunks, every
+  plain tensor and value on every rank), then ``DefaultSavePlanner.create_global_plan`` timed
+  as rank 0 runs it, and the plans' pickled bytes (what DCP gathers to rank 0). Where both
+  run, their metadata are compared (every tensor's chunks as sets).
+
+Prints one JSON line per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import Replicate, Shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout, mesh_key
+
+LLAMAS = {
+    "8b": {"dim": 4096, "layers": 32, "ffn": 14336, "kv": 1024, "vocab": 128256},
+    "70b": {"dim": 8192, "layers": 80, "ffn": 28672, "kv": 1024, "vocab": 128256},
+}
+REPLICA = 8  # ranks a replica under HSDP
+PROPS = TensorProperties(dtype=torch.float32)
+
+
+def parameters(size: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama's parameters, torchtitan's names and shapes."""
+    c = LLAMAS[size]
+    dim, ffn, kv = c["dim"], c["ffn"], c["kv"]
+    out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (c["vocab"], dim))]
+    for i in range(c["layers"]):
+        p = f"layers.{i}"
+        out += [
+            (f"{p}.attention.wq.weight", (dim, dim)),
+            (f"{p}.attention.wk.weight", (kv, dim)),
+            (f"{p}.attention.wv.weight", (kv, dim)),
+            (f"{p}.attention.wo.weight", (dim, dim)),
+            (f"{p}.feed_forward.w1.weight", (ffn, dim)),
+            (f"{p}.feed_forward.w2.weight", (dim, ffn)),
+            (f"{p}.feed_forward.w3.weight", (ffn, dim)),
+            (f"{p}.attention_norm.weight", (dim,)),
+            (f"{p}.ffn_norm.weight", (dim,)),
+        ]
+    return [*out, ("norm.weight", (dim,)), ("output.weight", (c["vocab"], dim))]
+
+
+def state_values(size: str, world: int, hsdp: bool) -> list[ValueLayout]:
+    """The flat state's values, as every rank describes them."""
+    mesh: np.ndarray = np.arange(world, dtype=np.int64)
+    placements: tuple[Any, ...] = (Shard(0),)
+    if hsdp:
+        mesh = mesh.reshape(world // REPLICA, REPLICA)
+        placements = (Replicate(), Shard(0))
+    key = mesh_key(mesh)
+    params = parameters(size)
+
+    def dtensor(fqn: str, shape: tuple[int, ...]) -> ValueLayout:
+        return ValueLayout(fqn, "dtensor", shape, PROPS, mesh, placements, key)
+
+    values = [dtensor(f"model.{n}", s) for n, s in params]
+    for n, s in params:
+        values.append(ValueLayout(f"optim.state.{n}.step", "tensor", (), PROPS))
+        values += [dtensor(f"optim.state.{n}.{k}", s) for k in ("exp_avg", "exp_avg_sq")]
+    group = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize")
+    values += [ValueLayout(f"optim.param_groups.{k}", "bytes") for k in group]
+    return values
+
+
+def shardkit_point(size: str, world: int, hsdp: bool) -> dict[str, Any]:
+    values = state_values(size, world, hsdp)
+    started = time.perf_counter()
+    layout = SaveLayout.from_values(values, world)
+    digest_s = time.perf_counter() - started
+    samples = [0, world // 2, world - 1]
+    started = time.perf_counter()
+    layout.items_of(samples[0])  # the first save of a layout: its geometries too
+    first_s = time.perf_counter() - started
+    warm = []
+    for rank in samples:
+        started = time.perf_counter()
+        items = layout.items_of(rank)
+        warm.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    metadata = layout.state_dict_metadata()
+    metadata_s = time.perf_counter() - started
+    started = time.perf_counter()
+    expected = layout.expected_items()
+    check_s = time.perf_counter() - started
+    entries = sum(expected)
+    first_finish_s, finish_s, metadata_bytes = _rank0_finish(layout, metadata)
+    return {
+        "engine": "shardkit",
+        "size": size,
+        "world": world,
+        "layout": "hsdp" if hsdp else "fsdp",
+        "tensors": sum(v.kind != "bytes" for v in values),
+        "geometries": len(layout.geometries),
+        "items_rank0": len(layout.items_of(0)),
+        "items_last_rank": len(items),
+        "digest_s": digest_s,
+        "first_plan_s": first_s,
+        "plan_s_per_rank": max(warm),
+        "wait_s": digest_s + max(warm),
+        "rank0_metadata_s": metadata_s,
+        "rank0_check_s": check_s,
+        "metadata_chunks": entries,
+        "planning_collectives": 0,
+        # After the write: rank 0 pairs every rank's result rows with the items the layout
+        # gives that rank (each chunk's file, offset and length, DCP's format) and pickles
+        # the whole metadata, as it writes ``.metadata``.
+        "rank0_first_finish_s": first_finish_s,
+        "rank0_finish_s": finish_s,
+        "metadata_bytes": metadata_bytes,
+    }
+
+
+class _Counter:
+    """A file that counts what is written to it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        return len(data)
+
+
+def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, float, int]:
+    """Rank 0's metadata after the write, from rows like the ranks': seconds at the first
+    save of the layout and at the next, and its bytes."""
+    from shardkit.core.checkpoint.local_save import storage_entries
+
+    bodies = []
+    for count in layout.expected_items():
+        rows = torch.zeros((count, 4), dtype=torch.int64)
+        rows[:, 1] = torch.arange(count) * 4096  # offsets in the rank's file
+        rows[:, 2] = 4096
+        bodies.append(rows.reshape(-1))
+    seconds = []
+    for _ in range(2):  # the first save of the layout, then one that reuses its entries
+        started = time.perf_counter()
+        storage = storage_entries(layout, bodies)
+        sink = _Counter()
+        pickle.dump(Metadata(state_dict_metadata=metadata, storage_data=storage), sink)
+        seconds.append(time.perf_counter() - started)
+    return seconds[0], seconds[1], sink.size
+
+
+def torch_local_plans(values: list[ValueLayout], world: int) -> list[SavePlan]:
+    """Each rank's local plan as DCP's ``create_default_local_save_plan`` makes it."""
+    layout = SaveLayout.from_values(values, world)
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
+    for value in values:
+        if value.kind == "bytes":
+            for items in plans:
+                items.append(WriteItem(index=MetadataIndex(value.fqn), type=WriteItemType.BYTE_IO))
+            continue
+        size = torch.Size(value.shape)
+        if value.kind == "tensor":
+            chunk = ChunkStorageMetadata(torch.Size([0] * len(size)), size)
+            for items in plans:
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(value.fqn, chunk.offsets),
+                        type=WriteItemType.TENSOR,
+                        tensor_data=TensorWriteData(chunk, PROPS, size),
+                    )
+                )
+            continue
+        geometry = layout.geometry(value)
+        chunks = geometry.chunk_list()
+        for position, rank in enumerate(geometry.ranks.tolist()):
+            chunk = chunks[int(geometry.group_of[position])]
+            plans[rank].append(
+                WriteItem(
+                    index=MetadataIndex(value.fqn, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk, PROPS, size),
+                )
+            )
+    return [SavePlan(items, planner_data={}) for items in plans]
+
+
+def torch_point(size: str, world: int, hsdp: bool, compare: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    values = state_values(size, world, hsdp)
+    plans = torch_local_plans(values, world)
+    plans_bytes = len(pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL))
+    planner = DefaultSavePlanner()
+    started = time.perf_counter()
+    _, metadata = planner.create_global_plan(plans)
+    global_s = time.perf_counter() - started
+    record: dict[str, Any] = {
+        "engine": "torch",
+        "size": size,
+        "world": world,
+        "layout": "hsdp" if hsdp else "fsdp",
+        "rank0_global_plan_s": global_s,
+        "plans_gathered_bytes": plans_bytes,
+        "planning_collectives": 2,  # the plans gathered to rank 0, the global plan scattered
+    }
+    if compare:
+        ours = SaveLayout.from_values(values, world).state_dict_metadata()
+        record["metadata_equal"] = _content(ours) == _content(metadata.state_dict_metadata)
+    return record
+
+
+def _content(metadata: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, entry in metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            out[fqn] = (entry.properties, tuple(entry.size), chunks)
+        else:
+            out[fqn] = type(entry).__name__
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", default="1024,4096,8192")
+    parser.add_argument("--torch-worlds", default="64,256")
+    parser.add_argument("--sizes", default="8b,70b")
+    args = parser.parse_args()
+    for size in args.sizes.split(","):
+        for hsdp in (False, True):
+            for world in map(int, args.torch_worlds.split(",")):
+                for record in (
+                    torch_point(size, world, hsdp, compare=True),
+                    shardkit_point(size, world, hsdp),
+                ):
+                    print(json.dumps(record), flush=True)
+            for world in map(int, args.worlds.split(",")):
+                print(json.dumps(shardkit_point(size, world, hsdp)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""A DCP save with no plan exchange: every rank plans alone, rank 0 writes the same metadata.
+
+The files are DCP's (``FileSystemWriter``: ``__<rank>_<n>.distcp`` and ``.metadata``), so
+``torch.distributed.checkpoint.load`` reads them at any world size, and DCP's checkpoints
+load here as before. What changes is the coordination. DCP's ``save`` gathers every rank's
+plan to rank 0, builds and checks the global plan there and scatters it back, then gathers the
+write results. Here:
+
+1. every rank derives its own items from the layout (``save_layout``; no collective);
+2. every rank writes them;
+3. one gather to rank 0 of what was written: a small fixed header per rank (its layout's
+   digest, how many items, whether it failed), then each rank's results as int64 rows
+   (file number, offset, length, bytes) in the order of its items, which rank 0 knows
+   already: no pickle, every field checked;
+4. rank 0 checks that every rank planned the same layout and wrote what it was due, adds the
+   storage entries to the layout's metadata (built once per layout) and writes
+   ``.metadata``; its outcome goes to every rank (a broadcast on the save's group), which
+   raises the same error on failure.
+
+Collectives: none before the write; after it, the gather (two point-to-point rounds to
+rank 0) and the outcome's broadcast. Values a rank holds that no other rank holds the same
+way (a rank's own RNG state, say) are saved as DCP saves them: once, by one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
+
+from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
+from shardkit.core.checkpoint.save_layout import SaveLayout
+from shardkit.core.errors import first_sentence
+from shardkit.core.runtime.object_collectives import broadcast_bytes, gather_rows_to_first
+
+__all__ = [
+    "LayoutCache",
+    "NotPlannableLocally",
+    "describe_dcp_failure",
+    "LocalPlanSavePlanner",
+    "SaveTimes",
+    "save_planned_locally",
+    "storage_entries",
+]
+
+logger = logging.getLogger(__name__)
+
+_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_ROW = 4  # file number, offset, length, size in bytes
+
+
+@dataclasses.dataclass(slots=True)
+class SaveTimes:
+    """Where a save's time went on this rank (seconds)."""
+
+    plan: float = 0.0
+    """The local plan (the layout, cached per layout, and this rank's items)."""
+    write: float = 0.0
+    exchange: float = 0.0
+    """The results' gather and the outcome (rank 0: with the metadata written)."""
+    metadata: float = 0.0
+    """Rank 0: the metadata's entries and its file."""
+
+
+@dataclasses.dataclass(slots=True)
+class LayoutCache:
+    """The last layout, kept while the state's layout stays the same (its digest)."""
+
+    layout: SaveLayout | None = None
+    dcp_reason: str = ""
+    """Why this manager's saves go through DCP's own planning (set once, on every rank)."""
+
+
+class NotPlannableLocally(Exception):
+    """The state's layout is not the same on every rank: DCP's planning must merge it."""
+
+
+class LocalPlanSavePlanner(LoadableSavePlanner):
+    """DCP's planner, with a local plan from the layout instead of DCP's dedup on rank 0."""
+
+    def __init__(self, cache: LayoutCache, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.cache, self.rank, self.world_size = cache, rank, world_size
+        self.layout: SaveLayout | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        """This rank's items (each chunk written by one rank: no dedup needed after)."""
+        layout = SaveLayout.of(self.state_dict, self.world_size)
+        for value in layout.values:
+            if value.mesh is not None and value.mesh.size != self.world_size:
+                # Pipeline stages, each on a mesh of its own: the other ranks hold other keys.
+                raise NotPlannableLocally(
+                    f"{value.fqn} is on a mesh of {value.mesh.size} of the {self.world_size} "
+                    "ranks (each rank's keys are not every rank's)"
+                )
+        cached = self.cache.layout
+        if cached is not None and cached.digest == layout.digest:
+            layout = cached  # its chunks and rank 0's metadata are computed already
+        self.cache.layout = self.layout = layout
+        plan = SavePlan(layout.items_of(self.rank), planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
+
+def save_planned_locally(
+    state: dict[str, Any], checkpoint_id: Path, cache: LayoutCache, group: dist.ProcessGroup
+) -> SaveTimes:
+    """Save ``state`` into ``checkpoint_id`` as DCP would, planned on each rank alone.
+
+    Collective over ``group`` (every rank of the world, in the world's rank order).
+
+    Raises:
+        RuntimeError: on every rank, the same text: a rank failed to write, the ranks planned
+            different layouts, or a rank's results do not match its plan.
+    """
+    rank, world = group.rank(), group.size()
+    times = SaveTimes()
+    if cache.dcp_reason:
+        _save_with_dcp(state, checkpoint_id, group)
+        return times
+    writer = FileSystemWriter(checkpoint_id)
+    planner = LocalPlanSavePlanner(cache, rank, world)
+    failure, not_local = "", False
+    rows = torch.zeros((0, _ROW), dtype=torch.int64)
+    started = time.perf_counter()
+    try:
+        # Planned and written without a collective: a rank that fails here says so in the
+        # gather below, where every rank meets.
+        flat = _stateful_to_state_dict(state)
+        planner.set_up_planner(flat, writer.storage_meta(), rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        plan = writer.prepare_local_plan(planner.create_local_plan())
+        plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
+        times.plan = time.perf_counter() - started
+        started = time.perf_counter()
+        final = planner.finish_plan(plan)
+        future = writer.write_data(final, planner)
+        future.wait()
+        rows = _result_rows(final.items, future.value(), rank)
+        times.write = time.perf_counter() - started
+    except NotPlannableLocally as error:
+        failure, not_local = f"rank {rank}: {error}", True  # nothing written
+    except Exception as error:
+        failure = f"rank {rank}: {type(error).__name__}: {error}"
+    started = time.perf_counter()
+    digest = planner.layout.digest if planner.layout is not None else "0" * 32
+    gathered = _gather_results(digest, rows, failure, not_local, group)
+
+    outcome = b""
+    if gathered is not None:  # rank 0
+        begun = time.perf_counter()
+        try:
+            reason = _needs_dcp(planner, gathered)
+            if reason:
+                outcome = json.dumps({"fallback": reason}).encode()
+            else:
+                _write_metadata(writer, planner, gathered)
+                outcome = json.dumps({"metadata_s": time.perf_counter() - begun}).encode()
+        except Exception as error:
+            outcome = json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
+    # On ``group``, not the world's group: a background save runs all of this off the
+    # training thread (see async_save).
+    shared = _parse_outcome(broadcast_bytes(outcome, 0, group))
+    if "error" in shared:
+        raise RuntimeError(shared["error"])
+    if "fallback" in shared:
+        # Every rank learns it at once, so every rank saves through DCP from now on.
+        cache.dcp_reason = shared["fallback"]
+        logger.warning("saving through DCP's own planning from now on: %s", cache.dcp_reason)
+        for written in Path(checkpoint_id).glob(f"__{rank}_*.distcp"):
+            written.unlink()  # what the local plan wrote: DCP writes its own
+        _save_with_dcp(state, checkpoint_id, group)
+        return times
+    times.metadata = float(shared["metadata_s"])
+    times.exchange = time.perf_counter() - started - times.metadata
+    return times
+
+
+def _parse_outcome(data: bytes) -> dict[str, Any]:
+    """Rank 0's outcome, checked.
+
+    ``{"metadata_s": float}``, ``{"error": str}`` or ``{"fallback": str}`` (save through
+    DCP's planning).
+    """
+    try:
+        value = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RuntimeError(f"rank 0's outcome of the save is not JSON: {error}") from None
+    for text in ("error", "fallback"):
+        if isinstance(value, dict) and isinstance(value.get(text), str) and len(value) == 1:
+            return value
+    if isinstance(value, dict) and isinstance(value.get("metadata_s"), float) and len(value) == 1:
+        return value
+    raise RuntimeError(f"rank 0's outcome of the save is malformed: {str(value)[:200]}")
+
+
+def _result_rows(items: list[WriteItem], results: list[WriteResult], rank: int) -> torch.Tensor:
+    """This rank's results as (file number, offset, length, bytes), in its items' order."""
+    by_index = {result.index: result for result in results}
+    rows = torch.empty((len(items), _ROW), dtype=torch.int64)
+    for i, item in enumerate(items):
+        result = by_index.get(item.index)
+        if result is None:
+            raise RuntimeError(f"no write result for {item.index.fqn} at {item.index.offset}")
+        info = result.storage_data
+        if not isinstance(info, _StorageInfo) or info.transform_descriptors:
+            raise RuntimeError(f"{item.index.fqn}: a storage entry this save cannot describe")
+        match = _FILE.fullmatch(info.relative_path)
+        if match is None or int(match.group(1)) != rank:
+            raise RuntimeError(f"{item.index.fqn}: written to {info.relative_path!r}")
+        rows[i] = torch.tensor(
+            [int(match.group(2)), info.offset, info.length, result.size_in_bytes]
+        )
+    return rows
+
+
+def _gather_results(
+    layout_digest: str, rows: torch.Tensor, failure: str, not_local: bool, group: dist.ProcessGroup
+) -> list[tuple[str, str, torch.Tensor, bool]] | None:
+    """On rank 0: every rank's (digest, failure, rows, not plannable locally); else None."""
+    message = failure.encode()[:4096]
+    digest = bytes.fromhex(layout_digest)[:16]
+    header = torch.tensor(
+        [
+            int.from_bytes(digest[:8], "little", signed=True),
+            int.from_bytes(digest[8:], "little", signed=True),
+            rows.shape[0],
+            int(bool(failure)),
+            len(message),
+            int(not_local),
+        ],
+        dtype=torch.int64,
+    )
+    text = torch.tensor(list(message), dtype=torch.int64)
+    payload = torch.cat([text, rows.reshape(-1)])
+    gathered = gather_rows_to_first(header, payload, group)
+    if gathered is None:
+        return None
+    out = []
+    for rank, (head, body) in enumerate(gathered):
+        words = head.tolist()
+        sent = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[:2]).hex()
+        size = int(words[4])
+        if not 0 <= size <= min(4096, body.numel()):  # a failure like any other: no raise here
+            out.append((sent, f"rank {rank}: malformed results ({size} bytes)", body[:0], False))
+            continue
+        said = bytes(body[:size].clamp(0, 255).tolist()).decode(errors="replace")
+        out.append((sent, said, body[size:], bool(words[5])))
+    return out
+
+
+def _write_metadata(
+    writer: FileSystemWriter,
+    planner: LocalPlanSavePlanner,
+    gathered: list[tuple[str, str, torch.Tensor, bool]],
+) -> None:
+    """Rank 0: check every rank's results against the layout, then write ``.metadata``."""
+    layout = planner.layout
+    assert layout is not None
+    metadata = Metadata(
+        state_dict_metadata=layout.state_dict_metadata(),
+        planner_data=planner.mappings,
+        storage_data=storage_entries(layout, [body for _, _, body, _ in gathered]),
+    )
+    _write_metadata_file(writer, metadata)
+
+
+def _needs_dcp(
+    planner: LocalPlanSavePlanner, gathered: list[tuple[str, str, torch.Tensor, bool]]
+) -> str:
+    """Rank 0: why DCP's planning must save this state ('' if the local plans hold).
+
+    Raises:
+        RuntimeError: a rank failed otherwise (every rank raises it).
+    """
+    failures = [text for _, text, _, not_local in gathered if text and not not_local]
+    if failures:
+        raise RuntimeError("; ".join(failures))
+    not_local = [text for _, text, _, flag in gathered if flag]
+    if not_local:
+        return not_local[0]
+    layout = planner.layout
+    assert layout is not None
+    mine = bytes.fromhex(layout.digest)[:16].hex()
+    differ = [r for r, (digest, _, _, _) in enumerate(gathered) if digest != mine]
+    if differ:
+        return (
+            f"ranks {differ[:8]} hold another layout than rank 0 (the state's keys, shapes, "
+            "dtypes or placements differ between ranks)"
+        )
+    return ""
+
+
+def _save_with_dcp(state: dict[str, Any], checkpoint_id: Path, group: dist.ProcessGroup) -> None:
+    """DCP's own save, its collectives on ``group``; its failures the same text everywhere."""
+    try:
+        dcp_save(
+            state, checkpoint_id=checkpoint_id, planner=LoadableSavePlanner(), process_group=group
+        )
+    except CheckpointException as error:  # raised on every rank, the same failures
+        raise RuntimeError(describe_dcp_failure(error, "save")) from None
+
+
+def describe_dcp_failure(error: CheckpointException, what: str) -> str:
+    """DCP's failures, one line per rank (its str is every rank's traceback)."""
+    failures = error.failures.items()
+    lines = [f"rank {r}: {type(e).__name__}: {first_sentence(str(e))}" for r, (e, _) in failures]
+    return f"DCP failed to {what}: " + "; ".join(lines)
+
+
+def storage_entries(
+    layout: SaveLayout, bodies: list[torch.Tensor]
+) -> dict[MetadataIndex, _StorageInfo]:
+    """Every item's file, offset and length, from every rank's result rows, each checked.
+
+    The same layout saved again writes the same files at the same offsets (the same items,
+    serialized to the same sizes): when every rank's rows equal the last save's, its entries
+    are reused, and only the pickle of ``.metadata`` remains.
+    """
+    written = layout.written()
+    for rank, body in enumerate(bodies):
+        if body.numel() != len(written[rank]) * _ROW:
+            sent = body.numel() // _ROW
+            raise RuntimeError(f"rank {rank} sent {sent} results for {len(written[rank])} items")
+    rows = torch.cat(bodies) if bodies else torch.zeros(0, dtype=torch.int64)
+    if bool((rows < 0).any()):
+        raise RuntimeError("a rank sent a negative file number, offset or size")
+    last = layout.last_storage
+    if last is not None and torch.equal(last[0], rows):
+        return last[1]
+    entries: dict[MetadataIndex, _StorageInfo] = {}
+    for rank, body in enumerate(bodies):
+        files: dict[int, str] = {}
+        for key, (number, offset, length, _) in zip(
+            written[rank], body.view(-1, _ROW).tolist(), strict=True
+        ):
+            name = files.get(number)
+            if name is None:
+                name = files[number] = f"__{rank}_{number}.distcp"
+            entries[key] = _StorageInfo(name, offset, length)
+    layout.last_storage = (rows, entries)
+    return entries
+
+
+def _write_metadata_file(writer: FileSystemWriter, metadata: Metadata) -> None:
+    """Write ``.metadata`` as DCP's ``FileSystemWriter.finish`` does.
+
+    The version and storage meta set, the pickle into a temporary file, flushed to disk, then
+    renamed into place.
+    """
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_meta = writer.storage_meta()
+    folder = Path(writer.path)
+    temporary = folder / ".metadata.tmp"
+    with open(temporary, "wb") as stream:
+        pickle.dump(metadata, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, folder / ".metadata")

@@ -1,0 +1,327 @@
+"""Saves planned by each rank alone (``checkpoint/local_save.py``) against torch's DCP save.
+
+Each case saves the same state twice on gloo ranks, once through ``dcp.save`` (torch's
+``DefaultSavePlanner``) and once planned locally, then compares, in the test's process:
+the ``.metadata`` (every tensor's properties, size and chunks, the flattening's mappings,
+which (key, offset) entries have storage) and every saved tensor, read back whole with DCP's
+own ``dcp_to_torch_save``. The layout's arithmetic is also checked against torch's own
+per-coordinate function on meshes with uneven and empty shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from harness.pool import run_on_ranks
+from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout
+
+
+def _model(rows: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, rows), torch.nn.ReLU(), torch.nn.Linear(rows, 3), torch.nn.LayerNorm(3)
+    )
+
+
+def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], rows: int) -> Any:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardkit.core import fully_shard
+    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.runtime.groups import checkpoint_group
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
+    model = _model(rows)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": 3, "note": "w"}
+    group = checkpoint_group()
+    with _CollectivesBeforeWrite() as torchs:
+        dcp_save(state, checkpoint_id=f"{root}/torch")
+    cache = LayoutCache()
+    with _CollectivesBeforeWrite() as ours:
+        times = save_planned_locally(state, Path(f"{root}/local"), cache, group)
+    first_layout = cache.layout
+    again = save_planned_locally(state, Path(f"{root}/again"), cache, group)
+    return {
+        "collectives_before_write": (ours.before_write, torchs.before_write),
+        "layout_reused": cache.layout is first_layout,
+        "plan_s": [times.plan, again.plan],
+    }
+
+
+class _CollectivesBeforeWrite:
+    """Counts the torch.distributed calls made before the first file write of a save."""
+
+    NAMES = (
+        "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+        "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
+        "isend", "recv", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+        "scatter_object_list", "send",
+    )  # fmt: skip
+
+    def __enter__(self) -> _CollectivesBeforeWrite:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        self.calls, self.before_write = 0, -1
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        self.write = FileSystemWriter.write_data
+
+        def counted(original: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                return original(*args, **kwargs)
+
+            return call
+
+        def write_data(writer: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.before_write < 0:
+                self.before_write = self.calls
+            return self.write(writer, *args, **kwargs)
+
+        for name, original in self.saved.items():
+            setattr(dist, name, counted(original))
+        FileSystemWriter.write_data = write_data  # type: ignore[method-assign, assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+        FileSystemWriter.write_data = self.write  # type: ignore[method-assign]
+
+
+def _metadata(path: Path) -> Metadata:
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def _content(metadata: Metadata) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            out[fqn] = (entry.properties, tuple(entry.size), chunks)
+        else:
+            out[fqn] = type(entry).__name__
+    stored = sorted((i.fqn, tuple(i.offset or ())) for i in metadata.storage_data)
+    return {"tensors": out, "mappings": metadata.planner_data, "stored": stored}
+
+
+CASES = {
+    "fsdp W=2": (2, [2], 16),
+    "fsdp W=2, uneven": (2, [2], 5),
+    "fsdp W=4, empty shards": (4, [4], 3),
+    "hsdp 2x2": (4, [2, 2], 6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_local_plan_saves_what_dcp_saves(case: str, tmp_path: Path) -> None:
+    world, mesh_shape, rows = CASES[case]
+    results = run_on_ranks(world, _save_both, root=str(tmp_path), mesh_shape=mesh_shape, rows=rows)
+    # None before the files are written; torch's save (the same counter) plans with some.
+    assert all(r["collectives_before_write"][0] == 0 for r in results), results
+    assert all(r["collectives_before_write"][1] > 0 for r in results), results
+    assert all(r["layout_reused"] for r in results)  # the second save planned nothing anew
+    theirs, ours = _metadata(tmp_path / "torch"), _metadata(tmp_path / "local")
+    assert _content(ours) == _content(theirs)
+    assert _content(_metadata(tmp_path / "again")) == _content(theirs)
+    for name in ("torch", "local"):
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+    full_theirs = torch.load(tmp_path / "torch.pt", weights_only=True)
+    full_ours = torch.load(tmp_path / "local.pt", weights_only=True)
+    _assert_same(full_ours, full_theirs, "")
+
+
+def _assert_same(ours: Any, theirs: Any, where: str) -> None:
+    """Equal, tensors bit for bit, through nested dicts and lists."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
+        for key in theirs:
+            _assert_same(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list | tuple):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
+
+
+MESHES = [
+    ((7, 3), (4,), (Shard(0),)),
+    ((3, 5), (8,), (Shard(0),)),
+    ((5, 4), (2, 2), (Replicate(), Shard(0))),
+    ((5, 4), (2, 3), (Shard(0), Shard(0))),
+    ((9, 6), (2, 4), (Shard(1), Shard(0))),
+    ((2, 3), (2, 2, 2), (Replicate(), Shard(0), Shard(1))),
+    ((0, 4), (3,), (Shard(0),)),
+    ((8, 4), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),  # FSDP x TP on one dim
+]
+
+
+@pytest.mark.parametrize(("shape", "mesh_shape", "placements"), MESHES)
+def test_the_layouts_arithmetic_is_torchs(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]
+) -> None:
+    """Every mesh position's chunk, against torch's ``_compute_local_shape_and_global_offset``;
+    every distinct chunk written by exactly one of the ranks that hold it."""
+    import numpy as np
+
+    from shardkit.core.checkpoint.save_layout import _position_chunks
+
+    positions = int(np.prod(mesh_shape))
+    mesh = np.arange(positions, dtype=np.int64).reshape(mesh_shape)
+    value = ValueLayout("w", "dtensor", shape, None, mesh, placements)
+    offsets, sizes = _position_chunks(value)
+    for position in range(positions):
+        coordinate = [int(c) for c in np.unravel_index(position, mesh_shape)]
+        size, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, coordinate, list(placements)
+        )
+        assert (tuple(sizes[position]), tuple(offsets[position])) == (size, offset), coordinate
+    layout = SaveLayout([value], positions, "")
+    geometry = layout.geometry(value)
+    distinct = {tuple(o) for o in offsets.tolist()}
+    assert {tuple(o) for o in geometry.offsets.tolist()} == distinct
+    for ordinal in range(3):  # the replicas take turns: each tensor's writers differ
+        writers = geometry.writers(ordinal).tolist()
+        for writer, offset in zip(writers, geometry.offsets.tolist(), strict=True):
+            assert tuple(offsets[writer]) == tuple(offset)  # the writer holds what it writes
+        written = [geometry.chunk_written_by(rank, ordinal) for rank in range(positions)]
+        assert sorted(c for c in written if c is not None) == list(range(len(distinct)))
+    assert sum(layout.expected_items()) == len(distinct)
+
+
+def _save_locally(rank: int, world_size: int, root: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardkit.core import fully_shard
+    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.runtime.groups import checkpoint_group
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _model(7)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    save_planned_locally(state, Path(root), LayoutCache(), checkpoint_group())
+
+
+def _load_with_torch(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """torch's own load (``dcp.load``, ``set_state_dict``) into torch's ``fully_shard``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(1)  # other weights than the saved ones: the load must replace them all
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3), torch.nn.LayerNorm(3)
+    )
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()  # the optimizer's state exists, to be overwritten
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp_load({"model": model_state, "optim": optim_state}, checkpoint_id=root)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    state: Any = get_state_dict(model, optimizer)  # nested dicts of tensors
+    full = {f"model.{k}": _whole(v) for k, v in state[0].items()}
+    for fqn, entries in state[1]["state"].items():
+        for key, value in entries.items():
+            full[f"optim.state.{fqn}.{key}"] = _whole(value)
+    return full
+
+
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def test_torchs_load_reshards_a_local_plan_checkpoint(tmp_path: Path) -> None:
+    """Saved at W=2, loaded by torch's own code at W=1 (in this process), 3 and 4."""
+    run_on_ranks(2, _save_locally, root=str(tmp_path / "ckpt"))
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)
+    for world in (3, 4):
+        loaded = run_on_ranks(world, _load_with_torch, root=str(tmp_path / "ckpt"))
+        for name, tensor in loaded[0].items():
+            section, _, key = name.partition(".")
+            expected = saved[section][key] if section == "model" else None
+            if expected is None:
+                fqn, _, field = key.removeprefix("state.").rpartition(".")
+                expected = saved["optim"]["state"][fqn][field]
+            assert torch.equal(tensor, expected), (world, name)
+
+
+def _stages_save(rank: int, world_size: int, root: str, how: str) -> dict[str, Any]:
+    """Each rank a pipeline stage on a mesh of its own (``how="stages"``), or every rank on
+    the world's mesh with one key of its own (``how="own key"``): each rank's keys are not
+    the others'. Saved twice through the manager; the first save learns it, the second goes
+    straight to DCP's planning."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from shardkit.core import CheckpointManager, fully_shard
+
+    torch.manual_seed(rank)
+    stage = torch.nn.Linear(4, 6)
+    own = how == "stages"
+    mesh = DeviceMesh("cpu", [rank]) if own else init_device_mesh("cpu", (world_size,))
+    fully_shard(stage, mesh=mesh)
+    state: dict[str, Any] = {f"stage{rank if how == 'stages' else 0}": get_model_state_dict(stage)}
+    if how == "own key":
+        state[f"rank{rank}"] = torch.full((2,), float(rank))
+    manager = CheckpointManager(root, keep=2)
+    manager.save(1, state)
+    reason = manager._layouts.dcp_reason
+    manager.save(2, state)
+    latest = manager.latest()
+    return {"reason": reason, "latest": latest.name if latest is not None else None}
+
+
+@pytest.mark.parametrize("how", ["stages", "own key"])
+def test_a_state_whose_keys_differ_between_ranks_saves_through_dcp(
+    how: str, tmp_path: Path
+) -> None:
+    results = run_on_ranks(2, _stages_save, root=str(tmp_path), how=how)
+    assert results[0] == results[1] and results[0]["latest"] == "step_00000002"
+    assert results[0]["reason"], results  # learned at the first save, on every rank
+    dcp_to_torch_save(tmp_path / "step_00000002", tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)
+    if how == "stages":
+        assert {"stage0", "stage1"} <= saved.keys()
+    else:
+        assert {"stage0", "rank0", "rank1"} <= saved.keys()
+        assert torch.equal(saved["rank1"], torch.full((2,), 1.0))
