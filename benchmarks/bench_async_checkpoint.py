@@ -1,8 +1,10 @@
 """Asynchronous checkpoints at W=2, 35M GPT + AdamW: the training stall, and steps meanwhile.
 
-Each round, for shardkit (``CheckpointManager.save(..., async_save=True)``) and for torch
+Each round, for shardkit (``CheckpointManager.save(..., async_save=True)``) writing in a
+thread of the training process (``writer="thread"``, "shardkit") and in a writer process per
+rank (``writer="process"``, "process"), and for torch
 (``torch.distributed.checkpoint.async_save`` on torch's ``fully_shard`` model, on a gloo
-group of its own as torch requires for a background thread), alternating which goes first:
+group of its own as torch requires for a background thread), in turn (the order rotates):
 
 1. two training steps with no write in flight (the baseline step);
 2. a synchronous save of the same state (shardkit: the manager's atomic save; torch:
@@ -23,7 +25,7 @@ import statistics
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from benchmarks import gpt
 from harness.pool import run_on_ranks
 
-IMPLS = ("torch", "shardkit")
+IMPLS = ("torch", "shardkit", "process")
+_MODEL_OF = {"torch": "torch", "shardkit": "shardkit", "process": "shardkit"}
+_WRITER_OF: dict[str, Literal["thread", "process"]] = {"shardkit": "thread", "process": "process"}
 SIZE = "medium"  # 33.7M parameters
 _STATE: dict[str, Any] = {}
 
@@ -44,10 +48,12 @@ def _setup(rank: int, world_size: int, root: str) -> None:
 
     _STATE.clear()
     for impl in IMPLS:
-        model, opt = gpt.build(impl, SIZE, world_size)
+        model, opt = gpt.build(_MODEL_OF[impl], SIZE, world_size)
         gpt.train_step(model, opt, gpt.batch(SIZE, 0, rank, world_size))  # optimizer state
         _STATE[impl] = (model, opt)
-    _STATE["manager"] = CheckpointManager(f"{root}/shardkit", keep=1)
+    for impl, writer in _WRITER_OF.items():
+        # Its own model and root: each writer's steps and saves are measured on their own.
+        _STATE[f"manager-{impl}"] = CheckpointManager(f"{root}/{impl}", keep=1, writer=writer)
     _STATE["torch_group"] = dist.new_group(backend="gloo")
     _STATE["step"] = 1
 
@@ -64,19 +70,19 @@ def _everyone_done(future: Future[Any]) -> bool:
     return int(flag.item()) == 0
 
 
-def _shardkit_round(rank: int, world_size: int, step: int) -> dict[str, Any]:
-    manager = _STATE["manager"]
+def _shardkit_round(impl: str, rank: int, world_size: int, step: int) -> dict[str, Any]:
+    manager = _STATE[f"manager-{impl}"]
     dist.barrier()
     started = time.perf_counter()
-    manager.save(step, _state_dict("shardkit"))
+    manager.save(step, _state_dict(impl))
     sync_s = time.perf_counter() - started
     dist.barrier()
     started = time.perf_counter()
-    manager.save(step + 1, _state_dict("shardkit"), async_save=True)
+    manager.save(step + 1, _state_dict(impl), async_save=True)
     stall = time.perf_counter() - started
     during = []
     while manager.pending is not None:
-        seconds = _step("shardkit", rank, world_size)
+        seconds = _step(impl, rank, world_size)
         started = time.perf_counter()
         published = manager.poll()
         if published is None:
@@ -123,8 +129,8 @@ def _state_dict(impl: str) -> dict[str, Any]:
 
 def _measure(rank: int, world_size: int, impl: str, root: str, round_: int) -> dict[str, Any]:
     baseline = [_step(impl, rank, world_size) for _ in range(2)]
-    if impl == "shardkit":
-        result = _shardkit_round(rank, world_size, 2 * round_ + 10)
+    if impl in _WRITER_OF:
+        result = _shardkit_round(impl, rank, world_size, 2 * round_ + 10)
     else:
         path = f"{root}/torch/{round_}"
         result = _torch_round(rank, world_size, path)
@@ -135,7 +141,8 @@ def _measure(rank: int, world_size: int, impl: str, root: str, round_: int) -> d
 
 
 def _teardown(rank: int, world_size: int) -> None:
-    _STATE["manager"].close()
+    for impl in _WRITER_OF:
+        _STATE[f"manager-{impl}"].close()
     dist.destroy_process_group(_STATE["torch_group"])
     _STATE.clear()
 
@@ -158,7 +165,7 @@ def test_async_checkpoint(benchmark: Any, tmp_path: Path) -> None:
     order = list(IMPLS)
 
     def one_round() -> None:
-        order.reverse()  # alternate which implementation goes first
+        order.append(order.pop(0))  # rotate which implementation goes first
         index = len(rounds["torch"])
         for name in order:
             measured = run_on_ranks(2, _measure, impl=name, root=root, round_=index)
@@ -174,7 +181,10 @@ def test_async_checkpoint(benchmark: Any, tmp_path: Path) -> None:
     stall = {n: median(n, lambda r: r["stall"] / r["sync"]) for n in IMPLS}
     slowdown = {n: median(n, lambda r: r["during"] / r["baseline"]) for n in IMPLS}
     paired = [
-        s["stall"] / t["stall"] for s, t in zip(*(rounds[n] for n in IMPLS[::-1]), strict=True)
+        s["stall"] / t["stall"] for s, t in zip(rounds["shardkit"], rounds["torch"], strict=True)
+    ]
+    process_over_thread = [
+        p["stall"] / t["stall"] for p, t in zip(rounds["process"], rounds["shardkit"], strict=True)
     ]
     benchmark.extra_info.update(
         subject="shardkit",
@@ -191,6 +201,11 @@ def test_async_checkpoint(benchmark: Any, tmp_path: Path) -> None:
         step_s=median("shardkit", lambda r: r["baseline"]),
         steps_during_write=median("shardkit", lambda r: r["steps_during"]),
         peer_steps_during_write=median("torch", lambda r: r["steps_during"]),
+        process_stall_over_sync_save=stall["process"],
+        process_step_during_write_over_step=slowdown["process"],
+        process_stall_over_thread_stall=statistics.median(process_over_thread),
+        process_stall_s=median("process", lambda r: r["stall"]),
+        process_steps_during_write=median("process", lambda r: r["steps_during"]),
     )
     print(f"\nasync checkpoint, {SIZE} GPT W=2 (per round):")
     for name in IMPLS:

@@ -1,7 +1,8 @@
 """A save's planning at thousands of ranks: shardkit's local plan beside DCP's (issue 75).
 
-``save_plan_run.py`` does the work: Llama 8B and 70B layouts with AdamW's state, FSDP and HSDP
-(8 ranks a replica), shardkit's per-rank planning at W = 1,024, 4,096 and 8,192, and torch's
+``save_plan_run.py`` does the work: Llama 8B and 70B layouts with AdamW's state, FSDP, HSDP
+(8 ranks a replica) and FSDP1's ShardedTensors (SHARDED_STATE_DICT without a device mesh),
+shardkit's per-rank planning at W = 1,024, 4,096 and 8,192, and torch's
 ``DefaultSavePlanner.create_global_plan`` on the W ranks' local plans at W = 64 and 256 (rank
 0's work at every DCP save; it grows faster than W). Issue 75's targets: what a rank's
 training thread waits for at a save under 1 s at W = 8,192 and flat in W, no planning
@@ -24,12 +25,12 @@ def test_a_save_plan_at_thousands_of_ranks(benchmark: Any) -> None:
 
     def measure() -> None:
         for size in ("8b", "70b"):
-            for hsdp in (False, True):
+            for layout in save_plan_run.LAYOUTS:
                 for world in TORCH_WORLDS:
-                    records.append(save_plan_run.torch_point(size, world, hsdp, compare=True))
-                    records.append(save_plan_run.shardkit_point(size, world, hsdp))
+                    records.append(save_plan_run.torch_point(size, world, layout, compare=True))
+                    records.append(save_plan_run.shardkit_point(size, world, layout))
                 for world in WORLDS:
-                    records.append(save_plan_run.shardkit_point(size, world, hsdp))
+                    records.append(save_plan_run.shardkit_point(size, world, layout))
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     sys.stdout.write("\n")
@@ -50,8 +51,12 @@ def test_a_save_plan_at_thousands_of_ranks(benchmark: Any) -> None:
             )
         benchmark.extra_info[name] = figures
         sys.stdout.write(f"{name:<28} {figures}\n")
+    assert all(r["planning_collectives"] == 0 for r in records if r["engine"] == "shardkit")
+    # FSDP1's ShardedTensors too: their shards enter the digest as a hash of their offsets and
+    # sizes (``sharded_tensor_layout.Shards``; as text they took 7 s at 8B and W = 8,192). A
+    # real rank also reads each ShardedTensor's metadata (a walk over its W shards), which
+    # these simulated ranks do not: see docs/performance.md.
     ours = [r for r in records if r["engine"] == "shardkit"]
-    assert all(r["planning_collectives"] == 0 for r in ours)
     assert all(r["wait_s"] < 1.0 for r in ours), [r["wait_s"] for r in ours]
     at_scale = [r["wait_s"] for r in ours if r["world"] in WORLDS]
     assert max(at_scale) < 3 * min(at_scale) + 0.05  # flat in W (a shared machine's noise)

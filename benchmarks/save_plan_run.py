@@ -1,11 +1,14 @@
 """A save's planning at thousands of ranks, in one process: shardkit's local plan beside DCP's.
 
 Usage: python benchmarks/save_plan_run.py [--torch-worlds 64,256] [--worlds 1024,4096,8192]
+       [--sizes 8b,70b] [--layouts fsdp,hsdp,fsdp1]
 
-The state is a Llama's under FSDP (``Shard(0)`` on a 1-D mesh of W ranks) or HSDP (8 ranks a
-replica: ``(Replicate(), Shard(0))`` on a (W/8, 8) mesh) with AdamW's state, flattened as
-``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
-``exp_avg_sq`` (DTensors), its ``step`` (a plain tensor) and the param group's values.
+The state is a Llama's under FSDP (``Shard(0)`` on a 1-D mesh of W ranks), HSDP (8 ranks a
+replica: ``(Replicate(), Shard(0))`` on a (W/8, 8) mesh) or FSDP1's SHARDED_STATE_DICT
+without a device mesh (``fsdp1``: ShardedTensors of ``torch.chunk``'s dim-0 cut over the W
+ranks, one shard a rank, none on the ranks past the last chunk) with AdamW's state, flattened
+as ``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
+``exp_avg_sq`` (sharded), its ``step`` (a plain tensor) and the param group's values.
 
 - shardkit (``checkpoint/save_layout.py``): what a rank computes alone. Its wait at a save is
   the layout's digest (every save: it says whether the layout changed) and its own items
@@ -45,6 +48,8 @@ from torch.distributed.tensor import Replicate, Shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.sharded_tensor_layout import Shards
+from shardkit.tools.plan.checkpoint_timing import ByteCounter
 
 LLAMAS = {
     "8b": {"dim": 4096, "layers": 32, "ffn": 14336, "kv": 1024, "vocab": 128256},
@@ -75,18 +80,31 @@ def parameters(size: str) -> list[tuple[str, tuple[int, ...]]]:
     return [*out, ("norm.weight", (dim,)), ("output.weight", (c["vocab"], dim))]
 
 
-def state_values(size: str, world: int, hsdp: bool) -> list[ValueLayout]:
+LAYOUTS = ("fsdp", "hsdp", "fsdp1")
+
+
+def state_values(size: str, world: int, layout: str) -> list[ValueLayout]:
     """The flat state's values, as every rank describes them."""
     mesh: np.ndarray = np.arange(world, dtype=np.int64)
     placements: tuple[Any, ...] = (Shard(0),)
-    if hsdp:
+    if layout == "hsdp":
         mesh = mesh.reshape(world // REPLICA, REPLICA)
         placements = (Replicate(), Shard(0))
     key = mesh_key(mesh)
     params = parameters(size)
+    # FSDP1's shards depend on the shape alone: built once per shape here. A real rank reads
+    # each ShardedTensor's own metadata (``sharded_tensor_parts``: a walk over its W shards,
+    # about 20 ms a tensor at W = 8,192), which this figure leaves out.
+    fsdp1_shards: dict[tuple[int, ...], tuple[np.ndarray, tuple[Any, ...], str]] = {}
 
     def dtensor(fqn: str, shape: tuple[int, ...]) -> ValueLayout:
-        return ValueLayout(fqn, "dtensor", shape, PROPS, mesh, placements, key)
+        if layout != "fsdp1":
+            return ValueLayout(fqn, "dtensor", shape, PROPS, mesh, placements, key)
+        found = fsdp1_shards.get(shape)
+        if found is None:
+            ranks, shards = _fsdp1_shards(shape, world)
+            found = fsdp1_shards[shape] = (ranks, shards, mesh_key(ranks))
+        return ValueLayout(fqn, "sharded", shape, PROPS, *found)
 
     values = [dtensor(f"model.{n}", s) for n, s in params]
     for n, s in params:
@@ -97,8 +115,21 @@ def state_values(size: str, world: int, hsdp: bool) -> list[ValueLayout]:
     return values
 
 
-def shardkit_point(size: str, world: int, hsdp: bool) -> dict[str, Any]:
-    values = state_values(size, world, hsdp)
+def _fsdp1_shards(shape: tuple[int, ...], world: int) -> tuple[np.ndarray, tuple[Any, ...]]:
+    """FSDP1's ShardedTensor of ``shape`` at ``world`` ranks, as ``sharded_tensor_layout``
+    describes one: each shard's rank, and its :class:`Shards`."""
+    rows = shape[0]
+    step = -(-rows // world)  # torch.chunk: ceil(rows / world) a chunk, the last one short
+    starts = np.arange(0, rows, step, dtype=np.int64)
+    offsets = np.zeros((len(starts), len(shape)), dtype=np.int64)
+    offsets[:, 0] = starts
+    sizes = np.tile(np.array(shape, dtype=np.int64), (len(starts), 1))
+    sizes[:, 0] = np.minimum(step, rows - starts)
+    return np.arange(len(starts), dtype=np.int64), (Shards(offsets, sizes),)
+
+
+def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
+    values = state_values(size, world, layout_name)
     started = time.perf_counter()
     layout = SaveLayout.from_values(values, world)
     digest_s = time.perf_counter() - started
@@ -123,7 +154,7 @@ def shardkit_point(size: str, world: int, hsdp: bool) -> dict[str, Any]:
         "engine": "shardkit",
         "size": size,
         "world": world,
-        "layout": "hsdp" if hsdp else "fsdp",
+        "layout": layout_name,
         "tensors": sum(v.kind != "bytes" for v in values),
         "geometries": len(layout.geometries),
         "items_rank0": len(layout.items_of(0)),
@@ -145,17 +176,6 @@ def shardkit_point(size: str, world: int, hsdp: bool) -> dict[str, Any]:
     }
 
 
-class _Counter:
-    """A file that counts what is written to it."""
-
-    def __init__(self) -> None:
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        self.size += len(data)
-        return len(data)
-
-
 def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, float, int]:
     """Rank 0's metadata after the write, from rows like the ranks': seconds at the first
     save of the layout and at the next, and its bytes."""
@@ -171,7 +191,7 @@ def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, 
     for _ in range(2):  # the first save of the layout, then one that reuses its entries
         started = time.perf_counter()
         storage = storage_entries(layout, bodies)
-        sink = _Counter()
+        sink = ByteCounter()
         pickle.dump(Metadata(state_dict_metadata=metadata, storage_data=storage), sink)
         seconds.append(time.perf_counter() - started)
     return seconds[0], seconds[1], sink.size
@@ -212,10 +232,10 @@ def torch_local_plans(values: list[ValueLayout], world: int) -> list[SavePlan]:
     return [SavePlan(items, planner_data={}) for items in plans]
 
 
-def torch_point(size: str, world: int, hsdp: bool, compare: bool) -> dict[str, Any]:
+def torch_point(size: str, world: int, layout: str, compare: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    values = state_values(size, world, hsdp)
+    values = state_values(size, world, layout)
     plans = torch_local_plans(values, world)
     plans_bytes = len(pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL))
     planner = DefaultSavePlanner()
@@ -226,7 +246,7 @@ def torch_point(size: str, world: int, hsdp: bool, compare: bool) -> dict[str, A
         "engine": "torch",
         "size": size,
         "world": world,
-        "layout": "hsdp" if hsdp else "fsdp",
+        "layout": layout,
         "rank0_global_plan_s": global_s,
         "plans_gathered_bytes": plans_bytes,
         "planning_collectives": 2,  # the plans gathered to rank 0, the global plan scattered
@@ -253,17 +273,18 @@ def main() -> None:
     parser.add_argument("--worlds", default="1024,4096,8192")
     parser.add_argument("--torch-worlds", default="64,256")
     parser.add_argument("--sizes", default="8b,70b")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     for size in args.sizes.split(","):
-        for hsdp in (False, True):
-            for world in map(int, args.torch_worlds.split(",")):
+        for layout in args.layouts.split(","):
+            for world in map(int, filter(None, args.torch_worlds.split(","))):
                 for record in (
-                    torch_point(size, world, hsdp, compare=True),
-                    shardkit_point(size, world, hsdp),
+                    torch_point(size, world, layout, compare=True),
+                    shardkit_point(size, world, layout),
                 ):
                     print(json.dumps(record), flush=True)
-            for world in map(int, args.worlds.split(",")):
-                print(json.dumps(shardkit_point(size, world, hsdp)), flush=True)
+            for world in map(int, filter(None, args.worlds.split(","))):
+                print(json.dumps(shardkit_point(size, world, layout)), flush=True)
 
 
 if __name__ == "__main__":

@@ -114,19 +114,26 @@ def save_initial_model(folder: Path, *, layers: int, seed: int) -> None:
     model.save_pretrained(folder)
 
 
-def start_engine(folder: Path, *, seed: int) -> Any:
-    """A ``vllm.LLM`` on ``folder`` in this process, sharing torchrun's process group."""
+def start_engine(
+    folder: Path, *, seed: int, shares_the_group: bool = True, max_num_seqs: int = 16
+) -> Any:
+    """A ``vllm.LLM`` on ``folder`` in this process: eager, bf16, a small cache.
+
+    ``shares_the_group``: the engine joins torchrun's process group (vLLM's
+    ``external_launcher``), as each training rank's engine does here; else it makes its own.
+    """
     allow_amx()
     vllm = importlib.import_module("vllm")
+    launcher = {"distributed_executor_backend": "external_launcher"} if shares_the_group else {}
     return vllm.LLM(
         model=str(folder),
         skip_tokenizer_init=True,
         dtype="bfloat16",
         max_model_len=128,
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         enforce_eager=True,
-        distributed_executor_backend="external_launcher",
         seed=seed,
+        **launcher,
     )
 
 

@@ -22,6 +22,7 @@ SEAMS = {
     "shardkit.core.schedule",
     "shardkit.core.conditional_schedule",
     "shardkit.core.export",
+    "shardkit.core.checkpoint.save_layout",
 }
 
 
@@ -62,6 +63,12 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     "shardkit.core.schedule": (),
     "shardkit.core.conditional_schedule": (),  # the conditional modules' schedule, as pure
     "shardkit.core.export": ("shardkit.core.runtime",),  # its own groups and collectives
+    # A save's plan as a pure function of the state's layout: the planner predicts saves with it.
+    # (and a ShardedTensor's group's ranks: FSDP1's shards are placed by group rank)
+    "shardkit.core.checkpoint.save_layout": (
+        "shardkit.core.runtime.dtensors",
+        "shardkit.core.runtime.groups",
+    ),
 }
 
 
@@ -172,7 +179,8 @@ def test_the_dist_check_sees_every_spelling() -> None:
 # row_exchange.py (the exchange of rows that gloo's collectives and the step check's digests
 # are posted through) and peer_transfer.py (memory snapshots to and from a peer) call them;
 # flat_collectives.py only picks the installed torch's names for two; comm_debug.py issues
-# them on meta tensors, for torch's CommDebugMode to count (nothing is sent).
+# them on meta tensors, for torch's CommDebugMode to count (nothing is sent); replica_exchange.py
+# broadcasts what one replica read of a checkpoint to the others.
 COLLECTIVE_MODULES = {
     CORE / "runtime" / name
     for name in (
@@ -184,6 +192,7 @@ COLLECTIVE_MODULES = {
         "row_exchange.py",
         "export_groups.py",
         "receiver_group.py",
+        "replica_exchange.py",
     )
 }
 

@@ -7,7 +7,6 @@ ids. Exports are built here by hand, as the exporter would send them: whole laye
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import re
 import shutil
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from demo.grpo_vllm import start_engine as start_grpo_engine
+from demo.grpo_vllm import tiny_qwen2_config
 from safetensors.torch import load_file, save_file
 
 from shardkit.core.export import ChangedElements, ExportedTensor, ExportManifest, WeightBucket
@@ -27,18 +28,6 @@ TOP_LOGPROBS = 5
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
 
 
-def allow_amx() -> None:
-    """Asks Linux for the AMX tile state this process's vLLM kernels use.
-
-    vLLM's CPU attention picks its AMX kernel for bf16 wherever the CPU has AMX, but does not
-    request the tile state first (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), so
-    its first forward dies of SIGILL ("Illegal instruction") on such a CPU. Elsewhere the
-    request fails harmlessly.
-    """
-    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
-    ctypes.CDLL(None).syscall(arch_prctl, req_xcomp_perm, xtiledata)
-
-
 def save_tiny_qwen2(folder: Path, *, seed: int) -> dict[str, torch.Tensor]:
     """A 2-layer Qwen2 (hidden 128, head dim 64, vocab 512) with random bf16 weights in
     ``folder``; returns its state dict (checkpoint names).
@@ -46,16 +35,7 @@ def save_tiny_qwen2(folder: Path, *, seed: int) -> dict[str, torch.Tensor]:
     The head dim is 64 because vLLM's CPU attention has no kernel for 16.
     """
     transformers = importlib.import_module("transformers")
-    config = transformers.Qwen2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen2_config(layers=2)
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config).to(DTYPE)
     model.save_pretrained(folder)
@@ -82,18 +62,8 @@ def save_weights_beside(source: Path, folder: Path, state: dict[str, torch.Tenso
 
 
 def start_engine(folder: Path) -> Any:
-    """A ``vllm.LLM`` on ``folder``'s model in this process: eager, bf16, a small cache."""
-    allow_amx()
-    vllm = importlib.import_module("vllm")
-    return vllm.LLM(
-        model=str(folder),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        seed=0,
-    )
+    """A ``vllm.LLM`` on ``folder``'s model in this process, on a process group of its own."""
+    return start_grpo_engine(folder, seed=0, shares_the_group=False, max_num_seqs=4)
 
 
 @dataclass(frozen=True, slots=True)

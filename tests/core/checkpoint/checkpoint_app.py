@@ -38,9 +38,19 @@ class TrainingApp:
         self.step = int(state["step"])
 
 
-def build_app(world_size: int, model_name: str = "gpt") -> TrainingApp:
-    model = models.build(model_name)
-    apply("shardkit", model, init_device_mesh("cpu", (world_size,)), Run(model=model_name))
+def build_app(
+    world_size: int, model_name: str = "gpt", replicas: int = 1, seed: int = 0
+) -> TrainingApp:
+    """``replicas`` > 1: HSDP, ``replicas`` copies of FSDP over ``world_size // replicas``.
+
+    ``seed``: other initial weights than the default (a state that a load must replace)."""
+    model = models.build(model_name, seed)
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        shape = (replicas, world_size // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    apply("shardkit", model, mesh, Run(model=model_name))
     return TrainingApp(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 

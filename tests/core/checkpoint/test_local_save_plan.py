@@ -26,21 +26,19 @@ from harness.pool import run_on_ranks
 from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout
 
 
-def _model(rows: int) -> torch.nn.Sequential:
-    torch.manual_seed(0)
+def _model(rows: int, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(8, rows), torch.nn.ReLU(), torch.nn.Linear(rows, 3), torch.nn.LayerNorm(3)
     )
 
 
-def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], rows: int) -> Any:
+def _trained_state(rank: int, mesh_shape: list[int], rows: int) -> dict[str, Any]:
+    """shardkit's ``fully_shard`` model (HSDP on a 2-D mesh) and AdamW after one step."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardkit.core import fully_shard
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
-    from shardkit.core.runtime.groups import checkpoint_group
 
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
@@ -52,7 +50,16 @@ def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], row
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
     optimizer.step()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": 3, "note": "w"}
+    return {"model": model_state, "optim": optim_state}
+
+
+def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], rows: int) -> Any:
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.runtime.groups import checkpoint_group
+
+    state = {**_trained_state(rank, mesh_shape, rows), "step": 3, "note": "w"}
     group = checkpoint_group()
     with _CollectivesBeforeWrite() as torchs:
         dcp_save(state, checkpoint_id=f"{root}/torch")
@@ -216,23 +223,10 @@ def test_the_layouts_arithmetic_is_torchs(
 
 
 def _save_locally(rank: int, world_size: int, root: str) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from shardkit.core import fully_shard
     from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = _model(7)
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
-    optimizer.step()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _trained_state(rank, [world_size], 7)
     save_planned_locally(state, Path(root), LayoutCache(), checkpoint_group())
 
 
@@ -244,10 +238,7 @@ def _load_with_torch(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(1)  # other weights than the saved ones: the load must replace them all
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3), torch.nn.LayerNorm(3)
-    )
+    model = _model(7, seed=1)  # other weights than the saved ones: the load replaces them all
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

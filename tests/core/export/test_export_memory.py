@@ -15,36 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from harness.allocations import allocated_peak
 from harness.pool import run_on_ranks
 from tests.core.export.export_models import Decoder, fully_shard_of, sharded, train_step
 
 SHAPE: dict[str, Any] = {"vocab": 61, "dim": 128, "hidden": 256, "layers": 4}
-
-
-def _allocated_peak(prof: profile) -> int:
-    """The peak of the running sum of CPU allocations and frees (zero when profiling began)."""
-    events = []
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            fields = event.typed[1]
-            if fields.device.type == "cpu":
-                events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-    live: dict[int, int] = {}
-    total = peak = 0
-    for _, ptr, size in sorted(events):
-        if size > 0:
-            live[ptr] = size
-            total += size
-        else:
-            total -= live.pop(ptr, 0)  # memory from before the export: not counted
-        peak = max(peak, total)
-    return peak
 
 
 def _sharded_on(impl: str, dim: int) -> Decoder:
@@ -79,7 +56,7 @@ def _export_peak(rank: int, world_size: int, impl: str, dim: int) -> dict[str, A
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         exporter.export(receiver)
     return {
-        "peak": _allocated_peak(prof),
+        "peak": allocated_peak(prof),
         "largest_bucket": max(b.nbytes for b in exporter.buckets),
         "buckets": len(exporter.buckets),
     }

@@ -20,9 +20,10 @@ import pytest
 import torch.distributed as dist
 from benchmarks import gpt
 from benchmarks.fake_scale import OPTIONS
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from harness.allocations import allocated_peak
 
 SIZE = "fake-scale-cpu"
 WARMUP = 2  # the first step makes the optimizer's state; the second runs as every later one
@@ -42,34 +43,7 @@ def _peak_allocated(engine: str, world: int) -> int:
             del model, opt
     finally:
         dist.destroy_process_group()
-    return _peak_of(prof)
-
-
-def _peak_of(prof: profile) -> int:
-    """The peak of the running sum of allocations and frees inside the measured step."""
-    events, start, end = [], None, None
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            fields = event.typed[1]
-            if fields.device.type == "cpu":
-                events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-        elif event.name == MEASURED:
-            start, end = event.start_time_ns, event.end_time_ns
-    assert start is not None and end is not None, "the measured step left no profile"
-    live: dict[int, int] = {}
-    total = peak = 0
-    for at, ptr, size in sorted(events):
-        if size > 0:
-            live[ptr] = size
-            total += size
-        else:
-            total -= live.pop(ptr, 0)  # a free of memory allocated before profiling: not counted
-        if start <= at <= end:
-            peak = max(peak, total)
-    return peak
+    return allocated_peak(prof, within=MEASURED)
 
 
 @pytest.mark.parametrize("world", [8, 64])

@@ -83,9 +83,15 @@ def _names_a_tag(target: ast.expr) -> bool:
 
 
 def _called_name(call: ast.Call) -> str:
+    """The called function's name, for c10d's calls: ``dist.isend``, a process group's
+    ``group.send``, or a name imported from c10d. A method of anything else (a
+    multiprocessing ``connection.send`` between a rank and its own writer process) is not
+    c10d's and has no tag: ''."""
     func = call.func
     if isinstance(func, ast.Attribute):
-        return func.attr
+        owner = ast.unparse(func.value).lower()
+        c10d = owner in {"dist", "torch.distributed", "c10d"} or "group" in owner or "pg" in owner
+        return func.attr if c10d else ""
     return func.id if isinstance(func, ast.Name) else ""
 
 

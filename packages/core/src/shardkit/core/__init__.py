@@ -18,8 +18,10 @@ from shardkit.core.checkpoint import (
     CheckpointManager,
     CheckpointSaveError,
     IncompleteCheckpointError,
+    LayoutCache,
     StateDictCache,
     read_dcp_metadata,
+    save_dcp,
 )
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
@@ -83,6 +85,7 @@ __all__ = [
     "FullyShardUsageError",
     "GradientReductionHandle",
     "IncompleteCheckpointError",
+    "LayoutCache",
     "InvalidPlacementError",
     "InvalidShardDimError",
     "MemorySnapshots",
@@ -119,6 +122,7 @@ __all__ = [
     "register_extension",
     "register_fsdp_forward_method",
     "replicate",
+    "save_dcp",
     "save_full_state_dict",
     "set_collective_bound",
     "set_debug",

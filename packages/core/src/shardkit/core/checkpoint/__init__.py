@@ -6,8 +6,9 @@ checks a candidate's files before anything of it loads, then loads it (one verdi
 rank); ``async_save.py`` writes in the background, ``staging.py`` keeps the reused CPU copy of
 the state, and ``files.py`` checksums a checkpoint's files; ``dcp_reading.py`` reads a
 checkpoint's metadata and plain values without running pickled code (``read_dcp_metadata``);
-``StateDictCache`` is torch's ``get_state_dict`` for a loop that asks every step
-(``state_dict_cache.py``).
+``save_dcp`` is DCP's ``save`` planned by each rank alone (``planned_save.py``, the same
+save the manager makes); ``StateDictCache`` is torch's ``get_state_dict`` for a loop that
+asks every step (``state_dict_cache.py``).
 ``from shardkit.core.checkpoint import CheckpointManager`` works as before (``shardkit.core``
 exports the same names). Memory snapshots are a wing of their own, ``shardkit.core.snapshots``.
 """
@@ -19,6 +20,7 @@ from shardkit.core.checkpoint.manager import (
     CheckpointManager,
     IncompleteCheckpointError,
 )
+from shardkit.core.checkpoint.planned_save import LayoutCache, save_dcp
 from shardkit.core.checkpoint.state_dict_cache import StateDictCache
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "IncompleteCheckpointError",
+    "LayoutCache",
     "StateDictCache",
     "read_dcp_metadata",
+    "save_dcp",
 ]

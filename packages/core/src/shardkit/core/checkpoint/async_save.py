@@ -27,8 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
-from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+from shardkit.core.checkpoint.local_save import (
+    Gathered,
+    LayoutCache,
+    LocalPlanSavePlanner,
+    save_planned_locally,
+)
+from shardkit.core.checkpoint.process_writer import WriterProcess
+from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
 
@@ -77,23 +88,53 @@ def start(
     target: Path,
     leave_out: frozenset[str],
     layouts: LayoutCache,
+    process: tuple[WriterProcess, StagingBuffers] | None = None,
 ) -> PendingSave:
     """Begin writing ``staged`` into ``partial`` in the background (collective: every rank).
 
     The writer thread plans alone (``local_save``: no collective until the files are written),
     writes, meets the other ranks' writers on ``checkpoint_group()`` for the results and the
-    outcome, then hashes this rank's share of the files.
+    outcome, then hashes this rank's share of the files. With ``process`` (the writer child
+    and the shared buffers ``staged`` lives in), the writing, rank 0's metadata and the hashes
+    run in the child; the thread only plans, waits and meets the other ranks.
     """
     started = time.perf_counter()
     sums: Future[dict[str, FileSum]] = Future()
     group = checkpoint_group()  # made here, on the training thread, on every rank
+    rank, world = global_rank(), world_size()
+    if process is not None:
+        process[0].ensure_started()  # on the training thread: see ensure_started
 
     def write() -> None:
         _deprioritize_this_thread()
         try:
-            save_planned_locally(staged, partial, layouts, group)
-            names = share(list_files(partial, leave_out=leave_out), global_rank(), world_size())
-            sums.set_result({name: checksum(partial / name) for name in names})
+            if process is None:
+                save_planned_locally(staged, partial, layouts, group)
+                names = share(list_files(partial, leave_out=leave_out), rank, world)
+                sums.set_result({name: checksum(partial / name) for name in names})
+                return
+            child, buffers = process
+
+            def write_items(
+                _: FileSystemWriter, planner: LocalPlanSavePlanner, plan: SavePlan
+            ) -> list[WriteResult]:
+                child.share_buffers(buffers.buffers, buffers.generation)
+                return child.write(partial, rank, plan, planner, buffers.buffers)
+
+            def write_metadata(
+                _: FileSystemWriter, planner: LocalPlanSavePlanner, gathered: Gathered
+            ) -> None:
+                child.write_metadata(partial, planner, gathered)
+
+            save_planned_locally(
+                staged,
+                partial,
+                layouts,
+                group,
+                write_items=write_items,
+                write_metadata=write_metadata,
+            )
+            sums.set_result(child.checksums(partial, leave_out, rank, world))
         except Exception as error:
             sums.set_exception(error)
 

@@ -20,15 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from shardkit.core.checkpoint.dcp_reading import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_dcp_metadata,
-    unsafe_values,
-    value_keys,
-)
+from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata, unsafe_values, value_keys
 from shardkit.core.checkpoint.files import COMPLETE, manifest_of, problems_with, share
 from shardkit.core.checkpoint.local_save import describe_dcp_failure
+from shardkit.core.checkpoint.replica_reads import (
+    ReadCounts,
+    ReplicaSplitPlanner,
+    ReplicaSplitReader,
+)
 from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import global_rank, world_size
 
@@ -68,15 +67,20 @@ def verify(checkpoint: Path) -> tuple[str, Metadata | None]:
     return "; ".join(sorted(problems)), read[0] if read else None
 
 
-def try_load(state: dict[str, Any], checkpoint: Path, metadata: Metadata) -> str:
+def try_load(
+    state: dict[str, Any], checkpoint: Path, metadata: Metadata, counts: ReadCounts
+) -> str:
     """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank).
 
-    ``metadata``: as ``verify`` read it, so that the load does not read it again.
+    ``metadata``: as ``verify`` read it, so that the load does not read it again. The
+    replicas of each replicated DTensor (HSDP's) split its reading (``replica_reads``);
+    ``counts`` gets what this rank read and received.
     """
 
     def load() -> None:
         try:
-            reader, planner = SafeFileSystemReader(checkpoint, metadata), SafeLoadPlanner()
+            reader = ReplicaSplitReader(checkpoint, metadata, counts)
+            planner = ReplicaSplitPlanner()
             dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
         except CheckpointException as error:  # a BaseException: `except Exception` misses it
             raise RuntimeError(describe_dcp_failure(error, "load")) from None

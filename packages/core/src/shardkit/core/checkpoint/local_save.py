@@ -20,6 +20,10 @@ write results. Here:
 Collectives: none before the write; after it, the gather (two point-to-point rounds to
 rank 0) and the outcome's broadcast. Values a rank holds that no other rank holds the same
 way (a rank's own RNG state, say) are saved as DCP saves them: once, by one rank.
+
+Next to split off: rank 0's side of the results (their gather and checks, the storage
+entries, ``.metadata``'s file: ``_gather_results``, ``storage_entries``,
+``_write_metadata_file``) into a module of its own, ``save_results.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +56,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
 from shardkit.core.checkpoint.save_layout import SaveLayout
+from shardkit.core.checkpoint.sharded_tensor_layout import UnplannableValue
 from shardkit.core.errors import first_sentence
 from shardkit.core.runtime.object_collectives import broadcast_bytes, gather_rows_to_first
 
 __all__ = [
+    "Gathered",
     "LayoutCache",
     "NotPlannableLocally",
     "describe_dcp_failure",
@@ -62,6 +69,10 @@ __all__ = [
     "SaveTimes",
     "save_planned_locally",
     "storage_entries",
+    "write_items_here",
+    "write_metadata_file",
+    "WriteItems",
+    "WriteMetadata",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,18 +111,26 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
     """DCP's planner, with a local plan from the layout instead of DCP's dedup on rank 0."""
 
     def __init__(self, cache: LayoutCache, rank: int, world_size: int) -> None:
-        super().__init__()
+        # Not DCP's flattening of ShardedTensors: it drops a ShardedTensor from the state of a
+        # rank that holds no shard of it (FSDP1's last ranks of a short tensor), which would
+        # make that rank's keys differ from the others'. Nested ones are refused instead
+        # (``sharded_tensor_layout``: they go through DCP's planning, which flattens them).
+        super().__init__(flatten_sharded_tensors=False)
         self.cache, self.rank, self.world_size = cache, rank, world_size
         self.layout: SaveLayout | None = None
 
     def create_local_plan(self) -> SavePlan:
         """This rank's items (each chunk written by one rank: no dedup needed after)."""
-        layout = SaveLayout.of(self.state_dict, self.world_size)
+        try:
+            layout = SaveLayout.of(self.state_dict, self.world_size)
+        except UnplannableValue as error:
+            raise NotPlannableLocally(str(error)) from None
         for value in layout.values:
-            if value.mesh is not None and value.mesh.size != self.world_size:
+            mesh = value.mesh
+            if value.kind == "dtensor" and mesh is not None and mesh.size != self.world_size:
                 # Pipeline stages, each on a mesh of its own: the other ranks hold other keys.
                 raise NotPlannableLocally(
-                    f"{value.fqn} is on a mesh of {value.mesh.size} of the {self.world_size} "
+                    f"{value.fqn} is on a mesh of {mesh.size} of the {self.world_size} "
                     "ranks (each rank's keys are not every rank's)"
                 )
         cached = self.cache.layout
@@ -123,12 +142,39 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
         return plan
 
 
+Gathered = list[tuple[str, str, torch.Tensor, bool]]
+"""Rank 0's view of every rank's results: (layout digest, failure, result rows, not local)."""
+
+WriteItems = Callable[[FileSystemWriter, "LocalPlanSavePlanner", SavePlan], list[WriteResult]]
+"""Writes a rank's planned items and returns DCP's results (here, or in a writer process)."""
+
+WriteMetadata = Callable[[FileSystemWriter, "LocalPlanSavePlanner", Gathered], None]
+"""Rank 0: checks the gathered results and writes ``.metadata`` (here, or in a process)."""
+
+
+def write_items_here(
+    writer: FileSystemWriter, planner: LocalPlanSavePlanner, plan: SavePlan
+) -> list[WriteResult]:
+    """The items of ``plan`` written by DCP's writer in this process."""
+    future = writer.write_data(plan, planner)
+    future.wait()
+    return future.value()
+
+
 def save_planned_locally(
-    state: dict[str, Any], checkpoint_id: Path, cache: LayoutCache, group: dist.ProcessGroup
+    state: dict[str, Any],
+    checkpoint_id: Path,
+    cache: LayoutCache,
+    group: dist.ProcessGroup,
+    *,
+    write_items: WriteItems = write_items_here,
+    write_metadata: WriteMetadata | None = None,
 ) -> SaveTimes:
     """Save ``state`` into ``checkpoint_id`` as DCP would, planned on each rank alone.
 
     Collective over ``group`` (every rank of the world, in the world's rank order).
+    ``write_items`` and ``write_metadata`` say where the files are written: in this process
+    by default, in a writer process for ``process_writer``; the collectives stay here.
 
     Raises:
         RuntimeError: on every rank, the same text: a rank failed to write, the ranks planned
@@ -155,9 +201,7 @@ def save_planned_locally(
         times.plan = time.perf_counter() - started
         started = time.perf_counter()
         final = planner.finish_plan(plan)
-        future = writer.write_data(final, planner)
-        future.wait()
-        rows = _result_rows(final.items, future.value(), rank)
+        rows = _result_rows(final.items, write_items(writer, planner, final), rank)
         times.write = time.perf_counter() - started
     except NotPlannableLocally as error:
         failure, not_local = f"rank {rank}: {error}", True  # nothing written
@@ -175,7 +219,7 @@ def save_planned_locally(
             if reason:
                 outcome = json.dumps({"fallback": reason}).encode()
             else:
-                _write_metadata(writer, planner, gathered)
+                (write_metadata or _write_metadata)(writer, planner, gathered)
                 outcome = json.dumps({"metadata_s": time.perf_counter() - begun}).encode()
         except Exception as error:
             outcome = json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
@@ -262,6 +306,9 @@ def _gather_results(
         words = head.tolist()
         sent = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[:2]).hex()
         size = int(words[4])
+        if body is None:  # a length beyond any save's results: not received
+            out.append((sent, f"rank {rank}: malformed results (oversized)", rows[:0], False))
+            continue
         if not 0 <= size <= min(4096, body.numel()):  # a failure like any other: no raise here
             out.append((sent, f"rank {rank}: malformed results ({size} bytes)", body[:0], False))
             continue
@@ -273,7 +320,7 @@ def _gather_results(
 def _write_metadata(
     writer: FileSystemWriter,
     planner: LocalPlanSavePlanner,
-    gathered: list[tuple[str, str, torch.Tensor, bool]],
+    gathered: Gathered,
 ) -> None:
     """Rank 0: check every rank's results against the layout, then write ``.metadata``."""
     layout = planner.layout
@@ -283,7 +330,7 @@ def _write_metadata(
         planner_data=planner.mappings,
         storage_data=storage_entries(layout, [body for _, _, body, _ in gathered]),
     )
-    _write_metadata_file(writer, metadata)
+    write_metadata_file(writer, metadata)
 
 
 def _needs_dcp(
@@ -343,9 +390,10 @@ def storage_entries(
         if body.numel() != len(written[rank]) * _ROW:
             sent = body.numel() // _ROW
             raise RuntimeError(f"rank {rank} sent {sent} results for {len(written[rank])} items")
+    negative = [rank for rank, body in enumerate(bodies) if bool((body < 0).any())]
+    if negative:
+        raise RuntimeError(f"rank(s) {negative[:8]} sent a negative file number, offset or size")
     rows = torch.cat(bodies) if bodies else torch.zeros(0, dtype=torch.int64)
-    if bool((rows < 0).any()):
-        raise RuntimeError("a rank sent a negative file number, offset or size")
     last = layout.last_storage
     if last is not None and torch.equal(last[0], rows):
         return last[1]
@@ -363,7 +411,7 @@ def storage_entries(
     return entries
 
 
-def _write_metadata_file(writer: FileSystemWriter, metadata: Metadata) -> None:
+def write_metadata_file(writer: FileSystemWriter, metadata: Metadata) -> None:
     """Write ``.metadata`` as DCP's ``FileSystemWriter.finish`` does.
 
     The version and storage meta set, the pickle into a temporary file, flushed to disk, then

@@ -28,7 +28,7 @@ import time
 import weakref
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from shardkit.core.checkpoint import async_save as background
 from shardkit.core.checkpoint.async_save import (
@@ -38,6 +38,8 @@ from shardkit.core.checkpoint.async_save import (
 from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.load_checks import no_checkpoint_loads, try_load, verify
 from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+from shardkit.core.checkpoint.process_writer import WriterProcess
+from shardkit.core.checkpoint.replica_reads import ReadCounts
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
@@ -96,16 +98,31 @@ class CheckpointManager:
     Args:
         root: the directory that holds ``step_00000010/``, ``step_00000020/``, ``latest``.
         keep: how many complete checkpoints to keep (older ones are deleted after a save).
+        writer: where asynchronous saves write: ``"thread"``, a thread of the training
+            process; ``"process"``, a writer process per rank reading the staging buffers
+            from shared memory (``process_writer``; see docs/checkpoints.md).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep: int = 2) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: int = 2,
+        writer: Literal["thread", "process"] = "thread",
+    ) -> None:
         if keep < 1:
             raise ValueError(f"CheckpointManager keeps at least 1 checkpoint, got keep={keep}")
+        if writer not in ("thread", "process"):
+            raise ValueError(f"CheckpointManager's writer is 'thread' or 'process', got {writer!r}")
         self.root = Path(root)
         self.keep = keep
         self._pending: PendingSave | None = None
-        self._staging = StagingBuffers()  # allocated by the first asynchronous save
+        # Allocated by the first asynchronous save; in shared memory for a writer process.
+        self._staging = StagingBuffers(shared=writer == "process")
+        self._writer_process = WriterProcess() if writer == "process" else None
         self._layouts = LayoutCache()  # the last save's plan, reused while the layout stays
+        self.last_load_reads = ReadCounts()
+        """What this rank read from storage, and received from its replicas, at the last load."""
         atexit.register(_warn_if_pending, weakref.ref(self))
 
     def __enter__(self) -> CheckpointManager:
@@ -198,6 +215,11 @@ class CheckpointManager:
                 target=target,
                 leave_out=_MARKERS,
                 layouts=self._layouts,
+                process=(
+                    (self._writer_process, self._staging)
+                    if self._writer_process is not None
+                    else None
+                ),
             )
             logger.info(
                 "staged %s in %.3f s; writing it in the background",
@@ -249,8 +271,17 @@ class CheckpointManager:
         return None
 
     def close(self) -> None:
-        """Publish the pending asynchronous save, if any (collective)."""
-        self.wait()
+        """Publish the pending asynchronous save, if any (collective); end the writer process."""
+        try:
+            self.wait()
+        finally:
+            if self._writer_process is not None:
+                self._writer_process.stop()
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id (``writer="process"``, once a save started it), or None."""
+        return self._writer_process.pid if self._writer_process is not None else None
 
     def _abandon(self) -> None:
         pending, self._pending = self._pending, None
@@ -349,7 +380,8 @@ class CheckpointManager:
             reason, metadata = verify(candidate)
             if not reason and metadata is not None:
                 attempted = True
-                reason = try_load(state, candidate, metadata)
+                self.last_load_reads = ReadCounts()
+                reason = try_load(state, candidate, metadata, self.last_load_reads)
             if not reason:
                 return candidate
             reasons.append(f"{candidate.name}: {reason}")

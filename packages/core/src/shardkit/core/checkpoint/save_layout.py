@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -46,9 +47,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardkit.core.checkpoint.sharded_tensor_layout import shard_chunks, sharded_tensor_parts
 from shardkit.core.runtime.dtensors import chunk_at
 
 __all__ = ["Geometry", "SaveLayout", "ValueLayout", "mesh_key"]
+
+_CHUNKED = frozenset({"dtensor", "sharded"})  # values whose chunks the ranks hold apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +61,13 @@ class ValueLayout:
 
     fqn: str
     kind: str
-    """``"dtensor"``, ``"tensor"`` (held whole by every rank) or ``"bytes"`` (not a tensor)."""
+    """``"dtensor"``, ``"sharded"`` (FSDP1's ShardedTensor: ``sharded_tensor_layout``),
+    ``"tensor"`` (held whole by every rank) or ``"bytes"`` (not a tensor)."""
     shape: tuple[int, ...] = ()
     properties: TensorProperties | None = None
     mesh: np.ndarray | None = None
-    """A DTensor's mesh: the global rank at each position (its shape is the mesh's)."""
+    """A DTensor's mesh: the global rank at each position (its shape is the mesh's); a
+    ShardedTensor's: the global rank of each shard."""
     placements: tuple[Any, ...] = ()
     mesh_id: str = ""
     """:func:`mesh_key` of ``mesh`` (computed once per mesh, not per tensor)."""
@@ -190,7 +196,7 @@ class SaveLayout:
         items: list[WriteItem] = []
         plain = 0
         for ordinal, value in enumerate(self.values):
-            if value.kind != "dtensor":
+            if value.kind not in _CHUNKED:
                 # Held by every rank: written by one, spread over the ranks value by value.
                 if plain % self.world_size == rank:
                     items.append(_whole_item(value))
@@ -218,7 +224,7 @@ class SaveLayout:
         keys: list[list[MetadataIndex]] = [[] for _ in range(self.world_size)]
         plain = 0
         for ordinal, value in enumerate(self.values):
-            if value.kind != "dtensor":
+            if value.kind not in _CHUNKED:
                 offsets = None if value.kind == "bytes" else torch.Size([0] * len(value.shape))
                 hint = None if offsets is None else 0
                 keys[plain % self.world_size].append(_key(value.fqn, offsets, hint))
@@ -253,6 +259,9 @@ class SaveLayout:
 
 
 def _value_layout(fqn: str, value: Any, meshes: dict[int, tuple[np.ndarray, str]]) -> ValueLayout:
+    if isinstance(value, ShardedTensor):
+        shape, properties, ranks, placements = sharded_tensor_parts(fqn, value)
+        return ValueLayout(fqn, "sharded", shape, properties, ranks, placements, mesh_key(ranks))
     if isinstance(value, DTensor):
         device_mesh = value.device_mesh
         known = meshes.get(id(device_mesh))
@@ -317,6 +326,8 @@ def _chunk_item(value: ValueLayout, geometry: Geometry, chunk: int) -> WriteItem
 def _position_chunks(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
     """(positions, ndim) offsets and sizes of the chunk at each mesh position."""
     assert value.mesh is not None
+    if value.kind == "sharded":  # the shards are the positions
+        return shard_chunks(value.placements, len(value.shape))
     mesh_shape = value.mesh.shape
     positions = int(np.prod(mesh_shape))
     if not all(type(p) in (Shard, Replicate) for p in value.placements):

@@ -36,9 +36,15 @@ class StagingBuffers:
     buffer, with a log line; everything else is copied into the buffer it had.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
+        """``shared``: buffers in shared memory, for a writer process to read in place."""
         self._buffers: dict[str, torch.Tensor] = {}
         self._copied_from_device = False
+        self._shared = shared
+        self._allocated = False
+        self.generation = 0
+        """Counts the saves that allocated a buffer: a writer process holding the buffers of
+        an older generation must be sent them again."""
 
     @property
     def nbytes(self) -> int:
@@ -52,10 +58,12 @@ class StagingBuffers:
         level); tensors and DTensors are copied into the buffers; other leaves are deep-copied.
         """
         self._copied_from_device = False
+        self._allocated = False
         flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         staged = {key: self._copy(value, key) for key, value in flat.items()}
         if self._copied_from_device:
             wait_for_host_copies()  # the copies were queued without blocking
+        self.generation += self._allocated
         return staged
 
     @property
@@ -89,10 +97,16 @@ class StagingBuffers:
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             if buffer is not None:
                 logger.info("staging buffer of %s reallocated for %s", key, tensor.shape)
-            buffer = torch.empty(
-                tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=can_pin_memory()
-            )
+            if self._shared:
+                # Shared memory is not pinned here: a device-to-host copy into it is staged by
+                # the CPU (registering shared pages with the accelerator is left for later).
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            else:
+                buffer = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=can_pin_memory()
+                )
             self._buffers[key] = buffer
+            self._allocated = True
         from_device = is_accelerator(tensor.device)
         self._copied_from_device |= from_device
         buffer.copy_(tensor.detach(), non_blocking=from_device)

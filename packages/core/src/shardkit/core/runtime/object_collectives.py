@@ -51,27 +51,33 @@ def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
 
 
 def gather_rows_to_first(
-    head: torch.Tensor, body: torch.Tensor, group: dist.ProcessGroup
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    head: torch.Tensor, body: torch.Tensor, group: dist.ProcessGroup, *, most: int = 1 << 26
+) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
     """Every rank's ``(head, body)`` on the group's first rank (rank order), None elsewhere.
 
     ``head``: int64, the same length on every rank; ``body``: 1-D int64 of any length (its
     length travels with the head, so the first rank sizes each receive before it posts it).
+    A body said to be longer than ``most`` elements, or of a negative length, is not received
+    (None in its place): the first rank never allocates what a peer's header claims unchecked.
+    A rank's own body over ``most`` is not sent either (its length is sent as -1).
     """
-    framed = torch.cat([head.reshape(-1), torch.tensor([body.numel()], dtype=torch.int64)])
+    length = body.numel() if body.numel() <= most else -1
+    framed = torch.cat([head.reshape(-1), torch.tensor([length], dtype=torch.int64)])
     heads = gather_to_first(framed, group)
     tag = OBJECT_TRANSFERS.tag()
     if heads is None:
-        if body.numel():
+        if length > 0:
             work = dist.isend(body.contiguous(), group=group, group_dst=0, tag=tag)
             if work is not None:
                 work.wait()
         return None
-    bodies = [body] + [torch.empty(int(h[-1]), dtype=torch.int64) for h in heads[1:]]
+    claimed = [int(h[-1]) for h in heads]
+    bodies: list[torch.Tensor | None] = [body if length >= 0 else None]
+    bodies += [torch.empty(n, dtype=torch.int64) if 0 <= n <= most else None for n in claimed[1:]]
     works = [
-        dist.irecv(bodies[peer], group=group, group_src=peer, tag=tag)
-        for peer in range(1, len(heads))
-        if bodies[peer].numel()
+        dist.irecv(received, group=group, group_src=peer, tag=tag)
+        for peer, received in enumerate(bodies)
+        if peer > 0 and received is not None and received.numel()
     ]
     for work in works:
         if work is not None:

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from shardkit.core import ReducePrecision
+from shardkit.tools.plan.checkpoint_cli import checkpoint_cost_of, format_checkpoint_cost
+from shardkit.tools.plan.checkpoint_cost import DEFAULT_DISK_GIB_S
 from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
 from shardkit.tools.plan.export_cli import export_cost_of, format_export_cost
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
@@ -243,6 +245,17 @@ def _parser() -> argparse.ArgumentParser:
     exporting.add_argument(
         "--export-delta", type=float, metavar="FRACTION", help="a delta export: changed elements"
     )
+    saving = parser.add_argument_group(
+        "a checkpoint save's cost (shardkit.core's CheckpointManager)",
+        "bytes per rank, .metadata, planning and write time of saving the model and --optimizer",
+    )
+    saving.add_argument("--checkpoint", action="store_true", help="predict a save")
+    saving.add_argument(
+        "--disk-gib-s",
+        type=float,
+        default=DEFAULT_DISK_GIB_S,
+        help=f"write bandwidth per rank, GiB/s (default {DEFAULT_DISK_GIB_S:g})",
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument(
@@ -314,10 +327,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         sys.stderr.write(f"shardkit-plan: cannot plan the export: {err}\n")
         return 2
+    try:
+        saved = checkpoint_cost_of(model, args, tp_plan=options.tp_plan)
+    except ValueError as err:
+        sys.stderr.write(f"shardkit-plan: cannot plan the checkpoint: {err}\n")
+        return 2
     if args.json:
         data = {"factory": args.factory, **result.to_dict(), "bandwidth": bandwidth.to_dict()}
         if exported is not None:
             data["export"] = exported.to_dict()
+        if saved is not None:
+            data["checkpoint"] = saved.to_dict()
         if bandwidth.gbps is None:
             data["comm_seconds"] = None
         if timed is not None:
@@ -333,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(_format_step_time(*timed))
         if exported is not None:
             sys.stdout.write(format_export_cost(exported))
+        if saved is not None:
+            sys.stdout.write(format_checkpoint_cost(saved))
     return 0
 
 

@@ -1,0 +1,112 @@
+"""``shardkit-plan --checkpoint``: a checkpoint save's predicted cost, beside the plan.
+
+The state saved is ``{"model": ..., "optim": ...}`` of ``get_state_dict(model, optimizer)``
+with the command's ``--optimizer``, on the plan's mesh (``--mesh``, ``--tp``); this module
+builds its layout (``checkpoint_layout``), times the core's planning once here
+(``checkpoint_timing``) and prints :func:`checkpoint_cost`'s figures (``--json``: under
+``"checkpoint"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import textwrap
+
+from torch import nn
+
+from shardkit.core.checkpoint.save_layout import SaveLayout
+from shardkit.tools.plan.checkpoint_cost import CheckpointCost, checkpoint_cost
+from shardkit.tools.plan.checkpoint_layout import (
+    CheckpointMesh,
+    checkpoint_state,
+    dcp_fallback_reason,
+)
+from shardkit.tools.plan.checkpoint_timing import SaveCosts, calibrate_save_planning
+from shardkit.tools.plan.export_cli import tp_dims_of
+from shardkit.tools.plan.tp_styles import TPPlan
+from shardkit.tools.units import format_bytes
+
+__all__ = ["checkpoint_cost_of", "format_checkpoint_cost", "mesh_of"]
+
+
+def mesh_of(args: argparse.Namespace) -> CheckpointMesh:
+    """The command line's mesh: (replicas, shard, tp).
+
+    Raises:
+        ValueError: a world size the mesh does not divide into.
+    """
+    tp = args.tp
+    replicas, shard = args.mesh if args.mesh else (1, args.world_size // max(tp, 1))
+    mesh = CheckpointMesh(replicas, shard, tp)
+    if mesh.world_size != args.world_size:
+        raise ValueError(
+            f"--world-size {args.world_size} is not the mesh's {replicas} x {shard} x tp {tp}"
+        )
+    return mesh
+
+
+def checkpoint_cost_of(
+    model: nn.Module, args: argparse.Namespace, tp_plan: TPPlan | None = None
+) -> CheckpointCost | None:
+    """The save the command line asks for (None without ``--checkpoint``).
+
+    Raises:
+        ValueError: a mesh, optimizer or bandwidth the prediction refuses.
+    """
+    if not args.checkpoint:
+        return None
+    mesh = mesh_of(args)
+    tp_dims = tp_dims_of(model, tp_plan) if args.tp > 1 and tp_plan is not None else {}
+    values, mappings, plain_sizes = checkpoint_state(model, mesh, args.optimizer, tp_dims)
+    layout = SaveLayout.from_values(values, mesh.world_size)
+    costs = _calibrated()
+    fallback = dcp_fallback_reason(model, mesh, tp_dims)
+    return checkpoint_cost(layout, plain_sizes, costs, args.disk_gib_s, mappings, fallback)
+
+
+@functools.cache
+def _calibrated() -> SaveCosts:
+    """The per-unit costs, measured once a process (about a second)."""
+    return calibrate_save_planning()
+
+
+def format_checkpoint_cost(cost: CheckpointCost) -> str:
+    """The save's figures, one a line."""
+
+    def spread(per_rank: list[int]) -> str:
+        s = cost.spread(per_rank)
+        return f"{format_bytes(s['min'])} / {format_bytes(s['median'])} / {format_bytes(s['max'])}"
+
+    items = cost.spread(cost.items)
+    rows = [
+        ("values (flat state dict)", f"{cost.values} ({cost.geometries} geometries)"),
+        ("data per rank, min/median/max", spread(cost.data_bytes)),
+        ("file per rank, min/median/max", spread(cost.file_bytes)),
+        (
+            "items per rank, min/median/max",
+            f"{items['min']} / {items['median']:g} / {items['max']}",
+        ),
+        ("busiest rank", str(cost.busiest_rank)),
+        (".metadata entries", f"{cost.entries:,}"),
+        (
+            ".metadata size",
+            ("" if cost.metadata_exact else "~") + format_bytes(cost.metadata_bytes),
+        ),
+        ("planning per rank, each save", f"{cost.plan_s * 1e3:.3f} ms"),
+        ("planning per rank, first save", f"{cost.first_plan_s * 1e3:.3f} ms"),
+        ("rank 0's metadata, first save", f"{cost.rank0_metadata_s * 1e3:.3f} ms"),
+        (f"write at {cost.disk_gib_s:g} GiB/s a rank", f"{cost.write_s * 1e3:.3f} ms"),
+        ("planning collectives", "0 (each rank plans alone)"),
+    ]
+    lines = [f"\nCheckpoint save (W={cost.world_size}):"]
+    if cost.dcp_fallback:
+        warning = (
+            f"falls back to DCP's planning: {cost.dcp_fallback}. The figures below are the "
+            "local plan's: DCP's split of the chunks and rank 0's global plan are not predicted"
+        )
+        lines += textwrap.wrap(warning, width=96, initial_indent="  ", subsequent_indent="    ")
+    lines += [f"  {label:<34} {value}" for label, value in rows]
+    for text in (f"assumes {cost.assumption}", f"time per unit: {cost.costs.source}"):
+        lines += textwrap.wrap(text, width=96, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,77 @@
+"""An FSDP1 checkpoint saved by ``save_dcp`` at W=2 loads into the core's ``fully_shard`` at W=4.
+
+``shardkit.legacy``'s SHARDED_STATE_DICT (ShardedTensors, one dim-0 shard per rank) is saved
+at W=2 with ``shardkit.core.save_dcp``; at W=4, a ``fully_shard`` model of other initial
+weights reads it with torch's own ``dcp.load`` and ``set_model_state_dict``. The saved model
+is untrained, so the oracle is the seed-0 model itself: every full tensor must equal it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from harness.pool import run_on_ranks
+from tests.core import models
+from tests.legacy.ckpt_support import state_dict_of
+from tests.legacy.legacy_parity import LegacyRun, wrap_model
+
+RUN = LegacyRun(model="mlp")  # a 3-row head: uneven at W=2, an empty shard at W=4
+
+
+def _save_fsdp1(rank: int, world_size: int, root: str) -> list[str]:
+    from shardkit.core import LayoutCache, save_dcp
+
+    model = wrap_model("shardkit", RUN)  # seed 0's weights
+    state = {"model": state_dict_of("shardkit", model, "SHARDED_STATE_DICT")}
+    layout = LayoutCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_dcp(state, root, layout=layout)
+    assert not layout.dcp_reason, layout.dcp_reason  # planned on each rank alone
+    return sorted({type(v).__name__ for v in state["model"].values()})
+
+
+def _load_fully_shard(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardkit.core import fully_shard
+
+    model = models.build(RUN.model, seed=5)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.modules():
+        if isinstance(block, models.Block):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loaded = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_load(loaded, checkpoint_id=root)
+    set_model_state_dict(model, loaded["model"])
+    full: dict[str, torch.Tensor] = {}
+    for name, value in get_model_state_dict(model).items():
+        assert isinstance(value, DTensor), name
+        full[name] = value.full_tensor()
+    return full
+
+
+def test_an_fsdp1_checkpoint_saved_locally_loads_into_fully_shard_at_another_world(
+    tmp_path: Path,
+) -> None:
+    kinds = run_on_ranks(2, _save_fsdp1, root=str(tmp_path / "ckpt"))
+    assert all(k == ["ShardedTensor"] for k in kinds), kinds
+    loaded = run_on_ranks(4, _load_fully_shard, root=str(tmp_path / "ckpt"))
+    expected = models.build(RUN.model).state_dict()
+    other = models.build(RUN.model, seed=5).state_dict()
+    # The loading model starts from other weights (LayerNorm's ones aside): a load that did
+    # nothing would leave these, and fail below.
+    assert any(not torch.equal(other[name], t) for name, t in expected.items())
+    for full in loaded:
+        assert full.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(full[name], tensor), name
