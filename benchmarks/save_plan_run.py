@@ -179,7 +179,7 @@ def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
 def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, float, int]:
     """Rank 0's metadata after the write, from rows like the ranks': seconds at the first
     save of the layout and at the next, and its bytes."""
-    from shardkit.core.checkpoint.local_save import storage_entries
+    from shardkit.core.checkpoint.save_results import storage_entries
 
     bodies = []
     for count in layout.expected_items():

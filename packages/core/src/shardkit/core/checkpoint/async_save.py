@@ -33,12 +33,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.local_save import (
-    Gathered,
     LayoutCache,
     LocalPlanSavePlanner,
     save_planned_locally,
 )
 from shardkit.core.checkpoint.process_writer import WriterProcess
+from shardkit.core.checkpoint.save_results import Gathered
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size

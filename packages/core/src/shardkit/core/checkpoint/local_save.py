@@ -21,9 +21,8 @@ Collectives: none before the write; after it, the gather (two point-to-point rou
 rank 0) and the outcome's broadcast. Values a rank holds that no other rank holds the same
 way (a rank's own RNG state, say) are saved as DCP saves them: once, by one rank.
 
-Next to split off: rank 0's side of the results (their gather and checks, the storage
-entries, ``.metadata``'s file: ``_gather_results``, ``storage_entries``,
-``_write_metadata_file``) into a module of its own, ``save_results.py``.
+What was written travels and is checked in ``save_results`` (the rows, their gather, rank
+0's storage entries and ``.metadata``'s file).
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import pickle
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,42 +39,42 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     FileSystemWriter,
-    _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
 from shardkit.core.checkpoint.save_layout import SaveLayout
+from shardkit.core.checkpoint.save_results import (
+    ROW,
+    Gathered,
+    gather_results,
+    result_rows,
+    storage_entries,
+    write_metadata_file,
+)
 from shardkit.core.checkpoint.sharded_tensor_layout import UnplannableValue
 from shardkit.core.errors import first_sentence
-from shardkit.core.runtime.object_collectives import broadcast_bytes, gather_rows_to_first
+from shardkit.core.runtime.object_collectives import broadcast_bytes
 
 __all__ = [
-    "Gathered",
     "LayoutCache",
     "NotPlannableLocally",
     "describe_dcp_failure",
     "LocalPlanSavePlanner",
     "SaveTimes",
     "save_planned_locally",
-    "storage_entries",
     "write_items_here",
-    "write_metadata_file",
     "WriteItems",
     "WriteMetadata",
 ]
 
 logger = logging.getLogger(__name__)
-
-_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
-_ROW = 4  # file number, offset, length, size in bytes
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,7 +138,6 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
         return plan
 
 
-Gathered = list[tuple[str, str, torch.Tensor, bool]]
 """Rank 0's view of every rank's results: (layout digest, failure, result rows, not local)."""
 
 WriteItems = Callable[[FileSystemWriter, "LocalPlanSavePlanner", SavePlan], list[WriteResult]]
@@ -188,7 +183,7 @@ def save_planned_locally(
     writer = FileSystemWriter(checkpoint_id)
     planner = LocalPlanSavePlanner(cache, rank, world)
     failure, not_local = "", False
-    rows = torch.zeros((0, _ROW), dtype=torch.int64)
+    rows = torch.zeros((0, ROW), dtype=torch.int64)
     started = time.perf_counter()
     try:
         # Planned and written without a collective: a rank that fails here says so in the
@@ -201,7 +196,7 @@ def save_planned_locally(
         times.plan = time.perf_counter() - started
         started = time.perf_counter()
         final = planner.finish_plan(plan)
-        rows = _result_rows(final.items, write_items(writer, planner, final), rank)
+        rows = result_rows(final.items, write_items(writer, planner, final), rank)
         times.write = time.perf_counter() - started
     except NotPlannableLocally as error:
         failure, not_local = f"rank {rank}: {error}", True  # nothing written
@@ -209,7 +204,7 @@ def save_planned_locally(
         failure = f"rank {rank}: {type(error).__name__}: {error}"
     started = time.perf_counter()
     digest = planner.layout.digest if planner.layout is not None else "0" * 32
-    gathered = _gather_results(digest, rows, failure, not_local, group)
+    gathered = gather_results(digest, rows, failure, not_local, group)
 
     outcome = b""
     if gathered is not None:  # rank 0
@@ -257,64 +252,6 @@ def _parse_outcome(data: bytes) -> dict[str, Any]:
     if isinstance(value, dict) and isinstance(value.get("metadata_s"), float) and len(value) == 1:
         return value
     raise RuntimeError(f"rank 0's outcome of the save is malformed: {str(value)[:200]}")
-
-
-def _result_rows(items: list[WriteItem], results: list[WriteResult], rank: int) -> torch.Tensor:
-    """This rank's results as (file number, offset, length, bytes), in its items' order."""
-    by_index = {result.index: result for result in results}
-    rows = torch.empty((len(items), _ROW), dtype=torch.int64)
-    for i, item in enumerate(items):
-        result = by_index.get(item.index)
-        if result is None:
-            raise RuntimeError(f"no write result for {item.index.fqn} at {item.index.offset}")
-        info = result.storage_data
-        if not isinstance(info, _StorageInfo) or info.transform_descriptors:
-            raise RuntimeError(f"{item.index.fqn}: a storage entry this save cannot describe")
-        match = _FILE.fullmatch(info.relative_path)
-        if match is None or int(match.group(1)) != rank:
-            raise RuntimeError(f"{item.index.fqn}: written to {info.relative_path!r}")
-        rows[i] = torch.tensor(
-            [int(match.group(2)), info.offset, info.length, result.size_in_bytes]
-        )
-    return rows
-
-
-def _gather_results(
-    layout_digest: str, rows: torch.Tensor, failure: str, not_local: bool, group: dist.ProcessGroup
-) -> list[tuple[str, str, torch.Tensor, bool]] | None:
-    """On rank 0: every rank's (digest, failure, rows, not plannable locally); else None."""
-    message = failure.encode()[:4096]
-    digest = bytes.fromhex(layout_digest)[:16]
-    header = torch.tensor(
-        [
-            int.from_bytes(digest[:8], "little", signed=True),
-            int.from_bytes(digest[8:], "little", signed=True),
-            rows.shape[0],
-            int(bool(failure)),
-            len(message),
-            int(not_local),
-        ],
-        dtype=torch.int64,
-    )
-    text = torch.tensor(list(message), dtype=torch.int64)
-    payload = torch.cat([text, rows.reshape(-1)])
-    gathered = gather_rows_to_first(header, payload, group)
-    if gathered is None:
-        return None
-    out = []
-    for rank, (head, body) in enumerate(gathered):
-        words = head.tolist()
-        sent = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[:2]).hex()
-        size = int(words[4])
-        if body is None:  # a length beyond any save's results: not received
-            out.append((sent, f"rank {rank}: malformed results (oversized)", rows[:0], False))
-            continue
-        if not 0 <= size <= min(4096, body.numel()):  # a failure like any other: no raise here
-            out.append((sent, f"rank {rank}: malformed results ({size} bytes)", body[:0], False))
-            continue
-        said = bytes(body[:size].clamp(0, 255).tolist()).decode(errors="replace")
-        out.append((sent, said, body[size:], bool(words[5])))
-    return out
 
 
 def _write_metadata(
@@ -374,55 +311,3 @@ def describe_dcp_failure(error: CheckpointException, what: str) -> str:
     failures = error.failures.items()
     lines = [f"rank {r}: {type(e).__name__}: {first_sentence(str(e))}" for r, (e, _) in failures]
     return f"DCP failed to {what}: " + "; ".join(lines)
-
-
-def storage_entries(
-    layout: SaveLayout, bodies: list[torch.Tensor]
-) -> dict[MetadataIndex, _StorageInfo]:
-    """Every item's file, offset and length, from every rank's result rows, each checked.
-
-    The same layout saved again writes the same files at the same offsets (the same items,
-    serialized to the same sizes): when every rank's rows equal the last save's, its entries
-    are reused, and only the pickle of ``.metadata`` remains.
-    """
-    written = layout.written()
-    for rank, body in enumerate(bodies):
-        if body.numel() != len(written[rank]) * _ROW:
-            sent = body.numel() // _ROW
-            raise RuntimeError(f"rank {rank} sent {sent} results for {len(written[rank])} items")
-    negative = [rank for rank, body in enumerate(bodies) if bool((body < 0).any())]
-    if negative:
-        raise RuntimeError(f"rank(s) {negative[:8]} sent a negative file number, offset or size")
-    rows = torch.cat(bodies) if bodies else torch.zeros(0, dtype=torch.int64)
-    last = layout.last_storage
-    if last is not None and torch.equal(last[0], rows):
-        return last[1]
-    entries: dict[MetadataIndex, _StorageInfo] = {}
-    for rank, body in enumerate(bodies):
-        files: dict[int, str] = {}
-        for key, (number, offset, length, _) in zip(
-            written[rank], body.view(-1, _ROW).tolist(), strict=True
-        ):
-            name = files.get(number)
-            if name is None:
-                name = files[number] = f"__{rank}_{number}.distcp"
-            entries[key] = _StorageInfo(name, offset, length)
-    layout.last_storage = (rows, entries)
-    return entries
-
-
-def write_metadata_file(writer: FileSystemWriter, metadata: Metadata) -> None:
-    """Write ``.metadata`` as DCP's ``FileSystemWriter.finish`` does.
-
-    The version and storage meta set, the pickle into a temporary file, flushed to disk, then
-    renamed into place.
-    """
-    metadata.version = CURRENT_DCP_VERSION
-    metadata.storage_meta = writer.storage_meta()
-    folder = Path(writer.path)
-    temporary = folder / ".metadata.tmp"
-    with open(temporary, "wb") as stream:
-        pickle.dump(metadata, stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, folder / ".metadata")

@@ -48,13 +48,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
-from shardkit.core.checkpoint.local_save import (
-    Gathered,
-    LocalPlanSavePlanner,
-    storage_entries,
-    write_metadata_file,
-)
+from shardkit.core.checkpoint.local_save import LocalPlanSavePlanner
 from shardkit.core.checkpoint.save_layout import SaveLayout
+from shardkit.core.checkpoint.save_results import Gathered, storage_entries, write_metadata_file
 
 __all__ = ["WriterProcess", "WriterProcessError"]
 
