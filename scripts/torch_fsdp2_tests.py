@@ -27,7 +27,8 @@ that passes on torch and fails on shardkit with the first line of its error. ``-
 writes all outcomes; ``-k EXPR`` runs only the tests pytest's ``-k`` selects (a fixed test
 again, without the whole file). The python given with ``--python`` needs pytest and
 expecttest (which ``torch.testing._internal`` imports); ``--site DIR`` adds a folder of such
-packages.
+packages. ``scripts/torch_fsdp2_suite.py`` (``make torch-suite``) runs the files of a manifest
+with their own flags and fails on a difference not documented.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ def _error_line(text: str) -> str:
     return lines[0] if lines else "failed"
 
 
-def _read_junit(path: Path, run: Run) -> None:
+def read_junit(path: Path, run: Run) -> None:
+    """Add the outcomes of pytest's junit XML at ``path`` to ``run``."""
     for case in ET.parse(path).iter("testcase"):
         test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
         outcome, message = "passed", ""
@@ -304,7 +306,7 @@ def run_file(
                 tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
                 run.note = f"pytest exited {proc.returncode}: " + " | ".join(tail)
         if junit.exists():
-            _read_junit(junit, run)
+            read_junit(junit, run)
         if counts.exists():
             for line in counts.read_text().splitlines():
                 for engine, n in json.loads(line).items():
@@ -313,7 +315,18 @@ def run_file(
     return run
 
 
-def _summary(run: Run) -> str:
+def run_payload(run: Run) -> dict[str, Any]:
+    """``run`` as JSON: its outcomes, errors, FSDP classes made and note."""
+    return {
+        "outcomes": run.outcomes,
+        "messages": run.messages,
+        "classes": run.classes,
+        "note": run.note,
+    }
+
+
+def summary(run: Run) -> str:
+    """passed/failed/skipped, or why there are no outcomes."""
     if run.note and not run.outcomes:
         return run.note
     return f"{run.count('passed')}/{run.count('failed')}/{run.count('skipped')}"
@@ -369,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             # reports a pass. Nothing of either engine ran.
             made += " (no FSDP model built: passes are empty)"
         print(
-            f"{name:44} {len(torch_run.outcomes):>5}  {_summary(torch_run):11}   "
-            f"{_summary(ours):14}   {made}",
+            f"{name:44} {len(torch_run.outcomes):>5}  {summary(torch_run):11}   "
+            f"{summary(ours):14}   {made}",
             flush=True,
         )
     print("\npass on torch, fail on shardkit:")
@@ -381,15 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}::{test_id.rsplit('.', 1)[-1]}\n      {message[:200]}")
     if args.json:
         payload = {
-            name: {
-                mode: {
-                    "outcomes": run.outcomes,
-                    "messages": run.messages,
-                    "classes": run.classes,
-                    "note": run.note,
-                }
-                for mode, run in runs.items()
-            }
+            name: {mode: run_payload(run) for mode, run in runs.items()}
             for name, runs in results.items()
         }
         args.json.write_text(json.dumps(payload, indent=1, sort_keys=True))

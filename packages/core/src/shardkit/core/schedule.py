@@ -264,6 +264,19 @@ class StepDriver(Generic[G]):
         unset = not self.ops.settings(group).backward_prefetch
         self.ops.run_step("pre_backward", group, partial(self._pre_backward, group), unset)
 
+    def regather(self, group: G) -> None:
+        """Backward needs a group it already ended: gather it again (see the note's rule 6).
+
+        A reentrant checkpoint runs its call's forward under ``no_grad``, where no input can be
+        watched, and runs it again inside backward, where the group may have ended through its
+        other calls' inputs. The recomputation gets the group gathered, as torch's
+        ``fully_shard`` gathers it; the gradients it makes end the group once more at the
+        end-of-backward callback, and their reduction adds to the first one's.
+        """
+        if self.ops.state(group) is TrainingState.POST_BACKWARD:
+            unset = not self.ops.settings(group).backward_prefetch
+            self.ops.run_step("pre_backward", group, partial(self._pre_backward, group), unset)
+
     def _pre_backward(self, group: G) -> None:
         ops = self.ops
         with ops.profiled("pre_backward", group):

@@ -63,12 +63,14 @@ _PRE, _POST = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
 # Staying in a state is always allowed (a hook that finds the work done). Backward may start
 # from FORWARD: a root nested inside a group's forward finishes its own forward first. A
 # group's reduction may start from any state: its last gradient decides, and the final
-# callback reduces whatever backward left unreduced. Every path ends in IDLE.
+# callback reduces whatever backward left unreduced. A group backward ended may be gathered
+# again in the same backward, when a reentrant checkpoint recomputes a call of it there
+# (``StepDriver.regather``). Every path ends in IDLE.
 TRAINING_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
     _IDLE: frozenset({_IDLE, _FORWARD, _PRE, _POST}),
     _FORWARD: frozenset({_FORWARD, _IDLE, _PRE, _POST}),
     _PRE: frozenset({_PRE, _POST, _IDLE}),
-    _POST: frozenset({_POST, _IDLE}),
+    _POST: frozenset({_POST, _PRE, _IDLE}),
 }
 
 

@@ -13,7 +13,11 @@ of these ways:
    each forward call that need gradients through an identity function (``_AfterInputGrads``,
    in the section below) whose backward runs once autograd made those gradients inside the
    group: then no node reads its parameters any more. A group with no trainable parameter
-   ends there; one with both ends when both are in.
+   ends there; one with both ends when both are in. A group whose count ends nothing
+   (missing gradients reduced as zeros) ends there only if every call of it since its last
+   backward had inputs to watch: a call fed the batch, a detached tensor, or run with
+   gradients off inside a forward that has them on (a reentrant checkpoint's) may make its
+   gradients after the other calls' inputs are through, so the callback (3) ends it.
 3. **The end-of-backward callback** (``StepDriver.final_callback``). A group that backward
    reached but whose count never completed (a parameter got no gradient), or that holds
    gradients nobody took, ends there.
@@ -101,24 +105,48 @@ class _InputGradsWatch:
     """Counts a group's forward calls that backward has yet to go through.
 
     ``done`` runs when the last of them is through: a module called twice in one forward is
-    needed by both backwards, so the group may reshard only after the second.
+    needed by both backwards, so the group may reshard only after the second. A call whose
+    inputs need no gradient cannot be watched: nothing tells when autograd is done with its
+    parameters (``blind``).
     """
 
     def __init__(self, done: Callable[[], None]) -> None:
         self._done = done
         self._pending = 0
+        self._blind = False
 
-    def wrap(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """``args`` and ``kwargs`` with the tensors that need gradients passed through."""
+    def wrap(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], recomputable: bool
+    ) -> tuple[Any, Any]:
+        """``args`` and ``kwargs`` with the tensors that need gradients passed through.
+
+        ``recomputable``: a call with gradients off may run again inside backward (it is
+        inside a forward that has them on, as a reentrant checkpoint's calls are).
+        """
+        if not torch.is_grad_enabled():
+            # An evaluation's call makes no graph. One inside a forward with gradients on, or
+            # whose inputs need gradients all the same, may be a reentrant checkpoint's: backward
+            # runs it again and makes its gradients then, with nothing to watch before.
+            leaves = pytree.tree_leaves((args, kwargs))
+            needing = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+            self._blind |= recomputable or needing
+            return args, kwargs
         wrapped = _after_input_grads(args, kwargs, self._one_done)
         if wrapped is not None:
             self._pending += 1
             return wrapped
-        return args, kwargs  # backward never reaches this call
+        # Backward never reaches this call's inputs, yet it may still reach its parameters
+        # (the batch, or a detached tensor, into a trainable layer), at any point of backward.
+        self._blind = True
+        return args, kwargs
 
     def pending(self) -> bool:
         """Whether a forward call's backward through this group has yet to finish."""
         return self._pending > 0
+
+    def blind(self) -> bool:
+        """Whether a forward call since the last backward had no input to watch."""
+        return self._blind
 
     def _one_done(self) -> None:
         self._pending -= 1
@@ -128,6 +156,7 @@ class _InputGradsWatch:
     def reset(self) -> None:
         """Forget calls whose backward never ran (the end-of-backward callback covered them)."""
         self._pending = 0
+        self._blind = False
 
 
 def _after_input_grads(
@@ -200,14 +229,21 @@ class BackwardTracker:
         return grad_ready
 
     def wrap_inputs(
-        self, group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        group: FSDPParamGroup,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recomputable: bool = False,
     ) -> tuple[Any, Any]:
-        """A frozen group's forward inputs, passed through the identity that reports rule 2."""
+        """A group's forward inputs, passed through the identity that reports rule 2.
+
+        ``recomputable``: see ``_InputGradsWatch.wrap``.
+        """
         watch = self._inputs.get(group)
         if watch is None:
             watch = _InputGradsWatch(lambda: self._inputs_done(group))
             self._inputs[group] = watch
-        return watch.wrap(args, kwargs)
+        return watch.wrap(args, kwargs, recomputable)
 
     def wrap_partial_call(
         self, group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -241,11 +277,14 @@ class BackwardTracker:
         self._driver.inputs_done(group, count_complete=self._count_complete(group))
 
     def _count_complete(self, group: FSDPParamGroup) -> bool:
-        # Where missing gradients are reduced as zeros, backward through the inputs ends it.
-        if not group.trainable or not count_can_end_backward(
-            fills_missing=group.ends_where_every_rank_does()
-        ):
+        if not group.trainable:
             return True
+        if not count_can_end_backward(fills_missing=group.ends_where_every_rank_does()):
+            # Backward through the inputs ends it, where it went through every call's: a call
+            # with no input to watch (the first of ``[a, b]`` fed the batch) may make its
+            # gradients after the others' inputs are through, so the callback ends it.
+            watch = self._inputs.get(group)
+            return watch is None or not watch.blind()
         count = self._counts.get(group)
         return count is not None and count.ready == count.expected
 

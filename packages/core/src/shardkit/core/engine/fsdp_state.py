@@ -176,7 +176,8 @@ class FSDPState:
         # A forward inside backward is activation checkpointing's recomputation. Outside one, a
         # group left in PRE_BACKWARD is what a failed backward leaves: the root says so below.
         # In a local tree's forward, the root did this group's work.
-        nothing_to_do = self._in_local_forward() or (self._in_pre_backward() and in_backward())
+        recompute = in_backward() and self._gathered_for_recompute()
+        nothing_to_do = self._in_local_forward() or recompute
         if not nothing_to_do:
             self.lazy_init()
             if self.is_root:
@@ -184,15 +185,16 @@ class FSDPState:
                 if is_accelerator(self.device):
                     args, kwargs = move_to(args, kwargs, self.device)
             partial = bool(self.groups) and self._groups_pre_forward(module)
-            for group in self.groups if torch.is_grad_enabled() else ():
+            for group in self.groups:
                 assert self.ctx is not None
-                if partial:
+                if partial and torch.is_grad_enabled():
                     args, kwargs = self.ctx.backward.wrap_partial_call(group, args, kwargs)
                 frozen = len(group.trainable) < len(group.params)
                 if watches_inputs(frozen=frozen, fills_missing=group.ends_where_every_rank_does()):
                     # Every call's inputs, a list group's first (partial so far) included:
                     # backward is through the group only once it is through all of them.
-                    args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs)
+                    recomputable = self.ctx.in_root_forward and self.ctx.forward_with_grad
+                    args, kwargs = self.ctx.backward.wrap_inputs(group, args, kwargs, recomputable)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -206,6 +208,13 @@ class FSDPState:
             return False
         # Registered by the root's pre-forward; a state dict in between shows the shards.
         return all(g.registered_unsharded for g in self.groups)
+
+    def _gathered_for_recompute(self) -> bool:
+        """Whether backward reached this state's groups; those it already ended gathered again."""
+        if self.ctx is not None:
+            for group in self.groups:
+                self.ctx.driver.regather(group)
+        return self._in_pre_backward()
 
     def _in_pre_backward(self) -> bool:
         """Whether backward reached this state's groups (they move together)."""
@@ -227,6 +236,7 @@ class FSDPState:
             group.take_up_new_hooks()  # the local tree gathers nothing: look for them here
         self.ctx.local = is_local_tree(groups)
         self.ctx.in_root_forward = True
+        self.ctx.forward_with_grad = torch.is_grad_enabled()
         enter_local_forward(groups, self.ctx.local)
         for group in groups:
             if group.sharded_state is ShardedState.SHARDED_POST_FORWARD:

@@ -103,6 +103,9 @@ class RootContext:
     """This forward took the local path: only the root's hooks work, until backward's end
     (see [Note: post-backward trigger], rule 4)."""
     in_root_forward: bool = False
+    forward_with_grad: bool = False
+    """The root's latest forward ran with gradients on: a call inside it with them off may be a
+    reentrant checkpoint's, which backward runs again (``backward._InputGradsWatch``)."""
     """The root's forward is running: outside it (a chunked loss calling a head), a local
     tree's groups run their own hooks (rule 5 of [Note: post-backward trigger])."""
     thread: int | None = None

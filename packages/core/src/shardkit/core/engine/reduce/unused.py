@@ -43,6 +43,10 @@ class UnusedGrads:
         # all-reduces, they still get that sum, never None; kept until the sum is assigned.
         self._carried: set[int] = set()
         self._deferring = False
+        # Parameters this rank reduced a real gradient of since the last check. A group that
+        # reduces twice in one backward (gradients that came after its end) must not flag
+        # them as unused in the second reduction, or the check would erase the first one's.
+        self._used: set[int] = set()
 
     def choose(self, grads: Taken, *, world: int, ran_forward: bool) -> Taken:
         """What to reduce of ``grads`` (one per trainable parameter; None: no gradient).
@@ -54,9 +58,9 @@ class UnusedGrads:
         this one has no gradient at all.
         """
         present: Taken = [(p, g) for p, g in grads if g is not None]
-        if self._zeroed:
-            for p, _ in present:
-                self._zeroed.pop(id(p), None)  # used after all: its gradient is a real one
+        for p, _ in present:
+            self._used.add(id(p))
+            self._zeroed.pop(id(p), None)  # used after all: its gradient is a real one
         if len(present) == len(grads):
             return grads
         if not present and not ran_forward:
@@ -64,7 +68,7 @@ class UnusedGrads:
         if not self.fills([p for p, _ in grads], world):
             return present
         for p, g in grads:
-            if g is None and id(p) not in self._zeroed:
+            if g is None and id(p) not in self._zeroed and id(p) not in self._used:
                 self._zeroed[id(p)] = (p, p.sharded_param.grad is None)
         return grads
 
@@ -106,6 +110,7 @@ class UnusedGrads:
         all-reduce carried into this sum.
         """
         zeroed, self._zeroed = self._zeroed, {}
+        self._used.clear()
         carried = self._carried
         if not self._deferring:
             self._carried = set()
@@ -119,5 +124,6 @@ class UnusedGrads:
     def forget(self) -> None:
         """Drop the record (recovery after an exception, or a check that did not run)."""
         self._zeroed.clear()
+        self._used.clear()
         self._carried.clear()
         self._deferring = False
