@@ -52,7 +52,7 @@ def _step(rank: int, world_size: int, impl: str, step: int) -> dict[str, float]:
     data = gpt.batch(_STATE["size"], step, rank, world_size)
     model, opt = _STATE[impl]
     if impl.endswith(LIFETIMES_SUFFIX):
-        from shardkit.core.runtime.progress import SETTINGS
+        from shardkit.core.runtime.watch.progress import SETTINGS
 
         SETTINGS.lifetime_checks = True
         try:

@@ -10,11 +10,12 @@ ranks, one shard a rank, none on the ranks past the last chunk) with AdamW's sta
 as ``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
 ``exp_avg_sq`` (sharded), its ``step`` (a plain tensor) and the param group's values.
 
-- shardkit (``checkpoint/save_layout.py``): what a rank computes alone. Its wait at a save is
-  the layout's digest (every save: it says whether the layout changed) and its own items
-  (from the cached layout). The first save of a layout also computes the geometries. Rank 0
-  builds the metadata (once per layout) and, after the write, checks every rank's results
-  against the layout; the metadata's bytes are its pickle's, as DCP writes ``.metadata``.
+- shardkit (``checkpoint/local_plan/save_layout.py``): what a rank computes alone. Its wait
+  at a save is the layout's digest (every save: it says whether the layout changed) and its
+  own items (from the cached layout). The first save of a layout also computes the
+  geometries. Rank 0 builds the metadata (once per layout) and, after the write, checks every
+  rank's results against the layout; the metadata's bytes are its pickle's, as DCP writes
+  ``.metadata``.
 - torch: the W ranks' local plans built as DCP builds them (each rank's DTensor chunks, every
   plain tensor and value on every rank), then ``DefaultSavePlanner.create_global_plan`` timed
   as rank 0 runs it, and the plans' pickled bytes (what DCP gathers to rank 0). Where both
@@ -47,9 +48,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout, mesh_key
-from shardkit.core.checkpoint.sharded_tensor_layout import Shards
-from shardkit.tools.plan.checkpoint_timing import ByteCounter
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import Shards
+from shardkit.tools.plan.checkpoint.timing import ByteCounter
 
 LLAMAS = {
     "8b": {"dim": 4096, "layers": 32, "ffn": 14336, "kv": 1024, "vocab": 128256},
@@ -179,7 +180,7 @@ def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
 def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, float, int]:
     """Rank 0's metadata after the write, from rows like the ranks': seconds at the first
     save of the layout and at the next, and its bytes."""
-    from shardkit.core.checkpoint.save_results import storage_entries
+    from shardkit.core.checkpoint.local_plan.save_results import storage_entries
 
     bodies = []
     for count in layout.expected_items():

@@ -113,7 +113,7 @@ def _reset() -> bool:
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
-    checks = sys.modules.get("shardkit.core.runtime.step_check")
+    checks = sys.modules.get("shardkit.core.runtime.watch.step_check")
     if checks is not None:
         checks.forget()  # a task that raised mid-step leaves each rank's collectives apart
     mine = torch.tensor(_group_registry())

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "packages" / "core" / "src" / "shardkit" / "core"
 TOOLS = ROOT / "packages" / "tools" / "src" / "shardkit" / "tools"
 PAGE = ROOT / "docs" / "development.md"
-_HEADING = re.compile(r"^(?P<indent> *)(?P<folder>[a-z_]+)/(\s|$)")
+_HEADING = re.compile(r"^(?P<indent> *)(?P<folder>[a-z0-9_]+)/(\s|$)")
 
 
 def core_map(page: str) -> str:
@@ -65,7 +65,8 @@ def modules_missing_from_their_folder(package: Path, map_: str) -> list[str]:
 def test_the_code_map_lists_every_core_module_under_its_folder() -> None:
     map_ = core_map(PAGE.read_text())
     sections = folder_sections(map_)
-    assert {Path("engine"), Path("engine/group"), Path("runtime")} <= sections.keys()
+    wings = {Path("runtime/watch"), Path("runtime/p2p"), Path("runtime/export")}
+    assert {Path("engine"), Path("engine/group"), Path("runtime"), *wings} <= sections.keys()
     missing = modules_missing_from_their_folder(CORE, map_)
     assert not missing, f"docs/development.md's code map does not name, in their folder: {missing}"
     folders = {p.parent.relative_to(CORE) for p in CORE.rglob("*.py")} - {Path(".")}
@@ -109,8 +110,10 @@ ERRANDS = {
     "how a group's gradients are reduced": ["engine/reduce/"],
     "what happens at a group's pre-forward": ["engine/group/", "schedule.py"],
     "a file format's reader": ["formats/"],
-    "change the step check": ["runtime/step_check.py", "engine/collectives_agree.py"],
-    "under torch's `Join`": ["engine/join.py", "runtime/collective_watch.py"],
+    "change the step check": ["runtime/watch/step_check.py", "engine/collectives_agree.py"],
+    "under torch's `Join`": ["engine/join.py", "runtime/watch/collective_watch.py"],
+    "outside the step's collectives": ["runtime/p2p/"],
+    "the weight export's ranks gather": ["runtime/export/", "export/exporter.py"],
     "marked `set_conditional(True)`": ["engine/conditional.py", "conditional_schedule.py"],
     "change `replicate`": ["replicate_api.py", "adoption.py"],
     "how the planner searches": ["tools/plan/search/"],
@@ -127,7 +130,9 @@ def test_the_errands_name_their_folders() -> None:
         for place in places:
             assert f"`{place}" in line, f"the errand {phrase!r} does not name {place}"
     rows = "\n".join(row for row in errands.splitlines() if row.startswith("|"))
-    for place in re.findall(r"`([a-z_/]+(?:/|\.py))`", rows):
-        # ``tools/...`` is the tools' (packages/tools/src/shardkit/tools/...), the rest the core's
-        where = TOOLS.parent / place if place.startswith("tools/") else CORE / place
+    for place in re.findall(r"`([a-z0-9_/]+(?:/|\.py))`", rows):
+        # ``tools/...`` is the tools' (packages/tools/src/shardkit/tools/...), ``tests/...`` the
+        # repository's, the rest the core's
+        roots = {"tools/": TOOLS.parent, "tests/": ROOT}
+        where = next((r for s, r in roots.items() if place.startswith(s)), CORE) / place
         assert where.exists(), f"the errands name {place}, which does not exist"

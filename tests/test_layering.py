@@ -22,7 +22,7 @@ SEAMS = {
     "shardkit.core.schedule",
     "shardkit.core.conditional_schedule",
     "shardkit.core.export",
-    "shardkit.core.checkpoint.save_layout",
+    "shardkit.core.checkpoint.local_plan.save_layout",
 }
 
 
@@ -65,7 +65,7 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     "shardkit.core.export": ("shardkit.core.runtime",),  # its own groups and collectives
     # A save's plan as a pure function of the state's layout: the planner predicts saves with it.
     # (and a ShardedTensor's group's ranks: FSDP1's shards are placed by group rank)
-    "shardkit.core.checkpoint.save_layout": (
+    "shardkit.core.checkpoint.local_plan.save_layout": (
         "shardkit.core.runtime.dtensors",
         "shardkit.core.runtime.groups",
     ),
@@ -131,7 +131,7 @@ COLLECTIVES = {
     "batch_isend_irecv",
 }  # fmt: skip
 # Process-group calls other than collectives (who we are, groups, barriers, setup) belong to
-# the runtime too: runtime/groups.py.
+# the runtime too: runtime/groups.py (and the export's own groups, runtime/export/).
 PROCESS_GROUP_CALLS = {
     "barrier", "new_group", "get_rank", "get_world_size", "init_process_group",
     "destroy_process_group", "is_initialized", "get_backend", "get_process_group_ranks",
@@ -175,26 +175,35 @@ def test_the_dist_check_sees_every_spelling() -> None:
     ]  # fmt: skip
 
 
-# collectives.py (the step's), object_collectives.py (whole objects between steps),
-# row_exchange.py (the exchange of rows that gloo's collectives and the step check's digests
-# are posted through) and peer_transfer.py (memory snapshots to and from a peer) call them;
-# flat_collectives.py only picks the installed torch's names for two; comm_debug.py issues
+# collectives.py (the step's), p2p/object_collectives.py (whole objects between steps),
+# p2p/row_exchange.py (the exchange of rows that gloo's collectives and the step check's digests
+# are posted through) and p2p/peer_transfer.py (memory snapshots to and from a peer) call them;
+# flat_collectives.py only picks the installed torch's names for two; watch/comm_debug.py issues
 # them on meta tensors, for torch's CommDebugMode to count (nothing is sent); replica_exchange.py
-# broadcasts what one replica read of a checkpoint to the others.
+# broadcasts what one replica read of a checkpoint to the others; export/ holds the weight
+# export's own groups and their gathers and broadcasts (the rule keeps them in the runtime);
+# byte_exchange.py is the whole-matrix optimizers' one all-to-all each way (optim/).
 COLLECTIVE_MODULES = {
     CORE / "runtime" / name
     for name in (
         "collectives.py",
-        "object_collectives.py",
         "flat_collectives.py",
-        "peer_transfer.py",
-        "comm_debug.py",
-        "row_exchange.py",
-        "export_groups.py",
-        "receiver_group.py",
         "replica_exchange.py",
+        "byte_exchange.py",
+        "p2p/object_collectives.py",
+        "p2p/peer_transfer.py",
+        "p2p/row_exchange.py",
+        "watch/comm_debug.py",
+        "export/export_groups.py",
+        "export/receiver_group.py",
     )
 }
+
+
+def test_the_collective_modules_are_where_they_are_named() -> None:
+    # A module moved out of this list's paths would leave its calls unchecked, not refused.
+    missing = sorted(str(p.relative_to(CORE)) for p in COLLECTIVE_MODULES if not p.exists())
+    assert not missing, f"named as collective modules, but not there: {missing}"
 
 
 def test_only_the_runtime_calls_collectives() -> None:

@@ -102,6 +102,17 @@ EXPECTED = {
         "step_checks_on",
         "wire_row_bytes",
     ],
+    "shardkit.core.optim": [
+        "COLUMN_NORM_RULE",
+        "ColumnNormSGD",
+        "MUON_RULE",
+        "Muon",
+        "Options",
+        "ShardedMatrixError",
+        "StepStats",
+        "WholeMatrixOptimizer",
+        "WholeMatrixRule",
+    ],
     "shardkit.tp": [
         "DTensorExtensions",
         "DTensorMetadata",

@@ -20,11 +20,11 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint.test_local_save_plan import (
-    _assert_same,
-    _CollectivesBeforeWrite,
-    _content,
-    _metadata,
+from tests.core.checkpoint.dcp_checks import (
+    CollectivesBeforeWrite,
+    assert_same,
+    metadata_content,
+    read_metadata,
 )
 from tests.legacy.ckpt_support import fresh, load_into, state_dict_of
 from tests.legacy.legacy_parity import LegacyRun, wrap_model
@@ -63,10 +63,10 @@ def _save_both(rank: int, world_size: int, root: str, impl: str, dtensor: bool) 
     kinds = sorted({type(v).__name__ for v in state["model"].values()})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with _CollectivesBeforeWrite() as torchs:
+        with CollectivesBeforeWrite() as torchs:
             dcp_save(state, checkpoint_id=f"{root}/torch")
         layout = LayoutCache()
-        with _CollectivesBeforeWrite() as ours:
+        with CollectivesBeforeWrite() as ours:
             save_dcp(state, f"{root}/local", layout=layout)
         save_dcp(state, f"{root}/again", layout=layout)
         # torch's FSDP1 reads shardkit's checkpoint back, into other weights.
@@ -97,12 +97,12 @@ def test_fsdp1_sharded_state_dicts_save_as_dcp_does_without_a_plan_exchange(
     assert not any(r["fallback"] for r in results), results
     assert all(r["before_write"][0] == 0 < r["before_write"][1] for r in results), results
     assert all(r["torch_loads_it"] for r in results), results
-    theirs = _content(_metadata(tmp_path / "torch"))
-    assert _content(_metadata(tmp_path / "local")) == theirs
-    assert _content(_metadata(tmp_path / "again")) == theirs
+    theirs = metadata_content(read_metadata(tmp_path / "torch"))
+    assert metadata_content(read_metadata(tmp_path / "local")) == theirs
+    assert metadata_content(read_metadata(tmp_path / "again")) == theirs
     for name in ("torch", "local"):
         dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
-    _assert_same(
+    assert_same(
         torch.load(tmp_path / "local.pt", weights_only=True),
         torch.load(tmp_path / "torch.pt", weights_only=True),
         "",

@@ -13,7 +13,15 @@ from torch.distributed.tensor import DTensor
 from tests.core import models
 from tests.core.parity import Run, apply
 
-__all__ = ["TrainingApp", "build_app", "full_value", "state_of", "train_app"]
+__all__ = [
+    "TrainingApp",
+    "build_app",
+    "full_value",
+    "loaded_state",
+    "same_state",
+    "state_of",
+    "train_app",
+]
 
 
 class TrainingApp:
@@ -84,3 +92,18 @@ def full_value(value: torch.Tensor) -> torch.Tensor:
     # node, whose release is where torch's double free was caught (note 002).
     with torch.no_grad():
         return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same keys, every value bit for bit (two ``state_of`` results)."""
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def loaded_state(root: str, step: int, world_size: int) -> dict[str, torch.Tensor]:
+    """A fresh app's ``state_of`` after loading step ``step`` of the manager at ``root``."""
+    from shardkit.core import CheckpointManager
+
+    app = build_app(world_size)
+    manager = CheckpointManager(root)
+    manager.load({"app": app}, manager.path_for(step))
+    return state_of(app)

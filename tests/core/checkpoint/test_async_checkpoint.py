@@ -9,24 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint.checkpoint_app import build_app, state_of, train_app
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-
-
-def _loaded(root: str, step: int, world_size: int) -> dict[str, torch.Tensor]:
-    from shardkit.core import CheckpointManager
-
-    app = build_app(world_size)
-    manager = CheckpointManager(root)
-    manager.load({"app": app}, manager.path_for(step))
-    return state_of(app)
+from tests.core.checkpoint.checkpoint_app import (
+    build_app,
+    loaded_state,
+    same_state,
+    state_of,
+    train_app,
+)
 
 
 def _async_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -51,9 +43,9 @@ def _async_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "latest_while_pending": latest_while_pending,
         "published": published.name if published else None,
         "latest": [p.name for p in manager.complete()],
-        "sync_is_the_state": _same(_loaded(f"{root}/sync", 2, world_size), at_save),
-        "async_is_the_state": _same(_loaded(f"{root}/async", 2, world_size), at_save),
-        "trained_on": not _same(state_of(app), at_save),
+        "sync_is_the_state": same_state(loaded_state(f"{root}/sync", 2, world_size), at_save),
+        "async_is_the_state": same_state(loaded_state(f"{root}/async", 2, world_size), at_save),
+        "trained_on": not same_state(state_of(app), at_save),
         "buffers": len(storages),
         "reused": storages == again,
     }

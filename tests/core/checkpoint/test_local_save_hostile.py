@@ -1,6 +1,6 @@
 """Rank 0 checks every rank's save results before it writes ``.metadata``: hostile input.
 
-A locally planned save (``checkpoint/local_save.py``) ends with one gather of each rank's
+A locally planned save (``checkpoint/local_plan/save.py``) ends with one gather of each rank's
 results to rank 0: a header (layout digest, item count, failure flag, message length) and
 int64 rows (file number, offset, length, bytes). Here rank 1 sends something wrong in each
 way, through the real gather: rows with a negative offset, one row too few, a ragged body,
@@ -53,9 +53,9 @@ def _forge(case: str, head: torch.Tensor, body: torch.Tensor) -> tuple[torch.Ten
 
 
 def _hostile_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
-    from shardkit.core.runtime import object_collectives
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
+    from shardkit.core.runtime.p2p import object_collectives
 
     real = object_collectives.gather_rows_to_first
     # Wherever the save's modules imported the gather from, rank 1's goes through _forge.

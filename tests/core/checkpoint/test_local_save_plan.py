@@ -1,4 +1,4 @@
-"""Saves planned by each rank alone (``checkpoint/local_save.py``) against torch's DCP save.
+"""Saves planned by each rank alone (``checkpoint/local_plan/save.py``) against torch's DCP save.
 
 Each case saves the same state twice on gloo ranks, once through ``dcp.save`` (torch's
 ``DefaultSavePlanner``) and once planned locally, then compares, in the test's process:
@@ -15,15 +15,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from harness.pool import run_on_ranks
-from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout
+from tests.core.checkpoint.dcp_checks import (
+    CollectivesBeforeWrite,
+    assert_same,
+    metadata_content,
+    read_metadata,
+)
 
 
 def _model(rows: int, seed: int = 0) -> torch.nn.Sequential:
@@ -56,15 +60,15 @@ def _trained_state(rank: int, mesh_shape: list[int], rows: int) -> dict[str, Any
 def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], rows: int) -> Any:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
 
     state = {**_trained_state(rank, mesh_shape, rows), "step": 3, "note": "w"}
     group = checkpoint_group()
-    with _CollectivesBeforeWrite() as torchs:
+    with CollectivesBeforeWrite() as torchs:
         dcp_save(state, checkpoint_id=f"{root}/torch")
     cache = LayoutCache()
-    with _CollectivesBeforeWrite() as ours:
+    with CollectivesBeforeWrite() as ours:
         times = save_planned_locally(state, Path(f"{root}/local"), cache, group)
     first_layout = cache.layout
     again = save_planned_locally(state, Path(f"{root}/again"), cache, group)
@@ -73,66 +77,6 @@ def _save_both(rank: int, world_size: int, root: str, mesh_shape: list[int], row
         "layout_reused": cache.layout is first_layout,
         "plan_s": [times.plan, again.plan],
     }
-
-
-class _CollectivesBeforeWrite:
-    """Counts the torch.distributed calls made before the first file write of a save."""
-
-    NAMES = (
-        "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-        "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
-        "isend", "recv", "reduce_scatter", "reduce_scatter_tensor", "scatter",
-        "scatter_object_list", "send",
-    )  # fmt: skip
-
-    def __enter__(self) -> _CollectivesBeforeWrite:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-        self.calls, self.before_write = 0, -1
-        self.saved = {name: getattr(dist, name) for name in self.NAMES}
-        self.write = FileSystemWriter.write_data
-
-        def counted(original: Any) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.calls += 1
-                return original(*args, **kwargs)
-
-            return call
-
-        def write_data(writer: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.before_write < 0:
-                self.before_write = self.calls
-            return self.write(writer, *args, **kwargs)
-
-        for name, original in self.saved.items():
-            setattr(dist, name, counted(original))
-        FileSystemWriter.write_data = write_data  # type: ignore[method-assign, assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
-        FileSystemWriter.write_data = self.write  # type: ignore[method-assign]
-
-
-def _metadata(path: Path) -> Metadata:
-    return FileSystemReader(str(path)).read_metadata()
-
-
-def _content(metadata: Metadata) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
-            out[fqn] = (entry.properties, tuple(entry.size), chunks)
-        else:
-            out[fqn] = type(entry).__name__
-    stored = sorted((i.fqn, tuple(i.offset or ())) for i in metadata.storage_data)
-    return {"tensors": out, "mappings": metadata.planner_data, "stored": stored}
 
 
 CASES = {
@@ -151,30 +95,14 @@ def test_a_local_plan_saves_what_dcp_saves(case: str, tmp_path: Path) -> None:
     assert all(r["collectives_before_write"][0] == 0 for r in results), results
     assert all(r["collectives_before_write"][1] > 0 for r in results), results
     assert all(r["layout_reused"] for r in results)  # the second save planned nothing anew
-    theirs, ours = _metadata(tmp_path / "torch"), _metadata(tmp_path / "local")
-    assert _content(ours) == _content(theirs)
-    assert _content(_metadata(tmp_path / "again")) == _content(theirs)
+    theirs, ours = read_metadata(tmp_path / "torch"), read_metadata(tmp_path / "local")
+    assert metadata_content(ours) == metadata_content(theirs)
+    assert metadata_content(read_metadata(tmp_path / "again")) == metadata_content(theirs)
     for name in ("torch", "local"):
         dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
     full_theirs = torch.load(tmp_path / "torch.pt", weights_only=True)
     full_ours = torch.load(tmp_path / "local.pt", weights_only=True)
-    _assert_same(full_ours, full_theirs, "")
-
-
-def _assert_same(ours: Any, theirs: Any, where: str) -> None:
-    """Equal, tensors bit for bit, through nested dicts and lists."""
-    if isinstance(theirs, dict):
-        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
-        for key in theirs:
-            _assert_same(ours[key], theirs[key], f"{where}.{key}")
-    elif isinstance(theirs, list | tuple):
-        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            _assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), where
-    else:
-        assert ours == theirs, where
+    assert_same(full_ours, full_theirs, "")
 
 
 MESHES = [
@@ -197,7 +125,7 @@ def test_the_layouts_arithmetic_is_torchs(
     every distinct chunk written by exactly one of the ranks that hold it."""
     import numpy as np
 
-    from shardkit.core.checkpoint.save_layout import _position_chunks
+    from shardkit.core.checkpoint.local_plan.save_layout import _position_chunks
 
     positions = int(np.prod(mesh_shape))
     mesh = np.arange(positions, dtype=np.int64).reshape(mesh_shape)
@@ -223,7 +151,7 @@ def test_the_layouts_arithmetic_is_torchs(
 
 
 def _save_locally(rank: int, world_size: int, root: str) -> None:
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
 
     state = _trained_state(rank, [world_size], 7)

@@ -21,8 +21,13 @@ from typing import Any
 import pytest
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint.checkpoint_app import build_app, state_of, train_app
-from tests.core.checkpoint.test_async_checkpoint import _loaded, _same
+from tests.core.checkpoint.checkpoint_app import (
+    build_app,
+    loaded_state,
+    same_state,
+    state_of,
+    train_app,
+)
 
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -49,9 +54,9 @@ def _equal_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     second = (_storages(manager), manager.writer_pid, manager.staging.generation)
     manager.close()
     return {
-        "sync": _same(_loaded(f"{root}/sync", 2, world_size), at_save),
-        "process": _same(_loaded(f"{root}/process", 2, world_size), at_save),
-        "second": _same(_loaded(f"{root}/process", 4, world_size), at_second),
+        "sync": same_state(loaded_state(f"{root}/sync", 2, world_size), at_save),
+        "process": same_state(loaded_state(f"{root}/process", 2, world_size), at_save),
+        "second": same_state(loaded_state(f"{root}/process", 4, world_size), at_second),
         "buffers": len(first[0]),
         "shared": all(b.is_shared() for b in manager.staging.buffers.values()),
         "reused": first == second,
@@ -96,7 +101,7 @@ def _killed_child_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "error": error,
         "restarted": restarted,
         "complete": [p.name for p in manager.complete()],
-        "loads": _same(_loaded(root, 3, world_size), at_save),
+        "loads": same_state(loaded_state(root, 3, world_size), at_save),
     }
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from harness.pool import run_on_ranks
-from tests.core.checkpoint.test_local_save_plan import _assert_same, _content, _metadata
+from tests.core.checkpoint.dcp_checks import assert_same, metadata_content, read_metadata
 
 ROWS, COLUMNS = 6, 3
 
@@ -85,9 +85,11 @@ def test_shards_placed_otherwise_save_what_dcp_saves(
         assert reasons[0] == ""
     else:
         assert "several shards" in reasons[0], reasons
-    assert _content(_metadata(tmp_path / "local")) == _content(_metadata(tmp_path / "torch"))
+    assert metadata_content(read_metadata(tmp_path / "local")) == metadata_content(
+        read_metadata(tmp_path / "torch")
+    )
     for name in ("torch", "local"):
         dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
     ours = torch.load(tmp_path / "local.pt", weights_only=True)
-    _assert_same(ours, torch.load(tmp_path / "torch.pt", weights_only=True), "")
+    assert_same(ours, torch.load(tmp_path / "torch.pt", weights_only=True), "")
     assert torch.equal(ours["weight"], _full())

@@ -119,3 +119,26 @@ def full_state(
             full = value.detach()
         out[key] = full.to(dtype) if full.is_floating_point() else full.clone()
     return out
+
+
+def perturb(model: torch.nn.Module, sync: int) -> None:
+    """Change every shard a little, differently per rank and sync (as an optimizer would)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            local = p.to_local() if isinstance(p, DTensor) else p
+            # Seeded by the coordinates along the axes that cut it: replicas stay equal.
+            where = 0
+            if isinstance(p, DTensor):
+                coord = list(p.device_mesh.get_coordinate() or [])
+                for c, placement in zip(coord, p.placements, strict=True):
+                    where = where * 8 + (0 if placement.is_replicate() else c + 1)
+            g = torch.Generator().manual_seed(7919 * sync + 31 * i + where)
+            mask = torch.rand(local.shape, generator=g) < 0.05
+            local.add_(mask * torch.randn(local.shape, generator=g))
+
+
+def bf16_oracle(model: torch.nn.Module, keep_tp: bool) -> dict[str, torch.Tensor]:
+    """``full_tensor()`` in bf16, or under a kept TP axis each rank's TP part."""
+    return full_state(model, torch.bfloat16, keep_tp=keep_tp)

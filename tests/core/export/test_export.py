@@ -11,8 +11,10 @@ import torch
 from harness.pool import run_on_ranks
 from tests.core.export.export_models import (
     Decoder,
+    bf16_oracle,
     full_state,
     fully_shard_of,
+    perturb,
     sharded,
     train_step,
 )
@@ -64,29 +66,6 @@ def test_every_sync_equals_full_tensor_in_the_export_dtype(impl: str, delta: boo
     assert full_collectives == buckets + 2  # one per bucket, the agreement and the end
 
 
-def _perturb(model: torch.nn.Module, sync: int) -> None:
-    """Change every shard a little, differently per rank and sync (as an optimizer would)."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            local = p.to_local() if isinstance(p, DTensor) else p
-            # Seeded by the coordinates along the axes that cut it: replicas stay equal.
-            where = 0
-            if isinstance(p, DTensor):
-                coord = list(p.device_mesh.get_coordinate() or [])
-                for c, placement in zip(coord, p.placements, strict=True):
-                    where = where * 8 + (0 if placement.is_replicate() else c + 1)
-            g = torch.Generator().manual_seed(7919 * sync + 31 * i + where)
-            mask = torch.rand(local.shape, generator=g) < 0.05
-            local.add_(mask * torch.randn(local.shape, generator=g))
-
-
-def _oracle(model: torch.nn.Module, keep_tp: bool) -> dict[str, torch.Tensor]:
-    """``full_tensor()`` in bf16, or under a kept TP axis each rank's TP part."""
-    return full_state(model, torch.bfloat16, keep_tp=keep_tp)
-
-
 def _mesh_exports(
     rank: int, world_size: int, layout: str, impl: str, keep_tp: bool, delta: bool, to: str
 ) -> Any:
@@ -130,9 +109,9 @@ def _mesh_exports(
     mirror = FullTensorReceiver(lambda tensors: None)
     mismatches: list[str] = []
     for sync in range(3):
-        _perturb(model, sync)
+        perturb(model, sync)
         report = exporter.export(mirror if exporter.receiving else None, delta=delta)
-        oracle = _oracle(model, keep_tp)
+        oracle = bf16_oracle(model, keep_tp)
         if exporter.receiving:
             for name, tensor in oracle.items():
                 held = mirror.mirror.get(name)
@@ -174,11 +153,11 @@ def _both_engines(rank: int, world_size: int) -> Any:
     held = {}
     for impl in ("torch", "shardkit"):
         model = sharded(impl)
-        _perturb(model, 0)
+        perturb(model, 0)
         exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=3000))
         target = Decoder().to(torch.bfloat16)
         exporter.export(ModuleReceiver(target) if exporter.receiving else None)
-        _perturb(model, 1)
+        perturb(model, 1)
         exporter.export(ModuleReceiver(target) if exporter.receiving else None, delta=True)
         held[impl] = target.state_dict()
         # The one-shot form gives the same.

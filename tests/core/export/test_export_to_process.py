@@ -33,7 +33,7 @@ def _syncs(rank: int, world_size: int, impl: str, address: str, authkey: str, ou
     from safetensors.torch import load_file
 
     from shardkit.core.export import ExportOptions, SharedMemorySender, WeightExporter
-    from tests.core.export.test_export import _oracle, _perturb
+    from tests.core.export.export_models import bf16_oracle, perturb
 
     fully_shard = fully_shard_of(impl)
     model: Any = tiny_qwen(seed=1).float()
@@ -45,11 +45,11 @@ def _syncs(rank: int, world_size: int, impl: str, address: str, authkey: str, ou
     mismatches: list[str] = []
     kinds = []
     for sync in range(10):
-        _perturb(model, sync)
+        perturb(model, sync)
         # A full export (sync 5) between deltas: the next delta is full again, then deltas.
         report = exporter.export(sender, delta=sync != 5)
         kinds.append(report.kind)
-        oracle = _oracle(model, keep_tp=False)  # every rank: full_tensor() gathers
+        oracle = bf16_oracle(model, keep_tp=False)  # every rank: full_tensor() gathers
         if rank == 0:
             held = load_file(f"{out}/export_{report.export_id}.safetensors")
             mismatches += [f"{sync}: {k}" for k, v in oracle.items() if not torch.equal(held[k], v)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 
-from shardkit.core.runtime.lifetimes import Flight, in_flight
+from shardkit.core.runtime.watch.lifetimes import Flight, in_flight
 
 __all__ = ["baseline", "since"]
 

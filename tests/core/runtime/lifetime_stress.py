@@ -219,7 +219,7 @@ def stress_body(
     rank: int, world_size: int, steps: int, root: str, names: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """Every configuration (or those ``names``), then the FSDP1 part (if named or none are)."""
-    from shardkit.core.runtime.progress import SETTINGS
+    from shardkit.core.runtime.watch.progress import SETTINGS
 
     assert SETTINGS.lifetime_checks, "the stress runs with SHARDKIT_DEBUG_LIFETIMES=1"
     results: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def test_a_rank_that_skips_a_backward_and_the_one_left_waiting_both_report(
 
 def _stop_and_restart_body(rank: int, world_size: int) -> dict[str, bool]:
     """Stop the watch as exit does, then let the next collectives start a new one."""
-    from shardkit.core.runtime import hang
+    from shardkit.core.runtime.watch import hang
 
     hang.ensure_watching()  # running already if this worker ran collectives before
     first = hang._WATCH[0]
@@ -113,8 +113,8 @@ def _alarm_body(rank: int, world_size: int) -> dict[str, Any]:
     """Alarms in the store: one left by an earlier process group, then one raised now."""
     import torch.distributed as dist
 
-    from shardkit.core.runtime import hang
     from shardkit.core.runtime.groups import progress_store
+    from shardkit.core.runtime.watch import hang
 
     hang._stop_watching()  # the worker's own watch would exit the process on the alarm
     store = progress_store()

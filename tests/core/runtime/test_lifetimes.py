@@ -20,7 +20,7 @@ from tests.core.runtime.flights import baseline, since
 
 @contextmanager
 def _lifetime_checks(enabled: bool) -> Iterator[None]:
-    from shardkit.core.runtime.progress import SETTINGS
+    from shardkit.core.runtime.watch.progress import SETTINGS
 
     before = SETTINGS.lifetime_checks
     SETTINGS.lifetime_checks = enabled

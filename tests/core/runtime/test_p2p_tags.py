@@ -1,4 +1,4 @@
-"""One table of point-to-point tags (``runtime/p2p_tags.py``), one owner for each tag.
+"""One table of point-to-point tags (``runtime/p2p/p2p_tags.py``), one owner for each tag.
 
 gloo pairs messages by sender and tag alone, so two kinds of message that share a tag can pair
 with each other (tag 3 was once claimed by the step check and the object transfers both). These
@@ -14,11 +14,12 @@ import ast
 import itertools
 from pathlib import Path
 
-from shardkit.core.runtime import p2p_tags
-from shardkit.core.runtime.p2p_tags import TagBlock
+from shardkit.core.runtime.p2p import p2p_tags
+from shardkit.core.runtime.p2p.p2p_tags import TagBlock
 
 CORE = Path(__file__).resolve().parents[3] / "packages" / "core" / "src" / "shardkit" / "core"
-TABLE_MODULE = CORE / "runtime" / "p2p_tags.py"
+RUNTIME = CORE / "runtime"
+TABLE_MODULE = RUNTIME / "p2p" / "p2p_tags.py"
 _POINT_TO_POINT = {"isend", "irecv", "send", "recv"}
 _EXCHANGE = "post_row_exchange"  # takes its tag as its second argument
 _LARGEST_TAG = 2**31 - 1  # c10d takes a tag as a signed 32-bit int
@@ -57,7 +58,7 @@ def _names_used(source: str) -> set[str]:
 def foreign_uses(sources: dict[str, str], blocks: dict[str, TagBlock]) -> list[str]:
     """Each block that a module other than its owner names, or that its owner never names.
 
-    ``sources``: each runtime module's source, by its name (``collectives``).
+    ``sources``: each runtime module's source, by its name (``collectives``, ``desync``).
     """
     used = {module: _names_used(source) for module, source in sources.items()}
     found = [
@@ -141,16 +142,17 @@ def test_no_two_owners_share_a_tag() -> None:
 
 
 def test_each_block_is_used_by_its_owner_alone() -> None:
-    sources = {
-        path.stem: path.read_text()
-        for path in sorted((CORE / "runtime").glob("*.py"))
-        if path != TABLE_MODULE
-    }
+    modules = [
+        path
+        for path in sorted(RUNTIME.rglob("*.py"))
+        if path != TABLE_MODULE and path.name != "__init__.py"
+    ]
+    sources = {path.stem: path.read_text() for path in modules}  # an owner is a module's name
+    assert len(sources) == len(modules), "two runtime modules share a name"
     outside = [
         str(path.relative_to(CORE))
         for path in sorted(CORE.rglob("*.py"))
-        if path.parent != CORE / "runtime"
-        and _names_used(path.read_text()) & _table_blocks().keys()
+        if RUNTIME not in path.parents and _names_used(path.read_text()) & _table_blocks().keys()
     ]
     assert not outside, f"tags used outside the runtime: {outside}"
     problems = foreign_uses(sources, _table_blocks())
@@ -164,7 +166,7 @@ def test_no_module_spells_a_tag_as_a_number() -> None:
         if path != TABLE_MODULE
         for line in literal_tags(path.read_text())
     ]
-    assert not found, "tags not from runtime/p2p_tags.py:\n" + "\n".join(found)
+    assert not found, "tags not from runtime/p2p/p2p_tags.py:\n" + "\n".join(found)
 
 
 # --- the checks refuse what they are there to refuse ----------------------------------------

@@ -44,7 +44,7 @@ def _tower_body(rank: int, world_size: int, skip: bool, bound_s: float, sleep_s:
     from torch.distributed.device_mesh import DeviceMesh
 
     from shardkit.core import StuckCollectiveError, fully_shard, set_collective_bound
-    from shardkit.core.runtime.progress import SETTINGS
+    from shardkit.core.runtime.watch.progress import SETTINGS
 
     group = dist.new_group(backend="gloo")  # closed by the error: never the pool's own
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -76,6 +76,8 @@ def test_a_module_one_rank_skips_unmarked_is_named_on_every_rank_within_seconds(
     assert "wait in collectives that cannot pair" in first, first
     assert "rank 0: all-gather of tower in forward" in first, first
     assert "rank 1: " in first and "set_conditional(True)" in first and "Join(" in first, first
+    # Where the ranks went apart, not only where each waits: the root, then the tower.
+    assert "went apart at the 2nd sharded module: rank 0 ran `tower`, rank 1 did not" in first
     elapsed = [r["elapsed"] for r in results]
     assert all(BOUND_S <= e < 10.0 for e in elapsed), elapsed
 
@@ -91,13 +93,13 @@ def test_a_rank_slower_than_the_bound_is_not_accused() -> None:
 
 
 def _info(seq: int, kind: str, label: str, phase: str) -> Any:
-    from shardkit.core.runtime.progress import CollectiveInfo
+    from shardkit.core.runtime.watch.progress import CollectiveInfo
 
     return CollectiveInfo(seq, kind, label, 64, "uint8", phase, 1)
 
 
 def test_waits_that_cannot_pair_are_told_from_a_slow_transfer() -> None:
-    from shardkit.core.runtime.stuck import _unpaired
+    from shardkit.core.runtime.watch.stuck import _unpaired
 
     gather, reduce = _info(2, "all_gather", "tower", "forward"), _info(2, "reduce_scatter", "", "x")
     # The same turn, other collectives: they never pair.
@@ -112,7 +114,7 @@ def test_waits_that_cannot_pair_are_told_from_a_slow_transfer() -> None:
 
 
 def test_the_message_is_built_from_the_waits_alone() -> None:
-    from shardkit.core.runtime.stuck import _message
+    from shardkit.core.runtime.watch.stuck import _message
 
     gather, reduce = _info(2, "all_gather", "tower", "forward"), _info(2, "reduce_scatter", "", "x")
     text = _message([gather, reduce, reduce])
@@ -125,7 +127,7 @@ def test_the_bound_is_read_from_the_environment_and_checked(monkeypatch: Any) ->
     import pytest
 
     from shardkit.core import set_collective_bound
-    from shardkit.core.runtime import progress
+    from shardkit.core.runtime.watch import progress
 
     monkeypatch.setenv("SHARDKIT_COLLECTIVE_BOUND", "2.5")
     assert progress._from_environment().collective_bound_s == 2.5
@@ -135,3 +137,17 @@ def test_the_bound_is_read_from_the_environment_and_checked(monkeypatch: Any) ->
     assert progress._from_environment().collective_bound_s == BOUND_S
     with pytest.raises(ValueError, match="set_collective_bound"):
         set_collective_bound(-1)
+
+
+def test_the_message_names_where_the_forwards_went_apart() -> None:
+    from shardkit.core.runtime.watch.stuck import _message
+
+    gather, reduce = _info(2, "all_gather", "tower", "forward"), _info(2, "reduce_scatter", "", "x")
+    waits = [gather, reduce, reduce]
+    skipped = _message(waits, [["<root>", "tower"], ["<root>"], ["<root>"]])
+    assert "went apart at the 2nd sharded module: rank 0 ran `tower`, ranks 1, 2 did not" in skipped
+    swapped = _message(waits, [["<root>", "a", "b"], ["<root>", "b", "a"], ["<root>", "a"]])
+    assert "at the 2nd sharded module: ranks 0, 2 ran `a`, rank 1 ran `b`" in swapped, swapped
+    # Forwards alike (or unknown): nothing said about them.
+    assert "went apart" not in _message(waits, [["<root>"], ["<root>"], ["<root>"]])
+    assert "went apart" not in _message(waits)

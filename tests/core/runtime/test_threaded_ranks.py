@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 )
 
 import shardkit.core
-from shardkit.core.runtime.step_check import step_checks_on
+from shardkit.core.runtime.watch.step_check import step_checks_on
 
 WORLD = 4
 HANG_GUARD_S = 600  # far past the test's own time: only a hang gets there

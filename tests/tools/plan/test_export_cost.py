@@ -8,24 +8,14 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from harness.pool import run_on_ranks
 from shardkit.tools.plan.cli import main
-from shardkit.tools.plan.export_cli import tp_dims_of
-from shardkit.tools.plan.export_cost import ExportSpec, export_cost
-from shardkit.tools.plan.export_layout import export_tensors
+from shardkit.tools.plan.export.cost import ExportSpec, export_cost
+from shardkit.tools.plan.export.layout import export_tensors
+from shardkit.tools.plan.tp_styles import tp_dims_of
 from tests.core.export.export_models import Decoder, fully_shard_of
-
-
-def _tp_plan(prefix: str) -> dict[str, ParallelStyle]:
-    """The export tests' TP plan of a decoder layer, its keys under ``prefix``."""
-    plan: dict[str, ParallelStyle] = {
-        f"{prefix}self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")
-    }
-    plan |= {f"{prefix}mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
-    plan |= {f"{prefix}{n}": RowwiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")}
-    return plan
+from tests.tools.plan.decoder_tp import decoder_tp_plan
 
 
 def test_full_export_bytes_are_the_padded_aligned_parts() -> None:
@@ -97,7 +87,7 @@ def _reported(rank: int, world_size: int, layout: str) -> list[dict[str, Any]]:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
         for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], _tp_plan(""))
+            parallelize_module(layer, mesh["tp"], decoder_tp_plan(""))
     fully_shard = fully_shard_of("shardkit")
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)
@@ -122,7 +112,7 @@ def test_every_ranks_predicted_counts_are_its_export_report(layout: str) -> None
     reported = run_on_ranks(4, _reported, layout=layout)
     with torch.device("meta"):
         model = Decoder()
-    tp_dims = tp_dims_of(model, _tp_plan("model.layers.*.")) if layout == "tp" else None
+    tp_dims = tp_dims_of(model, decoder_tp_plan("model.layers.*.")) if layout == "tp" else None
     tensors = export_tensors(model, tp_dims)
     shape = {"fsdp": {}, "hsdp": {"replicas": 2}, "tp": {"tp_degree": 2}}[layout]
     for i, (to, bucket_bytes) in enumerate(_CONFIGS):

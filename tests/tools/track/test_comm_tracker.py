@@ -45,7 +45,7 @@ def _group_shard_bytes(world_size: int, align: int) -> dict[str, int]:
 
 def _step_check_bytes(world_size: int) -> int:
     """What shardkit's step check sends at the end of a backward, at W ranks on gloo: its
-    header and one byte per trainable parameter, to each peer (``runtime/step_check.py``)."""
+    header and one byte per trainable parameter, to each peer (``runtime/watch/step_check.py``)."""
     from shardkit.core.layout import STEP_CHECK_HEADER_BYTES
 
     flags = sum(1 for _ in models.build("mlp").parameters())

@@ -13,22 +13,16 @@ from shardkit.core.torch_release import UntestedTorchWarning, warn_if_untested
 warn_if_untested()
 
 from shardkit.core.api import fully_shard, register_fsdp_forward_method
-from shardkit.core.checkpoint import (
-    CheckpointLoadError,
-    CheckpointManager,
-    CheckpointSaveError,
-    IncompleteCheckpointError,
-    LayoutCache,
-    StateDictCache,
-    read_dcp_metadata,
-    save_dcp,
-)
+from shardkit.core.checkpoint import CheckpointManager, LayoutCache, read_dcp_metadata, save_dcp
 from shardkit.core.comm_sharing import share_comm_ctx
 from shardkit.core.errors import (
     AllGatherHookError,
     AllGatherInputError,
+    CheckpointLoadError,
+    CheckpointSaveError,
     DesyncError,
     FullyShardUsageError,
+    IncompleteCheckpointError,
     InvalidPlacementError,
     InvalidShardDimError,
     NumericsCheckError,
@@ -58,10 +52,11 @@ from shardkit.core.policies import (
 )
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.replicate_api import ReplicateModule, replicate
-from shardkit.core.runtime.progress import set_collective_bound, set_debug, set_hang_timeout
-from shardkit.core.runtime.step_check import set_step_checks
+from shardkit.core.runtime.watch.progress import set_collective_bound, set_debug, set_hang_timeout
+from shardkit.core.runtime.watch.step_check import set_step_checks
 from shardkit.core.snapshots import MemorySnapshots, ResumePoint, SnapshotError
 from shardkit.core.state_dict import (
+    StateDictCache,
     iter_full_state_dict,
     load_full_state_dict,
     load_torch_file,

@@ -27,6 +27,7 @@ from shardkit.core.engine.spmd import spmd_mesh_info
 from shardkit.core.engine.state_registry import is_managed, state_of
 from shardkit.core.errors import FullyShardUsageError
 from shardkit.core.fsdp_module import FSDPModule
+from shardkit.core.optim.torch_muon import refuse_torch_muon_on_shards
 from shardkit.core.placement import placement_resolver
 from shardkit.core.policies import (
     DataParallelMeshDims,
@@ -138,6 +139,7 @@ def fully_shard(
         reshard_policy=policy,
     )
     state = build_state(modules, mesh_info, place, settings)
+    refuse_torch_muon_on_shards(modules)  # its step on these shards would be silently wrong
     return _FULLY_SHARD.adopt(module, state)
 
 

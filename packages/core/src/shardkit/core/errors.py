@@ -13,11 +13,15 @@ __all__ = [
     "AllGatherHookError",
     "AllGatherInputError",
     "BufferLifetimeError",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
     "DesyncError",
     "FullyShardUsageError",
+    "IncompleteCheckpointError",
     "InvalidPlacementError",
     "InvalidShardDimError",
     "NumericsCheckError",
+    "ShardedMatrixError",
     "ShardkitError",
     "StateDictFileError",
     "StuckCollectiveError",
@@ -26,6 +30,7 @@ __all__ = [
     "UnsupportedWithHooksError",
     "WeightExportError",
     "WeightLoadError",
+    "WriterProcessError",
     "first_sentence",
 ]
 
@@ -91,6 +96,30 @@ class StateDictFileError(ShardkitError, ValueError):
     """
 
 
+class CheckpointSaveError(ShardkitError, RuntimeError):
+    """A checkpoint save failed and was not published; the message says why, per rank.
+
+    Raised on every rank with the same message: a rank failed to write (in the background
+    too), a rank's results did not match its plan, or a value could not be planned (one the
+    safe reader could not read back: ``checkpoint.dcp_reading.LoadableSavePlanner``).
+    """
+
+
+class CheckpointLoadError(ShardkitError, RuntimeError):
+    """No checkpoint could be loaded on every rank; the message says why, for each."""
+
+
+class IncompleteCheckpointError(ShardkitError, RuntimeError):
+    """A checkpoint directory whose save never finished."""
+
+
+class WriterProcessError(ShardkitError, RuntimeError):
+    """A checkpoint's writer process failed or died; the message says how.
+
+    The save that used it raises ``CheckpointSaveError``, naming this one.
+    """
+
+
 class DesyncError(ShardkitError, RuntimeError):
     """Ranks about to run different collectives (``SHARDKIT_DEBUG``); names what each runs."""
 
@@ -129,6 +158,14 @@ class WeightLoadError(ShardkitError, RuntimeError):
 
     Names, shapes or dtypes that do not fit (nothing was written), or a load that failed
     partway (the message names the tensors written).
+    """
+
+
+class ShardedMatrixError(ShardkitError, RuntimeError):
+    """``torch.optim.Muon`` given a matrix sharded across ranks, which it cannot see whole.
+
+    Raised at its step, before any parameter changes; names the parameter and the fix,
+    ``shardkit.core.optim.Muon``.
     """
 
 

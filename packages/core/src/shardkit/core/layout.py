@@ -39,8 +39,8 @@ from shardkit.core.engine.state_registry import states_under
 from shardkit.core.policies import keeps_own_dtype
 from shardkit.core.reduce_precision import ReducePrecision
 from shardkit.core.runtime.buffers import ALIGN_BYTES, ShardGeometry
-from shardkit.core.runtime.step_check import HEADER_BYTES as STEP_CHECK_HEADER_BYTES
-from shardkit.core.runtime.step_check import step_checks_on
+from shardkit.core.runtime.watch.step_check import HEADER_BYTES as STEP_CHECK_HEADER_BYTES
+from shardkit.core.runtime.watch.step_check import step_checks_on
 
 __all__ = [
     "ALIGN_BYTES",

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardkit.core.engine.grad_dtype_policy import hold_explicit_grads, restore_held_grads
 from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.runtime.agreement import agreed
+from shardkit.core.runtime.p2p.agreement import agreed
 from shardkit.core.state_dict.validation import (
     check_state_dict,
     format_problems,

@@ -7,6 +7,11 @@
 5. ``fully_shard`` the module: one group of the parameters no inner wrapper holds.
 
 Steps 3 and 4 touch only the wrapper's own part of the tree: inner wrappers did theirs.
+
+Next to split off: step 1, reading the arguments (``Fsdp1Args``, ``_ignored``,
+``_compute_device``, ``_one_rank_is_no_shard``) into ``construct_args.py``: they read only the
+arguments and the module, before anything is wrapped, and ``build_unit`` calls each function
+once.
 """
 
 from __future__ import annotations

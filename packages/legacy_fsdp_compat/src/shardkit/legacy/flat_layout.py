@@ -6,6 +6,11 @@ across ranks. A LOCAL_STATE_DICT checkpoint holds each rank's piece of every uni
 tensor and nothing about what lies where: that must be computed again from what FSDP1 was
 given. This module does it on a model built on the meta device, with no process group.
 See [Note: FSDP1 flat parameters] (docs/notes/010-fsdp1-checkpoints.md) for the rules.
+
+Next to split off: which modules become units, in FSDP1's wrapping order
+(``_units_in_wrap_order``, ``_post_order``, ``_policy_targets``, ``_recursive_targets``,
+``_LAYOUT_ARGUMENTS``) into ``flat_wrap_order.py``: they ask the policy and walk the module tree,
+never touch the flat-parameter types, and ``flat_param_layout`` calls only the first.
 """
 
 from __future__ import annotations

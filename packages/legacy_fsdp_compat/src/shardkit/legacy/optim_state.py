@@ -9,6 +9,11 @@ optimizer gives the parameter, ready for ``optim.load_state_dict``.
 
 Tensors are converted one at a time, in the same order on every rank (a full tensor is
 gathered with a collective), so no rank holds more than one full tensor beyond the result.
+
+Next to split off: the first rank's broadcast of a full optimizer state dict
+(``receive_from_first``, ``_TensorSpec``, ``_skeleton``) into ``optim_broadcast.py``: it moves a
+name-keyed dict as it is, through ``comm``'s broadcasts, shares no helper with the keying and
+sharding above, and ``optim_api`` is its one caller.
 """
 
 from __future__ import annotations

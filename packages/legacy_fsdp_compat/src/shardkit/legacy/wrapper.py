@@ -6,6 +6,11 @@ auto-wrapping) and API; underneath, each wrapper's module is one ``fully_shard``
 DTensors, one per original parameter, as with ``use_orig_params=True``; with
 ``use_orig_params=False`` ``named_parameters`` lists one flat parameter per unit instead
 (see :mod:`shardkit.legacy.flat_params`).
+
+Next to split off: the root's lazy init and the forward's input casting (the body of
+``_lazy_init``, ``_casts_inputs``, ``_cast_floats``), as functions taking the wrapper, into
+``wrapper_forward.py``: they read only ``units_in``, ``unit_of`` and the unit's mixed precision,
+and the class keeps ``_lazy_init`` and ``forward`` as one-line calls.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The background half of an asynchronous checkpoint: the save in a thread, then checksums.
 
 ``CheckpointManager.save(..., async_save=True)`` stages the state (``staging``) on
-the training thread, then a thread of its own saves it (``local_save``: planned by each rank
+the training thread, then a thread of its own saves it (``local_plan.save``: planned by each rank
 alone, DCP's files) while training goes on. When the write is done, the same thread hashes
 this rank's share of the checkpoint's files, so that publishing it later costs the training
 thread one small exchange of checksums.
@@ -32,18 +32,19 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
-from shardkit.core.checkpoint.local_save import (
+from shardkit.core.checkpoint.local_plan.save import (
     LayoutCache,
     LocalPlanSavePlanner,
     save_planned_locally,
 )
+from shardkit.core.checkpoint.local_plan.save_results import Gathered
 from shardkit.core.checkpoint.process_writer import WriterProcess
-from shardkit.core.checkpoint.save_results import Gathered
 from shardkit.core.checkpoint.staging import StagingBuffers
-from shardkit.core.runtime.agreement import everyone
+from shardkit.core.errors import CheckpointSaveError
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
+from shardkit.core.runtime.p2p.agreement import everyone
 
-__all__ = ["CheckpointSaveError", "PendingSave", "finish", "start"]
+__all__ = ["PendingSave", "finish", "start"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ logger = logging.getLogger(__name__)
 # (CPU training, one rank per core), the write then takes the cycles training leaves, waiting
 # on its collectives, instead of stretching a step; where cores are free it runs at full speed.
 _WRITER_NICENESS = 19
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed and was not published; the message says why, per rank.
-
-    An asynchronous save's writing, or any save's planning (a value the safe reader could not
-    read back: ``dcp_reading.LoadableSavePlanner``).
-    """
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,7 +85,7 @@ def start(
 ) -> PendingSave:
     """Begin writing ``staged`` into ``partial`` in the background (collective: every rank).
 
-    The writer thread plans alone (``local_save``: no collective until the files are written),
+    The writer thread plans alone (``local_plan.save``: no collective until the files are written),
     writes, meets the other ranks' writers on ``checkpoint_group()`` for the results and the
     outcome, then hashes this rank's share of the files. With ``process`` (the writer child
     and the shared buffers ``staged`` lives in), the writing, rank 0's metadata and the hashes

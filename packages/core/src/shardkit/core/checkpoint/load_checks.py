@@ -5,7 +5,7 @@ checks a candidate's files against the checksums its ``COMPLETE`` marker recorde
 each rank its share (``files.share``), and reads DCP's metadata and the values that are not
 tensors without running pickled code (``dcp_reading``): a candidate that fails is passed
 over with nothing written. ``try_load`` runs DCP's load with those readers. Each returns ''
-or why not, the same text on every rank (``runtime.agreement.everyone``), so the ranks pass
+or why not, the same text on every rank (``runtime.p2p.agreement.everyone``), so the ranks pass
 over the same candidates and load the same one.
 """
 
@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata, unsafe_values, value_keys
 from shardkit.core.checkpoint.files import COMPLETE, manifest_of, problems_with, share
-from shardkit.core.checkpoint.local_save import describe_dcp_failure
+from shardkit.core.checkpoint.local_plan.save import describe_dcp_failure
 from shardkit.core.checkpoint.replica_reads import (
     ReadCounts,
     ReplicaSplitPlanner,
     ReplicaSplitReader,
 )
-from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import global_rank, world_size
+from shardkit.core.runtime.p2p.agreement import everyone
 
 __all__ = ["no_checkpoint_loads", "try_load", "verify"]
 

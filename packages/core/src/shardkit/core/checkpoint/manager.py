@@ -8,13 +8,18 @@ checkpoint stays current. The newest ``keep`` checkpoints are kept.
 
 Loading checks a checkpoint's files against their checksums before DCP reads any of them,
 so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
-``runtime.agreement.everyone``, on which checkpoint they load (the checks and the load of
+``runtime.p2p.agreement.everyone``, on which checkpoint they load (the checks and the load of
 one candidate: ``load_checks``).
 
 An asynchronous save (``save(..., async_save=True)``) stages the state into reused CPU
 buffers, returns, and writes in the background (``async_save``). It is published, the
 same way, by the next save, ``wait()`` or ``close()``; until then it is a ``.partial``
 directory like any unfinished save.
+
+Next to split off: publishing a finished save (``_checksums``, ``_publish``, ``_prune``,
+``_write_atomic``, ``_fsync_dir``, ``_step_of``, ``_LATEST``, ``_MARKERS``), as functions taking
+the root and ``keep``, into ``publish.py``: the marker, the renames and the pruning, with the
+checksums they record, need nothing of DCP, the staging buffers or the pending save.
 """
 
 from __future__ import annotations
@@ -31,18 +36,20 @@ from types import TracebackType
 from typing import Any, Literal
 
 from shardkit.core.checkpoint import async_save as background
-from shardkit.core.checkpoint.async_save import (
-    CheckpointSaveError,
-    PendingSave,
-)
+from shardkit.core.checkpoint.async_save import PendingSave
 from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.load_checks import no_checkpoint_loads, try_load, verify
-from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
 from shardkit.core.checkpoint.process_writer import WriterProcess
 from shardkit.core.checkpoint.replica_reads import ReadCounts
 from shardkit.core.checkpoint.staging import StagingBuffers
-from shardkit.core.runtime.agreement import everyone, from_rank, raise_shared
+from shardkit.core.errors import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    IncompleteCheckpointError,
+)
 from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
+from shardkit.core.runtime.p2p.agreement import everyone, from_rank, raise_shared
 
 __all__ = [
     "CheckpointLoadError",
@@ -55,14 +62,6 @@ logger = logging.getLogger(__name__)
 
 _LATEST = "latest"
 _MARKERS = frozenset({COMPLETE, f".{COMPLETE}.tmp"})  # the manager's own, not the save's
-
-
-class IncompleteCheckpointError(RuntimeError):
-    """A checkpoint directory whose save never finished."""
-
-
-class CheckpointLoadError(RuntimeError):
-    """No checkpoint could be loaded on every rank; the message says why, for each."""
 
 
 def _step_of(path: Path) -> int:

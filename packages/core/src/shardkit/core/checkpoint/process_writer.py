@@ -1,7 +1,7 @@
 """A rank's checkpoint writer in a process of its own: serialization, file I/O, fsync, hashes.
 
 With ``CheckpointManager(root, writer="process")`` an asynchronous save still plans and meets
-the other ranks in the training process (``local_save``: the plan, cached per layout, the
+the other ranks in the training process (``local_plan.save``: the plan, cached per layout, the
 gather of results and the outcome, on ``checkpoint_group()``), but the work that holds the
 GIL or the disk goes to one long-lived child per rank:
 
@@ -48,19 +48,20 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
-from shardkit.core.checkpoint.local_save import LocalPlanSavePlanner
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.core.checkpoint.save_results import Gathered, storage_entries, write_metadata_file
+from shardkit.core.checkpoint.local_plan.save import LocalPlanSavePlanner
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.save_results import (
+    Gathered,
+    storage_entries,
+    write_metadata_file,
+)
+from shardkit.core.errors import WriterProcessError
 
 __all__ = ["WriterProcess", "WriterProcessError"]
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-class WriterProcessError(RuntimeError):
-    """The writer process failed or died; the message says how."""
 
 
 @dataclass(frozen=True, slots=True)

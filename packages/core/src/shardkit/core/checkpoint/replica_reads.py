@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.futures import Future
 
 from shardkit.core.checkpoint.dcp_reading import SafeFileSystemReader, SafeLoadPlanner
-from shardkit.core.runtime.agreement import everyone
 from shardkit.core.runtime.groups import global_rank
+from shardkit.core.runtime.p2p.agreement import everyone
 from shardkit.core.runtime.replica_exchange import broadcast_parts
 
 __all__ = ["ReadCounts", "ReplicaSplitPlanner", "ReplicaSplitReader"]

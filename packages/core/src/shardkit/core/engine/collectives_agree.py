@@ -1,7 +1,7 @@
 """Whether every rank issued the same collectives: the step check, where a root's step ends.
 
 At the end of a backward that finishes its reductions (and of a forward no backward follows),
-the root runs the runtime's step check (``runtime/step_check.py``) with the flags of the
+the root runs the runtime's step check (``runtime/watch/step_check.py``) with the flags of the
 parameters its groups reduced as zeros (``reduce/unused.py``): every group's flags in the
 root's order of groups, then of trainable parameters, the same on every rank. On the CPU the
 verdict is compared here, before the optimizer step; on an accelerator at the root's next
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from shardkit.core.engine.group.param_group import FSDPParamGroup
-from shardkit.core.runtime import step_check
 from shardkit.core.runtime.device import holds_no_memory, is_accelerator
-from shardkit.core.runtime.progress import SETTINGS
+from shardkit.core.runtime.watch import step_check
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["check_step"]
 

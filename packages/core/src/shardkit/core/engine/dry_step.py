@@ -17,7 +17,7 @@ from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.engine.root_context import RootState
 from shardkit.core.engine.step_trace import StepTrace
-from shardkit.core.runtime.progress import PROGRESS
+from shardkit.core.runtime.watch.progress import PROGRESS
 from shardkit.core.state_machines import ShardedState, TrainingState
 
 __all__ = ["run_dry_step"]

@@ -48,11 +48,11 @@ from shardkit.core.engine.usage_checks import (
 )
 from shardkit.core.errors import DesyncError
 from shardkit.core.policies import MixedPrecisionPolicy
-from shardkit.core.runtime import step_check
 from shardkit.core.runtime.device import is_accelerator
 from shardkit.core.runtime.dynamo import eager_hook
-from shardkit.core.runtime.progress import PROGRESS
 from shardkit.core.runtime.protocol import CollectiveRuntime
+from shardkit.core.runtime.watch import step_check
+from shardkit.core.runtime.watch.progress import PROGRESS
 from shardkit.core.schedule import root_reshards_after_forward, watches_inputs
 from shardkit.core.state_machines import ShardedState, TrainingState
 
@@ -254,6 +254,7 @@ class FSDPState:
         entering = not self._forward_pending
         if entering:
             self._forward_pending = {id(m) for m in self.modules}
+            PROGRESS.ran_forward(self.fqn)
         for group in self.groups:
             group.ran_forward_with_grad |= torch.is_grad_enabled()
             if entering:

@@ -27,8 +27,8 @@ from shardkit.core.errors import AllGatherHookError, AllGatherInputError
 from shardkit.core.policies import MixedPrecisionPolicy
 from shardkit.core.runtime.buffers import FlatLayout, ShardGeometry, shard_geometry
 from shardkit.core.runtime.dtensors import contiguous_strides
-from shardkit.core.runtime.lifetimes import check_release
-from shardkit.core.runtime.progress import SETTINGS
+from shardkit.core.runtime.watch.lifetimes import check_release
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = [
     "AllGatherHooks",

@@ -31,7 +31,7 @@ The active ranks announce (the arguments ``Join`` passes are checked by ``engine
 4. **Something it cannot shadow** (``FOREIGN``): every rank raises the same error.
 
 Announcements 2 to 4 happen only while some rank is out of batches; the active ranks then run
-under a :class:`~shardkit.core.runtime.collective_watch.CollectiveWatch` (``engine/
+under a :class:`~shardkit.core.runtime.watch.collective_watch.CollectiveWatch` (``engine/
 join_watch``), which sees the norms, the scaling, and any other collective before it goes
 out. Such a collective (unless a method of another ``Joinable`` issues it) is held back (its
 caller sees its tensors unchanged) and named at the next announcement (the step, or the next
@@ -52,6 +52,11 @@ lookup and issues nothing. Supported: every iteration runs the same groups in th
 iteration), and no ``set_manual_backward_finalization``. A rank with no batch in this Join
 takes the module tree's order, even if it trained before it (recording runs only under a
 Join).
+
+Next to split off: the groups' switches for one iteration (``_options_of``, ``set_factors``,
+``restore_factors``, the flags ``active_iteration`` announces), as a helper object the hook
+holds, into ``join_groups.py``: it reads and writes only the groups' options and divide
+factors, and sends none of the messages.
 """
 
 from __future__ import annotations
@@ -89,9 +94,9 @@ from shardkit.core.engine.root_context import RootState
 from shardkit.core.engine.state_registry import state_of, states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.step_trace import StepTrace, tree_trace
-from shardkit.core.runtime.collective_watch import CollectiveWatch, drop_orphaned_watch
 from shardkit.core.runtime.groups import mesh_group
 from shardkit.core.runtime.protocol import CollectiveHandle
+from shardkit.core.runtime.watch.collective_watch import CollectiveWatch, drop_orphaned_watch
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -1,7 +1,7 @@
 """An active rank's view of what it does between its iterations' engine collectives, under Join.
 
 While some rank is out of batches (``engine/join``), each active rank runs its iteration under
-a :class:`~shardkit.core.runtime.collective_watch.CollectiveWatch` with this policy. It tells
+a :class:`~shardkit.core.runtime.watch.collective_watch.CollectiveWatch` with this policy. It tells
 apart three things the joined rank must learn of:
 
 - **A gradient norm** (``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``): DTensor's norm
@@ -35,8 +35,8 @@ from torch.distributed.algorithms.join import Joinable
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.core.runtime.collective_watch import collective_name
 from shardkit.core.runtime.dtensors import local_of
+from shardkit.core.runtime.watch.collective_watch import collective_name
 
 __all__ = [
     "GradNorm",
@@ -81,7 +81,7 @@ class NormOwner(Protocol):
 
 @dataclass(slots=True)
 class JoinWatchPolicy:
-    """The :class:`~shardkit.core.runtime.collective_watch.WatchPolicy` of an active rank."""
+    """The :class:`~shardkit.core.runtime.watch.collective_watch.WatchPolicy` of an active rank."""
 
     owner: NormOwner
     params: list[nn.Parameter]

@@ -13,6 +13,12 @@ with storage of its own, and its unsharded parameter is what its post-all-gather
 The dtype its full gradients accumulate in inside autograd (torch 2.15 on) is held in
 ``grad_accumulation``, the ``grad_dtype`` its user set in ``grad_policy``: both are
 ``grad_dtype_policy``'s.
+
+Next to split off: the unsharded gradient across no-sync backwards
+(``take_unsharded_grad``, ``stash_unsharded_grad``, ``_accumulate``), as functions taking the
+FSDPParam, into ``param_grads.py``: they read only ``unsharded_param``, ``accumulated_grad``,
+``grad_accumulation`` and the extension, and their callers (``group/unsynced``, ``reduce/``) are
+outside this module already.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.protocol import CollectiveRuntime
-from shardkit.core.runtime.step_check import Verdict
+from shardkit.core.runtime.watch.step_check import Verdict
 from shardkit.core.schedule import StepDriver
 
 __all__ = [

@@ -12,7 +12,7 @@ optimizer step). Per export:
    bucket whole: a gather where one rank receives, an all-gather where all do. A bucket whose
    ranks changed nothing moves nothing.
 3. The receiving rank hands the bucket to its receiver, then the next bucket starts. A failure
-   anywhere gives the export a verdict that every rank raises (``runtime/export_groups.py``).
+   anywhere gives the export a verdict that every rank raises (``runtime/export/export_groups.py``).
 4. A last small all-gather: every rank got through; the receiver's ``finish``.
 
 Memory: a non-receiving rank holds one packed part (1/W of a bucket); the receiving rank the
@@ -44,7 +44,7 @@ from shardkit.core.export.layout import export_order, mesh_of
 from shardkit.core.export.messages import ExportedTensor, ExportKind, ExportManifest
 from shardkit.core.export.receivers import WeightReceiver
 from shardkit.core.export.transfer import BucketTransfer, PreviousExport, TransferCounts
-from shardkit.core.runtime.export_groups import (
+from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
     ExportWatch,
     all_gather_vector,

@@ -2,7 +2,7 @@
 
 The trainer's receiving rank and K receiver processes (inference servers, on this host or
 others) form a group of 1 + K ranks through a ``TCPStore`` the trainer's rank hosts
-(:mod:`shardkit.core.runtime.receiver_group`: gloo on CPU, NCCL on CUDA; never the trainer's
+(:mod:`shardkit.core.runtime.export.receiver_group`: gloo on CPU, NCCL on CUDA; never the trainer's
 world). :class:`GroupSender`, a :class:`~shardkit.core.export.receivers.WeightReceiver` on the
 trainer's side, broadcasts each manifest and bucket in the wire format
 (:mod:`shardkit.core.export.wire`), so every receiver gets the same bytes; each receiver's
@@ -31,7 +31,7 @@ from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.receivers import WeightReceiver
 from shardkit.core.export.wire import decode_bucket, decode_manifest, encode_bucket, encode_manifest
-from shardkit.core.runtime.receiver_group import ReceiverGroup, ReceiverGroupSpec
+from shardkit.core.runtime.export.receiver_group import ReceiverGroup, ReceiverGroupSpec
 
 __all__ = ["GroupSender", "ReceiverGroupSpec", "serve_receiver_group"]
 

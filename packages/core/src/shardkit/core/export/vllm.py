@@ -19,6 +19,11 @@ would turn tensors into lists). Older engines without ``collective_rpc`` are rea
 their driver worker. This module imports no vLLM: the core runs without it.
 
 See docs/guide/export.md.
+
+Next to split off: the engine's side (``_model_of``, ``_processed_parameters``,
+``_probe_worker``, ``_choose_path``, ``_why``, ``_load_on_worker``, ``_restore_unfinished_layers``,
+``_quiet``, ``_RELOAD_LOGGERS``) into ``vllm_worker.py``: these run on vLLM's worker, are reached
+only through ``call(fn, ...)``, and use nothing of the loader or the receiver.
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@ Collectives are issued asynchronously and return handles; ``wait()`` comes right
 output is used. On gloo, a reduce-scatter is carried out as an exchange of rows plus a local sum,
 because gloo's own reduce-scatter sends twice the minimum bytes (it runs as an all-reduce).
 Whole objects moved between steps (state dicts, agreements) go through
-``object_collectives.py``. gloo's exchanges (and the fingerprints of the desync checks) post
-their messages through ``row_exchange.py``, with tags from ``p2p_tags.py``.
+``p2p/object_collectives.py``. gloo's exchanges (and the fingerprints of the desync checks)
+post their messages through ``p2p/row_exchange.py``, with tags from ``p2p/p2p_tags.py``.
+
+Next to split off: the desync checks' fingerprint exchange (``_send_fingerprint``, ``_ToHost``)
+into ``watch/fingerprints.py``, beside ``desync``: ``_begin`` is its one caller, and it needs
+only ``desync``, the row exchange and ``all_gather_single``, none of the runtime's state.
 """
 
 from __future__ import annotations
@@ -16,17 +20,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import comm_debug, desync, lifetimes, p2p_tags, step_check
-from shardkit.core.runtime.announce import announce, announce_issued
 from shardkit.core.runtime.custom import custom_all_gather_rows, custom_reduce_scatter
 from shardkit.core.runtime.flat_collectives import all_gather_single, reduce_scatter_single
 from shardkit.core.runtime.handles import DoneHandle, GatherHandle, SumRowsHandle, WorkHandle
-from shardkit.core.runtime.hang import ensure_watching
+from shardkit.core.runtime.p2p import p2p_tags
+from shardkit.core.runtime.p2p.row_exchange import post_row_exchange
 from shardkit.core.runtime.pool import BufferPool
-from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
 from shardkit.core.runtime.protocol import CustomComm, RowBlock
 from shardkit.core.runtime.reduction import SUM, Reduction
-from shardkit.core.runtime.row_exchange import post_row_exchange
+from shardkit.core.runtime.watch import comm_debug, desync, lifetimes, step_check
+from shardkit.core.runtime.watch.announce import announce, announce_issued
+from shardkit.core.runtime.watch.hang import ensure_watching
+from shardkit.core.runtime.watch.progress import (
+    FINGERPRINT_BYTES,
+    PROGRESS,
+    SETTINGS,
+    CollectiveInfo,
+)
 
 __all__ = [
     "DoneHandle",

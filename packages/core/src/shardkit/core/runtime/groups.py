@@ -1,7 +1,7 @@
 """Process groups: who this rank is, the default group, subgroups and barriers.
 
-With ``collectives.py`` and ``object_collectives.py`` this is the only place the core talks to
-``torch.distributed``, so a backend quirk or an API change is handled once.
+With ``collectives.py`` and ``p2p/object_collectives.py`` this is the only place the core talks
+to ``torch.distributed``, so a backend quirk or an API change is handled once.
 """
 
 from __future__ import annotations

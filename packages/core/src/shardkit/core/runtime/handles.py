@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.runtime import desync, stuck
-from shardkit.core.runtime.lifetimes import Flight
 from shardkit.core.runtime.pool import BufferPool
-from shardkit.core.runtime.progress import PROGRESS, CollectiveInfo
 from shardkit.core.runtime.protocol import RowBlock
 from shardkit.core.runtime.reduction import SUM, Reduction
 from shardkit.core.runtime.ring_order import ring_fold_order, ring_owners
+from shardkit.core.runtime.watch import desync, stuck
+from shardkit.core.runtime.watch.lifetimes import Flight
+from shardkit.core.runtime.watch.progress import PROGRESS, CollectiveInfo
 
 __all__ = ["DoneHandle", "GatherHandle", "SumRowsHandle", "WorkHandle", "wait_all"]
 
@@ -40,7 +40,7 @@ def wait_all(
     """Wait for ``works``, recorded as a wait on ``info`` for the hang watch.
 
     A wait that the stuck check broke raises its
-    :class:`~shardkit.core.errors.StuckCollectiveError` (``runtime/stuck.py``).
+    :class:`~shardkit.core.errors.StuckCollectiveError` (``runtime/watch/stuck.py``).
 
     With desync checks, the fingerprints of ``check`` are compared first (raises if they differ).
     With lifetime checks, ``flight`` (the memory the works use) is checked before the wait

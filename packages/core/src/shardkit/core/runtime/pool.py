@@ -17,8 +17,8 @@ from collections import defaultdict
 
 import torch
 
-from shardkit.core.runtime.lifetimes import check_release
-from shardkit.core.runtime.progress import SETTINGS
+from shardkit.core.runtime.watch.lifetimes import check_release
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["BufferPool"]
 

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import torch
 
 from shardkit.core.checkpoint.manager import CheckpointManager
-from shardkit.core.runtime.agreement import from_rank, raise_shared
 from shardkit.core.runtime.groups import global_rank, is_distributed, snapshot_group, world_size
+from shardkit.core.runtime.p2p.agreement import from_rank, raise_shared
 from shardkit.core.snapshots.contents import Layout, Leaves, leaves_of
 from shardkit.core.snapshots.device_staging import staging_device
 from shardkit.core.snapshots.gradient_log import GradientLog, LogPlan

@@ -8,7 +8,7 @@
    by its peer (own preferred), and no older than ``not_before`` (a newer disk checkpoint
    wins).
 3. **Fetch**: a rank whose own copy is missing receives the replica (and the log entries that
-   take it to the step) from its holder, point to point (``runtime.peer_transfer``).
+   take it to the step) from its holder, point to point (``runtime.p2p.peer_transfer``).
 4. **Verify** (one all-gather): each rank checks the bytes it will load (its own slot, or what
    it received) against their checksums and its state's layout. If any rank's check fails,
    that snapshot is refused on every rank and the choice is made again without it.
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from shardkit.core.runtime.agreement import Outcome, everyone, raise_shared
 from shardkit.core.runtime.groups import is_distributed
-from shardkit.core.runtime.peer_transfer import Message, transfer
+from shardkit.core.runtime.p2p.agreement import Outcome, everyone, raise_shared
+from shardkit.core.runtime.p2p.peer_transfer import Message, transfer
 from shardkit.core.snapshots.contents import JSONValue, Layout, leaves_of
 from shardkit.core.snapshots.format import (
     REGION_AT,

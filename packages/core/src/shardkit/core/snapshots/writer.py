@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from shardkit.core.runtime.groups import SNAPSHOT_NICENESS, lower_thread_priority
-from shardkit.core.runtime.peer_transfer import Message, transfer
+from shardkit.core.runtime.p2p.peer_transfer import Message, transfer
 from shardkit.core.snapshots.checksum import PARALLEL_BYTES, checksums_of
 from shardkit.core.snapshots.contents import JSONValue, Layout, Leaves
 from shardkit.core.snapshots.device_staging import DeviceStaging

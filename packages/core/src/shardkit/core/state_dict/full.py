@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.state_registry import is_managed, states_under
 from shardkit.core.extensions import DataParallelSharding
-from shardkit.core.runtime.agreement import Outcome, agreed
 from shardkit.core.runtime.buffers import copy_out_unsharded
 from shardkit.core.runtime.collectives import ProcessGroupRuntime
 from shardkit.core.runtime.groups import global_rank
-from shardkit.core.runtime.object_collectives import gather_to_first
+from shardkit.core.runtime.p2p.agreement import Outcome, agreed
+from shardkit.core.runtime.p2p.object_collectives import gather_to_first
 from shardkit.core.runtime.protocol import rows_of
 from shardkit.core.state_dict.validation import model_mesh, param_keys
 

@@ -30,9 +30,9 @@ from shardkit.core.engine.group.param_group import FSDPParamGroup
 from shardkit.core.engine.reduce import pack_grads_rank_major
 from shardkit.core.formats.file_readers import StateDictReader, open_reader
 from shardkit.core.formats.file_writers import Entry, FileWriter, format_of, open_writer
-from shardkit.core.runtime.agreement import from_rank
 from shardkit.core.runtime.groups import barrier, global_rank, world_group
-from shardkit.core.runtime.object_collectives import (
+from shardkit.core.runtime.p2p.agreement import from_rank
+from shardkit.core.runtime.p2p.object_collectives import (
     broadcast_from,
     broadcast_from_first,
     ranks_where,

@@ -10,7 +10,8 @@ both axes (``tp_styles`` reads the plan, ``tp_comm`` prices DTensor's collective
 ``ShardingPlan`` (``sharding_plan``) records the choices around ``fully_shard``; ``gpt`` and
 ``examples`` are the models that the ``shardkit-plan`` command (``cli``, ``tables``) accepts.
 
-Three wings stand on it (each imports the memory model; only ``search`` imports the other two):
+Five wings stand on it (each imports the memory model; only ``search`` imports ``apply``, and
+only ``search`` and ``export`` import ``timing``):
 
 - ``timing``: :func:`estimate_step_time` predicts the step's time on a :class:`Hardware`
   profile from the operators the trace counted (``op_costs``), replayed with the
@@ -23,15 +24,22 @@ Three wings stand on it (each imports the memory model; only ``search`` imports 
   ``reshard_after_forward``, prefetching and recomputation for the fastest plan that fits a
   memory budget, predicting each with the memory model and ``timing`` (:class:`TraceCache`
   shares their meta-device traces), and checks and writes the chosen one with ``apply``.
+- ``export``: :func:`export_cost` predicts a weight export's bytes, buckets, collectives,
+  peak and time (``shardkit-plan --export-dtype``); ``tp_dims_of`` (``tp_styles``) gives it,
+  and ``checkpoint``, the dims a TP plan shards.
+- ``checkpoint``: a checkpoint save's bytes per rank, ``.metadata``, planning and write time,
+  from the core's own ``SaveLayout`` (``shardkit-plan --checkpoint``).
+
+Each wing with options of ``shardkit-plan`` adds them itself (``add_export_arguments``,
+``add_checkpoint_arguments``), and ``cli`` calls it.
 """
 
 from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.apply.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.apply.parallelize_source import parallelize_source
 from shardkit.tools.plan.apply.plan_json import PlanFormatError, dump_plan, load_plan
-from shardkit.tools.plan.export_cli import tp_dims_of
-from shardkit.tools.plan.export_cost import ExportCost, ExportSpec, RankCounts, export_cost
-from shardkit.tools.plan.export_layout import ExportTensor, export_tensors
+from shardkit.tools.plan.export.cost import ExportCost, ExportSpec, RankCounts, export_cost
+from shardkit.tools.plan.export.layout import ExportTensor, export_tensors
 from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.plan_record import Plan
@@ -51,6 +59,7 @@ from shardkit.tools.plan.sharding_plan import ROOT, ShardingPlan, Unit
 from shardkit.tools.plan.timing.calibrate import calibrate
 from shardkit.tools.plan.timing.hardware import H100, H200, Hardware, Link
 from shardkit.tools.plan.timing.step_time import StepTime, estimate_step_time
+from shardkit.tools.plan.tp_styles import tp_dims_of
 from shardkit.tools.plan.trace_cache import TraceCache
 
 __all__ = [

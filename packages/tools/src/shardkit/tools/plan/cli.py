@@ -14,6 +14,10 @@ and the search's report, as text or (``--json``) one JSON document
 (:func:`~shardkit.tools.plan.search.fit.fit_json`). Exit status: 0 planned (or a plan fits),
 1 the model could not be planned (or nothing fits), 2 bad arguments (including a factory that
 cannot be imported).
+
+Next to split off: loading the user's factories (``FactoryError``, ``load_factory``,
+``_build_model``) into ``plan/factory.py``, ``load_factory`` still importable from here: they
+need only ``importlib`` and ``meta_build``, and ``main`` calls them before any planning.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import torch
 from torch import nn
 
 from shardkit.core import ReducePrecision
-from shardkit.tools.plan.checkpoint_cli import checkpoint_cost_of, format_checkpoint_cost
-from shardkit.tools.plan.checkpoint_cost import DEFAULT_DISK_GIB_S
+from shardkit.tools.plan.checkpoint.cli import (
+    add_checkpoint_arguments,
+    checkpoint_cost_of,
+    format_checkpoint_cost,
+)
 from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
-from shardkit.tools.plan.export_cli import export_cost_of, format_export_cost
+from shardkit.tools.plan.export.cli import add_export_arguments, export_cost_of, format_export_cost
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
 from shardkit.tools.plan.plan_record import Plan
@@ -231,31 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     fitting.add_argument(
         "--no-check", dest="check", action="store_false", help="skip the fake-group check"
     )
-    exporting = parser.add_argument_group(
-        "a weight export's cost (shardkit.core.export)",
-        "the bytes, buckets, collectives, peak and time of one export to an inference engine",
-    )
-    exporting.add_argument("--export-dtype", type=_dtype, help="the export's dtype (bf16)")
-    exporting.add_argument(
-        "--export-bucket-mib", type=float, default=512.0, help="a bucket's bound, MiB"
-    )
-    exporting.add_argument(
-        "--export-to", choices=("first", "all"), default="first", help="who receives"
-    )
-    exporting.add_argument(
-        "--export-delta", type=float, metavar="FRACTION", help="a delta export: changed elements"
-    )
-    saving = parser.add_argument_group(
-        "a checkpoint save's cost (shardkit.core's CheckpointManager)",
-        "bytes per rank, .metadata, planning and write time of saving the model and --optimizer",
-    )
-    saving.add_argument("--checkpoint", action="store_true", help="predict a save")
-    saving.add_argument(
-        "--disk-gib-s",
-        type=float,
-        default=DEFAULT_DISK_GIB_S,
-        help=f"write bandwidth per rank, GiB/s (default {DEFAULT_DISK_GIB_S:g})",
-    )
+    add_export_arguments(parser)  # each wing owns its options
+    add_checkpoint_arguments(parser)
     parser.add_argument("--rank", type=int, default=0, help="whose memory to report")
     parser.add_argument("--all-groups", action="store_true", help="list groups one by one")
     parser.add_argument(

@@ -93,7 +93,7 @@ class StepResult:
     schedule: tuple[CollectiveCall, ...]
     """Every collective, in issue order."""
     step_check: tuple[CollectiveCall, ...]
-    """The step check's messages where the backward ends (the core's ``runtime/step_check``),
+    """The step check's messages where the backward ends (the core's ``runtime/watch/step_check``),
     after ``schedule``: not collectives of the step's, and announced by no event."""
     memory: MemoryPlan
     """The ledger's samples, peak and per-category maxima."""

@@ -263,7 +263,7 @@ class LedgerOps:
         self._append(kind, self.groups[g].fqn, axis, size, input_bytes, sent)
 
     def record_step_check(self) -> None:
-        """The engine's step check where a backward ends (the core's ``runtime/step_check``).
+        """The engine's step check where a backward ends (the core's ``runtime/watch/step_check``).
 
         For each mesh axis the step's collectives used, in order of first use: every member's
         header and one byte per trainable parameter, point to point on gloo (a receive and a

@@ -42,6 +42,7 @@ __all__ = [
     "check_shardable",
     "resolve_plan",
     "style_role",
+    "tp_dims_of",
     "tp_local_shape",
 ]
 
@@ -117,6 +118,16 @@ def param_placements(
         for name, placement in _style_params(fqn, module, style).items():
             placements[f"{fqn}.{name}" if fqn else name] = placement
     return placements
+
+
+def tp_dims_of(model: nn.Module, tp_plan: TPPlan) -> dict[str, int | None]:
+    """Parameter FQN -> the tensor dim ``tp_plan`` shards (None: replicated on tp).
+
+    What the export's and the checkpoint's predictions take of a TP plan (``export/``,
+    ``checkpoint/``).
+    """
+    placements = param_placements(resolve_plan(model, tp_plan))
+    return {k: p.dim if isinstance(p, Shard) else None for k, p in placements.items()}
 
 
 def _style_params(fqn: str, module: nn.Module, style: ParallelStyle) -> dict[str, Placement]:

@@ -8,7 +8,7 @@ and end. What they cannot tell is which of a step's collectives were the export'
 under a running :class:`~shardkit.tools.track.comm.CommTracker` and/or
 :class:`~shardkit.tools.track.memory.MemoryTracker`, it picks their records issued inside it
 and sums them (:class:`ExportMeasure`), to set beside the planner's prediction
-(:func:`shardkit.tools.plan.export_cost.export_cost`).
+(:func:`shardkit.tools.plan.export.cost.export_cost`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ backward, one reduce-scatter of all the group's gradients. See [Note: flat group
 Parameters with all-gather hooks join the same all-gather: see [Note: all-gather extensions].
 Its re-planning when its parameters change under it is the ``upkeep.GroupUpkeep`` it holds;
 its gradients' bookkeeping without sync is ``unsynced``'s.
+
+Next to split off: the all-gather in flight (``_PendingGather``, the collective half of
+``_issue_gather``, the copy-out of ``wait_for_unshard``, ``_post_forward_slices``), as a helper
+object the group holds, as it holds ``GroupUpkeep``, into ``group/gather.py``: it needs only the
+plan, the storage and the comm context, and the group keeps the state transitions.
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ from shardkit.core.engine.param import FSDPParam
 from shardkit.core.runtime.buffers import ShardGeometry, rank_major_view
 from shardkit.core.runtime.device import holds_no_memory, pin
 from shardkit.core.runtime.gather_split import GatherSplit, SplitTarget
-from shardkit.core.runtime.lifetimes import check_release
 from shardkit.core.runtime.pool import BufferPool
-from shardkit.core.runtime.progress import SETTINGS
 from shardkit.core.runtime.protocol import CollectiveRuntime, RowBlock
+from shardkit.core.runtime.watch.lifetimes import check_release
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["GroupStorage"]
 

@@ -13,8 +13,8 @@ import torch
 
 from shardkit.core.engine.group.plan import GroupPlan
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.runtime.lifetimes import check_release
-from shardkit.core.runtime.progress import SETTINGS
+from shardkit.core.runtime.watch.lifetimes import check_release
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["UnshardedBuffer"]
 

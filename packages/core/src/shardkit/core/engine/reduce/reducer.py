@@ -6,6 +6,12 @@ all-reduced across HSDP replicas, divided (``division``), and assigned as DTenso
 that view the result, or added to gradients already there (``assign``). Until it finishes, a
 reduction in flight is a ``PendingReduce`` (or an ``AssignInPlace``), which keeps the group's
 switches as they were when it was issued (``IssuedUnder``). See [Note: flat group buffers].
+
+Next to split off: the all-reduce across HSDP replicas (``finish``'s replica half: the deferred
+``partial`` and its packing check, the custom, compressed or runtime all-reduce, the all-reduce
+hook on its stream), as a helper object the reducer holds, owning ``partial``, into
+``reduce/replicas.py``: it is the sequence's third step, and reads only the ``IssuedUnder`` it
+finishes with and the replicate group.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from shardkit.core.engine.reduce.unused import UnusedGrads
 from shardkit.core.runtime.collectives import DoneHandle
 from shardkit.core.runtime.device import on_stream, prefers_fused_packing
 from shardkit.core.runtime.dtensors import accumulate_grads
-from shardkit.core.runtime.progress import SETTINGS
 from shardkit.core.runtime.protocol import CollectiveHandle
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["AssignInPlace", "GroupReducer", "IssuedUnder", "PendingReduce"]
 

@@ -11,7 +11,7 @@ moves a parameter through weight decay and momentum).
 
 Which parameters no rank used is learnt without a collective of its own: each rank flags the
 parameters it reduced as zeros and never used since the last step check, and the check's
-exchange (``runtime/step_check.py``) ANDs the flags over every rank. A parameter flagged on
+exchange (``runtime/watch/step_check.py``) ANDs the flags over every rank. A parameter flagged on
 every rank whose gradient this rank created from zeros gets None back. On an accelerator, a
 rank that flagged a parameter reads the combined flags at the end of backward: one wait for
 the device in such steps only (a program where every rank used every parameter never waits).
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from shardkit.core.engine.param import FSDPParam
-from shardkit.core.runtime.progress import SETTINGS
+from shardkit.core.runtime.watch.progress import SETTINGS
 
 __all__ = ["UnusedGrads"]
 

@@ -49,7 +49,7 @@ def _compare(cache: Any, app: Any) -> list[str]:
 
 def _through_changes(rank: int, world_size: int) -> dict[str, Any]:
     from shardkit.core import StateDictCache
-    from shardkit.core.checkpoint import state_dict_cache
+    from shardkit.core.state_dict import cache as state_dict_cache
 
     learned: list[int] = []
     original = getattr(state_dict_cache, "get_state_dict")  # noqa: B009 (not exported)

@@ -33,7 +33,7 @@ class TagBlock:
     """Tags ``first`` to ``first + count - 1``: one kind of message, owned by one module."""
 
     owner: str
-    """The runtime module that owns these tags (``runtime/<owner>.py``)."""
+    """The runtime module that owns these tags, by its name (``desync``: ``watch/desync.py``)."""
     first: int
     count: int = 1
 

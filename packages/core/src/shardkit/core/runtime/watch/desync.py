@@ -1,7 +1,7 @@
 """Desync checks: every rank's fingerprint of each collective, compared before its data is used.
 
 With ``SHARDKIT_DEBUG=1`` (or ``set_debug(True)``) the runtime sends the fingerprint of each
-collective (:class:`~shardkit.core.runtime.progress.CollectiveInfo`) to the other members of
+collective (:class:`~shardkit.core.runtime.watch.progress.CollectiveInfo`) to the other members of
 its group when it issues it, and compares what they sent before the collective's result is
 used. Ranks that run different code (one more micro-batch on one rank, a module skipped on
 another) are caught at the first collective where they differ, before the mismatched data
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.errors import DesyncError
-from shardkit.core.runtime import stuck
-from shardkit.core.runtime.p2p_tags import DATA_BY_FINGERPRINT, FINGERPRINTS
-from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, CollectiveInfo
+from shardkit.core.runtime.p2p.p2p_tags import DATA_BY_FINGERPRINT, FINGERPRINTS
+from shardkit.core.runtime.watch import stuck
+from shardkit.core.runtime.watch.progress import FINGERPRINT_BYTES, PROGRESS, CollectiveInfo
 
 __all__ = [
     "PendingCheck",

@@ -101,14 +101,14 @@ class Settings:
     """Seconds a collective may wait before the rank reports and exits; 0 turns it off."""
     lifetime_checks: bool = False
     """Check that no buffer is released while a collective not yet waited for uses it
-    (``SHARDKIT_DEBUG_LIFETIMES``; see ``runtime/lifetimes.py``)."""
+    (``SHARDKIT_DEBUG_LIFETIMES``; see ``runtime/watch/lifetimes.py``)."""
     step_checks: bool = True
     """Compare every rank's collectives once per step (``SHARDKIT_STEP_CHECK``, on unless
-    set to 0; see ``runtime/step_check.py``)."""
+    set to 0; see ``runtime/watch/step_check.py``)."""
     collective_bound_s: float = 5.0
     """Seconds a wait in an engine collective lasts before the ranks compare what they wait
     on, through the store, and raise if they cannot pair (``SHARDKIT_COLLECTIVE_BOUND``; 0
-    turns it off; see ``runtime/stuck.py``)."""
+    turns it off; see ``runtime/watch/stuck.py``)."""
 
 
 def _switched_on(name: str) -> bool:
@@ -175,6 +175,11 @@ def set_collective_bound(seconds: float) -> None:
     SETTINGS.collective_bound_s = float(seconds)
 
 
+# A step's forward is rarely longer; a longer one is compared on its first modules only, which
+# keeps the record a stuck rank posts small.
+_FORWARD_MODULES_KEPT = 4096
+
+
 class Progress:
     """This rank's position in training, updated by the hooks and the runtime."""
 
@@ -187,10 +192,14 @@ class Progress:
         """The collective being waited on now, if any."""
         self.waiting_since = 0.0  # time.monotonic() when the wait began
         self.waiting_works: Sequence[object] = ()
-        """The c10d works of the wait, which the stuck check may break (``runtime/stuck.py``)."""
+        """The c10d works of the wait, which the stuck check may break
+        (``runtime/watch/stuck.py``)."""
         self.version = 0  # bumped on every change the hang watch publishes
         self._hook: Any = None
         self._backward_since_step = False
+        self.forward_modules: list[str] = []
+        """The sharded modules the latest forward entered, in order: where ranks that wait on
+        collectives that cannot pair went apart (``runtime/watch/stuck.py``)."""
 
     @property
     def step(self) -> int:
@@ -200,9 +209,16 @@ class Progress:
     def enter(self, phase: str) -> None:
         """The hooks say the phase changed ('forward', 'backward', 'idle')."""
         if phase != self.phase:
+            if phase == "forward":
+                self.forward_modules = []
             self.phase = phase
             self.version += 1
             self._backward_since_step |= phase == "backward"
+
+    def ran_forward(self, fqn: str) -> None:
+        """A sharded module's forward began (the first module of a list group's)."""
+        if len(self.forward_modules) < _FORWARD_MODULES_KEPT:
+            self.forward_modules.append(fqn or "<root>")
 
     def issued(self, info: CollectiveInfo) -> None:
         """The runtime issued ``info``."""

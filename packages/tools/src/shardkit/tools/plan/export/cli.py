@@ -1,8 +1,9 @@
 """``shardkit-plan --export-dtype``: a weight export's predicted cost, beside the plan.
 
 The command's ``--export-*`` options name an export of the planned model
-(``shardkit.core.export``); this module turns them into an :class:`ExportSpec` on the plan's
-mesh and prints :func:`export_cost`'s figures (``--json``: under ``"export"``).
+(``shardkit.core.export``): this module adds them to the command (:func:`add_export_arguments`),
+turns them into an :class:`ExportSpec` on the plan's mesh and prints :func:`export_cost`'s
+figures (``--json``: under ``"export"``).
 """
 
 from __future__ import annotations
@@ -10,21 +11,33 @@ from __future__ import annotations
 import argparse
 
 from torch import nn
-from torch.distributed.tensor import Shard
 
-from shardkit.tools.plan.export_cost import ExportCost, ExportSpec, export_cost
-from shardkit.tools.plan.export_layout import export_tensors
+from shardkit.tools.plan.dtype_names import dtype_argument
+from shardkit.tools.plan.export.cost import ExportCost, ExportSpec, export_cost
+from shardkit.tools.plan.export.layout import export_tensors
 from shardkit.tools.plan.timing.hardware import Hardware
-from shardkit.tools.plan.tp_styles import TPPlan, param_placements, resolve_plan
+from shardkit.tools.plan.tp_styles import TPPlan, tp_dims_of
 from shardkit.tools.units import MIB, format_bytes
 
-__all__ = ["export_cost_of", "format_export_cost", "tp_dims_of"]
+__all__ = ["add_export_arguments", "export_cost_of", "format_export_cost"]
 
 
-def tp_dims_of(model: nn.Module, tp_plan: TPPlan) -> dict[str, int | None]:
-    """Parameter FQN -> the tensor dim ``tp_plan`` shards (None: replicated on tp)."""
-    placements = param_placements(resolve_plan(model, tp_plan))
-    return {k: p.dim if isinstance(p, Shard) else None for k, p in placements.items()}
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--export-*`` options, as a group of their own in ``parser``'s help."""
+    exporting = parser.add_argument_group(
+        "a weight export's cost (shardkit.core.export)",
+        "the bytes, buckets, collectives, peak and time of one export to an inference engine",
+    )
+    exporting.add_argument("--export-dtype", type=dtype_argument, help="the export's dtype (bf16)")
+    exporting.add_argument(
+        "--export-bucket-mib", type=float, default=512.0, help="a bucket's bound, MiB"
+    )
+    exporting.add_argument(
+        "--export-to", choices=("first", "all"), default="first", help="who receives"
+    )
+    exporting.add_argument(
+        "--export-delta", type=float, metavar="FRACTION", help="a delta export: changed elements"
+    )
 
 
 def export_cost_of(

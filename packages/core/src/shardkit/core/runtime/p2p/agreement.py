@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.errors import StateDictFileError
 from shardkit.core.runtime.device import device_for_mesh_type
 from shardkit.core.runtime.groups import global_rank, is_distributed, world_size
-from shardkit.core.runtime.object_collectives import all_gather_bytes, broadcast_bytes
+from shardkit.core.runtime.p2p.object_collectives import all_gather_bytes, broadcast_bytes
 
 __all__ = ["Outcome", "agreed", "everyone", "from_rank", "raise_shared"]
 

@@ -8,8 +8,8 @@ ranks find out in seconds and every rank raises the same
 :class:`~shardkit.core.errors.StuckCollectiveError`, naming what each waits on.
 
 Nothing happens while waits are short: the check is run by the hang watch's thread
-(``runtime/hang.py``), and only for a wait that has lasted ``SHARDKIT_COLLECTIVE_BOUND``
-seconds (:func:`~shardkit.core.runtime.progress.set_collective_bound`, default 5). From then
+(``runtime/watch/hang.py``), and only for a wait that has lasted ``SHARDKIT_COLLECTIVE_BOUND``
+seconds (:func:`~shardkit.core.runtime.watch.progress.set_collective_bound`, default 5). From then
 on, every ``_FAST_POLL_S``, the waiting rank posts what it waits on to the c10d store with a
 beat that counts up. Rank 0 decides: when its own wait is that old and every other rank's
 record shows a wait that is still going on (the same wait, its beat moved since rank 0's last
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from shardkit.core.errors import StuckCollectiveError
 from shardkit.core.runtime.groups import progress_store
-from shardkit.core.runtime.progress import PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.watch.progress import PROGRESS, SETTINGS, CollectiveInfo
 
 __all__ = ["StuckCheck", "raise_if_stuck", "ranks_label"]
 
@@ -114,6 +114,7 @@ class StuckCheck:
             "beat": self._beat,
             "info": asdict(waiting),
             "last": asdict(last) if last is not None else None,
+            "forward": PROGRESS.forward_modules,
         }
         self._set(f"blocked/{self.rank}", json.dumps(record))
         if self.rank == 0:
@@ -124,6 +125,7 @@ class StuckCheck:
         """Write the verdict if every rank waits on and on, and some wait can never end."""
         last = PROGRESS.last
         waits, infos, lasts, live = {0: token}, [own], [last], True
+        forwards = [list(PROGRESS.forward_modules)]
         for rank in range(1, self.world):
             record = _parse(self._get(f"blocked/{rank}"))
             if record is None:
@@ -137,9 +139,11 @@ class StuckCheck:
             waits[rank] = wait
             infos.append(CollectiveInfo(**record["info"]))
             lasts.append(CollectiveInfo(**record["last"]) if record["last"] else None)
+            forwards.append([str(m) for m in record.get("forward") or ()])
         if not live or not _unpaired(infos, lasts):
             return
-        verdict = {"waits": {str(r): w for r, w in waits.items()}, "message": _message(infos)}
+        message = _message(infos, forwards)
+        verdict = {"waits": {str(r): w for r, w in waits.items()}, "message": message}
         self._set(_VERDICT, json.dumps(verdict))
 
     def _obey(self, token: str) -> None:
@@ -222,14 +226,19 @@ def _parse(raw: str | None) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-def _message(infos: list[CollectiveInfo]) -> str:
-    """The error's text, from what each rank waits on (rank order): the same on every rank."""
+def _message(infos: list[CollectiveInfo], forwards: list[list[str]] | None = None) -> str:
+    """The error's text, from what each rank waits on (rank order): the same on every rank.
+
+    ``forwards``: each rank's sharded modules of its latest forward, in order, which name where
+    the ranks went apart (a module one rank skipped), not only where each ended up waiting.
+    """
     by_info: dict[CollectiveInfo, list[int]] = {}
     for rank, info in enumerate(infos):
         by_info.setdefault(info, []).append(rank)
     sides = "; ".join(f"{ranks_label(ranks)}: {info.detail()}" for info, ranks in by_info.items())
     return (
         f"ranks {list(range(len(infos)))} wait in collectives that cannot pair: {sides}. "
+        f"{_first_difference(forwards or [])}"
         f"Every rank has waited over {SETTINGS.collective_bound_s:g} s "
         "(SHARDKIT_COLLECTIVE_BOUND) and none can go on. A sharded module that some ranks skip "
         "or run in another order must be marked with set_conditional(True); ranks with "
@@ -237,6 +246,35 @@ def _message(infos: list[CollectiveInfo]) -> str:
         "The process group's connections were closed to end the waits: it cannot be used again "
         "(make a new one, or restart the job)"
     )
+
+
+def _first_difference(forwards: list[list[str]]) -> str:
+    """Where the ranks' latest forwards first entered different modules ('' if nowhere).
+
+    E.g. "Their forwards went apart at the 2nd sharded module: rank 0 ran `tower`, rank 1 did
+    not." A rank whose list ended there ran no sharded module more in that forward.
+    """
+    for i in range(max((len(f) for f in forwards), default=0)):
+        at = [f[i] if i < len(f) else None for f in forwards]
+        if len(set(at)) == 1:
+            continue
+        by_module: dict[str | None, list[int]] = {}
+        for rank, module in enumerate(at):
+            by_module.setdefault(module, []).append(rank)
+        sides = [
+            f"{ranks_label(ranks)} did not"
+            if module is None
+            else f"{ranks_label(ranks)} ran `{module}`"
+            for module, ranks in sorted(by_module.items(), key=lambda kv: kv[1])
+        ]
+        where = f"the {_ordinal(i + 1)} sharded module"
+        return f"Their forwards went apart at {where}: {', '.join(sides)}. "
+    return ""
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def ranks_label(members: list[int]) -> str:

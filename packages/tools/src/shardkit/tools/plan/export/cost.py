@@ -1,7 +1,7 @@
 """An export's predicted cost: the bytes, buckets, collectives, peak and time of one export.
 
 ``shardkit.core.export.WeightExporter.export`` sends a sharded model's weights to an inference
-engine. What it costs follows from the export's layout (``export_layout``): per bucket and
+engine. What it costs follows from the export's layout (``layout``): per bucket and
 gathered mesh axis, every rank of the gather packs its padded, 8-byte-aligned segments in the
 export dtype, and the receiving rank (``to="first"``: the mesh's first; ``to="all"``: every
 rank, an all-gather) gets them all; on gloo a gather of dim-0 cuts travels instead as messages
@@ -19,6 +19,11 @@ Time: each gather is priced on the link of its axis (``Hardware.link``) with the
 each rank of a ring all-gather takes in, and a calibrated profile (gloo) measures that curve;
 no curve is measured for a gather. Each collective adds the profile's
 ``collective_overhead_s`` (the host's work per collective, measured on a CPU profile).
+
+Next to split off: the per-rank model of each bucket's gathers (``_Stages``, ``_StageBytes``,
+``_Moved``, ``_aligned``, ``_delta_message``) into ``plan/export/stages.py``, beside this module:
+``export_cost`` only sums the ``_Moved`` records it returns, and it needs nothing but
+``layout`` and the spec.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardkit.tools.plan.export_layout import (
+from shardkit.tools.plan.export.layout import (
     ExportBucketModel,
     ExportMesh,
     ExportTensor,

@@ -4,7 +4,7 @@ Collectives pair on a process group in the order its members issue them, whateve
 rank 0's all-gather of one block meets rank 1's all-gather of another block of the same size,
 and both go on with the wrong parameters (pytorch#174862). So each rank folds every collective
 the runtime issues on a group into a running digest of that group, on the host, as it issues
-it (:func:`record`: the fields of :class:`~shardkit.core.runtime.progress.CollectiveInfo`, the
+it (:func:`record`: the fields of :class:`~shardkit.core.runtime.watch.progress.CollectiveInfo`, the
 module's name among them, but its step: a process that trains another model on some ranks
 only counts optimizer steps the others do not): no byte on the wire and no device work per
 collective. Where a
@@ -24,7 +24,7 @@ On the CPU the verdict is known before :func:`verify` returns, so before the opt
 use anything a mismatched collective produced. A native collective on an accelerator is compared
 on the host too: the rows come back with one copy, waited for there (the end of backward, where
 the host already waits for the reductions). The debug mode's per-collective check
-(``runtime/desync.py``) stays, and finds the first difference as it happens. See
+(``runtime/watch/desync.py``) stays, and finds the first difference as it happens. See
 [Note: step check].
 """
 
@@ -39,13 +39,18 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.errors import DesyncError
-from shardkit.core.runtime import stuck
-from shardkit.core.runtime.desync import check_fingerprints, epoch_of
 from shardkit.core.runtime.device import HostCopies
 from shardkit.core.runtime.flat_collectives import all_gather_single
-from shardkit.core.runtime.p2p_tags import STEP_CHECK
-from shardkit.core.runtime.progress import FINGERPRINT_BYTES, PROGRESS, SETTINGS, CollectiveInfo
-from shardkit.core.runtime.row_exchange import post_row_exchange
+from shardkit.core.runtime.p2p.p2p_tags import STEP_CHECK
+from shardkit.core.runtime.p2p.row_exchange import post_row_exchange
+from shardkit.core.runtime.watch import stuck
+from shardkit.core.runtime.watch.desync import check_fingerprints, epoch_of
+from shardkit.core.runtime.watch.progress import (
+    FINGERPRINT_BYTES,
+    PROGRESS,
+    SETTINGS,
+    CollectiveInfo,
+)
 
 __all__ = [
     "HEADER_BYTES",

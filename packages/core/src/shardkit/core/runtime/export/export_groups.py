@@ -31,8 +31,8 @@ from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_
 
 from shardkit.core.errors import WeightExportError
 from shardkit.core.runtime.flat_collectives import all_gather_single
-from shardkit.core.runtime.p2p_tags import EXPORT_GATHER
-from shardkit.core.runtime.row_exchange import post_row_exchange
+from shardkit.core.runtime.p2p.p2p_tags import EXPORT_GATHER
+from shardkit.core.runtime.p2p.row_exchange import post_row_exchange
 
 __all__ = [
     "DEFAULT_EXPORT_BOUND_S",

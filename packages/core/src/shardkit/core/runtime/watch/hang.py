@@ -3,7 +3,7 @@
 A rank whose peers never join a collective (one ran an extra micro-batch, one returned early)
 waits until the process group's timeout, 30 minutes by default, and then says nothing
 useful. Here a daemon thread watches the runtime's waits. Every second it posts this rank's
-progress (:data:`~shardkit.core.runtime.progress.PROGRESS`) to the c10d store, and when a wait
+progress (:data:`~shardkit.core.runtime.watch.progress.PROGRESS`) to the c10d store, and when a wait
 has lasted ``SHARDKIT_HANG_TIMEOUT`` seconds (default 300) it gives up: it raises an alarm in
 the store, logs a report and exits the process with :data:`HANG_EXIT_CODE`. The report says
 what this rank waits on, its step and phase, the last collective every other rank reached
@@ -18,7 +18,7 @@ the store with it), and a rank killed before it reported leaves no explanation. 
 in minutes with the rank that went astray named, in every rank's log. See [Note: desync
 checks].
 
-The same thread runs the stuck check (``runtime/stuck.py``): waits past
+The same thread runs the stuck check (``runtime/watch/stuck.py``): waits past
 ``SHARDKIT_COLLECTIVE_BOUND`` (5 s) in collectives that cannot pair raise an error in the
 training thread of every rank, long before this report.
 
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shardkit.core.runtime.groups import global_rank, progress_store, world_size
-from shardkit.core.runtime.progress import PROGRESS, SETTINGS, CollectiveInfo
-from shardkit.core.runtime.stuck import StuckCheck
+from shardkit.core.runtime.watch.progress import PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.watch.stuck import StuckCheck
 
 __all__ = ["HANG_EXIT_CODE", "HangWatch", "ensure_watching"]
 
@@ -82,7 +82,7 @@ class HangWatch(threading.Thread):
                 return
             if not self._post():
                 return  # the store is gone (the process group was destroyed): nothing to do
-            self._stuck.poll()  # a wait past SHARDKIT_COLLECTIVE_BOUND: see runtime/stuck.py
+            self._stuck.poll()  # a wait past SHARDKIT_COLLECTIVE_BOUND: see runtime/watch/stuck.py
             if self.check():
                 return
 

@@ -2,8 +2,8 @@
 
 Blocking transfers that run between steps, never inside one: a group's full tensors gathered
 to its first rank and scattered back, broadcasts from one rank, and small byte messages
-(outcomes, agreements). The step's own collectives live in ``collectives.py``; these only share
-its rule that the runtime is the one caller of ``torch.distributed``.
+(outcomes, agreements). The step's own collectives live in ``runtime/collectives.py``; these only
+share its rule that the runtime is the one caller of ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardkit.core.runtime.flat_collectives import all_gather_single
 from shardkit.core.runtime.groups import cpu_world
-from shardkit.core.runtime.p2p_tags import OBJECT_TRANSFERS
+from shardkit.core.runtime.p2p.p2p_tags import OBJECT_TRANSFERS
 
 __all__ = [
     "all_gather_bytes",

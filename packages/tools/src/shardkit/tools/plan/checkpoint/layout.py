@@ -1,6 +1,6 @@
 """A checkpoint save's layout, as the planner models it: the flat state and the core's plan.
 
-The core plans a save on each rank alone (``shardkit.core.checkpoint.save_layout``): who
+The core plans a save on each rank alone (``shardkit.core.checkpoint.local_plan.save_layout``): who
 writes which chunk is a pure function of the flat state dict's keys, shapes, dtypes, meshes
 and placements. The planner describes that state for a model built on the meta device, as
 ``get_state_dict(model, optimizer)`` and DCP's flattening would give it, and hands it to the
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from shardkit.core.checkpoint.save_layout import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout, mesh_key
 
 __all__ = [
     "CHECKPOINT_OPTIMIZERS",
@@ -185,7 +185,7 @@ def dcp_fallback_reason(
 
     Under FSDP x TP a parameter the TP plan leaves alone is sharded on the FSDP mesh only, a
     mesh of part of the ranks, different from rank to rank: no rank can plan the others'
-    keys, and the core's first save falls back (``local_save``'s ``NotPlannableLocally``).
+    keys, and the core's first save falls back (``local_plan.save``'s ``NotPlannableLocally``).
     ``tp_dims`` holds the parameters the TP plan distributes.
     """
     if mesh.tp == 1:

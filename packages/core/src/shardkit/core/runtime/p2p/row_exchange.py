@@ -1,8 +1,9 @@
 """Rows exchanged point to point with every other member of a group: the core's one such loop.
 
-gloo's all-gather and reduce-scatter (``collectives.py``), the desync checks' fingerprints (sent
-from there too) and the step check's digests (``step_check.py``) each send this rank's row, or
-one row per peer, to every other member and receive every member's row for this rank. They all
+gloo's all-gather and reduce-scatter (``runtime/collectives.py``), the desync checks'
+fingerprints (sent from there too) and the step check's digests (``watch/step_check.py``) each
+send this rank's row, or one row per peer, to every other member and receive every member's row
+for this rank. They all
 post through :func:`post_row_exchange`, so the order of their messages is one rule, not copies.
 """
 
@@ -32,7 +33,7 @@ def post_row_exchange(
 
     Args:
         group: the members; this rank's own row is never sent.
-        tag: the messages' tag, from :mod:`~shardkit.core.runtime.p2p_tags`.
+        tag: the messages' tag, from :mod:`~shardkit.core.runtime.p2p.p2p_tags`.
         send: the one row (N) sent to every peer; or, with ``row_per_peer``, rows (W, N)
             whose row j goes to rank j.
         receive_into: (W-1, N): the peers' rows in rank order, this rank having no row; or

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from shardkit.core.errors import BufferLifetimeError
 from shardkit.core.runtime.device import holds_no_memory
-from shardkit.core.runtime.progress import CollectiveInfo
+from shardkit.core.runtime.watch.progress import CollectiveInfo
 
 __all__ = ["Flight", "check_release", "in_flight", "track"]
 

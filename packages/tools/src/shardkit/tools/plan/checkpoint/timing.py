@@ -1,7 +1,7 @@
 """The per-unit costs of a save's planning, measured once by timing the core's own code here.
 
-The core's planning of a save (``shardkit.core.checkpoint.save_layout``) does work that is
-easy to count and whose unit cost depends on the machine:
+The core's planning of a save (``shardkit.core.checkpoint.local_plan.save_layout``) does work
+that is easy to count and whose unit cost depends on the machine:
 
 - per rank, at every save: the layout's digest and the walk over the values, O(1) per value
   of the flat state dict (``per_value_s``), and each of the rank's own items made
@@ -31,7 +31,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from shardkit.core.checkpoint.save_layout import Geometry, SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.save_layout import (
+    Geometry,
+    SaveLayout,
+    ValueLayout,
+    mesh_key,
+)
 
 __all__ = ["ByteCounter", "SaveCosts", "calibrate_save_planning"]
 

@@ -2,9 +2,9 @@
 
 The state saved is ``{"model": ..., "optim": ...}`` of ``get_state_dict(model, optimizer)``
 with the command's ``--optimizer``, on the plan's mesh (``--mesh``, ``--tp``); this module
-builds its layout (``checkpoint_layout``), times the core's planning once here
-(``checkpoint_timing``) and prints :func:`checkpoint_cost`'s figures (``--json``: under
-``"checkpoint"``).
+adds ``--checkpoint`` and ``--disk-gib-s`` to the command (:func:`add_checkpoint_arguments`),
+builds the save's layout (``layout``), times the core's planning once here (``timing``) and
+prints :func:`checkpoint_cost`'s figures (``--json``: under ``"checkpoint"``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,33 @@ import textwrap
 
 from torch import nn
 
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.tools.plan.checkpoint_cost import CheckpointCost, checkpoint_cost
-from shardkit.tools.plan.checkpoint_layout import (
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.tools.plan.checkpoint.cost import DEFAULT_DISK_GIB_S, CheckpointCost, checkpoint_cost
+from shardkit.tools.plan.checkpoint.layout import (
     CheckpointMesh,
     checkpoint_state,
     dcp_fallback_reason,
 )
-from shardkit.tools.plan.checkpoint_timing import SaveCosts, calibrate_save_planning
-from shardkit.tools.plan.export_cli import tp_dims_of
-from shardkit.tools.plan.tp_styles import TPPlan
+from shardkit.tools.plan.checkpoint.timing import SaveCosts, calibrate_save_planning
+from shardkit.tools.plan.tp_styles import TPPlan, tp_dims_of
 from shardkit.tools.units import format_bytes
 
-__all__ = ["checkpoint_cost_of", "format_checkpoint_cost", "mesh_of"]
+__all__ = ["add_checkpoint_arguments", "checkpoint_cost_of", "format_checkpoint_cost", "mesh_of"]
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--checkpoint`` and ``--disk-gib-s``, as a group of their own in ``parser``'s help."""
+    saving = parser.add_argument_group(
+        "a checkpoint save's cost (shardkit.core's CheckpointManager)",
+        "bytes per rank, .metadata, planning and write time of saving the model and --optimizer",
+    )
+    saving.add_argument("--checkpoint", action="store_true", help="predict a save")
+    saving.add_argument(
+        "--disk-gib-s",
+        type=float,
+        default=DEFAULT_DISK_GIB_S,
+        help=f"write bandwidth per rank, GiB/s (default {DEFAULT_DISK_GIB_S:g})",
+    )
 
 
 def mesh_of(args: argparse.Namespace) -> CheckpointMesh:

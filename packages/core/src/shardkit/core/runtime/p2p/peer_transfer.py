@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.runtime.groups import snapshot_group
-from shardkit.core.runtime.p2p_tags import PEER_TRANSFER
+from shardkit.core.runtime.p2p.p2p_tags import PEER_TRANSFER
 
 __all__ = ["Message", "transfer"]
 

@@ -20,17 +20,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from harness.pool import run_on_ranks
 from shardkit.core import read_dcp_metadata
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.tools.plan.checkpoint_cli import format_checkpoint_cost
-from shardkit.tools.plan.checkpoint_cost import CheckpointCost, checkpoint_cost
-from shardkit.tools.plan.checkpoint_layout import (
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.tools.plan.checkpoint.cli import format_checkpoint_cost
+from shardkit.tools.plan.checkpoint.cost import CheckpointCost, checkpoint_cost
+from shardkit.tools.plan.checkpoint.layout import (
     CheckpointMesh,
     checkpoint_state,
     dcp_fallback_reason,
 )
-from shardkit.tools.plan.checkpoint_timing import SaveCosts
+from shardkit.tools.plan.checkpoint.timing import SaveCosts
 from shardkit.tools.plan.cli import main
-from shardkit.tools.plan.export_cli import tp_dims_of
+from shardkit.tools.plan.tp_styles import tp_dims_of
+from tests.tools.plan.decoder_tp import decoder_tp_plan
 
 _COSTS = SaveCosts(
     per_value_s=1e-5, per_item_s=2e-5, per_position_s=1e-6, per_entry_s=1e-5, source="fixed"
@@ -47,7 +48,7 @@ def _save(rank: int, world_size: int, root: str, mesh_shape: list[int]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardkit.core import fully_shard
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
 
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
@@ -72,16 +73,15 @@ def _save_tp(rank: int, world_size: int, root: str) -> str:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from shardkit.core import fully_shard
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
     from tests.core.export.export_models import Decoder, train_step
-    from tests.tools.plan.test_export_cost import _tp_plan
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = Decoder()
     for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], _tp_plan(""))
+        parallelize_module(layer, mesh["tp"], decoder_tp_plan(""))
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -110,7 +110,7 @@ def _save_tp_covered(rank: int, world_size: int, root: str) -> str:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from shardkit.core import fully_shard
-    from shardkit.core.checkpoint.local_save import LayoutCache, save_planned_locally
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
     from shardkit.core.runtime.groups import checkpoint_group
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -183,12 +183,11 @@ def test_fsdp_x_tp_with_parameters_outside_the_tp_plan_falls_back_as_predicted(
     tmp_path: Path,
 ) -> None:
     from tests.core.export.export_models import Decoder
-    from tests.tools.plan.test_export_cost import _tp_plan
 
     reasons = run_on_ranks(4, _save_tp, root=str(tmp_path))
     with torch.device("meta"):
         model = Decoder()
-    tp_dims = tp_dims_of(model, _tp_plan("model.layers.*."))
+    tp_dims = tp_dims_of(model, decoder_tp_plan("model.layers.*."))
     predicted = dcp_fallback_reason(model, CheckpointMesh(1, 2, 2), tp_dims)
     assert predicted.startswith("model.model.embed_tokens.weight is not in the TP plan")
     # The core's save found the same parameter off the world's mesh, on every rank.

@@ -2,9 +2,9 @@
 
 ``CommDebugMode`` (``torch.distributed.tensor.debug``) counts the c10d collectives that pass
 through torch's dispatcher, per module and per pass. On gloo the runtime carries out the
-step's all-gathers and reduce-scatters as point-to-point exchanges (collectives.py says why),
-which it does not count: a user who counts collectives on a laptop, or torch's own tests that
-do, saw none where torch's ``fully_shard`` shows one per group and pass.
+step's all-gathers and reduce-scatters as point-to-point exchanges (``runtime/collectives.py``
+says why), which it does not count: a user who counts collectives on a laptop, or torch's own
+tests that do, saw none where torch's ``fully_shard`` shows one per group and pass.
 
 While such a mode is active, each exchange is also issued as its native collective on meta
 tensors of the same shapes. The dispatcher hands it to the mode, which counts it where it runs

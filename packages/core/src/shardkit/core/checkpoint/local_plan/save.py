@@ -1,5 +1,8 @@
 """A DCP save with no plan exchange: every rank plans alone, rank 0 writes the same metadata.
 
+:func:`save_dcp` is this save for code that calls DCP's ``save`` itself, a drop-in for it
+(``CheckpointManager`` saves this way already, through :func:`save_planned_locally`).
+
 The files are DCP's (``FileSystemWriter``: ``__<rank>_<n>.distcp`` and ``.metadata``), so
 ``torch.distributed.checkpoint.load`` reads them at any world size, and DCP's checkpoints
 load here as before. What changes is the coordination. DCP's ``save`` gathers every rank's
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,8 +53,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.core.checkpoint.save_results import (
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.save_results import (
     ROW,
     Gathered,
     gather_results,
@@ -58,9 +62,10 @@ from shardkit.core.checkpoint.save_results import (
     storage_entries,
     write_metadata_file,
 )
-from shardkit.core.checkpoint.sharded_tensor_layout import UnplannableValue
-from shardkit.core.errors import first_sentence
-from shardkit.core.runtime.object_collectives import broadcast_bytes
+from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import UnplannableValue
+from shardkit.core.errors import CheckpointSaveError, first_sentence
+from shardkit.core.runtime.groups import checkpoint_group
+from shardkit.core.runtime.p2p.object_collectives import broadcast_bytes
 
 __all__ = [
     "LayoutCache",
@@ -68,6 +73,7 @@ __all__ = [
     "describe_dcp_failure",
     "LocalPlanSavePlanner",
     "SaveTimes",
+    "save_dcp",
     "save_planned_locally",
     "write_items_here",
     "WriteItems",
@@ -145,6 +151,49 @@ WriteItems = Callable[[FileSystemWriter, "LocalPlanSavePlanner", SavePlan], list
 
 WriteMetadata = Callable[[FileSystemWriter, "LocalPlanSavePlanner", Gathered], None]
 """Rank 0: checks the gathered results and writes ``.metadata`` (here, or in a process)."""
+
+
+def save_dcp(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    layout: LayoutCache | None = None,
+) -> None:
+    """Save ``state_dict`` into the directory ``checkpoint_id`` as ``dcp.save`` would.
+
+    For any training loop that calls DCP's ``save`` itself: FSDP1's SHARDED_STATE_DICT
+    (ShardedTensors, or DTensors with a device mesh; torch's FSDP1 or ``shardkit.legacy``), or
+    ``fully_shard``'s state dicts. The files are DCP's, so ``torch.distributed.checkpoint.load``
+    reads them at any world size.
+
+    Each rank plans its own part from the sharding (no collective before the files are
+    written; :func:`save_planned_locally`), then rank 0 gathers what was written and writes
+    ``.metadata``. Where the ranks' keys differ (pipeline stages), or a value's chunks cannot
+    be placed by each rank alone, the save goes through DCP's own planning instead.
+
+    Collective: every rank of the world calls it. Unlike ``CheckpointManager``, nothing is
+    atomic: an interrupted save leaves a directory without ``.metadata`` (or with the last
+    save's, if saved over one).
+
+    Args:
+        state_dict: what ``dcp.save`` takes (tensors, DTensors, ShardedTensors, ``Stateful``
+            objects, other values).
+        checkpoint_id: the checkpoint's directory (made if missing).
+        layout: keep the plan between saves: pass the same ``LayoutCache`` to every save of
+            one training loop, and a save whose layout did not change plans nothing anew.
+
+    Raises:
+        CheckpointSaveError: on every rank, the same text: a rank failed to write, or a
+            rank's results did not match its plan.
+    """
+    folder = Path(checkpoint_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        save_planned_locally(
+            state_dict, folder, layout if layout is not None else LayoutCache(), checkpoint_group()
+        )
+    except RuntimeError as error:  # raised on every rank, the same text
+        raise CheckpointSaveError(f"the save into {folder} failed: {error}") from None
 
 
 def write_items_here(

@@ -47,7 +47,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardkit.core.checkpoint.sharded_tensor_layout import shard_chunks, sharded_tensor_parts
+from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import (
+    shard_chunks,
+    sharded_tensor_parts,
+)
 from shardkit.core.runtime.dtensors import chunk_at
 
 __all__ = ["Geometry", "SaveLayout", "ValueLayout", "mesh_key"]

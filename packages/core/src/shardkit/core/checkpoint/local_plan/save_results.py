@@ -1,6 +1,6 @@
 """What each rank of a locally planned save wrote, gathered to rank 0, checked, and filed.
 
-``local_save`` plans and writes; here is the other side of its one exchange. Each rank turns
+``save`` plans and writes; here is the other side of its one exchange. Each rank turns
 DCP's write results into int64 rows (file number, offset, length, bytes) in its items' order;
 one gather brings every rank's fixed header (layout digest, item count, failure flag, message
 length) and rows to rank 0, which checks every field before it uses any (a body longer than
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.core.runtime.object_collectives import gather_rows_to_first
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.runtime.p2p.object_collectives import gather_rows_to_first
 
 __all__ = [
     "ROW",

@@ -1,6 +1,6 @@
 """A checkpoint save's predicted cost: bytes per rank, ``.metadata``, planning and write time.
 
-From the core's own :class:`SaveLayout` of the state (``checkpoint_layout``):
+From the core's own :class:`SaveLayout` of the state (``layout``):
 
 - the bytes each rank writes: every chunk it writes (the layout's ``writers``), its elements
   times its dtype's size, exact; and its file, ``__<rank>_0.distcp``, which holds each item
@@ -11,7 +11,7 @@ From the core's own :class:`SaveLayout` of the state (``checkpoint_layout``):
   the core writes it (every entry when there are at most 200,000, else a sample of ranks'
   entries scaled up);
 - time: the planning per rank and rank 0's metadata from counted work and the per-unit costs
-  of :mod:`checkpoint_timing`; the write, the busiest rank's file over the disk's bandwidth.
+  of :mod:`timing`; the write, the busiest rank's file over the disk's bandwidth.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from shardkit.core.checkpoint.save_layout import SaveLayout
-from shardkit.tools.plan.checkpoint_timing import ByteCounter, SaveCosts
+from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.tools.plan.checkpoint.timing import ByteCounter, SaveCosts
 
 __all__ = ["DEFAULT_DISK_GIB_S", "CheckpointCost", "checkpoint_cost"]
 
@@ -43,7 +43,7 @@ _SAMPLED_RANKS = 16
 
 @dataclass(frozen=True, slots=True)
 class CheckpointCost:
-    """A save's predicted figures (bytes exact; times a model, see :mod:`checkpoint_timing`)."""
+    """A save's predicted figures (bytes exact; times a model, see :mod:`timing`)."""
 
     world_size: int
     values: int

@@ -1,0 +1,19 @@
+"""The locally planned save: DCP's files, with no plan exchange before the write.
+
+DCP's ``save`` gathers every rank's plan to rank 0 and scatters the checked plan back; here
+every rank plans alone from the sharding, in the order a save travels:
+
+- ``save_layout``: who writes which chunk, and the checkpoint's metadata, a pure function of
+  the flat state's keys, shapes, dtypes, meshes and placements (``SaveLayout``; the planner
+  predicts saves with it);
+- ``sharded_tensor_layout``: FSDP1's ShardedTensors in that layout, each shard written by the
+  rank it is placed on;
+- ``save``: the save itself (``save_planned_locally``: each rank's items written, one gather
+  of results, rank 0's ``.metadata``, DCP's own planning where the ranks' keys differ), and
+  ``save_dcp``, that save as a drop-in for ``dcp.save``;
+- ``save_results``: what each rank wrote, as int64 rows, their gather to rank 0, rank 0's
+  checks and ``.metadata``'s file.
+
+``CheckpointManager`` saves through ``save``, its asynchronous saves too (``async_save``,
+``process_writer``).
+"""
