@@ -1,0 +1,64 @@
+"""The seam: a whole-matrix optimizer as a rule of three functions, placed by the optimizer.
+
+Muon, Dion, NorMuon, Shampoo: each updates a weight matrix from a function of the whole matrix
+(its momentum, orthogonalized; its preconditioned gradient), which row blocks cannot compute.
+A rule says only the arithmetic, in three parts:
+
+- ``prepare``, elementwise, runs on each rank's rows of the parameter (or on a whole plain
+  tensor): it updates the elementwise state (Muon's momentum) in place and returns the rows of
+  the matrix to make whole;
+- ``update`` runs once in the whole job, on the matrix's owner, on the whole matrix;
+- ``apply``, elementwise again, runs on each rank's rows with the update's rows.
+
+Everything else is :class:`~shardkit.core.optim.whole_matrix.WholeMatrixOptimizer`'s: which
+rank owns which matrix (balanced by ``cost``), batching matrices of one shape on an owner, and
+the two exchanges that carry rows to owners and updates back. Elementwise arithmetic on rows
+has the bits it has on the whole tensor, so a rule written for one process gives the same bits
+sharded. See the guide, docs/guide/muon.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkit.core.optim.newton_schulz import newton_schulz_cost
+
+__all__ = ["Options", "WholeMatrixRule"]
+
+Options = Mapping[str, Any]
+"""A parameter group's hyperparameters (the optimizer's ``param_groups[i]``)."""
+
+
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WholeMatrixRule:
+    """What a whole-matrix optimizer computes; where it computes it is not its concern."""
+
+    name: str
+    """Said in errors and stats ("Muon")."""
+    init_state: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    """A parameter's first state, from its gradient (a DTensor like the parameter where the
+    parameter is one): elementwise state only, shaped like the parameter."""
+    prepare: Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Options], torch.Tensor]
+    """(parameter rows, gradient rows, state rows, options) -> the rows of the matrix that
+    ``update`` takes whole. Elementwise; updates the state's tensors in place. Its dtype is what
+    travels to the owner: return the narrowest that ``update`` reads (Muon: bf16)."""
+    update: Callable[[torch.Tensor, Options], torch.Tensor]
+    """(whole matrix (m, n), options) -> the whole update (m, n), on the matrix's owner."""
+    update_batch: Callable[[torch.Tensor, Options], torch.Tensor] | None = None
+    """(B, m, n) of one shape -> (B, m, n), each with ``update``'s bits; None: one at a time."""
+    update_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
+    """The dtype ``update`` returns for a matrix of ``prepare``'s dtype: ranks size what they
+    receive from it, before the owner has computed anything."""
+    apply: Callable[[torch.Tensor, torch.Tensor, Options, tuple[int, int]], None]
+    """(parameter rows, update rows, options, the whole matrix's shape): the step, in place."""
+    cost: Callable[[tuple[int, int]], int] = newton_schulz_cost
+    """The work of one ``update`` on a matrix of this shape, in any unit: owners are balanced
+    by it (Newton-Schulz's m * n * min(m, n) by default)."""

@@ -1,0 +1,269 @@
+"""WholeMatrixOptimizer: a rule's step on sharded matrices, each updated once and whole.
+
+One step, for the matrices with gradients (docs/guide/muon.md tells the design):
+
+1. every rank runs the rule's ``prepare`` on its rows (elementwise: momentum stays sharded
+   like the parameter, and rows give the bits the whole tensor would);
+2. the rows of each sharded matrix go to its owner, one exchange for all of a group's matrices
+   (``exchange.py``); owners are balanced by the rule's cost (``owners.py``);
+3. each owner runs ``update`` once per matrix it owns, whole (matrices of one shape batched
+   where the rule can keep the bits);
+4. the update's rows go back to the ranks that hold them, one exchange again;
+5. every rank runs ``apply`` on its rows (learning rate, weight decay: elementwise).
+
+Matrices this rank holds whole (plain tensors, a mesh of one rank) skip 2 and 4. The
+optimizer's state is the rule's elementwise state, kept as DTensors like the parameters, so
+``state_dict()`` and ``load_state_dict()`` are torch's own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import ParamsT
+
+from shardkit.core.optim.exchange import Traffic, gather_to_owners, scatter_from_owners
+from shardkit.core.optim.matrices import MatrixPlacement, placement_of
+from shardkit.core.optim.owners import assign_owners
+from shardkit.core.optim.rule import Options, WholeMatrixRule
+from shardkit.core.runtime.dtensors import local_of
+
+__all__ = ["StepStats", "WholeMatrixOptimizer"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What this rank's last step did: its share of the updates, its collectives, its bytes."""
+
+    updates: int
+    """Whole-matrix updates this rank ran (the matrices it owns, and those it holds whole)."""
+    cost: int
+    """Their summed cost (``WholeMatrixRule.cost``: Newton-Schulz's m * n * min(m, n))."""
+    collectives: int
+    """Collectives issued: two per process group with sharded matrices (rows out, rows back)."""
+    bytes_sent: int
+    """Bytes sent to other ranks in them."""
+    bytes_received: int
+    """Bytes received from other ranks in them."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Matrix:
+    """One parameter with a gradient in this step."""
+
+    param: torch.Tensor
+    options: Options
+    placement: MatrixPlacement
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What a step has done so far on this rank (StepStats once it ends)."""
+
+    updates: int = 0
+    cost: int = 0
+    collectives: int = 0
+    sent: int = 0
+    received: int = 0
+
+    def updated(self, rule: WholeMatrixRule, shape: tuple[int, int]) -> None:
+        self.updates += 1
+        self.cost += rule.cost(shape)
+
+    def exchanged(self, traffic: Traffic) -> None:
+        self.collectives += 1
+        self.sent += traffic.sent
+        self.received += traffic.received
+
+    def stats(self) -> StepStats:
+        return StepStats(self.updates, self.cost, self.collectives, self.sent, self.received)
+
+
+class WholeMatrixOptimizer(torch.optim.Optimizer):
+    """An optimizer whose update is a function of each whole matrix, on sharded parameters.
+
+    Takes the parameters of a model sharded by shardkit's ``fully_shard`` or torch's (over one
+    mesh axis), and plain tensors. Each sharded matrix is updated once in the job, whole, on
+    one rank; every rank then applies its rows. Subclasses give the rule and the defaults
+    (:class:`~shardkit.core.optim.muon.Muon`, :class:`~shardkit.core.optim.column_norm.
+    ColumnNormSGD`).
+
+    Args:
+        params: 2-D parameters, or parameter groups (dicts), or (name, parameter) pairs: names
+            are what errors say (torch's optimizers take ``named_parameters()`` too).
+        defaults: the hyperparameters of every group that does not set its own.
+        rule: what the step computes.
+    """
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any], *, rule: WholeMatrixRule):
+        self.rule = rule
+        self.last_step_stats: StepStats | None = None
+        """What this rank's last step did (None before the first)."""
+        self._owners: dict[tuple[int, ...], list[int]] = {}
+        # Each parameter's placement, made when its group is added, by id (with the parameter,
+        # so that an id reused by another tensor is never taken for it).
+        self._placements: dict[int, tuple[torch.Tensor, MatrixPlacement]] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its parameters must be matrices this optimizer can place.
+
+        Raises:
+            ValueError: a parameter that is not 2-D.
+            NotImplementedError: a parameter sharded in a way not supported yet (HSDP, TP).
+        """
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            # Refused now, on every rank, rather than mid-step on some.
+            added = self.param_groups[index]
+            placed = [(p, placement_of(p, name)) for name, p in _named(added, index)]
+        except (ValueError, NotImplementedError):
+            del self.param_groups[index]  # as if never added
+            raise
+        self._placements.update((id(p), (p, placement)) for p, placement in placed)
+
+    # torch's stubs overload step (None -> None, a closure -> float); one signature for both.
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter with a gradient.
+
+        Every rank of a group of sharded matrices must call it (two collectives), with
+        gradients on the same parameters.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices = self._matrices()
+        rows = [self._prepare(m) for m in matrices]
+        tally = _Tally()
+        for m, m_rows in zip(matrices, rows, strict=True):
+            if m.placement.group is None:  # whole here: no owner but this rank
+                self._apply(m, self.rule.update(m_rows, m.options))
+                tally.updated(self.rule, m.placement.shape)
+        for indices in _by_group(matrices).values():
+            self._step_sharded([matrices[i] for i in indices], [rows[i] for i in indices], tally)
+        self.last_step_stats = tally.stats()
+        return loss
+
+    def _matrices(self) -> list[_Matrix]:
+        """The parameters with gradients, in group order, each where its rows live."""
+        found: list[_Matrix] = []
+        for index, group in enumerate(self.param_groups):
+            for name, param in _named(group, index):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if torch.is_complex(param):
+                    raise RuntimeError(
+                        f"{name}: {self.rule.name} does not support complex parameters"
+                    )
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"{name}: {self.rule.name} does not support sparse gradients"
+                    )
+                found.append(_Matrix(param, group, self._placement(param, name)))
+        return found
+
+    def _placement(self, param: torch.Tensor, name: str) -> MatrixPlacement:
+        """Where ``param``'s rows live, as found when its group was added."""
+        known = self._placements.get(id(param))
+        if known is None or known[0] is not param:  # put in param_groups by hand
+            known = self._placements[id(param)] = (param, placement_of(param, name))
+        return known[1]
+
+    def _prepare(self, m: _Matrix) -> torch.Tensor:
+        """The rule's ``prepare`` on this rank's rows; the state made on first use."""
+        grad = m.param.grad
+        assert grad is not None
+        state = self.state[m.param]
+        if not state:
+            state.update(self.rule.init_state(grad))
+        local = {k: _local(v) for k, v in state.items()}
+        return self.rule.prepare(_local(m.param), _local(grad), local, m.options)
+
+    def _apply(self, m: _Matrix, update_rows: torch.Tensor) -> None:
+        self.rule.apply(_local(m.param), update_rows, m.options, m.placement.shape)
+
+    def _step_sharded(
+        self, matrices: list[_Matrix], rows: list[torch.Tensor], tally: _Tally
+    ) -> None:
+        """Steps 2 to 5 for one process group's sharded matrices."""
+        group = matrices[0].placement.group
+        assert group is not None
+        placements = [m.placement for m in matrices]
+        owners = self._owners_of(matrices, group.size())
+        wholes, there = gather_to_owners(placements, owners, rows, group)
+        tally.exchanged(there)
+        dtypes = [self.rule.update_dtype(r.dtype) for r in rows]
+        results = self._update_owned(matrices, wholes, dtypes)
+        for i in results:
+            tally.updated(self.rule, placements[i].shape)
+        device = _local(matrices[0].param).device
+        update_rows, back = scatter_from_owners(placements, owners, results, dtypes, group, device)
+        tally.exchanged(back)
+        for m, update in zip(matrices, update_rows, strict=True):
+            self._apply(m, update)
+
+    def _owners_of(self, matrices: list[_Matrix], world: int) -> list[int]:
+        """Each matrix's owner: the same on every rank, kept while the matrices stay."""
+        key = tuple(id(m.param) for m in matrices)
+        owners = self._owners.get(key)
+        if owners is None:
+            costs = [self.rule.cost(m.placement.shape) for m in matrices]
+            owners = self._owners[key] = assign_owners(costs, world)
+        return owners
+
+    def _update_owned(
+        self, matrices: list[_Matrix], wholes: dict[int, torch.Tensor], dtypes: list[torch.dtype]
+    ) -> dict[int, torch.Tensor]:
+        """The rule's update of every matrix this rank owns, batched by shape where it can."""
+        batches: defaultdict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for i, whole in wholes.items():
+            batches[(whole.shape, whole.dtype, id(matrices[i].options))].append(i)
+        results: dict[int, torch.Tensor] = {}
+        for indices in batches.values():
+            options = matrices[indices[0]].options
+            if self.rule.update_batch is not None and len(indices) > 1:
+                stacked = self.rule.update_batch(torch.stack([wholes[i] for i in indices]), options)
+                results.update(zip(indices, stacked.unbind(0), strict=True))
+            else:
+                results.update((i, self.rule.update(wholes[i], options)) for i in indices)
+        for i, update in results.items():
+            if update.dtype != dtypes[i] or update.shape != wholes[i].shape:
+                name = matrices[i].placement.name
+                raise RuntimeError(
+                    f"{name}: {self.rule.name}'s update is {tuple(update.shape)} "
+                    f"{update.dtype}, its rule said {tuple(wholes[i].shape)} {dtypes[i]} "
+                    "(WholeMatrixRule.update_dtype)"
+                )
+        return results
+
+
+def _named(group: Options, index: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """Each parameter of a group with its name: the one given, or where it sits."""
+    params: list[torch.Tensor] = group["params"]
+    names: list[str] | None = group.get("param_names")
+    for j, param in enumerate(params):
+        yield (names[j] if names else f"param_groups[{index}]['params'][{j}]"), param
+
+
+def _by_group(matrices: list[_Matrix]) -> dict[dist.ProcessGroup, list[int]]:
+    """The sharded matrices' indices by the process group that holds them, in order."""
+    found: dict[dist.ProcessGroup, list[int]] = {}
+    for i, m in enumerate(matrices):
+        if m.placement.group is not None:
+            found.setdefault(m.placement.group, []).append(i)
+    return found
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of ``tensor`` (a DTensor's local tensor; a plain tensor itself)."""
+    return local_of(tensor) if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,93 @@
+"""Owners: each matrix orthogonalized once in the job, balanced by cost, batched by shape."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from harness.pool import run_on_ranks
+from shardkit.core.optim import MUON_RULE, WholeMatrixOptimizer
+from shardkit.core.optim.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    newton_schulz_cost,
+    orthogonalize,
+    orthogonalize_batch,
+)
+from shardkit.core.optim.owners import assign_owners
+from tests.core.optim.muon_runs import batch, build, loss_of, shard, takes_muon
+
+# A GPT's matrices, 8 blocks of d=256: qkv, proj, and the MLP's two.
+GPT_SHAPES = [(768, 256), (256, 256), (1024, 256), (256, 1024)] * 8
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_owners_share_the_work_within_ten_percent(world: int) -> None:
+    costs = [newton_schulz_cost(s) for s in GPT_SHAPES]
+    owners = assign_owners(costs, world)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
+    assert max(loads) <= 1.1 * sum(costs) / world, loads
+    assert owners == assign_owners(costs, world)  # a pure function: every rank agrees
+
+
+def test_fewer_matrices_than_ranks() -> None:
+    assert assign_owners([60], 4) == [0]
+    assert assign_owners([10, 30], 4) == [1, 0]  # the larger first, to the first rank
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64), (48, 48), (3, 16)])
+def test_orthogonalize_has_torch_muons_bits(shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    matrices = torch.randn(3, *shape)
+    theirs = [_zeropower_via_newtonschulz(m, DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for m in matrices]
+    ours = [orthogonalize(m, DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for m in matrices]
+    batched = orthogonalize_batch(matrices, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+    for t, o, b in zip(theirs, ours, batched, strict=True):
+        assert torch.equal(t, o) and torch.equal(t, b)
+
+
+_CALLS: list[tuple[int, int]] = []  # the shapes this worker orthogonalized, one per matrix
+
+
+def _counted(matrix: torch.Tensor, options: Any) -> torch.Tensor:
+    _CALLS.append((matrix.size(0), matrix.size(1)))
+    return MUON_RULE.update(matrix, options)
+
+
+def _counted_batch(matrices: torch.Tensor, options: Any) -> torch.Tensor:
+    _CALLS.extend([(matrices.size(1), matrices.size(2))] * matrices.size(0))
+    assert MUON_RULE.update_batch is not None
+    return MUON_RULE.update_batch(matrices, options)
+
+
+def _count_body(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    rule = dataclasses.replace(MUON_RULE, update=_counted, update_batch=_counted_batch)
+    model = build("gpt")
+    shard(model, "shardkit", world_size)
+    matrices = [p for n, p in model.named_parameters() if takes_muon("gpt", n, p)]
+    defaults = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+                "ns_coefficients": DEFAULT_NS_COEFFICIENTS, "eps": 1e-7, "ns_steps": 5,
+                "adjust_lr_fn": None}  # fmt: skip
+    opt = WholeMatrixOptimizer(matrices, defaults, rule=rule)
+    calls = []
+    for step in range(steps):
+        _CALLS.clear()
+        x, y = batch("gpt", step, rank, world_size)
+        loss_of("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        calls.append(list(_CALLS))
+    return {"calls": calls, "shapes": [tuple(p.shape) for p in matrices]}
+
+
+def test_every_matrix_orthogonalized_once_in_the_job() -> None:
+    results = run_on_ranks(2, _count_body, steps=3)
+    shapes = Counter(results[0]["shapes"])
+    for step in range(3):
+        done = Counter(s for out in results for s in out["calls"][step])
+        assert done == shapes  # each matrix once, on one rank
+        assert all(out["calls"][step] for out in results)  # both ranks took a share
