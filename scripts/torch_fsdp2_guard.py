@@ -92,6 +92,8 @@ class Verdict:
     """Listed differences seen as listed (torch passes, shardkit does not)."""
     listed_but_passes: list[str] = field(default_factory=list)
     """Listed differences that pass on shardkit now: remove them from the list."""
+    flaky: list[Failure] = field(default_factory=list)
+    """Failed in the file's run and passed when run again alone: reported, not failing."""
 
     @property
     def ok(self) -> bool:
@@ -141,6 +143,10 @@ def report(verdict: Verdict) -> list[str]:
     if verdict.new_failures:
         lines += ["NEW FAILURES (pass on torch, not on shardkit, not listed as a difference):"]
         for failure in verdict.new_failures:
+            lines += [f"  {failure.test}", f"      {failure.message[:200]}"]
+    if verdict.flaky:
+        lines += ["failed in the file's run, passed run again alone (look at them):"]
+        for failure in verdict.flaky:
             lines += [f"  {failure.test}", f"      {failure.message[:200]}"]
     if verdict.listed_but_passes:
         lines += ["listed but passes (remove it from the differences):"]

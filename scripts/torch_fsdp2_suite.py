@@ -24,13 +24,17 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.torch_fsdp2_guard import (  # noqa: E402  (after the path)
     Difference,
+    Failure,
     FileInfo,
+    Verdict,
+    full_test_id,
     judge,
     load_differences,
     report,
@@ -178,6 +182,41 @@ def _run_all(files: list[SuiteFile], args: argparse.Namespace) -> dict[str, dict
     return results
 
 
+def retry_alone(
+    verdict: Verdict, files: list[SuiteFile], args: argparse.Namespace, runner: Any = None
+) -> None:
+    """Run each file's new failures once more on shardkit, alone (``-k``).
+
+    A test that passes then failed in the file's run for a reason of the run's (torch's
+    threaded test harness, for one, can let a failed test's exception reach the next test:
+    "dictionary changed size during iteration" in its ``exception_handle``): it moves to
+    ``verdict.flaky``, reported but not failing. The others stay new failures.
+    """
+    run = runner or run_file
+    by_name = {f.name: f for f in files}
+    by_file: dict[str, list[Failure]] = {}
+    for failure in verdict.new_failures:
+        by_file.setdefault(failure.test.split("::", 1)[0], []).append(failure)
+    still: list[Failure] = []
+    for name, failures in by_file.items():
+        flags = by_name[name].flags
+        select = " or ".join(f.test.rsplit("::", 1)[-1] for f in failures)
+        again = run(
+            args.python,
+            args.tests / name,
+            "shardkit",
+            args.site,
+            args.timeout,
+            cpu_processes="--cpu-processes" in flags,
+            all_on_cpu="--all-on-cpu" in flags,
+            select=select,
+        )
+        passed = {full_test_id(name, k) for k, o in again.outcomes.items() if o == "passed"}
+        for failure in failures:
+            (verdict.flaky if failure.test in passed else still).append(failure)
+    verdict.new_failures = still
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("check", "run"))
@@ -210,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not a test file of the manifest: {exc}")
     results = _run_all(selected, args)
     verdict = judge(results, differences)
+    if verdict.new_failures:
+        print(f"running {len(verdict.new_failures)} new failures again, alone", flush=True)
+        retry_alone(verdict, selected, args)
     print("\n" + "\n".join(report(verdict)), flush=True)
     info = {f.name: f.info for f in files}
     write_outputs(results, info, verdict, json_path=args.json, table_path=args.table)

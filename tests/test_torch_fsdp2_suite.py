@@ -128,6 +128,27 @@ def test_a_new_failure_fails_the_run(
     assert rows[2] == f"| {FILE} | 0123456 | `--cpu-processes` | 3 | 2 / 0 / 1 | 1 / 1 / 1 |"
 
 
+def test_a_failure_that_passes_alone_is_reported_as_flaky(
+    tmp_path: Path, tests_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    runs = {"torch": _run_of(tmp_path, "torch", TORCH), "shardkit": _run_of(tmp_path, "s", OURS)}
+    alone = _run_of(tmp_path, "alone", {"A::test_new": "passed"})
+    selected: list[str] = []
+
+    def run_file(python: str, test_file: Path, mode: str, *args: Any, **kwargs: Any) -> Run:
+        if kwargs["select"] is None:
+            return runs[mode]
+        selected.append(kwargs["select"])
+        return alone  # run again alone: it passes
+
+    monkeypatch.setattr(suite, "run_file", run_file)
+    args = ["run", "--manifest", str(_manifest(tmp_path, tests_dir)), "--tests", str(tests_dir)]
+    assert suite.main(args) == 0
+    assert selected == ["test_new"]
+    out = capsys.readouterr().out
+    assert "passed run again alone" in out and "NEW FAILURES" not in out
+
+
 def test_a_listed_difference_does_not_fail_the_run(
     tmp_path: Path, tests_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -181,3 +181,31 @@ def test_native_hsdp_refuses_a_hook_stream_with_torchs_message() -> None:
         # the module and its mesh in a note.
         assert result["shardkit"]["message"] == result["torch"]["message"]
         assert any("(replicate, shard) mesh" in note for note in result["shardkit"]["notes"])
+
+
+def _allocation_after_custom_gather(rank: int, world_size: int, engine: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.core import models
+    from tests.core.parity import fully_shard_of
+
+    model: Any = models.build("mlp")
+    fully_shard_of(engine)(model, mesh=init_device_mesh("cpu", (world_size,)))
+    seen = []
+    model.set_allocate_memory_from_process_group_for_comm(True)  # accepted before
+    model.set_custom_all_gather(object())
+    try:
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    except AssertionError as error:
+        seen.append(f"AssertionError: {error}")
+    return seen
+
+
+def test_process_group_allocation_after_a_custom_all_gather_is_refused_as_torch_refuses() -> None:
+    # torch's contract (test_fully_shard_comm.py's test_exception_when_used_together_with_comm
+    # _hooks): the switch after set_custom_all_gather raises AssertionError.
+    theirs = run_on_ranks(1, _allocation_after_custom_gather, engine="torch")[0]
+    ours = run_on_ranks(1, _allocation_after_custom_gather, engine="shardkit")[0]
+    assert len(theirs) == len(ours) == 1, (theirs, ours)
+    assert "set_allocate_memory_from_process_group_for_comm()" in ours[0], ours
+    assert ours[0].startswith("AssertionError: FSDP"), ours  # the module named

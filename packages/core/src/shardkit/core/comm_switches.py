@@ -1,7 +1,8 @@
 """The checks and effects of ``FSDPModule``'s communication switches, on its groups.
 
 ``set_reduce_scatter_max_input_buffers``, ``set_all_reduce_hook``,
-``set_custom_reduce_scatter``, ``set_custom_all_reduce`` and ``set_reduce_precision``: each
+``set_custom_reduce_scatter``, ``set_custom_all_reduce``, ``set_reduce_precision`` and
+``set_allocate_memory_from_process_group_for_comm``: each
 checks every group it is given before it changes any, then sets the option on each. The
 methods on ``FSDPModule`` choose the groups (``recurse``, or the module's own) and call these,
 as its ``nn.Module`` overrides call ``module_overrides``.
@@ -20,6 +21,7 @@ from shardkit.core.engine.reduce import check_policy
 from shardkit.core.reduce_precision import ReducePrecision
 
 __all__ = [
+    "check_process_group_allocation",
     "set_all_reduce_hook",
     "set_custom_all_reduce",
     "set_custom_reduce_scatter",
@@ -92,3 +94,24 @@ def set_reduce_precision(groups: Sequence[FSDPParamGroup], policy: ReducePrecisi
         check_policy(policy, group, custom=group.options.custom_collective())
     for group in groups:
         group.options.reduce_precision = policy
+
+
+def check_process_group_allocation(groups: Sequence[FSDPParamGroup], module: str) -> None:
+    """``set_allocate_memory_from_process_group_for_comm``: refused after a custom all-gather.
+
+    Buffers from the process group's allocator are what a custom all-gather chooses itself, so
+    torch's ``fully_shard`` refuses the switch once one is set, with an ``AssertionError``
+    (its API's contract, which code written for it may catch); shardkit's buffers come from its
+    own pool either way, so the switch changes nothing else.
+
+    Raises:
+        AssertionError: a group of ``module`` has a custom all-gather.
+    """
+    for group in groups:
+        comm = group.options.custom_all_gather
+        if comm is not None:
+            raise AssertionError(
+                f"{module}: cannot call set_allocate_memory_from_process_group_for_comm() when "
+                f"the all-gather is custom ({type(comm).__name__}, set_custom_all_gather): the "
+                "custom all-gather chooses its own buffers"
+            )

@@ -7,6 +7,11 @@ and options; they validate their arguments before changing anything. Its overrid
 
 The checks and effects of its communication switches (custom collectives, the all-reduce
 hook, the reduction's precision, reductions in flight) are ``comm_switches``' functions.
+
+Next to split off: the gradient-division and sync switches (``set_gradient_divide_factor``,
+``set_reduce_scatter_divide_factor``, ``set_force_sum_reduction_for_comms``,
+``set_requires_gradient_sync``, ``set_requires_all_reduce``) into ``reduce_switches.py``,
+functions on the groups as ``comm_switches`` has: each only validates and sets a group option.
 """
 
 from __future__ import annotations
@@ -265,8 +270,10 @@ class FSDPModule:
         """Accepted for compatibility; communication buffers come from shardkit's own pool.
 
         On gloo there is no process-group allocator to use; on NCCL the pool's buffers are
-        reused across groups and steps, which is what this option is for.
+        reused across groups and steps, which is what this option is for. Refused after
+        ``set_custom_all_gather``, as torch refuses it (``AssertionError``).
         """
+        comm_switches.check_process_group_allocation(self._groups_under(False), type(self).__name__)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Accepted for compatibility; symmetric-memory all-gathers are not used.
