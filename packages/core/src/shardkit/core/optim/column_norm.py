@@ -20,14 +20,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from shardkit.core.optim.rule import Options, WholeMatrixRule
+from shardkit.core.optim.rule import Options, WholeMatrixRule, momentum_state
 from shardkit.core.optim.whole_matrix import WholeMatrixOptimizer
 
 __all__ = ["COLUMN_NORM_RULE", "ColumnNormSGD"]
-
-
-def _init_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"momentum_buffer": torch.zeros_like(grad, memory_format=torch.preserve_format)}
 
 
 def _prepare(
@@ -53,7 +49,7 @@ def _apply(
 
 COLUMN_NORM_RULE = WholeMatrixRule(
     name="ColumnNormSGD",
-    init_state=_init_state,
+    init_state=momentum_state,
     prepare=_prepare,
     update=_update,
     apply=_apply,

@@ -23,16 +23,12 @@ from shardkit.core.optim.newton_schulz import (
     orthogonalize,
     orthogonalize_batch,
 )
-from shardkit.core.optim.rule import Options, WholeMatrixRule
+from shardkit.core.optim.rule import Options, WholeMatrixRule, momentum_state
 from shardkit.core.optim.whole_matrix import WholeMatrixOptimizer
 
 __all__ = ["MUON_RULE", "Muon"]
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-def _init_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"momentum_buffer": torch.zeros_like(grad, memory_format=torch.preserve_format)}
 
 
 def _prepare(
@@ -77,7 +73,7 @@ def _bf16(dtype: torch.dtype) -> torch.dtype:
 
 MUON_RULE = WholeMatrixRule(
     name="Muon",
-    init_state=_init_state,
+    init_state=momentum_state,
     prepare=_prepare,
     update=_update,
     update_batch=_update_batch,

@@ -27,10 +27,15 @@ import torch
 
 from shardkit.core.optim.newton_schulz import newton_schulz_cost
 
-__all__ = ["Options", "WholeMatrixRule"]
+__all__ = ["Options", "WholeMatrixRule", "momentum_state"]
 
 Options = Mapping[str, Any]
 """A parameter group's hyperparameters (the optimizer's ``param_groups[i]``)."""
+
+
+def momentum_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A rule's state of one buffer, zeros shaped as the (sharded) gradient: Muon's and most."""
+    return {"momentum_buffer": torch.zeros_like(grad, memory_format=torch.preserve_format)}
 
 
 def _same_dtype(dtype: torch.dtype) -> torch.dtype:
