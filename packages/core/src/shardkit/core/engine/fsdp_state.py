@@ -5,14 +5,14 @@ into one RootContext, and queues the end-of-backward callback that finishes redu
 RootContext itself, the default communication context and the names a root gives its
 parameters are ``root_context``'s.
 
-Next to split off: the state-dict hooks (``_before_state_dict`` to ``_after_load``), into a
-module of their own beside ``local_step``.
+Its hooks on state dicts and loads are ``state_dict_hooks``'. Next to split off: the end of
+backward (``_ensure_final_callback``, ``root_final_callback``, ``end_backward``,
+``check_step_end``) into a module of its own beside ``backward``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, cast
 
@@ -30,14 +30,10 @@ from shardkit.core.engine.group.param_group import FSDPParamGroup, GroupWiring
 from shardkit.core.engine.join import notify as notify_join
 from shardkit.core.engine.local_step import restore_all
 from shardkit.core.engine.local_tree import enter_local_forward, is_local_tree
-from shardkit.core.engine.offthread import (
-    after_state_dict,
-    before_state_dict,
-    claim_training_thread,
-    install_step_marks,
-)
+from shardkit.core.engine.offthread import claim_training_thread, install_step_marks
 from shardkit.core.engine.replaceable_hooks import ForwardHooks
 from shardkit.core.engine.root_context import RootContext, comm_context_for, name_from_root
+from shardkit.core.engine.state_dict_hooks import register_state_dict_hooks
 from shardkit.core.engine.state_registry import states_under
 from shardkit.core.engine.step_ops import EngineOps
 from shardkit.core.engine.usage_checks import (
@@ -92,14 +88,7 @@ class FSDPState:
         self.forward_hooks = ForwardHooks(
             modules, eager_hook(self._pre_forward), eager_hook(self._post_forward)
         )
-        for module in modules:
-            module.register_state_dict_pre_hook(self._before_state_dict)
-            # A partial: torch marks the hooks it is given, which a bound method refuses.
-            module.register_state_dict_post_hook(
-                functools.partial(FSDPState._after_state_dict, self)
-            )
-            module.register_load_state_dict_pre_hook(self._before_load)
-            module.register_load_state_dict_post_hook(self._after_load)
+        register_state_dict_hooks(self, modules)
 
     # --- lazy init --------------------------------------------------------------------------
 
@@ -402,26 +391,6 @@ class FSDPState:
         step_check.forget()  # what each rank issued before the exception may differ
         self.ctx.local = self.ctx.in_root_forward = False
         PROGRESS.enter("idle")
-
-    # --- state dict -------------------------------------------------------------------------
-
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        before_state_dict(self, module, prefix)  # off the training thread: leaves the modules
-
-    def _after_state_dict(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any
-    ) -> None:
-        after_state_dict(self, module, state_dict, prefix)  # off-thread: copies put in place
-
-    def _before_load(self, module: nn.Module, *args: Any) -> None:
-        for group in self.groups:
-            # Free the full parameters: the load changes the shards, so a full copy kept from
-            # an earlier forward (root, or reshard_after_forward=False) would be stale.
-            group.reshard()
-
-    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        for group in self.groups:
-            group.resync_sharded_storage()
 
 
 def _states(ctx: RootContext) -> list[FSDPState]:
