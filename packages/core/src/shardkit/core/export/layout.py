@@ -27,23 +27,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from shardkit.core.runtime.chunks import chunk_rows, chunk_size
+
 __all__ = [
     "Stage",
     "TensorSource",
-    "chunk_rows",
     "export_order",
     "placements_on",
     "mesh_of",
     "stage_dims",
     "tensor_source",
 ]
-
-
-def chunk_rows(total: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of part ``index`` when ``total`` rows are cut in ``parts``."""
-    per = -(-total // parts)
-    start = min(index * per, total)
-    return start, max(0, min(per, total - start))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +54,7 @@ class Stage:
     @property
     def rows_per_part(self) -> int:
         """``c``: every part padded to this many rows along ``tensor_dim``."""
-        return -(-self.shape[self.tensor_dim] // self.parts)
+        return chunk_size(self.shape[self.tensor_dim], self.parts)
 
     @property
     def padded_numel(self) -> int:

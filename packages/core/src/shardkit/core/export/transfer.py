@@ -19,8 +19,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core.export.buckets import ExportBucket
-from shardkit.core.export.layout import Stage, TensorSource, chunk_rows
+from shardkit.core.export.layout import Stage, TensorSource
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
     ExportWatch,

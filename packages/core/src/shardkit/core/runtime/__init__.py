@@ -7,7 +7,8 @@ At the top, the step's collectives and what they stand on:
   ``CollectiveRuntime`` the engine calls; ``custom`` the user's collectives; ``pool`` the
   buffers reused across groups; ``reduction`` a reducing collective's op; ``ring_order`` the
   order gloo's ring adds rows in; ``gather_split`` and ``buffers`` pure tensor work on flat
-  buffers;
+  buffers; ``chunks`` torch.chunk's arithmetic (which rows a piece holds), for every cut of
+  the core;
 - the ground every wing stands on: ``groups`` (who this rank is, process groups, barriers),
   ``flat_collectives`` (the installed torch's names), ``device`` (what differs per device);
 - one module per private torch API: ``dtensors``, ``meshes``, ``dynamo``;
@@ -17,8 +18,8 @@ The wings, each below the step's collectives and above the ground:
 
 - ``watch/``: what the runtime watches in every collective it issues: where each rank is
   (``progress``), checks that every rank issued the same (``desync``, ``step_check``), waits
-  that never end (``hang``, ``stuck``), memory under collectives in flight (``lifetimes``),
-  and what observers see (``announce``, ``comm_debug``, ``collective_watch``);
+  that never end (``hang``, ``stuck``, through the store's ``store_board``), memory under
+  collectives in flight (``lifetimes``), and what observers see (``announce``, ``comm_debug``, ``collective_watch``);
 - ``p2p/``: point to point and between steps: the row exchange, the table of tags, peer
   transfers, whole objects through the first rank, and the outcomes all ranks agree on;
 - ``export/``: the weight export's own process groups (``shardkit.core.export`` uses them);

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardkit.core.runtime.chunks import chunk_rows, chunk_size
+
 __all__ = [
     "ALIGN_BYTES",
     "FlatLayout",
@@ -58,7 +60,7 @@ class ShardGeometry:
 
     def local_length(self, rank: int) -> int:
         """Size along ``dim`` of the real (unpadded) shard held by ``rank``."""
-        return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
+        return chunk_rows(self.shape[self.dim], self.world, rank)[1]
 
     def local_shape(self, rank: int) -> torch.Size:
         """The unpadded shard shape of ``rank``: what the DTensor's local tensor shows."""
@@ -80,8 +82,8 @@ class ShardGeometry:
             empty = list(self.shape)
             empty[self.dim] = 0
             return chunks[0].new_empty(empty)  # past the last row (chunk leaves no piece)
-        start = min(rank * self.chunk, self.shape[self.dim])
-        return full.narrow(self.dim, start, self.local_length(rank))
+        start, length = chunk_rows(self.shape[self.dim], self.world, rank)
+        return full.narrow(self.dim, start, length)
 
     def padded_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s shard of ``full`` zero padded to ``padded_shard_shape``, flat.
@@ -104,7 +106,9 @@ class ShardGeometry:
 def shard_geometry(shape: torch.Size, dim: int, world: int) -> ShardGeometry:
     """Geometry of ``shape`` cut into ``world`` shards along ``dim`` (``dim`` non-negative)."""
     size = shape[dim]
-    return ShardGeometry(shape=torch.Size(shape), dim=dim, world=world, chunk=-(-size // world))
+    return ShardGeometry(
+        shape=torch.Size(shape), dim=dim, world=world, chunk=chunk_size(size, world)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import (
     shard_chunks,
     sharded_tensor_parts,
 )
+from shardkit.core.runtime.chunks import chunk_rows_array
 from shardkit.core.runtime.dtensors import chunk_at
 
 __all__ = ["Geometry", "SaveLayout", "ValueLayout", "mesh_key"]
@@ -343,11 +344,7 @@ def _position_chunks(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(placement, Shard):
             continue
         dim, parts = placement.dim, mesh_shape[mesh_dim]
-        current = sizes[:, dim]
-        # torch.chunk's arithmetic: chunks of ceil(n / parts), the last ones short or empty.
-        full = (current + parts - 1) // parts
-        start = coords[:, mesh_dim] * full
-        size = np.clip(np.minimum(current, start + full) - start, 0, None)
+        start, size = chunk_rows_array(sizes[:, dim], parts, coords[:, mesh_dim])
         # An empty chunk sits at the end of the dim (torch's offset for it).
         offsets[:, dim] = np.where(size > 0, offsets[:, dim] + start, shape[dim])
         sizes[:, dim] = size

@@ -27,12 +27,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import PrefixStore, Store, _get_default_store
+from torch.distributed.distributed_c10d import PrefixStore, _get_default_store
 
 from shardkit.core.errors import WeightExportError
 from shardkit.core.runtime.flat_collectives import all_gather_single
 from shardkit.core.runtime.p2p.p2p_tags import EXPORT_GATHER
 from shardkit.core.runtime.p2p.row_exchange import post_row_exchange
+from shardkit.core.runtime.watch.store_board import StoreBoard
 
 __all__ = [
     "DEFAULT_EXPORT_BOUND_S",
@@ -111,7 +112,7 @@ def make_export_groups(mesh: DeviceMesh, gathered_dims: list[int], bound_s: floa
 class ExportWatch:
     """One export's beats and verdict in the store, and the bounded wait."""
 
-    store: Store
+    board: StoreBoard
     rank: int
     bound_s: float
     export_key: str
@@ -122,25 +123,23 @@ class ExportWatch:
     def open(exporter: int, export_id: int, rank: int, bound_s: float) -> ExportWatch:
         """The watch of export ``export_id`` of this process's exporter ``exporter``."""
         store = PrefixStore("shardkit/export/", _get_default_store())
-        return ExportWatch(store, rank, bound_s, f"{exporter}/{export_id}")
+        # Not tolerant: a store that fails mid-export fails the export, loudly.
+        return ExportWatch(
+            StoreBoard(store, tolerant=False), rank, bound_s, f"{exporter}/{export_id}"
+        )
 
     def post(self, where: str) -> None:
         """Say where this rank is (before a collective, before a hand-off)."""
         self.where = where
-        self.store.set(f"{self.export_key}/beat/{self.rank}", f"{time.time():.3f} {where}")
+        self.board.post(f"{self.export_key}/beat/{self.rank}", f"{time.time():.3f} {where}")
 
     def verdict(self) -> str | None:
         """The export's verdict, if a rank gave one."""
-        key = f"{self.export_key}/verdict"
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key).decode()
+        return self.board.read(f"{self.export_key}/verdict")
 
     def give_verdict(self, message: str) -> WeightExportError:
         """Record ``message`` as the verdict unless one was given first; the error to raise."""
-        key = f"{self.export_key}/verdict"
-        stored = self.store.compare_set(key, "", message)
-        return WeightExportError(stored.decode() if stored else message)
+        return WeightExportError(self.board.decide(f"{self.export_key}/verdict", message))
 
     def raise_if_failed(self) -> None:
         """Raise the verdict, if there is one (before issuing anything new)."""
@@ -208,18 +207,17 @@ class ExportWatch:
                     raise self.give_verdict(late)
 
     def _late_member(self, members: list[int]) -> str | None:
-        keys = [f"{self.export_key}/beat/{m}" for m in members if m != self.rank]
         others = [m for m in members if m != self.rank]
-        present = [self.store.check([k]) for k in keys]
+        beats = [self.board.read(f"{self.export_key}/beat/{m}") for m in others]
         now = time.time()
-        for member, key, known in zip(others, keys, present, strict=True):
-            if not known:
+        for member, beat in zip(others, beats, strict=True):
+            if beat is None:
                 return (
                     f"weight export {self.export_key}: rank {member} is late: it has not started "
                     f"the export while rank {self.rank} waits in {self.where} (bound "
                     f"{self.bound_s:g} s, SHARDKIT_EXPORT_BOUND)"
                 )
-            stamp, _, where = self.store.get(key).decode().partition(" ")
+            stamp, _, where = beat.partition(" ")
             if where != self.where and now - float(stamp) >= self.bound_s:
                 return (
                     f"weight export {self.export_key}: rank {member} is late: it has been in "

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.core.runtime.watch.store_board import StoreBoard
+
 __all__ = ["GroupMessage", "ReceiverGroup", "ReceiverGroupSpec"]
 
 _POLL_S = 0.02
@@ -108,12 +110,11 @@ class ReceiverGroup:
 
     def post(self, name: str, value: str) -> None:
         """Set this generation's key ``name``."""
-        self.store.set(self.key(name), value)
+        StoreBoard(self.store, tolerant=False).post(self.key(name), value)
 
     def read(self, name: str) -> str | None:
         """This generation's key ``name``, if set."""
-        key = self.key(name)
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        return StoreBoard(self.store, tolerant=False).read(self.key(name))
 
     def wait_for(self, name: str, bound_s: float | None) -> str:
         """Wait for key ``name`` (for ever where ``bound_s`` is None); its value.

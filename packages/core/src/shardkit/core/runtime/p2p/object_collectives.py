@@ -8,6 +8,8 @@ share its rule that the runtime is the one caller of ``torch.distributed``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -33,20 +35,12 @@ def gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
     Point to point rather than ``dist.gather``: gloo's gather stages all rows in one more
     flat buffer, which would double the first rank's memory. Its own row is not copied.
     """
-    size, rank = group.size(), group.rank()
-    if rank != 0:
-        work = dist.isend(tensor, group=group, group_dst=0, tag=OBJECT_TRANSFERS.tag())
-        if work is not None:
-            work.wait()
+    tag = OBJECT_TRANSFERS.tag()
+    if group.rank() != 0:
+        _wait_all([dist.isend(tensor, group=group, group_dst=0, tag=tag)])
         return None
-    rows = [tensor] + [torch.empty_like(tensor) for _ in range(size - 1)]
-    works = [
-        dist.irecv(rows[peer], group=group, group_src=peer, tag=OBJECT_TRANSFERS.tag())
-        for peer in range(1, size)
-    ]
-    for work in works:
-        if work is not None:
-            work.wait()
+    rows = [tensor] + [torch.empty_like(tensor) for _ in range(group.size() - 1)]
+    _receive_at_first(rows, group, tag)
     return rows
 
 
@@ -67,21 +61,13 @@ def gather_rows_to_first(
     tag = OBJECT_TRANSFERS.tag()
     if heads is None:
         if length > 0:
-            work = dist.isend(body.contiguous(), group=group, group_dst=0, tag=tag)
-            if work is not None:
-                work.wait()
+            _wait_all([dist.isend(body.contiguous(), group=group, group_dst=0, tag=tag)])
         return None
     claimed = [int(h[-1]) for h in heads]
     bodies: list[torch.Tensor | None] = [body if length >= 0 else None]
     bodies += [torch.empty(n, dtype=torch.int64) if 0 <= n <= most else None for n in claimed[1:]]
-    works = [
-        dist.irecv(received, group=group, group_src=peer, tag=tag)
-        for peer, received in enumerate(bodies)
-        if peer > 0 and received is not None and received.numel()
-    ]
-    for work in works:
-        if work is not None:
-            work.wait()
+    # An empty body is not sent, so not received either.
+    _receive_at_first([b if b is not None and b.numel() else None for b in bodies], group, tag)
     return [(h[:-1], b) for h, b in zip(heads, bodies, strict=True)]
 
 
@@ -89,17 +75,38 @@ def scatter_from_first(
     out: torch.Tensor, rows: list[torch.Tensor] | None, group: dist.ProcessGroup
 ) -> None:
     """Row r of the first rank's ``rows`` into ``out`` on rank r (``rows`` only on the first)."""
+    tag = OBJECT_TRANSFERS.tag()
     if group.rank() != 0:
-        work = dist.irecv(out, group=group, group_src=0, tag=OBJECT_TRANSFERS.tag())
-        if work is not None:
-            work.wait()
+        _wait_all([dist.irecv(out, group=group, group_src=0, tag=tag)])
         return
     assert rows is not None and len(rows) == group.size()
     works = [
-        dist.isend(rows[peer], group=group, group_dst=peer, tag=OBJECT_TRANSFERS.tag())
+        dist.isend(rows[peer], group=group, group_dst=peer, tag=tag)
         for peer in range(1, group.size())
     ]
     out.copy_(rows[0])
+    _wait_all(works)
+
+
+def _receive_at_first(
+    rows: Sequence[torch.Tensor | None], group: dist.ProcessGroup, tag: int
+) -> None:
+    """On the first rank: peer r's message into ``rows[r]``, all posted before any is waited for.
+
+    ``rows[0]`` is the first rank's own; a None row is not received (a peer that sends nothing,
+    or one whose claimed size was refused).
+    """
+    _wait_all(
+        [
+            dist.irecv(row, group=group, group_src=peer, tag=tag)
+            for peer, row in enumerate(rows)
+            if peer > 0 and row is not None
+        ]
+    )
+
+
+def _wait_all(works: list[dist.Work | None]) -> None:
+    """Wait on every posted message (a message to or from this rank itself has no work)."""
     for work in works:
         if work is not None:
             work.wait()

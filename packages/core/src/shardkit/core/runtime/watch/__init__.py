@@ -6,7 +6,8 @@
 - ``desync`` (debug mode) and ``step_check`` (on by default): every rank issued the same
   collectives, compared per collective or once per step;
 - ``hang`` and ``stuck``: waits that never end, ended (the hang report after minutes; a stuck
-  wait's error on every rank after seconds), through the c10d store;
+  wait's error on every rank after seconds), through the c10d store (``store_board``: a
+  rank's posts, reads that never wait, the first verdict kept; the export's watch uses it too);
 - ``lifetimes``: no buffer released while a collective in flight still uses it;
 - ``announce``, ``comm_debug`` and ``collective_watch``: what observers see (the tools'
   events; torch's ``CommDebugMode``; collectives the program issues itself, held back under

@@ -42,6 +42,7 @@ from typing import Any
 
 from shardkit.core.runtime.groups import global_rank, progress_store, world_size
 from shardkit.core.runtime.watch.progress import PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.watch.store_board import StoreBoard
 from shardkit.core.runtime.watch.stuck import StuckCheck
 
 __all__ = ["HANG_EXIT_CODE", "HangWatch", "ensure_watching"]
@@ -66,13 +67,13 @@ class HangWatch(threading.Thread):
         super().__init__(name="shardkit-hang-watch", daemon=True)
         self.rank = global_rank()
         self.world = world_size()
-        self._store = progress_store()
+        self._board = StoreBoard(progress_store())
         self._posted = -1  # the progress version last posted
         self._exit = exit_process
         self._stopping = threading.Event()
         # An alarm already in the store belongs to an earlier process group on the same store.
-        self._stale_alarm = self._get(_ALARM)
-        self._stuck = StuckCheck(self.rank, self.world, self._set, self._get)
+        self._stale_alarm = self._board.read(_ALARM)
+        self._stuck = StuckCheck(self.rank, self.world, self._board)
 
     def run(self) -> None:
         """Post progress, check the current wait and look for alarms, until stopped."""
@@ -90,14 +91,14 @@ class HangWatch(threading.Thread):
         """Give up if this rank waited too long or another rank gave up; whether it did."""
         waiting = PROGRESS.waiting
         waited = time.monotonic() - PROGRESS.waiting_since
-        raised = self._get(_ALARM)
+        raised = self._board.read(_ALARM)
         fresh = raised is not None and raised != self._stale_alarm
         alarm = json.loads(raised) if raised is not None and fresh else None
         if waiting is not None and SETTINGS.hang_timeout_s and waited > SETTINGS.hang_timeout_s:
             if alarm is None:  # the first to give up: the others report under its token
                 token = f"{self.rank}/{os.getpid()}/{time.time()}"
                 alarm = {"rank": self.rank, "token": token, "detail": waiting.detail()}
-                self._set(_ALARM, json.dumps(alarm))  # first: the others start reporting
+                self._board.post(_ALARM, json.dumps(alarm))  # first: the others start reporting
             self._give_up(self.report(waiting, waited), str(alarm["token"]))
             return True
         if alarm is not None:
@@ -112,11 +113,11 @@ class HangWatch(threading.Thread):
         for handler in (*logging.getLogger().handlers, *logger.handlers):
             handler.flush()
         sys.stderr.flush()
-        self._set(f"reported/{token}/{self.rank}", "1")
+        self._board.post(f"reported/{token}/{self.rank}", "1")
         others = [f"reported/{token}/{r}" for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + _REPORTS_WAIT_S
         while others and time.monotonic() < deadline:
-            others = [key for key in others if self._get(key) is None]
+            others = [key for key in others if self._board.read(key) is None]
             if others:
                 time.sleep(0.05)
         if others:
@@ -132,32 +133,12 @@ class HangWatch(threading.Thread):
     def _post(self, *, force: bool = False) -> bool:
         """Post this rank's progress if it changed; False once the store is unreachable."""
         version = PROGRESS.version
-        if self._store is None or (version == self._posted and not force):
-            return self._store is not None
-        if not self._set(str(self.rank), json.dumps(_record())):
+        if self._board.store is None or (version == self._posted and not force):
+            return self._board.store is not None
+        if not self._board.post(str(self.rank), json.dumps(_record())):
             return False
         self._posted = version
         return True
-
-    def _set(self, key: str, value: str) -> bool:
-        if self._store is None:
-            return False
-        try:
-            self._store.set(key, value)
-        except Exception:  # a destroyed process group, a store server gone at shutdown
-            return False
-        return True
-
-    def _get(self, key: str) -> str | None:
-        """The value of ``key`` in the store; None if absent or unreachable."""
-        if self._store is None:
-            return None
-        try:
-            if not self._store.check([key]):
-                return None
-            return self._store.get(key).decode()
-        except Exception:  # a peer's record cannot be read: report what can be
-            return None
 
     def report(self, waiting: CollectiveInfo, waited: float) -> str:
         """What this rank waits on, where every rank is, and this process's Python stacks."""
@@ -216,7 +197,7 @@ class HangWatch(threading.Thread):
         return out
 
     def _read(self, rank: int) -> dict[str, Any] | None:
-        raw = self._get(str(rank))
+        raw = self._board.read(str(rank))
         if raw is None:
             return None
         try:

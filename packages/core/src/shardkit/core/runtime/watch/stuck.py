@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from shardkit.core.errors import StuckCollectiveError
 from shardkit.core.runtime.groups import progress_store
 from shardkit.core.runtime.watch.progress import PROGRESS, SETTINGS, CollectiveInfo
+from shardkit.core.runtime.watch.store_board import StoreBoard
 
 __all__ = ["StuckCheck", "raise_if_stuck", "ranks_label"]
 
@@ -81,13 +81,11 @@ class StuckCheck:
         self,
         rank: int,
         world: int,
-        store_set: Callable[[str, str], bool],
-        store_get: Callable[[str], str | None],
+        board: StoreBoard,
     ) -> None:
         self.rank = rank
         self.world = world
-        self._set = store_set
-        self._get = store_get
+        self._board = board
         self._token = ""  # the wait being posted
         self._beat = 0
         self._seen: dict[int, tuple[str, int]] = {}  # rank 0: each rank's last wait and beat
@@ -116,7 +114,7 @@ class StuckCheck:
             "last": asdict(last) if last is not None else None,
             "forward": PROGRESS.forward_modules,
         }
-        self._set(f"blocked/{self.rank}", json.dumps(record))
+        self._board.post(f"blocked/{self.rank}", json.dumps(record))
         if self.rank == 0:
             self._decide(token, waiting)
         self._obey(token)
@@ -127,7 +125,7 @@ class StuckCheck:
         waits, infos, lasts, live = {0: token}, [own], [last], True
         forwards = [list(PROGRESS.forward_modules)]
         for rank in range(1, self.world):
-            record = _parse(self._get(f"blocked/{rank}"))
+            record = _parse(self._board.read(f"blocked/{rank}"))
             if record is None:
                 live = False  # it never waited that long: it computes, or waits elsewhere
                 continue
@@ -144,11 +142,11 @@ class StuckCheck:
             return
         message = _message(infos, forwards)
         verdict = {"waits": {str(r): w for r, w in waits.items()}, "message": message}
-        self._set(_VERDICT, json.dumps(verdict))
+        self._board.post(_VERDICT, json.dumps(verdict))
 
     def _obey(self, token: str) -> None:
         """If the verdict names this rank's wait, break it (the waiting thread then raises)."""
-        verdict = _parse(self._get(_VERDICT))
+        verdict = _parse(self._board.read(_VERDICT))
         if verdict is None or verdict["waits"].get(str(self.rank)) != token:
             return
         if token != _wait_token():
@@ -197,23 +195,13 @@ def raise_if_stuck(error: BaseException) -> None:
     message = _INTERRUPTED.pop(token, None)
     deadline = time.monotonic() + _VERDICT_WAIT_S
     while message is None and time.monotonic() < deadline:
-        verdict = _parse(_read_store(_VERDICT))
+        verdict = _parse(StoreBoard(progress_store()).read(_VERDICT))
         if verdict is not None and verdict["waits"].get(str(dist.get_rank())) == token:
             message = str(verdict["message"])
         else:
             time.sleep(_FAST_POLL_S / 5)
     if message is not None:
         raise StuckCollectiveError(message) from error
-
-
-def _read_store(key: str) -> str | None:
-    store = progress_store()
-    try:
-        if store is None or not store.check([key]):
-            return None
-        return store.get(key).decode()
-    except Exception:  # the store is gone: no verdict to read
-        return None
 
 
 def _parse(raw: str | None) -> dict[str, Any] | None:
