@@ -8,8 +8,11 @@ process on the host (:class:`SharedMemorySender`), or to receiver processes over
 their own (:class:`GroupSender`). See docs/guide/export.md.
 """
 
-# The plan's arithmetic (buckets, names, stages) is published too: shardkit-plan repeats an
+# The plan's arithmetic (buckets, names, gathers) is published too: shardkit-plan repeats an
 # export's layout from a model on the meta device with the export's own rules.
+from typing import Any
+
+from shardkit.core.export import layout
 from shardkit.core.export.buckets import (
     ExportBucket,
     default_layer_of,
@@ -27,7 +30,7 @@ from shardkit.core.export.group_transport import (
     ReceiverGroupSpec,
     serve_receiver_group,
 )
-from shardkit.core.export.layout import Stage, TensorSource
+from shardkit.core.export.layout import AxisGather, TensorSource
 from shardkit.core.export.messages import (
     ChangedElements,
     ExportedTensor,
@@ -45,6 +48,7 @@ from shardkit.core.export.shared_memory import SharedMemorySender, serve_shared_
 from shardkit.core.export.transfer import TransferCounts
 
 __all__ = [
+    "AxisGather",
     "ChangedElements",
     "ExportBucket",
     "ExportKind",
@@ -57,7 +61,6 @@ __all__ = [
     "ModuleReceiver",
     "ReceiverGroupSpec",
     "SharedMemorySender",
-    "Stage",
     "TensorLoader",
     "TensorSource",
     "TransferCounts",
@@ -71,3 +74,10 @@ __all__ = [
     "serve_receiver_group",
     "serve_shared_memory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The published names kept under their old spelling, with a DeprecationWarning."""
+    if name == "Stage":
+        return getattr(layout, name)  # the warning is the layout module's
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,7 +73,7 @@ def export_sources(
     """The tensors to export.
 
     In state-dict order, each gathered along the mesh dims in one order for all (see
-    :func:`~shardkit.core.export.layout.stage_dims`).
+    :func:`~shardkit.core.export.layout.gathered_dims`).
 
     Raises:
         ValueError: two tensors renamed to one name.
@@ -134,7 +134,7 @@ def plan_digest(buckets: list[ExportBucket]) -> int:
     Equal on every rank that exports the same model the same way.
     """
     text = ";".join(
-        f"{b.index}:{s.name}:{list(s.tensor.shape)}:{s.dtype}:{[st.mesh_dim for st in s.stages]}"
+        f"{b.index}:{s.name}:{list(s.tensor.shape)}:{s.dtype}:{[st.mesh_dim for st in s.gathers]}"
         for b in buckets
         for s in b.sources
     )

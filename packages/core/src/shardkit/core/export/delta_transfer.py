@@ -4,8 +4,8 @@ Before any bucket moves, every rank counts its changes per bucket (the counts an
 message sizes travel in the export's small agreement all-gather, so that every message can be
 padded to the largest and parsed without a header). Then per bucket each rank packs its part
 as a full export would (the same cast), compares it bit for bit with the part it packed last,
-and gathers only the encoded changes (``changes.py``); the gathering rank turns each rank's
-positions into positions of the full tensor (``Stage.global_index``). A bucket no rank changed
+and gathers only the encoded changes (``delta_encoding.py``); the gathering rank turns each rank's
+positions into positions of the full tensor (``AxisGather.global_index``). A bucket no rank changed
 moves nothing.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from shardkit.core.export.buckets import ExportBucket
-from shardkit.core.export.changes import (
+from shardkit.core.export.delta_encoding import (
     Decoded,
     LocalChanges,
     choose_encoding,
@@ -34,12 +34,13 @@ def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket
     """Move one bucket's changes; the bucket as the receiver gets it (None on other ranks)."""
     if transfer.watch is not None:
         transfer.watch.raise_if_failed()
-    sharded = [s for s in bucket.sources if s.stages]
+    sharded = [s for s in bucket.sources if s.gathers]
     changes = gather_changes(transfer, bucket, sharded)
     if changes is None or not transfer.receiving:
         return None
     entries = [
-        (s.name, changes[s.key] if s.stages else plain_changes(transfer, s)) for s in bucket.sources
+        (s.name, changes[s.key] if s.gathers else plain_changes(transfer, s))
+        for s in bucket.sources
     ]
     transfer.counts.handed_bytes += sum(
         (c.indices.numel() + c.count) * 8 + c.values.numel() * c.values.element_size()
@@ -72,7 +73,7 @@ def _local_changes(
     if part is None:
         return None
     buffer, offsets = part
-    dtype = next(s.dtype for s in bucket.sources if s.stages)
+    dtype = next(s.dtype for s in bucket.sources if s.gathers)
     before = transfer.previous.parts[bucket.index].view(dtype)
     return local_changes(buffer.view(dtype), before), buffer, offsets
 
@@ -133,18 +134,18 @@ def gather_changes(
 
 def changes_of(source: TensorSource, start: int, decoded: list[Decoded]) -> ChangedElements:
     """One tensor's changes in the full tensor, from every rank's decoded message."""
-    stage = source.stages[0]
+    gather = source.gathers[0]
 
     def place(
         positions_of: list[torch.Tensor], values_of: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         indices, values = [], []
         for rank, (positions, vals) in enumerate(zip(positions_of, values_of, strict=True)):
-            mine = (positions >= start) & (positions < start + stage.padded_numel)
-            indices.append(stage.global_index(rank, positions[mine] - start))
+            mine = (positions >= start) & (positions < start + gather.padded_numel)
+            indices.append(gather.global_index(rank, positions[mine] - start))
             values.append(vals[mine])
         index, value = torch.cat(indices), torch.cat(values)
-        if stage.tensor_dim != 0 and index.numel():
+        if gather.tensor_dim != 0 and index.numel():
             index, order = torch.sort(index)
             value = value[order]
         return index, value

@@ -239,13 +239,13 @@ class WeightExporter:
         )
 
     def _check_delta(self) -> None:
-        """Deltas travel in one stage and one dtype per bucket (every rank finds the same)."""
+        """Deltas travel in one gather and one dtype per bucket (every rank finds the same)."""
         for bucket in self.buckets:
-            sharded = [s for s in bucket.sources if s.stages]
-            if any(len(s.stages) > 1 for s in sharded):
+            sharded = [s for s in bucket.sources if s.gathers]
+            if any(len(s.gathers) > 1 for s in sharded):
                 raise ValueError(
                     f"delta exports gather along one mesh axis; bucket {bucket.index} "
-                    f"({sharded[0].name}, ...) needs {len(sharded[0].stages)}: keep the TP axis "
+                    f"({sharded[0].name}, ...) needs {len(sharded[0].gathers)}: keep the TP axis "
                     "(keep_axes=('tp',)) or export in full"
                 )
             if len({s.dtype for s in sharded}) > 1:

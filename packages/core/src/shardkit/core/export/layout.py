@@ -9,18 +9,21 @@ and the placements: no rank needs to ask another where anything is.
 
 An export gathers along every sharded axis except the ones the receiver keeps (a receiver with
 the model's TP degree keeps the TP axis and gets its TP part). Each gathered axis is one
-*stage*: a gather of every rank's piece, padded to ``c`` rows, then the pieces narrowed and
-joined along the tensor dim. Stages run innermost cut first: a ``_StridedShard`` axis (FSDP over
+:class:`AxisGather`: every rank's piece, padded to ``c`` rows, gathered, then the pieces
+narrowed and joined along the tensor dim (named ``Stage`` before 2026-11; that name stays as a
+deprecated alias). Gathers run innermost cut first: a ``_StridedShard`` axis (FSDP over
 TP's rows) first, then the others from the last mesh dim back. Replicated axes are not
 gathered: only coordinate 0 exports (HSDP's first replica group), unless every rank receives.
-Plain tensors (buffers, parameters no ``fully_shard`` manages) have no stages; the receiving
+Plain tensors (buffers, parameters no ``fully_shard`` manages) have no gathers; the receiving
 rank sends its own copy.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,18 +33,18 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from shardkit.core.runtime.chunks import chunk_rows, chunk_size
 
 __all__ = [
-    "Stage",
+    "AxisGather",
     "TensorSource",
     "export_order",
     "placements_on",
     "mesh_of",
-    "stage_dims",
+    "gathered_dims",
     "tensor_source",
 ]
 
 
 @dataclass(frozen=True, slots=True)
-class Stage:
+class AxisGather:
     """One gather of a tensor along one mesh axis."""
 
     mesh_dim: int
@@ -49,7 +52,7 @@ class Stage:
     parts: int
     """Ranks along the axis."""
     shape: tuple[int, ...]
-    """The tensor after this stage (at the gathering rank)."""
+    """The tensor after this gather (at the gathering rank)."""
 
     @property
     def rows_per_part(self) -> int:
@@ -91,7 +94,7 @@ class Stage:
             view.narrow(self.tensor_dim, 0, rows).copy_(piece)
 
     def unpack(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The tensor after the stage, from every rank's padded part (flat views), in order."""
+        """The tensor after the gather, from every rank's padded part (flat views), in order."""
         pieces = [
             part.view(self.padded_shape()).narrow(
                 self.tensor_dim, 0, self.piece_shape(i)[self.tensor_dim]
@@ -101,7 +104,7 @@ class Stage:
         return torch.cat(pieces, dim=self.tensor_dim)
 
     def global_index(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """Flat positions in the stage's tensor of positions in one rank's part.
+        """Flat positions in the gather's tensor of positions in one rank's part.
 
         ``local`` are int64 positions in part ``index``'s padded flat layout.
         """
@@ -136,8 +139,16 @@ class TensorSource:
     """The dtype it is exported in."""
     shape: tuple[int, ...]
     """What the receiver gets: the full shape, or the kept axes' part."""
-    stages: tuple[Stage, ...]
+    gathers: tuple[AxisGather, ...]
     """The gathers, in order (none for a plain tensor)."""
+
+    @property
+    def stages(self) -> tuple[AxisGather, ...]:
+        """Deprecated: :attr:`gathers`, by its name before 2026-11."""
+        warnings.warn(
+            "TensorSource.stages is renamed TensorSource.gathers", DeprecationWarning, stacklevel=2
+        )
+        return self.gathers
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +169,7 @@ def mesh_of(tensor: torch.Tensor) -> DeviceMesh | None:
     return tensor.device_mesh if isinstance(tensor, DTensor) else None
 
 
-def stage_dims(placements: Sequence[Placement], keep: set[int]) -> list[int]:
+def gathered_dims(placements: Sequence[Placement], keep: set[int]) -> list[int]:
     """The mesh dims to gather, in order: ``_StridedShard`` first, then from the last back."""
     sharded = [m for m, p in enumerate(placements) if _cuts(p) and m not in keep]
     strided = [m for m in sharded if isinstance(placements[m], _StridedShard)]
@@ -195,7 +206,7 @@ def export_order(
     """One gather order of mesh dims for every tensor.
 
     ``_StridedShard`` dims first, then the others from the last back (each tensor's own rule,
-    :func:`stage_dims`, taken over all).
+    :func:`gathered_dims`, taken over all).
     """
     strided: set[int] = set()
     plain: set[int] = set()
@@ -263,17 +274,17 @@ def tensor_source(
         raise ValueError(f"{key}: cannot export a DTensor placed as {bad} (only Shard/Replicate)")
     coord = mesh.get_coordinate()
     assert coord is not None, f"{key}: this rank is not on the parameter's mesh"
-    own = stage_dims(placements, keep_dims)
+    own = gathered_dims(placements, keep_dims)
     ordered = [m for m in order if m in own] if order is not None else own
     kept = [m for m in keep_dims if _cuts(placements[m])]
     _check_order(key, placements, own, ordered, kept)
     shape = tuple(value.shape)
-    stages: list[Stage] = []
+    gathers: list[AxisGather] = []
     for i, m in enumerate(ordered):
         after = _chunked(shape, placements, kept + ordered[i + 1 :], mesh, coord)
-        stages.append(Stage(m, _dim(placements[m]), int(mesh.mesh.shape[m]), after))
+        gathers.append(AxisGather(m, _dim(placements[m]), int(mesh.mesh.shape[m]), after))
     final = _chunked(shape, placements, kept, mesh, coord)
-    return TensorSource(key, name, tensor, dtype, final, tuple(stages))
+    return TensorSource(key, name, tensor, dtype, final, tuple(gathers))
 
 
 def _cuts(placement: Placement) -> bool:
@@ -310,3 +321,17 @@ def _check_order(
                     f"{_dim(placements[k])} after mesh dim {g}, which is gathered; keep "
                     "none, or shard FSDP over TP's rows (_StridedShard) as fully_shard does"
                 )
+
+
+def __getattr__(name: str) -> Any:
+    """``Stage``: the deprecated name of :class:`AxisGather`.
+
+    Renamed so that one word names one thing: a pipeline's stages and the checkpoint's staging
+    are other things.
+    """
+    if name == "Stage":
+        warnings.warn(
+            "shardkit.core.export's Stage is renamed AxisGather", DeprecationWarning, stacklevel=2
+        )
+        return AxisGather
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 A bucket's tensors travel together, one collective per gathered mesh axis. Each rank packs its
 pieces into one byte buffer (each tensor's segment aligned to 8 bytes and padded to the
-stage's rows per part, so every rank sends the same length), casting to the export dtype in
+gather's rows per part, so every rank sends the same length), casting to the export dtype in
 the copy. The gathering rank narrows each rank's segment and joins the pieces.
 
 Under ``delta`` the packed part is compared, bit for bit, with the one this rank packed last
@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core.export.buckets import ExportBucket
-from shardkit.core.export.layout import Stage, TensorSource
+from shardkit.core.export.layout import AxisGather, TensorSource
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.export.export_groups import (
@@ -64,8 +64,8 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _first_stage(source: TensorSource) -> Stage:
-    return source.stages[0]
+def _first_gather(source: TensorSource) -> AxisGather:
+    return source.gathers[0]
 
 
 @dataclass(slots=True)
@@ -112,27 +112,27 @@ class BucketTransfer:
 
     # Packing ----------------------------------------------------------------------------
     def _pack(
-        self, sources: list[TensorSource], stages: list[Stage], pieces: list[torch.Tensor]
+        self, sources: list[TensorSource], gathers: list[AxisGather], pieces: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[int]]:
         offsets, total = [], 0
-        for source, stage in zip(sources, stages, strict=True):
+        for source, gather in zip(sources, gathers, strict=True):
             offsets.append(total)
-            total += _aligned(stage.padded_numel * source.dtype.itemsize)
+            total += _aligned(gather.padded_numel * source.dtype.itemsize)
         buffer = torch.empty(total, dtype=torch.uint8, device=pieces[0].device if pieces else "cpu")
-        for source, stage, piece, offset in zip(sources, stages, pieces, offsets, strict=True):
-            end = offset + stage.padded_numel * source.dtype.itemsize
-            stage.pack(piece, buffer[offset:end].view(source.dtype))
+        for source, gather, piece, offset in zip(sources, gathers, pieces, offsets, strict=True):
+            end = offset + gather.padded_numel * source.dtype.itemsize
+            gather.pack(piece, buffer[offset:end].view(source.dtype))
             # The alignment gap is zeroed: a delta compares the whole part, bit for bit.
             buffer[end : offset + _aligned(end - offset)].zero_()
         return buffer, offsets
 
     def first_part(self, bucket: ExportBucket) -> tuple[torch.Tensor, list[int]] | None:
-        """This rank's packed part of the bucket's sharded tensors (first stage), or None."""
-        sharded = [s for s in bucket.sources if s.stages]
+        """This rank's packed part of the bucket's sharded tensors (first gather), or None."""
+        sharded = [s for s in bucket.sources if s.gathers]
         if not sharded or not self.takes_part(self.order[0]):
             return None
-        stages = [_first_stage(s) for s in sharded]
-        return self._pack(sharded, stages, [s.local() for s in sharded])
+        gathers = [_first_gather(s) for s in sharded]
+        return self._pack(sharded, gathers, [s.local() for s in sharded])
 
     # Per bucket -------------------------------------------------------------------------------
     def move(self, bucket: ExportBucket) -> WeightBucket | None:
@@ -142,11 +142,11 @@ class BucketTransfer:
         """
         if self.watch is not None:
             self.watch.raise_if_failed()
-        sharded = [s for s in bucket.sources if s.stages]
+        sharded = [s for s in bucket.sources if s.gathers]
         gathered = self._gather_whole(bucket, sharded)
         if gathered is None or not self.receiving:
             return None
-        full = [(s.name, gathered[s.key] if s.stages else self._plain(s)) for s in bucket.sources]
+        full = [(s.name, gathered[s.key] if s.gathers else self._plain(s)) for s in bucket.sources]
         self.counts.handed_bytes += sum(t.numel() * t.element_size() for _, t in full)
         return WeightBucket(bucket.index, full=tuple(full))
 
@@ -179,23 +179,23 @@ class BucketTransfer:
         current = {s.key: s.local() for s in sharded}
         first = True
         for mesh_dim in self.order:
-            batch = [s for s in sharded if any(st.mesh_dim == mesh_dim for st in s.stages)]
+            batch = [s for s in sharded if any(st.mesh_dim == mesh_dim for st in s.gathers)]
             if not batch:
                 continue
             if not self.takes_part(mesh_dim):
                 return None
-            stages = [next(st for st in s.stages if st.mesh_dim == mesh_dim) for s in batch]
-            if self._direct(mesh_dim, stages):
+            gathers = [next(st for st in s.gathers if st.mesh_dim == mesh_dim) for s in batch]
+            if self._direct(mesh_dim, gathers):
                 what = f"bucket {bucket.index} ({batch[0].name}, ...): pieces, mesh dim {mesh_dim}"
                 whole = self._gather_pieces(
-                    bucket.index, batch, stages, current, mesh_dim, first, what
+                    bucket.index, batch, gathers, current, mesh_dim, first, what
                 )
                 if whole is None:
                     return None
                 current.update(whole)
                 first = False
                 continue
-            buffer, offsets = self._pack(batch, stages, [current[s.key] for s in batch])
+            buffer, offsets = self._pack(batch, gathers, [current[s.key] for s in batch])
             if first and self.track:
                 self.kept.parts[bucket.index] = buffer
             first = False
@@ -206,29 +206,29 @@ class BucketTransfer:
             del buffer
             if out is None:
                 return None
-            for source, stage, offset in zip(batch, stages, offsets, strict=True):
-                nbytes = stage.padded_numel * source.dtype.itemsize
+            for source, gather, offset in zip(batch, gathers, offsets, strict=True):
+                nbytes = gather.padded_numel * source.dtype.itemsize
                 parts = [row[offset : offset + nbytes].view(source.dtype) for row in out]
-                current[source.key] = stage.unpack(parts)
+                current[source.key] = gather.unpack(parts)
         return current
 
-    def _direct(self, mesh_dim: int, stages: list[Stage]) -> bool:
-        """Whether a stage's pieces travel as messages into their places (gloo, dim-0 cuts)."""
+    def _direct(self, mesh_dim: int, gathers: list[AxisGather]) -> bool:
+        """Whether a gather's pieces travel as messages into their places (gloo, dim-0 cuts)."""
         assert self.groups is not None
         entry = self.groups.axes[mesh_dim]
-        return entry is not None and on_gloo(entry[0]) and all(st.tensor_dim == 0 for st in stages)
+        return entry is not None and on_gloo(entry[0]) and all(st.tensor_dim == 0 for st in gathers)
 
     def _gather_pieces(
         self,
         bucket: int,
         batch: list[TensorSource],
-        stages: list[Stage],
+        gathers: list[AxisGather],
         current: dict[str, torch.Tensor],
         mesh_dim: int,
         first: bool,
         what: str,
     ) -> dict[str, torch.Tensor] | None:
-        """One stage of dim-0 cuts: each rank's rows of each tensor land in place.
+        """One gather of dim-0 cuts: each rank's rows of each tensor land in place.
 
         A dim-0 piece is a run of whole rows, contiguous in the full tensor: the receiving rank
         posts one receive per rank and tensor straight into it, and copies (casting) its own
@@ -244,26 +244,26 @@ class BucketTransfer:
         pieces = [current[s.key] for s in batch]
         packed = None
         if sends or (first and self.track):
-            packed = self._pack(batch, stages, pieces)
+            packed = self._pack(batch, gathers, pieces)
             if first and self.track:
                 self.kept.parts[bucket] = packed[0]
         sent: dict[int, list[torch.Tensor]] = {}
         taken: dict[int, list[torch.Tensor]] = {}
         full: dict[str, torch.Tensor] = {}
-        for index, (source, stage, piece) in enumerate(zip(batch, stages, pieces, strict=True)):
-            row = stage.padded_numel // max(stage.rows_per_part, 1)
+        for index, (source, gather, piece) in enumerate(zip(batch, gathers, pieces, strict=True)):
+            row = gather.padded_numel // max(gather.rows_per_part, 1)
             if receives:
-                whole = torch.empty(stage.shape, dtype=source.dtype, device=piece.device)
+                whole = torch.empty(gather.shape, dtype=source.dtype, device=piece.device)
                 full[source.key] = whole
-                start, rows = _rows(stage, me)
+                start, rows = _rows(gather, me)
                 if rows:
                     whole.narrow(0, start, rows).copy_(piece)
                 for peer in range(len(members)):
-                    peer_start, peer_rows = _rows(stage, peer)
+                    peer_start, peer_rows = _rows(gather, peer)
                     if peer != me and peer_rows:
                         flat = whole.view(-1)[peer_start * row : (peer_start + peer_rows) * row]
                         taken.setdefault(peer, []).append(flat)
-            mine = _rows(stage, me)[1] * row
+            mine = _rows(gather, me)[1] * row
             if sends and mine:
                 assert packed is not None
                 offset = packed[1][index]
@@ -317,6 +317,6 @@ class BucketTransfer:
         return seconds
 
 
-def _rows(stage: Stage, index: int) -> tuple[int, int]:
-    """``(first row, rows)`` of rank ``index``'s piece along the stage's (dim-0) cut."""
-    return chunk_rows(stage.shape[0], stage.parts, index)
+def _rows(gather: AxisGather, index: int) -> tuple[int, int]:
+    """``(first row, rows)`` of rank ``index``'s piece along the gather's (dim-0) cut."""
+    return chunk_rows(gather.shape[0], gather.parts, index)

@@ -9,7 +9,7 @@ names against the manifest, the total) before any tensor is built, and raise
 :class:`~shardkit.core.errors.WeightLoadError` naming what is wrong.
 
 A delta export's changed elements travel as records of the bucket's header
-(:mod:`~shardkit.core.export.wire_changes`); the field and region checks every decoder shares
+(:mod:`~shardkit.core.export.wire_delta`); the field and region checks every decoder shares
 are :mod:`~shardkit.core.export.wire_payload`'s.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export.messages import ExportedTensor, ExportManifest, WeightBucket
-from shardkit.core.export.wire_changes import decode_changes, encode_positions, encode_steps
+from shardkit.core.export.wire_delta import decode_changes, encode_positions, encode_steps
 from shardkit.core.export.wire_payload import (
     ALIGN,
     PayloadReader,

@@ -20,8 +20,8 @@ each rank of a ring all-gather takes in, and a calibrated profile (gloo) measure
 no curve is measured for a gather. Each collective adds the profile's
 ``collective_overhead_s`` (the host's work per collective, measured on a CPU profile).
 
-Next to split off: the per-rank model of each bucket's gathers (``_Stages``, ``_StageBytes``,
-``_Moved``, ``_aligned``, ``_delta_message``) into ``plan/export/stages.py``, beside this module:
+Next to split off: the per-rank model of each bucket's gathers (``_Gathers``, ``_GatherBytes``,
+``_Moved``, ``_aligned``, ``_delta_message``) into ``plan/export/gathers.py``, beside this module:
 ``export_cost`` only sums the ``_Moved`` records it returns, and it needs nothing but
 ``layout`` and the spec.
 """
@@ -78,7 +78,7 @@ class ExportSpec:
     delta_fraction: float | None = None
     """A delta export changing this fraction of the elements; None: a full export."""
     backend: Literal["nccl", "gloo"] = "nccl"
-    """On gloo a stage of dim-0 cuts travels as point-to-point messages of each rank's own
+    """On gloo a gather of dim-0 cuts travels as point-to-point messages of each rank's own
     rows, unpadded (the export's direct path); elsewhere as one packed, padded gather."""
 
     def __post_init__(self) -> None:
@@ -174,11 +174,11 @@ def export_cost(
     """
     mesh = spec.mesh
     buckets = plan_export_buckets(tensors, spec.bucket_bytes, spec.dtype)
-    stages = _Stages(mesh, mesh.order(tensors), spec)
+    gathers = _Gathers(mesh, mesh.order(tensors), spec)
     delta = spec.delta_fraction is not None
     control = [_HEAD_BYTES, _END_BYTES] + ([16 * len(buckets)] if delta else [])
     coords = list(itertools.product(*(range(size) for _, size in mesh.dims)))
-    moved = {coord: [m for b in buckets for m in stages.move(b, coord)] for coord in coords}
+    moved = {coord: [m for b in buckets for m in gathers.move(b, coord)] for coord in coords}
     ranks = tuple(
         RankCounts(
             rank,
@@ -202,9 +202,9 @@ def export_cost(
         received_bytes=ranks[0].received_bytes,
         wire_bytes=sum(m.from_others for ms in moved.values() for m in ms),
         control_bytes=sum(control) * (world - 1),
-        receiving_peak_bytes=max((stages.receiving_peak(b, receiver) for b in buckets), default=0),
+        receiving_peak_bytes=max((gathers.receiving_peak(b, receiver) for b in buckets), default=0),
         sending_peak_bytes=max((m.part for c in coords[1:] for m in moved[c]), default=0),
-        kept_bytes=sum(stages.first_part(b, receiver) for b in buckets) if delta else 0,
+        kept_bytes=sum(gathers.first_part(b, receiver) for b in buckets) if delta else 0,
         seconds=None if hardware is None else seconds,
         link=_link_name(hardware),
         ranks=ranks,
@@ -231,7 +231,7 @@ class _Moved:
 
 
 @dataclass(frozen=True, slots=True)
-class _StageBytes:
+class _GatherBytes:
     """One rank's share of one bucket's gather along one mesh axis."""
 
     padded: int
@@ -239,19 +239,19 @@ class _StageBytes:
     own: int
     """Its own rows alone, unpadded (what gloo's messages carry)."""
     whole: int
-    """The tensors the gather joins, whole at this stage."""
+    """The tensors the gather joins, whole at this gather."""
     dim0: bool
     """Every tensor of the gather is cut along dim 0 (gloo sends such rows as messages)."""
 
 
-class _Stages:
+class _Gathers:
     """Each bucket's gathers on each rank, as ``BucketTransfer`` runs them."""
 
     def __init__(self, mesh: ExportMesh, order: list[int], spec: ExportSpec) -> None:
         self.mesh = mesh
         self.order = order
         self.spec = spec
-        self._bytes: dict[tuple[int, int, tuple[int, ...]], _StageBytes | None] = {}
+        self._bytes: dict[tuple[int, int, tuple[int, ...]], _GatherBytes | None] = {}
 
     def _takes_part(self, coord: tuple[int, ...], mesh_dim: int) -> bool:
         if self.spec.to == "all":
@@ -262,7 +262,7 @@ class _Stages:
 
     def share(
         self, bucket: ExportBucketModel, mesh_dim: int, coord: tuple[int, ...]
-    ) -> _StageBytes | None:
+    ) -> _GatherBytes | None:
         """This rank's share of ``bucket``'s gather along ``mesh_dim`` (None: nothing cut).
 
         It depends on the rank's coordinates along this axis and those gathered later (they
@@ -276,20 +276,20 @@ class _Stages:
 
     def _share(
         self, bucket: ExportBucketModel, mesh_dim: int, coord: tuple[int, ...]
-    ) -> _StageBytes | None:
+    ) -> _GatherBytes | None:
         batch = [t for t in bucket.tensors if mesh_dim in self.mesh.cuts(t)]
         if not batch:
             return None
         padded = own = whole = 0
         for tensor in batch:
             cut = [m for m in self.order if m in self.mesh.cuts(tensor)]
-            stage = self.mesh.stage(tensor, mesh_dim, cut[cut.index(mesh_dim) + 1 :], coord)
+            gather = self.mesh.gather(tensor, mesh_dim, cut[cut.index(mesh_dim) + 1 :], coord)
             itemsize = tensor.export_dtype(self.spec.dtype).itemsize
-            padded += _aligned(stage.padded_numel * itemsize)
-            own += math.prod(stage.piece_shape(coord[mesh_dim])) * itemsize
-            whole += math.prod(stage.shape) * itemsize
+            padded += _aligned(gather.padded_numel * itemsize)
+            own += math.prod(gather.piece_shape(coord[mesh_dim])) * itemsize
+            whole += math.prod(gather.shape) * itemsize
         dim0 = all(self.mesh.cuts(t)[mesh_dim][0] == 0 for t in batch)
-        return _StageBytes(padded, own, whole, dim0)
+        return _GatherBytes(padded, own, whole, dim0)
 
     def first_part(self, bucket: ExportBucketModel, coord: tuple[int, ...]) -> int:
         """This rank's packed part of the bucket's first gather (what a delta keeps)."""
@@ -375,8 +375,8 @@ def _delta_message(
 
     The part of ``part`` bytes holds ``part / itemsize`` elements, ``fraction`` of them changed
     and spread evenly: indices (int32 and the value), a bitmask (a bit per element and the
-    values), or steps (``changes.py``'s default at small learning rates: a varint gap and an
-    int8 step each, about two bytes).
+    values), or steps (``export/delta_encoding.py``'s default at small learning rates: a varint
+    gap and an int8 step each, about two bytes).
     """
     itemsize = next(t.export_dtype(dtype) for t in bucket.tensors if t.sharded).itemsize
     length = part // itemsize

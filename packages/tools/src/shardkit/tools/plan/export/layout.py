@@ -3,8 +3,8 @@
 ``shardkit.core.export`` moves a sharded model's weights to an inference engine bucket by
 bucket. Its plan is a pure function of the tensors' shapes and dtypes and of the mesh, so the
 planner builds it from a model on the meta device with the export's own rules (its names and
-tied tensors, ``export_sources``; its buckets of whole layers, ``plan_buckets``; a stage's
-rows, ``Stage``). What the planner adds is the sharding the model would have:
+tied tensors, ``export_sources``; its buckets of whole layers, ``plan_buckets``; a gather's
+rows, ``AxisGather``). What the planner adds is the sharding the model would have:
 
 - Parameters are sharded by ``fully_shard`` on dim 0 along the FSDP axis (``_StridedShard(0)``
   where TP shards dim 0 too); buffers are plain, sent by the receiving rank from its own copy,
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardkit.core.export import (
-    Stage,
+    AxisGather,
     TensorSource,
     default_layer_of,
     export_sources,
@@ -169,16 +169,16 @@ class ExportMesh:
                 (strided if is_strided else plain).add(m)
         return sorted(strided) + sorted(plain - strided, reverse=True)
 
-    def stage(
+    def gather(
         self, tensor: ExportTensor, mesh_dim: int, later: Sequence[int], coord: Sequence[int]
-    ) -> Stage:
+    ) -> AxisGather:
         """``tensor``'s gather along ``mesh_dim`` as the rank at ``coord`` runs it.
 
-        The tensor at that stage is the full one cut by the dims gathered ``later`` (at this
+        The tensor at that gather is the full one cut by the dims gathered ``later`` (at this
         rank's ``coord``): plain cuts in mesh order, a strided one last, as DTensor makes them.
         """
         cuts = self.cuts(tensor)
         shape = tensor.shape
         for m in sorted(later, key=lambda d: (cuts[d][1], d)):
-            shape = Stage(m, cuts[m][0], self.dims[m][1], shape).piece_shape(coord[m])
-        return Stage(mesh_dim, cuts[mesh_dim][0], self.dims[mesh_dim][1], shape)
+            shape = AxisGather(m, cuts[m][0], self.dims[m][1], shape).piece_shape(coord[m])
+        return AxisGather(mesh_dim, cuts[mesh_dim][0], self.dims[mesh_dim][1], shape)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.core.export.changes import (
+from shardkit.core.export.delta_encoding import (
     Encoding,
     _read_varints,
     _varint_sizes,
