@@ -53,7 +53,7 @@ def test_a_save_plan_at_thousands_of_ranks(benchmark: Any) -> None:
         sys.stdout.write(f"{name:<28} {figures}\n")
     assert all(r["planning_collectives"] == 0 for r in records if r["engine"] == "shardkit")
     # FSDP1's ShardedTensors too: their shards enter the digest as a hash of their offsets and
-    # sizes (``sharded_tensor_layout.Shards``; as text they took 7 s at 8B and W = 8,192). A
+    # sizes (``sharded_tensor_chunks.Shards``; as text they took 7 s at 8B and W = 8,192). A
     # real rank also reads each ShardedTensor's metadata (a walk over its W shards), which
     # these simulated ranks do not: see docs/performance.md.
     ours = [r for r in records if r["engine"] == "shardkit"]

@@ -10,7 +10,7 @@ ranks, one shard a rank, none on the ranks past the last chunk) with AdamW's sta
 as ``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
 ``exp_avg_sq`` (sharded), its ``step`` (a plain tensor) and the param group's values.
 
-- shardkit (``checkpoint/local_plan/save_layout.py``): what a rank computes alone. Its wait
+- shardkit (``checkpoint/local_plan/chunk_writers.py``): what a rank computes alone. Its wait
   at a save is the layout's digest (every save: it says whether the layout changed) and its
   own items (from the cached layout). The first save of a layout also computes the
   geometries. Rank 0 builds the metadata (once per layout) and, after the write, checks every
@@ -48,8 +48,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout, mesh_key
-from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import Shards
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import Shards
 from shardkit.tools.plan.checkpoint.timing import ByteCounter
 
 LLAMAS = {
@@ -117,7 +117,7 @@ def state_values(size: str, world: int, layout: str) -> list[ValueLayout]:
 
 
 def _fsdp1_shards(shape: tuple[int, ...], world: int) -> tuple[np.ndarray, tuple[Any, ...]]:
-    """FSDP1's ShardedTensor of ``shape`` at ``world`` ranks, as ``sharded_tensor_layout``
+    """FSDP1's ShardedTensor of ``shape`` at ``world`` ranks, as ``sharded_tensor_chunks``
     describes one: each shard's rank, and its :class:`Shards`."""
     rows = shape[0]
     step = -(-rows // world)  # torch.chunk: ceil(rows / world) a chunk, the last one short

@@ -22,7 +22,7 @@ SEAMS = {
     "shardkit.core.schedule",
     "shardkit.core.conditional_schedule",
     "shardkit.core.export",
-    "shardkit.core.checkpoint.local_plan.save_layout",
+    "shardkit.core.checkpoint.local_plan.chunk_writers",
 }
 
 
@@ -64,8 +64,10 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     "shardkit.core.conditional_schedule": (),  # the conditional modules' schedule, as pure
     "shardkit.core.export": ("shardkit.core.runtime",),  # its own groups and collectives
     # A save's plan as a pure function of the state's layout: the planner predicts saves with it.
-    # (and a ShardedTensor's group's ranks: FSDP1's shards are placed by group rank)
-    "shardkit.core.checkpoint.local_plan.save_layout": (
+    # (and a ShardedTensor's group's ranks: FSDP1's shards are placed by group rank; and
+    # torch.chunk's arithmetic, pure, which every cut of the core takes from one module)
+    "shardkit.core.checkpoint.local_plan.chunk_writers": (
+        "shardkit.core.runtime.chunks",
         "shardkit.core.runtime.dtensors",
         "shardkit.core.runtime.groups",
     ),

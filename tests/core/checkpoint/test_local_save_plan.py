@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from harness.pool import run_on_ranks
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout, ValueLayout
 from tests.core.checkpoint.dcp_checks import (
     CollectivesBeforeWrite,
     assert_same,
@@ -125,7 +125,7 @@ def test_the_layouts_arithmetic_is_torchs(
     every distinct chunk written by exactly one of the ranks that hold it."""
     import numpy as np
 
-    from shardkit.core.checkpoint.local_plan.save_layout import _position_chunks
+    from shardkit.core.checkpoint.local_plan.chunk_writers import _position_chunks
 
     positions = int(np.prod(mesh_shape))
     mesh = np.arange(positions, dtype=np.int64).reshape(mesh_shape)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardkit.core.export as export
-from shardkit.core.export.layout import AxisGather, tensor_source
+from shardkit.core.export.axis_gathers import AxisGather, tensor_source
 
 
 def test_stage_is_axis_gather_under_its_old_name() -> None:

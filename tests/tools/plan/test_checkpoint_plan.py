@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from harness.pool import run_on_ranks
 from shardkit.core import read_dcp_metadata
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.tools.plan.checkpoint.cli import format_checkpoint_cost
 from shardkit.tools.plan.checkpoint.cost import CheckpointCost, checkpoint_cost
-from shardkit.tools.plan.checkpoint.layout import (
+from shardkit.tools.plan.checkpoint.meta_state import (
     CheckpointMesh,
     checkpoint_state,
     dcp_fallback_reason,

@@ -11,8 +11,8 @@ import torch
 
 from harness.pool import run_on_ranks
 from shardkit.tools.plan.cli import main
+from shardkit.tools.plan.export.axis_gathers import export_tensors
 from shardkit.tools.plan.export.cost import ExportSpec, export_cost
-from shardkit.tools.plan.export.layout import export_tensors
 from shardkit.tools.plan.tp_styles import tp_dims_of
 from tests.core.export.export_models import Decoder, fully_shard_of
 from tests.tools.plan.decoder_tp import decoder_tp_plan

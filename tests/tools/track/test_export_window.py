@@ -10,8 +10,8 @@ import torch
 
 from harness.pool import run_on_ranks
 from shardkit.core.export import ExportOptions, FullTensorReceiver, WeightExporter
+from shardkit.tools.plan.export.axis_gathers import export_tensors
 from shardkit.tools.plan.export.cost import ExportSpec, export_cost
-from shardkit.tools.plan.export.layout import export_tensors
 from shardkit.tools.track.export_window import ExportWindow
 from shardkit.tools.track.memory import MemoryTracker
 from tests.core.export.export_models import Decoder, sharded

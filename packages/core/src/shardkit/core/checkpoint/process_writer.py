@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.core.checkpoint.local_plan.save import LocalPlanSavePlanner
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
 from shardkit.core.checkpoint.local_plan.save_results import (
     Gathered,
     storage_entries,

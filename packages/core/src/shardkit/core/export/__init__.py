@@ -12,7 +12,8 @@ their own (:class:`GroupSender`). See docs/guide/export.md.
 # export's layout from a model on the meta device with the export's own rules.
 from typing import Any
 
-from shardkit.core.export import layout
+from shardkit.core.export import axis_gathers
+from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import (
     ExportBucket,
     default_layer_of,
@@ -30,7 +31,6 @@ from shardkit.core.export.group_transport import (
     ReceiverGroupSpec,
     serve_receiver_group,
 )
-from shardkit.core.export.layout import AxisGather, TensorSource
 from shardkit.core.export.messages import (
     ChangedElements,
     ExportedTensor,
@@ -79,5 +79,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """The published names kept under their old spelling, with a DeprecationWarning."""
     if name == "Stage":
-        return getattr(layout, name)  # the warning is the layout module's
+        return getattr(axis_gathers, name)  # the warning is the axis_gathers module's
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

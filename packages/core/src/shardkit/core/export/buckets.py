@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardkit.core.export.layout import TensorSource, export_order, tensor_source
+from shardkit.core.export.axis_gathers import TensorSource, export_order, tensor_source
 
 __all__ = [
     "ExportBucket",
@@ -73,7 +73,7 @@ def export_sources(
     """The tensors to export.
 
     In state-dict order, each gathered along the mesh dims in one order for all (see
-    :func:`~shardkit.core.export.layout.gathered_dims`).
+    :func:`~shardkit.core.export.axis_gathers.gathered_dims`).
 
     Raises:
         ValueError: two tensors renamed to one name.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from shardkit.core.export.axis_gathers import TensorSource
 from shardkit.core.export.buckets import ExportBucket
 from shardkit.core.export.delta_encoding import (
     Decoded,
@@ -22,7 +23,6 @@ from shardkit.core.export.delta_encoding import (
     encode,
     local_changes,
 )
-from shardkit.core.export.layout import TensorSource
 from shardkit.core.export.messages import ChangedElements, WeightBucket
 from shardkit.core.export.transfer import BucketTransfer
 from shardkit.core.runtime.groups import global_rank

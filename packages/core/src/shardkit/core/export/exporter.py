@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardkit.core.errors import WeightExportError
+from shardkit.core.export.axis_gathers import export_order, mesh_of
 from shardkit.core.export.buckets import (
     default_layer_of,
     export_sources,
@@ -40,7 +41,6 @@ from shardkit.core.export.buckets import (
     plan_digest,
 )
 from shardkit.core.export.delta_transfer import count_changes, move_changes
-from shardkit.core.export.layout import export_order, mesh_of
 from shardkit.core.export.messages import ExportedTensor, ExportKind, ExportManifest
 from shardkit.core.export.receivers import WeightReceiver
 from shardkit.core.export.transfer import BucketTransfer, PreviousExport, TransferCounts

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
-from shardkit.core.export.layout import AxisGather, TensorSource
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.export.export_groups import (

@@ -19,7 +19,8 @@ The wings, each below the step's collectives and above the ground:
 - ``watch/``: what the runtime watches in every collective it issues: where each rank is
   (``progress``), checks that every rank issued the same (``desync``, ``step_check``), waits
   that never end (``hang``, ``stuck``, through the store's ``store_board``), memory under
-  collectives in flight (``lifetimes``), and what observers see (``announce``, ``comm_debug``, ``collective_watch``);
+  collectives in flight (``lifetimes``), and what observers see (``announce``,
+  ``comm_debug``, ``collective_watch``);
 - ``p2p/``: point to point and between steps: the row exchange, the table of tags, peer
   transfers, whole objects through the first rank, and the outcomes all ranks agree on;
 - ``export/``: the weight export's own process groups (``shardkit.core.export`` uses them);

@@ -5,8 +5,9 @@ dim of ``n`` rows the way ``torch.chunk`` does: ``c = ceil(n / parts)`` rows a p
 ``i`` holding rows ``[i * c, min((i + 1) * c, n))``, so the last pieces may be short or empty
 (an empty one starts at ``n``). It is not ``n // parts`` with the remainder spread, and every
 place that needs a piece's rows takes them from here: the engine's buffers
-(``runtime/buffers.py``), the export's gathers (``export/layout.py``) and the checkpoint's plan
-of every chunk at once (``checkpoint/local_plan/save_layout.py``, on arrays).
+(``runtime/buffers.py``), the export's gathers (``export/axis_gathers.py``) and the
+checkpoint's plan of every chunk at once (``checkpoint/local_plan/chunk_writers.py``, on
+arrays).
 """
 
 from __future__ import annotations

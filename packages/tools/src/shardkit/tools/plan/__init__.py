@@ -38,8 +38,8 @@ from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.apply.launch_check import PlanCheck, check_plan
 from shardkit.tools.plan.apply.parallelize_source import parallelize_source
 from shardkit.tools.plan.apply.plan_json import PlanFormatError, dump_plan, load_plan
+from shardkit.tools.plan.export.axis_gathers import ExportTensor, export_tensors
 from shardkit.tools.plan.export.cost import ExportCost, ExportSpec, RankCounts, export_cost
-from shardkit.tools.plan.export.layout import ExportTensor, export_tensors
 from shardkit.tools.plan.op_costs import OpCost, StepCosts
 from shardkit.tools.plan.options import PlanOptions, options_for
 from shardkit.tools.plan.plan_record import Plan

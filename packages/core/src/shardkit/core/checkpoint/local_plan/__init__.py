@@ -3,10 +3,10 @@
 DCP's ``save`` gathers every rank's plan to rank 0 and scatters the checked plan back; here
 every rank plans alone from the sharding, in the order a save travels:
 
-- ``save_layout``: who writes which chunk, and the checkpoint's metadata, a pure function of
+- ``chunk_writers``: who writes which chunk, and the checkpoint's metadata, a pure function of
   the flat state's keys, shapes, dtypes, meshes and placements (``SaveLayout``; the planner
   predicts saves with it);
-- ``sharded_tensor_layout``: FSDP1's ShardedTensors in that layout, each shard written by the
+- ``sharded_tensor_chunks``: FSDP1's ShardedTensors in that layout, each shard written by the
   rank it is placed on;
 - ``save``: the save itself (``save_planned_locally``: each rank's items written, one gather
   of results, rank 0's ``.metadata``, DCP's own planning where the ranks' keys differ), and

@@ -9,7 +9,7 @@ load here as before. What changes is the coordination. DCP's ``save`` gathers ev
 plan to rank 0, builds and checks the global plan there and scatters it back, then gathers the
 write results. Here:
 
-1. every rank derives its own items from the layout (``save_layout``; no collective);
+1. every rank derives its own items from the layout (``chunk_writers``; no collective);
 2. every rank writes them;
 3. one gather to rank 0 of what was written: a small fixed header per rank (its layout's
    digest, how many items, whether it failed), then each rank's results as int64 rows
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.core.checkpoint.local_plan.save_results import (
     ROW,
     Gathered,
@@ -62,7 +62,7 @@ from shardkit.core.checkpoint.local_plan.save_results import (
     storage_entries,
     write_metadata_file,
 )
-from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import UnplannableValue
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import UnplannableValue
 from shardkit.core.errors import CheckpointSaveError, first_sentence
 from shardkit.core.runtime.groups import checkpoint_group
 from shardkit.core.runtime.p2p.object_collectives import broadcast_bytes
@@ -116,7 +116,7 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
         # Not DCP's flattening of ShardedTensors: it drops a ShardedTensor from the state of a
         # rank that holds no shard of it (FSDP1's last ranks of a short tensor), which would
         # make that rank's keys differ from the others'. Nested ones are refused instead
-        # (``sharded_tensor_layout``: they go through DCP's planning, which flattens them).
+        # (``sharded_tensor_chunks``: they go through DCP's planning, which flattens them).
         super().__init__(flatten_sharded_tensors=False)
         self.cache, self.rank, self.world_size = cache, rank, world_size
         self.layout: SaveLayout | None = None

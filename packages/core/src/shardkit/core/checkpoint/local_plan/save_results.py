@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.core.runtime.p2p.object_collectives import gather_rows_to_first
 
 __all__ = [

@@ -15,9 +15,9 @@ import textwrap
 
 from torch import nn
 
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.tools.plan.checkpoint.cost import DEFAULT_DISK_GIB_S, CheckpointCost, checkpoint_cost
-from shardkit.tools.plan.checkpoint.layout import (
+from shardkit.tools.plan.checkpoint.meta_state import (
     CheckpointMesh,
     checkpoint_state,
     dcp_fallback_reason,

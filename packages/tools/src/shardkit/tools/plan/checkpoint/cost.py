@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.tools.plan.checkpoint.timing import ByteCounter, SaveCosts
 
 __all__ = ["DEFAULT_DISK_GIB_S", "CheckpointCost", "checkpoint_cost"]

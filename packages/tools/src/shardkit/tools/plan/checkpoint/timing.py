@@ -1,6 +1,6 @@
 """The per-unit costs of a save's planning, measured once by timing the core's own code here.
 
-The core's planning of a save (``shardkit.core.checkpoint.local_plan.save_layout``) does work
+The core's planning of a save (``shardkit.core.checkpoint.local_plan.chunk_writers``) does work
 that is easy to count and whose unit cost depends on the machine:
 
 - per rank, at every save: the layout's digest and the walk over the values, O(1) per value
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from shardkit.core.checkpoint.local_plan.save_layout import (
+from shardkit.core.checkpoint.local_plan.chunk_writers import (
     Geometry,
     SaveLayout,
     ValueLayout,

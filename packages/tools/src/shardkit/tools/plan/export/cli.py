@@ -13,8 +13,8 @@ import argparse
 from torch import nn
 
 from shardkit.tools.plan.dtype_names import dtype_argument
+from shardkit.tools.plan.export.axis_gathers import export_tensors
 from shardkit.tools.plan.export.cost import ExportCost, ExportSpec, export_cost
-from shardkit.tools.plan.export.layout import export_tensors
 from shardkit.tools.plan.timing.hardware import Hardware
 from shardkit.tools.plan.tp_styles import TPPlan, tp_dims_of
 from shardkit.tools.units import MIB, format_bytes

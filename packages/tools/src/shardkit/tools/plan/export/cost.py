@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardkit.tools.plan.export.layout import (
+from shardkit.tools.plan.export.axis_gathers import (
     ExportBucketModel,
     ExportMesh,
     ExportTensor,

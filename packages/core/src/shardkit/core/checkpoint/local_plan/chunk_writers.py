@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardkit.core.checkpoint.local_plan.sharded_tensor_layout import (
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import (
     shard_chunks,
     sharded_tensor_parts,
 )
@@ -65,7 +65,7 @@ class ValueLayout:
 
     fqn: str
     kind: str
-    """``"dtensor"``, ``"sharded"`` (FSDP1's ShardedTensor: ``sharded_tensor_layout``),
+    """``"dtensor"``, ``"sharded"`` (FSDP1's ShardedTensor: ``sharded_tensor_chunks``),
     ``"tensor"`` (held whole by every rank) or ``"bytes"`` (not a tensor)."""
     shape: tuple[int, ...] = ()
     properties: TensorProperties | None = None

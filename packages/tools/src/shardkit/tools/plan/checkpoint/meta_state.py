@@ -1,6 +1,6 @@
 """A checkpoint save's layout, as the planner models it: the flat state and the core's plan.
 
-The core plans a save on each rank alone (``shardkit.core.checkpoint.local_plan.save_layout``): who
+The core plans a save on each rank alone (``core.checkpoint.local_plan.chunk_writers``): who
 writes which chunk is a pure function of the flat state dict's keys, shapes, dtypes, meshes
 and placements. The planner describes that state for a model built on the meta device, as
 ``get_state_dict(model, optimizer)`` and DCP's flattening would give it, and hands it to the
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from shardkit.core.checkpoint.local_plan.save_layout import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout, ValueLayout, mesh_key
 
 __all__ = [
     "CHECKPOINT_OPTIMIZERS",

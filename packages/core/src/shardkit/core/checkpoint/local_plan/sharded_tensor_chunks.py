@@ -7,7 +7,7 @@ for a DTensor, every rank can tell who writes which chunk without asking: each s
 written by the rank it is placed on, and the checkpoint's metadata lists the shards as DCP
 lists them (one chunk per shard, the tensor's properties and size).
 
-The shards become a :class:`save_layout.ValueLayout` of kind ``"sharded"``: its ``mesh`` is
+The shards become a :class:`chunk_writers.ValueLayout` of kind ``"sharded"``: its ``mesh`` is
 the global rank of each shard, in shard order, and its ``placements`` hold the shards'
 offsets and sizes (:class:`Shards`), so that the layout's digest and its geometries cover
 them. A ShardedTensor whose shards cannot be placed with certainty (two shards on one rank,
