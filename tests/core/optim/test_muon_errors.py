@@ -1,4 +1,4 @@
-"""What Muon refuses, as torch's Muon does, and the shardings it takes in a later part."""
+"""What Muon refuses, as torch's Muon does, and the placements it cannot place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from harness.pool import run_on_ranks
 from shardkit.core import fully_shard
@@ -57,19 +58,24 @@ def test_a_bad_group_added_later_is_not_kept() -> None:
     assert len(opt.param_groups) == 1
 
 
-def _unsupported_body(rank: int, world_size: int, how: str) -> str:
-    model = nn.Sequential(nn.Linear(4, 6, bias=False))
+def _placed_body(rank: int, world_size: int, how: str) -> str:
+    """What Muon says of a matrix placed as ``how`` says ("" where it takes it)."""
+    mesh = init_device_mesh("cpu", (world_size,))
     if how == "hsdp":
-        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-        fully_shard(model, mesh=mesh)
+        model = nn.Sequential(nn.Linear(4, 6, bias=False))
+        names = ("replicate", "shard")
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, world_size), mesh_dim_names=names))
+        params = list(model.named_parameters())
     else:
-        fully_shard(
-            model,
-            mesh=init_device_mesh("cpu", (world_size,)),
-            shard_placement_fn=lambda p: Shard(1),
+        # A sum of rows on each rank; rows cut as if a later axis had cut them first (none has).
+        placement = {"partial": Partial(), "strided": _StridedShard(0, split_factor=3)}[how]
+        local = torch.ones(4 if how == "partial" else 2, 4)
+        matrix = DTensor.from_local(
+            local, mesh, [placement], run_check=False, shape=torch.Size((4, 4)), stride=(4, 1)
         )
+        params = [("blocks.0.mlp.weight", nn.Parameter(matrix))]
     try:
-        Muon(model.named_parameters())
+        Muon(params)
     except NotImplementedError as e:
         return str(e)
     return ""
@@ -78,10 +84,16 @@ def _unsupported_body(rank: int, world_size: int, how: str) -> str:
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("hsdp", "0.weight: sharded over a 2-D mesh (1, 2)"),
-        ("shard1", "0.weight: placement Shard(dim=1)"),
+        ("hsdp", ""),  # taken now: tests/core/optim/test_muon_placements.py steps it
+        ("partial", "blocks.0.mlp.weight: placement Partial(sum) on mesh axis 0"),
+        ("strided", "blocks.0.mlp.weight: placement _StridedShard(dim=0, sf=3) on mesh axis 0"),
     ],
 )
-def test_shardings_of_a_later_part_are_refused_by_name(how: str, message: str) -> None:
-    for text in run_on_ranks(2, _unsupported_body, how=how):
-        assert text.startswith(message), text
+def test_placements_muon_cannot_place_are_refused_by_name(how: str, message: str) -> None:
+    for text in run_on_ranks(2, _placed_body, how=how):
+        assert text.startswith(message) if message else text == "", text
+
+
+def test_a_stack_of_stacks_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"moe\.w: a whole-matrix optimizer takes 2-D .* 3-D"):
+        Muon([("moe.w", nn.Parameter(torch.ones(2, 2, 3, 4)))])

@@ -91,3 +91,17 @@ def test_every_matrix_orthogonalized_once_in_the_job() -> None:
         done = Counter(s for out in results for s in out["calls"][step])
         assert done == shapes  # each matrix once, on one rank
         assert all(out["calls"][step] for out in results)  # both ranks took a share
+
+
+def test_a_matrix_held_whole_is_owned_where_it_is_held() -> None:
+    # Four experts of one cost, FSDP's Shard(0) of the stack putting two whole on each rank:
+    # each is owned where it is, and none moves (balancing alone would give [0, 1, 0, 1]).
+    assert assign_owners([8] * 4, 2) == [0, 1, 0, 1]
+    assert assign_owners([8] * 4, 2, [(0,), (0,), (1,), (1,)]) == [0, 0, 1, 1]
+    # All whole on rank 0: it keeps its fair share, the rest are balanced as ever.
+    assert assign_owners([8] * 4, 2, [(0,)] * 4) == [0, 0, 1, 1]
+    # Replicated (whole everywhere): still balanced.
+    owners = assign_owners([8, 8, 4, 4], 2, [(0, 1)] * 4)
+    assert sorted(
+        sum(c for c, o in zip([8, 8, 4, 4], owners, strict=True) if o == r) for r in (0, 1)
+    ) == [12, 12]

@@ -1,82 +1,241 @@
-"""Where a 2-D parameter's rows live: whole on this rank, or row blocks over one process group.
+"""Where each matrix of a parameter lives: every rank's block of it, from the sharding alone.
 
-A whole-matrix optimizer takes plain tensors (whole on every rank that has them) and the
-DTensors of ``fully_shard`` over one mesh axis, shardkit's or torch's: ``Shard(0)``, row block
-r on rank r, as ``torch.chunk`` cuts them (ceil(m / W) rows each, the last ones shorter or
-empty where m does not divide by W). Anything else is refused here, naming the parameter,
-before any rank starts a step: HSDP (a replicate axis too), tensor parallelism (a matrix whole
-only across two axes) and ``Replicate`` placements are the next part of issue 83, and a
-matrix sharded along its columns is not the row blocks the exchange carries.
+A whole-matrix optimizer takes 2-D parameters (one matrix) and 3-D expert stacks ``(E, m, n)``
+(E matrices, transformers' MoE layers), as plain tensors (whole on every rank that has them)
+or as DTensors on any mesh whose placements cut rectangles:
+
+- ``Shard(d)`` on any dim: FSDP's rows (``Shard(0)``), TP's columns (``RowwiseParallel``'s
+  ``Shard(1)``), whole experts (``Shard(0)`` of a stack);
+- ``_StridedShard(d)``: FSDP over TP's rows (``ColwiseParallel``), where the TP axis cuts
+  first and FSDP then cuts each TP block, so every rank still holds one rectangle;
+- ``Replicate``: HSDP's replicas, TP's replicated weights, ``replicate``'s whole matrices.
+
+Each rank's block is torch's own chunk arithmetic per mesh coordinate (``chunk_at``), so no
+rank asks another. Blocks held by several ranks (replicas) are one block held several times;
+the blocks must tile the matrix, or the parameter is refused by name before any step.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardkit.core.runtime.dtensors import chunk_at
-from shardkit.core.runtime.groups import mesh_group
+from shardkit.core.runtime.groups import group_ranks, mesh_group
 
-__all__ = ["MatrixPlacement", "placement_of"]
+__all__ = ["Block", "MatrixPlacement", "placement_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A rectangle of a matrix: rows ``row0`` to ``row1``, columns ``col0`` to ``col1``."""
+
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns)."""
+        return (self.row1 - self.row0, self.col1 - self.col0)
+
+    @property
+    def empty(self) -> bool:
+        """Whether it holds no element (a rank with none of the matrix)."""
+        return self.row1 <= self.row0 or self.col1 <= self.col0
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This block of a whole matrix (a view)."""
+        return whole[self.row0 : self.row1, self.col0 : self.col1]
 
 
 @dataclass(frozen=True, slots=True)
 class MatrixPlacement:
-    """One 2-D parameter as the step sees it."""
+    """One matrix (a 2-D parameter, or one expert of a stack) as the step sees it."""
 
     name: str
-    """The parameter's name, for errors: its FQN where the optimizer was given names."""
+    """The parameter's name, for errors (its FQN where the optimizer was given names); an
+    expert's has its index: ``layers.0.mlp.experts.down_proj[3]``."""
     shape: tuple[int, int]
     """The whole matrix's (m, n)."""
     group: dist.ProcessGroup | None
-    """The ranks holding its row blocks; None where this rank holds it whole."""
-    bounds: tuple[int, ...] = ()
-    """With a group, W + 1 row bounds: group rank r holds rows bounds[r] to bounds[r + 1]."""
+    """Every rank of the parameter's mesh; None where this rank holds the matrix whole alone."""
+    blocks: tuple[Block, ...] = ()
+    """With a group: each group rank's block (empty where it holds none of the matrix)."""
+    replicas: tuple[tuple[int, ...], ...] = ()
+    """With a group: each group rank's coordinates on the mesh axes that replicate the
+    parameter. Two ranks with the same ones are one copy of the whole matrix (HSDP's replica)."""
+    expert: int | None = None
+    """Where this rank's block sits in its local tensor's first dim (a stack); None for a 2-D
+    parameter, and where this rank holds none of the expert."""
 
-    def rows_of(self, rank: int) -> int:
-        """How many rows group rank ``rank`` holds."""
-        return self.bounds[rank + 1] - self.bounds[rank]
+    def whole_on(self) -> tuple[int, ...]:
+        """The group ranks that hold the whole matrix (its owner there moves no rows in)."""
+        whole = Block(0, self.shape[0], 0, self.shape[1])
+        return tuple(r for r, b in enumerate(self.blocks) if b == whole)
+
+    def senders(self, owner: int) -> tuple[int, ...]:
+        """The group ranks that send ``owner`` their block: one copy of each distinct block.
+
+        A block the owner holds comes from itself; another from the holder in the owner's own
+        replica, so each replica gathers from itself; else from its first holder.
+        """
+        chosen: dict[Block, int] = {}
+        for rank, block in enumerate(self.blocks):
+            if block.empty:
+                continue
+            best = chosen.get(block)
+            if best is None or self._nearer(rank, best, owner):
+                chosen[block] = rank
+        return tuple(sorted(chosen.values()))
+
+    def _nearer(self, rank: int, best: int, owner: int) -> bool:
+        if best == owner:
+            return False
+        if rank == owner:
+            return True
+        return self.replicas[rank] == self.replicas[owner] != self.replicas[best]
 
 
-def placement_of(param: torch.Tensor, name: str) -> MatrixPlacement:
-    """Where ``param``'s rows live.
+def placement_of(param: torch.Tensor, name: str) -> tuple[MatrixPlacement, ...]:
+    """Where each matrix of ``param`` lives: one for a 2-D parameter, E for a stack.
 
     Raises:
-        ValueError: ``param`` is not 2-D (torch's Muon refuses it too).
-        NotImplementedError: a DTensor on more than one mesh axis (HSDP, FSDP x TP), or one
-            whose placement is not ``Shard(0)``.
+        ValueError: ``param`` is neither 2-D nor 3-D (torch's Muon takes 2-D only).
+        NotImplementedError: a placement whose blocks are not rectangles of each matrix
+            (``Partial``, a ``_StridedShard`` not nested as FSDP over TP, blocks that do not
+            tile the matrix).
     """
-    if param.dim() != 2:
+    if param.dim() not in (2, 3):
         raise ValueError(
-            f"{name}: a whole-matrix optimizer takes 2-D parameters only, this one has shape "
-            f"{tuple(param.shape)}; give it to AdamW (embeddings, norms, biases, the head)"
+            f"{name}: a whole-matrix optimizer takes 2-D parameters and 3-D expert stacks "
+            f"(E, out, in), this one has shape {tuple(param.shape)}; give it to AdamW "
+            "(embeddings, norms, biases, the head)"
         )
-    shape = (int(param.size(0)), int(param.size(1)))
-    if not isinstance(param, DTensor):
-        return MatrixPlacement(name, shape, None)
+    shape = tuple(int(s) for s in param.shape)
+    names = _matrix_names(name, shape)
+    if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
+        # Whole here: a stack's experts are its local tensor's first dim, in order.
+        return tuple(
+            MatrixPlacement(n, _matrix_shape(shape), None, expert=_index(shape, e))
+            for e, n in enumerate(names)
+        )
+    return _sharded(param, shape, names)
+
+
+def _sharded(
+    param: DTensor, shape: tuple[int, ...], names: list[str]
+) -> tuple[MatrixPlacement, ...]:
     mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"{name}: sharded over a {mesh.ndim}-D mesh {tuple(mesh.shape)} (HSDP or tensor "
-            f"parallelism, placements {placements}); whole-matrix optimizers take parameters "
-            "sharded over one mesh axis for now (the next part of issue 83 adds these)"
+    _check_placements(names[0].split("[")[0], placements, tuple(mesh.shape), len(shape))
+    group = mesh_group(mesh)
+    where = {int(r): c for c, r in _coordinates(mesh.mesh)}
+    coords = [where[r] for r in group_ranks(group)]  # each group rank's mesh coordinate
+    chunks = [chunk_at(shape, tuple(mesh.shape), list(c), placements) for c in coords]
+    replicated = [a for a, p in enumerate(placements) if isinstance(p, Replicate)]
+    replicas = tuple(tuple(c[a] for a in replicated) for c in coords)
+    mine = group.rank()
+    found: list[MatrixPlacement] = []
+    for e, matrix_name in enumerate(names):
+        blocks = tuple(_block(sizes, offsets, shape, e) for sizes, offsets in chunks)
+        _check_tiling(matrix_name, _matrix_shape(shape), blocks)
+        expert = None
+        if len(shape) == 3 and not blocks[mine].empty:
+            expert = e - chunks[mine][1][0]  # its place among this rank's experts
+        found.append(
+            MatrixPlacement(matrix_name, _matrix_shape(shape), group, blocks, replicas, expert)
         )
-    placement = placements[0]
-    if type(placement) is not Shard or placement.dim != 0:
-        raise NotImplementedError(
-            f"{name}: placement {placement!r} on its mesh; whole-matrix optimizers take row "
-            "blocks, Shard(0) (fully_shard's default), for now"
-        )
-    world = mesh.size()
-    if world == 1:
-        return MatrixPlacement(name, shape, None)  # its one block is the whole matrix
-    bounds = [0]
-    for rank in range(world):
-        sizes, offsets = chunk_at(shape, (world,), [rank], placements)
-        assert offsets[0] == bounds[-1] or sizes[0] == 0, f"{name}: row blocks out of order"
-        bounds.append(bounds[-1] + sizes[0])
-    assert bounds[-1] == shape[0], f"{name}: row blocks do not cover its {shape[0]} rows"
-    return MatrixPlacement(name, shape, mesh_group(mesh), tuple(bounds))
+    return tuple(found)
+
+
+def _matrix_names(name: str, shape: tuple[int, ...]) -> list[str]:
+    return [name] if len(shape) == 2 else [f"{name}[{e}]" for e in range(shape[0])]
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    return (shape[-2], shape[-1])
+
+
+def _index(shape: tuple[int, ...], expert: int) -> int | None:
+    return None if len(shape) == 2 else expert
+
+
+def _coordinates(ranks: torch.Tensor) -> list[tuple[tuple[int, ...], int]]:
+    """(coordinate, global rank) of every position of a mesh's rank tensor."""
+    flat = ranks.flatten().tolist()
+    dims = tuple(ranks.shape)
+    found = []
+    for i, rank in enumerate(flat):
+        coord = []
+        for size in reversed(dims):
+            coord.append(i % size)
+            i //= size
+        found.append((tuple(reversed(coord)), int(rank)))
+    return found
+
+
+def _block(
+    sizes: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...], expert: int
+) -> Block:
+    """One rank's block of matrix ``expert`` (of the only matrix, for a 2-D parameter)."""
+    if len(shape) == 3:
+        first, count = offsets[0], sizes[0]
+        if not first <= expert < first + count:
+            return Block(0, 0, 0, 0)
+        sizes, offsets = sizes[1:], offsets[1:]
+    if sizes[0] == 0 or sizes[1] == 0:
+        return Block(0, 0, 0, 0)  # an uneven cut's empty chunk (its offsets say nothing)
+    return Block(offsets[0], offsets[0] + sizes[0], offsets[1], offsets[1] + sizes[1])
+
+
+def _check_placements(
+    name: str, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], ndim: int
+) -> None:
+    """Refuse what ``chunk_at``'s offsets would not place as rectangles, naming the parameter."""
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            # FSDP over TP: the later axes that cut the same dim cut first, so this axis cuts
+            # each of their blocks; its split factor is their number of blocks.
+            later = [
+                mesh_shape[b]
+                for b in range(axis + 1, len(placements))
+                if type(placements[b]) is Shard and placements[b].dim == p.dim  # type: ignore[attr-defined]
+            ]
+            if p.split_factor != math.prod(later):
+                raise NotImplementedError(
+                    f"{name}: placement {p!r} on mesh axis {axis} is not FSDP over TP's blocks "
+                    f"(split factor {p.split_factor}, the later axes cut dim {p.dim} into "
+                    f"{math.prod(later)}); a whole-matrix optimizer cannot place its rows"
+                )
+        elif not isinstance(p, Replicate) and not (type(p) is Shard and 0 <= p.dim < ndim):
+            raise NotImplementedError(
+                f"{name}: placement {p!r} on mesh axis {axis}; a whole-matrix optimizer takes "
+                "Shard, FSDP-over-TP's _StridedShard and Replicate placements"
+            )
+
+
+def _check_tiling(name: str, shape: tuple[int, int], blocks: tuple[Block, ...]) -> None:
+    """The distinct blocks cover the matrix once: ranges on each dim equal or apart."""
+    distinct = {b for b in blocks if not b.empty}
+    for lo, hi in ((0, 1), (2, 3)):
+        spans = sorted({(_bounds(b)[lo], _bounds(b)[hi]) for b in distinct})
+        for (_, stop), (start, _) in itertools.pairwise(spans):
+            if start < stop:
+                raise NotImplementedError(f"{name}: its shards overlap {spans}; {_TILING}")
+    area = sum(b.shape[0] * b.shape[1] for b in distinct)
+    if area != shape[0] * shape[1]:
+        raise NotImplementedError(f"{name}: its shards cover {area} of {shape}; {_TILING}")
+
+
+def _bounds(b: Block) -> tuple[int, int, int, int]:
+    return (b.row0, b.row1, b.col0, b.col1)
+
+
+_TILING = "a whole-matrix optimizer needs blocks that tile each matrix once"

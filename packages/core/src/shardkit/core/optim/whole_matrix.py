@@ -1,17 +1,20 @@
 """WholeMatrixOptimizer: a rule's step on sharded matrices, each updated once and whole.
 
-One step, for the matrices with gradients (docs/guide/muon.md tells the design):
+One step, for the parameters with gradients (docs/guide/muon.md tells the design):
 
-1. every rank runs the rule's ``prepare`` on its rows (elementwise: momentum stays sharded
-   like the parameter, and rows give the bits the whole tensor would);
-2. the rows of each sharded matrix go to its owner, one exchange for all of a group's matrices
-   (``exchange.py``); owners are balanced by the rule's cost (``owners.py``);
+1. every rank runs the rule's ``prepare`` on its block (elementwise: momentum stays sharded
+   like the parameter, and a block gives the bits the whole tensor would);
+2. one copy of each block of each sharded matrix goes to the matrix's owner, one exchange for
+   all of a group's matrices (``exchange.py``); owners are chosen over every rank of the
+   parameter's mesh (HSDP's replicas and TP's ranks too), balanced by the rule's cost
+   (``owners.py``);
 3. each owner runs ``update`` once per matrix it owns, whole (matrices of one shape batched
    where the rule can keep the bits);
-4. the update's rows go back to the ranks that hold them, one exchange again;
-5. every rank runs ``apply`` on its rows (learning rate, weight decay: elementwise).
+4. the update's blocks go back to every rank that holds them, one exchange again;
+5. every rank runs ``apply`` on its blocks (learning rate, weight decay: elementwise).
 
-Matrices this rank holds whole (plain tensors, a mesh of one rank) skip 2 and 4. The
+A 3-D parameter is a stack of E matrices (MoE experts), each placed and owned on its own.
+Matrices this rank holds whole alone (plain tensors, a mesh of one rank) skip 2 and 4. The
 optimizer's state is the rule's elementwise state, kept as DTensors like the parameters, so
 ``state_dict()`` and ``load_state_dict()`` are torch's own.
 """
@@ -28,7 +31,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
-from shardkit.core.optim.exchange import Traffic, gather_to_owners, scatter_from_owners
+from shardkit.core.optim.exchange import (
+    Route,
+    Traffic,
+    gather_to_owners,
+    routes,
+    scatter_from_owners,
+)
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
 from shardkit.core.optim.owners import assign_owners
 from shardkit.core.optim.rule import Options, WholeMatrixRule
@@ -55,11 +64,21 @@ class StepStats:
 
 @dataclass(frozen=True, slots=True)
 class _Matrix:
-    """One parameter with a gradient in this step."""
+    """One matrix with a gradient in this step: a 2-D parameter, or one expert of a stack."""
 
     param: torch.Tensor
     options: Options
     placement: MatrixPlacement
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One group's step, the same every step while its matrices and dtypes stay."""
+
+    there: Route
+    home: Route
+    back: list[torch.dtype]
+    """Each update's dtype (``update_dtype``)."""
 
 
 @dataclass(slots=True)
@@ -105,18 +124,18 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self.last_step_stats: StepStats | None = None
         """What this rank's last step did (None before the first)."""
-        self._owners: dict[tuple[int, ...], list[int]] = {}
-        # Each parameter's placement, made when its group is added, by id (with the parameter,
-        # so that an id reused by another tensor is never taken for it).
-        self._placements: dict[int, tuple[torch.Tensor, MatrixPlacement]] = {}
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        # Each parameter's matrices, placed when its group is added, by id (with the
+        # parameter, so that an id reused by another tensor is never taken for it).
+        self._placements: dict[int, tuple[torch.Tensor, tuple[MatrixPlacement, ...]]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its parameters must be matrices this optimizer can place.
 
         Raises:
-            ValueError: a parameter that is not 2-D.
-            NotImplementedError: a parameter sharded in a way not supported yet (HSDP, TP).
+            ValueError: a parameter that is neither 2-D nor a 3-D stack of matrices.
+            NotImplementedError: a parameter whose shards are not blocks of its matrices.
         """
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
@@ -141,21 +160,24 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices = self._matrices()
-        rows = [self._prepare(m) for m in matrices]
+        matrices, blocks = self._prepared()
         tally = _Tally()
-        for m, m_rows in zip(matrices, rows, strict=True):
+        for m, block in zip(matrices, blocks, strict=True):
             if m.placement.group is None:  # whole here: no owner but this rank
-                self._apply(m, self.rule.update(m_rows, m.options))
+                self._apply(m, self.rule.update(block, m.options))
                 tally.updated(self.rule, m.placement.shape)
         for indices in _by_group(matrices).values():
-            self._step_sharded([matrices[i] for i in indices], [rows[i] for i in indices], tally)
+            self._step_sharded([matrices[i] for i in indices], [blocks[i] for i in indices], tally)
         self.last_step_stats = tally.stats()
         return loss
 
-    def _matrices(self) -> list[_Matrix]:
-        """The parameters with gradients, in group order, each where its rows live."""
-        found: list[_Matrix] = []
+    def _prepared(self) -> tuple[list[_Matrix], list[torch.Tensor]]:
+        """The matrices with gradients, in group order, and this rank's block of each.
+
+        The rule's ``prepare`` runs once per parameter: a stack's experts share its state.
+        """
+        matrices: list[_Matrix] = []
+        blocks: list[torch.Tensor] = []
         for index, group in enumerate(self.param_groups):
             for name, param in _named(group, index):
                 grad = param.grad
@@ -169,57 +191,64 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"{name}: {self.rule.name} does not support sparse gradients"
                     )
-                found.append(_Matrix(param, group, self._placement(param, name)))
-        return found
+                rows = self._prepare(param, grad, group)
+                for placement in self._placement(param, name):
+                    matrices.append(_Matrix(param, group, placement))
+                    blocks.append(_block(rows, placement))
+        return matrices, blocks
 
-    def _placement(self, param: torch.Tensor, name: str) -> MatrixPlacement:
-        """Where ``param``'s rows live, as found when its group was added."""
+    def _placement(self, param: torch.Tensor, name: str) -> tuple[MatrixPlacement, ...]:
+        """Where ``param``'s matrices live, as found when its group was added."""
         known = self._placements.get(id(param))
         if known is None or known[0] is not param:  # put in param_groups by hand
             known = self._placements[id(param)] = (param, placement_of(param, name))
         return known[1]
 
-    def _prepare(self, m: _Matrix) -> torch.Tensor:
-        """The rule's ``prepare`` on this rank's rows; the state made on first use."""
-        grad = m.param.grad
-        assert grad is not None
-        state = self.state[m.param]
+    def _prepare(self, param: torch.Tensor, grad: torch.Tensor, options: Options) -> torch.Tensor:
+        """The rule's ``prepare`` on this rank's shard; the state made on first use."""
+        state = self.state[param]
         if not state:
             state.update(self.rule.init_state(grad))
         local = {k: _local(v) for k, v in state.items()}
-        return self.rule.prepare(_local(m.param), _local(grad), local, m.options)
+        return self.rule.prepare(_local(param), _local(grad), local, options)
 
-    def _apply(self, m: _Matrix, update_rows: torch.Tensor) -> None:
-        self.rule.apply(_local(m.param), update_rows, m.options, m.placement.shape)
+    def _apply(self, m: _Matrix, update: torch.Tensor) -> None:
+        param = _block(_local(m.param), m.placement)
+        if param.numel():  # a rank that holds none of the matrix has nothing to apply
+            self.rule.apply(param, update, m.options, m.placement.shape)
 
     def _step_sharded(
-        self, matrices: list[_Matrix], rows: list[torch.Tensor], tally: _Tally
+        self, matrices: list[_Matrix], blocks: list[torch.Tensor], tally: _Tally
     ) -> None:
         """Steps 2 to 5 for one process group's sharded matrices."""
         group = matrices[0].placement.group
         assert group is not None
         placements = [m.placement for m in matrices]
-        owners = self._owners_of(matrices, group.size())
-        wholes, there = gather_to_owners(placements, owners, rows, group)
-        tally.exchanged(there)
-        dtypes = [self.rule.update_dtype(r.dtype) for r in rows]
-        results = self._update_owned(matrices, wholes, dtypes)
+        plan = self._plan_of(placements, [b.dtype for b in blocks], group)
+        wholes = gather_to_owners(placements, plan.there, blocks, group)
+        tally.exchanged(plan.there.traffic())
+        results = self._update_owned(matrices, wholes, plan.back)
         for i in results:
             tally.updated(self.rule, placements[i].shape)
         device = _local(matrices[0].param).device
-        update_rows, back = scatter_from_owners(placements, owners, results, dtypes, group, device)
-        tally.exchanged(back)
-        for m, update in zip(matrices, update_rows, strict=True):
+        updates = scatter_from_owners(placements, plan.home, results, plan.back, group, device)
+        tally.exchanged(plan.home.traffic())
+        for m, update in zip(matrices, updates, strict=True):
             self._apply(m, update)
 
-    def _owners_of(self, matrices: list[_Matrix], world: int) -> list[int]:
-        """Each matrix's owner: the same on every rank, kept while the matrices stay."""
-        key = tuple(id(m.param) for m in matrices)
-        owners = self._owners.get(key)
-        if owners is None:
-            costs = [self.rule.cost(m.placement.shape) for m in matrices]
-            owners = self._owners[key] = assign_owners(costs, world)
-        return owners
+    def _plan_of(
+        self, placements: list[MatrixPlacement], dtypes: list[torch.dtype], group: dist.ProcessGroup
+    ) -> _Plan:
+        """Owners and routes: the same on every rank, kept while the matrices stay."""
+        key = (tuple(id(p) for p in placements), tuple(dtypes))
+        plan = self._plans.get(key)
+        if plan is None:
+            costs = [self.rule.cost(p.shape) for p in placements]
+            owners = assign_owners(costs, group.size(), [p.whole_on() for p in placements])
+            back = [self.rule.update_dtype(d) for d in dtypes]
+            there, home = routes(placements, owners, dtypes, back, group.rank())
+            plan = self._plans[key] = _Plan(there, home, back)
+        return plan
 
     def _update_owned(
         self, matrices: list[_Matrix], wholes: dict[int, torch.Tensor], dtypes: list[torch.dtype]
@@ -262,6 +291,18 @@ def _by_group(matrices: list[_Matrix]) -> dict[dist.ProcessGroup, list[int]]:
         if m.placement.group is not None:
             found.setdefault(m.placement.group, []).append(i)
     return found
+
+
+def _block(local: torch.Tensor, placement: MatrixPlacement) -> torch.Tensor:
+    """This rank's block of one matrix in a parameter's local tensor (or its prepared one).
+
+    The tensor itself for a 2-D parameter, one expert of a stack, empty where it holds none.
+    """
+    if local.dim() == 2:
+        return local
+    if placement.expert is None:
+        return local.new_empty((0, 0))
+    return local[placement.expert]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""shardkit's Muon on HSDP, FSDP x TP, replicate and MoE expert stacks: torch's Muon's bits.
+
+Each matrix (each expert of a stack) is orthogonalized once in the whole job: the updates of
+every rank's last step sum to the number of matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.pool import run_on_ranks
+from tests.core.optim.placement_runs import compare_body
+
+STEPS = 4
+
+
+def _check(results: list[dict[str, Any]], steps: int = STEPS) -> None:
+    for rank, out in enumerate(results):
+        assert out["equal"] == [True] * steps, (rank, out["max_diff"])
+        assert all(stats[2] == 2 for stats in out["stats"])  # two collectives a step
+    for step in range(steps):
+        assert sum(out["stats"][step][0] for out in results) == results[0]["matrices"]
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+@pytest.mark.parametrize("model", ["mlp", "one"])
+def test_hsdp_2x2(impl: str, model: str) -> None:
+    # The MLP's head has 3 rows over 2 shards; "one" is one 5 x 4 matrix on 4 ranks.
+    _check(run_on_ranks(4, compare_body, impl=impl, layout="hsdp", model=model, steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+def test_fsdp_x_tp_2x2(impl: str) -> None:
+    # Colwise (FSDP's _StridedShard over TP's rows), rowwise (FSDP's rows, TP's columns),
+    # colwise again; 6, 8 and 10 rows cut 2 + 1, 2 + 2, 3 + 2: three matrices on four ranks.
+    _check(run_on_ranks(4, compare_body, impl=impl, layout="tp", model="mlp", steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+@pytest.mark.parametrize("model", ["gpt", "one"])
+def test_replicate(impl: str, model: str) -> None:
+    # Every rank holds every matrix whole: owners need no rows, and send their updates.
+    _check(run_on_ranks(2, compare_body, impl=impl, layout="replicate", model=model, steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+def test_columns_cut_on_one_axis(impl: str) -> None:
+    # shard_placement_fn=Shard(1): column blocks travel as the row blocks do.
+    _check(run_on_ranks(2, compare_body, impl=impl, layout="shard1", model="mlp", steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+def test_moe_expert_stacks(impl: str) -> None:
+    # transformers' Qwen3-MoE keeps its 4 experts as (4, out, in) stacks: FSDP puts 2 whole
+    # experts on each rank, which owns them and moves no byte for them.
+    _check(run_on_ranks(2, compare_body, impl=impl, layout="fsdp", model="moe", steps=STEPS))
