@@ -87,20 +87,21 @@ class Muon(WholeMatrixOptimizer):
     """``torch.optim.Muon`` for parameters sharded by ``fully_shard`` (shardkit's or torch's).
 
     Same arguments, defaults and update as torch 2.13's Muon, bit for bit: a drop-in where the
-    parameters are sharded. Give it the 2-D hidden matrices; embeddings, the head, norms and
-    biases go to ``torch.optim.AdamW``, as with torch's Muon::
+    parameters are sharded. Give it the 2-D hidden matrices (and MoE expert stacks, 3-D: each
+    expert a matrix of its own); embeddings, the head, norms and biases go to
+    ``torch.optim.AdamW``, as with torch's Muon::
 
         matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
         others = [p for p in model.parameters() if all(p is not m for m in matrices)]
         muon = Muon(matrices, lr=0.02)
         adamw = torch.optim.AdamW(others, lr=3e-4)
 
-    Parameters sharded over one mesh axis (FSDP, ``Shard(0)``, rows that need not divide by
-    the world) and plain tensors work now; HSDP and tensor parallelism raise
-    NotImplementedError naming the parameter.
+    Takes plain tensors and the DTensors of FSDP, HSDP, FSDP x TP and ``replicate`` (either
+    engine's), rows and columns that need not divide by the ranks; a placement that does not
+    cut each matrix into blocks (``Partial``) raises NotImplementedError naming the parameter.
 
     Args:
-        params: the 2-D parameters or groups of them (or ``named_parameters()``-style pairs).
+        params: the matrices or groups of them (or ``named_parameters()``-style pairs).
         lr: learning rate.
         weight_decay: decoupled weight decay.
         momentum: the momentum factor.
@@ -113,8 +114,9 @@ class Muon(WholeMatrixOptimizer):
 
     Raises:
         ValueError: what torch's Muon refuses (a negative lr, momentum or weight decay, an
-            unknown ``adjust_lr_fn``, a parameter that is not 2-D), naming the parameter.
-        NotImplementedError: a parameter sharded over more than one mesh axis.
+            unknown ``adjust_lr_fn``, a parameter neither 2-D nor a 3-D stack), naming the
+            parameter.
+        NotImplementedError: a parameter whose shards are not blocks of its matrices.
     """
 
     def __init__(

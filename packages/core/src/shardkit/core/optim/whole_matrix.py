@@ -107,11 +107,11 @@ class _Tally:
 class WholeMatrixOptimizer(torch.optim.Optimizer):
     """An optimizer whose update is a function of each whole matrix, on sharded parameters.
 
-    Takes the parameters of a model sharded by shardkit's ``fully_shard`` or torch's (over one
-    mesh axis), and plain tensors. Each sharded matrix is updated once in the job, whole, on
-    one rank; every rank then applies its rows. Subclasses give the rule and the defaults
-    (:class:`~shardkit.core.optim.muon.Muon`, :class:`~shardkit.core.optim.column_norm.
-    ColumnNormSGD`).
+    Takes the parameters of a model sharded by shardkit's ``fully_shard`` or torch's (FSDP,
+    HSDP, with TP too), or replicated, and plain tensors. Each sharded matrix is updated once
+    in the job, whole, on one rank; every rank then applies its block. Subclasses give the
+    rule and the defaults (:class:`~shardkit.core.optim.muon.Muon`,
+    :class:`~shardkit.core.optim.column_norm.ColumnNormSGD`).
 
     Args:
         params: 2-D parameters, or parameter groups (dicts), or (name, parameter) pairs: names
