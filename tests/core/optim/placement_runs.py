@@ -48,8 +48,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(found)
 
 
-def build_moe() -> nn.Module:
-    """A tiny transformers Qwen3-MoE: 2 layers, hidden 32, 4 experts as 3-D stacks."""
+def build_moe(experts: int = 4) -> nn.Module:
+    """A tiny transformers Qwen3-MoE: 2 layers, hidden 32, ``experts`` experts as 3-D stacks."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: taken by its kwargs
@@ -61,7 +61,7 @@ def build_moe() -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        num_experts=4,
+        num_experts=experts,
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
@@ -69,24 +69,25 @@ def build_moe() -> nn.Module:
     return Qwen3MoeForCausalLM(config)
 
 
-def _tp_setup(impl: str, world_size: int) -> tuple[nn.Module, nn.Module, int, int]:
-    """The TP tests' uneven MLP, colwise/rowwise/colwise on a (dp, tp) mesh, sharded on dp."""
+def _tp_setup(impl: str, model: str, world_size: int) -> tuple[nn.Module, nn.Module]:
+    """A TP tests' model ("mlp": colwise, rowwise, colwise; "sp": with sequence parallelism)
+    on a (dp, tp) mesh, sharded on dp."""
     from tests.tp import tp_models
-    from tests.tp.tp_parity import TPRun, build_sharded, dp_rank_and_size, global_mesh
+    from tests.tp.tp_parity import TPRun, build_sharded, global_mesh
 
-    run = TPRun(model="mlp", mesh=(2, world_size // 2))
-    mesh = global_mesh(run)
-    dp_rank, dp_size = dp_rank_and_size(mesh)
-    return tp_models.build("mlp"), build_sharded(impl, run, mesh), dp_rank, dp_size
+    run = TPRun(model=model, mesh=(2, world_size // 2))
+    return tp_models.build(model), build_sharded(impl, run, global_mesh(run))
 
 
 def setup(layout: str, model: str, impl: str, world_size: int) -> tuple[nn.Module, nn.Module]:
     """(single-process model, sharded model) of ``model`` placed as ``layout`` says."""
     if layout == "tp":
-        reference, sharded, _, _ = _tp_setup(impl, world_size)
-        return reference, sharded
-    make = build_moe if model == "moe" else (lambda: build(model))
-    reference, sharded = make(), make()
+        return _tp_setup(impl, model, world_size)
+    if model.startswith("moe"):
+        experts = int(model[3:] or 4)
+        reference, sharded = build_moe(experts), build_moe(experts)
+    else:
+        reference, sharded = build(model), build(model)
     if layout == "hsdp":
         names = ("replicate", "shard")
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=names)
@@ -112,7 +113,7 @@ def takes_muon_in(layout: str, model: str, name: str, param: torch.Tensor) -> bo
     """Muon's parameters: the TP MLP's weights; a MoE's experts and attention; else muon_runs'."""
     if layout == "tp":
         return param.dim() == 2
-    if model == "moe":
+    if model.startswith("moe"):
         return ".experts." in name or (".self_attn." in name and name.endswith("proj.weight"))
     return takes_muon(model, name, param)
 
@@ -122,9 +123,9 @@ def _batch(layout: str, model: str, step: int, rank: int, world_size: int) -> An
         from tests.tp import tp_models
 
         dp_rank, dp_size = rank // (world_size // 2), 2
-        x, y = tp_models.batch("mlp", step, 2 * dp_size)
+        x, y = tp_models.batch(model, step, 2 * dp_size)
         return x.chunk(dp_size)[dp_rank], y.chunk(dp_size)[dp_rank]
-    if model == "moe":
+    if model.startswith("moe"):
         gen = torch.Generator().manual_seed(3000 + step)
         tokens = torch.randint(0, MOE_VOCAB, (2 * world_size, MOE_SEQ), generator=gen)
         return tokens.chunk(world_size)[rank], None
@@ -134,7 +135,7 @@ def _batch(layout: str, model: str, step: int, rank: int, world_size: int) -> An
 def _loss(layout: str, model_name: str, model: nn.Module, x: Any, y: Any) -> torch.Tensor:
     if layout == "tp":
         return F.mse_loss(model(x), y)
-    if model_name == "moe":
+    if model_name.startswith("moe"):
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
     return loss_of(model_name, model(x), y)

@@ -32,10 +32,13 @@ def test_hsdp_2x2(impl: str, model: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
-def test_fsdp_x_tp_2x2(impl: str) -> None:
-    # Colwise (FSDP's _StridedShard over TP's rows), rowwise (FSDP's rows, TP's columns),
-    # colwise again; 6, 8 and 10 rows cut 2 + 1, 2 + 2, 3 + 2: three matrices on four ranks.
-    _check(run_on_ranks(4, compare_body, impl=impl, layout="tp", model="mlp", steps=STEPS))
+@pytest.mark.parametrize("model", ["mlp", "sp"])
+def test_fsdp_x_tp_2x2(impl: str, model: str) -> None:
+    # "mlp": colwise (FSDP's _StridedShard over TP's rows), rowwise (FSDP's rows, TP's
+    # columns), colwise again; 6, 8 and 10 rows cut 2 + 1, 2 + 2, 3 + 2: three matrices on four
+    # ranks. "sp": sequence parallelism too, a rowwise input of 7 columns (4 + 3) and a
+    # colwise head of 3 rows (one rank holds none).
+    _check(run_on_ranks(4, compare_body, impl=impl, layout="tp", model=model, steps=STEPS))
 
 
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
@@ -52,7 +55,12 @@ def test_columns_cut_on_one_axis(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
-def test_moe_expert_stacks(impl: str) -> None:
-    # transformers' Qwen3-MoE keeps its 4 experts as (4, out, in) stacks: FSDP puts 2 whole
-    # experts on each rank, which owns them and moves no byte for them.
-    _check(run_on_ranks(2, compare_body, impl=impl, layout="fsdp", model="moe", steps=STEPS))
+@pytest.mark.parametrize(
+    ("layout", "model", "world"), [("fsdp", "moe", 2), ("fsdp", "moe3", 2), ("hsdp", "moe", 4)]
+)
+def test_moe_expert_stacks(impl: str, layout: str, model: str, world: int) -> None:
+    # transformers' Qwen3-MoE keeps its experts as (E, out, in) stacks. FSDP puts whole experts
+    # on each rank (2 and 2; with 3 experts, 2 and 1), which owns them and moves no byte for
+    # them; under HSDP 2 x 2 each expert is whole on one rank of each replica.
+    results = run_on_ranks(world, compare_body, impl=impl, layout=layout, model=model, steps=STEPS)
+    _check(results)
