@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all torch-suite check-vllm bench bench-scaling bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all torch-suite check-vllm bench bench-scaling bench-muon bench-compare soak fuzz clean
 
 # What the tests need beside torch (the second list installs without its dependencies).
 TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
@@ -143,13 +143,19 @@ check-vllm: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
-		--ignore=benchmarks/bench_scaling.py
+		--ignore=benchmarks/bench_scaling.py --ignore=benchmarks/bench_muon.py
 
 # How cost grows: one table by model size (8M, 35M, 134M) and world size (1, 2, 4), written to
 # benchmarks/.results/scaling.md (about half an hour here; SCALING_SIZES, SCALING_WORLDS and
 # SCALING_ROUNDS pick a smaller run).
 bench-scaling: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_scaling.py -q -s --benchmark-autosave
+
+# Muon's step against AdamW, torch's Muon, a gather-everything Muon and the Newton-Schulz floor
+# (issue 83): W=2 and 4, the 8M and 35M GPTs at 1x and 8x the tokens, written to
+# benchmarks/.results/muon.md; MUON_QUICK=1 is a smoke run (docs/guide/muon.md#benchmark).
+bench-muon: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_muon.py -q -s --benchmark-autosave
 
 # Fails when a ratio against the peer worsened by more than 10% since the previous saved run.
 bench-compare: $(STAMP)

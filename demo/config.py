@@ -41,6 +41,11 @@ class TrainConfig:
     """Steps of linear learning-rate warmup."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """"muon": shardkit.core.optim.Muon on the blocks' matrices (attention and MLP), AdamW on
+    the rest (embeddings, norms, biases), as docs/guide/muon.md groups a transformer."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (torch's Muon scale), warmed up and held as --lr is."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold on the global norm."""
     seed: int = 0
@@ -90,6 +95,9 @@ class TrainConfig:
             raise ValueError("--snapshot-every needs --ckpt-dir (the disk checkpoints behind it)")
         if self.snapshot_replicate_every and not self.snapshot_every:
             raise ValueError("--snapshot-replicate-every needs --snapshot-every")
+        if self.optimizer == "muon" and self.ckpt_dir is not None:
+            # Muon beside AdamW is two optimizers, and the demo's checkpoint holds one
+            raise ValueError("--optimizer muon takes no --ckpt-dir yet (two optimizers)")
         if self.snapshot_log and (self.snapshot_every != 1 or self.snapshot_replicate_every < 2):
             raise ValueError("--snapshot-log needs --snapshot-every=1 --snapshot-replicate-every=N")
 
@@ -108,6 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ModelConfig, TrainCon
     p.add_argument("--tp", type=int, default=t.tp, help="tensor-parallel degree (dp = W / tp)")
     p.add_argument("--replicas", type=int, default=t.replicas, help="HSDP replicas (0: nodes)")
     p.add_argument("--lr", type=float, default=t.lr)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default=t.optimizer)
+    p.add_argument("--muon-lr", type=float, default=t.muon_lr)
     p.add_argument("--snapshot-every", type=int, default=t.snapshot_every)
     p.add_argument("--snapshot-replicate-every", type=int, default=t.snapshot_replicate_every)
     p.add_argument("--snapshot-log", action="store_true")

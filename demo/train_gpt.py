@@ -41,6 +41,7 @@ from shardkit.core import (
     save_full_state_dict,
 )
 from shardkit.core import fully_shard as shardkit_fully_shard
+from shardkit.core.optim import Muon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, run as a script
 
@@ -90,8 +91,12 @@ class TrainState:
     """Everything a checkpoint holds, as one DCP `Stateful`: the model and optimizer states
     (sharded DTensors: each rank writes its own shards), the step, each rank's RNG state."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *others: torch.optim.Optimizer
+    ) -> None:
         self.model, self.optimizer = model, optimizer
+        # Stepped after it: Muon's AdamW (--optimizer muon, which takes no checkpoint yet).
+        self.optimizers = (optimizer, *others)
         # get_state_dict, with the FQNs learned once (a memory snapshot asks every step) and
         # the parameters themselves, not detached aliases (a DTensor detach per parameter).
         self.state_dicts = StateDictCache(model, optimizer, keep_vars=True)
@@ -186,9 +191,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * min(1.0, step / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
+def muon_matrices(model: nn.Module, cfg: TrainConfig) -> list[tuple[str, nn.Parameter]]:
+    """What Muon takes with --optimizer muon (else nothing): the blocks' matrices. Muon
+    orthogonalizes whole hidden matrices (each once, on one rank); the embeddings are lookups,
+    not maps, and keep AdamW, as do norms and biases."""
+    if cfg.optimizer != "muon":
+        return []
+    return [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW on every trainable parameter that Muon does not take."""
+    taken = {id(p) for _, p in muon_matrices(model, cfg)}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     # Decay matrices only: pulling LayerNorm gains and biases towards 0 only hurts.
-    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -196,20 +212,33 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def build_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+    """AdamW; with --optimizer muon, then shardkit's Muon on the blocks' matrices."""
+    matrices = muon_matrices(model, cfg)
+    if not matrices:
+        return [build_optimizer(model, cfg)]
+    group = {"params": [p for _, p in matrices], "param_names": [n for n, _ in matrices]}
+    group["lr_ratio"] = cfg.muon_lr / cfg.lr  # warmed up with the step, as AdamW's lr is
+    muon = Muon([group], lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+    return [build_optimizer(model, cfg), muon]
+
+
 def train_step(
     state: TrainState, batch: tuple[Tensor, Tensor], cfg: TrainConfig
 ) -> tuple[float, float]:
     """One optimizer step on this rank's rows of the global batch; the global batch's mean
     loss, and the gradients' global norm before clipping."""
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr_at(state.step + 1, cfg)
+    for optimizer in state.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(state.step + 1, cfg) * group.get("lr_ratio", 1.0)
     inputs, targets = batch  # (B, T), (B, T)
     logits = state.model(inputs)  # (B, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     torch.autograd.backward(loss)  # = loss.backward(), which torch leaves untyped
     grad_norm = nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
+    for optimizer in state.optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     state.step += 1
     # Averaged for the log only; the gradients were already averaged by the reduce-scatter.
     global_loss = loss.detach().clone()
@@ -260,7 +289,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
     model = GPT(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     parallelize(model, mesh, FULLY_SHARD[cfg.impl])
-    state = TrainState(model, build_optimizer(model, cfg))
+    state = TrainState(model, *build_optimizers(model, cfg))
     data = load_corpus(cfg.corpus)
     sampler = BatchSampler(
         data=data,
@@ -273,6 +302,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, hooks: Hooks) -> None:
     tokens = cfg.batch_size * dp_size * model_cfg.seq_len  # per step
     ranks = f"ranks={dist.get_world_size()} ({describe(mesh)})"
     log(cfg, f"impl={cfg.impl} {ranks} params={n_params:,} tokens/step={tokens:,}")
+    if cfg.optimizer == "muon":
+        log(cfg, f"optimizer=muon (lr {cfg.muon_lr}) on the blocks' matrices, adamw on the rest")
     snapshots = memory_snapshots(cfg, state.optimizer)
     manager = restore(state, cfg, snapshots)
     hooks.started(state)

@@ -23,6 +23,8 @@ SEAMS = {
     "shardkit.core.conditional_schedule",
     "shardkit.core.export",
     "shardkit.core.checkpoint.local_plan.chunk_writers",
+    "shardkit.core.optim.owners",
+    "shardkit.core.optim.newton_schulz",
 }
 
 
@@ -71,6 +73,10 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
         "shardkit.core.runtime.dtensors",
         "shardkit.core.runtime.groups",
     ),
+    # Whole-matrix optimizers' owners and Newton-Schulz's cost, pure functions of shapes: the
+    # planner places Muon's matrices on the ranks the optimizer will (shardkit-plan --optimizer).
+    "shardkit.core.optim.owners": (),
+    "shardkit.core.optim.newton_schulz": (),
 }
 
 

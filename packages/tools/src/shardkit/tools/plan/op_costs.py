@@ -353,7 +353,8 @@ def optimizer_costs(groups: list[GroupSpec], options: PlanOptions, shard_rank: i
         kind = torch.optim.AdamW if options.optimizer == "adamw" else torch.optim.Adam
         optimizer = kind(shards, foreach=foreach)
     else:
-        momentum = 0.9 if options.optimizer == "sgd_momentum" else 0.0
+        # Muon's elementwise work is SGD's with momentum (its Newton-Schulz is not counted)
+        momentum = 0.9 if options.optimizer in ("sgd_momentum", "muon") else 0.0
         optimizer = torch.optim.SGD(shards, lr=0.1, momentum=momentum, foreach=foreach)
     optimizer.step()
     counter = CostCounter(lambda: 0, lambda: 0)

@@ -42,8 +42,11 @@ ModelSource = nn.Module | Callable[[], nn.Module]
 WrapPolicy = Collection[str] | Callable[[str, nn.Module], bool]
 """Which modules get their own ``fully_shard`` call: class names, or ``(fqn, module) -> bool``."""
 
-OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-"""Tensors of optimizer state per parameter, each shaped like the local shard."""
+OPTIMIZER_STATES: dict[str, int] = {
+    "adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "muon": 1,
+}  # fmt: skip
+"""Tensors of optimizer state per parameter, each shaped like the local shard ("muon": its
+matrices'; the parameters it leaves to AdamW keep two, as the step counts them)."""
 
 _BACKENDS = ("nccl", "gloo")
 
@@ -88,9 +91,12 @@ class PlanOptions:
     """How gradients travel (``FSDPModule.set_reduce_precision`` on every module): with a wire
     dtype, reductions send its rows (bfloat16, int8 or float8 with block scales) and HSDP's
     all-reduce becomes a compressed reduce-scatter and an all-gather of the encoded sums."""
-    optimizer: Literal["adamw", "adam", "sgd", "sgd_momentum"] = "adamw"
+    optimizer: Literal["adamw", "adam", "sgd", "sgd_momentum", "muon"] = "adamw"
     """Optimizer whose state is counted: Adam/AdamW keep two tensors per parameter plus a
-    float32 ``step`` scalar, SGD with momentum one, plain SGD none."""
+    float32 ``step`` scalar, SGD with momentum one, plain SGD none. "muon":
+    ``shardkit.core.optim.Muon`` on the 2-D parameters outside the root's group (one buffer
+    each, and the step's whole matrices on their owners: ``plan/muon_step.py``), AdamW on the
+    rest."""
     inputs: Callable[[], Any] | None = None
     """Returns one rank's example inputs as meta tensors: a tensor, a tuple of positional
     arguments or a dict of keyword arguments. With it the planner runs forward on the meta

@@ -52,6 +52,8 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Optimizer: AdamW's two states and a 4-byte ``step`` per trainable parameter, each state the
   size of the rank's unpadded local shard. *Approximate*: the step's scratch (two
   largest-shard temporaries per tensor on the CPU, one state's worth for foreach on GPUs).
+  Muon (``muon_step``): one state for the matrices outside the root, and its step's whole
+  matrices on their owners (*approximate*), AdamW's for the rest.
 - Tensor parallelism (``tp_comm``): each forward segment's tp collectives are issued in it,
   backward's while backward runs that segment; the partial gradients of sequence-parallel
   parameters are all-reduced over tp as their group starts its reduction (the engine's
@@ -65,6 +67,7 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardkit.core.conditional_schedule import ConditionalDriver
@@ -77,6 +80,7 @@ from shardkit.core.schedule import (
     watches_inputs,
 )
 from shardkit.tools.plan.gradient_schedule import gradient_schedule
+from shardkit.tools.plan.muon_step import muon_step_scratch, state_tensors
 from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
@@ -188,17 +192,18 @@ class _Step:
             nbytes, offload = layout.sharded_bytes, options.offload
             key = ("sharded", i)
             resident(ledger, key, Category.SHARDED_PARAMS, nbytes, "sharded", offload=offload)
-            state = sum(
-                options.num_states * p.local_numel(shard_rank) * p.dtype.itemsize
-                + (4 if options.num_states == 2 else 0)  # Adam's float32 step
-                for p in g.trainable
-            )
+            state = sum(self._states(i, p.shape) * p.local_numel(shard_rank) * p.dtype.itemsize
+                        + (4 if self._states(i, p.shape) == 2 else 0)  # Adam's float32 step
+                        for p in g.trainable)  # fmt: skip
             if state:
                 label = "optimizer state"
                 key = ("optim", i)
                 resident(ledger, key, Category.OPTIMIZER_STATE, state, label, offload=offload)
             if options.keep_unsharded_storage:  # held since the first step's unshard
                 self.ops.hold_unsharded(i, f"unsharded {g.fqn} (kept)")
+
+    def _states(self, group: int, shape: Sequence[int]) -> int:
+        return state_tensors(self.inputs.options, shape, in_root=group == self.inputs.root)
 
     # --- forward ---------------------------------------------------------------------------
 
@@ -363,14 +368,16 @@ class _Step:
         ledger.phase, ledger.module = Phase.OPTIMIZER, ""
         self.ops.mark("optimizer")
         shard_rank = self.inputs.shard_rank
-        sizes = [
-            p.local_numel(shard_rank) * p.dtype.itemsize for g in self.groups for p in g.trainable
-        ]
+        sizes = [p.local_numel(shard_rank) * p.dtype.itemsize for i, g in enumerate(self.groups)
+                 for p in g.trainable if self._states(i, p.shape) == 2]  # fmt: skip
         scratch = 0
-        if options.num_states == 2 and sizes:
+        if sizes:
             # Adam's denominator: per tensor on the CPU (sqrt, then divide: two temporaries),
             # one foreach list for all parameters on GPUs.
             scratch = sum(sizes) if not self.ops.gloo else 2 * max(sizes)
+        if options.optimizer == "muon":  # Muon's step runs first, then AdamW's
+            muon = muon_step_scratch(self.groups, self.inputs.root, shard_rank)
+            scratch = max(scratch, muon)
         if scratch:  # where the step runs: the host, when offloading
             key, label = ("optim_scratch", 0), "optimizer step scratch"
             resident(ledger, key, Category.OTHER, scratch, label, offload=options.offload)

@@ -107,6 +107,24 @@ def _all_but_own_share(key: str) -> _Bytes:
     return count
 
 
+def _all_to_all(key: str) -> _Bytes:
+    # Split sizes (an alltoallv: the whole-matrix optimizers' exchange sends parts of any
+    # length) say what this rank keeps: its own part, rows of the input's first dimension.
+    # Without them the W parts are equal.
+    even = _all_but_own_share(key)
+
+    def count(a: dict[str, Any], w: int, r: int) -> tuple[int, int]:
+        splits = a.get("input_split_sizes")
+        tensor = a[key]
+        if not splits or not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return even(a, w, r)
+        n = _nbytes(tensor)
+        row = n // tensor.size(0) if tensor.size(0) else 0
+        return n, n - int(splits[r]) * row
+
+    return count
+
+
 def _send(a: dict[str, Any], _w: int, _r: int) -> tuple[int, int]:
     n = _nbytes(a["tensors"])
     return n, n
@@ -142,7 +160,7 @@ _C10D: dict[str, tuple[str, _Bytes]] = {
     "allreduce_": ("all_reduce", _all_reduce("tensors")),
     "allreduce_coalesced_": ("all_reduce", _all_reduce("tensors")),
     "broadcast_": ("broadcast", _broadcast("tensors")),
-    "alltoall_base_": ("all_to_all", _all_but_own_share("input")),
+    "alltoall_base_": ("all_to_all", _all_to_all("input")),
     "alltoall_": ("all_to_all", _all_but_own_share("input_tensors")),
     "send": ("send", _send),
     "recv_": ("recv", _recv),
@@ -169,7 +187,7 @@ _FUNCTIONAL: dict[str, tuple[str, _Bytes]] = {
     "all_reduce_": ("all_reduce", _all_reduce("input")),
     "all_reduce_coalesced": ("all_reduce", _all_reduce("inputs")),
     "all_reduce_coalesced_": ("all_reduce", _all_reduce("inputs")),
-    "all_to_all_single": ("all_to_all", _all_but_own_share("input")),
+    "all_to_all_single": ("all_to_all", _all_to_all("input")),
     "broadcast": ("broadcast", _broadcast("input")),
     "broadcast_": ("broadcast", _broadcast("input")),
 }

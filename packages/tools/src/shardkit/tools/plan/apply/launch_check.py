@@ -297,6 +297,9 @@ def _optimizer(model: nn.Module, options: PlanOptions) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if options.optimizer == "adam":
         return torch.optim.Adam(params, lr=1e-4, foreach=True)
+    if options.optimizer == "muon":
+        # Its step's exchange is not in the plan's collectives yet, which the check compares.
+        raise NotImplementedError("check_plan does not run optimizer='muon' yet")
     momentum = 0.9 if options.optimizer == "sgd_momentum" else 0.0
     return torch.optim.SGD(params, lr=1e-4, momentum=momentum, foreach=True)
 

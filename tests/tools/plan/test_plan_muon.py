@@ -1,0 +1,97 @@
+"""The planner's Muon (``--optimizer muon``) against what the trackers see Muon do.
+
+Rank r of W=4 on torch's fake group trains the 8M benchmark GPT's shapes with
+``shardkit.core.optim.Muon`` on the blocks' matrices and AdamW on the rest (the planner's
+``optimizer="muon"``), under the memory tracker: its optimizer state is one buffer per matrix
+(AdamW's two and a step elsewhere), which the plan must give to the byte; the step's transient
+(the owner's whole matrices, Newton-Schulz's temporaries, the exchanges' buffers) is an
+approximation, held within 15% of the tracked peak of communication and other buffers in
+the optimizer phase.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardkit.core.optim import Muon
+from shardkit.tools.plan import PlanOptions, plan
+from shardkit.tools.plan.cli import main
+from shardkit.tools.plan.gpt import GPT
+from shardkit.tools.plan.muon_step import matrices_scratch
+from shardkit.tools.records import Category, Phase
+from shardkit.tools.track.memory import MemoryTracker
+from tests.core.optim.step_counts import MODELS, fake_rank, sharded_gpt, training_step
+
+MODEL, WORLD = "d256x8", 4
+
+
+def _meta_gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(MODELS[MODEL])
+
+
+def _tracked(rank: int) -> tuple[int, int]:
+    """(optimizer state bytes, the optimizer phase's most comm + other bytes) on ``rank``."""
+    with fake_rank(WORLD, rank):
+        gpt = sharded_gpt(MODEL, WORLD)
+        named = list(gpt.named_parameters())
+        matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+        others = [p for n, p in named if not (p.dim() == 2 and n.startswith("blocks."))]
+        opts = [Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=1e-3)]
+        training_step(gpt, opts, MODEL, rank)  # the optimizers' state
+        with MemoryTracker(gpt, optimizers=opts) as tracker:
+            training_step(gpt, opts, MODEL, rank)
+    timeline = tracker.report().timeline
+    state = max(p.by_category[Category.OPTIMIZER_STATE] for p in timeline)
+    transient = max(
+        p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
+        for p in timeline
+        if p.phase is Phase.OPTIMIZER
+    )
+    return state, transient
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_muons_state_exact_and_its_step_near_the_tracked(rank: int) -> None:
+    options = PlanOptions(optimizer="muon", rank=rank, backend="gloo")
+    planned = plan(_meta_gpt, world_size=WORLD, options=options)
+    adamw = plan(_meta_gpt, world_size=WORLD, options=PlanOptions(rank=rank, backend="gloo"))
+    state, transient = _tracked(rank)
+    assert planned.memory.category_max[Category.OPTIMIZER_STATE] == state
+    assert state < adamw.memory.category_max[Category.OPTIMIZER_STATE]
+    step = max(
+        p.by_category[Category.OTHER] for p in planned.memory.timeline if p.phase is Phase.OPTIMIZER
+    )
+    print(f"rank {rank}: state {state:,} bytes; step planned {step:,}, tracked {transient:,}")
+    assert abs(step - transient) <= 0.15 * transient
+
+
+def test_the_owner_of_the_largest_holds_its_matrices_whole() -> None:
+    # Two 64 x 32 matrices and a 16 x 16 over 2 ranks, half the rows of each on each: the
+    # largest first, so rank 0 owns a 64 x 32, rank 1 the other, and the 16 x 16 goes to rank
+    # 0 (equal loads: the lower rank). Each rank's peak is while it iterates: its rows (bf16),
+    # its matrices whole twice (received, updated) and the 64 x 32's Newton-Schulz
+    # temporaries (the stack, two iterates, two 32 x 32 Gram products).
+    matrices = [((64, 32), 32), ((64, 32), 32), ((16, 16), 8)]
+    rows = (32 * 32 + 32 * 32 + 8 * 16) * 2
+    batch = (3 * 64 * 32 + 2 * 32 * 32) * 2
+    owned = {0: (64 * 32 + 16 * 16) * 2, 1: 64 * 32 * 2}
+    for rank, whole in owned.items():
+        assert matrices_scratch(matrices, rank, 2) == rows + 2 * whole + batch
+    # One rank: no exchange; each matrix updated alone, beside every matrix's bf16 rows.
+    alone = [((64, 32), 64), ((64, 32), 64)]
+    assert matrices_scratch(alone, 0, 1) == 2 * 64 * 32 * 2 + batch
+
+
+def test_shardkit_plan_takes_optimizer_muon(capsys: pytest.CaptureFixture[str]) -> None:
+    factory = "shardkit.tools.examples:llama_tiny"
+    assert main([factory, "--world-size", "4", "--optimizer", "muon", "--json"]) == 0
+    muon = json.loads(capsys.readouterr().out)
+    assert main([factory, "--world-size", "4", "--json"]) == 0
+    adamw = json.loads(capsys.readouterr().out)
+    assert muon["options"]["optimizer"] == "muon"
+    state = "optimizer_state"
+    assert 0 < muon["memory"]["category_max"][state] < adamw["memory"]["category_max"][state]
