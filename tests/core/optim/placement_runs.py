@@ -210,3 +210,35 @@ def compare_body(
         out["max_diff"].append(max((a - b).abs().max().item() for a, b in pairs))
         out["stats"].append(astuple(our_opts[0].last_step_stats))
     return out
+
+
+def stages_body(rank: int, world_size: int, *, steps: int) -> list[bool]:
+    """Two pipeline stages, each with a matrix of its own shape on its own (dp, tp) slice.
+
+    Each stage's Muon makes its group from its own slice (the root mesh flattened as
+    ``fully_shard`` flattens it), so the stages need not build the same optimizer. Returns,
+    per step, whether the matrix equals torch's Muon's on the full tensor.
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardkit.core.optim import Muon
+
+    root = init_device_mesh("cpu", (2, 1, world_size // 2), mesh_dim_names=("pp", "dp", "tp"))
+    coordinate = root.get_coordinate()
+    assert coordinate is not None
+    stage = coordinate[0]
+    gen = torch.Generator().manual_seed(stage)
+    shape = (6, 4) if stage == 0 else (10, 8)
+    whole, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    mesh, cut = root["dp", "tp"], [Shard(0), Shard(1)]
+    param = nn.Parameter(distribute_tensor(whole, mesh, cut, src_data_rank=None))
+    reference = nn.Parameter(whole.clone())
+    ours, theirs = Muon([param], lr=LR), torch.optim.Muon([reference], lr=LR)
+    equal = []
+    for _ in range(steps):
+        param.grad = distribute_tensor(grad, mesh, cut, src_data_rank=None)
+        reference.grad = grad.clone()
+        ours.step()
+        theirs.step()
+        equal.append(torch.equal(full(param), reference.detach()))
+    return equal

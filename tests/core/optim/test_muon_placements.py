@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from harness.pool import run_on_ranks
-from tests.core.optim.placement_runs import compare_body
+from tests.core.optim.placement_runs import compare_body, stages_body
 
 STEPS = 4
 
@@ -64,3 +64,10 @@ def test_moe_expert_stacks(impl: str, layout: str, model: str, world: int) -> No
     # them; under HSDP 2 x 2 each expert is whole on one rank of each replica.
     results = run_on_ranks(world, compare_body, impl=impl, layout=layout, model=model, steps=STEPS)
     _check(results)
+
+
+def test_pipeline_stages_on_their_own_meshes() -> None:
+    # A (pp, dp, tp) = (2, 1, 2) mesh: each stage's matrix on its own 2-D slice, of its own
+    # shape; neither stage's optimizer waits for the other's.
+    results = run_on_ranks(4, stages_body, steps=STEPS)
+    assert results == [[True] * STEPS] * 4

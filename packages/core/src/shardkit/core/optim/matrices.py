@@ -23,11 +23,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardkit.core.runtime.dtensors import chunk_at
-from shardkit.core.runtime.groups import group_ranks, mesh_group
+from shardkit.core.runtime.groups import group_ranks, mesh_group, world_size
+from shardkit.core.runtime.meshes import flattened
 
 __all__ = ["Block", "MatrixPlacement", "placement_of"]
 
@@ -135,7 +137,7 @@ def _sharded(
 ) -> tuple[MatrixPlacement, ...]:
     mesh, placements = param.device_mesh, tuple(param.placements)
     _check_placements(names[0].split("[")[0], placements, tuple(mesh.shape), len(shape))
-    group = mesh_group(mesh)
+    group = _group_of(mesh)
     where = {int(r): c for c, r in _coordinates(mesh.mesh)}
     coords = [where[r] for r in group_ranks(group)]  # each group rank's mesh coordinate
     chunks = [chunk_at(shape, tuple(mesh.shape), list(c), placements) for c in coords]
@@ -153,6 +155,21 @@ def _sharded(
             MatrixPlacement(matrix_name, _matrix_shape(shape), group, blocks, replicas, expert)
         )
     return tuple(found)
+
+
+def _group_of(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group of every rank of ``mesh``: its own where it is 1-D or the whole world.
+
+    Another N-D mesh (a pipeline stage's slice of a bigger one) is flattened as torch's
+    ``fully_shard`` flattens axes: every rank of the root mesh calls this in the same order,
+    each for its own slice, and each slice gets its group. Without axis names it cannot be
+    flattened, and the group is made by every rank of the world, which must then all pass
+    the same mesh.
+    """
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1 or names is None or mesh.size() == world_size():
+        return mesh_group(mesh)
+    return flattened(mesh, tuple(names)).get_group(0)
 
 
 def _matrix_names(name: str, shape: tuple[int, ...]) -> list[str]:
