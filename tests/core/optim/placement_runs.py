@@ -69,20 +69,24 @@ def build_moe(experts: int = 4) -> nn.Module:
     return Qwen3MoeForCausalLM(config)
 
 
-def _tp_setup(impl: str, model: str, world_size: int) -> tuple[nn.Module, nn.Module]:
+def _tp_setup(
+    impl: str, model: str, world_size: int, replicas: bool = False
+) -> tuple[nn.Module, nn.Module]:
     """A TP tests' model ("mlp": colwise, rowwise, colwise; "sp": with sequence parallelism)
-    on a (dp, tp) mesh, sharded on dp."""
+    on a (dp, tp) mesh, sharded on dp; with ``replicas``, a (dp_replicate, dp_shard, tp) mesh
+    of (2, 1, W / 2), HSDP x TP."""
     from tests.tp import tp_models
     from tests.tp.tp_parity import TPRun, build_sharded, global_mesh
 
-    run = TPRun(model=model, mesh=(2, world_size // 2))
+    shape = (2, 1, world_size // 2) if replicas else (2, world_size // 2)
+    run = TPRun(model=model, mesh=shape)
     return tp_models.build(model), build_sharded(impl, run, global_mesh(run))
 
 
 def setup(layout: str, model: str, impl: str, world_size: int) -> tuple[nn.Module, nn.Module]:
     """(single-process model, sharded model) of ``model`` placed as ``layout`` says."""
-    if layout == "tp":
-        return _tp_setup(impl, model, world_size)
+    if layout in ("tp", "hsdp_tp"):
+        return _tp_setup(impl, model, world_size, replicas=layout == "hsdp_tp")
     if model.startswith("moe"):
         experts = int(model[3:] or 4)
         reference, sharded = build_moe(experts), build_moe(experts)
@@ -111,7 +115,7 @@ def setup(layout: str, model: str, impl: str, world_size: int) -> tuple[nn.Modul
 
 def takes_muon_in(layout: str, model: str, name: str, param: torch.Tensor) -> bool:
     """Muon's parameters: the TP MLP's weights; a MoE's experts and attention; else muon_runs'."""
-    if layout == "tp":
+    if layout in ("tp", "hsdp_tp"):
         return param.dim() == 2
     if model.startswith("moe"):
         return ".experts." in name or (".self_attn." in name and name.endswith("proj.weight"))
@@ -119,7 +123,7 @@ def takes_muon_in(layout: str, model: str, name: str, param: torch.Tensor) -> bo
 
 
 def _batch(layout: str, model: str, step: int, rank: int, world_size: int) -> Any:
-    if layout == "tp":
+    if layout in ("tp", "hsdp_tp"):
         from tests.tp import tp_models
 
         dp_rank, dp_size = rank // (world_size // 2), 2
@@ -133,7 +137,7 @@ def _batch(layout: str, model: str, step: int, rank: int, world_size: int) -> An
 
 
 def _loss(layout: str, model_name: str, model: nn.Module, x: Any, y: Any) -> torch.Tensor:
-    if layout == "tp":
+    if layout in ("tp", "hsdp_tp"):
         return F.mse_loss(model(x), y)
     if model_name.startswith("moe"):
         logits = model(input_ids=x).logits

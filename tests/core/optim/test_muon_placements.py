@@ -42,6 +42,14 @@ def test_fsdp_x_tp_2x2(impl: str, model: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
+def test_hsdp_x_tp_on_a_3d_mesh(impl: str) -> None:
+    # (dp_replicate, dp_shard, tp) = (2, 1, 2): two replicas of TP's blocks, the dp_shard
+    # axis of one rank; one copy of each block reaches its owner.
+    results = run_on_ranks(4, compare_body, impl=impl, layout="hsdp_tp", model="sp", steps=STEPS)
+    _check(results)
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
 @pytest.mark.parametrize("model", ["gpt", "one"])
 def test_replicate(impl: str, model: str) -> None:
     # Every rank holds every matrix whole: owners need no rows, and send their updates.
