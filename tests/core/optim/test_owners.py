@@ -12,6 +12,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from harness.pool import run_on_ranks
 from shardkit.core.optim import MUON_RULE, WholeMatrixOptimizer
+from shardkit.core.optim.matrices import Block, MatrixPlacement
 from shardkit.core.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     newton_schulz_cost,
@@ -105,3 +106,21 @@ def test_a_matrix_held_whole_is_owned_where_it_is_held() -> None:
     assert sorted(
         sum(c for c, o in zip([8, 8, 4, 4], owners, strict=True) if o == r) for r in (0, 1)
     ) == [12, 12]
+
+
+def test_one_copy_of_each_block_from_the_owners_own_replica() -> None:
+    # HSDP 2 x 2 (group ranks 0, 1 the first replica; 2, 3 the second): rows 0-3 on ranks 0
+    # and 2, rows 3-6 on ranks 1 and 3. An owner gathers within its own replica.
+    top, bottom = Block(0, 3, 0, 4), Block(3, 6, 0, 4)
+    hsdp = MatrixPlacement("w", (6, 4), None, (top, bottom, top, bottom), ((0,), (0,), (1,), (1,)))
+    assert [hsdp.senders(owner) for owner in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert hsdp.whole_on() == ()
+    # Replicated: the owner holds it whole and gathers from itself alone.
+    whole = Block(0, 6, 0, 4)
+    replicated = MatrixPlacement("w", (6, 4), None, (whole,) * 2, ((0,), (1,)))
+    assert [replicated.senders(owner) for owner in range(2)] == [(0,), (1,)]
+    assert replicated.whole_on() == (0, 1)
+    # A rank with an empty block (uneven rows) sends nothing.
+    empty = Block(0, 0, 0, 0)
+    uneven = MatrixPlacement("w", (1, 4), None, (Block(0, 1, 0, 4), empty), ((), ()))
+    assert uneven.senders(1) == (0,) and uneven.whole_on() == (0,)

@@ -62,13 +62,13 @@ class ColumnNormSGD(WholeMatrixOptimizer):
     """SGD with momentum whose update has unit-norm columns, on sharded parameters.
 
     Args:
-        params: the 2-D parameters or groups of them.
+        params: the matrices (2-D, or 3-D stacks of them) or groups of them.
         lr: learning rate.
         momentum: the momentum factor.
         eps: the least column norm divided by.
 
     Raises:
-        ValueError: a negative lr or momentum, or a parameter that is not 2-D.
+        ValueError: a negative lr or momentum, or a parameter neither 2-D nor 3-D.
     """
 
     def __init__(
