@@ -45,10 +45,11 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from harness import protocol
-from harness.processes import WorkerProcess, wait_for_message
+from harness.processes import WorkerProcess, close_template, wait_for_message
 from harness.report import CrashRetried, RankTaskError, RankTaskTimeout, TaskFailure, output_tail
 
 __all__ = [
@@ -60,10 +61,12 @@ __all__ = [
     "crashes_fail_at_once",
     "crashes_recorded_apart",
     "MAX_GROUPS_HELD",
+    "PoolStart",
     "crashes_retried",
     "crowded_restarts",
     "get_pool",
     "group_restarts",
+    "pool_starts",
     "run_on_ranks",
     "shutdown_pools",
 ]
@@ -101,6 +104,17 @@ _GROUP_RESTARTS: list[str] = []
 MAX_GROUPS_HELD = 96
 # The tasks after which a pool started afresh for that.
 _CROWDED_RESTARTS: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStart:
+    """One start of a pool: its ranks forked (or launched) and through the first barrier."""
+
+    world_size: int
+    seconds: float
+
+
+_STARTS: list[PoolStart] = []
 
 Replies = dict[int, protocol.Message | None]
 """One message per rank that answered, by rank; None for a rank whose worker exited."""
@@ -207,6 +221,13 @@ class RankPool:
         self.kill()  # reaps them all, and kills any still busy with a task
 
     def _start(self) -> None:
+        started = time.monotonic()
+        try:
+            self._start_workers()
+        finally:
+            _STARTS.append(PoolStart(self.world_size, time.monotonic() - started))
+
+    def _start_workers(self) -> None:
         # Deferred: importing torch here would make every pytest run pay for it at conftest time.
         import torch.distributed as dist
 
@@ -404,9 +425,15 @@ def crashes_recorded_apart() -> Iterator[list[CrashRetried]]:
         _CRASH_LOGS.remove(log)
 
 
+def pool_starts() -> tuple[PoolStart, ...]:
+    """Every pool start of the session so far (first starts and restarts), in order."""
+    return tuple(_STARTS)
+
+
 def shutdown_pools() -> None:
     """Shuts down every pool of the session; the next task would start new ones."""
     _POOLS.close()
+    close_template()
 
 
 # Outside pytest (a script using the pools) nothing else would stop the workers.

@@ -1,26 +1,31 @@
 """One worker process as the pool sees it: the process, its socket and its log.
 
-Workers are plain subprocesses (``python -m harness.worker``) rather than multiprocessing
-children: the environment is set before the interpreter starts, and a spawned multiprocessing
-child would re-import pytest's ``__main__``. Each worker talks to the pool over its own
-``socket.socketpair``, so there is no listener, address or authentication to manage.
+Workers are forks of the template worker (``harness.template``: torch and shardkit imported
+once for the session), handed to this process, which is made their "child subreaper", so that
+it waits for and kills them as its own children. Where that cannot be (not Linux, or
+``SHARDKIT_POOL_FORK=0``) they are plain subprocesses (``python -m harness.worker``), never
+multiprocessing children: the environment is set before the interpreter starts, and a spawned
+multiprocessing child would re-import pytest's ``__main__``. Each worker talks to the pool over
+its own ``socket.socketpair``, so there is no listener, address or authentication to manage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from harness import protocol
+from harness import protocol, template
 
-__all__ = ["REPO_ROOT", "WorkerProcess", "wait_for_message"]
+__all__ = ["REPO_ROOT", "WorkerProcess", "close_template", "wait_for_message"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repo root, which holds ``harness``, ``tests`` and ``benchmarks``: the workers' working
@@ -44,26 +49,29 @@ class WorkerProcess:
         self._log_offset = 0  # bytes of the log already handed out by take_output()
         ours, theirs = socket.socketpair()
         env = {
-            **os.environ,
-            **_FIXED_ENV,
             "MASTER_PORT": str(master_port),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
-            protocol.FD_ENV_VAR: str(theirs.fileno()),
             protocol.POOL_PID_ENV_VAR: str(os.getpid()),
         }
         with theirs:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "harness.worker"],
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(theirs.fileno(),),
-            )
+            self.process: subprocess.Popen[bytes] | ForkedProcess
+            forks = _TEMPLATE.get()
+            if forks is not None:
+                pid = template.request_worker(forks, env, (theirs.fileno(), self._log.fileno()))
+                self.process = ForkedProcess(pid)
+            else:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "harness.worker"],
+                    cwd=REPO_ROOT,
+                    env={**_base_env(), **env, protocol.FD_ENV_VAR: str(theirs.fileno())},
+                    stdin=subprocess.DEVNULL,
+                    stdout=self._log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(theirs.fileno(),),
+                )
         self.conn = Connection(ours.detach())
 
     def send(self, message: protocol.Message) -> None:
@@ -114,3 +122,107 @@ def wait_for_message(workers: list[WorkerProcess], timeout_s: float) -> list[Wor
     """Blocks until some of ``workers`` have a message (or have exited), at most ``timeout_s``."""
     ready = wait([worker.conn for worker in workers], timeout=max(timeout_s, 0.0))
     return [worker for worker in workers if worker.conn in ready]
+
+
+class ForkedProcess:
+    """A worker forked by the template and handed to this process: ``Popen``'s calls on it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code (minus the signal that killed it), or None while it runs."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped already: it is not running
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        return code
+
+    def send_signal(self, number: int) -> None:
+        """Signal the worker, unless it has exited (its pid may be another's by now)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, number)
+
+    def kill(self) -> None:
+        """SIGKILL, as ``Popen.kill``."""
+        self.send_signal(signal.SIGKILL)
+
+
+class _Template:
+    """The session's template worker, started on the first request (None: fresh workers)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._env: dict[str, str] = {}  # what it started with (and imported shardkit under)
+
+    def get(self) -> socket.socket | None:
+        if os.environ.get("SHARDKIT_POOL_FORK") == "0" or sys.platform != "linux":
+            return None
+        env = _base_env()
+        # Modules read settings from the environment at import (SHARDKIT_DEBUG_LIFETIMES): a
+        # template started under another environment would hand its workers stale ones.
+        if self._process is not None and self._process.poll() is None and env == self._env:
+            return self._control
+        self.close()
+        # Orphans of this process's children come to it, not to init: forked workers, once
+        # their middle process exits, are this process's to wait for and to kill.
+        _PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
+        if ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
+            return None
+        ours, theirs = socket.socketpair()
+        # Its output (import warnings, a crash) goes where the pool's own goes.
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "harness.template"],
+            cwd=REPO_ROOT,
+            env={
+                **env,
+                template.CONTROL_FD_ENV_VAR: str(theirs.fileno()),
+                protocol.POOL_PID_ENV_VAR: str(os.getpid()),
+            },
+            stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+        )
+        theirs.close()
+        self._control, self._env = ours, env
+        return ours
+
+    def close(self) -> None:
+        """End the template (closing its socket ends its loop; then it is killed)."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(2.0)
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+
+_TEMPLATE = _Template()
+
+
+def close_template() -> None:
+    """Ends the session's template worker (the pool's workers are not affected)."""
+    _TEMPLATE.close()
+
+
+def _base_env() -> dict[str, str]:
+    """A worker's environment before its rank: the pool's, with the fixed settings."""
+    return {**os.environ, **_FIXED_ENV}

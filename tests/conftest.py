@@ -8,6 +8,8 @@ harness (``harness/`` at the repo root) as ``harness``, by the same names the po
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,7 @@ from harness.pool import (
     crashes_retried,
     crowded_restarts,
     group_restarts,
+    pool_starts,
     shutdown_pools,
 )
 from tests.slow_list import LIST as SLOW_LIST
@@ -33,12 +36,58 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
     shutdown_pools()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A test's duration without the worker pools it started (see pytest_terminal_summary).
+
+    A pool starts on the first task of its world size and again after a task that left its
+    ranks unfit; that cost is the harness's, not the test's, and charging it to whichever test
+    came next made the slow list a list of first tests. ``--durations`` shows each test's own
+    time; the start-up total is printed beside it.
+    """
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    starts = pool_starts()
+    seen = item.stash.get(_STARTS_SEEN, 0)
+    item.stash[_STARTS_SEEN] = len(starts)
+    spent = sum(start.seconds for start in starts[seen:])
+    if spent:
+        report.duration = max(report.duration - spent, 0.0)
+        report.user_properties.append(("pool_start_s", round(spent, 3)))
+
+
+_STARTS_SEEN = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Where this test's pool starts begin (the makereport hook counts from here)."""
+    item.stash[_STARTS_SEEN] = len(pool_starts())
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Lists the tasks that ran again because a worker crashed: each one is a defect to find.
 
-    And counts the pools started afresh after tasks that made process groups on some ranks
-    only (expected of tests of models on a subset of ranks; each costs a pool's start).
+    Prints the worker pools' start-up total (left out of the tests' durations), and counts the
+    pools started afresh after tasks that made process groups on some ranks only (expected of
+    tests of models on a subset of ranks; each costs a pool's start).
     """
+    starts = pool_starts()
+    if starts:
+        by_world = {
+            w: [s for s in starts if s.world_size == w]
+            for w in sorted({s.world_size for s in starts})
+        }
+        parts = ", ".join(
+            f"W={w}: {len(found)} in {sum(s.seconds for s in found):.1f} s"
+            for w, found in by_world.items()
+        )
+        terminalreporter.write_line(
+            f"worker pools: {len(starts)} start(s), {sum(s.seconds for s in starts):.1f} s in all "
+            f"({parts}); not counted in the tests' durations"
+        )
     restarts = group_restarts()
     if restarts:
         terminalreporter.write_line(
