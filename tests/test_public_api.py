@@ -108,10 +108,12 @@ EXPECTED = {
         "MUON_RULE",
         "Muon",
         "Options",
+        "ParamSplit",
         "ShardedMatrixError",
         "StepStats",
         "WholeMatrixOptimizer",
         "WholeMatrixRule",
+        "split_matrices",
     ],
     "shardkit.tp": [
         "DTensorExtensions",

@@ -1,7 +1,8 @@
 """Muon's state dict round-trips: a resumed run continues with the uninterrupted run's bits.
 
-Same world size and the same sharding only: resharding Muon's state across world sizes (DCP,
-CheckpointManager) is the next part of issue 83.
+Same world size and the same sharding, through ``state_dict()`` alone; DCP, CheckpointManager,
+other world sizes and the other engine are ``test_muon_checkpoint.py``'s, a state dict that is
+not Muon's ``test_muon_hostile_state.py``'s.
 """
 
 from __future__ import annotations

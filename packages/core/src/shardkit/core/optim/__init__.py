@@ -3,12 +3,14 @@
 ``from shardkit.core.optim import Muon`` in place of ``torch.optim.Muon`` where the parameters
 are sharded by ``fully_shard`` (shardkit's or torch's): same arguments, defaults and bits, each
 matrix orthogonalized once in the job, whole, on one rank. Other whole-matrix updates plug in
-as a :class:`WholeMatrixRule` (:class:`ColumnNormSGD` is one). See docs/guide/muon.md.
+as a :class:`WholeMatrixRule` (:class:`ColumnNormSGD` is one). :func:`split_matrices` splits a
+model's parameters into Muon's and AdamW's. See docs/guide/muon.md.
 """
 
 from shardkit.core.errors import ShardedMatrixError
 from shardkit.core.optim.column_norm import COLUMN_NORM_RULE, ColumnNormSGD
 from shardkit.core.optim.muon import MUON_RULE, Muon
+from shardkit.core.optim.param_split import ParamSplit, split_matrices
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.whole_matrix import StepStats, WholeMatrixOptimizer
 
@@ -18,8 +20,10 @@ __all__ = [
     "MUON_RULE",
     "Muon",
     "Options",
+    "ParamSplit",
     "ShardedMatrixError",
     "StepStats",
     "WholeMatrixOptimizer",
     "WholeMatrixRule",
+    "split_matrices",
 ]

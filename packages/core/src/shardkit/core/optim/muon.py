@@ -61,6 +61,14 @@ def _apply(
         lr = lr.squeeze()  # torch's Muon takes a 1-element tensor as a 0-dim one
     param.mul_(1 - lr * options["weight_decay"])
     step = adjusted_lr(lr, options["adjust_lr_fn"], shape)
+    if shape[0] > shape[1] and update.dtype == param.dtype and update.stride(-1) == 1:
+        # torch's Muon adds a tall matrix's update as the transpose Newton-Schulz returns. A
+        # CPU add_ of two bf16 tensors takes the vectorized kernel (one fused rounding) only
+        # where both are contiguous, else the scalar one (alpha * update rounded first): rows
+        # that came back contiguous from the owner are given the transposed layout, so that
+        # bf16 parameters take torch's kernel and its bits. (An fp32 parameter casts the bf16
+        # update in the scalar kernel whatever the layout.)
+        update = update.mT.contiguous().mT
     # A tensor lr makes a 0-dim tensor alpha, which add_ takes (torch's Muon passes it too),
     # though torch's stubs say a number.
     param.add_(update, alpha=-step)  # type: ignore[arg-type]
@@ -155,13 +163,25 @@ class Muon(WholeMatrixOptimizer):
         """Add a group; its options are checked here, on every rank, not at the owner's step.
 
         Raises:
-            ValueError: an unknown ``adjust_lr_fn``, 100 or more ``ns_steps``, or not three
-                ``ns_coefficients`` (torch's Muon says so at its step).
+            ValueError: what :meth:`check_options` refuses.
         """
-        options = {**self.defaults, **param_group}
+        self.check_options({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def check_options(self, options: Options) -> None:
+        """Refuse what torch's Muon refuses, for a group added or one a state dict loads.
+
+        torch refuses these at its step, and lr, momentum and weight decay at construction.
+
+        Raises:
+            ValueError: an unknown ``adjust_lr_fn``, 100 or more ``ns_steps``, not three
+                ``ns_coefficients``, or a negative (or NaN) lr, momentum or weight decay.
+        """
         if options["adjust_lr_fn"] not in _ADJUST_LR_FNS:
             raise ValueError(
                 f"Adjust learning rate function {options['adjust_lr_fn']} is not supported"
             )
         check_newton_schulz(tuple(options["ns_coefficients"]), options["ns_steps"])
-        super().add_param_group(param_group)
+        for key in ("lr", "momentum", "weight_decay"):
+            if not options[key] >= 0.0:
+                raise ValueError(f"{key} should be >= 0 but is: {options[key]}")

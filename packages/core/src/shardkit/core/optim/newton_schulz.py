@@ -25,10 +25,12 @@ __all__ = [
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 """torch.optim.Muon's quintic coefficients (a, b, c), Keller Jordan's."""
 
-# Batched matmuls were checked bit for bit against the per-matrix ones on the CPU (tall, wide
-# and square shapes; tests/core/optim/test_newton_schulz.py). Other devices pick their kernels
-# by batch size, so there matrices go one at a time until a check there says otherwise.
-_BATCHED_DEVICES = frozenset({"cpu"})
+# Devices whose batched matmuls give the per-matrix ones' bits. None so far: on the CPU, bf16
+# baddbmm(G, G, G, beta=b, alpha=c) differs from addmm's in a last bit for some inputs (a
+# seed in ten or so at 16 x 16; Muon at W=2 on accumulated gradients met one at its 7th step),
+# and other devices pick their kernels by batch size. Matrices go one at a time until a check
+# there (tests/core/optim/test_newton_schulz.py) says otherwise.
+_BATCHED_DEVICES: frozenset[str] = frozenset()
 
 
 def check_newton_schulz(coefficients: tuple[float, ...], steps: int) -> None:

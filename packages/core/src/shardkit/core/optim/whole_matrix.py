@@ -41,6 +41,7 @@ from shardkit.core.optim.exchange import (
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
 from shardkit.core.optim.owners import assign_owners
 from shardkit.core.optim.rule import Options, WholeMatrixRule
+from shardkit.core.optim.state_checks import check_loadable
 from shardkit.core.runtime.dtensors import local_of
 
 __all__ = ["StepStats", "WholeMatrixOptimizer"]
@@ -147,6 +148,22 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             del self.param_groups[index]  # as if never added
             raise
         self._placements.update((id(p), (p, placement)) for p, placement in placed)
+
+    def check_options(self, options: Options) -> None:
+        """Refuse hyperparameters this optimizer cannot step with (subclasses say which).
+
+        A group added and each group of a loaded state dict pass through it.
+        """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` once every rank has found it to be this optimizer's state.
+
+        Raises:
+            ValueError, TypeError: the same on every rank, nothing loaded; see
+                ``state_checks.py`` for what is refused.
+        """
+        check_loadable(self, state_dict)
+        super().load_state_dict(state_dict)
 
     # torch's stubs overload step (None -> None, a closure -> float); one signature for both.
     @torch.no_grad()
