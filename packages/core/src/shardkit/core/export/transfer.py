@@ -42,9 +42,10 @@ class TransferCounts:
 
     collectives: int = 0
     sent_bytes: int = 0
-    """Bytes this rank put into the export's gathers."""
+    """Bytes this rank sent to other ranks in the export's gathers: its part (padded where the
+    gather packs) once for each member that takes it."""
     received_bytes: int = 0
-    """Bytes gathered into this rank (its own part included)."""
+    """Bytes other ranks sent into this rank in them (its own part, copied, not included)."""
     handed_bytes: int = 0
     """Bytes handed to the receiver (the receiving rank)."""
 
@@ -168,9 +169,12 @@ class BucketTransfer:
         self.watch.wait(works, members, on_device=buffer.device.type != "cpu")
         if len(members) > 1:  # a group of one moves nothing
             self.counts.collectives += 1
-            self.counts.sent_bytes += buffer.numel()
+            # Over the wire, as the direct path counts: this rank's part to each member that
+            # takes it, and the other members' parts into this rank (padding included).
+            takers = len(members) - 1 if self.to_all else int(members.index(global_rank()) != 0)
+            self.counts.sent_bytes += buffer.numel() * takers
             if out is not None:
-                self.counts.received_bytes += out.numel()
+                self.counts.received_bytes += out.numel() - buffer.numel()
         return out
 
     def _gather_whole(

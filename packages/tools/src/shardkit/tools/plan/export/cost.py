@@ -115,10 +115,10 @@ class RankCounts:
     collectives: int
     """The buckets' gathers it takes part in, and the small all-gathers every rank joins."""
     sent_bytes: int
-    """What it puts into the buckets' gathers."""
+    """What it sends in the buckets' gathers: its part, once for each member that takes it."""
     received_bytes: int
-    """What is gathered into it: a packed gather's whole buffer (its own part included), or
-    on gloo's messages the other ranks' rows alone, as the export counts them."""
+    """What the other members send into it (its own part not included), on either path: a
+    packed gather's other parts (padded), or on gloo's messages the other ranks' rows."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,7 +190,7 @@ def export_cost(
     )
     receiver = coords[0]
     world = spec.world_size
-    seconds = sum(_seconds(hardware, mesh, m.mesh_dim, m.from_others) for m in moved[receiver])
+    seconds = sum(_seconds(hardware, mesh, m.mesh_dim, m.received) for m in moved[receiver])
     seconds += sum(_seconds(hardware, mesh, None, c * (world - 1)) for c in control)
     return ExportCost(
         kind="delta" if delta else "full",
@@ -200,7 +200,7 @@ def export_cost(
         collectives=ranks[0].collectives,
         sent_bytes=max(r.sent_bytes for r in ranks),
         received_bytes=ranks[0].received_bytes,
-        wire_bytes=sum(m.from_others for ms in moved.values() for m in ms),
+        wire_bytes=sum(m.received for ms in moved.values() for m in ms),
         control_bytes=sum(control) * (world - 1),
         receiving_peak_bytes=max((gathers.receiving_peak(b, receiver) for b in buckets), default=0),
         sending_peak_bytes=max((m.part for c in coords[1:] for m in moved[c]), default=0),
@@ -221,11 +221,9 @@ class _Moved:
     part: int
     """Bytes this rank packs for it."""
     sent: int
-    """Bytes it puts in (``counts.sent_bytes``)."""
+    """Bytes it sends to the members that take its part (``counts.sent_bytes``)."""
     received: int
-    """Bytes gathered into it (``counts.received_bytes``)."""
-    from_others: int
-    """Of those, what came from the other ranks (over the wire)."""
+    """Bytes the other members send into it, over the wire (``counts.received_bytes``)."""
     gathered: int
     """The gathered bucket's bytes where it receives (its own part included)."""
 
@@ -312,17 +310,15 @@ class _Gathers:
             if self.spec.backend == "gloo" and share.dim0:
                 # Messages of each rank's own rows, straight into place: to every peer
                 # (to="all"), or from each other rank to the first.
-                peers = size - 1 if self.spec.to == "all" else int(coord[mesh_dim] != 0)
+                peers = self._takers(coord, mesh_dim)
                 others = share.whole - share.own if receives else 0
                 gathered = share.whole if receives else 0
-                moved.append(_Moved(mesh_dim, True, share.own, share.own * peers, others, others,
-                                    gathered))  # fmt: skip
+                moved.append(_Moved(mesh_dim, True, share.own, share.own * peers, others, gathered))
             else:
                 gathered = size * share.padded if receives else 0
                 others = gathered - share.padded if receives else 0
-                sent = share.padded if size > 1 else 0
-                moved.append(_Moved(mesh_dim, size > 1, share.padded, sent,
-                                    gathered if size > 1 else 0, others, gathered))  # fmt: skip
+                sent = share.padded * self._takers(coord, mesh_dim)
+                moved.append(_Moved(mesh_dim, size > 1, share.padded, sent, others, gathered))
             if not receives:
                 break
         return moved
@@ -345,8 +341,13 @@ class _Gathers:
         receives = self.spec.to == "all" or coord[mesh_dim] == 0
         gathered = size * message if receives and size > 1 else 0
         others = gathered - message if gathered else 0
-        sent = message if size > 1 else 0
-        return [_Moved(mesh_dim, size > 1, part, sent, gathered, others, gathered)]
+        sent = message * self._takers(coord, mesh_dim)
+        return [_Moved(mesh_dim, size > 1, part, sent, others, gathered)]
+
+    def _takers(self, coord: tuple[int, ...], mesh_dim: int) -> int:
+        """The other members of a gather along ``mesh_dim`` that take this rank's part."""
+        size = self.mesh.dims[mesh_dim][1]
+        return size - 1 if self.spec.to == "all" else int(coord[mesh_dim] != 0)
 
     def receiving_peak(self, bucket: ExportBucketModel, coord: tuple[int, ...]) -> int:
         """The receiving rank's bytes beyond its training state while ``bucket`` moves.
