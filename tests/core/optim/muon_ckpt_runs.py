@@ -204,3 +204,26 @@ def hostile_body(rank: int, world_size: int, path: str, case: str) -> dict[str, 
         torch.equal(before[part][k], after[part][k]) for part in before for k in before[part]
     )
     return {"error": error, "same": same}
+
+
+def full_state_body(rank: int, world_size: int, impl: str) -> dict[str, Any]:
+    """Muon's state as full tensors (``StateDictOptions(full_state_dict=True)``), loaded back
+    into fresh sharded optimizers: the kinds of the saved tensors, and whether every value
+    came back exactly."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model = sharded_gpt(impl, world_size)
+    opts = optimizers(model, sharded=True)
+    backward(model, 0, rank, world_size)
+    step_all(opts)
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, opts, options=options)
+    state: dict[str, dict[str, Any]] = optim_sd["state"]  # type: ignore[assignment]
+    kinds = {type(v).__name__ for s in state.values() for v in s.values()}
+    fresh = sharded_gpt(impl, world_size, seed=7)
+    fresh_opts = optimizers(fresh, sharded=True)
+    set_state_dict(
+        fresh, fresh_opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+    )
+    saved, loaded = optim_values(model, opts), optim_values(fresh, fresh_opts)
+    return {"kinds": kinds, "same": all(torch.equal(saved[k], loaded[k]) for k in saved)}

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from harness.pool import run_on_ranks
-from tests.core.optim.muon_ckpt_runs import RESUMED, hostile_body, resume_body, save_body
+from tests.core.optim.muon_ckpt_runs import (
+    RESUMED,
+    full_state_body,
+    hostile_body,
+    resume_body,
+    save_body,
+)
 
 Saver = Callable[[str, str], dict[str, Any]]
 
@@ -84,6 +90,14 @@ def test_muon_state_moves_between_engines(saved: Saver, saver: str, loader: str)
     # torch's fully_shard and torch's dcp.load read a checkpoint that shardkit's engine wrote,
     # and the other way round; Muon's state is the same DTensors either way.
     _check_resume(saved(saver, "dcp"), 2, loader, "dcp")
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+def test_full_state_dicts_load_back_into_sharded_muon(impl: str) -> None:
+    # get_state_dict(full_state_dict=True) gathers the momentum whole; set_state_dict shards
+    # it again before Muon's load_state_dict sees it (which takes DTensors like the params).
+    for result in run_on_ranks(2, full_state_body, impl=impl):
+        assert result == {"kinds": {"Tensor"}, "same": True}
 
 
 @pytest.mark.parametrize(
