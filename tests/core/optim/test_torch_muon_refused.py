@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -64,3 +66,35 @@ def _whole_body(rank: int, world_size: int) -> bool:
 
 def test_torch_muon_runs_on_whole_matrices() -> None:
     assert run_on_ranks(2, _whole_body) == [True, True]
+
+
+_PATCHED_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # bound before the patch
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from shardkit.core import patch_torch
+from shardkit.core.errors import ShardedMatrixError
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+model = torch.nn.Linear(4, 6, bias=False)
+torch_fully_shard(model)  # torch's engine: shardkit's fully_shard never runs in this process
+opt = torch.optim.Muon(model.parameters(), lr=0.02)
+for when in ("before", "after"):
+    if when == "after":
+        patch_torch()
+    try:
+        opt.step()
+    except ShardedMatrixError as error:
+        print(when, "refused:", error)
+    else:
+        print(when, "ran")
+"""
+
+
+def test_patch_torch_refuses_torch_muon_on_torch_s_engine() -> None:
+    argv = [sys.executable, "-c", _PATCHED_SCRIPT]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+    before, after = done.stdout.splitlines()
+    assert before == "before ran"  # nothing had installed the refusal: torch's own step
+    assert after.startswith("after refused: torch.optim.Muon was given param_groups[0]")

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from importlib.metadata import entry_points
 from types import ModuleType
 
+from shardkit.core.optim.torch_muon import refuse_torch_muon_on_shards
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FSDP2_MODULES",
@@ -139,7 +141,8 @@ def patch_torch() -> None:
     :data:`FSDP2_MODULES` (those of them the installed torch has); ``replicate``,
     ``ReplicateModule`` and ``is_composable_with_replicate`` in :data:`REPLICATE_MODULE`;
     plus what the packages registered under :data:`ENTRY_POINT_GROUP` add (FSDP1's names,
-    with shardkit-legacy installed).
+    with shardkit-legacy installed). From then on ``torch.optim.Muon`` is refused on sharded
+    matrices whichever engine sharded them (``shardkit.core.optim.torch_muon``).
 
     Raises:
         RuntimeError: a registered patch could not be loaded, names a module that does not
@@ -148,6 +151,9 @@ def patch_torch() -> None:
     """
     if _ORIGINALS:
         return
+    # A module that imported torch's fully_shard before the patch still shards with torch's
+    # engine: torch's Muon on those shards is refused too, as on shardkit's.
+    refuse_torch_muon_on_shards()
     for name in _TORCH_INTERNAL_USERS:
         importlib.import_module(name)
     plan = _plan()
