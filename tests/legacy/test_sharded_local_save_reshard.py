@@ -75,3 +75,63 @@ def test_an_fsdp1_checkpoint_saved_locally_loads_into_fully_shard_at_another_wor
         assert full.keys() == expected.keys()
         for name, tensor in expected.items():
             assert torch.equal(full[name], tensor), name
+
+
+def _load_by_record(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    """The same load planned by this rank alone from the layout record (no ``.metadata``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardkit.core import fully_shard
+    from shardkit.core.checkpoint.local_plan.layout_record import read_record
+    from shardkit.core.checkpoint.local_plan.load import load_planned_locally
+    from shardkit.core.checkpoint.replica_reads import ReadCounts
+
+    model = models.build(RUN.model, seed=5)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.modules():
+        if isinstance(block, models.Block):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loaded = {"model": get_model_state_dict(model)}
+    load_planned_locally(loaded, Path(root), read_record(Path(root)), ReadCounts())
+    set_model_state_dict(model, loaded["model"])
+    full: dict[str, torch.Tensor] = {}
+    for name, value in get_model_state_dict(model).items():
+        assert isinstance(value, DTensor), name
+        full[name] = value.full_tensor()
+    return full
+
+
+def _load_sharded_by_record(rank: int, world_size: int, root: str) -> bool:
+    """Into FSDP1's ShardedTensors again (zeroed first), planned from the record."""
+    from shardkit.core.checkpoint.local_plan.layout_record import read_record
+    from shardkit.core.checkpoint.local_plan.load import load_planned_locally
+    from shardkit.core.checkpoint.replica_reads import ReadCounts
+
+    model = wrap_model("shardkit", RUN)  # seed 0's weights: the saved ones
+    state = {"model": state_dict_of("shardkit", model, "SHARDED_STATE_DICT")}
+    saved = {k: [s.tensor.clone() for s in v.local_shards()] for k, v in state["model"].items()}
+    for value in state["model"].values():
+        for shard in value.local_shards():
+            shard.tensor.zero_()
+    load_planned_locally(state, Path(root), read_record(Path(root)), ReadCounts())
+    return all(
+        torch.equal(shard.tensor, before)
+        for key, value in state["model"].items()
+        for shard, before in zip(value.local_shards(), saved[key], strict=True)
+    )
+
+
+def test_an_fsdp1_checkpoint_loads_planned_from_its_layout_record(tmp_path: Path) -> None:
+    """Into ``fully_shard`` at W=4 (bit for bit torch's load) and FSDP1's ShardedTensors at W=2."""
+    root = str(tmp_path / "ckpt")
+    run_on_ranks(2, _save_fsdp1, root=root)
+    assert (tmp_path / "ckpt" / "layout.json").is_file()
+    by_record = run_on_ranks(4, _load_by_record, root=root)
+    by_torch = run_on_ranks(4, _load_fully_shard, root=root)
+    for ours, theirs in zip(by_record, by_torch, strict=True):
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert all(run_on_ranks(2, _load_sharded_by_record, root=root))

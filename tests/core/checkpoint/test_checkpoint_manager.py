@@ -196,9 +196,12 @@ def _crafted_body(rank: int, world_size: int, root: str, where: str) -> dict[str
     else:
         manager.save(4, {"app": app, "note": "plain"})
     newest = Path(root) / "step_00000004"
-    if where == "metadata" and rank == 0:
+    if where.startswith("metadata") and rank == 0:
         (newest / ".metadata").write_bytes(pickle.dumps(_Trap(str(witness))))
         marker = json.loads((newest / "COMPLETE").read_text())
+        if where == "metadata":  # an older checkpoint's form, without the layout record
+            (newest / "layout.json").unlink()
+            del marker["files"]["layout.json"]
         data = (newest / ".metadata").read_bytes()
         marker["files"][".metadata"] = {
             "bytes": len(data),
@@ -243,7 +246,8 @@ def test_a_checkpoint_that_would_run_code_is_refused_before_anything_loads(
     tmp_path: Path, where: str, why: str
 ) -> None:
     """DCP unpickles ``.metadata`` and every value that is not a tensor with plain pickle; the
-    manager reads both without running pickled code (``checkpoint/dcp_reading.py``)."""
+    manager reads both without running pickled code (``checkpoint/dcp_reading.py``). The
+    ``.metadata`` case is a checkpoint without the layout record (torch's, or older ones)."""
     results = run_on_ranks(2, _crafted_body, root=str(tmp_path / "ckpt"), where=where)
     for result in results:
         assert result["loaded"] == "step_00000002" and result["note"] == "plain", result
@@ -251,6 +255,16 @@ def test_a_checkpoint_that_would_run_code_is_refused_before_anything_loads(
         assert why in result["error"] and "step_00000004" in result["error"], result["error"]
         assert "part-way" not in result["error"]  # refused before DCP wrote anything
     assert results[0]["error"] == results[1]["error"]
+
+
+def test_a_checkpoint_with_the_layout_record_never_unpickles_its_metadata(tmp_path: Path) -> None:
+    """Its load is planned from the record (``checkpoint/local_plan/load.py``): a crafted
+    ``.metadata`` (its checksum updated) is not read, so it runs nothing, and the state loads."""
+    root = str(tmp_path / "ckpt")
+    results = run_on_ranks(2, _crafted_body, root=root, where="metadata_with_record")
+    for result in results:
+        assert result["loaded"] == "step_00000004" and result["note"] == "plain", result
+        assert not result["ran"] and result["error"] == "", result
 
 
 class _Note:

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata, unsafe_values, value_keys
 from shardkit.core.checkpoint.files import COMPLETE, manifest_of, problems_with, share
+from shardkit.core.checkpoint.local_plan.layout_record import RECORD, Record, read_record
+from shardkit.core.checkpoint.local_plan.load import load_planned_locally, recorded_problems
 from shardkit.core.checkpoint.local_plan.save import describe_dcp_failure
 from shardkit.core.checkpoint.replica_reads import (
     ReadCounts,
@@ -36,12 +38,14 @@ __all__ = ["no_checkpoint_loads", "try_load", "verify"]
 logger = logging.getLogger(__name__)
 
 
-def verify(checkpoint: Path) -> tuple[str, Metadata | None]:
+def verify(checkpoint: Path) -> tuple[str, Metadata | Record | None]:
     """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank.
 
-    Also its metadata as this rank read it (None where it got no further), for the load.
+    Also what the load plans from, as this rank read it (None where it got no further): the
+    layout record where the checkpoint has one (``.metadata`` is then never read), else
+    DCP's metadata.
     """
-    read: list[Metadata] = []
+    read: list[Metadata | Record] = []
 
     def check_my_share() -> list[str]:
         files = manifest_of(json.loads((checkpoint / COMPLETE).read_text()))
@@ -52,6 +56,10 @@ def verify(checkpoint: Path) -> tuple[str, Metadata | None]:
             problems = problems_with(checkpoint, {name: files[name] for name in mine})
             if problems:
                 return problems
+        if (checkpoint / RECORD).is_file():
+            record = read_record(checkpoint)
+            read.append(record)
+            return recorded_problems(checkpoint, record, global_rank(), world_size())
         # Before anything loads: DCP's metadata and the values that are not tensors, read
         # without running pickled code (a refused one fails the checkpoint, nothing written).
         metadata = read_dcp_metadata(checkpoint)
@@ -68,17 +76,21 @@ def verify(checkpoint: Path) -> tuple[str, Metadata | None]:
 
 
 def try_load(
-    state: dict[str, Any], checkpoint: Path, metadata: Metadata, counts: ReadCounts
+    state: dict[str, Any], checkpoint: Path, metadata: Metadata | Record, counts: ReadCounts
 ) -> str:
     """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank).
 
-    ``metadata``: as ``verify`` read it, so that the load does not read it again. The
+    ``metadata``: as ``verify`` read it, so that the load does not read it again; a layout
+    record's layout is loaded by each rank alone (``local_plan.load``). The
     replicas of each replicated DTensor (HSDP's) split its reading (``replica_reads``);
     ``counts`` gets what this rank read and received.
     """
 
     def load() -> None:
         try:
+            if isinstance(metadata, Record):
+                load_planned_locally(state, checkpoint, metadata, counts)
+                return
             reader = ReplicaSplitReader(checkpoint, metadata, counts)
             planner = ReplicaSplitPlanner()
             dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)

@@ -324,8 +324,10 @@ class CheckpointManager:
             "files": files,  # size and SHA-256 of each, checked before a load
         }
         _write_atomic(partial / COMPLETE, json.dumps(marker) + "\n")
-        if target.exists():
-            shutil.rmtree(target)  # the same step saved again
+        if target.exists():  # the same step saved again (a resume from an earlier one)
+            # Its marker first: a kill inside the removal must not leave it marked complete.
+            (target / COMPLETE).unlink(missing_ok=True)
+            shutil.rmtree(target)
         os.replace(partial, target)
         _fsync_dir(self.root)
         _write_atomic(self.root / _LATEST, target.name + "\n")

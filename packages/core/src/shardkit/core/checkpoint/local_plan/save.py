@@ -53,7 +53,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardkit.core.checkpoint.dcp_reading import LoadableSavePlanner
+from shardkit.core.checkpoint.local_plan.chunk_sources import plain_locations
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
+from shardkit.core.checkpoint.local_plan.layout_record import RECORD, write_record
+from shardkit.core.checkpoint.local_plan.rank_index import index_name, write_index
 from shardkit.core.checkpoint.local_plan.save_results import (
     ROW,
     Gathered,
@@ -246,6 +249,7 @@ def save_planned_locally(
         started = time.perf_counter()
         final = planner.finish_plan(plan)
         rows = result_rows(final.items, write_items(writer, planner, final), rank)
+        write_index(checkpoint_id, rank, rows)  # where this rank's items lie (loads read it)
         times.write = time.perf_counter() - started
     except NotPlannableLocally as error:
         failure, not_local = f"rank {rank}: {error}", True  # nothing written
@@ -263,6 +267,11 @@ def save_planned_locally(
             if reason:
                 outcome = json.dumps({"fallback": reason}).encode()
             else:
+                # The record before .metadata: a checkpoint that torch's readers take has it.
+                assert planner.layout is not None
+                bodies = [body for _, _, body, _ in gathered]
+                plain = plain_locations(planner.layout, bodies)
+                write_record(checkpoint_id, planner.layout, plain)
                 (write_metadata or _write_metadata)(writer, planner, gathered)
                 outcome = json.dumps({"metadata_s": time.perf_counter() - begun}).encode()
         except Exception as error:
@@ -278,6 +287,9 @@ def save_planned_locally(
         logger.warning("saving through DCP's own planning from now on: %s", cache.dcp_reason)
         for written in Path(checkpoint_id).glob(f"__{rank}_*.distcp"):
             written.unlink()  # what the local plan wrote: DCP writes its own
+        (Path(checkpoint_id) / index_name(rank)).unlink(missing_ok=True)  # no record: DCP loads
+        if rank == 0:
+            (Path(checkpoint_id) / RECORD).unlink(missing_ok=True)  # a last save's, saved over
         _save_with_dcp(state, checkpoint_id, group)
         return times
     times.metadata = float(shared["metadata_s"])

@@ -1,0 +1,153 @@
+"""A load's planning at thousands of ranks, in one process: from the layout record, per rank.
+
+Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192] [--sizes 8b,70b]
+       [--layouts fsdp,hsdp,fsdp1]
+
+The saved state is ``save_plan_run``'s (a Llama with AdamW under FSDP, HSDP or FSDP1's
+ShardedTensors, at W ranks). For each point:
+
+- the record (``checkpoint/local_plan/layout_record.py``): its bytes and rank 0's time to
+  place the values every rank holds in what it gathered, encode and write it (every save),
+  beside ``.metadata``'s entries (one per chunk);
+- a loading rank's planning, at the same world and at W/2 (a reshard), for the first, the
+  middle and the last rank: the record read and checked (its digest recomputed), the saved
+  geometries, the overlaps of the rank's shards with the saved chunks, their writers and
+  their rows in the writers' indexes (``chunk_sources.py``), as ``load.py`` runs it before
+  DCP's planner. The indexes are simulated (rows of the right count; their reading is
+  counted in bytes, 24 a row, not timed), and so are the rank's shards (its boxes, which a
+  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone.
+
+Prints one JSON line per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.save_plan_run import LAYOUTS, state_values
+from shardkit.core.checkpoint.local_plan.chunk_sources import (
+    Boxes,
+    ChunkSources,
+    plain_locations,
+)
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
+from shardkit.core.checkpoint.local_plan.layout_record import read_record, write_record
+
+
+class SimulatedIndexes(ChunkSources):
+    """``ChunkSources`` whose writers' indexes are made up (their sizes counted)."""
+
+    index_bytes = 0
+
+    def index_of(self, writer: int) -> np.ndarray:
+        found = self._indexes.get(writer)
+        if found is None:
+            items = int((self.written_by(writer) >= 0).sum())
+            found = np.zeros((items, 3), dtype=np.int64)
+            found[:, 1] = np.arange(items) * 4096
+            found[:, 2] = 4096
+            self._indexes[writer] = found
+            self.index_bytes += 48 + 24 * items
+        return found
+
+
+def _gathered(layout: SaveLayout) -> list[torch.Tensor]:
+    """Rank 0's gathered result rows, of the ranks that write values every rank holds (the
+    only ones the record reads; 4,096 bytes an item), empty for the others."""
+    sources = ChunkSources(Path(), layout)
+    writers = min(layout.world_size, sources.plain_ordinals.size)
+    bodies = [torch.zeros(0, dtype=torch.int64)] * layout.world_size
+    for writer in range(writers):
+        n = int((sources.written_by(writer) >= 0).sum())
+        rows = torch.zeros((n, 4), dtype=torch.int64)
+        rows[:, 1] = torch.arange(n) * 4096
+        rows[:, 2:] = 4096
+        bodies[writer] = rows.reshape(-1)
+    return bodies
+
+
+def held_boxes(layout: SaveLayout, rank: int) -> dict[str, Boxes]:
+    """What ``rank`` holds of each value of ``layout`` (the loading world's)."""
+    held: dict[str, Boxes] = {}
+    for value in layout.values:
+        if value.kind not in ("dtensor", "sharded"):
+            held[value.fqn] = None
+            continue
+        geometry = layout.geometry(value)
+        position = geometry.position_of.get(rank)
+        if position is None:
+            held[value.fqn] = ()
+            continue
+        group = int(geometry.group_of[position])
+        offsets = tuple(geometry.offsets[group].tolist())
+        held[value.fqn] = ((offsets, tuple(geometry.sizes[group].tolist())),)
+    return held
+
+
+def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, Any]:
+    saved = SaveLayout.from_values(state_values(size, world, layout_name), world)
+    bodies = _gathered(saved)
+    started = time.perf_counter()
+    plain = plain_locations(saved, bodies)
+    record_bytes = write_record(folder, saved, plain)
+    record_s = time.perf_counter() - started
+    chunks = sum(
+        saved.geometry(v).offsets.shape[0] if v.kind in ("dtensor", "sharded") else 1
+        for v in saved.values
+    )
+    out: dict[str, Any] = {
+        "size": size,
+        "world": world,
+        "layout": layout_name,
+        "record_bytes": record_bytes,
+        "record_write_s": record_s,
+        "metadata_entries": chunks,
+        "planning_collectives": 0,
+    }
+    for name, loading_world in (("same", world), ("half", world // 2)):
+        loading = SaveLayout.from_values(
+            state_values(size, loading_world, layout_name), loading_world
+        )
+        seconds, reads, writers = [], [], []
+        for rank in (0, loading_world // 2, loading_world - 1):
+            held = held_boxes(loading, rank)
+            started = time.perf_counter()
+            record = read_record(folder)
+            sources = SimulatedIndexes(folder, record.layout, record.plain)
+            metadata = sources.metadata_of(held)
+            seconds.append(time.perf_counter() - started)
+            reads.append(len(metadata.storage_data))
+            writers.append(len(sources._indexes))
+            out[f"{name}_index_bytes"] = max(out.get(f"{name}_index_bytes", 0), sources.index_bytes)
+        out[f"{name}_plan_s_per_rank"] = max(seconds)
+        out[f"{name}_items_read"] = max(reads)
+        out[f"{name}_writers_read"] = max(writers)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", default="1024,4096,8192")
+    parser.add_argument("--sizes", default="8b,70b")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        for size in args.sizes.split(","):
+            for layout in args.layouts.split(","):
+                for world in map(int, args.worlds.split(",")):
+                    print(json.dumps(point(size, world, layout, Path(folder))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

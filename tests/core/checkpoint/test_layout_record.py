@@ -1,0 +1,256 @@
+"""The layout record and the ranks' indexes (``checkpoint/local_plan/layout_record.py``,
+``rank_index.py``): what they hold, and hostile input.
+
+A record round-trips every placement the locally planned save handles (``Shard``,
+``Replicate``, ``_StridedShard``, FSDP1's ShardedTensor shards) into the same layout (its
+digest recomputed), and its size does not grow with the world for meshes of ranks in order.
+A truncated, bit-flipped, oversized or inconsistent record, and an index that is damaged or
+points past its data file's end, are refused with an error naming the file. Through the
+manager at W=2: a damaged record is refused on every rank with the same error and nothing
+loaded; a save killed between the data files and ``.metadata`` leaves no checkpoint that
+the manager or torch's readers take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import TensorProperties
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from harness.pool import run_on_ranks
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout, ValueLayout, mesh_key
+from shardkit.core.checkpoint.local_plan.layout_record import (
+    RECORD,
+    encode_record,
+    read_record,
+    write_record,
+)
+from shardkit.core.checkpoint.local_plan.rank_index import read_index, write_index
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import Shards
+from shardkit.core.errors import StateDictFileError
+from tests.core.checkpoint.checkpoint_app import build_app, same_state, state_of, train_app
+
+_F32 = TensorProperties(dtype=torch.float32)
+_PLAIN = np.zeros((2, 3), dtype=np.int64)  # where the layout's two plain values lie
+
+
+def _layout(world: int, shards: Shards | None = None) -> SaveLayout:
+    """A state of every kind: DTensors on a 1-D and a 2-D mesh, ShardedTensor, plain values."""
+    flat = np.arange(world, dtype=np.int64)
+    square = flat.reshape(2, world // 2)
+    values = [
+        ValueLayout("w", "dtensor", (10, 3), _F32, flat, (Shard(0),), mesh_key(flat)),
+        ValueLayout(
+            "hsdp", "dtensor", (7,), _F32, square, (Replicate(), Shard(0)), mesh_key(square)
+        ),
+        ValueLayout(
+            "tp", "dtensor", (8, 4), _F32, square, (_StridedShard(0, split_factor=2), Shard(0)),
+            mesh_key(square),
+        ),
+        ValueLayout("step", "tensor", (), TensorProperties(dtype=torch.int64)),
+        ValueLayout("note", "bytes"),
+    ]  # fmt: skip
+    if shards is not None:
+        values.append(
+            ValueLayout("fsdp1", "sharded", (5, 2), _F32, flat, (shards,), mesh_key(flat))
+        )
+    return SaveLayout.from_values(values, world)
+
+
+def _fsdp1_shards(world: int, rows: int = 5) -> Shards:
+    size = -(-rows // world)
+    starts = np.minimum(np.arange(world) * size, rows)
+    ends = np.minimum(starts + size, rows)
+    offsets = np.stack([starts, np.zeros(world, dtype=np.int64)], axis=1)
+    return Shards(offsets, np.stack([ends - starts, np.full(world, 2)], axis=1))
+
+
+def test_a_record_reads_back_into_the_layout_saved(tmp_path: Path) -> None:
+    layout = _layout(4, _fsdp1_shards(4))
+    plain = np.array([[0, 64, 700], [1, 0, 1200]], dtype=np.int64)
+    assert write_record(tmp_path, layout, plain) > 0
+    record = read_record(tmp_path)
+    read = record.layout
+    assert read.digest == layout.digest and record.plain.tolist() == plain.tolist()
+    for rank in range(4):
+        assert [i.index for i in read.items_of(rank)] == [i.index for i in layout.items_of(rank)]
+
+
+def test_a_records_size_does_not_grow_with_the_world() -> None:
+    sizes = {world: len(encode_record(_layout(world), _PLAIN) or b"") for world in (8, 1024, 8192)}
+    assert max(sizes.values()) - min(sizes.values()) <= 16, sizes  # the digits of W only
+
+
+def _rewrite(path: Path, edit: Any) -> None:
+    """The record's JSON edited, its checksum made to match (as a forger would)."""
+    body = json.loads(path.read_bytes().partition(b"\n")[2])
+    edit(body)
+    data = json.dumps(body).encode()
+    path.write_bytes(f"shardkit-layout 1 {hashlib.sha256(data).hexdigest()}\n".encode() + data)
+
+
+def _shape(body: dict[str, Any]) -> None:
+    body["values"][0]["shape"] = [11, 3]
+
+
+def _overlap(body: dict[str, Any]) -> None:
+    body["shards"][0]["offsets"][1][0] = 0  # the second shard over the first one's rows
+
+
+def _rank(body: dict[str, Any]) -> None:
+    body["meshes"].append({"shape": [2], "ranks": [0, 9]})
+    body["values"][0]["mesh"] = len(body["meshes"]) - 1
+
+
+def _pickle_ish(body: dict[str, Any]) -> None:
+    body["values"][0]["dtype"] = "__class__"
+
+
+def _plain(body: dict[str, Any]) -> None:
+    body["plain"] = body["plain"][:-3]
+
+
+HOSTILE: dict[str, tuple[str, Callable[[Path], Any]]] = {
+    "truncated": ("checksum does not match", lambda p: p.write_bytes(p.read_bytes()[:-7])),
+    "bit flipped": (
+        "checksum does not match",
+        lambda p: p.write_bytes(p.read_bytes()[:-3] + bytes([p.read_bytes()[-3] ^ 4]) + b"}}"),
+    ),
+    "oversized": ("more than any record", lambda p: p.write_bytes(b"x" * ((256 << 20) + 1))),
+    "another layout": ("digest differs", lambda p: _rewrite(p, _shape)),
+    "shards overlap": ("overlap or leave holes", lambda p: _rewrite(p, _overlap)),
+    "rank outside the world": ("lists 2 ranks", lambda p: _rewrite(p, _rank)),
+    "not a dtype": ("dtype '__class__'", lambda p: _rewrite(p, _pickle_ish)),
+    "a count that disagrees": ("places 1 values", lambda p: _rewrite(p, _plain)),
+    "not a record": ("not a layout record", lambda p: p.write_bytes(b"{}\n{}")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_damaged_record_is_refused_naming_the_file(case: str, tmp_path: Path) -> None:
+    write_record(tmp_path, _layout(4, _fsdp1_shards(4)), _PLAIN)
+    expected, damage = HOSTILE[case]
+    damage(tmp_path / RECORD)
+    with pytest.raises(StateDictFileError) as raised:
+        read_record(tmp_path)
+    assert str(tmp_path / RECORD) in str(raised.value) and expected in str(raised.value)
+
+
+def test_a_damaged_index_is_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "__1_0.distcp").write_bytes(b"\0" * 100)
+    rows = torch.tensor([[0, 0, 60, 60], [0, 60, 40, 40]])
+    write_index(tmp_path, 1, rows)
+    assert read_index(tmp_path, 1, 2).tolist() == [[0, 0, 60], [0, 60, 40]]
+    for items, expected in ((3, "where 3 items take"),):
+        with pytest.raises(StateDictFileError, match=expected):
+            read_index(tmp_path, 1, items)
+    write_index(tmp_path, 1, torch.tensor([[0, 0, 60, 60], [0, 60, 41, 41]]))
+    with pytest.raises(StateDictFileError, match=r"__1\.index.*past the end of __1_0\.distcp"):
+        read_index(tmp_path, 1, 2)
+    data = bytearray((tmp_path / "__1.index").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "__1.index").write_bytes(bytes(data))
+    with pytest.raises(StateDictFileError, match="checksum"):
+        read_index(tmp_path, 1, 2)
+
+
+def _damaged_record_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardkit.core import CheckpointLoadError, CheckpointManager
+
+    manager = CheckpointManager(root)
+    app = build_app(world_size)
+    train_app(app, 1, rank, world_size)
+    path = manager.save(1, {"app": app})
+    dist.barrier()
+    if rank == 0:  # forged, with the marker's checksum updated: the record's own checks refuse
+        _rewrite(path / RECORD, _shape)
+        marker = json.loads((path / "COMPLETE").read_text())
+        data = (path / RECORD).read_bytes()
+        marker["files"][RECORD] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (path / "COMPLETE").write_text(json.dumps(marker))
+    dist.barrier()
+    fresh = build_app(world_size, seed=7)
+    before = state_of(fresh)
+    try:
+        manager.load({"app": fresh})
+        error = ""
+    except CheckpointLoadError as failure:
+        error = str(failure)
+    return {"error": error, "unchanged": same_state(state_of(fresh), before)}
+
+
+def test_a_damaged_record_fails_the_load_on_every_rank_with_nothing_loaded(tmp_path: Path) -> None:
+    results = run_on_ranks(2, _damaged_record_load, root=str(tmp_path))
+    assert results[0]["error"] == results[1]["error"]
+    assert "layout.json: damaged layout record" in results[0]["error"]
+    assert "digest differs" in results[0]["error"]
+    assert "Nothing was loaded" in results[0]["error"]
+    assert all(result["unchanged"] for result in results)
+
+
+def _killed_before_metadata(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from shardkit.core import CheckpointManager
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
+    from shardkit.core.runtime.groups import checkpoint_group
+
+    manager = CheckpointManager(root)
+    app = build_app(world_size)
+    train_app(app, 1, rank, world_size)
+    manager.save(1, {"app": app})
+    saved = state_of(app)
+    train_app(app, 2, rank, world_size)
+    partial = Path(root) / ".step_00000002.partial"
+
+    def killed(*args: Any) -> None:
+        # Rank 0 stops after the record, before .metadata (an error rather than a real kill,
+        # so that the other rank is told instead of left waiting; the files are the same).
+        raise OSError("killed")
+
+    try:  # what the manager's save does up to .metadata: data, indexes, record
+        save_planned_locally(
+            {"app": app}, partial, LayoutCache(), checkpoint_group(), write_metadata=killed
+        )
+    except BaseException as error:
+        failure = f"{type(error).__name__}: {error}"
+    left = sorted(p.name for p in partial.iterdir())
+    fresh = build_app(world_size, seed=7)
+    loaded = manager.load({"app": fresh})
+    try:
+        dcp_load({"app": build_app(world_size, seed=7)}, checkpoint_id=partial)
+        torch_reads = "loaded"
+    except BaseException as error:
+        torch_reads = type(error).__name__
+    return {
+        "failure": failure,
+        "left": left,
+        "complete": [p.name for p in manager.complete()],
+        "loaded": loaded.name if loaded else None,
+        "state": same_state(state_of(fresh), saved),
+        "torch": torch_reads,
+    }
+
+
+def test_a_save_killed_before_its_metadata_leaves_no_checkpoint_anyone_takes(
+    tmp_path: Path,
+) -> None:
+    results = run_on_ranks(2, _killed_before_metadata, root=str(tmp_path))
+    for result in results:
+        assert "killed" in result["failure"], result
+        assert RECORD in result["left"] and "__0.index" in result["left"], result["left"]
+        assert ".metadata" not in result["left"] and "COMPLETE" not in result["left"]
+        assert result["complete"] == ["step_00000001"] and result["loaded"] == "step_00000001"
+        assert result["state"]
+        assert result["torch"] != "loaded"  # torch's reader finds no .metadata
