@@ -225,9 +225,13 @@ def test_a_command_that_fails_without_a_crash_runs_once(tmp_path: Path) -> None:
 
 
 def _planner_record(plan: str, ratio: float, fits: bool) -> dict[str, Any]:
+    # On CUDA: ``ratio`` is the measured allocated bytes over the allocator model's.
     return {"plan": plan, "description": "per block", "predicted_peak_bytes": 2**30,
             "measured_peak_bytes": int(ratio * 2**30), "peak_ratio": ratio,
-            "live_peak_bytes": 2**30, "budget_bytes": 2**30, "fits_budget": fits,
+            "predicted_allocated_bytes": 2**30, "peak_alloc_bytes": int(ratio * 2**30),
+            "allocated_ratio": ratio, "predicted_reserved_bytes": 2**31,
+            "peak_reserved_bytes": 2**31, "reserved_ratio": 1.0,
+            "live_peak_bytes": 2**30, "budget_bytes": 2**31, "fits_budget": fits,
             "predicted_step_s": 0.2, "step_s": 0.25, "hardware": "H100"}  # fmt: skip
 
 
@@ -245,6 +249,8 @@ def test_the_planner_rows_judge_the_peak_and_the_budget(
     rows = planner_rows(records, "", device="cuda", size="217m", world=8, share=0.6)
     assert [r.status for r in rows] == statuses, rows
     assert rows[0].check == "planner: 217M default plan, fake group W=8 (cuda)"
-    assert "live tensors 1024.0 MiB" in rows[0].figures, rows[0].figures
+    figures = rows[0].figures
+    assert "allocated predicted 1024.0 MiB" in figures and "reserved predicted 2048.0" in figures
+    assert "live predicted 1024.0 MiB, measured 1024.0 MiB" in figures, figures
     (missing,) = planner_rows([], "exit 1", device="cuda", size="217m", world=8, share=0.6)[1:]
     assert missing.status == "error" and missing.detail == "exit 1"

@@ -261,9 +261,13 @@ def test_fit_prints_the_chosen_plan_and_the_search_as_one_json_document(
     data = json.loads(capsys.readouterr().out)  # stdout holds the document and nothing else
     assert set(data) == {
         *("factory", "world_size", "hardware", "fits", "plan", "step_time"),
-        *("search", "check", "parallelize"),
+        *("search", "check", "parallelize", "budget_counts", "peak"),
     }
     assert data["fits"] and data["world_size"] == 4 and data["hardware"] == "H100"
+    # A plan for NCCL budgets what the CUDA caching allocator reserves, live bytes beside it.
+    peak = data["peak"]
+    assert data["budget_counts"] == "reserved"
+    assert peak["reserved_bytes"] >= peak["allocated_bytes"] >= peak["live_bytes"] > 0
     # The plan is the document --plan-out writes: load_plan reads it back, as the file.
     assert load_plan(json.dumps(data["plan"])) == load_plan(out_file)
     search = data["search"]
@@ -273,7 +277,11 @@ def test_fit_prints_the_chosen_plan_and_the_search_as_one_json_document(
     }
     best = search["best"]
     assert best["fits"] and best["peak_bytes"] <= search["budget_bytes"] == 64 * 2**20
-    assert set(best) == {"choice", "peak_bytes", "step_seconds", "parts", "fits"}
+    assert set(best) == {"choice", "peak_bytes", "live_peak_bytes", "step_seconds", "parts", "fits"}
+    assert (best["peak_bytes"], best["live_peak_bytes"]) == (
+        peak["reserved_bytes"],
+        peak["live_bytes"],
+    )
     assert data["step_time"]["total_s"] == pytest.approx(best["step_seconds"])
     assert search["plans_evaluated"] >= 1 and search["larger_worlds"] == []
     assert all(set(entry) == {*best, "why"} for entry in search["runners_up"])

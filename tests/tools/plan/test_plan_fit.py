@@ -28,7 +28,9 @@ def test_a_budget_that_fits_prints_the_plan_its_check_and_its_code(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_file = tmp_path / "plan.json"
-    assert main(_fit("24MiB", "--plan-out", str(out_file))) == 0
+    # A plan for NCCL is a plan for GPUs: the budget counts what torch's caching allocator
+    # reserves, which on a model this small is mostly its 20 MiB segments (live: ~20 MiB).
+    assert main(_fit("40MiB", "--plan-out", str(out_file))) == 0
     out = capsys.readouterr().out
     assert "chosen: " in out and "runners-up:" in out
     assert "collectives: " in out and "as planned" in out  # the fake-group check ran
@@ -38,7 +40,7 @@ def test_a_budget_that_fits_prints_the_plan_its_check_and_its_code(
     assert "fully_shard(" in code
     # The printed peak is within the budget.
     peak_line = next(line for line in out.splitlines() if line.strip().startswith("peak "))
-    assert "of 24.00 MiB" in peak_line
+    assert "reserved (live tensors" in peak_line and "of 40.00 MiB" in peak_line
     assert plan.units[-1].modules == ("",)
 
 
@@ -85,9 +87,11 @@ def test_precisions_parse_as_written() -> None:
 
 
 def test_allowed_precisions_are_searched(capsys: pytest.CaptureFixture[str]) -> None:
-    # In float32 nothing fits 16 MiB (the closest needs 17 MiB); gathered in bfloat16 it does.
-    assert main(_fit("16MiB", "--no-check")) == 1
+    # In float32 nothing fits 16 MiB of live tensors (the closest needs 17.6 MiB); gathered in
+    # bfloat16 it does. On gloo (a CPU plan) the budget counts live bytes, finely enough.
+    assert main(_fit("16MiB", "--no-check", "--backend", "gloo")) == 1
     capsys.readouterr()
-    assert main(_fit("16MiB", "--no-check", "--precision", "fp32", "--precision", "bf16/fp32")) == 0
+    precisions = ("--precision", "fp32", "--precision", "bf16/fp32")
+    assert main(_fit("16MiB", "--no-check", "--backend", "gloo", *precisions)) == 0
     chosen = next(line for line in capsys.readouterr().out.splitlines() if "chosen: " in line)
     assert chosen.endswith("bf16/fp32")

@@ -1,11 +1,14 @@
 """The planner's bookkeeping of live buffers, and the engine's buffer pool replayed on sizes.
 
 Which sizes the pool keeps is the core's rule (``shardkit.core.layout.pooled_sizes``); when
-buffers come and go is the planner's step model (``step``).
+buffers come and go is the planner's step model (``step``). Each device buffer is also
+replayed, in order, through torch's CUDA caching allocator (``caching_allocator``): the
+samples carry its allocated and reserved bytes beside the live ones.
 """
 
 from __future__ import annotations
 
+from shardkit.tools.plan.caching_allocator import KeyedBlocks
 from shardkit.tools.plan.records import MemoryPoint
 from shardkit.tools.records import Category, Phase
 
@@ -26,10 +29,16 @@ class Ledger:
         self.points: list[MemoryPoint] = []
         self.phase = Phase.OTHER
         self.module = ""
+        self.blocks = KeyedBlocks()
+        """The device buffers as the CUDA caching allocator's blocks."""
 
     def alloc(self, key: Key, category: Category, nbytes: int, label: str) -> None:
         """Add a live buffer and sample the totals (``label`` says what happened)."""
         assert key not in self.live, f"planner bug: {key} allocated twice"
+        self.blocks.alloc(key, nbytes)
+        self._add(key, category, nbytes, label)
+
+    def _add(self, key: Key, category: Category, nbytes: int, label: str) -> None:
         self.live[key] = (category, nbytes)
         self.totals[category] += nbytes
         self._sample(label)
@@ -54,6 +63,8 @@ class Ledger:
                 phase=self.phase,
                 by_category=dict(self.totals),
                 host_by_category=dict(self.host_totals),
+                allocated=self.blocks.allocator.allocated,
+                reserved=self.blocks.allocator.reserved,
             )
         )
 
@@ -61,8 +72,9 @@ class Ledger:
         """Make ``key`` hold ``nbytes`` (sampled only if that is more than before)."""
         before = self.live.pop(key, (category, 0))[1]
         self.totals[category] -= before
+        self.blocks.set(key, nbytes)
         if nbytes > before:
-            self.alloc(key, category, nbytes, label)
+            self._add(key, category, nbytes, label)
         elif nbytes:
             self.live[key] = (category, nbytes)
             self.totals[category] += nbytes
@@ -71,11 +83,13 @@ class Ledger:
         """Drop a live buffer."""
         category, nbytes = self.live.pop(key)
         self.totals[category] -= nbytes
+        self.blocks.free(key)
 
     def move(self, key: Key, new_key: Key, category: Category | None = None) -> None:
         """Rename a live buffer (and recategorise it): same memory, a new owner."""
         old_category, nbytes = self.live.pop(key)
         self.totals[old_category] -= nbytes
+        self.blocks.move(key, new_key)
         category = category or old_category
         self.live[new_key] = (category, nbytes)
         self.totals[category] += nbytes

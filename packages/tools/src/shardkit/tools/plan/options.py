@@ -248,6 +248,16 @@ class PlanOptions:
         """Optimizer state tensors per parameter."""
         return OPTIMIZER_STATES[self.optimizer]
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the plan is for GPUs: NCCL runs on CUDA only; gloo plans are a CPU's.
+
+        On CUDA torch's caching allocator holds segments beyond the live tensors
+        (``caching_allocator``), and ``--fit`` budgets those; a CPU's allocator returns
+        memory as it goes, so there the live bytes are what must fit.
+        """
+        return self.backend == "nccl"
+
 
 def loss_takes_model(loss: Callable[..., Any]) -> bool:
     """Whether ``PlanOptions.loss`` is called with the model too.

@@ -130,6 +130,8 @@ class Plan:
             "memory": {
                 "peak": _point(self.memory.peak),
                 "host_peak": self.memory.host_peak,
+                "allocated_peak": self.memory.allocated_peak,
+                "reserved_peak": self.memory.reserved_peak,
                 "category_max": {c.value: n for c, n in self.memory.category_max.items()},
             },
         }

@@ -112,6 +112,12 @@ class MemoryPoint:
     host_by_category: dict[Category, int] = field(default_factory=dict)
     """Bytes per category in host memory (CPU offload: sharded parameters, their gradients,
     optimizer state); empty without offload. Not in ``total``."""
+    allocated: int = 0
+    """What torch's CUDA caching allocator would count as allocated at this moment: the
+    device's buffers as its blocks, each rounded up, some whole blocks larger than asked
+    (``caching_allocator``). Not in ``total``, which is the live tensor bytes."""
+    reserved: int = 0
+    """The allocator's segments at this moment (``reserved_bytes``): what the GPU holds."""
 
     @property
     def total(self) -> int:
@@ -134,6 +140,13 @@ class MemoryPlan:
     """The highest value each category reaches (at different moments)."""
     timeline: tuple[MemoryPoint, ...]
     """Every allocation of the step, in order."""
+    allocated_peak: int = 0
+    """The most the CUDA caching allocator would count as allocated (block sizes) over the
+    step, the planner's buffers replayed through it (``caching_allocator``); 0: not replayed.
+    What ``torch.cuda.max_memory_allocated`` measures, where ``peak.total`` is live bytes."""
+    reserved_peak: int = 0
+    """The most it would reserve (segments, never given back): what must fit on a GPU, and
+    what ``shardkit-plan --fit`` budgets on CUDA (``torch.cuda.max_memory_reserved``)."""
 
     @property
     def host_peak(self) -> int:

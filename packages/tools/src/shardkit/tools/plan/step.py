@@ -62,7 +62,8 @@ Modelling assumptions (each one what the engine does, unless marked *approximate
 - Activations (*approximate*, from the meta forward and backward of ``trace``): forward
   adds each segment's saved bytes at the segment's end; backward follows the measured live
   saved bytes and activation gradients (category OTHER) segment by segment. Allocator
-  rounding and caching are not modelled.
+  rounding and caching are in ``MemoryPlan.allocated_peak``/``reserved_peak``
+  (``caching_allocator``), not in the live bytes.
 """
 
 from __future__ import annotations
@@ -125,7 +126,13 @@ def simulate_step(inputs: StepInputs) -> StepResult:
     return StepResult(
         schedule=tuple(step.ops.calls),
         step_check=tuple(step.ops.check_calls),
-        memory=MemoryPlan(peak=peak, category_max=category_max, timeline=points),
+        memory=MemoryPlan(
+            peak=peak,
+            category_max=category_max,
+            timeline=points,
+            allocated_peak=step.ledger.blocks.allocator.peak_allocated,
+            reserved_peak=step.ledger.blocks.allocator.peak_reserved,
+        ),
         reshard_after_forward=tuple(
             step.ops.settings(i).reshard_after_forward is not False for i in range(len(step.groups))
         ),
@@ -327,10 +334,13 @@ class _Step:
             return
         profile = trace.backward[j]
         early = [(g, p) for g, p in grads if self._fqn(g, p) in profile.grads_at_peak]
-        # Backward's measured levels replace forward's per-segment records: one key from now.
-        for key in [k for k in ledger.live if k[0] == "act" and k[1] >= 0]:
-            ledger.free(key)
+        # Backward's measured levels replace forward's per-segment records: one key from now
+        # (the same tensors: the allocator's replay keeps their blocks under it, newest last).
         activations, scratch = ("act", -1), ("backward_scratch", 0)
+        forward = [k for k in ledger.live if k[0] == "act" and k[1] >= 0]
+        ledger.blocks.merge(forward, activations)
+        for key in forward:
+            ledger.free(key)
         ledger.set(scratch, Category.OTHER, 0, "")  # the measured pair replaces what was left
         ledger.set(activations, Category.ACTIVATIONS, profile.activations, "activations")
         ledger.set(scratch, Category.OTHER, profile.scratch, "activation gradients")

@@ -179,6 +179,11 @@ def _memory_table(result: Plan) -> list[str]:
             f"{format_bytes(memory.category_max[category]):>11}"
         )
     lines.append(f"{'total':<18} {format_bytes(peak.total):>11}")
+    if result.options.on_cuda:  # what torch's allocator would hold beside the live bytes
+        lines.append(
+            f"on CUDA (torch's caching allocator): allocated {format_bytes(memory.allocated_peak)}"
+            f", reserved {format_bytes(memory.reserved_peak)} at their peaks"
+        )
     if not result.activations_traced:
         lines.append("activations not counted: pass --inputs to trace a forward on meta")
     elif result.tp_degree > 1:

@@ -34,14 +34,20 @@ class PlannedChoice:
     time: StepTime
 
 
-def estimate_of(planned: PlannedChoice) -> Estimate:
+def estimate_of(planned: PlannedChoice, *, reserved: bool | None = None) -> Estimate:
     """The search's view of a plan: device peak, step time and the time's parts.
 
+    The peak is the CUDA caching allocator's reserved bytes for a plan on CUDA
+    (``PlanOptions.on_cuda``; ``reserved`` says otherwise where given), with the live bytes
+    beside it; a CPU plan's is the live bytes.
     Offloaded bytes are the host's, not counted against the device's budget.
     """
     time = planned.time
+    memory = planned.plan.memory
+    reserved = planned.plan.options.on_cuda if reserved is None else reserved
     return Estimate(
-        peak_bytes=planned.plan.memory.peak.total,
+        peak_bytes=memory.reserved_peak if reserved else memory.peak.total,
+        live_bytes=memory.peak.total if reserved else None,
         seconds=time.total_s,
         parts={
             "compute": time.compute_s - time.recompute_s,
@@ -60,6 +66,7 @@ def planner_evaluator(
     hardware: Hardware,
     traces: TraceCache | None = None,
     record: dict[ShardingPlan, PlannedChoice] | None = None,
+    reserved: bool | None = None,
 ) -> Evaluate:
     """The ``Evaluate`` of ``search`` for ``model`` on ``world_size`` ranks.
 
@@ -73,6 +80,8 @@ def planner_evaluator(
         traces: shared by every plan (a fresh one by default).
         record: where each plan's predictions are kept, when given (the report of the chosen
             plan prints its breakdown from there).
+        reserved: whether a plan's peak is what the CUDA caching allocator reserves (True)
+            or its live bytes (False); None: reserved for a plan on CUDA (NCCL).
 
     Raises:
         ValueError: ``base`` has no inputs, or a tensor-parallel plan (the search does not
@@ -94,6 +103,6 @@ def planner_evaluator(
         planned = PlannedChoice(predicted, estimate_step_time(predicted, hardware))
         if record is not None:
             record[sharding] = planned
-        return estimate_of(planned)
+        return estimate_of(planned, reserved=reserved)
 
     return evaluate

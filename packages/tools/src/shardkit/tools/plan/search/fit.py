@@ -12,6 +12,7 @@ function to paste into a training script; :func:`fit_json` the same as one JSON 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -61,6 +62,10 @@ class Fit:
     larger_worlds: tuple[tuple[int, int], ...] = ()
     """When nothing fits: (world size, peak) of the plan that came closest on 2, 4 and 8
     times as many ranks (the sharded state shrinks as 1/W; activations do not)."""
+    budget_counts: Literal["reserved", "live"] = "live"
+    """What the budget was compared with: 'reserved', the segments torch's CUDA caching
+    allocator would hold (a plan for CUDA: ``PlanOptions.on_cuda``); 'live', the live
+    tensor bytes (a CPU plan)."""
 
     @property
     def plan(self) -> ShardingPlan | None:
@@ -78,20 +83,24 @@ def fit(
     space: SearchSpace | None = None,
     progress: Callable[[str], None] | None = None,
     traces: TraceCache | None = None,
+    budget_counts: Literal["reserved", "live"] | None = None,
 ) -> Fit:
     """Search for the fastest plan of ``model`` that fits ``budget_bytes`` on every rank.
 
     ``model`` is built on the meta device; ``base`` holds what the search does not choose
     (inputs, loss, optimizer, mesh, backend). See ``search.search`` for the space searched.
     ``traces`` shares the meta traces between searches of the same model and ``base`` (for
-    several budgets, say); each search makes its own by default.
+    several budgets, say); each search makes its own by default. ``budget_counts``: what
+    the budget is compared with; by default what torch's CUDA caching allocator reserves for
+    a plan on CUDA (``PlanOptions.on_cuda``), the live bytes for a CPU plan.
     """
     started = time.perf_counter()
     traces = traces if traces is not None else TraceCache()
     record: dict[ShardingPlan, PlannedChoice] = {}
-    evaluate = planner_evaluator(
-        model, world_size=world_size, base=base, hardware=hardware, traces=traces, record=record
-    )
+    counts = budget_counts or ("reserved" if base.on_cuda else "live")
+    # The same judge on this world size and, when nothing fits, on larger ones.
+    judge = functools.partial(planner_evaluator, model, base=base, hardware=hardware, traces=traces)
+    evaluate = judge(world_size=world_size, record=record, reserved=counts == "reserved")
     result = search(
         model_shape(model), evaluate, budget_bytes=budget_bytes, space=space, progress=progress
     )
@@ -99,12 +108,11 @@ def fit(
     larger: list[tuple[int, int]] = []
     if result.best is None:
         for factor in (2, 4, 8):
-            wider = planner_evaluator(
-                model, world_size=world_size * factor, base=base, hardware=hardware, traces=traces
-            )
+            wider = judge(world_size=world_size * factor, reserved=counts == "reserved")
             larger.append((world_size * factor, wider(result.closest.plan).peak_bytes))
     return Fit(
         larger_worlds=tuple(larger),
+        budget_counts=counts,
         result=result,
         hardware=hardware,
         world_size=world_size,
@@ -125,9 +133,14 @@ def format_fit(
     """What ``shardkit-plan --fit`` prints (``model`` lets the code index a ModuleDict by key)."""
     result = found.result
     budget = format_bytes(result.budget_bytes)
+    reserved = found.budget_counts == "reserved"
     lines = [
         f"{title} on {found.world_size} ranks, budget {budget} per rank, step time on "
         f"{found.hardware.name}",
+        "the budget counts what torch's CUDA caching allocator reserves (segments, rounding, "
+        "cached blocks), not only live tensors"
+        if reserved
+        else "the budget counts live tensor bytes (a CPU plan: --backend gloo)",
         f"searched {len(result.evaluated)} plans ({found.traces} traced on the meta device) "
         f"in {found.seconds:.1f} s",
         "",
@@ -136,7 +149,8 @@ def format_fit(
     if best is None or found.chosen is None:
         closest = result.closest
         lines += [
-            f"nothing fits in {budget}: the smallest peak found is "
+            f"nothing fits in {budget}: the smallest {'reserved ' if reserved else ''}peak "
+            "found is "
             f"{format_bytes(closest.estimate.peak_bytes)} ({closest.choice.describe()});",
             "it would fit with that budget, with offload (--allow-offload), a smaller batch, "
             "or more ranks:",
@@ -148,9 +162,12 @@ def format_fit(
         ]
         return "\n".join(lines) + "\n"
     time_ = found.chosen.time
+    live = best.estimate.live_bytes
     lines += [
         f"chosen: {best.choice.describe()}",
-        f"  peak {format_bytes(best.estimate.peak_bytes)} of {budget}, step "
+        f"  peak {format_bytes(best.estimate.peak_bytes)} "
+        + ("" if live is None else f"reserved (live tensors {format_bytes(live)}) ")
+        + f"of {budget}, step "
         f"{time_.total_s * 1e3:.1f} ms: compute {time_.compute_s * 1e3:.1f} ms (recomputation "
         f"{time_.recompute_s * 1e3:.1f}), exposed communication "
         f"{time_.exposed_communication_s * 1e3:.1f} ms, optimizer "
@@ -178,7 +195,9 @@ def fit_json(
     """What ``shardkit-plan --fit --json`` prints: the chosen plan and the search's report.
 
     ``plan`` is the chosen plan as ``--plan-out`` writes it (``plan_json``: ``load_plan``
-    reads it back), ``step_time`` its predicted step by part, ``search`` the search's report
+    reads it back), ``budget_counts`` what the budget was compared with ('reserved' or
+    'live'), ``peak`` the chosen plan's live, allocated and reserved peaks,
+    ``step_time`` its predicted step by part, ``search`` the search's report
     (``SearchResult.to_dict``, with its time, traces and, when nothing fits, the peaks on more
     ranks), ``check`` the fake-group check when one ran, ``parallelize`` the code to paste.
     docs/guide/tools.md lists every key.
@@ -189,6 +208,8 @@ def fit_json(
         "world_size": found.world_size,
         "hardware": found.hardware.name,
         "fits": plan is not None,
+        "budget_counts": found.budget_counts,
+        "peak": None if chosen is None else _peaks(chosen),
         "plan": None if plan is None else plan_document(plan),
         "step_time": None if chosen is None else chosen.time.to_dict(),
         "search": {
@@ -201,6 +222,16 @@ def fit_json(
         },
         "check": None if found.check is None else found.check.to_dict(),
         "parallelize": None if plan is None else parallelize_source(plan, engine=engine),
+    }
+
+
+def _peaks(chosen: PlannedChoice) -> dict[str, int]:
+    """The chosen plan's peaks: live tensors, and the CUDA caching allocator's figures."""
+    memory = chosen.plan.memory
+    return {
+        "live_bytes": memory.peak.total,
+        "allocated_bytes": memory.allocated_peak,
+        "reserved_bytes": memory.reserved_peak,
     }
 
 

@@ -55,7 +55,11 @@ class Estimate:
     """What the models predict for one plan."""
 
     peak_bytes: int
-    """Device memory at the step's peak, on the rank that needs the most."""
+    """Device memory at the step's peak, on the rank that needs the most: what the budget is
+    compared with."""
+    live_bytes: int | None = None
+    """The live tensors' peak, where ``peak_bytes`` is what torch's CUDA caching allocator
+    reserves (a plan for CUDA); None where ``peak_bytes`` is the live bytes (a CPU plan)."""
     seconds: float
     """Predicted step time."""
     parts: dict[str, float] = field(default_factory=dict)
@@ -81,6 +85,7 @@ class Evaluated:
         return {
             "choice": self.choice.describe(),
             "peak_bytes": self.estimate.peak_bytes,
+            "live_peak_bytes": self.estimate.live_bytes,
             "step_seconds": self.estimate.seconds,
             "parts": dict(self.estimate.parts),
             "fits": self.fits,
@@ -167,7 +172,8 @@ class SearchResult:
         est = entry.estimate
         if not entry.fits:
             over = est.peak_bytes - self.budget_bytes
-            return f"does not fit: peak {_gib(est.peak_bytes)} is {_gib(over)} over the budget"
+            what = "peak" if est.live_bytes is None else "reserved peak"
+            return f"does not fit: {what} {_gib(est.peak_bytes)} is {_gib(over)} over the budget"
         best = self.best
         if best is None:  # pragma: no cover - a fitting entry implies a best
             return "fits"
