@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from shardkit.core.export.delta_encoding import (
+    DELTA_ENCODINGS,
     Encoding,
-    _read_varints,
-    _varint_sizes,
-    _varints,
+    as_decoded,
     choose_encoding,
     decode,
     encode,
@@ -19,14 +18,20 @@ from shardkit.core.export.delta_encoding import (
 )
 
 
-def test_varints_round_trip_from_zero_to_the_largest_int64() -> None:
-    values = torch.tensor([0, 1, 127, 128, 300, 2**14, 2**20, 5, 2**35, 2**62, 2**63 - 1])
-    encoded = _varints(values)
-    assert _varint_sizes(values).tolist() == [1, 1, 1, 2, 2, 3, 3, 1, 6, 9, 9]
-    decoded, used = _read_varints(
-        torch.cat([encoded, torch.tensor([7, 7], dtype=torch.uint8)]), len(values)
+def test_steps_escape_gaps_that_do_not_fit_a_byte() -> None:
+    # A change at position 0 (a gap of 0), gaps of 1 and 255 (a byte), 256 and 2**20 (escaped).
+    positions = torch.tensor([0, 1, 256, 512, 512 + 2**20, 512 + 2**20 + 255])
+    old = torch.zeros(2**21, dtype=torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[positions] = 1
+    changes = local_changes(new, old)
+    assert changes.positions.tolist() == positions.tolist()
+    size = changes.steps_bytes()
+    assert size == 8 + 2 * 6 + 3 * 4  # three escaped gaps (0, 256, 2**20) as int32
+    decoded = decode(
+        encode(changes, Encoding.STEPS, size), 6, 2**21, torch.bfloat16, Encoding.STEPS
     )
-    assert decoded.tolist() == values.tolist() and used == encoded.numel()
+    assert decoded.stepped.tolist() == positions.tolist() and decoded.steps.tolist() == [1] * 6
 
 
 def _optimizer_like(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +50,7 @@ def _optimizer_like(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("encoding", list(Encoding))
+@pytest.mark.parametrize("encoding", DELTA_ENCODINGS)
 def test_each_encoding_gives_back_the_new_bits(dtype: torch.dtype, encoding: Encoding) -> None:
     old, new = _optimizer_like(dtype)
     changes = local_changes(new, old)
@@ -54,12 +59,16 @@ def test_each_encoding_gives_back_the_new_bits(dtype: torch.dtype, encoding: Enc
         encoding, changes.count, changes.length, old.element_size(), changes.steps_bytes()
     )
     message = encode(changes, encoding, size + 5)  # padded, as a gather pads
-    decoded = decode(message, changes.count, changes.length, dtype, encoding)
-    rebuilt = old.clone()
-    rebuilt[decoded.positions] = decoded.values
-    width = {2: torch.int16, 4: torch.int32}[old.element_size()]
-    rebuilt.view(width)[decoded.stepped] += decoded.steps.to(width)
-    assert torch.equal(rebuilt.view(width), new.view(width))
+    # A peer's message decoded, and the gathering rank's own (never encoded) alike.
+    for decoded in (
+        decode(message, changes.count, changes.length, dtype, encoding),
+        as_decoded(changes, encoding),
+    ):
+        rebuilt = old.clone()
+        rebuilt[decoded.positions] = decoded.values
+        width = {2: torch.int16, 4: torch.int32}[old.element_size()]
+        rebuilt.view(width)[decoded.stepped] += decoded.steps.to(width)
+        assert torch.equal(rebuilt.view(width), new.view(width))
 
 
 def test_steps_win_for_an_optimizer_step_at_about_two_bytes_a_change() -> None:
@@ -69,5 +78,6 @@ def test_steps_win_for_an_optimizer_step_at_about_two_bytes_a_change() -> None:
     encoding, size = choose_encoding([changes.count, 0], [steps, 4], changes.length, 2)
     assert encoding is Encoding.STEPS and size == steps
     assert steps < 2.2 * changes.count  # a 1-byte gap and a 1-byte step, a few literals
-    # Dense changes go as a bitmask and values.
-    assert choose_encoding([40_000], [10**6], 50_000, 2)[0] is Encoding.BITMASK
+    # Changes past 1/DENSE of the part go plain, whatever their encodings' sizes.
+    assert choose_encoding([4_000], [10**6], 40_000, 2)[0] is Encoding.BITMASK
+    assert choose_encoding([40_000], [10**6], 50_000, 2) == (Encoding.PLAIN, 100_000)

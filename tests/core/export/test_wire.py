@@ -248,8 +248,9 @@ def position_past_the_end(raw: dict[str, Any], payload: torch.Tensor) -> torch.T
             "delta",
             1,
             set_in(["full"], [{"name": "b.big", "data": {"offset": 0, "nbytes": 200}}]),
-            "kind",
+            "out of range|sent twice",
         ),
+        ("full", 1, set_in(["changed"], [{"name": "b.big"}]), "holds changed elements"),
     ],
 )
 def test_a_malformed_bucket_is_refused(kind: str, index: int, edit: Any, match: str) -> None:

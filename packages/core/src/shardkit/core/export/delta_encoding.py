@@ -1,18 +1,29 @@
 """Changed elements only: a delta export's encoding of one rank's part of one bucket.
 
 Each rank compares its part of a bucket, in the export dtype, with the part it exported last
-(kept here: 1/W of the model in that dtype), bit for bit: an element changed when its bits
-changed (so -0.0 against 0.0 counts, and a NaN that stays the same NaN does not). It sends
-the changes in the smallest of three encodings, chosen per bucket so that the largest rank's
-message is smallest (a gather pads every rank's message to the largest):
+(kept: 1/W of the model in that dtype), bit for bit: an element changed when its bits changed
+(so -0.0 against 0.0 counts, and a NaN that stays the same NaN does not). It sends the changes
+in the smallest of three encodings, chosen per bucket so that the largest rank's message is
+smallest (a gather pads every rank's message to the largest), or the part itself:
 
 - ``INDICES``: int32 positions (int64 past 2**31 elements), then the new values;
 - ``BITMASK``: one bit per element of the part, then the new values;
-- ``STEPS``: the gaps between positions as base-128 varints (one byte for a gap under 128),
-  then per change its *step*, the new bits minus the old as an int8; changes whose step does
-  not fit (a sign change, a large move) follow as int32 indices into the list of changes and
-  their new values. At a small learning rate nearly every change is a step of one unit in the
-  last place: about two bytes a change, where the others take six, or 1/16 of the part.
+- ``STEPS``: the gaps between positions, one byte each (a gap of 0 or over 255 is *escaped*:
+  its byte is 0 and the gap follows in a list of its own, as an index), then per change its
+  *step*, the new bits minus the old as an int8; changes whose step does not fit (a sign
+  change, a large move) follow as int32 indices into the list of changes and their new
+  values. At a small learning rate nearly every change is a step of one unit in the last
+  place, a few dozen elements from the previous one: about two bytes a change, where the
+  others take six, or 1/16 of the part. Every field is a fixed width, so both ends are a few
+  whole-tensor operations (no byte groups to walk);
+- ``PLAIN``: the part itself, as a full export sends it. A bucket goes plain where no encoding
+  is smaller, or where a rank changed more than 1/``DENSE`` of its elements: there decoding
+  and placing the changes would cost more time than the bytes they save (a delta is never
+  larger, nor slower, than a full export).
+
+Finding the changes compares the part eight bytes at a time (a word compare, then the lanes of
+the changed words only), so its cost follows the part's size once and the changes' count
+after (:func:`changed_lanes`; ``delta_find.py`` runs it tensor by tensor as it packs).
 
 Every rank knows every rank's count and size before the bucket's gather (the small all-gather
 at the export's start carries them), so each message is parsed without a header.
@@ -26,9 +37,13 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DELTA_ENCODINGS",
+    "DENSE",
     "Decoded",
     "Encoding",
     "LocalChanges",
+    "as_decoded",
+    "changed_lanes",
     "choose_encoding",
     "decode",
     "encode",
@@ -38,8 +53,13 @@ __all__ = [
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
-_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integers as wide as each element size: a value's bits, read as a number."""
 _STEP_LIMIT = 127
+_GAP_LIMIT = 255
+DENSE = 8
+"""Past 1/DENSE of a part's elements changed, a bucket goes plain (measured: there the delta's
+encoding, decoding and placing cost more than moving the part; docs/guide/export.md)."""
 
 
 class Encoding(enum.IntEnum):
@@ -48,6 +68,11 @@ class Encoding(enum.IntEnum):
     INDICES = 0
     BITMASK = 1
     STEPS = 2
+    PLAIN = 3
+
+
+DELTA_ENCODINGS = (Encoding.INDICES, Encoding.BITMASK, Encoding.STEPS)
+"""The encodings of changes (``PLAIN`` moves the part as a full export does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +95,11 @@ class LocalChanges:
 
     def steps_bytes(self) -> int:
         """The size of this rank's ``STEPS`` message."""
-        gaps = _gaps(self.positions)
+        escaped = int(_escaped(_gaps(self.positions)).sum())
         literal = int((self.steps.abs() > _STEP_LIMIT).sum())
         itemsize = self.values.element_size()
-        return 4 + int(_varint_sizes(gaps).sum()) + self.count + literal * (4 + itemsize)
+        index = _index_dtype(self.length).itemsize
+        return 8 + 2 * self.count + escaped * index + literal * (4 + itemsize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +112,37 @@ class Decoded:
     steps: torch.Tensor
 
 
+def changed_lanes(
+    now: torch.Tensor, before: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the flat integer views ``now`` and ``before`` differ: positions, new and old bits.
+
+    Compares eight bytes at a time where both views allow it (a length and an offset that are
+    multiples of 8 bytes): a word differs where any of its lanes does, and at a few percent of
+    elements changed most words are equal, so the lanes are compared for few of them.
+    """
+    per = 8 // now.element_size()
+    try:
+        words_now, words_before = now.view(torch.int64), before.view(torch.int64)
+    except RuntimeError:  # not viewable as words: element by element
+        per = 1
+    if per == 1:
+        positions = torch.nonzero(now != before).view(-1)
+        return positions, now[positions], before[positions]
+    words = torch.nonzero(words_now != words_before).view(-1)  # (k,)
+    lanes_now = words_now.index_select(0, words).view(now.dtype)  # (k * per,)
+    lanes_before = words_before.index_select(0, words).view(now.dtype)
+    lanes = torch.nonzero(lanes_now != lanes_before).view(-1)  # ascending
+    positions = words.index_select(0, lanes // per) * per + lanes % per
+    return positions, lanes_now.index_select(0, lanes), lanes_before.index_select(0, lanes)
+
+
 def local_changes(current: torch.Tensor, previous: torch.Tensor) -> LocalChanges:
     """The changes from the flat ``previous`` to the flat ``current`` (same dtype), bit for bit."""
-    width = _WIDTH[current.element_size()]
-    now, before = current.view(width), previous.view(width)
-    positions = torch.nonzero(now != before).view(-1)
-    steps = now[positions].to(torch.int64) - before[positions].to(torch.int64)
-    return LocalChanges(positions, current[positions], steps, current.numel())
+    width = WIDTH[current.element_size()]
+    positions, new, old = changed_lanes(current.view(width), previous.view(width))
+    steps = new.to(torch.int64) - old.to(torch.int64)
+    return LocalChanges(positions, new.view(current.dtype), steps, current.numel())
 
 
 def _index_dtype(length: int) -> torch.dtype:
@@ -105,12 +155,9 @@ def _gaps(positions: torch.Tensor) -> torch.Tensor:
     return gaps
 
 
-def _varint_sizes(values: torch.Tensor) -> torch.Tensor:
-    sizes = torch.ones_like(values)
-    # Up to 2**63 - 1 (nine groups); 1 << 63 itself would wrap negative in int64.
-    for k in range(1, 9):
-        sizes += values >= (1 << (7 * k))
-    return sizes
+def _escaped(gaps: torch.Tensor) -> torch.Tensor:
+    """Gaps that do not fit their byte (0 is the escape itself: only a first position 0)."""
+    return (gaps == 0) | (gaps > _GAP_LIMIT)
 
 
 def message_bytes(encoding: Encoding, count: int, length: int, itemsize: int, steps: int) -> int:
@@ -119,6 +166,8 @@ def message_bytes(encoding: Encoding, count: int, length: int, itemsize: int, st
         return count * (_index_dtype(length).itemsize + itemsize)
     if encoding is Encoding.BITMASK:
         return -(-length // 8) + count * itemsize
+    if encoding is Encoding.PLAIN:
+        return length * itemsize
     return steps
 
 
@@ -127,20 +176,27 @@ def choose_encoding(
 ) -> tuple[Encoding, int]:
     """The encoding whose largest message over the ranks is smallest, and that size.
 
-    Every rank's message is padded to that size: a gather takes equal lengths.
+    Every rank's message is padded to that size: a gather takes equal lengths. ``PLAIN``
+    where no encoding of changes is smaller than the part, or where a rank changed more than
+    1/``DENSE`` of it (``counts`` may then be any number above that).
     """
+    plain = length * itemsize
+    if max(counts) * DENSE > length:
+        return Encoding.PLAIN, plain
 
     def largest(e: Encoding) -> int:
         return max(
             message_bytes(e, c, length, itemsize, s) for c, s in zip(counts, steps, strict=True)
         )
 
-    best = min(Encoding, key=lambda e: (largest(e), e.value))
-    return best, largest(best)
+    best = min(DELTA_ENCODINGS, key=lambda e: (largest(e), e.value))
+    size = largest(best)
+    return (best, size) if size < plain else (Encoding.PLAIN, plain)
 
 
 def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor:
     """One rank's message: uint8, ``size`` bytes (zeros after the message)."""
+    assert encoding is not Encoding.PLAIN, "a plain bucket moves as a full export's"
     device = changes.positions.device
     out = torch.zeros(size, dtype=torch.uint8, device=device)
     if encoding is Encoding.STEPS:
@@ -162,77 +218,77 @@ def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor
 
 def _steps_regions(changes: LocalChanges) -> list[torch.Tensor]:
     literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
-    steps = changes.steps.clone()
-    steps[literal] = 0
-    count = torch.tensor([literal.numel()], dtype=torch.int32, device=steps.device)
-    count = count.view(torch.uint8)
+    steps = changes.steps.to(torch.int8)  # wraps where literal: those are read as values
+    gaps = _gaps(changes.positions)
+    escaped = _escaped(gaps)
+    far = gaps[escaped].to(_index_dtype(changes.length))
+    head = torch.tensor([literal.numel(), far.numel()], dtype=torch.int32, device=gaps.device)
     return [
-        count,
-        _varints(_gaps(changes.positions)),
-        steps.to(torch.int8).view(torch.uint8),
+        head.view(torch.uint8),
+        gaps.masked_fill(escaped, 0).to(torch.uint8),
+        steps.view(torch.uint8),
+        far.view(torch.uint8),
         literal.to(torch.int32).view(torch.uint8),
         changes.values[literal].contiguous().view(torch.uint8),
     ]
 
 
-def _varints(values: torch.Tensor) -> torch.Tensor:
-    """Base-128 varints (low groups first, high bit: more follows), one after another."""
-    sizes = _varint_sizes(values)
-    starts = torch.cumsum(sizes, 0) - sizes
-    out = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=values.device)
-    for k in range(int(sizes.max()) if values.numel() else 0):
-        has = sizes > k
-        group = (values[has] >> (7 * k)) & 0x7F
-        more = (sizes[has] > k + 1).to(torch.int64) << 7
-        out[starts[has] + k] = (group | more).to(torch.uint8)
-    return out
-
-
-def _read_varints(data: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """``count`` varints from the start of ``data``; and the bytes they took."""
-    if count == 0:
-        return torch.empty(0, dtype=torch.int64, device=data.device), 0
-    last = (data < 0x80).nonzero().view(-1)[:count]  # each varint's last byte
-    end = int(last[-1]) + 1
-    body = data[:end].to(torch.int64)
-    ends = torch.zeros(end, dtype=torch.int64, device=data.device)
-    ends[last] = 1
-    which = torch.cumsum(ends, 0) - ends  # the varint each byte belongs to
-    firsts = torch.cat([torch.zeros(1, dtype=torch.int64, device=data.device), last[:-1] + 1])
-    shift = 7 * (torch.arange(end, device=data.device) - firsts[which])
-    values = torch.zeros(count, dtype=torch.int64, device=data.device)
-    values.index_add_(0, which, (body & 0x7F) << shift)
-    return values, end
+def _region(message: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    # Cloned: a view of another dtype needs its start aligned to that dtype's size.
+    return message[at : at + count * dtype.itemsize].clone().view(dtype)
 
 
 def decode(
     message: torch.Tensor, count: int, length: int, dtype: torch.dtype, encoding: Encoding
 ) -> Decoded:
     """What :func:`encode` put in ``message``."""
-    itemsize = dtype.itemsize
     empty = torch.empty(0, dtype=torch.int64, device=message.device)
     if encoding is Encoding.STEPS:
-        literals = int(message[:4].clone().view(torch.int32))
-        gaps, used = _read_varints(message[4:], count)
-        positions = torch.cumsum(gaps, 0)
-        at = 4 + used
-        steps = message[at : at + count].clone().view(torch.int8).to(torch.int64)
+        literals, escapes = (int(n) for n in _region(message, 0, 2, torch.int32))
+        gaps = message[8 : 8 + count].to(torch.int64)
+        at = 8 + count
+        steps = message[at : at + count].view(torch.int8).to(torch.int64)
         at += count
-        literal = message[at : at + 4 * literals].clone().view(torch.int32).to(torch.int64)
-        at += 4 * literals
-        values = message[at : at + literals * itemsize].clone().view(dtype)
-        stepped = torch.ones(count, dtype=torch.bool, device=message.device)
-        stepped[literal] = False
-        return Decoded(positions[literal], values, positions[stepped], steps[stepped])
+        index = _index_dtype(length)
+        far = _region(message, at, escapes, index).to(torch.int64)
+        at += escapes * index.itemsize
+        gaps[gaps == 0] = far
+        positions = torch.cumsum(gaps, 0)
+        literal = _region(message, at, literals, torch.int32).to(torch.int64)
+        values = _region(message, at + 4 * literals, literals, dtype)
+        return Decoded(positions[literal], values, *_without(positions, steps, literal))
     if encoding is Encoding.INDICES:
         index_dtype = _index_dtype(length)
         head = count * index_dtype.itemsize
-        positions = message[:head].clone().view(index_dtype).to(torch.int64)
+        positions = _region(message, 0, count, index_dtype).to(torch.int64)
     else:
         head = -(-length // 8)
         bits = (message[:head].unsqueeze(1) >> _SHIFTS.to(message.device)) & 1
         positions = torch.nonzero(bits.view(-1)[:length]).view(-1)
         assert positions.numel() == count, "a bitmask's count disagrees with the exchanged one"
-    # Cloned: a view of another dtype needs its start aligned to that dtype's size.
-    values = message[head : head + count * itemsize].clone().view(dtype)
-    return Decoded(positions, values, empty, empty)
+    return Decoded(positions, _region(message, head, count, dtype), empty, empty)
+
+
+def as_decoded(changes: LocalChanges, encoding: Encoding) -> Decoded:
+    """What decoding this rank's own message would give (the gathering rank skips it)."""
+    if encoding is not Encoding.STEPS:
+        empty = torch.empty(0, dtype=torch.int64, device=changes.positions.device)
+        return Decoded(changes.positions, changes.values, empty, empty)
+    literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
+    return Decoded(
+        changes.positions[literal],
+        changes.values[literal],
+        *_without(changes.positions, changes.steps, literal),
+    )
+
+
+def _without(
+    positions: torch.Tensor, steps: torch.Tensor, literal: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stepped changes: all but the ``literal`` ones (few, and often none)."""
+    if not literal.numel():
+        return positions, steps
+    keep = torch.ones(positions.numel(), dtype=torch.bool, device=positions.device)
+    keep[literal] = False
+    kept = torch.nonzero(keep).view(-1)
+    return positions.index_select(0, kept), steps.index_select(0, kept)

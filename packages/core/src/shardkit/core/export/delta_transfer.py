@@ -2,11 +2,13 @@
 
 Before any bucket moves, every rank counts its changes per bucket (the counts and the ``STEPS``
 message sizes travel in the export's small agreement all-gather, so that every message can be
-padded to the largest and parsed without a header). Then per bucket each rank packs its part
-as a full export would (the same cast), compares it bit for bit with the part it packed last,
-and gathers only the encoded changes (``delta_encoding.py``); the gathering rank turns each rank's
-positions into positions of the full tensor (``AxisGather.global_index``). A bucket no rank changed
-moves nothing.
+padded to the largest and parsed without a header): counting packs each rank's part as a full
+export would (the same cast) and compares it bit for bit with the part it packed last. Then per
+bucket the ranks gather only the encoded changes (``delta_encoding.py``); the gathering rank
+cuts each rank's ascending positions at the tensors' boundaries (one binary search per rank)
+and turns them into positions of the full tensor (``AxisGather.global_index``). A bucket no
+rank changed moves nothing; a bucket whose changes would cost more than the part moves whole,
+as in a full export (``Encoding.PLAIN``), from the part the count packed.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import torch
 from shardkit.core.export.axis_gathers import TensorSource
 from shardkit.core.export.buckets import ExportBucket
 from shardkit.core.export.delta_encoding import (
+    DENSE,
     Decoded,
-    LocalChanges,
+    Encoding,
+    as_decoded,
     choose_encoding,
     decode,
     encode,
     local_changes,
 )
+from shardkit.core.export.delta_find import refresh_part
 from shardkit.core.export.messages import ChangedElements, WeightBucket
 from shardkit.core.export.transfer import BucketTransfer
 from shardkit.core.runtime.groups import global_rank
@@ -35,7 +40,12 @@ def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket
     if transfer.watch is not None:
         transfer.watch.raise_if_failed()
     sharded = [s for s in bucket.sources if s.gathers]
-    changes = gather_changes(transfer, bucket, sharded)
+    choice = _choose(transfer, bucket) if sharded else None
+    if choice is not None and choice[0] is Encoding.PLAIN:
+        transfer.counts.plain_buckets += 1
+        transfer.changes.pop(bucket.index, None)
+        return transfer.move(bucket)
+    changes = gather_changes(transfer, bucket, sharded, choice)
     if changes is None or not transfer.receiving:
         return None
     entries = [
@@ -52,30 +62,49 @@ def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket
 def count_changes(transfer: BucketTransfer) -> list[int]:
     """This rank's changes per bucket.
 
-    Its count and its ``STEPS`` message's size, for each bucket in turn (zeros for a
-    full export).
+    Its count and its ``STEPS`` message's size, for each bucket in turn (zeros for a full
+    export; the part's length where more than 1/``DENSE`` of it changed: that bucket moves
+    whole, and its positions are never built). Counting packs this export's parts over the
+    kept ones (``delta_find.py``).
     """
-    if transfer.previous is None:
+    previous = transfer.previous
+    if previous is None:
         return [0] * (2 * len(transfer.buckets))
     posted: list[int] = []
     for bucket in transfer.buckets:
-        found = _local_changes(transfer, bucket)
-        posted += [0, 0] if found is None else [found[0].count, found[0].steps_bytes()]
+        pieces = transfer.first_pieces(bucket)
+        if not pieces:
+            posted += [0, 0]
+            continue
+        dtype = next(s.dtype for s in bucket.sources if s.gathers)
+        part = previous.parts[bucket.index]
+        length = part.numel() // dtype.itemsize
+        found = refresh_part(pieces, part, dtype, limit=length // DENSE)
+        # The kept part now holds this export's values, whichever way the bucket moves.
+        transfer.kept.parts[bucket.index] = part
+        transfer.packed[bucket.index] = (part, [offset for _, _, offset in pieces])
+        transfer.changes[bucket.index] = found
+        posted += [length, 0] if found is None else [found.count, found.steps_bytes()]
     return posted
 
 
-def _local_changes(
-    transfer: BucketTransfer, bucket: ExportBucket
-) -> tuple[LocalChanges, torch.Tensor, list[int]] | None:
-    """This rank's changes in its part of ``bucket``, the part, and its tensors' offsets."""
-    assert transfer.previous is not None
-    part = transfer.first_part(bucket)
-    if part is None:
-        return None
-    buffer, offsets = part
-    dtype = next(s.dtype for s in bucket.sources if s.gathers)
-    before = transfer.previous.parts[bucket.index].view(dtype)
-    return local_changes(buffer.view(dtype), before), buffer, offsets
+def _choose(transfer: BucketTransfer, bucket: ExportBucket) -> tuple[Encoding, int, list[int]]:
+    """The bucket's encoding, its padded size and each member's count (every member agrees)."""
+    assert transfer.all_counts is not None and transfer.groups is not None
+    entry = transfer.groups.axes[transfer.order[0]]
+    assert entry is not None
+    members = entry[1]
+    rows = [transfer.all_counts[transfer.groups.world_ranks.index(m)] for m in members]
+    counts = [int(row[2 * bucket.index]) for row in rows]
+    steps = [int(row[2 * bucket.index + 1]) for row in rows]
+    if max(counts) == 0:
+        return Encoding.INDICES, 0, counts
+    sharded = [s for s in bucket.sources if s.gathers]
+    # Every member's part has the same length: each tensor's padded rows per part.
+    itemsize = sharded[0].dtype.itemsize
+    length = sum(-(-s.gathers[0].padded_numel * itemsize // 8) * 8 for s in sharded) // itemsize
+    encoding, size = choose_encoding(counts, steps, length, itemsize)
+    return encoding, size, counts
 
 
 def plain_changes(transfer: BucketTransfer, source: TensorSource) -> ChangedElements:
@@ -88,68 +117,97 @@ def plain_changes(transfer: BucketTransfer, source: TensorSource) -> ChangedElem
 
 
 def gather_changes(
-    transfer: BucketTransfer, bucket: ExportBucket, sharded: list[TensorSource]
+    transfer: BucketTransfer,
+    bucket: ExportBucket,
+    sharded: list[TensorSource],
+    choice: tuple[Encoding, int, list[int]] | None,
 ) -> dict[str, ChangedElements] | None:
     """Gather every rank's changes of ``bucket``'s sharded tensors; by key where received."""
-    assert transfer.previous is not None and transfer.all_counts is not None
-    assert transfer.groups is not None
-    if not sharded:
+    assert transfer.previous is not None and transfer.groups is not None
+    if not sharded or choice is None:
         return {}
-    found = _local_changes(transfer, bucket)
-    if found is None:
-        return None
-    changes, buffer, offsets = found
-    transfer.kept.parts[bucket.index] = buffer
+    part = transfer.packed.pop(bucket.index, None)
+    changes = transfer.changes.pop(bucket.index, None)
+    if part is None or changes is None:
+        return None  # this rank takes no part in the bucket's gather
+    buffer, offsets = part
+    encoding, size, counts = choice
     dtype = sharded[0].dtype
     entry = transfer.groups.axes[transfer.order[0]]
     assert entry is not None
-    members = entry[1]
-    rows = [transfer.all_counts[transfer.groups.world_ranks.index(m)] for m in members]
-    counts = [int(row[2 * bucket.index]) for row in rows]
-    steps = [int(row[2 * bucket.index + 1]) for row in rows]
-    receives = transfer.to_all or members[0] == global_rank()
-    empty = torch.empty(0, dtype=torch.int64, device=buffer.device)
+    receives = transfer.to_all or entry[1][0] == global_rank()
+    me = entry[1].index(global_rank())
     if max(counts) == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=buffer.device)
         nothing = torch.empty(0, dtype=dtype, device=buffer.device)
-        decoded = [Decoded(empty, nothing, empty, empty)] * len(members)
+        decoded = [Decoded(empty, nothing, empty, empty)] * len(counts)
     else:
-        encoding, size = choose_encoding(counts, steps, changes.length, dtype.itemsize)
         what = (
             f"bucket {bucket.index} ({sharded[0].name}, ...): changes along mesh dim "
             f"{transfer.order[0]}"
         )
-        out = transfer.gather(encode(changes, encoding, size), transfer.order[0], what)
+        # A gathering rank that only receives never reads its own row: it is not encoded.
+        sends = transfer.to_all or me != 0
+        message = (
+            encode(changes, encoding, size)
+            if sends
+            else torch.empty(size, dtype=torch.uint8, device=buffer.device)
+        )
+        out = transfer.gather(message, transfer.order[0], what)
         if out is None:
             return None
+        # This rank's own row needs no decoding: its changes are at hand.
         decoded = [
-            decode(message, count, changes.length, dtype, encoding)
-            for count, message in zip(counts, out.unbind(0), strict=True)
+            as_decoded(changes, encoding)
+            if rank == me
+            else decode(message, count, changes.length, dtype, encoding)
+            for rank, (count, message) in enumerate(zip(counts, out.unbind(0), strict=True))
         ]
     if not receives:
         return None
-    return {
-        s.key: changes_of(s, offsets[i] // dtype.itemsize, decoded) for i, s in enumerate(sharded)
-    }
+    starts = [offset // dtype.itemsize for offset in offsets]
+    return split_changes(sharded, starts, decoded)
 
 
-def changes_of(source: TensorSource, start: int, decoded: list[Decoded]) -> ChangedElements:
-    """One tensor's changes in the full tensor, from every rank's decoded message."""
-    gather = source.gathers[0]
+def split_changes(
+    sharded: list[TensorSource], starts: list[int], decoded: list[Decoded]
+) -> dict[str, ChangedElements]:
+    """Each tensor's changes in the full tensor, from every rank's decoded message.
 
-    def place(
-        positions_of: list[torch.Tensor], values_of: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        indices, values = [], []
-        for rank, (positions, vals) in enumerate(zip(positions_of, values_of, strict=True)):
-            mine = (positions >= start) & (positions < start + gather.padded_numel)
-            indices.append(gather.global_index(rank, positions[mine] - start))
-            values.append(vals[mine])
-        index, value = torch.cat(indices), torch.cat(values)
-        if gather.tensor_dim != 0 and index.numel():
+    ``starts``: each tensor's first element in a part. Every rank's positions ascend, so one
+    binary search per rank finds where each tensor's run begins and ends.
+    """
+    edges = torch.tensor(
+        [
+            e
+            for s, at in zip(sharded, starts, strict=True)
+            for e in (at, at + s.gathers[0].padded_numel)
+        ],
+        dtype=torch.int64,
+    )
+    cuts = [
+        (
+            torch.searchsorted(d.positions, edges.to(d.positions.device)).tolist(),
+            torch.searchsorted(d.stepped, edges.to(d.stepped.device)).tolist(),
+        )
+        for d in decoded
+    ]
+    found: dict[str, ChangedElements] = {}
+    for i, (source, start) in enumerate(zip(sharded, starts, strict=True)):
+        gather = source.gathers[0]
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for rank, (d, (at, at_stepped)) in enumerate(zip(decoded, cuts, strict=True)):
+            lo, hi = at[2 * i], at[2 * i + 1]
+            parts[0].append(gather.global_index(rank, d.positions[lo:hi] - start))
+            parts[1].append(d.values[lo:hi])
+            lo, hi = at_stepped[2 * i], at_stepped[2 * i + 1]
+            parts[2].append(gather.global_index(rank, d.stepped[lo:hi] - start))
+            parts[3].append(d.steps[lo:hi])
+        index, value, stepped, steps = (torch.cat(p) for p in parts)
+        if gather.tensor_dim != 0:  # a part's rows are not one run of the full tensor
             index, order = torch.sort(index)
             value = value[order]
-        return index, value
-
-    indices, values = place([d.positions for d in decoded], [d.values for d in decoded])
-    stepped, steps = place([d.stepped for d in decoded], [d.steps for d in decoded])
-    return ChangedElements(indices, values, stepped, steps)
+            stepped, order = torch.sort(stepped)
+            steps = steps[order]
+        found[source.key] = ChangedElements(index, value, stepped, steps)
+    return found

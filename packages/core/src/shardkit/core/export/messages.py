@@ -101,7 +101,9 @@ class ChangedElements:
         flat[self.indices.to(where)] = self.values.to(where)
         if self.stepped is not None and self.steps is not None and self.stepped.numel():
             bits = flat.view(_BITS[full.element_size()])
-            bits[self.stepped.to(where)] += self.steps.to(where, bits.dtype)
+            # Positions are distinct: one scatter-add, where ``+=`` on an index would gather,
+            # add and scatter. Integer adds wrap as the sender's subtraction did.
+            bits.index_add_(0, self.stepped.to(where), self.steps.to(where, bits.dtype))
 
 
 # Integers as wide as each element size: a value's bits, read as a number.

@@ -6,7 +6,9 @@ gather's rows per part, so every rank sends the same length), casting to the exp
 the copy. The gathering rank narrows each rank's segment and joins the pieces.
 
 Under ``delta`` the packed part is compared, bit for bit, with the one this rank packed last
-(``delta_transfer.py``), and only the changes travel.
+(``delta_transfer.py``), and only the changes travel, or the part itself where that is cheaper
+(a *plain* bucket, moved here as a full export's). Each part is packed once per export: the
+count of changes packs it, and its gather reuses it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
+from shardkit.core.export.delta_encoding import LocalChanges
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.export.export_groups import (
@@ -31,7 +34,7 @@ from shardkit.core.runtime.export.export_groups import (
 )
 from shardkit.core.runtime.groups import global_rank
 
-__all__ = ["BucketTransfer", "PreviousExport", "TransferCounts"]
+__all__ = ["BucketTransfer", "PreviousExport", "TransferCounts", "part_layout"]
 
 _ALIGN = 8
 
@@ -48,6 +51,8 @@ class TransferCounts:
     """Bytes other ranks sent into this rank in them (its own part, copied, not included)."""
     handed_bytes: int = 0
     """Bytes handed to the receiver (the receiving rank)."""
+    plain_buckets: int = 0
+    """Buckets of a delta export that moved whole (changes would not have been cheaper)."""
 
 
 @dataclass(slots=True)
@@ -63,6 +68,15 @@ class PreviousExport:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def part_layout(sources: list[TensorSource], gathers: list[AxisGather]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a packed part (8-byte aligned), and the part's bytes."""
+    offsets, total = [], 0
+    for source, gather in zip(sources, gathers, strict=True):
+        offsets.append(total)
+        total += _aligned(gather.padded_numel * source.dtype.itemsize)
+    return offsets, total
 
 
 def _first_gather(source: TensorSource) -> AxisGather:
@@ -93,6 +107,10 @@ class BucketTransfer:
     """(mesh ranks, buckets): every rank's changed elements per bucket (a delta)."""
     kept: PreviousExport = field(default_factory=PreviousExport)
     """This export's parts, for the next delta."""
+    packed: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
+    """Parts already packed (a delta's count packs them), with their tensors' byte offsets."""
+    changes: dict[int, LocalChanges | None] = field(default_factory=dict)
+    """A delta's changes per bucket, found by the count (None: too many, the bucket is plain)."""
 
     # Who takes part -------------------------------------------------------------------
     def takes_part(self, mesh_dim: int) -> bool:
@@ -115,10 +133,7 @@ class BucketTransfer:
     def _pack(
         self, sources: list[TensorSource], gathers: list[AxisGather], pieces: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[int]]:
-        offsets, total = [], 0
-        for source, gather in zip(sources, gathers, strict=True):
-            offsets.append(total)
-            total += _aligned(gather.padded_numel * source.dtype.itemsize)
+        offsets, total = part_layout(sources, gathers)
         buffer = torch.empty(total, dtype=torch.uint8, device=pieces[0].device if pieces else "cpu")
         for source, gather, piece, offset in zip(sources, gathers, pieces, offsets, strict=True):
             end = offset + gather.padded_numel * source.dtype.itemsize
@@ -127,13 +142,30 @@ class BucketTransfer:
             buffer[end : offset + _aligned(end - offset)].zero_()
         return buffer, offsets
 
-    def first_part(self, bucket: ExportBucket) -> tuple[torch.Tensor, list[int]] | None:
-        """This rank's packed part of the bucket's sharded tensors (first gather), or None."""
+    def first_pieces(self, bucket: ExportBucket) -> list[tuple[AxisGather, torch.Tensor, int]]:
+        """This rank's pieces of the bucket's first gather, with their offsets in its part.
+
+        Empty where the bucket has no sharded tensor or this rank takes no part in its gather.
+        """
         sharded = [s for s in bucket.sources if s.gathers]
         if not sharded or not self.takes_part(self.order[0]):
-            return None
+            return []
         gathers = [_first_gather(s) for s in sharded]
-        return self._pack(sharded, gathers, [s.local() for s in sharded])
+        offsets, _ = part_layout(sharded, gathers)
+        return [(g, s.local(), o) for s, g, o in zip(sharded, gathers, offsets, strict=True)]
+
+    def _first_pack(
+        self,
+        bucket: int,
+        batch: list[TensorSource],
+        gathers: list[AxisGather],
+        pieces: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The bucket's first gather's part: packed by the count already, or packed now."""
+        packed = self.packed.pop(bucket, None)
+        if packed is not None and len(packed[1]) == len(batch):
+            return packed
+        return self._pack(batch, gathers, pieces)
 
     # Per bucket -------------------------------------------------------------------------------
     def move(self, bucket: ExportBucket) -> WeightBucket | None:
@@ -199,7 +231,12 @@ class BucketTransfer:
                 current.update(whole)
                 first = False
                 continue
-            buffer, offsets = self._pack(batch, gathers, [current[s.key] for s in batch])
+            pieces = [current[s.key] for s in batch]
+            buffer, offsets = (
+                self._first_pack(bucket.index, batch, gathers, pieces)
+                if first
+                else self._pack(batch, gathers, pieces)
+            )
             if first and self.track:
                 self.kept.parts[bucket.index] = buffer
             first = False
@@ -248,7 +285,11 @@ class BucketTransfer:
         pieces = [current[s.key] for s in batch]
         packed = None
         if sends or (first and self.track):
-            packed = self._pack(batch, gathers, pieces)
+            packed = (
+                self._first_pack(bucket, batch, gathers, pieces)
+                if first
+                else self._pack(batch, gathers, pieces)
+            )
             if first and self.track:
                 self.kept.parts[bucket] = packed[0]
         sent: dict[int, list[torch.Tensor]] = {}

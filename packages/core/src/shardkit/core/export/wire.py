@@ -9,7 +9,8 @@ names against the manifest, the total) before any tensor is built, and raise
 :class:`~shardkit.core.errors.WeightLoadError` naming what is wrong.
 
 A delta export's changed elements travel as records of the bucket's header
-(:mod:`~shardkit.core.export.wire_delta`); the field and region checks every decoder shares
+(:mod:`~shardkit.core.export.wire_delta`), and its plain buckets (sent whole) as a full
+export's; the field and region checks every decoder shares
 are :mod:`~shardkit.core.export.wire_payload`'s.
 """
 
@@ -221,8 +222,9 @@ def decode_bucket(header: bytes, payload: torch.Tensor, manifest: ExportManifest
             f"({payload.dtype}, {payload.dim()}-D)"
         )
     full, changed = json_list(raw["full"], where), json_list(raw["changed"], where)
-    if (full and manifest.kind != "full") or (changed and manifest.kind != "delta"):
-        raise WeightLoadError(f"{where}: a {manifest.kind} export's bucket holds the other kind")
+    # A delta export sends a bucket whole where its changes would cost more (a plain bucket).
+    if changed and manifest.kind != "delta":
+        raise WeightLoadError(f"{where}: a full export's bucket holds changed elements")
     reader = PayloadReader(payload, where)
     entries = manifest.by_name()
     names: list[str] = []
