@@ -254,3 +254,30 @@ def test_a_save_killed_before_its_metadata_leaves_no_checkpoint_anyone_takes(
         assert result["complete"] == ["step_00000001"] and result["loaded"] == "step_00000001"
         assert result["state"]
         assert result["torch"] != "loaded"  # torch's reader finds no .metadata
+
+
+def _without_record(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardkit.core import CheckpointManager
+
+    manager = CheckpointManager(root)
+    app = build_app(world_size)
+    train_app(app, 1, rank, world_size)
+    path = manager.save(1, {"app": app})
+    dist.barrier()
+    if rank == 0:  # as an older checkpoint of this project: no record, no indexes
+        marker = json.loads((path / "COMPLETE").read_text())
+        for name in [RECORD, *(f"__{r}.index" for r in range(world_size))]:
+            (path / name).unlink()
+            del marker["files"][name]
+        (path / "COMPLETE").write_text(json.dumps(marker))
+    dist.barrier()
+    fresh = build_app(world_size, seed=7)
+    loaded = manager.load({"app": fresh})
+    return {"loaded": loaded is not None, "state": same_state(state_of(fresh), state_of(app))}
+
+
+def test_a_checkpoint_without_the_record_loads_through_dcps_planning(tmp_path: Path) -> None:
+    for result in run_on_ranks(2, _without_record, root=str(tmp_path)):
+        assert result["loaded"] and result["state"], result

@@ -76,6 +76,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _remove(checkpoint: Path, *, ignore_errors: bool = False) -> None:
+    """Delete a checkpoint directory, its marker first.
+
+    ``rmtree`` deletes in directory order: killed part-way, it could leave the marker beside
+    missing data files, a checkpoint counted complete that no load takes.
+    """
+    try:
+        (checkpoint / COMPLETE).unlink(missing_ok=True)
+    except OSError:
+        if not ignore_errors:
+            raise
+    shutil.rmtree(checkpoint, ignore_errors=ignore_errors)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
@@ -325,9 +339,7 @@ class CheckpointManager:
         }
         _write_atomic(partial / COMPLETE, json.dumps(marker) + "\n")
         if target.exists():  # the same step saved again (a resume from an earlier one)
-            # Its marker first: a kill inside the removal must not leave it marked complete.
-            (target / COMPLETE).unlink(missing_ok=True)
-            shutil.rmtree(target)
+            _remove(target)
         os.replace(partial, target)
         _fsync_dir(self.root)
         _write_atomic(self.root / _LATEST, target.name + "\n")
@@ -341,7 +353,7 @@ class CheckpointManager:
         kept = [p for p in saves if _step_of(p) <= step and (p / COMPLETE).is_file()]
         doomed = [p for p in saves if p not in kept[-self.keep :]]
         for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path, ignore_errors=True)
 
     def load(
         self, state: dict[str, Any], path: str | os.PathLike[str] | None = None
