@@ -163,16 +163,26 @@ def test_a_damaged_index_is_refused_naming_the_file(tmp_path: Path) -> None:
         read_index(tmp_path, 1, 2)
 
 
-def _damaged_record_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _saved(rank: int, world_size: int, root: str) -> tuple[Any, Any, Path]:
+    """A manager at ``root``, an app trained one step, and its checkpoint (every rank past it)."""
     import torch.distributed as dist
 
-    from shardkit.core import CheckpointLoadError, CheckpointManager
+    from shardkit.core import CheckpointManager
 
     manager = CheckpointManager(root)
     app = build_app(world_size)
     train_app(app, 1, rank, world_size)
     path = manager.save(1, {"app": app})
     dist.barrier()
+    return manager, app, path
+
+
+def _damaged_record_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardkit.core import CheckpointLoadError
+
+    manager, _, path = _saved(rank, world_size, root)
     if rank == 0:  # forged, with the marker's checksum updated: the record's own checks refuse
         _rewrite(path / RECORD, _shape)
         marker = json.loads((path / "COMPLETE").read_text())
@@ -259,13 +269,7 @@ def test_a_save_killed_before_its_metadata_leaves_no_checkpoint_anyone_takes(
 def _without_record(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardkit.core import CheckpointManager
-
-    manager = CheckpointManager(root)
-    app = build_app(world_size)
-    train_app(app, 1, rank, world_size)
-    path = manager.save(1, {"app": app})
-    dist.barrier()
+    manager, app, path = _saved(rank, world_size, root)
     if rank == 0:  # as an older checkpoint of this project: no record, no indexes
         marker = json.loads((path / "COMPLETE").read_text())
         for name in [RECORD, *(f"__{r}.index" for r in range(world_size))]:
