@@ -154,6 +154,19 @@ def _changes(
     return ChangedElements(indices=none, values=after[none], stepped=indices, steps=steps)
 
 
+def export_into(receiver: Any, manifest: ExportManifest, buckets: list[WeightBucket]) -> None:
+    """What the exporter does on the receiving side: begin, every bucket, then finish (or abort
+    with the error)."""
+    receiver.begin(manifest)
+    try:
+        for bucket in buckets:
+            receiver.receive(bucket)
+    except Exception as error:
+        receiver.abort(error)
+        raise
+    receiver.finish()
+
+
 def with_changes(state: dict[str, torch.Tensor], *, seed: int) -> dict[str, torch.Tensor]:
     """``state`` with a few elements of a few tensors changed (what a small step moves)."""
     generator = torch.Generator().manual_seed(seed)

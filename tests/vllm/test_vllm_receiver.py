@@ -17,9 +17,11 @@ import torch
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export import ExportedTensor, ExportManifest, WeightBucket
-from shardkit.core.export.vllm import VLLMReceiver, _choose_path, engine_dtype, vllm_receiver
+from shardkit.core.export.vllm import VLLMReceiver, engine_dtype, vllm_receiver
+from shardkit.core.export.vllm_worker import choose_path
 from tests.vllm.engines import (
     delta_export,
+    export_into,
     full_export,
     greedy,
     perturbed,
@@ -56,25 +58,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     yield Engines(receiving, first, second, second_engine, third, third_engine)
 
 
-def _export(receiver: VLLMReceiver, manifest: ExportManifest, buckets: list[WeightBucket]) -> None:
-    """What the exporter does on the receiving side: begin, every bucket, then finish (or abort
-    with the error)."""
-    receiver.begin(manifest)
-    try:
-        for bucket in buckets:
-            receiver.receive(bucket)
-    except Exception as error:
-        receiver.abort(error)
-        raise
-    receiver.finish()
-
-
 def test_full_export_equals_a_fresh_engine(engines: Engines) -> None:
     before = greedy(engines.receiving)
     receiver = vllm_receiver(engines.receiving)
     assert receiver.dtype == engine_dtype(engines.receiving) == torch.bfloat16
 
-    _export(receiver, *full_export(engines.second))
+    export_into(receiver, *full_export(engines.second))
 
     after = greedy(engines.receiving)
     assert after == greedy(engines.second_engine)
@@ -83,13 +72,13 @@ def test_full_export_equals_a_fresh_engine(engines: Engines) -> None:
 
 def test_delta_export_equals_a_fresh_engine(engines: Engines) -> None:
     receiver = vllm_receiver(engines.receiving)
-    _export(receiver, *full_export(engines.second, export_id=0))
+    export_into(receiver, *full_export(engines.second, export_id=0))
     manifest, buckets = delta_export(engines.second, engines.third, export_id=1)
     changes = [c for b in buckets for _, c in b.changed]
     assert sum(c.count for c in changes) < 100
     assert any(c.stepped is not None and c.stepped.numel() for c in changes)  # both encodings
 
-    _export(receiver, manifest, buckets)
+    export_into(receiver, manifest, buckets)
 
     assert greedy(engines.receiving) == greedy(engines.third_engine)
     assert greedy(engines.third_engine) != greedy(engines.second_engine)  # the delta counts
@@ -97,14 +86,12 @@ def test_delta_export_equals_a_fresh_engine(engines: Engines) -> None:
 
 def test_the_cpu_build_takes_reload_weights_not_load_weights(engines: Engines) -> None:
     # vLLM's CPU build repacks the linear layers' weights after loading: the model's
-    # load_weights cannot take them, and forcing it is refused before anything is written.
-    manifest, buckets = full_export(engines.second)
+    # load_weights cannot take them, and forcing it is refused in begin, before the first
+    # bucket: nothing is written.
+    manifest, _ = full_export(engines.second)
     forced = vllm_receiver(engines.receiving, path="load_weights")
-    forced.begin(manifest)
-    with pytest.raises(
-        WeightLoadError, match=r"lost their weight loader.*Tensors already written.*none"
-    ):
-        forced.receive(buckets[0])
+    with pytest.raises(WeightLoadError, match=r"lost their weight loader"):
+        forced.begin(manifest)
     forced.abort(RuntimeError("refused"))
 
 
@@ -142,7 +129,7 @@ def test_a_load_failing_partway_names_the_tensors_written(engines: Engines) -> N
     written = [n for b in buckets[: failing.index] for n in b.names]
 
     with pytest.raises(WeightLoadError) as caught:
-        _export(receiver, manifest, buckets)
+        export_into(receiver, manifest, buckets)
 
     message = str(caught.value)
     assert f"bucket {failing.index}" in message and bad_name in message
@@ -151,7 +138,7 @@ def test_a_load_failing_partway_names_the_tensors_written(engines: Engines) -> N
     assert receiver.loaded == written
     # The engine runs on, and the next full export makes it whole again.
     greedy(engines.receiving)
-    _export(vllm_receiver(engines.receiving), *full_export(engines.second))
+    export_into(vllm_receiver(engines.receiving), *full_export(engines.second))
     assert greedy(engines.receiving) == greedy(engines.second_engine)
 
 
@@ -200,7 +187,7 @@ def _fake_worker(*, loader: bool, reload: bool) -> Any:
 def test_the_path_follows_what_the_model_and_worker_offer(
     loader: bool, reload: bool, path: str | None
 ) -> None:
-    chosen, dtype, _ = _choose_path(_fake_worker(loader=loader, reload=reload), "auto")
+    chosen, dtype, _ = choose_path(_fake_worker(loader=loader, reload=reload), "auto")
     assert (chosen, dtype) == (path, torch.bfloat16)
 
 

@@ -1,0 +1,131 @@
+"""An engine in another process never hangs the export (no vLLM: a stand-in ``vllm.LLM``).
+
+The stand-in looks like vLLM's ``LLM`` with its engine core in a process of its own (no
+``model_executor`` on its engine) and answers ``collective_rpc`` as told: by method name only
+(what vLLM does without ``VLLM_ALLOW_INSECURE_SERIALIZATION``), or never (its input thread
+dead). An engine with no route to its worker is refused before the first bucket, naming the
+settings; one that stops answering ends the export on every rank within the bound.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from harness.pool import run_on_ranks
+from shardkit.core.errors import WeightExportError
+from shardkit.core.export import ExportedTensor, ExportManifest, WeightBucket
+from shardkit.core.export.vllm import VLLMReceiver
+from shardkit.core.export.vllm_rpc import bounded
+from shardkit.core.export.vllm_worker import EXTENSION
+from tests.core.export.export_models import sharded
+
+
+class StandInEngine:
+    """A ``vllm.LLM`` whose engine core runs elsewhere; answers ``answers`` calls, then none.
+
+    Functions are refused as vLLM refuses a pickled one without the setting (here at once;
+    vLLM's own client would wait for ever, which ``answers`` stands for).
+    """
+
+    def __init__(self, *, extension: str = EXTENSION, answers: int = 10**6) -> None:
+        parallel = SimpleNamespace(worker_extension_cls=extension)
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(dtype=torch.bfloat16, model="not-a-folder"),
+            vllm_config=SimpleNamespace(parallel_config=parallel),
+        )
+        self.answers = answers
+        self.release = threading.Event()  # lets a stuck call go once the test is over
+        self.calls: list[str] = []
+        self.loaded: list[bytes] = []
+
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
+        if not isinstance(method, str):
+            raise TypeError("Extension type code 2 is not supported")
+        self.calls.append(method)
+        if len(self.calls) > self.answers:
+            self.release.wait()  # a dead input thread: no answer comes
+            raise RuntimeError("released")
+        if method == "shardkit_probe":
+            return [["reload_weights", "bfloat16", "a stand-in", -1]]  # a list, as over RPC
+        self.loaded.append(args[1])
+        return [None]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def _manifest() -> tuple[ExportManifest, WeightBucket]:
+    entry = ExportedTensor("w", (2, 3), torch.bfloat16, 0)
+    bucket = WeightBucket(0, full=(("w", torch.ones(2, 3, dtype=torch.bfloat16)),))
+    return ExportManifest(0, "full", (entry,), 1), bucket
+
+
+def test_an_engine_elsewhere_without_a_route_is_refused_naming_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    engine = StandInEngine(extension="")
+    manifest, _ = _manifest()
+    with pytest.raises(WeightExportError) as raised:
+        VLLMReceiver(engine).begin(manifest)
+    assert EXTENSION in str(raised.value)
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in str(raised.value)
+    assert engine.calls == []  # refused before anything was sent
+
+
+def test_through_the_extension_only_method_names_and_bytes_travel() -> None:
+    engine = StandInEngine()
+    receiver = VLLMReceiver(engine, bound_s=5)
+    manifest, bucket = _manifest()
+    receiver.begin(manifest)
+    receiver.receive(bucket)
+    receiver.finish()
+    assert engine.calls == ["shardkit_probe", "shardkit_load"]
+    assert isinstance(engine.loaded[0], bytes)  # safetensors bytes, no tensor objects
+
+
+def test_a_call_past_the_bound_raises_and_others_pass_through() -> None:
+    assert bounded(lambda: 7, "a call", 1.0) == 7
+    with pytest.raises(ValueError, match="its own"):
+        bounded(lambda: (_ for _ in ()).throw(ValueError("its own")), "a call", 1.0)
+    never = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(WeightExportError, match=r"did not answer a call within 0.5 s"):
+        bounded(never.wait, "a call", 0.5)
+    assert time.monotonic() - start < 5
+    never.set()
+
+
+def _silent_engine_export(rank: int, world_size: int, answers: int) -> Any:
+    from shardkit.core.export.exporter import ExportOptions, WeightExporter
+
+    model = sharded("shardkit")
+    exporter = WeightExporter(
+        model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=3000, bound_s=20)
+    )
+    engine = StandInEngine(answers=answers)
+    receiver = VLLMReceiver(engine, bound_s=3) if rank == 0 else None
+    start = time.monotonic()
+    try:
+        exporter.export(receiver)
+    except WeightExportError as error:
+        return time.monotonic() - start, str(error)
+    finally:
+        engine.release.set()  # the stuck helper thread may go now
+    return time.monotonic() - start, None
+
+
+@pytest.mark.parametrize("answers", [0, 2])
+def test_an_engine_that_stops_answering_ends_the_export_on_every_rank(answers: int) -> None:
+    """It never answers (the probe, before the first bucket), or stops after two calls (in
+    the middle of the buckets): every rank raises within the export's bound."""
+    results = run_on_ranks(2, _silent_engine_export, answers=answers)
+    for seconds, error in results:
+        assert error is not None and "did not answer" in error
+        assert seconds < 20
