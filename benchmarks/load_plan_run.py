@@ -1,7 +1,7 @@
 """A load's planning at thousands of ranks, in one process: from the layout record, per rank.
 
-Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192] [--sizes 8b,70b]
-       [--layouts fsdp,hsdp,fsdp1]
+Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192] [--torch-worlds 64,256]
+       [--sizes 8b,70b] [--layouts fsdp,hsdp,fsdp1]
 
 The saved state is ``save_plan_run``'s (a Llama with AdamW under FSDP, HSDP or FSDP1's
 ShardedTensors, at W ranks). For each point:
@@ -15,7 +15,8 @@ ShardedTensors, at W ranks). For each point:
   their rows in the writers' indexes (``chunk_sources.py``), as ``load.py`` runs it before
   DCP's planner. The indexes are simulated (rows of the right count; their reading is
   counted in bytes, 24 a row, not timed), and so are the rank's shards (its boxes, which a
-  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone.
+  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone;
+- with ``--torch-worlds``, DCP's load planning of the same checkpoint (:func:`torch_point`).
 
 Prints one JSON line per point.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import tempfile
 import time
@@ -136,16 +138,78 @@ def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, An
     return out
 
 
+def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
+    """DCP's load planning of the same checkpoint, simulated the same way.
+
+    Every rank unpickles the whole ``.metadata`` (timed: ``pickle.loads`` of its bytes, as
+    DCP's reader does), then builds its local plan: for each of its tensors, its shard's
+    overlaps with every chunk the metadata lists (torch's ``create_read_items_for_chunk_list``,
+    timed for ranks 0, W/2 and W-1); the plans are pickled and gathered to rank 0 and back
+    (their bytes: W times the largest).
+    """
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from shardkit.core.checkpoint.local_plan.save_results import storage_entries
+
+    layout = SaveLayout.from_values(state_values(size, world, layout_name), world)
+    bodies = []
+    for count in layout.expected_items():
+        rows = torch.zeros((count, 4), dtype=torch.int64)
+        rows[:, 1], rows[:, 2:] = torch.arange(count) * 4096, 4096
+        bodies.append(rows.reshape(-1))
+    metadata = Metadata(
+        state_dict_metadata=layout.state_dict_metadata(),
+        storage_data=storage_entries(layout, bodies),
+    )
+    pickled = pickle.dumps(metadata)
+    started = time.perf_counter()
+    read = pickle.loads(pickled)
+    unpickle_s = time.perf_counter() - started
+    seconds, plan_bytes = [], []
+    for rank in (0, world // 2, world - 1):
+        held = held_boxes(layout, rank)
+        started = time.perf_counter()
+        items = []
+        for fqn, entry in read.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            boxes = held[fqn] or [((0,) * len(entry.size), tuple(entry.size))]
+            mine = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
+            items += create_read_items_for_chunk_list(fqn, entry, mine)
+        seconds.append(time.perf_counter() - started)
+        plan_bytes.append(len(pickle.dumps(LoadPlan(items))))
+    return {
+        "engine": "torch",
+        "size": size,
+        "world": world,
+        "layout": layout_name,
+        "metadata_bytes": len(pickled),
+        "unpickle_s_per_rank": unpickle_s,
+        "local_plan_s_per_rank": max(seconds),
+        "plans_gathered_bytes": world * max(plan_bytes),
+        "planning_collectives": 2,  # the plans gathered to rank 0, the global plan scattered
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worlds", default="1024,4096,8192")
+    parser.add_argument("--torch-worlds", default="")
     parser.add_argument("--sizes", default="8b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes.split(","):
             for layout in args.layouts.split(","):
-                for world in map(int, args.worlds.split(",")):
+                for world in map(int, filter(None, args.torch_worlds.split(","))):
+                    print(json.dumps(torch_point(size, world, layout)), flush=True)
+                for world in map(int, filter(None, args.worlds.split(","))):
                     print(json.dumps(point(size, world, layout, Path(folder))), flush=True)
 
 
