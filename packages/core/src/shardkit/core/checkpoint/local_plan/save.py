@@ -10,15 +10,16 @@ plan to rank 0, builds and checks the global plan there and scatters it back, th
 write results. Here:
 
 1. every rank derives its own items from the layout (``chunk_writers``; no collective);
-2. every rank writes them;
+2. every rank writes them, then its index of where each lies (``rank_index``);
 3. one gather to rank 0 of what was written: a small fixed header per rank (its layout's
    digest, how many items, whether it failed), then each rank's results as int64 rows
    (file number, offset, length, bytes) in the order of its items, which rank 0 knows
    already: no pickle, every field checked;
-4. rank 0 checks that every rank planned the same layout and wrote what it was due, adds the
-   storage entries to the layout's metadata (built once per layout) and writes
-   ``.metadata``; its outcome goes to every rank (a broadcast on the save's group), which
-   raises the same error on failure.
+4. rank 0 checks that every rank planned the same layout, writes the layout record
+   (``layout_record``: what loads plan from, each rank alone), checks that every rank wrote
+   what it was due, adds the storage entries to the layout's metadata (built once per
+   layout) and writes ``.metadata`` last (for torch's readers); its outcome goes to every
+   rank (a broadcast on the save's group), which raises the same error on failure.
 
 Collectives: none before the write; after it, the gather (two point-to-point rounds to
 rank 0) and the outcome's broadcast. Values a rank holds that no other rank holds the same
