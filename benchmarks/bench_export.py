@@ -5,7 +5,9 @@ transport (in rank 0's process, another process through shared memory, another p
 a group of its own): the time (the export's own part and the receiver's load), the bytes on
 the wire against the model's bf16 bytes, a delta export's bytes after an AdamW step at
 lr 1e-6, and each trainer rank's peak RSS against its training step's
-(benchmarks/export_run.py measures; SHARDKIT_BENCH_EXPORT_SIZES picks sizes).
+(benchmarks/export_run.py measures; SHARDKIT_BENCH_EXPORT_SIZES picks sizes). And a delta's
+trainer-side time against a full export's, paired round by round, at lr 1e-6 and 1e-3
+(benchmarks/export_delta_run.py).
 """
 
 from __future__ import annotations
@@ -64,3 +66,36 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
         f"start: export {export_peak:.0f} MiB, step {step_peak:.0f} MiB, bucket {bucket_mib:.0f}\n"
     )
     assert r["wire_ours"] == full_wire  # the minimum bytes: each rank's half once, in bf16
+
+
+@pytest.mark.parametrize("lr", ["1e-6", "1e-3"])
+@pytest.mark.parametrize("size", SIZES)
+def test_delta_against_full(benchmark: Any, size: str, lr: str) -> None:
+    """A delta sync's trainer-side time against a full one's, paired round by round
+    (benchmarks/export_delta_run.py): at lr 1e-6 a few percent of the bf16 elements change; at
+    1e-3 most do, and the delta's buckets go plain. Times only: glibc's default allocator (the
+    low mmap threshold the RSS runs use would charge each chunk's temporaries a page fault)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "benchmarks" / "export_delta_run.py"), size, lr, "5"]
+    results: dict[str, Any] = {}
+
+    def measure() -> None:
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, check=True, timeout=3600
+        )
+        results.update(json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{"))))
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    rows = results["rounds"]
+    benchmark.extra_info.update(results)
+    ratios = ", ".join(f"{x:.2f}" for x in sorted(row["ratio"] for row in rows))
+    sys.stdout.write(
+        f"\n{size} lr {lr}: trainer side, full {results['full_s_median']:.3f} s, delta "
+        f"{results['delta_s_median']:.3f} s; delta/full per round {ratios} "
+        f"(median {results['ratio_median']:.2f}); changed {100 * rows[-1]['changed']:.2f}%; "
+        f"bytes {100 * rows[-1]['delta_bytes'] / rows[-1]['full_bytes']:.2f}% of full; plain "
+        f"buckets {rows[-1]['plain_buckets']}/{rows[-1]['buckets']}\n"
+    )
+    assert all(row["delta_bytes"] <= row["full_bytes"] for row in rows)

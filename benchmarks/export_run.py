@@ -66,6 +66,26 @@ def build(size: str, dtype: torch.dtype) -> Any:
     return model.to(dtype=dtype)
 
 
+def sharded(size: str, lr: float) -> tuple[Any, torch.optim.Optimizer]:
+    """The model of ``size`` in fp32, sharded by shardkit per layer and at the root; AdamW."""
+    from shardkit.core import fully_shard
+
+    model = build(size, torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def train_step(model: Any, optimizer: torch.optim.Optimizer, size: str, rank: int) -> None:
+    """One step on 64 tokens of this rank's (the same each time: a benchmark, not training)."""
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 64), generator=g)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def _status(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
@@ -136,14 +156,9 @@ def main() -> None:
     size, transport, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from shardkit.core import fully_shard
     from shardkit.core.export.exporter import ExportOptions, WeightExporter
 
-    model = build(size, torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    model, optimizer = sharded(size, 1e-6)
     params = sum(p.numel() for p in model.parameters())
     receiver, closer = _receiver(transport, size) if rank == 0 else (None, lambda: None)
     # trl's hand-offs go to the same receiver (a colocated one: a model of its own).
@@ -154,11 +169,7 @@ def main() -> None:
     )
 
     def step() -> None:
-        g = torch.Generator().manual_seed(rank)
-        ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 64), generator=g)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer, size, rank)
 
     step()  # warm-up: optimizer state, lazy init
     base = reset_peak()

@@ -133,7 +133,8 @@ def changed_lanes(
     lanes_now = words_now.index_select(0, words).view(now.dtype)  # (k * per,)
     lanes_before = words_before.index_select(0, words).view(now.dtype)
     lanes = torch.nonzero(lanes_now != lanes_before).view(-1)  # ascending
-    positions = words.index_select(0, lanes // per) * per + lanes % per
+    shift = per.bit_length() - 1  # per is 2, 4 or 8: shifts and masks, not divisions
+    positions = (words.index_select(0, lanes >> shift) << shift) | (lanes & (per - 1))
     return positions, lanes_now.index_select(0, lanes), lanes_before.index_select(0, lanes)
 
 

@@ -67,7 +67,8 @@ def refresh_part(
             count += positions.numel()
             steps = now_bits.to(torch.int64) - old_bits.to(torch.int64)
             found.append((positions + (first + start), now_bits.view(dtype), steps))
-            old.copy_(new)
+            # Only the changed elements are written back: a few percent of the chunk.
+            old.view(width).index_copy_(0, positions, now_bits)
     length = part.numel() // itemsize
     if count > limit:
         return None  # dense: the bucket moves whole; the part is refreshed all the same

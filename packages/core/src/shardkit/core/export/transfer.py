@@ -301,8 +301,15 @@ class BucketTransfer:
                 whole = torch.empty(gather.shape, dtype=source.dtype, device=piece.device)
                 full[source.key] = whole
                 start, rows = _rows(gather, me)
-                if rows:
-                    whole.narrow(0, start, rows).copy_(piece)
+                into = whole.narrow(0, start, rows)
+                if rows and packed is not None:
+                    # Already cast into the part (a delta's count, or the kept part): copied
+                    # from there rather than cast a second time.
+                    at = packed[1][index]
+                    cast = packed[0][at : at + into.numel() * source.dtype.itemsize]
+                    into.copy_(cast.view(source.dtype).view(into.shape))
+                elif rows:
+                    into.copy_(piece)
                 for peer in range(len(members)):
                     peer_start, peer_rows = _rows(gather, peer)
                     if peer != me and peer_rows:
