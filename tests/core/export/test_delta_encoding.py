@@ -81,3 +81,18 @@ def test_steps_win_for_an_optimizer_step_at_about_two_bytes_a_change() -> None:
     # Changes past 1/DENSE of the part go plain, whatever their encodings' sizes.
     assert choose_encoding([4_000], [10**6], 40_000, 2)[0] is Encoding.BITMASK
     assert choose_encoding([40_000], [10**6], 50_000, 2) == (Encoding.PLAIN, 100_000)
+
+
+@pytest.mark.parametrize("length", [50_000, 50_001])
+def test_changes_are_found_by_words_or_element_by_element_alike(length: int) -> None:
+    """A part of whole 8-byte words is compared a word at a time, another element by element:
+    the same positions, values and steps."""
+    old, new = _optimizer_like(torch.bfloat16)
+    old, new = torch.cat([old, old[: length - 50_000]]), torch.cat([new, new[: length - 50_000]])
+    found = local_changes(new, old)
+    flags = new.view(torch.int16) != old.view(torch.int16)
+    expected = torch.nonzero(flags).view(-1)
+    assert torch.equal(found.positions, expected)
+    assert torch.equal(found.values.view(torch.int16), new.view(torch.int16)[expected])
+    steps = new.view(torch.int16)[expected].long() - old.view(torch.int16)[expected].long()
+    assert torch.equal(found.steps, steps)
