@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from harness.pool import run_on_ranks
 from tests.core import models
@@ -34,20 +35,27 @@ def _save_fsdp1(rank: int, world_size: int, root: str) -> list[str]:
     return sorted({type(v).__name__ for v in state["model"].values()})
 
 
-def _load_fully_shard(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+def _sharded_model(world_size: int) -> nn.Module:
+    """The saved model's architecture, sharded by shardkit per block and at the root."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from shardkit.core import fully_shard
 
-    model = models.build(RUN.model, seed=5)
+    model: nn.Module = models.build(RUN.model, seed=5)
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.modules():
         if isinstance(block, models.Block):
             fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _load_fully_shard(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.tensor import DTensor
+
+    model = _sharded_model(world_size)
     loaded = {"model": get_model_state_dict(model)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -80,20 +88,13 @@ def test_an_fsdp1_checkpoint_saved_locally_loads_into_fully_shard_at_another_wor
 def _load_by_record(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
     """The same load planned by this rank alone from the layout record (no ``.metadata``)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from shardkit.core import fully_shard
     from shardkit.core.checkpoint.local_plan.layout_record import read_record
     from shardkit.core.checkpoint.local_plan.load import load_planned_locally
     from shardkit.core.checkpoint.replica_reads import ReadCounts
 
-    model = models.build(RUN.model, seed=5)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.modules():
-        if isinstance(block, models.Block):
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _sharded_model(world_size)
     loaded = {"model": get_model_state_dict(model)}
     load_planned_locally(loaded, Path(root), read_record(Path(root)), ReadCounts())
     set_model_state_dict(model, loaded["model"])
