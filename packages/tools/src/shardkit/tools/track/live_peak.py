@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from shardkit.tools.track.tracking import Tracker
 
 __all__ = ["LivePeak"]
 
@@ -50,7 +51,7 @@ class _Counting(TorchDispatchMode):
         return out
 
 
-class LivePeak:
+class LivePeak(Tracker):
     """Counts live tensor bytes inside a ``with`` block; ``peak`` is their highest point.
 
     Example::
@@ -79,7 +80,8 @@ class LivePeak:
         self._mode: _Counting | None = None
         self._resize: Any = None
 
-    def __enter__(self) -> LivePeak:
+    def start(self) -> LivePeak:
+        """Start counting (what ``with`` does): the storages alive now, then every new one."""
         for tensor in self._alive_at_start():
             self.see(tensor)
         original = torch.UntypedStorage.resize_
@@ -95,14 +97,10 @@ class LivePeak:
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch: untyped
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        assert self._mode is not None, "LivePeak exited without entering"
-        self._mode.__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
+    def stop(self) -> None:
+        """Stop counting; ``peak`` stays."""
+        assert self._mode is not None, "LivePeak stopped without starting"
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         self._mode = None
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 

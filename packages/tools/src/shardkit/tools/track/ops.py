@@ -11,10 +11,11 @@ with W shows it at once.
 from __future__ import annotations
 
 from collections import Counter
-from types import TracebackType
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardkit.tools.track.tracking import Tracker
 
 __all__ = ["OpCounter"]
 
@@ -55,7 +56,7 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class OpCounter:
+class OpCounter(Tracker):
     """A context manager that counts the operators dispatched inside it, by name.
 
     Example::
@@ -79,19 +80,16 @@ class OpCounter:
         bookkeeping and profiler markers."""
         self._mode: _Counting | None = None
 
-    def __enter__(self) -> OpCounter:
+    def start(self) -> OpCounter:
+        """Start counting (what ``with`` does)."""
         self._mode = _Counting(self.by_op, self.no_kernel)
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch: untyped
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        assert self._mode is not None, "OpCounter exited without entering"
-        self._mode.__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
+    def stop(self) -> None:
+        """Stop counting; the counts stay."""
+        assert self._mode is not None, "OpCounter stopped without starting"
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         self._mode = None
 
     @property
