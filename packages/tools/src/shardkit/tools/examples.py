@@ -4,36 +4,7 @@ They live in :mod:`shardkit.tools.plan.examples`; this module keeps the short sp
 ``shardkit-plan`` users type (and the README shows) working.
 """
 
-from shardkit.tools.plan.examples import (
-    Llama,
-    LlamaConfig,
-    gpt_35m,
-    gpt_35m_inputs,
-    gpt_demo,
-    gpt_demo_inputs,
-    gpt_small,
-    gpt_small_inputs,
-    llama_8b,
-    llama_8b_inputs,
-    llama_tiny,
-    llama_tiny_inputs,
-    llama_tp_plan,
-    one_dim_params_in_own_dtype,
-)
+from shardkit.tools.plan import examples as _examples
+from shardkit.tools.plan.examples import *  # noqa: F403  (every public name, as listed there)
 
-__all__ = [
-    "Llama",
-    "LlamaConfig",
-    "gpt_35m",
-    "gpt_35m_inputs",
-    "gpt_demo",
-    "gpt_demo_inputs",
-    "gpt_small",
-    "gpt_small_inputs",
-    "llama_8b",
-    "llama_8b_inputs",
-    "llama_tiny",
-    "llama_tiny_inputs",
-    "llama_tp_plan",
-    "one_dim_params_in_own_dtype",
-]
+__all__ = _examples.__all__

@@ -214,7 +214,7 @@ def llama_8b() -> Llama:
 
 def llama_8b_inputs(batch: int = 1, seq_len: int = 8192) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`llama_8b`: one rank's micro-batch."""
-    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+    return _meta_token_ids(batch, seq_len)
 
 
 def llama_tiny() -> Llama:
@@ -228,7 +228,7 @@ def llama_tiny() -> Llama:
 
 def llama_tiny_inputs(batch: int = 2, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`llama_tiny`."""
-    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+    return _meta_token_ids(batch, seq_len)
 
 
 def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -264,36 +264,44 @@ def llama_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 def gpt_small() -> GPT:
     """The benchmarks' GPT (8 blocks of width 256, about 8.45e6 params) on the meta device."""
     config = GPTConfig(vocab_size=4096, dim=256, n_layers=8, n_heads=4, max_seq_len=128)
-    with torch.device("meta"):
-        return GPT(config)
+    return _meta_gpt(config)
 
 
 def gpt_small_inputs(batch: int = 4, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`gpt_small`: one rank's micro-batch."""
-    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+    return _meta_token_ids(batch, seq_len)
 
 
 def gpt_35m() -> GPT:
     """The "35M" GPT of the benchmarks (8 blocks of width 512, 8192 tokens: 33.7e6 params)."""
     config = GPTConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=256)
-    with torch.device("meta"):
-        return GPT(config)
+    return _meta_gpt(config)
 
 
 def gpt_35m_inputs(batch: int = 2, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`gpt_35m`: a CPU rank's quick micro-batch."""
-    return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+    return _meta_token_ids(batch, seq_len)
 
 
 def gpt_demo() -> GPT:
     """The demo GPT's shape (6 blocks of width 128, 256 tokens: about 1.3e6 params)."""
     config = GPTConfig(vocab_size=256, dim=128, n_layers=6, n_heads=4, max_seq_len=128)
-    with torch.device("meta"):
-        return GPT(config)
+    return _meta_gpt(config)
 
 
 def gpt_demo_inputs(batch: int = 8, seq_len: int = 128) -> torch.Tensor:
     """Meta token ids (batch, seq_len) for :func:`gpt_demo`: the demo's 8 sequences a rank."""
+    return _meta_token_ids(batch, seq_len)
+
+
+def _meta_gpt(config: GPTConfig) -> GPT:
+    """A GPT of ``config`` on the meta device: shapes and dtypes, no storage."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def _meta_token_ids(batch: int, seq_len: int) -> torch.Tensor:
+    """Token ids (batch, seq_len) on the meta device: every factory's inputs."""
     return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
 
 
