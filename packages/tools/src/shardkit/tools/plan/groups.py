@@ -35,7 +35,14 @@ from shardkit.core.layout import (
 from shardkit.tools.plan.options import PlanOptions, WrapPolicy
 from shardkit.tools.plan.sharding_plan import ROOT, Unit
 
-__all__ = ["GroupSpec", "UnitSelection", "build_groups", "select_group_modules", "select_units"]
+__all__ = [
+    "GroupSpec",
+    "UnitSelection",
+    "build_groups",
+    "named_module",
+    "select_group_modules",
+    "select_units",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,15 +182,26 @@ def select_units(model: nn.Module, units: tuple[Unit, ...], shard_size: int) -> 
     return selections
 
 
-def _module(named: dict[str, nn.Module], fqn: str, unit: Unit) -> nn.Module:
+def named_module(named: dict[str, nn.Module], fqn: str, named_by: str) -> nn.Module:
+    """The module ``fqn`` of ``named`` (a model's ``named_modules()``).
+
+    Raises:
+        ValueError: the model has no such module; the message says what named it
+            (``named_by``: "unit blocks.0", "checkpoint") and lists near names.
+    """
     module = named.get(fqn)
     if module is None:
         near = difflib.get_close_matches(fqn, [n for n in named if n], n=5, cutoff=0.5)
         hint = f"; near names: {', '.join(near)}" if near else ""
         raise ValueError(
-            f"shardkit.tools.plan: unit {unit.name} names module {fqn!r}, which the model "
-            f"does not have{hint}"
+            f"shardkit.tools.plan: {named_by} names module {fqn!r}, which the model does not "
+            f"have{hint}"
         )
+    return module
+
+
+def _module(named: dict[str, nn.Module], fqn: str, unit: Unit) -> nn.Module:
+    module = named_module(named, fqn, f"unit {unit.name}")
     if isinstance(module, nn.ModuleList | nn.ModuleDict):
         raise ValueError(
             f"shardkit.tools.plan: unit {unit.name}: {fqn} is a {type(module).__name__} (a "

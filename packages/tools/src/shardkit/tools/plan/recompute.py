@@ -20,7 +20,6 @@ that unit's hooks in backward: not modelled (refused).
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from shardkit.tools.plan.backward import attention_call, fused_attention, in_fused_attention
-from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.groups import GroupSpec, named_module
 from shardkit.tools.plan.options import PlanOptions
 
 __all__ = [
@@ -98,14 +97,7 @@ def check_checkpoint(model: nn.Module, options: PlanOptions, groups: list[GroupS
     named = dict(model.named_modules())
     units = {id(m): g.fqn for g in groups for m in g.call_modules}
     for fqn, mode in options.checkpoint:
-        module = named.get(fqn)
-        if module is None:
-            near = difflib.get_close_matches(fqn, [n for n in named if n], n=5, cutoff=0.5)
-            hint = f"; near names: {', '.join(near)}" if near else ""
-            raise ValueError(
-                f"shardkit.tools.plan: checkpoint names module {fqn!r}, which the model does "
-                f"not have{hint}"
-            )
+        module = named_module(named, fqn, "checkpoint")
         if mode == "selective" and not _has_selective():
             raise NotImplementedError(
                 "shardkit.tools.plan: 'selective' checkpointing needs torch's "
