@@ -13,7 +13,13 @@ optimizer step). Per export:
    ranks changed nothing moves nothing.
 3. The receiving rank hands the bucket to its receiver, then the next bucket starts. A failure
    anywhere gives the export a verdict that every rank raises (``runtime/export/export_groups.py``).
+   After the last bucket, the receiver's ``commit`` (where it has one): it switches to this
+   export, all at once, or raises still serving the last (``versions.py``); its error too is
+   the verdict of every rank.
 4. A last small all-gather: every rank got through; the receiver's ``finish``.
+
+The export number is the version it installs (``ExportReport.version``, the receivers'
+``version``).
 
 Memory: a non-receiving rank holds one packed part (1/W of a bucket); the receiving rank the
 gathered bucket and the unpacked tensors, two buckets. With ``delta``, each rank keeps its
@@ -107,6 +113,9 @@ class ExportReport:
     """The whole export on this rank."""
     handoff_seconds: float
     """Of that, in the receiver (the receiving rank)."""
+    version: int
+    """The version this export installed: its number, which its receivers now serve (every
+    receiving rank committed it before any rank returned)."""
 
 
 class WeightExporter:
@@ -236,6 +245,7 @@ class WeightExporter:
             transfer.counts,
             time.perf_counter() - start,
             handoff,
+            export_id,
         )
 
     def _check_delta(self) -> None:
@@ -306,6 +316,10 @@ class WeightExporter:
                 handoff += transfer.guarded(partial(receiver.receive, ready), bucket)
             # Dropped before the next bucket is packed: two buckets at most beyond training.
             del ready
+        commit = getattr(receiver, "commit", None)
+        if commit is not None:
+            # Before the ranks' last agreement: a commit that fails fails every rank.
+            handoff += transfer.guarded(commit, "commit")
         self._finish(transfer)
         if receiver is not None:
             handoff += transfer.guarded(receiver.finish, "finish")

@@ -4,11 +4,16 @@ A :class:`WeightReceiver` is called on the trainer ranks that receive (in the sa
 the colocated mode) or by a transport's serving loop in another process. The exporter calls
 ``begin`` with the manifest, ``receive`` once per bucket in order, then ``finish`` once every
 trainer rank has agreed the export went through, or ``abort`` with the error every rank raises.
+A receiver that switches versions at once also has ``commit`` (``versions.py``): the exporter
+calls it after the last bucket, before the ranks' last agreement; ``finish`` commits if no one
+did. Both receivers here are all or nothing by default: they serve export k complete until
+export k+1 is complete (their ``version``), staging what changes beside what they serve.
 
 - :class:`ModuleReceiver` writes into a module's own tensors in place (a transformers model
   whose names and layouts match): whole tensors copied, changes scattered. It checks the whole
-  manifest against the module before the first write, and if a bucket fails later its error
-  names exactly the tensors already written.
+  manifest against the module before the first write; staged, nothing is written before the
+  commit (``all_or_nothing=False``: written bucket by bucket, and a failed bucket's error names
+  exactly the tensors already written).
 - :class:`FullTensorReceiver` turns a delta export back into whole tensors, bit-identical to a
   full export, for loaders that take only whole tensors (vLLM's ``load_weights`` /
   ``reload_weights``, a safetensors writer). It keeps one copy of the weights in the export
@@ -18,18 +23,20 @@ trainer rank has agreed the export went through, or ``abort`` with the error eve
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.versions import StagedLoads, StagedTensors, Tensors
 
 __all__ = [
     "FullTensorReceiver",
     "ModuleReceiver",
     "TensorLoader",
+    "VersionedReceiver",
     "WeightReceiver",
 ]
 
@@ -53,6 +60,13 @@ class WeightReceiver(Protocol):
         """The export failed (``error`` is what every trainer rank raises)."""
 
 
+class VersionedReceiver(WeightReceiver, Protocol):
+    """A receiver that switches from one export to the next at once (see ``versions.py``)."""
+
+    def commit(self) -> None:
+        """Every bucket arrived: serve this export from now on, or raise serving the last."""
+
+
 class ModuleReceiver:
     """Writes exports into ``module``'s parameters and buffers, in place, by state-dict name.
 
@@ -60,14 +74,23 @@ class ModuleReceiver:
         module: the receiving model (not sharded); its tensors must have the exported names,
             shapes and dtypes (tied weights: writing one name writes both).
         strict: True refuses a manifest that leaves out one of the module's tensors.
+        all_or_nothing: stage each export beside the module's tensors and copy it in at the
+            commit (memory: one more copy of what the export changes); False writes each
+            bucket as it comes, and a failed export leaves the module partly written.
     """
 
-    def __init__(self, module: nn.Module, *, strict: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, *, strict: bool = False, all_or_nothing: bool = True
+    ) -> None:
         self.module = module
         self.strict = strict
+        self.all_or_nothing = all_or_nothing
         self.loaded: list[str] = []
+        self.version: int | None = None
+        """The export the module holds complete (None: none yet, or one failed partway)."""
         self._manifest: ExportManifest | None = None
         self._targets: dict[str, torch.Tensor] = {}
+        self._staged = StagedTensors()
 
     def begin(self, manifest: ExportManifest) -> None:
         """Check every name, shape and dtype against the module; write nothing yet."""
@@ -93,9 +116,20 @@ class ModuleReceiver:
                 "was written: " + "; ".join(problems)
             )
         self._manifest, self._targets, self.loaded = manifest, targets, []
+        self._staged = StagedTensors()
 
     def receive(self, bucket: WeightBucket) -> None:
-        """Copy whole tensors, scatter changes; a failure names what was written."""
+        """Stage (or write) whole tensors and changes; a failure names what was written."""
+        if self.all_or_nothing:
+            try:
+                self._stage(bucket)
+            except Exception as error:
+                raise WeightLoadError(
+                    f"export {self._export_id()} failed staging bucket {bucket.index}: "
+                    f"{type(error).__name__}: {error}. Nothing was written: the module holds "
+                    f"export {self.version}"
+                ) from error
+            return
         written: list[str] = []
         try:
             with torch.no_grad():
@@ -103,23 +137,54 @@ class ModuleReceiver:
                     self._targets[name].copy_(tensor)
                     written.append(name)
                 for name, changes in bucket.changed:
-                    target = self._targets[name]
-                    if not target.is_contiguous():
-                        raise WeightLoadError(f"{name}: the module's tensor is not contiguous")
-                    changes.apply_to(target)
+                    changes.apply_to(self._contiguous(name))
                     written.append(name)
         except Exception as error:
             self.loaded += written
+            self.version = None
             raise _partial_load(self._manifest, self.loaded, bucket.index, error) from error
         self.loaded += written
 
-    def finish(self) -> None:
-        """The export went through."""
+    def _stage(self, bucket: WeightBucket) -> None:
+        staged = self._staged.values
+        for name, tensor in bucket.full:
+            staged[name] = tensor.detach().clone()
+        for name, changes in bucket.changed:
+            if changes.count:
+                new = self._contiguous(name).clone()
+                changes.apply_to(new)
+                staged[name] = new
+
+    def _contiguous(self, name: str) -> torch.Tensor:
+        target = self._targets[name]
+        if not target.is_contiguous():
+            raise WeightLoadError(f"{name}: the module's tensor is not contiguous")
+        return target
+
+    def _export_id(self) -> int | None:
+        return None if self._manifest is None else self._manifest.export_id
+
+    def commit(self) -> None:
+        """Copy the staged export into the module, all of it or (on an error) none."""
+        if self._manifest is None:
+            return  # committed already, or nothing began
+        if self.all_or_nothing:
+            names = list(self._staged.values)
+            self._staged.copy_into(self._targets)
+            self.loaded = names
+        self.version = self._manifest.export_id
         self._manifest = None
 
+    def finish(self) -> None:
+        """The export went through (committed here if the exporter did not)."""
+        self.commit()
+
     def abort(self, error: BaseException) -> None:
-        """The export failed on some rank."""
+        """The export failed on some rank: staged values dropped (the module holds the last)."""
+        if self._manifest is not None and not self.all_or_nothing:
+            self.version = None  # written bucket by bucket: part of it may be in
         self._manifest = None
+        self._staged = StagedTensors()
 
 
 class FullTensorReceiver:
@@ -129,9 +194,20 @@ class FullTensorReceiver:
         load: called once per bucket with its ``(name, whole tensor)`` list.
         transform: optional, applied to each bucket's list before ``load`` (fuse q/k/v, rename
             for a receiver whose layout differs). Whole layers come in one bucket.
-        keep_mirror: keep the last export's tensors (needed for delta exports; a full-only
-            receiver can drop them to save the memory).
+        keep_mirror: keep the last export's tensors (needed for delta exports, and to load
+            them back where a commit's load raises; a full-only receiver that streams can drop
+            them to save the memory).
+        all_or_nothing: call ``load`` only at the commit, every bucket in turn; if one raises,
+            load the mirror's tensors of the buckets already loaded back (memory: the staged
+            export, one more copy of what it changes). False calls ``load`` per bucket as it
+            comes.
+
+    Raises:
+        ValueError: ``all_or_nothing`` without ``keep_mirror`` (nothing to load back).
     """
+
+    loads_back_itself: ClassVar[bool] = False
+    """A subclass whose commit puts the last version back on its own needs no mirror for it."""
 
     def __init__(
         self,
@@ -140,13 +216,23 @@ class FullTensorReceiver:
         transform: Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]
         | None = None,
         keep_mirror: bool = True,
+        all_or_nothing: bool = True,
     ) -> None:
+        if all_or_nothing and not keep_mirror and not self.loads_back_itself:
+            raise ValueError(
+                "FullTensorReceiver(all_or_nothing=True) needs keep_mirror=True: the mirror is "
+                "what it loads back where a commit's load raises"
+            )
         self.load = load
         self.transform = transform
         self.keep_mirror = keep_mirror
+        self.all_or_nothing = all_or_nothing
         self.mirror: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """The export loaded complete, which the mirror holds (None: none, or one failed)."""
         self._manifest: ExportManifest | None = None
-        self._last_export: int | None = None
+        self._next_mirror: dict[str, torch.Tensor] = {}
+        self._staged = StagedLoads()
         self.loaded: list[str] = []
 
     def begin(self, manifest: ExportManifest) -> None:
@@ -154,52 +240,91 @@ class FullTensorReceiver:
         if manifest.kind == "delta":
             if not self.keep_mirror:
                 raise WeightLoadError("a delta export needs FullTensorReceiver(keep_mirror=True)")
-            if self._last_export != manifest.export_id - 1:
+            if self.version != manifest.export_id - 1:
                 raise WeightLoadError(
                     f"delta export {manifest.export_id} is relative to export "
                     f"{manifest.export_id - 1}, but this receiver holds "
-                    f"{'none' if self._last_export is None else self._last_export}; export in "
+                    f"{'none' if self.version is None else self.version}; export in "
                     "full first (exporter.reset())"
                 )
             _check_mirror(self.mirror, manifest)
         self._manifest, self.loaded = manifest, []
+        self._next_mirror, self._staged = {}, StagedLoads()
 
     def receive(self, bucket: WeightBucket) -> None:
-        """Rebuild the bucket's whole tensors and hand them to ``load``."""
+        """Rebuild the bucket's whole tensors; stage them (or hand them to ``load``)."""
         tensors = self._whole_tensors(bucket)
         if self.transform is not None:
             tensors = self.transform(tensors)
+        if self.all_or_nothing:
+            self._stage(bucket.names, tensors)
+            return
         try:
             self.load(tensors)
         except Exception as error:
+            self.version = None
             raise _partial_load(self._manifest, self.loaded, bucket.index, error) from error
         self.loaded += bucket.names
 
-    def _whole_tensors(self, bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:
-        tensors: list[tuple[str, torch.Tensor]] = []
+    def _stage(self, names: list[str], tensors: Tensors) -> None:
+        """Keep one bucket's tensors for the commit (a receiver may send them on now)."""
+        self._staged.loads.append((names, tensors))
+
+    def _apply(self) -> None:
+        """Make the staged loads, all of them, or load the serving version back (the commit)."""
+        serving = "no export" if self.version is None else f"export {self.version}"
+        self._staged.load_all(self.load, self._held, serving)
+
+    def _held(self, names: list[str]) -> Tensors | None:
+        """The mirror's tensors of ``names``, as the load takes them (None: not all held)."""
+        if self.version is None or any(name not in self.mirror for name in names):
+            return None
+        tensors = [(name, self.mirror[name]) for name in names]
+        return self.transform(tensors) if self.transform is not None else tensors
+
+    def _whole_tensors(self, bucket: WeightBucket) -> Tensors:
+        """The bucket's whole tensors; the mirror untouched (its next tensors kept apart)."""
+        tensors: Tensors = []
         for name, tensor in bucket.full:
             if self.keep_mirror:
-                self.mirror[name] = tensor.clone() if tensor.data_ptr() else tensor
+                tensor = tensor.clone() if tensor.data_ptr() else tensor
+                self._next_mirror[name] = tensor
             tensors.append((name, tensor))
         for name, changes in bucket.changed:
-            # The mirror is patched in place, and loaders copy what they take: the tensor
-            # handed on is the mirror's own (no second copy of the layer).
             mirrored = self.mirror[name]
-            changes.apply_to(mirrored)
+            if changes.count:
+                # A copy patched: the mirror keeps the version that serves until the commit.
+                mirrored = mirrored.clone()
+                changes.apply_to(mirrored)
+                self._next_mirror[name] = mirrored
             tensors.append((name, mirrored))
         return tensors
 
-    def finish(self) -> None:
-        """The export went through: the mirror now holds it."""
-        if self._manifest is not None:
-            self._last_export = self._manifest.export_id
+    def commit(self) -> None:
+        """Every bucket arrived: load them all (or put the last export back), then switch."""
+        if self._manifest is None:
+            return  # committed already, or nothing began
+        if self.all_or_nothing:
+            try:
+                self._apply()
+            except WeightLoadError as error:
+                raise WeightLoadError(f"export {self._manifest.export_id}: {error}") from error
+            self.loaded = [entry.name for entry in self._manifest.tensors]
+        self.mirror.update(self._next_mirror)
+        self._next_mirror = {}
+        self.version = self._manifest.export_id
         self._manifest = None
 
+    def finish(self) -> None:
+        """The export went through (committed here if the exporter did not)."""
+        self.commit()
+
     def abort(self, error: BaseException) -> None:
-        """The export failed: the next one must be full."""
-        # The mirror may hold part of the failed export: the next one must be full.
-        self._last_export = None
+        """The export failed: staged tensors dropped; the mirror still holds ``version``."""
+        if self._manifest is not None and not self.all_or_nothing:
+            self.version = None  # loaded bucket by bucket: part of it may be in
         self._manifest = None
+        self._next_mirror, self._staged = {}, StagedLoads()
 
 
 def _check_mirror(mirror: dict[str, torch.Tensor], manifest: ExportManifest) -> None:

@@ -1,0 +1,125 @@
+"""Versions: a receiver serves export k complete until export k+1 is complete, then switches.
+
+An export's number (``ExportManifest.export_id``, counted by its exporter) is the version it
+installs. A receiver stages what an export sends beside what it serves, and switches in its
+``commit``, which the exporter calls once every bucket was staged and before the ranks' last
+agreement: a commit that fails is then the verdict every trainer rank raises, and an export that
+fails earlier (a rank killed, the bound passed, a staging that raised) never touched what
+serves. A commit that fails partway puts version k back before it raises.
+
+Memory: the staging copy, one more copy of what the export changes (all of it for a full
+export), held from the bucket that brings it to the commit.
+
+- :class:`StagedTensors` stages new values for tensors a receiver holds (``ModuleReceiver``)
+  and copies them in at the commit, keeping each tensor's old values until all went in.
+- :class:`StagedLoads` stages whole-tensor loads (``FullTensorReceiver``) and makes them at
+  the commit; if one raises, it loads version k's tensors back from the receiver's mirror.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shardkit.core.errors import WeightLoadError
+
+__all__ = ["StagedLoads", "StagedTensors"]
+
+Tensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class StagedTensors:
+    """New values for a receiver's own tensors, copied in at once at the commit."""
+
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """By name: the staged export's values (after :meth:`copy_into`: emptied)."""
+
+    def copy_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Copy every staged value into its target, in place; all or none.
+
+        Each target's old values are kept (in the staging tensor its new ones leave) until
+        every copy went through: a copy that raises puts them all back, last first (a tied
+        tensor staged under two names is restored to what it held before both).
+        """
+        done: list[str] = []
+        try:
+            with torch.no_grad():
+                for name, new in self.values.items():
+                    target = targets[name]
+                    old = target.clone()
+                    target.copy_(new)
+                    self.values[name] = old
+                    done.append(name)
+        except BaseException:
+            with torch.no_grad():
+                for name in reversed(done):
+                    targets[name].copy_(self.values[name])
+            raise
+        finally:
+            self.values = {}
+
+
+@dataclass(slots=True)
+class StagedLoads:
+    """Whole-tensor loads, made at the commit, with version k loaded back if one raises."""
+
+    loads: list[tuple[list[str], Tensors]] = field(default_factory=list)
+    """Per bucket: the export's names in it, and the tensors to load (transformed)."""
+
+    def load_all(
+        self,
+        load: Callable[[Tensors], None],
+        previous: Callable[[list[str]], Tensors | None],
+        version: str,
+    ) -> None:
+        """Load every staged bucket in order; on an error, put the held version back.
+
+        Args:
+            load: the receiver's load.
+            previous: a bucket's tensors of the version that serves (by the export's names,
+                transformed as the load takes them), or None where they are not held.
+            version: the version that serves, for the error.
+
+        Raises:
+            WeightLoadError: a load raised; it says whether the version that served before
+                was loaded back (it was, unless ``previous`` lacked a bucket or a load of it
+                raised too).
+        """
+        touched: list[list[str]] = []
+        try:
+            for names, tensors in self.loads:
+                touched.append(names)  # a load that raises may have written part of it
+                load(tensors)
+        except Exception as error:
+            restored = _load_back(load, previous, touched)
+            raise WeightLoadError(
+                f"the load raised: {type(error).__name__}: {error}. "
+                + (
+                    f"{version} was loaded back, complete"
+                    if restored is None
+                    else f"{version} could not be loaded back ({restored}): the loaded "
+                    "weights mix two versions until an export goes through"
+                )
+            ) from error
+        finally:
+            self.loads = []
+
+
+def _load_back(
+    load: Callable[[Tensors], None],
+    previous: Callable[[list[str]], Tensors | None],
+    touched: list[list[str]],
+) -> str | None:
+    """Load the serving version's tensors of ``touched`` buckets; None, or why it could not."""
+    for names in touched:
+        tensors = previous(names)
+        if tensors is None:
+            return f"the receiver holds no earlier tensors of {', '.join(names)}"
+        try:
+            load(tensors)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+    return None
