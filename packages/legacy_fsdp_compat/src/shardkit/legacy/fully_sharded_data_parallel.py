@@ -5,40 +5,10 @@ FSDP1 scripts (its tutorials among them) import the wrapper and its configs from
 ``torch.distributed.fsdp`` to ``shardkit.legacy`` in such an import is the whole migration.
 """
 
-from shardkit.legacy.configs import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    OptimStateKeyType,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
+from shardkit.legacy import configs as _configs
+from shardkit.legacy.configs import *  # noqa: F403  (every FSDP1 config: configs.__all__)
 from shardkit.legacy.wrapper import FullyShardedDataParallel
 
-__all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "OptimStateDictConfig",
-    "OptimStateKeyType",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-]
+# The configs are listed once, in configs.py (mypy follows += of a module's __all__).
+__all__ = ["FullyShardedDataParallel"]
+__all__ += _configs.__all__
