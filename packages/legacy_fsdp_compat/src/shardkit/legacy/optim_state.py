@@ -208,6 +208,18 @@ def _agree_on_sharded(
     return [name for name in ordered if name in agreed or name not in sharded]
 
 
+def _placed_as(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor around ``local`` (this rank's part), placed and shaped as ``param``."""
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def _loaded(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -219,24 +231,10 @@ def _loaded(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(param, DTensor):
         return value
     if isinstance(value, ShardedTensor) and is_chunked_whole(value, param):
-        return DTensor.from_local(
-            gather_chunks(value, param),
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return _placed_as(param, gather_chunks(value, param))
     if isinstance(value, ShardedTensor):
         local = local_of_loaded(value, param)
-        return DTensor.from_local(
-            local.to(param.to_local().device),
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return _placed_as(param, local.to(param.to_local().device))
     if isinstance(value, DTensor):
         if not _gathers(value, param):
             return value
