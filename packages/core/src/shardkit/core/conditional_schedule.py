@@ -176,14 +176,10 @@ class ConditionalDriver(StepDriver[G]):
     def pre_forward(self, group: G) -> None:
         """A marked group waits for its anchor's gather; an anchor issues its dependents'."""
         if group in self._marked:
-            self._wait_gathered(group, "forward")
-            self.ops.set_state(group, TrainingState.FORWARD)
-            self.ops.event("pre_forward", group)
+            self._enter_marked(group, "forward", TrainingState.FORWARD)
             return
         super().pre_forward(group)
-        dependents = self._dependents.get(group)
-        if dependents:
-            self._gather(dependents)
+        self._gather(self._dependents.get(group, ()))
 
     def post_forward(self, group: G) -> None:
         """A marked group frees nothing; an inner anchor frees its dependents before itself."""
@@ -218,14 +214,10 @@ class ConditionalDriver(StepDriver[G]):
         if group in self._marked:
             if self.started_backward(group):
                 return
-            self._wait_gathered(group, "backward")
-            self.ops.set_state(group, TrainingState.PRE_BACKWARD)
-            self.ops.event("pre_backward", group)
+            self._enter_marked(group, "backward", TrainingState.PRE_BACKWARD)
             return
         super().pre_backward(group)
-        dependents = self._dependents.get(group)
-        if dependents:
-            self._gather(dependents)
+        self._gather(self._dependents.get(group, ()))
 
     def grads_complete(self, group: G, *, inputs_pending: bool) -> None:
         """A marked group's count ends nothing; nor an inner anchor's with no input watched.
@@ -280,6 +272,12 @@ class ConditionalDriver(StepDriver[G]):
             ops.wait(group)
             ops.cover_missing_grads(group)
             super().end_backward(group, assign_now=assign_now)
+
+    def _enter_marked(self, group: G, where: str, state: TrainingState) -> None:
+        """A marked group's pre-forward or pre-backward: its anchor gathered it."""
+        self._wait_gathered(group, where)
+        self.ops.set_state(group, state)
+        self.ops.event(f"pre_{where}", group)
 
     def _wait_gathered(self, group: G, where: str) -> None:
         """Finish the anchor's gather of ``group``; never issue one (its peers may not)."""

@@ -194,14 +194,17 @@ class StepDriver(Generic[G]):
         """A group's (first) pre-forward: gather it, then prefetch what comes next."""
         ops = self.ops
         with ops.profiled("pre_forward", group):
-            ops.set_state(group, TrainingState.FORWARD)
-            ops.unshard(group)
-            ops.wait(group)
+            self._gather_for_forward(group)
             targets = self.schedule.ran_forward(group, ops.settings(group).forward_prefetch)
             ops.event("pre_forward", group)
             # After this group's wait, before its compute is queued: on CUDA the next
             # all-gather runs beside this compute. See [Note: gpu schedule].
             self._prefetch("forward_prefetch", targets)
+
+    def _gather_for_forward(self, group: G) -> None:
+        self.ops.set_state(group, TrainingState.FORWARD)
+        self.ops.unshard(group)
+        self.ops.wait(group)
 
     def _prefetch(self, label: str, targets: Iterable[G]) -> None:
         for target in targets:
@@ -238,12 +241,9 @@ class StepDriver(Generic[G]):
 
     def resume_forward(self, group: G) -> None:
         """A partial list-group call after an earlier one's backward ended: gather it again."""
-        ops = self.ops
-        with ops.profiled("pre_forward", group):
-            ops.set_state(group, TrainingState.FORWARD)
-            ops.unshard(group)
-            ops.wait(group)
-            ops.event("pre_forward", group)
+        with self.ops.profiled("pre_forward", group):
+            self._gather_for_forward(group)
+            self.ops.event("pre_forward", group)
 
     def _after_forward(self, group: G) -> None:
         action = after_forward(self.ops.settings(group).reshard_after_forward)
