@@ -18,9 +18,12 @@ from harness.pool import (
     crashes_retried,
     crowded_restarts,
     group_restarts,
+    keep_only_pools,
     pool_starts,
     shutdown_pools,
+    task_world_sizes,
 )
+from tests import world_sizes
 from tests.slow_list import LIST as SLOW_LIST
 from tests.slow_list import read_slow_list, stale_names
 
@@ -31,9 +34,21 @@ from tests.slow_list import read_slow_list, stale_names
 os.environ.setdefault("SHARDKIT_DEBUG_LIFETIMES", "1")
 
 
+# The world sizes recorded in tests/world_sizes.txt, and those each test of this run used.
+_RECORDED = world_sizes.read_world_sizes(world_sizes.LIST.read_text())
+_RAN: dict[str, world_sizes.WorldSizes] = {}
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
-    """Stops the multi-rank worker pools, so no worker outlives the test run."""
+    """Stops the multi-rank worker pools, so no worker outlives the test run.
+
+    With SHARDKIT_RECORD_WORLD_SIZES=1, writes the world sizes this run's tests used into
+    tests/world_sizes.txt (see tests/world_sizes.py).
+    """
     shutdown_pools()
+    if os.environ.get("SHARDKIT_RECORD_WORLD_SIZES") == "1":
+        updated = world_sizes.merged(_RECORDED, _RAN)
+        world_sizes.LIST.write_text(world_sizes.format_world_sizes(updated))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -49,6 +64,9 @@ def pytest_runtest_makereport(
     """
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
+    if call.when == "teardown":
+        used = task_world_sizes()[item.stash.get(_TASKS_SEEN, 0) :]
+        _RAN[item.nodeid] = tuple(sorted(set(used)))
     starts = pool_starts()
     seen = item.stash.get(_STARTS_SEEN, 0)
     item.stash[_STARTS_SEEN] = len(starts)
@@ -59,12 +77,20 @@ def pytest_runtest_makereport(
 
 
 _STARTS_SEEN = pytest.StashKey[int]()
+_TASKS_SEEN = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Where this test's pool starts begin (the makereport hook counts from here)."""
+    """Where this test's pool starts and tasks begin (the makereport hook counts from here).
+
+    Shuts the idle pools of world sizes this test did not use when it was recorded: one world
+    size's pool at a time (tests/world_sizes.py says why), the run being ordered by world size.
+    """
     item.stash[_STARTS_SEEN] = len(pool_starts())
+    item.stash[_TASKS_SEEN] = len(task_world_sizes())
+    if used := _RECORDED.get(item.nodeid):
+        keep_only_pools(set(used))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -109,7 +135,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m 'not slow'`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the tests named in ``tests/slow_tests.txt`` slow (see ``tests/slow_list.py``).
+    """Marks the tests named in ``tests/slow_tests.txt`` slow (see ``tests/slow_list.py``),
+    and orders the tests by the world sizes their tasks ran at (``tests/world_sizes.py``;
+    SHARDKIT_TEST_ORDER=file keeps the files' order).
 
     Raises:
         pytest.UsageError: a listed name matches no test of its collected file.
@@ -118,6 +146,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("SHARDKIT_TEST_ORDER") != "file":
+        order = world_sizes.ordered_by_world_size([item.nodeid for item in items], _RECORDED)
+        items[:] = [items[i] for i in order]
     if any("::" in arg for arg in config.args):
         return  # tests picked by node id: the rest of their files was never collected
     stale = stale_names(listed, (item.nodeid for item in items))
