@@ -4,8 +4,9 @@ A checkpoint saved by ``CheckpointManager`` (FSDP at W=2, HSDP 2x2 at W=4) is lo
 the manager at the same and at other world sizes and meshes, and, as the oracle, through DCP's
 own planned load (``.metadata``, the plan exchange) into an app of other initial weights: the
 two states must be the same bit for bit, and equal the saved one. During the manager's load,
-from DCP's entry to the first read, no collective may run and no plan be exchanged; the same
-counter sees DCP's exchange in the oracle's load. No rank may read ``.metadata``.
+from its call to the first read, the one collective is the verdict's all-reduce of 24 bytes
+(none at W=1): no object collective, no plan exchanged; the same counter sees DCP's exchange
+in the oracle's load. No rank opens ``.metadata`` (the counter sees DCP's own load open it).
 """
 
 from __future__ import annotations
@@ -17,95 +18,7 @@ import pytest
 
 from harness.pool import run_on_ranks
 from tests.core.checkpoint.checkpoint_app import build_app, same_state, state_of, train_app
-from tests.core.checkpoint.dcp_checks import CollectivesBeforeWrite
-
-
-class CollectivesBeforeRead:
-    """Counts torch.distributed calls, and DCP's plan exchanges, from DCP's load to its reads."""
-
-    def __enter__(self) -> CollectivesBeforeRead:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint.state_dict_loader as loader
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.utils import _DistWrapper
-
-        self.calls, self.exchanges, self.counting = 0, 0, False
-        self.saved = {name: getattr(dist, name) for name in CollectivesBeforeWrite.NAMES}
-        self.originals = (
-            loader._load_state_dict,
-            FileSystemReader.read_data,
-            _DistWrapper.reduce_scatter,
-        )
-        load_state, read_data, reduce_scatter = self.originals
-
-        def counted(original: Any) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.calls += self.counting
-                return original(*args, **kwargs)
-
-            return call
-
-        def start(*args: Any, **kwargs: Any) -> Any:
-            self.counting = True
-            try:
-                return load_state(*args, **kwargs)
-            finally:
-                self.counting = False
-
-        def first_read(reader: Any, *args: Any, **kwargs: Any) -> Any:
-            self.counting = False
-            return read_data(reader, *args, **kwargs)
-
-        def exchange(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
-            self.exchanges += wrapper.use_dist
-            return reduce_scatter(wrapper, *args, **kwargs)
-
-        for name, original in self.saved.items():
-            setattr(dist, name, counted(original))
-        loader._load_state_dict = start
-        FileSystemReader.read_data = first_read  # type: ignore[method-assign, assignment]
-        _DistWrapper.reduce_scatter = exchange  # type: ignore[method-assign, assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint.state_dict_loader as loader
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.utils import _DistWrapper
-
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
-        loader._load_state_dict = self.originals[0]
-        FileSystemReader.read_data = self.originals[1]  # type: ignore[method-assign]
-        _DistWrapper.reduce_scatter = self.originals[2]  # type: ignore[method-assign]
-
-
-class NoMetadataReads:
-    """Counts the reads of ``.metadata`` by the project's reader (its only one)."""
-
-    MODULES = (
-        "shardkit.core.checkpoint.dcp_reading",
-        "shardkit.core.checkpoint.load_checks",
-    )
-
-    def __enter__(self) -> NoMetadataReads:
-        import importlib
-
-        self.reads = 0
-        self.modules = [importlib.import_module(name) for name in self.MODULES]
-        self.original = getattr(self.modules[0], "read_dcp_metadata")  # noqa: B009
-
-        def counted(*args: Any) -> Any:
-            self.reads += 1
-            return self.original(*args)
-
-        for module in self.modules:
-            setattr(module, "read_dcp_metadata", counted)  # noqa: B010 (a module's name)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for module in self.modules:
-            setattr(module, "read_dcp_metadata", self.original)  # noqa: B010
+from tests.core.checkpoint.load_counts import LoadCounter
 
 
 def _save(rank: int, world_size: int, root: str, replicas: int) -> dict[str, Any]:
@@ -125,10 +38,10 @@ def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any
 
     ours = build_app(world_size, replicas=replicas, seed=7)
     manager = CheckpointManager(Path(path).parent)
-    with NoMetadataReads() as metadata, CollectivesBeforeRead() as counted:
+    with LoadCounter() as counted:
         manager.load({"app": ours}, path)
     theirs = build_app(world_size, replicas=replicas, seed=7)
-    with CollectivesBeforeRead() as dcp_counted:
+    with LoadCounter() as dcp_counted:
         dcp_load(
             {"app": theirs},
             checkpoint_id=path,
@@ -138,10 +51,11 @@ def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any
     return {
         "ours": state_of(ours),
         "same_as_dcp": same_state(state_of(ours), state_of(theirs)),
-        "collectives": counted.calls,
+        "before_reads": counted.before_reads,
         "exchanges": counted.exchanges,
-        "metadata_reads": metadata.reads,
+        "metadata_opens": counted.metadata_opens,
         "dcp_exchanges": dcp_counted.exchanges,
+        "dcp_metadata_opens": dcp_counted.metadata_opens,
         "step": ours.step,
     }
 
@@ -170,7 +84,12 @@ def test_a_recorded_checkpoint_loads_planned_by_each_rank_alone(
         assert result["same_as_dcp"], rank
         assert same_state(result["ours"], saved[0]["state"]), rank
         assert result["step"] == 2
-        assert result["collectives"] == result["exchanges"] == 0, (rank, result["collectives"])
-        assert result["metadata_reads"] == 0, rank
-        # The counter sees DCP's own exchange (one gather of plans, one scatter back).
+        # Before the first read: the verdict's one all-reduce of 3 int64 (none alone), no
+        # object collective, no plan exchanged, and .metadata never opened.
+        agreement = [("all_reduce", 24)] if load_w > 1 else []
+        assert result["before_reads"] == agreement, (rank, result["before_reads"])
+        assert result["exchanges"] == 0 and result["metadata_opens"] == 0, rank
+        # The same counters see DCP's own load: its exchange (one gather of plans, one
+        # scatter back) and its reads of .metadata.
         assert result["dcp_exchanges"] == 1, rank
+        assert result["dcp_metadata_opens"] >= 1, rank

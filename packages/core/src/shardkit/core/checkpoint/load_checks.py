@@ -2,17 +2,27 @@
 
 ``CheckpointManager.load`` walks its candidates (``latest`` first) through these. ``verify``
 checks a candidate's files against the checksums its ``COMPLETE`` marker recorded at save,
-each rank its share (``files.share``), and reads DCP's metadata and the values that are not
-tensors without running pickled code (``dcp_reading``): a candidate that fails is passed
-over with nothing written. ``try_load`` runs DCP's load with those readers. Each returns ''
-or why not, the same text on every rank (``runtime.p2p.agreement.everyone``), so the ranks pass
-over the same candidates and load the same one.
+each rank its share (``files.share``), and reads what the load plans from without running
+pickled code: the layout record where the checkpoint has one (then ``.metadata``, torch's
+readers' file, is never opened: its size is checked, not its bytes), else DCP's metadata
+and the values that are not tensors (``dcp_reading``). A candidate that fails is passed over
+with nothing written. ``try_load`` loads, planned from the record by each rank alone, else by
+DCP's planning. Each returns '' or why not, the same text on every rank.
+
+The verdicts are agreed by ``agreement.problems_agreed``: one all-reduce of 24 bytes when
+every rank passes (no object collective, no plan, nothing that grows with the world); the
+ranks' messages travel only when one has a problem. That one small collective stays before
+the reads because a file that only one rank checks can be bad: without it that rank would
+raise alone and the others would wait in their reads' collectives (HSDP's) or load a
+checkpoint that another rank refused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata, unsafe_values, value_keys
-from shardkit.core.checkpoint.files import COMPLETE, manifest_of, problems_with, share
+from shardkit.core.checkpoint.files import COMPLETE, FileSum, manifest_of, problems_with, share
 from shardkit.core.checkpoint.local_plan.layout_record import RECORD, Record, read_record
 from shardkit.core.checkpoint.local_plan.load import load_planned_locally, recorded_problems
 from shardkit.core.checkpoint.local_plan.save import describe_dcp_failure
@@ -31,35 +41,90 @@ from shardkit.core.checkpoint.replica_reads import (
     ReplicaSplitReader,
 )
 from shardkit.core.runtime.groups import global_rank, world_size
-from shardkit.core.runtime.p2p.agreement import everyone
+from shardkit.core.runtime.p2p.agreement import problems_agreed
 
-__all__ = ["no_checkpoint_loads", "try_load", "verify"]
+__all__ = ["LoadOutcome", "load_first", "no_checkpoint_loads", "try_load", "verify"]
 
 logger = logging.getLogger(__name__)
 
+_METADATA = ".metadata"  # DCP's, for torch's readers
+_INDEX = re.compile(r"__\d+\.index")  # a rank's index (``rank_index.index_name``)
 
-def verify(checkpoint: Path) -> tuple[str, Metadata | Record | None]:
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """What :func:`load_first` found, the same on every rank."""
+
+    loaded: Path | None
+    """The checkpoint loaded, or None (none loads, or there is none)."""
+    reasons: list[str]
+    """Why each candidate before it was passed over."""
+    attempted: bool
+    """Whether a load began (and may have written part of the state)."""
+    reads: ReadCounts
+    """What this rank read, and received from its replicas, at the last load attempted."""
+
+
+def load_first(state: dict[str, Any], candidates: list[Path]) -> LoadOutcome | None:
+    """Load the first of ``candidates`` that passes ``verify`` and loads on every rank.
+
+    None where the ranks' ``candidates`` differ (nothing is then loaded or exchanged but the
+    agreement's 24 bytes).
+    """
+    key = "\n".join(str(p) for p in candidates)
+    reasons: list[str] = []
+    reads = ReadCounts()
+    if not candidates:  # a fresh start, where every rank finds none
+        return (
+            None
+            if problems_agreed(key, lambda: []) is None
+            else LoadOutcome(None, [], False, reads)
+        )
+    attempted = False
+    for candidate in candidates:
+        verdict = verify(candidate, key)
+        if verdict is None:
+            return None
+        reason, metadata = verdict
+        if not reason and metadata is not None:
+            attempted = True
+            reads = ReadCounts()
+            reason = try_load(state, candidate, metadata, reads)
+        if not reason:
+            return LoadOutcome(candidate, reasons, attempted, reads)
+        reasons.append(f"{candidate.name}: {reason}")
+        logger.warning("checkpoint %s does not load, passed over: %s", candidate, reason)
+    return LoadOutcome(None, reasons, attempted, reads)
+
+
+def verify(checkpoint: Path, key: str) -> tuple[str, Metadata | Record | None] | None:
     """What is wrong with ``checkpoint``'s files ('' if nothing), the same on every rank.
 
     Also what the load plans from, as this rank read it (None where it got no further): the
-    layout record where the checkpoint has one (``.metadata`` is then never read), else
+    layout record where the checkpoint has one (``.metadata`` is then never opened), else
     DCP's metadata.
+
+    ``key``: what this rank believes the ranks are choosing between (its candidates' names);
+    None when the ranks' keys differ (nothing is then decided: ``problems_agreed``).
     """
     read: list[Metadata | Record] = []
 
     def check_my_share() -> list[str]:
-        files = manifest_of(json.loads((checkpoint / COMPLETE).read_text()))
+        marker = json.loads((checkpoint / COMPLETE).read_text())
+        files = manifest_of(marker)
+        recorded = (checkpoint / RECORD).is_file()
         if files is None:
             logger.info("%s was saved without checksums: its files are not checked", checkpoint)
         else:
-            mine = share(sorted(files), global_rank(), world_size())
-            problems = problems_with(checkpoint, {name: files[name] for name in mine})
+            problems = _problems_with_my_share(checkpoint, files, recorded)
             if problems:
                 return problems
-        if (checkpoint / RECORD).is_file():
+        if recorded:
             record = read_record(checkpoint)
             read.append(record)
-            return recorded_problems(checkpoint, record, global_rank(), world_size())
+            problems = _record_against_marker(record, marker, files)
+            problems += recorded_problems(checkpoint, record, global_rank(), world_size())
+            return problems
         # Before anything loads: DCP's metadata and the values that are not tensors, read
         # without running pickled code (a refused one fails the checkpoint, nothing written).
         metadata = read_dcp_metadata(checkpoint)
@@ -67,12 +132,53 @@ def verify(checkpoint: Path) -> tuple[str, Metadata | Record | None]:
         keys = share(value_keys(metadata), global_rank(), world_size())
         return unsafe_values(checkpoint, metadata, keys)
 
-    found = everyone(check_my_share)  # a marker one rank cannot read fails it for all
+    found = problems_agreed(key, check_my_share)  # a marker one rank cannot read fails all
+    if found is None:
+        return None
     problems: list[str] = []
     for rank, outcome in enumerate(found):
         failed = [f"rank {rank} could not check its files: {outcome.message}"]
         problems += failed if outcome.failed else outcome.value
     return "; ".join(sorted(problems)), read[0] if read else None
+
+
+def _problems_with_my_share(
+    checkpoint: Path, files: dict[str, FileSum], recorded: bool
+) -> list[str]:
+    """This rank's share of the manifest's checks.
+
+    With the layout record, ``.metadata`` is torch's readers' file and no load of ours reads
+    it: its size is compared (a ``stat``), its bytes are not hashed, so no rank opens it.
+    """
+    mine = {name: files[name] for name in share(sorted(files), global_rank(), world_size())}
+    problems: list[str] = []
+    metadata = mine.pop(_METADATA, None) if recorded else None
+    if metadata is not None:
+        path = checkpoint / _METADATA
+        size = path.stat().st_size if path.is_file() else -1
+        if size != metadata["bytes"]:
+            problems.append(f"{_METADATA} holds {size} bytes, {metadata['bytes']} were saved")
+    return problems + problems_with(checkpoint, mine)
+
+
+def _record_against_marker(
+    record: Record, marker: dict[str, Any], files: dict[str, FileSum] | None
+) -> list[str]:
+    """Where the record's counts disagree with what the manager recorded at the save.
+
+    A record can parse, its checksum and digest recomputed, and still describe another save
+    (a bit flipped in its world size): its world against the marker's, and against the
+    indexes the save wrote, one per rank.
+    """
+    world = record.layout.world_size
+    saved = marker.get("world_size")
+    if saved is not None and saved != world:
+        return [f"{RECORD} describes a save by {world} ranks, its {COMPLETE} marker {saved}"]
+    if files is not None:
+        indexes = sum(1 for name in files if _INDEX.fullmatch(name))
+        if indexes != world:
+            return [f"{RECORD} describes a save by {world} ranks, which wrote {indexes} indexes"]
+    return []
 
 
 def try_load(
@@ -86,19 +192,22 @@ def try_load(
     ``counts`` gets what this rank read and received.
     """
 
-    def load() -> None:
+    def load() -> list[str]:
         try:
             if isinstance(metadata, Record):
                 load_planned_locally(state, checkpoint, metadata, counts)
-                return
+                return []
             reader = ReplicaSplitReader(checkpoint, metadata, counts)
             planner = ReplicaSplitPlanner()
             dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
         except CheckpointException as error:  # a BaseException: `except Exception` misses it
             raise RuntimeError(describe_dcp_failure(error, "load")) from None
+        return []
 
+    found = problems_agreed(checkpoint.name, load)
+    assert found is not None, "every rank loads the candidate it agreed on"
     by_message: dict[str, list[int]] = {}  # DCP raises the same error on every rank
-    for rank, outcome in enumerate(everyone(load)):
+    for rank, outcome in enumerate(found):
         if outcome.failed:
             by_message.setdefault(f"{outcome.error_type}: {outcome.message}", []).append(rank)
     return "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())

@@ -7,9 +7,10 @@ part-way leaves a ``.step_N.partial`` directory that nothing loads, and the prev
 checkpoint stays current. The newest ``keep`` checkpoints are kept.
 
 Loading checks a checkpoint's files against their checksums before DCP reads any of them,
-so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree, through
-``runtime.p2p.agreement.everyone``, on which checkpoint they load (the checks and the load of
-one candidate: ``load_checks``).
+so a corrupt checkpoint is passed over with nothing loaded, and the ranks agree on which
+checkpoint they load (``load_checks``: each rank lists and checks the candidates itself, and
+one all-reduce of 24 bytes agrees on the verdict; messages travel only on a failure). A
+checkpoint with the layout record is then planned by each rank alone (``local_plan.load``).
 
 An asynchronous save (``save(..., async_save=True)``) stages the state into reused CPU
 buffers, returns, and writes in the background (``async_save``). It is published, the
@@ -38,7 +39,7 @@ from typing import Any, Literal
 from shardkit.core.checkpoint import async_save as background
 from shardkit.core.checkpoint.async_save import PendingSave
 from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
-from shardkit.core.checkpoint.load_checks import no_checkpoint_loads, try_load, verify
+from shardkit.core.checkpoint.load_checks import load_first, no_checkpoint_loads
 from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
 from shardkit.core.checkpoint.process_writer import WriterProcess
 from shardkit.core.checkpoint.replica_reads import ReadCounts
@@ -384,24 +385,20 @@ class CheckpointManager:
                     f"{alternatives}"
                 )
             candidates = [chosen]
-        else:
-            names: list[str] = from_rank(0, lambda: [p.name for p in self._newest_first()])
-            candidates = [self.root / name for name in names]
-        reasons: list[str] = []
-        attempted = False
-        for candidate in candidates:
-            reason, metadata = verify(candidate)
-            if not reason and metadata is not None:
-                attempted = True
-                self.last_load_reads = ReadCounts()
-                reason = try_load(state, candidate, metadata, self.last_load_reads)
-            if not reason:
-                return candidate
-            reasons.append(f"{candidate.name}: {reason}")
-            logger.warning("checkpoint %s does not load, passed over: %s", candidate, reason)
-        if not reasons:
-            return None
-        raise CheckpointLoadError(no_checkpoint_loads(self.root, reasons, attempted))
+        else:  # each rank lists them (no collective); verify agrees that they are the same
+            candidates = self._newest_first()
+        outcome = load_first(state, candidates)
+        if outcome is None:  # the ranks see different checkpoints: rank 0's list, as before
+            names: list[str] = from_rank(0, lambda: [p.name for p in candidates])
+            outcome = load_first(state, [self.root / name for name in names])
+            assert outcome is not None, "the ranks walk rank 0's candidates"
+        if outcome.attempted:
+            self.last_load_reads = outcome.reads
+        if outcome.loaded is not None or not outcome.reasons:
+            return outcome.loaded
+        raise CheckpointLoadError(
+            no_checkpoint_loads(self.root, outcome.reasons, outcome.attempted)
+        )
 
     def _newest_first(self) -> list[Path]:
         """The complete checkpoints, ``latest``'s first, then the others newest first."""

@@ -9,6 +9,7 @@ every rank raises the same exception type with the same message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,9 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.errors import StateDictFileError
 from shardkit.core.runtime.device import device_for_mesh_type
 from shardkit.core.runtime.groups import global_rank, is_distributed, world_size
-from shardkit.core.runtime.p2p.object_collectives import all_gather_bytes, broadcast_bytes
+from shardkit.core.runtime.p2p.object_collectives import (
+    all_gather_bytes,
+    all_reduce_max,
+    broadcast_bytes,
+)
 
-__all__ = ["Outcome", "agreed", "everyone", "from_rank", "raise_shared"]
+__all__ = ["Outcome", "agreed", "everyone", "from_rank", "problems_agreed", "raise_shared"]
 
 _T = TypeVar("_T")
 
@@ -108,6 +113,33 @@ def from_rank(src: int, work: Callable[[], Any], *, doing: str = "") -> Any:
 def everyone(work: Callable[[], Any]) -> list[Outcome]:
     """Run ``work`` on every rank; every rank gets every rank's outcome, in rank order."""
     outcome, _ = _attempt(work)
+    return [Outcome.from_json(data) for data in all_gather_bytes(outcome.to_json())]
+
+
+def problems_agreed(key: str, work: Callable[[], list[str]]) -> list[Outcome] | None:
+    """Run ``work`` (what is wrong: [] if nothing) on every rank; the verdict, the same on all.
+
+    ``key`` names what the ranks check (a checkpoint's name, say), so that ranks that look at
+    different things are caught rather than agreeing by accident.
+
+    Returns:
+        [] where every rank's ``work`` returned [] for the same ``key``; every rank's outcome
+        (``everyone``'s, in rank order) where any rank found a problem or raised; None where
+        the ranks' keys differ (then nothing else was exchanged: the caller decides).
+
+    Costs one all-reduce of 24 bytes when every rank passes, whatever the world: no rank's
+    message travels unless one has something to say (then one ``everyone`` follows).
+    """
+    outcome, _ = _attempt(work)
+    found = outcome.failed or bool(outcome.value)
+    if not is_distributed() or world_size() == 1:
+        return [outcome] if found else []
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")
+    most = all_reduce_max([int(found), digest, -digest])
+    if most[1] != -most[2]:  # the largest key and the smallest differ
+        return None
+    if not most[0]:
+        return []
     return [Outcome.from_json(data) for data in all_gather_bytes(outcome.to_json())]
 
 
