@@ -14,7 +14,7 @@ renamed test must not drift back into the default run unnoticed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 LIST = Path(__file__).with_name("slow_tests.txt")
@@ -29,11 +29,7 @@ def read_slow_list(text: str) -> dict[str, float]:
         ValueError: a line is not ``<node id> <seconds>``, or names a node id twice.
     """
     listed: dict[str, float] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.rsplit(None, 1)
+    for number, raw, fields in node_id_lines(text):
         try:
             node_id, seconds = fields[0], float(fields[1])
         except (IndexError, ValueError):
@@ -44,6 +40,18 @@ def read_slow_list(text: str) -> dict[str, float]:
             raise ValueError(f"slow_tests.txt:{number}: {node_id} is listed twice")
         listed[node_id] = seconds
     return listed
+
+
+def node_id_lines(text: str) -> Iterator[tuple[int, str, list[str]]]:
+    """(line number, line, [node id, last field]) for each line of a list of node ids.
+
+    Blank lines and ``#`` comments are passed over. The last field is split off at the line's
+    last space: a node id may hold spaces (a parameter's id).
+    """
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            yield number, raw, line.rsplit(None, 1)
 
 
 def stale_names(listed: Iterable[str], collected: Iterable[str]) -> list[str]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests.slow_list import node_id_lines
+
 LIST = Path(__file__).with_name("world_sizes.txt")
 HEADER = (
     "# The world sizes each test's tasks ran at (tests/world_sizes.py): '<node id> <W>[,<W>...]'.\n"
@@ -39,11 +41,7 @@ def read_world_sizes(text: str) -> dict[str, WorldSizes]:
         ValueError: a line is not ``<node id> <W>[,<W>...]`` with positive world sizes.
     """
     recorded: dict[str, WorldSizes] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.rsplit(None, 1)
+    for number, raw, fields in node_id_lines(text):
         try:
             sizes = tuple(sorted({int(w) for w in fields[1].split(",")}))
         except (IndexError, ValueError):
