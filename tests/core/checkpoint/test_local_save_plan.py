@@ -124,12 +124,14 @@ def test_the_layouts_arithmetic_is_torchs(
     """Every mesh position's chunk, against torch's ``_compute_local_shape_and_global_offset``;
     every distinct chunk written by exactly one of the ranks that hold it."""
     import numpy as np
+    from torch.distributed.checkpoint.metadata import TensorProperties
 
-    from shardkit.core.checkpoint.local_plan.chunk_writers import _position_chunks
+    from shardkit.core.checkpoint.local_plan.chunk_geometry import _position_chunks
 
     positions = int(np.prod(mesh_shape))
     mesh = np.arange(positions, dtype=np.int64).reshape(mesh_shape)
-    value = ValueLayout("w", "dtensor", shape, None, mesh, placements)
+    floats = TensorProperties(dtype=torch.float32)
+    value = ValueLayout("w", "dtensor", shape, floats, mesh, placements)
     offsets, sizes = _position_chunks(value)
     for position in range(positions):
         coordinate = [int(c) for c in np.unravel_index(position, mesh_shape)]
@@ -137,17 +139,20 @@ def test_the_layouts_arithmetic_is_torchs(
             shape, mesh_shape, coordinate, list(placements)
         )
         assert (tuple(sizes[position]), tuple(offsets[position])) == (size, offset), coordinate
-    layout = SaveLayout([value], positions, "")
+    values = [ValueLayout(f"w{i}", "dtensor", shape, floats, mesh, placements) for i in range(3)]
+    layout = SaveLayout(values, positions, "")
     geometry = layout.geometry(value)
     distinct = {tuple(o) for o in offsets.tolist()}
     assert {tuple(o) for o in geometry.offsets.tolist()} == distinct
-    for ordinal in range(3):  # the replicas take turns: each tensor's writers differ
-        writers = geometry.writers(ordinal).tolist()
+    for ordinal in range(3):  # these chunks are too small to cut: each written whole, once
+        pieces, _ = layout.pieces(ordinal)
+        writers = layout.writers(ordinal, pieces).tolist()
         for writer, offset in zip(writers, geometry.offsets.tolist(), strict=True):
             assert tuple(offsets[writer]) == tuple(offset)  # the writer holds what it writes
-        written = [geometry.chunk_written_by(rank, ordinal) for rank in range(positions)]
-        assert sorted(c for c in written if c is not None) == list(range(len(distinct)))
-    assert sum(layout.expected_items()) == len(distinct)
+        written = [i for rank in range(positions) for i in layout.items_of(rank)]
+        mine = sorted(i.index.index for i in written if i.index.fqn == f"w{ordinal}")
+        assert mine == list(range(len(distinct)))
+    assert sum(layout.expected_items()) == 3 * len(distinct)
 
 
 def _save_locally(rank: int, world_size: int, root: str) -> None:

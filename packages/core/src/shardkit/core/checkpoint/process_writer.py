@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit.core.checkpoint.files import FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
-from shardkit.core.checkpoint.local_plan.save import LocalPlanSavePlanner
+from shardkit.core.checkpoint.local_plan.save import LocalPlanSavePlanner, cut_rows
 from shardkit.core.checkpoint.local_plan.save_results import (
     Gathered,
     storage_entries,
@@ -76,6 +76,7 @@ class _Write:
     plan: SavePlan
     buffer_of: dict[str, str]  # a tensor item's fqn -> its staging buffer's key
     serialized: dict[str, bytes]  # a byte item's fqn -> its bytes, serialized by the parent
+    rows: dict[str, tuple[int, int]]  # a tensor item written as a row piece: its rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class _BufferPlanner:
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._job.serialized[fqn])
-        return self._buffers[self._job.buffer_of[fqn]]
+        return cut_rows(self._buffers[self._job.buffer_of[fqn]], self._job.rows.get(fqn))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -251,7 +252,7 @@ class WriterProcess:
             if key is None:
                 raise WriterProcessError(f"{fqn} is not backed by a staging buffer")
             buffer_of[fqn] = key
-        results = self._ask(_Write(partial, rank, plan, buffer_of, serialized))
+        results = self._ask(_Write(partial, rank, plan, buffer_of, serialized, planner.rows))
         assert isinstance(results, list)
         return results
 

@@ -75,19 +75,7 @@ class ChunkSources:
         found = self._rows.get(writer)
         if found is not None:
             return found
-        writes = np.zeros(len(self.layout.values), dtype=bool)
-        world = self.layout.world_size
-        turns = np.arange(self.plain_ordinals.size)
-        writes[self.plain_ordinals[turns % world == writer]] = True
-        for ordinals in self.ordinals_by_geometry.values():
-            geometry = self.layout.geometry(self.layout.values[int(ordinals[0])])
-            position = geometry.position_of.get(writer)
-            if position is None:
-                continue
-            group = int(geometry.group_of[position])
-            start, count = int(geometry.first[group]), int(geometry.counts[group])
-            turn = int(np.flatnonzero(geometry.holders[start : start + count] == position)[0])
-            writes[ordinals[ordinals % count == turn]] = True
+        writes = self.layout.writes_of(writer)  # the save's rule (``replica_shares``)
         rows = np.where(writes, np.cumsum(writes) - 1, -1)
         self._rows[writer] = rows
         return rows
@@ -140,14 +128,14 @@ class ChunkSources:
             if fqn in skipped:
                 continue
             geometry = self.layout.geometry(value)
+            # A chunk its holders wrote in row pieces (``replica_shares``) lists each piece.
+            pieces, listed = self.layout.pieces(ordinal)
             for chunk in self._chunks_touching(value, geometry, boxes).tolist():
-                offsets = torch.Size(geometry.offsets[chunk].tolist())
-                chunks.append(
-                    ChunkStorageMetadata(offsets, torch.Size(geometry.sizes[chunk].tolist()))
-                )
-                pick = int(geometry.first[chunk]) + ordinal % int(geometry.counts[chunk])
-                writer = int(geometry.ranks[geometry.holders[pick]])
-                storage[MetadataIndex(fqn, offsets, len(chunks) - 1)] = self._where(writer, ordinal)
+                for item in range(int(pieces.start[chunk]), int(pieces.start[chunk + 1])):
+                    chunks.append(listed[item])
+                    writer = self.layout.writer_of(ordinal, pieces, item)
+                    where = self._where(writer, ordinal)
+                    storage[MetadataIndex(fqn, listed[item].offsets, len(chunks) - 1)] = where
         return Metadata(state_dict_metadata=entries, storage_data=storage)
 
     def _plain_writer(self, ordinal: int) -> int:

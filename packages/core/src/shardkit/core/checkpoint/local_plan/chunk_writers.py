@@ -8,19 +8,18 @@ every rank can compute every rank's chunk of it, and no plan needs to travel.
 
 :class:`SaveLayout` is that computation for a flat state dict (DCP's flattened keys):
 
-- a :class:`Geometry` per distinct (shape, mesh, placements): the chunk at every position of
-  the mesh, by torch.chunk's arithmetic per mesh dim (``Shard`` and ``Replicate``,
-  vectorized over the positions; any other placement, ``_StridedShard`` among them, through
-  torch's own per-coordinate function), grouped into distinct chunks (DCP's key: the
-  offsets). A model has few geometries (a Llama: about ten), however many tensors and ranks;
+- a :class:`Geometry` per distinct (shape, mesh, placements) (``chunk_geometry``): the
+  chunk at every position of the mesh, grouped into distinct chunks. A model has few
+  geometries (a Llama: about ten), however many tensors and ranks;
 - which rank writes each distinct chunk: one of the ranks that hold it (several do under HSDP,
-  and where shards are empty), the replicas taking turns tensor by tensor, so each writes
-  about 1/R of the bytes. Tensors that are not DTensors and values that are not tensors are
-  held by every rank, as DCP treats them, and are spread over the ranks;
-- the checkpoint's ``state_dict_metadata``: every chunk of every tensor as DCP's format lists
-  them, in order of their offsets. The tensors of one geometry share one list of chunks, so
-  the metadata is built once per geometry, and pickled once per geometry too (pickle writes
-  a shared object once).
+  and where shards are empty), shared by bytes (``replica_shares``): a large chunk is cut by
+  rows into pieces that its holders write apart, so the busiest rank writes at most 9/8 of
+  the mean. Tensors that are not DTensors and values that are not tensors are held by every
+  rank, as DCP treats them, and are spread over the ranks;
+- the checkpoint's ``state_dict_metadata``: every item (chunk, or piece of one) of every
+  tensor as DCP's format lists them, chunk by chunk in order of their offsets. The tensors of
+  one geometry cut alike share one list, so the metadata is built once per geometry and cut,
+  and pickled once per list too (pickle writes a shared object once).
 
 Per rank, after the geometries (O(W log W) each, once per layout), its own items take O(1) per
 tensor. Rank 0's metadata and its check of every rank's results are O(chunks); the layout is
@@ -45,16 +44,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from shardkit.core.checkpoint.local_plan.chunk_geometry import Geometry, mesh_key
+from shardkit.core.checkpoint.local_plan.replica_shares import (
+    Demand,
+    Pieces,
+    Share,
+    shares_by_bytes,
+    shares_by_turns,
+)
 from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import (
-    shard_chunks,
     sharded_tensor_parts,
 )
-from shardkit.core.runtime.chunks import chunk_rows_array
-from shardkit.core.runtime.dtensors import chunk_at
 
-__all__ = ["Geometry", "SaveLayout", "ValueLayout", "mesh_key"]
+__all__ = ["Geometry", "OwnItems", "SaveLayout", "ValueLayout", "mesh_key"]
 
 _CHUNKED = frozenset({"dtensor", "sharded"})  # values whose chunks the ranks hold apart
 
@@ -87,78 +91,13 @@ class ValueLayout:
         return (self.shape, self.mesh_id, self.placements)
 
 
-def mesh_key(mesh: np.ndarray) -> str:
-    """A mesh's identity: its shape and the global rank at each position."""
-    return hashlib.sha256(f"{mesh.shape}".encode() + mesh.tobytes()).hexdigest()[:32]
+@dataclass(frozen=True, slots=True)
+class OwnItems:
+    """What one rank writes: its items, and where one is a row piece of what the rank holds."""
 
-
-@dataclass(slots=True)
-class Geometry:
-    """The distinct chunks of every DTensor of one (shape, mesh, placements)."""
-
-    offsets: np.ndarray
-    """(chunks, ndim), ascending (DCP's key; the metadata lists them in this order)."""
-    sizes: np.ndarray
-    group_of: np.ndarray
-    """Mesh position -> its chunk."""
-    holders: np.ndarray
-    """Mesh positions, chunk by chunk (each chunk's holders in position order)."""
-    first: np.ndarray
-    """Where each chunk's holders start in ``holders``."""
-    counts: np.ndarray
-    """How many positions hold each chunk."""
-    ranks: np.ndarray
-    """Mesh position -> global rank."""
-    position_of: dict[int, int]
-    """Global rank -> its mesh position."""
-    listed: list[ChunkStorageMetadata] = field(default_factory=list)
-    """The chunks as the metadata lists them (built on first use, then shared)."""
-
-    @staticmethod
-    def of(value: ValueLayout) -> Geometry:
-        """The geometry of a DTensor's layout."""
-        assert value.mesh is not None
-        offsets, sizes = _position_chunks(value)
-        distinct, first_seen, group_of, counts = np.unique(
-            offsets, axis=0, return_index=True, return_inverse=True, return_counts=True
-        )
-        group_of = group_of.reshape(-1)
-        holders = np.argsort(group_of, kind="stable")
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        ranks = value.mesh.reshape(-1)
-        return Geometry(
-            offsets=distinct,
-            sizes=sizes[first_seen],
-            group_of=group_of,
-            holders=holders,
-            first=first,
-            counts=counts,
-            ranks=ranks,
-            position_of={int(r): p for p, r in enumerate(ranks.tolist())},
-        )
-
-    def writers(self, ordinal: int) -> np.ndarray:
-        """The global rank that writes each chunk of the ``ordinal``-th tensor."""
-        picked: np.ndarray = self.ranks[self.holders[self.first + ordinal % self.counts]]
-        return picked
-
-    def chunk_written_by(self, rank: int, ordinal: int) -> int | None:
-        """The chunk ``rank`` writes of the ``ordinal``-th tensor, or None."""
-        position = self.position_of.get(rank)
-        if position is None:
-            return None
-        group = int(self.group_of[position])
-        pick = int(self.first[group]) + ordinal % int(self.counts[group])
-        return group if int(self.holders[pick]) == position else None
-
-    def chunk_list(self) -> list[ChunkStorageMetadata]:
-        """Every chunk, as the metadata lists them (one list, shared by the tensors)."""
-        if not self.listed:
-            self.listed = [
-                ChunkStorageMetadata(torch.Size(o), torch.Size(s))
-                for o, s in zip(self.offsets.tolist(), self.sizes.tolist(), strict=True)
-            ]
-        return self.listed
+    items: list[WriteItem]
+    rows: dict[str, tuple[int, int]]
+    """Per key written as a piece: its (first row, rows) in the rank's own chunk (dim 0)."""
 
 
 @dataclass(slots=True)
@@ -168,9 +107,16 @@ class SaveLayout:
     values: list[ValueLayout]
     world_size: int
     digest: str
+    rule: str = "bytes"
+    """How the holders of a chunk share its writing (``replica_shares``): ``"bytes"``, or
+    ``"turns"`` (whole chunks by the ordinal's turn: records of version 1)."""
     geometries: dict[tuple[Any, ...], Geometry] = field(default_factory=dict)
     _metadata: dict[str, STORAGE_TYPES] | None = None
     _written: list[list[MetadataIndex]] | None = None
+    _shares: list[dict[int, Share]] | None = None
+    _first_turns: dict[int, np.ndarray] | None = None
+    _grouped: tuple[np.ndarray, list[np.ndarray]] | None = None
+    _cut_values: np.ndarray | None = None
     last_storage: tuple[torch.Tensor, dict[MetadataIndex, Any]] | None = None
     """Rank 0: the last save's result rows (all ranks') and the storage entries made of them."""
 
@@ -182,10 +128,10 @@ class SaveLayout:
         return SaveLayout.from_values(values, world_size)
 
     @staticmethod
-    def from_values(values: list[ValueLayout], world_size: int) -> SaveLayout:
-        """The layout of values described already (a benchmark's simulated ranks)."""
+    def from_values(values: list[ValueLayout], world_size: int, rule: str = "bytes") -> SaveLayout:
+        """The layout of values described already (a benchmark's simulated ranks, a record)."""
         text = f"{world_size}\n" + "\n".join(v.describe() for v in values)
-        return SaveLayout(values, world_size, hashlib.sha256(text.encode()).hexdigest())
+        return SaveLayout(values, world_size, hashlib.sha256(text.encode()).hexdigest(), rule)
 
     def geometry(self, value: ValueLayout) -> Geometry:
         """The geometry of a DTensor value (computed once per distinct one)."""
@@ -195,10 +141,55 @@ class SaveLayout:
             found = self.geometries[key] = Geometry.of(value)
         return found
 
-    def items_of(self, rank: int) -> list[WriteItem]:
+    def shares(self) -> list[dict[int, Share]]:
+        """Per value, per holder count of its chunks, how its holders share the writing."""
+        if self._shares is None:
+            demands: list[list[Demand]] = []
+            for value in self.values:
+                if value.kind not in _CHUNKED:
+                    demands.append([])
+                    continue
+                assert value.properties is not None
+                itemsize = value.properties.dtype.itemsize
+                demands.append(self.geometry(value).demands(itemsize))
+            by_turns = self.rule == "turns"
+            self._shares = shares_by_turns(demands) if by_turns else shares_by_bytes(demands)
+        return self._shares
+
+    def pieces(self, ordinal: int) -> tuple[Pieces, list[ChunkStorageMetadata]]:
+        """The items of a chunked value (its chunks, cut where its shares say) and listing."""
+        value = self.values[ordinal]
+        cuts = tuple(
+            sorted((r, s.pieces) for r, s in self.shares()[ordinal].items() if s.pieces > 1)
+        )
+        return self.geometry(value).pieces(cuts)
+
+    def writers(self, ordinal: int, pieces: Pieces) -> np.ndarray:
+        """The global rank that writes each item of a chunked value."""
+        geometry = self.geometry(self.values[ordinal])
+        turn = np.zeros(pieces.chunk.size, dtype=np.int64)
+        holders = geometry.counts[pieces.chunk]
+        for count, share in self.shares()[ordinal].items():
+            if count > 1:
+                mine = holders == count
+                turn[mine] = np.array(share.turns, dtype=np.int64)[pieces.piece[mine]]
+        picked: np.ndarray = geometry.ranks[geometry.holders[geometry.first[pieces.chunk] + turn]]
+        return picked
+
+    def writer_of(self, ordinal: int, pieces: Pieces, item: int) -> int:
+        """The global rank that writes item ``item`` of a chunked value (one of :meth:`writers`)."""
+        geometry = self.geometry(self.values[ordinal])
+        chunk = int(pieces.chunk[item])
+        share = self.shares()[ordinal][int(geometry.counts[chunk])]
+        turn = share.turns[int(pieces.piece[item])]
+        return int(geometry.ranks[geometry.holders[int(geometry.first[chunk]) + turn]])
+
+    def own_items(self, rank: int) -> OwnItems:
         """The write items rank ``rank`` writes, in state-dict order (DCP's local order)."""
         items: list[WriteItem] = []
+        rows: dict[str, tuple[int, int]] = {}
         plain = 0
+        shares = self.shares()
         for ordinal, value in enumerate(self.values):
             if value.kind not in _CHUNKED:
                 # Held by every rank: written by one, spread over the ranks value by value.
@@ -207,14 +198,94 @@ class SaveLayout:
                 plain += 1
                 continue
             geometry = self.geometry(value)
-            chunk = geometry.chunk_written_by(rank, ordinal)
-            if chunk is not None:
-                items.append(_chunk_item(value, geometry, chunk))
-        return items
+            position = geometry.position_of.get(rank)
+            if position is None:
+                continue
+            chunk = int(geometry.group_of[position])
+            share = shares[ordinal][int(geometry.counts[chunk])]
+            pieces, _ = self.pieces(ordinal)
+            first, end = int(pieces.start[chunk]), int(pieces.start[chunk + 1])
+            turn = int(geometry.turn_of[position])
+            for item in range(first, end):
+                if share.turns[item - first] == turn:
+                    items.append(_chunk_item(value, pieces, item))
+                    if end - first > 1:
+                        start = int(pieces.offsets[item, 0] - geometry.offsets[chunk, 0])
+                        rows[value.fqn] = (start, int(pieces.sizes[item, 0]))
+        return OwnItems(items, rows)
+
+    def items_of(self, rank: int) -> list[WriteItem]:
+        """The write items rank ``rank`` writes (:meth:`own_items`' items)."""
+        return self.own_items(rank).items
+
+    def writes_of(self, rank: int) -> np.ndarray:
+        """Value ordinal -> whether ``rank`` writes an item of it (vectorized per geometry)."""
+        writes = np.zeros(len(self.values), dtype=bool)
+        plain, by_geometry = self._ordinals()
+        if plain.size:
+            writes[plain[np.arange(plain.size) % self.world_size == rank]] = True
+        first_turns, shares = self._turn_tables(), self.shares()
+        cut = self._cut()
+        for ordinals in by_geometry:
+            geometry = self.geometry(self.values[int(ordinals[0])])
+            position = geometry.position_of.get(rank)
+            if position is None:
+                continue
+            chunk = int(geometry.group_of[position])
+            count, turn = int(geometry.counts[chunk]), int(geometry.turn_of[position])
+            writes[ordinals[first_turns[count][ordinals] == turn]] = True
+            for ordinal in ordinals[cut[ordinals]].tolist():  # a later piece of a cut chunk
+                share = shares[ordinal][count]
+                if turn in share.turns[1:]:
+                    pieces, _ = self.pieces(ordinal)
+                    items = int(pieces.start[chunk + 1] - pieces.start[chunk])
+                    writes[ordinal] |= turn in share.turns[:items]
+        return writes
+
+    def _ordinals(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The ordinals of the values every rank holds, and of the chunked ones per geometry."""
+        if self._grouped is None:
+            by_geometry: dict[tuple[Any, ...], list[int]] = {}
+            for i, value in enumerate(self.values):
+                if value.kind in _CHUNKED:
+                    by_geometry.setdefault(value.geometry_key(), []).append(i)
+            plain = [i for i, v in enumerate(self.values) if v.kind not in _CHUNKED]
+            groups = [np.array(o, dtype=np.int64) for o in by_geometry.values()]
+            self._grouped = (np.array(plain, dtype=np.int64), groups)
+        return self._grouped
+
+    def _cut(self) -> np.ndarray:
+        """Value ordinal -> whether a chunk of it is cut into pieces (built once)."""
+        if self._cut_values is None:
+            cut = [any(s.pieces > 1 for s in v.values()) for v in self.shares()]
+            self._cut_values = np.array(cut, dtype=bool)
+        return self._cut_values
+
+    def _turn_tables(self) -> dict[int, np.ndarray]:
+        """Per holder count: each value's turn that writes its first piece (-1: none)."""
+        if self._first_turns is None:
+            tables: dict[int, np.ndarray] = {}
+            for ordinal, shares in enumerate(self.shares()):
+                for count, share in shares.items():
+                    table = tables.setdefault(count, np.full(len(self.values), -1, np.int64))
+                    table[ordinal] = share.turns[0]
+            self._first_turns = tables
+        return self._first_turns
 
     def expected_items(self) -> list[int]:
         """How many items each rank writes (rank 0 checks every rank's results against it)."""
         return [len(keys) for keys in self.written()]
+
+    def entry_count(self) -> int:
+        """``.metadata``'s storage entries: every item of every rank.
+
+        One per value held by every rank, one per piece of every chunk: what the planner and
+        the benchmarks report.
+        """
+        total = 0
+        for ordinal, value in enumerate(self.values):
+            total += self.pieces(ordinal)[0].chunk.size if value.kind in _CHUNKED else 1
+        return total
 
     def written(self) -> list[list[MetadataIndex]]:
         """Per rank, the keys of the items it writes, in its items' order (built once).
@@ -234,19 +305,18 @@ class SaveLayout:
                 keys[plain % self.world_size].append(_key(value.fqn, offsets, hint))
                 plain += 1
                 continue
-            geometry = self.geometry(value)
-            chunks = geometry.chunk_list()
-            for chunk, writer in enumerate(geometry.writers(ordinal).tolist()):
-                keys[writer].append(_key(value.fqn, chunks[chunk].offsets, chunk))
+            pieces, listed = self.pieces(ordinal)
+            for item, writer in enumerate(self.writers(ordinal, pieces).tolist()):
+                keys[writer].append(_key(value.fqn, listed[item].offsets, item))
         self._written = keys
         return keys
 
     def state_dict_metadata(self) -> dict[str, STORAGE_TYPES]:
-        """Every value's storage metadata, every chunk of every tensor (built once)."""
+        """Every value's storage metadata, every item of every tensor (built once)."""
         if self._metadata is not None:
             return self._metadata
         metadata: dict[str, STORAGE_TYPES] = {}
-        for value in self.values:
+        for ordinal, value in enumerate(self.values):
             if value.kind == "bytes":
                 metadata[value.fqn] = BytesStorageMetadata()
                 continue
@@ -256,8 +326,8 @@ class SaveLayout:
                 chunk = ChunkStorageMetadata(torch.Size([0] * len(size)), size)
                 metadata[value.fqn] = TensorStorageMetadata(value.properties, size, [chunk])
                 continue
-            chunks = self.geometry(value).chunk_list()
-            metadata[value.fqn] = TensorStorageMetadata(value.properties, size, chunks)
+            listed = self.pieces(ordinal)[1]
+            metadata[value.fqn] = TensorStorageMetadata(value.properties, size, listed)
         self._metadata = metadata
         return metadata
 
@@ -313,53 +383,15 @@ def _whole_item(value: ValueLayout) -> WriteItem:
     )
 
 
-def _chunk_item(value: ValueLayout, geometry: Geometry, chunk: int) -> WriteItem:
+def _chunk_item(value: ValueLayout, pieces: Pieces, item: int) -> WriteItem:
     assert value.properties is not None
-    offsets = torch.Size(geometry.offsets[chunk].tolist())
-    written = ChunkStorageMetadata(offsets, torch.Size(geometry.sizes[chunk].tolist()))
+    offsets = torch.Size(pieces.offsets[item].tolist())
+    written = ChunkStorageMetadata(offsets, torch.Size(pieces.sizes[item].tolist()))
     return WriteItem(
-        # The hint is the chunk's place in the metadata's list (DCP's global plan sets it).
-        index=MetadataIndex(value.fqn, offsets, chunk),
+        # The hint is the item's place in the metadata's list (DCP's global plan sets it).
+        index=MetadataIndex(value.fqn, offsets, item),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=written, properties=value.properties, size=torch.Size(value.shape)
         ),
     )
-
-
-def _position_chunks(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, ndim) offsets and sizes of the chunk at each mesh position."""
-    assert value.mesh is not None
-    if value.kind == "sharded":  # the shards are the positions
-        return shard_chunks(value.placements, len(value.shape))
-    mesh_shape = value.mesh.shape
-    positions = int(np.prod(mesh_shape))
-    if not all(type(p) in (Shard, Replicate) for p in value.placements):
-        return _position_chunks_by_torch(value)
-    coords = np.stack(np.unravel_index(np.arange(positions), mesh_shape), axis=1)
-    shape = np.array(value.shape, dtype=np.int64)
-    sizes = np.tile(shape, (positions, 1))
-    offsets = np.zeros((positions, len(shape)), dtype=np.int64)
-    for mesh_dim, placement in enumerate(value.placements):
-        if not isinstance(placement, Shard):
-            continue
-        dim, parts = placement.dim, mesh_shape[mesh_dim]
-        start, size = chunk_rows_array(sizes[:, dim], parts, coords[:, mesh_dim])
-        # An empty chunk sits at the end of the dim (torch's offset for it).
-        offsets[:, dim] = np.where(size > 0, offsets[:, dim] + start, shape[dim])
-        sizes[:, dim] = size
-    return offsets, sizes
-
-
-def _position_chunks_by_torch(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
-    """The same through torch's per-coordinate function (placements beyond Shard/Replicate)."""
-    assert value.mesh is not None
-    mesh_shape = tuple(value.mesh.shape)
-    positions = int(np.prod(mesh_shape))
-    offsets = np.zeros((positions, len(value.shape)), dtype=np.int64)
-    sizes = np.zeros_like(offsets)
-    for position in range(positions):
-        coordinate = [int(c) for c in np.unravel_index(position, mesh_shape)]
-        size, offset = chunk_at(value.shape, mesh_shape, coordinate, value.placements)
-        sizes[position], offsets[position] = size, offset
-    return offsets, sizes

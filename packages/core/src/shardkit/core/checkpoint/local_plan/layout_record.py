@@ -25,7 +25,10 @@ of the ranks whose chunks it needs. With the record, the writers follow from
 ``SaveLayout.items_of``: the same code that planned the save plans the load.
 
 The file: one line ``shardkit-layout <version> <sha256 of the rest>``, then the JSON. It is
-read with ``json`` (no pickle), its size bounded before it is read, every field checked.
+read with ``json`` (no pickle), its size bounded before it is read, every field checked. The
+version names the rule by which a chunk's holders shared its writing (``replica_shares``):
+1, whole chunks taking turns tensor by tensor; 2, by bytes, large chunks cut by rows into
+pieces that several holders write (their rows follow from the layout, as the chunks do).
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ __all__ = ["RECORD", "Record", "encode_record", "read_record", "write_record"]
 
 RECORD = "layout.json"
 _MAGIC = "shardkit-layout"
-_VERSION = 1
+_RULES = {1: "turns", 2: "bytes"}
+"""How the holders of a chunk shared its writing, by the record's version (``replica_shares``):
+version 1, whole chunks by turns; version 2, by bytes, large chunks in row pieces."""
 _MOST_BYTES = 256 << 20  # far beyond any model's record (70B: well under 1 MiB)
 _KINDS = ("dtensor", "sharded", "tensor", "bytes")
 
@@ -71,6 +76,8 @@ class _NotRecordable(ValueError):
 
 def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
     """The record's bytes, or None where a placement is not one the record describes.
+
+    Its version says ``layout.rule`` (how the holders of a chunk shared its writing).
 
     ``plain``: as :attr:`Record.plain`.
     """
@@ -110,7 +117,8 @@ def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
         },
         separators=(",", ":"),
     ).encode()
-    head = f"{_MAGIC} {_VERSION} {hashlib.sha256(body).hexdigest()}\n".encode()
+    version = next(v for v, rule in _RULES.items() if rule == layout.rule)
+    head = f"{_MAGIC} {version} {hashlib.sha256(body).hexdigest()}\n".encode()
     return head + body
 
 
@@ -149,11 +157,14 @@ def read_record(folder: Path) -> Record:
         data = path.read_bytes()
         head, _, body = data.partition(b"\n")
         words = head.decode("ascii", errors="replace").split(" ")
-        if len(words) != 3 or words[0] != _MAGIC or words[1] != str(_VERSION):
-            raise ValueError(f"not a layout record of version {_VERSION} (header {head[:80]!r})")
+        versions = {str(v): v for v in _RULES}
+        if len(words) != 3 or words[0] != _MAGIC or words[1] not in versions:
+            raise ValueError(
+                f"not a layout record of version {', '.join(versions)} (header {head[:80]!r})"
+            )
         if hashlib.sha256(body).hexdigest() != words[2]:
             raise ValueError("its checksum does not match its contents (truncated or corrupt)")
-        return _decode(json.loads(body))
+        return _decode(json.loads(body), _RULES[versions[words[1]]])
     except (OSError, ValueError, TypeError, KeyError, IndexError) as error:
         raise StateDictFileError(f"{path}: damaged layout record: {error}") from None
 
@@ -192,7 +203,7 @@ def _naturals(value: object, what: str) -> list[int]:
     return [_natural(v, what) for v in value]
 
 
-def _decode(body: object) -> Record:
+def _decode(body: object, rule: str) -> Record:
     """The record's JSON as a :class:`Record`, every field checked, its digest recomputed."""
     if not isinstance(body, dict):
         raise ValueError("its contents are not a JSON object")
@@ -205,7 +216,7 @@ def _decode(body: object) -> Record:
     fqns = [v.fqn for v in values]
     if len(set(fqns)) != len(fqns):
         raise ValueError("a value is listed twice")
-    layout = SaveLayout.from_values(values, world)
+    layout = SaveLayout.from_values(values, world, rule)
     if layout.digest != body["digest"]:
         raise ValueError("it describes another layout than the one saved (digest differs)")
     plain = np.array(_naturals(body["plain"], "a plain value's place"), dtype=np.int64)

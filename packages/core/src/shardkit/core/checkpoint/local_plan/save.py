@@ -32,6 +32,7 @@ What was written travels and is checked in ``save_results`` (the rows, their gat
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
@@ -72,6 +73,7 @@ from shardkit.core.runtime.groups import checkpoint_group
 from shardkit.core.runtime.p2p.object_collectives import broadcast_bytes
 
 __all__ = [
+    "cut_rows",
     "LayoutCache",
     "NotPlannableLocally",
     "describe_dcp_failure",
@@ -124,6 +126,8 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
         super().__init__(flatten_sharded_tensors=False)
         self.cache, self.rank, self.world_size = cache, rank, world_size
         self.layout: SaveLayout | None = None
+        self.rows: dict[str, tuple[int, int]] = {}
+        """Keys this rank writes a row piece of (its holders share it): (first row, rows)."""
 
     def create_local_plan(self) -> SavePlan:
         """This rank's items (each chunk written by one rank: no dedup needed after)."""
@@ -143,9 +147,25 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
         if cached is not None and cached.digest == layout.digest:
             layout = cached  # its chunks and rank 0's metadata are computed already
         self.cache.layout = self.layout = layout
-        plan = SavePlan(layout.items_of(self.rank), planner_data=self.mappings)
+        own = layout.own_items(self.rank)
+        self.rows = own.rows
+        plan = SavePlan(own.items, planner_data=self.mappings)
         self.plan = plan
         return plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """The item's data: the rank's shard, or the rows of it that this rank writes."""
+        data = super().resolve_data(write_item)
+        return cut_rows(data, self.rows.get(write_item.index.fqn))
+
+
+def cut_rows(
+    data: torch.Tensor | io.BytesIO, rows: tuple[int, int] | None
+) -> torch.Tensor | io.BytesIO:
+    """``data``, or its ``rows`` (first row, rows) along dim 0 where its holders share it."""
+    if rows is None or not isinstance(data, torch.Tensor):
+        return data
+    return data.narrow(0, rows[0], rows[1])
 
 
 """Rank 0's view of every rank's results: (layout digest, failure, result rows, not local)."""

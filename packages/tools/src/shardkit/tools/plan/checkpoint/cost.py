@@ -137,7 +137,7 @@ def checkpoint_cost(
     plain_files: dict[str, int] = {}  # per plain value: its item's bytes in the file
     plain = 0
     for ordinal, value in enumerate(layout.values):
-        if value.kind != "dtensor":
+        if value.kind not in ("dtensor", "sharded"):
             rank = plain % world
             plain += 1
             items[rank] += 1
@@ -155,17 +155,18 @@ def checkpoint_cost(
             continue
         assert value.properties is not None
         dtype = value.properties.dtype
-        geometry = layout.geometry(value)
-        writers = geometry.writers(ordinal)
-        chunk_bytes = geometry.sizes.prod(axis=1) * dtype.itemsize
+        pieces, _ = layout.pieces(ordinal)  # chunks, cut where their holders share them
+        writers = layout.writers(ordinal, pieces)
+        chunk_bytes = pieces.sizes.prod(axis=1) * dtype.itemsize
         chunk_files = chunk_bytes + np.array(
-            [_header(tuple(s), dtype, headers) for s in geometry.sizes.tolist()], dtype=np.int64
+            [_header(tuple(s), dtype, headers) for s in pieces.sizes.tolist()], dtype=np.int64
         )
         item_sizes[ordinal] = chunk_files.tolist()
         np.add.at(data, writers, chunk_bytes)
         np.add.at(files, writers, chunk_files)
         np.add.at(items, writers, 1)
     entries = int(items.sum())
+    assert entries == layout.entry_count()  # the benchmarks count them so
     metadata_bytes, exact = _metadata_bytes(layout, item_sizes, plain_files, entries, mappings)
     busiest = int(files.max()) if world else 0
     positions = sum(g.ranks.size for g in layout.geometries.values())
@@ -226,7 +227,7 @@ def _metadata_bytes(
         name = f"__{rank}_0.distcp"
         for item in layout.items_of(rank):
             ordinal, value = by_fqn[item.index.fqn]
-            if value.kind == "dtensor":
+            if value.kind in ("dtensor", "sharded"):
                 assert item.index.index is not None
                 length = item_sizes[ordinal][item.index.index]
             else:

@@ -1,0 +1,174 @@
+"""The distinct chunks of a DTensor (or FSDP1 ShardedTensor) layout, and who holds each.
+
+A DTensor's chunks are a pure function of its global shape, its mesh and its placements:
+torch.chunk's arithmetic per mesh dim (``Shard`` and ``Replicate``, vectorized over the
+positions; any other placement, ``_StridedShard`` among them, through torch's own
+per-coordinate function), grouped into distinct chunks (DCP's key: the offsets). A
+:class:`Geometry` is that computation for one (shape, mesh, placements); ``chunk_writers``
+decides who writes each chunk, ``replica_shares`` how its holders share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.tensor import Replicate, Shard
+
+from shardkit.core.checkpoint.local_plan.replica_shares import Demand, Pieces, cut_chunks
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import shard_chunks
+from shardkit.core.runtime.chunks import chunk_rows_array
+from shardkit.core.runtime.dtensors import chunk_at
+
+if TYPE_CHECKING:
+    from shardkit.core.checkpoint.local_plan.chunk_writers import ValueLayout
+
+__all__ = ["Geometry", "mesh_key"]
+
+
+def mesh_key(mesh: np.ndarray) -> str:
+    """A mesh's identity: its shape and the global rank at each position."""
+    return hashlib.sha256(f"{mesh.shape}".encode() + mesh.tobytes()).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class Geometry:
+    """The distinct chunks of every DTensor of one (shape, mesh, placements)."""
+
+    offsets: np.ndarray
+    """(chunks, ndim), ascending (DCP's key; the metadata lists them in this order)."""
+    sizes: np.ndarray
+    group_of: np.ndarray
+    """Mesh position -> its chunk."""
+    holders: np.ndarray
+    """Mesh positions, chunk by chunk (each chunk's holders in position order)."""
+    first: np.ndarray
+    """Where each chunk's holders start in ``holders``."""
+    counts: np.ndarray
+    """How many positions hold each chunk."""
+    ranks: np.ndarray
+    """Mesh position -> global rank."""
+    position_of: dict[int, int]
+    """Global rank -> its mesh position."""
+    turn_of: np.ndarray
+    """Mesh position -> its turn: its place among its chunk's holders."""
+    elements: np.ndarray
+    """Each chunk's elements."""
+    listed: list[ChunkStorageMetadata] = field(default_factory=list)
+    """The chunks as the metadata lists them (built on first use, then shared)."""
+    demand: dict[int, list[Demand]] = field(default_factory=dict)
+    cut: dict[tuple[tuple[int, int], ...], tuple[Pieces, list[ChunkStorageMetadata]]] = field(
+        default_factory=dict
+    )
+    """Per cut ((holders, pieces) pairs): the pieces and their listing (built once each)."""
+
+    @staticmethod
+    def of(value: ValueLayout) -> Geometry:
+        """The geometry of a DTensor's layout."""
+        assert value.mesh is not None
+        offsets, sizes = _position_chunks(value)
+        distinct, first_seen, group_of, counts = np.unique(
+            offsets, axis=0, return_index=True, return_inverse=True, return_counts=True
+        )
+        group_of = group_of.reshape(-1)
+        holders = np.argsort(group_of, kind="stable")
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        ranks = value.mesh.reshape(-1)
+        turn_of = np.empty_like(group_of)
+        turn_of[holders] = np.arange(holders.size) - first[group_of[holders]]
+        chunk_sizes = sizes[first_seen]
+        return Geometry(
+            offsets=distinct,
+            sizes=chunk_sizes,
+            group_of=group_of,
+            holders=holders,
+            first=first,
+            counts=counts,
+            ranks=ranks,
+            position_of={int(r): p for p, r in enumerate(ranks.tolist())},
+            turn_of=turn_of,
+            elements=chunk_sizes.prod(axis=1),
+        )
+
+    def demands(self, itemsize: int) -> list[Demand]:
+        """Per holder count, its largest chunk's bytes and rows (what the sharing rule needs)."""
+        found = self.demand.get(itemsize)
+        if found is None:
+            found = []
+            for holders in np.unique(self.counts).tolist():
+                of_count = np.flatnonzero(self.counts == holders)
+                largest = int(of_count[np.argmax(self.elements[of_count])])
+                rows = int(self.sizes[largest, 0]) if self.sizes.shape[1] else 0
+                nbytes = int(self.elements[largest]) * itemsize
+                found.append(Demand(int(holders), nbytes, rows))
+            self.demand[itemsize] = found
+        return found
+
+    def pieces(
+        self, cuts: tuple[tuple[int, int], ...]
+    ) -> tuple[Pieces, list[ChunkStorageMetadata]]:
+        """The chunks cut as ``cuts`` says ((holders, pieces) pairs), and their listing."""
+        found = self.cut.get(cuts)
+        if found is None:
+            pieces = cut_chunks(self.offsets, self.sizes, self.counts, dict(cuts))
+            listed = (
+                self.chunk_list()
+                if not cuts
+                else [
+                    ChunkStorageMetadata(torch.Size(o), torch.Size(s))
+                    for o, s in zip(pieces.offsets.tolist(), pieces.sizes.tolist(), strict=True)
+                ]
+            )
+            found = self.cut[cuts] = (pieces, listed)
+        return found
+
+    def chunk_list(self) -> list[ChunkStorageMetadata]:
+        """Every chunk, as the metadata lists them (one list, shared by the tensors)."""
+        if not self.listed:
+            self.listed = [
+                ChunkStorageMetadata(torch.Size(o), torch.Size(s))
+                for o, s in zip(self.offsets.tolist(), self.sizes.tolist(), strict=True)
+            ]
+        return self.listed
+
+
+def _position_chunks(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, ndim) offsets and sizes of the chunk at each mesh position."""
+    assert value.mesh is not None
+    if value.kind == "sharded":  # the shards are the positions
+        return shard_chunks(value.placements, len(value.shape))
+    mesh_shape = value.mesh.shape
+    positions = int(np.prod(mesh_shape))
+    if not all(type(p) in (Shard, Replicate) for p in value.placements):
+        return _position_chunks_by_torch(value)
+    coords = np.stack(np.unravel_index(np.arange(positions), mesh_shape), axis=1)
+    shape = np.array(value.shape, dtype=np.int64)
+    sizes = np.tile(shape, (positions, 1))
+    offsets = np.zeros((positions, len(shape)), dtype=np.int64)
+    for mesh_dim, placement in enumerate(value.placements):
+        if not isinstance(placement, Shard):
+            continue
+        dim, parts = placement.dim, mesh_shape[mesh_dim]
+        start, size = chunk_rows_array(sizes[:, dim], parts, coords[:, mesh_dim])
+        # An empty chunk sits at the end of the dim (torch's offset for it).
+        offsets[:, dim] = np.where(size > 0, offsets[:, dim] + start, shape[dim])
+        sizes[:, dim] = size
+    return offsets, sizes
+
+
+def _position_chunks_by_torch(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The same through torch's per-coordinate function (placements beyond Shard/Replicate)."""
+    assert value.mesh is not None
+    mesh_shape = tuple(value.mesh.shape)
+    positions = int(np.prod(mesh_shape))
+    offsets = np.zeros((positions, len(value.shape)), dtype=np.int64)
+    sizes = np.zeros_like(offsets)
+    for position in range(positions):
+        coordinate = [int(c) for c in np.unravel_index(position, mesh_shape)]
+        size, offset = chunk_at(value.shape, mesh_shape, coordinate, value.placements)
+        sizes[position], offsets[position] = size, offset
+    return offsets, sizes
