@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+from shardkit.tools.plan.call_modes import OperatorOutputs
 
 __all__ = [
     "AttentionCall",
@@ -188,32 +189,24 @@ class _UnitLoss(torch.autograd.Function):
 _SAVED, _SCRATCH = 0, 1
 
 
-class _Follow(TorchDispatchMode):
+class _Follow:
     """Logs allocations and frees of storages while backward runs, with the segment."""
 
     def __init__(self, cursor: SegmentCursor) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's, unannotated
         self.cursor = cursor
         self.keys = WeakIdKeyDictionary()  # live storage -> its key
         self.log: list[tuple[int, int]] = []  # (key, segment): alloc when first seen, else free
         self.kind: list[int] = []  # per key: _SAVED or _SCRATCH
         self.nbytes: list[int] = []
 
-    def __torch_dispatch__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
+    def see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """An operator backward ran: each storage it made is scratch until freed."""
         schema = getattr(func, "_schema", None)
         if schema is not None and any(r.alias_info is not None for r in schema.returns):
-            return out  # a view or in-place op: its storage was made earlier (maybe in forward)
+            return  # a view or in-place op: its storage was made earlier (maybe in forward)
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.follow(leaf.untyped_storage(), _SCRATCH)
-        return out
 
     def follow(self, storage: torch.UntypedStorage, kind: int) -> None:
         if storage in self.keys:
@@ -264,7 +257,7 @@ def backward_profile(
     mode = _Follow(cursor)
     _follow_saved(mode, saved)
     try:
-        with mode:
+        with OperatorOutputs(mode.see):
             loss.backward()
     except Exception as err:  # a missing meta kernel, say: plan without this profile
         logger.warning("backward on the meta device failed (%s): not counting its memory", err)

@@ -30,12 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from shardkit.tools.plan.backward import attention_call
+from shardkit.tools.plan.call_modes import FunctionCalls, OperatorOutputs, SeeOperator
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.recompute import observing_recomputed_attention, recomputing
@@ -205,8 +204,9 @@ class CostCounter:
         with ExitStack() as stack:
             if model is not None:
                 stack.enter_context(self._module_hooks(model))
-            stack.enter_context(_Dispatch(self))
-            attention = stack.enter_context(_Attention(self))
+            stack.enter_context(OperatorOutputs(_operator_counter(self)))
+            attention = _Attention(self)
+            stack.enter_context(FunctionCalls(attention.run))
             stack.enter_context(observing_recomputed_attention(attention.recomputed))
             yield
 
@@ -244,49 +244,31 @@ class CostCounter:
         )
 
 
-class _Dispatch(TorchDispatchMode):
+def _operator_counter(counter: CostCounter) -> SeeOperator:
     """Every ATen operator that launches a kernel: its FLOPs, bytes and dtype."""
 
-    def __init__(self, counter: CostCounter) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's, unannotated
-        self.counter = counter
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def see(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         moved = operator_bytes(func, args, kwargs, out)
         if moved is not None:
             formula = flop_registry.get(func._overloadpacket)
             flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-            self.counter.add(flops, moved, _dtype(_tensors((args, kwargs)) + _tensors(out)))
-        return out
+            counter.add(flops, moved, _dtype(_tensors((args, kwargs)) + _tensors(out)))
+
+    return see
 
 
-class _Attention(TorchFunctionMode):
+class _Attention:
     """``scaled_dot_product_attention`` as the fused kernel the trace stands in for.
 
-    Entered inside the trace's own mode, so it sees the call before the trace replaces it
-    by ``FusedAttention`` (whose allocations are no kernels of their own).
+    Its function mode is entered inside the trace's own, so it sees the call before the trace
+    replaces it by ``FusedAttention`` (whose allocations are no kernels of their own).
     """
 
     def __init__(self, counter: CostCounter) -> None:
-        super().__init__()
         self.counter = counter
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Count an attention call, then make it (every call is made as it is)."""
         call = attention_call(func, args, kwargs)
         if call is not None:
             self._count(call.query, call.key, call.value, causal=call.causal)

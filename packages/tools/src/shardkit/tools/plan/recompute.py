@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from shardkit.tools.plan.backward import attention_call, fused_attention, in_fused_attention
+from shardkit.tools.plan.call_modes import FunctionCalls, OperatorOutputs
 from shardkit.tools.plan.groups import GroupSpec, named_module
 from shardkit.tools.plan.options import PlanOptions
 
@@ -211,55 +210,35 @@ def _runner(
         if not forward_done[0]:
             if not selective:
                 return forward(*args, **kwargs)
-            with _KeptOutputs(save):
+            with OperatorOutputs(functools.partial(_kept_outputs, save)):
                 return forward(*args, **kwargs)
         # Selective recomputation reuses attention's saved output: no kernel runs again.
-        with _FusedAttentionOnly(reruns_kernel=not selective), _recomputing():
+        fused = functools.partial(_fused_attention_only, reruns_kernel=not selective)
+        with FunctionCalls(fused), _recomputing():
             return forward(*args, **kwargs)
 
     return run
 
 
-class _KeptOutputs(TorchDispatchMode):
+def _kept_outputs(save: Save, func: Any, args: Any, kwargs: Any, out: Any) -> None:
     """Counts the outputs the selective policy keeps, as the forward makes them."""
-
-    def __init__(self, save: Save) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's, unannotated
-        self.save = save
-
-    def __torch_dispatch__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS or in_fused_attention():
-            for leaf in pytree.tree_leaves(out):
-                if isinstance(leaf, torch.Tensor):
-                    self.save(leaf)
-        return out
+    if func in SAVED_OPS or in_fused_attention():
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                save(leaf)
 
 
-class _FusedAttentionOnly(TorchFunctionMode):
+def _fused_attention_only(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    reruns_kernel: bool,
+) -> Any:
     """Attention as the fused kernel, in backward's recomputation as in the traced forward."""
-
-    def __init__(self, *, reruns_kernel: bool) -> None:
-        super().__init__()
-        self.reruns_kernel = reruns_kernel
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        call = attention_call(func, args, kwargs)
-        if call is not None:
-            for observe in _ATTENTION_OBSERVERS if self.reruns_kernel else ():
-                observe(call.query, call.key, call.value, call.causal)
-            return fused_attention(call.query, call.key, call.value)
-        return func(*args, **kwargs)
+    call = attention_call(func, args, kwargs)
+    if call is not None:
+        for observe in _ATTENTION_OBSERVERS if reruns_kernel else ():
+            observe(call.query, call.key, call.value, call.causal)
+        return fused_attention(call.query, call.key, call.value)
+    return func(*args, **kwargs)

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -49,6 +48,7 @@ from shardkit.tools.plan.backward import (
     fused_attention,
     unit_loss,
 )
+from shardkit.tools.plan.call_modes import FunctionCalls, RunCall
 from shardkit.tools.plan.group_hooks import group_hooks
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.op_costs import CostCounter, StepCosts
@@ -193,7 +193,7 @@ class _Recorder:
         return sum(st.nbytes() for st, (_, in_loss) in self.saved.items() if in_loss)
 
 
-class _TraceMode(TorchFunctionMode):
+def _traced_call(recorder: _Recorder) -> RunCall:
     """Notes every torch call that takes a (replacement) parameter; runs attention as fused.
 
     On the meta device ``scaled_dot_product_attention`` would fall back to the math kernel,
@@ -201,23 +201,14 @@ class _TraceMode(TorchFunctionMode):
     kernel, which :class:`FusedAttention` stands in for.
     """
 
-    def __init__(self, recorder: _Recorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        self.recorder.use(pytree.tree_leaves((args, kwargs)))
+    def run(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recorder.use(pytree.tree_leaves((args, kwargs)))
         call = attention_call(func, args, kwargs)
         if call is not None:
             return fused_attention(call.query, call.key, call.value)
         return func(*args, **kwargs)
+
+    return run
 
 
 class ForwardWatch(Protocol):
@@ -271,7 +262,7 @@ def trace_step(
             stack.enter_context(checkpointed_forwards(model, options, recorder.save))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(saved_tensors_hooks(_packer(recorder), lambda t: t))
-            stack.enter_context(_TraceMode(recorder))
+            stack.enter_context(FunctionCalls(_traced_call(recorder)))
             stack.enter_context(counter.counting(model))
             loss = step(*args, **kwargs)
         activations, loss_bytes = recorder.activation_bytes(), recorder.loss_bytes()
