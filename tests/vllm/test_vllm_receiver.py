@@ -1,6 +1,7 @@
 """vLLM as an export's receiver: after a full or a delta export, an engine's greedy tokens and
 log-probabilities equal, bit for bit, those of an engine started from the exported weights; a
-load that fails partway names what it wrote.
+load that fails partway at the commit leaves the engine serving what it served (its version
+and its outputs), and one streamed bucket by bucket names what it wrote.
 
 Three engines start in this process, once for the module (vLLM's CPU build: bf16, eager): the
 receiving one, and one from each set of weights exported.
@@ -115,9 +116,46 @@ def test_an_export_that_does_not_fit_the_engine_is_refused_before_any_write(
     assert receiver.loaded == []
 
 
-def test_a_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:
-    # The manifest fits; one tensor of the second layer's bucket does not (a sender's bug).
+def _with_a_bad_tensor(
+    state: dict[str, torch.Tensor], bad_name: str, *, export_id: int = 0
+) -> tuple[ExportManifest, list[WeightBucket]]:
+    """A full export of ``state`` whose ``bad_name`` is sent in a shape the engine refuses."""
+    manifest, buckets = full_export(state, export_id=export_id)
+    failing = next(b for b in buckets if bad_name in b.names)
+    bad = torch.zeros(7, 3, dtype=torch.bfloat16)
+    buckets[failing.index] = WeightBucket(
+        index=failing.index,
+        full=tuple((n, bad if n == bad_name else t) for n, t in failing.full),
+    )
+    return manifest, buckets
+
+
+def test_a_load_failing_at_the_commit_leaves_the_engine_serving_what_it_served(
+    engines: Engines,
+) -> None:
     receiver = vllm_receiver(engines.receiving)
+    export_into(receiver, *full_export(engines.third, export_id=4))
+    assert receiver.serving_version() == 4 == receiver.version
+    before = greedy(engines.receiving)
+    assert before == greedy(engines.third_engine)
+    # The second layer's q_proj arrives in a shape vLLM's loader refuses: the commit's one
+    # load raises after the embeddings and the first layer went in.
+    bad_name = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(WeightLoadError) as caught:
+        export_into(receiver, *_with_a_bad_tensor(engines.second, bad_name, export_id=5))
+    message = str(caught.value)
+    assert "export 5" in message and "put back" in message and "serves export 4" in message
+    assert receiver.serving_version() == 4 == receiver.version
+    assert greedy(engines.receiving) == before  # version 4, complete
+    # A delta against version 4 applies; then a full export of the second weights.
+    export_into(receiver, *delta_export(engines.third, engines.second, export_id=5))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+    assert receiver.serving_version() == 5
+
+
+def test_a_streamed_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:
+    # The manifest fits; one tensor of the second layer's bucket does not (a sender's bug).
+    receiver = VLLMReceiver(engines.receiving, all_or_nothing=False)
     manifest, buckets = full_export(engines.second)
     bad_name = "model.layers.1.self_attn.q_proj.weight"
     failing = next(b for b in buckets if bad_name in b.names)

@@ -43,6 +43,7 @@ class StandInEngine:
         self.release = threading.Event()  # lets a stuck call go once the test is over
         self.calls: list[str] = []
         self.loaded: list[bytes] = []
+        self.serving: int | None = None
 
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
         if not isinstance(method, str):
@@ -53,6 +54,11 @@ class StandInEngine:
             raise RuntimeError("released")
         if method == "shardkit_probe":
             return [["reload_weights", "bfloat16", "a stand-in", -1]]  # a list, as over RPC
+        if method == "shardkit_commit":
+            self.serving = args[0]
+            return [args[0]]
+        if method == "shardkit_serving_version":
+            return [self.serving]
         self.loaded.append(args[1])
         return [None]
 
@@ -86,8 +92,9 @@ def test_through_the_extension_only_method_names_and_bytes_travel() -> None:
     receiver.begin(manifest)
     receiver.receive(bucket)
     receiver.finish()
-    assert engine.calls == ["shardkit_probe", "shardkit_load"]
+    assert engine.calls == ["shardkit_probe", "shardkit_stage", "shardkit_commit"]
     assert isinstance(engine.loaded[0], bytes)  # safetensors bytes, no tensor objects
+    assert receiver.serving_version() == 0 == receiver.version
 
 
 def test_a_call_past_the_bound_raises_and_others_pass_through() -> None:
@@ -115,17 +122,20 @@ def _silent_engine_export(rank: int, world_size: int, answers: int) -> Any:
     try:
         exporter.export(receiver)
     except WeightExportError as error:
-        return time.monotonic() - start, str(error)
+        return time.monotonic() - start, str(error), engine.calls[-1:]
     finally:
         engine.release.set()  # the stuck helper thread may go now
-    return time.monotonic() - start, None
+    return time.monotonic() - start, None, engine.calls[-1:]
 
 
-@pytest.mark.parametrize("answers", [0, 2])
+@pytest.mark.parametrize("answers", [0, 2, 6])
 def test_an_engine_that_stops_answering_ends_the_export_on_every_rank(answers: int) -> None:
     """It never answers (the probe, before the first bucket), or stops after two calls (in
-    the middle of the buckets): every rank raises within the export's bound."""
+    the middle of the buckets) or at the commit (the sixth call: the probe, four buckets
+    staged): every rank raises within the export's bound."""
     results = run_on_ranks(2, _silent_engine_export, answers=answers)
-    for seconds, error in results:
+    for seconds, error, _ in results:
         assert error is not None and "did not answer" in error
         assert seconds < 20
+    stuck = {0: ["shardkit_probe"], 2: ["shardkit_stage"], 6: ["shardkit_commit"]}[answers]
+    assert results[0][2] == stuck

@@ -122,15 +122,36 @@ class _Loader:
             logger.info("vLLM weights: %s (%s)", chosen, reason)
         return self.facts
 
-    def __call__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _payload(self, tensors: list[tuple[str, torch.Tensor]]) -> Any:
         chosen = self.ready()
         converted = [(name, _in_dtype(tensor, chosen.dtype)) for name, tensor in tensors]
         # Across processes vLLM's RPC turns tensors into lists: they go as safetensors bytes.
-        payload = (
-            converted
-            if chosen.same_process
-            else save_safetensors({name: t.contiguous() for name, t in converted})
-        )
+        if chosen.same_process:
+            return converted
+        return save_safetensors({name: t.contiguous() for name, t in converted})
+
+    def stage(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Stage one bucket of export ``version`` on the worker (``vllm_versions.py``)."""
+        self.calls.stage(version, self._payload(tensors))
+
+    def commit(self, version: int) -> None:
+        """Load export ``version``'s staged buckets in one call on the worker.
+
+        Raises:
+            WeightExportError: the engine did not answer within the bound.
+            WeightLoadError: the load raised (the worker put its model back as it was).
+        """
+        chosen = self.ready()
+        try:
+            self.calls.commit(version, chosen.path)
+        except WeightExportError:
+            raise
+        except Exception as error:
+            raise WeightLoadError(f"{type(error).__name__}: {error}") from error
+
+    def __call__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        chosen = self.ready()
+        payload = self._payload(tensors)
         try:
             self.calls.load(chosen.path, payload)
         except WeightExportError:
@@ -163,7 +184,12 @@ def engine_dtype(llm: Any) -> torch.dtype:
 
 
 class VLLMReceiver(FullTensorReceiver):
-    """Exports into an in-process ``vllm.LLM``: delta exports rebuilt, buckets loaded whole.
+    """Exports into a ``vllm.LLM``: delta exports rebuilt, buckets loaded whole, all at once.
+
+    Each bucket is staged on the engine's worker and the commit loads them all in one call
+    there, between two engine steps (``vllm_versions.py``): the engine serves one export
+    complete until the next is, and a load that raises leaves the last one serving. Its
+    :meth:`serving_version` asks the worker.
 
     On top of :class:`FullTensorReceiver`, it checks each manifest before anything is written:
     floating tensors in the engine's dtype and, where the engine was started from a local
@@ -177,7 +203,10 @@ class VLLMReceiver(FullTensorReceiver):
             :class:`FullTensorReceiver`).
         bound_s: the longest wait for one call into an engine in another process (default
             ``SHARDKIT_EXPORT_BOUND``): past it the export fails on every rank.
+        all_or_nothing: stage and commit (the default); False loads each bucket as it comes.
     """
+
+    loads_back_itself = True  # the worker puts its model back (vllm_versions.py)
 
     def __init__(
         self,
@@ -186,9 +215,10 @@ class VLLMReceiver(FullTensorReceiver):
         path: LoadPath = "auto",
         keep_mirror: bool = True,
         bound_s: float | None = None,
+        all_or_nothing: bool = True,
     ) -> None:
         self._loader = _Loader(EngineCalls(llm, bound_s), path)
-        super().__init__(self._loader, keep_mirror=keep_mirror)
+        super().__init__(self._loader, keep_mirror=keep_mirror, all_or_nothing=all_or_nothing)
         self.llm = llm
         self.dtype = engine_dtype(llm)
         self._checkpoint: dict[str, tuple[int, ...]] | None = _checkpoint_shapes(llm)
@@ -226,9 +256,30 @@ class VLLMReceiver(FullTensorReceiver):
             )
         super().begin(manifest)
 
+    def _stage(self, names: list[str], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._manifest is not None
+        self._loader.stage(self._manifest.export_id, tensors)
+
+    def _apply(self) -> None:
+        assert self._manifest is not None
+        self._loader.commit(self._manifest.export_id)
+        self._forget_prefixes()  # at once: their keys and values are the old weights'
+
+    def serving_version(self) -> int | None:
+        """The export vLLM's worker serves, complete (None: the weights it started with).
+
+        Raises:
+            WeightExportError: the engine did not answer within the bound.
+        """
+        return self._loader.calls.serving_version()
+
     def finish(self) -> None:
         """The export went through: forget the engine's prefix cache (old weights' keys)."""
         super().finish()
+        if not self.all_or_nothing:
+            self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
         if self._loader.calls.reset_prefix_cache() is False:
             logger.warning("vLLM did not reset its prefix cache after the weight update")
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from shardkit.core.errors import WeightExportError
+from shardkit.core.export.vllm_versions import commit_on_worker, serving_version, stage_on_worker
 from shardkit.core.export.vllm_worker import EXTENSION, load_on_worker, probe_worker
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
@@ -139,6 +140,20 @@ class EngineCalls:
     def load(self, path: str, payload: Any) -> None:
         """Load one bucket (tensors in this process, else safetensors bytes) by ``path``."""
         self._call("shardkit_load", load_on_worker, (path, payload), "a bucket's load")
+
+    def stage(self, version: int, payload: Any) -> None:
+        """Stage one bucket of export ``version`` on the worker (``vllm_versions.py``)."""
+        self._call("shardkit_stage", stage_on_worker, (version, payload), "a bucket's staging")
+
+    def commit(self, version: int, path: str) -> int:
+        """Load export ``version``'s staged buckets in one call on the worker; its number."""
+        done = self._call("shardkit_commit", commit_on_worker, (version, path), "the commit")
+        return int(done)
+
+    def serving_version(self) -> int | None:
+        """The export the engine's model holds complete (None: the weights it started with)."""
+        found = self._call("shardkit_serving_version", serving_version, (), "its version")
+        return None if found is None else int(found)
 
     def reset_prefix_cache(self) -> bool | None:
         """Forget the engine's prefix cache; what vLLM answers (None where it cannot)."""

@@ -64,6 +64,31 @@ class ShardkitWorkerExtension:
         """See :func:`load_on_worker` (a bucket as safetensors bytes)."""
         load_on_worker(self, path, payload)
 
+    # Versions (``vllm_versions.py``, which builds on this module: imported when called).
+    def shardkit_stage(self, version: int, payload: bytes) -> None:
+        """See :func:`~shardkit.core.export.vllm_versions.stage_on_worker`."""
+        from shardkit.core.export.vllm_versions import stage_on_worker
+
+        stage_on_worker(self, version, payload)
+
+    def shardkit_commit(self, version: int, path: str) -> int:
+        """See :func:`~shardkit.core.export.vllm_versions.commit_on_worker`."""
+        from shardkit.core.export.vllm_versions import commit_on_worker
+
+        return commit_on_worker(self, version, path)
+
+    def shardkit_serving_version(self) -> int | None:
+        """See :func:`~shardkit.core.export.vllm_versions.serving_version`."""
+        from shardkit.core.export.vllm_versions import serving_version
+
+        return serving_version(self)
+
+    def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
+        """See ``vllm_server.serve_export_on_worker`` (one export into a ``vllm serve``)."""
+        # Imported here: vllm_server imports this module.
+        serving = importlib.import_module("shardkit.core.export.vllm_server")
+        return serving.serve_export_on_worker(self, address, authkey_hex, bound_s)
+
 
 def _model_of(worker: Any) -> Any:
     runner = getattr(worker, "model_runner", None)
