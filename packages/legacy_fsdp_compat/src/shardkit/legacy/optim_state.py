@@ -42,6 +42,7 @@ from shardkit.legacy.sharded_state_dict import (
     is_chunked_whole,
     is_sharded,
     local_of_loaded,
+    placed_as,
 )
 from shardkit.legacy.torch_compat import ShardedTensor
 from shardkit.legacy.units import unit_of, units_in
@@ -208,18 +209,6 @@ def _agree_on_sharded(
     return [name for name in ordered if name in agreed or name not in sharded]
 
 
-def _placed_as(param: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor around ``local`` (this rank's part), placed and shaped as ``param``."""
-    return DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
-
-
 def _loaded(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -231,10 +220,10 @@ def _loaded(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(param, DTensor):
         return value
     if isinstance(value, ShardedTensor) and is_chunked_whole(value, param):
-        return _placed_as(param, gather_chunks(value, param))
+        return placed_as(param, gather_chunks(value, param))
     if isinstance(value, ShardedTensor):
         local = local_of_loaded(value, param)
-        return _placed_as(param, local.to(param.to_local().device))
+        return placed_as(param, local.to(param.to_local().device))
     if isinstance(value, DTensor):
         if not _gathers(value, param):
             return value

@@ -42,6 +42,7 @@ __all__ = [
     "is_chunked_whole",
     "is_sharded",
     "local_of_loaded",
+    "placed_as",
 ]
 
 _EXTENSIONS = DTensorExtensions()
@@ -261,14 +262,18 @@ def as_live(key: str, local: torch.Tensor, live: DTensor) -> DTensor:
             f"the parameter's is {tuple(expected)} (saved on another number of ranks? load "
             "through torch.distributed.checkpoint, which reshards)"
         )
-    device = live.to_local().device
+    return placed_as(live, local.to(live.to_local().device, live.dtype))
+
+
+def placed_as(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor around ``local`` (this rank's part), placed and shaped as ``like``."""
     return DTensor.from_local(
-        local.to(device, live.dtype),
-        live.device_mesh,
-        live.placements,
+        local,
+        like.device_mesh,
+        like.placements,
         run_check=False,
-        shape=live.shape,
-        stride=live.stride(),
+        shape=like.shape,
+        stride=like.stride(),
     )
 
 
