@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["H100", "H200", "PROFILES", "Hardware", "Link", "interpolate"]
@@ -215,16 +215,14 @@ H100 = Hardware(
 )
 """An H100 SXM5 in an 8-GPU NVLink node, one 400 Gb/s InfiniBand adapter per GPU."""
 
-H200 = Hardware(
+H200 = replace(
+    H100,
     name="H200",
-    matmul_flops=_GPU_FLOPS,
-    tf32_flops=494 * _TERA,
     memory_gbps={"float32": 0.8 * 4800.0},
     notes=(
         "NVIDIA H200 datasheet (SXM): the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s",
         "assumed: 70% of peak FLOP/s, 80% of HBM and NVLink, 90% of a 400 Gb/s IB adapter",
     ),
-    **_GPU_COMMON,
 )
 """An H200 SXM: the H100's compute and links, with HBM3e's 4.8 TB/s."""
 
