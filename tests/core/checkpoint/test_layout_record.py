@@ -6,9 +6,12 @@ A record round-trips every placement the locally planned save handles (``Shard``
 digest recomputed), and its size does not grow with the world for meshes of ranks in order.
 A truncated, bit-flipped, oversized or inconsistent record, and an index that is damaged or
 points past its data file's end, are refused with an error naming the file. Through the
-manager at W=2: a damaged record is refused on every rank with the same error and nothing
-loaded; a save killed between the data files and ``.metadata`` leaves no checkpoint that
-the manager or torch's readers take.
+manager at W=2, a record truncated, bit-flipped (with its checksums recomputed too),
+oversized, of another world or another shape (every checksum and digest recomputed), an
+index item past its file's end and an index of another count are refused on every rank with
+the same error naming the problem, every tensor of the model and optimizer unchanged; a save
+killed between the data files and ``.metadata`` leaves no checkpoint that the manager or
+torch's readers take.
 """
 
 from __future__ import annotations
@@ -177,20 +180,99 @@ def _saved(rank: int, world_size: int, root: str) -> tuple[Any, Any, Path]:
     return manager, app, path
 
 
-def _damaged_record_load(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _mark(path: Path, *names: str) -> None:
+    """The marker's size and checksum of ``names`` made to match them (as a forger would)."""
+    marker = json.loads((path / "COMPLETE").read_text())
+    for name in names:
+        data = (path / name).read_bytes()
+        marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "COMPLETE").write_text(json.dumps(marker))
+
+
+def _reencoded(path: Path, world: int = 0, shrink: str = "") -> None:
+    """The record written again, every checksum and digest valid, of another world or with
+    ``shrink``'s first dim one smaller: only the checks against the rest of the checkpoint
+    can find it."""
+    import dataclasses
+
+    record = read_record(path)
+    assert not shrink or shrink in {v.fqn for v in record.layout.values}, shrink
+    values = [
+        dataclasses.replace(v, shape=(v.shape[0] - 1, *v.shape[1:])) if v.fqn == shrink else v
+        for v in record.layout.values
+    ]
+    layout = SaveLayout.from_values(values, world or record.layout.world_size)
+    write_record(path, layout, record.plain)
+    _mark(path, RECORD)
+
+
+def _index_edited(path: Path, edit: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Rank 1's index rewritten by ``edit``, its own checksum and the marker's made to match."""
+    items = ((path / "__1.index").stat().st_size - 48) // 24
+    rows = read_index(path, 1, items)
+    write_index(path, 1, torch.from_numpy(np.ascontiguousarray(edit(rows))))
+    _mark(path, "__1.index")
+
+
+def _flipped(path: Path) -> None:
+    data = bytearray((path / RECORD).read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (path / RECORD).write_bytes(bytes(data))
+
+
+def _oversized(path: Path) -> None:
+    with open(path / RECORD, "r+b") as stream:
+        stream.truncate((256 << 20) + 1)
+    _mark(path, RECORD)
+
+
+def _past_end(rows: np.ndarray) -> np.ndarray:
+    rows = rows.copy()
+    rows[-1, 2] += 1 << 20
+    return rows
+
+
+MANAGER_HOSTILE: dict[str, tuple[str, Callable[[Path], Any]]] = {
+    "truncated": (
+        "damaged layout record: its checksum does not match",
+        lambda p: ((p / RECORD).write_bytes((p / RECORD).read_bytes()[:-7]), _mark(p, RECORD)),
+    ),
+    "bit flipped": ("layout.json does not match the checksum recorded at save", _flipped),
+    "bit flipped, its checksums recomputed": (
+        "digest differs",
+        lambda p: (_rewrite(p / RECORD, _shape), _mark(p, RECORD)),
+    ),
+    "oversized": ("more than any record", _oversized),
+    "another world, every checksum recomputed": (
+        "layout.json describes a save by 3 ranks, its COMPLETE marker 2",
+        lambda p: _reencoded(p, world=3),
+    ),
+    "a shape shrunk, every checksum recomputed": (
+        "Size mismatch between saved",
+        lambda p: _reencoded(p, shrink="app.model.tok.weight"),
+    ),
+    "an item past its file's end": (
+        "reaches past the end of __1_0.distcp",
+        lambda p: _index_edited(p, _past_end),
+    ),
+    "a count that disagrees": (
+        "__1.index: damaged index",
+        lambda p: _index_edited(p, lambda r: r[:-1]),
+    ),
+}
+
+
+def _damaged_record_load(rank: int, world_size: int, root: str, case: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardkit.core import CheckpointLoadError
 
     manager, _, path = _saved(rank, world_size, root)
-    if rank == 0:  # forged, with the marker's checksum updated: the record's own checks refuse
-        _rewrite(path / RECORD, _shape)
-        marker = json.loads((path / "COMPLETE").read_text())
-        data = (path / RECORD).read_bytes()
-        marker["files"][RECORD] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        (path / "COMPLETE").write_text(json.dumps(marker))
+    if rank == 0:
+        MANAGER_HOSTILE[case][1](path)
     dist.barrier()
     fresh = build_app(world_size, seed=7)
+    fresh.state_dict()  # torch's get_state_dict makes AdamW's state (zeros): not a load's doing
     before = state_of(fresh)
     try:
         manager.load({"app": fresh})
@@ -200,12 +282,16 @@ def _damaged_record_load(rank: int, world_size: int, root: str) -> dict[str, Any
     return {"error": error, "unchanged": same_state(state_of(fresh), before)}
 
 
-def test_a_damaged_record_fails_the_load_on_every_rank_with_nothing_loaded(tmp_path: Path) -> None:
-    results = run_on_ranks(2, _damaged_record_load, root=str(tmp_path))
+@pytest.mark.parametrize("case", sorted(MANAGER_HOSTILE))
+def test_a_damaged_record_fails_the_load_on_every_rank_with_nothing_loaded(
+    case: str, tmp_path: Path
+) -> None:
+    """Refused on every rank with the same error naming the problem; every tensor of the model
+    and the optimizer as it was."""
+    results = run_on_ranks(2, _damaged_record_load, root=str(tmp_path), case=case)
     assert results[0]["error"] == results[1]["error"]
-    assert "layout.json: damaged layout record" in results[0]["error"]
-    assert "digest differs" in results[0]["error"]
-    assert "Nothing was loaded" in results[0]["error"]
+    assert MANAGER_HOSTILE[case][0] in results[0]["error"], results[0]["error"]
+    assert "Nothing was loaded" in results[0]["error"], results[0]["error"]
     assert all(result["unchanged"] for result in results)
 
 

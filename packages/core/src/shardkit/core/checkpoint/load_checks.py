@@ -48,6 +48,7 @@ __all__ = ["LoadOutcome", "load_first", "no_checkpoint_loads", "try_load", "veri
 logger = logging.getLogger(__name__)
 
 _METADATA = ".metadata"  # DCP's, for torch's readers
+_PART_WAY = " [after its reads began]"  # a rank's failure that may have written some state
 _INDEX = re.compile(r"__\d+\.index")  # a rank's index (``rank_index.index_name``)
 
 
@@ -60,7 +61,7 @@ class LoadOutcome:
     reasons: list[str]
     """Why each candidate before it was passed over."""
     attempted: bool
-    """Whether a load began (and may have written part of the state)."""
+    """Whether a load began reading (and may have written part of the state)."""
     reads: ReadCounts
     """What this rank read, and received from its replicas, at the last load attempted."""
 
@@ -87,9 +88,9 @@ def load_first(state: dict[str, Any], candidates: list[Path]) -> LoadOutcome | N
             return None
         reason, metadata = verdict
         if not reason and metadata is not None:
-            attempted = True
             reads = ReadCounts()
-            reason = try_load(state, candidate, metadata, reads)
+            reason, written = try_load(state, candidate, metadata, reads)
+            attempted |= written
         if not reason:
             return LoadOutcome(candidate, reasons, attempted, reads)
         reasons.append(f"{candidate.name}: {reason}")
@@ -123,8 +124,7 @@ def verify(checkpoint: Path, key: str) -> tuple[str, Metadata | Record | None] |
             record = read_record(checkpoint)
             read.append(record)
             problems = _record_against_marker(record, marker, files)
-            problems += recorded_problems(checkpoint, record, global_rank(), world_size())
-            return problems
+            return problems or recorded_problems(checkpoint, record, global_rank(), world_size())
         # Before anything loads: DCP's metadata and the values that are not tensors, read
         # without running pickled code (a refused one fails the checkpoint, nothing written).
         metadata = read_dcp_metadata(checkpoint)
@@ -183,13 +183,17 @@ def _record_against_marker(
 
 def try_load(
     state: dict[str, Any], checkpoint: Path, metadata: Metadata | Record, counts: ReadCounts
-) -> str:
-    """Load ``checkpoint``; '' if every rank did, else why not (the same on every rank).
+) -> tuple[str, bool]:
+    """Load ``checkpoint``: '' if every rank did, else why not; and whether any rank had begun.
+
+    Begun: had begun reading, and so may have written part of the state. Both are the same
+    on every rank.
 
     ``metadata``: as ``verify`` read it, so that the load does not read it again; a layout
     record's layout is loaded by each rank alone (``local_plan.load``). The
     replicas of each replicated DTensor (HSDP's) split its reading (``replica_reads``);
-    ``counts`` gets what this rank read and received.
+    ``counts`` gets what this rank read and received. A load refused by DCP's planner (a
+    saved shape that is not the state's) fails before any rank reads: nothing is written.
     """
 
     def load() -> list[str]:
@@ -201,16 +205,22 @@ def try_load(
             planner = ReplicaSplitPlanner()
             dcp_load(state, checkpoint_id=checkpoint, storage_reader=reader, planner=planner)
         except CheckpointException as error:  # a BaseException: `except Exception` misses it
-            raise RuntimeError(describe_dcp_failure(error, "load")) from None
+            began = counts.items_read > 0 or counts.broadcasts > 0
+            text = describe_dcp_failure(error, "load")
+            raise RuntimeError(text + (_PART_WAY if began else "")) from None
         return []
 
     found = problems_agreed(checkpoint.name, load)
     assert found is not None, "every rank loads the candidate it agreed on"
     by_message: dict[str, list[int]] = {}  # DCP raises the same error on every rank
+    written = False
     for rank, outcome in enumerate(found):
         if outcome.failed:
-            by_message.setdefault(f"{outcome.error_type}: {outcome.message}", []).append(rank)
-    return "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())
+            message = outcome.message.removesuffix(_PART_WAY)
+            written |= outcome.error_type != "RuntimeError" or message != outcome.message
+            by_message.setdefault(f"{outcome.error_type}: {message}", []).append(rank)
+    reason = "; ".join(f"on rank(s) {ranks}: {m}" for m, ranks in by_message.items())
+    return reason, written
 
 
 def no_checkpoint_loads(root: Path, reasons: list[str], attempted: bool) -> str:

@@ -392,8 +392,7 @@ class CheckpointManager:
             names: list[str] = from_rank(0, lambda: [p.name for p in candidates])
             outcome = load_first(state, [self.root / name for name in names])
             assert outcome is not None, "the ranks walk rank 0's candidates"
-        if outcome.attempted:
-            self.last_load_reads = outcome.reads
+        self.last_load_reads = outcome.reads
         if outcome.loaded is not None or not outcome.reasons:
             return outcome.loaded
         raise CheckpointLoadError(
