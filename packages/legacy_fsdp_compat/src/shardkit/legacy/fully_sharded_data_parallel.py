@@ -9,6 +9,6 @@ from shardkit.legacy import configs as _configs
 from shardkit.legacy.configs import *  # noqa: F403  (every FSDP1 config: configs.__all__)
 from shardkit.legacy.wrapper import FullyShardedDataParallel
 
-# The configs are listed once, in configs.py (mypy follows += of a module's __all__).
+# The configs are listed once, in configs.py; the star import re-exports them (for mypy too).
 __all__ = ["FullyShardedDataParallel"]
 __all__ += _configs.__all__
