@@ -85,6 +85,9 @@ class ExportOptions:
     """The receiver's name for a tensor (None leaves it out)."""
     include_tied: bool = False
     """Send a tied tensor under each of its names (default: once, under the first)."""
+    first_version: int = 0
+    """The number of the first export, the version it installs (a trainer restarted from a
+    checkpoint continues its receivers' versions, which a receiver's ``version`` tells)."""
     bound_s: float | None = None
     """How late a rank may be before every rank raises.
 
@@ -135,7 +138,7 @@ class WeightExporter:
         self.options = options or ExportOptions()
         self.bound_s = export_bound_s(self.options.bound_s)
         self._index = next(_EXPORTERS)
-        self._next_id = 0
+        self._next_id = self.options.first_version
         self._previous: PreviousExport | None = None
         self._groups: ExportGroups | None = None
         self._plan()

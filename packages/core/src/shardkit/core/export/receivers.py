@@ -286,8 +286,10 @@ class FullTensorReceiver:
         """The bucket's whole tensors; the mirror untouched (its next tensors kept apart)."""
         tensors: Tensors = []
         for name, tensor in bucket.full:
-            if self.keep_mirror:
+            if self.keep_mirror or self.all_or_nothing:
+                # Kept past this call (a transport's tensors view its buffer only during it).
                 tensor = tensor.clone() if tensor.data_ptr() else tensor
+            if self.keep_mirror:
                 self._next_mirror[name] = tensor
             tensors.append((name, tensor))
         for name, changes in bucket.changed:
