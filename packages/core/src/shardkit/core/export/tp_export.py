@@ -1,0 +1,370 @@
+"""Weights to a tensor-parallel engine: each engine rank gets its slice, and only that.
+
+:class:`SlicedExporter` (every rank of the model's mesh) exports to an engine of degree K
+colocated with the trainer, as verl's hybrid engine runs: every training process holds one
+engine rank, rank ``i`` of the mesh's ranks engine rank ``i % K`` (W / K engines where the
+trainer has W ranks). Per bucket of whole layers (``buckets.py``):
+
+1. every trainer rank sends every receiving rank the overlap of its shard with that rank's
+   window (``tp_routes.py``, windows from ``tp_slices.py``), cast to the export dtype on the
+   sender, as point-to-point messages straight into the window where it is contiguous there;
+   its own overlap it copies. No rank gathers a whole tensor;
+2. each rank hands its windows to its receiver (:class:`SliceReceiver`; vLLM's in
+   ``vllm_slices.py``).
+
+Around the buckets, as :class:`~shardkit.core.export.WeightExporter`: the ranks agree on the
+plan first and on the outcome last, every wait is bounded (``SHARDKIT_EXPORT_BOUND``), and a
+failure anywhere (a receiver that raised, a rank late past the bound) is one
+:class:`~shardkit.core.errors.WeightExportError` on every rank. Full exports only.
+
+Memory: a rank holds its windows of one bucket (1/K of the bucket's cut tensors, its whole
+tensors) and the overlaps it sends (its shard of the bucket, cast).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardkit.core.errors import WeightExportError
+from shardkit.core.export.axis_gathers import TensorSource, mesh_of
+from shardkit.core.export.buckets import (
+    ExportBucket,
+    default_layer_of,
+    export_sources,
+    plan_buckets,
+    plan_digest,
+)
+from shardkit.core.export.messages import ExportedTensor, ExportManifest
+from shardkit.core.export.tp_routes import Route, blocks_by_rank, plan_routes, volume
+from shardkit.core.export.tp_slices import Box, EngineTP, Window
+from shardkit.core.runtime.export.export_groups import (
+    ExportGroups,
+    ExportWatch,
+    all_gather_vector,
+    export_bound_s,
+    make_export_groups,
+    post_pieces,
+)
+from shardkit.core.runtime.groups import global_rank, is_distributed
+
+__all__ = ["SliceReceiver", "SlicedBucket", "SlicedExporter", "SlicedReport"]
+
+_EXPORTERS = itertools.count(1_000_000)  # apart from WeightExporter's numbers in the store
+
+
+@dataclass(frozen=True, slots=True)
+class SlicedBucket:
+    """One bucket as one engine rank receives it: its window of each tensor."""
+
+    index: int
+    engine_rank: int
+    """The engine rank these windows are for."""
+    degree: int
+    """The engine's tensor-parallel degree."""
+    windows: tuple[tuple[Window, torch.Tensor], ...]
+    """Each tensor's window and its elements (``window.local_shape``, the export dtype)."""
+
+
+class SliceReceiver(Protocol):
+    """Takes one sliced export: a manifest (full shapes), its buckets in order, the outcome."""
+
+    def begin(self, manifest: ExportManifest) -> None:
+        """Check the manifest before anything is written; raise to refuse the export."""
+
+    def receive(self, bucket: SlicedBucket) -> None:
+        """Load one bucket's windows."""
+
+    def finish(self) -> None:
+        """Every trainer rank agreed the export went through."""
+
+    def abort(self, error: BaseException) -> None:
+        """The export failed (``error`` is what every trainer rank raises)."""
+
+
+@dataclass(slots=True)
+class SlicedReport:
+    """What one sliced export did on this rank."""
+
+    export_id: int
+    engine_rank: int
+    window_bytes: int = 0
+    """The bytes of this rank's windows: what its engine rank holds of the model."""
+    received_bytes: int = 0
+    """Of those, received from other ranks."""
+    copied_bytes: int = 0
+    """Of those, copied from this rank's own shards."""
+    sent_bytes: int = 0
+    """Sent to other ranks (its shards' overlaps with their windows)."""
+    messages: int = 0
+    """Point-to-point messages this rank sent and received."""
+    seconds: float = 0.0
+    handoff_seconds: float = 0.0
+    """Of that, in the receiver."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One tensor's windows and routes, planned once."""
+
+    key: str
+    name: str
+    dtype: torch.dtype
+    windows: dict[int, Window]
+    routes: list[Route]
+    block: Box | None
+    """This rank's block (None: it sends nothing of it)."""
+
+
+@dataclass(slots=True)
+class _Run:
+    """One export in flight on this rank."""
+
+    export_id: int
+    groups: ExportGroups | None
+    watch: ExportWatch | None
+    report: SlicedReport
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Received blocks to copy into their (non-contiguous) places after the wait."""
+
+
+class SlicedExporter:
+    """Exports a sharded model's weights to colocated engine ranks of TP degree ``engine.degree``.
+
+    Args:
+        model: the model (the root of its ``fully_shard`` calls), on every rank of its mesh.
+        engine: the engine's degree and head counts (:meth:`EngineTP.from_config`).
+        dtype: the engine's dtype (floating tensors cast on the sender); None: as stored.
+        bucket_bytes: a bucket's bound in the export dtype (whole layers; a larger layer alone).
+        layer_of: a name's layer (its tensors arrive in one bucket).
+        rename: the engine's name for a tensor (None leaves it out).
+        bound_s: how late a rank may be before every rank raises (``SHARDKIT_EXPORT_BOUND``).
+
+    Raises:
+        ValueError: the mesh's ranks are not a multiple of the degree; a tensor with no rule or
+            a size the engine cannot split; a placement that is not one block per rank.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        engine: EngineTP,
+        *,
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = 512 * 2**20,
+        layer_of: Callable[[str], str] = default_layer_of,
+        rename: Callable[[str], str | None] | None = None,
+        bound_s: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.bound_s = export_bound_s(bound_s)
+        self._index = next(_EXPORTERS)
+        self._next_id = 0
+        self._groups: ExportGroups | None = None
+        meshes = [m for v in model.state_dict(keep_vars=True).values() if (m := mesh_of(v))]
+        self.mesh = max(meshes, key=lambda m: m.ndim) if meshes else None
+        ranks = sorted(int(r) for r in self.mesh.mesh.flatten()) if self.mesh is not None else [0]
+        if len(ranks) % engine.degree:
+            raise ValueError(
+                f"a colocated engine of TP degree {engine.degree} needs a multiple of "
+                f"{engine.degree} trainer ranks; the model's mesh has {len(ranks)}"
+            )
+        self.world_ranks = ranks
+        self.engine_ranks = {g: i % engine.degree for i, g in enumerate(ranks)}
+        sources = export_sources(
+            model, dtype=dtype, keep_dims=set(), rename=rename, include_tied=False, root=self.mesh
+        )
+        self.buckets = plan_buckets(sources, bucket_bytes, layer_of)
+        self.digest = plan_digest(self.buckets) ^ engine.degree
+        self._planned = {b.index: [self._plan(s) for s in b.sources] for b in self.buckets}
+
+    def _plan(self, source: TensorSource) -> _Planned:
+        value = source.tensor.detach()
+        blocks = None
+        if isinstance(value, DTensor) and self.mesh is not None:
+            blocks = blocks_by_rank(source.key, value, self.mesh)
+        shape = tuple(value.shape)
+        windows, routes = plan_routes(self.engine, source.name, shape, blocks, self.engine_ranks)
+        me = global_rank() if is_distributed() else 0
+        block = blocks.get(me) if blocks is not None else tuple((0, s) for s in shape)
+        return _Planned(source.key, source.name, source.dtype, windows, routes, block)
+
+    @property
+    def engine_rank(self) -> int:
+        """The engine rank this process holds."""
+        return self.engine_ranks[global_rank() if is_distributed() else 0]
+
+    def manifest(self, export_id: int) -> ExportManifest:
+        """The export's tensors, with their full shapes (the receiver holds windows of them)."""
+        entries = tuple(
+            ExportedTensor(s.name, tuple(s.tensor.shape), s.dtype, b.index)
+            for b in self.buckets
+            for s in b.sources
+        )
+        return ExportManifest(export_id, "full", entries, len(self.buckets))
+
+    def export(self, receiver: SliceReceiver) -> SlicedReport:
+        """Export now; every rank of the mesh calls it, each with its engine rank's receiver.
+
+        Raises:
+            WeightExportError: on every rank, with the same message (a rank late past the
+                bound, a receiver that failed, ranks that disagree on the plan).
+        """
+        export_id, self._next_id = self._next_id, self._next_id + 1
+        run = self._open(export_id)
+        start = time.perf_counter()
+        try:
+            try:
+                self._steps(run, receiver)
+            except WeightExportError:
+                raise
+            except Exception as error:
+                if run.watch is None:
+                    raise
+                raise run.watch.give_verdict(
+                    f"weight export {export_id} (TP-sliced): rank {global_rank()} failed in "
+                    f"{run.watch.where}: {type(error).__name__}: {error}"
+                ) from error
+        except BaseException as error:
+            if self._groups is not None:
+                self._groups.dead = True  # a peer may have left messages pending on them
+            receiver.abort(error)
+            raise
+        run.report.seconds = time.perf_counter() - start
+        return run.report
+
+    def _open(self, export_id: int) -> _Run:
+        report = SlicedReport(export_id, self.engine_rank)
+        if self.mesh is None or not is_distributed():
+            return _Run(export_id, None, None, report)
+        if self._groups is None or self._groups.dead:
+            self._groups = make_export_groups(self.mesh, [], self.bound_s)
+        watch = ExportWatch.open(self._index, export_id, global_rank(), self.bound_s)
+        return _Run(export_id, self._groups, watch, report)
+
+    def _steps(self, run: _Run, receiver: SliceReceiver) -> None:
+        head = torch.tensor([self.digest, run.export_id], dtype=torch.int64)
+        rows = self._all_gather(run, head, "agreement")
+        if rows is not None and not bool((rows == rows[0]).all()):
+            assert run.watch is not None
+            raise run.watch.give_verdict(
+                f"weight export {run.export_id} (TP-sliced): the ranks do not export the same "
+                "plan (the same model, options and engine degree, as many exports)"
+            )
+        manifest = self.manifest(run.export_id)
+        self._guarded(run, lambda: receiver.begin(manifest), "begin")
+        for bucket in self.buckets:
+            ready = self._move(run, bucket)
+            self._guarded(run, partial(receiver.receive, ready), f"bucket {bucket.index}")
+            del ready  # one bucket's windows held at a time
+        self._all_gather(run, torch.zeros(1, dtype=torch.int64), "end")
+        self._guarded(run, receiver.finish, "finish")
+
+    def _all_gather(self, run: _Run, vector: torch.Tensor, what: str) -> torch.Tensor | None:
+        if run.groups is None or run.watch is None:
+            return None
+        run.watch.post(f"the export's {what}")
+        run.watch.raise_if_failed()
+        works, rows = all_gather_vector(vector, run.groups)
+        run.watch.wait(works, run.groups.world_ranks, on_device=rows.device.type != "cpu")
+        return rows.cpu()
+
+    def _move(self, run: _Run, bucket: ExportBucket) -> SlicedBucket:
+        """This rank's windows of ``bucket``: its own overlaps copied, the others received."""
+        me = global_rank() if is_distributed() else 0
+        sends: dict[int, list[torch.Tensor]] = {}
+        receives: dict[int, list[torch.Tensor]] = {}
+        windows: list[tuple[Window, torch.Tensor]] = []
+        for planned, source in zip(self._planned[bucket.index], bucket.sources, strict=True):
+            local = source.local()
+            window = planned.windows[me]
+            into = torch.empty(window.local_shape, dtype=planned.dtype, device=local.device)
+            windows.append((window, into))
+            run.report.window_bytes += into.numel() * into.element_size()
+            for route in planned.routes:
+                if route.sender == me and route.receiver == me:
+                    assert planned.block is not None
+                    _part(into, route.box, window.box).copy_(_part(local, route.box, planned.block))
+                    run.report.copied_bytes += volume(route.box) * into.element_size()
+                elif route.receiver == me:
+                    place = _part(into, route.box, window.box)
+                    landing = place if place.is_contiguous() else torch.empty_like(place)
+                    if landing is not place:
+                        run.pending.append((landing, place))
+                    receives.setdefault(self._peer(route.sender), []).append(landing)
+                elif route.sender == me:
+                    assert planned.block is not None
+                    piece = _part(local, route.box, planned.block)
+                    sends.setdefault(self._peer(route.receiver), []).append(
+                        piece.to(planned.dtype, memory_format=torch.contiguous_format, copy=True)
+                    )
+        self._exchange(run, bucket, sends, receives)
+        return SlicedBucket(bucket.index, self.engine_ranks[me], self.engine.degree, tuple(windows))
+
+    def _peer(self, rank: int) -> int:
+        """A global rank's rank in the export's world group."""
+        return self.world_ranks.index(rank)
+
+    def _exchange(
+        self,
+        run: _Run,
+        bucket: ExportBucket,
+        sends: dict[int, list[torch.Tensor]],
+        receives: dict[int, list[torch.Tensor]],
+    ) -> None:
+        report = run.report
+        report.sent_bytes += sum(t.numel() * t.element_size() for ts in sends.values() for t in ts)
+        report.received_bytes += sum(
+            t.numel() * t.element_size() for ts in receives.values() for t in ts
+        )
+        report.messages += sum(len(ts) for ts in (*sends.values(), *receives.values()))
+        if not sends and not receives:
+            return
+        assert run.groups is not None and run.watch is not None
+        run.watch.post(f"bucket {bucket.index} ({bucket.sources[0].name}, ...): slices")
+        run.watch.raise_if_failed()
+        works = post_pieces(run.groups.world, sends=sends, receives=receives)
+        run.watch.wait(works, run.groups.world_ranks)
+        for landing, place in run.pending:
+            place.copy_(landing)
+        run.pending.clear()
+
+    def _guarded(self, run: _Run, work: Callable[[], None], label: str) -> None:
+        """Receiver work, timed; its failure or lateness becomes every rank's verdict."""
+        if run.watch is not None:
+            run.watch.post(f"the receiver, {label}")
+        start = time.perf_counter()
+        try:
+            work()
+        except Exception as error:
+            if run.watch is None:
+                raise
+            raise run.watch.give_verdict(
+                f"weight export {run.export_id} (TP-sliced): the receiver of engine rank "
+                f"{run.report.engine_rank} on rank {global_rank()} failed at {label}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        seconds = time.perf_counter() - start
+        run.report.handoff_seconds += seconds
+        if run.watch is not None and seconds > run.watch.bound_s:
+            raise run.watch.give_verdict(
+                f"weight export {run.export_id} (TP-sliced): rank {global_rank()} is late: its "
+                f"receiver took {seconds:.1f} s at {label} (bound {run.watch.bound_s:g} s, "
+                "SHARDKIT_EXPORT_BOUND)"
+            )
+
+
+def _part(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """The view of ``tensor`` (which holds block ``origin`` of the full tensor) at ``box``."""
+    view = tensor
+    for dim, ((start, stop), (first, _)) in enumerate(zip(box, origin, strict=True)):
+        view = view.narrow(dim, start - first, stop - start)
+    return view

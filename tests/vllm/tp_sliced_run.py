@@ -1,0 +1,218 @@
+"""A TP-sliced export at W=2 into a colocated vLLM engine of TP degree 2 (run with torchrun).
+
+Each rank holds one shard of the trainer (a tiny Qwen2, ``fully_shard`` per decoder layer and
+at the root) and one rank of the engine (vLLM's ``external_launcher``, ``tensor_parallel_size
+=2``). The oracle is vLLM itself: a fresh TP=2 engine started from the trainer's weights (saved
+by ``full_tensor()``). First that engine's greedy tokens, log-probabilities and every
+parameter of each of its ranks are recorded; then an engine started from other weights takes
+the trainer's through ``SlicedExporter`` + ``VLLMSliceReceiver``, twice (the second time after
+the trainer's weights moved again, checked against the trainer's windows), and its outputs and
+parameters are compared with the fresh engine's. Rank 0 writes ``summary.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from demo.grpo_vllm import allow_amx, tiny_qwen2_config
+
+from shardkit.core import fully_shard
+from shardkit.core.export.tp_export import SlicedExporter
+from shardkit.core.export.tp_slices import EngineTP, engine_window
+from shardkit.core.export.vllm_slices import VLLMSliceReceiver
+
+DTYPE = torch.bfloat16
+PROMPTS = ([3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26])
+
+
+def start_engine(folder: Path) -> Any:
+    """This rank's part of a TP=2 engine on ``folder``, in this process."""
+    allow_amx()
+    vllm = importlib.import_module("vllm")
+    return vllm.LLM(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=128,
+        max_num_seqs=4,
+        enforce_eager=True,
+        seed=0,
+        tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+    )
+
+
+def greedy(llm: Any) -> list[list[Any]]:
+    """Greedy tokens and each step's top-5 (token, log-probability) pairs, per prompt."""
+    vllm = importlib.import_module("vllm")
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params, use_tqdm=False)
+    return [
+        [
+            list(o.outputs[0].token_ids),
+            [sorted((t, e.logprob) for t, e in step.items()) for step in o.outputs[0].logprobs],
+        ]
+        for o in outputs
+    ]
+
+
+def rank_parameters(worker: Any) -> dict[str, torch.Tensor]:
+    """On the worker: every parameter of this engine rank as it computes with it.
+
+    vLLM's CPU build repacks a linear layer's weight for its kernel and leaves an empty
+    parameter: such a weight is read through the kernel, applied to the identity (each output
+    one product ``w * 1``: exact), giving this rank's partition in its fused layout.
+    """
+    model = worker.model_runner.get_model()
+    found: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.numel() > 0:
+                found[name] = param.detach().clone()
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            identity = torch.eye(module.input_size_per_partition, dtype=param.dtype)
+            found[name] = module.quant_method.apply(module, identity).t().contiguous()
+    return found
+
+
+def trainer(config: Any, seed: int) -> torch.nn.Module:
+    transformers = importlib.import_module("transformers")
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's tensors whole, in the engine's dtype (a collective: every rank)."""
+    return {
+        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).to(DTYPE).contiguous()
+        for name, t in model.state_dict().items()
+    }
+
+
+def save_model(config: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def windows_match(
+    tp: EngineTP, state: dict[str, torch.Tensor], found: dict[str, torch.Tensor], rank: int
+) -> list[str]:
+    """Names whose engine partition differs from the trainer's window (fused by the windows'
+    offsets; the vocabulary partitions' padding rows must be zeros)."""
+    wrong = []
+    for name, tensor in state.items():
+        window = engine_window(tp, name, tuple(tensor.shape), rank)
+        module, _, kind = name.rpartition(".")
+        target = f"{module.rpartition('.')[0]}.{window.fused}.{kind}" if window.fused else name
+        held = found[target]
+        part = tensor[tuple(slice(a, b) for a, b in window.box)]
+        rows = part.shape[0]
+        got = held.narrow(0, window.fused_offset, rows)
+        padding_ok = window.fused is not None or bool((held[rows:] == 0).all())
+        if not torch.equal(got, part) or not padding_ok:
+            wrong.append(name)
+    return wrong
+
+
+def run_fresh(out: Path, rank: int) -> None:
+    """The oracle: a fresh TP=2 engine on the trainer's weights, its outputs and parameters."""
+    llm = start_engine(out / "trained")
+    record(out, "fresh", rank, greedy(llm), llm.collective_rpc(rank_parameters)[0])
+
+
+def record(
+    out: Path, phase: str, rank: int, outputs: list[list[Any]], params: dict[str, torch.Tensor]
+) -> None:
+    """One engine rank's outputs (JSON) and parameters (safetensors), for the test to compare."""
+    (out / f"{phase}_outputs_{rank}.json").write_text(json.dumps(outputs))
+    save_file(params, str(out / f"{phase}_params_{rank}.safetensors"))
+
+
+def run_sync(out: Path, rank: int) -> dict[str, Any]:
+    """Two TP-sliced exports into an engine started from other weights."""
+    config = tiny_qwen2_config(layers=2)
+    tp = EngineTP.from_config(config, degree=2)
+    model = trainer(config, seed=1)
+    trained = full_weights(model)
+    if rank == 0:
+        save_model(config, trained, out / "trained")
+        torch.manual_seed(0)
+        transformers = importlib.import_module("transformers")
+        initial = transformers.Qwen2ForCausalLM(config).to(DTYPE).state_dict()
+        save_model(config, {n: t.contiguous() for n, t in initial.items()}, out / "initial")
+    dist.barrier()
+    llm = start_engine(out / "initial")
+    before = greedy(llm)
+    exporter = SlicedExporter(model, tp, dtype=DTYPE, bucket_bytes=2**20)
+    receiver = VLLMSliceReceiver(llm)
+    report = exporter.export(receiver)
+    after = greedy(llm)
+    synced = llm.collective_rpc(rank_parameters)[0]
+    record(out, "synced", rank, after, synced)
+    # A second sync after the trainer's weights moved: the engine now holds the new windows.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.full_like(param, 0.01))
+    moved = full_weights(model)
+    second = exporter.export(receiver)
+    counts = torch.tensor(
+        [report.window_bytes, report.received_bytes, report.copied_bytes, report.sent_bytes],
+        dtype=torch.int64,
+    )
+    every = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, counts)
+    return {
+        "rank": rank,
+        "outputs_changed": after != before,
+        "windows_wrong_first": windows_match(tp, trained, synced, rank),
+        "windows_wrong_second": windows_match(
+            tp, moved, llm.collective_rpc(rank_parameters)[0], rank
+        ),
+        "second_window_bytes": second.window_bytes,
+        "counts": [c.tolist() for c in every],
+        "model_bytes": sum(t.numel() * t.element_size() for t in trained.values()),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--phase", choices=("sync", "fresh"), required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.phase == "fresh":
+        run_fresh(args.out, rank)
+    else:
+        summary = run_sync(args.out, rank)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, summary)
+        if rank == 0:
+            (args.out / "summary.json").write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
