@@ -32,7 +32,7 @@ def _llama_8b(world: int, replica: int = 8) -> list[ValueLayout]:
     mesh = np.arange(world, dtype=np.int64).reshape(world // replica, replica)
     key, placements = mesh_key(mesh), (Replicate(), Shard(0))
     dim, ffn, kv, vocab = 4096, 14336, 1024, 128256
-    shapes = [("embed", (vocab, dim))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("embed", (vocab, dim))]
     for i in range(32):
         shapes += [(f"{i}.wq", (dim, dim)), (f"{i}.wk", (kv, dim)), (f"{i}.wv", (kv, dim))]
         shapes += [(f"{i}.wo", (dim, dim)), (f"{i}.w1", (ffn, dim)), (f"{i}.w2", (dim, ffn))]

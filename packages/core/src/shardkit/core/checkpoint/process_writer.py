@@ -23,6 +23,15 @@ writes only into the ``.step_N.partial`` directory it was given, which is publis
 only after every rank's child reported its files written, and which the next save of that
 step removes first. A child that dies or fails fails the save on every rank (the gather's
 failure flag); the next save starts a new child.
+
+A child that hangs without dying (stopped, or blocked on a pipe or a stuck file system) is
+bounded too: every request (a write, rank 0's metadata, the hashes) must be answered within
+``bound_s`` seconds (``SHARDKIT_CHECKPOINT_WRITER_BOUND_S``, default 1,800 s: far beyond a
+healthy rank's share of a save), sending and receiving included; a new child's first request
+has :data:`START_S` more, for its start (a Python interpreter importing torch). Past it the
+child is
+killed and the request fails with a :class:`WriterProcessError` naming the bound, which fails
+the save on every rank with the same error, as a dead child's does.
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,11 +68,41 @@ from shardkit.core.checkpoint.local_plan.save_results import (
 )
 from shardkit.core.errors import WriterProcessError
 
-__all__ = ["WriterProcess", "WriterProcessError"]
+__all__ = [
+    "BOUND_VARIABLE",
+    "DEFAULT_BOUND_S",
+    "START_S",
+    "WriterProcess",
+    "WriterProcessError",
+    "writer_bound_s",
+]
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+BOUND_VARIABLE = "SHARDKIT_CHECKPOINT_WRITER_BOUND_S"
+DEFAULT_BOUND_S = 1800.0
+START_S = 300.0
+"""What a new child's first request may take beyond the bound: the child's start."""
+
+
+def writer_bound_s() -> float:
+    """The bound on a writer request, seconds: ``SHARDKIT_CHECKPOINT_WRITER_BOUND_S`` or 1,800.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive number.
+    """
+    text = os.environ.get(BOUND_VARIABLE, "")
+    if not text:
+        return DEFAULT_BOUND_S
+    try:
+        bound = float(text)
+    except ValueError:
+        bound = float("nan")
+    if not bound > 0:
+        raise ValueError(f"{BOUND_VARIABLE} must be a positive number of seconds, got {text!r}")
+    return bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +219,11 @@ def _serve(connection: multiprocessing.connection.Connection, parent: int) -> No
 class WriterProcess:
     """This rank's writer child, started when first needed and again after it died."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound_s: float | None = None) -> None:
+        """``bound_s``: the bound on each request (None: :func:`writer_bound_s`)."""
+        self.bound_s = bound_s if bound_s is not None else writer_bound_s()
+        self._starting = False
+        self._allowed = self.bound_s
         self._process: Any = None
         self._connection: multiprocessing.connection.Connection | None = None
         self._generation = -1  # the staging buffers' generation the child holds
@@ -208,6 +253,7 @@ class WriterProcess:
         theirs.close()
         self._process, self._connection = process, mine
         self._generation, self._layout_digest = -1, ""
+        self._starting = True
 
     def stop(self) -> None:
         """End the child (its pipe closed, then killed if it lingers)."""
@@ -276,24 +322,77 @@ class WriterProcess:
         return sums
 
     def _ask(self, request: object) -> Any:
-        """Send ``request``; the child's reply, or an error if it failed or died."""
+        """Send ``request``; the child's reply, or an error if it failed, died or hung."""
         process, connection = self._process, self._connection
         if process is None or connection is None:
             raise WriterProcessError("no writer process runs")
+        self._allowed = self.bound_s + (START_S if self._starting else 0.0)
+        deadline = time.monotonic() + self._allowed
         try:
-            connection.send(request)
+            self._within(lambda: connection.send(request), connection, deadline)
             while not connection.poll(0):
-                # Wakes on the reply or on the child's exit, whichever comes first.
-                multiprocessing.connection.wait([connection, process.sentinel])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    hung = self._hung(process)
+                    connection.close()
+                    raise hung
+                # Wakes on the reply, on the child's exit, or at the bound.
+                multiprocessing.connection.wait([connection, process.sentinel], timeout=left)
                 if not connection.poll(0) and not process.is_alive():
                     raise WriterProcessError(
                         f"the writer process {process.pid} died (exit code {process.exitcode})"
                     )
-            reply = connection.recv()
+            reply = self._within(connection.recv, connection, deadline)
         except (EOFError, OSError, BrokenPipeError) as error:
             raise WriterProcessError(
                 f"the writer process {process.pid} is gone ({type(error).__name__})"
             ) from None
+        self._starting = False  # it answered: it has started
         if isinstance(reply, _Failed):
             raise WriterProcessError(f"the writer process failed: {reply.message}")
         return reply
+
+    def _within(
+        self,
+        call: Callable[[], Any],
+        connection: multiprocessing.connection.Connection,
+        deadline: float,
+    ) -> Any:
+        """``call()`` (a send or a receive on the pipe, which may block), ended at the bound.
+
+        On a thread of its own: a pipe whose reader is stopped blocks the writer in the kernel.
+        Killing the child at the bound ends the call (a broken pipe, or the end of it).
+        """
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as error:  # handed to the caller
+                outcome.append((False, error))
+
+        thread = threading.Thread(target=run, name="shardkit-checkpoint-writer-pipe", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            hung = self._hung(self._process)
+            thread.join()  # the child's death ends the call
+            connection.close()
+            raise hung
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def _hung(self, process: Any) -> WriterProcessError:
+        """Kill a child that did not answer within the bound; the error that says so."""
+        pid = process.pid if process is not None else None
+        if process is not None and process.is_alive():
+            process.kill()  # SIGKILL ends a stopped process too
+            process.join()
+        self._process = self._connection = None  # the next save starts another
+        return WriterProcessError(
+            f"the writer process {pid} did not answer within {self._allowed:g} s "
+            f"({BOUND_VARIABLE}{', with its start' if self._starting else ''}): it hung "
+            "without dying and was killed"
+        )
