@@ -54,9 +54,7 @@ from shardkit.core.checkpoint.local_plan.replica_shares import (
     shares_by_bytes,
     shares_by_turns,
 )
-from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import (
-    sharded_tensor_parts,
-)
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import ShardedParts
 
 __all__ = ["Geometry", "OwnItems", "SaveLayout", "ValueLayout", "mesh_key"]
 
@@ -121,10 +119,16 @@ class SaveLayout:
     """Rank 0: the last save's result rows (all ranks') and the storage entries made of them."""
 
     @staticmethod
-    def of(state_dict: dict[str, Any], world_size: int) -> SaveLayout:
-        """The layout of a flat state dict (DCP's planner flattens it first)."""
+    def of(
+        state_dict: dict[str, Any], world_size: int, sharded: ShardedParts | None = None
+    ) -> SaveLayout:
+        """The layout of a flat state dict (DCP's planner flattens it first).
+
+        ``sharded``: FSDP1's ShardedTensors' shards as read at earlier saves (kept per layout).
+        """
         meshes: dict[int, tuple[np.ndarray, str]] = {}
-        values = [_value_layout(fqn, value, meshes) for fqn, value in state_dict.items()]
+        parts = sharded if sharded is not None else ShardedParts()
+        values = [_value_layout(fqn, value, meshes, parts) for fqn, value in state_dict.items()]
         return SaveLayout.from_values(values, world_size)
 
     @staticmethod
@@ -332,9 +336,11 @@ class SaveLayout:
         return metadata
 
 
-def _value_layout(fqn: str, value: Any, meshes: dict[int, tuple[np.ndarray, str]]) -> ValueLayout:
+def _value_layout(
+    fqn: str, value: Any, meshes: dict[int, tuple[np.ndarray, str]], sharded: ShardedParts
+) -> ValueLayout:
     if isinstance(value, ShardedTensor):
-        shape, properties, ranks, placements = sharded_tensor_parts(fqn, value)
+        shape, properties, ranks, placements = sharded.parts(fqn, value)
         return ValueLayout(fqn, "sharded", shape, properties, ranks, placements, mesh_key(ranks))
     if isinstance(value, DTensor):
         device_mesh = value.device_mesh

@@ -67,7 +67,10 @@ from shardkit.core.checkpoint.local_plan.save_results import (
     storage_entries,
     write_metadata_file,
 )
-from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import UnplannableValue
+from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import (
+    ShardedParts,
+    UnplannableValue,
+)
 from shardkit.core.errors import CheckpointSaveError, first_sentence
 from shardkit.core.runtime.groups import checkpoint_group
 from shardkit.core.runtime.p2p.object_collectives import broadcast_bytes
@@ -109,6 +112,8 @@ class LayoutCache:
     layout: SaveLayout | None = None
     dcp_reason: str = ""
     """Why this manager's saves go through DCP's own planning (set once, on every rank)."""
+    sharded: ShardedParts = dataclasses.field(default_factory=ShardedParts)
+    """FSDP1's ShardedTensors' shards, read once per layout (``sharded_tensor_chunks``)."""
 
 
 class NotPlannableLocally(Exception):
@@ -132,7 +137,7 @@ class LocalPlanSavePlanner(LoadableSavePlanner):
     def create_local_plan(self) -> SavePlan:
         """This rank's items (each chunk written by one rank: no dedup needed after)."""
         try:
-            layout = SaveLayout.of(self.state_dict, self.world_size)
+            layout = SaveLayout.of(self.state_dict, self.world_size, self.cache.sharded)
         except UnplannableValue as error:
             raise NotPlannableLocally(str(error)) from None
         for value in layout.values:
