@@ -47,18 +47,23 @@ class TrainingApp:
 
 
 def build_app(
-    world_size: int, model_name: str = "gpt", replicas: int = 1, seed: int = 0
+    world_size: int,
+    model_name: str = "gpt",
+    replicas: int = 1,
+    seed: int = 0,
+    impl: str = "shardkit",
 ) -> TrainingApp:
     """``replicas`` > 1: HSDP, ``replicas`` copies of FSDP over ``world_size // replicas``.
 
-    ``seed``: other initial weights than the default (a state that a load must replace)."""
+    ``seed``: other initial weights than the default (a state that a load must replace).
+    ``impl``: whose ``fully_shard`` shards it, ``"shardkit"`` or ``"torch"``."""
     model = models.build(model_name, seed)
     if replicas == 1:
         mesh = init_device_mesh("cpu", (world_size,))
     else:
         shape = (replicas, world_size // replicas)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    apply("shardkit", model, mesh, Run(model=model_name))
+    apply(impl, model, mesh, Run(model=model_name))
     return TrainingApp(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 

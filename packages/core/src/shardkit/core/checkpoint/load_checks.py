@@ -111,7 +111,9 @@ def verify(checkpoint: Path, key: str) -> tuple[str, Metadata | Record | None] |
     read: list[Metadata | Record] = []
 
     def check_my_share() -> list[str]:
-        marker = json.loads((checkpoint / COMPLETE).read_text())
+        # No marker: torch's dcp.save wrote it (the manager lets no other through).
+        has_marker = (checkpoint / COMPLETE).is_file()
+        marker = json.loads((checkpoint / COMPLETE).read_text()) if has_marker else {}
         files = manifest_of(marker)
         recorded = (checkpoint / RECORD).is_file()
         if files is None:

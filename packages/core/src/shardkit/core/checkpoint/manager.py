@@ -40,6 +40,7 @@ from shardkit.core.checkpoint import async_save as background
 from shardkit.core.checkpoint.async_save import PendingSave
 from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
 from shardkit.core.checkpoint.load_checks import load_first, no_checkpoint_loads
+from shardkit.core.checkpoint.local_plan.layout_record import RECORD
 from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
 from shardkit.core.checkpoint.process_writer import WriterProcess
 from shardkit.core.checkpoint.replica_reads import ReadCounts
@@ -89,6 +90,15 @@ def _remove(checkpoint: Path, *, ignore_errors: bool = False) -> None:
         if not ignore_errors:
             raise
     shutil.rmtree(checkpoint, ignore_errors=ignore_errors)
+
+
+def _saved_by_torch(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint of torch's ``dcp.save``, not one of the manager's.
+
+    A manager's save killed between its ``.metadata`` and its marker has the layout record
+    (written before ``.metadata``): that one is incomplete, not torch's.
+    """
+    return (path / ".metadata").is_file() and not (path / RECORD).is_file()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -365,6 +375,11 @@ class CheckpointManager:
         fails to load, is passed over with a warning that says why, for the one before it.
         Every rank loads the same one.
 
+        ``path`` may also name a checkpoint that torch's ``dcp.save`` wrote (a ``.metadata``,
+        no ``COMPLETE`` marker, no layout record): it loads through DCP's planning, its
+        ``.metadata`` and values read without running pickled code; it has no checksums to
+        check.
+
         Returns:
             The path loaded, or None if there is no complete checkpoint (a fresh start).
 
@@ -377,7 +392,7 @@ class CheckpointManager:
         self.wait()  # a save in flight may become the newest
         if path is not None:
             chosen = Path(path)
-            if not (chosen / COMPLETE).is_file():
+            if not (chosen / COMPLETE).is_file() and not _saved_by_torch(chosen):
                 alternatives = ", ".join(p.name for p in self.complete()) or "none"
                 raise IncompleteCheckpointError(
                     f"checkpoint {chosen} is incomplete: its save was interrupted before every "
