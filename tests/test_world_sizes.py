@@ -61,7 +61,8 @@ def _pid(rank: int, world_size: int) -> int:
 def test_only_the_pools_kept_stay_started() -> None:
     first_w2 = run_on_ranks(2, _pid)
     run_on_ranks(1, _pid)
-    assert keep_only_pools({2}) == [1]
+    shut = keep_only_pools({2})
+    assert 1 in shut and 2 not in shut  # and any other started pool: 3 or 4 in a full run
     assert get_pool(1).pids == []  # shut: its next task starts it again
     assert get_pool(2).pids == first_w2  # kept warm
     assert task_world_sizes()[-2:] == (2, 1)
