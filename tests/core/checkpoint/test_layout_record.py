@@ -352,6 +352,56 @@ def test_a_save_killed_before_its_metadata_leaves_no_checkpoint_anyone_takes(
         assert result["torch"] != "loaded"  # torch's reader finds no .metadata
 
 
+def _killed_before_marker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A save that wrote everything, ``.metadata`` included, and was killed before the
+    manager's checksums and marker: what torch's readers and the manager make of it."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from shardkit.core import CheckpointManager, IncompleteCheckpointError
+    from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
+    from shardkit.core.runtime.groups import checkpoint_group
+
+    manager = CheckpointManager(root)
+    app = build_app(world_size)
+    train_app(app, 1, rank, world_size)
+    manager.save(1, {"app": app})
+    train_app(app, 2, rank, world_size)
+    at_kill = state_of(app)
+    partial = Path(root) / ".step_00000002.partial"
+    save_planned_locally({"app": app}, partial, LayoutCache(), checkpoint_group())
+    left = sorted(p.name for p in partial.iterdir())
+    try:
+        manager.load({"app": build_app(world_size, seed=7)}, partial)
+        refused = ""
+    except IncompleteCheckpointError as error:
+        refused = str(error)
+    by_torch = build_app(world_size, seed=7)
+    dcp_load({"app": by_torch}, checkpoint_id=partial)
+    fresh = build_app(world_size, seed=7)
+    loaded = manager.load({"app": fresh})
+    return {
+        "left": left,
+        "refused": refused,
+        "torch": same_state(state_of(by_torch), at_kill),
+        "loaded": loaded.name if loaded else None,
+        "complete": [p.name for p in manager.complete()],
+    }
+
+
+def test_a_save_killed_between_its_metadata_and_its_marker_is_torchs_not_the_managers(
+    tmp_path: Path,
+) -> None:
+    """Its data is complete (``.metadata`` comes last): torch's ``dcp.load`` takes it whole;
+    the manager counts it incomplete (no marker, and its layout record says it is the
+    manager's, not a checkpoint of torch's own) and loads the previous one."""
+    for result in run_on_ranks(2, _killed_before_marker, root=str(tmp_path)):
+        assert {".metadata", RECORD, "__0.index"} <= set(result["left"]), result["left"]
+        assert "COMPLETE" not in result["left"]
+        assert "is incomplete" in result["refused"], result["refused"]
+        assert result["torch"]
+        assert result["complete"] == ["step_00000001"] and result["loaded"] == "step_00000001"
+
+
 def _without_record(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
