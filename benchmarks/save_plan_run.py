@@ -2,20 +2,29 @@
 
 Usage: python benchmarks/save_plan_run.py [--torch-worlds 64,256] [--worlds 1024,4096,8192]
        [--sizes 8b,70b] [--layouts fsdp,hsdp,fsdp1]
+       python benchmarks/save_plan_run.py --fsdp1-metadata 8192 [--sizes 8b]
 
 The state is a Llama's under FSDP (``Shard(0)`` on a 1-D mesh of W ranks), HSDP (8 ranks a
 replica: ``(Replicate(), Shard(0))`` on a (W/8, 8) mesh) or FSDP1's SHARDED_STATE_DICT
 without a device mesh (``fsdp1``: ShardedTensors of ``torch.chunk``'s dim-0 cut over the W
 ranks, one shard a rank, none on the ranks past the last chunk) with AdamW's state, flattened
 as ``get_state_dict`` + DCP's planner flatten it: every parameter, its ``exp_avg`` and
-``exp_avg_sq`` (sharded), its ``step`` (a plain tensor) and the param group's values.
+``exp_avg_sq`` (sharded), its ``step`` (a plain tensor) and the param group's values (the
+keys of torch's own AdamW's group, so that the counts equal ``shardkit-plan --checkpoint``'s).
 
 - shardkit (``checkpoint/local_plan/chunk_writers.py``): what a rank computes alone. Its wait
   at a save is the layout's digest (every save: it says whether the layout changed) and its
   own items (from the cached layout). The first save of a layout also computes the
   geometries. Rank 0 builds the metadata (once per layout) and, after the write, checks every
   rank's results against the layout; the metadata's bytes are its pickle's, as DCP writes
-  ``.metadata``.
+  ``.metadata``. The bytes each rank writes (min, median, max, mean), by the layout's rule
+  (``replica_shares``: by bytes, large chunks in row pieces) and by the earlier one (whole
+  chunks, the replicas taking turns tensor by tensor), and ``.metadata``'s entries
+  (``SaveLayout.entry_count``, what the planner reports).
+- ``--fsdp1-metadata W``: FSDP1's ShardedTensors of W shards (real ones, on a fake process
+  group of W ranks in this process), and the time a rank takes to read their shards into the
+  layout at a save: without the cache (every save before it), at the first save of a layout
+  and at a later one (``sharded_tensor_chunks.ShardedParts``).
 - torch: the W ranks' local plans built as DCP builds them (each rank's DTensor chunks, every
   plain tensor and value on every rank), then ``DefaultSavePlanner.create_global_plan`` timed
   as rank 0 runs it, and the plans' pickled bytes (what DCP gathers to rank 0). Where both
@@ -111,9 +120,31 @@ def state_values(size: str, world: int, layout: str) -> list[ValueLayout]:
     for n, s in params:
         values.append(ValueLayout(f"optim.state.{n}.step", "tensor", (), PROPS))
         values += [dtensor(f"optim.state.{n}.{k}", s) for k in ("exp_avg", "exp_avg_sq")]
-    group = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize")
-    values += [ValueLayout(f"optim.param_groups.{k}", "bytes") for k in group]
+    values += [ValueLayout(f"optim.param_groups.{k}", "bytes") for k in adamw_group_keys()]
     return values
+
+
+def adamw_group_keys() -> list[str]:
+    """The keys of torch's AdamW's param group (each a value of the flat state)."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return sorted(optimizer.state_dict()["param_groups"][0])
+
+
+def bytes_per_rank(layout: SaveLayout) -> dict[str, float]:
+    """Min, median, max and mean of the tensor bytes each rank writes by ``layout``'s rule."""
+    data = np.zeros(layout.world_size, dtype=np.int64)
+    for ordinal, value in enumerate(layout.values):
+        if value.kind in ("dtensor", "sharded"):
+            assert value.properties is not None
+            pieces, _ = layout.pieces(ordinal)
+            itemsize = value.properties.dtype.itemsize
+            np.add.at(data, layout.writers(ordinal, pieces), pieces.sizes.prod(axis=1) * itemsize)
+    return {
+        "min": int(data.min()),
+        "median": float(np.median(data)),
+        "max": int(data.max()),
+        "mean": float(data.mean()),
+    }
 
 
 def _fsdp1_shards(shape: tuple[int, ...], world: int) -> tuple[np.ndarray, tuple[Any, ...]]:
@@ -149,7 +180,8 @@ def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
     started = time.perf_counter()
     expected = layout.expected_items()
     check_s = time.perf_counter() - started
-    entries = sum(expected)
+    entries = layout.entry_count()
+    assert entries == sum(expected)
     first_finish_s, finish_s, metadata_bytes = _rank0_finish(layout, metadata)
     return {
         "engine": "shardkit",
@@ -174,7 +206,79 @@ def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
         "rank0_first_finish_s": first_finish_s,
         "rank0_finish_s": finish_s,
         "metadata_bytes": metadata_bytes,
+        "bytes_per_rank": bytes_per_rank(layout),
+        "bytes_per_rank_by_turns": bytes_per_rank(
+            SaveLayout.from_values(values, world, rule="turns")
+        ),
     }
+
+
+def fsdp1_metadata_point(size: str, world: int) -> dict[str, Any]:
+    """A rank's time to read FSDP1's ShardedTensors' shards into the layout, per save.
+
+    Real ShardedTensors of ``world`` shards (dim-0 chunks, as FSDP1 cuts), one per shape,
+    built on a fake process group of ``world`` ranks (rank 0); the state lists one under each
+    key of the model's parameters and AdamW's moments, as ``state_values`` does. Each key is
+    read on its own, as distinct tensors are.
+    """
+    import torch.distributed as dist
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+    )
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        TensorProperties as ShardProperties,
+    )
+    from torch.distributed._shard.sharded_tensor.shard import Shard as LocalShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import ShardedParts
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        built: dict[tuple[int, ...], ShardedTensor] = {}
+        started = time.perf_counter()
+        for _, shape in parameters(size):
+            if shape in built:
+                continue
+            ranks, (shards,) = _fsdp1_shards(shape, world)
+            listed = [
+                ShardMetadata(o, s, f"rank:{r}/cpu")
+                for o, s, r in zip(
+                    shards.offsets.tolist(), shards.sizes.tolist(), ranks.tolist(), strict=True
+                )
+            ]
+            whole = ShardedTensorMetadata(listed, torch.Size(shape), ShardProperties())
+            local = [LocalShard(torch.empty(listed[0].shard_sizes), listed[0])]
+            built[shape] = ShardedTensor._init_from_local_shards_and_global_metadata(local, whole)
+        build_s = time.perf_counter() - started
+        state: dict[str, Any] = {}
+        for name, shape in parameters(size):
+            state[f"model.{name}"] = built[shape]
+            for moment in ("exp_avg", "exp_avg_sq"):
+                state[f"optim.state.{name}.{moment}"] = built[shape]
+        seconds: dict[str, float] = {}
+        cache = ShardedParts()
+        for name, parts in (("uncached", None), ("first", cache), ("later", cache)):
+            started = time.perf_counter()
+            layout = SaveLayout.of(state, world, parts)
+            seconds[name] = time.perf_counter() - started
+        return {
+            "engine": "shardkit",
+            "size": size,
+            "world": world,
+            "layout": "fsdp1-metadata",
+            "sharded_tensors": len(state),
+            "shapes": len(built),
+            "build_s": build_s,
+            "read_uncached_s": seconds["uncached"],
+            "read_first_s": seconds["first"],
+            "read_later_s": seconds["later"],
+            "geometries_digest": layout.digest[:12],
+        }
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank0_finish(layout: SaveLayout, metadata: dict[str, Any]) -> tuple[float, float, int]:
@@ -275,7 +379,12 @@ def main() -> None:
     parser.add_argument("--torch-worlds", default="64,256")
     parser.add_argument("--sizes", default="8b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--fsdp1-metadata", type=int, default=0, help="W: FSDP1's shards")
     args = parser.parse_args()
+    if args.fsdp1_metadata:
+        for size in args.sizes.split(","):
+            print(json.dumps(fsdp1_metadata_point(size, args.fsdp1_metadata)), flush=True)
+        return
     for size in args.sizes.split(","):
         for layout in args.layouts.split(","):
             for world in map(int, filter(None, args.torch_worlds.split(","))):

@@ -173,10 +173,29 @@ def test_predicted_bytes_per_rank_are_a_real_saves(tmp_path: Path, mesh_shape: l
     assert cost.values == len(metadata.state_dict_metadata)
     # Its pickle also holds the checkpoint's path and storage meta: within a few hundred bytes.
     assert abs(cost.metadata_bytes - (tmp_path / ".metadata").stat().st_size) < 400
+    # The layout record the save wrote beside .metadata: its size predicted exactly.
+    assert cost.record_bytes == (tmp_path / "layout.json").stat().st_size
     # Every byte of the model and its two moments written once, whichever rank writes it.
     params = list(_model().parameters())
     elements = sum(p.numel() for p in params)
     assert sum(cost.data_bytes) == 3 * 4 * elements + 4 * len(params)  # and a float32 step each
+
+
+def test_a_loads_planning_is_counted_work_times_measured_unit_costs() -> None:
+    """Per value, per overlap of a rank's shards with the saved items, per record byte."""
+    from shardkit.tools.plan.checkpoint.load_cost import LoadCosts, most_overlaps
+
+    costs = LoadCosts(per_record_byte_s=1e-8, per_value_s=1e-5, per_overlap_s=1e-6, source="x")
+    with torch.device("meta"):
+        model = _model()
+    values, mappings, plain_sizes = checkpoint_state(model, CheckpointMesh(1, 2), "adamw")
+    layout = SaveLayout.from_values(values, 2)
+    cost = checkpoint_cost(layout, plain_sizes, _COSTS, 1.0, mappings, load_costs=costs)
+    # At the same layout under FSDP a rank's shards overlap one saved item a value.
+    assert most_overlaps(layout) == len(values)
+    expected = cost.record_bytes * 1e-8 + len(values) * 1e-5 + len(values) * 1e-6
+    assert cost.load_plan_s == pytest.approx(expected)
+    assert "load planning per rank" in format_checkpoint_cost(cost)
 
 
 def test_fsdp_x_tp_with_parameters_outside_the_tp_plan_falls_back_as_predicted(

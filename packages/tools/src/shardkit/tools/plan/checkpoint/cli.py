@@ -1,5 +1,7 @@
 """``shardkit-plan --checkpoint``: a checkpoint save's predicted cost, beside the plan.
 
+With the save's: the layout record's size and a rank's load planning from it (``load_cost``).
+
 The state saved is ``{"model": ..., "optim": ...}`` of ``get_state_dict(model, optimizer)``
 with the command's ``--optimizer``, on the plan's mesh (``--mesh``, ``--tp``); this module
 adds ``--checkpoint`` and ``--disk-gib-s`` to the command (:func:`add_checkpoint_arguments`),
@@ -17,6 +19,7 @@ from torch import nn
 
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.tools.plan.checkpoint.cost import DEFAULT_DISK_GIB_S, CheckpointCost, checkpoint_cost
+from shardkit.tools.plan.checkpoint.load_cost import LoadCosts, calibrate_load_planning
 from shardkit.tools.plan.checkpoint.meta_state import (
     CheckpointMesh,
     checkpoint_state,
@@ -74,15 +77,17 @@ def checkpoint_cost_of(
     tp_dims = tp_dims_of(model, tp_plan) if args.tp > 1 and tp_plan is not None else {}
     values, mappings, plain_sizes = checkpoint_state(model, mesh, args.optimizer, tp_dims)
     layout = SaveLayout.from_values(values, mesh.world_size)
-    costs = _calibrated()
+    costs, load_costs = _calibrated()
     fallback = dcp_fallback_reason(model, mesh, tp_dims)
-    return checkpoint_cost(layout, plain_sizes, costs, args.disk_gib_s, mappings, fallback)
+    return checkpoint_cost(
+        layout, plain_sizes, costs, args.disk_gib_s, mappings, fallback, load_costs
+    )
 
 
 @functools.cache
-def _calibrated() -> SaveCosts:
-    """The per-unit costs, measured once a process (about a second)."""
-    return calibrate_save_planning()
+def _calibrated() -> tuple[SaveCosts, LoadCosts]:
+    """The per-unit costs of a save's and a load's planning, measured once a process."""
+    return calibrate_save_planning(), calibrate_load_planning()
 
 
 def format_checkpoint_cost(cost: CheckpointCost) -> str:
@@ -112,7 +117,10 @@ def format_checkpoint_cost(cost: CheckpointCost) -> str:
         ("rank 0's metadata, first save", f"{cost.rank0_metadata_s * 1e3:.3f} ms"),
         (f"write at {cost.disk_gib_s:g} GiB/s a rank", f"{cost.write_s * 1e3:.3f} ms"),
         ("planning collectives", "0 (each rank plans alone)"),
+        ("layout record (layout.json)", format_bytes(cost.record_bytes)),
     ]
+    if cost.load_plan_s is not None:
+        rows.append(("load planning per rank", f"{cost.load_plan_s * 1e3:.3f} ms (same layout)"))
     lines = [f"\nCheckpoint save (W={cost.world_size}):"]
     if cost.dcp_fallback:
         warning = (
@@ -121,6 +129,9 @@ def format_checkpoint_cost(cost: CheckpointCost) -> str:
         )
         lines += textwrap.wrap(warning, width=96, initial_indent="  ", subsequent_indent="    ")
     lines += [f"  {label:<34} {value}" for label, value in rows]
-    for text in (f"assumes {cost.assumption}", f"time per unit: {cost.costs.source}"):
+    texts = [f"assumes {cost.assumption}", f"time per unit: {cost.costs.source}"]
+    if cost.load_costs is not None:
+        texts.append(f"load time per unit: {cost.load_costs.source}")
+    for text in texts:
         lines += textwrap.wrap(text, width=96, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines) + "\n"

@@ -11,7 +11,9 @@ From the core's own :class:`SaveLayout` of the state (``layout``):
   the core writes it (every entry when there are at most 200,000, else a sample of ranks'
   entries scaled up);
 - time: the planning per rank and rank 0's metadata from counted work and the per-unit costs
-  of :mod:`timing`; the write, the busiest rank's file over the disk's bandwidth.
+  of :mod:`timing`; the write, the busiest rank's file over the disk's bandwidth;
+- a restart's side (:mod:`load_cost`): the layout record's bytes, exact, and a rank's load
+  planning from it at the same layout.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _Storag
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
+from shardkit.tools.plan.checkpoint.load_cost import LoadCosts, load_plan_seconds, record_bytes
 from shardkit.tools.plan.checkpoint.timing import ByteCounter, SaveCosts
 
 __all__ = ["DEFAULT_DISK_GIB_S", "CheckpointCost", "checkpoint_cost"]
@@ -69,6 +72,11 @@ class CheckpointCost:
     write_s: float
     """The busiest rank's file over the disk's bandwidth."""
     costs: SaveCosts
+    record_bytes: int = 0
+    """The layout record (``layout.json``), exact; 0 where the record cannot describe it."""
+    load_plan_s: float | None = None
+    """A rank's load planning from the record at the same layout (None: not calibrated)."""
+    load_costs: LoadCosts | None = None
     dcp_fallback: str = ""
     """Why this save would go through DCP's own planning ('' if planned locally); then the
     figures are the local plan's, which that save does not follow."""
@@ -112,6 +120,7 @@ def checkpoint_cost(
     disk_gib_s: float = DEFAULT_DISK_GIB_S,
     mappings: dict[str, Any] | None = None,
     dcp_fallback: str = "",
+    load_costs: LoadCosts | None = None,
 ) -> CheckpointCost:
     """The cost of saving ``layout``'s state.
 
@@ -122,6 +131,7 @@ def checkpoint_cost(
         disk_gib_s: each rank's write bandwidth, GiB/s.
         mappings: DCP's flattening mappings (``.metadata`` holds them as planner data).
         dcp_fallback: why the core would save through DCP's planning (``dcp_fallback_reason``).
+        load_costs: the per-unit costs of a load's planning (None: its time is not predicted).
 
     Raises:
         ValueError: a bandwidth that is not positive, or a value without its size.
@@ -168,6 +178,8 @@ def checkpoint_cost(
     entries = int(items.sum())
     assert entries == layout.entry_count()  # the benchmarks count them so
     metadata_bytes, exact = _metadata_bytes(layout, item_sizes, plain_files, entries, mappings)
+    record = record_bytes(layout, item_sizes, plain_files)
+    load_s = None if load_costs is None else load_plan_seconds(layout, record, load_costs)
     busiest = int(files.max()) if world else 0
     positions = sum(g.ranks.size for g in layout.geometries.values())
     # The busiest rank by items: its walk and its items made.
@@ -188,6 +200,9 @@ def checkpoint_cost(
         rank0_metadata_s=entries * costs.per_entry_s,
         write_s=busiest / (disk_gib_s * 2**30),
         costs=costs,
+        record_bytes=record,
+        load_plan_s=load_s,
+        load_costs=load_costs,
         dcp_fallback=dcp_fallback,
     )
 

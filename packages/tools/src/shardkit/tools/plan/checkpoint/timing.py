@@ -38,7 +38,7 @@ from shardkit.core.checkpoint.local_plan.chunk_writers import (
     mesh_key,
 )
 
-__all__ = ["ByteCounter", "SaveCosts", "calibrate_save_planning"]
+__all__ = ["ByteCounter", "SaveCosts", "best_of", "calibrate_save_planning", "synthetic_values"]
 
 _WORLD = 512
 _RANK0_WORLD = 32  # rank 0's work is per entry: a small world keeps the timing short
@@ -74,7 +74,7 @@ class ByteCounter:
         return len(data)
 
 
-def _synthetic_values(world: int, replicas: int = 1) -> list[ValueLayout]:
+def synthetic_values(world: int, replicas: int = 1) -> list[ValueLayout]:
     """A state like a decoder's: parameters and two moments sharded, a plain step each.
 
     With ``replicas`` > 1, HSDP's mesh: the replicas take turns, so a rank writes a chunk of
@@ -97,7 +97,7 @@ def _synthetic_values(world: int, replicas: int = 1) -> list[ValueLayout]:
     return values
 
 
-def _best_of(runs: int, work: Any) -> float:
+def best_of(runs: int, work: Any) -> float:
     """The shortest of ``runs`` timings of ``work()`` (the least disturbed by other load)."""
     best = float("inf")
     for _ in range(runs):
@@ -109,8 +109,8 @@ def _best_of(runs: int, work: Any) -> float:
 
 def calibrate_save_planning(runs: int = 3) -> SaveCosts:
     """Time the core's planning steps on a synthetic state in this process (about 1 s)."""
-    values = _synthetic_values(_WORLD)
-    few = _synthetic_values(_WORLD, replicas=_WORLD // 8)  # a rank writes few items
+    values = synthetic_values(_WORLD)
+    few = synthetic_values(_WORLD, replicas=_WORLD // 8)  # a rank writes few items
     seconds, made = [], []
     for state in (values, few):
         warm = SaveLayout.from_values(state, _WORLD)
@@ -121,7 +121,7 @@ def calibrate_save_planning(runs: int = 3) -> SaveCosts:
             layout.geometries = warm.geometries
             layout.items_of(_WORLD // 2)
 
-        seconds.append(_best_of(3 * runs, steady))  # milliseconds each: more runs, less noise
+        seconds.append(best_of(3 * runs, steady))  # milliseconds each: more runs, less noise
     # Two states of the same values, one rank's items many and few: the walk and the items.
     per_item = max(0.0, (seconds[0] - seconds[1]) / (made[0] - made[1]))
     per_value = max(0.0, seconds[1] - per_item * made[1]) / len(values)
@@ -132,9 +132,9 @@ def calibrate_save_planning(runs: int = 3) -> SaveCosts:
         for value in geometries.values():
             Geometry.of(value)
 
-    per_position = _best_of(3 * runs, geometry) / (len(geometries) * _WORLD)
+    per_position = best_of(3 * runs, geometry) / (len(geometries) * _WORLD)
 
-    small = _synthetic_values(_RANK0_WORLD)
+    small = synthetic_values(_RANK0_WORLD)
 
     def rank0() -> int:
         layout = SaveLayout.from_values(small, _RANK0_WORLD)
@@ -148,7 +148,7 @@ def calibrate_save_planning(runs: int = 3) -> SaveCosts:
         return len(storage)
 
     entries = rank0()
-    per_entry = _best_of(runs, rank0) / entries
+    per_entry = best_of(runs, rank0) / entries
     source = (
         f"measured now on {platform.node() or 'this machine'} ({platform.processor() or '?'}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads): the core's "

@@ -1,0 +1,163 @@
+"""A restart's predicted cost beside the save's: the layout record's size, a load's planning.
+
+A checkpoint saved by ``CheckpointManager`` carries its layout record (``layout.json``), from
+which each rank plans its load alone (``shardkit.core.checkpoint.local_plan``):
+
+- **the record's bytes** are the core's own encoding (``layout_record.encode_record``) of the
+  save's layout and of where each value that every rank holds lies: its writer's file, the
+  offset after the items written before it (DCP's writer puts a rank's values that are not
+  tensors first, then its tensors, in the plan's order) and its length, all from the item
+  sizes the save's prediction computed. Exact where those are (``cost``);
+- **a rank's load planning** at the same layout: the record read and checked (per byte), then
+  its walk over the values and the saved items that overlap the rank's own shards (per value,
+  per overlap: a piece of a chunk its holders wrote apart is one more), for the rank with the
+  most overlaps. The unit costs are measured by :func:`calibrate_load_planning`, timing the
+  core's own reader and its overlap search (``ChunkSources.metadata_of``) on a synthetic
+  state in this process. The reads of the writers' indexes and of the data are not in it.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from shardkit.core.checkpoint.local_plan.chunk_sources import Boxes, ChunkSources
+from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
+from shardkit.core.checkpoint.local_plan.layout_record import (
+    encode_record,
+    read_record,
+    write_record,
+)
+from shardkit.tools.plan.checkpoint.timing import best_of, synthetic_values
+
+__all__ = ["LoadCosts", "calibrate_load_planning", "load_plan_seconds", "record_bytes"]
+
+_CHUNKED = ("dtensor", "sharded")
+_WORLD = 512
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCosts:
+    """Seconds per unit of a load's planning from the record, on the machine that measured."""
+
+    per_record_byte_s: float
+    per_value_s: float
+    per_overlap_s: float
+    source: str
+    """What was timed, where (as ``timing.SaveCosts.source``)."""
+
+
+def record_bytes(
+    layout: SaveLayout, item_sizes: dict[int, list[int]], plain_files: dict[str, int]
+) -> int:
+    """The record's bytes for ``layout`` (0: a placement it cannot describe).
+
+    ``item_sizes``: per chunked value's ordinal, each item's bytes in its file;
+    ``plain_files``: per value every rank holds, its item's bytes.
+    """
+    ordinal_of = {v.fqn: o for o, v in enumerate(layout.values)}
+    plain = [o for o, v in enumerate(layout.values) if v.kind not in _CHUNKED]
+    places = np.zeros((len(plain), 3), dtype=np.int64)
+    turn_of = {o: t for t, o in enumerate(plain)}
+    for writer in range(min(layout.world_size, len(plain))):
+        items = layout.items_of(writer)
+        # DCP's writer: a rank's values that are not tensors first, then its tensors.
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+        offset = 0
+        for item in ordered:
+            ordinal = ordinal_of[item.index.fqn]
+            if ordinal in turn_of:
+                length = plain_files[item.index.fqn]
+                places[turn_of[ordinal]] = (0, offset, length)
+            else:
+                assert item.index.index is not None
+                length = item_sizes[ordinal][item.index.index]
+            offset += length
+    encoded = encode_record(layout, places)
+    return 0 if encoded is None else len(encoded)
+
+
+def most_overlaps(layout: SaveLayout) -> int:
+    """The most saved items one rank's own shards overlap, loading at the same layout."""
+    overlaps = np.zeros(layout.world_size, dtype=np.int64)
+    for ordinal, value in enumerate(layout.values):
+        if value.kind not in _CHUNKED:
+            overlaps += 1  # read whole by every rank
+            continue
+        geometry = layout.geometry(value)
+        pieces, _ = layout.pieces(ordinal)
+        per_chunk = np.diff(pieces.start)
+        overlaps[geometry.ranks] += per_chunk[geometry.group_of]
+    return int(overlaps.max())
+
+
+def load_plan_seconds(layout: SaveLayout, record: int, costs: LoadCosts) -> float:
+    """A rank's load planning at the same layout (the rank with the most overlaps)."""
+    return (
+        record * costs.per_record_byte_s
+        + len(layout.values) * costs.per_value_s
+        + most_overlaps(layout) * costs.per_overlap_s
+    )
+
+
+class _NoIndexes(ChunkSources):
+    """The core's lookup with the writers' indexes made up (their reading is I/O, not timed)."""
+
+    def index_of(self, writer: int) -> np.ndarray:
+        items = int((self.written_by(writer) >= 0).sum())
+        rows = np.zeros((items, 3), dtype=np.int64)
+        rows[:, 2] = 4096
+        return rows
+
+
+def _held(layout: SaveLayout, rank: int, whole: bool) -> dict[str, Boxes]:
+    """Rank ``rank``'s own chunk of each value, or (``whole``) every value whole."""
+    held: dict[str, Boxes] = {}
+    for value in layout.values:
+        if whole or value.kind not in _CHUNKED:
+            held[value.fqn] = None
+            continue
+        geometry = layout.geometry(value)
+        chunk = int(geometry.group_of[geometry.position_of[rank]])
+        box = (tuple(geometry.offsets[chunk].tolist()), tuple(geometry.sizes[chunk].tolist()))
+        held[value.fqn] = (box,)
+    return held
+
+
+def calibrate_load_planning(runs: int = 3) -> LoadCosts:
+    """Time the core's record reader and overlap search on a synthetic state (about a second).
+
+    The record of a synthetic FSDP state at W=512 is written and read (per byte); a rank's
+    lookup of its own shards (one overlap a value) and of every value whole (W overlaps a
+    value) give the cost per value and per overlap.
+    """
+    layout = SaveLayout.from_values(synthetic_values(_WORLD), _WORLD)
+    plain = np.zeros((sum(v.kind not in _CHUNKED for v in layout.values), 3), dtype=np.int64)
+    with tempfile.TemporaryDirectory() as folder:
+        size = write_record(Path(folder), layout, plain)
+        per_byte = best_of(runs, lambda: read_record(Path(folder))) / size
+    own, whole = _held(layout, _WORLD // 2, False), _held(layout, _WORLD // 2, True)
+    seconds, overlaps = [], []
+    for held in (own, whole):
+        sources = _NoIndexes(Path(), layout)
+        found = sources.metadata_of(held)  # warm: geometries, writers' rows
+        overlaps.append(len(found.storage_data))
+        seconds.append(
+            best_of(runs, lambda held=held: _NoIndexes(Path(), layout).metadata_of(held))
+        )
+    per_overlap = max(0.0, (seconds[1] - seconds[0]) / (overlaps[1] - overlaps[0]))
+    per_value = max(0.0, seconds[0] - per_overlap * overlaps[0]) / len(layout.values)
+    source = (
+        f"measured now on {platform.node() or 'this machine'} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads): the core's read_record on a {size:,}-byte record "
+        f"and ChunkSources.metadata_of for {overlaps[0]:,} and {overlaps[1]:,} overlaps of "
+        f"{len(layout.values)} values at W={_WORLD}; best of {runs}"
+    )
+    return LoadCosts(per_byte, per_value, per_overlap, source)
