@@ -7,6 +7,7 @@ two states must be the same bit for bit, and equal the saved one. During the man
 from its call to the first read, the one collective is the verdict's all-reduce of 24 bytes
 (none at W=1): no object collective, no plan exchanged; the same counter sees DCP's exchange
 in the oracle's load. No rank opens ``.metadata`` (the counter sees DCP's own load open it).
+Ranks that list the checkpoints differently still load the same one, rank 0's choice.
 """
 
 from __future__ import annotations
@@ -93,3 +94,38 @@ def test_a_recorded_checkpoint_loads_planned_by_each_rank_alone(
         # scatter back) and its reads of .metadata.
         assert result["dcp_exchanges"] == 1, rank
         assert result["dcp_metadata_opens"] >= 1, rank
+
+
+def _disagreeing_lists(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Two complete checkpoints; rank 1 lists them in the other order (as a rank whose
+    storage lags might): the ranks must still load the same one, rank 0's first."""
+    from shardkit.core import CheckpointManager
+
+    manager = CheckpointManager(root, keep=2)
+    app = build_app(world_size)
+    train_app(app, 1, rank, world_size)
+    manager.save(1, {"app": app})
+    first = state_of(app)
+    train_app(app, 2, rank, world_size)
+    manager.save(2, {"app": app})
+    if rank == 1:
+        listed = manager._newest_first()
+        manager._newest_first = lambda: listed[::-1]  # type: ignore[method-assign]
+    fresh = build_app(world_size, seed=7)
+    with LoadCounter() as counted:
+        loaded = manager.load({"app": fresh})
+    return {
+        "loaded": loaded.name if loaded else None,
+        "newest": same_state(state_of(fresh), state_of(app)),
+        "not_first": not same_state(state_of(fresh), first),
+        "calls": [name for name, _ in counted.before_reads],
+    }
+
+
+def test_ranks_that_list_the_checkpoints_differently_load_rank_0s_choice(tmp_path: Path) -> None:
+    results = run_on_ranks(2, _disagreeing_lists, root=str(tmp_path))
+    for result in results:
+        assert result["loaded"] == "step_00000002" and result["newest"] and result["not_first"]
+        # The verdict finds the lists differ; rank 0's list is broadcast (its size, then its
+        # bytes), and the checks are agreed again on it.
+        assert result["calls"] == ["all_reduce", "broadcast", "broadcast", "all_reduce"]
