@@ -12,7 +12,9 @@ In order, printing one JSON line of what it found:
    ``begin``, naming the settings, within seconds (before: a hang in ``collective_rpc``);
 2. an engine started with it (``worker_extension_cls=EXTENSION``): a full export, then a
    delta, and its greedy tokens and log-probabilities against a fresh engine's on the weights
-   sent;
+   sent; the version its worker serves; an export whose commit fails in the engine's process
+   (a tensor its loader refuses), after which the worker serves the delta's version and the
+   same outputs;
 3. that engine's core process killed: the next export raises within the receiver's bound.
 """
 
@@ -86,6 +88,13 @@ def main() -> None:
         lambda: engines.export_into(receiver, *engines.delta_export(second, third, export_id=1))
     )
     received = engines.greedy(receiving)
+    out["serving"] = receiver.serving_version()
+    # The manifest check is skipped, so that the engine's own loader meets the bad tensor.
+    receiver._checkpoint = None
+    bad = engines.with_a_bad_tensor(second, "model.layers.1.mlp.up_proj.weight", export_id=2)
+    out["bad_commit"] = _timed_error(lambda: engines.export_into(receiver, *bad))
+    out["serving_after_bad"] = receiver.serving_version()
+    out["same_after_bad"] = engines.greedy(receiving) == received
     reference = _engine(
         engines.save_weights_beside(root / "first", root / "third", third), extension=True
     )
@@ -98,7 +107,7 @@ def main() -> None:
         os.kill(core.pid or 0, signal.SIGKILL)
     out["killed"] = len(cores)
     out["after_kill"] = _timed_error(
-        lambda: engines.export_into(receiver, *engines.full_export(third, export_id=2))
+        lambda: engines.export_into(receiver, *engines.full_export(third, export_id=3))
     )
     print(json.dumps(out), flush=True)
     os._exit(0)  # vLLM's client threads of the dead engine would hold the exit

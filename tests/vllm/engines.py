@@ -176,3 +176,17 @@ def with_changes(state: dict[str, torch.Tensor], *, seed: int) -> dict[str, torc
         where = torch.randint(0, flat.numel(), (4,), generator=generator)
         flat[where] = flat[where] + torch.tensor(0.25, dtype=flat.dtype)
     return changed
+
+
+def with_a_bad_tensor(
+    state: dict[str, torch.Tensor], bad_name: str, *, export_id: int = 0
+) -> tuple[ExportManifest, list[WeightBucket]]:
+    """A full export of ``state`` whose ``bad_name`` is sent in a shape the engine refuses."""
+    manifest, buckets = full_export(state, export_id=export_id)
+    failing = next(b for b in buckets if bad_name in b.names)
+    bad = torch.zeros(7, 3, dtype=torch.bfloat16)
+    buckets[failing.index] = WeightBucket(
+        index=failing.index,
+        full=tuple((n, bad if n == bad_name else t) for n, t in failing.full),
+    )
+    return manifest, buckets

@@ -5,7 +5,9 @@ function and ``collective_rpc`` waited for ever. Now (tests/vllm/engine_elsewher
 fresh interpreter): without shardkit's worker extension the receiver refuses the engine in
 ``begin``, naming the settings, at once; with it a full and a delta export go through by
 method name and the engine's greedy tokens and log-probabilities equal a fresh engine's on
-the weights sent; and once its engine core is killed, the next export raises within the bound.
+the weights sent; a commit whose load raises in the engine's process leaves the version the
+worker served, and its outputs; and once its engine core is killed, the next export raises
+within the bound.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def test_an_engine_in_its_own_process_takes_exports_or_ends_them_within_the_boun
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in refused["error"]
     assert found["full"]["error"] is None and found["delta"]["error"] is None
     assert found["equal"]
+    assert found["serving"] == 1 == found["serving_after_bad"]
+    failed = found["bad_commit"]["error"]
+    assert "export 2" in failed and "put back" in failed and "serves export 1" in failed, failed
+    assert found["same_after_bad"]
     after = found["after_kill"]
     assert found["killed"] >= 1 and after["error"] is not None
     assert "did not answer" in after["error"] or "EngineDead" in after["error"]

@@ -29,6 +29,7 @@ from tests.vllm.engines import (
     save_tiny_qwen2,
     save_weights_beside,
     start_engine,
+    with_a_bad_tensor,
     with_changes,
 )
 
@@ -116,20 +117,6 @@ def test_an_export_that_does_not_fit_the_engine_is_refused_before_any_write(
     assert receiver.loaded == []
 
 
-def _with_a_bad_tensor(
-    state: dict[str, torch.Tensor], bad_name: str, *, export_id: int = 0
-) -> tuple[ExportManifest, list[WeightBucket]]:
-    """A full export of ``state`` whose ``bad_name`` is sent in a shape the engine refuses."""
-    manifest, buckets = full_export(state, export_id=export_id)
-    failing = next(b for b in buckets if bad_name in b.names)
-    bad = torch.zeros(7, 3, dtype=torch.bfloat16)
-    buckets[failing.index] = WeightBucket(
-        index=failing.index,
-        full=tuple((n, bad if n == bad_name else t) for n, t in failing.full),
-    )
-    return manifest, buckets
-
-
 def test_a_load_failing_at_the_commit_leaves_the_engine_serving_what_it_served(
     engines: Engines,
 ) -> None:
@@ -142,7 +129,7 @@ def test_a_load_failing_at_the_commit_leaves_the_engine_serving_what_it_served(
     # load raises after the embeddings and the first layer went in.
     bad_name = "model.layers.1.self_attn.q_proj.weight"
     with pytest.raises(WeightLoadError) as caught:
-        export_into(receiver, *_with_a_bad_tensor(engines.second, bad_name, export_id=5))
+        export_into(receiver, *with_a_bad_tensor(engines.second, bad_name, export_id=5))
     message = str(caught.value)
     assert "export 5" in message and "put back" in message and "serves export 4" in message
     assert receiver.serving_version() == 4 == receiver.version

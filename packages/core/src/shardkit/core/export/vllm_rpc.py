@@ -31,8 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from shardkit.core.errors import WeightExportError
-from shardkit.core.export.vllm_versions import commit_on_worker, serving_version, stage_on_worker
-from shardkit.core.export.vllm_worker import EXTENSION, load_on_worker, probe_worker
+from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
+from shardkit.core.export.vllm_worker import (
+    EXTENSION,
+    commit_on_worker,
+    load_on_worker,
+    probe_worker,
+)
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
 __all__ = ["EngineCalls", "bounded"]

@@ -16,16 +16,15 @@ packed into their kernels' handles, which are kept by reference, not copied).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from shardkit.core.export.vllm_worker import _model_of, load_on_worker
-
 __all__ = [
-    "commit_on_worker",
+    "commit_staged",
     "serving_version",
     "snapshot",
     "stage_on_worker",
@@ -73,8 +72,17 @@ def stage_on_worker(
     state.staged.extend(tensors)
 
 
-def commit_on_worker(worker: Any, version: int, path: str) -> int:
-    """On the worker: load export ``version``'s staged tensors in one call; its number.
+def commit_staged(
+    worker: Any,
+    version: int,
+    model: torch.nn.Module,
+    load: Callable[[list[tuple[str, torch.Tensor]]], None],
+    path: str,
+) -> int:
+    """On the worker: ``load`` export ``version``'s staged tensors in one call; its number.
+
+    ``model`` is the worker's, put back as it was if ``load`` raises; ``path`` names the load
+    in errors (``vllm_worker.commit_on_worker`` passes both, and its load).
 
     Raises:
         RuntimeError: nothing of ``version`` is staged, or the load raised (the model was put
@@ -86,10 +94,9 @@ def commit_on_worker(worker: Any, version: int, path: str) -> int:
             f"export {version} has nothing staged on vLLM's worker (staged: {state.staging}); "
             f"it serves export {state.serving}"
         )
-    model = _model_of(worker)
     before = snapshot(model)
     try:
-        load_on_worker(worker, path, state.staged)
+        load(state.staged)
     except Exception as error:
         before.restore()
         raise RuntimeError(

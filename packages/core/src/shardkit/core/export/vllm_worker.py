@@ -23,11 +23,14 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load as load_safetensors
 
+from shardkit.core.export.vllm_versions import commit_staged, serving_version, stage_on_worker
+
 __all__ = [
     "EXTENSION",
     "LoadPath",
     "ShardkitWorkerExtension",
     "choose_path",
+    "commit_on_worker",
     "load_on_worker",
     "probe_worker",
 ]
@@ -64,24 +67,29 @@ class ShardkitWorkerExtension:
         """See :func:`load_on_worker` (a bucket as safetensors bytes)."""
         load_on_worker(self, path, payload)
 
-    # Versions (``vllm_versions.py``, which builds on this module: imported when called).
     def shardkit_stage(self, version: int, payload: bytes) -> None:
         """See :func:`~shardkit.core.export.vllm_versions.stage_on_worker`."""
-        from shardkit.core.export.vllm_versions import stage_on_worker
-
         stage_on_worker(self, version, payload)
 
     def shardkit_commit(self, version: int, path: str) -> int:
-        """See :func:`~shardkit.core.export.vllm_versions.commit_on_worker`."""
-        from shardkit.core.export.vllm_versions import commit_on_worker
-
+        """See :func:`commit_on_worker`."""
         return commit_on_worker(self, version, path)
 
     def shardkit_serving_version(self) -> int | None:
         """See :func:`~shardkit.core.export.vllm_versions.serving_version`."""
-        from shardkit.core.export.vllm_versions import serving_version
-
         return serving_version(self)
+
+
+def commit_on_worker(worker: Any, version: int, path: str) -> int:
+    """On the worker: export ``version``'s staged buckets loaded by ``path`` in one call.
+
+    See :func:`~shardkit.core.export.vllm_versions.commit_staged` (the model put back as it
+    was if the load raises).
+    """
+    model = _model_of(worker)
+    return commit_staged(
+        worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path
+    )
 
     def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
         """See ``vllm_server.serve_export_on_worker`` (one export into a ``vllm serve``)."""
