@@ -44,6 +44,7 @@ class StandInEngine:
         self.calls: list[str] = []
         self.loaded: list[bytes] = []
         self.serving: int | None = None
+        self.refuse_commit = False
 
     def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
         if not isinstance(method, str):
@@ -55,6 +56,8 @@ class StandInEngine:
         if method == "shardkit_probe":
             return [["reload_weights", "bfloat16", "a stand-in", -1]]  # a list, as over RPC
         if method == "shardkit_commit":
+            if self.refuse_commit:
+                raise RuntimeError("vLLM's reload_weights raised: the model was put back")
             self.serving = args[0]
             return [args[0]]
         if method == "shardkit_serving_version":
@@ -95,6 +98,30 @@ def test_through_the_extension_only_method_names_and_bytes_travel() -> None:
     assert engine.calls == ["shardkit_probe", "shardkit_stage", "shardkit_commit"]
     assert isinstance(engine.loaded[0], bytes)  # safetensors bytes, no tensor objects
     assert receiver.serving_version() == 0 == receiver.version
+
+
+def test_a_failed_commit_keeps_the_version_and_a_full_export_the_mirror_once() -> None:
+    from shardkit.core.errors import WeightLoadError
+
+    engine = StandInEngine()
+    receiver = VLLMReceiver(engine, bound_s=5)
+    manifest, bucket = _manifest()
+    for export_id in (0, 1):
+        receiver.begin(ExportManifest(export_id, "full", manifest.tensors, 1))
+        receiver.receive(bucket)
+        receiver.commit()
+        receiver.finish()
+    engine.refuse_commit = True
+    receiver.begin(ExportManifest(2, "full", manifest.tensors, 1))
+    assert receiver.mirror == {}  # a full export replaces the mirror: not held twice
+    receiver.receive(bucket)
+    with pytest.raises(WeightLoadError, match="export 2: RuntimeError: vLLM's reload_weights"):
+        receiver.commit()
+    receiver.abort(RuntimeError("the commit failed"))
+    assert receiver.version == 1 == receiver.serving_version()
+    # A delta against version 1 finds no mirror: refused before anything is sent.
+    with pytest.raises(WeightLoadError, match="w: not held"):
+        receiver.begin(ExportManifest(2, "delta", manifest.tensors, 1))
 
 
 def test_a_call_past_the_bound_raises_and_others_pass_through() -> None:

@@ -248,6 +248,10 @@ class FullTensorReceiver:
                     "full first (exporter.reset())"
                 )
             _check_mirror(self.mirror, manifest)
+        elif self.loads_back_itself:
+            # Nothing loads the mirror back here: a full export replaces it whole, so it is
+            # not held twice (a delta after a failed full export is refused: "not held").
+            self.mirror = {}
         self._manifest, self.loaded = manifest, []
         self._next_mirror, self._staged = {}, StagedLoads()
 
