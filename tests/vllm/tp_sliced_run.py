@@ -94,11 +94,12 @@ def rank_parameters(worker: Any) -> dict[str, torch.Tensor]:
 def trainer(config: Any, seed: int) -> torch.nn.Module:
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config)
+    model: Any = transformers.Qwen2ForCausalLM(config)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    return model
+    sharded: torch.nn.Module = model
+    return sharded
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -190,6 +191,8 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
             tp, moved, llm.collective_rpc(rank_parameters)[0], rank
         ),
         "second_window_bytes": second.window_bytes,
+        "seconds": [report.seconds, second.seconds],
+        "load_seconds": [report.handoff_seconds, second.handoff_seconds],
         "counts": [c.tolist() for c in every],
         "model_bytes": sum(t.numel() * t.element_size() for t in trained.values()),
     }
