@@ -214,6 +214,12 @@ def _index_edited(path: Path, edit: Callable[[np.ndarray], np.ndarray]) -> None:
     _mark(path, "__1.index")
 
 
+def _marked_after(path: Path, damage: Callable[[], object]) -> None:
+    """The record damaged by ``damage``, then the marker's checksum of it made to match."""
+    damage()
+    _mark(path, RECORD)
+
+
 def _flipped(path: Path) -> None:
     data = bytearray((path / RECORD).read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -235,12 +241,14 @@ def _past_end(rows: np.ndarray) -> np.ndarray:
 MANAGER_HOSTILE: dict[str, tuple[str, Callable[[Path], Any]]] = {
     "truncated": (
         "damaged layout record: its checksum does not match",
-        lambda p: ((p / RECORD).write_bytes((p / RECORD).read_bytes()[:-7]), _mark(p, RECORD)),
+        lambda p: _marked_after(
+            p, lambda: (p / RECORD).write_bytes((p / RECORD).read_bytes()[:-7])
+        ),
     ),
     "bit flipped": ("layout.json does not match the checksum recorded at save", _flipped),
     "bit flipped, its checksums recomputed": (
         "digest differs",
-        lambda p: (_rewrite(p / RECORD, _shape), _mark(p, RECORD)),
+        lambda p: _marked_after(p, lambda: _rewrite(p / RECORD, _shape)),
     ),
     "oversized": ("more than any record", _oversized),
     "another world, every checksum recomputed": (
