@@ -72,6 +72,24 @@ def fully_shard_of(impl: str) -> Any:
     return shardkit_fully_shard
 
 
+def parallelize_decoder(model: Decoder, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP on ``tp_mesh``: q, k, v, gate and up column-wise, o and down row-wise."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for layer in model.model.layers:
+        plan: dict[str, ParallelStyle] = {
+            f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")
+        }
+        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        plan |= {f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
+        parallelize_module(layer, tp_mesh, plan)
+
+
 def sharded(impl: str, mesh: DeviceMesh | None = None, seed: int = 0, **kw: Any) -> Decoder:
     """A :class:`Decoder` sharded layer by layer with ``impl``'s ``fully_shard``."""
     fully_shard = fully_shard_of(impl)

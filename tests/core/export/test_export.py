@@ -14,6 +14,7 @@ from tests.core.export.export_models import (
     bf16_oracle,
     full_state,
     fully_shard_of,
+    parallelize_decoder,
     perturb,
     sharded,
     train_step,
@@ -70,12 +71,6 @@ def _mesh_exports(
     rank: int, world_size: int, layout: str, impl: str, keep_tp: bool, delta: bool, to: str
 ) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     from shardkit.core.export import FullTensorReceiver
     from shardkit.core.export.exporter import ExportOptions, WeightExporter
@@ -89,13 +84,7 @@ def _mesh_exports(
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
-        for layer in model.model.layers:
-            plan: dict[str, ParallelStyle] = {
-                f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")
-            }
-            plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-            plan |= {f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
-            parallelize_module(layer, mesh["tp"], plan)
+        parallelize_decoder(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)
     fully_shard(model, mesh=dp)

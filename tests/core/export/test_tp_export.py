@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from harness.pool import run_on_ranks
-from tests.core.export.export_models import Decoder, fully_shard_of, perturb
+from tests.core.export.export_models import (
+    Decoder,
+    fully_shard_of,
+    parallelize_decoder,
+    perturb,
+)
 
 _LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
@@ -42,12 +47,6 @@ class _Collecting:
 
 def _model(layout: str, impl: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     fully_shard = fully_shard_of(impl)
     torch.manual_seed(0)
@@ -59,13 +58,7 @@ def _model(layout: str, impl: str) -> Any:
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
-        for layer in model.model.layers:
-            plan: dict[str, ParallelStyle] = {
-                f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")
-            }
-            plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-            plan |= {f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
-            parallelize_module(layer, mesh["tp"], plan)
+        parallelize_decoder(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)
     fully_shard(model, mesh=dp)
