@@ -18,6 +18,9 @@ model, a vLLM loader). Its errors travel back as text: the sender's ``receive`` 
 raises :class:`~shardkit.core.errors.WeightLoadError` with it, and the serving loop stays ready
 for the next export. A receiving process that dies, or does not answer within ``bound_s``,
 makes the sender raise :class:`~shardkit.core.errors.WeightExportError` naming the bucket.
+
+Past 400 lines: the next split is the serving side (``serve_shared_memory``,
+``serve_connection`` and their session) into ``shared_memory_serve.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from shardkit.core.export import wire
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.receivers import WeightReceiver
 
-__all__ = ["SharedMemorySender", "serve_shared_memory"]
+__all__ = ["SharedMemorySender", "serve_connection", "serve_shared_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +256,18 @@ def serve_shared_memory(
                 served += session.finished
             if stopped:
                 return served
+
+
+def serve_connection(conn: Connection, receiver: WeightReceiver) -> int:
+    """Serve one sender's connection, accepted by the caller, until stop or until it is gone.
+
+    For a receiving process that must not wait for a sender without a bound (``vllm_server``'s
+    worker accepts its sender itself). Closes ``conn``; returns the exports finished.
+    """
+    with conn:
+        session = _ServingSession(conn, receiver)
+        session.run()
+        return session.finished
 
 
 class _ServingSession:

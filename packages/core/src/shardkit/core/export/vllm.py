@@ -44,6 +44,8 @@ __all__ = [
     "EXTENSION",
     "LoadPath",
     "VLLMReceiver",
+    "check_manifest",
+    "checkpoint_shapes",
     "engine_dtype",
     "vllm_loader",
     "vllm_receiver",
@@ -234,26 +236,7 @@ class VLLMReceiver(FullTensorReceiver):
                 cannot apply; nothing was written.
         """
         self._loader.ready()  # the route and the path, before the first bucket
-        problems = [
-            f"{entry.name}: sent as {entry.dtype}, the engine computes in {self.dtype}"
-            for entry in manifest.tensors
-            if entry.dtype.is_floating_point and entry.dtype != self.dtype
-        ]
-        if self._checkpoint is not None:
-            for entry in manifest.tensors:
-                shape = self._checkpoint.get(entry.name)
-                if shape is None:
-                    problems.append(f"{entry.name}: not a tensor of the engine's checkpoint")
-                elif shape != entry.shape:
-                    problems.append(
-                        f"{entry.name}: sent as {list(entry.shape)}, the engine's checkpoint "
-                        f"holds {list(shape)}"
-                    )
-        if problems:
-            raise WeightLoadError(
-                f"export {manifest.export_id} does not fit the vLLM engine; nothing was "
-                "written: " + "; ".join(problems)
-            )
+        check_manifest(manifest, self.dtype, self._checkpoint)
         super().begin(manifest)
 
     def _stage(self, names: list[str], tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -284,12 +267,47 @@ class VLLMReceiver(FullTensorReceiver):
             logger.warning("vLLM did not reset its prefix cache after the weight update")
 
 
-def _checkpoint_shapes(llm: Any) -> dict[str, tuple[int, ...]] | None:
-    """The names and shapes of the engine's checkpoint, read from its safetensors headers.
+def check_manifest(
+    manifest: ExportManifest, dtype: torch.dtype, checkpoint: dict[str, tuple[int, ...]] | None
+) -> None:
+    """Refuse ``manifest`` where an engine computing in ``dtype`` on ``checkpoint`` cannot take it.
 
-    None where the engine was not started from a local folder of safetensors files.
+    Raises:
+        WeightLoadError: every tensor it cannot take, named (floating tensors in another
+            dtype; names or shapes the checkpoint lacks, where there is one).
     """
-    source = getattr(getattr(llm.llm_engine, "model_config", None), "model", None)
+    problems = [
+        f"{entry.name}: sent as {entry.dtype}, the engine computes in {dtype}"
+        for entry in manifest.tensors
+        if entry.dtype.is_floating_point and entry.dtype != dtype
+    ]
+    shapes = checkpoint if checkpoint is not None else {}  # none: names and shapes unchecked
+    for entry in manifest.tensors if checkpoint is not None else ():
+        shape = shapes.get(entry.name)
+        if shape is None:
+            problems.append(f"{entry.name}: not a tensor of the engine's checkpoint")
+        elif shape != entry.shape:
+            problems.append(
+                f"{entry.name}: sent as {list(entry.shape)}, the engine's checkpoint "
+                f"holds {list(shape)}"
+            )
+    if problems:
+        raise WeightLoadError(
+            f"export {manifest.export_id} does not fit the vLLM engine; nothing was written: "
+            + "; ".join(problems)
+        )
+
+
+def _checkpoint_shapes(llm: Any) -> dict[str, tuple[int, ...]] | None:
+    return checkpoint_shapes(getattr(getattr(llm.llm_engine, "model_config", None), "model", None))
+
+
+def checkpoint_shapes(source: object) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes of the checkpoint at ``source``, read from its safetensors headers.
+
+    None where ``source`` (vLLM's ``model_config.model``) is not a local folder of
+    safetensors files.
+    """
     folder = Path(source) if isinstance(source, str) else None
     files = sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else []
     if not files:

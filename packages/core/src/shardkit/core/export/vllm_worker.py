@@ -79,6 +79,12 @@ class ShardkitWorkerExtension:
         """See :func:`~shardkit.core.export.vllm_versions.serving_version`."""
         return serving_version(self)
 
+    def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
+        """See ``vllm_server.serve_export_on_worker`` (one export into a ``vllm serve``)."""
+        # Imported here: vllm_server imports this module.
+        serving = importlib.import_module("shardkit.core.export.vllm_server")
+        return serving.serve_export_on_worker(self, address, authkey_hex, bound_s)
+
 
 def commit_on_worker(worker: Any, version: int, path: str) -> int:
     """On the worker: export ``version``'s staged buckets loaded by ``path`` in one call.
@@ -90,12 +96,6 @@ def commit_on_worker(worker: Any, version: int, path: str) -> int:
     return commit_staged(
         worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path
     )
-
-    def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
-        """See ``vllm_server.serve_export_on_worker`` (one export into a ``vllm serve``)."""
-        # Imported here: vllm_server imports this module.
-        serving = importlib.import_module("shardkit.core.export.vllm_server")
-        return serving.serve_export_on_worker(self, address, authkey_hex, bound_s)
 
 
 def _model_of(worker: Any) -> Any:

@@ -1,0 +1,354 @@
+"""vLLM's OpenAI-compatible server (``vllm serve``) as an export's receiver.
+
+The server's engine core runs in a process of its own, behind HTTP. Its worker takes an export
+through shardkit's worker extension (``--worker-extension-cls``, ``vllm_worker.EXTENSION``),
+reached by method name through the server's ``POST /collective_rpc`` (present where the server
+was started with ``VLLM_SERVER_DEV_MODE=1``); no pickled function travels. The weights go
+through the shared-memory transport (``shared_memory.py``), as they would to any process on
+this host: JSON carries no bytes.
+
+One export, on the trainer's receiving rank (:class:`VLLMServerReceiver`):
+
+1. ``begin`` probes the worker (``shardkit_probe``), bounded: a server that is down, lacks the
+   dev mode or the extension, or cannot take weights in place is refused by name before the
+   first bucket;
+2. it asks the worker, on a helper thread, to serve one export (``shardkit_serve_export``, a
+   socket path and a key) and connects a ``SharedMemorySender`` to it; the worker listens, for
+   at most the bound, and loads each bucket as it arrives (``serve_export_on_worker``);
+3. ``commit`` (before the trainer ranks' last agreement, so its failure fails every rank)
+   ends the sender's export, on which the worker loads it all or, failing, keeps the last
+   (its ``FullTensorReceiver`` stages it); then it tells the worker to stop serving (its call
+   returns) and empties the server's prefix cache, whose keys the old weights computed.
+
+The worker serves inside one ``collective_rpc``, so the engine core takes no step while an
+export loads: a request waits, and is answered after the export on the weights it left. A
+delta export is rebuilt on the worker's mirror of the last one (kept between calls). A server
+that dies, or stops answering past the bound, ends the export on the receiving rank with a
+:class:`~shardkit.core.errors.WeightExportError`, which the exporter makes every rank raise.
+
+This module imports no vLLM (the worker's part is called inside vLLM's worker).
+
+See docs/guide/export.md ("A vLLM server").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from shardkit.core.errors import WeightExportError, WeightLoadError
+from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.receivers import FullTensorReceiver
+from shardkit.core.export.shared_memory import SharedMemorySender, serve_connection
+from shardkit.core.export.vllm import check_manifest, checkpoint_shapes
+from shardkit.core.export.vllm_worker import EXTENSION, choose_path, load_on_worker
+from shardkit.core.runtime.export.export_groups import export_bound_s
+
+__all__ = ["VLLMServerReceiver", "serve_export_on_worker", "vllm_server_receiver"]
+
+logger = logging.getLogger(__name__)
+
+SERVE_METHOD = "shardkit_serve_export"
+"""The extension's method that serves one export (see :func:`serve_export_on_worker`)."""
+
+
+class _Call:
+    """One HTTP request on a helper thread: started now, its answer read later."""
+
+    def __init__(self, request: urllib.request.Request) -> None:
+        self.outcome: list[tuple[bool, Any]] = []
+        self.thread = threading.Thread(
+            target=self._run, args=(request,), name="shardkit-server-call", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, request: urllib.request.Request) -> None:
+        try:
+            with urllib.request.urlopen(request) as response:  # no timeout: see ``answer``
+                self.outcome.append((True, response.read()))
+        except BaseException as error:  # handed to the caller's thread
+            self.outcome.append((False, error))
+
+    def answer(self, within_s: float) -> tuple[bool, Any] | None:
+        """(ok, the body or the error), or None where it did not come within ``within_s``."""
+        self.thread.join(within_s)
+        return self.outcome[0] if self.outcome else None
+
+
+@dataclass(slots=True)
+class _OpenExport:
+    sender: SharedMemorySender
+    serving: _Call
+
+
+class VLLMServerReceiver:
+    """Exports into a running ``vllm serve`` (see the module's docstring).
+
+    Use it on the trainer's receiving rank as any receiver::
+
+        receiver = vllm_server_receiver("http://127.0.0.1:8000") if exporter.receiving else None
+        exporter.export(receiver, delta=True)
+
+    The server must run on this host (the buckets go through shared memory), started with
+    ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls`` set to
+    :data:`~shardkit.core.export.vllm_worker.EXTENSION`.
+
+    Args:
+        url: the server's base URL (``http://host:port``).
+        bound_s: the longest wait for the server's answer to one step (the probe, a bucket,
+            the end of the export; default ``SHARDKIT_EXPORT_BOUND``).
+        socket_dir: where the per-export Unix socket is made (default: the temporary folder).
+    """
+
+    def __init__(
+        self, url: str, *, bound_s: float | None = None, socket_dir: str | None = None
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.bound_s = export_bound_s(bound_s)
+        self.socket_dir = socket_dir or tempfile.gettempdir()
+        self._open: _OpenExport | None = None
+        self.version: int | None = None
+        """The export the server's worker holds complete, as it reported (None: none yet)."""
+
+    def begin(self, manifest: ExportManifest) -> None:
+        """Probe the server, ask its worker to serve this export, and send the manifest.
+
+        Raises:
+            WeightExportError: the server is unreachable, lacks ``VLLM_SERVER_DEV_MODE=1`` or
+                the worker extension, or did not answer within the bound; nothing was written.
+            WeightLoadError: the server's engine cannot take weights in place.
+        """
+        if self._open is not None:
+            raise RuntimeError("VLLMServerReceiver.begin: the previous export is still open")
+        chosen, _dtype, reason, _pid = self._rpc("shardkit_probe", ["auto"], "the probe")
+        if chosen is None:
+            raise WeightLoadError(f"the vLLM server at {self.url} cannot take weights: {reason}")
+        address = os.path.join(self.socket_dir, f"shardkit-{os.getpid()}-{secrets.token_hex(6)}")
+        authkey = secrets.token_bytes(32)
+        body = {"method": SERVE_METHOD, "args": [address, authkey.hex(), self.bound_s]}
+        serving = _Call(self._request("/collective_rpc", body))
+        opened = _OpenExport(SharedMemorySender(address, authkey, bound_s=self.bound_s), serving)
+        try:
+            opened.sender.begin(manifest)
+        except WeightExportError as error:
+            opened.sender.close()
+            raise self._explained(error, serving) from error
+        self._open = opened
+
+    def receive(self, bucket: WeightBucket) -> None:
+        """Write ``bucket`` into shared memory; the worker loads it."""
+        self._current().sender.receive(bucket)
+
+    def commit(self) -> None:
+        """Wait until the worker loaded the export, end its serving, empty the prefix cache.
+
+        The exporter calls it after the last bucket, before the ranks' last agreement, so a
+        failure here fails every rank.
+
+        Raises:
+            WeightLoadError: the worker's load failed (its text); it serves the last export.
+            WeightExportError: the server died or did not answer within the bound.
+        """
+        opened = self._open
+        if opened is None:
+            return  # committed already, or nothing began
+        try:
+            opened.sender.finish()
+        except WeightExportError as error:
+            raise self._explained(error, opened.serving) from error
+        finally:
+            self._end(opened)
+        answer = opened.serving.answer(self.bound_s)
+        if answer is None or not answer[0]:
+            raise self._explained(
+                WeightExportError(f"the vLLM server at {self.url} did not end the export"),
+                opened.serving,
+            )
+        served = json.loads(answer[1])["results"][0]
+        self._post("/reset_prefix_cache", None, "the reset of its prefix cache")
+        self.version = served.get("version") if isinstance(served, dict) else None
+
+    def finish(self) -> None:
+        """The export went through (committed here if the exporter did not)."""
+        self.commit()
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the worker the export failed, and end its serving."""
+        opened = self._open
+        if opened is None:
+            return
+        try:
+            opened.sender.abort(error)
+        finally:
+            self._end(opened)
+
+    def _current(self) -> _OpenExport:
+        if self._open is None:
+            raise RuntimeError("VLLMServerReceiver: no export begun (call begin first)")
+        return self._open
+
+    def _end(self, opened: _OpenExport) -> None:
+        self._open = None
+        opened.sender.close(stop_serving=True)  # the worker's call returns: the engine resumes
+
+    def _explained(self, error: WeightExportError, serving: _Call) -> WeightExportError:
+        """``error``, with the server's own answer to the serving call where it failed."""
+        answer = serving.answer(0.0)
+        if answer is None or answer[0]:
+            return error
+        return WeightExportError(f"{error}; the server answered: {_http_text(answer[1])}")
+
+    def _rpc(self, method: str, args: list[Any], what: str) -> Any:
+        """The first worker's result of ``method(*args)`` through ``/collective_rpc``."""
+        body = {"method": method, "args": args, "timeout": self.bound_s}
+        answer = self._post("/collective_rpc", body, what)
+        try:
+            return json.loads(answer)["results"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as error:
+            raise WeightExportError(
+                f"the vLLM server at {self.url} gave a malformed answer to {what}: {answer[:200]!r}"
+            ) from error
+
+    def _post(self, path: str, body: dict[str, Any] | None, what: str) -> bytes:
+        try:
+            with urllib.request.urlopen(
+                self._request(path, body), timeout=self.bound_s
+            ) as response:
+                answer: bytes = response.read()
+                return answer
+        except urllib.error.HTTPError as error:
+            raise WeightExportError(
+                f"the vLLM server at {self.url} refused {what} ({path}): {_http_text(error)}"
+                + _missing_setting(error, path)
+            ) from error
+        except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
+            raise WeightExportError(
+                f"the vLLM server at {self.url} did not answer {what} within {self.bound_s:g} s "
+                f"(SHARDKIT_EXPORT_BOUND): {error}"
+            ) from error
+
+    def _request(self, path: str, body: dict[str, Any] | None) -> urllib.request.Request:
+        data = json.dumps(body if body is not None else {}).encode()
+        headers = {"Content-Type": "application/json"}
+        return urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+
+
+def vllm_server_receiver(
+    url: str, *, bound_s: float | None = None, socket_dir: str | None = None
+) -> VLLMServerReceiver:
+    """The receiver for a ``vllm serve`` at ``url`` (see :class:`VLLMServerReceiver`)."""
+    return VLLMServerReceiver(url, bound_s=bound_s, socket_dir=socket_dir)
+
+
+def _http_text(error: object) -> str:
+    if isinstance(error, urllib.error.HTTPError):
+        with contextlib.suppress(OSError):
+            return f"HTTP {error.code}: {error.read()[:500].decode(errors='replace')}"
+        return f"HTTP {error.code}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _missing_setting(error: urllib.error.HTTPError, path: str) -> str:
+    """What the server was started without, where its answer tells."""
+    if error.code == 404:
+        return f"; start the server with VLLM_SERVER_DEV_MODE=1 (it has no {path} without)"
+    if path == "/collective_rpc":
+        return f"; start the server with --worker-extension-cls {EXTENSION}"
+    return ""
+
+
+# On the server's worker ----------------------------------------------------------------------
+
+
+class _WorkerReceiver(FullTensorReceiver):
+    """On the worker: exports checked against the engine, rebuilt whole, loaded in place."""
+
+    def __init__(self, worker: Any) -> None:
+        path, dtype, reason = choose_path(worker, "auto")
+        if path is None:
+            raise WeightLoadError(f"this vLLM engine cannot take weights in place: {reason}")
+        chosen: str = path
+
+        def load(tensors: list[tuple[str, Any]]) -> None:
+            load_on_worker(worker, chosen, tensors)
+
+        super().__init__(load)
+        self.dtype = dtype
+        self.checkpoint = checkpoint_shapes(worker.model_runner.model_config.model)
+
+    def begin(self, manifest: ExportManifest) -> None:
+        check_manifest(manifest, self.dtype, self.checkpoint)
+        super().begin(manifest)
+
+
+# One receiver per worker, kept from export to export (its mirror is what a delta rebuilds on).
+_RECEIVERS: weakref.WeakKeyDictionary[Any, _WorkerReceiver] = weakref.WeakKeyDictionary()
+
+
+def serve_export_on_worker(
+    worker: Any, address: str, authkey_hex: str, bound_s: float
+) -> dict[str, Any]:
+    """On the server's worker: serve one sender's export at ``address``, then return.
+
+    Called by vLLM's ``collective_rpc`` (the extension's ``shardkit_serve_export``). Listens
+    at the Unix socket ``address`` for at most ``bound_s``, then loads what the sender sends
+    until it says stop or is gone.
+
+    Returns:
+        ``{"finished": exports finished, "version": the export the worker holds complete,
+        "error": why none was served, or None}``.
+    """
+    authkey = bytes.fromhex(authkey_hex)
+    receiver = _RECEIVERS.get(worker)
+    if receiver is None:
+        receiver = _RECEIVERS[worker] = _WorkerReceiver(worker)
+    conn = _accept_within(address, authkey, float(bound_s))
+    if conn is None:
+        why = f"no sender connected to {address} within {bound_s} s"
+        return {"finished": 0, "version": receiver.version, "error": why}
+    finished = serve_connection(conn, receiver)
+    return {"finished": finished, "version": receiver.version, "error": None}
+
+
+def _accept_within(address: str, authkey: bytes, bound_s: float) -> Connection | None:
+    """The sender's connection at ``address``, or None where none came within ``bound_s``.
+
+    ``Listener.accept`` takes no timeout: it runs on a helper thread, and where the bound
+    passes this thread connects itself to end the wait (that connection is dropped).
+    """
+    with Listener(address, authkey=authkey) as listener:
+        accepted: list[Connection | BaseException] = []
+
+        def accept() -> None:
+            try:
+                accepted.append(listener.accept())
+            except (OSError, EOFError) as error:  # a failed handshake: not our sender
+                accepted.append(error)
+
+        helper = threading.Thread(target=accept, name="shardkit-server-accept", daemon=True)
+        helper.start()
+        helper.join(bound_s)
+        if helper.is_alive():
+            with contextlib.suppress(OSError, EOFError):
+                Client(address, authkey=authkey).close()
+            helper.join()
+            for late in accepted:
+                if isinstance(late, Connection):
+                    late.close()
+            return None
+    found = accepted[0] if accepted else None
+    if isinstance(found, Connection):
+        return found
+    logger.warning("no sender connected to %s: %s", address, found)
+    return None

