@@ -43,15 +43,17 @@ def _syncs(rank: int, world_size: int, chunk: int) -> Any:
     target = Decoder().to(torch.bfloat16)
     receiver = ModuleReceiver(target) if exporter.receiving else None
     full = exporter.export(receiver, delta=True)
-    rows = []
+    rows, compared = [], []
     for layers, everything in [({0, 1, 2}, set()), ({0}, {2}), (set(), set()), ({1}, {0, 1, 2})]:
         _nudge(model, layers, everything)
         report = exporter.export(receiver, delta=True)
         oracle = full_state(model, torch.bfloat16)  # a collective: every rank
         held = target.state_dict()
         wrong = [n for n, t in oracle.items() if exporter.receiving and not torch.equal(held[n], t)]
-        rows.append((report.kind, report.counts.plain_buckets, report.counts.received_bytes, wrong))
-    return {"full_bytes": full.counts.received_bytes, "rows": rows}
+        counts = report.counts
+        rows.append((report.kind, counts.plain_buckets, counts.received_bytes, wrong))
+        compared.append(counts.compared_buckets)
+    return {"full_bytes": full.counts.received_bytes, "rows": rows, "compared": compared}
 
 
 def test_each_bucket_goes_as_changes_or_plain_whichever_is_cheaper() -> None:
@@ -60,8 +62,56 @@ def test_each_bucket_goes_as_changes_or_plain_whichever_is_cheaper() -> None:
     plain = [row[1] for row in first["rows"]]
     assert all(row[0] == "delta" and row[3] == [] for row in first["rows"])
     # Nudges only: no bucket plain; one layer moved whole: its bucket (and only it) plain;
-    # nothing moved: no bytes; every layer moved whole, the embedding too: most plain.
-    assert plain[0] == 0 and plain[1] >= 1 and plain[2] == 0 and plain[3] > plain[1]
-    assert first["rows"][2][2] == 0
+    # nothing moved: that bucket, found dense, moves whole once more, uncompared (a full
+    # export's cost), and the others move nothing; every layer moved whole, the embedding
+    # too: most plain.
+    assert plain[0] == 0 and plain[1] >= 1 and plain[2] == plain[1] and plain[3] > plain[1]
+    buckets = first["compared"][0]
+    assert first["compared"][1:3] == [buckets, buckets - plain[1]]
+    assert 0 < first["rows"][2][2] < first["full_bytes"]
     assert all(row[2] <= first["full_bytes"] for row in first["rows"])
     assert first["rows"][0][2] < first["full_bytes"] // 4
+
+
+def _dense_runs(rank: int, world_size: int, syncs: int) -> Any:
+    """A model whose every element moves at each sync for ``syncs`` syncs, then none does."""
+    from shardkit.core.export import ModuleReceiver
+    from shardkit.core.export.exporter import ExportOptions, WeightExporter
+
+    model = sharded("shardkit")
+    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16))
+    target = Decoder().to(torch.bfloat16)
+    receiver = ModuleReceiver(target) if exporter.receiving else None
+    exporter.export(receiver, delta=True)
+    rows = []
+    for sync in range(syncs + 12):
+        if sync < syncs:
+            _nudge(model, set(), {0, 1, 2})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.125)  # the embedding and the norms too: every bucket dense
+        report = exporter.export(receiver, delta=True)
+        oracle = full_state(model, torch.bfloat16)
+        held = target.state_dict()
+        same = not exporter.receiving or all(torch.equal(held[n], t) for n, t in oracle.items())
+        counts = report.counts
+        rows.append((counts.compared_buckets, counts.plain_buckets, counts.received_bytes, same))
+    return rows
+
+
+def test_a_dense_bucket_goes_plain_uncompared_for_longer_runs_then_is_compared_again() -> None:
+    """While a bucket stays dense, it is compared at syncs 1, 3, 6, 11, 20, 29 (skipping 1, 2,
+    4, 8, 8 between): in between it costs a full export's cast, no comparison. Once it stops
+    changing, the next comparison finds it quiet and it moves nothing from then on."""
+    from shardkit.core.export.delta_transfer import DENSE_RUN
+
+    assert DENSE_RUN == 8
+    rows = run_on_ranks(2, _dense_runs, syncs=24)[0]
+    assert all(row[3] for row in rows)  # every sync equals full_tensor() in bf16
+    compared = [i + 1 for i, row in enumerate(rows) if row[0]]
+    assert compared[:5] == [1, 3, 6, 11, 20]
+    # Dense throughout the first 24 syncs: every bucket plain at each.
+    assert all(row[1] == rows[0][1] > 0 for row in rows[:24])
+    # Quiet from sync 25: plain (uncompared) until the comparison at 29, nothing after it.
+    assert compared[5] == 29 and rows[28][1] == 0 and rows[28][2] == 0
+    assert all(row[0] and row[2] == 0 for row in rows[29:])

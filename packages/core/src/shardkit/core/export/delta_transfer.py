@@ -32,7 +32,12 @@ from shardkit.core.export.messages import ChangedElements, WeightBucket
 from shardkit.core.export.transfer import BucketTransfer
 from shardkit.core.runtime.groups import global_rank
 
-__all__ = ["count_changes", "move_changes"]
+__all__ = ["DENSE_RUN", "count_changes", "move_changes"]
+
+DENSE_RUN = 8
+"""The most syncs in a row a dense bucket goes plain without its comparison: the one sync in
+``DENSE_RUN + 1`` that compares it again costs the comparison up to the limit (1/``DENSE`` of
+the changes, at most) on top of a full export's cast."""
 
 
 def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket | None:
@@ -65,7 +70,9 @@ def count_changes(transfer: BucketTransfer) -> list[int]:
     Its count and its ``STEPS`` message's size, for each bucket in turn (zeros for a full
     export; the part's length where more than 1/``DENSE`` of it changed: that bucket moves
     whole, and its positions are never built). Counting packs this export's parts over the
-    kept ones (``delta_find.py``).
+    kept ones (``delta_find.py``). A bucket this rank found dense is not compared for the next
+    1, 2, 4, ... ``DENSE_RUN`` syncs while it stays dense (it moves whole, as in a full
+    export): there a delta costs a full export's time, not a comparison more.
     """
     previous = transfer.previous
     if previous is None:
@@ -79,7 +86,15 @@ def count_changes(transfer: BucketTransfer) -> list[int]:
         dtype = next(s.dtype for s in bucket.sources if s.gathers)
         part = previous.parts[bucket.index]
         length = part.numel() // dtype.itemsize
-        found = refresh_part(pieces, part, dtype, limit=length // DENSE)
+        left, run = previous.dense.get(bucket.index, (0, 0))
+        # A bucket found dense lately is cast into its part uncompared: a full export's cost.
+        found = refresh_part(pieces, part, dtype, limit=-1 if left else length // DENSE)
+        transfer.counts.compared_buckets += not left
+        if left:
+            transfer.kept.dense[bucket.index] = (left - 1, run)
+        elif found is None:  # compared and dense again: skip twice as many syncs, up to a cap
+            run = min(max(1, 2 * run), DENSE_RUN)
+            transfer.kept.dense[bucket.index] = (run, run)
         # The kept part now holds this export's values, whichever way the bucket moves.
         transfer.kept.parts[bucket.index] = part
         transfer.packed[bucket.index] = (part, [offset for _, _, offset in pieces])

@@ -53,6 +53,9 @@ class TransferCounts:
     """Bytes handed to the receiver (the receiving rank)."""
     plain_buckets: int = 0
     """Buckets of a delta export that moved whole (changes would not have been cheaper)."""
+    compared_buckets: int = 0
+    """Buckets of a delta export this rank compared with its kept part (a bucket found dense
+    lately is not: it moves whole)."""
 
 
 @dataclass(slots=True)
@@ -64,6 +67,9 @@ class PreviousExport:
 
     parts: dict[int, torch.Tensor] = field(default_factory=dict)
     plain: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Buckets this rank found dense: (syncs left that go plain uncompared, the run's length);
+    ``delta_transfer.count_changes`` keeps it."""
 
 
 def _aligned(nbytes: int) -> int:

@@ -1,0 +1,87 @@
+"""Weights into vLLM's CPU build at W=2: shardkit's export (full, delta) beside trl's pattern.
+
+One command, under the vLLM environment (``make check-vllm`` sets it up)::
+
+    .venv-vllm/bin/python benchmarks/bench_export_vllm.py [SIZES] [ROUNDS]
+
+``SIZES``: ``5m``, ``150m`` or ``5m,150m`` (the default); ``ROUNDS``: syncs measured per
+mode (default 3, after a warm-up sync). Every combination of placement (``colocated``: an
+engine in each trainer process; ``process``: rank 0's engine core in a process of its own),
+mode (``trl``, ``full``, ``delta``) and learning rate (1e-6, 1e-5) runs in fresh processes
+(``benchmarks/export_vllm_run.py``), so each mode's peak RSS is its own. Prints one table row
+per combination (medians over the rounds; peak RSS per trainer rank) and writes every round to
+``benchmarks/.results/export_vllm.json``. Here, at load 20-30 on 2 cores, 5M took about 25
+minutes (most of it starting engines); 150M takes about an hour. A script, not a pytest
+benchmark: the default environment has no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PLACEMENTS = ("colocated", "process")
+MODES = ("trl", "full", "delta")
+RATES = ("1e-6", "1e-5")
+
+
+def run_mode(size: str, placement: str, mode: str, lr: str, rounds: int, folder: Path) -> Any:
+    """One combination in fresh processes (torchrun, W=2); its JSON line."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(ROOT / "benchmarks" / "export_vllm_run.py"), size, placement, mode, lr]
+    cmd += [str(rounds), str(folder)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def row(result: dict[str, Any]) -> str:
+    """One table row: medians over the rounds, peaks the highest."""
+    rows = result["rows"]
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    peaks = [max(r["peak_rss_mib"][i] for r in rows) for i in range(2)]
+    return (
+        f"| {result['size']} | {result['placement']} | {result['lr']:g} | {result['mode']} | "
+        f"{median('sync_s'):.3f} | {median('trainer_s'):.3f} | {median('engine_s'):.3f} | "
+        f"{median('bytes') / 2**20:.2f} MiB | r0 {peaks[0]:.0f}, r1 {peaks[1]:.0f} MiB |"
+    )
+
+
+def main(argv: list[str]) -> None:
+    sizes = (argv[0] if argv else "5m,150m").split(",")
+    rounds = int(argv[1]) if len(argv) > 1 else 3
+    print(os.getloadavg(), flush=True)
+    head = "| model | engine | lr | mode | sync | trainer side | engine load | bytes | peak RSS |"
+    print(head + "\n" + "|---" * 9 + "|", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for size in sizes:
+            folder = Path(scratch) / size  # the engines' initial weights, written once
+            for placement in PLACEMENTS:
+                for lr in RATES:
+                    for mode in MODES:
+                        result = run_mode(size, placement, mode, lr, rounds, folder)
+                        result["load_average"] = os.getloadavg()
+                        results.append(result)
+                        print(row(result), flush=True)
+    out = ROOT / "benchmarks" / ".results" / "export_vllm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"rounds in {out}; load average now {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
