@@ -193,7 +193,9 @@ def test_a_loads_planning_is_counted_work_times_measured_unit_costs() -> None:
     cost = checkpoint_cost(layout, plain_sizes, _COSTS, 1.0, mappings, load_costs=costs)
     # At the same layout under FSDP a rank's shards overlap one saved item a value.
     assert most_overlaps(layout) == len(values)
+    positions = sum(g.ranks.size for g in layout.geometries.values())
     expected = cost.record_bytes * 1e-8 + len(values) * 1e-5 + len(values) * 1e-6
+    expected += positions * _COSTS.per_position_s
     assert cost.load_plan_s == pytest.approx(expected)
     assert "load planning per rank" in format_checkpoint_cost(cost)
 

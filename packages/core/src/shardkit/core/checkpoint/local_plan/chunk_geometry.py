@@ -1,4 +1,4 @@
-"""The distinct chunks of a DTensor (or FSDP1 ShardedTensor) layout, and who holds each.
+"""A value's layout (:class:`ValueLayout`), its distinct chunks and who holds each.
 
 A DTensor's chunks are a pure function of its global shape, its mesh and its placements:
 torch.chunk's arithmetic per mesh dim (``Shard`` and ``Replicate``, vectorized over the
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
 from torch.distributed.tensor import Replicate, Shard
 
 from shardkit.core.checkpoint.local_plan.replica_shares import Demand, Pieces, cut_chunks
@@ -24,10 +24,35 @@ from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import shard_chun
 from shardkit.core.runtime.chunks import chunk_rows_array
 from shardkit.core.runtime.dtensors import chunk_at
 
-if TYPE_CHECKING:
-    from shardkit.core.checkpoint.local_plan.chunk_writers import ValueLayout
+__all__ = ["Geometry", "ValueLayout", "mesh_key"]
 
-__all__ = ["Geometry", "mesh_key"]
+
+@dataclass(frozen=True, slots=True)
+class ValueLayout:
+    """One value of the flat state dict, as far as the plan is concerned."""
+
+    fqn: str
+    kind: str
+    """``"dtensor"``, ``"sharded"`` (FSDP1's ShardedTensor: ``sharded_tensor_chunks``),
+    ``"tensor"`` (held whole by every rank) or ``"bytes"`` (not a tensor)."""
+    shape: tuple[int, ...] = ()
+    properties: TensorProperties | None = None
+    mesh: np.ndarray | None = None
+    """A DTensor's mesh: the global rank at each position (its shape is the mesh's); a
+    ShardedTensor's: the global rank of each shard."""
+    placements: tuple[Any, ...] = ()
+    mesh_id: str = ""
+    """:func:`mesh_key` of ``mesh`` (computed once per mesh, not per tensor)."""
+
+    def describe(self) -> str:
+        """Everything the plan depends on, as text (the layout's digest hashes it)."""
+        props = self.properties
+        dtype = "" if props is None else f"{props.dtype}|{props.pin_memory}|{props.requires_grad}"
+        return f"{self.fqn}|{self.kind}|{self.shape}|{dtype}|{self.mesh_id}|{self.placements}"
+
+    def geometry_key(self) -> tuple[Any, ...]:
+        """What a DTensor's chunks depend on."""
+        return (self.shape, self.mesh_id, self.placements)
 
 
 def mesh_key(mesh: np.ndarray) -> str:

@@ -24,6 +24,9 @@ every rank can compute every rank's chunk of it, and no plan needs to travel.
 Per rank, after the geometries (O(W log W) each, once per layout), its own items take O(1) per
 tensor. Rank 0's metadata and its check of every rank's results are O(chunks); the layout is
 kept while the state's layout stays the same (:attr:`SaveLayout.digest`).
+
+Next to split off: the questions of who writes what (``own_items``, ``writes_of``,
+``writers``, ``writer_of``), into a ``writer_queries`` module beside ``replica_shares``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from shardkit.core.checkpoint.local_plan.chunk_geometry import Geometry, mesh_key
+from shardkit.core.checkpoint.local_plan.chunk_geometry import Geometry, ValueLayout, mesh_key
 from shardkit.core.checkpoint.local_plan.replica_shares import (
     Demand,
     Pieces,
@@ -59,34 +62,6 @@ from shardkit.core.checkpoint.local_plan.sharded_tensor_chunks import ShardedPar
 __all__ = ["Geometry", "OwnItems", "SaveLayout", "ValueLayout", "mesh_key"]
 
 _CHUNKED = frozenset({"dtensor", "sharded"})  # values whose chunks the ranks hold apart
-
-
-@dataclass(frozen=True, slots=True)
-class ValueLayout:
-    """One value of the flat state dict, as far as the plan is concerned."""
-
-    fqn: str
-    kind: str
-    """``"dtensor"``, ``"sharded"`` (FSDP1's ShardedTensor: ``sharded_tensor_chunks``),
-    ``"tensor"`` (held whole by every rank) or ``"bytes"`` (not a tensor)."""
-    shape: tuple[int, ...] = ()
-    properties: TensorProperties | None = None
-    mesh: np.ndarray | None = None
-    """A DTensor's mesh: the global rank at each position (its shape is the mesh's); a
-    ShardedTensor's: the global rank of each shard."""
-    placements: tuple[Any, ...] = ()
-    mesh_id: str = ""
-    """:func:`mesh_key` of ``mesh`` (computed once per mesh, not per tensor)."""
-
-    def describe(self) -> str:
-        """Everything the plan depends on, as text (the layout's digest hashes it)."""
-        props = self.properties
-        dtype = "" if props is None else f"{props.dtype}|{props.pin_memory}|{props.requires_grad}"
-        return f"{self.fqn}|{self.kind}|{self.shape}|{dtype}|{self.mesh_id}|{self.placements}"
-
-    def geometry_key(self) -> tuple[Any, ...]:
-        """What a DTensor's chunks depend on."""
-        return (self.shape, self.mesh_id, self.placements)
 
 
 @dataclass(frozen=True, slots=True)

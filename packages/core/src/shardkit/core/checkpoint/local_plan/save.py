@@ -27,6 +27,9 @@ way (a rank's own RNG state, say) are saved as DCP saves them: once, by one rank
 
 What was written travels and is checked in ``save_results`` (the rows, their gather, rank
 0's storage entries and ``.metadata``'s file).
+
+Next to split off: the planner (``LocalPlanSavePlanner``, ``cut_rows``, ``LayoutCache``)
+into a ``save_planner`` module.
 """
 
 from __future__ import annotations

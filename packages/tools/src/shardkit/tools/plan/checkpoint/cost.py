@@ -179,7 +179,9 @@ def checkpoint_cost(
     assert entries == layout.entry_count()  # the benchmarks count them so
     metadata_bytes, exact = _metadata_bytes(layout, item_sizes, plain_files, entries, mappings)
     record = record_bytes(layout, item_sizes, plain_files)
-    load_s = None if load_costs is None else load_plan_seconds(layout, record, load_costs)
+    load_s = None
+    if load_costs is not None:
+        load_s = load_plan_seconds(layout, record, load_costs, costs.per_position_s)
     busiest = int(files.max()) if world else 0
     positions = sum(g.ranks.size for g in layout.geometries.values())
     # The busiest rank by items: its walk and its items made.

@@ -8,9 +8,10 @@ which each rank plans its load alone (``shardkit.core.checkpoint.local_plan``):
   offset after the items written before it (DCP's writer puts a rank's values that are not
   tensors first, then its tensors, in the plan's order) and its length, all from the item
   sizes the save's prediction computed. Exact where those are (``cost``);
-- **a rank's load planning** at the same layout: the record read and checked (per byte), then
-  its walk over the values and the saved items that overlap the rank's own shards (per value,
-  per overlap: a piece of a chunk its holders wrote apart is one more), for the rank with the
+- **a rank's load planning** at the same layout: the record read and checked (per byte), the
+  saved geometries computed again (per mesh position, the save's unit cost), then its walk
+  over the values and the saved items that overlap the rank's own shards (per value, per
+  overlap: a piece of a chunk its holders wrote apart is one more), for the rank with the
   most overlaps. The unit costs are measured by :func:`calibrate_load_planning`, timing the
   core's own reader and its overlap search (``ChunkSources.metadata_of``) on a synthetic
   state in this process. The reads of the writers' indexes and of the data are not in it.
@@ -98,10 +99,21 @@ def most_overlaps(layout: SaveLayout) -> int:
     return int(overlaps.max())
 
 
-def load_plan_seconds(layout: SaveLayout, record: int, costs: LoadCosts) -> float:
-    """A rank's load planning at the same layout (the rank with the most overlaps)."""
+def load_plan_seconds(
+    layout: SaveLayout, record: int, costs: LoadCosts, per_position_s: float = 0.0
+) -> float:
+    """A rank's load planning at the same layout (the rank with the most overlaps).
+
+    ``per_position_s``: a geometry's cost per mesh position (``timing.SaveCosts``): the
+    saved layout, read from the record, computes its geometries again.
+    """
+    for value in layout.values:
+        if value.kind in _CHUNKED:
+            layout.geometry(value)  # every distinct geometry, computed once
+    positions = sum(g.ranks.size for g in layout.geometries.values())
     return (
         record * costs.per_record_byte_s
+        + positions * per_position_s
         + len(layout.values) * costs.per_value_s
         + most_overlaps(layout) * costs.per_overlap_s
     )
