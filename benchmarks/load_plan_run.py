@@ -1,6 +1,6 @@
 """A load's planning at thousands of ranks, in one process: from the layout record, per rank.
 
-Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192] [--torch-worlds 64,256]
+Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192,16384] [--torch-worlds 64,256]
        [--sizes 8b,70b] [--layouts fsdp,hsdp,fsdp1]
 
 The saved state is ``save_plan_run``'s (a Llama with AdamW under FSDP, HSDP or FSDP1's
@@ -15,8 +15,13 @@ ShardedTensors, at W ranks). For each point:
   their rows in the writers' indexes (``chunk_sources.py``), as ``load.py`` runs it before
   DCP's planner. The indexes are simulated (rows of the right count; their reading is
   counted in bytes, 24 a row, not timed), and so are the rank's shards (its boxes, which a
-  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone;
+  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone. The
+  manager's load adds one before its reads, the verdict on the checks (an all-reduce of 24
+  bytes, ``agreement.problems_agreed``), counted in ``test_local_load.py``;
 - with ``--torch-worlds``, DCP's load planning of the same checkpoint (:func:`torch_point`).
+
+Times are wall-clock (``_s``) and this thread's CPU (``_cpu_s``): on a shared machine the
+first grows with the load of the others, the second much less.
 
 Prints one JSON line per point.
 """
@@ -100,10 +105,10 @@ def held_boxes(layout: SaveLayout, rank: int) -> dict[str, Boxes]:
 def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, Any]:
     saved = SaveLayout.from_values(state_values(size, world, layout_name), world)
     bodies = _gathered(saved)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     plain = plain_locations(saved, bodies)
     record_bytes = write_record(folder, saved, plain)
-    record_s = time.perf_counter() - started
+    record_s, record_cpu_s = time.perf_counter() - started, time.thread_time() - cpu
     chunks = sum(
         saved.geometry(v).offsets.shape[0] if v.kind in ("dtensor", "sharded") else 1
         for v in saved.values
@@ -114,25 +119,29 @@ def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, An
         "layout": layout_name,
         "record_bytes": record_bytes,
         "record_write_s": record_s,
+        "record_write_cpu_s": record_cpu_s,
         "metadata_entries": chunks,
         "planning_collectives": 0,
+        "agreement_bytes": 24,  # the manager's one collective before the reads (not timed)
     }
     for name, loading_world in (("same", world), ("half", world // 2)):
         loading = SaveLayout.from_values(
             state_values(size, loading_world, layout_name), loading_world
         )
-        seconds, reads, writers = [], [], []
+        seconds, cpu_seconds, reads, writers = [], [], [], []
         for rank in (0, loading_world // 2, loading_world - 1):
             held = held_boxes(loading, rank)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             record = read_record(folder)
             sources = SimulatedIndexes(folder, record.layout, record.plain)
             metadata = sources.metadata_of(held)
             seconds.append(time.perf_counter() - started)
+            cpu_seconds.append(time.thread_time() - cpu)
             reads.append(len(metadata.storage_data))
             writers.append(len(sources._indexes))
             out[f"{name}_index_bytes"] = max(out.get(f"{name}_index_bytes", 0), sources.index_bytes)
         out[f"{name}_plan_s_per_rank"] = max(seconds)
+        out[f"{name}_plan_cpu_s_per_rank"] = max(cpu_seconds)
         out[f"{name}_items_read"] = max(reads)
         out[f"{name}_writers_read"] = max(writers)
     return out
@@ -145,8 +154,11 @@ def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
     DCP's reader does), then builds its local plan: for each of its tensors, its shard's
     overlaps with every chunk the metadata lists (torch's ``create_read_items_for_chunk_list``,
     timed for ranks 0, W/2 and W-1); the plans are pickled and gathered to rank 0 and back
-    (their bytes: W times the largest).
+    (their bytes: W times the largest). Rank 0's global step: it unpickles the W plans,
+    runs DCP's global planning over them and pickles them back; estimated as W times the
+    three sampled plans' mean (each unpickled, planned and pickled: CPU time).
     """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -168,13 +180,13 @@ def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
         storage_data=storage_entries(layout, bodies),
     )
     pickled = pickle.dumps(metadata)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     read = pickle.loads(pickled)
-    unpickle_s = time.perf_counter() - started
-    seconds, plan_bytes = [], []
+    unpickle_s, unpickle_cpu_s = time.perf_counter() - started, time.thread_time() - cpu
+    seconds, cpu_seconds, plan_bytes, round_trips = [], [], [], []
     for rank in (0, world // 2, world - 1):
         held = held_boxes(layout, rank)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         items = []
         for fqn, entry in read.state_dict_metadata.items():
             if not isinstance(entry, TensorStorageMetadata):
@@ -183,7 +195,13 @@ def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
             mine = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
             items += create_read_items_for_chunk_list(fqn, entry, mine)
         seconds.append(time.perf_counter() - started)
-        plan_bytes.append(len(pickle.dumps(LoadPlan(items))))
+        cpu_seconds.append(time.thread_time() - cpu)
+        pickled_plan = pickle.dumps(LoadPlan(items))
+        plan_bytes.append(len(pickled_plan))
+        cpu = time.thread_time()
+        (plan,) = DefaultLoadPlanner().create_global_plan([pickle.loads(pickled_plan)])
+        pickle.dumps(plan)
+        round_trips.append(time.thread_time() - cpu)
     return {
         "engine": "torch",
         "size": size,
@@ -191,15 +209,18 @@ def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
         "layout": layout_name,
         "metadata_bytes": len(pickled),
         "unpickle_s_per_rank": unpickle_s,
+        "unpickle_cpu_s_per_rank": unpickle_cpu_s,
         "local_plan_s_per_rank": max(seconds),
+        "local_plan_cpu_s_per_rank": max(cpu_seconds),
         "plans_gathered_bytes": world * max(plan_bytes),
+        "rank0_global_plan_cpu_s": world * sum(round_trips) / len(round_trips),
         "planning_collectives": 2,  # the plans gathered to rank 0, the global plan scattered
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worlds", default="1024,4096,8192")
+    parser.add_argument("--worlds", default="1024,4096,8192,16384")
     parser.add_argument("--torch-worlds", default="")
     parser.add_argument("--sizes", default="8b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))

@@ -404,8 +404,8 @@ class CheckpointManager:
             candidates = self._newest_first()
         outcome = load_first(state, candidates)
         if outcome is None:  # the ranks see different checkpoints: rank 0's list, as before
-            names: list[str] = from_rank(0, lambda: [p.name for p in candidates])
-            outcome = load_first(state, [self.root / name for name in names])
+            names: list[str] = from_rank(0, lambda: [str(p) for p in candidates])
+            outcome = load_first(state, [Path(name) for name in names])
             assert outcome is not None, "the ranks walk rank 0's candidates"
         self.last_load_reads = outcome.reads
         if outcome.loaded is not None or not outcome.reasons:
