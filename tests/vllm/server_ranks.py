@@ -36,7 +36,8 @@ def sharded_model(folder: Path) -> torch.nn.Module:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    return model
+    sharded: torch.nn.Module = model
+    return sharded
 
 
 def train_and_sync(

@@ -86,7 +86,9 @@ def cpu_fsdp2(grpo_trainer: type) -> type:
     accelerate = importlib.import_module("accelerate")
     distributed_type = importlib.import_module("accelerate.utils").DistributedType
 
-    class CpuFsdp2Trainer(grpo_trainer):  # type: ignore[misc, valid-type]
+    class CpuFsdp2Trainer(grpo_trainer):  # type: ignore[misc]
+        plugin: Any = None
+
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             self._keep_fsdp2()
@@ -105,8 +107,6 @@ def cpu_fsdp2(grpo_trainer: type) -> type:
                 state.distributed_type = distributed_type.FSDP
                 state.fsdp_plugin = self.plugin
                 self.is_fsdp_enabled = True
-
-        plugin: Any = None
 
     return CpuFsdp2Trainer
 
