@@ -3,10 +3,12 @@
 Issue 83's benchmark: W=2 and 4 gloo ranks, the 8M and 35M benchmark GPTs (``gpt.py``'s
 "small" and "medium"), at their benchmark batch and at 8x its tokens. Every configuration of
 ``muon_run.py`` is built once in the same workers; each round runs one step of each, in an
-order that rotates from round to round, and this rank's share of the Newton-Schulz work alone
-(the floor: ``muon_baselines.newton_schulz_share``). A step's time is its slowest rank's, the
-floor's too, and every figure is a median of per-round values, so drift in the machine's load
-hits all of them alike. Recorded in each result's ``extra_info``:
+order that rotates from round to round, and this rank's share of the Newton-Schulz work with
+nothing else (the floor: ``muon_baselines.newton_schulz_share``), every rank's share at once
+from a barrier, as in a step (at W=4 on two cores, two ranks share each core in both). Steps
+start from a barrier too. A step's time is its slowest rank's, the floor's too, each timed
+once a round, and every figure is a median of per-round values, so drift in the machine's
+load hits all of them alike. Recorded in each result's ``extra_info``:
 
 - each configuration's median step and its ratio to AdamW's;
 - ``over_floor``: (Muon's step - AdamW's) / the floor; the target is 1.1 at most (Muon's step

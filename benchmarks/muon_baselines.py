@@ -8,7 +8,8 @@
   something else (row blocks through DTensor's sharded matmuls), so it is only a floor of what
   a step could cost when nothing is done about whole matrices.
 - ``newton_schulz_share``: the floor that counts: this rank's share of the matrices, as
-  shardkit's Muon assigns and batches them, orthogonalized alone, nothing else.
+  shardkit's Muon assigns and batches them, orthogonalized with nothing else (every rank
+  runs its own share at the same time, as in the step: ``muon_run.floor_seconds``).
 """
 
 from __future__ import annotations

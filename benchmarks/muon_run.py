@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import gpt
@@ -92,16 +93,21 @@ def _train_step(config: str, data: torch.Tensor) -> None:
 
 
 def step_seconds(rank: int, world_size: int, config: str, step: int) -> float:
-    """One training step of ``config``, timed on this rank."""
+    """One training step of ``config``, timed on this rank from a barrier: every rank starts
+    together, as the floor's do."""
     data = _batch(rank, world_size, step)
+    dist.barrier()
     started = time.perf_counter()
     _train_step(config, data)
     return time.perf_counter() - started
 
 
 def floor_seconds(rank: int, world_size: int) -> float:
-    """This rank's share of the blocks' matrices orthogonalized alone (the fastest of 2)."""
-    return newton_schulz_share(_STATE["shapes"], rank, world_size, repeats=2)
+    """This rank's share of the blocks' matrices orthogonalized, nothing else, timed as a step
+    is: once, from a barrier, while every other rank orthogonalizes its own share, so that
+    ranks that share a core (W=4 on 2 cores) share it here too. Taken with the round's steps."""
+    dist.barrier()
+    return newton_schulz_share(_STATE["shapes"], rank, world_size)
 
 
 def peak_bytes(rank: int, world_size: int, config: str, step: int) -> int:

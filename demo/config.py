@@ -95,9 +95,9 @@ class TrainConfig:
             raise ValueError("--snapshot-every needs --ckpt-dir (the disk checkpoints behind it)")
         if self.snapshot_replicate_every and not self.snapshot_every:
             raise ValueError("--snapshot-replicate-every needs --snapshot-every")
-        if self.optimizer == "muon" and self.ckpt_dir is not None:
-            # Muon beside AdamW is two optimizers, and the demo's checkpoint holds one
-            raise ValueError("--optimizer muon takes no --ckpt-dir yet (two optimizers)")
+        if self.optimizer == "muon" and self.snapshot_log:
+            # The gradient log replays one optimizer's steps; Muon's matrices have another
+            raise ValueError("--optimizer muon takes no --snapshot-log (it replays AdamW alone)")
         if self.snapshot_log and (self.snapshot_every != 1 or self.snapshot_replicate_every < 2):
             raise ValueError("--snapshot-log needs --snapshot-every=1 --snapshot-replicate-every=N")
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -95,7 +95,7 @@ class TrainState:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *others: torch.optim.Optimizer
     ) -> None:
         self.model, self.optimizer = model, optimizer
-        # Stepped after it: Muon's AdamW (--optimizer muon, which takes no checkpoint yet).
+        # Stepped after it: Muon beside AdamW (--optimizer muon).
         self.optimizers = (optimizer, *others)
         # get_state_dict, with the FQNs learned once (a memory snapshot asks every step) and
         # the parameters themselves, not detached aliases (a DTensor detach per parameter).
@@ -104,13 +104,21 @@ class TrainState:
         self.step = 0  # steps completed
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = self.state_dicts()
+        if len(self.optimizers) > 1:
+            # Both optimizers' states in one dict, keyed by FQN as torch's get_state_dict
+            # keys a list of optimizers (Muon's momentum: DTensors sharded like its matrices).
+            model_sd, optim_sd = get_state_dict(self.model, list(self.optimizers))
+        else:
+            model_sd, optim_sd = self.state_dicts()
         rng = {f"rank{self.rank}": torch.get_rng_state()}
         return {"model": model_sd, "optim": optim_sd, "step": self.step, "rng": rng}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            self.model,
+            list(self.optimizers),
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
         )
         self.step = int(sd["step"])
         torch.set_rng_state(sd["rng"][f"rank{self.rank}"])

@@ -25,6 +25,9 @@ SEAMS = {
     "shardkit.core.checkpoint.local_plan.chunk_writers",
     "shardkit.core.optim.owners",
     "shardkit.core.optim.newton_schulz",
+    "shardkit.core.optim.blocks",
+    "shardkit.core.optim.routes",
+    "shardkit.core.optim",
 }
 
 
@@ -77,6 +80,12 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     # planner places Muon's matrices on the ranks the optimizer will (shardkit-plan --optimizer).
     "shardkit.core.optim.owners": (),
     "shardkit.core.optim.newton_schulz": (),
+    # and the exchange's routes on the blocks each rank holds, pure data: the planner sizes
+    # the optimizer step's all-to-alls with them.
+    "shardkit.core.optim.blocks": (),
+    "shardkit.core.optim.routes": (),
+    # The optimizers' API (the launch check runs Muon): their step runs the runtime's exchange.
+    "shardkit.core.optim": INTERNALS,
 }
 
 

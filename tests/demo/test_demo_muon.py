@@ -3,8 +3,9 @@
 Two pool ranks train the demo's GPT, narrowed, for 8 steps on each engine: the loss falls,
 the two engines give the same losses bit for bit (Muon takes torch's ``fully_shard``
 parameters as it takes shardkit's), and the Muon run's losses are not AdamW's (the flag
-reaches the step). A checkpoint directory with Muon is refused before any rank starts (the
-demo's checkpoint holds one optimizer).
+reaches the step). With ``--ckpt-dir`` both optimizers' states go through the checkpoint
+(DCP, ``CheckpointManager``): a run stopped at step 4 and resumed gives the losses of the run
+that went on, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def test_muon_trains_alike_on_both_engines(tmp_path: Path) -> None:
     assert adamw != muon
 
 
-def test_muon_refuses_a_checkpoint_directory_yet() -> None:
-    with pytest.raises(ValueError, match="--optimizer muon takes no --ckpt-dir yet"):
-        parse_args(["--optimizer=muon", "--ckpt-dir=x"])
+def test_muon_resumes_from_a_checkpoint_as_the_run_that_went_on(tmp_path: Path) -> None:
+    ckpt = f"--ckpt-dir={tmp_path / 'ckpt'}"
+    through, _ = _losses(tmp_path, "--optimizer=muon")
+    first, _ = _losses(tmp_path, "--optimizer=muon", ckpt, "--ckpt-every=2", "--steps=4")
+    resumed, printed = _losses(tmp_path, "--optimizer=muon", ckpt, "--resume")
+    assert "resumed from" in printed and "at step 4" in printed
+    assert first == {s: through[s] for s in range(1, 5)}
+    assert resumed == {s: through[s] for s in range(5, 9)}
+
+
+def test_muon_refuses_the_gradient_log() -> None:
+    with pytest.raises(ValueError, match="--optimizer muon takes no --snapshot-log"):
+        snapshots = ["--snapshot-every=1", "--snapshot-replicate-every=2", "--snapshot-log"]
+        parse_args(["--optimizer=muon", "--ckpt-dir=x", *snapshots])

@@ -206,10 +206,16 @@ def hostile_body(rank: int, world_size: int, path: str, case: str) -> dict[str, 
     return {"error": error, "same": same}
 
 
-def full_state_body(rank: int, world_size: int, impl: str) -> dict[str, Any]:
+def full_state_body(
+    rank: int, world_size: int, impl: str, broadcast: bool = False
+) -> dict[str, Any]:
     """Muon's state as full tensors (``StateDictOptions(full_state_dict=True)``), loaded back
-    into fresh sharded optimizers: the kinds of the saved tensors, and whether every value
-    came back exactly."""
+    into fresh sharded optimizers: the kinds of the saved tensors, whether every value came
+    back exactly (the optimizers' state and the model's parameters).
+
+    ``broadcast``: loaded with ``broadcast_from_rank0=True``, only rank 0 holding the state
+    dicts (the other ranks pass empty ones), as a job loading a consolidated file does.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     model = sharded_gpt(impl, world_size)
@@ -222,8 +228,15 @@ def full_state_body(rank: int, world_size: int, impl: str) -> dict[str, Any]:
     kinds = {type(v).__name__ for s in state.values() for v in s.values()}
     fresh = sharded_gpt(impl, world_size, seed=7)
     fresh_opts = optimizers(fresh, sharded=True)
+    if broadcast:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        if rank != 0:
+            model_sd, optim_sd = {}, {}
     set_state_dict(
         fresh, fresh_opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
     )
     saved, loaded = optim_values(model, opts), optim_values(fresh, fresh_opts)
-    return {"kinds": kinds, "same": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+    same = all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
+    values = model_values(model), model_values(fresh)
+    same_model = all(torch.equal(values[0][k], values[1][k]) for k in values[0])
+    return {"kinds": kinds, "same": same and same_model}

@@ -109,12 +109,14 @@ def compare_body(
     model: str,
     steps: int,
     ours: str = "muon",
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Runs on every rank: ``steps`` steps sharded and single-process; what matched each step.
 
     ``ours``: "muon" (shardkit's Muon against torch's) or "column_norm" (ColumnNormSGD against
-    :func:`column_norm_reference`). Returns per step whether every parameter is bitwise equal
-    and the largest difference, and this rank's StepStats of each step.
+    :func:`column_norm_reference`). ``rounds``: the sharded optimizer's ``exchange_rounds``.
+    Returns per step whether every parameter is bitwise equal and the largest difference, and
+    this rank's StepStats of each step.
     """
     reference, sharded = build(model), build(model)
     shard(sharded, impl, world_size)
@@ -124,6 +126,7 @@ def compare_body(
     else:
         ref_opts = [ColumnNormReference([p for _, p in _matrices(model, reference)])]
         our_opts = _split(model, sharded, _column_norm)
+    our_opts[0].exchange_rounds = rounds  # type: ignore[attr-defined]
     out: dict[str, Any] = {"equal": [], "max_diff": [], "stats": []}
     ref_params = dict(reference.named_parameters())
     for step in range(steps):

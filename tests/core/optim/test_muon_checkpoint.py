@@ -92,11 +92,14 @@ def test_muon_state_moves_between_engines(saved: Saver, saver: str, loader: str)
     _check_resume(saved(saver, "dcp"), 2, loader, "dcp")
 
 
+@pytest.mark.parametrize("broadcast", [False, True], ids=["every-rank", "broadcast-from-rank0"])
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
-def test_full_state_dicts_load_back_into_sharded_muon(impl: str) -> None:
+def test_full_state_dicts_load_back_into_sharded_muon(impl: str, broadcast: bool) -> None:
     # get_state_dict(full_state_dict=True) gathers the momentum whole; set_state_dict shards
     # it again before Muon's load_state_dict sees it (which takes DTensors like the params).
-    for result in run_on_ranks(2, full_state_body, impl=impl):
+    # With broadcast_from_rank0 only rank 0 holds the full state; torch sends each rank its
+    # shards of it.
+    for result in run_on_ranks(2, full_state_body, impl=impl, broadcast=broadcast):
         assert result == {"kinds": {"Tensor"}, "same": True}
 
 

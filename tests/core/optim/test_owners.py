@@ -19,7 +19,7 @@ from shardkit.core.optim.newton_schulz import (
     orthogonalize,
     orthogonalize_batch,
 )
-from shardkit.core.optim.owners import assign_owners
+from shardkit.core.optim.owners import assign_owners, rounds
 from tests.core.optim.muon_runs import batch, build, loss_of, shard, takes_muon
 
 # A GPT's matrices, 8 blocks of d=256: qkv, proj, and the MLP's two.
@@ -124,3 +124,15 @@ def test_one_copy_of_each_block_from_the_owners_own_replica() -> None:
     empty = Block(0, 0, 0, 0)
     uneven = MatrixPlacement("w", (1, 4), None, (Block(0, 1, 0, 4), empty), ((), ()))
     assert uneven.senders(1) == (0,) and uneven.whole_on() == (0,)
+
+
+def test_rounds_cut_each_owners_work_into_near_equal_parts() -> None:
+    # Rank 0 owns four matrices of cost 4, 3, 2, 1; rank 1 one of cost 5. In two rounds rank
+    # 0's first round holds the matrices centred in the first half of its work (4: 0 to 4 of
+    # 10), its second the rest; rank 1's one matrix sits in the round its middle falls in.
+    costs, owners = [4, 5, 3, 2, 1], [0, 1, 0, 0, 0]
+    assert rounds(costs, owners, 2) == [[0], [1, 2, 3, 4]]
+    assert rounds(costs, owners, 1) == [[0, 1, 2, 3, 4]]
+    cut = rounds([1] * 8, [0, 1] * 4, 4)  # 4 equal matrices each: one a round
+    assert cut == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rounds([7], [0], 4) == [[0]]  # one matrix: one round, the empty ones left out

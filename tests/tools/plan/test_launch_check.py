@@ -177,3 +177,20 @@ def test_a_given_prediction_is_used_and_must_be_rank_0_s_on_nccl() -> None:
     )
     with pytest.raises(ValueError, match="nccl"):
         check_plan(_tiny_gpt, sharding, world_size=8, inputs=_tiny_inputs, predicted=gloo)
+
+
+def test_muon_runs_the_collectives_planned_its_exchange_too() -> None:
+    # Muon on the blocks' matrices and AdamW on the rest: the plan's two all-to-alls of the
+    # optimizer step (rows to owners, updates back, sized by the core's routes) are the ones
+    # the step issues, to the byte.
+    check = check_plan(
+        _tiny_gpt,
+        _per_block("blocks", 2),
+        world_size=8,
+        inputs=_tiny_inputs,
+        loss=_next_token_loss,
+        base_options=PlanOptions(optimizer="muon"),
+    )
+    print(check.summary())
+    assert check.collectives_match, check.first_mismatch
+    assert [k for k, _, _ in check.measured_calls].count("all_to_all") == 2

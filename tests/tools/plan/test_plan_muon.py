@@ -6,7 +6,9 @@ Rank r of W=4 on torch's fake group trains the 8M benchmark GPT's shapes with
 (AdamW's two and a step elsewhere), which the plan must give to the byte; the step's transient
 (the owner's whole matrices, Newton-Schulz's temporaries, the exchanges' buffers) is an
 approximation, held within 15% of the tracked peak of communication and other buffers in
-the optimizer phase.
+the optimizer phase. The plan's exchange (two all-to-alls over the ranks, sized by the core's
+routes) is the one the comm tracker sees Muon issue, to the byte, and its Newton-Schulz share
+is the matrices the rank really orthogonalizes.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from shardkit.core.optim import Muon
 from shardkit.tools.plan import PlanOptions, plan
 from shardkit.tools.plan.cli import main
 from shardkit.tools.plan.gpt import GPT
-from shardkit.tools.plan.muon_step import matrices_scratch
+from shardkit.tools.plan.muon_step import MuonStep, matrices_scratch
 from shardkit.tools.records import Category, Phase
+from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.memory import MemoryTracker
-from tests.core.optim.step_counts import MODELS, fake_rank, sharded_gpt, training_step
+from tests.core.optim.step_counts import (
+    MODELS,
+    fake_rank,
+    newton_schulz_flops,
+    sharded_gpt,
+    training_step,
+)
 
 MODEL, WORLD = "d256x8", 4
 
@@ -95,3 +104,63 @@ def test_shardkit_plan_takes_optimizer_muon(capsys: pytest.CaptureFixture[str]) 
     assert muon["options"]["optimizer"] == "muon"
     state = "optimizer_state"
     assert 0 < muon["memory"]["category_max"][state] < adamw["memory"]["category_max"][state]
+
+
+def _tracked_exchange(rank: int) -> tuple[list[tuple[str, int, int]], int, int]:
+    """The optimizer phase's collectives (kind, input bytes, sent bytes) of a Muon step on
+    ``rank``, the matrices it orthogonalized and their cost (``StepStats``)."""
+    with fake_rank(WORLD, rank):
+        gpt = sharded_gpt(MODEL, WORLD)
+        named = list(gpt.named_parameters())
+        matrices = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+        muon = Muon(matrices, lr=0.02)
+        training_step(gpt, [muon], MODEL, rank)  # the state
+        with CommTracker() as comm:
+            training_step(gpt, [muon], MODEL, rank)
+    calls = [
+        (c.kind, c.input_bytes, c.sent_bytes)
+        for c in comm.rank_report().collectives
+        if c.phase is Phase.OPTIMIZER
+    ]
+    assert muon.last_step_stats is not None
+    return calls, muon.last_step_stats.updates, muon.last_step_stats.cost
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_the_plan_lists_muons_exchange_and_its_newton_schulz(rank: int) -> None:
+    options = PlanOptions(optimizer="muon", rank=rank, backend="gloo")
+    planned = plan(_meta_gpt, world_size=WORLD, options=options)
+    calls = [
+        (c.kind, c.input_bytes, c.sent_bytes)
+        for c in planned.schedule
+        if c.phase is Phase.OPTIMIZER
+    ]
+    tracked, updates, cost = _tracked_exchange(rank)
+    assert calls == tracked and [k for k, _, _ in calls] == ["all_to_all"] * 2
+    assert all(
+        c.group == "(optimizer step)" for c in planned.schedule if c.phase is Phase.OPTIMIZER
+    )
+    step = _muon_step(rank)  # the matrices this rank orthogonalizes, and their FLOPs
+    assert len(step.owned) == updates and sum(m * n * min(m, n) for m, n in step.owned) == cost
+    assert step.flops == sum(newton_schulz_flops(s) for s in step.owned)
+
+
+def _muon_step(rank: int) -> MuonStep:
+    from shardkit.tools.plan.groups import build_groups
+    from shardkit.tools.plan.muon_step import muon_step
+
+    groups = build_groups(_meta_gpt(), PlanOptions(optimizer="muon", rank=rank), WORLD)
+    step = muon_step(groups, len(groups) - 1, rank, 1, 0)
+    assert step is not None
+    return step
+
+
+def test_shardkit_plan_prints_muons_share_and_exchange(capsys: pytest.CaptureFixture[str]) -> None:
+    factory = "shardkit.tools.examples:llama_tiny"
+    argv = [factory, "--world-size", "4", "--optimizer", "muon", "--bandwidth-gbps", "10"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    # llama_tiny's 4 layers of 7 matrices over 4 ranks: 7 each, two all-to-alls.
+    assert "muon step (this rank): 7 of 28 matrices orthogonalized here" in text
+    assert "exchange over 4 ranks: 2 all_to_all" in text
+    assert any(line.split()[:3] == ["all_to_all", "dp", "(optimizer"] for line in text.splitlines())

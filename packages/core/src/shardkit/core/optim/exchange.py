@@ -1,17 +1,22 @@
-"""Blocks to their matrix's owner, and the owner's update blocks back: one exchange each way.
+"""Blocks to their matrix's owner, and the owner's update blocks back: exchanges in rounds.
 
-All the sharded matrices of one process group travel in the same two collectives, whatever
-their number, shapes, dtypes and placements: the blocks rank r sends rank o go out as one
-part, packed as bytes, and ``runtime/byte_exchange.py`` carries the W parts at once.
+All the sharded matrices of one process group travel in a few collectives, whatever their
+number, shapes, dtypes and placements: the blocks rank r sends rank o in one round go out as
+one part, packed as bytes, and ``runtime/byte_exchange.py`` carries the W parts at once. Each
+owner's matrices are cut into rounds of about equal cost (``owners.rounds``); every round's
+blocks are sent at once, and an owner orthogonalizes a round's matrices as soon as they
+are in, then sends their updates back while it works on the next round (one exchange each way
+a round: :func:`start_gather` and :func:`start_scatter` leave it in flight).
 
 - To owners, one copy of each distinct block travels (``MatrixPlacement.senders``): under
   HSDP each replica's ranks gather from their own replica, and a block the owner holds (a
   whole expert, a replicated matrix) moves no byte.
 - Back, every holder of a block gets its rows of the update, every replica's included.
 
-A :class:`Route` says which pieces each part holds; every rank builds the same routes from the
-step's plan (blocks, owners, dtypes), so nothing is exchanged to size the parts. Each piece
-starts at a multiple of ``_ALIGN`` bytes, so that it can be read back in place as any dtype.
+What each part holds is its :class:`~shardkit.core.optim.routes.Route`'s (``routes.py``), which
+every rank builds alike from the step's plan, so nothing is exchanged to size the parts. A
+rank's own part is empty: its own blocks are neither packed nor copied by the collective nor
+unpacked (at W=2, half of each exchange's copies).
 """
 
 from __future__ import annotations
@@ -22,168 +27,112 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardkit.core.optim.matrices import Block, MatrixPlacement
-from shardkit.core.runtime.byte_exchange import exchange_bytes
+from shardkit.core.optim.blocks import MatrixPlacement
+from shardkit.core.optim.routes import Piece, Route, part_sizes
+from shardkit.core.runtime.byte_exchange import start_exchange_bytes
+from shardkit.core.runtime.handles import WorkHandle
 
-__all__ = ["Route", "Traffic", "gather_to_owners", "routes", "scatter_from_owners"]
-
-_ALIGN = 16  # bytes: the widest element (complex128) a piece may be read back as
-
-
-@dataclass(frozen=True, slots=True)
-class Traffic:
-    """What one exchange moved for this rank, its own part (a local copy) left out."""
-
-    sent: int
-    """Bytes sent to other ranks."""
-    received: int
-    """Bytes received from other ranks."""
+__all__ = ["Arrival", "start_gather", "start_scatter"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """One block of one matrix, as it travels in a packed part."""
+@dataclass(slots=True)
+class Arrival:
+    """One exchange in flight: what it receives, read once its collective is done."""
 
-    matrix: int  # index into the step's list of matrices
-    block: Block
-    dtype: torch.dtype
+    route: Route
+    sent: torch.Tensor
+    """What this rank sends: kept alive until the collective is done."""
+    received: torch.Tensor
+    handle: WorkHandle
+    read: Callable[[list[tuple[Piece, torch.Tensor]]], dict[int, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        rows, cols = self.block.shape
-        return -(-(rows * cols * self.dtype.itemsize) // _ALIGN) * _ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """One exchange as this rank sees it: the pieces of each part it sends and receives."""
-
-    outgoing: tuple[tuple[_Piece, ...], ...]
-    """By destination group rank."""
-    incoming: tuple[tuple[_Piece, ...], ...]
-    """By source group rank."""
-    rank: int
-    owned: tuple[int, ...]
-    """The matrices this rank owns."""
-
-    def traffic(self) -> Traffic:
-        """The bytes this exchange moves between this rank and the others."""
-        sent, received = _sizes(self.outgoing), _sizes(self.incoming)
-        return Traffic(sum(sent) - sent[self.rank], sum(received) - received[self.rank])
+    def wait(self) -> dict[int, torch.Tensor]:
+        """Block until it is in; then its tensors by matrix index."""
+        self.handle.wait()
+        self.sent = self.received[:0]  # free now
+        return self.read(_unpack(self.received, self.route.incoming))
 
 
-def routes(
-    matrices: list[MatrixPlacement],
-    owners: list[int],
-    out_dtypes: list[torch.dtype],
-    back_dtypes: list[torch.dtype],
-    rank: int,
-) -> tuple[Route, Route]:
-    """This rank's routes of a step: blocks to owners, then update blocks back.
-
-    Args:
-        matrices: the step's sharded matrices on one group, in the same order on every rank.
-        owners: each one's owning group rank.
-        out_dtypes: what travels to the owner of each (``prepare``'s dtype).
-        back_dtypes: what comes back (``update_dtype``).
-        rank: this rank in the group.
-    """
-    world = len(matrices[0].blocks)
-    owned = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
-    senders = [set(m.senders(o)) for m, o in zip(matrices, owners, strict=True)]
-
-    def sent(i: int, src: int) -> tuple[_Piece, ...]:  # matrix i's piece from src to its owner
-        return (_Piece(i, matrices[i].blocks[src], out_dtypes[i]),) if src in senders[i] else ()
-
-    def back(i: int, dest: int) -> tuple[_Piece, ...]:  # matrix i's update rows for dest
-        block = matrices[i].blocks[dest]
-        return () if block.empty else (_Piece(i, block, back_dtypes[i]),)
-
-    there = Route(
-        tuple(tuple(p for i in owned[d] for p in sent(i, rank)) for d in range(world)),
-        tuple(tuple(p for i in owned[rank] for p in sent(i, s)) for s in range(world)),
-        rank,
-        tuple(owned[rank]),
-    )
-    home = Route(
-        tuple(tuple(p for i in owned[rank] for p in back(i, d)) for d in range(world)),
-        tuple(tuple(p for i in owned[s] for p in back(i, rank)) for s in range(world)),
-        rank,
-        tuple(owned[rank]),
-    )
-    return there, home
-
-
-def gather_to_owners(
+def start_gather(
     matrices: list[MatrixPlacement],
     route: Route,
     blocks: list[torch.Tensor],
     group: dist.ProcessGroup,
-) -> dict[int, torch.Tensor]:
-    """Each matrix whole on its owner, from one copy of every block of it.
+) -> Arrival:
+    """Start sending one copy of every block of each matrix to its owner.
 
     Args:
         matrices: the step's sharded matrices on ``group``, as the route was made for.
-        route: ``routes``' first.
+        route: ``routes``' first, or one round of it (``Route.only``).
         blocks: this rank's block of each (possibly empty), in the dtype to send.
         group: the ranks that hold them.
 
     Returns:
-        The matrices this rank owns, whole, by index.
+        The exchange in flight; its ``wait()`` gives the matrices this rank owns in ``route``,
+        whole, by index.
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     send = _pack(route.outgoing, lambda p: blocks[p.matrix], device)
-    received = exchange_bytes(send, _sizes(route.outgoing), _sizes(route.incoming), group)
+    received, handle = start_exchange_bytes(
+        send, part_sizes(route.outgoing), part_sizes(route.incoming), group
+    )
+    # Whole matrices start with this rank's own blocks, copied while the others travel.
     wholes = {
         i: torch.empty(matrices[i].shape, dtype=blocks[i].dtype, device=send.device)
         for i in route.owned
     }
-    for p, view in _unpack(received, route.incoming):
-        p.block.of(wholes[p.matrix]).copy_(view)
-    return wholes
+    for i in route.kept:
+        matrices[i].blocks[route.rank].of(wholes[i]).copy_(blocks[i])
+
+    def read(pieces: list[tuple[Piece, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        for p, view in pieces:
+            p.block.of(wholes[p.matrix]).copy_(view)
+        return wholes
+
+    return Arrival(route, send, received, handle, read)
 
 
-def scatter_from_owners(
+def start_scatter(
     matrices: list[MatrixPlacement],
     route: Route,
     updates: dict[int, torch.Tensor],
-    dtypes: list[torch.dtype],
     group: dist.ProcessGroup,
     device: torch.device,
-) -> list[torch.Tensor]:
-    """This rank's block of every matrix's update, from the owners' whole updates.
+) -> Arrival:
+    """Start sending every holder its block of the owners' whole updates.
 
     Args:
-        matrices: as :func:`gather_to_owners` took them.
-        route: ``routes``' second.
-        updates: the whole updates of the matrices this rank owns, by index.
-        dtypes: each update's dtype, known to every rank beforehand.
+        matrices: as :func:`start_gather` took them.
+        route: ``routes``' second, or one round of it.
+        updates: the whole updates of the matrices this rank owns in ``route``, by index.
         group: the ranks that hold them.
         device: where the buffers go (a rank that owns nothing has no update to tell it).
 
     Returns:
-        This rank's block of each update (views into one received buffer; an empty tensor
-        where it holds none), in ``matrices``' order.
+        The exchange in flight; its ``wait()`` gives this rank's block of the update of every
+        matrix of the round that it holds rows of, by index: views into the received buffer,
+        or into the whole update where this rank owns the matrix.
     """
     send = _pack(route.outgoing, lambda p: p.block.of(updates[p.matrix]), device)
-    received = exchange_bytes(send, _sizes(route.outgoing), _sizes(route.incoming), group)
-    mine: list[torch.Tensor | None] = [None] * len(matrices)
-    for p, view in _unpack(received, route.incoming):
-        mine[p.matrix] = view
-    rank = route.rank
-    return [
-        torch.empty(m.blocks[rank].shape, dtype=dtypes[i], device=device) if got is None else got
-        for i, (m, got) in enumerate(zip(matrices, mine, strict=True))
-    ]
+    received, handle = start_exchange_bytes(
+        send, part_sizes(route.outgoing), part_sizes(route.incoming), group
+    )
+    # A view: the owner's own rows of its update, never copied.
+    kept = {i: matrices[i].blocks[route.rank].of(updates[i]) for i in route.kept}
+
+    def read(pieces: list[tuple[Piece, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        return {**kept, **{p.matrix: view for p, view in pieces}}
+
+    return Arrival(route, send, received, handle, read)
 
 
 def _pack(
-    parts: tuple[tuple[_Piece, ...], ...],
-    source: Callable[[_Piece], torch.Tensor],
+    parts: tuple[tuple[Piece, ...], ...],
+    source: Callable[[Piece], torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
     """The pieces of every part, one after another, as one uint8 buffer."""
-    send = torch.empty(sum(_sizes(parts)), dtype=torch.uint8, device=device)
+    send = torch.empty(sum(part_sizes(parts)), dtype=torch.uint8, device=device)
     offset = 0
     for part in parts:
         for p in part:
@@ -198,10 +147,10 @@ def _pack(
 
 
 def _unpack(
-    received: torch.Tensor, parts: tuple[tuple[_Piece, ...], ...]
-) -> list[tuple[_Piece, torch.Tensor]]:
+    received: torch.Tensor, parts: tuple[tuple[Piece, ...], ...]
+) -> list[tuple[Piece, torch.Tensor]]:
     """Each piece of ``parts`` and its block, read in place from ``received``."""
-    found: list[tuple[_Piece, torch.Tensor]] = []
+    found: list[tuple[Piece, torch.Tensor]] = []
     offset = 0
     for part in parts:
         for p in part:
@@ -210,11 +159,7 @@ def _unpack(
     return found
 
 
-def _view(buffer: torch.Tensor, offset: int, p: _Piece) -> torch.Tensor:
+def _view(buffer: torch.Tensor, offset: int, p: Piece) -> torch.Tensor:
     rows, cols = p.block.shape
     raw = buffer[offset : offset + rows * cols * p.dtype.itemsize]
     return raw.view(p.dtype).view(rows, cols)
-
-
-def _sizes(parts: tuple[tuple[_Piece, ...], ...]) -> list[int]:
-    return [sum(p.nbytes for p in part) for part in parts]

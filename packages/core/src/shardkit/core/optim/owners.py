@@ -10,13 +10,18 @@ A matrix some ranks already hold whole (an expert that FSDP's ``Shard(0)`` put o
 replicated matrix) moves no rows in when one of them owns it: it goes first to the least
 loaded of them, as long as that keeps the rank within its fair share of the total; what does
 not fit goes to the balancing above.
+
+An optimizer may have each owner work through its matrices in rounds of about equal cost
+(:func:`rounds`; ``WholeMatrixOptimizer.exchange_rounds``): the exchanges then carry one
+round at a time, so that a round's updates travel back while the owner orthogonalizes the
+next (``exchange.py``).
 """
 
 from __future__ import annotations
 
 import heapq
 
-__all__ = ["assign_owners"]
+__all__ = ["assign_owners", "rounds"]
 
 
 def assign_owners(
@@ -54,3 +59,32 @@ def assign_owners(
         owners[index] = rank
         heapq.heappush(loads, (load + costs[index], rank))
     return owners
+
+
+def rounds(costs: list[int], owners: list[int], count: int) -> list[list[int]]:
+    """The matrices of each round, every owner's cut into ``count`` of about equal cost.
+
+    An owner's matrices keep their order (the step's); matrix i falls in the round where
+    its owner's cost before it falls. Rounds that no owner has anything in are left out, so
+    an owner of one matrix gives one round.
+
+    Args:
+        costs: each matrix's work, in the step's order.
+        owners: each one's owner (:func:`assign_owners`).
+        count: the most rounds.
+
+    Returns:
+        The matrices' indices in each round, in the step's order; every matrix in one.
+    """
+    assert count >= 1, "at least one round"
+    total = [0] * (max(owners, default=0) + 1)
+    for cost, owner in zip(costs, owners, strict=True):
+        total[owner] += cost
+    before = [0] * len(total)
+    found: list[list[int]] = [[] for _ in range(count)]
+    for i, (cost, owner) in enumerate(zip(costs, owners, strict=True)):
+        # The middle of its work, so that a round holds the matrices centred in its share.
+        share = (before[owner] + cost / 2) / max(total[owner], 1)
+        found[min(count - 1, int(share * count))].append(i)
+        before[owner] += cost
+    return [r for r in found if r]

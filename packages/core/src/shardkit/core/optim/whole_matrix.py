@@ -10,7 +10,9 @@ One step, for the parameters with gradients (docs/guide/muon.md tells the design
    (``owners.py``);
 3. each owner runs ``update`` once per matrix it owns, whole (matrices of one shape batched
    where the rule can keep the bits);
-4. the update's blocks go back to every rank that holds them, one exchange again;
+4. the update's blocks go back to every rank that holds them, one exchange again (with
+   ``exchange_rounds`` above 1, 2 to 4 run round by round, a round's updates travelling back
+   while the owner works on the next);
 5. every rank runs ``apply`` on its blocks (learning rate, weight decay: elementwise).
 
 A 3-D parameter is a stack of E matrices (MoE experts), each placed and owned on its own.
@@ -31,15 +33,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
-from shardkit.core.optim.exchange import (
-    Route,
-    Traffic,
-    gather_to_owners,
-    routes,
-    scatter_from_owners,
-)
+from shardkit.core.optim.exchange import start_gather, start_scatter
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
-from shardkit.core.optim.owners import assign_owners
+from shardkit.core.optim.owners import assign_owners, rounds
+from shardkit.core.optim.routes import Route, Traffic, routes
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.state_checks import check_loadable
 from shardkit.core.runtime.dtensors import local_of
@@ -56,7 +53,8 @@ class StepStats:
     cost: int
     """Their summed cost (``WholeMatrixRule.cost``: Newton-Schulz's m * n * min(m, n))."""
     collectives: int
-    """Collectives issued: two per process group with sharded matrices (rows out, rows back)."""
+    """Collectives issued: two per process group with sharded matrices (rows out, rows back),
+    and round (``WholeMatrixOptimizer.exchange_rounds``) that holds any of them."""
     bytes_sent: int
     """Bytes sent to other ranks in them."""
     bytes_received: int
@@ -76,8 +74,8 @@ class _Matrix:
 class _Plan:
     """One group's step, the same every step while its matrices and dtypes stay."""
 
-    there: Route
-    home: Route
+    rounds: list[tuple[Route, Route]]
+    """Each round's exchanges: blocks to owners, update blocks back."""
     back: list[torch.dtype]
     """Each update's dtype (``update_dtype``)."""
 
@@ -120,6 +118,14 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         defaults: the hyperparameters of every group that does not set its own.
         rule: what the step computes.
     """
+
+    exchange_rounds: int = 1
+    """Rounds each owner's matrices are cut into (of about equal cost), two collectives each:
+    every round's blocks leave at once, the owner orthogonalizes a round as soon as it is in
+    and sends its updates back while it works on the next. Bits are the same for any number.
+    1 (the default) where communication and Newton-Schulz share the cores (gloo on a CPU,
+    where more rounds measured slower: docs/guide/muon.md); more where the exchanges run on
+    links and engines of their own. Set on the optimizer (``muon.exchange_rounds = 2``)."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any], *, rule: WholeMatrixRule):
         self.rule = rule
@@ -242,29 +248,41 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         assert group is not None
         placements = [m.placement for m in matrices]
         plan = self._plan_of(placements, [b.dtype for b in blocks], group)
-        wholes = gather_to_owners(placements, plan.there, blocks, group)
-        tally.exchanged(plan.there.traffic())
-        results = self._update_owned(matrices, wholes, plan.back)
-        for i in results:
-            tally.updated(self.rule, placements[i].shape)
+        # Every round's blocks leave at once; the owner starts on a round as soon as it is in,
+        # and its updates travel back while the owner works on the next round.
+        arrivals = [start_gather(placements, there, blocks, group) for there, _ in plan.rounds]
         device = _local(matrices[0].param).device
-        updates = scatter_from_owners(placements, plan.home, results, plan.back, group, device)
-        tally.exchanged(plan.home.traffic())
-        for m, update in zip(matrices, updates, strict=True):
-            self._apply(m, update)
+        returns = []
+        for arrival, (there, home) in zip(arrivals, plan.rounds, strict=True):
+            tally.exchanged(there.traffic())
+            results = self._update_owned(matrices, arrival.wait(), plan.back)
+            for i in results:
+                tally.updated(self.rule, placements[i].shape)
+            returns.append(start_scatter(placements, home, results, group, device))
+            tally.exchanged(home.traffic())
+        for arrival in returns:
+            for i, update in arrival.wait().items():
+                self._apply(matrices[i], update)
 
     def _plan_of(
         self, placements: list[MatrixPlacement], dtypes: list[torch.dtype], group: dist.ProcessGroup
     ) -> _Plan:
         """Owners and routes: the same on every rank, kept while the matrices stay."""
-        key = (tuple(id(p) for p in placements), tuple(dtypes))
+        rounds_wanted = self.exchange_rounds
+        if isinstance(rounds_wanted, bool) or not isinstance(rounds_wanted, int):
+            raise TypeError(f"exchange_rounds must be an int, not {rounds_wanted!r}")
+        if rounds_wanted < 1:
+            raise ValueError(f"exchange_rounds must be at least 1, not {rounds_wanted}")
+        key = (tuple(id(p) for p in placements), tuple(dtypes), rounds_wanted)
         plan = self._plans.get(key)
         if plan is None:
             costs = [self.rule.cost(p.shape) for p in placements]
             owners = assign_owners(costs, group.size(), [p.whole_on() for p in placements])
             back = [self.rule.update_dtype(d) for d in dtypes]
             there, home = routes(placements, owners, dtypes, back, group.rank())
-            plan = self._plans[key] = _Plan(there, home, back)
+            cut = [frozenset(r) for r in rounds(costs, owners, rounds_wanted)]
+            plan = _Plan([(there.only(r), home.only(r)) for r in cut], back)
+            self._plans[key] = plan
         return plan
 
     def _update_owned(

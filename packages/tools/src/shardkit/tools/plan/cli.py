@@ -42,6 +42,7 @@ from shardkit.tools.plan.checkpoint.cli import (
 from shardkit.tools.plan.dtype_names import dtype_argument as _dtype
 from shardkit.tools.plan.export.cli import add_export_arguments, export_cost_of, format_export_cost
 from shardkit.tools.plan.meta_build import NotAModuleError, OffMetaError, build_on_meta
+from shardkit.tools.plan.muon_step import format_muon_step, newton_schulz_costs
 from shardkit.tools.plan.options import OPTIMIZER_STATES, PlanOptions
 from shardkit.tools.plan.plan_record import Plan
 from shardkit.tools.plan.planner import plan
@@ -51,7 +52,7 @@ from shardkit.tools.plan.tables import format_plan
 from shardkit.tools.plan.timing.bandwidth import default_bandwidth, gloo_bandwidth
 from shardkit.tools.plan.timing.calibrate import calibrate
 from shardkit.tools.plan.timing.hardware import PROFILES, Hardware
-from shardkit.tools.plan.timing.step_time import StepTime, estimate_step_time
+from shardkit.tools.plan.timing.step_time import StepTime, costs_seconds, estimate_step_time
 from shardkit.tools.units import DEFAULT_BANDWIDTH_GBPS
 
 __all__ = ["format_plan", "load_factory", "main"]
@@ -333,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result, title=args.factory, all_groups=args.all_groups, bandwidth=bandwidth
         )
         sys.stdout.write(text)
+        if result.muon is not None:
+            hw = timed[0] if timed else None
+            ns = (hw.name, costs_seconds(newton_schulz_costs(result.muon), hw)) if hw else None
+            sys.stdout.write(format_muon_step(result.muon, ns))
         if timed is not None:
             sys.stdout.write(_format_step_time(*timed))
         if exported is not None:

@@ -17,19 +17,47 @@ sit in the root or are not 2-D).
   that owns the most (the largest matrices go first, to rank 0). Matrices whole on a rank
   (one shard rank) are updated one at a time, with no exchange. Owners are the core's own assignment
   (``assign_owners`` by Newton-Schulz cost), so the planned rank's share is what it will get.
+- The step's collectives and work (:func:`muon_step`): the two all-to-alls of the exchange
+  (rows to owners, update rows back) over every rank of the FSDP or HSDP mesh, sized by the
+  core's own routes (``shardkit.core.optim.exchange.routes``) on the blocks each rank holds, and
+  this rank's Newton-Schulz on the matrices it owns (:func:`newton_schulz_costs`: five
+  iterations of three matrix multiplies each, in bf16; the norm and the division are left out).
+  Not with tensor parallelism yet: there a matrix's blocks span the tp axis too.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
+
+from shardkit.core.layout import ParamLayout
+from shardkit.core.optim.blocks import Block, MatrixPlacement
 from shardkit.core.optim.newton_schulz import newton_schulz_cost
 from shardkit.core.optim.owners import assign_owners
+from shardkit.core.optim.routes import routes
 from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.op_costs import OpCost
 from shardkit.tools.plan.options import PlanOptions
+from shardkit.tools.plan.step_inputs import StepInputs
+from shardkit.tools.units import format_bytes
 
-__all__ = ["Matrix", "matrices_scratch", "muon_step_scratch", "state_tensors", "takes_muon"]
+__all__ = [
+    "Matrix",
+    "format_muon_step",
+    "MuonStep",
+    "matrices_scratch",
+    "muon_exchange_calls",
+    "muon_step",
+    "muon_step_scratch",
+    "newton_schulz_costs",
+    "state_tensors",
+    "takes_muon",
+]
+
+_NS_STEPS = 5  # torch's Muon's default, which shardkit's keeps
 
 _BF16 = 2  # bytes: Newton-Schulz's dtype, and the exchanges'
 
@@ -93,3 +121,141 @@ def _batch_bytes(shape: tuple[int, int], count: int) -> int:
     m, n = shape
     k = min(m, n)
     return count * (3 * m * n + 2 * k * k) * _BF16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuonStep:
+    """Muon's step on the planned rank: its share of Newton-Schulz and the exchange."""
+
+    world: int
+    """Ranks the exchange runs over: every rank of the mesh (HSDP's replicas too)."""
+    matrices: int
+    """Muon's matrices in the model."""
+    owned: tuple[tuple[int, int], ...]
+    """The shapes this rank orthogonalizes, in the step's order."""
+    flops: int
+    """Newton-Schulz's FLOPs on them (a multiply-add is two)."""
+    calls: tuple[tuple[int, int], ...]
+    """(input bytes, sent bytes) of each all-to-all, in issue order: rows out, update back."""
+
+
+def muon_step(
+    groups: Sequence[GroupSpec], root: int | None, shard_rank: int, replicas: int, replica: int
+) -> MuonStep | None:
+    """Muon's step on the rank at ``shard_rank`` of replica ``replica`` (None: no matrices).
+
+    Args:
+        groups: the plan's groups; Muon takes the 2-D parameters outside ``root``'s.
+        root: the root group's index (its parameters take AdamW).
+        shard_rank: the planned rank on the shard axis.
+        replicas: HSDP's replicas (1: FSDP).
+        replica: the planned rank's replica.
+    """
+    params = [
+        p for i, g in enumerate(groups) for p in g.trainable if takes_muon(p.shape, i == root)
+    ]
+    if not params:
+        return None
+    shards = groups[0].world
+    world = shards * replicas
+    placements = [_placement(p, shards, replicas) for p in params]
+    costs = [newton_schulz_cost(m.shape) for m in placements]
+    rank = replica * shards + shard_rank  # the flattened (replicate, shard) mesh's order
+    if world == 1:  # every matrix whole here: no exchange
+        owned = tuple(m.shape for m in placements)
+        return MuonStep(world=1, matrices=len(params), owned=owned, flops=_flops(owned), calls=())
+    owners = assign_owners(costs, world, [m.whole_on() for m in placements])
+    bf16 = [torch.bfloat16] * len(placements)
+    there, home = routes(placements, owners, bf16, bf16, rank)
+    owned = tuple(m.shape for m, o in zip(placements, owners, strict=True) if o == rank)
+    calls = tuple((r.traffic().sent, r.traffic().sent) for r in (there, home))  # no own part
+    return MuonStep(
+        world=world, matrices=len(params), owned=owned, flops=_flops(owned), calls=calls
+    )
+
+
+def muon_exchange_calls(
+    groups: Sequence[GroupSpec], inputs: StepInputs
+) -> tuple[tuple[int, int, int], ...]:
+    """(ranks, input bytes, sent bytes) of each all-to-all of Muon's step on the planned rank.
+
+    None with tensor parallelism (not planned yet), nor where every matrix is whole here:
+    an empty tuple.
+    """
+    if inputs.tp_degree != 1 or not groups:
+        return ()
+    replica = inputs.options.rank // groups[0].world
+    step = muon_step(groups, inputs.root, inputs.shard_rank, inputs.replicas, replica)
+    if step is None:
+        return ()
+    return tuple((step.world, input_bytes, sent) for input_bytes, sent in step.calls)
+
+
+def newton_schulz_costs(step: MuonStep) -> tuple[OpCost, ...]:
+    """The matrix multiplies of this rank's Newton-Schulz, in bf16.
+
+    Per iteration on a k x K matrix (k its smaller side): the Gram matrix (k x K by K x k),
+    its polynomial (k x k by k x k) and the update (k x k by k x K), each ``_NS_STEPS`` times
+    per owned matrix.
+    """
+    found: list[OpCost] = []
+    for (m, n), count in Counter(step.owned).items():
+        k, big = min(m, n), max(m, n)
+        for flops, elements in (
+            (2 * k * k * big, k * big + k * k),  # gram = X X^T
+            (2 * k * k * k, 3 * k * k),  # b G + c G G
+            (2 * k * k * big, k * k + 2 * k * big),  # a X + P X
+        ):
+            found.append(OpCost(flops, 2 * elements, "bfloat16", count * _NS_STEPS))
+    return tuple(found)
+
+
+def _flops(owned: Sequence[tuple[int, int]]) -> int:
+    total = 0
+    for m, n in owned:
+        k, big = min(m, n), max(m, n)
+        total += _NS_STEPS * (4 * k * k * big + 2 * k**3)
+    return total
+
+
+def _placement(p: ParamLayout, shards: int, replicas: int) -> MatrixPlacement:
+    """Where the core's Muon finds a parameter's matrix: each rank's block, from the layout."""
+    shape = (int(p.shape[0]), int(p.shape[1]))
+    cut = p.shard_dim
+    sizes = [p.local_numel(r) // shape[1 - cut] for r in range(shards)]
+    starts = [sum(sizes[:r]) for r in range(shards)]
+    blocks = []
+    for r in range(shards):
+        lo, hi = starts[r], starts[r] + sizes[r]
+        if sizes[r] == 0:
+            blocks.append(Block(0, 0, 0, 0))
+        elif cut == 0:
+            blocks.append(Block(lo, hi, 0, shape[1]))
+        else:
+            blocks.append(Block(0, shape[0], lo, hi))
+    return MatrixPlacement(
+        name=p.fqn,
+        shape=shape,
+        group=None,
+        blocks=tuple(blocks) * replicas,
+        replicas=tuple((i // shards,) for i in range(shards * replicas)),
+    )
+
+
+def format_muon_step(step: MuonStep, timed: tuple[str, float] | None = None) -> str:
+    """The plan's lines for Muon's step on the planned rank.
+
+    Its share of Newton-Schulz (``timed``: its seconds on a hardware profile, as (name,
+    seconds)) and the exchange's collectives.
+    """
+    gflop = step.flops / 1e9
+    line = (
+        f"\nmuon step (this rank): {len(step.owned)} of {step.matrices} matrices "
+        f"orthogonalized here, {gflop:.3f} GFLOP of Newton-Schulz"
+    )
+    if timed is not None:
+        line += f", {timed[1] * 1e3:.3f} ms on {timed[0]}"
+    if step.calls:
+        sent = " + ".join(format_bytes(s) for _, s in step.calls)
+        line += f"\n  exchange over {step.world} ranks: {len(step.calls)} all_to_all, {sent} sent"
+    return line + "\n"

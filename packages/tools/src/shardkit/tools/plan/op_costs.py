@@ -335,7 +335,8 @@ def optimizer_costs(groups: list[GroupSpec], options: PlanOptions, shard_rank: i
         kind = torch.optim.AdamW if options.optimizer == "adamw" else torch.optim.Adam
         optimizer = kind(shards, foreach=foreach)
     else:
-        # Muon's elementwise work is SGD's with momentum (its Newton-Schulz is not counted)
+        # Muon's elementwise work is SGD's with momentum (its Newton-Schulz: the planner adds
+        # muon_step.newton_schulz_costs)
         momentum = 0.9 if options.optimizer in ("sgd_momentum", "muon") else 0.0
         optimizer = torch.optim.SGD(shards, lr=0.1, momentum=momentum, foreach=foreach)
     optimizer.step()

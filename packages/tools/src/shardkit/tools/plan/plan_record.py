@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shardkit.core import ReducePrecision
+from shardkit.tools.plan.muon_step import MuonStep
 from shardkit.tools.plan.op_costs import StepCosts
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.records import (
@@ -84,6 +85,9 @@ class Plan:
     """Compute segments, collectives and waits in program order (``step_time`` replays them)."""
     costs: StepCosts | None = None
     """The step's operators by segment and module (None: no ``inputs``, nothing traced)."""
+    muon: MuonStep | None = None
+    """``optimizer="muon"``: the planned rank's Newton-Schulz share and exchange (None
+    otherwise, and with tensor parallelism, which the plan does not place Muon on yet)."""
 
     @property
     def host_bytes(self) -> int:

@@ -34,6 +34,7 @@ from shardkit.tools import theory
 from shardkit.tools.plan.conditional import plan_anchoring
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
+from shardkit.tools.plan.muon_step import muon_step, newton_schulz_costs
 from shardkit.tools.plan.op_costs import optimizer_costs
 from shardkit.tools.plan.options import ModelSource, PlanOptions
 from shardkit.tools.plan.plan_record import Plan
@@ -123,9 +124,14 @@ def plan(
     )
     sent = sum(c.sent_bytes for c in step.schedule)
     costs = trace.costs
+    shard_rank = mesh.shard_rank(options.rank)
+    muon = None
+    if options.optimizer == "muon" and mesh.tp == 1:  # this rank's share of Newton-Schulz
+        muon = muon_step(groups, root, shard_rank, replicas, options.rank // mesh.shard)
     if costs is not None:
-        shard_rank = mesh.shard_rank(options.rank)
-        costs = replace(costs, optimizer=optimizer_costs(groups, options, shard_rank))
+        optimizer = optimizer_costs(groups, options, shard_rank)
+        optimizer += newton_schulz_costs(muon) if muon is not None else ()
+        costs = replace(costs, optimizer=optimizer)
     logger.debug(
         "planned %s on %d ranks: %d groups, %d collectives, peak %d bytes",
         type(module).__name__,
@@ -151,6 +157,7 @@ def plan(
         events=step.events,
         marks=step.marks,
         costs=costs,
+        muon=muon,
         collectives=_summarise(step.schedule),
         sent_bytes_per_step=sent,
         sent_bytes_by_axis=_by_axis(step.schedule),

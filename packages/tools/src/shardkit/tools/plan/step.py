@@ -81,7 +81,7 @@ from shardkit.core.schedule import (
     watches_inputs,
 )
 from shardkit.tools.plan.gradient_schedule import gradient_schedule
-from shardkit.tools.plan.muon_step import muon_step_scratch, state_tensors
+from shardkit.tools.plan.muon_step import muon_exchange_calls, muon_step_scratch, state_tensors
 from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
@@ -388,6 +388,8 @@ class _Step:
         if options.optimizer == "muon":  # Muon's step runs first, then AdamW's
             muon = muon_step_scratch(self.groups, self.inputs.root, shard_rank)
             scratch = max(scratch, muon)
+            for world, input_bytes, sent in muon_exchange_calls(self.groups, self.inputs):
+                self.ops.record_optimizer_call("all_to_all", world, input_bytes, sent)
         if scratch:  # where the step runs: the host, when offloading
             key, label = ("optim_scratch", 0), "optimizer step scratch"
             resident(ledger, key, Category.OTHER, scratch, label, offload=options.offload)

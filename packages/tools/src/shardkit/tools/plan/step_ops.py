@@ -31,11 +31,14 @@ from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.plan.tp_comm import TPCall
 from shardkit.tools.records import Category
 
-__all__ = ["SLICE_AXIS", "LedgerOps"]
+__all__ = ["OPTIMIZER_STEP", "SLICE_AXIS", "LedgerOps"]
 
 SLICE_AXIS = "dp_post_forward"
 """The axis of backward's all-gather of post-forward slices (``reshard_after_forward=n``): a
 subgroup of n ranks of the shard axis, which the engine makes and no mesh names."""
+
+OPTIMIZER_STEP = "(optimizer step)"
+"""The group a collective of the optimizer's step is planned under (the comm report's name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +287,10 @@ class LedgerOps:
             else:
                 sent = nbytes * (size - 1)
                 self.check_calls.append(self._made("all_gather", "", axis, size, nbytes, sent))
+
+    def record_optimizer_call(self, kind: str, size: int, input_bytes: int, sent: int) -> None:
+        """A collective of the optimizer's step (Muon's exchange), over every dp rank."""
+        self._append(kind, OPTIMIZER_STEP, "dp", size, input_bytes, sent)
 
     def record_tp(self, calls: list[TPCall]) -> None:
         """Record tensor-parallel collectives (the replay places them on its segments)."""

@@ -35,12 +35,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from shardkit.core import FSDPModule
+from shardkit.core.optim import Muon
 from shardkit.tools.plan.apply.apply import apply_plan
 from shardkit.tools.plan.backward import unit_loss
+from shardkit.tools.plan.muon_step import takes_muon
 from shardkit.tools.plan.options import PlanOptions, loss_takes_model, options_for
 from shardkit.tools.plan.plan_record import Plan
 from shardkit.tools.plan.planner import plan
 from shardkit.tools.plan.sharding_plan import ShardingPlan
+from shardkit.tools.records import Phase
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.live_peak import LivePeak
 from shardkit.tools.track.ops import OpCounter
@@ -183,21 +187,27 @@ def check_plan(
         model = _sharded(model_factory, sharding, predicted.options, world_size)
         with _tensor_mode(fake_tensors):
             _materialize(model, fake_tensors)
-            optimizer = _optimizer(model, predicted.options)
+            optimizers = _optimizers(model, predicted.options)
             batch = tree_map(_zeros_like_meta, inputs())
             for _ in range(steps - 1):
-                _train_step(model, optimizer, batch, loss)
+                _train_step(model, optimizers, batch, loss)
             with (
-                LivePeak(model, optimizers=[optimizer]) as live,
+                LivePeak(model, optimizers=optimizers) as live,
                 CommTracker() as comm,
                 OpCounter() as ops,
             ):
-                _train_step(model, optimizer, batch, loss)
+                _train_step(model, optimizers, batch, loss)
             measured = tuple((r.kind, r.input_bytes, r.sent_bytes) for r in comm.records)
-            del model, optimizer
+            del model, optimizers
     gc.collect()
-    # The engine skips its step check on fake tensors: there are no bytes to compare.
-    calls = [*predicted.schedule, *(() if fake_tensors else predicted.step_check)]
+    # The engine skips its step check on fake tensors: there are no bytes to compare. It runs
+    # where backward ends, before the optimizer's step and its collectives (Muon's exchange).
+    stepping = [c for c in predicted.schedule if c.phase is Phase.OPTIMIZER]
+    calls = [
+        *(c for c in predicted.schedule if c.phase is not Phase.OPTIMIZER),
+        *(() if fake_tensors else predicted.step_check),
+        *stepping,
+    ]
     return PlanCheck(
         world_size=world_size,
         fake_tensors=fake_tensors,
@@ -290,18 +300,27 @@ def _materialize(model: nn.Module, fake: bool) -> None:
 _HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
-def _optimizer(model: nn.Module, options: PlanOptions) -> torch.optim.Optimizer:
-    """The planned optimizer, with foreach kernels as on GPUs (the plan is made for NCCL)."""
+def _optimizers(model: nn.Module, options: PlanOptions) -> list[torch.optim.Optimizer]:
+    """The planned optimizers, with foreach kernels as on GPUs (the plan is made for NCCL).
+
+    ``optimizer="muon"``: shardkit's Muon on the 2-D parameters outside the root's group,
+    AdamW on the rest, as the plan has them (``muon_step.takes_muon``).
+    """
     params = list(model.parameters())
     if options.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        return [torch.optim.AdamW(params, lr=1e-4, foreach=True)]
     if options.optimizer == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=True)
+        return [torch.optim.Adam(params, lr=1e-4, foreach=True)]
     if options.optimizer == "muon":
-        # Its step's exchange is not in the plan's collectives yet, which the check compares.
-        raise NotImplementedError("check_plan does not run optimizer='muon' yet")
+        units = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+        below = {id(p) for unit in units for p in unit.parameters()}  # not the root's
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        matrices = [(n, p) for n, p in named if takes_muon(p.shape, id(p) not in below)]
+        taken = {id(p) for _, p in matrices}
+        others = [p for _, p in named if id(p) not in taken]
+        return [Muon(matrices, lr=1e-4), torch.optim.AdamW(others, lr=1e-4, foreach=True)]
     momentum = 0.9 if options.optimizer == "sgd_momentum" else 0.0
-    return torch.optim.SGD(params, lr=1e-4, momentum=momentum, foreach=True)
+    return [torch.optim.SGD(params, lr=1e-4, momentum=momentum, foreach=True)]
 
 
 def _zeros_like_meta(value: Any) -> Any:
@@ -312,14 +331,15 @@ def _zeros_like_meta(value: Any) -> Any:
 
 def _train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: list[torch.optim.Optimizer],
     batch: Any,
     loss: Callable[..., torch.Tensor] | None,
 ) -> None:
-    """Forward, loss, backward, the optimizer's step and ``zero_grad``."""
+    """Forward, loss, backward, each optimizer's step and ``zero_grad``."""
     _loss_of_forward(model, batch, loss).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def _loss_of_forward(

@@ -235,8 +235,8 @@ class _Replay:
                 self.copy_out[call.group] = packed * call.group_size
         elif self.offload and call.kind == "reduce_scatter":
             self._copy("d2h", end, call.input_bytes // max(call.group_size, 1))  # the output
-        if not self.hw.overlap or call.axis == "tp":
-            self._wait_until(end)
+        if not self.hw.overlap or call.axis == "tp" or call.phase is Phase.OPTIMIZER:
+            self._wait_until(end)  # the optimizer's exchange: its step waits for each
         elif self.hw.contention:
             taken = self.hw.contention * seconds  # the cores it moves its bytes on
             self.now += taken
