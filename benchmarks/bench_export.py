@@ -68,7 +68,7 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
     assert r["wire_ours"] == full_wire  # the minimum bytes: each rank's half once, in bf16
 
 
-@pytest.mark.parametrize("lr", ["1e-6", "1e-3"])
+@pytest.mark.parametrize("lr", ["1e-6", "1e-5", "1e-3"])
 @pytest.mark.parametrize("size", SIZES)
 def test_delta_against_full(benchmark: Any, size: str, lr: str) -> None:
     """A delta sync's trainer-side time against a full one's, paired round by round

@@ -1,0 +1,77 @@
+"""Finding a delta's changes on one rank: the sample that tells a dense part, and the part
+refreshed in place either way, bit for bit what packing it afresh gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardkit.core.export import delta_find
+from shardkit.core.export.axis_gathers import AxisGather
+from shardkit.core.export.delta_encoding import DENSE, local_changes
+
+SHAPES = [(3000, 96), (37, 5), (1000, 300), (64,)]
+
+
+def _pieces() -> tuple[list[tuple[AxisGather, torch.Tensor, int]], torch.Tensor]:
+    """fp32 pieces of a rank (part 0 of 2 along dim 0) and a part that packed them in bf16."""
+    torch.manual_seed(0)
+    pieces, offset = [], 0
+    for shape in SHAPES:
+        gather = AxisGather(0, 0, 2, shape)
+        piece = torch.randn(gather.piece_shape(0)) * 0.02
+        pieces.append((gather, piece, offset))
+        offset += -(-gather.padded_numel * 2 // 8) * 8
+    return pieces, _packed(pieces, offset)
+
+
+def _packed(pieces: list[tuple[AxisGather, torch.Tensor, int]], nbytes: int) -> torch.Tensor:
+    """The part packed afresh: each piece cast to bf16 at its offset, padding zero."""
+    part = torch.zeros(nbytes, dtype=torch.uint8)
+    for _, piece, offset in pieces:
+        flat = piece.reshape(-1).to(torch.bfloat16)
+        part[offset : offset + 2 * flat.numel()] = flat.view(torch.uint8)
+    return part
+
+
+def _move(pieces: list[tuple[AxisGather, torch.Tensor, int]], share: float) -> None:
+    """Move about ``share`` of every piece's elements by far more than a bf16 unit."""
+    generator = torch.Generator().manual_seed(int(share * 1000))
+    for _, piece, _ in pieces:
+        moved = torch.rand(piece.shape, generator=generator) < share
+        piece.add_(moved * 0.5)
+
+
+@pytest.mark.parametrize(("share", "dense"), [(0.01, False), (0.05, False), (0.3, True)])
+def test_the_sample_tells_a_dense_part_and_writes_nothing(share: float, dense: bool) -> None:
+    pieces, part = _pieces()
+    _move(pieces, share)
+    before = part.clone()
+    scratch = torch.empty(delta_find.CHUNK_ELEMENTS, dtype=torch.bfloat16)
+    assert delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch) is dense
+    assert torch.equal(part, before)
+
+
+@pytest.mark.parametrize("share", [0.01, 0.3])
+@pytest.mark.parametrize("chunk", [12, 1 << 18])
+def test_a_refreshed_part_is_the_part_packed_afresh(
+    share: float, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sparse: the changes are exactly the bits that differ, and the part is refreshed. Dense
+    (told by the sample, nothing compared): None, and the part is refreshed all the same."""
+    monkeypatch.setattr(delta_find, "CHUNK_ELEMENTS", chunk)
+    pieces, part = _pieces()
+    old = part.clone()
+    _move(pieces, share)
+    length = part.numel() // 2
+    found = delta_find.refresh_part(pieces, part, torch.bfloat16, limit=length // DENSE)
+    fresh = _packed(pieces, part.numel())
+    assert torch.equal(part, fresh)
+    if share > 1 / DENSE:
+        assert found is None
+        return
+    assert found is not None
+    oracle = local_changes(fresh.view(torch.bfloat16), old.view(torch.bfloat16))
+    assert torch.equal(found.positions, oracle.positions)
+    assert torch.equal(found.values.view(torch.int16), oracle.values.view(torch.int16))
+    assert torch.equal(found.steps, oracle.steps)
