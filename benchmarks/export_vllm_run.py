@@ -205,6 +205,9 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         line = dict(size=SIZE, placement=PLACEMENT, mode=MODE, lr=lr, params=params, rows=rows)
         print(json.dumps(line), flush=True)
+    if PLACEMENT == "process" and engine is not None:
+        # The engine core's process would outlive this one (and hold its caller's pipes).
+        engine.llm_engine.engine_core.shutdown()
     dist.destroy_process_group()
     os._exit(0)  # vLLM's threads (and an engine core's client) would hold the exit
 
