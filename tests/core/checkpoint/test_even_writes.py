@@ -6,7 +6,8 @@ rank's bytes against the mean; every piece written by a rank that holds it; the 
 every chunk; each rank's own items, the metadata's keys and the load side's lookup agree), and
 on gloo at W=4 (HSDP 2x2): a state whose chunks are cut is saved by ``CheckpointManager`` and
 loaded by each rank alone from the record, bit for bit DCP's own planned load of the same
-checkpoint, at the same layout and resharded to FSDP at W=2.
+checkpoint, at the same layout and resharded to FSDP at W=2; and written by the writer
+processes (``writer="process"``), which cut the rows from the shared staging buffers.
 """
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ def _save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     app.optimizer.step()
     app.step = 1
     path = CheckpointManager(root).save(1, {"app": app})
-    return {"state": state_of(app), "path": str(path)}
+    # The same state written by a writer process (its rows cut there, from shared memory).
+    with CheckpointManager(f"{root}/process", writer="process") as manager:
+        manager.save(1, {"app": app}, async_save=True)
+    process = manager.path_for(1)
+    return {"state": state_of(app), "path": str(path), "process": str(process)}
 
 
 def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any]:
@@ -192,7 +197,7 @@ def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any
 def test_an_hsdp_checkpoint_written_in_pieces_loads_bit_for_bit(tmp_path: Path) -> None:
     from shardkit.core.checkpoint.dcp_reading import read_dcp_metadata
 
-    saved = run_on_ranks(4, _save, root=str(tmp_path))
+    saved = run_on_ranks(4, _save, root=str(tmp_path), timeout_s=900)  # 4 writer children start
     path = Path(saved[0]["path"])
     entry = read_dcp_metadata(path).state_dict_metadata["app.model.2.weight"]
     # (1027, 512) on 2 shards (514 and 513 rows), each cut in 2 row pieces: 4 chunks listed,
@@ -211,3 +216,6 @@ def test_an_hsdp_checkpoint_written_in_pieces_loads_bit_for_bit(tmp_path: Path) 
         for rank, result in enumerate(loaded):
             assert result["same_as_dcp"], (world, rank)
             assert same_state(result["ours"], saved[0]["state"]), (world, rank)
+    by_process = run_on_ranks(4, _load, path=saved[0]["process"], replicas=2)
+    for rank, result in enumerate(by_process):
+        assert result["same_as_dcp"] and same_state(result["ours"], saved[0]["state"]), rank
