@@ -6,8 +6,9 @@ a group of its own): the time (the export's own part and the receiver's load), t
 the wire against the model's bf16 bytes, a delta export's bytes after an AdamW step at
 lr 1e-6, and each trainer rank's peak RSS against its training step's
 (benchmarks/export_run.py measures; SHARDKIT_BENCH_EXPORT_SIZES picks sizes). And a delta's
-trainer-side time against a full export's, paired round by round, at lr 1e-6 and 1e-3
-(benchmarks/export_delta_run.py).
+trainer-side time against a full export's, paired round by round, at lr 1e-6, 1e-5 and 1e-3
+(benchmarks/export_delta_run.py). Into vLLM's CPU build (engines colocated and in their own
+process, trl's pattern in the same run): benchmarks/bench_export_vllm.py, under .venv-vllm.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
 def test_delta_against_full(benchmark: Any, size: str, lr: str) -> None:
     """A delta sync's trainer-side time against a full one's, paired round by round
     (benchmarks/export_delta_run.py): at lr 1e-6 a few percent of the bf16 elements change; at
-    1e-3 most do, and the delta's buckets go plain. Times only: glibc's default allocator (the
-    low mmap threshold the RSS runs use would charge each chunk's temporaries a page fault)."""
+    1e-5 and 1e-3 more than 1/8 do, and the delta's buckets go plain. Times only: glibc's
+    default allocator (the low mmap threshold the RSS runs use would charge each chunk's
+    temporaries a page fault)."""
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
