@@ -117,6 +117,8 @@ class PoolStart:
 _STARTS: list[PoolStart] = []
 # The world size of every task of the session, in order (what tests/world_sizes.txt records).
 _TASK_WORLD_SIZES: list[int] = []
+# The world sizes of the pools shut because the next test did not use them.
+_SHUT_BETWEEN_WORLD_SIZES: list[int] = []
 
 Replies = dict[int, protocol.Message | None]
 """One message per rank that answered, by rank; None for a rank whose worker exited."""
@@ -453,7 +455,14 @@ def keep_only_pools(world_sizes: set[int]) -> list[int]:
     pools left warm for later steal time from the pool at work. The test run orders its tests
     by world size (tests/world_sizes.py), which makes shutting the others nearly free.
     """
-    return _POOLS.close_except(world_sizes)
+    shut = _POOLS.close_except(world_sizes)
+    _SHUT_BETWEEN_WORLD_SIZES.extend(shut)
+    return shut
+
+
+def pools_shut_between_world_sizes() -> tuple[int, ...]:
+    """The world sizes of the pools ``keep_only_pools`` shut so far, in order."""
+    return tuple(_SHUT_BETWEEN_WORLD_SIZES)
 
 
 def shutdown_pools() -> None:

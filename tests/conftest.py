@@ -20,6 +20,7 @@ from harness.pool import (
     group_restarts,
     keep_only_pools,
     pool_starts,
+    pools_shut_between_world_sizes,
     shutdown_pools,
     task_world_sizes,
 )
@@ -113,6 +114,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"worker pools: {len(starts)} start(s), {sum(s.seconds for s in starts):.1f} s in all "
             f"({parts}); not counted in the tests' durations"
+        )
+    if shut := pools_shut_between_world_sizes():
+        terminalreporter.write_line(
+            f"{len(shut)} idle pool(s) shut where the run moved on to other world sizes "
+            "(tests/world_sizes.py)"
         )
     restarts = group_restarts()
     if restarts:
