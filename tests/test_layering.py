@@ -23,6 +23,8 @@ SEAMS = {
     "shardkit.core.conditional_schedule",
     "shardkit.core.export",
     "shardkit.core.checkpoint.local_plan.chunk_writers",
+    "shardkit.core.checkpoint.local_plan.chunk_sources",
+    "shardkit.core.checkpoint.local_plan.layout_record",
     "shardkit.core.optim.owners",
     "shardkit.core.optim.newton_schulz",
     "shardkit.core.optim.blocks",
@@ -72,6 +74,19 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
     # (and a ShardedTensor's group's ranks: FSDP1's shards are placed by group rank; and
     # torch.chunk's arithmetic, pure, which every cut of the core takes from one module)
     "shardkit.core.checkpoint.local_plan.chunk_writers": (
+        "shardkit.core.runtime.chunks",
+        "shardkit.core.runtime.dtensors",
+        "shardkit.core.runtime.groups",
+    ),
+    # A restart's overlaps of held boxes with saved chunks, pure on the layout and the record:
+    # the planner times a load's planning on it (shardkit-plan --checkpoint).
+    "shardkit.core.checkpoint.local_plan.chunk_sources": (
+        "shardkit.core.runtime.chunks",
+        "shardkit.core.runtime.dtensors",
+        "shardkit.core.runtime.groups",
+    ),
+    # The layout record's encoding, pure: the planner predicts its size (and reads it back).
+    "shardkit.core.checkpoint.local_plan.layout_record": (
         "shardkit.core.runtime.chunks",
         "shardkit.core.runtime.dtensors",
         "shardkit.core.runtime.groups",
