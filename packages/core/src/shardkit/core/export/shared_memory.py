@@ -19,8 +19,8 @@ raises :class:`~shardkit.core.errors.WeightLoadError` with it, and the serving l
 for the next export. A receiving process that dies, or does not answer within ``bound_s``,
 makes the sender raise :class:`~shardkit.core.errors.WeightExportError` naming the bucket.
 
-Past 400 lines: the next split is the serving side (``serve_shared_memory``,
-``serve_connection`` and their session) into ``shared_memory_serve.py``.
+Next to split off: the serving side (``serve_shared_memory``, ``serve_connection`` and their
+session) into ``shared_memory_serve.py``.
 """
 
 from __future__ import annotations
