@@ -32,7 +32,8 @@ def _train(rank: int, world_size: int, argv: list[str]) -> str:
 
 
 def _losses(tmp_path: Path, *args: str) -> tuple[dict[int, float], str]:
-    metrics = tmp_path / f"{'_'.join(a.strip('-') for a in args)}.jsonl"
+    name = "_".join(a.strip("-").split("/")[-1] for a in args)  # a path's last part only
+    metrics = tmp_path / f"{name}.jsonl"
     out = run_on_ranks(2, _train, argv=[*SMALL, *args, f"--metrics-file={metrics}"])
     return losses(metrics), out[0]
 
@@ -49,9 +50,11 @@ def test_muon_trains_alike_on_both_engines(tmp_path: Path) -> None:
 
 def test_muon_resumes_from_a_checkpoint_as_the_run_that_went_on(tmp_path: Path) -> None:
     ckpt = f"--ckpt-dir={tmp_path / 'ckpt'}"
-    through, _ = _losses(tmp_path, "--optimizer=muon")
-    first, _ = _losses(tmp_path, "--optimizer=muon", ckpt, "--ckpt-every=2", "--steps=4")
-    resumed, printed = _losses(tmp_path, "--optimizer=muon", ckpt, "--resume")
+    for run in ("through", "first", "resumed"):
+        (tmp_path / run).mkdir()
+    through, _ = _losses(tmp_path / "through", "--optimizer=muon")
+    first, _ = _losses(tmp_path / "first", "--optimizer=muon", ckpt, "--ckpt-every=2", "--steps=4")
+    resumed, printed = _losses(tmp_path / "resumed", "--optimizer=muon", ckpt, "--resume")
     assert "resumed from" in printed and "at step 4" in printed
     assert first == {s: through[s] for s in range(1, 5)}
     assert resumed == {s: through[s] for s in range(5, 9)}
