@@ -134,8 +134,14 @@ def test_a_load_failing_at_the_commit_leaves_the_engine_serving_what_it_served(
     assert "export 5" in message and "put back" in message and "serves export 4" in message
     assert receiver.serving_version() == 4 == receiver.version
     assert greedy(engines.receiving) == before  # version 4, complete
-    # A delta against version 4 applies; then a full export of the second weights.
-    export_into(receiver, *delta_export(engines.third, engines.second, export_id=5))
+    # The full export dropped the mirror it would have applied deltas to (the weights are held
+    # once while a full export stages): a delta against version 4 is refused with nothing
+    # written (the exporter sends a full export after any failure), and a full one applies.
+    with pytest.raises(WeightLoadError, match="weights held; nothing was written"):
+        export_into(receiver, *delta_export(engines.third, engines.second, export_id=5))
+    assert receiver.serving_version() == 4
+    assert greedy(engines.receiving) == before
+    export_into(receiver, *full_export(engines.second, export_id=5))
     assert greedy(engines.receiving) == greedy(engines.second_engine)
     assert receiver.serving_version() == 5
 
