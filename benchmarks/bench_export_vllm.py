@@ -10,9 +10,9 @@ engine in each trainer process; ``process``: rank 0's engine core in a process o
 mode (``trl``, ``full``, ``delta``) and learning rate (1e-6, 1e-5) runs in fresh processes
 (``benchmarks/export_vllm_run.py``), so each mode's peak RSS is its own. Prints one table row
 per combination (medians over the rounds; peak RSS per trainer rank) and writes every round to
-``benchmarks/.results/export_vllm.json``. Here, at load 20-30 on 2 cores, 5M took about 25
-minutes (most of it starting engines); 150M takes about an hour. A script, not a pytest
-benchmark: the default environment has no vLLM.
+``benchmarks/.results/export_vllm.json``. Here, at load 5-45 on 2 cores, 5M took 36 minutes
+(most of it starting engines); 150M should take about an hour and a half. A script, not a
+pytest benchmark: the default environment has no vLLM.
 """
 
 from __future__ import annotations
