@@ -50,7 +50,7 @@ def row(result: dict[str, Any]) -> str:
     rows = result["rows"]
 
     def median(key: str) -> float:
-        return statistics.median(r[key] for r in rows)
+        return float(statistics.median(r[key] for r in rows))
 
     peaks = [max(r["peak_rss_mib"][i] for r in rows) for i in range(2)]
     return (

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SIZE, PLACEMENT, MODE = sys.argv[1], sys.argv[2], sys.argv[3]
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if PLACEMENT == "colocated" else "1"
@@ -163,7 +163,7 @@ def main() -> None:
         saved = {n: os.environ.pop(n) for n in names if n in os.environ}
         engine = _engine(folder)
         os.environ.update(saved)
-    to = "all" if PLACEMENT == "colocated" else "first"
+    to: Literal["first", "all"] = "all" if PLACEMENT == "colocated" else "first"
     exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, to=to))
     receiver = vllm_receiver(engine) if engine is not None else None
     trl = TrlPattern(model, engine)
