@@ -216,7 +216,11 @@ def full_state_body(
     ``broadcast``: loaded with ``broadcast_from_rank0=True``, only rank 0 holding the state
     dicts (the other ranks pass empty ones), as a job loading a consolidated file does.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     model = sharded_gpt(impl, world_size)
     opts = optimizers(model, sharded=True)
@@ -229,12 +233,17 @@ def full_state_body(
     fresh = sharded_gpt(impl, world_size, seed=7)
     fresh_opts = optimizers(fresh, sharded=True)
     if broadcast:
+        # torch's set_state_dict takes an empty model dict as "optimizers only" (it skips the
+        # model where rank 0 broadcasts it: a hang), so the two are loaded one after the other.
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         if rank != 0:
             model_sd, optim_sd = {}, {}
-    set_state_dict(
-        fresh, fresh_opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
-    )
+        set_model_state_dict(fresh, model_sd, options=options)
+        set_optimizer_state_dict(fresh, fresh_opts, optim_sd, options=options)
+    else:
+        set_state_dict(
+            fresh, fresh_opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+        )
     saved, loaded = optim_values(model, opts), optim_values(fresh, fresh_opts)
     same = all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
     values = model_values(model), model_values(fresh)

@@ -99,7 +99,8 @@ def test_full_state_dicts_load_back_into_sharded_muon(impl: str, broadcast: bool
     # it again before Muon's load_state_dict sees it (which takes DTensors like the params).
     # With broadcast_from_rank0 only rank 0 holds the full state; torch sends each rank its
     # shards of it.
-    for result in run_on_ranks(2, full_state_body, impl=impl, broadcast=broadcast):
+    results = run_on_ranks(2, full_state_body, impl=impl, broadcast=broadcast)
+    for result in results:
         assert result == {"kinds": {"Tensor"}, "same": True}
 
 
