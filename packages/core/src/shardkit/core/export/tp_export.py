@@ -44,6 +44,7 @@ from shardkit.core.export.buckets import (
     plan_digest,
 )
 from shardkit.core.export.messages import ExportedTensor, ExportManifest
+from shardkit.core.export.receiver_guard import guard_receiver
 from shardkit.core.export.tp_routes import Route, blocks_by_rank, plan_routes, volume
 from shardkit.core.export.tp_slices import Box, EngineTP, Window
 from shardkit.core.runtime.export.export_groups import (
@@ -339,27 +340,13 @@ class SlicedExporter:
 
     def _guarded(self, run: _Run, work: Callable[[], None], label: str) -> None:
         """Receiver work, timed; its failure or lateness becomes every rank's verdict."""
-        if run.watch is not None:
-            run.watch.post(f"the receiver, {label}")
-        start = time.perf_counter()
-        try:
-            work()
-        except Exception as error:
-            if run.watch is None:
-                raise
-            raise run.watch.give_verdict(
-                f"weight export {run.export_id} (TP-sliced): the receiver of engine rank "
-                f"{run.report.engine_rank} on rank {global_rank()} failed at {label}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        seconds = time.perf_counter() - start
-        run.report.handoff_seconds += seconds
-        if run.watch is not None and seconds > run.watch.bound_s:
-            raise run.watch.give_verdict(
-                f"weight export {run.export_id} (TP-sliced): rank {global_rank()} is late: its "
-                f"receiver took {seconds:.1f} s at {label} (bound {run.watch.bound_s:g} s, "
-                "SHARDKIT_EXPORT_BOUND)"
-            )
+        run.report.handoff_seconds += guard_receiver(
+            run.watch,
+            work,
+            label,
+            export=f"weight export {run.export_id} (TP-sliced)",
+            receiver=f"the receiver of engine rank {run.report.engine_rank}",
+        )
 
 
 def _part(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:

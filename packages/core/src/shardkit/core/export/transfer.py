@@ -13,7 +13,6 @@ count of changes packs it, and its gather reuses it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
 from shardkit.core.export.delta_encoding import LocalChanges
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.receiver_guard import guard_receiver
 from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
@@ -348,31 +348,13 @@ class BucketTransfer:
     # The receiver ---------------------------------------------------------------------------
     def guarded(self, work: Callable[[], None], where: object) -> float:
         """Run receiver work; its failure or lateness becomes the export's verdict."""
-        start = time.perf_counter()
         label = (
             f"bucket {where.index} ({where.sources[0].name}, ...)"
             if isinstance(where, ExportBucket)
             else str(where)
         )
-        if self.watch is not None:
-            self.watch.post(f"the receiver, {label}")
-        try:
-            work()
-        except Exception as error:
-            if self.watch is None:
-                raise
-            raise self.watch.give_verdict(
-                f"weight export {self.manifest.export_id}: the receiver on rank "
-                f"{global_rank()} failed at {label}: {type(error).__name__}: {error}"
-            ) from error
-        seconds = time.perf_counter() - start
-        if self.watch is not None and seconds > self.watch.bound_s:
-            raise self.watch.give_verdict(
-                f"weight export {self.manifest.export_id}: rank {global_rank()} is late: its "
-                f"receiver took {seconds:.1f} s at {label} (bound {self.watch.bound_s:g} s, "
-                "SHARDKIT_EXPORT_BOUND)"
-            )
-        return seconds
+        export = f"weight export {self.manifest.export_id}"
+        return guard_receiver(self.watch, work, label, export=export, receiver="the receiver")
 
 
 def _rows(gather: AxisGather, index: int) -> tuple[int, int]:
