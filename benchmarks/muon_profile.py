@@ -76,14 +76,13 @@ def _instrument(clock: _Clock, rounds: int) -> Callable[[], None]:
     patch(opt_cls, "_prepared", clock.wrap("prepare", opt_cls._prepared))
     patch(opt_cls, "_update_owned", clock.wrap("newton-schulz", opt_cls._update_owned))
     patch(opt_cls, "_apply", clock.wrap("apply", opt_cls._apply))
-    patch(whole_matrix, "start_gather", clock.wrap("pack", whole_matrix.start_gather))
-    patch(whole_matrix, "start_scatter", clock.wrap("pack", whole_matrix.start_scatter))
+    patch(whole_matrix, "start_gather", clock.wrap("pack", exchange.start_gather))
 
     def which(arrival: Any) -> str:  # a gather's route owns what it carries; a return's kept too
         return "wait back" if arrival in returns else "wait out"
 
     returns: list[Any] = []
-    start_scatter = whole_matrix.start_scatter
+    start_scatter = clock.wrap("pack", exchange.start_scatter)
 
     def noted(*args: Any, **kwargs: Any) -> Any:
         arrival = start_scatter(*args, **kwargs)
