@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 _LATEST = "latest"
 _MARKERS = frozenset({COMPLETE, f".{COMPLETE}.tmp"})  # the manager's own, not the save's
+_DCP_METADATA = ".metadata"  # what makes a directory a checkpoint to torch's readers
 
 
 def _step_of(path: Path) -> int:
@@ -79,16 +80,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _remove(checkpoint: Path, *, ignore_errors: bool = False) -> None:
-    """Delete a checkpoint directory, its marker first.
+    """Delete a checkpoint directory, its marker first, then DCP's ``.metadata``.
 
     ``rmtree`` deletes in directory order: killed part-way, it could leave the marker beside
-    missing data files, a checkpoint counted complete that no load takes.
+    missing data files, a checkpoint counted complete that no load takes; or ``.metadata``
+    beside them, which torch's readers take as a whole checkpoint (the 20-kill test found one,
+    a step saved again and killed while the old directory was being removed).
     """
-    try:
-        (checkpoint / COMPLETE).unlink(missing_ok=True)
-    except OSError:
-        if not ignore_errors:
-            raise
+    for name in (COMPLETE, _DCP_METADATA):
+        try:
+            (checkpoint / name).unlink(missing_ok=True)
+        except OSError:
+            if not ignore_errors:
+                raise
     shutil.rmtree(checkpoint, ignore_errors=ignore_errors)
 
 
@@ -98,7 +102,7 @@ def _saved_by_torch(path: Path) -> bool:
     A manager's save killed between its ``.metadata`` and its marker has the layout record
     (written before ``.metadata``): that one is incomplete, not torch's.
     """
-    return (path / ".metadata").is_file() and not (path / RECORD).is_file()
+    return (path / _DCP_METADATA).is_file() and not (path / RECORD).is_file()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -226,7 +230,7 @@ class CheckpointManager:
 
         def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # remains of an interrupted save
+            _remove(partial, ignore_errors=True)  # remains of an interrupted save
 
         # Rank 0 prepares, the others wait: its failure is theirs (see [Note: agreed loads]).
         from_rank(0, prepare, doing=f"prepare {partial}")
