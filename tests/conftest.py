@@ -79,19 +79,22 @@ def pytest_runtest_makereport(
 
 _STARTS_SEEN = pytest.StashKey[int]()
 _TASKS_SEEN = pytest.StashKey[int]()
+_STILL_NEEDED = pytest.StashKey[frozenset[int]]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Where this test's pool starts and tasks begin (the makereport hook counts from here).
 
-    Shuts the idle pools of world sizes this test did not use when it was recorded: one world
-    size's pool at a time (tests/world_sizes.py says why), the run being ordered by world size.
+    Shuts the idle pools of world sizes that neither this test nor any later one used when
+    they were recorded: the run being ordered by world size, each pool is shut once the run
+    has moved past it (tests/world_sizes.py says why), and no pool starts again for that.
     """
     item.stash[_STARTS_SEEN] = len(pool_starts())
     item.stash[_TASKS_SEEN] = len(task_world_sizes())
-    if used := _RECORDED.get(item.nodeid):
-        keep_only_pools(set(used))
+    still_needed = item.stash.get(_STILL_NEEDED, None)
+    if still_needed is not None:
+        keep_only_pools(set(still_needed))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -155,6 +158,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get("SHARDKIT_TEST_ORDER") != "file":
         order = world_sizes.ordered_by_world_size([item.nodeid for item in items], _RECORDED)
         items[:] = [items[i] for i in order]
+        needed = world_sizes.still_needed([item.nodeid for item in items], _RECORDED)
+        for item, sizes in zip(items, needed, strict=True):
+            item.stash[_STILL_NEEDED] = sizes
     if any("::" in arg for arg in config.args):
         return  # tests picked by node id: the rest of their files was never collected
     stale = stale_names(listed, (item.nodeid for item in items))

@@ -12,6 +12,7 @@ from tests.world_sizes import (
     ordered_by_world_size,
     read_world_sizes,
     sort_keys,
+    still_needed,
 )
 
 
@@ -50,6 +51,13 @@ def test_a_run_updates_the_tests_it_ran_and_keeps_the_others() -> None:
     recorded = {"f.py::kept": (2,), "f.py::rerun": (4,), "f.py::now_without_tasks": (2,)}
     ran = {"f.py::rerun": (1, 2), "f.py::now_without_tasks": (), "f.py::new": (3,)}
     assert merged(recorded, ran) == {"f.py::kept": (2,), "f.py::rerun": (1, 2), "f.py::new": (3,)}
+
+
+def test_a_pool_is_shut_only_once_no_later_test_needs_it() -> None:
+    ids = ["a.py::one", "a.py::plain", "b.py::one_two", "b.py::two", "c.py::four"]
+    recorded = {"a.py::one": (1,), "b.py::one_two": (1, 2), "b.py::two": (2,), "c.py::four": (4,)}
+    needed = [set(sizes) for sizes in still_needed(ids, recorded)]
+    assert needed == [{1, 2, 4}, {1, 2, 4}, {1, 2, 4}, {2, 4}, {4}]
 
 
 def _pid(rank: int, world_size: int) -> int:

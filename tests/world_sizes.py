@@ -90,6 +90,22 @@ def ordered_by_world_size(node_ids: Sequence[str], recorded: Mapping[str, WorldS
     return sorted(range(len(node_ids)), key=lambda i: keys[i])
 
 
+def still_needed(
+    node_ids: Sequence[str], recorded: Mapping[str, WorldSizes]
+) -> list[frozenset[int]]:
+    """For each test of a run (in run order), the world sizes it or any later test ran at.
+
+    A pool of any other world size will not be used again in the run: shutting it before
+    that test costs no start.
+    """
+    needed: list[frozenset[int]] = []
+    later: frozenset[int] = frozenset()
+    for node_id in reversed(node_ids):
+        later = later | frozenset(recorded.get(node_id, ()))
+        needed.append(later)
+    return needed[::-1]
+
+
 def merged(
     recorded: Mapping[str, WorldSizes], ran: Mapping[str, WorldSizes]
 ) -> dict[str, WorldSizes]:
