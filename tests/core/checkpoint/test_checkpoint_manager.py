@@ -311,20 +311,20 @@ def _publish_fails_body(rank: int, world_size: int, root: str, async_save: bool)
     import os
 
     from shardkit.core import CheckpointManager
-    from shardkit.core.checkpoint import manager as checkpoint
+    from shardkit.core.checkpoint import publish
 
     manager = CheckpointManager(root, keep=2)
     app = build_app(world_size)
     train_app(app, 2, rank, world_size)
     manager.save(app.step, {"app": app})
     train_app(app, 4, rank, world_size)
-    original = checkpoint._write_atomic
+    original = publish.write_atomic
 
     def full_disk(path: Path, text: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     if rank == 0:
-        checkpoint._write_atomic = full_disk
+        publish.write_atomic = full_disk
     try:
         manager.save(app.step, {"app": app}, async_save=async_save)
         manager.wait()  # an asynchronous save is published here
@@ -332,7 +332,7 @@ def _publish_fails_body(rank: int, world_size: int, root: str, async_save: bool)
     except Exception as exc:
         error, message = type(exc).__name__, str(exc)
     finally:
-        checkpoint._write_atomic = original
+        publish.write_atomic = original
     latest = manager.latest()
     manager.save(app.step, {"app": app})  # the ranks are still in step: the next save works
     now = manager.latest()

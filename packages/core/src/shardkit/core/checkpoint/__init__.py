@@ -11,7 +11,9 @@ directories that an interrupted save or a corrupt file cannot break. Behind it:
   loads it (one verdict on every rank); ``replica_reads.py`` splits an HSDP load's reading
   among the replicas, then shares it; ``dcp_reading.py`` reads a checkpoint's metadata and
   plain values without running pickled code (``read_dcp_metadata``);
-- ``files.py`` checksums a checkpoint's files and writes its ``COMPLETE`` marker.
+- ``files.py`` checksums a checkpoint's files; ``publish.py`` makes a finished save current
+  (the ``COMPLETE`` marker with those checksums, the renames, ``latest``, the pruning, and
+  deletes ordered so that no reader takes a half-deleted directory whole).
 
 The checkpoint's errors (``CheckpointSaveError``, ``CheckpointLoadError``,
 ``IncompleteCheckpointError``) are ``shardkit.core.errors``'. ``StateDictCache`` (torch's

@@ -17,19 +17,16 @@ buffers, returns, and writes in the background (``async_save``). It is published
 same way, by the next save, ``wait()`` or ``close()``; until then it is a ``.partial``
 directory like any unfinished save.
 
-Next to split off: publishing a finished save (``_checksums``, ``_publish``, ``_prune``,
-``_write_atomic``, ``_fsync_dir``, ``_step_of``, ``_LATEST``, ``_MARKERS``), as functions taking
-the root and ``keep``, into ``publish.py``: the marker, the renames and the pruning, with the
-checksums they record, need nothing of DCP, the staging buffers or the pending save.
+Publishing a finished save (the marker with its checksums, the renames, the pruning, the
+ordered deletes) is ``publish``'s: it needs nothing of DCP, the staging buffers or a pending
+save.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import shutil
 import time
 import weakref
 from pathlib import Path
@@ -38,11 +35,20 @@ from typing import Any, Literal
 
 from shardkit.core.checkpoint import async_save as background
 from shardkit.core.checkpoint.async_save import PendingSave
-from shardkit.core.checkpoint.files import COMPLETE, FileSum, checksum, list_files, share
+from shardkit.core.checkpoint.files import COMPLETE, FileSum
 from shardkit.core.checkpoint.load_checks import load_first, no_checkpoint_loads
 from shardkit.core.checkpoint.local_plan.layout_record import RECORD
 from shardkit.core.checkpoint.local_plan.save import LayoutCache, save_planned_locally
 from shardkit.core.checkpoint.process_writer import WriterProcess
+from shardkit.core.checkpoint.publish import (
+    DCP_METADATA,
+    LATEST,
+    MARKERS,
+    checksums,
+    publish,
+    remove,
+    step_of,
+)
 from shardkit.core.checkpoint.replica_reads import ReadCounts
 from shardkit.core.checkpoint.staging import StagingBuffers
 from shardkit.core.errors import (
@@ -50,7 +56,7 @@ from shardkit.core.errors import (
     CheckpointSaveError,
     IncompleteCheckpointError,
 )
-from shardkit.core.runtime.groups import checkpoint_group, global_rank, world_size
+from shardkit.core.runtime.groups import checkpoint_group
 from shardkit.core.runtime.p2p.agreement import everyone, from_rank, raise_shared
 
 __all__ = [
@@ -62,39 +68,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_LATEST = "latest"
-_MARKERS = frozenset({COMPLETE, f".{COMPLETE}.tmp"})  # the manager's own, not the save's
-_DCP_METADATA = ".metadata"  # what makes a directory a checkpoint to torch's readers
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(checkpoint: Path, *, ignore_errors: bool = False) -> None:
-    """Delete a checkpoint directory, its marker first, then DCP's ``.metadata``.
-
-    ``rmtree`` deletes in directory order: killed part-way, it could leave the marker beside
-    missing data files, a checkpoint counted complete that no load takes; or ``.metadata``
-    beside them, which torch's readers take as a whole checkpoint (the 20-kill test found one,
-    a step saved again and killed while the old directory was being removed).
-    """
-    for name in (COMPLETE, _DCP_METADATA):
-        try:
-            (checkpoint / name).unlink(missing_ok=True)
-        except OSError:
-            if not ignore_errors:
-                raise
-    shutil.rmtree(checkpoint, ignore_errors=ignore_errors)
-
 
 def _saved_by_torch(path: Path) -> bool:
     """Whether ``path`` is a checkpoint of torch's ``dcp.save``, not one of the manager's.
@@ -102,16 +75,7 @@ def _saved_by_torch(path: Path) -> bool:
     A manager's save killed between its ``.metadata`` and its marker has the layout record
     (written before ``.metadata``): that one is incomplete, not torch's.
     """
-    return (path / _DCP_METADATA).is_file() and not (path / RECORD).is_file()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return (path / DCP_METADATA).is_file() and not (path / RECORD).is_file()
 
 
 class CheckpointManager:
@@ -188,11 +152,11 @@ class CheckpointManager:
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.glob("step_*") if (p / COMPLETE).is_file()]
-        return sorted(found, key=_step_of)
+        return sorted(found, key=step_of)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        pointer = self.root / _LATEST
+        pointer = self.root / LATEST
         if pointer.is_file():
             named = self.root / pointer.read_text().strip()
             if (named / COMPLETE).is_file():
@@ -230,7 +194,7 @@ class CheckpointManager:
 
         def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
-            _remove(partial, ignore_errors=True)  # remains of an interrupted save
+            remove(partial, ignore_errors=True)  # remains of an interrupted save
 
         # Rank 0 prepares, the others wait: its failure is theirs (see [Note: agreed loads]).
         from_rank(0, prepare, doing=f"prepare {partial}")
@@ -241,7 +205,7 @@ class CheckpointManager:
                 step=step,
                 partial=partial,
                 target=target,
-                leave_out=_MARKERS,
+                leave_out=MARKERS,
                 layouts=self._layouts,
                 process=(
                     (self._writer_process, self._staging)
@@ -261,7 +225,7 @@ class CheckpointManager:
             save_planned_locally(state, partial, self._layouts, checkpoint_group())
         except RuntimeError as error:  # raised on every rank, the same text
             raise CheckpointSaveError(f"the save of step {step} failed: {error}") from None
-        files = self._checksums(partial)
+        files = checksums(partial)
         self._publish_on_rank0(step, partial, target, files)
         logger.info("saved %s in %.1f s", target, time.perf_counter() - started)
         return target
@@ -327,14 +291,6 @@ class CheckpointManager:
         raise_shared(everyone(stage))
         return staged
 
-    @staticmethod
-    def _checksums(directory: Path) -> dict[str, FileSum]:
-        """Every file's size and checksum; each rank hashes its share of the files."""
-        names: list[str] = from_rank(0, lambda: list_files(directory, leave_out=_MARKERS))
-        mine = share(names, global_rank(), world_size())
-        parts = raise_shared(everyone(lambda: {n: checksum(directory / n) for n in mine}))
-        return {name: part[name] for part in parts for name in part}
-
     def _publish_on_rank0(
         self, step: int, partial: Path, target: Path, files: dict[str, FileSum]
     ) -> None:
@@ -343,32 +299,11 @@ class CheckpointManager:
         A failure (a full disk for the marker, a rename refused) is raised on every rank, with
         the previous checkpoint still the latest, instead of leaving the others waiting.
         """
-        from_rank(0, lambda: self._publish(step, partial, target, files), doing=f"publish {target}")
-
-    def _publish(self, step: int, partial: Path, target: Path, files: dict[str, FileSum]) -> None:
-        marker = {
-            "step": step,
-            "world_size": world_size(),
-            "saved_at": time.time(),
-            "files": files,  # size and SHA-256 of each, checked before a load
-        }
-        _write_atomic(partial / COMPLETE, json.dumps(marker) + "\n")
-        if target.exists():  # the same step saved again (a resume from an earlier one)
-            _remove(target)
-        os.replace(partial, target)
-        _fsync_dir(self.root)
-        _write_atomic(self.root / _LATEST, target.name + "\n")
-        _fsync_dir(self.root)
-        self._prune(step)
-
-    def _prune(self, step: int) -> None:
-        saves = sorted(self.root.glob("step_*"), key=_step_of)
-        # Steps after this one belong to a run that went further and was then resumed from an
-        # earlier checkpoint: that future is abandoned.
-        kept = [p for p in saves if _step_of(p) <= step and (p / COMPLETE).is_file()]
-        doomed = [p for p in saves if p not in kept[-self.keep :]]
-        for path in doomed:
-            _remove(path, ignore_errors=True)
+        from_rank(
+            0,
+            lambda: publish(self.root, self.keep, step, partial, target, files),
+            doing=f"publish {target}",
+        )
 
     def load(
         self, state: dict[str, Any], path: str | os.PathLike[str] | None = None
