@@ -32,12 +32,8 @@ from typing import Any, Literal, TypeVar
 
 from shardkit.core.errors import WeightExportError
 from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
-from shardkit.core.export.vllm_worker import (
-    EXTENSION,
-    commit_on_worker,
-    load_on_worker,
-    probe_worker,
-)
+from shardkit.core.export.vllm_worker import EXTENSION
+from shardkit.core.export.vllm_worker_load import commit_on_worker, load_on_worker, probe_worker
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
 __all__ = ["EngineCalls", "bounded"]
@@ -137,7 +133,7 @@ class EngineCalls:
         return self._route
 
     def probe(self, path: str) -> tuple[str | None, str, str, int]:
-        """The worker's answer to :func:`~shardkit.core.export.vllm_worker.probe_worker`."""
+        """The worker's answer to :func:`~shardkit.core.export.vllm_worker_load.probe_worker`."""
         found = self._call("shardkit_probe", probe_worker, (path,), "the probe of its worker")
         chosen, dtype, reason, pid = found  # a list after vLLM's RPC
         return chosen, dtype, reason, pid

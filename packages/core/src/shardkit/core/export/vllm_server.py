@@ -14,7 +14,8 @@ One export, on the trainer's receiving rank (:class:`VLLMServerReceiver`):
    first bucket;
 2. it asks the worker, on a helper thread, to serve one export (``shardkit_serve_export``, a
    socket path and a key) and connects a ``SharedMemorySender`` to it; the worker listens, for
-   at most the bound, and loads each bucket as it arrives (``serve_export_on_worker``);
+   at most the bound, and loads each bucket as it arrives (``serve_export_on_worker``, in
+   ``vllm_server_worker.py``);
 3. ``commit`` (before the trainer ranks' last agreement, so its failure fails every rank)
    ends the sender's export, on which the worker loads it all or, failing, keeps the last
    (its ``FullTensorReceiver`` stages it); then it tells the worker to stop serving (its call
@@ -26,7 +27,8 @@ delta export is rebuilt on the worker's mirror of the last one (kept between cal
 that dies, or stops answering past the bound, ends the export on the receiving rank with a
 :class:`~shardkit.core.errors.WeightExportError`, which the exporter makes every rank raise.
 
-This module imports no vLLM (the worker's part is called inside vLLM's worker).
+This module imports no vLLM (the worker's part, ``vllm_server_worker.py``, is called inside
+vLLM's worker).
 
 See docs/guide/export.md ("A vLLM server").
 """
@@ -42,17 +44,14 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
-import weakref
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
-from shardkit.core.export.receivers import FullTensorReceiver
-from shardkit.core.export.shared_memory import SharedMemorySender, serve_connection
-from shardkit.core.export.vllm import check_manifest, checkpoint_shapes
-from shardkit.core.export.vllm_worker import EXTENSION, choose_path, load_on_worker
+from shardkit.core.export.shared_memory import SharedMemorySender
+from shardkit.core.export.vllm_server_worker import serve_export_on_worker
+from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
 __all__ = ["VLLMServerReceiver", "serve_export_on_worker", "vllm_server_receiver"]
@@ -266,89 +265,3 @@ def _missing_setting(error: urllib.error.HTTPError, path: str) -> str:
     if path == "/collective_rpc":
         return f"; start the server with --worker-extension-cls {EXTENSION}"
     return ""
-
-
-# On the server's worker ----------------------------------------------------------------------
-
-
-class _WorkerReceiver(FullTensorReceiver):
-    """On the worker: exports checked against the engine, rebuilt whole, loaded in place."""
-
-    def __init__(self, worker: Any) -> None:
-        path, dtype, reason = choose_path(worker, "auto")
-        if path is None:
-            raise WeightLoadError(f"this vLLM engine cannot take weights in place: {reason}")
-        chosen: str = path
-
-        def load(tensors: list[tuple[str, Any]]) -> None:
-            load_on_worker(worker, chosen, tensors)
-
-        super().__init__(load)
-        self.dtype = dtype
-        self.checkpoint = checkpoint_shapes(worker.model_runner.model_config.model)
-
-    def begin(self, manifest: ExportManifest) -> None:
-        check_manifest(manifest, self.dtype, self.checkpoint)
-        super().begin(manifest)
-
-
-# One receiver per worker, kept from export to export (its mirror is what a delta rebuilds on).
-_RECEIVERS: weakref.WeakKeyDictionary[Any, _WorkerReceiver] = weakref.WeakKeyDictionary()
-
-
-def serve_export_on_worker(
-    worker: Any, address: str, authkey_hex: str, bound_s: float
-) -> dict[str, Any]:
-    """On the server's worker: serve one sender's export at ``address``, then return.
-
-    Called by vLLM's ``collective_rpc`` (the extension's ``shardkit_serve_export``). Listens
-    at the Unix socket ``address`` for at most ``bound_s``, then loads what the sender sends
-    until it says stop or is gone.
-
-    Returns:
-        ``{"finished": exports finished, "version": the export the worker holds complete,
-        "error": why none was served, or None}``.
-    """
-    authkey = bytes.fromhex(authkey_hex)
-    receiver = _RECEIVERS.get(worker)
-    if receiver is None:
-        receiver = _RECEIVERS[worker] = _WorkerReceiver(worker)
-    conn = _accept_within(address, authkey, float(bound_s))
-    if conn is None:
-        why = f"no sender connected to {address} within {bound_s} s"
-        return {"finished": 0, "version": receiver.version, "error": why}
-    finished = serve_connection(conn, receiver)
-    return {"finished": finished, "version": receiver.version, "error": None}
-
-
-def _accept_within(address: str, authkey: bytes, bound_s: float) -> Connection | None:
-    """The sender's connection at ``address``, or None where none came within ``bound_s``.
-
-    ``Listener.accept`` takes no timeout: it runs on a helper thread, and where the bound
-    passes this thread connects itself to end the wait (that connection is dropped).
-    """
-    with Listener(address, authkey=authkey) as listener:
-        accepted: list[Connection | BaseException] = []
-
-        def accept() -> None:
-            try:
-                accepted.append(listener.accept())
-            except (OSError, EOFError) as error:  # a failed handshake: not our sender
-                accepted.append(error)
-
-        helper = threading.Thread(target=accept, name="shardkit-server-accept", daemon=True)
-        helper.start()
-        helper.join(bound_s)
-        if helper.is_alive():
-            with contextlib.suppress(OSError, EOFError):
-                Client(address, authkey=authkey).close()
-            helper.join()
-            for late in accepted:
-                if isinstance(late, Connection):
-                    late.close()
-            return None
-    found = accepted[0] if accepted else None
-    if isinstance(found, Connection):
-        return found
-    logger.warning("no sender connected to %s: %s", address, found)
-    return None

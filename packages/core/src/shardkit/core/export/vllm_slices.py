@@ -4,7 +4,7 @@ Each training process holds one rank of a vLLM engine of TP degree K (vLLM's
 ``external_launcher``, the engine in the trainer's process: verl's hybrid engine) and a
 :class:`VLLMSliceReceiver` on it. A :class:`~shardkit.core.export.tp_export.SlicedExporter`
 hands it this engine rank's window of every tensor, and it loads them through vLLM's own path
-(``vllm_worker.load_on_worker``: the model's ``load_weights``, or the worker's
+(``vllm_worker_load.load_on_worker``: the model's ``load_weights``, or the worker's
 ``reload_weights`` where the build processes weights after loading, as vLLM's CPU build
 does), each window as a :class:`~shardkit.core.export.windowed_weight.WindowedWeight`: the
 engine's loaders narrow it to their rank's part, which is exactly the window, so they place
