@@ -207,14 +207,23 @@ def hostile_body(rank: int, world_size: int, path: str, case: str) -> dict[str, 
 
 
 def full_state_body(
-    rank: int, world_size: int, impl: str, broadcast: bool = False
+    rank: int, world_size: int, impl: str, broadcast: bool = False, copy: bool = True
 ) -> dict[str, Any]:
     """Muon's state as full tensors (``StateDictOptions(full_state_dict=True)``), loaded back
-    into fresh sharded optimizers: the kinds of the saved tensors, whether every value came
-    back exactly (the optimizers' state and the model's parameters).
+    into fresh sharded optimizers, then one more step on the run that saved (the uninterrupted
+    run) and on the one that loaded.
+
+    Returns the kinds of the saved tensors, Muon's parameter names, and the names of the
+    values (parameters, buffers, ``"<name>.<state key>"``) that differ between the two runs
+    right after the load and after the step.
 
     ``broadcast``: loaded with ``broadcast_from_rank0=True``, only rank 0 holding the state
     dicts (the other ranks pass empty ones), as a job loading a consolidated file does.
+    ``copy``: load copies of the state dicts, as a file holds them, rather than what
+    ``get_state_dict`` returned: that keeps each AdamW "step" the saving run's live 0-dim
+    tensor (only DTensors are gathered anew), torch's ``set_state_dict`` and
+    ``Optimizer.load_state_dict`` pass it on as it is, and AdamW adds to it in place, so the
+    saving run's next step also advances the loaded run's counter.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -222,12 +231,16 @@ def full_state_body(
         set_optimizer_state_dict,
     )
 
+    from tests.core.ckpt_helpers import snapshot
+
     model = sharded_gpt(impl, world_size)
     opts = optimizers(model, sharded=True)
     backward(model, 0, rank, world_size)
     step_all(opts)
     options = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, opts, options=options)
+    if copy:
+        model_sd, optim_sd = snapshot((model_sd, optim_sd))
     state: dict[str, dict[str, Any]] = optim_sd["state"]  # type: ignore[assignment]
     kinds = {type(v).__name__ for s in state.values() for v in s.values()}
     fresh = sharded_gpt(impl, world_size, seed=7)
@@ -244,8 +257,28 @@ def full_state_body(
         set_state_dict(
             fresh, fresh_opts, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
         )
-    saved, loaded = optim_values(model, opts), optim_values(fresh, fresh_opts)
-    same = all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
-    values = model_values(model), model_values(fresh)
-    same_model = all(torch.equal(values[0][k], values[1][k]) for k in values[0])
-    return {"kinds": kinds, "same": same and same_model}
+    differ_loaded = _differing(model, opts, fresh, fresh_opts)
+    for run, run_opts in ((model, opts), (fresh, fresh_opts)):
+        backward(run, 1, rank, world_size)
+        step_all(run_opts)
+    muon_params = {id(p) for group in opts[0].param_groups for p in group["params"]}
+    return {
+        "kinds": kinds,
+        "muon_names": {n for n, p in model.named_parameters() if id(p) in muon_params},
+        "differ_loaded": differ_loaded,
+        "differ_after_a_step": _differing(model, opts, fresh, fresh_opts),
+    }
+
+
+def _differing(
+    model: nn.Module, opts: Optimizers, other: nn.Module, other_opts: Optimizers
+) -> list[str]:
+    """The names of the parameters, buffers and optimizer state values (``"<name>.<key>"``)
+    that are not bitwise equal in two runs, or that one run lacks."""
+    ours = {**model_values(model), **optim_values(model, opts)}
+    theirs = {**model_values(other), **optim_values(other, other_opts)}
+    return sorted(
+        k
+        for k in ours.keys() | theirs.keys()
+        if k not in ours or k not in theirs or not torch.equal(ours[k], theirs[k])
+    )
