@@ -3,8 +3,11 @@ refreshed in place either way, bit for bit what packing it afresh gives."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardkit.core.export import delta_find
 from shardkit.core.export.axis_gathers import AxisGather
@@ -47,19 +50,19 @@ def test_the_sample_tells_a_dense_part_and_writes_nothing(share: float, dense: b
     pieces, part = _pieces()
     _move(pieces, share)
     before = part.clone()
-    scratch = torch.empty(delta_find.CHUNK_ELEMENTS, dtype=torch.bfloat16)
+    scratch = torch.empty(delta_find.SPAN_ELEMENTS, dtype=torch.bfloat16)
     assert delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch) is dense
     assert torch.equal(part, before)
 
 
 @pytest.mark.parametrize("share", [0.01, 0.3])
-@pytest.mark.parametrize("chunk", [12, 1 << 18])
+@pytest.mark.parametrize("chunk", [1000, 1 << 22])
 def test_a_refreshed_part_is_the_part_packed_afresh(
     share: float, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sparse: the changes are exactly the bits that differ, and the part is refreshed. Dense
     (told by the sample, nothing compared): None, and the part is refreshed all the same."""
-    monkeypatch.setattr(delta_find, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", chunk)
     pieces, part = _pieces()
     old = part.clone()
     _move(pieces, share)
@@ -75,3 +78,62 @@ def test_a_refreshed_part_is_the_part_packed_afresh(
     assert torch.equal(found.positions, oracle.positions)
     assert torch.equal(found.values.view(torch.int16), oracle.values.view(torch.int16))
     assert torch.equal(found.steps, oracle.steps)
+
+
+@pytest.mark.parametrize("span", [1000, 1 << 22])
+def test_a_part_found_past_its_limit_is_refreshed_and_goes_plain(
+    span: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the limit by changed words (spans after it cast uncompared) or only by changed
+    elements, once the changed words' lanes are counted: None, and the part refreshed."""
+    monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
+    pieces, part = _pieces()
+    old = part.clone()
+    _move(pieces, 0.01)
+    oracle = local_changes(
+        _packed(pieces, part.numel()).view(torch.bfloat16), old.view(torch.bfloat16)
+    )
+    words = int(torch.unique(oracle.positions >> 2).numel())
+    assert words < oracle.count  # some word holds two changes: its elements pass the limit
+    for limit in (50, words):
+        part = old.clone()
+        assert delta_find.refresh_part(pieces, part, torch.bfloat16, limit=limit) is None
+        assert torch.equal(part, _packed(pieces, part.numel()))
+
+
+class _CountKernels(TorchDispatchMode):
+    """Counts the ops that run a kernel (views, slices and the like excluded)."""
+
+    kernels = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.kernels += not func.is_view and func not in _VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.slice.Tensor}
+
+
+@pytest.mark.parametrize("span", [1000, 1 << 22])
+def test_a_sparse_part_costs_a_few_ops_a_span_and_a_few_a_part(
+    span: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per span: the copies of the pieces it covers, the compare, the positions of the changed
+    words and their new bits; per part a dozen ops on the changes. Not ops per change or per
+    cache-sized chunk (on a GPU each op is a launch)."""
+    monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
+    pieces, part = _pieces()
+    _move(pieces, 0.01)
+    spans = -(-part.numel() // 2 // span)
+    with _CountKernels() as counted:  # type: ignore[no-untyped-call]
+        found = delta_find.refresh_part(pieces, part, torch.bfloat16, limit=part.numel())
+    assert found is not None and found.count > 0
+    # copies and zeroings: at most one each per piece a span covers (spans + pieces of them)
+    fills = 2 * (spans + len(pieces))
+    assert counted.kernels <= 4 * spans + fills + 30, (counted.kernels, spans)

@@ -1,13 +1,16 @@
-"""Finding a delta's changes: this rank's part packed, chunk by chunk, over the kept one.
+"""Finding a delta's changes: this rank's part packed, span by span, over the kept one.
 
 A delta export compares each rank's part of a bucket, in the export dtype, with the part it
 exported last. Packing the whole new part first and comparing it after would allocate a second
-part (a fresh buffer of 1/W of the bucket, whose first touch costs about as much as the cast)
-and stream both through memory twice. Instead the part is walked in chunks of
-:data:`CHUNK_ELEMENTS`: each chunk is cast into one small scratch buffer, compared with the
-kept chunk while both are in cache, and copied over it. After the count the kept part *is*
-this export's part (what a plain bucket sends, and what the next delta compares against), and
-a rank holds one part, not two.
+part (1/W of the bucket, held beside the kept one). Instead the part is walked in spans of
+:data:`SPAN_ELEMENTS`: each span is cast into one scratch buffer (one copy per piece it
+covers) and compared with the kept span eight bytes at a time, and the changed words'
+positions and new bits are collected. The work on the changes is done once per part, after
+the walk: the old words read, the lanes that differ, their positions, new bits and steps, and
+the changed words written over the kept part. A sparse span costs a handful of ops whatever
+its changes, and a part a handful more, not a few per cache-sized chunk. After the count the
+kept part *is* this export's part (what a plain bucket sends, and what the next delta compares
+against), and a rank holds one part and one span, not two parts.
 
 Before that, a sample of the part (1/16, cast and compared, nothing written) tells a part
 most of which changed (a high learning rate): it is cast straight into place, uncompared, as
@@ -20,21 +23,35 @@ An export that fails after this leaves the kept part half new: the exporter then
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from shardkit.core.export.axis_gathers import AxisGather
-from shardkit.core.export.delta_encoding import DENSE, WIDTH, LocalChanges, changed_lanes
+from shardkit.core.export.delta_encoding import DENSE, WIDTH, LocalChanges
 
-__all__ = ["CHUNK_ELEMENTS", "SAMPLE_STRIDE", "SAMPLE_WINDOW", "refresh_part", "sample_is_dense"]
+__all__ = ["SAMPLE_STRIDE", "SAMPLE_WINDOW", "SPAN_ELEMENTS", "refresh_part", "sample_is_dense"]
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per chunk: the chunk, its kept twin and their flags fit a core's L2 cache (a
-multiple of 4, so every chunk starts on an 8-byte word)."""
+SPAN_ELEMENTS = 1 << 22
+"""Elements per span (a multiple of 8, so every span starts on an 8-byte word): 8 MiB of
+bf16 scratch. Spans of 2^20 to 2^22 cost the same on this project's CPUs (measured at 150M;
+cast, compare and positions are bound by memory, not by the cache), and the larger one
+launches a quarter of the ops."""
 SAMPLE_WINDOW = 1 << 14
 """Elements per window of the sample that tells a dense part before its comparison."""
 SAMPLE_STRIDE = 1 << 18
 """One window every this many elements of the part: a sample of 1/16."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """One piece's place in the part (elements): its values, then zeros to the next one."""
+
+    first: int
+    values: torch.Tensor
+    """The piece's elements in the part's order, as stored (cast when copied)."""
+    stop: int
+    """Where the next piece starts (padding rows and the 8-byte alignment gap are zeros)."""
 
 
 def refresh_part(
@@ -52,42 +69,99 @@ def refresh_part(
         dtype: the export dtype (every piece's).
         limit: past this many changes the positions are not built (the bucket goes plain).
     """
-    itemsize, width = dtype.itemsize, WIDTH[dtype.itemsize]
-    scratch = torch.empty(CHUNK_ELEMENTS, dtype=dtype, device=part.device)
+    itemsize = dtype.itemsize
+    kept = part.view(dtype)
+    length = kept.numel()
+    segments = _segments(pieces, dtype, length)
+    scratch = torch.empty(min(SPAN_ELEMENTS, length), dtype=dtype, device=part.device)
     if limit >= 0 and sample_is_dense(pieces, part, dtype, scratch):
-        limit = -1  # nothing compared: every chunk is cast straight into place
-    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    count = 0
-    for gather, piece, offset in pieces:
-        numel = -(-gather.padded_numel * itemsize // 8) * 8 // itemsize
-        kept = part[offset : offset + numel * itemsize].view(dtype)
-        flat = _flat_padded(gather, piece, dtype)
-        first = offset // itemsize
-        for start in range(0, numel, CHUNK_ELEMENTS):
-            stop = min(start + CHUNK_ELEMENTS, numel)
-            old = kept[start:stop]
-            # Past the limit nothing is compared: the chunk is cast straight into place.
-            new = scratch[: stop - start] if count <= limit else old
-            valid = max(0, min(flat.numel(), stop) - start)
-            new[:valid].copy_(flat[start : start + valid])  # the cast happens here
-            new[valid:].zero_()  # the padding rows and the alignment gap
-            if count > limit:
-                continue
-            positions, now_bits, old_bits = changed_lanes(new.view(width), old.view(width))
-            count += positions.numel()
-            steps = now_bits.to(torch.int64) - old_bits.to(torch.int64)
-            found.append((positions + (first + start), now_bits.view(dtype), steps))
-            # Only the changed elements are written back: a few percent of the chunk (a copy
-            # of the whole chunk, tried, cost more: 0.63 s against 0.48 s at 150M, profiled).
-            old.view(width).index_copy_(0, positions, now_bits)
-    length = part.numel() // itemsize
-    if count > limit:
+        limit = -1  # nothing compared: every span is cast straight into place
+    per = 8 // itemsize
+    kept_words = part.view(torch.int64)
+    flags = torch.empty(scratch.numel() // per, dtype=torch.bool, device=part.device)
+    words: list[torch.Tensor] = []  # (k,) the changed words of each span, ascending
+    now_words: list[torch.Tensor] = []  # (k,) their new bits
+    changed_words = 0
+    for start in range(0, length, SPAN_ELEMENTS):
+        stop = min(start + SPAN_ELEMENTS, length)
+        if changed_words > limit:  # past the limit nothing is compared: cast into place
+            _fill(kept[start:stop], segments, start)
+            continue
+        new = scratch[: stop - start]
+        _fill(new, segments, start)
+        span_words = new.view(torch.int64)  # (span / per,)
+        equal_to = kept_words[start // per : stop // per]
+        torch.ne(span_words, equal_to, out=flags[: span_words.numel()])
+        found = torch.nonzero(flags[: span_words.numel()]).view(-1)
+        now_words.append(span_words.index_select(0, found))
+        words.append(found.add_(start // per))
+        changed_words += found.numel()
+    if limit < 0:  # dense: cast into place, nothing compared
+        return None
+    word, now = (torch.cat(c) if len(c) > 1 else c[0] for c in (words, now_words))
+    before = kept_words.index_select(0, word)
+    # Whole words are written back: their unchanged lanes hold the same bits either way.
+    kept_words.index_copy_(0, word, now)
+    if changed_words > limit:
         return None  # dense: the bucket moves whole; the part is refreshed all the same
-    if not found:
-        empty = torch.empty(0, dtype=torch.int64, device=part.device)
-        return LocalChanges(empty, torch.empty(0, dtype=dtype, device=part.device), empty, length)
-    positions, values, steps = (torch.cat(column) for column in zip(*found, strict=True))
-    return LocalChanges(positions, values, steps, length)
+    return _lanes(word, now, before, dtype, length, limit)
+
+
+def _lanes(
+    word: torch.Tensor,
+    now: torch.Tensor,
+    before: torch.Tensor,
+    dtype: torch.dtype,
+    length: int,
+    limit: int,
+) -> LocalChanges | None:
+    """The changed elements of the changed words ``word`` (new bits ``now``, old ``before``)."""
+    per = 8 // dtype.itemsize
+    width = WIDTH[dtype.itemsize]
+    lanes_now, lanes_before = now.view(width), before.view(width)  # (k * per,)
+    if per == 1:
+        positions, bits_now, bits_before = word, lanes_now, lanes_before
+    else:
+        lanes = torch.nonzero(lanes_now != lanes_before).view(-1)  # ascending
+        if lanes.numel() > limit:
+            return None
+        shift = per.bit_length() - 1  # per is 2, 4 or 8: shifts and masks, not divisions
+        positions = word.index_select(0, lanes >> shift).bitwise_left_shift_(shift)
+        positions.bitwise_or_(lanes & (per - 1))
+        bits_now = lanes_now.index_select(0, lanes)
+        bits_before = lanes_before.index_select(0, lanes)
+    steps = bits_now.to(torch.int64).sub_(bits_before)
+    return LocalChanges(positions, bits_now.view(dtype), steps, length)
+
+
+def _segments(
+    pieces: Sequence[tuple[AxisGather, torch.Tensor, int]], dtype: torch.dtype, length: int
+) -> list[_Segment]:
+    # A piece cut along another dim than 0 is packed (and cast) whole here, so a part holds
+    # those pieces twice while it is walked: the FSDP cut is along dim 0.
+    firsts = [offset // dtype.itemsize for _, _, offset in pieces]
+    return [
+        _Segment(first, _flat_padded(gather, piece, dtype), stop)
+        for (gather, piece, _), first, stop in zip(
+            pieces, firsts, [*firsts[1:], length], strict=True
+        )
+    ]
+
+
+def _fill(out: torch.Tensor, segments: list[_Segment], start: int) -> None:
+    """Elements ``start`` to ``start + out.numel()`` of the part, packed into ``out``."""
+    stop = start + out.numel()
+    for segment in segments:
+        if segment.stop <= start or segment.first >= stop:
+            continue
+        lo, hi = max(segment.first, start), min(segment.stop, stop)
+        valid = min(hi, segment.first + segment.values.numel())
+        if valid > lo:  # the cast happens here
+            out[lo - start : valid - start].copy_(
+                segment.values[lo - segment.first : valid - segment.first]
+            )
+        if hi > max(lo, valid):  # the padding rows and the alignment gap
+            out[max(lo, valid) - start : hi - start].zero_()
 
 
 def sample_is_dense(
