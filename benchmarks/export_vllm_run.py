@@ -30,7 +30,6 @@ mode is a warm-up and is not reported. Prints one JSON line.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -61,26 +60,14 @@ from benchmarks.export_run import (  # noqa: E402
 
 
 def _engine(folder: Path) -> Any:
-    from demo.grpo_vllm import allow_amx
+    from demo.grpo_vllm import start_engine
 
     from shardkit.core.export.vllm import EXTENSION
 
-    allow_amx()
-    vllm = importlib.import_module("vllm")
-    extra: dict[str, Any] = (
-        {"distributed_executor_backend": "external_launcher"}
-        if PLACEMENT == "colocated"
-        else {"worker_extension_cls": EXTENSION}
-    )
-    return vllm.LLM(
-        model=str(folder),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        seed=0,
-        **extra,
+    if PLACEMENT == "colocated":
+        return start_engine(folder, seed=0, max_num_seqs=4)
+    return start_engine(
+        folder, seed=0, shares_the_group=False, max_num_seqs=4, worker_extension_cls=EXTENSION
     )
 
 

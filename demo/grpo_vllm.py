@@ -115,12 +115,19 @@ def save_initial_model(folder: Path, *, layers: int, seed: int) -> None:
 
 
 def start_engine(
-    folder: Path, *, seed: int, shares_the_group: bool = True, max_num_seqs: int = 16
+    folder: Path,
+    *,
+    seed: int,
+    shares_the_group: bool = True,
+    max_num_seqs: int = 16,
+    **engine_args: Any,
 ) -> Any:
     """A ``vllm.LLM`` on ``folder`` in this process: eager, bf16, a small cache.
 
     ``shares_the_group``: the engine joins torchrun's process group (vLLM's
     ``external_launcher``), as each training rank's engine does here; else it makes its own.
+    ``engine_args`` go to ``vllm.LLM`` as well (``worker_extension_cls``,
+    ``tensor_parallel_size``).
     """
     allow_amx()
     vllm = importlib.import_module("vllm")
@@ -134,6 +141,7 @@ def start_engine(
         enforce_eager=True,
         seed=seed,
         **launcher,
+        **engine_args,
     )
 
 

@@ -20,7 +20,6 @@ In order, printing one JSON line of what it found:
 
 from __future__ import annotations
 
-import importlib
 import json
 import multiprocessing
 import os
@@ -34,7 +33,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from demo.grpo_vllm import allow_amx
+from demo.grpo_vllm import start_engine
 
 from shardkit.core.export.vllm import EXTENSION, VLLMReceiver
 from tests.vllm import engines
@@ -43,19 +42,8 @@ BOUND_S = 20.0
 
 
 def _engine(folder: Path, *, extension: bool) -> Any:
-    allow_amx()
-    vllm = importlib.import_module("vllm")
     extra = {"worker_extension_cls": EXTENSION} if extension else {}
-    return vllm.LLM(
-        model=str(folder),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        seed=0,
-        **extra,
-    )
+    return start_engine(folder, seed=0, shares_the_group=False, max_num_seqs=4, **extra)
 
 
 def _timed_error(work: Any) -> dict[str, Any]:

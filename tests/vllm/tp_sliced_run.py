@@ -29,7 +29,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from demo.grpo_vllm import allow_amx, tiny_qwen2_config
+from demo.grpo_vllm import start_engine as start_demo_engine
+from demo.grpo_vllm import tiny_qwen2_config
 
 from shardkit.core import fully_shard
 from shardkit.core.export.tp_export import SlicedExporter
@@ -42,19 +43,7 @@ PROMPTS = ([3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26])
 
 def start_engine(folder: Path) -> Any:
     """This rank's part of a TP=2 engine on ``folder``, in this process."""
-    allow_amx()
-    vllm = importlib.import_module("vllm")
-    return vllm.LLM(
-        model=str(folder),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        seed=0,
-        tensor_parallel_size=2,
-        distributed_executor_backend="external_launcher",
-    )
+    return start_demo_engine(folder, seed=0, max_num_seqs=4, tensor_parallel_size=2)
 
 
 def greedy(llm: Any) -> list[list[Any]]:
