@@ -8,7 +8,8 @@ rank 0's process) run under torch's profiler. The stages are the profiler's own 
 (self CPU time: ``aten::copy_`` is the cast, ``aten::ne`` the comparison, ``aten::nonzero``
 the positions, ...) and named ranges around the export's steps (the count, the encoding, the
 gathers, the decoding, the split into tensors, the receiver's load). Prints one JSON line per
-rank: per export kind, seconds per stage summed over the rounds, and the wall time.
+rank: per export kind, seconds per stage summed over the rounds, the wall time, and the count of
+aten ops launched per export outside the receiver.
 """
 
 from __future__ import annotations
@@ -72,13 +73,28 @@ def _instrument() -> None:
 
 
 def _stages(prof: Any) -> dict[str, float]:
-    found: dict[str, float] = {}
+    found: dict[str, float] = {"aten ops, trainer side (count)": float(_trainer_ops(prof))}
     for event in prof.key_averages():
         if event.key.startswith("stage::"):
             found[event.key[len("stage::") :]] = event.cpu_time_total / 1e6
         elif event.key in OPS:
             found[OPS[event.key]] = event.self_cpu_time_total / 1e6
     return found
+
+
+def _trainer_ops(prof: Any) -> int:
+    """The aten ops launched outside the receiver (nested ones included: a ``copy_`` under a
+    ``to`` counts too), what a GPU would pay a launch for each."""
+    events = prof.events()
+    inside = [
+        (e.time_range.start, e.time_range.end) for e in events if e.name == "stage::receiver"
+    ]
+    return sum(
+        1
+        for e in events
+        if e.name.startswith("aten::")
+        and not any(lo <= e.time_range.start < hi for lo, hi in inside)
+    )
 
 
 def main() -> None:
