@@ -61,11 +61,6 @@ class ChunkSources:
         held_by_all = [i for i, value in enumerate(values) if value.kind not in _CHUNKED]
         self.plain_ordinals = np.array(held_by_all, dtype=np.int64)
         self.plain_turn = {ordinal: turn for turn, ordinal in enumerate(held_by_all)}
-        by_geometry: dict[tuple[Any, ...], list[int]] = {}
-        for i, value in enumerate(values):
-            if value.kind in _CHUNKED:
-                by_geometry.setdefault(value.geometry_key(), []).append(i)
-        self.ordinals_by_geometry = {k: np.array(v, dtype=np.int64) for k, v in by_geometry.items()}
         self._rows: dict[int, np.ndarray] = {}  # writer -> value ordinal -> its row (-1: none)
         self._indexes: dict[int, np.ndarray] = {}  # writer -> its index's rows
         self._touching: dict[tuple[Any, ...], np.ndarray] = {}
