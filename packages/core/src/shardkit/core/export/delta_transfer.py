@@ -193,9 +193,9 @@ def split_changes(
 
     ``starts``: each tensor's first element in a part. Every rank's positions ascend, so one
     binary search per rank finds where each tensor's run begins and ends. Where every cut is
-    along dim 0 (FSDP's), a rank's rows of a tensor are one run of the full tensor: each
-    rank's changes are shifted and placed, tensor after tensor, in one buffer by a few ops,
-    and each tensor's changes are a slice of it.
+    along dim 0 (FSDP's), a rank's rows of a tensor are one run of the full tensor: the runs
+    are joined in one buffer per field, tensor after tensor, shifted by one add, and each
+    tensor's changes are a slice of it (a few ops a bucket, not a few per tensor and rank).
     """
     if any(s.gathers[0].tensor_dim != 0 for s in sharded):
         return _split_each(sharded, starts, decoded)
@@ -213,42 +213,32 @@ def _place_runs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per tensor, every rank's positions (in the full tensor) and payloads, rank after rank.
 
-    ``runs``: per rank, ascending positions in its part and their payload. Rank ``r``'s
-    element ``j`` of tensor ``t`` lands at ``t``'s first slot plus the earlier ranks' counts
-    of ``t`` plus its place in its run; its position moves by ``r * padded[t] - starts[t]``.
+    ``runs``: per rank, ascending positions in its part and their payload. The runs are joined
+    tensor after tensor, rank after rank (one ``cat`` per field: a copy, which costs less than
+    placing each element by index), and rank ``r``'s run of tensor ``t`` moves by
+    ``r * padded[t] - starts[t]`` (one add).
     """
     edges = torch.tensor([e for at, n in zip(starts, padded, strict=True) for e in (at, at + n)])
-    # (ranks, tensors): each rank's count of changes per tensor, and where its runs begin
     cuts = [torch.searchsorted(p, edges.to(p.device)).tolist() for p, _ in runs]
-    counts = [[cut[2 * t + 1] - cut[2 * t] for t in range(len(starts))] for cut in cuts]
-    for (p, _), row in zip(runs, counts, strict=True):
-        assert sum(row) == p.numel(), "a change outside every tensor's rows"
-    slots, total = [], 0  # (tensors, ranks): the first slot of each rank's run
-    for t in range(len(starts)):
-        slots.append([total + sum(counts[q][t] for q in range(r)) for r in range(len(runs))])
-        total += sum(row[t] for row in counts)
-    device, dtype = runs[0][0].device, runs[0][1].dtype
-    positions = torch.empty(total, dtype=torch.int64, device=device)
-    payload = torch.empty(total, dtype=dtype, device=device)
-    for r, ((p, carried), cut) in enumerate(zip(runs, cuts, strict=True)):
-        if not p.numel():
-            continue
-        per_tensor = torch.tensor(
-            [
-                [r * n - at for at, n in zip(starts, padded, strict=True)],
-                [slots[t][r] - cut[2 * t] for t in range(len(starts))],
-            ],
-            device=device,
-        )  # (2, tensors): the position's shift, the slot's
-        shift = torch.repeat_interleave(per_tensor, torch.tensor(counts[r], device=device), dim=1)
-        slot = shift[1].add_(torch.arange(p.numel(), device=device))
-        positions.index_copy_(0, slot, shift[0].add_(p))
-        payload.index_copy_(0, slot, carried)
-    bounds = [0, *itertools.accumulate(sum(row[t] for row in counts) for t in range(len(starts)))]
-    return (
-        [positions[lo:hi] for lo, hi in itertools.pairwise(bounds)],
-        [payload[lo:hi] for lo, hi in itertools.pairwise(bounds)],
+    order = [(t, r) for t in range(len(starts)) for r in range(len(runs))]
+    counts = [cuts[r][2 * t + 1] - cuts[r][2 * t] for t, r in order]
+    assert sum(counts) == sum(p.numel() for p, _ in runs), "a change outside every tensor"
+    joined = [
+        torch.cat([runs[r][field][cuts[r][2 * t] : cuts[r][2 * t + 1]] for t, r in order])
+        for field in (0, 1)
+    ]
+    device = joined[0].device
+    shift = torch.tensor([r * padded[t] - starts[t] for t, r in order], device=device)
+    joined[0] += torch.repeat_interleave(shift, torch.tensor(counts, device=device))
+    ranks = len(runs)
+    bounds = [
+        0,
+        *itertools.accumulate(sum(counts[t * ranks : (t + 1) * ranks]) for t in range(len(starts))),
+    ]
+    positions, payload = (
+        [column[lo:hi] for lo, hi in itertools.pairwise(bounds)] for column in joined
     )
+    return positions, payload
 
 
 def _split_each(
