@@ -121,12 +121,13 @@ _VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.slice.Tensor}
 
 
 @pytest.mark.parametrize("span", [1000, 1 << 22])
-def test_a_sparse_part_costs_a_few_ops_a_span_and_a_few_a_part(
+def test_a_sparse_part_costs_a_fixed_number_of_ops_a_span(
     span: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Per span: the copies of the pieces it covers, the compare, the positions of the changed
-    words and their new bits; per part a dozen ops on the changes. Not ops per change or per
-    cache-sized chunk (on a GPU each op is a launch)."""
+    """Per span: the copies of the pieces it covers, the compare of its words, and about 17 ops
+    on its changed words and their lanes, whatever their number; nothing per change or per
+    tensor (on a GPU each op is a launch). The default span, 2^22 elements, is 16 times the
+    cache-sized chunks of 2^18 that cost about as many ops each before."""
     monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
     pieces, part = _pieces()
     _move(pieces, 0.01)
@@ -136,4 +137,4 @@ def test_a_sparse_part_costs_a_few_ops_a_span_and_a_few_a_part(
     assert found is not None and found.count > 0
     # copies and zeroings: at most one each per piece a span covers (spans + pieces of them)
     fills = 2 * (spans + len(pieces))
-    assert counted.kernels <= 4 * spans + fills + 30, (counted.kernels, spans)
+    assert counted.kernels <= 18 * spans + fills + 30, (counted.kernels, spans)
