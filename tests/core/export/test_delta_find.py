@@ -131,7 +131,8 @@ def test_a_sparse_part_costs_a_fixed_number_of_ops_a_span(
     monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
     pieces, part = _pieces()
     _move(pieces, 0.01)
-    spans = -(-part.numel() // 2 // span)
+    length = part.numel() // 2
+    spans = -(-length // delta_find._span(length))
     with _CountKernels() as counted:  # type: ignore[no-untyped-call]
         found = delta_find.refresh_part(pieces, part, torch.bfloat16, limit=part.numel())
     assert found is not None and found.count > 0

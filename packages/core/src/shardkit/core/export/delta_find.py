@@ -33,13 +33,23 @@ import torch
 from shardkit.core.export.axis_gathers import AxisGather
 from shardkit.core.export.delta_encoding import DENSE, WIDTH, LocalChanges
 
-__all__ = ["SAMPLE_STRIDE", "SAMPLE_WINDOW", "SPAN_ELEMENTS", "refresh_part", "sample_is_dense"]
+__all__ = [
+    "SAMPLE_STRIDE",
+    "SAMPLE_WINDOW",
+    "SMALLEST_SPAN",
+    "SPAN_ELEMENTS",
+    "refresh_part",
+    "sample_is_dense",
+]
 
 SPAN_ELEMENTS = 1 << 22
 """Elements per span (a multiple of 8, so every span starts on an 8-byte word): 8 MiB of
 bf16 scratch. On a part of 75M elements at 3.4% changed, spans of 2^22 took 0.35 s and of
 2^20 0.42 s (the compare is bound by memory, not by the cache), launching a quarter of the
-ops."""
+ops. A smaller part walks spans of 1/16 of it (2^18 elements at least): its scratch, held
+during the count, stays a small share of the part it holds anyway."""
+SMALLEST_SPAN = 1 << 18
+"""The fewest elements a span holds (unless :data:`SPAN_ELEMENTS` is fewer)."""
 SAMPLE_WINDOW = 1 << 14
 """Elements per window of the sample that tells a dense part before its comparison."""
 SAMPLE_STRIDE = 1 << 18
@@ -76,7 +86,8 @@ def refresh_part(
     kept = part.view(dtype)
     length = kept.numel()
     segments = _segments(pieces, dtype, length)
-    scratch = torch.empty(min(SPAN_ELEMENTS, length), dtype=dtype, device=part.device)
+    span = _span(length)
+    scratch = torch.empty(min(span, length), dtype=dtype, device=part.device)
     if limit >= 0 and sample_is_dense(pieces, part, dtype, scratch):
         limit = -1  # nothing compared: every span is cast straight into place
     per = 8 // itemsize
@@ -84,8 +95,8 @@ def refresh_part(
     flags = torch.empty(scratch.numel() // per, dtype=torch.bool, device=part.device)
     found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     count = 0
-    for start in range(0, length, SPAN_ELEMENTS):
-        stop = min(start + SPAN_ELEMENTS, length)
+    for start in range(0, length, span):
+        stop = min(start + span, length)
         if count > limit:  # past the limit nothing is compared: cast straight into place
             _fill(kept[start:stop], segments, start)
             continue
@@ -114,6 +125,12 @@ def refresh_part(
     columns = zip(*found, strict=True)
     positions, values, steps = (torch.cat(c) if len(c) > 1 else c[0] for c in columns)
     return LocalChanges(positions, values, steps, length)
+
+
+def _span(length: int) -> int:
+    """Elements per span of a part of ``length`` (a multiple of 8)."""
+    share = max(SMALLEST_SPAN, length // 16) // 8 * 8
+    return min(SPAN_ELEMENTS, share)
 
 
 def _lanes(
