@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all torch-suite check-vllm bench bench-scaling bench-muon bench-compare soak fuzz clean
+.PHONY: setup demo demo-nodes check test lint docs check-hatch check-gpu gpu-wheels check-torch check-torch-all torch-suite check-vllm bench bench-checkpoints bench-scaling bench-muon bench-compare soak fuzz clean
 
 # What the tests need beside torch (the second list installs without its dependencies).
 TEST_DEPS := numpy safetensors hatchling editables hatch ruff mypy pytest pytest-benchmark \
@@ -145,7 +145,17 @@ check-vllm: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks -q -s --benchmark-autosave \
-		--ignore=benchmarks/bench_scaling.py --ignore=benchmarks/bench_muon.py
+		--ignore=benchmarks/bench_scaling.py --ignore=benchmarks/bench_muon.py \
+		--ignore=benchmarks/bench_dcp_load_plan.py
+
+# Checkpoints at thousands of ranks (issues 75, 85), simulated in one process: a save's
+# planning, a load's from the layout record, DCP's load planning beside it, and FSDP1's shards
+# read at 8,192 (docs/performance.md#checkpoints-at-thousands-of-ranks). One process at a
+# time, a few GiB of memory at its peak.
+bench-checkpoints: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_save_plan.py \
+		benchmarks/bench_load_plan.py benchmarks/bench_dcp_load_plan.py -q -s --benchmark-autosave
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/save_plan_run.py --fsdp1-metadata 8192 --sizes 8b
 
 # How cost grows: one table by model size (8M, 35M, 134M) and world size (1, 2, 4), written to
 # benchmarks/.results/scaling.md (about half an hour here; SCALING_SIZES, SCALING_WORLDS and

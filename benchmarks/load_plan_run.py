@@ -1,7 +1,7 @@
 """A load's planning at thousands of ranks, in one process: from the layout record, per rank.
 
-Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192,16384] [--torch-worlds 64,256]
-       [--sizes 8b,70b] [--layouts fsdp,hsdp,fsdp1]
+Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192,16384] [--sizes 8b,70b]
+       [--layouts fsdp,hsdp,fsdp1]
 
 The saved state is ``save_plan_run``'s (a Llama with AdamW under FSDP, HSDP or FSDP1's
 ShardedTensors, at W ranks). For each point:
@@ -17,8 +17,9 @@ ShardedTensors, at W ranks). For each point:
   counted in bytes, 24 a row, not timed), and so are the rank's shards (its boxes, which a
   real rank gets from its DTensors in O(1) each). No collective: a rank plans alone. The
   manager's load adds one before its reads, the verdict on the checks (an all-reduce of 24
-  bytes, ``agreement.problems_agreed``), counted in ``test_local_load.py``;
-- with ``--torch-worlds``, DCP's load planning of the same checkpoint (:func:`torch_point`).
+  bytes, ``agreement.problems_agreed``), counted in ``test_local_load.py``.
+
+DCP's load planning of the same checkpoints: ``dcp_load_plan_run.py``.
 
 Times are wall-clock (``_s``) and this thread's CPU (``_cpu_s``): on a shared machine the
 first grows with the load of the others, the second much less.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 import tempfile
 import time
@@ -143,89 +143,15 @@ def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, An
     return out
 
 
-def torch_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
-    """DCP's load planning of the same checkpoint, simulated the same way.
-
-    Every rank unpickles the whole ``.metadata`` (timed: ``pickle.loads`` of its bytes, as
-    DCP's reader does), then builds its local plan: for each of its tensors, its shard's
-    overlaps with every chunk the metadata lists (torch's ``create_read_items_for_chunk_list``,
-    timed for ranks 0, W/2 and W-1); the plans are pickled and gathered to rank 0 and back
-    (their bytes: W times the largest). Rank 0's global step: it unpickles the W plans,
-    runs DCP's global planning over them and pickles them back; estimated as W times the
-    three sampled plans' mean (each unpickled, planned and pickled: CPU time).
-    """
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    from shardkit.core.checkpoint.local_plan.save_results import storage_entries
-
-    layout = SaveLayout.from_values(state_values(size, world, layout_name), world)
-    bodies = []
-    for count in layout.expected_items():
-        rows = torch.zeros((count, 4), dtype=torch.int64)
-        rows[:, 1], rows[:, 2:] = torch.arange(count) * 4096, 4096
-        bodies.append(rows.reshape(-1))
-    metadata = Metadata(
-        state_dict_metadata=layout.state_dict_metadata(),
-        storage_data=storage_entries(layout, bodies),
-    )
-    pickled = pickle.dumps(metadata)
-    started, cpu = time.perf_counter(), time.thread_time()
-    read = pickle.loads(pickled)
-    unpickle_s, unpickle_cpu_s = time.perf_counter() - started, time.thread_time() - cpu
-    seconds, cpu_seconds, plan_bytes, round_trips = [], [], [], []
-    for rank in (0, world // 2, world - 1):
-        held = held_boxes(layout, rank)
-        started, cpu = time.perf_counter(), time.thread_time()
-        items = []
-        for fqn, entry in read.state_dict_metadata.items():
-            if not isinstance(entry, TensorStorageMetadata):
-                continue
-            boxes = held[fqn] or [((0,) * len(entry.size), tuple(entry.size))]
-            mine = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
-            items += create_read_items_for_chunk_list(fqn, entry, mine)
-        seconds.append(time.perf_counter() - started)
-        cpu_seconds.append(time.thread_time() - cpu)
-        pickled_plan = pickle.dumps(LoadPlan(items))
-        plan_bytes.append(len(pickled_plan))
-        cpu = time.thread_time()
-        (plan,) = DefaultLoadPlanner().create_global_plan([pickle.loads(pickled_plan)])
-        pickle.dumps(plan)
-        round_trips.append(time.thread_time() - cpu)
-    return {
-        "engine": "torch",
-        "size": size,
-        "world": world,
-        "layout": layout_name,
-        "metadata_bytes": len(pickled),
-        "unpickle_s_per_rank": unpickle_s,
-        "unpickle_cpu_s_per_rank": unpickle_cpu_s,
-        "local_plan_s_per_rank": max(seconds),
-        "local_plan_cpu_s_per_rank": max(cpu_seconds),
-        "plans_gathered_bytes": world * max(plan_bytes),
-        "rank0_global_plan_cpu_s": world * sum(round_trips) / len(round_trips),
-        "planning_collectives": 2,  # the plans gathered to rank 0, the global plan scattered
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worlds", default="1024,4096,8192,16384")
-    parser.add_argument("--torch-worlds", default="")
     parser.add_argument("--sizes", default="8b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes.split(","):
             for layout in args.layouts.split(","):
-                for world in map(int, filter(None, args.torch_worlds.split(","))):
-                    print(json.dumps(torch_point(size, world, layout)), flush=True)
                 for world in map(int, filter(None, args.worlds.split(","))):
                     print(json.dumps(point(size, world, layout, Path(folder))), flush=True)
 
