@@ -42,7 +42,7 @@ def _decoded(sources: list[TensorSource], starts: list[int], rank: int, share: f
     kept[torch.searchsorted(every, stepped)] = False
     given = every[kept]
     values = torch.randn(given.numel(), generator=generator).to(torch.bfloat16)
-    steps = torch.randint(-127, 128, (stepped.numel(),), generator=generator)
+    steps = torch.randint(-127, 128, (stepped.numel(),), generator=generator).to(torch.int8)
     return Decoded(given, values, stepped, steps)
 
 

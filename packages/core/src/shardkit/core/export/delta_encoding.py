@@ -110,6 +110,8 @@ class Decoded:
     values: torch.Tensor
     stepped: torch.Tensor
     steps: torch.Tensor
+    """(m,) int8: a stepped change's step fits a byte (a larger one travels as a value), and
+    a byte a change, not eight, is what the gathering rank holds of every rank's steps."""
 
 
 def changed_lanes(
@@ -244,11 +246,12 @@ def decode(
 ) -> Decoded:
     """What :func:`encode` put in ``message``."""
     empty = torch.empty(0, dtype=torch.int64, device=message.device)
+    no_steps = torch.empty(0, dtype=torch.int8, device=message.device)
     if encoding is Encoding.STEPS:
         literals, escapes = (int(n) for n in _region(message, 0, 2, torch.int32))
         gaps = message[8 : 8 + count].to(torch.int64)
         at = 8 + count
-        steps = message[at : at + count].view(torch.int8).to(torch.int64)
+        steps = message[at : at + count].view(torch.int8)
         at += count
         index = _index_dtype(length)
         far = _region(message, at, escapes, index).to(torch.int64)
@@ -267,19 +270,21 @@ def decode(
         bits = (message[:head].unsqueeze(1) >> _SHIFTS.to(message.device)) & 1
         positions = torch.nonzero(bits.view(-1)[:length]).view(-1)
         assert positions.numel() == count, "a bitmask's count disagrees with the exchanged one"
-    return Decoded(positions, _region(message, head, count, dtype), empty, empty)
+    return Decoded(positions, _region(message, head, count, dtype), empty, no_steps)
 
 
 def as_decoded(changes: LocalChanges, encoding: Encoding) -> Decoded:
     """What decoding this rank's own message would give (the gathering rank skips it)."""
     if encoding is not Encoding.STEPS:
         empty = torch.empty(0, dtype=torch.int64, device=changes.positions.device)
-        return Decoded(changes.positions, changes.values, empty, empty)
+        return Decoded(changes.positions, changes.values, empty, empty.to(torch.int8))
     literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
+    # The literal ones wrap in int8, and are dropped: the others fit.
+    steps = changes.steps.to(torch.int8)
     return Decoded(
         changes.positions[literal],
         changes.values[literal],
-        *_without(changes.positions, changes.steps, literal),
+        *_without(changes.positions, steps, literal),
     )
 
 

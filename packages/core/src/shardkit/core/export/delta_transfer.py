@@ -157,7 +157,7 @@ def gather_changes(
     if max(counts) == 0:
         empty = torch.empty(0, dtype=torch.int64, device=buffer.device)
         nothing = torch.empty(0, dtype=dtype, device=buffer.device)
-        decoded = [Decoded(empty, nothing, empty, empty)] * len(counts)
+        decoded = [Decoded(empty, nothing, empty, empty.to(torch.int8))] * len(counts)
     else:
         what = (
             f"bucket {bucket.index} ({sharded[0].name}, ...): changes along mesh dim "

@@ -83,7 +83,8 @@ class ChangedElements:
     stepped: torch.Tensor | None = None
     """(m,) int64: ascending positions whose bits moved by ``steps`` (None: none)."""
     steps: torch.Tensor | None = None
-    """(m,) int64: new bits minus old bits, as signed integers of the dtype's width."""
+    """(m,) int8 or int64: new bits minus old bits, as signed integers of the dtype's width
+    (a delta export hands int8 steps: its larger ones travel as values)."""
 
     @property
     def count(self) -> int:
