@@ -92,6 +92,22 @@ def test_muon_state_moves_between_engines(saved: Saver, saver: str, loader: str)
     _check_resume(saved(saver, "dcp"), 2, loader, "dcp")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saver", "loader", "world_size"),
+    [
+        pytest.param("shardkit", "torch", 4, id="shardkit-W2-to-torch-W4"),
+        pytest.param("torch", "shardkit", 3, id="torch-W2-to-shardkit-W3"),
+    ],
+)
+def test_muon_state_moves_between_engines_and_world_sizes(
+    saved: Saver, saver: str, loader: str, world_size: int
+) -> None:
+    # Both at once: another engine's checkpoint, resharded to another world size (16-row
+    # matrices in blocks of 6, 6 and 4 at W=3).
+    _check_resume(saved(saver, "dcp"), world_size, loader, "dcp")
+
+
 @pytest.mark.parametrize("broadcast", [False, True], ids=["every-rank", "broadcast-from-rank0"])
 @pytest.mark.parametrize("impl", ["shardkit", "torch"])
 def test_full_state_dicts_load_back_into_sharded_muon(impl: str, broadcast: bool) -> None:
