@@ -19,7 +19,7 @@ from shardkit.core import MixedPrecisionPolicy
 from shardkit.core.optim import Muon, split_matrices
 from tests.core import models
 from tests.core.interop.hf_models import tiny_qwen2
-from tests.core.optim.muon_runs import ADAMW_LR, LR, full
+from tests.core.optim.muon_runs import ADAMW_LR, LR, step_against
 from tests.core.parity import fully_shard_of, torch_policy
 
 
@@ -99,13 +99,8 @@ def paths_body(rank: int, world_size: int, impl: str, path: Path, steps: int) ->
                 model.set_requires_gradient_sync(i == path.micro - 1)  # type: ignore[operator]
             xr, yr = xs.chunk(world_size)[rank], ys.chunk(world_size)[rank]
             (_loss(path, model, xr, yr) / path.micro).backward()
-        for name, p in model.named_parameters():
-            ref_params[name].grad = None if p.grad is None else full(p.grad)
-        for opt in [*ours, *theirs]:
-            opt.step()
-            opt.zero_grad()
-        pairs = [(full(p), ref_params[n].detach()) for n, p in model.named_parameters()]
-        out["equal"].append(all(torch.equal(a, b) for a, b in pairs))
-        out["max_diff"].append(max((a.float() - b.float()).abs().max().item() for a, b in pairs))
+        equal, max_diff = step_against(model, ref_params, [*ours, *theirs])
+        out["equal"].append(equal)
+        out["max_diff"].append(max_diff)
     out["muon"] = [n for group in ours[0].param_groups for n in group["param_names"]]
     return out

@@ -9,7 +9,7 @@ do with the same gradients: equal parameters after every step means equal update
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import astuple
 from typing import Any
 
@@ -82,6 +82,23 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def step_against(
+    model: nn.Module, ref_params: Mapping[str, torch.Tensor], opts: list[Any]
+) -> tuple[bool, float]:
+    """One step of both sides after the sharded run's backward: the single process's
+    parameters (``ref_params``, by name) are given the sharded run's reduced gradients as full
+    tensors, every optimizer of ``opts`` (both sides') steps; then whether every parameter is
+    bitwise equal on both sides, and the largest difference."""
+    for name, p in model.named_parameters():
+        ref_params[name].grad = None if p.grad is None else full(p.grad)
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    pairs = [(full(p), ref_params[n].detach()) for n, p in model.named_parameters()]
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    return equal, max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+
+
 Optimizers = Callable[
     [list[tuple[str, nn.Parameter]], list[nn.Parameter]], list[torch.optim.Optimizer]
 ]
@@ -132,19 +149,9 @@ def compare_body(
     for step in range(steps):
         x, y = batch(model, step, rank, world_size)
         loss_of(model, sharded(x), y).backward()
-        for name, p in sharded.named_parameters():
-            ref_params[name].grad = None if p.grad is None else full(p.grad)
-        for opt in [*our_opts, *ref_opts]:
-            opt.step()
-            opt.zero_grad()
-        diffs = [
-            (full(p) - ref_params[name].detach()).abs().max().item()
-            for name, p in sharded.named_parameters()
-        ]
-        out["equal"].append(
-            all(torch.equal(full(p), ref_params[n].detach()) for n, p in sharded.named_parameters())
-        )
-        out["max_diff"].append(max(diffs))
+        equal, max_diff = step_against(sharded, ref_params, [*our_opts, *ref_opts])
+        out["equal"].append(equal)
+        out["max_diff"].append(max_diff)
         stats = getattr(our_opts[0], "last_step_stats", None)
         out["stats"].append(astuple(stats) if stats is not None else None)
     return out

@@ -20,7 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.core.optim.muon_runs import ADAMW_LR, LR, batch, build, full, loss_of, takes_muon
+from tests.core.optim.muon_runs import (
+    ADAMW_LR,
+    LR,
+    batch,
+    build,
+    full,
+    loss_of,
+    step_against,
+    takes_muon,
+)
 from tests.core.parity import fully_shard_of
 
 MOE_VOCAB, MOE_SEQ = 64, 8
@@ -204,14 +213,9 @@ def compare_body(
     for step in range(steps):
         x, y = _batch(layout, model, step, rank, world_size)
         _loss(layout, model, placed, x, y).backward()
-        for name, p in placed.named_parameters():
-            ref_params[name].grad = None if p.grad is None else full(p.grad)
-        for opt in [*our_opts, *ref_opts]:
-            opt.step()
-            opt.zero_grad()
-        pairs = [(full(p), ref_params[n].detach()) for n, p in placed.named_parameters()]
-        out["equal"].append(all(torch.equal(a, b) for a, b in pairs))
-        out["max_diff"].append(max((a - b).abs().max().item() for a, b in pairs))
+        equal, max_diff = step_against(placed, ref_params, [*our_opts, *ref_opts])
+        out["equal"].append(equal)
+        out["max_diff"].append(max_diff)
         out["stats"].append(astuple(our_opts[0].last_step_stats))
     return out
 

@@ -1,0 +1,61 @@
+"""Muon on whole models and every mesh of issue 83: torch's Muon's bits, 10 steps, each engine.
+
+The demo's GPT and a transformers Qwen2 on FSDP at W=2 and 4, HSDP 2 x 2 and FSDP x TP 2 x 2;
+transformers' Mixtral and Qwen2-MoE (experts as 3-D stacks) on FSDP at W=2 and 4 and HSDP
+2 x 2; the demo's GPT with accumulated gradients and with bf16 parameters (fp32 reduce) at W=4,
+on FSDP and HSDP (see ``model_runs``). Each matrix (each expert) is orthogonalized once in the
+job: the updates of all ranks' last step sum to the matrices Muon has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.pool import run_on_ranks
+from tests.core.optim.model_runs import Case, compare_body
+
+pytest.importorskip("transformers")
+
+STEPS = 10
+
+# (case, world size); ids "<model>-<layout><W>"
+MESHES = [
+    (Case(model=model, layout=layout), world)
+    for model in ("demo_gpt", "qwen2")
+    for layout, world in (("fsdp", 2), ("fsdp", 4), ("hsdp", 4), ("tp", 4))
+] + [
+    (Case(model=model, layout=layout), world)
+    for model in ("mixtral", "qwen2_moe")
+    for layout, world in (("fsdp", 2), ("fsdp", 4), ("hsdp", 4))
+]
+PATHS = [
+    (Case(model="demo_gpt", layout=layout, **path), 4)
+    for layout in ("fsdp", "hsdp")
+    for path in ({"micro": 3}, {"bf16_params": True})
+]
+
+
+def _id(case: Case, world: int) -> str:
+    path = "-accumulate" if case.micro > 1 else "-bf16-params" if case.bf16_params else ""
+    return f"{case.model}-{case.layout}{world}{path}"
+
+
+def _check(results: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(results):
+        assert out["equal"] == [True] * STEPS, (rank, out["max_diff"])
+    for step in range(STEPS):
+        assert sum(out["stats"][step][0] for out in results) == results[0]["matrices"]
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+@pytest.mark.parametrize(("case", "world"), [pytest.param(*c, id=_id(*c)) for c in MESHES])
+def test_ten_steps_bit_for_bit_on_each_mesh(case: Case, world: int, impl: str) -> None:
+    _check(run_on_ranks(world, compare_body, impl=impl, case=case, steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+@pytest.mark.parametrize(("case", "world"), [pytest.param(*c, id=_id(*c)) for c in PATHS])
+def test_ten_steps_bit_for_bit_on_each_training_path(case: Case, world: int, impl: str) -> None:
+    _check(run_on_ranks(world, compare_body, impl=impl, case=case, steps=STEPS))
