@@ -96,7 +96,7 @@ class LocalChanges:
     def steps_bytes(self) -> int:
         """The size of this rank's ``STEPS`` message."""
         escaped = int(_escaped(_gaps(self.positions)).sum())
-        literal = int((self.steps.abs() > _STEP_LIMIT).sum())
+        literal = int(torch.count_nonzero(_literal(self.steps)))
         itemsize = self.values.element_size()
         index = _index_dtype(self.length).itemsize
         return 8 + 2 * self.count + escaped * index + literal * (4 + itemsize)
@@ -150,6 +150,11 @@ def local_changes(current: torch.Tensor, previous: torch.Tensor) -> LocalChanges
 
 def _index_dtype(length: int) -> torch.dtype:
     return torch.int32 if length < 2**31 else torch.int64
+
+
+def _literal(steps: torch.Tensor) -> torch.Tensor:
+    """Steps that do not fit an int8 step (two compares: ``abs`` would copy every step)."""
+    return (steps > _STEP_LIMIT) | (steps < -_STEP_LIMIT)
 
 
 def _gaps(positions: torch.Tensor) -> torch.Tensor:
@@ -220,7 +225,7 @@ def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor
 
 
 def _steps_regions(changes: LocalChanges) -> list[torch.Tensor]:
-    literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
+    literal = torch.nonzero(_literal(changes.steps)).view(-1)
     steps = changes.steps.to(torch.int8)  # wraps where literal: those are read as values
     gaps = _gaps(changes.positions)
     escaped = _escaped(gaps)
@@ -228,7 +233,7 @@ def _steps_regions(changes: LocalChanges) -> list[torch.Tensor]:
     head = torch.tensor([literal.numel(), far.numel()], dtype=torch.int32, device=gaps.device)
     return [
         head.view(torch.uint8),
-        gaps.masked_fill(escaped, 0).to(torch.uint8),
+        gaps.masked_fill_(escaped, 0).to(torch.uint8),  # in place: ``far`` is read already
         steps.view(torch.uint8),
         far.view(torch.uint8),
         literal.to(torch.int32).view(torch.uint8),
@@ -278,7 +283,7 @@ def as_decoded(changes: LocalChanges, encoding: Encoding) -> Decoded:
     if encoding is not Encoding.STEPS:
         empty = torch.empty(0, dtype=torch.int64, device=changes.positions.device)
         return Decoded(changes.positions, changes.values, empty, empty.to(torch.int8))
-    literal = torch.nonzero(changes.steps.abs() > _STEP_LIMIT).view(-1)
+    literal = torch.nonzero(_literal(changes.steps)).view(-1)
     # The literal ones wrap in int8, and are dropped: the others fit.
     steps = changes.steps.to(torch.int8)
     return Decoded(
