@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "DELTA_ENCODINGS",
     "DENSE",
+    "STEP_WIDTH",
     "Decoded",
     "Encoding",
     "LocalChanges",
@@ -55,6 +56,9 @@ _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integers as wide as each element size: a value's bits, read as a number."""
+STEP_WIDTH = {1: torch.int32, 2: torch.int32, 4: torch.int64, 8: torch.int64}
+"""Integers that hold the difference of two such numbers (for 8 bytes, it wraps as the
+receiver's add does)."""
 _STEP_LIMIT = 127
 _GAP_LIMIT = 255
 DENSE = 8
@@ -84,7 +88,8 @@ class LocalChanges:
     values: torch.Tensor
     """(n,) the new values."""
     steps: torch.Tensor
-    """(n,) int64: new bits minus old bits."""
+    """(n,) new bits minus old bits, exact: int32 for elements of 1 or 2 bytes (half the
+    memory of int64 for a bf16 export's changes), int64 for wider ones."""
     length: int
     """Elements of the part."""
 
@@ -144,7 +149,7 @@ def local_changes(current: torch.Tensor, previous: torch.Tensor) -> LocalChanges
     """The changes from the flat ``previous`` to the flat ``current`` (same dtype), bit for bit."""
     width = WIDTH[current.element_size()]
     positions, new, old = changed_lanes(current.view(width), previous.view(width))
-    steps = new.to(torch.int64) - old.to(torch.int64)
+    steps = new.to(STEP_WIDTH[current.element_size()]).sub_(old)
     return LocalChanges(positions, new.view(current.dtype), steps, current.numel())
 
 

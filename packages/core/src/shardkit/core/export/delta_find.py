@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardkit.core.export.axis_gathers import AxisGather
-from shardkit.core.export.delta_encoding import DENSE, WIDTH, LocalChanges
+from shardkit.core.export.delta_encoding import DENSE, STEP_WIDTH, WIDTH, LocalChanges
 
 __all__ = [
     "SAMPLE_STRIDE",
@@ -152,7 +152,7 @@ def _lanes(
         positions.bitwise_or_(lanes & (per - 1))
         bits_now = lanes_now.index_select(0, lanes)
         bits_before = lanes_before.index_select(0, lanes)
-    steps = bits_now.to(torch.int64).sub_(bits_before)
+    steps = bits_now.to(STEP_WIDTH[dtype.itemsize]).sub_(bits_before)
     return positions, bits_now.view(dtype), steps
 
 
