@@ -17,6 +17,7 @@ Equal parameters after every step means equal updates, bit for bit.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -100,8 +101,10 @@ def _head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-def _qwen2_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism on Qwen2's layers as its config's ``base_model_tp_plan`` says."""
+def _hf_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism on a transformers decoder's layers, as its config's
+    ``base_model_tp_plan`` says for its ``nn.Linear`` projections (colwise, rowwise); an MoE's
+    expert stacks take no torch style and stay whole on the TP axis."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -110,9 +113,10 @@ def _qwen2_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     tp_plan: dict[str, str] = model.config.base_model_tp_plan  # type: ignore[union-attr, assignment]
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plan: dict[str, Any] = {}
     for pattern, style in tp_plan.items():
-        if style in styles:  # the layers' projections; the rest stays replicated
+        if style in styles and fnmatch.filter(linears, f"model.{pattern}"):
             plan[f"model.{pattern}"] = styles[style]()
     parallelize_module(model, tp_mesh, plan)
 
@@ -134,7 +138,7 @@ def place(case: Case, model: nn.Module, impl: str, world_size: int) -> tuple[int
             assert not kwargs, "the demo's parallelize takes no policy"
             parallelize(model, mesh, fs)  # type: ignore[arg-type]
         else:
-            _qwen2_tp(model, mesh["tp"])
+            _hf_tp(model, mesh["tp"])
             for layer in _layers(model):
                 fs(layer, mesh=mesh["dp"], **kwargs)
             fs(model, mesh=mesh["dp"], **kwargs)
@@ -171,7 +175,7 @@ def compare_body(
 
     Returns per step whether every parameter is bitwise equal and the largest difference,
     this rank's StepStats of each step, how many matrices Muon takes (experts counted one by
-    one), and the names of Muon's parameters.
+    one), the names of Muon's parameters, and how many of its matrices TP left whole.
     """
     reference, model = build(case.model), build(case.model)
     if case.bf16_params:
@@ -193,4 +197,11 @@ def compare_body(
         out["max_diff"].append(max_diff)
         out["stats"].append(astuple(ours[0].last_step_stats))
     out["muon"] = [n for group in ours[0].param_groups for n in group["param_names"]]
+    # Under TP, Muon's matrices that TP left whole: DTensors of the dp axis alone.
+    out["dp_only"] = sum(
+        len(p) if p.dim() == 3 else 1
+        for group in ours[0].param_groups
+        for p in group["params"]
+        if case.layout == "tp" and "tp" not in (p.device_mesh.mesh_dim_names or ())
+    )
     return out
