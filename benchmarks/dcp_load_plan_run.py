@@ -15,8 +15,10 @@ first read (``state_dict_loader._load_state_dict``'s ``reduce_scatter``), step b
 - rank 0's global step on every rank's plan: the W pickled plans unpickled (the gather),
   ``DefaultLoadPlanner.create_global_plan`` on the list, each result pickled (the scatter).
   Done for real where the W plans hold at most ``--all-plans-items`` read items (memory and
-  time on this machine), and reported as not run beyond; the plans' bytes and rank 0's time
-  beyond come from the sampled plans and are labelled estimates.
+  time on this machine), and reported as not run beyond. Every point counts the W plans'
+  read items exactly (:func:`counted_items`, equal to the built plans' where they are built);
+  beyond, the plans' bytes are that count times the sampled plans' bytes per item, an
+  estimate, and rank 0's time a fit (``bench_dcp_load_plan.py``), labelled as such.
 
 The W plans of the global step are built by torch's ``create_default_local_load_plan`` (what
 ``create_local_plan`` returns) against a metadata that lists, per tensor, only the chunks whose
@@ -151,6 +153,35 @@ class PrunedPlans:
         return LoadPlan([_whole_index(item, positions) for item in plan.items])
 
 
+def counted_items(layout: SaveLayout, metadata: Metadata) -> int:
+    """The read items of every rank's plan at the same W, counted without building them.
+
+    Per sharded value: each loading chunk's count of the saved chunks its rows meet (torch's
+    test on dim 0; the other dims are whole here), times the ranks that hold it; one item a
+    rank for every value each rank reads whole.
+    """
+    total, per_geometry = 0, {}
+    for value in layout.values:
+        if value.kind not in ("dtensor", "sharded"):
+            total += layout.world_size
+            continue
+        entry = metadata.state_dict_metadata[value.fqn]
+        assert isinstance(entry, TensorStorageMetadata)
+        geometry = layout.geometry(value)
+        key = (id(geometry), id(entry.chunks))
+        if key not in per_geometry:
+            saved = RowIndex.of(entry.chunks)
+            # Saved chunks listed in row order: those meeting [start, end) are one run.
+            assert np.all(np.diff(saved.starts) >= 0) and np.all(np.diff(saved.ends) >= 0)
+            starts = geometry.offsets[:, 0]
+            ends = starts + geometry.sizes[:, 0]
+            first = np.searchsorted(saved.ends, starts, side="right")
+            past = np.searchsorted(saved.starts, ends, side="left")
+            per_geometry[key] = int((np.maximum(past - first, 0) * geometry.counts).sum())
+        total += per_geometry[key]
+    return total
+
+
 def _whole_index(item: ReadItem, positions: dict[str, np.ndarray]) -> ReadItem:
     where = positions.get(item.storage_index.fqn)
     if where is None or item.storage_index.index is None:
@@ -206,11 +237,13 @@ def point(
         out[f"local_plan_cpu_s_{name}_rank"] = cpu_s
     plan_bytes = [len(pickle.dumps(p)) for p in sampled]
     items = [len(p.items) for p in sampled]
+    counted = counted_items(layout, metadata)
     out["plan_items_per_rank"] = max(items)
     out["plan_bytes_per_rank"] = max(plan_bytes)
-    out["plans_items_estimated"] = world * sum(items) // len(items)
-    out["plans_gathered_bytes_estimated"] = world * sum(plan_bytes) // len(plan_bytes)
-    if out["plans_items_estimated"] <= all_plans_items:
+    out["plans_items_counted"] = counted
+    # Beyond the points where every plan is pickled: the sampled plans' bytes per item.
+    out["plans_gathered_bytes_estimated"] = counted * sum(plan_bytes) // sum(items)
+    if counted <= all_plans_items:
         out.update(_global_step(pruned, world))
     return out
 
