@@ -3,9 +3,10 @@
 The demo's GPT and a transformers Qwen2 on FSDP at W=2 and 4, HSDP 2 x 2 and FSDP x TP 2 x 2;
 transformers' Mixtral and Qwen2-MoE (experts as 3-D stacks) on FSDP at W=2 and 4 and HSDP
 2 x 2, and under FSDP x TP 2 x 2 (attention cut by TP; a known limitation there, see its
-test); the demo's GPT with accumulated gradients and with bf16 parameters (fp32 reduce) at W=4,
-on FSDP and HSDP (see ``model_runs``). Each matrix (each expert) is orthogonalized once in the
-job: the updates of all ranks' last step sum to the matrices Muon has.
+test); the demo's GPT and Qwen2 with accumulated gradients and with bf16 parameters (fp32
+reduce) at W=4, on FSDP and HSDP (see ``model_runs``). Each matrix (each expert) is
+orthogonalized once in the job: the updates of all ranks' last step sum to the matrices Muon
+has.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ MESHES = [
     for layout, world in (("fsdp", 2), ("fsdp", 4), ("hsdp", 4))
 ]
 PATHS = [
-    (Case(model="demo_gpt", layout=layout, **path), 4)
+    (Case(model=model, layout=layout, **path), 4)
+    for model in ("demo_gpt", "qwen2")
     for layout in ("fsdp", "hsdp")
     for path in ({"micro": 3}, {"bf16_params": True})
 ]
