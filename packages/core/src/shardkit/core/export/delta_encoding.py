@@ -19,11 +19,12 @@ smallest (a gather pads every rank's message to the largest), or the part itself
 - ``PLAIN``: the part itself, as a full export sends it. A bucket goes plain where no encoding
   is smaller, or where a rank changed more than 1/``DENSE`` of its elements: there decoding
   and placing the changes would cost more time than the bytes they save (a delta is never
-  larger, nor slower, than a full export).
+  larger than a full export; on one host it is not faster where few elements change:
+  docs/guide/export.md, "What is possible on one host").
 
 Finding the changes compares the part eight bytes at a time (a word compare, then the lanes of
 the changed words only), so its cost follows the part's size once and the changes' count
-after (:func:`changed_lanes`; ``delta_find.py`` runs it tensor by tensor as it packs).
+after (:func:`changed_lanes`; ``delta_find.py`` does the same span by span as it packs).
 
 Every rank knows every rank's count and size before the bucket's gather (the small all-gather
 at the export's start carries them), so each message is parsed without a header.

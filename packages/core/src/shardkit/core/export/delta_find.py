@@ -220,7 +220,7 @@ def sample_is_dense(
 
 
 def _flat_padded(gather: AxisGather, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The piece's elements in the part's order, as stored (cast chunk by chunk later).
+    """The piece's elements in the part's order, as stored (cast span by span later).
 
     A dim-0 piece is its padded part's first rows already; another cut is packed (and cast)
     whole here, since its padding sits between rows.
