@@ -50,6 +50,8 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
     step_peak = max(row[0] for row in r["peaks_mib"])
     export_peak = max(row[1] for row in r["peaks_mib"])
     bucket_mib = r["bucket_bytes"] / 2**20
+    # VmHWM during the sync (a delta's kept part included): trl's pattern, full, delta
+    wholes = [[row[5], row[4], row[6]] for row in r["peaks_mib"]]
     benchmark.extra_info.update(
         r,
         export_part_ratio=r["ours_export_s"] / r["trl_export_s"],
@@ -64,7 +66,8 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
         f"{r['trl_load_s']:.3f} s; wire {r['wire_ours'] / 2**20:.1f} MiB (minimum "
         f"{full_wire / 2**20:.1f}) vs trl {r['wire_trl'] / 2**20:.1f}; delta "
         f"{100 * r['wire_delta'] / r['wire_ours']:.2f}% of a full export; peak RSS above the "
-        f"start: export {export_peak:.0f} MiB, step {step_peak:.0f} MiB, bucket {bucket_mib:.0f}\n"
+        f"start: export {export_peak:.0f} MiB, step {step_peak:.0f} MiB, bucket {bucket_mib:.0f}; "
+        f"the whole per rank (trl / full / delta, MiB): {wholes}\n"
     )
     assert r["wire_ours"] == full_wire  # the minimum bytes: each rank's half once, in bf16
 

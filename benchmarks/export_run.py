@@ -1,6 +1,6 @@
 """One weight-sync comparison at W=2: shardkit's export against trl's per-parameter pattern.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/export_run.py SIZE TRANSPORT ROUNDS
+Usage: torchrun --nproc-per-node 2 benchmarks/export_run.py SIZE TRANSPORT ROUNDS [BUCKET_MIB]
 
 SIZE is ``5m`` or ``150m`` (a Qwen2-style model from transformers, fp32 masters, sharded by
 shardkit's ``fully_shard`` layer by layer). The receiver is a bf16 copy of the model (the
@@ -14,7 +14,11 @@ trl's pattern (trl 1.16, ``_iter_fsdp2_params`` then ``load_weights`` per tensor
 gathers each parameter whole (``full_tensor()``, an fp32 all-gather), and rank 0 casts it to
 bf16 and hands it over alone. Each round runs both, alternating which goes first; a sync's
 time is its slowest rank's. Peak RSS is the high-water mark after a reset (/proc/self/
-clear_refs), with MALLOC_MMAP_THRESHOLD_=65536 so freed memory shows. Prints one JSON line.
+clear_refs), with MALLOC_MMAP_THRESHOLD_=65536 so freed memory shows: per rank, above each
+sync's start and as a whole (VmHWM), for trl's pattern, a full export, and a delta export after
+an AdamW step at lr 1e-6 (its kept part, held from the sync before, is in the whole, not in
+the rise). ``BUCKET_MIB``: the exports' ``bucket_bytes`` (64 unless given). Prints one JSON
+line.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ trl_sync.count = 0  # type: ignore[attr-defined]
 
 def main() -> None:
     size, transport, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    bucket_bytes = int(sys.argv[4] if len(sys.argv) > 4 else 64) * 2**20
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from shardkit.core.export.exporter import ExportOptions, WeightExporter
@@ -175,10 +180,10 @@ def main() -> None:
     base = reset_peak()
     step()
     step_peak = peak() - base
-    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=64 * 2**20))
+    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=bucket_bytes))
     exporter.export(receiver)  # warm-up: the export's groups
     rows: dict[str, list[float]] = {k: [] for k in ("trl", "trl_load", "ours", "ours_load")}
-    ours_peak = trl_peak = 0.0
+    ours_peak = trl_peak = ours_whole = trl_whole = 0.0
     wire_ours = wire_trl = 0
     for r in range(rounds):
         for impl in ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
@@ -199,19 +204,24 @@ def main() -> None:
             seconds = slowest(time.perf_counter() - start)
             mine = peak() - base
             if impl == "trl":
-                trl_peak = max(trl_peak, mine)
+                trl_peak, trl_whole = max(trl_peak, mine), max(trl_whole, peak())
             else:
-                ours_peak = max(ours_peak, mine)
+                ours_peak, ours_whole = max(ours_peak, mine), max(ours_whole, peak())
             rows[impl].append(seconds)
             rows[impl + "_load"].append(float(slowest(load)))
     # A delta export after an AdamW step at lr 1e-6.
     exporter.export(receiver, delta=True)
     step()
+    dist.barrier()
+    base = reset_peak()
     delta_report = exporter.export(receiver, delta=True)
+    delta_peak, delta_whole = peak() - base, peak()
     sent = torch.tensor([0 if exporter.receiving else delta_report.counts.sent_bytes])
     dist.all_reduce(sent)
-    peaks = torch.tensor([step_peak, ours_peak, trl_peak])
-    gathered = [torch.zeros(3) for _ in range(dist.get_world_size())]
+    peaks = torch.tensor(
+        [step_peak, ours_peak, trl_peak, delta_peak, ours_whole, trl_whole, delta_whole]
+    )
+    gathered = [torch.zeros(7) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, peaks)
     closer()
     if rank == 0:
@@ -224,7 +234,7 @@ def main() -> None:
                     "params": params,
                     "model_bytes_bf16": params * 2,
                     "buckets": len(exporter.buckets),
-                    "bucket_bytes": 64 * 2**20,
+                    "bucket_bytes": bucket_bytes,
                     "trl_s": median["trl"],
                     "trl_load_s": median["trl_load"],
                     "ours_s": median["ours"],
@@ -234,7 +244,10 @@ def main() -> None:
                     "wire_ours": wire_ours,
                     "wire_trl": wire_trl,
                     "wire_delta": int(sent),
+                    # per rank: the rise above the sync's start of a training step, a full
+                    # export, trl's pattern, a delta; then the whole (VmHWM) of the last three
                     "peaks_mib": [[round(float(x), 1) for x in row] for row in gathered],
+                    "delta_plain_buckets": delta_report.counts.plain_buckets,
                 }
             )
         )
