@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.core.checkpoint import manager
+from shardkit.core.checkpoint import publish
 
 
 def _checkpoint(path: Path) -> Path:
@@ -35,12 +35,12 @@ def test_the_markers_go_before_any_data_file(
     monkeypatch.setattr(shutil, "rmtree", killed_at_once)
     checkpoint = _checkpoint(tmp_path / "step_00000036")
     with pytest.raises(KeyboardInterrupt):
-        manager._remove(checkpoint)
+        publish.remove(checkpoint)
     assert seen == [{"__0_0.distcp", "__1_0.distcp", "layout.json"}]  # no reader takes it
 
 
 def test_a_partial_save_is_cleared_the_same_way(tmp_path: Path) -> None:
     partial = _checkpoint(tmp_path / ".step_00000036.partial")
-    manager._remove(partial, ignore_errors=True)
+    publish.remove(partial, ignore_errors=True)
     assert not partial.exists()
-    manager._remove(partial, ignore_errors=True)  # nothing there: nothing to do
+    publish.remove(partial, ignore_errors=True)  # nothing there: nothing to do

@@ -3,8 +3,8 @@
 At W=2 on gloo, bucket by bucket: a layer whose shards all moved (a large step) goes plain, as
 a full export sends it; the layers that barely moved go as changes; a bucket nobody changed
 moves nothing. Every sync equals ``full_tensor()`` in the export dtype, the delta's bytes are
-never more than a full export's, and the kept part is refreshed in place chunk by chunk (the
-chunk made tiny here, so that chunks cut across tensors' rows and the alignment padding).
+never more than a full export's, and the kept part is refreshed in place span by span (the
+span made tiny here, so that spans cut across tensors' rows and the alignment padding).
 """
 
 from __future__ import annotations
@@ -33,31 +33,41 @@ def _nudge(model: torch.nn.Module, layers: set[int], everything: set[int]) -> No
                 flat[:: max(1, flat.numel() // 3)] *= 1.01  # about a bf16 unit: a step
 
 
-def _syncs(rank: int, world_size: int, chunk: int) -> Any:
+def _syncs(rank: int, world_size: int, span: int) -> Any:
     from shardkit.core.export import ModuleReceiver, delta_find
     from shardkit.core.export.exporter import ExportOptions, WeightExporter
 
-    delta_find.CHUNK_ELEMENTS = chunk
-    model = sharded("shardkit")
-    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=3000))
-    target = Decoder().to(torch.bfloat16)
-    receiver = ModuleReceiver(target) if exporter.receiving else None
-    full = exporter.export(receiver, delta=True)
-    rows, compared = [], []
-    for layers, everything in [({0, 1, 2}, set()), ({0}, {2}), (set(), set()), ({1}, {0, 1, 2})]:
-        _nudge(model, layers, everything)
-        report = exporter.export(receiver, delta=True)
-        oracle = full_state(model, torch.bfloat16)  # a collective: every rank
-        held = target.state_dict()
-        wrong = [n for n, t in oracle.items() if exporter.receiving and not torch.equal(held[n], t)]
-        counts = report.counts
-        rows.append((report.kind, counts.plain_buckets, counts.received_bytes, wrong))
-        compared.append(counts.compared_buckets)
+    spans, delta_find.SPAN_ELEMENTS = delta_find.SPAN_ELEMENTS, span  # the worker lives on
+    try:
+        model = sharded("shardkit")
+        exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=3000))
+        target = Decoder().to(torch.bfloat16)
+        receiver = ModuleReceiver(target) if exporter.receiving else None
+        full = exporter.export(receiver, delta=True)
+        rows, compared = [], []
+        for layers, everything in [
+            ({0, 1, 2}, set()),
+            ({0}, {2}),
+            (set(), set()),
+            ({1}, {0, 1, 2}),
+        ]:
+            _nudge(model, layers, everything)
+            report = exporter.export(receiver, delta=True)
+            oracle = full_state(model, torch.bfloat16)  # a collective: every rank
+            held = target.state_dict()
+            wrong = [
+                n for n, t in oracle.items() if exporter.receiving and not torch.equal(held[n], t)
+            ]
+            counts = report.counts
+            rows.append((report.kind, counts.plain_buckets, counts.received_bytes, wrong))
+            compared.append(counts.compared_buckets)
+    finally:
+        delta_find.SPAN_ELEMENTS = spans
     return {"full_bytes": full.counts.received_bytes, "rows": rows, "compared": compared}
 
 
 def test_each_bucket_goes_as_changes_or_plain_whichever_is_cheaper() -> None:
-    results = run_on_ranks(2, _syncs, chunk=12)
+    results = run_on_ranks(2, _syncs, span=16)
     first = results[0]
     plain = [row[1] for row in first["rows"]]
     assert all(row[0] == "delta" and row[3] == [] for row in first["rows"])
