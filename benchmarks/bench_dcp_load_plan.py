@@ -7,7 +7,8 @@ FSDP, HSDP (8 ranks a replica) and FSDP1's ShardedTensors, saved and loaded at W
 0's global step (the W plans unpickled, ``create_global_plan``, pickled back) where the W
 plans fit here (``ALL_PLANS_ITEMS`` read items); beyond, rank 0's CPU and memory are a fit
 over the points measured (per read item), printed as a fit. The same checkpoints' planning
-from the layout record: ``bench_load_plan.py``. Runs for about half an hour here.
+from the layout record: ``bench_load_plan.py``. About an hour at load average 2 to 10 on the
+2-core VM (20 minutes of CPU), a few GiB of memory at its peak.
 """
 
 from __future__ import annotations
