@@ -78,6 +78,9 @@ def _check_layout(layout: SaveLayout, ranks: list[int]) -> None:
         geometry = layout.geometry(value)
         pieces, listed = layout.pieces(ordinal)
         writers = layout.writers(ordinal, pieces)
+        backwards = np.arange(pieces.chunk.size)[::-1].copy()  # a load's view: some items
+        assert layout.writers(ordinal, pieces, backwards).tolist() == writers[::-1].tolist()
+        assert geometry.listed_items_of(layout.cuts(ordinal), backwards.tolist()) == listed[::-1]
         for chunk in range(geometry.offsets.shape[0]):
             items = range(int(pieces.start[chunk]), int(pieces.start[chunk + 1]))
             rows = [int(pieces.sizes[i, 0]) if value.shape else 1 for i in items]
@@ -86,9 +89,11 @@ def _check_layout(layout: SaveLayout, ranks: list[int]) -> None:
             for i in items:
                 position = geometry.position_of[int(writers[i])]
                 assert geometry.group_of[position] == chunk  # the writer holds it
-                assert int(writers[i]) == layout.writer_of(ordinal, pieces, i)
                 assert tuple(listed[i].offsets) == tuple(pieces.offsets[i].tolist())
     written = layout.written()
+    together = layout.writes_of_ranks(np.array(ranks[::-1], dtype=np.int64))[::-1]
+    for rank, writes_together in zip(ranks, together, strict=True):
+        assert layout.writes_of(rank).tolist() == writes_together.tolist()
     for rank in ranks:
         own = layout.own_items(rank)
         assert [i.index for i in own.items] == written[rank]

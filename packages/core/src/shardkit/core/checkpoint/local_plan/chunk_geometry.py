@@ -90,6 +90,12 @@ class Geometry:
         default_factory=dict
     )
     """Per cut ((holders, pieces) pairs): the pieces and their listing (built once each)."""
+    cut_only: dict[tuple[tuple[int, int], ...], Pieces] = field(default_factory=dict)
+    """Per cut: the pieces alone (a load lists only the few items its shards touch)."""
+    listed_items: dict[tuple[tuple[int, int], ...], dict[int, ChunkStorageMetadata]] = field(
+        default_factory=dict
+    )
+    """Per cut, per item: the item as the metadata lists it, made where a load touches it."""
 
     @staticmethod
     def of(value: ValueLayout) -> Geometry:
@@ -139,7 +145,7 @@ class Geometry:
         """The chunks cut as ``cuts`` says ((holders, pieces) pairs), and their listing."""
         found = self.cut.get(cuts)
         if found is None:
-            pieces = cut_chunks(self.offsets, self.sizes, self.counts, dict(cuts))
+            pieces = self.cut_pieces(cuts)
             listed = (
                 self.chunk_list()
                 if not cuts
@@ -150,6 +156,32 @@ class Geometry:
             )
             found = self.cut[cuts] = (pieces, listed)
         return found
+
+    def cut_pieces(self, cuts: tuple[tuple[int, int], ...]) -> Pieces:
+        """The chunks cut as ``cuts`` says, without their listing (:meth:`pieces`)."""
+        found = self.cut_only.get(cuts)
+        if found is None:
+            found = self.cut_only[cuts] = cut_chunks(
+                self.offsets, self.sizes, self.counts, dict(cuts)
+            )
+        return found
+
+    def listed_items_of(
+        self, cuts: tuple[tuple[int, int], ...], items: list[int]
+    ) -> list[ChunkStorageMetadata]:
+        """``items`` of the cut, as :meth:`pieces` lists them, each made once where touched.
+
+        A load touches a few items of a geometry; listing all of them (one per chunk or piece:
+        tens of thousands at thousands of ranks) cost a rank's plan most of its time.
+        """
+        made = self.listed_items.setdefault(cuts, {})
+        missing = [item for item in items if item not in made]
+        if missing:
+            pieces = self.cut_pieces(cuts)
+            offsets, sizes = pieces.offsets[missing].tolist(), pieces.sizes[missing].tolist()
+            for item, o, s in zip(missing, offsets, sizes, strict=True):
+                made[item] = ChunkStorageMetadata(torch.Size(o), torch.Size(s))
+        return [made[item] for item in items]
 
     def chunk_list(self) -> list[ChunkStorageMetadata]:
         """Every chunk, as the metadata lists them (one list, shared by the tensors)."""

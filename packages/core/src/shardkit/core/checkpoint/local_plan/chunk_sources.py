@@ -10,14 +10,17 @@ The reading side of ``chunk_writers``. From the record's layout every rank compu
 - where it lies: the writer's row in its index (``rank_index``). A writer's rows follow its
   items' order, so its row of a value is how many of the values before it the writer wrote,
   counted with numpy per geometry (a writer writes a value of a geometry iff the value's
-  ordinal falls on its turn among its chunk's holders). Values that every rank holds are
-  placed by the record itself (rank 0 finds their rows the same way, in what it gathered:
-  :func:`plain_locations`), so that no rank opens the indexes of all their writers.
+  ordinal falls on its turn among its chunk's holders), for all the writers of the rank's
+  items at once (under HSDP's even writes a shard meets up to one row piece per replica:
+  one Python pass per writer made the plan grow with the replicas). Values that every rank
+  holds are placed by the record itself (rank 0 finds their rows the same way, in what it
+  gathered: :func:`plain_locations`), so that no rank opens the indexes of all their writers.
 
 The result is the part of DCP's ``Metadata`` this rank's load needs: the entries of its own
-keys, only the chunks that touch its shards, their storage entries. DCP's load planner and
-reader then run on it unchanged, on this rank alone. Work per rank: the record's values,
-plus its own shards and the chunks that touch them, plus one index per writer it reads from.
+keys, only the chunks (or pieces) that touch its shards, each listed alone, their storage
+entries. DCP's load planner and reader then run on it unchanged, on this rank alone. Work
+per rank: the record's values, plus its own shards and the chunks that touch them, plus one
+index per writer it reads from.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from shardkit.core.checkpoint.local_plan.rank_index import data_file, read_index
 __all__ = ["Boxes", "ChunkSources", "boxes_held", "plain_locations"]
 
 _CHUNKED = frozenset({"dtensor", "sharded"})
+_WRITERS_AT_ONCE = 256
 
 Boxes = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None
 """The (offsets, sizes) boxes a rank holds of a value; None: the whole value."""
@@ -68,12 +72,23 @@ class ChunkSources:
     def written_by(self, writer: int) -> np.ndarray:
         """Value ordinal -> its row in ``writer``'s index, -1 where it wrote none of it."""
         found = self._rows.get(writer)
-        if found is not None:
-            return found
-        writes = self.layout.writes_of(writer)  # the save's rule (``replica_shares``)
-        rows = np.where(writes, np.cumsum(writes) - 1, -1)
-        self._rows[writer] = rows
-        return rows
+        if found is None:
+            self.learn_writers([writer])
+            found = self._rows[writer]
+        return found
+
+    def learn_writers(self, writers: list[int]) -> None:
+        """:meth:`written_by` of each of ``writers``, computed together (numpy over them).
+
+        In batches of :data:`_WRITERS_AT_ONCE`, which bounds the (writers, values) tables.
+        """
+        new = sorted(set(writers).difference(self._rows))
+        for at in range(0, len(new), _WRITERS_AT_ONCE):
+            batch = np.array(new[at : at + _WRITERS_AT_ONCE], dtype=np.int64)
+            writes = self.layout.writes_of_ranks(batch)  # the save's rule (``replica_shares``)
+            rows = np.where(writes, np.cumsum(writes, axis=1) - 1, -1)
+            for i, writer in enumerate(batch.tolist()):
+                self._rows[writer] = rows[i]
 
     def index_of(self, writer: int) -> np.ndarray:
         """``writer``'s index rows, read and checked once."""
@@ -100,7 +115,9 @@ class ChunkSources:
         A benchmark's simulated ranks give the boxes directly.
         """
         entries: dict[str, STORAGE_TYPES] = {}
-        storage: dict[MetadataIndex, _StorageInfo] = {}
+        # Each entry's place, or the (writer, value) whose index row gives it: the writers'
+        # rows are computed together once all are known (``learn_writers``).
+        storage: dict[MetadataIndex, _StorageInfo | tuple[int, int]] = {}
         for fqn, boxes in held.items():
             ordinal = self.ordinal.get(fqn)
             if ordinal is None:
@@ -124,14 +141,19 @@ class ChunkSources:
                 continue
             geometry = self.layout.geometry(value)
             # A chunk its holders wrote in row pieces (``replica_shares``) lists each piece.
-            pieces, listed = self.layout.pieces(ordinal)
-            for chunk in self._chunks_touching(value, geometry, boxes).tolist():
-                for item in range(int(pieces.start[chunk]), int(pieces.start[chunk + 1])):
-                    chunks.append(listed[item])
-                    writer = self.layout.writer_of(ordinal, pieces, item)
-                    where = self._where(writer, ordinal)
-                    storage[MetadataIndex(fqn, listed[item].offsets, len(chunks) - 1)] = where
-        return Metadata(state_dict_metadata=entries, storage_data=storage)
+            cuts, pieces = self.layout.cuts(ordinal), self.layout.cut_pieces(ordinal)
+            touching = self._chunks_touching(value, geometry, boxes)
+            items = _items_of(pieces.start, touching)
+            writers = self.layout.writers(ordinal, pieces, items).tolist()
+            chunks.extend(geometry.listed_items_of(cuts, items.tolist()))
+            for index, (chunk, writer) in enumerate(zip(chunks, writers, strict=True)):
+                storage[MetadataIndex(fqn, chunk.offsets, index)] = (writer, ordinal)
+        self.learn_writers([w[0] for w in storage.values() if isinstance(w, tuple)])
+        placed = {
+            key: self._where(*where) if isinstance(where, tuple) else where
+            for key, where in storage.items()
+        }
+        return Metadata(state_dict_metadata=entries, storage_data=placed)
 
     def _plain_writer(self, ordinal: int) -> int:
         return self.plain_turn[ordinal] % self.layout.world_size
@@ -166,6 +188,14 @@ class ChunkSources:
             hits |= nonempty & ((starts < high) & (low < ends)).all(axis=1)
         found = self._touching[key] = np.flatnonzero(hits)
         return found
+
+
+def _items_of(start: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """The items of ``chunks`` (ascending), in order: ``start[c]:start[c + 1]`` of each."""
+    counts = start[chunks + 1] - start[chunks]
+    first = np.repeat(start[chunks] - np.cumsum(counts) + counts, counts)
+    found: np.ndarray = first + np.arange(int(counts.sum()), dtype=np.int64)
+    return found
 
 
 def boxes_held(target: Any) -> Boxes:

@@ -25,8 +25,8 @@ Per rank, after the geometries (O(W log W) each, once per layout), its own items
 tensor. Rank 0's metadata and its check of every rank's results are O(chunks); the layout is
 kept while the state's layout stays the same (:attr:`SaveLayout.digest`).
 
-Next to split off: the questions of who writes what (``own_items``, ``writes_of``,
-``writers``, ``writer_of``), into a ``writer_queries`` module beside ``replica_shares``.
+Next to split off: the questions of who writes what (``own_items``, ``writes_of_ranks``,
+``writers``), into a ``writer_queries`` module beside ``replica_shares``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class SaveLayout:
     _first_turns: dict[int, np.ndarray] | None = None
     _grouped: tuple[np.ndarray, list[np.ndarray]] | None = None
     _cut_values: np.ndarray | None = None
+    _cuts: list[tuple[tuple[int, int], ...]] | None = None
     last_storage: tuple[torch.Tensor, dict[MetadataIndex, Any]] | None = None
     """Rank 0: the last save's result rows (all ranks') and the storage entries made of them."""
 
@@ -135,33 +136,36 @@ class SaveLayout:
             self._shares = shares_by_turns(demands) if by_turns else shares_by_bytes(demands)
         return self._shares
 
+    def cuts(self, ordinal: int) -> tuple[tuple[int, int], ...]:
+        """How a chunked value's chunks are cut: (holders, pieces) pairs where cut."""
+        if self._cuts is None:
+            self._cuts = [
+                tuple(sorted((r, s.pieces) for r, s in shares.items() if s.pieces > 1))
+                for shares in self.shares()
+            ]
+        return self._cuts[ordinal]
+
     def pieces(self, ordinal: int) -> tuple[Pieces, list[ChunkStorageMetadata]]:
         """The items of a chunked value (its chunks, cut where its shares say) and listing."""
-        value = self.values[ordinal]
-        cuts = tuple(
-            sorted((r, s.pieces) for r, s in self.shares()[ordinal].items() if s.pieces > 1)
-        )
-        return self.geometry(value).pieces(cuts)
+        return self.geometry(self.values[ordinal]).pieces(self.cuts(ordinal))
 
-    def writers(self, ordinal: int, pieces: Pieces) -> np.ndarray:
-        """The global rank that writes each item of a chunked value."""
+    def cut_pieces(self, ordinal: int) -> Pieces:
+        """:meth:`pieces` without the listing (a load lists only the items it touches)."""
+        return self.geometry(self.values[ordinal]).cut_pieces(self.cuts(ordinal))
+
+    def writers(self, ordinal: int, pieces: Pieces, items: np.ndarray | None = None) -> np.ndarray:
+        """The global rank that writes each item of a chunked value (or each of ``items``)."""
         geometry = self.geometry(self.values[ordinal])
-        turn = np.zeros(pieces.chunk.size, dtype=np.int64)
-        holders = geometry.counts[pieces.chunk]
+        chunk = pieces.chunk if items is None else pieces.chunk[items]
+        piece = pieces.piece if items is None else pieces.piece[items]
+        turn = np.zeros(chunk.size, dtype=np.int64)
+        holders = geometry.counts[chunk]
         for count, share in self.shares()[ordinal].items():
             if count > 1:
                 mine = holders == count
-                turn[mine] = np.array(share.turns, dtype=np.int64)[pieces.piece[mine]]
-        picked: np.ndarray = geometry.ranks[geometry.holders[geometry.first[pieces.chunk] + turn]]
+                turn[mine] = np.array(share.turns, dtype=np.int64)[piece[mine]]
+        picked: np.ndarray = geometry.ranks[geometry.holders[geometry.first[chunk] + turn]]
         return picked
-
-    def writer_of(self, ordinal: int, pieces: Pieces, item: int) -> int:
-        """The global rank that writes item ``item`` of a chunked value (one of :meth:`writers`)."""
-        geometry = self.geometry(self.values[ordinal])
-        chunk = int(pieces.chunk[item])
-        share = self.shares()[ordinal][int(geometry.counts[chunk])]
-        turn = share.turns[int(pieces.piece[item])]
-        return int(geometry.ranks[geometry.holders[int(geometry.first[chunk]) + turn]])
 
     def own_items(self, rank: int) -> OwnItems:
         """The write items rank ``rank`` writes, in state-dict order (DCP's local order)."""
@@ -198,27 +202,45 @@ class SaveLayout:
         return self.own_items(rank).items
 
     def writes_of(self, rank: int) -> np.ndarray:
-        """Value ordinal -> whether ``rank`` writes an item of it (vectorized per geometry)."""
-        writes = np.zeros(len(self.values), dtype=bool)
+        """Value ordinal -> whether ``rank`` writes an item of it (:meth:`writes_of_ranks`)."""
+        found: np.ndarray = self.writes_of_ranks(np.array([rank], dtype=np.int64))[0]
+        return found
+
+    def writes_of_ranks(self, ranks: np.ndarray) -> np.ndarray:
+        """(ranks, values): whether each of ``ranks`` writes an item of each value.
+
+        Vectorized over the ranks as well as per geometry: a rank that loads a shard cut into
+        row pieces reads from one writer per piece (up to one per replica, thousands under
+        HSDP), and asking for each writer apart cost a Python pass over the values each.
+        """
+        writes = np.zeros((ranks.size, len(self.values)), dtype=bool)
         plain, by_geometry = self._ordinals()
         if plain.size:
-            writes[plain[np.arange(plain.size) % self.world_size == rank]] = True
-        first_turns, shares = self._turn_tables(), self.shares()
-        cut = self._cut()
+            writes[:, plain] = (np.arange(plain.size) % self.world_size)[None, :] == ranks[:, None]
+        first_turns, shares, cut = self._turn_tables(), self.shares(), self._cut()
         for ordinals in by_geometry:
             geometry = self.geometry(self.values[int(ordinals[0])])
-            position = geometry.position_of.get(rank)
-            if position is None:
+            found = [geometry.position_of.get(r, -1) for r in ranks.tolist()]
+            positions = np.array(found, dtype=np.int64)
+            rows = np.flatnonzero(positions >= 0)
+            if not rows.size:
                 continue
-            chunk = int(geometry.group_of[position])
-            count, turn = int(geometry.counts[chunk]), int(geometry.turn_of[position])
-            writes[ordinals[first_turns[count][ordinals] == turn]] = True
-            for ordinal in ordinals[cut[ordinals]].tolist():  # a later piece of a cut chunk
-                share = shares[ordinal][count]
-                if turn in share.turns[1:]:
-                    pieces, _ = self.pieces(ordinal)
-                    items = int(pieces.start[chunk + 1] - pieces.start[chunk])
-                    writes[ordinal] |= turn in share.turns[:items]
+            chunk = geometry.group_of[positions[rows]]
+            count, turn = geometry.counts[chunk], geometry.turn_of[positions[rows]]
+            cut_ordinals = ordinals[cut[ordinals]].tolist()
+            for holders in np.unique(count).tolist():
+                mine = count == holders
+                at, turns = rows[mine], turn[mine]
+                first = first_turns[holders][ordinals]
+                writes[np.ix_(at, ordinals)] = first[None, :] == turns[:, None]
+                for ordinal in cut_ordinals:  # a later piece of a cut chunk
+                    share = shares[ordinal][holders]
+                    place = np.full(holders, -1, dtype=np.int64)  # turn -> its piece
+                    place[list(share.turns)] = np.arange(len(share.turns))
+                    starts = self.cut_pieces(ordinal).start
+                    items = starts[chunk[mine] + 1] - starts[chunk[mine]]
+                    piece = place[turns]
+                    writes[at, ordinal] |= (piece >= 1) & (piece < items)
         return writes
 
     def _ordinals(self) -> tuple[np.ndarray, list[np.ndarray]]:
