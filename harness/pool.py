@@ -6,13 +6,13 @@ tasks, and is killed and started afresh only when its ranks can no longer be tru
 a dead worker, collectives left out of step). ``tests/conftest.py`` shuts the pools down at
 the end of the session, and an ``atexit`` hook does wherever no conftest does (benchmarks).
 
-A worker killed by a crash signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) in a task has its
-task run once more on a fresh pool, except under :func:`crashes_fail_at_once` or with
-``SHARDKIT_POOL_RETRY_CRASH=0``. A second crash fails the test. Every crash retried is kept
-(:func:`crashes_retried`): a warning on the test, and ``tests/conftest.py`` prints them, with
-the rank's last output, at the end of the run. Such a crash is a defect to find, not an
-accepted result: the retry keeps a rare one in torch's gloo paths from hiding the rest of a
-run (see docs/development.md, "Tests").
+A worker killed by a crash signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) in a task, or in
+the barrier after it, has its task run once more on a fresh pool, except under
+:func:`crashes_fail_at_once` or with ``SHARDKIT_POOL_RETRY_CRASH=0``. A second crash fails
+the test. Every crash retried is kept (:func:`crashes_retried`): a warning on the test, and
+``tests/conftest.py`` prints them, with the rank's last output, at the end of the run. Such a
+crash is a defect to find, not an accepted result: the retry keeps a rare one in torch's gloo
+paths from hiding the rest of a run (see docs/development.md, "Tests").
 
 Usage::
 
@@ -83,6 +83,8 @@ _RESET_TIMEOUT_S = 10.0
 # Once one rank has failed, how long to wait for the others. They are usually blocked in a
 # collective with the failed rank and would only return when gloo's 30-minute timeout fires.
 _GRACE_S = 5.0
+# How long a rank stuck in the barrier after a task is given to show it died of a crash signal.
+_BARRIER_CRASH_WAIT_S = 1.0
 # How long shutting a pool down waits for its workers to exit before killing them.
 _EXIT_TIMEOUT_S = 10.0
 # faulthandler writes from a signal handler; this is ample for it to reach the log.
@@ -180,7 +182,7 @@ class RankPool:
             stuck=stuck,
             outputs=outputs,
         )
-        crashed = self._crash_signals(replies) if failure.failed else {}
+        crashed = self._crash_signals(replies, stuck) if failure.failed else {}
         if not healthy or stuck:  # a crashed worker is one: the retry below starts afresh
             self.kill()
         elif not self._groups_in_step:
@@ -199,11 +201,22 @@ class RankPool:
             raise failure.exception()
         return [_value_of(rank, replies[rank]) for rank in range(self.world_size)]
 
-    def _crash_signals(self, replies: Replies) -> dict[int, str]:
-        """Rank → signal name, for the ranks whose worker a crash signal killed in the task."""
+    def _crash_signals(self, replies: Replies, stuck: list[int]) -> dict[int, str]:
+        """Rank → signal name, for the ranks a crash signal killed in the task or the barrier.
+
+        A crash in the barrier leaves the task's values, but not whether the ranks' collectives
+        stayed in step: the task runs again as for a crash in it (the default run met one, a
+        segfault in gloo's all-gather of the barrier, after a task that returned on every rank).
+        """
         crashed: dict[int, str] = {}
         for rank, reply in replies.items():
-            code = self._workers[rank].exit_code() if reply is None else None
+            worker = self._workers[rank]
+            if reply is None:
+                code = worker.exit_code()
+            elif rank in stuck:  # it may still be dying; a live one waits in the barrier
+                code = worker.wait_exit(_BARRIER_CRASH_WAIT_S)
+            else:
+                code = None
             if code is not None and code < 0 and -code in _CRASH_SIGNALS:
                 crashed[rank] = signal.Signals(-code).name
         return crashed

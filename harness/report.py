@@ -101,7 +101,11 @@ class CrashRetried:
         """The headline and the end of each crashed rank's output (faulthandler's stacks)."""
         parts = [self.headline()]
         for rank in sorted(self.signals):
-            parts.append(f"--- rank {rank} ---\n{self.failure.errors.get(rank, '').rstrip()}")
+            said = self.failure.errors.get(rank) or (
+                "it returned, then died in the barrier after the task; the end of its output:\n"
+                + output_tail(self.failure.outputs.get(rank, ""))
+            )
+            parts.append(f"--- rank {rank} ---\n{said.rstrip()}")
         return "\n".join(parts)
 
 

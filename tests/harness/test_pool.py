@@ -221,6 +221,43 @@ def test_a_crashed_worker_runs_its_task_once_more_and_is_reported(
     assert crashes_retried() == run_before  # the run's own list holds real crashes only
 
 
+def _crash_in_the_barrier_once(rank: int, world_size: int, marker: str) -> int:
+    """Returns on every rank; rank 1 then dies of SIGSEGV in the barrier after the task, once.
+
+    The barrier is the worker's next all-gather: patched here, in this worker only, as the
+    default run met it (a segfault inside gloo's all-gather between tasks).
+    """
+    import torch.distributed as dist
+
+    if rank == 1 and not os.path.exists(marker):
+        with open(marker, "w"):
+            pass
+
+        def dies(*args: object, **kwargs: object) -> None:
+            _die_of(signal.SIGSEGV)
+
+        dist.all_gather = dies
+    return os.getpid()
+
+
+def test_a_worker_crashed_in_the_barrier_after_its_task_runs_it_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SHARDKIT_POOL_RETRY_CRASH", raising=False)
+    first = run_on_ranks(2, _whoami)
+    with (
+        crashes_recorded_apart() as crashes,
+        pytest.warns(RuntimeWarning, match=r"rank 1 \(SIGSEGV\) crashed; the task ran again"),
+    ):
+        pids = run_on_ranks(2, _crash_in_the_barrier_once, marker=str(tmp_path / "m"))
+
+    assert set(pids).isdisjoint(p["pid"] for p in first)  # a fresh pool ran it again
+    assert [c.signals for c in crashes] == [{1: "SIGSEGV"}]
+    assert "died in the barrier after the task" in crashes[0].report()
+    assert "Fatal Python error: Segmentation fault" in crashes[0].report()  # faulthandler's
+    assert run_on_ranks(2, _whoami)[1]["pid"] == pids[1]  # and the pool goes on
+
+
 def _crash_always(rank: int, world_size: int, sig: int) -> None:
     if rank == 1:
         _die_of(sig)
