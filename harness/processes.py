@@ -25,7 +25,13 @@ from pathlib import Path
 
 from harness import protocol, template
 
-__all__ = ["REPO_ROOT", "WorkerProcess", "close_template", "wait_for_message"]
+__all__ = [
+    "REPO_ROOT",
+    "WorkerProcess",
+    "close_template",
+    "template_process_id",
+    "wait_for_message",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repo root, which holds ``harness``, ``tests`` and ``benchmarks``: the workers' working
@@ -35,6 +41,9 @@ directory, so they import task modules by the names the pool's process uses."""
 # torch is imported, hence here and not in the worker. PYTHONUNBUFFERED makes a task's prints
 # reach the log before its Outcome reaches the pool, so they are read with the right task.
 _FIXED_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
+# Variables of the pool's environment that no worker reads: pytest's, which changes from one
+# test to the next, and the pool's own switches (see _base_env).
+_NOT_FOR_WORKERS = ("PYTEST_CURRENT_TEST", "SHARDKIT_POOL_FORK", "SHARDKIT_POOL_RETRY_CRASH")
 
 
 class WorkerProcess:
@@ -202,6 +211,10 @@ class _Template:
         self._control, self._env = ours, env
         return ours
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._process
+
     def close(self) -> None:
         """End the template (closing its socket ends its loop; then it is killed)."""
         if self._control is not None:
@@ -218,11 +231,27 @@ class _Template:
 _TEMPLATE = _Template()
 
 
+def template_process_id() -> int | None:
+    """The process id of the session's template worker (None: none is running)."""
+    process = _TEMPLATE.process
+    return process.pid if process is not None and process.poll() is None else None
+
+
 def close_template() -> None:
     """Ends the session's template worker (the pool's workers are not affected)."""
     _TEMPLATE.close()
 
 
 def _base_env() -> dict[str, str]:
-    """A worker's environment before its rank: the pool's, with the fixed settings."""
-    return {**os.environ, **_FIXED_ENV}
+    """A worker's environment before its rank: the pool's, with the fixed settings.
+
+    Less what no worker reads: what pytest sets anew for each test's phase
+    (``PYTEST_CURRENT_TEST``; a worker runs the tasks of many tests) and the pool's own
+    switches. The template compares environments to know whether it is stale, so with
+    pytest's variable in, every pool start after the first started a new template (torch
+    imported again, about 3 s) instead of forking the one there.
+    """
+    env = {**os.environ, **_FIXED_ENV}
+    for name in _NOT_FOR_WORKERS:
+        env.pop(name, None)
+    return env

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from harness.pool import get_pool, pool_starts, run_on_ranks
+from harness.processes import template_process_id
 
 
 def _parent_and_preloaded(rank: int, world_size: int) -> tuple[int, bool]:
@@ -28,6 +29,27 @@ def test_workers_are_forks_of_the_template_handed_to_the_pool() -> None:
     assert started[0].seconds > 0
     get_pool(2).kill()  # killing forked workers reaps them: nothing is left behind
     assert run_on_ranks(2, _parent_and_preloaded) == [(os.getpid(), True)] * 2
+
+
+def test_the_next_tests_pool_is_forked_from_the_same_template(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_on_ranks(2, _parent_and_preloaded)
+    template = template_process_id()
+    assert template is not None
+    # What pytest does between two tests: its per-test variable changes. The template must
+    # not be taken for stale (a new one imports torch again, about 3 s a pool start).
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/another.py::test_next (call)")
+    get_pool(2).kill()
+    assert run_on_ranks(2, _parent_and_preloaded) == [(os.getpid(), True)] * 2
+    assert template_process_id() == template
+    # A setting that modules read at import does make a new one (SHARDKIT_DEBUG_LIFETIMES).
+    monkeypatch.setenv("SHARDKIT_TEMPLATE_TEST_SETTING", "1")
+    get_pool(2).kill()
+    run_on_ranks(2, _parent_and_preloaded)
+    assert template_process_id() not in (None, template)
+    monkeypatch.delenv("SHARDKIT_TEMPLATE_TEST_SETTING")
+    get_pool(2).kill()  # the next test's pool comes from a template of the usual environment
 
 
 def test_fresh_interpreters_where_forking_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
