@@ -109,6 +109,11 @@ def test_a_stalled_or_killed_receiver_fails_the_export_within_the_bound(
     state = {n: t.detach().clone() for n, t in tiny_qwen(seed=3).state_dict().items()}
     manifest, buckets = export_of(state, 20)
     sender, stalled = receivers.sender, receivers.processes[1]
+    # The group formed first, as in a run of the whole file: a receiver stopped before it
+    # joins is waited for up to join_s (300 s: an engine can take minutes to start), not
+    # bound_s, so run alone the stall below would be a late join instead.
+    send(sender, *export_of(state, 19))
+    assert_received(receivers, 19, state)
     stalled.send_signal(signal.SIGSTOP)
     try:
         start = time.monotonic()
