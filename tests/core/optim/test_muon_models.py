@@ -4,7 +4,7 @@ The demo's GPT and a transformers Qwen2 on FSDP at W=2 and 4, HSDP 2 x 2 and FSD
 transformers' Mixtral and Qwen2-MoE (experts as 3-D stacks) on FSDP at W=2 and 4 and HSDP
 2 x 2, and under FSDP x TP 2 x 2 (attention cut by TP; a known limitation there, see its
 test); the demo's GPT and Qwen2 with accumulated gradients and with bf16 parameters (fp32
-reduce) at W=4, on FSDP and HSDP (see ``model_runs``). Each matrix (each expert) is
+reduce) at W=4, on FSDP, HSDP and FSDP x TP (see ``model_runs``). Each matrix (each expert) is
 orthogonalized once in the job: the updates of all ranks' last step sum to the matrices Muon
 has.
 """
@@ -37,6 +37,11 @@ PATHS = [
     for model in ("demo_gpt", "qwen2")
     for layout in ("fsdp", "hsdp")
     for path in ({"micro": 3}, {"bf16_params": True})
+] + [
+    # Under FSDP x TP 2 x 2 too; the demo's own parallelize takes no mixed-precision policy.
+    (Case(model="demo_gpt", layout="tp", micro=3), 4),
+    (Case(model="qwen2", layout="tp", micro=3), 4),
+    (Case(model="qwen2", layout="tp", bf16_params=True), 4),
 ]
 
 

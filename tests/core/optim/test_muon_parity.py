@@ -64,3 +64,38 @@ def _zero_rounds_body(rank: int, world_size: int) -> str:
 def test_exchange_rounds_below_one_refused_on_every_rank() -> None:
     errors = run_on_ranks(2, _zero_rounds_body)
     assert errors == ["exchange_rounds must be at least 1, not 0"] * 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(32, 32), (16, 48), (64, 32)], ids=["square", "wide", "tall"]
+)
+def test_a_bf16_block_is_updated_with_the_bits_of_torchs_whole_matrix_add(
+    rows: int, cols: int
+) -> None:
+    # torch's Muon adds the whole update in one add_: contiguous for a square or wide matrix
+    # (the vectorized kernel, one rounding), the transpose Newton-Schulz returns for a tall
+    # one (the scalar kernel). A rank updates only its block, and the update block its
+    # owner holds is a slice of the whole one: for TP's column blocks, rows of 8 elements,
+    # shorter than a vector, which the vectorized kernel leaves to its scalar tail.
+    import torch
+
+    from shardkit.core.optim import MUON_RULE
+    from shardkit.core.optim.newton_schulz import adjusted_lr
+
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(rows, cols, generator=gen).bfloat16()
+    from_newton_schulz = torch.randn(cols, rows, generator=gen).bfloat16()
+    update = from_newton_schulz.T if rows > cols else from_newton_schulz.T.contiguous()
+    options = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": None}
+    expected = param.clone().mul_(1 - 0.02 * 0.1)
+    step = adjusted_lr(0.02, None, (rows, cols))
+    assert isinstance(step, float)
+    expected.add_(update, alpha=-step)  # torch's Muon's add
+    for block in (slice(0, 8), slice(8, 16)):  # two column blocks, as TP's RowwiseParallel cuts
+        local = param[:, block].contiguous()  # a shard's local tensor is contiguous
+        MUON_RULE.apply(local, update[:, block], options, (rows, cols))
+        assert torch.equal(local, expected[:, block]), block
+        came_back = update[:, block].contiguous()  # a block sent back by another owner
+        local = param[:, block].contiguous()
+        MUON_RULE.apply(local, came_back, options, (rows, cols))
+        assert torch.equal(local, expected[:, block]), block

@@ -61,7 +61,7 @@ def _apply(
         lr = lr.squeeze()  # torch's Muon takes a 1-element tensor as a 0-dim one
     param.mul_(1 - lr * options["weight_decay"])
     step = adjusted_lr(lr, options["adjust_lr_fn"], shape)
-    if shape[0] > shape[1] and update.dtype == param.dtype and update.stride(-1) == 1:
+    if update.dtype == param.dtype and shape[0] > shape[1] and update.stride(-1) == 1:
         # torch's Muon adds a tall matrix's update as the transpose Newton-Schulz returns. A
         # CPU add_ of two bf16 tensors takes the vectorized kernel (one fused rounding) only
         # where both are contiguous, else the scalar one (alpha * update rounded first): rows
@@ -69,6 +69,12 @@ def _apply(
         # bf16 parameters take torch's kernel and its bits. (An fp32 parameter casts the bf16
         # update in the scalar kernel whatever the layout.)
         update = update.mT.contiguous().mT
+    elif update.dtype == param.dtype and shape[0] <= shape[1] and not update.is_contiguous():
+        # The other way round: torch adds a wide or square matrix's update contiguous, in the
+        # vectorized kernel. The owner's own block of a matrix cut by columns (TP's
+        # RowwiseParallel) is a slice of the whole update, its rows shorter than a vector:
+        # the scalar kernel, one bf16 rounding more, unless copied contiguous.
+        update = update.contiguous()
     # A tensor lr makes a 0-dim tensor alpha, which add_ takes (torch's Muon passes it too),
     # though torch's stubs say a number.
     param.add_(update, alpha=-step)  # type: ignore[arg-type]
