@@ -24,14 +24,16 @@ TEST_DEPS_NO_DEPS := torchao accelerate huggingface-hub psutil transformers toke
 TORCH_RANGE := 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
 TORCH_VENVS ?= .torch-venvs
 
-# --no-compile: pip would byte-compile every module of every package (torch's thousands) at
-# install, about 30 s here; Python compiles the ones a run imports, once, as it meets them.
+# The last line byte-compiles this checkout's own modules, as pip does the installed packages':
+# where PYTHONDONTWRITEBYTECODE is set (CI's machines), every interpreter (each worker forked
+# for a test, each torchrun rank) would otherwise compile what it imports from here again.
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile -c constraints.txt torch $(TEST_DEPS)
-	$(BIN)/pip install -q --no-compile -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS)
-	$(BIN)/pip install -q --no-compile -c constraints.txt --no-build-isolation --no-deps \
+	$(BIN)/pip install -q -c constraints.txt torch $(TEST_DEPS)
+	$(BIN)/pip install -q -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS)
+	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
 		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
+	$(BIN)/python -m compileall -q -j 0 packages harness tests demo benchmarks scripts > /dev/null
 	touch $(STAMP)
 
 setup: $(STAMP)
