@@ -16,26 +16,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardkit.core.optim import split_matrices
 from tests.core.ckpt_helpers import model_values
-from tests.core.optim.model_runs import SEQ, VOCAB, Case, _head, _loss, _optimizers, build, place
-from tests.core.optim.muon_ckpt_runs import optim_values, step_all
+from tests.core.optim.model_runs import Case, _head, _optimizers, backward, build, place
+from tests.core.optim.muon_ckpt_runs import load, optim_values, save, step_all
 from tests.core.optim.muon_runs import ADAMW_LR, LR, step_against
 
 SAVE_AFTER = 2
 RESUMED = 8  # 10 steps in all, as issue 83's bit-identity asks
-
-
-def _backward(model: nn.Module, step: int, dp_rank: int, dp_size: int) -> None:
-    """This data-parallel rank's rows of step ``step``'s batch (2 rows a rank), backward."""
-    gen = torch.Generator().manual_seed(4000 + step)
-    tokens = torch.randint(0, VOCAB, (2 * dp_size, SEQ + 1), generator=gen)
-    rows = tokens.chunk(dp_size)[dp_rank]
-    _loss(model, rows[:, :-1], rows[:, 1:]).backward()
 
 
 def _single_process_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
@@ -51,26 +40,17 @@ def _values(model: nn.Module, opts: list[Any]) -> dict[str, dict[str, torch.Tens
     return {"model": model_values(model), "optim": optim_values(model, opts)}
 
 
-def _through(model: nn.Module, opts: list[Any], path: str, *, saving: bool) -> None:
-    model_sd, optim_sd = get_state_dict(model, opts)
-    state = {"model": model_sd, "optim": optim_sd}
-    if saving:
-        dcp_save(state, checkpoint_id=path)
-        return
-    dcp_load(state, checkpoint_id=path)
-    set_state_dict(model, opts, model_state_dict=model_sd, optim_state_dict=optim_sd)
-
-
 def save_body(rank: int, world_size: int, *, model_name: str, path: str) -> dict[str, Any]:
     """``SAVE_AFTER`` steps on shardkit's FSDP at this world size, then a DCP save; the full
     values saved."""
     model = build(model_name)
-    dp_rank, dp_size = place(Case(model=model_name), model, "shardkit", world_size)
+    case = Case(model=model_name)
+    dp_rank, dp_size = place(case, model, "shardkit", world_size)
     opts, _ = _optimizers(model, placed=True)
     for step in range(SAVE_AFTER):
-        _backward(model, step, dp_rank, dp_size)
+        backward(model, case, step, dp_rank, dp_size)
         step_all(opts)
-    _through(model, opts, path, saving=True)
+    save(model, opts, path, "dcp")
     return _values(model, opts)
 
 
@@ -85,16 +65,16 @@ def resume_body(rank: int, world_size: int, *, impl: str, case: Case, path: str)
         for param in model.parameters():
             param.add_(0.5)  # not the saved values: a value the load missed shows
     opts, _ = _optimizers(model, placed=True)
-    _through(model, opts, path, saving=False)
+    load(model, opts, path, "dcp")
     loaded = _values(model, opts)
     reference = build(case.model)
     ref_opts = _single_process_optimizers(reference)
-    _through(reference, ref_opts, path, saving=False)
+    load(reference, ref_opts, path, "dcp")
     ref_loaded = _values(reference, ref_opts)
     ref_params = dict(reference.named_parameters())
     equal, max_diff = [], []
     for step in range(SAVE_AFTER, SAVE_AFTER + RESUMED):
-        _backward(model, step, dp_rank, dp_size)
+        backward(model, case, step, dp_rank, dp_size)
         same, diff = step_against(model, ref_params, [*opts, *ref_opts])
         equal.append(same)
         max_diff.append(diff)

@@ -168,6 +168,16 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
 
 
+def backward(model: nn.Module, case: Case, step: int, dp_rank: int, dp_size: int) -> None:
+    """This data-parallel rank's backward passes of step ``step``: the step's global batch, 2
+    rows a data-parallel rank a microbatch."""
+    gen = torch.Generator().manual_seed(4000 + step)
+    tokens = torch.randint(0, VOCAB, (2 * dp_size * case.micro, SEQ + 1), generator=gen)
+    for micro in tokens.chunk(case.micro):
+        rows = micro.chunk(dp_size)[dp_rank]
+        (_loss(model, rows[:, :-1], rows[:, 1:]) / case.micro).backward()
+
+
 def compare_body(
     rank: int, world_size: int, *, impl: str, case: Case, steps: int
 ) -> dict[str, Any]:
@@ -186,12 +196,7 @@ def compare_body(
     ref_params = dict(reference.named_parameters())
     out: dict[str, Any] = {"equal": [], "max_diff": [], "stats": [], "matrices": matrices}
     for step in range(steps):
-        # The step's global batch, 2 rows a data-parallel rank a microbatch.
-        gen = torch.Generator().manual_seed(4000 + step)
-        tokens = torch.randint(0, VOCAB, (2 * dp_size * case.micro, SEQ + 1), generator=gen)
-        for micro in tokens.chunk(case.micro):
-            rows = micro.chunk(dp_size)[dp_rank]
-            (_loss(model, rows[:, :-1], rows[:, 1:]) / case.micro).backward()
+        backward(model, case, step, dp_rank, dp_size)
         equal, max_diff = step_against(model, ref_params, [*ours, *theirs])
         out["equal"].append(equal)
         out["max_diff"].append(max_diff)
