@@ -88,24 +88,32 @@ def unhooked_step(opt: torch.optim.Optimizer) -> None:
 
 
 def newton_schulz_share(
-    shapes: list[tuple[int, int]], rank: int, world: int, repeats: int = 1
+    shapes: list[tuple[int, int]], rank: int, world: int, repeats: int = 1, device: str = "cpu"
 ) -> float:
     """Seconds to orthogonalize this rank's share of ``shapes`` alone (the fastest of
-    ``repeats``), owners and batches as shardkit's Muon makes them, on random bf16 input."""
+    ``repeats``), owners and batches as shardkit's Muon makes them, on random bf16 input on
+    ``device`` (a CUDA device is synchronized around each repeat: its kernels are timed)."""
     owners = assign_owners([newton_schulz_cost(s) for s in shapes], world)
     by_shape: defaultdict[tuple[int, int], int] = defaultdict(int)
     for shape, owner in zip(shapes, owners, strict=True):
         if owner == rank:
             by_shape[shape] += 1
     gen = torch.Generator().manual_seed(rank)
-    inputs = [torch.randn(n, *s, generator=gen).bfloat16() for s, n in by_shape.items()]
+    inputs = [torch.randn(n, *s, generator=gen).bfloat16().to(device) for s, n in by_shape.items()]
+
+    def synchronize() -> None:  # a device's kernels are timed, not only their launches
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         started = time.perf_counter()
         for batch in inputs:
             if batch.size(0) > 1:
                 orthogonalize_batch(batch, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
             else:
                 orthogonalize(batch[0], DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        synchronize()
         best = min(best, time.perf_counter() - started)
     return best

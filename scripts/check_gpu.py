@@ -14,7 +14,9 @@ time and memory (each engine in its own process), and the fake-group scale point
 (217M at W=8, 7.5B at W=8 and 64, 70B at W=256; one point per process, meta-device init),
 memory snapshots' step time (issue 40: a snapshot every step, at most 1.05 of the step;
 scripts/gpu_snapshot_chunk.py), and the planner's predicted peak and step time against the
-GPU's for the 217M GPT's default and chosen plans (issue 65; scripts/gpu_planner_chunk.py).
+GPU's for the 217M GPT's default and chosen plans (issue 65; scripts/gpu_planner_chunk.py),
+the weight export (issue 74; scripts/gpu_export_chunk.py), and Muon's bits, step and peak
+(issue 83; scripts/gpu_muon_chunk.py).
 
 ``--budget`` (default 540 s, for a machine that runs one command 600 s at most) bounds one
 invocation: a chunk that would not finish in what is left is not started, and the table says

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.gpu_export_chunk import export  # noqa: E402
+from scripts.gpu_muon_chunk import muon  # noqa: E402
 from scripts.gpu_planner_chunk import planner  # noqa: E402
 from scripts.gpu_runner import Row, Runner  # noqa: E402  (after the path)
 from scripts.gpu_snapshot_chunk import memory_snapshots  # noqa: E402
@@ -358,6 +359,7 @@ def smoke_chunks() -> dict[str, Chunk]:
     precision = reduce_precision("cpu", (4096,))
     # With the gradient log: the same script, and the log's arguments and capture as well.
     snapshots = memory_snapshots("cpu", "fake-tiny", steps=3, rounds=2, gradient_log=True)
+    muon_smoke = muon("cpu", "fake-tiny", (("fake-tiny", 1), ("fake-tiny", 8)), steps=2, rounds=2)
     return {
         "scale-smoke": Chunk(_timed("scale-smoke", scale_smoke(SMOKE_POINTS)), 60),
         "float8-smoke": Chunk(_timed("float8-smoke", float8), 60),
@@ -365,6 +367,7 @@ def smoke_chunks() -> dict[str, Chunk]:
         "memory-snapshots-smoke": Chunk(_timed("memory-snapshots-smoke", snapshots), 40),
         "planner-smoke": Chunk(_timed("planner-smoke", planner("cpu", "fake-tiny", steps=2)), 20),
         "export-smoke": Chunk(_timed("export-smoke", export("cpu", "5m", syncs=3, rounds=2)), 60),
+        "muon-smoke": Chunk(_timed("muon-smoke", muon_smoke), 40),
     }
 
 
@@ -402,5 +405,8 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     table["planner"] = Chunk(planner("cuda", "217m"), 90)
     # Issue 74: the weight export on NCCL, into the GPU and through both transports (a guess).
     table["export"] = Chunk(export("cuda", "150m", syncs=10, rounds=5), 90)
+    # Issue 83: Muon's bits at one GPU, batching's, its step over AdamW's against the floor.
+    table["muon"] = Chunk(muon("cuda", "217m", (("217m", 1), ("217m", 8))), 120)
+    table["muon-7.5b-w64"] = Chunk(muon("cuda", "217m", (("7.5b", 64),), checks=False), 60)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}

@@ -57,6 +57,11 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
             for impl in ("shardkit", "torch")
             for what in ("bit-identity, full and delta", "peak (2 buckets at most), time")
         ),
+        "Muon on fully_shard vs torch.optim.Muon unsharded, fake-tiny fp32, W=1 (gloo, cpu),"
+        " deterministic",
+        "Newton-Schulz batched vs one matrix at a time, fake-tiny's shapes (cpu)",
+        "Muon step, fake-tiny W=1 (fp32, cpu): over AdamW vs the floor, peak",
+        "Muon step, fake-tiny W=8 (bf16 + AC, fake group, cpu): over AdamW vs the floor, peak",
     ]
     assert all(r["status"] == "pass" for r in rows[6:]), rows[6:]
     # Issue 74's chunk: every sync reached all three receivers, bit-identical, deltas smaller.
@@ -64,6 +69,17 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         assert record["identical"] and not record["errors"], record
         assert set(record["exports"].values()) == {record["syncs"]}, record
         assert 0 < record["delta_share_max"] < 0.5, record
+    # Issue 83's chunk: Muon on the sharded model has the unsharded torch.optim.Muon's bits;
+    # at W=8 this rank updates its share of the whole matrices, with two collectives.
+    assert "bit-identical" in rows[12]["figures"], rows[12]
+    muon = {(r.get("config"), r.get("world")): r for r in results["records"]["muon"]}
+    parity = next(r for r in results["records"]["muon"] if r.get("case") == "muon-parity")
+    assert parity["identical"] and parity["matrices"] == 8, parity
+    assert muon["muon", 1]["muon_stats"]["updates"] == 8, muon["muon", 1]
+    assert muon["muon", 8]["muon_stats"] == {**muon["muon", 8]["muon_stats"], "updates": 1,
+                                             "collectives": 2}, muon["muon", 8]  # fmt: skip
+    for config in (("muon", 1), ("plain-muon", 1), ("muon", 8)):
+        assert muon[config]["floor_s"] > 0 and muon[config]["optimizer_muon_s"] > 0, muon[config]
     # Issue 65's chunk: the default plan does not fit the budget (0.6 of its predicted
     # peak), the chosen one does, as predicted (live tensor bytes on a CPU: the planner's).
     default, chosen = results["records"]["planner"]
