@@ -24,17 +24,28 @@ TEST_DEPS_NO_DEPS := torchao accelerate huggingface-hub psutil transformers toke
 TORCH_RANGE := 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
 TORCH_VENVS ?= .torch-venvs
 
-# The last line byte-compiles this checkout's own modules, as pip does the installed packages':
-# where PYTHONDONTWRITEBYTECODE is set (CI's machines), every interpreter (each worker forked
-# for a test, each torchrun rank) would otherwise compile what it imports from here again.
+# pip installs uv (hatch needs it anyway), and uv the rest: the same versions as pip's (the
+# constraints pin them; `pip freeze` of both compared equal), about three times faster (the
+# same set side by side on this VM: 70 s against 195 s). uv reads neither pip.conf nor PIP_*
+# variables, so pip's find-links are handed on (where this VM's CPU torch wheel lies). If uv
+# fails, pip installs what it was given. Bytecode is compiled at install, as pip does, and the
+# last line byte-compiles this checkout's own modules: where PYTHONDONTWRITEBYTECODE is set
+# (CI's machines), every interpreter (each worker forked for a test, each torchrun rank) would
+# otherwise compile what it imports again.
+FIND_LINKS = $(foreach d,$(sort $(PIP_FIND_LINKS) $(shell $(PY) -m pip config get global.find-links 2>/dev/null)),--find-links $(d))
+INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(FIND_LINKS)
 $(STAMP): constraints.txt packages/*/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt torch $(TEST_DEPS)
-	$(BIN)/pip install -q -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS)
-	$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps \
-		-e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
+	$(BIN)/pip install -q -c constraints.txt uv
+	$(INSTALL) -c constraints.txt torch $(TEST_DEPS) || \
+		$(BIN)/pip install -q -c constraints.txt torch $(TEST_DEPS)
+	$(INSTALL) -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS) || \
+		$(BIN)/pip install -q -c constraints.txt --no-deps $(TEST_DEPS_NO_DEPS)
+	$(INSTALL) -c constraints.txt --no-build-isolation --no-deps $(EDITABLE) || \
+		$(BIN)/pip install -q -c constraints.txt --no-build-isolation --no-deps $(EDITABLE)
 	$(BIN)/python -m compileall -q -j 0 packages harness tests demo benchmarks scripts > /dev/null
 	touch $(STAMP)
+EDITABLE := -e packages/core -e packages/tp_adapter -e packages/legacy_fsdp_compat -e packages/tools
 
 setup: $(STAMP)
 
