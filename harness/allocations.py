@@ -11,17 +11,29 @@ from __future__ import annotations
 from torch._C._profiler import _EventType
 from torch.profiler import profile
 
-__all__ = ["allocated_peak"]
+__all__ = ["allocated_left", "allocated_peak"]
 
 
-def allocated_peak(prof: profile, within: str | None = None) -> int:
-    """The peak of the running sum of CPU allocations and frees.
+def allocated_left(prof: profile) -> int:
+    """Bytes allocated while profiling and still allocated at its end (what the work kept)."""
+    live: dict[int, int] = {}
+    for _, ptr, size in sorted(_allocations(prof)[0]):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    return sum(live.values())
 
-    ``within``: the name of a ``record_function`` range; only the total inside it counts
-    toward the peak (allocations before it still count toward the total).
+
+def _allocations(
+    prof: profile, within: str | None = None
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Every CPU allocation (size > 0) and free (size < 0), and the ``within`` ranges.
+
+    Allocations as (time, pointer, size); ranges as (start, end), in the tree's walk order.
     """
     events: list[tuple[int, int, int]] = []
-    start, end = None, None
+    spans: list[tuple[int, int]] = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while pending:
         event = pending.pop()
@@ -31,7 +43,18 @@ def allocated_peak(prof: profile, within: str | None = None) -> int:
             if fields.device.type == "cpu":
                 events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
         elif within is not None and event.name == within:
-            start, end = event.start_time_ns, event.end_time_ns
+            spans.append((event.start_time_ns, event.end_time_ns))
+    return events, spans
+
+
+def allocated_peak(prof: profile, within: str | None = None) -> int:
+    """The peak of the running sum of CPU allocations and frees.
+
+    ``within``: the name of a ``record_function`` range; only the total inside it counts
+    toward the peak (allocations before it still count toward the total).
+    """
+    events, spans = _allocations(prof, within)
+    start, end = spans[-1] if spans else (None, None)  # the last walked, as before
     if within is not None:
         assert start is not None and end is not None, f"no {within!r} range in the profile"
     live: dict[int, int] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardkit.core.export import delta_encoding
 from shardkit.core.export.delta_encoding import (
     DELTA_ENCODINGS,
     Encoding,
@@ -18,7 +19,13 @@ from shardkit.core.export.delta_encoding import (
 )
 
 
-def test_steps_escape_gaps_that_do_not_fit_a_byte() -> None:
+@pytest.mark.parametrize("run", [1 << 20, 2, 4])
+def test_steps_escape_gaps_that_do_not_fit_a_byte(
+    run: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run``: gaps worked that many changes at a time (the default, then runs whose edges
+    fall between escaped and short gaps): the same message."""
+    monkeypatch.setattr(delta_encoding, "GAP_RUN", run)
     # A change at position 0 (a gap of 0), gaps of 1 and 255 (a byte), 256 and 2**20 (escaped).
     positions = torch.tensor([0, 1, 256, 512, 512 + 2**20, 512 + 2**20 + 255])
     old = torch.zeros(2**21, dtype=torch.bfloat16)

@@ -17,9 +17,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from harness.allocations import allocated_peak
+from harness.allocations import allocated_left, allocated_peak
 from harness.pool import run_on_ranks
-from tests.core.export.export_models import Decoder, fully_shard_of, sharded, train_step
+from tests.core.export.export_models import (
+    Decoder,
+    full_state,
+    fully_shard_of,
+    sharded,
+    train_step,
+)
 
 SHAPE: dict[str, Any] = {"vocab": 61, "dim": 128, "hidden": 256, "layers": 4}
 
@@ -88,3 +94,57 @@ def test_an_all_or_nothing_export_holds_one_more_copy_of_what_it_changes() -> No
         staging = r["model"] if rank == 0 else 0
         bound = 2 * r["largest_bucket"] + staging + 64 * 1024
         assert r["peak"] <= bound, f"rank {rank}: {r['peak']:,} bytes, bound {bound:,}: {r}"
+
+
+def _kept_by_a_tracked_export(rank: int, world_size: int, mirror: bool) -> dict[str, Any]:
+    """What the first export made with ``delta=True`` leaves allocated on each rank, then a
+    delta relative to it (lr 1e-6: a few elements change) and the receiver's tensors after."""
+    from shardkit.core.export import (
+        ExportOptions,
+        FullTensorReceiver,
+        ModuleReceiver,
+        WeightExporter,
+    )
+
+    model = sharded("shardkit", **SHAPE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    layer_bytes = sum(p.numel() * 2 for p in Decoder(**SHAPE).model.layers[0].parameters())
+    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, bucket_bytes=layer_bytes))
+    target = Decoder(**SHAPE).to(torch.bfloat16)
+    held: dict[str, torch.Tensor] = {}
+    receiver: Any = None
+    if exporter.receiving:
+        receiver = FullTensorReceiver(held.update) if mirror else ModuleReceiver(target)
+    train_step(model, optimizer, 0, rank)
+    exporter.export(receiver)  # the export's groups, untracked: not measured
+    train_step(model, optimizer, 1, rank)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first = exporter.export(receiver, delta=True)
+    left = allocated_left(prof)
+    train_step(model, optimizer, 2, rank)
+    report = exporter.export(receiver, delta=True)
+    oracle = full_state(model, torch.bfloat16)
+    got = held if mirror else target.state_dict()
+    return {
+        "left": left,
+        "kinds": [first.kind, report.kind],
+        "changed": report.counts.handed_bytes,
+        "same": not exporter.receiving or all(torch.equal(got[k], v) for k, v in oracle.items()),
+        "model": sum(b.nbytes for b in exporter.buckets),
+    }
+
+
+@pytest.mark.parametrize("mirror", [False, True], ids=["module", "mirror"])
+def test_the_receiving_rank_keeps_no_part_its_receivers_copy_is_the_base(mirror: bool) -> None:
+    """A delta's base on the receiving rank is the copy its in-process receiver holds (the
+    module, or the mirror): the tracked export leaves nothing allocated there beyond that
+    mirror, where a kept part is 1/W of the model (rank 1 keeps its own: the contrast shows
+    the count sees it). The delta after it is still bit for bit ``full_tensor()``."""
+    results = run_on_ranks(2, _kept_by_a_tracked_export, mirror=mirror)
+    for r in results:
+        assert r["kinds"] == ["full", "delta"] and r["same"], r
+    receiving, other = results
+    assert receiving["changed"] > 0  # the delta moved changes, not whole tensors
+    copy = receiving["model"] if mirror else 0  # the mirror: the receiver's own copy
+    assert receiving["left"] <= copy + 64 * 1024, receiving
+    assert other["left"] >= other["model"] // 2, other  # its kept part, 1/W of the model

@@ -33,6 +33,8 @@ at the export's start carries them), so each message is parsed without a header.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +87,15 @@ class LocalChanges:
     """One rank's changes in its part of one bucket (positions in the flat part)."""
 
     positions: torch.Tensor
-    """(n,) int64, ascending."""
+    """(n,) ascending: int64, or int32 where the part has fewer than 2**31 elements (a
+    part's walk, ``delta_find.py``, holds them so)."""
     values: torch.Tensor
     """(n,) the new values."""
     steps: torch.Tensor
-    """(n,) new bits minus old bits, exact: int32 for elements of 1 or 2 bytes (half the
-    memory of int64 for a bf16 export's changes), int64 for wider ones."""
+    """(n,) new bits minus old bits: exact (int32 for elements of 1 or 2 bytes, int64 for
+    wider ones), or int8 taken modulo the element's width and saturated (a part's walk: a
+    step that does not fit a byte reads -128). Either way a step outside [-127, 127] is
+    literal: its new value travels."""
     length: int
     """Elements of the part."""
 
@@ -101,7 +106,7 @@ class LocalChanges:
 
     def steps_bytes(self) -> int:
         """The size of this rank's ``STEPS`` message."""
-        escaped = int(_escaped(_gaps(self.positions)).sum())
+        escaped = sum(int(_escaped(gaps).sum()) for gaps in _gap_runs(self.positions))
         literal = int(torch.count_nonzero(_literal(self.steps)))
         itemsize = self.values.element_size()
         index = _index_dtype(self.length).itemsize
@@ -163,10 +168,20 @@ def _literal(steps: torch.Tensor) -> torch.Tensor:
     return (steps > _STEP_LIMIT) | (steps < -_STEP_LIMIT)
 
 
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
-    gaps = positions.clone()
-    gaps[1:] -= positions[:-1]
-    return gaps
+GAP_RUN = 1 << 20
+"""Changes whose gaps are worked at once: the gaps of every change would be a copy of the
+positions (as wide), held beside them on a rank whose peak is its count and its encoding."""
+
+
+def _gap_runs(positions: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The gaps between ``positions`` (the first from 0), :data:`GAP_RUN` at a time."""
+    for lo in range(0, positions.numel(), GAP_RUN):
+        hi = min(lo + GAP_RUN, positions.numel())
+        gaps = positions[lo:hi].clone()
+        gaps[1:] -= positions[lo : hi - 1]
+        if lo:
+            gaps[0] -= positions[lo - 1]
+        yield gaps
 
 
 def _escaped(gaps: torch.Tensor) -> torch.Tensor:
@@ -220,7 +235,7 @@ def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor
         regions = [index.view(torch.uint8), changes.values.contiguous().view(torch.uint8)]
     else:
         mask = torch.zeros(-(-changes.length // 8) * 8, dtype=torch.uint8, device=device)
-        mask[changes.positions] = 1
+        mask[changes.positions.long()] = 1
         head = (mask.view(-1, 8) * _BITS.to(device)).sum(dim=1, dtype=torch.uint8)
         regions = [head, changes.values.contiguous().view(torch.uint8)]
     at = 0
@@ -233,13 +248,18 @@ def encode(changes: LocalChanges, encoding: Encoding, size: int) -> torch.Tensor
 def _steps_regions(changes: LocalChanges) -> list[torch.Tensor]:
     literal = torch.nonzero(_literal(changes.steps)).view(-1)
     steps = changes.steps.to(torch.int8)  # wraps where literal: those are read as values
-    gaps = _gaps(changes.positions)
-    escaped = _escaped(gaps)
-    far = gaps[escaped].to(_index_dtype(changes.length))
-    head = torch.tensor([literal.numel(), far.numel()], dtype=torch.int32, device=gaps.device)
+    device = changes.positions.device
+    short = torch.empty(changes.count, dtype=torch.uint8, device=device)
+    far_runs = [torch.empty(0, dtype=_index_dtype(changes.length), device=device)]
+    for lo, gaps in zip(itertools.count(0, GAP_RUN), _gap_runs(changes.positions)):
+        escaped = _escaped(gaps)
+        far_runs.append(gaps[escaped].to(_index_dtype(changes.length)))
+        short[lo : lo + gaps.numel()] = gaps.masked_fill_(escaped, 0)  # ``far`` read already
+    far = torch.cat(far_runs)  # few: escaped gaps are rare
+    head = torch.tensor([literal.numel(), far.numel()], dtype=torch.int32, device=device)
     return [
         head.view(torch.uint8),
-        gaps.masked_fill_(escaped, 0).to(torch.uint8),  # in place: ``far`` is read already
+        short,
         steps.view(torch.uint8),
         far.view(torch.uint8),
         literal.to(torch.int32).view(torch.uint8),
@@ -286,16 +306,15 @@ def decode(
 
 def as_decoded(changes: LocalChanges, encoding: Encoding) -> Decoded:
     """What decoding this rank's own message would give (the gathering rank skips it)."""
+    positions = changes.positions.long()  # the cut into tensors shifts them by int64s
     if encoding is not Encoding.STEPS:
-        empty = torch.empty(0, dtype=torch.int64, device=changes.positions.device)
-        return Decoded(changes.positions, changes.values, empty, empty.to(torch.int8))
+        empty = torch.empty(0, dtype=torch.int64, device=positions.device)
+        return Decoded(positions, changes.values, empty, empty.to(torch.int8))
     literal = torch.nonzero(_literal(changes.steps)).view(-1)
     # The literal ones wrap in int8, and are dropped: the others fit.
     steps = changes.steps.to(torch.int8)
     return Decoded(
-        changes.positions[literal],
-        changes.values[literal],
-        *_without(changes.positions, steps, literal),
+        positions[literal], changes.values[literal], *_without(positions, steps, literal)
     )
 
 

@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from shardkit.core.export.axis_gathers import TensorSource
+from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
 from shardkit.core.export.delta_encoding import (
     DENSE,
@@ -29,12 +29,13 @@ from shardkit.core.export.delta_encoding import (
     encode,
     local_changes,
 )
-from shardkit.core.export.delta_find import refresh_part
+from shardkit.core.export.delta_find import HeldRows, refresh_part
 from shardkit.core.export.messages import ChangedElements, WeightBucket
-from shardkit.core.export.transfer import BucketTransfer
+from shardkit.core.export.transfer import BucketTransfer, part_layout
+from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.groups import global_rank
 
-__all__ = ["DENSE_RUN", "count_changes", "move_changes"]
+__all__ = ["DENSE_RUN", "count_changes", "held_rows", "move_changes"]
 
 DENSE_RUN = 8
 """The most syncs in a row a dense bucket goes plain without its comparison: the one sync in
@@ -85,24 +86,73 @@ def count_changes(transfer: BucketTransfer) -> list[int]:
         if not pieces:
             posted += [0, 0]
             continue
-        dtype = next(s.dtype for s in bucket.sources if s.gathers)
-        part = previous.parts[bucket.index]
-        length = part.numel() // dtype.itemsize
+        sharded = [s for s in bucket.sources if s.gathers]
+        dtype = sharded[0].dtype
+        kept = previous.parts.get(bucket.index)
+        base = kept if kept is not None else held_rows(transfer, sharded, pieces)
+        length = part_layout(sharded, [s.gathers[0] for s in sharded])[1] // dtype.itemsize
         left, run = previous.dense.get(bucket.index, (0, 0))
+        if base is None or (left and kept is None):
+            # No base (the receiver no longer holds the last export), or a dense run with
+            # nothing kept to refresh: the bucket moves whole, uncompared.
+            transfer.changes[bucket.index] = None
+            if left:
+                transfer.kept.dense[bucket.index] = (left - 1, run)
+            posted += [length, 0]
+            continue
         # A bucket found dense lately is cast into its part uncompared: a full export's cost.
-        found = refresh_part(pieces, part, dtype, limit=-1 if left else length // DENSE)
+        found = refresh_part(pieces, base, dtype, limit=-1 if left else length // DENSE)
         transfer.counts.compared_buckets += not left
         if left:
             transfer.kept.dense[bucket.index] = (left - 1, run)
         elif found is None:  # compared and dense again: skip twice as many syncs, up to a cap
             run = min(max(1, 2 * run), DENSE_RUN)
             transfer.kept.dense[bucket.index] = (run, run)
-        # The kept part now holds this export's values, whichever way the bucket moves.
-        transfer.kept.parts[bucket.index] = part
-        transfer.packed[bucket.index] = (part, [offset for _, _, offset in pieces])
+        if kept is not None:
+            # The kept part now holds this export's values, whichever way the bucket moves.
+            transfer.kept.parts[bucket.index] = kept
+            transfer.packed[bucket.index] = (kept, [offset for _, _, offset in pieces])
         transfer.changes[bucket.index] = found
         posted += [length, 0] if found is None else [found.count, found.steps_bytes()]
     return posted
+
+
+def held_rows(
+    transfer: BucketTransfer,
+    sharded: list[TensorSource],
+    pieces: list[tuple[AxisGather, torch.Tensor, int]],
+) -> HeldRows | None:
+    """This rank's rows of the last export as its receiver holds them; None where it does not.
+
+    The receiver must hold the export this delta is relative to, each tensor whole, in the
+    export dtype and contiguous, and every cut must be along dim 0 (a piece's rows are then
+    one run of the whole tensor).
+    """
+    receiver = transfer.previous.receiver if transfer.previous is not None else None
+    if receiver is None or receiver.version != transfer.manifest.export_id - 1:
+        return None
+    assert transfer.groups is not None
+    entry = transfer.groups.axes[transfer.order[0]]
+    assert entry is not None
+    me = entry[1].index(global_rank())
+    rows: list[torch.Tensor] = []
+    for source, (gather, piece, _) in zip(sharded, pieces, strict=True):
+        whole = receiver.held_tensor(source.name)
+        if (
+            whole is None
+            or gather.tensor_dim != 0
+            or tuple(whole.shape) != gather.shape
+            or whole.dtype != source.dtype
+            or not whole.is_contiguous()
+            or not piece.is_contiguous()
+            or whole.device != piece.device
+        ):
+            return None
+        start, count = chunk_rows(gather.shape[0], gather.parts, me)
+        row = piece.numel() // max(count, 1)
+        rows.append(whole.reshape(-1)[start * row : start * row + piece.numel()])
+    layout = part_layout(sharded, [s.gathers[0] for s in sharded])[1]
+    return HeldRows(tuple(rows), layout // sharded[0].dtype.itemsize)
 
 
 def _choose(transfer: BucketTransfer, bucket: ExportBucket) -> tuple[Encoding, int, list[int]]:
@@ -143,11 +193,12 @@ def gather_changes(
     assert transfer.previous is not None and transfer.groups is not None
     if not sharded or choice is None:
         return {}
-    part = transfer.packed.pop(bucket.index, None)
+    transfer.packed.pop(bucket.index, None)  # the kept part stays in ``transfer.kept``
     changes = transfer.changes.pop(bucket.index, None)
-    if part is None or changes is None:
+    if changes is None:
         return None  # this rank takes no part in the bucket's gather
-    buffer, offsets = part
+    offsets = part_layout(sharded, [s.gathers[0] for s in sharded])[0]
+    buffer = changes.positions  # where this rank's tensors live
     encoding, size, counts = choice
     dtype = sharded[0].dtype
     entry = transfer.groups.axes[transfer.order[0]]

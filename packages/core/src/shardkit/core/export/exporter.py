@@ -23,7 +23,10 @@ The export number is the version it installs (``ExportReport.version``, the rece
 
 Memory: a non-receiving rank holds one packed part (1/W of a bucket); the receiving rank the
 gathered bucket and the unpacked tensors, two buckets. With ``delta``, each rank keeps its
-part of the last export (1/W of the model in the export dtype).
+part of the last export (1/W of the model in the export dtype), except a receiving rank whose
+receiver holds the last export whole in this process (``ModuleReceiver``, a
+``FullTensorReceiver``'s mirror): its rows of that copy are the base there, and nothing is
+kept (``delta_find.HeldRows``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from shardkit.core.export.buckets import (
 )
 from shardkit.core.export.delta_transfer import count_changes, move_changes
 from shardkit.core.export.messages import ExportedTensor, ExportKind, ExportManifest
-from shardkit.core.export.receivers import WeightReceiver
+from shardkit.core.export.receivers import WeightReceiver, holds_export
 from shardkit.core.export.transfer import BucketTransfer, PreviousExport, TransferCounts
 from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
@@ -230,6 +233,10 @@ class WeightExporter:
         export_id, self._next_id = self._next_id, self._next_id + 1
         start = time.perf_counter()
         transfer = self._transfer(export_id, kind, track=delta)
+        if delta and self.receiving and holds_export(receiver):
+            # Its copy is the next delta's base on this rank: no part kept (1/W of the model).
+            transfer.keep_parts = False
+            transfer.kept.receiver = receiver
         try:
             handoff = self._run(transfer, receiver if self.receiving else None)
         except BaseException as error:

@@ -18,18 +18,25 @@ export k+1 is complete (their ``version``), staging what changes beside what the
   full export, for loaders that take only whole tensors (vLLM's ``load_weights`` /
   ``reload_weights``, a safetensors writer). It keeps one copy of the weights in the export
   dtype (what a delta is relative to) and hands each bucket's tensors, whole, to a callable.
+
+Both hold the last export whole in this process (``holds_export``): an exporter compares a
+delta with that copy on the receiving rank instead of keeping a part there.
+
+Next to split off: :class:`FullTensorReceiver` (its mirror, the rebuild of a delta on it, the
+staged loads' commit and abort) into a module of its own, re-exported here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeGuard
 
 import torch
 from torch import nn
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.transfer import HoldsExport
 from shardkit.core.export.versions import StagedLoads, StagedTensors, Tensors
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "TensorLoader",
     "VersionedReceiver",
     "WeightReceiver",
+    "holds_export",
 ]
 
 TensorLoader = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -58,6 +66,17 @@ class WeightReceiver(Protocol):
 
     def abort(self, error: BaseException) -> None:
         """The export failed (``error`` is what every trainer rank raises)."""
+
+
+def holds_export(receiver: object) -> TypeGuard[HoldsExport]:
+    """Whether ``receiver`` holds its last export whole in this process (its ``held_tensor``).
+
+    The exporter then compares a delta with that copy on the receiving rank instead of keeping
+    a part of its own (``delta_find.HeldRows``).
+    """
+    return getattr(receiver, "holds_exports", False) is True and callable(
+        getattr(receiver, "held_tensor", None)
+    )
 
 
 class VersionedReceiver(WeightReceiver, Protocol):
@@ -155,6 +174,19 @@ class ModuleReceiver:
                 changes.apply_to(new)
                 staged[name] = new
 
+    holds_exports: ClassVar[bool] = True
+    """The module holds the last export whole: a delta's base on this rank (no kept part)."""
+
+    def held_tensor(self, name: str) -> torch.Tensor | None:
+        """The module's tensor ``name`` as export :attr:`version` left it (None: not held).
+
+        Staged (the default), an export writes nothing before its commit, and a delta's
+        exporter compares with it before its first bucket either way.
+        """
+        if self.version is None or self._manifest is not None:
+            return None
+        return self._targets.get(name)
+
     def _contiguous(self, name: str) -> torch.Tensor:
         target = self._targets[name]
         if not target.is_contiguous():
@@ -232,6 +264,8 @@ class FullTensorReceiver:
         """The export loaded complete, which the mirror holds (None: none, or one failed)."""
         self._manifest: ExportManifest | None = None
         self._next_mirror: dict[str, torch.Tensor] = {}
+        self._patched = False
+        """A delta was patched into the mirror in place since the last commit."""
         self._staged = StagedLoads()
         self.loaded: list[str] = []
 
@@ -286,8 +320,29 @@ class FullTensorReceiver:
         tensors = [(name, self.mirror[name]) for name in names]
         return self.transform(tensors) if self.transform is not None else tensors
 
+    @property
+    def holds_exports(self) -> bool:
+        """The mirror holds the last export whole: a delta's base on this rank."""
+        return self.keep_mirror
+
+    def held_tensor(self, name: str) -> torch.Tensor | None:
+        """The mirror's tensor ``name`` of export :attr:`version` (None: not held)."""
+        if self.version is None or self._manifest is not None:
+            return None
+        return self.mirror.get(name)
+
+    @property
+    def _patches_mirror(self) -> bool:
+        """Whether a delta is applied to the mirror in place.
+
+        Where the mirror is never loaded back (the engine puts itself back, or loads come
+        bucket by bucket and a failure leaves a mix anyway), each changed tensor is patched
+        where it lies, not rebuilt beside it: no second copy of the model during a delta.
+        """
+        return self.loads_back_itself or not self.all_or_nothing
+
     def _whole_tensors(self, bucket: WeightBucket) -> Tensors:
-        """The bucket's whole tensors; the mirror untouched (its next tensors kept apart)."""
+        """The bucket's whole tensors; the mirror untouched unless :attr:`_patches_mirror`."""
         tensors: Tensors = []
         for name, tensor in bucket.full:
             if self.keep_mirror or self.all_or_nothing:
@@ -299,8 +354,11 @@ class FullTensorReceiver:
         for name, changes in bucket.changed:
             mirrored = self.mirror[name]
             if changes.count:
-                # A copy patched: the mirror keeps the version that serves until the commit.
-                mirrored = mirrored.clone()
+                if self._patches_mirror:
+                    self._patched = True  # the mirror now mixes two versions until the commit
+                else:
+                    # A copy patched: the mirror keeps the version that serves until the commit.
+                    mirrored = mirrored.clone()
                 changes.apply_to(mirrored)
                 self._next_mirror[name] = mirrored
             tensors.append((name, mirrored))
@@ -318,6 +376,7 @@ class FullTensorReceiver:
             self.loaded = [entry.name for entry in self._manifest.tensors]
         self.mirror.update(self._next_mirror)
         self._next_mirror = {}
+        self._patched = False
         self.version = self._manifest.export_id
         self._manifest = None
 
@@ -326,9 +385,15 @@ class FullTensorReceiver:
         self.commit()
 
     def abort(self, error: BaseException) -> None:
-        """The export failed: staged tensors dropped; the mirror still holds ``version``."""
+        """The export failed: staged tensors dropped; the mirror still holds ``version``.
+
+        Unless a delta was patched into it in place: then it mixes two versions and is
+        dropped (``version`` None); the exporter's next export is full and rebuilds it.
+        """
         if self._manifest is not None and not self.all_or_nothing:
             self.version = None  # loaded bucket by bucket: part of it may be in
+        if self._patched:
+            self.mirror, self.version, self._patched = {}, None, False
         self._manifest = None
         self._next_mirror, self._staged = {}, StagedLoads()
 

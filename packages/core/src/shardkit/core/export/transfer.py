@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +35,7 @@ from shardkit.core.runtime.export.export_groups import (
 )
 from shardkit.core.runtime.groups import global_rank
 
-__all__ = ["BucketTransfer", "PreviousExport", "TransferCounts", "part_layout"]
+__all__ = ["BucketTransfer", "HoldsExport", "PreviousExport", "TransferCounts", "part_layout"]
 
 _ALIGN = 8
 
@@ -70,6 +71,19 @@ class PreviousExport:
     dense: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Buckets this rank found dense: (syncs left that go plain uncompared, the run's length);
     ``delta_transfer.count_changes`` keeps it."""
+    receiver: HoldsExport | None = None
+    """This rank's in-process receiver, where its copy of the export is the base in place of
+    kept parts (``parts`` then stays empty)."""
+
+
+class HoldsExport(Protocol):
+    """A receiver that holds the last export it committed whole, in this process."""
+
+    version: int | None
+    """The export it holds complete (None: none)."""
+
+    def held_tensor(self, name: str) -> torch.Tensor | None:
+        """Its tensor ``name`` of export ``version``, unchanged until its next commit."""
 
 
 def _aligned(nbytes: int) -> int:
@@ -108,6 +122,8 @@ class BucketTransfer:
     """The last export's parts (a delta is relative to them); None for a full export."""
     track: bool
     """Keep this export's parts for the next delta."""
+    keep_parts: bool = True
+    """Under ``track``: keep packed parts (False where the receiver's copy is the base)."""
     counts: TransferCounts = field(default_factory=TransferCounts)
     all_counts: torch.Tensor | None = None
     """(mesh ranks, buckets): every rank's changed elements per bucket (a delta)."""
@@ -243,7 +259,7 @@ class BucketTransfer:
                 if first
                 else self._pack(batch, gathers, pieces)
             )
-            if first and self.track:
+            if first and self.track and self.keep_parts:
                 self.kept.parts[bucket.index] = buffer
             first = False
             what = f"bucket {bucket.index} ({batch[0].name}, ...): gather along mesh dim {mesh_dim}"
@@ -290,13 +306,14 @@ class BucketTransfer:
         sends = self.to_all or me != 0
         pieces = [current[s.key] for s in batch]
         packed = None
-        if sends or (first and self.track):
+        keeps = first and self.track and self.keep_parts
+        if sends or keeps:
             packed = (
                 self._first_pack(bucket, batch, gathers, pieces)
                 if first
                 else self._pack(batch, gathers, pieces)
             )
-            if first and self.track:
+            if keeps:
                 self.kept.parts[bucket] = packed[0]
         sent: dict[int, list[torch.Tensor]] = {}
         taken: dict[int, list[torch.Tensor]] = {}
