@@ -2,12 +2,14 @@
 
 One command, under the vLLM environment (``make check-vllm`` sets it up)::
 
-    .venv-vllm/bin/python benchmarks/bench_export_vllm.py [SIZES] [ROUNDS]
+    .venv-vllm/bin/python benchmarks/bench_export_vllm.py [SIZES] [ROUNDS] [BUCKETS_MIB]
 
 ``SIZES``: ``5m``, ``150m`` or ``5m,150m`` (the default); ``ROUNDS``: syncs measured per
-mode (default 3, after a warm-up sync). Every combination of placement (``colocated``: an
-engine in each trainer process; ``process``: rank 0's engine core in a process of its own),
-mode (``trl``, ``full``, ``delta``) and learning rate (1e-6, 1e-5) runs in fresh processes
+mode (default 3, after a warm-up sync); ``BUCKETS_MIB``: the exports' ``bucket_bytes`` to
+run, in MiB (default ``512,64``: the default and a small one; trl's pattern has no buckets
+and runs once). Every combination of placement (``colocated``: an engine in each trainer
+process; ``process``: rank 0's engine core in a process of its own), mode (``trl``, ``full``,
+``delta``), bucket size and learning rate (1e-6, 1e-5) runs in fresh processes
 (``benchmarks/export_vllm_run.py``), so each mode's peak RSS is its own. Prints one table row
 per combination (medians over the rounds; peak RSS per trainer rank) and writes every round to
 ``benchmarks/.results/export_vllm.json``. Here, at load 5-45 on 2 cores, 5M took 36 minutes
@@ -32,12 +34,14 @@ MODES = ("trl", "full", "delta")
 RATES = ("1e-6", "1e-5")
 
 
-def run_mode(size: str, placement: str, mode: str, lr: str, rounds: int, folder: Path) -> Any:
+def run_mode(
+    size: str, placement: str, mode: str, lr: str, rounds: int, folder: Path, bucket_mib: int
+) -> Any:
     """One combination in fresh processes (torchrun, W=2); its JSON line."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(ROOT / "benchmarks" / "export_vllm_run.py"), size, placement, mode, lr]
-    cmd += [str(rounds), str(folder)]
+    cmd += [str(rounds), str(folder), str(bucket_mib)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode or not lines:
@@ -53,8 +57,10 @@ def row(result: dict[str, Any]) -> str:
         return float(statistics.median(r[key] for r in rows))
 
     peaks = [max(r["peak_rss_mib"][i] for r in rows) for i in range(2)]
+    bucket = "-" if result["mode"] == "trl" else f"{result['bucket_mib']} MiB"
     return (
         f"| {result['size']} | {result['placement']} | {result['lr']:g} | {result['mode']} | "
+        f"{bucket} | "
         f"{median('sync_s'):.3f} | {median('trainer_s'):.3f} | {median('engine_s'):.3f} | "
         f"{median('bytes') / 2**20:.2f} MiB | r0 {peaks[0]:.0f}, r1 {peaks[1]:.0f} MiB |"
     )
@@ -63,9 +69,13 @@ def row(result: dict[str, Any]) -> str:
 def main(argv: list[str]) -> None:
     sizes = (argv[0] if argv else "5m,150m").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 3
+    buckets = [int(b) for b in (argv[2] if len(argv) > 2 else "512,64").split(",")]
     print(os.getloadavg(), flush=True)
-    head = "| model | engine | lr | mode | sync | trainer side | engine load | bytes | peak RSS |"
-    print(head + "\n" + "|---" * 9 + "|", flush=True)
+    head = (
+        "| model | engine | lr | mode | bucket_bytes | sync | trainer side | engine load | "
+        "bytes | peak RSS |"
+    )
+    print(head + "\n" + "|---" * 10 + "|", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for size in sizes:
@@ -73,10 +83,12 @@ def main(argv: list[str]) -> None:
             for placement in PLACEMENTS:
                 for lr in RATES:
                     for mode in MODES:
-                        result = run_mode(size, placement, mode, lr, rounds, folder)
-                        result["load_average"] = os.getloadavg()
-                        results.append(result)
-                        print(row(result), flush=True)
+                        # trl's pattern has no buckets: once per placement and rate
+                        for bucket in buckets[:1] if mode == "trl" else buckets:
+                            result = run_mode(size, placement, mode, lr, rounds, folder, bucket)
+                            result["load_average"] = os.getloadavg()
+                            results.append(result)
+                            print(row(result), flush=True)
     out = ROOT / "benchmarks" / ".results" / "export_vllm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

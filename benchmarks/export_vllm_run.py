@@ -1,7 +1,9 @@
 """One weight-sync mode into vLLM's CPU build at W=2, in fresh processes: the time per sync.
 
 Usage: torchrun --nproc-per-node 2 benchmarks/export_vllm_run.py SIZE PLACEMENT MODE LR ROUNDS
-DIR (under .venv-vllm; ``benchmarks/bench_export_vllm.py`` runs every combination).
+DIR [BUCKET_MIB] (under .venv-vllm; ``benchmarks/bench_export_vllm.py`` runs every
+combination). ``BUCKET_MIB``: the export's ``bucket_bytes`` (default 512, ``ExportOptions``'
+default; trl's pattern has no buckets and ignores it).
 
 The trainer is ``benchmarks/export_run.py``'s Qwen2-style model of ``SIZE`` (fp32 masters,
 shardkit's ``fully_shard`` per layer, AdamW at ``LR``, one step before each sync). The engine
@@ -131,6 +133,7 @@ class TrlPattern:
 
 def main() -> None:
     lr, rounds, folder = float(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
+    bucket_mib = int(sys.argv[7]) if len(sys.argv) > 7 else 512
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
@@ -151,7 +154,8 @@ def main() -> None:
         engine = _engine(folder)
         os.environ.update(saved)
     to: Literal["first", "all"] = "all" if PLACEMENT == "colocated" else "first"
-    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, to=to))
+    options = ExportOptions(dtype=torch.bfloat16, to=to, bucket_bytes=bucket_mib * 2**20)
+    exporter = WeightExporter(model, options)
     receiver = vllm_receiver(engine) if engine is not None else None
     trl = TrlPattern(model, engine)
     rows: list[dict[str, Any]] = []
@@ -191,6 +195,7 @@ def main() -> None:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         line = dict(size=SIZE, placement=PLACEMENT, mode=MODE, lr=lr, params=params, rows=rows)
+        line.update(bucket_mib=bucket_mib, buckets=len(exporter.buckets))
         print(json.dumps(line), flush=True)
     if PLACEMENT == "process" and engine is not None:
         # The engine core's process would outlive this one (and hold its caller's pipes).
