@@ -13,11 +13,15 @@ ShardedTensors, at W ranks). For each point:
   middle and the last rank: the record read and checked (its digest recomputed), the saved
   geometries, the overlaps of the rank's shards with the saved chunks, their writers and
   their rows in the writers' indexes (``chunk_sources.py``), as ``load.py`` runs it before
-  DCP's planner. The indexes are simulated (rows of the right count; their reading is
-  counted in bytes, 24 a row, not timed), and so are the rank's shards (its boxes, which a
-  real rank gets from its DTensors in O(1) each). No collective: a rank plans alone. The
-  manager's load adds one before its reads, the verdict on the checks (an all-reduce of 24
-  bytes, ``agreement.problems_agreed``), counted in ``test_local_load.py``.
+  DCP's planner. Under HSDP the rank's replicas split the reading by the saved items
+  (``replica_pieces``, as ``load.py`` splits it): the rank plans only the items it reads;
+  the boxes that the exchange then sends and receives are counted, their views not made
+  (the exchange makes them, after the reads). The indexes are simulated (rows of the right
+  count; their reading is counted in bytes, 24 a row, not timed), and so are the rank's
+  shards (its boxes, which a real rank gets from its DTensors in O(1) each). No collective:
+  a rank plans alone. The manager's load adds one before its reads, the verdict on the
+  checks (an all-reduce of 24 bytes, ``agreement.problems_agreed``), counted in
+  ``test_local_load.py``.
 
 DCP's load planning of the same checkpoints: ``dcp_load_plan_run.py``.
 
@@ -30,6 +34,7 @@ Prints one JSON line per point.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -50,6 +55,11 @@ from shardkit.core.checkpoint.local_plan.chunk_sources import (
 )
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout
 from shardkit.core.checkpoint.local_plan.layout_record import read_record, write_record
+from shardkit.core.checkpoint.local_plan.replica_pieces import (
+    PieceSplit,
+    ReplicaLoads,
+    replica_line,
+)
 
 
 class SimulatedIndexes(ChunkSources):
@@ -102,9 +112,34 @@ def held_boxes(layout: SaveLayout, rank: int) -> dict[str, Boxes]:
     return held
 
 
+def replica_splits(layout: SaveLayout, rank: int) -> dict[str, PieceSplit]:
+    """``rank``'s split of the keys its replicas read apart (HSDP), as ``load.py`` makes it.
+
+    One set of loads per replica line, shared by the keys on it, in the state's order.
+    """
+    loads: dict[tuple[str, tuple[Any, ...]], ReplicaLoads] = {}
+    lines: dict[tuple[str, tuple[Any, ...]], np.ndarray | None] = {}
+    splits: dict[str, PieceSplit] = {}
+    for value in layout.values:
+        if value.kind != "dtensor" or value.mesh is None:
+            continue
+        key = (value.mesh_id, tuple(map(str, value.placements)))
+        if key not in lines:  # a real rank finds its replicas once per mesh
+            lines[key] = replica_line(value.mesh, value.placements, rank)
+        line = lines[key]
+        if line is None:
+            continue
+        found = loads.get(key)
+        if found is None:
+            found = loads[key] = ReplicaLoads(line, int(np.flatnonzero(line == rank)[0]))
+        splits[value.fqn] = PieceSplit(found)
+    return splits
+
+
 def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, Any]:
     saved = SaveLayout.from_values(state_values(size, world, layout_name), world)
     bodies = _gathered(saved)
+    gc.collect()  # see below
     started, cpu = time.perf_counter(), time.thread_time()
     plain = plain_locations(saved, bodies)
     record_bytes = write_record(folder, saved, plain)
@@ -124,22 +159,29 @@ def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, An
         loading = SaveLayout.from_values(
             state_values(size, loading_world, layout_name), loading_world
         )
-        seconds, cpu_seconds, reads, writers = [], [], [], []
+        seconds, cpu_seconds, reads, writers, units = [], [], [], [], []
         for rank in (0, loading_world // 2, loading_world - 1):
             held = held_boxes(loading, rank)
+            # A full collection over this process's layouts (millions of objects) landed in
+            # some timings and not others (8B FSDP at W: 32 ms, then 299 ms for the same work).
+            gc.collect()
             started, cpu = time.perf_counter(), time.thread_time()
             record = read_record(folder)
             sources = SimulatedIndexes(folder, record.layout, record.plain)
-            metadata = sources.metadata_of(held)
+            splits = replica_splits(loading, rank)
+            metadata = sources.metadata_of(held, splits=splits)
             seconds.append(time.perf_counter() - started)
             cpu_seconds.append(time.thread_time() - cpu)
             reads.append(len(metadata.storage_data))
             writers.append(len(sources._indexes))
+            # The boxes the exchange sends and receives (views made there, not in the plan).
+            units.append(sum(s.units.readers.size for s in splits.values() if s.units))
             out[f"{name}_index_bytes"] = max(out.get(f"{name}_index_bytes", 0), sources.index_bytes)
         out[f"{name}_plan_s_per_rank"] = max(seconds)
         out[f"{name}_plan_cpu_s_per_rank"] = max(cpu_seconds)
         out[f"{name}_items_read"] = max(reads)
         out[f"{name}_writers_read"] = max(writers)
+        out[f"{name}_exchanged_boxes"] = max(units)
     return out
 
 

@@ -70,6 +70,18 @@ def test_the_busiest_rank_writes_at_most_a_quarter_more_than_the_mean(world: int
     assert even.sum() == turns.sum()  # every byte written once either way
 
 
+def test_the_least_loaded_turns_are_a_stable_sorts_first() -> None:
+    """``least_loaded`` skips sorting every turn; its choice must be the stable sort's."""
+    from shardkit.core.checkpoint.local_plan.replica_shares import least_loaded
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):  # few distinct loads: many ties
+        load = rng.integers(0, 4, size=int(rng.integers(1, 40)))
+        count = int(rng.integers(1, load.size + 1))
+        expected = np.argsort(load, kind="stable")[:count]
+        assert least_loaded(load, count).tolist() == expected.tolist(), (load, count)
+
+
 def _check_layout(layout: SaveLayout, ranks: list[int]) -> None:
     """Pieces tile their chunks and are written by holders; the views of who writes agree."""
     for ordinal, value in enumerate(layout.values):

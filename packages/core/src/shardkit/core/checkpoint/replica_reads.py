@@ -9,7 +9,9 @@ collective per bucket, never one per tensor).
 
 Which replica reads which tensor every replica computes alone, from what all of them hold
 alike (the keys in the state's order and the local sizes): greedy by bytes, so each reads
-about 1/R. No exchange decides it.
+about 1/R. No exchange decides it. A load planned from the checkpoint's layout record splits
+finer, by the saved items (``local_plan.replica_pieces``: a rank reads back what it wrote),
+through :meth:`ReplicaSplitPlanner._share` and :attr:`ReplicaSet.pieces`.
 
 A replica that fails to read must not leave the others waiting in a broadcast: after the
 reads, every rank shares whether it read (one small all-gather on the world), and if any
@@ -26,6 +28,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
@@ -39,7 +42,7 @@ from shardkit.core.runtime.groups import global_rank
 from shardkit.core.runtime.p2p.agreement import everyone
 from shardkit.core.runtime.replica_exchange import broadcast_parts
 
-__all__ = ["ReadCounts", "ReplicaSplitPlanner", "ReplicaSplitReader"]
+__all__ = ["PieceParts", "ReadCounts", "ReplicaSet", "ReplicaSplitPlanner", "ReplicaSplitReader"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,20 @@ class ReadCounts:
     """Tensors this rank did not read because another replica read them."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PieceParts:
+    """Boxes of one local tensor that its replicas read apart (a split by the saved items)."""
+
+    local: torch.Tensor
+    offsets: np.ndarray
+    """(units, ndim): where each box starts in ``local``."""
+    sizes: np.ndarray
+    readers: np.ndarray
+    """(units,): the place of the replica that reads each box."""
+
+
 @dataclasses.dataclass(slots=True)
-class _ReplicaSet:
+class ReplicaSet:
     """The ranks along one ``Replicate`` mesh dim from this rank, and who reads what."""
 
     group: dist.ProcessGroup
@@ -69,7 +84,26 @@ class _ReplicaSet:
     me: int
     """This rank's place in ``ranks``."""
     parts: list[list[torch.Tensor]]
-    """Per replica, the local tensors it reads (its part), in the state's order."""
+    """Per replica, the local tensors it reads whole (its part), in the state's order."""
+    loads: list[int]
+    """Per replica, the bytes of the tensors given it whole so far."""
+    pieces: list[PieceParts] = dataclasses.field(default_factory=list)
+    """Local tensors split by boxes instead (``local_plan.replica_pieces``), in state order."""
+
+    def all_parts(self) -> list[list[torch.Tensor]]:
+        """Per replica, what it reads: its whole tensors, then its boxes (views of the locals).
+
+        The boxes' views are made here, at the exchange, not at the plan: one per box, each
+        box at least a row piece's bytes (``replica_shares.SMALLEST_PIECE``) where a chunk
+        was cut, so their making costs less than their copy.
+        """
+        parts = [list(part) for part in self.parts]
+        for split in self.pieces:
+            starts, sizes = split.offsets.tolist(), split.sizes.tolist()
+            for start, size, reader in zip(starts, sizes, split.readers.tolist(), strict=True):
+                box = tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))
+                parts[reader].append(split.local[box])
+        return parts
 
 
 def _replicate_dim(value: DTensor) -> int | None:
@@ -96,7 +130,7 @@ class ReplicaSplitPlanner(SafeLoadPlanner):
 
     def __init__(self) -> None:
         super().__init__()
-        self.replica_sets: list[_ReplicaSet] = []
+        self.replica_sets: list[ReplicaSet] = []
         self._others: set[str] = set()  # keys another replica reads
 
     def set_up_planner(
@@ -107,7 +141,7 @@ class ReplicaSplitPlanner(SafeLoadPlanner):
     ) -> None:
         """Set up DCP's plan, then split the replicated DTensors between their replicas."""
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        sets: dict[tuple[Any, ...], tuple[_ReplicaSet, list[int]]] = {}
+        sets: dict[tuple[Any, ...], ReplicaSet] = {}
         for fqn, value in self.state_dict.items():
             if not isinstance(value, DTensor):
                 continue
@@ -118,21 +152,25 @@ class ReplicaSplitPlanner(SafeLoadPlanner):
             key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.reshape(-1).tolist()), dim)
             if key not in sets:
                 ranks = _replicas_of(mesh, dim)
-                replica_set = _ReplicaSet(
+                sets[key] = ReplicaSet(
                     group=mesh.get_group(dim),
                     ranks=ranks,
                     me=ranks.index(global_rank()),
                     parts=[[] for _ in ranks],
+                    loads=[0] * len(ranks),
                 )
-                sets[key] = (replica_set, [0] * len(ranks))
-            replica_set, loads = sets[key]
-            local = value.to_local().detach()  # the storage DCP reads into, without autograd
-            reader = loads.index(min(loads))  # the same choice on every replica: same inputs
-            loads[reader] += local.numel() * local.element_size()
-            replica_set.parts[reader].append(local)
-            if reader != replica_set.me:
-                self._others.add(fqn)
-        self.replica_sets = [replica_set for replica_set, _ in sets.values()]
+            # the storage DCP reads into, without autograd
+            self._share(fqn, value.to_local().detach(), sets[key])
+        self.replica_sets = list(sets.values())
+
+    def _share(self, fqn: str, local: torch.Tensor, replica_set: ReplicaSet) -> None:
+        """Give the key to one replica whole: the least loaded (the same on every replica)."""
+        loads = replica_set.loads
+        reader = loads.index(min(loads))
+        loads[reader] += local.numel() * local.element_size()
+        replica_set.parts[reader].append(local)
+        if reader != replica_set.me:
+            self._others.add(fqn)
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan, without the items other replicas read."""
@@ -188,7 +226,7 @@ class ReplicaSplitReader(SafeFileSystemReader):
             counts.bytes_received, counts.broadcasts = 0, 0
             for replica_set in planner.replica_sets:
                 received, broadcasts = broadcast_parts(
-                    replica_set.parts, replica_set.ranks, replica_set.me, replica_set.group
+                    replica_set.all_parts(), replica_set.ranks, replica_set.me, replica_set.group
                 )
                 counts.bytes_received += received
                 counts.broadcasts += broadcasts

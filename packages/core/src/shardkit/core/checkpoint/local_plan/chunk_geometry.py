@@ -98,8 +98,12 @@ class Geometry:
     """Per cut, per item: the item as the metadata lists it, made where a load touches it."""
 
     @staticmethod
-    def of(value: ValueLayout) -> Geometry:
-        """The geometry of a DTensor's layout."""
+    def of(value: ValueLayout, positions: dict[str, dict[int, int]] | None = None) -> Geometry:
+        """The geometry of a DTensor's layout.
+
+        ``positions``: each mesh's rank -> position map, by mesh id, shared by the
+        geometries of one mesh (a dict of W entries each is worth building once).
+        """
         assert value.mesh is not None
         offsets, sizes = _position_chunks(value)
         distinct, first_seen, group_of, counts = np.unique(
@@ -112,6 +116,12 @@ class Geometry:
         turn_of = np.empty_like(group_of)
         turn_of[holders] = np.arange(holders.size) - first[group_of[holders]]
         chunk_sizes = sizes[first_seen]
+        known = {} if positions is None else positions
+        position_of = known.get(value.mesh_id) if value.mesh_id else None
+        if position_of is None:
+            position_of = {int(r): p for p, r in enumerate(ranks.tolist())}
+            if value.mesh_id:
+                known[value.mesh_id] = position_of
         return Geometry(
             offsets=distinct,
             sizes=chunk_sizes,
@@ -120,7 +130,7 @@ class Geometry:
             first=first,
             counts=counts,
             ranks=ranks,
-            position_of={int(r): p for p, r in enumerate(ranks.tolist())},
+            position_of=position_of,
             turn_of=turn_of,
             elements=chunk_sizes.prod(axis=1),
         )

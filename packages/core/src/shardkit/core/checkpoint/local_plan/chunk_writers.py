@@ -84,6 +84,8 @@ class SaveLayout:
     """How the holders of a chunk share its writing (``replica_shares``): ``"bytes"``, or
     ``"turns"`` (whole chunks by the ordinal's turn: records of version 1)."""
     geometries: dict[tuple[Any, ...], Geometry] = field(default_factory=dict)
+    _at: dict[int, Geometry] = field(default_factory=dict)
+    _positions: dict[str, dict[int, int]] = field(default_factory=dict)
     _metadata: dict[str, STORAGE_TYPES] | None = None
     _written: list[list[MetadataIndex]] | None = None
     _shares: list[dict[int, Share]] | None = None
@@ -118,7 +120,14 @@ class SaveLayout:
         key = value.geometry_key()
         found = self.geometries.get(key)
         if found is None:
-            found = self.geometries[key] = Geometry.of(value)
+            found = self.geometries[key] = Geometry.of(value, self._positions)
+        return found
+
+    def geometry_at(self, ordinal: int) -> Geometry:
+        """:meth:`geometry` of the value at ``ordinal`` (its key hashed once, not per ask)."""
+        found = self._at.get(ordinal)
+        if found is None:
+            found = self._at[ordinal] = self.geometry(self.values[ordinal])
         return found
 
     def shares(self) -> list[dict[int, Share]]:
@@ -147,15 +156,15 @@ class SaveLayout:
 
     def pieces(self, ordinal: int) -> tuple[Pieces, list[ChunkStorageMetadata]]:
         """The items of a chunked value (its chunks, cut where its shares say) and listing."""
-        return self.geometry(self.values[ordinal]).pieces(self.cuts(ordinal))
+        return self.geometry_at(ordinal).pieces(self.cuts(ordinal))
 
     def cut_pieces(self, ordinal: int) -> Pieces:
         """:meth:`pieces` without the listing (a load lists only the items it touches)."""
-        return self.geometry(self.values[ordinal]).cut_pieces(self.cuts(ordinal))
+        return self.geometry_at(ordinal).cut_pieces(self.cuts(ordinal))
 
     def writers(self, ordinal: int, pieces: Pieces, items: np.ndarray | None = None) -> np.ndarray:
         """The global rank that writes each item of a chunked value (or each of ``items``)."""
-        geometry = self.geometry(self.values[ordinal])
+        geometry = self.geometry_at(ordinal)
         chunk = pieces.chunk if items is None else pieces.chunk[items]
         piece = pieces.piece if items is None else pieces.piece[items]
         turn = np.zeros(chunk.size, dtype=np.int64)

@@ -11,7 +11,9 @@ DCP's planner then does what it always does with that metadata: per key of the s
 overlaps of the rank's shards with the listed chunks become read items, so the values land
 exactly where DCP's own load puts them (same keys, flattening, Stateful round trip).
 ``ReplicaSplitPlanner`` is the base, so HSDP's replicas still split the reading and share
-what they read (``replica_reads``): those collectives come after the reads, as before.
+what they read (``replica_reads``): those collectives come after the reads, as before. With
+the record they split it by the saved items rather than by tensors (``replica_pieces``), so
+that a rank plans only the pieces it reads: about 1/R of its shard's, whatever R.
 
 Collectives before the reads: none.
 """
@@ -22,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -30,8 +34,11 @@ from shardkit.core.checkpoint.files import share
 from shardkit.core.checkpoint.local_plan.chunk_sources import ChunkSources
 from shardkit.core.checkpoint.local_plan.layout_record import Record
 from shardkit.core.checkpoint.local_plan.rank_index import check_inside
+from shardkit.core.checkpoint.local_plan.replica_pieces import PieceSplit, ReplicaLoads
 from shardkit.core.checkpoint.replica_reads import (
+    PieceParts,
     ReadCounts,
+    ReplicaSet,
     ReplicaSplitPlanner,
     ReplicaSplitReader,
 )
@@ -50,6 +57,8 @@ class RecordLoadPlanner(ReplicaSplitPlanner):
     def __init__(self, sources: ChunkSources) -> None:
         super().__init__()
         self.sources = sources
+        self._splits: dict[str, tuple[PieceSplit, torch.Tensor, ReplicaSet]] = {}
+        self._loads: dict[int, ReplicaLoads] = {}  # id of a replica set -> its split's loads
 
     def set_up_planner(
         self,
@@ -59,13 +68,40 @@ class RecordLoadPlanner(ReplicaSplitPlanner):
     ) -> None:
         """Flatten the state and split the replicas' reading, then fill in the metadata.
 
-        The metadata: of what this rank reads (``ChunkSources.metadata_for``).
+        The metadata: of what this rank reads (``ChunkSources.metadata_for``), which also
+        splits each replicated key's saved items between its replicas.
         """
+        self._splits.clear()
+        self._loads.clear()
         super().set_up_planner(state_dict, metadata, is_coordinator)
         assert metadata is not None, "the reader's shared metadata"
-        mine = self.sources.metadata_for(self.state_dict, frozenset(self._others))
+        splits = {fqn: split for fqn, (split, _, _) in self._splits.items()}
+        mine = self.sources.metadata_for(self.state_dict, frozenset(self._others), splits)
         metadata.state_dict_metadata = mine.state_dict_metadata
         metadata.storage_data = mine.storage_data
+        for split, local, replica_set in self._splits.values():
+            units = split.units
+            if units is not None:  # else not in the record as chunks: every replica reads it
+                parts = PieceParts(local, units.offsets, units.sizes, units.readers)
+                replica_set.pieces.append(parts)
+
+    def _share(self, fqn: str, local: torch.Tensor, replica_set: ReplicaSet) -> None:
+        """Split the key by its saved items (when the metadata is made), not whole."""
+        loads = self._loads.get(id(replica_set))
+        if loads is None:
+            ranks = np.array(replica_set.ranks, dtype=np.int64)
+            loads = self._loads[id(replica_set)] = ReplicaLoads(ranks, replica_set.me)
+        self._splits[fqn] = (PieceSplit(loads), local, replica_set)
+
+    @property
+    def tensors_skipped(self) -> int:
+        """How many tensors other replicas read all of for this rank."""
+        skipped = 0
+        for split, _, replica_set in self._splits.values():
+            units = split.units
+            if units is not None and units.readers.size:
+                skipped += int(not (units.readers == replica_set.me).any())
+        return skipped + super().tensors_skipped
 
 
 def load_planned_locally(
