@@ -194,13 +194,16 @@ def _save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.tensor import DTensor
 
     from shardkit.core import CheckpointManager
     from shardkit.core.checkpoint.dcp_reading import SafeFileSystemReader, SafeLoadPlanner
 
     ours = _app(world_size, replicas, seed=7)
-    CheckpointManager(Path(path).parent).load({"app": ours}, path)
+    manager = CheckpointManager(Path(path).parent)
+    manager.load({"app": ours}, path)
     theirs = _app(world_size, replicas, seed=7)
     dcp_load(
         {"app": theirs},
@@ -208,7 +211,13 @@ def _load(rank: int, world_size: int, path: str, replicas: int) -> dict[str, Any
         storage_reader=SafeFileSystemReader(path),
         planner=SafeLoadPlanner(),
     )
-    return {"ours": state_of(ours), "same_as_dcp": same_state(state_of(ours), state_of(theirs))}
+    flat, _ = flatten_state_dict({"app": ours.state_dict()})
+    return {
+        "ours": state_of(ours),
+        "same_as_dcp": same_state(state_of(ours), state_of(theirs)),
+        "bytes_read": manager.last_load_reads.bytes_read,
+        "dtensor_keys": sorted(k for k, v in flat.items() if isinstance(v, DTensor)),
+    }
 
 
 def test_an_hsdp_checkpoint_written_in_pieces_loads_bit_for_bit(tmp_path: Path) -> None:
@@ -233,6 +242,17 @@ def test_an_hsdp_checkpoint_written_in_pieces_loads_bit_for_bit(tmp_path: Path) 
         for rank, result in enumerate(loaded):
             assert result["same_as_dcp"], (world, rank)
             assert same_state(result["ours"], saved[0]["state"]), (world, rank)
+        if replicas == 2:  # each replica reads back the pieces it wrote (``replica_pieces``)
+            stored = read_dcp_metadata(path).storage_data
+            sharded = set(loaded[0]["dtensor_keys"])
+            plain = sum(info.length for i, info in stored.items() if i.fqn not in sharded)
+            for rank, result in enumerate(loaded):
+                wrote = sum(
+                    info.length
+                    for i, info in stored.items()
+                    if i.fqn in sharded and info.relative_path.startswith(f"__{rank}_")
+                )
+                assert result["bytes_read"] == wrote + plain, (rank, result["bytes_read"])
     by_process = run_on_ranks(4, _load, path=saved[0]["process"], replicas=2)
     for rank, result in enumerate(by_process):
         assert result["same_as_dcp"] and same_state(result["ours"], saved[0]["state"]), rank
