@@ -200,6 +200,26 @@ def test_a_loads_planning_is_counted_work_times_measured_unit_costs() -> None:
     assert "load planning per rank" in format_checkpoint_cost(cost)
 
 
+def test_under_hsdp_a_rank_plans_the_items_it_wrote() -> None:
+    """The replicas split their shard's saved items (``replica_pieces``): each, what it wrote."""
+    from shardkit.tools.plan.checkpoint.load_cost import most_overlaps
+    from tests.core.checkpoint.test_even_writes import _llama_8b
+
+    layout = SaveLayout.from_values(_llama_8b(256), 256)  # pieces: a shard meets several
+    plain = sum(v.kind != "dtensor" for v in layout.values)
+    chunked = {v.fqn for v in layout.values if v.kind == "dtensor"}
+    wrote = [sum(i.index.fqn in chunked for i in layout.items_of(r)) for r in range(256)]
+    assert most_overlaps(layout) == plain + max(wrote)
+    # Every item its shard meets (one shard of 8: an eighth of each value's items), as a
+    # rank planned before its replicas split the items: more than it now plans.
+    met = sum(
+        layout.cut_pieces(o).chunk.size // 8
+        for o, v in enumerate(layout.values)
+        if v.kind == "dtensor"
+    )
+    assert most_overlaps(layout) < plain + met
+
+
 def test_fsdp_x_tp_with_parameters_outside_the_tp_plan_falls_back_as_predicted(
     tmp_path: Path,
 ) -> None:

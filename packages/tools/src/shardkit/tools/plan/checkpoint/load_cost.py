@@ -10,11 +10,12 @@ which each rank plans its load alone (``shardkit.core.checkpoint.local_plan``):
   sizes the save's prediction computed. Exact where those are (``cost``);
 - **a rank's load planning** at the same layout: the record read and checked (per byte), the
   saved geometries computed again (per mesh position, the save's unit cost), then its walk
-  over the values and the saved items that overlap the rank's own shards (per value, per
-  overlap: a piece of a chunk its holders wrote apart is one more), for the rank with the
-  most overlaps. The unit costs are measured by :func:`calibrate_load_planning`, timing the
-  core's own reader and its overlap search (``ChunkSources.metadata_of``) on a synthetic
-  state in this process. The reads of the writers' indexes and of the data are not in it.
+  over the values and the saved items it reads of its own shards (per value, per item: under
+  HSDP the items it wrote, its replicas reading the rest), for the rank with the most, and
+  per value that replicas share, the split of its items between them. The unit costs are
+  measured by :func:`calibrate_load_planning`, timing the core's own reader and its overlap
+  search (``ChunkSources.metadata_of``, with the replicas' split under HSDP) on synthetic
+  states in this process. The reads of the writers' indexes and of the data are not in it.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ from shardkit.core.checkpoint.local_plan.layout_record import (
     read_record,
     write_record,
 )
+from shardkit.core.checkpoint.local_plan.replica_pieces import (
+    PieceSplit,
+    ReplicaLoads,
+    replica_line,
+)
 from shardkit.tools.plan.checkpoint.timing import best_of, synthetic_values
 
 __all__ = ["LoadCosts", "calibrate_load_planning", "load_plan_seconds", "record_bytes"]
 
 _CHUNKED = ("dtensor", "sharded")
 _WORLD = 512
+_REPLICAS = 64  # HSDP's calibration: 64 replicas of 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,8 @@ class LoadCosts:
     per_overlap_s: float
     source: str
     """What was timed, where (as ``timing.SaveCosts.source``)."""
+    per_split_value_s: float = 0.0
+    """More per value whose shards several replicas hold: the split of its saved items."""
 
 
 def record_bytes(
@@ -86,17 +95,22 @@ def record_bytes(
 
 
 def most_overlaps(layout: SaveLayout) -> int:
-    """The most saved items one rank's own shards overlap, loading at the same layout."""
-    overlaps = np.zeros(layout.world_size, dtype=np.int64)
+    """The most saved items one rank plans, loading at the same layout.
+
+    Every value that every rank holds, and of its shards the items it wrote: under HSDP the
+    replicas of a shard split its saved items (``local_plan.replica_pieces``), each planning
+    only those it wrote, not every piece its shard meets; without replicas a rank wrote all
+    of its shard's items.
+    """
+    written = np.zeros(layout.world_size, dtype=np.int64)
+    plain = 0
     for ordinal, value in enumerate(layout.values):
         if value.kind not in _CHUNKED:
-            overlaps += 1  # read whole by every rank
+            plain += 1  # read whole by every rank
             continue
-        geometry = layout.geometry(value)
-        pieces, _ = layout.pieces(ordinal)
-        per_chunk = np.diff(pieces.start)
-        overlaps[geometry.ranks] += per_chunk[geometry.group_of]
-    return int(overlaps.max())
+        pieces = layout.cut_pieces(ordinal)
+        written += np.bincount(layout.writers(ordinal, pieces), minlength=layout.world_size)
+    return plain + int(written.max())
 
 
 def load_plan_seconds(
@@ -115,18 +129,44 @@ def load_plan_seconds(
         record * costs.per_record_byte_s
         + positions * per_position_s
         + len(layout.values) * costs.per_value_s
+        + _replicated(layout) * costs.per_split_value_s
         + most_overlaps(layout) * costs.per_overlap_s
     )
 
 
+def _replicated(layout: SaveLayout) -> int:
+    """The DTensors that replicas hold (HSDP's): their replicas split the saved items.
+
+    Of the rank at the middle (every rank of an HSDP mesh has replicas alike).
+    """
+    rank = layout.world_size // 2
+    return sum(
+        1
+        for value in layout.values
+        if value.kind == "dtensor"
+        and value.mesh is not None
+        and replica_line(value.mesh, value.placements, rank) is not None
+    )
+
+
 class _NoIndexes(ChunkSources):
-    """The core's lookup with the writers' indexes made up (their reading is I/O, not timed)."""
+    """The core's lookup with the writers' indexes made up (their reading is I/O, not timed).
+
+    The places of the values every rank holds come from the record, as at a real load
+    (:func:`_sources`), not from their writers' indexes.
+    """
 
     def index_of(self, writer: int) -> np.ndarray:
         items = int((self.written_by(writer) >= 0).sum())
         rows = np.zeros((items, 3), dtype=np.int64)
         rows[:, 2] = 4096
         return rows
+
+
+def _sources(layout: SaveLayout) -> _NoIndexes:
+    """:class:`_NoIndexes` over ``layout``, with the record's places of the plain values."""
+    plain = sum(value.kind not in _CHUNKED for value in layout.values)
+    return _NoIndexes(Path(), layout, np.zeros((plain, 3), dtype=np.int64))
 
 
 def _held(layout: SaveLayout, rank: int, whole: bool) -> dict[str, Boxes]:
@@ -158,18 +198,49 @@ def calibrate_load_planning(runs: int = 3) -> LoadCosts:
     own, whole = _held(layout, _WORLD // 2, False), _held(layout, _WORLD // 2, True)
     seconds, overlaps = [], []
     for held in (own, whole):
-        sources = _NoIndexes(Path(), layout)
-        found = sources.metadata_of(held)  # warm: geometries, writers' rows
+        found = _sources(layout).metadata_of(held)  # warm: geometries, writers' rows
         overlaps.append(len(found.storage_data))
-        seconds.append(
-            best_of(runs, lambda held=held: _NoIndexes(Path(), layout).metadata_of(held))
-        )
+        seconds.append(best_of(runs, lambda held=held: _sources(layout).metadata_of(held)))
     per_overlap = max(0.0, (seconds[1] - seconds[0]) / (overlaps[1] - overlaps[0]))
     per_value = max(0.0, seconds[0] - per_overlap * overlaps[0]) / len(layout.values)
+    hsdp = SaveLayout.from_values(synthetic_values(_WORLD, _REPLICAS), _WORLD)
+    split_s, split_items, split_values = _split_timed(hsdp, runs)
+    rest = split_s - per_value * len(hsdp.values) - per_overlap * split_items
+    per_split = max(0.0, rest) / split_values
     source = (
         f"measured now on {platform.node() or 'this machine'} (torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads): the core's read_record on a {size:,}-byte record "
         f"and ChunkSources.metadata_of for {overlaps[0]:,} and {overlaps[1]:,} overlaps of "
-        f"{len(layout.values)} values at W={_WORLD}; best of {runs}"
+        f"{len(layout.values)} values at W={_WORLD}, and with the replicas' split of "
+        f"{split_values} values under HSDP {_REPLICAS} x {_WORLD // _REPLICAS}; best of {runs}"
     )
-    return LoadCosts(per_byte, per_value, per_overlap, source)
+    return LoadCosts(per_byte, per_value, per_overlap, source, per_split)
+
+
+def _split_timed(layout: SaveLayout, runs: int) -> tuple[float, int, int]:
+    """A rank's lookup with its replicas' split (as ``local_plan.load``): seconds, items, values.
+
+    Of the rank at the middle of an HSDP ``layout``, at the same layout.
+    """
+    rank = layout.world_size // 2
+    held = _held(layout, rank, False)
+
+    def splits() -> dict[str, PieceSplit]:
+        found: dict[str, PieceSplit] = {}
+        lines: dict[str, ReplicaLoads] = {}
+        for value in layout.values:
+            if value.kind != "dtensor" or value.mesh is None:
+                continue
+            loads = lines.get(value.mesh_id)
+            if loads is None:
+                line = replica_line(value.mesh, value.placements, rank)
+                assert line is not None, "an HSDP mesh"
+                loads = lines[value.mesh_id] = ReplicaLoads(line, int(np.argmax(line == rank)))
+            found[value.fqn] = PieceSplit(loads)
+        return found
+
+    warm = _sources(layout).metadata_of(held, splits=splits())
+    items = len(warm.storage_data)
+    split_values = len(splits())
+    seconds = best_of(runs, lambda: _sources(layout).metadata_of(held, splits=splits()))
+    return seconds, items, split_values
