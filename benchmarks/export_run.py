@@ -16,9 +16,9 @@ bf16 and hands it over alone. Each round runs both, alternating which goes first
 time is its slowest rank's. Peak RSS is the high-water mark after a reset (/proc/self/
 clear_refs), with MALLOC_MMAP_THRESHOLD_=65536 so freed memory shows: per rank, above each
 sync's start and as a whole (VmHWM), for trl's pattern, a full export, and a delta export after
-an AdamW step at lr 1e-6 (its kept part, held from the sync before, is in the whole, not in
-the rise). ``BUCKET_MIB``: the exports' ``bucket_bytes`` (64 unless given). Prints one JSON
-line.
+an AdamW step at lr 1e-6 (what it holds from the sync before, rank 1's kept part, is in the
+whole, not in the rise; rank 0 compares with its receiver's copy and keeps none).
+``BUCKET_MIB``: the exports' ``bucket_bytes`` (64 unless given). Prints one JSON line.
 """
 
 from __future__ import annotations
