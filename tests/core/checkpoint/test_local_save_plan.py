@@ -117,6 +117,26 @@ MESHES = [
 ]
 
 
+def test_distinct_chunks_are_numpys_unique_rows() -> None:
+    """The chunks grouped by one number a row (``_distinct_rows``), as ``np.unique`` groups
+    them row by row: the same rows, first places, groups and counts, in the same order."""
+    import numpy as np
+
+    from shardkit.core.checkpoint.local_plan.chunk_geometry import _distinct_rows
+
+    rng = np.random.default_rng(0)
+    for shape in ((7, 5), (3,), (0, 4), (4, 0, 6), (), (9, 2), (2**40, 2**30)):
+        high = np.array(shape, dtype=np.int64) + 1
+        for beyond in (0, 2):  # within the shape (a chunk's offsets), and past it
+            offsets = rng.integers(0, high + beyond, size=(50, len(shape)))
+            got = _distinct_rows(offsets, shape)
+            rows, first, group, counts = np.unique(
+                offsets, axis=0, return_index=True, return_inverse=True, return_counts=True
+            )
+            assert np.array_equal(got[0], rows) and np.array_equal(got[1], first)
+            assert np.array_equal(got[2], group.reshape(-1)) and np.array_equal(got[3], counts)
+
+
 @pytest.mark.parametrize(("shape", "mesh_shape", "placements"), MESHES)
 def test_the_layouts_arithmetic_is_torchs(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]

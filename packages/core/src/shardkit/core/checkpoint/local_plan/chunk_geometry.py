@@ -106,10 +106,7 @@ class Geometry:
         """
         assert value.mesh is not None
         offsets, sizes = _position_chunks(value)
-        distinct, first_seen, group_of, counts = np.unique(
-            offsets, axis=0, return_index=True, return_inverse=True, return_counts=True
-        )
-        group_of = group_of.reshape(-1)
+        distinct, first_seen, group_of, counts = _distinct_rows(offsets, value.shape)
         holders = np.argsort(group_of, kind="stable")
         first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         ranks = value.mesh.reshape(-1)
@@ -201,6 +198,30 @@ class Geometry:
                 for o, s in zip(self.offsets.tolist(), self.sizes.tolist(), strict=True)
             ]
         return self.listed
+
+
+def _distinct_rows(
+    offsets: np.ndarray, shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(offsets, axis=0)``'s rows, first places, inverse and counts.
+
+    Each row (an offset is at most its dim's size) as one number in the dims' mixed radix:
+    their order is the rows' order, and a 1-D unique is several times faster than the rows'
+    (W rows per geometry, on every rank at every load). Rows outside that (a damaged
+    record's shards, which its reader refuses later) take the rows' unique.
+    """
+    radix = np.array(shape, dtype=np.int64) + 1
+    beyond = offsets.size > 0 and bool(((offsets < 0) | (offsets >= radix)).any())
+    if beyond or offsets.shape[1] == 0 or float(np.prod(radix.astype(np.float64))) >= 2.0**62:
+        found = np.unique(
+            offsets, axis=0, return_index=True, return_inverse=True, return_counts=True
+        )
+        return found[0], found[1], found[2].reshape(-1), found[3]
+    keys = np.ravel_multi_index(tuple(offsets.T), tuple(radix.tolist()))
+    _, first_seen, group_of, counts = np.unique(
+        keys, return_index=True, return_inverse=True, return_counts=True
+    )
+    return offsets[first_seen], first_seen, group_of.reshape(-1), counts
 
 
 def _position_chunks(value: ValueLayout) -> tuple[np.ndarray, np.ndarray]:
