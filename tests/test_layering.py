@@ -25,6 +25,7 @@ SEAMS = {
     "shardkit.core.checkpoint.local_plan.chunk_writers",
     "shardkit.core.checkpoint.local_plan.chunk_sources",
     "shardkit.core.checkpoint.local_plan.layout_record",
+    "shardkit.core.checkpoint.local_plan.replica_pieces",  # the load cost times HSDP's split
     "shardkit.core.optim.owners",
     "shardkit.core.optim.newton_schulz",
     "shardkit.core.optim.blocks",
