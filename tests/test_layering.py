@@ -92,6 +92,9 @@ SEAM_REACHES: dict[str, tuple[str, ...]] = {
         "shardkit.core.runtime.dtensors",
         "shardkit.core.runtime.groups",
     ),
+    # HSDP's split of a shard's saved items between its replicas, pure numpy: the planner
+    # times it beside the overlaps (shardkit-plan --checkpoint).
+    "shardkit.core.checkpoint.local_plan.replica_pieces": (),
     # Whole-matrix optimizers' owners and Newton-Schulz's cost, pure functions of shapes: the
     # planner places Muon's matrices on the ranks the optimizer will (shardkit-plan --optimizer).
     "shardkit.core.optim.owners": (),
