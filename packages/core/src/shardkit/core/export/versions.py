@@ -18,14 +18,15 @@ export), held from the bucket that brings it to the commit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shardkit.core.errors import WeightLoadError
+from shardkit.core.export.messages import ExportManifest
 
-__all__ = ["StagedLoads", "StagedTensors"]
+__all__ = ["StagedLoads", "StagedTensors", "partial_load_error"]
 
 Tensors = list[tuple[str, torch.Tensor]]
 
@@ -123,3 +124,15 @@ def _load_back(
         except Exception as error:
             return f"{type(error).__name__}: {error}"
     return None
+
+
+def partial_load_error(
+    manifest: ExportManifest | None, loaded: Sequence[str], bucket: int, error: Exception
+) -> WeightLoadError:
+    """The error of a load that failed after some tensors were written: it names them."""
+    export = "the export" if manifest is None else f"export {manifest.export_id}"
+    done = ", ".join(loaded) if loaded else "none"
+    return WeightLoadError(
+        f"{export} failed loading bucket {bucket}: {type(error).__name__}: {error}. Tensors "
+        f"already written (the receiver holds the new values for these only): {done}"
+    )
