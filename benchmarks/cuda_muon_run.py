@@ -34,13 +34,14 @@ Newton-Schulz work alone (the floor, ``muon_baselines.newton_schulz_share``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,46 +146,45 @@ def batched(device: str, size: str, repeats: int = 5) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     inputs = {s: torch.randn(n, *s, generator=gen).bfloat16().to(device) for s, n in shapes.items()}
     args = (ns.DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
-    kept = ns._BATCHED_DEVICES
     results: dict[str, Any] = {"case": "muon-batched", "size": size, "shapes": {}}
-    try:
-        for shape, batch in inputs.items():
-            one_by_one = torch.stack([ns.orthogonalize(m, *args) for m in batch])
-            ns._BATCHED_DEVICES = frozenset({batch.device.type})
+    for shape, batch in inputs.items():
+        one_by_one = ns.orthogonalize_batch(batch, *args)  # the device's default: one at a time
+        with _batched_on(batch.device.type):
             together = ns.orthogonalize_batch(batch, *args)
-            ns._BATCHED_DEVICES = kept
-            results["shapes"][f"{shape[0]}x{shape[1]}"] = {
-                "matrices": batch.size(0),
-                "identical": bool(torch.equal(one_by_one, together)),
-                "max_diff": (one_by_one.float() - together.float()).abs().max().item(),
-            }
-        results["one_by_one_s"] = _best(device, repeats, lambda: _all(inputs, args, False))
-        results["batched_s"] = _best(device, repeats, lambda: _all(inputs, args, True))
-    finally:
-        ns._BATCHED_DEVICES = kept
+        results["shapes"][f"{shape[0]}x{shape[1]}"] = {
+            "matrices": batch.size(0),
+            "identical": bool(torch.equal(one_by_one, together)),
+            "max_diff": (one_by_one.float() - together.float()).abs().max().item(),
+        }
+
+    def all_shapes() -> None:
+        for batch in inputs.values():
+            ns.orthogonalize_batch(batch, *args)
+
+    results["one_by_one_s"] = _best(device, repeats, all_shapes)
+    with _batched_on(device):
+        results["batched_s"] = _best(device, repeats, all_shapes)
     results["identical"] = all(s["identical"] for s in results["shapes"].values())
     return results
+
+
+@contextlib.contextmanager
+def _batched_on(device_type: str) -> Iterator[None]:
+    """Open Newton-Schulz's batched path on ``device_type`` for a while (a probe: the core
+    keeps it shut until a check like this one says the device keeps the bits)."""
+    from shardkit.core.optim import newton_schulz as ns
+
+    kept = ns._BATCHED_DEVICES
+    ns._BATCHED_DEVICES = kept | {device_type}
+    try:
+        yield
+    finally:
+        ns._BATCHED_DEVICES = kept
 
 
 def _shapes(size: str) -> list[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         return list(gpt._model(size).named_parameters())
-
-
-def _all(
-    inputs: dict[tuple[int, int], torch.Tensor], args: tuple[Any, ...], together: bool
-) -> None:
-    from shardkit.core.optim import newton_schulz as ns
-
-    for batch in inputs.values():
-        if together:
-            kept = ns._BATCHED_DEVICES
-            ns._BATCHED_DEVICES = frozenset({batch.device.type})
-            ns.orthogonalize_batch(batch, *args)
-            ns._BATCHED_DEVICES = kept
-        else:
-            for matrix in batch:
-                ns.orthogonalize(matrix, *args)
 
 
 def _best(device: str, repeats: int, work: Callable[[], None]) -> float:
