@@ -60,6 +60,8 @@ class Case:
     """Backward passes per step, each on its share of the step's rows."""
     bf16_params: bool = False
     """The model in bf16, reduced in fp32: Muon's momentum in bf16 too."""
+    replicated_over: bool = False
+    """Under "tp": Muon told that the TP ranks hold the same matrices TP leaves whole."""
 
 
 def build(model: str) -> nn.Module:
@@ -154,13 +156,31 @@ def place(case: Case, model: nn.Module, impl: str, world_size: int) -> tuple[int
     return rank, world_size
 
 
-def _optimizers(model: nn.Module, *, placed: bool) -> tuple[list[Any], int]:
+def _optimizers(
+    model: nn.Module, *, placed: bool, replicated_over: DeviceMesh | None = None
+) -> tuple[list[Any], int]:
     """Muon (shardkit's, or torch's expert by expert) and AdamW; how many matrices Muon has."""
     split = split_matrices(model, head=_head(model), stacks=True)
     count = sum(len(p) if p.dim() == 3 else 1 for _, p in split.matrices)
-    muon = Muon(split.matrices, lr=LR) if placed else ExpertwiseMuon(split.matrices)
+    muon = (
+        Muon(split.matrices, lr=LR, replicated_over=replicated_over)
+        if placed
+        else ExpertwiseMuon(split.matrices)
+    )
     adamw = torch.optim.AdamW([p for _, p in split.others], lr=ADAMW_LR, weight_decay=0.1)
     return [muon, adamw], count
+
+
+def _tp_mesh(model: nn.Module, case: Case) -> DeviceMesh | None:
+    """TP's mesh, where the case tells Muon of it: the "tp" axis of TP's own parameters."""
+    if not case.replicated_over:
+        return None
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            tp: DeviceMesh = mesh["tp"]
+            return tp
+    raise AssertionError("replicated_over: no parameter on a tp axis")
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -191,7 +211,7 @@ def compare_body(
     if case.bf16_params:
         reference, model = reference.to(torch.bfloat16), model.to(torch.bfloat16)
     dp_rank, dp_size = place(case, model, impl, world_size)
-    ours, matrices = _optimizers(model, placed=True)
+    ours, matrices = _optimizers(model, placed=True, replicated_over=_tp_mesh(model, case))
     theirs, _ = _optimizers(reference, placed=False)
     ref_params = dict(reference.named_parameters())
     out: dict[str, Any] = {"equal": [], "max_diff": [], "stats": [], "matrices": matrices}

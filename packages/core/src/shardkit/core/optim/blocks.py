@@ -57,6 +57,9 @@ class MatrixPlacement:
     expert: int | None = None
     """Where this rank's block sits in its local tensor's first dim (a stack); None for a 2-D
     parameter, and where this rank holds none of the expert."""
+    assumed: bool = False
+    """Whether its replicas on some axis were given by the user's word (``replicated_over``),
+    not by its placements: the step checks them once before it trusts them."""
 
     def whole_on(self) -> tuple[int, ...]:
         """The group ranks that hold the whole matrix (its owner there moves no rows in)."""

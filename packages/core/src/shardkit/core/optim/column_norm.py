@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import ParamsT
 
 from shardkit.core.optim.rule import Options, WholeMatrixRule, momentum_state
@@ -66,17 +67,25 @@ class ColumnNormSGD(WholeMatrixOptimizer):
         lr: learning rate.
         momentum: the momentum factor.
         eps: the least column norm divided by.
+        replicated_over: TP's axis, whose ranks hold the same matrices where TP cuts none
+            (``WholeMatrixOptimizer``): each updated once across it too.
 
     Raises:
         ValueError: a negative lr or momentum, or a parameter neither 2-D nor 3-D.
     """
 
     def __init__(
-        self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.9, eps: float = 1e-8
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        eps: float = 1e-8,
+        *,
+        replicated_over: DeviceMesh | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if not momentum >= 0.0:
             raise ValueError(f"momentum should be >= 0 but is: {momentum}")
         defaults: dict[str, Any] = {"lr": lr, "momentum": momentum, "eps": eps}
-        super().__init__(params, defaults, rule=COLUMN_NORM_RULE)
+        super().__init__(params, defaults, rule=COLUMN_NORM_RULE, replicated_over=replicated_over)

@@ -29,13 +29,20 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardkit.core.optim.blocks import Block, MatrixPlacement
 from shardkit.core.runtime.dtensors import chunk_at
 from shardkit.core.runtime.groups import group_ranks, mesh_group, world_size
-from shardkit.core.runtime.meshes import flattened
+from shardkit.core.runtime.meshes import concatenate, flattened
 
 __all__ = ["Block", "MatrixPlacement", "placement_of"]
 
 
-def placement_of(param: torch.Tensor, name: str) -> tuple[MatrixPlacement, ...]:
+def placement_of(
+    param: torch.Tensor, name: str, replicated_over: DeviceMesh | None = None
+) -> tuple[MatrixPlacement, ...]:
     """Where each matrix of ``param`` lives: one for a 2-D parameter, E for a stack.
+
+    ``replicated_over`` is a mesh whose ranks hold the same values of every parameter that is
+    not placed on it (TP's axis, for the matrices no TP style cuts): such a parameter is taken
+    as replicated on it too, so that one rank of the combined mesh owns each of its matrices.
+    A parameter already placed on it (TP's own) is left as it is.
 
     Raises:
         ValueError: ``param`` is neither 2-D nor 3-D (torch's Muon takes 2-D only).
@@ -51,19 +58,59 @@ def placement_of(param: torch.Tensor, name: str) -> tuple[MatrixPlacement, ...]:
         )
     shape = tuple(int(s) for s in param.shape)
     names = _matrix_names(name, shape)
-    if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
+    mesh, placements, assumed = _placed_on(param, name, replicated_over)
+    if mesh is None or mesh.size() == 1:
         # Whole here: a stack's experts are its local tensor's first dim, in order.
         return tuple(
             MatrixPlacement(n, _matrix_shape(shape), None, expert=_index(shape, e))
             for e, n in enumerate(names)
         )
-    return _sharded(param, shape, names)
+    return _sharded(mesh, placements, shape, names, assumed)
+
+
+def _placed_on(
+    param: torch.Tensor, name: str, replicated_over: DeviceMesh | None
+) -> tuple[DeviceMesh | None, tuple[Placement, ...], bool]:
+    """Where the step takes ``param``: its mesh, placements, and whether replicas were added.
+
+    The mesh is None for a plain tensor held alone; replicas are added on ``replicated_over``'s
+    word (:func:`placement_of`).
+    """
+    mesh = param.device_mesh if isinstance(param, DTensor) else None
+    placements = tuple(param.placements) if isinstance(param, DTensor) else ()
+    if replicated_over is None or replicated_over.size() == 1:
+        return mesh, placements, False
+    if mesh is None:  # whole on every rank of ``replicated_over``
+        return replicated_over, (Replicate(),) * replicated_over.ndim, True
+    mine, theirs = _ranks(mesh), _ranks(replicated_over)
+    if theirs <= mine:
+        return mesh, placements, False  # placed on it already (TP's own matrices)
+    if len(mine & theirs) != 1:
+        raise ValueError(
+            f"{name}: its mesh {mesh} and replicated_over {replicated_over} share ranks "
+            "other than this one; replicated_over must be an axis its mesh does not have"
+        )
+    try:
+        combined = concatenate([mesh, replicated_over])
+    except RuntimeError as error:  # not slices of one root mesh
+        raise ValueError(
+            f"{name}: its mesh {mesh} and replicated_over {replicated_over} are not axes of "
+            f"one device mesh ({error})"
+        ) from error
+    return combined, placements + (Replicate(),) * replicated_over.ndim, True
+
+
+def _ranks(mesh: DeviceMesh) -> set[int]:
+    return {int(r) for r in mesh.mesh.flatten().tolist()}
 
 
 def _sharded(
-    param: DTensor, shape: tuple[int, ...], names: list[str]
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    names: list[str],
+    assumed: bool,
 ) -> tuple[MatrixPlacement, ...]:
-    mesh, placements = param.device_mesh, tuple(param.placements)
     _check_placements(names[0].split("[")[0], placements, tuple(mesh.shape), len(shape))
     group = _group_of(mesh)
     where = {int(r): c for c, r in _coordinates(mesh.mesh)}
@@ -80,7 +127,9 @@ def _sharded(
         if len(shape) == 3 and not blocks[mine].empty:
             expert = e - chunks[mine][1][0]  # its place among this rank's experts
         found.append(
-            MatrixPlacement(matrix_name, _matrix_shape(shape), group, blocks, replicas, expert)
+            MatrixPlacement(
+                matrix_name, _matrix_shape(shape), group, blocks, replicas, expert, assumed
+            )
         )
     return tuple(found)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import ParamsT
 
 from shardkit.core.optim.newton_schulz import (
@@ -125,6 +126,10 @@ class Muon(WholeMatrixOptimizer):
         ns_steps: Newton-Schulz iterations (fewer than 100).
         adjust_lr_fn: None or "original" (lr * sqrt(max(1, m/n))), or "match_rms_adamw"
             (lr * 0.2 * sqrt(max(m, n))).
+        replicated_over: not torch's: under FSDP x TP, TP's mesh (``mesh["tp"]``), whose
+            ranks hold the same values of the matrices no TP style cuts (an MoE's experts and
+            routers). Each of those is then orthogonalized once in the job instead of once per
+            TP rank; the first step checks that the ranks agree (every rank raises if not).
 
     Raises:
         ValueError: what torch's Muon refuses (a negative lr, momentum or weight decay, an
@@ -144,6 +149,8 @@ class Muon(WholeMatrixOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        *,
+        replicated_over: DeviceMesh | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -163,7 +170,7 @@ class Muon(WholeMatrixOptimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
-        super().__init__(params, defaults, rule=MUON_RULE)
+        super().__init__(params, defaults, rule=MUON_RULE, replicated_over=replicated_over)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its options are checked here, on every rank, not at the owner's step.

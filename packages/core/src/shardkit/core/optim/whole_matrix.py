@@ -30,16 +30,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from shardkit.core.optim.exchange import start_gather, start_scatter
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
 from shardkit.core.optim.owners import assign_owners, rounds
+from shardkit.core.optim.replica_check import check_replicas
 from shardkit.core.optim.routes import Route, Traffic, routes
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.state_checks import check_loadable
 from shardkit.core.runtime.dtensors import local_of
+from shardkit.core.runtime.groups import mesh_group
 
 __all__ = ["StepStats", "WholeMatrixOptimizer"]
 
@@ -117,6 +120,11 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             are what errors say (torch's optimizers take ``named_parameters()`` too).
         defaults: the hyperparameters of every group that does not set its own.
         rule: what the step computes.
+        replicated_over: a mesh (TP's axis) whose ranks hold the same values of every
+            parameter not placed on it and compute the same gradients for it: each such
+            matrix is then orthogonalized once across that mesh too, not once per rank of it.
+            Checked at the first step that meets the parameter (every rank raises where they
+            differ). None: each parameter's own placements say where its copies are.
     """
 
     exchange_rounds: int = 1
@@ -127,8 +135,20 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
     where more rounds measured slower: docs/guide/muon.md); more where the exchanges run on
     links and engines of their own. Set on the optimizer (``muon.exchange_rounds = 2``)."""
 
-    def __init__(self, params: ParamsT, defaults: dict[str, Any], *, rule: WholeMatrixRule):
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        rule: WholeMatrixRule,
+        replicated_over: DeviceMesh | None = None,
+    ):
         self.rule = rule
+        self.replicated_over = replicated_over
+        # Made here, where every rank builds the optimizer in the same order (an N-D mesh's
+        # group is a new group, which every rank of the world makes).
+        self._replica_group = None if replicated_over is None else mesh_group(replicated_over)
+        self._replicas_checked: set[int] = set()
         self.last_step_stats: StepStats | None = None
         """What this rank's last step did (None before the first)."""
         self._plans: dict[tuple[Any, ...], _Plan] = {}
@@ -149,7 +169,9 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         try:
             # Refused now, on every rank, rather than mid-step on some.
             added = self.param_groups[index]
-            placed = [(p, placement_of(p, name)) for name, p in _named(added, index)]
+            placed = [
+                (p, placement_of(p, name, self.replicated_over)) for name, p in _named(added, index)
+            ]
         except (ValueError, NotImplementedError):
             del self.param_groups[index]  # as if never added
             raise
@@ -183,6 +205,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_replicas()
         matrices, blocks = self._prepared()
         tally = _Tally()
         for m, block in zip(matrices, blocks, strict=True):
@@ -193,6 +216,22 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             self._step_sharded([matrices[i] for i in indices], [blocks[i] for i in indices], tally)
         self.last_step_stats = tally.stats()
         return loss
+
+    def _check_replicas(self) -> None:
+        """The parameters placed on ``replicated_over``'s word, first met: checked to agree."""
+        if self._replica_group is None:
+            return
+        unchecked = [
+            (name, param)
+            for index, group in enumerate(self.param_groups)
+            for name, param in _named(group, index)
+            if param.grad is not None
+            and id(param) not in self._replicas_checked
+            and any(m.assumed for m in self._placement(param, name))
+        ]
+        if unchecked:  # the same on every rank: one program, one order of steps
+            check_replicas(unchecked, self._replica_group)
+        self._replicas_checked.update(id(p) for _, p in unchecked)
 
     def _prepared(self) -> tuple[list[_Matrix], list[torch.Tensor]]:
         """The matrices with gradients, in group order, and this rank's block of each.
@@ -224,7 +263,8 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         """Where ``param``'s matrices live, as found when its group was added."""
         known = self._placements.get(id(param))
         if known is None or known[0] is not param:  # put in param_groups by hand
-            known = self._placements[id(param)] = (param, placement_of(param, name))
+            placement = placement_of(param, name, self.replicated_over)
+            known = self._placements[id(param)] = (param, placement)
         return known[1]
 
     def _prepare(self, param: torch.Tensor, grad: torch.Tensor, options: Options) -> torch.Tensor:
