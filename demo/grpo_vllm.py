@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from shardkit.core import fully_shard
 from shardkit.core.export import ExportOptions, ExportReport, WeightExporter
 from shardkit.core.export.vllm import VLLMReceiver, vllm_receiver
+from shardkit.core.export.vllm_read_back import served_tensors
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -225,40 +226,11 @@ def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def engine_weights(worker: Any) -> dict[str, torch.Tensor]:
     """On vLLM's worker: every weight the engine computes with, under the checkpoint's names.
 
-    Run through ``llm.collective_rpc``. vLLM's CPU build repacks each linear layer's weight
-    for its kernels and leaves an empty parameter behind, so those weights are read back
-    through the kernel: a linear layer applied to the identity matrix returns its weight,
-    transposed, exactly (each output element is one product ``w * 1``, the rest zeros, summed
-    in fp32). The other parameters (embeddings, norms, biases) are used as they are. vLLM fuses
-    q, k and v into ``qkv_proj`` and gate and up into ``gate_up_proj``; they are split back by
-    the layer's ``output_sizes``. One engine per rank here (no tensor parallelism): each layer
-    holds its whole weight.
+    Run through ``llm.collective_rpc``: the package's read-back (its linear layers' weights
+    read through the kernels, the fused layers split back; see
+    ``shardkit.core.export.vllm_read_back``).
     """
-    model = worker.model_runner.get_model()
-    dtype = worker.model_runner.model_config.dtype
-    fused: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    found: dict[str, torch.Tensor] = {}
-
-    def put(module_name: str, kind: str, tensor: torch.Tensor) -> None:
-        prefix, _, leaf = module_name.rpartition(".")
-        parts = fused.get(leaf)
-        if parts is None:
-            found[f"{module_name}.{kind}"] = tensor.clone()
-            return
-        sizes = model.get_submodule(module_name).output_sizes
-        for part, piece in zip(parts, tensor.split(sizes), strict=True):
-            found[f"{prefix}.{part}.{kind}"] = piece.clone()
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            module_name, _, kind = name.rpartition(".")
-            if param.numel() > 0:
-                put(module_name, kind, param.detach())
-                continue
-            module = model.get_submodule(module_name)
-            identity = torch.eye(module.input_size, dtype=dtype)
-            put(module_name, kind, module.quant_method.apply(module, identity).t())
-    return found
+    return served_tensors(worker)
 
 
 def check_sync(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from shardkit.core import fully_shard
 from shardkit.core.errors import WeightExportError
 from shardkit.core.export import ExportOptions, WeightExporter
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.vllm_read_back import tensor_digest
 from shardkit.core.export.vllm_server import VLLMServerReceiver
 from tests.vllm import engines, servers
 
@@ -40,16 +42,94 @@ def sharded_model(folder: Path) -> torch.nn.Module:
     return sharded
 
 
+class _AfterBegin:
+    """Rank 0's receiver: the server's, with something done once the manifest is sent."""
+
+    def __init__(self, inner: VLLMServerReceiver) -> None:
+        self.inner = inner
+
+    def begin(self, manifest: ExportManifest) -> None:
+        self.inner.begin(manifest)
+        self.after_begin()
+
+    def after_begin(self) -> None:
+        raise NotImplementedError
+
+    def receive(self, bucket: WeightBucket) -> None:
+        self.inner.receive(bucket)
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def abort(self, error: BaseException) -> None:
+        self.inner.abort(error)
+
+
+class _AsksDuringExport(_AfterBegin):
+    """Rank 0's receiver that requests :data:`servers.LONG_PROMPT`'s completion while the
+    export is under way, and keeps what the server answered.
+
+    The server answered that prompt before the export, so its prefix cache holds the first
+    block's keys and values computed by the old weights. The request is sent once the export
+    began, and a second later the first bucket goes: the request waits in the server while the
+    worker loads. Where the server could schedule it before its prefix cache is emptied, it
+    would reuse that block with the new weights, and its answer would differ from a fresh
+    server's on them.
+    """
+
+    def __init__(self, inner: VLLMServerReceiver, folder: Path) -> None:
+        super().__init__(inner)
+        self.folder = folder
+        self.answers: list[dict[str, Any]] = []
+        self._asking: threading.Thread | None = None
+
+    def after_begin(self) -> None:
+        ask = servers.completions
+        args = (self.inner.url, self.folder, [servers.LONG_PROMPT])
+        self._asking = threading.Thread(target=lambda: self.answers.extend(ask(*args)))
+        self._asking.start()
+        time.sleep(1.0)  # the request reaches the engine before the first bucket
+
+    def answered(self) -> dict[str, Any]:
+        """The completion asked for during the export (it comes once the export ended)."""
+        assert self._asking is not None
+        self._asking.join(120)
+        assert len(self.answers) == 1, self.answers
+        return self.answers.pop()
+
+
+def read_back_against(
+    receiver: VLLMServerReceiver, full: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Every tensor the server computes with, read back by digest, against the trainer's
+    ``full`` (each cast to the dtype the engine keeps it in, as the engine cast it)."""
+    served = receiver.weight_digests()
+    differ = sorted(set(served) ^ set(full))
+    for name in sorted(set(served) & set(full)):
+        dtype = getattr(torch, served[name][0])
+        if tensor_digest(full[name].to(dtype)) != served[name]:
+            differ.append(name)
+    return {"tensors": len(served), "differ": differ}
+
+
 def train_and_sync(
     rank: int, world_size: int, *, folder: str, url: str, out: str, bound_s: float
 ) -> list[dict[str, Any]]:
     """One AdamW step and one export per entry of STEPS; after each, rank 0 saves the trainer's
-    weights (``out/step<k>``, for a fresh server) and asks the synced server for completions.
+    weights (``out/step<k>``, for a fresh server), reads every tensor back from the server
+    against them, and asks the synced server for completions; ``during`` is the completion
+    requested while the export ran (:class:`_AsksDuringExport`).
     """
     model = sharded_model(Path(folder))
     optimizer = torch.optim.AdamW(model.parameters(), lr=STEPS[0][0])
     exporter = WeightExporter(model, ExportOptions(dtype=DTYPE, bound_s=bound_s))
-    receiver = VLLMServerReceiver(url, bound_s=bound_s) if exporter.receiving else None
+    server = VLLMServerReceiver(url, bound_s=bound_s)
+    receiver = _AsksDuringExport(server, Path(folder)) if exporter.receiving else None
+    if receiver is not None:  # the old weights' prefix, cached
+        servers.completions(url, Path(folder), [servers.LONG_PROMPT])
     generator = torch.Generator().manual_seed(rank)
     rounds = []
     for step, (lr, delta) in enumerate(STEPS):
@@ -67,36 +147,26 @@ def train_and_sync(
             "sent_bytes": report.counts.sent_bytes,
             "seconds": report.seconds,
         }
-        if rank == 0:
+        if receiver is not None:
             saved = Path(out) / f"step{step}"
             engines.save_weights_beside(Path(folder), saved, full)
             found["saved"] = str(saved)
+            found["during"] = receiver.answered()
+            found["read_back"] = read_back_against(server, full)
             found["completions"] = servers.completions(url, Path(folder))
         rounds.append(found)
     return rounds
 
 
-class _KillsAfterBegin:
+class _KillsAfterBegin(_AfterBegin):
     """Rank 0's receiver that kills process ``pid`` once the manifest is sent (mid-export)."""
 
     def __init__(self, inner: VLLMServerReceiver, pid: int) -> None:
-        self.inner, self.pid = inner, pid
+        super().__init__(inner)
+        self.pid = pid
 
-    def begin(self, manifest: ExportManifest) -> None:
-        self.inner.begin(manifest)
+    def after_begin(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
-
-    def receive(self, bucket: WeightBucket) -> None:
-        self.inner.receive(bucket)
-
-    def commit(self) -> None:
-        self.inner.commit()
-
-    def finish(self) -> None:
-        self.inner.finish()
-
-    def abort(self, error: BaseException) -> None:
-        self.inner.abort(error)
 
 
 def export_into_a_dying_server(

@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,11 @@ from tests.vllm import engines
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
+BLOCK = 32
+"""The servers' KV block size (the CPU build's default, 128, is the model's whole length)."""
+LONG_PROMPT = list(range(100, 100 + BLOCK + 8))
+"""A prompt longer than one block: its first block is what the prefix cache keeps."""
+_ACCESS = re.compile(r'"(GET|POST) (/[^ ?"]*)')
 
 _LAUNCHER = (
     "import sys\n"
@@ -77,6 +84,7 @@ def start_server(
     args = ["--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
     args += ["--dtype", "bfloat16", "--max-model-len", "128", "--max-num-seqs", "8"]
     args += ["--enforce-eager", "--seed", "0", "--disable-log-stats"]
+    args += ["--enable-prefix-caching", "--block-size", str(BLOCK)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default: a core process
     env.pop("VLLM_SERVER_DEV_MODE", None)
@@ -136,10 +144,12 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=60)
 
 
-def completions(url: str, folder: Path) -> list[dict[str, Any]]:
-    """Greedy completions of engines.PROMPTS over HTTP: text, tokens and top-5 logprobs."""
+def completions(
+    url: str, folder: Path, prompts: Sequence[list[int]] = engines.PROMPTS
+) -> list[dict[str, Any]]:
+    """Greedy completions of ``prompts`` over HTTP: text, tokens and top-5 logprobs."""
     found = []
-    for prompt in engines.PROMPTS:
+    for prompt in prompts:
         body = {
             "model": str(folder),
             "prompt": prompt,
@@ -158,6 +168,14 @@ def completions(url: str, folder: Path) -> list[dict[str, Any]]:
             choice = json.loads(answer.read())["choices"][0]
         found.append({"text": choice["text"], "logprobs": choice["logprobs"]})
     return found
+
+
+def requests_seen(log: Path) -> list[str]:
+    """The paths of the requests the server answered, in order, from its access log.
+
+    A line is written as the answer starts: a completion's once it is computed.
+    """
+    return [match.group(2) for match in _ACCESS.finditer(log.read_text(errors="replace"))]
 
 
 def _tail(log: Path) -> str:

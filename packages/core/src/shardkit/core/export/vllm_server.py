@@ -11,21 +11,30 @@ One export, on the trainer's receiving rank (:class:`VLLMServerReceiver`):
 
 1. ``begin`` probes the worker (``shardkit_probe``), bounded: a server that is down, lacks the
    dev mode or the extension, or cannot take weights in place is refused by name before the
-   first bucket;
-2. it asks the worker, on a helper thread, to serve one export (``shardkit_serve_export``, a
+   first bucket; so is one without vLLM's ``/pause`` and ``/resume``, or paused already;
+2. it pauses the server's scheduling (``POST /pause?mode=wait``): the requests in flight
+   finish on the old weights, new ones wait in the queue, and no step runs until the resume;
+3. it asks the worker, on a helper thread, to serve one export (``shardkit_serve_export``, a
    socket path and a key) and connects a ``SharedMemorySender`` to it; the worker listens, for
    at most the bound, and loads each bucket as it arrives (``serve_export_on_worker``, in
    ``vllm_server_worker.py``);
-3. ``commit`` (before the trainer ranks' last agreement, so its failure fails every rank)
+4. ``commit`` (before the trainer ranks' last agreement, so its failure fails every rank)
    ends the sender's export, on which the worker loads it all or, failing, keeps the last
    (its ``FullTensorReceiver`` stages it); then it tells the worker to stop serving (its call
-   returns) and empties the server's prefix cache, whose keys the old weights computed.
+   returns), empties the server's prefix cache, whose keys and values the old weights
+   computed, and only then resumes the scheduling.
 
-The worker serves inside one ``collective_rpc``, so the engine core takes no step while an
-export loads: a request waits, and is answered after the export on the weights it left. A
-delta export is rebuilt on the worker's mirror of the last one (kept between calls). A server
-that dies, or stops answering past the bound, ends the export on the receiving rank with a
-:class:`~shardkit.core.errors.WeightExportError`, which the exporter makes every rank raise.
+Why the pause: the export loads inside one ``collective_rpc``, so the engine core takes no
+step meanwhile, but it steps again as soon as that call returns. Emptying the prefix cache by
+a later call (as before) left a window in which a waiting request could be scheduled on a
+prefix cached under version k and computed on with version k+1's weights (and vLLM refuses a
+reset while a request holds cached blocks). Paused, nothing steps from before the load until
+after the reset, and every completion is computed on one version.
+
+A delta export is rebuilt on the worker's mirror of the last one (kept between calls). A
+server that dies, or stops answering past the bound, ends the export on the receiving rank
+with a :class:`~shardkit.core.errors.WeightExportError`, which the exporter makes every rank
+raise; a failed export resumes the scheduling it paused (the weights are the last version's).
 
 This module imports no vLLM (the worker's part, ``vllm_server_worker.py``, is called inside
 vLLM's worker).
@@ -117,15 +126,18 @@ class VLLMServerReceiver:
         self.bound_s = export_bound_s(bound_s)
         self.socket_dir = socket_dir or tempfile.gettempdir()
         self._open: _OpenExport | None = None
+        self._paused = False  # this receiver paused the scheduling and has not resumed it
+        self._loading = False  # the worker may have loaded: the resume empties the cache first
         self.version: int | None = None
         """The export the server's worker holds complete, as it reported (None: none yet)."""
 
     def begin(self, manifest: ExportManifest) -> None:
-        """Probe the server, ask its worker to serve this export, and send the manifest.
+        """Probe the server, pause it, ask its worker to serve this export, send the manifest.
 
         Raises:
-            WeightExportError: the server is unreachable, lacks ``VLLM_SERVER_DEV_MODE=1`` or
-                the worker extension, or did not answer within the bound; nothing was written.
+            WeightExportError: the server is unreachable, lacks ``VLLM_SERVER_DEV_MODE=1``,
+                the worker extension or ``/pause``, is paused already, or did not answer
+                (its requests in flight did not finish) within the bound; nothing was written.
             WeightLoadError: the server's engine cannot take weights in place.
         """
         if self._open is not None:
@@ -133,9 +145,11 @@ class VLLMServerReceiver:
         chosen, _dtype, reason, _pid = self._rpc("shardkit_probe", ["auto"], "the probe")
         if chosen is None:
             raise WeightLoadError(f"the vLLM server at {self.url} cannot take weights: {reason}")
+        self._pause()
         address = os.path.join(self.socket_dir, f"shardkit-{os.getpid()}-{secrets.token_hex(6)}")
         authkey = secrets.token_bytes(32)
         body = {"method": SERVE_METHOD, "args": [address, authkey.hex(), self.bound_s]}
+        self._loading = True
         serving = _Call(self._request("/collective_rpc", body))
         opened = _OpenExport(SharedMemorySender(address, authkey, bound_s=self.bound_s), serving)
         try:
@@ -150,7 +164,7 @@ class VLLMServerReceiver:
         self._current().sender.receive(bucket)
 
     def commit(self) -> None:
-        """Wait until the worker loaded the export, end its serving, empty the prefix cache.
+        """Wait for the worker's load, end its serving, empty the prefix cache, then resume.
 
         The exporter calls it after the last bucket, before the ranks' last agreement, so a
         failure here fails every rank.
@@ -175,22 +189,73 @@ class VLLMServerReceiver:
                 opened.serving,
             )
         served = json.loads(answer[1])["results"][0]
-        self._post("/reset_prefix_cache", None, "the reset of its prefix cache")
+        self._resume()
         self.version = served.get("version") if isinstance(served, dict) else None
+
+    def weight_digests(self) -> dict[str, list[Any]]:
+        """``{name: [dtype, shape, sha256]}`` of every weight the server computes with.
+
+        Read back on its worker (``shardkit_weight_digests``; see
+        :mod:`~shardkit.core.export.vllm_read_back`, whose ``tensor_digest`` gives the
+        trainer's side), bounded as an export's calls are.
+        """
+        found: dict[str, list[Any]] = self._rpc("shardkit_weight_digests", [], "the read-back")
+        return found
 
     def finish(self) -> None:
         """The export went through (committed here if the exporter did not)."""
         self.commit()
 
     def abort(self, error: BaseException) -> None:
-        """Tell the worker the export failed, and end its serving."""
+        """Tell the worker the export failed, end its serving, resume the scheduling."""
         opened = self._open
-        if opened is None:
-            return
         try:
-            opened.sender.abort(error)
+            if opened is not None:
+                try:
+                    opened.sender.abort(error)
+                finally:
+                    self._end(opened)
         finally:
-            self._end(opened)
+            try:
+                self._resume()
+            except WeightExportError as failed:  # the export's own error is the one raised
+                logger.warning("after a failed export: %s", failed)
+
+    def _pause(self) -> None:
+        """Stop the server's scheduling once its requests in flight finished (bounded)."""
+        what = "whether it is paused"
+        paused = self._field(self._http("/is_paused", None, what, method="GET"), "is_paused", what)
+        if paused and self._paused:
+            return  # still paused by this receiver, after a reset that failed
+        if paused:
+            raise WeightExportError(
+                f"the vLLM server at {self.url} is paused already (POST /pause by another "
+                "client): resume it first; the export pauses it itself, and resumes it"
+            )
+        self._paused = True  # before the call: a pause that times out may still come
+        what = "the pause of its scheduling (its requests in flight finish first)"
+        self._http("/pause?mode=wait", None, what)
+
+    def _resume(self) -> None:
+        """Resume the scheduling this receiver paused.
+
+        Where the worker may have loaded new weights, the prefix cache is emptied first, and
+        the scheduling resumed only where that succeeded.
+        """
+        if not self._paused:
+            return
+        if self._loading:
+            what = "the reset of its prefix cache"
+            answer = self._http("/reset_prefix_cache", None, what)
+            if self._field(answer, "success", what) is not True:
+                raise WeightExportError(
+                    f"the vLLM server at {self.url} did not empty its prefix cache after the "
+                    f"weights changed (it answered {answer[:200]!r}): it stays paused, so that "
+                    "no request reuses the old weights' prefixes; the next export resumes it"
+                )
+            self._loading = False
+        self._http("/resume", None, "the resume of its scheduling")
+        self._paused = False
 
     def _current(self) -> _OpenExport:
         if self._open is None:
@@ -199,7 +264,7 @@ class VLLMServerReceiver:
 
     def _end(self, opened: _OpenExport) -> None:
         self._open = None
-        opened.sender.close(stop_serving=True)  # the worker's call returns: the engine resumes
+        opened.sender.close(stop_serving=True)  # the worker's call returns; still paused
 
     def _explained(self, error: WeightExportError, serving: _Call) -> WeightExportError:
         """``error``, with the server's own answer to the serving call where it failed."""
@@ -208,21 +273,30 @@ class VLLMServerReceiver:
             return error
         return WeightExportError(f"{error}; the server answered: {_http_text(answer[1])}")
 
-    def _rpc(self, method: str, args: list[Any], what: str) -> Any:
-        """The first worker's result of ``method(*args)`` through ``/collective_rpc``."""
-        body = {"method": method, "args": args, "timeout": self.bound_s}
-        answer = self._post("/collective_rpc", body, what)
+    def _field(self, answer: bytes, key: str, what: str) -> Any:
+        """``key`` of the server's JSON ``answer`` to ``what``."""
         try:
-            return json.loads(answer)["results"][0]
-        except (ValueError, KeyError, IndexError, TypeError) as error:
+            return json.loads(answer)[key]
+        except (ValueError, KeyError, TypeError) as error:
             raise WeightExportError(
                 f"the vLLM server at {self.url} gave a malformed answer to {what}: {answer[:200]!r}"
             ) from error
 
-    def _post(self, path: str, body: dict[str, Any] | None, what: str) -> bytes:
+    def _rpc(self, method: str, args: list[Any], what: str) -> Any:
+        """The first worker's result of ``method(*args)`` through ``/collective_rpc``."""
+        body = {"method": method, "args": args, "timeout": self.bound_s}
+        results = self._field(self._http("/collective_rpc", body, what), "results", what)
+        if not isinstance(results, list) or not results:
+            raise WeightExportError(f"the vLLM server at {self.url} gave no result to {what}")
+        return results[0]
+
+    def _http(
+        self, path: str, body: dict[str, Any] | None, what: str, *, method: str = "POST"
+    ) -> bytes:
+        """The server's answer to one request, within the bound, or a WeightExportError."""
         try:
             with urllib.request.urlopen(
-                self._request(path, body), timeout=self.bound_s
+                self._request(path, body, method), timeout=self.bound_s
             ) as response:
                 answer: bytes = response.read()
                 return answer
@@ -237,10 +311,12 @@ class VLLMServerReceiver:
                 f"(SHARDKIT_EXPORT_BOUND): {error}"
             ) from error
 
-    def _request(self, path: str, body: dict[str, Any] | None) -> urllib.request.Request:
-        data = json.dumps(body if body is not None else {}).encode()
+    def _request(
+        self, path: str, body: dict[str, Any] | None, method: str = "POST"
+    ) -> urllib.request.Request:
+        data = None if method == "GET" else json.dumps(body if body is not None else {}).encode()
         headers = {"Content-Type": "application/json"}
-        return urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+        return urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
 
 
 def vllm_server_receiver(
@@ -260,6 +336,12 @@ def _http_text(error: object) -> str:
 
 def _missing_setting(error: urllib.error.HTTPError, path: str) -> str:
     """What the server was started without, where its answer tells."""
+    if error.code == 404 and path != "/collective_rpc":  # the probe went through: dev mode is on
+        return (
+            f"; this vLLM has no {path} (vLLM 0.32's development endpoints have /pause, "
+            "/resume and /is_paused): the export pauses the server's scheduling around the "
+            "load, so that no prefix cached under the old weights is reused"
+        )
     if error.code == 404:
         return f"; start the server with VLLM_SERVER_DEV_MODE=1 (it has no {path} without)"
     if path == "/collective_rpc":

@@ -5,14 +5,16 @@ core in a process of its own, where ``collective_rpc`` reaches them by name: pla
 ints and bytes travel, no pickled function (vLLM refuses those unless
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Each method hands on to the module that does the
 work: ``vllm_worker_load`` (a bucket loaded, a staged version committed), ``vllm_versions``
-(staging, the version served) and ``vllm_server_worker`` (one export served into a
-``vllm serve``). The functions of ``vllm_worker_load`` are also named here, as before.
+(staging, the version served), ``vllm_server_worker`` (one export served into a
+``vllm serve``) and ``vllm_read_back`` (digests of the weights the engine computes with). The
+functions of ``vllm_worker_load`` are also named here, as before.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from shardkit.core.export.vllm_read_back import served_digests
 from shardkit.core.export.vllm_server_worker import serve_export_on_worker
 from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
 from shardkit.core.export.vllm_worker_load import (
@@ -68,3 +70,7 @@ class ShardkitWorkerExtension:
     def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
         """See :func:`~shardkit.core.export.vllm_server_worker.serve_export_on_worker`."""
         return serve_export_on_worker(self, address, authkey_hex, bound_s)
+
+    def shardkit_weight_digests(self) -> dict[str, list[Any]]:
+        """See :func:`~shardkit.core.export.vllm_read_back.served_digests` (JSON)."""
+        return served_digests(self)
