@@ -144,7 +144,7 @@ def test_a_record_of_version_1_keeps_its_rule(tmp_path: Path) -> None:
     from shardkit.core.checkpoint.local_plan.layout_record import read_record, write_record
 
     values = _llama_8b(64)
-    for rule, version in (("turns", b"1"), ("bytes", b"2")):
+    for rule, version in (("turns", b"1"), ("bytes", b"3")):
         layout = SaveLayout.from_values(values, 64, rule=rule)
         write_record(tmp_path, layout, np.zeros((2, 3), dtype=np.int64))
         assert (tmp_path / "layout.json").read_bytes().split(b" ")[1] == version

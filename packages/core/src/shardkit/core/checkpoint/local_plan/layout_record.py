@@ -9,7 +9,11 @@ grows with the values and their distinct meshes, not with the chunks:
 - ``meshes``: each distinct mesh once: its shape, and its ranks (omitted where they are
   ``0..n-1`` in order, the usual case, so that a mesh costs a few bytes at any W);
 - ``shards``: each distinct set of FSDP1 ShardedTensor shards once (their offsets and sizes:
-  a ShardedTensor's shards are data, not a rule, so they are listed, once per geometry);
+  a ShardedTensor's shards are data, not a rule, so they are written out, once per geometry).
+  Since version 3 each column of offsets or sizes is written as runs of equal steps (its
+  first value, then each step and how many times it repeats): FSDP1's ``torch.chunk`` cut is
+  a few runs at any W, where listed it was 4 numbers a shard, and 70B's record at 8,192
+  ranks took each loading rank 160 ms of JSON to parse (a third of a million numbers);
 - ``values``: per value of the flat state its key, kind, shape, dtype and flags, mesh and
   placements (``Shard``, ``Replicate``, ``_StridedShard``, or a ShardedTensor's shards);
 - the save's world size and the layout's digest, which the reader recomputes from what it
@@ -28,7 +32,9 @@ The file: one line ``shardkit-layout <version> <sha256 of the rest>``, then the 
 read with ``json`` (no pickle), its size bounded before it is read, every field checked. The
 version names the rule by which a chunk's holders shared its writing (``replica_shares``):
 1, whole chunks taking turns tensor by tensor; 2, by bytes, large chunks cut by rows into
-pieces that several holders write (their rows follow from the layout, as the chunks do).
+pieces that several holders write (their rows follow from the layout, as the chunks do); 3,
+by bytes, with ShardedTensors' shards in runs (above). A reader of version 2 refuses a record
+of version 3 by its version, rather than by a field it cannot find.
 """
 
 from __future__ import annotations
@@ -54,9 +60,14 @@ __all__ = ["RECORD", "Record", "encode_record", "read_record", "write_record"]
 
 RECORD = "layout.json"
 _MAGIC = "shardkit-layout"
-_RULES = {1: "turns", 2: "bytes"}
+_RULES = {1: "turns", 2: "bytes", 3: "bytes"}
 """How the holders of a chunk shared its writing, by the record's version (``replica_shares``):
-version 1, whole chunks by turns; version 2, by bytes, large chunks in row pieces."""
+version 1, whole chunks by turns; versions 2 and 3, by bytes, large chunks in row pieces."""
+_WRITTEN = {"turns": 1, "bytes": 3}
+"""The version a save writes, by its rule: 1 for ``turns`` (what readers of it expect), else
+3, whose ShardedTensor shards are in runs."""
+_RUNS_FROM = 3  # the first version whose shards are written in runs
+_MOST_STEP = 1 << 62  # a step's bound: no shape is near it, and int64 holds it
 _MOST_BYTES = 256 << 20  # far beyond any model's record (70B: well under 1 MiB)
 _KINDS = ("dtensor", "sharded", "tensor", "bytes")
 
@@ -77,7 +88,8 @@ class _NotRecordable(ValueError):
 def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
     """The record's bytes, or None where a placement is not one the record describes.
 
-    Its version says ``layout.rule`` (how the holders of a chunk shared its writing).
+    Its version says ``layout.rule`` (how the holders of a chunk shared its writing), and
+    with it how ShardedTensors' shards are written (listed for ``turns``, else in runs).
 
     ``plain``: as :attr:`Record.plain`.
     """
@@ -86,6 +98,7 @@ def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
     shards: dict[str, int] = {}
     shard_list: list[dict[str, Any]] = []
     values = []
+    version = _WRITTEN[layout.rule]
     try:
         for value in layout.values:
             entry: dict[str, Any] = {"fqn": value.fqn, "kind": value.kind}
@@ -101,7 +114,7 @@ def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
                     mesh_list.append(_mesh_entry(value.mesh))
                 entry["mesh"] = meshes[value.mesh_id]
                 entry["placements"] = [
-                    _placement_entry(p, shards, shard_list) for p in value.placements
+                    _placement_entry(p, shards, shard_list, version) for p in value.placements
                 ]
             values.append(entry)
     except _NotRecordable:
@@ -117,7 +130,6 @@ def encode_record(layout: SaveLayout, plain: np.ndarray) -> bytes | None:
         },
         separators=(",", ":"),
     ).encode()
-    version = next(v for v, rule in _RULES.items() if rule == layout.rule)
     head = f"{_MAGIC} {version} {hashlib.sha256(body).hexdigest()}\n".encode()
     return head + body
 
@@ -164,7 +176,7 @@ def read_record(folder: Path) -> Record:
             )
         if hashlib.sha256(body).hexdigest() != words[2]:
             raise ValueError("its checksum does not match its contents (truncated or corrupt)")
-        return _decode(json.loads(body), _RULES[versions[words[1]]])
+        return _decode(json.loads(body), versions[words[1]])
     except (OSError, ValueError, TypeError, KeyError, IndexError) as error:
         raise StateDictFileError(f"{path}: damaged layout record: {error}") from None
 
@@ -175,7 +187,9 @@ def _mesh_entry(mesh: np.ndarray) -> dict[str, Any]:
     return {"shape": list(mesh.shape), "ranks": None if in_order else ranks.tolist()}
 
 
-def _placement_entry(placement: Any, shards: dict[str, int], shard_list: list[Any]) -> list[Any]:
+def _placement_entry(
+    placement: Any, shards: dict[str, int], shard_list: list[Any], version: int
+) -> list[Any]:
     if isinstance(placement, _StridedShard):  # before Shard: it is one
         return ["strided_shard", placement.dim, int(placement.split_factor)]
     if isinstance(placement, Shard):
@@ -185,8 +199,7 @@ def _placement_entry(placement: Any, shards: dict[str, int], shard_list: list[An
     if isinstance(placement, Shards):
         if placement.key not in shards:
             shards[placement.key] = len(shard_list)
-            offsets, sizes = placement.offsets, placement.sizes
-            shard_list.append({"offsets": offsets.tolist(), "sizes": sizes.tolist()})
+            shard_list.append(_shards_entry(placement, version))
         return ["shards", shards[placement.key]]
     raise _NotRecordable(f"placement {placement!r}")
 
@@ -203,7 +216,7 @@ def _naturals(value: object, what: str) -> list[int]:
     return [_natural(v, what) for v in value]
 
 
-def _decode(body: object, rule: str) -> Record:
+def _decode(body: object, version: int) -> Record:
     """The record's JSON as a :class:`Record`, every field checked, its digest recomputed."""
     if not isinstance(body, dict):
         raise ValueError("its contents are not a JSON object")
@@ -211,13 +224,13 @@ def _decode(body: object, rule: str) -> Record:
     if world < 1:
         raise ValueError("world_size is 0")
     meshes = [_decode_mesh(m, world) for m in body["meshes"]]
-    shards = [_decode_shards(s) for s in body["shards"]]
+    shards = [_decode_shards(s, version, world) for s in body["shards"]]
     checked: set[tuple[Any, ...]] = set()
     values = [_decode_value(v, meshes, shards, checked) for v in body["values"]]
     fqns = [v.fqn for v in values]
     if len(set(fqns)) != len(fqns):
         raise ValueError("a value is listed twice")
-    layout = SaveLayout.from_values(values, world, rule)
+    layout = SaveLayout.from_values(values, world, _RULES[version])
     if layout.digest != body["digest"]:
         raise ValueError("it describes another layout than the one saved (digest differs)")
     plain = np.array(_naturals(body["plain"], "a plain value's place"), dtype=np.int64)
@@ -242,9 +255,61 @@ def _decode_mesh(entry: Any, world: int) -> tuple[np.ndarray, str]:
     return mesh, mesh_key(mesh)
 
 
-def _decode_shards(entry: Any) -> Shards:
-    offsets = np.array(entry["offsets"], dtype=np.int64)
-    sizes = np.array(entry["sizes"], dtype=np.int64)
+def _shards_entry(shards: Shards, version: int) -> dict[str, Any]:
+    """One ShardedTensor's shards: listed (versions 1 and 2), or each column in runs."""
+    offsets, sizes = shards.offsets, shards.sizes
+    if version < _RUNS_FROM:
+        return {"offsets": offsets.tolist(), "sizes": sizes.tolist()}
+    return {
+        "count": int(offsets.shape[0]),
+        "offsets": [_runs(column) for column in offsets.T],
+        "sizes": [_runs(column) for column in sizes.T],
+    }
+
+
+def _runs(column: np.ndarray) -> list[int]:
+    """``column`` as its first value, then (step, repeats) for each run of equal steps."""
+    if column.size == 0:
+        return []
+    steps = np.diff(column)  # (shards - 1,)
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]]) if steps.size else steps
+    repeats = np.diff(np.r_[starts, steps.size])
+    runs = np.stack([steps[starts.astype(np.int64)], repeats], axis=1).reshape(-1)
+    return [int(column[0]), *runs.tolist()]
+
+
+def _from_runs(runs: object, count: int, what: str) -> np.ndarray:
+    """A column of ``count`` values from :func:`_runs`'s list, its steps and repeats checked."""
+    if not isinstance(runs, list) or len(runs) % 2 != 1 - (count == 0):
+        raise ValueError(f"{what} is not a first value and (step, repeats) pairs")
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    if any(type(v) is not int or abs(v) >= _MOST_STEP for v in runs):
+        raise ValueError(f"{what} holds {runs[:8]!r}..., not integers of int64")
+    pairs = np.array(runs[1:], dtype=np.int64).reshape(-1, 2)  # (runs, 2): step, repeats
+    if bool((pairs[:, 1] < 1).any()) or int(pairs[:, 1].sum()) != count - 1:
+        raise ValueError(f"{what}'s runs repeat {int(pairs[:, 1].sum())} steps, not {count - 1}")
+    steps = np.repeat(pairs[:, 0], pairs[:, 1])
+    return np.cumsum(np.r_[np.int64(runs[0]), steps])
+
+
+def _decode_shards(entry: Any, version: int, world: int) -> Shards:
+    if version < _RUNS_FROM:
+        offsets = np.array(entry["offsets"], dtype=np.int64)
+        sizes = np.array(entry["sizes"], dtype=np.int64)
+    else:
+        count = _natural(entry["count"], "a ShardedTensor's count of shards")
+        if count > world:  # each shard on a rank of its own
+            raise ValueError(f"a ShardedTensor of {count} shards at {world} ranks")
+        columns = [entry["offsets"], entry["sizes"]]
+        if not all(isinstance(c, list) for c in columns) or len(columns[0]) != len(columns[1]):
+            raise ValueError("a ShardedTensor's offsets and sizes differ in dims")
+        offsets, sizes = (
+            np.stack([_from_runs(c, count, f"a shard's {n}") for c in cs], axis=1)
+            if cs
+            else np.zeros((count, 0), dtype=np.int64)
+            for n, cs in zip(("offsets", "sizes"), columns, strict=True)
+        )
     if offsets.ndim != 2 or offsets.shape != sizes.shape or bool((offsets < 0).any()):
         raise ValueError("a ShardedTensor's shards are not (shards, ndim) offsets and sizes")
     if bool((sizes < 0).any()):
