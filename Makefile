@@ -182,6 +182,7 @@ bench-checkpoints: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest benchmarks/bench_save_plan.py \
 		benchmarks/bench_load_plan.py benchmarks/bench_dcp_load_plan.py -q -s --benchmark-autosave
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/save_plan_run.py --fsdp1-metadata 8192 --sizes 8b
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/replica_exchange_run.py
 
 # How cost grows: one table by model size (8M, 35M, 134M) and world size (1, 2, 4), written to
 # benchmarks/.results/scaling.md (about half an hour here; SCALING_SIZES, SCALING_WORLDS and
