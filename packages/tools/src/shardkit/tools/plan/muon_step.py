@@ -22,7 +22,8 @@ sit in the root or are not 2-D).
   core's own routes (``shardkit.core.optim.exchange.routes``) on the blocks each rank holds, and
   this rank's Newton-Schulz on the matrices it owns (:func:`newton_schulz_costs`: five
   iterations of three matrix multiplies each, in bf16; the norm and the division are left out).
-  Not with tensor parallelism yet: there a matrix's blocks span the tp axis too.
+  With tensor parallelism the exchange runs over the whole (dp, tp) mesh, a matrix's blocks
+  cut by TP and then by FSDP (``muon_blocks.py``).
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shardkit.core.layout import ParamLayout
-from shardkit.core.optim.blocks import Block, MatrixPlacement
 from shardkit.core.optim.newton_schulz import newton_schulz_cost
 from shardkit.core.optim.owners import assign_owners
 from shardkit.core.optim.routes import routes
 from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.muon_blocks import TPCuts, matrix_placement
 from shardkit.tools.plan.op_costs import OpCost
 from shardkit.tools.plan.options import PlanOptions
-from shardkit.tools.plan.step_inputs import StepInputs
 from shardkit.tools.units import format_bytes
 
 __all__ = [
@@ -140,7 +139,12 @@ class MuonStep:
 
 
 def muon_step(
-    groups: Sequence[GroupSpec], root: int | None, shard_rank: int, replicas: int, replica: int
+    groups: Sequence[GroupSpec],
+    root: int | None,
+    shard_rank: int,
+    replicas: int,
+    replica: int,
+    tp: tuple[int, int, TPCuts] | None = None,
 ) -> MuonStep | None:
     """Muon's step on the rank at ``shard_rank`` of replica ``replica`` (None: no matrices).
 
@@ -150,6 +154,9 @@ def muon_step(
         shard_rank: the planned rank on the shard axis.
         replicas: HSDP's replicas (1: FSDP).
         replica: the planned rank's replica.
+        tp: with tensor parallelism, (tp degree, the planned rank on tp, the matrices' whole
+            shapes and TP's dims): the exchange then runs over the whole mesh
+            (``muon_blocks.py``).
     """
     params = [
         p for i, g in enumerate(groups) for p in g.trainable if takes_muon(p.shape, i == root)
@@ -157,10 +164,12 @@ def muon_step(
     if not params:
         return None
     shards = groups[0].world
-    world = shards * replicas
-    placements = [_placement(p, shards, replicas) for p in params]
+    degree, tp_rank, cuts = tp if tp is not None else (1, 0, None)
+    world = shards * replicas * degree
+    placements = [matrix_placement(p, shards, replicas, degree, cuts) for p in params]
     costs = [newton_schulz_cost(m.shape) for m in placements]
-    rank = replica * shards + shard_rank  # the flattened (replicate, shard) mesh's order
+    # The flattened (replicate, shard, tp) mesh's order.
+    rank = (replica * shards + shard_rank) * degree + tp_rank
     if world == 1:  # every matrix whole here: no exchange
         owned = tuple(m.shape for m in placements)
         return MuonStep(world=1, matrices=len(params), owned=owned, flops=_flops(owned), calls=())
@@ -174,18 +183,11 @@ def muon_step(
     )
 
 
-def muon_exchange_calls(
-    groups: Sequence[GroupSpec], inputs: StepInputs
-) -> tuple[tuple[int, int, int], ...]:
+def muon_exchange_calls(step: MuonStep | None) -> tuple[tuple[int, int, int], ...]:
     """(ranks, input bytes, sent bytes) of each all-to-all of Muon's step on the planned rank.
 
-    None with tensor parallelism (not planned yet), nor where every matrix is whole here:
-    an empty tuple.
+    None where there is no step or every matrix is whole here: an empty tuple.
     """
-    if inputs.tp_degree != 1 or not groups:
-        return ()
-    replica = inputs.options.rank // groups[0].world
-    step = muon_step(groups, inputs.root, inputs.shard_rank, inputs.replicas, replica)
     if step is None:
         return ()
     return tuple((step.world, input_bytes, sent) for input_bytes, sent in step.calls)
@@ -216,30 +218,6 @@ def _flops(owned: Sequence[tuple[int, int]]) -> int:
         k, big = min(m, n), max(m, n)
         total += _NS_STEPS * (4 * k * k * big + 2 * k**3)
     return total
-
-
-def _placement(p: ParamLayout, shards: int, replicas: int) -> MatrixPlacement:
-    """Where the core's Muon finds a parameter's matrix: each rank's block, from the layout."""
-    shape = (int(p.shape[0]), int(p.shape[1]))
-    cut = p.shard_dim
-    sizes = [p.local_numel(r) // shape[1 - cut] for r in range(shards)]
-    starts = [sum(sizes[:r]) for r in range(shards)]
-    blocks = []
-    for r in range(shards):
-        lo, hi = starts[r], starts[r] + sizes[r]
-        if sizes[r] == 0:
-            blocks.append(Block(0, 0, 0, 0))
-        elif cut == 0:
-            blocks.append(Block(lo, hi, 0, shape[1]))
-        else:
-            blocks.append(Block(0, shape[0], lo, hi))
-    return MatrixPlacement(
-        name=p.fqn,
-        shape=shape,
-        group=None,
-        blocks=tuple(blocks) * replicas,
-        replicas=tuple((i // shards,) for i in range(shards * replicas)),
-    )
 
 
 def format_muon_step(step: MuonStep, timed: tuple[str, float] | None = None) -> str:

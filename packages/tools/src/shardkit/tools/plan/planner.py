@@ -34,6 +34,7 @@ from shardkit.tools import theory
 from shardkit.tools.plan.conditional import plan_anchoring
 from shardkit.tools.plan.groups import GroupSpec, build_groups
 from shardkit.tools.plan.meta_build import build_on_meta
+from shardkit.tools.plan.muon_blocks import TPCuts
 from shardkit.tools.plan.muon_step import muon_step, newton_schulz_costs
 from shardkit.tools.plan.op_costs import optimizer_costs
 from shardkit.tools.plan.options import ModelSource, PlanOptions
@@ -48,6 +49,7 @@ from shardkit.tools.plan.tp_styles import (
     check_shardable,
     param_placements,
     resolve_plan,
+    tp_dims_of,
     tp_local_shape,
 )
 from shardkit.tools.plan.trace import assumed_trace, trace_step
@@ -106,6 +108,13 @@ def plan(
     root = next((i for i, g in enumerate(groups) if g.module is module), None)
     anchoring = plan_anchoring(module, groups, root, options.conditional)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    muon = None
+    if options.optimizer == "muon":  # this rank's share of Newton-Schulz and the exchange
+        replica = options.rank // (mesh.shard * mesh.tp)
+        tp_muon = None
+        if tp is not None:
+            tp_muon = (mesh.tp, mesh.tp_rank(options.rank), _muon_cuts(module, options))
+        muon = muon_step(groups, root, mesh.shard_rank(options.rank), replicas, replica, tp_muon)
     step = simulate_step(
         StepInputs(
             groups=groups,
@@ -120,14 +129,12 @@ def plan(
             tp_degree=options.tp_degree,
             prefetch=(prefetch_lists(options.units, options.prefetch) if options.units else None),
             anchoring=anchoring,
+            muon=muon,
         )
     )
     sent = sum(c.sent_bytes for c in step.schedule)
     costs = trace.costs
     shard_rank = mesh.shard_rank(options.rank)
-    muon = None
-    if options.optimizer == "muon" and mesh.tp == 1:  # this rank's share of Newton-Schulz
-        muon = muon_step(groups, root, shard_rank, replicas, options.rank // mesh.shard)
     if costs is not None:
         optimizer = optimizer_costs(groups, options, shard_rank)
         optimizer += newton_schulz_costs(muon) if muon is not None else ()
@@ -243,6 +250,17 @@ def _tensor_parallel(
         local_shapes[name] = tp_local_shape(shape, placement, tp_rank, options.tp_degree)
     tracer = TPTracer(resolved, options.tp_degree, gloo=options.backend == "gloo")
     return _TensorParallel(local_shapes, tracer)
+
+
+def _muon_cuts(module: nn.Module, options: PlanOptions) -> TPCuts:
+    """Each 2-D parameter's whole shape and the dim TP cuts (None: TP leaves it whole)."""
+    assert options.tp_plan is not None
+    dims = tp_dims_of(module, options.tp_plan)
+    return {
+        name: ((int(p.shape[0]), int(p.shape[1])), dims.get(name))
+        for name, p in module.named_parameters()
+        if p.dim() == 2
+    }
 
 
 def _planned_group(group: GroupSpec, reshard_after_forward: bool) -> PlannedGroup:

@@ -388,7 +388,7 @@ class _Step:
         if options.optimizer == "muon":  # Muon's step runs first, then AdamW's
             muon = muon_step_scratch(self.groups, self.inputs.root, shard_rank)
             scratch = max(scratch, muon)
-            for world, input_bytes, sent in muon_exchange_calls(self.groups, self.inputs):
+            for world, input_bytes, sent in muon_exchange_calls(self.inputs.muon):
                 self.ops.record_optimizer_call("all_to_all", world, input_bytes, sent)
         if scratch:  # where the step runs: the host, when offloading
             key, label = ("optim_scratch", 0), "optimizer step scratch"

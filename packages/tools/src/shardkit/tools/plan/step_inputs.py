@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shardkit.core.conditional_schedule import Anchoring
 from shardkit.tools.plan.groups import GroupSpec
+from shardkit.tools.plan.muon_step import MuonStep
 from shardkit.tools.plan.options import PlanOptions
 from shardkit.tools.plan.tp_comm import TPSchedule
 from shardkit.tools.plan.trace import MetaStepTrace
@@ -47,3 +48,6 @@ class StepInputs:
     anchoring: Anchoring[int] | None = None
     """The conditional groups (``PlanOptions.conditional``) with their anchors, which issue
     their collectives; None: none marked, the plain driver runs the step."""
+    muon: MuonStep | None = None
+    """Muon's step on the planned rank (``PlanOptions.optimizer="muon"``): its exchange's
+    all-to-alls; None: another optimizer, or no matrices."""
