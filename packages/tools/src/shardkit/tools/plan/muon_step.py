@@ -50,7 +50,7 @@ __all__ = [
     "matrices_scratch",
     "muon_exchange_calls",
     "muon_step",
-    "muon_step_scratch",
+    "step_scratch",
     "newton_schulz_costs",
     "state_tensors",
     "takes_muon",
@@ -79,19 +79,6 @@ def state_tensors(options: PlanOptions, shape: Sequence[int], *, in_root: bool) 
     return 1 if takes_muon(shape, in_root) else 2
 
 
-def muon_step_scratch(groups: Sequence[GroupSpec], root: int | None, rank: int) -> int:
-    """:func:`matrices_scratch` of the model's Muon matrices, on the planned ``rank``."""
-    matrices: list[Matrix] = []
-    world = 1
-    for i, group in enumerate(groups):
-        for p in group.trainable:
-            if takes_muon(p.shape, i == root):
-                shape = (int(p.shape[0]), int(p.shape[1]))
-                matrices.append((shape, p.local_numel(rank) // max(1, shape[1])))
-                world = group.world  # one mesh: every group's shard axis is the same
-    return matrices_scratch(matrices, rank, world)
-
-
 def matrices_scratch(matrices: Sequence[Matrix], rank: int, world: int) -> int:
     """Bytes the Muon step allocates on ``rank`` of ``world`` beyond the state, at its peak.
 
@@ -103,11 +90,29 @@ def matrices_scratch(matrices: Sequence[Matrix], rank: int, world: int) -> int:
     if not matrices:
         return 0
     shapes = [shape for shape, _ in matrices]
-    rows = sum(local * shape[1] for shape, local in matrices) * _BF16
-    if world == 1:  # every matrix whole here: updated one at a time, no exchange
-        return rows + max(_batch_bytes(s, 1) for s in shapes)
+    held = sum(local * shape[1] for shape, local in matrices)
+    if world == 1:
+        return _scratch(held, shapes, world)
     owners = assign_owners([newton_schulz_cost(s) for s in shapes], world)
-    owned = [s for s, o in zip(shapes, owners, strict=True) if o == rank]
+    return _scratch(held, [s for s, o in zip(shapes, owners, strict=True) if o == rank], world)
+
+
+def step_scratch(step: MuonStep | None) -> int:
+    """:func:`matrices_scratch` of a planned step: its rank's elements and owned matrices.
+
+    The core's own owners over the whole mesh (HSDP's replicas, TP's ranks too) and the
+    elements of the blocks the rank holds (TP's and FSDP's cut).
+    """
+    if step is None:
+        return 0
+    return _scratch(step.held, list(step.owned), step.world)
+
+
+def _scratch(held: int, owned: Sequence[tuple[int, int]], world: int) -> int:
+    """The step's peak beyond the state: ``held`` elements of rows, ``owned`` whole here."""
+    rows = held * _BF16
+    if world == 1:  # every matrix whole here: updated one at a time, no exchange
+        return rows + max((_batch_bytes(s, 1) for s in owned), default=0)
     wholes = sum(m * n for m, n in owned) * _BF16
     batch = max((_batch_bytes(s, count) for s, count in Counter(owned).items()), default=0)
     iterating = rows + 2 * wholes + batch  # received wholes and updates so far, last batch
@@ -136,6 +141,8 @@ class MuonStep:
     """Newton-Schulz's FLOPs on them (a multiply-add is two)."""
     calls: tuple[tuple[int, int], ...]
     """(input bytes, sent bytes) of each all-to-all, in issue order: rows out, update back."""
+    held: int = 0
+    """Elements of Muon's matrices this rank holds (its blocks)."""
 
 
 def muon_step(
@@ -172,14 +179,23 @@ def muon_step(
     rank = (replica * shards + shard_rank) * degree + tp_rank
     if world == 1:  # every matrix whole here: no exchange
         owned = tuple(m.shape for m in placements)
-        return MuonStep(world=1, matrices=len(params), owned=owned, flops=_flops(owned), calls=())
+        held = sum(m * n for m, n in owned)
+        return MuonStep(
+            world=1, matrices=len(params), owned=owned, flops=_flops(owned), calls=(), held=held
+        )
     owners = assign_owners(costs, world, [m.whole_on() for m in placements])
     bf16 = [torch.bfloat16] * len(placements)
     there, home = routes(placements, owners, bf16, bf16, rank)
     owned = tuple(m.shape for m, o in zip(placements, owners, strict=True) if o == rank)
     calls = tuple((r.traffic().sent, r.traffic().sent) for r in (there, home))  # no own part
+    held = sum(m.blocks[rank].shape[0] * m.blocks[rank].shape[1] for m in placements)
     return MuonStep(
-        world=world, matrices=len(params), owned=owned, flops=_flops(owned), calls=calls
+        world=world,
+        matrices=len(params),
+        owned=owned,
+        flops=_flops(owned),
+        calls=calls,
+        held=held,
     )
 
 

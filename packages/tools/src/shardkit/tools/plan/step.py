@@ -81,7 +81,7 @@ from shardkit.core.schedule import (
     watches_inputs,
 )
 from shardkit.tools.plan.gradient_schedule import gradient_schedule
-from shardkit.tools.plan.muon_step import muon_exchange_calls, muon_step_scratch, state_tensors
+from shardkit.tools.plan.muon_step import muon_exchange_calls, state_tensors, step_scratch
 from shardkit.tools.plan.offload import free_resident, resident
 from shardkit.tools.plan.records import CollectiveCall, MemoryPlan, StepMark
 from shardkit.tools.plan.step_inputs import StepInputs
@@ -386,7 +386,7 @@ class _Step:
             # one foreach list for all parameters on GPUs.
             scratch = sum(sizes) if not self.ops.gloo else 2 * max(sizes)
         if options.optimizer == "muon":  # Muon's step runs first, then AdamW's
-            muon = muon_step_scratch(self.groups, self.inputs.root, shard_rank)
+            muon = step_scratch(self.inputs.muon)
             scratch = max(scratch, muon)
             for world, input_bytes, sent in muon_exchange_calls(self.inputs.muon):
                 self.ops.record_optimizer_call("all_to_all", world, input_bytes, sent)
