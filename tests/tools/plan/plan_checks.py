@@ -1,12 +1,12 @@
-"""What the planner-against-engine tests share: a step's collectives axis by axis, and its
-events as the engine publishes them."""
+"""What the planner-against-engine tests share: a step's collectives axis by axis, its events
+as the engine publishes them, and what the memory tracker saw an optimizer step hold."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from shardkit.tools.plan.plan_record import Plan
-from shardkit.tools.records import RankReport
+from shardkit.tools.records import Category, MemorySample, Phase, RankReport
 
 
 def assert_comm_matches_plan(
@@ -51,3 +51,15 @@ def event_recorder(events: list[Event]) -> Any:
             events.append((event.kind, event.module_fqn))
 
     return record
+
+
+def optimizer_memory(timeline: list[MemorySample]) -> tuple[int, int]:
+    """(the most optimizer-state bytes, the optimizer phase's most comm + other bytes) of a
+    tracked timeline: what a plan's state and its step's transient are checked against."""
+    state = max(p.by_category[Category.OPTIMIZER_STATE] for p in timeline)
+    transient = max(
+        p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
+        for p in timeline
+        if p.phase is Phase.OPTIMIZER
+    )
+    return state, transient

@@ -33,6 +33,7 @@ from tests.core.optim.step_counts import (
     sharded_gpt,
     training_step,
 )
+from tests.tools.plan.plan_checks import optimizer_memory
 
 MODEL, WORLD = "d256x8", 4
 
@@ -53,14 +54,7 @@ def _tracked(rank: int) -> tuple[int, int]:
         training_step(gpt, opts, MODEL, rank)  # the optimizers' state
         with MemoryTracker(gpt, optimizers=opts) as tracker:
             training_step(gpt, opts, MODEL, rank)
-    timeline = tracker.report().timeline
-    state = max(p.by_category[Category.OPTIMIZER_STATE] for p in timeline)
-    transient = max(
-        p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
-        for p in timeline
-        if p.phase is Phase.OPTIMIZER
-    )
-    return state, transient
+    return optimizer_memory(list(tracker.report().timeline))
 
 
 @pytest.mark.parametrize("rank", [0, 3])

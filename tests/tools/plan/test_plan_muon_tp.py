@@ -36,6 +36,7 @@ from shardkit.tools.plan import PlanOptions, plan
 from shardkit.tools.records import Category, Phase
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.memory import MemoryTracker
+from tests.tools.plan.plan_checks import optimizer_memory
 
 _BATCH = 2  # rows per data-parallel rank
 _WIDTH = 64
@@ -104,13 +105,7 @@ def _measured(rank: int, world_size: int, *, hidden: int) -> dict[str, Any]:
         _step(model, optimizers, 1, dp)
     with MemoryTracker(model, optimizers=optimizers) as tracker:
         _step(model, optimizers, 2, dp)
-    timeline = tracker.report().timeline
-    state = max(p.by_category[Category.OPTIMIZER_STATE] for p in timeline)
-    transient = max(
-        p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
-        for p in timeline
-        if p.phase is Phase.OPTIMIZER
-    )
+    state, transient = optimizer_memory(list(tracker.report().timeline))
     calls = [
         (c.kind, c.input_bytes, c.sent_bytes)
         for c in comm.rank_report().collectives
