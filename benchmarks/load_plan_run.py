@@ -1,7 +1,7 @@
 """A load's planning at thousands of ranks, in one process: from the layout record, per rank.
 
 Usage: python benchmarks/load_plan_run.py [--worlds 1024,4096,8192,16384] [--sizes 8b,70b]
-       [--layouts fsdp,hsdp,fsdp1]
+       [--layouts fsdp,hsdp,fsdp1] [--predict]
 
 The saved state is ``save_plan_run``'s (a Llama with AdamW under FSDP, HSDP or FSDP1's
 ShardedTensors, at W ranks). For each point:
@@ -25,6 +25,10 @@ ShardedTensors, at W ranks). For each point:
 
 DCP's load planning of the same checkpoints: ``dcp_load_plan_run.py``.
 
+``--predict`` adds the planner's prediction of a rank's plan at the same layout
+(``shardkit.tools``' ``load_cost.load_plan_seconds``, its unit costs calibrated once in this
+process), beside the measured CPU.
+
 Times are wall-clock (``_s``) and this thread's CPU (``_cpu_s``): on a shared machine the
 first grows with the load of the others, the second much less.
 
@@ -34,6 +38,7 @@ Prints one JSON line per point.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -136,7 +141,25 @@ def replica_splits(layout: SaveLayout, rank: int) -> dict[str, PieceSplit]:
     return splits
 
 
-def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, Any]:
+@functools.cache
+def _costs() -> Any:
+    """The planner's load costs, timed once (``load_cost.calibrate_load_planning``)."""
+    from shardkit.tools.plan.checkpoint.load_cost import calibrate_load_planning
+
+    return calibrate_load_planning()
+
+
+def predicted_plan_s(saved: SaveLayout, record_bytes: int) -> dict[str, float]:
+    """The planner's prediction of a rank's load plan at ``saved``'s own layout, by term."""
+    from shardkit.tools.plan.checkpoint.load_cost import load_plan_terms
+
+    fresh = SaveLayout.from_values(saved.values, saved.world_size)  # no geometries cached
+    return load_plan_terms(fresh, record_bytes, _costs())
+
+
+def point(
+    size: str, world: int, layout_name: str, folder: Path, predict: bool = False
+) -> dict[str, Any]:
     saved = SaveLayout.from_values(state_values(size, world, layout_name), world)
     bodies = _gathered(saved)
     gc.collect()  # see below
@@ -155,6 +178,10 @@ def point(size: str, world: int, layout_name: str, folder: Path) -> dict[str, An
         "planning_collectives": 0,
         "agreement_bytes": 24,  # the manager's one collective before the reads (not timed)
     }
+    if predict:
+        terms = predicted_plan_s(saved, record_bytes)
+        out["predicted_plan_s"] = sum(terms.values())
+        out["predicted_terms_s"] = terms
     for name, loading_world in (("same", world), ("half", world // 2)):
         loading = SaveLayout.from_values(
             state_values(size, loading_world, layout_name), loading_world
@@ -190,12 +217,14 @@ def main() -> None:
     parser.add_argument("--worlds", default="1024,4096,8192,16384")
     parser.add_argument("--sizes", default="8b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--predict", action="store_true", help="the planner's prediction too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes.split(","):
             for layout in args.layouts.split(","):
                 for world in map(int, filter(None, args.worlds.split(","))):
-                    print(json.dumps(point(size, world, layout, Path(folder))), flush=True)
+                    found = point(size, world, layout, Path(folder), args.predict)
+                    print(json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

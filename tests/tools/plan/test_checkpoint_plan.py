@@ -185,7 +185,13 @@ def test_a_loads_planning_is_counted_work_times_measured_unit_costs() -> None:
     """Per value, per overlap of a rank's shards with the saved items, per record byte."""
     from shardkit.tools.plan.checkpoint.load_cost import LoadCosts, most_overlaps
 
-    costs = LoadCosts(per_record_byte_s=1e-8, per_value_s=1e-5, per_overlap_s=1e-6, source="x")
+    costs = LoadCosts(
+        per_record_byte_s=1e-8,
+        per_value_s=1e-5,
+        per_overlap_s=1e-6,
+        source="x",
+        per_position_s=1e-7,
+    )
     with torch.device("meta"):
         model = _model()
     values, mappings, plain_sizes = checkpoint_state(model, CheckpointMesh(1, 2), "adamw")
@@ -195,9 +201,22 @@ def test_a_loads_planning_is_counted_work_times_measured_unit_costs() -> None:
     assert most_overlaps(layout) == len(values)
     positions = sum(g.ranks.size for g in layout.geometries.values())
     expected = cost.record_bytes * 1e-8 + len(values) * 1e-5 + len(values) * 1e-6
-    expected += positions * _COSTS.per_position_s
+    expected += positions * 1e-7
     assert cost.load_plan_s == pytest.approx(expected)
     assert "load planning per rank" in format_checkpoint_cost(cost)
+
+
+def test_under_hsdp_a_values_split_costs_more_with_more_replicas() -> None:
+    """The sharing rule and the split run over the R replicas: per split value, a + b R."""
+    from shardkit.tools.plan.checkpoint.load_cost import LoadCosts, load_plan_terms
+    from shardkit.tools.plan.checkpoint.timing import synthetic_values
+
+    costs = LoadCosts(0.0, 0.0, 0.0, "x", per_split_value_s=1e-5, per_split_replica_s=1e-8)
+    for world, replicas in ((512, 64), (4096, 512)):
+        layout = SaveLayout.from_values(synthetic_values(world, replicas), world)
+        split = sum(v.kind == "dtensor" for v in layout.values)
+        terms = load_plan_terms(layout, 0, costs)
+        assert terms["split"] == pytest.approx(split * (1e-5 + replicas * 1e-8))
 
 
 def test_under_hsdp_a_rank_plans_the_items_it_wrote() -> None:

@@ -181,7 +181,7 @@ def checkpoint_cost(
     record = record_bytes(layout, item_sizes, plain_files)
     load_s = None
     if load_costs is not None:
-        load_s = load_plan_seconds(layout, record, load_costs, costs.per_position_s)
+        load_s = load_plan_seconds(layout, record, load_costs)
     busiest = int(files.max()) if world else 0
     positions = sum(g.ranks.size for g in layout.geometries.values())
     # The busiest rank by items: its walk and its items made.
