@@ -106,6 +106,20 @@ def test_a_sharded_tensors_chunk_cut_is_a_few_runs_at_any_world(tmp_path: Path) 
     assert max(sizes.values()) - min(sizes.values()) <= 48, sizes  # digits of W and counts
 
 
+def test_a_record_of_version_2_with_its_shards_listed_still_reads(tmp_path: Path) -> None:
+    """Checkpoints saved before the runs (version 2: every shard's offsets and sizes listed)."""
+    layout = _layout(4, _fsdp1_shards(4))
+    write_record(tmp_path, layout, _PLAIN)
+    body = json.loads((tmp_path / RECORD).read_bytes().partition(b"\n")[2])
+    shards = next(v.placements[0] for v in layout.values if v.kind == "sharded")
+    body["shards"] = [{"offsets": shards.offsets.tolist(), "sizes": shards.sizes.tolist()}]
+    data = json.dumps(body).encode()
+    head = f"shardkit-layout 2 {hashlib.sha256(data).hexdigest()}\n".encode()
+    (tmp_path / RECORD).write_bytes(head + data)
+    read = read_record(tmp_path).layout
+    assert read.digest == layout.digest and read.rule == "bytes"
+
+
 def _rewrite(path: Path, edit: Any) -> None:
     """The record's JSON edited, its checksum made to match (as a forger would)."""
     head, _, data = path.read_bytes().partition(b"\n")
