@@ -91,6 +91,29 @@ class ChangedElements:
         """How many elements changed."""
         return self.indices.numel() + (0 if self.stepped is None else self.stepped.numel())
 
+    def check_fits(self, name: str, full: torch.Tensor) -> None:
+        """Refuse changes that ``full`` cannot take: a position outside it, another dtype.
+
+        Raises:
+            ValueError: naming ``name`` and the problem.
+        """
+        numel = full.numel()
+        problems = []
+        if self.values.dtype != full.dtype:
+            problems.append(f"values are {self.values.dtype}, the tensor {full.dtype}")
+        for what, at, by in (
+            ("values", self.indices, self.values),
+            ("steps", self.stepped, self.steps),
+        ):
+            if at is None or by is None:
+                continue
+            if at.numel() != by.numel():
+                problems.append(f"{at.numel()} positions for {by.numel()} {what}")
+            elif at.numel() and (int(at.min()) < 0 or int(at.max()) >= numel):
+                problems.append(f"a position of its {what} is outside its {numel} elements")
+        if problems:
+            raise ValueError(f"{name}: the changes do not fit the tensor: {'; '.join(problems)}")
+
     def apply_to(self, full: torch.Tensor) -> None:
         """Write the changes into ``full``.
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export.full_tensor_receiver import FullTensorReceiver, TensorLoader
-from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.messages import ChangedElements, ExportManifest, WeightBucket
 from shardkit.core.export.transfer import HoldsExport
 from shardkit.core.export.versions import StagedTensors, partial_load_error
 
@@ -161,14 +161,25 @@ class ModuleReceiver:
         self.loaded += written
 
     def _stage(self, bucket: WeightBucket) -> None:
-        staged = self._staged.values
+        staged = self._staged
         for name, tensor in bucket.full:
-            staged[name] = tensor.detach().clone()
+            staged.values[name] = tensor.detach().clone()
         for name, changes in bucket.changed:
-            if changes.count:
-                new = self._contiguous(name).clone()
-                changes.apply_to(new)
-                staged[name] = new
+            if not changes.count:
+                continue
+            target = self._contiguous(name)
+            changes.check_fits(name, target)  # refused now, not at the commit
+            tied = [n for n in staged.names() if _shares(target, self._targets[n])]
+            if not tied:
+                staged.changes[name] = changes  # a few bytes a change, not a copy
+                continue
+            # A tied tensor staged under another name too: written in place, its steps would
+            # be added twice, so every name of it takes a whole new copy, as before deltas
+            # were staged as changes (the last name's is the one the commit leaves).
+            for other in tied:
+                if other in staged.changes:
+                    staged.values[other] = _applied(target, staged.changes.pop(other))
+            staged.values[name] = _applied(target, changes)
 
     holds_exports: ClassVar[bool] = True
     """The module holds the last export whole: a delta's base on this rank (no kept part)."""
@@ -197,7 +208,7 @@ class ModuleReceiver:
         if self._manifest is None:
             return  # committed already, or nothing began
         if self.all_or_nothing:
-            names = list(self._staged.values)
+            names = self._staged.names()
             self._staged.copy_into(self._targets)
             self.loaded = names
         self.version = self._manifest.export_id
@@ -213,3 +224,15 @@ class ModuleReceiver:
             self.version = None  # written bucket by bucket: part of it may be in
         self._manifest = None
         self._staged = StagedTensors()
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one storage (tied weights under two names)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _applied(target: torch.Tensor, changes: ChangedElements) -> torch.Tensor:
+    """A new copy of ``target`` with ``changes`` written in."""
+    new = target.clone()
+    changes.apply_to(new)
+    return new
