@@ -35,6 +35,7 @@ from demo.grpo_vllm import tiny_qwen2_config
 from shardkit.core import fully_shard
 from shardkit.core.export.tp_export import SlicedExporter
 from shardkit.core.export.tp_slices import EngineTP, engine_window
+from shardkit.core.export.vllm_read_back import partition_tensors
 from shardkit.core.export.vllm_slices import VLLMSliceReceiver
 
 DTYPE = torch.bfloat16
@@ -60,26 +61,6 @@ def greedy(llm: Any) -> list[list[Any]]:
     ]
 
 
-def rank_parameters(worker: Any) -> dict[str, torch.Tensor]:
-    """On the worker: every parameter of this engine rank as it computes with it.
-
-    vLLM's CPU build repacks a linear layer's weight for its kernel and leaves an empty
-    parameter: such a weight is read through the kernel, applied to the identity (each output
-    one product ``w * 1``: exact), giving this rank's partition in its fused layout.
-    """
-    model = worker.model_runner.get_model()
-    found: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.numel() > 0:
-                found[name] = param.detach().clone()
-                continue
-            module = model.get_submodule(name.rpartition(".")[0])
-            identity = torch.eye(module.input_size_per_partition, dtype=param.dtype)
-            found[name] = module.quant_method.apply(module, identity).t().contiguous()
-    return found
-
-
 def trainer(config: Any, seed: int) -> torch.nn.Module:
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
@@ -89,6 +70,24 @@ def trainer(config: Any, seed: int) -> torch.nn.Module:
     fully_shard(model)
     sharded: torch.nn.Module = model
     return sharded
+
+
+def sharded_trainer(
+    out: Path, rank: int
+) -> tuple[EngineTP, torch.nn.Module, dict[str, torch.Tensor]]:
+    """The trainer (the engine of degree 2, the model, its weights whole); rank 0 saves its
+    weights to ``out/trained`` and other weights to ``out/initial`` (an engine starts there)."""
+    config = tiny_qwen2_config(layers=2)
+    tp = EngineTP.from_config(config, degree=2)
+    model = trainer(config, seed=1)
+    trained = full_weights(model)
+    if rank == 0:
+        save_model(config, trained, out / "trained")
+        torch.manual_seed(0)
+        transformers = importlib.import_module("transformers")
+        initial = transformers.Qwen2ForCausalLM(config).to(DTYPE).state_dict()
+        save_model(config, {n: t.contiguous() for n, t in initial.items()}, out / "initial")
+    return tp, model, trained
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,7 +127,7 @@ def windows_match(
 def run_fresh(out: Path, rank: int) -> None:
     """The oracle: a fresh TP=2 engine on the trainer's weights, its outputs and parameters."""
     llm = start_engine(out / "trained")
-    record(out, "fresh", rank, greedy(llm), llm.collective_rpc(rank_parameters)[0])
+    record(out, "fresh", rank, greedy(llm), llm.collective_rpc(partition_tensors)[0])
 
 
 def record(
@@ -141,16 +140,7 @@ def record(
 
 def run_sync(out: Path, rank: int) -> dict[str, Any]:
     """Two TP-sliced exports into an engine started from other weights."""
-    config = tiny_qwen2_config(layers=2)
-    tp = EngineTP.from_config(config, degree=2)
-    model = trainer(config, seed=1)
-    trained = full_weights(model)
-    if rank == 0:
-        save_model(config, trained, out / "trained")
-        torch.manual_seed(0)
-        transformers = importlib.import_module("transformers")
-        initial = transformers.Qwen2ForCausalLM(config).to(DTYPE).state_dict()
-        save_model(config, {n: t.contiguous() for n, t in initial.items()}, out / "initial")
+    tp, model, trained = sharded_trainer(out, rank)
     dist.barrier()
     llm = start_engine(out / "initial")
     before = greedy(llm)
@@ -158,7 +148,7 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
     receiver = VLLMSliceReceiver(llm)
     report = exporter.export(receiver)
     after = greedy(llm)
-    synced = llm.collective_rpc(rank_parameters)[0]
+    synced = llm.collective_rpc(partition_tensors)[0]
     record(out, "synced", rank, after, synced)
     # A second sync after the trainer's weights moved: the engine now holds the new windows.
     with torch.no_grad():
@@ -177,7 +167,7 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
         "outputs_changed": after != before,
         "windows_wrong_first": windows_match(tp, trained, synced, rank),
         "windows_wrong_second": windows_match(
-            tp, moved, llm.collective_rpc(rank_parameters)[0], rank
+            tp, moved, llm.collective_rpc(partition_tensors)[0], rank
         ),
         "second_window_bytes": second.window_bytes,
         "seconds": [report.seconds, second.seconds],

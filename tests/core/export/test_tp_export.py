@@ -1,6 +1,7 @@
 """The TP-sliced export on gloo: every engine rank's windows equal the trainer's
 ``full_tensor()`` cut there, bit for bit, from FSDP (W=2, 4; uneven rows) and FSDP x TP
-shards, with exactly its windows' bytes arriving; a failing receiver ends it on every rank."""
+shards, with exactly its windows' bytes arriving, into W / K engines or into one engine fed by
+W ranks; a failing receiver ends it on every rank."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def _model(layout: str, impl: str) -> Any:
     return model
 
 
-def _sliced(rank: int, world_size: int, layout: str, impl: str, degree: int) -> Any:
+def _sliced(
+    rank: int, world_size: int, layout: str, impl: str, degree: int, one_engine: bool = False
+) -> Any:
     from shardkit.core.export.tp_export import SlicedExporter
     from shardkit.core.export.tp_slices import EngineTP, SliceKind
 
@@ -79,18 +82,22 @@ def _sliced(rank: int, world_size: int, layout: str, impl: str, degree: int) -> 
         vocab_size=61,
         kinds={"model.position_scale": SliceKind.WHOLE},
     )
-    exporter = SlicedExporter(model, engine, dtype=torch.bfloat16, bucket_bytes=3000)
-    receiver = _Collecting()
+    exporter = SlicedExporter(
+        model, engine, dtype=torch.bfloat16, bucket_bytes=3000, one_engine=one_engine
+    )
+    receiver = _Collecting() if exporter.engine_rank is not None else None
     wrong: list[str] = []
     reports = []
     for sync in range(2):
         perturb(model, sync)
         report = exporter.export(receiver)
         reports.append(report)
-        full = {
+        full = {  # a collective: every rank, the ones that only send too
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).to(torch.bfloat16)
             for k, v in model.state_dict().items()
         }
+        if receiver is None:
+            continue  # this rank only sends
         for name, (window, data) in receiver.windows.items():
             expected = full[name][tuple(slice(a, b) for a, b in window.box)]
             if not torch.equal(data, expected):
@@ -98,7 +105,8 @@ def _sliced(rank: int, world_size: int, layout: str, impl: str, degree: int) -> 
         if set(receiver.windows) != {s.name for b in exporter.buckets for s in b.sources}:
             wrong.append(f"sync {sync}: tensors missing")
     report = reports[-1]
-    expected_bytes = sum(d.numel() * d.element_size() for _, d in receiver.windows.values())
+    windows = receiver.windows if receiver is not None else {}
+    expected_bytes = sum(d.numel() * d.element_size() for _, d in windows.values())
     return {
         "wrong": wrong,
         "engine_rank": exporter.engine_rank,
@@ -107,8 +115,8 @@ def _sliced(rank: int, world_size: int, layout: str, impl: str, degree: int) -> 
         "received": report.received_bytes,
         "copied": report.copied_bytes,
         "sent": report.sent_bytes,
-        "finished": receiver.finished,
-        "cut": sorted(n for n, (w, _) in receiver.windows.items() if w.dim is not None),
+        "finished": receiver.finished if receiver is not None else None,
+        "cut": sorted(n for n, (w, _) in windows.items() if w.dim is not None),
     }
 
 
@@ -162,6 +170,19 @@ def _failing(rank: int, world_size: int) -> Any:
     receiver.fail_at = None
     after = exporter.export(receiver)  # the next export goes through, on new groups
     return {"message": message, "aborted": receiver.aborted, "after": after.window_bytes}
+
+
+def test_one_engine_of_the_first_k_ranks_takes_every_window_once() -> None:
+    """``one_engine``: W=4 feeds one engine of TP 2 elsewhere; ranks 2 and 3 only send."""
+    results = run_on_ranks(4, _sliced, layout="fsdp", impl="shardkit", degree=2, one_engine=True)
+    assert [r["engine_rank"] for r in results] == [0, 1, None, None]
+    for r in results[:2]:
+        assert r["wrong"] == [], r["wrong"]
+        assert r["finished"] == 2
+        assert r["window_bytes"] == r["expected_bytes"] == r["received"] + r["copied"]
+    for r in results[2:]:
+        assert r["window_bytes"] == r["received"] == r["copied"] == 0 and r["sent"] > 0
+    assert sum(r["sent"] for r in results) == sum(r["received"] for r in results)
 
 
 def test_a_failing_receiver_ends_the_export_on_every_rank_with_one_error() -> None:

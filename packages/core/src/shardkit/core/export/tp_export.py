@@ -10,7 +10,11 @@ trainer has W ranks). Per bucket of whole layers (``buckets.py``):
    sender, as point-to-point messages straight into the window where it is contiguous there;
    its own overlap it copies. No rank gathers a whole tensor;
 2. each rank hands its windows to its receiver (:class:`SliceReceiver`; vLLM's in
-   ``vllm_slices.py``).
+   ``vllm_slices.py``, or, for an engine whose K workers run in processes of their own, in
+   ``vllm_slices_remote.py``: trainer rank ``r`` sends them on to worker ``r``).
+
+After the last bucket the receiver's ``commit``, where it has one, before the ranks' last
+agreement: a receiver elsewhere that could not take it all fails every rank.
 
 Around the buckets, as :class:`~shardkit.core.export.WeightExporter`: the ranks agree on the
 plan first and on the outcome last, every wait is bounded (``SHARDKIT_EXPORT_BOUND``), and a
@@ -19,6 +23,9 @@ failure anywhere (a receiver that raised, a rank late past the bound) is one
 
 Memory: a rank holds its windows of one bucket (1/K of the bucket's cut tensors, its whole
 tensors) and the overlaps it sends (its shard of the bucket, cast).
+
+Next to split off: one bucket's move (``_move``, ``_exchange``, ``_part``: the overlaps
+copied, sent and received) into ``tp_moves.py``.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ class SlicedBucket:
 
     index: int
     engine_rank: int
-    """The engine rank these windows are for."""
+    """The engine rank these windows are for (-1: none, a rank that only sends)."""
     degree: int
     """The engine's tensor-parallel degree."""
     windows: tuple[tuple[Window, torch.Tensor], ...]
@@ -85,7 +92,11 @@ class SliceReceiver(Protocol):
         """Load one bucket's windows."""
 
     def finish(self) -> None:
-        """Every trainer rank agreed the export went through."""
+        """Every trainer rank agreed the export went through.
+
+        A receiver may also have ``commit()``, called after the last bucket and before that
+        agreement (``vllm_slices_remote.py``'s: every worker loaded it all).
+        """
 
     def abort(self, error: BaseException) -> None:
         """The export failed (``error`` is what every trainer rank raises)."""
@@ -96,7 +107,8 @@ class SlicedReport:
     """What one sliced export did on this rank."""
 
     export_id: int
-    engine_rank: int
+    engine_rank: int | None
+    """None: this rank only sends (an engine elsewhere fed by the mesh's first K ranks)."""
     window_bytes: int = 0
     """The bytes of this rank's windows: what its engine rank holds of the model."""
     received_bytes: int = 0
@@ -148,6 +160,9 @@ class SlicedExporter:
         layer_of: a name's layer (its tensors arrive in one bucket).
         rename: the engine's name for a tensor (None leaves it out).
         bound_s: how late a rank may be before every rank raises (``SHARDKIT_EXPORT_BOUND``).
+        one_engine: only the mesh's first K ranks receive, engine ranks 0..K-1 of one engine
+            (whose workers run elsewhere, ``vllm_slices_remote.py``); the others only send.
+            False: every rank receives, rank ``i`` engine rank ``i % K`` (W / K engines).
 
     Raises:
         ValueError: the mesh's ranks are not a multiple of the degree; a tensor with no rule or
@@ -164,6 +179,7 @@ class SlicedExporter:
         layer_of: Callable[[str], str] = default_layer_of,
         rename: Callable[[str], str | None] | None = None,
         bound_s: float | None = None,
+        one_engine: bool = False,
     ) -> None:
         self.engine = engine
         self.bound_s = export_bound_s(bound_s)
@@ -179,12 +195,14 @@ class SlicedExporter:
                 f"{engine.degree} trainer ranks; the model's mesh has {len(ranks)}"
             )
         self.world_ranks = ranks
-        self.engine_ranks = {g: i % engine.degree for i, g in enumerate(ranks)}
+        receiving = ranks[: engine.degree] if one_engine else ranks
+        self.engine_ranks = {g: i % engine.degree for i, g in enumerate(receiving)}
+        """Receiving global rank -> the engine rank whose windows it takes."""
         sources = export_sources(
             model, dtype=dtype, keep_dims=set(), rename=rename, include_tied=False, root=self.mesh
         )
         self.buckets = plan_buckets(sources, bucket_bytes, layer_of)
-        self.digest = plan_digest(self.buckets) ^ engine.degree
+        self.digest = plan_digest(self.buckets) ^ engine.degree ^ (one_engine << 16)
         self._planned = {b.index: [self._plan(s) for s in b.sources] for b in self.buckets}
 
     def _plan(self, source: TensorSource) -> _Planned:
@@ -199,9 +217,9 @@ class SlicedExporter:
         return _Planned(source.key, source.name, source.dtype, windows, routes, block)
 
     @property
-    def engine_rank(self) -> int:
-        """The engine rank this process holds."""
-        return self.engine_ranks[global_rank() if is_distributed() else 0]
+    def engine_rank(self) -> int | None:
+        """The engine rank whose windows this process takes (None: it only sends)."""
+        return self.engine_ranks.get(global_rank() if is_distributed() else 0)
 
     def manifest(self, export_id: int) -> ExportManifest:
         """The export's tensors, with their full shapes (the receiver holds windows of them)."""
@@ -212,19 +230,24 @@ class SlicedExporter:
         )
         return ExportManifest(export_id, "full", entries, len(self.buckets))
 
-    def export(self, receiver: SliceReceiver) -> SlicedReport:
+    def export(self, receiver: SliceReceiver | None) -> SlicedReport:
         """Export now; every rank of the mesh calls it, each with its engine rank's receiver.
 
+        A rank that only sends (``one_engine``, past the first K) passes None.
+
         Raises:
+            ValueError: a receiving rank passed no receiver (before anything is sent).
             WeightExportError: on every rank, with the same message (a rank late past the
                 bound, a receiver that failed, ranks that disagree on the plan).
         """
+        if receiver is None and self.engine_rank is not None:
+            raise ValueError(f"engine rank {self.engine_rank}'s trainer rank needs a receiver")
         export_id, self._next_id = self._next_id, self._next_id + 1
         run = self._open(export_id)
         start = time.perf_counter()
         try:
             try:
-                self._steps(run, receiver)
+                self._steps(run, receiver or _SENDS_ONLY)
             except WeightExportError:
                 raise
             except Exception as error:
@@ -237,7 +260,7 @@ class SlicedExporter:
         except BaseException as error:
             if self._groups is not None:
                 self._groups.dead = True  # a peer may have left messages pending on them
-            receiver.abort(error)
+            (receiver or _SENDS_ONLY).abort(error)
             raise
         run.report.seconds = time.perf_counter() - start
         return run.report
@@ -266,6 +289,11 @@ class SlicedExporter:
             ready = self._move(run, bucket)
             self._guarded(run, partial(receiver.receive, ready), f"bucket {bucket.index}")
             del ready  # one bucket's windows held at a time
+        commit = getattr(receiver, "commit", None)
+        if commit is not None:
+            # Before the ranks' last agreement: a receiver elsewhere that fails to take it
+            # all (vllm_slices_remote.py) fails every rank.
+            self._guarded(run, commit, "commit")
         self._all_gather(run, torch.zeros(1, dtype=torch.int64), "end")
         self._guarded(run, receiver.finish, "finish")
 
@@ -286,16 +314,19 @@ class SlicedExporter:
         windows: list[tuple[Window, torch.Tensor]] = []
         for planned, source in zip(self._planned[bucket.index], bucket.sources, strict=True):
             local = source.local()
-            window = planned.windows[me]
-            into = torch.empty(window.local_shape, dtype=planned.dtype, device=local.device)
-            windows.append((window, into))
-            run.report.window_bytes += into.numel() * into.element_size()
+            window = planned.windows.get(me)  # None: this rank only sends
+            into = None
+            if window is not None:
+                into = torch.empty(window.local_shape, dtype=planned.dtype, device=local.device)
+                windows.append((window, into))
+                run.report.window_bytes += into.numel() * into.element_size()
             for route in planned.routes:
                 if route.sender == me and route.receiver == me:
-                    assert planned.block is not None
+                    assert planned.block is not None and window is not None and into is not None
                     _part(into, route.box, window.box).copy_(_part(local, route.box, planned.block))
                     run.report.copied_bytes += volume(route.box) * into.element_size()
                 elif route.receiver == me:
+                    assert window is not None and into is not None
                     place = _part(into, route.box, window.box)
                     landing = place if place.is_contiguous() else torch.empty_like(place)
                     if landing is not place:
@@ -308,7 +339,8 @@ class SlicedExporter:
                         piece.to(planned.dtype, memory_format=torch.contiguous_format, copy=True)
                     )
         self._exchange(run, bucket, sends, receives)
-        return SlicedBucket(bucket.index, self.engine_ranks[me], self.engine.degree, tuple(windows))
+        engine_rank = self.engine_ranks.get(me, -1)
+        return SlicedBucket(bucket.index, engine_rank, self.engine.degree, tuple(windows))
 
     def _peer(self, rank: int) -> int:
         """A global rank's rank in the export's world group."""
@@ -347,6 +379,25 @@ class SlicedExporter:
             export=f"weight export {run.export_id} (TP-sliced)",
             receiver=f"the receiver of engine rank {run.report.engine_rank}",
         )
+
+
+class _SendsOnly:
+    """The receiver of a rank that takes no windows (``one_engine``, past the first K)."""
+
+    def begin(self, manifest: ExportManifest) -> None:
+        """Nothing to check."""
+
+    def receive(self, bucket: SlicedBucket) -> None:
+        """Nothing arrives."""
+
+    def finish(self) -> None:
+        """Nothing to finish."""
+
+    def abort(self, error: BaseException) -> None:
+        """Nothing to undo."""
+
+
+_SENDS_ONLY = _SendsOnly()
 
 
 def _part(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:

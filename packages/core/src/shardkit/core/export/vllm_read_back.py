@@ -9,7 +9,9 @@ product ``w * 1``, the rest zeros). Other parameters (embeddings, norms, biases)
 they are, in the dtype the engine keeps them. vLLM fuses q, k and v into ``qkv_proj`` and gate
 and up into ``gate_up_proj`` (its ``packed_modules_mapping``); they are split back by the
 layer's ``output_sizes``, so the names are the checkpoint's. One engine rank holding whole
-layers (no tensor parallelism).
+layers (no tensor parallelism). Under tensor parallelism each engine rank holds its partition
+of each layer, in vLLM's fused layout: :func:`partition_tensors` reads those as they are,
+under vLLM's own names (a fresh engine's ranks are the oracle).
 
 :func:`served_digests` is what crosses a process or HTTP (the worker extension's
 ``shardkit_weight_digests``): JSON, no tensor and no pickle. :func:`tensor_digest` is the same
@@ -23,7 +25,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["served_digests", "served_tensors", "tensor_digest"]
+__all__ = [
+    "partition_digests",
+    "partition_tensors",
+    "served_digests",
+    "served_tensors",
+    "tensor_digest",
+]
 
 
 def served_tensors(worker: Any) -> dict[str, torch.Tensor]:
@@ -65,3 +73,27 @@ def tensor_digest(tensor: torch.Tensor) -> list[Any]:
 def served_digests(worker: Any) -> dict[str, list[Any]]:
     """On vLLM's worker: :func:`tensor_digest` of every tensor :func:`served_tensors` reads."""
     return {name: tensor_digest(t) for name, t in sorted(served_tensors(worker).items())}
+
+
+def partition_tensors(worker: Any) -> dict[str, torch.Tensor]:
+    """On vLLM's worker: this engine rank's part of every parameter, under vLLM's names.
+
+    Fused layers stay fused (``qkv_proj``, ``gate_up_proj``), each as this rank's partition;
+    a repacked weight is read through its kernel on the identity of the partition's inputs.
+    """
+    model = worker.model_runner.get_model()
+    found: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.numel() > 0:
+                found[name] = param.detach().clone()
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            identity = torch.eye(module.input_size_per_partition, dtype=param.dtype)
+            found[name] = module.quant_method.apply(module, identity).t().contiguous()
+    return found
+
+
+def partition_digests(worker: Any) -> dict[str, list[Any]]:
+    """On vLLM's worker: :func:`tensor_digest` of every tensor :func:`partition_tensors` reads."""
+    return {name: tensor_digest(t) for name, t in sorted(partition_tensors(worker).items())}

@@ -23,7 +23,7 @@ from shardkit.core.export.shared_memory import serve_connection
 from shardkit.core.export.vllm_checks import check_manifest, checkpoint_shapes
 from shardkit.core.export.vllm_worker_load import choose_path, load_on_worker
 
-__all__ = ["serve_export_on_worker"]
+__all__ = ["accept_within", "serve_export_on_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def serve_export_on_worker(
     receiver = _RECEIVERS.get(worker)
     if receiver is None:
         receiver = _RECEIVERS[worker] = _WorkerReceiver(worker)
-    conn = _accept_within(address, authkey, float(bound_s))
+    conn = accept_within(address, authkey, float(bound_s))
     if conn is None:
         why = f"no sender connected to {address} within {bound_s} s"
         return {"finished": 0, "version": receiver.version, "error": why}
@@ -78,7 +78,7 @@ def serve_export_on_worker(
     return {"finished": finished, "version": receiver.version, "error": None}
 
 
-def _accept_within(address: str, authkey: bytes, bound_s: float) -> Connection | None:
+def accept_within(address: str, authkey: bytes, bound_s: float) -> Connection | None:
     """The sender's connection at ``address``, or None where none came within ``bound_s``.
 
     ``Listener.accept`` takes no timeout: it runs on a helper thread, and where the bound

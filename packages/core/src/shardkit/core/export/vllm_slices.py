@@ -16,7 +16,6 @@ a degree-K engine. This module imports no vLLM: the core runs without it.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from typing import Any
@@ -26,20 +25,13 @@ from shardkit.core.export.messages import ExportManifest
 from shardkit.core.export.tp_export import SlicedBucket
 from shardkit.core.export.vllm import engine_dtype
 from shardkit.core.export.vllm_rpc import EngineCalls
+from shardkit.core.export.vllm_slices_worker import tp_place_of_worker
 from shardkit.core.export.vllm_worker import LoadPath
 from shardkit.core.export.windowed_weight import windowed
 
 __all__ = ["VLLMSliceReceiver", "tp_place_of_worker"]
 
 logger = logging.getLogger(__name__)
-
-
-def tp_place_of_worker(worker: Any) -> tuple[int, int]:
-    """On the worker: its rank in the engine's tensor-parallel group, and the group's size."""
-    state = importlib.import_module("vllm.distributed.parallel_state")
-    return int(state.get_tensor_model_parallel_rank()), int(
-        state.get_tensor_model_parallel_world_size()
-    )
 
 
 class VLLMSliceReceiver:
@@ -73,9 +65,10 @@ class VLLMSliceReceiver:
             chosen, _, reason, pid = self.calls.probe(self.path)
             if pid != os.getpid():
                 raise WeightExportError(
-                    "a TP-sliced export loads each engine rank in the training process that "
+                    "VLLMSliceReceiver loads each engine rank in the training process that "
                     "holds it (vLLM's external_launcher); this engine's worker runs in process "
-                    f"{pid}: nothing was written"
+                    f"{pid}: use VLLMRemoteSliceReceiver (vllm_slices_remote.py) for workers "
+                    "of their own; nothing was written"
                 )
             if chosen is None:
                 raise WeightLoadError(f"this vLLM engine cannot take weights in place: {reason}")

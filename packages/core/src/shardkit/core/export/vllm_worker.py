@@ -6,16 +6,18 @@ ints and bytes travel, no pickled function (vLLM refuses those unless
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Each method hands on to the module that does the
 work: ``vllm_worker_load`` (a bucket loaded, a staged version committed), ``vllm_versions``
 (staging, the version served), ``vllm_server_worker`` (one export served into a
-``vllm serve``) and ``vllm_read_back`` (digests of the weights the engine computes with). The
-functions of ``vllm_worker_load`` are also named here, as before.
+``vllm serve``), ``vllm_slices_worker`` (one engine rank's windows of a TP-sliced export)
+and ``vllm_read_back`` (digests of the weights the engine computes with). The functions of
+``vllm_worker_load`` are also named here, as before.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardkit.core.export.vllm_read_back import served_digests
+from shardkit.core.export.vllm_read_back import partition_digests, served_digests
 from shardkit.core.export.vllm_server_worker import serve_export_on_worker
+from shardkit.core.export.vllm_slices_worker import serve_slices_on_worker, tp_place_of_worker
 from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
 from shardkit.core.export.vllm_worker_load import (
     LoadPath,
@@ -70,6 +72,20 @@ class ShardkitWorkerExtension:
     def shardkit_serve_export(self, address: str, authkey_hex: str, bound_s: float) -> Any:
         """See :func:`~shardkit.core.export.vllm_server_worker.serve_export_on_worker`."""
         return serve_export_on_worker(self, address, authkey_hex, bound_s)
+
+    def shardkit_tp_place(self) -> tuple[int, int]:
+        """See :func:`~shardkit.core.export.vllm_slices_worker.tp_place_of_worker`."""
+        return tp_place_of_worker(self)
+
+    def shardkit_serve_slices(
+        self, addresses: list[str], authkey_hex: str, bound_s: float, tables: list[Any]
+    ) -> dict[str, Any]:
+        """See :func:`~shardkit.core.export.vllm_slices_worker.serve_slices_on_worker`."""
+        return serve_slices_on_worker(self, addresses, authkey_hex, bound_s, tables)
+
+    def shardkit_partition_digests(self) -> dict[str, list[Any]]:
+        """See :func:`~shardkit.core.export.vllm_read_back.partition_digests` (JSON)."""
+        return partition_digests(self)
 
     def shardkit_weight_digests(self) -> dict[str, list[Any]]:
         """See :func:`~shardkit.core.export.vllm_read_back.served_digests` (JSON)."""

@@ -1,0 +1,330 @@
+"""A TP-sliced export into a vLLM engine whose K workers run in processes of their own.
+
+The engine (vLLM's multiprocessing executor, ``tensor_parallel_size=K``) runs its engine core
+and its K workers outside the trainer; one trainer process holds its ``vllm.LLM`` handle. A
+:class:`~shardkit.core.export.tp_export.SlicedExporter` on the trainer's W ranks moves each
+engine rank's windows to trainer rank ``r`` (engine rank ``r``) as it does for a colocated
+engine (no rank gathers a whole tensor); there, instead of loading them in the same process,
+:class:`VLLMRemoteSliceReceiver` sends them to worker ``r`` through the shared-memory
+transport (``shared_memory.py``: JSON headers and raw bytes in shared segments, never pickle),
+and that worker loads them through vLLM's own loaders (``vllm_slices_worker.py``). Each worker
+receives exactly its windows' bytes, from one trainer rank.
+
+One export, on the trainer ranks that hold engine ranks:
+
+1. ``begin`` on the rank with the handle (the *driver*) reaches the workers by method name
+   through shardkit's worker extension (``worker_extension_cls=EXTENSION``: no pickled
+   function), each call bounded: the workers' tensor-parallel places (ranks 0..K-1 of degree
+   K), their loading path and dtype, and that they run in other processes; anything amiss is
+   refused by name before a byte is written. It then asks every worker, on a helper thread,
+   to serve this export (``shardkit_serve_slices``: a socket address and a window table per
+   engine rank); the engine core takes no step until that call returns;
+2. every such rank connects a ``SharedMemorySender`` to its worker's socket (retried until
+   it listens, at most the bound) and sends its window manifest (each window's shape); each
+   bucket's windows go to the worker, which loads the previous bucket meanwhile;
+3. ``commit`` (before the trainer ranks' last agreement, so a failure fails every rank) waits
+   until the worker loaded everything, ends its serving, and on the driver waits for every
+   worker's answer (each one's received bytes) and empties the prefix cache.
+
+Every wait is bounded (``SHARDKIT_EXPORT_BOUND`` or ``bound_s``); a dead or silent worker is a
+:class:`~shardkit.core.errors.WeightExportError` on its rank, which the exporter makes every
+rank raise. Full exports only, and no versions: a failed export may leave the engine with some
+buckets new (export again, in full).
+
+This module imports no vLLM (the worker's part is called inside vLLM's workers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from shardkit.core.errors import WeightExportError, WeightLoadError
+from shardkit.core.export.messages import ExportedTensor, ExportManifest, WeightBucket
+from shardkit.core.export.shared_memory import SharedMemorySender
+from shardkit.core.export.tp_export import SlicedBucket, SlicedExporter
+from shardkit.core.export.tp_slices import EngineTP, Window, engine_window
+from shardkit.core.export.vllm_rpc import EngineCalls, bounded
+from shardkit.core.export.vllm_slices_worker import window_table
+from shardkit.core.export.vllm_worker import EXTENSION
+from shardkit.core.runtime.export.export_groups import export_bound_s
+
+__all__ = ["VLLMRemoteSliceReceiver", "remote_slice_receiver"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    """One call on a helper thread: started now, its answer read later (bounded)."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                self.outcome.append((True, call()))
+            except BaseException as error:  # handed to the caller's thread
+                self.outcome.append((False, error))
+
+        self.thread = threading.Thread(target=run, name="shardkit-slices-serve", daemon=True)
+        self.thread.start()
+
+    def answer(self, within_s: float) -> tuple[bool, Any] | None:
+        """(ok, the result or the error), or None where it did not come within ``within_s``."""
+        self.thread.join(within_s)
+        return self.outcome[0] if self.outcome else None
+
+
+class VLLMRemoteSliceReceiver:
+    """One trainer rank's side of a TP-sliced export into workers elsewhere (see the module).
+
+    Args:
+        tp: the engine's degree and head counts (the exporter's ``engine``).
+        engine_rank: the engine rank whose windows this trainer rank holds.
+        authkey: the key of the transport's handshake: the same bytes on every trainer rank
+            (the workers learn it from the driver's call).
+        llm: the engine's ``vllm.LLM``, on the one trainer rank that holds it (the driver);
+            None on the others.
+        socket_dir: where the per-export Unix sockets are made (default: the temporary
+            folder; the same on every rank of this host).
+        bound_s: the longest wait for one step (``SHARDKIT_EXPORT_BOUND``).
+    """
+
+    def __init__(
+        self,
+        tp: EngineTP,
+        engine_rank: int,
+        *,
+        authkey: bytes,
+        llm: Any | None = None,
+        socket_dir: str | None = None,
+        bound_s: float | None = None,
+    ) -> None:
+        if not 0 <= engine_rank < tp.degree:
+            raise ValueError(f"engine rank {engine_rank} outside an engine of degree {tp.degree}")
+        self.tp, self.engine_rank, self.authkey, self.llm = tp, engine_rank, authkey, llm
+        self.bound_s = export_bound_s(bound_s)
+        self.socket_dir = socket_dir or tempfile.gettempdir()
+        self._tag = hashlib.sha256(authkey).hexdigest()[:12]  # alike on every rank
+        self._calls = EngineCalls(llm, self.bound_s) if llm is not None else None
+        self._sender: SharedMemorySender | None = None
+        self._serving: _Pending | None = None
+        self.served: list[dict[str, Any]] = []
+        """The driver's last export: each worker's answer (its rank, the bytes it loaded)."""
+
+    def begin(self, manifest: ExportManifest) -> None:
+        """Check the engine, start the workers' serving (driver); connect, send the manifest.
+
+        Connecting here, before any bucket, keeps a rank whose driver refused the export out
+        of the exporter's exchanges: it waits for its worker at most the bound, then raises
+        the verdict, with no message to a peer left pending (a pending gloo message that
+        times out later aborts the process).
+
+        Raises:
+            WeightExportError: the engine is not reachable by name, its workers are not K
+                processes of their own, or a wait passed the bound; nothing was written.
+            WeightLoadError: the engine cannot take weights in place, or in this dtype.
+        """
+        if self._sender is not None:
+            raise RuntimeError("VLLMRemoteSliceReceiver.begin: the previous export is open")
+        windows = [
+            [engine_window(self.tp, e.name, e.shape, r) for e in manifest.tensors]
+            for r in range(self.tp.degree)
+        ]
+        addresses = [self._address(manifest.export_id, r) for r in range(self.tp.degree)]
+        if self._calls is not None:
+            self._start_serving(manifest, addresses, windows)
+        own = windows[self.engine_rank]
+        mine = ExportManifest(
+            manifest.export_id,
+            "full",
+            tuple(
+                ExportedTensor(e.name, w.local_shape, e.dtype, e.bucket)
+                for e, w in zip(manifest.tensors, own, strict=True)
+            ),
+            manifest.bucket_count,
+        )
+        sender = SharedMemorySender(addresses[self.engine_rank], self.authkey, bound_s=self.bound_s)
+        try:
+            sender.begin(mine)
+        except BaseException:
+            sender.close()
+            raise
+        self._sender = sender
+
+    def receive(self, bucket: SlicedBucket) -> None:
+        """Send the bucket's windows to this engine rank's worker (it loads them)."""
+        if (bucket.engine_rank, bucket.degree) != (self.engine_rank, self.tp.degree):
+            raise WeightLoadError(
+                f"bucket {bucket.index} holds engine rank {bucket.engine_rank}'s windows (of "
+                f"{bucket.degree}); this receiver sends engine rank {self.engine_rank}'s"
+            )
+        tensors = tuple((w.name, data) for w, data in bucket.windows)
+        if self._sender is None:
+            raise RuntimeError("VLLMRemoteSliceReceiver: no export begun (call begin first)")
+        self._sender.receive(WeightBucket(bucket.index, full=tensors))
+
+    def commit(self) -> None:
+        """Wait for the worker's load and end its serving; on the driver, every worker's.
+
+        Raises:
+            WeightLoadError: a worker's load failed (its text).
+            WeightExportError: a worker died or did not answer within the bound.
+        """
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return  # committed already, or nothing began
+        try:
+            sender.finish()
+        finally:
+            sender.close(stop_serving=True)  # the worker's serving call returns
+        if self._serving is not None:
+            self._end_serving()
+
+    def finish(self) -> None:
+        """The export went through (committed here if the exporter did not)."""
+        self.commit()
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the worker the export failed and end its serving (the engine may hold a mix)."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            try:
+                sender.abort(error)
+            finally:
+                sender.close(stop_serving=True)
+        # The driver's serving call ends once every worker's sender stopped, or its wait for
+        # one that never connected passed the bound; the driver's next begin waits for it.
+
+    def _address(self, export_id: int, rank: int) -> str:
+        return os.path.join(self.socket_dir, f"shardkit-slices-{self._tag}-{export_id}-{rank}")
+
+    def _rpc(self, method: str, args: tuple[Any, ...], what: str) -> list[Any]:
+        """Every worker's result of ``method(*args)``, by name, within the bound."""
+        assert self.llm is not None
+        llm = self.llm
+
+        def call() -> list[Any]:
+            found: list[Any] = llm.collective_rpc(method, args=args)
+            return found
+
+        return bounded(call, what, self.bound_s)
+
+    def _start_serving(
+        self, manifest: ExportManifest, addresses: list[str], windows: list[list[Window]]
+    ) -> None:
+        assert self._calls is not None
+        self._wait_previous()
+        if self._calls.route().how != "extension":
+            raise WeightExportError(
+                "a TP-sliced export into workers of their own reaches them by method name: "
+                f'start the engine with worker_extension_cls="{EXTENSION}"; nothing was written'
+            )
+        degree = self.tp.degree
+        places = [tuple(p) for p in self._rpc("shardkit_tp_place", (), "its workers' places")]
+        if sorted(places) != [(r, degree) for r in range(degree)]:
+            raise WeightExportError(
+                f"the exporter cuts for an engine of TP degree {degree}, but the engine's "
+                f"workers are (rank, degree) {places}; nothing was written"
+            )
+        self._check_workers(manifest, self._rpc("shardkit_probe", ("auto",), "its workers"))
+        tables = [window_table(w) for w in windows]
+        key, llm, bound = self.authkey.hex(), self.llm, self.bound_s
+        assert llm is not None
+        self._serving = _Pending(
+            lambda: llm.collective_rpc(
+                "shardkit_serve_slices", args=(addresses, key, bound, tables)
+            )
+        )
+
+    def _check_workers(self, manifest: ExportManifest, probes: list[Any]) -> None:
+        problems = []
+        for rank, (chosen, dtype, reason, pid) in enumerate(probes):
+            if pid == os.getpid():
+                raise WeightExportError(
+                    f"engine rank {rank}'s worker runs in this process: a colocated engine "
+                    "takes its windows through VLLMSliceReceiver; nothing was written"
+                )
+            if chosen is None:
+                raise WeightLoadError(f"engine rank {rank} cannot take weights in place: {reason}")
+            problems += [
+                f"{e.name}: sent as {e.dtype}, engine rank {rank} computes in {dtype}"
+                for e in manifest.tensors
+                if e.dtype.is_floating_point and str(e.dtype).removeprefix("torch.") != dtype
+            ]
+        if problems:
+            raise WeightLoadError(
+                f"export {manifest.export_id} does not fit the vLLM engine; nothing was "
+                "written: " + "; ".join(problems[:8])
+            )
+
+    def _wait_previous(self) -> None:
+        """A failed export's serving call, ended (its workers' waits are bounded)."""
+        previous, self._serving = self._serving, None
+        if previous is not None and previous.answer(self.bound_s + 5.0) is None:
+            raise WeightExportError(
+                "the vLLM engine's workers still serve the last (failed) export after "
+                f"{self.bound_s:g} s (SHARDKIT_EXPORT_BOUND); nothing was written"
+            )
+
+    def _end_serving(self) -> None:
+        """Every worker's answer to its serving call; then the prefix cache emptied."""
+        pending, self._serving = self._serving, None
+        assert pending is not None and self._calls is not None
+        answer = pending.answer(self.bound_s)
+        if answer is None:
+            raise WeightExportError(
+                f"the vLLM engine's workers did not end the export within {self.bound_s:g} s "
+                "(SHARDKIT_EXPORT_BOUND): a worker, or the engine core, may be dead"
+            )
+        ok, result = answer
+        if not ok:
+            raise WeightExportError(
+                f"the vLLM engine's serving call failed: {type(result).__name__}: {result}"
+            )
+        self.served = [dict(r) for r in result]
+        failed = [f"engine rank {r.get('rank')}: {r['error']}" for r in self.served if r["error"]]
+        unfinished = [r.get("rank") for r in self.served if r.get("finished") != 1]
+        if failed or unfinished:
+            raise WeightLoadError(
+                "the vLLM engine's workers did not all load the export: "
+                + "; ".join(failed or [f"engine ranks {unfinished} finished none"])
+            )
+        if self._calls.reset_prefix_cache() is False:
+            logger.warning("vLLM did not reset its prefix cache after the weight update")
+
+
+def remote_slice_receiver(
+    exporter: SlicedExporter,
+    *,
+    authkey: bytes,
+    llm: Any | None = None,
+    socket_dir: str | None = None,
+) -> VLLMRemoteSliceReceiver | None:
+    """This trainer rank's receiver for ``exporter``'s engine rank (see the class).
+
+    None on a rank that only sends (``SlicedExporter(one_engine=True)``, past the first K),
+    which passes None to ``export``.
+
+    Raises:
+        ValueError: ``llm`` given on a rank that takes no windows (the driver must be one of
+            the first K).
+    """
+    rank = exporter.engine_rank
+    if rank is None:
+        if llm is not None:
+            raise ValueError("the engine's handle belongs on a rank that takes windows")
+        return None
+    return VLLMRemoteSliceReceiver(
+        exporter.engine,
+        rank,
+        authkey=authkey,
+        llm=llm,
+        socket_dir=socket_dir,
+        bound_s=exporter.bound_s,
+    )

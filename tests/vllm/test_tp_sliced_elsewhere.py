@@ -1,0 +1,65 @@
+"""A TP-sliced export into vLLM's CPU build whose TP=2 workers run in processes of their own
+(the multiprocessing executor), each taking its windows from one trainer rank through shared
+memory and shardkit's worker extension (tp_sliced_elsewhere_run.py, torchrun at W=2).
+
+The oracle is a fresh TP=2 engine of the same kind started from the trainer's weights: after
+the first sync (from other weights) and after a third (back from moved weights), the engine's
+greedy tokens, top-5 log-probabilities and every parameter of each engine rank, read back on
+its worker, equal it bit for bit. Each worker loaded exactly its windows' bytes, from one
+trainer rank. An export the engine cannot take fails on both ranks with one error, within the
+bound, and leaves the engine serving what it served; an export after one worker was killed
+ends on both ranks with one error, within the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("tp_sliced_elsewhere_run.py")
+BOUND_S = 20.0  # the failing export's (tp_sliced_elsewhere_run.failing_export)
+KILL_BOUND_S = 20.0  # the export's after a worker is killed (export_after_a_kill)
+
+
+def test_tp2_workers_of_their_own_take_their_slices_bit_for_bit(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(SCRIPT), "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    ranks: list[dict[str, Any]] = json.loads((tmp_path / "result.json").read_text())
+    driver = ranks[0]
+    fresh = driver["fresh"]
+    assert len(fresh["digests"]) == 2  # one table per engine rank
+    assert any("qkv_proj" in name for name in fresh["digests"][0])
+    assert driver["before"]["outputs"] != fresh["outputs"]  # started from other weights
+    for sync in ("first", "again"):
+        assert driver[sync]["outputs"] == fresh["outputs"], sync  # tokens, top-5 log-probs
+        assert driver[sync]["digests"] == fresh["digests"], sync  # each rank, every tensor
+    assert driver["moved"]["digests"] != fresh["digests"]  # the second sync changed them
+    for rank, entry in enumerate(ranks):
+        for report, served in zip(entry["reports"], driver["served"], strict=True):
+            window = report["window_bytes"]
+            assert window == report["received_bytes"] + report["copied_bytes"]
+            # The worker of this engine rank loaded exactly this trainer rank's windows.
+            assert served[rank] == {
+                "rank": rank, "degree": 2, "finished": 1, "received_bytes": window, "error": None
+            }  # fmt: skip
+            assert entry["model_bytes"] / 2 < window < entry["model_bytes"]
+        failure = entry["failure"]
+        assert failure["error"] == driver["failure"]["error"]  # one error on every rank
+        assert "sent as torch.float32" in failure["error"]
+        assert "nothing was written" in failure["error"]
+        assert failure["seconds"] < BOUND_S + 10
+    assert driver["after_failure"] == driver["again"]  # still serving the last export
+    # Engine rank 1's worker killed: the next export ends on both ranks, one error, bounded.
+    killed = [entry["killed"] for entry in ranks]
+    assert killed[0]["error"] is not None and killed[0]["error"] == killed[1]["error"]
+    assert all(k["seconds"] < KILL_BOUND_S + 10 for k in killed), killed
