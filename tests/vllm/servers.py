@@ -73,12 +73,14 @@ def free_port() -> int:
 
 
 def start_server(
-    folder: Path, log: Path, *, extension: bool
+    folder: Path, log: Path, *, extension: bool, tensor_parallel_size: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A server on ``folder`` in a new session (so it can be killed whole); and its URL.
 
     ``extension``: with shardkit's worker extension and ``VLLM_SERVER_DEV_MODE=1`` (the
     server that takes exports); else as a user would start a plain one.
+    ``tensor_parallel_size``: above 1, its workers run in processes of their own, unbound
+    (the CPU build binds each to a NUMA node of its own by default; this host has one).
     """
     port = free_port()
     args = ["--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
@@ -88,6 +90,9 @@ def start_server(
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default: a core process
     env.pop("VLLM_SERVER_DEV_MODE", None)
+    if tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if extension:
         args += ["--worker-extension-cls", EXTENSION]
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -120,12 +125,14 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path, within_s: 
 
 
 def start_ready(
-    folder: Path, log: Path, *, extension: bool, within_s: float
+    folder: Path, log: Path, *, extension: bool, within_s: float, tensor_parallel_size: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     """:func:`start_server`, then :func:`wait_ready`; again on another port where the one
     picked was taken meanwhile (other jobs on this machine pick ports too)."""
     for attempt in range(3):
-        process, url = start_server(folder, log, extension=extension)
+        process, url = start_server(
+            folder, log, extension=extension, tensor_parallel_size=tensor_parallel_size
+        )
         try:
             wait_ready(process, url, log, within_s)
         except RuntimeError as error:

@@ -169,14 +169,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    found = run(args.out, rank)
+    write_results(args.out, run(args.out, dist.get_rank()))
+    return 0
+
+
+def write_results(out: Path, found: dict[str, Any]) -> None:
+    """Every rank's ``found``, written by rank 0 as ``out/result.json`` (a collective)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)
-    if rank == 0:
-        (args.out / "result.json").write_text(json.dumps(gathered, indent=1))
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(gathered, indent=1))
     dist.barrier()
-    return 0
 
 
 if __name__ == "__main__":

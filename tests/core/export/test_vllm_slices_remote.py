@@ -1,10 +1,12 @@
 """VLLMRemoteSliceReceiver and its workers' side, without vLLM: a stand-in engine of TP degree 2
 whose two workers serve in threads of this process, over the real transport (Unix sockets and
-shared memory, JSON headers, no pickle).
+shared memory, JSON headers, no pickle); and the same behind a stand-in ``vllm serve``.
 
 Each trainer rank's receiver sends its engine rank's windows; each worker loads exactly its
 windows, as ``WindowedWeight`` of the full shape, and counts their bytes. The driver refuses
-a wrong engine before a byte is sent, and a worker's failed load fails its rank's commit.
+a wrong engine before a byte is sent, and a worker's failed load fails its rank's commit. A
+server is paused before its workers serve and resumed after its prefix cache is emptied, the
+export failed or not.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SHAPES = {
 }
 KEY = b"k" * 32
 BOUND_S = 10.0
+SERVE = "shardkit_serve_slices"
 
 
 class StandInWorker:
@@ -216,3 +219,47 @@ def test_a_window_table_from_another_process_is_checked() -> None:
     for bad in ({"w": [[8, 4], 0, 4, 9]}, {"w": [[8, 4], 2, 0, 1]}, {"w": [[8], None, "a", 1]}):
         with pytest.raises(WeightLoadError, match="malformed window"):
             windows_of_table(bad)
+
+
+def _server_of(engine: StandInEngine) -> Any:
+    """A stand-in ``vllm serve`` of TP 2 whose ``/collective_rpc`` reaches ``engine``'s workers."""
+
+    def answer(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if path == "/collective_rpc":
+            return 200, {"results": engine.collective_rpc(body["method"], tuple(body["args"]))}
+        if path == "/is_paused":
+            return 200, {"is_paused": False}
+        if path == "/reset_prefix_cache":
+            return 200, {"success": True}
+        return 200, {"status": "ok"}  # /pause?mode=wait, /resume
+
+    return answer
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_server_is_paused_around_the_workers_load_and_resumed(
+    tmp_path: Path, fails: bool
+) -> None:
+    from tests.core.export.test_vllm_server_pause import _Server
+
+    engine = StandInEngine()
+    engine.workers[1].fail = fails
+    server = _Server(_server_of(engine))
+    try:
+        receivers = _receivers(engine, tmp_path)
+        receivers[0] = VLLMRemoteSliceReceiver(
+            TP, 0, authkey=KEY, url=server.url, socket_dir=str(tmp_path), bound_s=BOUND_S
+        )
+        errors = _export(receivers, _full())
+        if fails:  # as the exporter does on every rank
+            for receiver, error in zip(receivers, errors, strict=True):
+                receiver.abort(error or RuntimeError("a peer failed"))
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+    assert (errors == [None, None]) is not fails
+    paths = [p.split("?")[0] for p in server.paths()]
+    serve = next(i for i, (p, b) in enumerate(server.seen) if b.get("method") == SERVE)
+    assert paths[serve - 2 : serve] == ["/is_paused", "/pause"]  # before the workers load
+    assert paths[serve + 1 :] == ["/reset_prefix_cache", "/resume"]  # after, in this order
+    assert [len(w.loaded) > 0 for w in engine.workers] == [True, not fails]

@@ -36,6 +36,8 @@ server that dies, or stops answering past the bound, ends the export on the rece
 with a :class:`~shardkit.core.errors.WeightExportError`, which the exporter makes every rank
 raise; a failed export resumes the scheduling it paused (the weights are the last version's).
 
+The requests themselves (each bounded, a refusal naming the setting the server lacks) are
+``vllm_server_calls.py``'s, shared with the TP-sliced export into a tensor-parallel server.
 This module imports no vLLM (the worker's part, ``vllm_server_worker.py``, is called inside
 vLLM's worker).
 
@@ -44,23 +46,19 @@ See docs/guide/export.md ("A vLLM server").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import secrets
 import tempfile
-import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.shared_memory import SharedMemorySender
+from shardkit.core.export.vllm_server_calls import ServerCall, ServerCalls
 from shardkit.core.export.vllm_server_worker import serve_export_on_worker
-from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
 __all__ = ["VLLMServerReceiver", "serve_export_on_worker", "vllm_server_receiver"]
@@ -71,33 +69,10 @@ SERVE_METHOD = "shardkit_serve_export"
 """The extension's method that serves one export (see :func:`serve_export_on_worker`)."""
 
 
-class _Call:
-    """One HTTP request on a helper thread: started now, its answer read later."""
-
-    def __init__(self, request: urllib.request.Request) -> None:
-        self.outcome: list[tuple[bool, Any]] = []
-        self.thread = threading.Thread(
-            target=self._run, args=(request,), name="shardkit-server-call", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self, request: urllib.request.Request) -> None:
-        try:
-            with urllib.request.urlopen(request) as response:  # no timeout: see ``answer``
-                self.outcome.append((True, response.read()))
-        except BaseException as error:  # handed to the caller's thread
-            self.outcome.append((False, error))
-
-    def answer(self, within_s: float) -> tuple[bool, Any] | None:
-        """(ok, the body or the error), or None where it did not come within ``within_s``."""
-        self.thread.join(within_s)
-        return self.outcome[0] if self.outcome else None
-
-
 @dataclass(slots=True)
 class _OpenExport:
     sender: SharedMemorySender
-    serving: _Call
+    serving: ServerCall
 
 
 class VLLMServerReceiver:
@@ -125,9 +100,9 @@ class VLLMServerReceiver:
         self.url = url.rstrip("/")
         self.bound_s = export_bound_s(bound_s)
         self.socket_dir = socket_dir or tempfile.gettempdir()
+        self.calls = ServerCalls(self.url, self.bound_s)
+        """The server's endpoints, each request bounded (pause, resume, the workers' RPC)."""
         self._open: _OpenExport | None = None
-        self._paused = False  # this receiver paused the scheduling and has not resumed it
-        self._loading = False  # the worker may have loaded: the resume empties the cache first
         self.version: int | None = None
         """The export the server's worker holds complete, as it reported (None: none yet)."""
 
@@ -145,18 +120,17 @@ class VLLMServerReceiver:
         chosen, _dtype, reason, _pid = self._rpc("shardkit_probe", ["auto"], "the probe")
         if chosen is None:
             raise WeightLoadError(f"the vLLM server at {self.url} cannot take weights: {reason}")
-        self._pause()
+        self.calls.pause()
         address = os.path.join(self.socket_dir, f"shardkit-{os.getpid()}-{secrets.token_hex(6)}")
         authkey = secrets.token_bytes(32)
-        body = {"method": SERVE_METHOD, "args": [address, authkey.hex(), self.bound_s]}
-        self._loading = True
-        serving = _Call(self._request("/collective_rpc", body))
+        self.calls.loading = True
+        serving = self.calls.start_rpc(SERVE_METHOD, [address, authkey.hex(), self.bound_s])
         opened = _OpenExport(SharedMemorySender(address, authkey, bound_s=self.bound_s), serving)
         try:
             opened.sender.begin(manifest)
         except WeightExportError as error:
             opened.sender.close()
-            raise self._explained(error, serving) from error
+            raise self.calls.explained(error, serving) from error
         self._open = opened
 
     def receive(self, bucket: WeightBucket) -> None:
@@ -179,17 +153,17 @@ class VLLMServerReceiver:
         try:
             opened.sender.finish()
         except WeightExportError as error:
-            raise self._explained(error, opened.serving) from error
+            raise self.calls.explained(error, opened.serving) from error
         finally:
             self._end(opened)
         answer = opened.serving.answer(self.bound_s)
         if answer is None or not answer[0]:
-            raise self._explained(
+            raise self.calls.explained(
                 WeightExportError(f"the vLLM server at {self.url} did not end the export"),
                 opened.serving,
             )
         served = json.loads(answer[1])["results"][0]
-        self._resume()
+        self.calls.resume()
         self.version = served.get("version") if isinstance(served, dict) else None
 
     def weight_digests(self) -> dict[str, list[Any]]:
@@ -217,45 +191,9 @@ class VLLMServerReceiver:
                     self._end(opened)
         finally:
             try:
-                self._resume()
+                self.calls.resume()
             except WeightExportError as failed:  # the export's own error is the one raised
                 logger.warning("after a failed export: %s", failed)
-
-    def _pause(self) -> None:
-        """Stop the server's scheduling once its requests in flight finished (bounded)."""
-        what = "whether it is paused"
-        paused = self._field(self._http("/is_paused", None, what, method="GET"), "is_paused", what)
-        if paused and self._paused:
-            return  # still paused by this receiver, after a reset that failed
-        if paused:
-            raise WeightExportError(
-                f"the vLLM server at {self.url} is paused already (POST /pause by another "
-                "client): resume it first; the export pauses it itself, and resumes it"
-            )
-        self._paused = True  # before the call: a pause that times out may still come
-        what = "the pause of its scheduling (its requests in flight finish first)"
-        self._http("/pause?mode=wait", None, what)
-
-    def _resume(self) -> None:
-        """Resume the scheduling this receiver paused.
-
-        Where the worker may have loaded new weights, the prefix cache is emptied first, and
-        the scheduling resumed only where that succeeded.
-        """
-        if not self._paused:
-            return
-        if self._loading:
-            what = "the reset of its prefix cache"
-            answer = self._http("/reset_prefix_cache", None, what)
-            if self._field(answer, "success", what) is not True:
-                raise WeightExportError(
-                    f"the vLLM server at {self.url} did not empty its prefix cache after the "
-                    f"weights changed (it answered {answer[:200]!r}): it stays paused, so that "
-                    "no request reuses the old weights' prefixes; the next export resumes it"
-                )
-            self._loading = False
-        self._http("/resume", None, "the resume of its scheduling")
-        self._paused = False
 
     def _current(self) -> _OpenExport:
         if self._open is None:
@@ -266,57 +204,9 @@ class VLLMServerReceiver:
         self._open = None
         opened.sender.close(stop_serving=True)  # the worker's call returns; still paused
 
-    def _explained(self, error: WeightExportError, serving: _Call) -> WeightExportError:
-        """``error``, with the server's own answer to the serving call where it failed."""
-        answer = serving.answer(0.0)
-        if answer is None or answer[0]:
-            return error
-        return WeightExportError(f"{error}; the server answered: {_http_text(answer[1])}")
-
-    def _field(self, answer: bytes, key: str, what: str) -> Any:
-        """``key`` of the server's JSON ``answer`` to ``what``."""
-        try:
-            return json.loads(answer)[key]
-        except (ValueError, KeyError, TypeError) as error:
-            raise WeightExportError(
-                f"the vLLM server at {self.url} gave a malformed answer to {what}: {answer[:200]!r}"
-            ) from error
-
     def _rpc(self, method: str, args: list[Any], what: str) -> Any:
         """The first worker's result of ``method(*args)`` through ``/collective_rpc``."""
-        body = {"method": method, "args": args, "timeout": self.bound_s}
-        results = self._field(self._http("/collective_rpc", body, what), "results", what)
-        if not isinstance(results, list) or not results:
-            raise WeightExportError(f"the vLLM server at {self.url} gave no result to {what}")
-        return results[0]
-
-    def _http(
-        self, path: str, body: dict[str, Any] | None, what: str, *, method: str = "POST"
-    ) -> bytes:
-        """The server's answer to one request, within the bound, or a WeightExportError."""
-        try:
-            with urllib.request.urlopen(
-                self._request(path, body, method), timeout=self.bound_s
-            ) as response:
-                answer: bytes = response.read()
-                return answer
-        except urllib.error.HTTPError as error:
-            raise WeightExportError(
-                f"the vLLM server at {self.url} refused {what} ({path}): {_http_text(error)}"
-                + _missing_setting(error, path)
-            ) from error
-        except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
-            raise WeightExportError(
-                f"the vLLM server at {self.url} did not answer {what} within {self.bound_s:g} s "
-                f"(SHARDKIT_EXPORT_BOUND): {error}"
-            ) from error
-
-    def _request(
-        self, path: str, body: dict[str, Any] | None, method: str = "POST"
-    ) -> urllib.request.Request:
-        data = None if method == "GET" else json.dumps(body if body is not None else {}).encode()
-        headers = {"Content-Type": "application/json"}
-        return urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        return self.calls.rpc_all(method, args, what)[0]
 
 
 def vllm_server_receiver(
@@ -324,26 +214,3 @@ def vllm_server_receiver(
 ) -> VLLMServerReceiver:
     """The receiver for a ``vllm serve`` at ``url`` (see :class:`VLLMServerReceiver`)."""
     return VLLMServerReceiver(url, bound_s=bound_s, socket_dir=socket_dir)
-
-
-def _http_text(error: object) -> str:
-    if isinstance(error, urllib.error.HTTPError):
-        with contextlib.suppress(OSError):
-            return f"HTTP {error.code}: {error.read()[:500].decode(errors='replace')}"
-        return f"HTTP {error.code}"
-    return f"{type(error).__name__}: {error}"
-
-
-def _missing_setting(error: urllib.error.HTTPError, path: str) -> str:
-    """What the server was started without, where its answer tells."""
-    if error.code == 404 and path != "/collective_rpc":  # the probe went through: dev mode is on
-        return (
-            f"; this vLLM has no {path} (vLLM 0.32's development endpoints have /pause, "
-            "/resume and /is_paused): the export pauses the server's scheduling around the "
-            "load, so that no prefix cached under the old weights is reused"
-        )
-    if error.code == 404:
-        return f"; start the server with VLLM_SERVER_DEV_MODE=1 (it has no {path} without)"
-    if path == "/collective_rpc":
-        return f"; start the server with --worker-extension-cls {EXTENSION}"
-    return ""

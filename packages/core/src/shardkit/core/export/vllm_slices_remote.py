@@ -1,7 +1,8 @@
 """A TP-sliced export into a vLLM engine whose K workers run in processes of their own.
 
 The engine (vLLM's multiprocessing executor, ``tensor_parallel_size=K``) runs its engine core
-and its K workers outside the trainer; one trainer process holds its ``vllm.LLM`` handle. A
+and its K workers outside the trainer; one trainer process holds its ``vllm.LLM`` handle, or
+the URL of a ``vllm serve --tensor-parallel-size K`` (``vllm_slice_drivers.py``). A
 :class:`~shardkit.core.export.tp_export.SlicedExporter` on the trainer's W ranks moves each
 engine rank's windows to trainer rank ``r`` (engine rank ``r``) as it does for a colocated
 engine (no rank gathers a whole tensor); there, instead of loading them in the same process,
@@ -14,17 +15,20 @@ One export, on the trainer ranks that hold engine ranks:
 
 1. ``begin`` on the rank with the handle (the *driver*) reaches the workers by method name
    through shardkit's worker extension (``worker_extension_cls=EXTENSION``: no pickled
-   function), each call bounded: the workers' tensor-parallel places (ranks 0..K-1 of degree
-   K), their loading path and dtype, and that they run in other processes; anything amiss is
-   refused by name before a byte is written. It then asks every worker, on a helper thread,
+   function; a server's through its ``/collective_rpc``), each call bounded: the workers'
+   tensor-parallel places (ranks 0..K-1 of degree K), their loading path and dtype, and
+   that they run in other processes; anything amiss is refused by name before a byte is
+   written. It then asks every worker, on a helper thread,
    to serve this export (``shardkit_serve_slices``: a socket address and a window table per
-   engine rank); the engine core takes no step until that call returns;
+   engine rank); the engine core takes no step until that call returns (a server's
+   scheduling is paused first, and resumed after the load or the failure);
 2. every such rank connects a ``SharedMemorySender`` to its worker's socket (retried until
    it listens, at most the bound) and sends its window manifest (each window's shape); each
    bucket's windows go to the worker, which loads the previous bucket meanwhile;
 3. ``commit`` (before the trainer ranks' last agreement, so a failure fails every rank) waits
    until the worker loaded everything, ends its serving, and on the driver waits for every
-   worker's answer (each one's received bytes) and empties the prefix cache.
+   worker's answer (each one's received bytes) and empties the prefix cache (a server's
+   before its scheduling resumes).
 
 Every wait is bounded (``SHARDKIT_EXPORT_BOUND`` or ``bound_s``); a dead or silent worker is a
 :class:`~shardkit.core.errors.WeightExportError` on its rank, which the exporter makes every
@@ -40,8 +44,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
@@ -49,35 +51,13 @@ from shardkit.core.export.messages import ExportedTensor, ExportManifest, Weight
 from shardkit.core.export.shared_memory import SharedMemorySender
 from shardkit.core.export.tp_export import SlicedBucket, SlicedExporter
 from shardkit.core.export.tp_slices import EngineTP, Window, engine_window
-from shardkit.core.export.vllm_rpc import EngineCalls, bounded
+from shardkit.core.export.vllm_slice_drivers import LLMDriver, ServerDriver, Serving, SliceDriver
 from shardkit.core.export.vllm_slices_worker import window_table
-from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.runtime.export.export_groups import export_bound_s
 
 __all__ = ["VLLMRemoteSliceReceiver", "remote_slice_receiver"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Pending:
-    """One call on a helper thread: started now, its answer read later (bounded)."""
-
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.outcome: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                self.outcome.append((True, call()))
-            except BaseException as error:  # handed to the caller's thread
-                self.outcome.append((False, error))
-
-        self.thread = threading.Thread(target=run, name="shardkit-slices-serve", daemon=True)
-        self.thread.start()
-
-    def answer(self, within_s: float) -> tuple[bool, Any] | None:
-        """(ok, the result or the error), or None where it did not come within ``within_s``."""
-        self.thread.join(within_s)
-        return self.outcome[0] if self.outcome else None
 
 
 class VLLMRemoteSliceReceiver:
@@ -90,6 +70,9 @@ class VLLMRemoteSliceReceiver:
             (the workers learn it from the driver's call).
         llm: the engine's ``vllm.LLM``, on the one trainer rank that holds it (the driver);
             None on the others.
+        url: instead of ``llm``, on the driver: the base URL of a ``vllm serve`` of
+            ``--tensor-parallel-size K`` on this host (``VLLM_SERVER_DEV_MODE=1``, the
+            worker extension), whose scheduling is paused around each export.
         socket_dir: where the per-export Unix sockets are made (default: the temporary
             folder; the same on every rank of this host).
         bound_s: the longest wait for one step (``SHARDKIT_EXPORT_BOUND``).
@@ -102,18 +85,25 @@ class VLLMRemoteSliceReceiver:
         *,
         authkey: bytes,
         llm: Any | None = None,
+        url: str | None = None,
         socket_dir: str | None = None,
         bound_s: float | None = None,
     ) -> None:
         if not 0 <= engine_rank < tp.degree:
             raise ValueError(f"engine rank {engine_rank} outside an engine of degree {tp.degree}")
-        self.tp, self.engine_rank, self.authkey, self.llm = tp, engine_rank, authkey, llm
+        if llm is not None and url is not None:
+            raise ValueError("one engine: its vllm.LLM or its server's URL, not both")
+        self.tp, self.engine_rank, self.authkey = tp, engine_rank, authkey
         self.bound_s = export_bound_s(bound_s)
         self.socket_dir = socket_dir or tempfile.gettempdir()
         self._tag = hashlib.sha256(authkey).hexdigest()[:12]  # alike on every rank
-        self._calls = EngineCalls(llm, self.bound_s) if llm is not None else None
+        self._driver: SliceDriver | None = None
+        if llm is not None:
+            self._driver = LLMDriver(llm, self.bound_s)
+        elif url is not None:
+            self._driver = ServerDriver(url, self.bound_s)
         self._sender: SharedMemorySender | None = None
-        self._serving: _Pending | None = None
+        self._serving: Serving | None = None
         self.served: list[dict[str, Any]] = []
         """The driver's last export: each worker's answer (its rank, the bytes it loaded)."""
 
@@ -137,7 +127,7 @@ class VLLMRemoteSliceReceiver:
             for r in range(self.tp.degree)
         ]
         addresses = [self._address(manifest.export_id, r) for r in range(self.tp.degree)]
-        if self._calls is not None:
+        if self._driver is not None:
             self._start_serving(manifest, addresses, windows)
         own = windows[self.engine_rank]
         mine = ExportManifest(
@@ -198,49 +188,40 @@ class VLLMRemoteSliceReceiver:
                 sender.abort(error)
             finally:
                 sender.close(stop_serving=True)
-        # The driver's serving call ends once every worker's sender stopped, or its wait for
-        # one that never connected passed the bound; the driver's next begin waits for it.
+        if self._driver is None:
+            return
+        # The serving call ends once every worker's sender stopped, or its wait for one that
+        # never connected passed the bound; a call still out then, the next begin waits for.
+        if self._serving is not None and self._serving.answer(self.bound_s) is not None:
+            self._serving = None
+        self._driver.after_failure()  # a server paused by this export resumes
 
     def _address(self, export_id: int, rank: int) -> str:
         return os.path.join(self.socket_dir, f"shardkit-slices-{self._tag}-{export_id}-{rank}")
 
-    def _rpc(self, method: str, args: tuple[Any, ...], what: str) -> list[Any]:
-        """Every worker's result of ``method(*args)``, by name, within the bound."""
-        assert self.llm is not None
-        llm = self.llm
-
-        def call() -> list[Any]:
-            found: list[Any] = llm.collective_rpc(method, args=args)
-            return found
-
-        return bounded(call, what, self.bound_s)
-
     def _start_serving(
         self, manifest: ExportManifest, addresses: list[str], windows: list[list[Window]]
     ) -> None:
-        assert self._calls is not None
+        driver = self._driver
+        assert driver is not None
         self._wait_previous()
-        if self._calls.route().how != "extension":
-            raise WeightExportError(
-                "a TP-sliced export into workers of their own reaches them by method name: "
-                f'start the engine with worker_extension_cls="{EXTENSION}"; nothing was written'
-            )
         degree = self.tp.degree
-        places = [tuple(p) for p in self._rpc("shardkit_tp_place", (), "its workers' places")]
+        places = [tuple(p) for p in driver.rpc_all("shardkit_tp_place", [], "its workers' places")]
         if sorted(places) != [(r, degree) for r in range(degree)]:
             raise WeightExportError(
                 f"the exporter cuts for an engine of TP degree {degree}, but the engine's "
                 f"workers are (rank, degree) {places}; nothing was written"
             )
-        self._check_workers(manifest, self._rpc("shardkit_probe", ("auto",), "its workers"))
+        self._check_workers(manifest, driver.rpc_all("shardkit_probe", ["auto"], "its workers"))
         tables = [window_table(w) for w in windows]
-        key, llm, bound = self.authkey.hex(), self.llm, self.bound_s
-        assert llm is not None
-        self._serving = _Pending(
-            lambda: llm.collective_rpc(
-                "shardkit_serve_slices", args=(addresses, key, bound, tables)
+        driver.before_serving()
+        try:
+            self._serving = driver.start_serving(
+                [addresses, self.authkey.hex(), self.bound_s, tables]
             )
-        )
+        except BaseException:
+            driver.after_failure()
+            raise
 
     def _check_workers(self, manifest: ExportManifest, probes: list[Any]) -> None:
         problems = []
@@ -275,7 +256,7 @@ class VLLMRemoteSliceReceiver:
     def _end_serving(self) -> None:
         """Every worker's answer to its serving call; then the prefix cache emptied."""
         pending, self._serving = self._serving, None
-        assert pending is not None and self._calls is not None
+        assert pending is not None and self._driver is not None
         answer = pending.answer(self.bound_s)
         if answer is None:
             raise WeightExportError(
@@ -295,8 +276,7 @@ class VLLMRemoteSliceReceiver:
                 "the vLLM engine's workers did not all load the export: "
                 + "; ".join(failed or [f"engine ranks {unfinished} finished none"])
             )
-        if self._calls.reset_prefix_cache() is False:
-            logger.warning("vLLM did not reset its prefix cache after the weight update")
+        self._driver.after_load()
 
 
 def remote_slice_receiver(
@@ -304,6 +284,7 @@ def remote_slice_receiver(
     *,
     authkey: bytes,
     llm: Any | None = None,
+    url: str | None = None,
     socket_dir: str | None = None,
 ) -> VLLMRemoteSliceReceiver | None:
     """This trainer rank's receiver for ``exporter``'s engine rank (see the class).
@@ -317,7 +298,7 @@ def remote_slice_receiver(
     """
     rank = exporter.engine_rank
     if rank is None:
-        if llm is not None:
+        if llm is not None or url is not None:
             raise ValueError("the engine's handle belongs on a rank that takes windows")
         return None
     return VLLMRemoteSliceReceiver(
@@ -325,6 +306,7 @@ def remote_slice_receiver(
         rank,
         authkey=authkey,
         llm=llm,
+        url=url,
         socket_dir=socket_dir,
         bound_s=exporter.bound_s,
     )
