@@ -10,6 +10,7 @@ stops at once in this environment, as it asks for the version of a distribution 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -187,3 +188,30 @@ def requests_seen(log: Path) -> list[str]:
 
 def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+
+
+def tp_segments() -> set[Path]:
+    """The shared-memory segments of vLLM's CPU tensor-parallel groups on this host now."""
+    return set(Path("/dev/shm").glob("vllm_dist_*-tp:*cpushm_*"))
+
+
+def remove_orphaned_tp_segments(before: set[Path]) -> list[str]:
+    """Removes the tensor-parallel segments made since ``before`` that no process maps.
+
+    A TP engine killed, or shut down with its process, leaves its group's segments behind
+    (4 MiB each, named by a fresh id: nothing reuses them). Only orphans are removed: an
+    engine of another job on this host still maps its own.
+    """
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        lines: list[str] = []
+        with contextlib.suppress(OSError):  # a process that ended meanwhile, or not ours
+            lines = maps.read_text().splitlines()
+        mapped |= {line.rsplit("/", 1)[-1].strip() for line in lines if "vllm_dist_" in line}
+    removed = []
+    for segment in sorted(tp_segments() - before):
+        if segment.name not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
+            removed.append(segment.name)
+    return removed

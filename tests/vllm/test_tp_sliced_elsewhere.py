@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.vllm import servers
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("tp_sliced_elsewhere_run.py")
 BOUND_S = 20.0  # the failing export's (tp_sliced_elsewhere_run.failing_export)
@@ -30,9 +32,13 @@ def test_tp2_workers_of_their_own_take_their_slices_bit_for_bit(tmp_path: Path) 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "2", str(SCRIPT), "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
-    )
+    before = servers.tp_segments()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+    finally:
+        servers.remove_orphaned_tp_segments(before)  # the killed engine's, the ended ones'
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     ranks: list[dict[str, Any]] = json.loads((tmp_path / "result.json").read_text())
     driver = ranks[0]

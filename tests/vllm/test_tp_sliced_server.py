@@ -17,8 +17,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.vllm import servers
 from tests.vllm.tp_sliced_server_run import observe
@@ -49,6 +52,14 @@ def _fresh(folder: Path, log: Path) -> dict[str, Any]:
         return observe(url, folder)
     finally:
         servers.stop(process)
+
+
+@pytest.fixture(autouse=True)
+def _no_orphaned_segments() -> Iterator[None]:
+    """The killed servers' tensor-parallel segments, removed after the test."""
+    before = servers.tp_segments()
+    yield
+    servers.remove_orphaned_tp_segments(before)
 
 
 def test_a_tp2_server_takes_its_slices_bit_for_bit(tmp_path: Path) -> None:
