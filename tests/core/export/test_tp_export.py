@@ -24,16 +24,20 @@ _LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 class _Collecting:
     """A slice receiver that keeps every window it is handed (and can fail on demand)."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | str | None = None) -> None:
         self.fail_at = fail_at
+        self.buckets = 0
         self.windows: dict[str, Any] = {}
         self.aborted: str | None = None
         self.finished = 0
 
     def begin(self, manifest: Any) -> None:
+        if self.fail_at == "begin":
+            raise RuntimeError("the engine refused it")
         self.windows = {}
 
     def receive(self, bucket: Any) -> None:
+        self.buckets += 1
         if bucket.index == self.fail_at:
             raise RuntimeError("the engine's load raised")
         for window, data in bucket.windows:
@@ -145,7 +149,7 @@ def test_each_engine_rank_receives_its_windows_bit_for_bit(
     assert sum(r["sent"] for r in results) == sum(r["received"] for r in results)
 
 
-def _failing(rank: int, world_size: int) -> Any:
+def _failing(rank: int, world_size: int, fail_at: int | str = 1) -> Any:
     from shardkit.core.errors import WeightExportError
     from shardkit.core.export.tp_export import SlicedExporter
     from shardkit.core.export.tp_slices import EngineTP, SliceKind
@@ -160,16 +164,22 @@ def _failing(rank: int, world_size: int) -> Any:
         kinds={"model.position_scale": SliceKind.WHOLE},
     )
     exporter = SlicedExporter(model, engine, dtype=torch.bfloat16, bucket_bytes=3000, bound_s=30)
-    receiver = _Collecting(fail_at=1 if rank == 1 else None)
+    receiver = _Collecting(fail_at=fail_at if rank == 1 else None)
     try:
         exporter.export(receiver)
     except WeightExportError as error:
         message = str(error)
     else:
         message = "no error"
+    buckets = receiver.buckets
     receiver.fail_at = None
     after = exporter.export(receiver)  # the next export goes through, on new groups
-    return {"message": message, "aborted": receiver.aborted, "after": after.window_bytes}
+    return {
+        "message": message,
+        "aborted": receiver.aborted,
+        "after": after.window_bytes,
+        "buckets": buckets,
+    }
 
 
 def test_one_engine_of_the_first_k_ranks_takes_every_window_once() -> None:
@@ -193,4 +203,16 @@ def test_a_failing_receiver_ends_the_export_on_every_rank_with_one_error() -> No
     assert "receiver of engine rank 1 on rank 1 failed at bucket 1" in message
     assert "the engine's load raised" in message
     assert all(r["aborted"] == message for r in results)
+    assert all(r["after"] > 0 for r in results)
+
+
+def test_a_receiver_refusing_at_begin_stops_every_rank_before_any_bucket() -> None:
+    """Rank 1's receiver refuses in ``begin`` (a driver that found the engine amiss): rank 0,
+    whose receiver began, raises the same error at the agreement after ``begin``, before any
+    bucket moves; the next export goes through."""
+    results = run_on_ranks(2, _failing, fail_at="begin")
+    messages = {r["message"] for r in results}
+    assert len(messages) == 1, messages
+    assert "receiver of engine rank 1 on rank 1 failed at begin: RuntimeError" in messages.pop()
+    assert [r["buckets"] for r in results] == [0, 0]
     assert all(r["after"] > 0 for r in results)

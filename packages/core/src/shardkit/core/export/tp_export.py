@@ -17,7 +17,8 @@ After the last bucket the receiver's ``commit``, where it has one, before the ra
 agreement: a receiver elsewhere that could not take it all fails every rank.
 
 Around the buckets, as :class:`~shardkit.core.export.WeightExporter`: the ranks agree on the
-plan first and on the outcome last, every wait is bounded (``SHARDKIT_EXPORT_BOUND``), and a
+plan first, on their receivers' ``begin`` next (a refusal stops every rank before any bucket
+moves), and on the outcome last, every wait is bounded (``SHARDKIT_EXPORT_BOUND``), and a
 failure anywhere (a receiver that raised, a rank late past the bound) is one
 :class:`~shardkit.core.errors.WeightExportError` on every rank. Full exports only.
 
@@ -51,7 +52,7 @@ from shardkit.core.export.buckets import (
     plan_digest,
 )
 from shardkit.core.export.messages import ExportedTensor, ExportManifest
-from shardkit.core.export.receiver_guard import guard_receiver
+from shardkit.core.export.receiver_guard import guard_receiver, receiver_outcome
 from shardkit.core.export.tp_routes import Route, blocks_by_rank, plan_routes, volume
 from shardkit.core.export.tp_slices import Box, EngineTP, Window
 from shardkit.core.runtime.export.export_groups import (
@@ -283,8 +284,7 @@ class SlicedExporter:
                 f"weight export {run.export_id} (TP-sliced): the ranks do not export the same "
                 "plan (the same model, options and engine degree, as many exports)"
             )
-        manifest = self.manifest(run.export_id)
-        self._guarded(run, lambda: receiver.begin(manifest), "begin")
+        self._begin(run, receiver, self.manifest(run.export_id))
         for bucket in self.buckets:
             ready = self._move(run, bucket)
             self._guarded(run, partial(receiver.receive, ready), f"bucket {bucket.index}")
@@ -296,6 +296,31 @@ class SlicedExporter:
             self._guarded(run, commit, "commit")
         self._all_gather(run, torch.zeros(1, dtype=torch.int64), "end")
         self._guarded(run, receiver.finish, "finish")
+
+    def _begin(self, run: _Run, receiver: SliceReceiver, manifest: ExportManifest) -> None:
+        """The receivers' ``begin``, then an agreement every rank joins, refused or not.
+
+        A rank whose receiver refused (a driver that found the engine amiss) joins it too,
+        and only then gives its verdict: no rank goes on to post messages to a peer that has
+        stopped (a rank that had, in a TP-sliced export into vLLM, died of SIGABRT one bound
+        later, its messages still pending).
+        """
+        seconds, failure = receiver_outcome(
+            run.watch, lambda: receiver.begin(manifest), "begin", **self._names(run)
+        )
+        run.report.handoff_seconds += seconds
+        flags = torch.tensor([failure is not None], dtype=torch.int64)
+        refused = self._all_gather(run, flags, "agreement after begin")
+        if run.watch is None or refused is None:
+            return
+        if failure is not None:
+            raise run.watch.give_verdict(failure[0]) from failure[1]
+        if bool(refused.any()):  # a peer refused: its verdict comes right after the gather
+            deadline = time.monotonic() + run.watch.bound_s
+            while (verdict := run.watch.verdict()) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            what = verdict or f"weight export {run.export_id} (TP-sliced): a receiver refused it"
+            raise run.watch.give_verdict(what)
 
     def _all_gather(self, run: _Run, vector: torch.Tensor, what: str) -> torch.Tensor | None:
         if run.groups is None or run.watch is None:
@@ -372,13 +397,15 @@ class SlicedExporter:
 
     def _guarded(self, run: _Run, work: Callable[[], None], label: str) -> None:
         """Receiver work, timed; its failure or lateness becomes every rank's verdict."""
-        run.report.handoff_seconds += guard_receiver(
-            run.watch,
-            work,
-            label,
-            export=f"weight export {run.export_id} (TP-sliced)",
-            receiver=f"the receiver of engine rank {run.report.engine_rank}",
-        )
+        run.report.handoff_seconds += guard_receiver(run.watch, work, label, **self._names(run))
+
+    @staticmethod
+    def _names(run: _Run) -> dict[str, str]:
+        """The export and the receiver, as a failure's message names them."""
+        return {
+            "export": f"weight export {run.export_id} (TP-sliced)",
+            "receiver": f"the receiver of engine rank {run.report.engine_rank}",
+        }
 
 
 class _SendsOnly:

@@ -22,9 +22,10 @@ One export, on the trainer ranks that hold engine ranks:
    to serve this export (``shardkit_serve_slices``: a socket address and a window table per
    engine rank); the engine core takes no step until that call returns (a server's
    scheduling is paused first, and resumed after the load or the failure);
-2. every such rank connects a ``SharedMemorySender`` to its worker's socket (retried until
-   it listens, at most the bound) and sends its window manifest (each window's shape); each
-   bucket's windows go to the worker, which loads the previous bucket meanwhile;
+2. at its first bucket (after the exporter's agreement on every ``begin``), every such rank
+   connects a ``SharedMemorySender`` to its worker's socket (retried until it listens, at
+   most the bound) and sends its window manifest (each window's shape); each bucket's
+   windows go to the worker, which loads the previous bucket meanwhile;
 3. ``commit`` (before the trainer ranks' last agreement, so a failure fails every rank) waits
    until the worker loaded everything, ends its serving, and on the driver waits for every
    worker's answer (each one's received bytes) and empties the prefix cache (a server's
@@ -103,24 +104,25 @@ class VLLMRemoteSliceReceiver:
         elif url is not None:
             self._driver = ServerDriver(url, self.bound_s)
         self._sender: SharedMemorySender | None = None
+        self._planned: tuple[str, ExportManifest] | None = None
+        """This export's socket address and window manifest, until the first bucket."""
         self._serving: Serving | None = None
         self.served: list[dict[str, Any]] = []
         """The driver's last export: each worker's answer (its rank, the bytes it loaded)."""
 
     def begin(self, manifest: ExportManifest) -> None:
-        """Check the engine, start the workers' serving (driver); connect, send the manifest.
+        """Check the engine and start the workers' serving (driver); plan this rank's manifest.
 
-        Connecting here, before any bucket, keeps a rank whose driver refused the export out
-        of the exporter's exchanges: it waits for its worker at most the bound, then raises
-        the verdict, with no message to a peer left pending (a pending gloo message that
-        times out later aborts the process).
+        The connection to the worker is made at the first bucket: by then the exporter's
+        agreement after ``begin`` told every rank whether the driver refused the export, so
+        no rank waits for a worker that was never asked to serve.
 
         Raises:
             WeightExportError: the engine is not reachable by name, its workers are not K
                 processes of their own, or a wait passed the bound; nothing was written.
             WeightLoadError: the engine cannot take weights in place, or in this dtype.
         """
-        if self._sender is not None:
+        if self._sender is not None or self._planned is not None:
             raise RuntimeError("VLLMRemoteSliceReceiver.begin: the previous export is open")
         windows = [
             [engine_window(self.tp, e.name, e.shape, r) for e in manifest.tensors]
@@ -139,13 +141,23 @@ class VLLMRemoteSliceReceiver:
             ),
             manifest.bucket_count,
         )
-        sender = SharedMemorySender(addresses[self.engine_rank], self.authkey, bound_s=self.bound_s)
+        self._planned = (addresses[self.engine_rank], mine)
+
+    def _connected(self) -> SharedMemorySender:
+        """The sender to this rank's worker: connected, its manifest sent, at first use."""
+        if self._sender is not None:
+            return self._sender
+        if self._planned is None:
+            raise RuntimeError("VLLMRemoteSliceReceiver: no export begun (call begin first)")
+        (address, manifest), self._planned = self._planned, None
+        sender = SharedMemorySender(address, self.authkey, bound_s=self.bound_s)
         try:
-            sender.begin(mine)
+            sender.begin(manifest)
         except BaseException:
             sender.close()
             raise
         self._sender = sender
+        return sender
 
     def receive(self, bucket: SlicedBucket) -> None:
         """Send the bucket's windows to this engine rank's worker (it loads them)."""
@@ -155,9 +167,7 @@ class VLLMRemoteSliceReceiver:
                 f"{bucket.degree}); this receiver sends engine rank {self.engine_rank}'s"
             )
         tensors = tuple((w.name, data) for w, data in bucket.windows)
-        if self._sender is None:
-            raise RuntimeError("VLLMRemoteSliceReceiver: no export begun (call begin first)")
-        self._sender.receive(WeightBucket(bucket.index, full=tensors))
+        self._connected().receive(WeightBucket(bucket.index, full=tensors))
 
     def commit(self) -> None:
         """Wait for the worker's load and end its serving; on the driver, every worker's.
@@ -166,9 +176,10 @@ class VLLMRemoteSliceReceiver:
             WeightLoadError: a worker's load failed (its text).
             WeightExportError: a worker died or did not answer within the bound.
         """
-        sender, self._sender = self._sender, None
-        if sender is None:
+        if self._sender is None and self._planned is None:
             return  # committed already, or nothing began
+        sender = self._connected()  # an export of no buckets still ends the worker's serving
+        self._sender = None
         try:
             sender.finish()
         finally:
@@ -182,7 +193,7 @@ class VLLMRemoteSliceReceiver:
 
     def abort(self, error: BaseException) -> None:
         """Tell the worker the export failed and end its serving (the engine may hold a mix)."""
-        sender, self._sender = self._sender, None
+        sender, self._sender, self._planned = self._sender, None, None
         if sender is not None:
             try:
                 sender.abort(error)
