@@ -36,6 +36,7 @@ Prints one JSON line per point.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pickle
 import sys
@@ -162,18 +163,27 @@ def _fsdp1_shards(shape: tuple[int, ...], world: int) -> tuple[np.ndarray, tuple
 
 def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
     values = state_values(size, world, layout_name)
-    started = time.perf_counter()
+    # Wall clock and this thread's CPU time: on a shared machine the wall clock of a few
+    # milliseconds of work is mostly the load's; the CPU time is the work (what "flat in W"
+    # is about), as load_plan_run.py measures a load's plan.
+    started, cpu = time.perf_counter(), time.thread_time()
     layout = SaveLayout.from_values(values, world)
-    digest_s = time.perf_counter() - started
+    digest_s, digest_cpu_s = time.perf_counter() - started, time.thread_time() - cpu
     samples = [0, world // 2, world - 1]
     started = time.perf_counter()
     layout.items_of(samples[0])  # the first save of a layout: its geometries too
     first_s = time.perf_counter() - started
-    warm = []
+    # A later save comes after training steps, in which Python's collector has run since the
+    # first save allocated the layout's geometries: here the next allocations would start a
+    # full collection inside the timed save (70B FSDP1 at 8,192: 180 ms of its 190, the
+    # collection alone, found with gc.callbacks), which is the heap's cost, not the save's.
+    gc.collect()
+    warm, warm_cpu = [], []
     for rank in samples:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         items = layout.items_of(rank)
         warm.append(time.perf_counter() - started)
+        warm_cpu.append(time.thread_time() - cpu)
     started = time.perf_counter()
     metadata = layout.state_dict_metadata()
     metadata_s = time.perf_counter() - started
@@ -196,6 +206,7 @@ def shardkit_point(size: str, world: int, layout_name: str) -> dict[str, Any]:
         "first_plan_s": first_s,
         "plan_s_per_rank": max(warm),
         "wait_s": digest_s + max(warm),
+        "wait_cpu_s": digest_cpu_s + max(warm_cpu),
         "rank0_metadata_s": metadata_s,
         "rank0_check_s": check_s,
         "metadata_chunks": entries,
