@@ -25,12 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # nothing pickled reaches a worker
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-# The CPU build binds each worker to a NUMA node of its own by default; this host has one.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
@@ -164,7 +158,24 @@ def timed_error(exporter: SlicedExporter, receiver: Any) -> dict[str, Any]:
     return {"error": error, "seconds": time.monotonic() - start}
 
 
+def engine_environment() -> None:
+    """vLLM's settings for an engine whose workers run elsewhere, set as this script starts.
+
+    Not at import: ``tp_sliced_server_run.py`` imports this module, and the test that runs
+    it imports that one into pytest's process, where the in-process engines of the other
+    tests (``test_vllm_receiver.py``) would then start their engine cores in processes of
+    their own.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # nothing pickled reaches a worker
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # The CPU build binds each worker to a NUMA node of its own by default; this host has one.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
 def main() -> int:
+    engine_environment()
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
