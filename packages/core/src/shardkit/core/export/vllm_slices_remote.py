@@ -97,7 +97,7 @@ class VLLMRemoteSliceReceiver:
         self.tp, self.engine_rank, self.authkey = tp, engine_rank, authkey
         self.bound_s = export_bound_s(bound_s)
         self.socket_dir = socket_dir or tempfile.gettempdir()
-        self._tag = hashlib.sha256(authkey).hexdigest()[:12]  # alike on every rank
+        self._socket_key = hashlib.sha256(authkey).hexdigest()[:12]  # alike on every rank
         self._driver: SliceDriver | None = None
         if llm is not None:
             self._driver = LLMDriver(llm, self.bound_s)
@@ -208,7 +208,9 @@ class VLLMRemoteSliceReceiver:
         self._driver.after_failure()  # a server paused by this export resumes
 
     def _address(self, export_id: int, rank: int) -> str:
-        return os.path.join(self.socket_dir, f"shardkit-slices-{self._tag}-{export_id}-{rank}")
+        return os.path.join(
+            self.socket_dir, f"shardkit-slices-{self._socket_key}-{export_id}-{rank}"
+        )
 
     def _start_serving(
         self, manifest: ExportManifest, addresses: list[str], windows: list[list[Window]]
