@@ -55,7 +55,7 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         *(
             f"export from {impl}'s fully_shard, 5m, W=1 (gloo, cpu): {what}"
             for impl in ("shardkit", "torch")
-            for what in ("bit-identity, full and delta", "peak (2 buckets at most), time")
+            for what in ("bit-identity, full and delta", "peak (staged + 2 buckets), time")
         ),
         "Muon on fully_shard vs torch.optim.Muon unsharded, fake-tiny fp32, W=1 (gloo, cpu),"
         " deterministic",
@@ -204,7 +204,55 @@ def test_a_gpu_scale_row_says_whether_the_allocator_retried() -> None:
         for impl, retries in (("shardkit", 0), ("torch", 3))
     }
     row = _scale_row("7.5b", 8, found, runner)
-    assert row.figures.endswith("; fits an 80 GB H100; allocator retries 0 vs 3"), row.figures
+    assert "; fits an 80 GB H100; allocator retries 0 vs 3" in row.figures, row.figures
+    # A ratio shown as 1.00x can hide a peak above torch's: the bytes are printed too.
+    found["shardkit"]["peak_alloc_bytes"] += 2_000_000
+    row = _scale_row("7.5b", 8, found, runner)
+    assert row.status == "miss" and "allocated peak +2.0 MB" in row.figures, row
+
+
+def test_on_cuda_the_planner_budget_is_a_share_of_the_reserved_peak_it_budgets() -> None:
+    # The GPU run of 2026-11-30 found no plan: the share was taken of the default's live peak
+    # while the search budgets the allocator's reserved peak on CUDA (0.49 of it at 217M).
+    from benchmarks.cuda_planner_run import predict
+
+    from shardkit.tools.plan.timing.hardware import H100
+
+    default = predict("fake-tiny", 8, 0.6, H100, False, "cuda")[0]
+    assert default["budget_bytes"] == int(0.6 * default["predicted_reserved_bytes"]), default
+
+
+def test_the_217m_chosen_plan_fits_its_share_of_the_reserved_peak() -> None:
+    # The GPU chunk's point itself (slow list: the search takes about 10 s of CPU): a plan
+    # under 0.6 of the default's reserved peak exists, found without a GPU.
+    from benchmarks.cuda_planner_run import predict
+    from shardkit.tools.plan.timing.hardware import H200
+
+    default, chosen = predict("217m", 8, 0.6, H200, False, "cuda")
+    assert chosen["predicted_reserved_bytes"] <= chosen["budget_bytes"], chosen
+    assert chosen["predicted_reserved_bytes"] < default["predicted_reserved_bytes"], chosen
+
+
+def _export_record(peak_mib: float, trl_mib: float) -> dict[str, Any]:
+    return {"impl": "shardkit", "syncs": 3, "mismatches": [], "errors": [], "identical": True,
+            "exports": {"colocated": 3}, "delta_share_max": 0.05, "world": 1,
+            "full_handed_bytes": 300 * 2**20, "export_s": 0.025, "trl_s": 0.030,
+            "export_vs_trl": 0.83, "export_peak_mib": peak_mib, "trl_peak_mib": trl_mib,
+            "step_peak_mib": 1100.0, "step_s": 0.06}  # fmt: skip
+
+
+@pytest.mark.parametrize(("peak", "trl", "status"), [(348.0, 381.0, "pass"), (440.0, 500.0, "miss"),
+                                                      (350.0, 340.0, "miss")])  # fmt: skip
+def test_the_export_peak_is_judged_beside_the_staged_copy_and_trls(
+    peak: float, trl: float, status: str
+) -> None:
+    # All or nothing, rank 0's receiver holds what a full export hands it until the commit:
+    # the bound is that copy (300 MiB here) and two 64 MiB buckets, and trl's pattern's peak.
+    from scripts.gpu_export_chunk import export_rows
+
+    rows = export_rows([_export_record(peak, trl)], "", device="cuda", size="150m", world=1)
+    assert rows[1].status == status, rows[1]
+    assert "bound 428: the receiver's staged copy 300 and two buckets" in rows[1].figures
 
 
 # Prints a record, or first kills itself with SIGSEGV where the marker file is not there yet
