@@ -8,7 +8,7 @@ trainer has W ranks). Per bucket of whole layers (``buckets.py``):
 1. every trainer rank sends every receiving rank the overlap of its shard with that rank's
    window (``tp_routes.py``, windows from ``tp_slices.py``), cast to the export dtype on the
    sender, as point-to-point messages straight into the window where it is contiguous there;
-   its own overlap it copies. No rank gathers a whole tensor;
+   its own overlap it copies (``tp_moves.py``). No rank gathers a whole tensor;
 2. each rank hands its windows to its receiver (:class:`SliceReceiver`; vLLM's in
    ``vllm_slices.py``, or, for an engine whose K workers run in processes of their own, in
    ``vllm_slices_remote.py``: trainer rank ``r`` sends them on to worker ``r``).
@@ -24,9 +24,6 @@ failure anywhere (a receiver that raised, a rank late past the bound) is one
 
 Memory: a rank holds its windows of one bucket (1/K of the bucket's cut tensors, its whole
 tensors) and the overlaps it sends (its shard of the bucket, cast).
-
-Next to split off: one bucket's move (``_move``, ``_exchange``, ``_part``: the overlaps
-copied, sent and received) into ``tp_moves.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -53,15 +50,15 @@ from shardkit.core.export.buckets import (
 )
 from shardkit.core.export.messages import ExportedTensor, ExportManifest
 from shardkit.core.export.receiver_guard import guard_receiver, receiver_outcome
-from shardkit.core.export.tp_routes import Route, blocks_by_rank, plan_routes, volume
-from shardkit.core.export.tp_slices import Box, EngineTP, Window
+from shardkit.core.export.tp_moves import PlannedTensor, cut_bucket, exchange
+from shardkit.core.export.tp_routes import blocks_by_rank, plan_routes
+from shardkit.core.export.tp_slices import EngineTP, Window
 from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
     ExportWatch,
     all_gather_vector,
     export_bound_s,
     make_export_groups,
-    post_pieces,
 )
 from shardkit.core.runtime.groups import global_rank, is_distributed
 
@@ -125,19 +122,6 @@ class SlicedReport:
     """Of that, in the receiver."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Planned:
-    """One tensor's windows and routes, planned once."""
-
-    key: str
-    name: str
-    dtype: torch.dtype
-    windows: dict[int, Window]
-    routes: list[Route]
-    block: Box | None
-    """This rank's block (None: it sends nothing of it)."""
-
-
 @dataclass(slots=True)
 class _Run:
     """One export in flight on this rank."""
@@ -146,8 +130,6 @@ class _Run:
     groups: ExportGroups | None
     watch: ExportWatch | None
     report: SlicedReport
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """Received blocks to copy into their (non-contiguous) places after the wait."""
 
 
 class SlicedExporter:
@@ -206,7 +188,7 @@ class SlicedExporter:
         self.digest = plan_digest(self.buckets) ^ engine.degree ^ (one_engine << 16)
         self._planned = {b.index: [self._plan(s) for s in b.sources] for b in self.buckets}
 
-    def _plan(self, source: TensorSource) -> _Planned:
+    def _plan(self, source: TensorSource) -> PlannedTensor:
         value = source.tensor.detach()
         blocks = None
         if isinstance(value, DTensor) and self.mesh is not None:
@@ -215,7 +197,7 @@ class SlicedExporter:
         windows, routes = plan_routes(self.engine, source.name, shape, blocks, self.engine_ranks)
         me = global_rank() if is_distributed() else 0
         block = blocks.get(me) if blocks is not None else tuple((0, s) for s in shape)
-        return _Planned(source.key, source.name, source.dtype, windows, routes, block)
+        return PlannedTensor(source.key, source.name, source.dtype, windows, routes, block)
 
     @property
     def engine_rank(self) -> int | None:
@@ -334,66 +316,25 @@ class SlicedExporter:
     def _move(self, run: _Run, bucket: ExportBucket) -> SlicedBucket:
         """This rank's windows of ``bucket``: its own overlaps copied, the others received."""
         me = global_rank() if is_distributed() else 0
-        sends: dict[int, list[torch.Tensor]] = {}
-        receives: dict[int, list[torch.Tensor]] = {}
-        windows: list[tuple[Window, torch.Tensor]] = []
-        for planned, source in zip(self._planned[bucket.index], bucket.sources, strict=True):
-            local = source.local()
-            window = planned.windows.get(me)  # None: this rank only sends
-            into = None
-            if window is not None:
-                into = torch.empty(window.local_shape, dtype=planned.dtype, device=local.device)
-                windows.append((window, into))
-                run.report.window_bytes += into.numel() * into.element_size()
-            for route in planned.routes:
-                if route.sender == me and route.receiver == me:
-                    assert planned.block is not None and window is not None and into is not None
-                    _part(into, route.box, window.box).copy_(_part(local, route.box, planned.block))
-                    run.report.copied_bytes += volume(route.box) * into.element_size()
-                elif route.receiver == me:
-                    assert window is not None and into is not None
-                    place = _part(into, route.box, window.box)
-                    landing = place if place.is_contiguous() else torch.empty_like(place)
-                    if landing is not place:
-                        run.pending.append((landing, place))
-                    receives.setdefault(self._peer(route.sender), []).append(landing)
-                elif route.sender == me:
-                    assert planned.block is not None
-                    piece = _part(local, route.box, planned.block)
-                    sends.setdefault(self._peer(route.receiver), []).append(
-                        piece.to(planned.dtype, memory_format=torch.contiguous_format, copy=True)
-                    )
-        self._exchange(run, bucket, sends, receives)
+        move = cut_bucket(self._planned[bucket.index], bucket.sources, me, self._peer)
+        report = run.report
+        report.window_bytes += move.window_bytes
+        report.copied_bytes += move.copied_bytes
+        report.sent_bytes += sum(
+            t.numel() * t.element_size() for ts in move.sends.values() for t in ts
+        )
+        report.received_bytes += sum(
+            t.numel() * t.element_size() for ts in move.receives.values() for t in ts
+        )
+        report.messages += sum(len(ts) for ts in (*move.sends.values(), *move.receives.values()))
+        label = f"bucket {bucket.index} ({bucket.sources[0].name}, ...): slices"
+        exchange(move, run.groups, run.watch, label)
         engine_rank = self.engine_ranks.get(me, -1)
-        return SlicedBucket(bucket.index, engine_rank, self.engine.degree, tuple(windows))
+        return SlicedBucket(bucket.index, engine_rank, self.engine.degree, tuple(move.windows))
 
     def _peer(self, rank: int) -> int:
         """A global rank's rank in the export's world group."""
         return self.world_ranks.index(rank)
-
-    def _exchange(
-        self,
-        run: _Run,
-        bucket: ExportBucket,
-        sends: dict[int, list[torch.Tensor]],
-        receives: dict[int, list[torch.Tensor]],
-    ) -> None:
-        report = run.report
-        report.sent_bytes += sum(t.numel() * t.element_size() for ts in sends.values() for t in ts)
-        report.received_bytes += sum(
-            t.numel() * t.element_size() for ts in receives.values() for t in ts
-        )
-        report.messages += sum(len(ts) for ts in (*sends.values(), *receives.values()))
-        if not sends and not receives:
-            return
-        assert run.groups is not None and run.watch is not None
-        run.watch.post(f"bucket {bucket.index} ({bucket.sources[0].name}, ...): slices")
-        run.watch.raise_if_failed()
-        works = post_pieces(run.groups.world, sends=sends, receives=receives)
-        run.watch.wait(works, run.groups.world_ranks)
-        for landing, place in run.pending:
-            place.copy_(landing)
-        run.pending.clear()
 
     def _guarded(self, run: _Run, work: Callable[[], None], label: str) -> None:
         """Receiver work, timed; its failure or lateness becomes every rank's verdict."""
@@ -425,11 +366,3 @@ class _SendsOnly:
 
 
 _SENDS_ONLY = _SendsOnly()
-
-
-def _part(tensor: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
-    """The view of ``tensor`` (which holds block ``origin`` of the full tensor) at ``box``."""
-    view = tensor
-    for dim, ((start, stop), (first, _)) in enumerate(zip(box, origin, strict=True)):
-        view = view.narrow(dim, start - first, stop - start)
-    return view
