@@ -6,9 +6,11 @@ The model of ``SIZE`` (``benchmarks/export_run.py``'s Qwen2-style 5M or ~150M, f
 shardkit's ``fully_shard`` per layer) takes an AdamW step at ``LR`` each round, then two
 exporters export it into bf16 copies in rank 0's process (``ModuleReceiver``): one in full,
 one with ``delta=True``, in alternating order. A sync's trainer-side time is the slowest
-rank's export less rank 0's time in its receiver. Prints one JSON line: per round the two
-times and their ratio, the delta's bytes against the full's, its buckets sent plain, and the
-share of bf16 elements that changed.
+rank's export less rank 0's time in its receiver (every rank waits for that receiver's commit
+in the export's last all-gather; until 2026-11-30 this script took each rank's export less its
+own receiver's time, which left rank 1's wait in a full export's time: ``ratio_each_own``).
+Prints one JSON line: per round the two times and their ratio, the delta's bytes against the
+full's, its buckets sent plain, and the share of bf16 elements that changed.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.export_run import build, sharded, train_step
 
 
-def _trainer_side(exporter: Any, receiver: Any, *, delta: bool) -> tuple[float, Any]:
+def _trainer_side(exporter: Any, receiver: Any, *, delta: bool) -> tuple[float, float, Any]:
+    """The slowest rank's export less rank 0's time in its receiver; and, as this script
+    measured it before 2026-11-30, the slowest of each rank's export less its own receiver's
+    time (which left in the full export's the other ranks' wait for that receiver: they wait
+    for its commit in the export's last all-gather)."""
     dist.barrier()
     start = time.perf_counter()
     report = exporter.export(receiver, delta=delta)
-    seconds = torch.tensor([time.perf_counter() - start - report.handoff_seconds])
+    wall = time.perf_counter() - start
+    seconds = torch.tensor([wall, report.handoff_seconds, wall - report.handoff_seconds])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds), report
+    return float(seconds[0] - seconds[1]), float(seconds[2]), report
 
 
 def main() -> None:
@@ -64,22 +71,23 @@ def main() -> None:
         held = targets[1].state_dict() if rank == 0 else {}
         before = {k: v.clone() for k, v in held.items()}
         order = (False, True) if r % 2 == 0 else (True, False)
-        found: dict[bool, tuple[float, Any]] = {}
+        found: dict[bool, tuple[float, float, Any]] = {}
         for is_delta in order:
             found[is_delta] = _trainer_side(
                 delta if is_delta else full, into[1] if is_delta else into[0], delta=is_delta
             )
         changed = sum(int((v != before[k]).sum()) for k, v in held.items()) if rank == 0 else 0
         sent = torch.tensor(
-            [0 if r0.receiving else r0.counts.sent_bytes for _, r0 in (found[False], found[True])]
+            [0 if r0.receiving else r0.counts.sent_bytes for *_, r0 in (found[False], found[True])]
         )
         dist.all_reduce(sent)
-        report = found[True][1]
+        report = found[True][2]
         rows.append(
             {
                 "full_s": found[False][0],
                 "delta_s": found[True][0],
                 "ratio": found[True][0] / found[False][0],
+                "ratio_each_own": found[True][1] / found[False][1],
                 "full_bytes": int(sent[0]),
                 "delta_bytes": int(sent[1]),
                 "plain_buckets": report.counts.plain_buckets,
@@ -96,6 +104,9 @@ def main() -> None:
                     "lr": lr,
                     "rounds": rows,
                     "ratio_median": statistics.median(ratios),
+                    "ratio_each_own_median": statistics.median(
+                        row["ratio_each_own"] for row in rows
+                    ),
                     "full_s_median": statistics.median(row["full_s"] for row in rows),
                     "delta_s_median": statistics.median(row["delta_s"] for row in rows),
                 }
