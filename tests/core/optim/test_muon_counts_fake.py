@@ -12,6 +12,8 @@ Schulz is a shape recorder (``step_counts.COUNTING_RULE``). On the benchmark's 3
   matrices on W ranks put two on one), so where the W-th and (W+1)-th largest matrices
   together exceed 1.1 x the mean that sum is the bound (96 matrices at W=64: 4/3 of the
   mean, two qkv matrices on one rank);
+- the exchanges' packing and unpacking launch a few operators whatever the number of blocks
+  (one ``cat`` a pack, one to join each owned matrix's rows): a GPU pays a launch for each;
 - the exchange moves 4 N (W-1) / W^2 bytes a rank on average (N the matrices' elements, bf16
   rows out and bf16 update rows back), the redistributing design's figure; and a training
   step with Muon moves exactly AdamW's all-gathers and reduce-scatters plus that exchange,
@@ -25,8 +27,10 @@ from collections import Counter
 import pytest
 import torch
 
+from shardkit.core.optim import WholeMatrixOptimizer
 from shardkit.tools.records import Phase
 from shardkit.tools.track.comm import CommTracker
+from shardkit.tools.track.ops import OpCounter
 from tests.core.optim.step_counts import (
     fake_rank,
     muon_step_count,
@@ -117,3 +121,26 @@ def test_a_step_moves_adamws_bytes_plus_the_exchange(model: str, world: int) -> 
         f"{model} W={world}, rank 0: FSDP {fsdp:,} bytes a step, Muon's exchange "
         f"{exchanged:,} more (+{exchanged / fsdp:.2%}); AdamW's optimizer 0"
     )
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_the_moves_launch_a_few_operators_whatever_the_blocks(world: int) -> None:
+    # Each block copied alone into its part and out of it, and each piece of an owned matrix
+    # copied into place, was 4 dispatches a piece (at W=64 on 128 matrices about 380 copies
+    # and 2,300 dispatches a step, the host's time on a GPU). Packed by one cat a part-set and
+    # joined by one cat a matrix, the moves are counted in operators, not pieces.
+    with fake_rank(world, 0):
+        gpt = sharded_gpt("d256x8", world)
+        for p in gpt.parameters():
+            p.grad = torch.zeros_like(p)
+        whole = optimizers(gpt, "muon")[0]
+        whole.step()  # the state and the plan, made once
+        with OpCounter() as ops:
+            whole.step()
+        assert isinstance(whole, WholeMatrixOptimizer) and whole.last_step_stats is not None
+        owned = whole.last_step_stats.updates
+    moved = sum(ops.by_op[name] for name in ("aten.copy_", "aten.cat", "aten.clone"))
+    print(f"d256x8 W={world}, rank 0: {ops.launches} launches, {moved} of them moves, "
+          f"{owned} matrices owned, {ops.total} dispatches")  # fmt: skip
+    assert moved <= 2 + owned, ops.top(12)  # the two packs; each owned matrix's rows joined
+    assert ops.total < 3 * ops.launches, ops.top(12)  # views: about one a piece, not four

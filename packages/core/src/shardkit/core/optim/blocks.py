@@ -35,6 +35,8 @@ class Block:
 
     def of(self, whole: torch.Tensor) -> torch.Tensor:
         """This block of a whole matrix (a view)."""
+        if self.col0 == 0 and self.col1 == whole.size(1):  # rows: one narrow, not two slices
+            return whole.narrow(0, self.row0, self.row1 - self.row0)
         return whole[self.row0 : self.row1, self.col0 : self.col1]
 
 

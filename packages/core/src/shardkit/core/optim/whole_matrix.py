@@ -34,11 +34,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
-from shardkit.core.optim.exchange import start_gather, start_scatter
+from shardkit.core.optim.exchange import Packing, packing, start_gather, start_scatter
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
 from shardkit.core.optim.owners import assign_owners, rounds
 from shardkit.core.optim.replica_check import check_replicas
-from shardkit.core.optim.routes import Route, Traffic, routes
+from shardkit.core.optim.routes import Traffic, routes
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.state_checks import check_loadable
 from shardkit.core.runtime.dtensors import local_of
@@ -77,8 +77,8 @@ class _Matrix:
 class _Plan:
     """One group's step, the same every step while its matrices and dtypes stay."""
 
-    rounds: list[tuple[Route, Route]]
-    """Each round's exchanges: blocks to owners, update blocks back."""
+    rounds: list[tuple[Packing, Packing]]
+    """Each round's exchanges: blocks to owners, update blocks back (their layouts)."""
     back: list[torch.dtype]
     """Each update's dtype (``update_dtype``)."""
 
@@ -294,12 +294,12 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         device = _local(matrices[0].param).device
         returns = []
         for arrival, (there, home) in zip(arrivals, plan.rounds, strict=True):
-            tally.exchanged(there.traffic())
+            tally.exchanged(there.traffic)
             results = self._update_owned(matrices, arrival.wait(), plan.back)
             for i in results:
                 tally.updated(self.rule, placements[i].shape)
             returns.append(start_scatter(placements, home, results, group, device))
-            tally.exchanged(home.traffic())
+            tally.exchanged(home.traffic)
         for arrival in returns:
             for i, update in arrival.wait().items():
                 self._apply(matrices[i], update)
@@ -321,7 +321,13 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             back = [self.rule.update_dtype(d) for d in dtypes]
             there, home = routes(placements, owners, dtypes, back, group.rank())
             cut = [frozenset(r) for r in rounds(costs, owners, rounds_wanted)]
-            plan = _Plan([(there.only(r), home.only(r)) for r in cut], back)
+            plan = _Plan(
+                [
+                    (packing(there.only(r), placements), packing(home.only(r), placements))
+                    for r in cut
+                ],
+                back,
+            )
             self._plans[key] = plan
         return plan
 
