@@ -5,6 +5,8 @@ each process one engine rank, each receiving only its windows (tp_sliced_run.py)
 The oracle is a fresh TP=2 engine started from the trainer's weights: after the sync the
 engine's greedy tokens and log-probabilities equal it, and so does every parameter of each
 engine rank, read back (fused q/k/v and gate/up, the vocab partitions with their padding).
+A third export that fails at rank 1's commit leaves both engine ranks serving the second,
+complete: rank 0's commit, which went through, is undone (all or nothing).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def test_a_tp2_engine_takes_its_slices_bit_for_bit(tmp_path: Path) -> None:
         assert entry["outputs_changed"]  # the engine started from other weights
         # After a second sync (the trainer's weights moved), each engine rank holds them.
         assert entry["windows_wrong_first"] == [] and entry["windows_wrong_second"] == []
+        # The third export failed at rank 1's commit: every rank raised one error, and both
+        # engine ranks serve the second export, complete (rank 0's commit undone).
+        assert "rank 1's commit refused (injected)" in entry["third_error"], entry["third_error"]
+        assert entry["windows_wrong_after_failure"] == [], entry["windows_wrong_after_failure"]
+        assert entry["served_as_second_after_failure"]
+        assert entry["versions"][0] == 1 and entry["versions"][1] in (1, None), entry["versions"]
         window, received, copied, _ = entry["counts"][rank]
         assert window == received + copied == entry["second_window_bytes"]
         # Each engine rank holds part of the model, never all of it (norms and the one

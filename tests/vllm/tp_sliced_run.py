@@ -7,7 +7,9 @@ by ``full_tensor()``). First that engine's greedy tokens, log-probabilities and 
 parameter of each of its ranks are recorded; then an engine started from other weights takes
 the trainer's through ``SlicedExporter`` + ``VLLMSliceReceiver``, twice (the second time after
 the trainer's weights moved again, checked against the trainer's windows), and its outputs and
-parameters are compared with the fresh engine's. Rank 0 writes ``summary.json`` into ``--out``.
+parameters are compared with the fresh engine's. A third export fails at rank 1's commit after
+rank 0's went through: both engine ranks must serve the second export, complete. Rank 0
+writes ``summary.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from demo.grpo_vllm import start_engine as start_demo_engine
 from demo.grpo_vllm import tiny_qwen2_config
 
 from shardkit.core import fully_shard
+from shardkit.core.errors import WeightExportError
 from shardkit.core.export.tp_export import SlicedExporter
 from shardkit.core.export.tp_slices import EngineTP, engine_window
 from shardkit.core.export.vllm_read_back import partition_tensors
@@ -124,6 +127,13 @@ def windows_match(
     return wrong
 
 
+class _RefusingCommit(VLLMSliceReceiver):
+    """Rank 1's receiver for the third export: its commit raises before it loads."""
+
+    def commit(self) -> None:
+        raise RuntimeError("rank 1's commit refused (injected)")
+
+
 def run_fresh(out: Path, rank: int) -> None:
     """The oracle: a fresh TP=2 engine on the trainer's weights, its outputs and parameters."""
     llm = start_engine(out / "trained")
@@ -156,6 +166,20 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
             param.add_(torch.full_like(param, 0.01))
     moved = full_weights(model)
     second = exporter.export(receiver)
+    served_second = greedy(llm)
+    # A third export fails at rank 1's commit, after rank 0's went through: all or nothing,
+    # rank 0's engine rank is put back, and both serve the second export, complete.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.full_like(param, 0.01))
+    refusing = _RefusingCommit(llm) if rank == 1 else receiver
+    try:
+        exporter.export(refusing)
+        third_error = "no error"
+    except WeightExportError as error:
+        third_error = str(error)
+    kept = llm.collective_rpc(partition_tensors)[0]
+    served_after_failure = greedy(llm)
     counts = torch.tensor(
         [report.window_bytes, report.received_bytes, report.copied_bytes, report.sent_bytes],
         dtype=torch.int64,
@@ -170,6 +194,10 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
             tp, moved, llm.collective_rpc(partition_tensors)[0], rank
         ),
         "second_window_bytes": second.window_bytes,
+        "third_error": third_error,
+        "windows_wrong_after_failure": windows_match(tp, moved, kept, rank),
+        "served_as_second_after_failure": served_after_failure == served_second,
+        "versions": [receiver.version, refusing.version],
         "seconds": [report.seconds, second.seconds],
         "load_seconds": [report.handoff_seconds, second.handoff_seconds],
         "counts": [c.tolist() for c in every],

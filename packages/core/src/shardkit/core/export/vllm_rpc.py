@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from shardkit.core.errors import WeightExportError
-from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
+from shardkit.core.export.vllm_versions import serving_version, settle_held, stage_on_worker
 from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.export.vllm_worker_load import commit_on_worker, load_on_worker, probe_worker
 from shardkit.core.runtime.export.export_groups import export_bound_s
@@ -146,10 +146,19 @@ class EngineCalls:
         """Stage one bucket of export ``version`` on the worker (``vllm_versions.py``)."""
         self._call("shardkit_stage", stage_on_worker, (version, payload), "a bucket's staging")
 
-    def commit(self, version: int, path: str) -> int:
-        """Load export ``version``'s staged buckets in one call on the worker; its number."""
-        done = self._call("shardkit_commit", commit_on_worker, (version, path), "the commit")
+    def commit(self, version: int, path: str, hold: bool = False) -> int:
+        """Load export ``version``'s staged buckets in one call on the worker; its number.
+
+        With ``hold`` the model as it was is kept on the worker until :meth:`settle`.
+        """
+        args = (version, path, hold) if hold else (version, path)
+        done = self._call("shardkit_commit", commit_on_worker, args, "the commit")
         return int(done)
+
+    def settle(self, keep: bool) -> int | None:
+        """A held commit kept or undone on the worker; the version it then serves."""
+        found = self._call("shardkit_settle", settle_held, (keep,), "the commit's settling")
+        return None if found is None else int(found)
 
     def serving_version(self) -> int | None:
         """The export the engine's model holds complete (None: the weights it started with)."""

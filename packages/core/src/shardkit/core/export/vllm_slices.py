@@ -12,6 +12,17 @@ it in their fused layout themselves and refuse a window that is not theirs.
 
 Before the first bucket ``begin`` checks the dtype and that the worker is this engine rank of
 a degree-K engine. This module imports no vLLM: the core runs without it.
+
+All or nothing (the default): each bucket's windows are staged on the worker, and the
+exporter's ``commit`` (after the last bucket, before the trainer ranks' last agreement) loads
+them in one call, keeping the engine rank's model as it was until every trainer rank agreed.
+If any rank's commit (or anything after it) fails, ``abort`` puts the model back on every
+engine rank: the engine serves the version it held, on all its ranks, never one rank's new
+windows beside another's old ones. ``version`` is the export the engine rank holds complete.
+Memory: this rank's windows of the whole export (1/K of the model, in the engine's dtype)
+until the commit, and during the commit until the agreement a copy of the engine rank's
+tensors (``vllm_versions.snapshot``). ``all_or_nothing=False`` loads each bucket as it comes
+(one bucket held; a failed export leaves a mix, ``version`` None, until one goes through).
 """
 
 from __future__ import annotations
@@ -41,17 +52,34 @@ class VLLMSliceReceiver:
         llm: this process's ``vllm.LLM`` (one rank of a TP engine, ``external_launcher``).
         path: the loading path (see :data:`~shardkit.core.export.vllm_worker.LoadPath`).
         bound_s: the longest wait for one call into the engine (``SHARDKIT_EXPORT_BOUND``).
+        all_or_nothing: stage every bucket and load them at the commit, undone on every
+            engine rank if the export fails anywhere (the default); False loads each bucket
+            as it comes.
     """
 
-    def __init__(self, llm: Any, *, path: LoadPath = "auto", bound_s: float | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        path: LoadPath = "auto",
+        bound_s: float | None = None,
+        all_or_nothing: bool = True,
+    ) -> None:
         self.llm = llm
         self.calls = EngineCalls(llm, bound_s)
         self.path = path
+        self.all_or_nothing = all_or_nothing
         self.dtype = engine_dtype(llm)
         self.chosen: str | None = None
         self.place: tuple[int, int] | None = None
         """(engine rank, degree) of the worker, asked once."""
         self.loaded: list[str] = []
+        """This export's tensors loaded (streaming) or staged (all or nothing) so far."""
+        self.version: int | None = None
+        """The export this engine rank holds complete (None: the weights it started with, or
+        a mix after a failed export that streamed)."""
+        self._export: int | None = None
+        self._held = False
 
     def begin(self, manifest: ExportManifest) -> None:
         """Settle the path and the worker's place; check dtypes. Nothing is written.
@@ -88,9 +116,10 @@ class VLLMSliceReceiver:
                 "written: " + "; ".join(problems)
             )
         self.loaded = []
+        self._export = manifest.export_id
 
     def receive(self, bucket: SlicedBucket) -> None:
-        """Load the bucket's windows through the engine's own loaders."""
+        """Stage the bucket's windows on the worker, or load them (``all_or_nothing=False``)."""
         assert self.chosen is not None and self.place is not None, "begin() first"
         if (bucket.engine_rank, bucket.degree) != tuple(self.place):
             raise WeightLoadError(
@@ -100,21 +129,60 @@ class VLLMSliceReceiver:
             )
         items = [(window.name, windowed(window, data)) for window, data in bucket.windows]
         try:
-            self.calls.load(self.chosen, items)
+            if self.all_or_nothing:
+                assert self._export is not None
+                self.calls.stage(self._export, items)
+            else:
+                self.version = None  # a mix from here until this export goes through
+                self.calls.load(self.chosen, items)
         except Exception as error:
             names = ", ".join(name for name, _ in items) or "none"
+            done = "Staged" if self.all_or_nothing else "Loaded"
             raise WeightLoadError(
                 f"vLLM's {self.chosen} failed on bucket {bucket.index} ({names}) of engine rank "
-                f"{bucket.engine_rank}: {type(error).__name__}: {error}. Loaded before it: "
+                f"{bucket.engine_rank}: {type(error).__name__}: {error}. {done} before it: "
                 f"{', '.join(self.loaded) or 'none'}"
             ) from error
         self.loaded += [name for name, _ in items]
 
+    def commit(self) -> None:
+        """Load every staged window in one call, keeping the model as it was until settled.
+
+        Raises:
+            WeightLoadError: the load raised; this engine rank was put back as it was.
+        """
+        if not self.all_or_nothing:
+            return
+        assert self.chosen is not None and self._export is not None, "begin() first"
+        try:
+            self.calls.commit(self._export, self.chosen, hold=True)
+        except Exception as error:
+            raise WeightLoadError(
+                f"vLLM's {self.chosen} of export {self._export} failed at its commit on engine "
+                f"rank {self.place[0] if self.place else '?'}: {error}"
+            ) from error
+        self._held = True
+
     def finish(self) -> None:
-        """The export went through: forget the prefix cache the old weights computed."""
+        """The export went through: its commit kept, the prefix cache forgotten."""
+        if self._held:
+            self.calls.settle(keep=True)
+            self._held = False
+        self.version = self._export
         if self.calls.reset_prefix_cache() is False:
             logger.warning("vLLM did not reset its prefix cache after the weight update")
 
     def abort(self, error: BaseException) -> None:
-        """The export failed on some rank (the engine may hold a mix: export in full again)."""
+        """The export failed on some rank: this engine rank's commit undone, if it made one.
+
+        All or nothing, the engine rank then holds the version it held before (``version``);
+        streaming, it may hold a mix (export in full again).
+        """
         self.loaded = []
+        if self.all_or_nothing and self.chosen is not None:
+            try:  # the held commit undone; anything staged dropped
+                self.calls.settle(keep=False)
+            except Exception as failure:  # the export's own error is what the caller raises
+                logger.error("vLLM's engine rank could not undo its commit: %s", failure)
+                self.version = None  # what it holds is not known
+        self._held = False

@@ -26,6 +26,7 @@ from safetensors.torch import load as load_safetensors
 __all__ = [
     "commit_staged",
     "serving_version",
+    "settle_held",
     "snapshot",
     "stage_on_worker",
 ]
@@ -42,6 +43,10 @@ class WorkerVersions:
     staging: int | None = None
     """The export whose buckets are staged."""
     staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    held: ModelSnapshot | None = None
+    """A commit made with ``hold``: the model as it was before it, until it is settled."""
+    held_from: int | None = None
+    """What served before that commit (served again if it is undone)."""
 
 
 def _state(worker: Any) -> WorkerVersions:
@@ -78,11 +83,14 @@ def commit_staged(
     model: torch.nn.Module,
     load: Callable[[list[tuple[str, torch.Tensor]]], None],
     path: str,
+    hold: bool = False,
 ) -> int:
     """On the worker: ``load`` export ``version``'s staged tensors in one call; its number.
 
     ``model`` is the worker's, put back as it was if ``load`` raises; ``path`` names the load
-    in errors (``vllm_worker.commit_on_worker`` passes both, and its load).
+    in errors (``vllm_worker.commit_on_worker`` passes both, and its load). With ``hold`` the
+    model as it was is kept until :func:`settle_held`: one engine rank of several commits, and
+    the others may still fail theirs (a TP-sliced export), so the commit can be undone.
 
     Raises:
         RuntimeError: nothing of ``version`` is staged, or the load raised (the model was put
@@ -94,6 +102,8 @@ def commit_staged(
             f"export {version} has nothing staged on vLLM's worker (staged: {state.staging}); "
             f"it serves export {state.serving}"
         )
+    if state.held is not None:  # an earlier held commit never settled: it stands
+        state.held, state.held_from = None, None
     before = snapshot(model)
     try:
         load(state.staged)
@@ -105,8 +115,26 @@ def commit_staged(
         ) from error
     finally:
         state.staging, state.staged = None, []
+    if hold:
+        state.held, state.held_from = before, state.serving
     state.serving = version
     return version
+
+
+def settle_held(worker: Any, keep: bool) -> int | None:
+    """On the worker: a held commit kept (its snapshot dropped) or undone; what it serves.
+
+    Undone, the model is put back as it was before that commit, and what served then serves
+    again. Staged buckets of an export that never committed are dropped either way.
+    """
+    state = _state(worker)
+    if state.held is not None:
+        if not keep:
+            state.held.restore()
+            state.serving = state.held_from
+        state.held, state.held_from = None, None
+    state.staging, state.staged = None, []
+    return state.serving
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 from shardkit.core.export.vllm_read_back import partition_digests, served_digests
 from shardkit.core.export.vllm_server_worker import serve_export_on_worker
 from shardkit.core.export.vllm_slices_worker import serve_slices_on_worker, tp_place_of_worker
-from shardkit.core.export.vllm_versions import serving_version, stage_on_worker
+from shardkit.core.export.vllm_versions import serving_version, settle_held, stage_on_worker
 from shardkit.core.export.vllm_worker_load import (
     LoadPath,
     choose_path,
@@ -61,9 +61,13 @@ class ShardkitWorkerExtension:
         """See :func:`~shardkit.core.export.vllm_versions.stage_on_worker`."""
         stage_on_worker(self, version, payload)
 
-    def shardkit_commit(self, version: int, path: str) -> int:
+    def shardkit_commit(self, version: int, path: str, hold: bool = False) -> int:
         """See :func:`commit_on_worker`."""
-        return commit_on_worker(self, version, path)
+        return commit_on_worker(self, version, path, hold)
+
+    def shardkit_settle(self, keep: bool) -> int | None:
+        """See :func:`~shardkit.core.export.vllm_versions.settle_held`."""
+        return settle_held(self, keep)
 
     def shardkit_serving_version(self) -> int | None:
         """See :func:`~shardkit.core.export.vllm_versions.serving_version`."""

@@ -40,15 +40,15 @@ _RELOAD_LOGGERS = (
 )
 
 
-def commit_on_worker(worker: Any, version: int, path: str) -> int:
+def commit_on_worker(worker: Any, version: int, path: str, hold: bool = False) -> int:
     """On the worker: export ``version``'s staged buckets loaded by ``path`` in one call.
 
     See :func:`~shardkit.core.export.vllm_versions.commit_staged` (the model put back as it
-    was if the load raises).
+    was if the load raises; with ``hold``, kept so until settled).
     """
     model = _model_of(worker)
     return commit_staged(
-        worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path
+        worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path, hold
     )
 
 
