@@ -1,14 +1,15 @@
 """A delta export against a full one, paired, at W=2: the trainer side's time per sync.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/export_delta_run.py SIZE LR ROUNDS
+Usage: torchrun --nproc-per-node 2 benchmarks/export_delta_run.py SIZE LR ROUNDS [paced]
 
 The model of ``SIZE`` (``benchmarks/export_run.py``'s Qwen2-style 5M or ~150M, fp32 masters,
 shardkit's ``fully_shard`` per layer) takes an AdamW step at ``LR`` each round, then two
 exporters export it into bf16 copies in rank 0's process (``ModuleReceiver``): one in full,
-one with ``delta=True``, in alternating order. A sync's trainer-side time is the slowest
-rank's export less rank 0's time in its receiver (every rank waits for that receiver's commit
-in the export's last all-gather; until 2026-11-30 this script took each rank's export less its
-own receiver's time, which left rank 1's wait in a full export's time: ``ratio_each_own``).
+one with ``delta=True`` (and ``plain_when_faster`` under ``paced``), in alternating order. A
+sync's trainer-side time is the slowest rank's export less rank 0's time in its receiver
+(every rank waits for that receiver's commit in the export's last all-gather; until
+2026-11-30 this script took each rank's export less its own receiver's time, which left rank
+1's wait in a full export's time: ``ratio_each_own``).
 Prints one JSON line: per round the two times and their ratio, the delta's bytes against the
 full's, its buckets sent plain, and the share of bf16 elements that changed.
 """
@@ -46,6 +47,7 @@ def _trainer_side(exporter: Any, receiver: Any, *, delta: bool) -> tuple[float, 
 
 def main() -> None:
     size, lr, rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    paced = sys.argv[4:] == ["paced"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from shardkit.core.export import ModuleReceiver
@@ -57,7 +59,8 @@ def main() -> None:
         train_step(model, optimizer, size, rank)
 
     options = ExportOptions(dtype=torch.bfloat16)
-    full, delta = WeightExporter(model, options), WeightExporter(model, options)
+    paced_options = ExportOptions(dtype=torch.bfloat16, plain_when_faster=paced)
+    full, delta = WeightExporter(model, options), WeightExporter(model, paced_options)
     targets: list[Any] = (
         [build(size, torch.bfloat16) for _ in range(2)] if rank == 0 else [None] * 2
     )
@@ -91,6 +94,7 @@ def main() -> None:
                 "full_bytes": int(sent[0]),
                 "delta_bytes": int(sent[1]),
                 "plain_buckets": report.counts.plain_buckets,
+                "paced_buckets": report.counts.paced_buckets,
                 "buckets": report.buckets,
                 "changed": changed / sum(v.numel() for v in held.values()) if rank == 0 else 0.0,
             }
@@ -102,6 +106,7 @@ def main() -> None:
                 {
                     "size": size,
                     "lr": lr,
+                    "paced": paced,
                     "rounds": rows,
                     "ratio_median": statistics.median(ratios),
                     "ratio_each_own_median": statistics.median(

@@ -14,6 +14,7 @@ as in a full export (``Encoding.PLAIN``), from the part the count packed.
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -30,12 +31,13 @@ from shardkit.core.export.delta_encoding import (
     local_changes,
 )
 from shardkit.core.export.delta_find import HeldRows, refresh_part
+from shardkit.core.export.delta_pace import POSTED, BucketPace, carried, moved
 from shardkit.core.export.messages import ChangedElements, WeightBucket
 from shardkit.core.export.transfer import BucketTransfer, part_layout
 from shardkit.core.runtime.chunks import chunk_rows
 from shardkit.core.runtime.groups import global_rank
 
-__all__ = ["DENSE_RUN", "count_changes", "held_rows", "move_changes"]
+__all__ = ["DENSE_RUN", "count_changes", "held_rows", "move_bucket", "move_changes"]
 
 DENSE_RUN = 8
 """The most syncs in a row a dense bucket goes plain without its comparison: the one sync in
@@ -43,8 +45,29 @@ DENSE_RUN = 8
 the changes, at most) on top of a full export's cast."""
 
 
+def move_bucket(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket | None:
+    """Move one bucket: whole in a full export, its changes in a delta.
+
+    Timed for the next deltas' choice where the export is kept for them (``delta_pace.py``).
+    """
+    if transfer.previous is not None:
+        return move_changes(transfer, bucket)
+    start = time.perf_counter()
+    ready = transfer.move(bucket)
+    if transfer.track:
+        moved(transfer.kept.pace, bucket.index, start, plain=True)
+    return ready
+
+
 def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket | None:
     """Move one bucket's changes; the bucket as the receiver gets it (None on other ranks)."""
+    start, plain = time.perf_counter(), transfer.counts.plain_buckets
+    ready = _move_changes(transfer, bucket)
+    moved(transfer.kept.pace, bucket.index, start, plain=transfer.counts.plain_buckets > plain)
+    return ready
+
+
+def _move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket | None:
     if transfer.watch is not None:
         transfer.watch.raise_if_failed()
     sharded = [s for s in bucket.sources if s.gathers]
@@ -68,53 +91,72 @@ def move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucket
 
 
 def count_changes(transfer: BucketTransfer) -> list[int]:
-    """This rank's changes per bucket.
+    """This rank's changes per bucket, and the times it posts beside them.
 
-    Its count and its ``STEPS`` message's size, for each bucket in turn (zeros for a full
-    export; the part's length where more than 1/``DENSE`` of it changed: that bucket moves
-    whole, and its positions are never built). Counting packs this export's parts over the
-    kept ones (``delta_find.py``). A bucket this rank found dense is not compared for the next
-    1, 2, 4, ... ``DENSE_RUN`` syncs while it stays dense (it moves whole, as in a full
-    export): there a delta costs a full export's time, not a comparison more.
+    Per bucket, :data:`~shardkit.core.export.delta_pace.POSTED` numbers: its count and its
+    ``STEPS`` message's size (zeros for a full export; the part's length where more than
+    1/``DENSE`` of it changed: that bucket moves whole, and its positions are never built),
+    then its delta's and its plain move's microseconds (``delta_pace.py``). Counting packs this
+    export's parts over the kept ones (``delta_find.py``). A bucket this rank found dense is
+    not compared for the next 1, 2, 4, ... ``DENSE_RUN`` syncs while it stays dense (it moves
+    whole, as in a full export): there a delta costs a full export's time, not a comparison
+    more. Under ``plain_when_faster``, neither is a bucket whose delta did not pay lately.
     """
     previous = transfer.previous
     if previous is None:
-        return [0] * (2 * len(transfer.buckets))
+        return [0] * (POSTED * len(transfer.buckets))
     posted: list[int] = []
     for bucket in transfer.buckets:
         pieces = transfer.first_pieces(bucket)
         if not pieces:
-            posted += [0, 0]
+            posted += [0] * POSTED
             continue
-        sharded = [s for s in bucket.sources if s.gathers]
-        dtype = sharded[0].dtype
-        kept = previous.parts.get(bucket.index)
-        base = kept if kept is not None else held_rows(transfer, sharded, pieces)
-        length = part_layout(sharded, [s.gathers[0] for s in sharded])[1] // dtype.itemsize
-        left, run = previous.dense.get(bucket.index, (0, 0))
-        if base is None or (left and kept is None):
-            # No base (the receiver no longer holds the last export), or a dense run with
-            # nothing kept to refresh: the bucket moves whole, uncompared.
-            transfer.changes[bucket.index] = None
-            if left:
-                transfer.kept.dense[bucket.index] = (left - 1, run)
-            posted += [length, 0]
-            continue
-        # A bucket found dense lately is cast into its part uncompared: a full export's cost.
-        found = refresh_part(pieces, base, dtype, limit=-1 if left else length // DENSE)
-        transfer.counts.compared_buckets += not left
-        if left:
-            transfer.kept.dense[bucket.index] = (left - 1, run)
-        elif found is None:  # compared and dense again: skip twice as many syncs, up to a cap
-            run = min(max(1, 2 * run), DENSE_RUN)
-            transfer.kept.dense[bucket.index] = (run, run)
-        if kept is not None:
-            # The kept part now holds this export's values, whichever way the bucket moves.
-            transfer.kept.parts[bucket.index] = kept
-            transfer.packed[bucket.index] = (kept, [offset for _, _, offset in pieces])
-        transfer.changes[bucket.index] = found
-        posted += [length, 0] if found is None else [found.count, found.steps_bytes()]
+        pace = carried(previous.pace, transfer.kept.pace, bucket.index)
+        start = time.perf_counter()
+        posted += _count_bucket(transfer, bucket, pieces, pace)
+        pace.count_s = time.perf_counter() - start
+        posted += pace.posted(transfer.plain_when_faster)
     return posted
+
+
+def _count_bucket(
+    transfer: BucketTransfer,
+    bucket: ExportBucket,
+    pieces: list[tuple[AxisGather, torch.Tensor, int]],
+    pace: BucketPace,
+) -> list[int]:
+    """One bucket's count and ``STEPS`` size on this rank (:func:`count_changes`)."""
+    assert transfer.previous is not None
+    sharded = [s for s in bucket.sources if s.gathers]
+    dtype = sharded[0].dtype
+    kept = transfer.previous.parts.get(bucket.index)
+    base = kept if kept is not None else held_rows(transfer, sharded, pieces)
+    length = part_layout(sharded, [s.gathers[0] for s in sharded])[1] // dtype.itemsize
+    left, run = transfer.previous.dense.get(bucket.index, (0, 0))
+    if left:
+        transfer.kept.dense[bucket.index] = (left - 1, run)
+    slow = bucket.index in transfer.paced  # the same on every rank
+    transfer.counts.paced_buckets += slow
+    if base is None or ((left or slow) and kept is None):
+        # No base (the receiver no longer holds the last export), or a run with nothing kept
+        # to refresh: the bucket moves whole, uncompared.
+        transfer.changes[bucket.index] = None
+        return [length, 0]
+    # A bucket found dense, or slow, lately is cast into its part uncompared: a full export's
+    # cost.
+    skip = bool(left) or slow
+    found = refresh_part(pieces, base, dtype, limit=-1 if skip else length // DENSE)
+    transfer.counts.compared_buckets += not skip
+    if not skip and found is None:  # compared and dense again: skip twice as many syncs
+        run = min(max(1, 2 * run), DENSE_RUN)
+        transfer.kept.dense[bucket.index] = (run, run)
+    if kept is not None:
+        # The kept part now holds this export's values, whichever way the bucket moves.
+        transfer.kept.parts[bucket.index] = kept
+        transfer.packed[bucket.index] = (kept, [offset for _, _, offset in pieces])
+    transfer.changes[bucket.index] = found
+    pace.compared = found is not None
+    return [length, 0] if found is None else [found.count, found.steps_bytes()]
 
 
 def held_rows(
@@ -157,19 +199,21 @@ def held_rows(
 
 def _choose(transfer: BucketTransfer, bucket: ExportBucket) -> tuple[Encoding, int, list[int]]:
     """The bucket's encoding, its padded size and each member's count (every member agrees)."""
+    sharded = [s for s in bucket.sources if s.gathers]
+    # Every member's part has the same length: each tensor's padded rows per part.
+    itemsize = sharded[0].dtype.itemsize
+    length = sum(-(-s.gathers[0].padded_numel * itemsize // 8) * 8 for s in sharded) // itemsize
+    if bucket.index in transfer.paced:  # agreed before the count (no counts where all are)
+        return Encoding.PLAIN, length * itemsize, []
     assert transfer.all_counts is not None and transfer.groups is not None
     entry = transfer.groups.axes[transfer.order[0]]
     assert entry is not None
     members = entry[1]
     rows = [transfer.all_counts[transfer.groups.world_ranks.index(m)] for m in members]
-    counts = [int(row[2 * bucket.index]) for row in rows]
-    steps = [int(row[2 * bucket.index + 1]) for row in rows]
+    counts = [int(row[POSTED * bucket.index]) for row in rows]
+    steps = [int(row[POSTED * bucket.index + 1]) for row in rows]
     if max(counts) == 0:
         return Encoding.INDICES, 0, counts
-    sharded = [s for s in bucket.sources if s.gathers]
-    # Every member's part has the same length: each tensor's padded rows per part.
-    itemsize = sharded[0].dtype.itemsize
-    length = sum(-(-s.gathers[0].padded_numel * itemsize // 8) * 8 for s in sharded) // itemsize
     encoding, size = choose_encoding(counts, steps, length, itemsize)
     return encoding, size, counts
 

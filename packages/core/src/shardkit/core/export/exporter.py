@@ -49,7 +49,8 @@ from shardkit.core.export.buckets import (
     plan_buckets,
     plan_digest,
 )
-from shardkit.core.export.delta_transfer import count_changes, move_changes
+from shardkit.core.export.delta_pace import all_paced, settle, start_runs
+from shardkit.core.export.delta_transfer import count_changes, move_bucket
 from shardkit.core.export.messages import ExportedTensor, ExportKind, ExportManifest
 from shardkit.core.export.receivers import WeightReceiver, holds_export
 from shardkit.core.export.transfer import BucketTransfer, PreviousExport, TransferCounts
@@ -96,6 +97,11 @@ class ExportOptions:
 
     Default ``SHARDKIT_EXPORT_BOUND``, 300 s. A receiver's load of one bucket counts against it.
     """
+    plain_when_faster: bool = False
+    """Under ``delta``: a bucket whose delta was measured slower than moving it whole (on the
+    slowest rank) goes plain, uncompared, for a run of syncs, then is compared again
+    (``delta_pace.py``). On one host a compared delta is slower than a full export: with this,
+    a delta export costs about a full export's time there, and a full export's bytes."""
 
     def __post_init__(self) -> None:
         if self.to not in ("first", "all"):
@@ -295,6 +301,7 @@ class WeightExporter:
             receiving=self.receiving,
             previous=previous,
             track=track,
+            plain_when_faster=self.options.plain_when_faster,
         )
 
     def _run(self, transfer: BucketTransfer, receiver: WeightReceiver | None) -> float:
@@ -316,11 +323,7 @@ class WeightExporter:
         if receiver is not None:
             handoff += transfer.guarded(lambda: receiver.begin(transfer.manifest), "begin")
         for bucket in self.buckets:
-            ready = (
-                transfer.move(bucket)
-                if transfer.previous is None
-                else move_changes(transfer, bucket)
-            )
+            ready = move_bucket(transfer, bucket)
             if receiver is not None:
                 assert ready is not None
                 handoff += transfer.guarded(partial(receiver.receive, ready), bucket)
@@ -343,12 +346,14 @@ class WeightExporter:
         """
         if transfer.groups is None or transfer.watch is None:
             return
-        head = [self.digest, transfer.manifest.export_id, int(transfer.manifest.kind == "delta")]
+        delta = transfer.manifest.kind == "delta"  # the kind: 0 full, 1 delta, 3 paced
+        kind = int(delta) + 2 * int(delta and transfer.plain_when_faster)
+        head = [self.digest, transfer.manifest.export_id, kind]
         rows = self._all_gather(transfer, torch.tensor(head, dtype=torch.int64), "agreement")
         if not bool((rows == rows[0]).all()):
+            kinds = {0: "full", 1: "delta", 3: "delta, plain when faster"}
             described = "; ".join(
-                f"rank {r}: plan {int(row[0]):x}, export {int(row[1])}, "
-                f"{'delta' if int(row[2]) else 'full'}"
+                f"rank {r}: plan {int(row[0]):x}, export {int(row[1])}, {kinds[int(row[2])]}"
                 for r, row in zip(transfer.groups.world_ranks, rows, strict=True)
             )
             raise transfer.watch.give_verdict(
@@ -356,8 +361,13 @@ class WeightExporter:
                 f"options, as many exports, full or delta alike): {described}"
             )
         if transfer.previous is not None:
+            if transfer.plain_when_faster:
+                transfer.paced = start_runs(transfer.previous.slow, transfer.kept.slow)
             counts = torch.tensor(count_changes(transfer), dtype=torch.int64)
-            transfer.all_counts = self._all_gather(transfer, counts, "changes counted")
+            if not all_paced(transfer.paced, self.buckets):  # else all plain, agreed already
+                transfer.all_counts = self._all_gather(transfer, counts, "changes counted")
+                if transfer.plain_when_faster:
+                    settle(transfer.kept.slow, self.buckets, transfer.all_counts)
 
     def _all_gather(
         self, transfer: BucketTransfer, vector: torch.Tensor, what: str

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
 from shardkit.core.export.delta_encoding import LocalChanges
+from shardkit.core.export.delta_pace import BucketPace, Runs
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.receiver_guard import guard_receiver
 from shardkit.core.runtime.chunks import chunk_rows
@@ -57,6 +58,9 @@ class TransferCounts:
     compared_buckets: int = 0
     """Buckets of a delta export this rank compared with its kept part (a bucket found dense
     lately is not: it moves whole)."""
+    paced_buckets: int = 0
+    """Buckets of a delta export that went plain uncompared because their delta did not pay
+    lately (``ExportOptions.plain_when_faster``, ``delta_pace.py``)."""
 
 
 @dataclass(slots=True)
@@ -74,6 +78,10 @@ class PreviousExport:
     receiver: HoldsExport | None = None
     """This rank's in-process receiver, where its copy of the export is the base in place of
     kept parts (``parts`` then stays empty)."""
+    pace: dict[int, BucketPace] = field(default_factory=dict)
+    """Per bucket, its delta's and its plain move's last times on this rank (``delta_pace``)."""
+    slow: Runs = field(default_factory=dict)
+    """Buckets whose delta did not pay lately, and their runs (``delta_pace.settle``)."""
 
 
 class HoldsExport(Protocol):
@@ -124,6 +132,8 @@ class BucketTransfer:
     """Keep this export's parts for the next delta."""
     keep_parts: bool = True
     """Under ``track``: keep packed parts (False where the receiver's copy is the base)."""
+    plain_when_faster: bool = False
+    """A delta's bucket goes plain, uncompared, where its delta did not pay lately."""
     counts: TransferCounts = field(default_factory=TransferCounts)
     all_counts: torch.Tensor | None = None
     """(mesh ranks, buckets): every rank's changed elements per bucket (a delta)."""
@@ -131,6 +141,8 @@ class BucketTransfer:
     """This export's parts, for the next delta."""
     packed: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     """Parts already packed (a delta's count packs them), with their tensors' byte offsets."""
+    paced: set[int] = field(default_factory=set)
+    """Buckets this delta export sends plain, uncompared: their delta did not pay lately."""
     changes: dict[int, LocalChanges | None] = field(default_factory=dict)
     """A delta's changes per bucket, found by the count (None: too many, the bucket is plain)."""
 
@@ -193,7 +205,8 @@ class BucketTransfer:
     def move(self, bucket: ExportBucket) -> WeightBucket | None:
         """Move one bucket whole; the bucket as the receiver gets it (None on other ranks).
 
-        A delta export's buckets move through ``delta_transfer.move_changes`` instead.
+        A delta export's buckets move through ``delta_transfer.move_changes`` instead (which
+        calls this for a bucket that goes plain).
         """
         if self.watch is not None:
             self.watch.raise_if_failed()
