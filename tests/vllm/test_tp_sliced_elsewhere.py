@@ -65,6 +65,11 @@ def test_tp2_workers_of_their_own_take_their_slices_bit_for_bit(tmp_path: Path) 
         assert "nothing was written" in failure["error"]
         assert failure["seconds"] < BOUND_S + 10
     assert driver["after_failure"] == driver["again"]  # still serving the last export
+    # Refused by rank 1 after every worker loaded the moved weights: one error on both ranks,
+    # and every worker's load undone: the engine serves T1, complete, outputs and digests.
+    refused = [entry["refused_after_load"]["error"] for entry in ranks]
+    assert refused[0] == refused[1] and "(injected)" in str(refused[0]), refused
+    assert driver["after_refusal"] == driver["again"]
     # Engine rank 1's worker killed: the next export ends on both ranks, one error, bounded.
     killed = [entry["killed"] for entry in ranks]
     assert killed[0]["error"] is not None and killed[0]["error"] == killed[1]["error"]

@@ -9,8 +9,9 @@ rank's worker through shared memory (``VLLMRemoteSliceReceiver``).
 Three syncs into an engine started from other weights: the trainer's weights T1; then moved
 (T2); then T1 again (the trainer's shards put back). After the first and the third, the
 engine's greedy tokens, top-5 log-probabilities and every parameter of each engine rank (read
-back on its worker as digests) must equal a fresh TP=2 engine's started from T1. Rank 0 writes
-``result.json`` into ``--out``.
+back on its worker as digests) must equal a fresh TP=2 engine's started from T1. Then moved
+weights whose export rank 1 refuses after every worker loaded them: the engine must serve T1
+again, complete (every worker's load undone). Rank 0 writes ``result.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from demo.grpo_vllm import start_engine
 from shardkit.core.errors import WeightExportError
 from shardkit.core.export.tp_export import SlicedExporter
 from shardkit.core.export.tp_slices import EngineTP
-from shardkit.core.export.vllm_slices_remote import remote_slice_receiver
+from shardkit.core.export.vllm_slices_remote import VLLMRemoteSliceReceiver, remote_slice_receiver
 from shardkit.core.export.vllm_worker import EXTENSION
 from tests.vllm.tp_sliced_run import DTYPE, greedy, sharded_trainer
 
@@ -113,6 +114,9 @@ def run(out: Path, rank: int) -> dict[str, Any]:
     found["failure"] = failing_export(model, tp, key, llm)
     if llm is not None:
         found["after_failure"] = observe(llm)
+    found["refused_after_load"] = refused_after_load(exporter, key, llm, model, rank)
+    if llm is not None:
+        found["after_refusal"] = observe(llm)
     found["killed"] = export_after_a_kill(exporter, key, llm)
     if llm is not None:
         with contextlib.suppress(Exception):  # its worker is dead: the engine may be too
@@ -132,6 +136,35 @@ def failing_export(model: torch.nn.Module, tp: EngineTP, key: bytes, llm: Any) -
     """
     exporter = SlicedExporter(model, tp, dtype=torch.float32, bucket_bytes=2**20, bound_s=20.0)
     return timed_error(exporter, remote_slice_receiver(exporter, authkey=key, llm=llm))
+
+
+class _RefusingAfterLoad(VLLMRemoteSliceReceiver):
+    """Rank 1's receiver: its commit raises once its worker loaded the export (held there)."""
+
+    def commit(self) -> None:
+        super().commit()
+        raise RuntimeError("rank 1 refused the export after its worker loaded it (injected)")
+
+
+def refused_after_load(
+    exporter: SlicedExporter, key: bytes, llm: Any, model: torch.nn.Module, rank: int
+) -> dict[str, Any]:
+    """Moved weights exported, every worker loads them, then rank 1 refuses: all or nothing,
+    the driver undoes every worker's load and the engine serves the last export, complete."""
+    kept = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.full_like(param, 0.01))
+    receiver = (
+        _RefusingAfterLoad(exporter.engine, 1, authkey=key, bound_s=exporter.bound_s)
+        if rank == 1
+        else remote_slice_receiver(exporter, authkey=key, llm=llm)
+    )
+    found = timed_error(exporter, receiver)
+    with torch.no_grad():
+        for param, was in zip(model.parameters(), kept, strict=True):
+            param.copy_(was)
+    return found
 
 
 def export_after_a_kill(exporter: SlicedExporter, key: bytes, llm: Any) -> dict[str, Any]:

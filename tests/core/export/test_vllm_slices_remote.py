@@ -29,6 +29,7 @@ from shardkit.core.export.tp_export import SlicedBucket
 from shardkit.core.export.tp_slices import EngineTP, engine_window
 from shardkit.core.export.vllm_slices_remote import VLLMRemoteSliceReceiver
 from shardkit.core.export.vllm_slices_worker import serve_slices_on_worker, windows_of_table
+from shardkit.core.export.vllm_versions import settle_held
 from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.export.windowed_weight import WindowedWeight
 
@@ -50,6 +51,10 @@ class StandInWorker:
         self.rank = rank
         self.loaded: list[tuple[str, Any]] = []
         self.fail = False
+        self.model = torch.nn.Linear(2, 2)  # what a held commit keeps as it was
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
 
 
 class StandInEngine:
@@ -68,6 +73,8 @@ class StandInEngine:
             return [[w.rank, self.degree] for w in self.workers]
         if method == "shardkit_probe":
             return [["reload_weights", "bfloat16", "a stand-in", os.getpid() + 1]] * 2
+        if method == "shardkit_settle":
+            return [settle_held(w, *args) for w in self.workers]
         assert method == "shardkit_serve_slices"
         answers: list[Any] = [None, None]
 
@@ -96,6 +103,8 @@ def _stand_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         for name, tensor in items:  # copied, as vLLM's loaders copy (the segment is reused)
             held = tensor.held if isinstance(tensor, WindowedWeight) else tensor
             worker.loaded += [(name, held.clone()), (f"{name}:type", type(tensor).__name__)]
+        with torch.no_grad():
+            worker.model.weight.fill_(float(len(worker.loaded)))  # what a commit changes
 
     monkeypatch.setattr(worker_side, "tp_place_of_worker", lambda w: (w.rank, 2))
     monkeypatch.setattr(
@@ -211,7 +220,30 @@ def test_a_workers_failed_load_fails_its_ranks_commit(tmp_path: Path) -> None:
     assert "the loader refused it" in str(errors[1])
     # The driver hears it too, in every worker's answer.
     assert isinstance(errors[0], WeightLoadError)
-    assert "engine rank 1: RuntimeError: the loader refused it" in str(errors[0])
+    assert "engine rank 1: RuntimeError" in str(errors[0]), errors[0]
+    assert "the loader refused it" in str(errors[0]) and "put back" in str(errors[0])
+
+
+def test_a_failed_export_is_undone_on_every_worker(tmp_path: Path) -> None:
+    # Worker 0 loads its windows at the end, held; worker 1's load raises (put back at once).
+    # Every trainer rank's abort (the exporter's) has the driver undo worker 0's too: the
+    # engine's two ranks serve what they served, complete. The next export goes through.
+    engine = StandInEngine()
+    before = [w.model.weight.detach().clone() for w in engine.workers]
+    receivers = _receivers(engine, tmp_path)
+    engine.workers[1].fail = True
+    errors = _export(receivers, _full())
+    assert all(isinstance(e, WeightLoadError) for e in errors), errors
+    for receiver, error in zip(receivers, errors, strict=True):
+        receiver.abort(error or RuntimeError("a peer failed"))
+    assert engine.calls.count("shardkit_settle") == 1
+    undone = [torch.equal(w.model.weight, b) for w, b in zip(engine.workers, before, strict=True)]
+    assert undone == [True, True]
+    assert [r.version for r in receivers] == [None, None]
+    engine.workers[1].fail = False
+    assert _export(receivers, _full()) == [None, None]
+    assert [r.version for r in receivers] == [0, 0]
+    assert all(w.model.weight[0, 0] > 0 for w in engine.workers)
 
 
 def test_a_window_table_from_another_process_is_checked() -> None:
@@ -261,5 +293,8 @@ def test_a_server_is_paused_around_the_workers_load_and_resumed(
     paths = [p.split("?")[0] for p in server.paths()]
     serve = next(i for i, (p, b) in enumerate(server.seen) if b.get("method") == SERVE)
     assert paths[serve - 2 : serve] == ["/is_paused", "/pause"]  # before the workers load
-    assert paths[serve + 1 :] == ["/reset_prefix_cache", "/resume"]  # after, in this order
+    # After: every worker's load kept (or, failed, undone) first, then the cache and the resume.
+    settle = next(b.get("method") for _, b in server.seen[serve + 1 :])
+    assert settle == "shardkit_settle", server.seen[serve + 1 :]
+    assert paths[serve + 1 :] == ["/collective_rpc", "/reset_prefix_cache", "/resume"]
     assert [len(w.loaded) > 0 for w in engine.workers] == [True, not fails]

@@ -27,14 +27,17 @@ One export, on the trainer ranks that hold engine ranks:
    most the bound) and sends its window manifest (each window's shape); each bucket's
    windows go to the worker, which loads the previous bucket meanwhile;
 3. ``commit`` (before the trainer ranks' last agreement, so a failure fails every rank) waits
-   until the worker loaded everything, ends its serving, and on the driver waits for every
-   worker's answer (each one's received bytes) and empties the prefix cache (a server's
-   before its scheduling resumes).
+   until the worker loaded everything (each worker stages its buckets and loads them all at
+   the end, in one call, keeping its model as it was: ``vllm_slices_worker.py``), ends its
+   serving, and on the driver waits for every worker's answer (each one's received bytes);
+4. ``finish`` (every trainer rank agreed) has the driver keep every worker's load
+   (``shardkit_settle``), then empty the prefix cache (a server's before its scheduling
+   resumes); ``abort`` (any rank failed, at any point) has it undo them instead, so the K
+   engine ranks serve the version they served before, complete, never a mix.
 
 Every wait is bounded (``SHARDKIT_EXPORT_BOUND`` or ``bound_s``); a dead or silent worker is a
 :class:`~shardkit.core.errors.WeightExportError` on its rank, which the exporter makes every
-rank raise. Full exports only, and no versions: a failed export may leave the engine with some
-buckets new (export again, in full).
+rank raise. Full exports only; ``version`` is the export the engine holds complete.
 
 This module imports no vLLM (the worker's part is called inside vLLM's workers).
 """
@@ -109,6 +112,11 @@ class VLLMRemoteSliceReceiver:
         self._serving: Serving | None = None
         self.served: list[dict[str, Any]] = []
         """The driver's last export: each worker's answer (its rank, the bytes it loaded)."""
+        self.version: int | None = None
+        """The export the engine holds complete (None: the weights it started with)."""
+        self._export_id: int | None = None
+        self._loaded = False
+        """The driver's workers loaded this export, held until settled."""
 
     def begin(self, manifest: ExportManifest) -> None:
         """Check the engine and start the workers' serving (driver); plan this rank's manifest.
@@ -128,6 +136,7 @@ class VLLMRemoteSliceReceiver:
             [engine_window(self.tp, e.name, e.shape, r) for e in manifest.tensors]
             for r in range(self.tp.degree)
         ]
+        self._export_id, self._loaded = manifest.export_id, False
         addresses = [self._address(manifest.export_id, r) for r in range(self.tp.degree)]
         if self._driver is not None:
             self._start_serving(manifest, addresses, windows)
@@ -188,8 +197,16 @@ class VLLMRemoteSliceReceiver:
             self._end_serving()
 
     def finish(self) -> None:
-        """The export went through (committed here if the exporter did not)."""
+        """The export went through on every rank: the workers' loads kept (driver).
+
+        Committed here first if the exporter did not.
+        """
         self.commit()
+        if self._driver is not None and self._loaded:
+            self._loaded = False
+            self._driver.rpc_all("shardkit_settle", [True], "the commit's settling")
+            self._driver.after_load()
+        self.version = self._export_id
 
     def abort(self, error: BaseException) -> None:
         """Tell the worker the export failed and end its serving (the engine may hold a mix)."""
@@ -205,6 +222,13 @@ class VLLMRemoteSliceReceiver:
         # never connected passed the bound; a call still out then, the next begin waits for.
         if self._serving is not None and self._serving.answer(self.bound_s) is not None:
             self._serving = None
+        if self._serving is None:
+            try:  # every worker's held load undone (and anything staged dropped)
+                self._driver.rpc_all("shardkit_settle", [False], "the commit's undoing")
+            except Exception as failure:  # the export's own error is the one raised
+                logger.error("the vLLM engine's workers could not undo the export: %s", failure)
+                self.version = None  # what they hold is not known
+        self._loaded = False
         self._driver.after_failure()  # a server paused by this export resumes
 
     def _address(self, export_id: int, rank: int) -> str:
@@ -289,7 +313,7 @@ class VLLMRemoteSliceReceiver:
                 "the vLLM engine's workers did not all load the export: "
                 + "; ".join(failed or [f"engine ranks {unfinished} finished none"])
             )
-        self._driver.after_load()
+        self._loaded = True  # held on every worker until finish (kept) or abort (undone)
 
 
 def remote_slice_receiver(

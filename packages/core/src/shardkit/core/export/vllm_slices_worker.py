@@ -5,10 +5,14 @@ Called inside each of a vLLM engine's K workers by ``collective_rpc`` (the worke
 the same arguments, a socket address and a window table per engine rank, and takes its own by
 its rank in the engine's tensor-parallel group. It listens there for at most the bound, for
 the one trainer rank that sends this engine rank's windows through the shared-memory
-transport (``shared_memory.py``: JSON headers and raw bytes, never pickle), and loads each
-bucket as it comes through vLLM's own loaders, each window a
+transport (``shared_memory.py``: JSON headers and raw bytes, never pickle), stages each bucket
+as it comes (copied out of the reused segment), and at the export's end loads them all in one
+call through vLLM's own loaders, each window a
 :class:`~shardkit.core.export.windowed_weight.WindowedWeight`: the loaders narrow it to their
 rank's part, which is the window, and a narrow outside it raises (a wrong cut never loads).
+That load keeps the model as it was (``vllm_versions.commit_staged`` with ``hold``) until the
+trainer's driver settles it on every worker (``shardkit_settle``): kept once every trainer
+rank agreed, undone if any failed, so the engine's K ranks serve one export, complete.
 
 What comes over the socket is checked against the table before a byte is loaded: the names,
 each window's shape, the engine's dtype. The table itself comes from the trainer (its plan,
@@ -28,7 +32,8 @@ from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.shared_memory import serve_connection
 from shardkit.core.export.tp_slices import Window
 from shardkit.core.export.vllm_server_worker import accept_within
-from shardkit.core.export.vllm_worker_load import choose_path, load_on_worker
+from shardkit.core.export.vllm_versions import commit_staged, drop_staged, stage_on_worker
+from shardkit.core.export.vllm_worker_load import choose_path, load_on_worker, worker_model
 from shardkit.core.export.windowed_weight import windowed
 
 __all__ = ["serve_slices_on_worker", "tp_place_of_worker", "window_table", "windows_of_table"]
@@ -88,6 +93,7 @@ class _SliceWorkerReceiver:
         """The bytes of the windows this worker loaded (this call's exports)."""
         self.failure: str | None = None
         """Why the last export failed here (None: it did not)."""
+        self.export_id = -1
 
     def begin(self, manifest: ExportManifest) -> None:
         problems = []
@@ -108,17 +114,33 @@ class _SliceWorkerReceiver:
                 f"export {manifest.export_id} does not fit engine rank {self.rank}; nothing was "
                 "written: " + "; ".join(problems)
             )
+        self.export_id = manifest.export_id
 
     def receive(self, bucket: WeightBucket) -> None:
-        items = [(name, windowed(self.windows[name], data)) for name, data in bucket.full]
-        load_on_worker(self.worker, self.path, items)
+        # Copied: the bucket's tensors view a shared segment the sender reuses.
+        items = [(name, windowed(self.windows[name], data.clone())) for name, data in bucket.full]
+        stage_on_worker(self.worker, self.export_id, items)
         self.received_bytes += sum(t.numel() * t.element_size() for _, t in bucket.full)
 
     def finish(self) -> None:
-        """Loaded; the trainer's side empties the prefix cache once every rank is."""
+        """Every bucket staged: all loaded in one call, held until the driver settles it."""
+        worker, path = self.worker, self.path
+        try:
+            commit_staged(
+                worker,
+                self.export_id,
+                worker_model(worker),
+                lambda tensors: load_on_worker(worker, path, tensors),
+                path,
+                hold=True,
+            )
+        except Exception as error:  # put back already; the driver reads why in the answer
+            self.failure = f"{type(error).__name__}: {error}"
+            raise
 
     def abort(self, error: BaseException) -> None:
         self.failure = str(error)
+        drop_staged(self.worker)
         logger.warning("engine rank %s: a TP-sliced export failed: %s", self.rank, error)
 
 

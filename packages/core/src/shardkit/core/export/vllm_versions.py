@@ -25,6 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 __all__ = [
     "commit_staged",
+    "drop_staged",
     "serving_version",
     "settle_held",
     "snapshot",
@@ -119,6 +120,12 @@ def commit_staged(
         state.held, state.held_from = before, state.serving
     state.serving = version
     return version
+
+
+def drop_staged(worker: Any) -> None:
+    """On the worker: an export that failed before its commit; what it staged is dropped."""
+    state = _state(worker)
+    state.staging, state.staged = None, []
 
 
 def settle_held(worker: Any, keep: bool) -> int | None:

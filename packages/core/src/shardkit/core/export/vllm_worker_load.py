@@ -25,7 +25,14 @@ from safetensors.torch import load as load_safetensors
 
 from shardkit.core.export.vllm_versions import commit_staged
 
-__all__ = ["LoadPath", "choose_path", "commit_on_worker", "load_on_worker", "probe_worker"]
+__all__ = [
+    "LoadPath",
+    "choose_path",
+    "commit_on_worker",
+    "load_on_worker",
+    "probe_worker",
+    "worker_model",
+]
 
 LoadPath = Literal["auto", "load_weights", "reload_weights"]
 """How tensors enter the engine: ``"load_weights"`` (the model's loader, weights unprocessed),
@@ -46,13 +53,14 @@ def commit_on_worker(worker: Any, version: int, path: str, hold: bool = False) -
     See :func:`~shardkit.core.export.vllm_versions.commit_staged` (the model put back as it
     was if the load raises; with ``hold``, kept so until settled).
     """
-    model = _model_of(worker)
+    model = worker_model(worker)
     return commit_staged(
         worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path, hold
     )
 
 
-def _model_of(worker: Any) -> Any:
+def worker_model(worker: Any) -> Any:
+    """The worker's model (its runner's, or the worker's own ``get_model()``)."""
     runner = getattr(worker, "model_runner", None)
     if runner is not None and callable(getattr(runner, "get_model", None)):
         return runner.get_model()
@@ -90,7 +98,7 @@ def choose_path(worker: Any, path: LoadPath) -> tuple[str | None, torch.dtype, s
     """On the worker: the path its model and worker allow (None: none), its dtype, and why."""
     config = worker.model_runner.model_config
     dtype = config.dtype
-    model = _model_of(worker)
+    model = worker_model(worker)
     has_reload = callable(getattr(worker, "reload_weights", None))
     processed = _processed_parameters(model)
     quantized = getattr(config, "quantization", None) is not None
@@ -126,7 +134,7 @@ def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor
             try:
                 worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
             except Exception as error:
-                restored = _restore_unfinished_layers(_model_of(worker))
+                restored = _restore_unfinished_layers(worker_model(worker))
                 raise RuntimeError(
                     f"{type(error).__name__}: {error} (the layers not yet processed "
                     + (
@@ -136,7 +144,7 @@ def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor
                     )
                 ) from error
         return
-    model = _model_of(worker)
+    model = worker_model(worker)
     with torch.no_grad():
         model.load_weights(iter(tensors))
 
