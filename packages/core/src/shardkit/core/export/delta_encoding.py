@@ -106,7 +106,7 @@ class LocalChanges:
 
     def steps_bytes(self) -> int:
         """The size of this rank's ``STEPS`` message."""
-        escaped = sum(int(_escaped(gaps).sum()) for gaps in _gap_runs(self.positions))
+        escaped = _escaped_count(self.positions)
         literal = int(torch.count_nonzero(_literal(self.steps)))
         itemsize = self.values.element_size()
         index = _index_dtype(self.length).itemsize
@@ -165,6 +165,8 @@ def _index_dtype(length: int) -> torch.dtype:
 
 def _literal(steps: torch.Tensor) -> torch.Tensor:
     """Steps that do not fit an int8 step (two compares: ``abs`` would copy every step)."""
+    if steps.dtype == torch.int8:  # saturated (a part's walk): -128 is the only one
+        return steps == -_STEP_LIMIT - 1
     return (steps > _STEP_LIMIT) | (steps < -_STEP_LIMIT)
 
 
@@ -182,6 +184,27 @@ def _gap_runs(positions: torch.Tensor) -> Iterator[torch.Tensor]:
         if lo:
             gaps[0] -= positions[lo - 1]
         yield gaps
+
+
+def _escaped_count(positions: torch.Tensor) -> int:
+    """How many of the gaps between ``positions`` :func:`_escaped` counts, without the gaps.
+
+    Ascending positions differ: only the first gap (from 0) can be 0, and the others escape
+    past ``_GAP_LIMIT`` only. Each run of :data:`GAP_RUN` is one subtraction, one compare and
+    a count (measured with the literal steps' count, 2.55M changes of a 75M part: 5.1 ms where
+    the gaps themselves, a clone, a subtraction in place, two compares and an or, took 14.5).
+    """
+    if not positions.numel():
+        return 0
+    first = int(positions[0])
+    count = int(first == 0 or first > _GAP_LIMIT)
+    last = positions.numel() - 1
+    for lo in range(0, last, GAP_RUN):
+        hi = min(lo + GAP_RUN, last)
+        count += int(
+            torch.count_nonzero(positions[lo + 1 : hi + 1] - positions[lo:hi] > _GAP_LIMIT)
+        )
+    return count
 
 
 def _escaped(gaps: torch.Tensor) -> torch.Tensor:

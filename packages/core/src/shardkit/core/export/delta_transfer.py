@@ -107,39 +107,37 @@ def count_changes(transfer: BucketTransfer) -> list[int]:
         return [0] * (POSTED * len(transfer.buckets))
     posted: list[int] = []
     for bucket in transfer.buckets:
-        pieces = transfer.first_pieces(bucket)
-        if not pieces:
-            posted += [0] * POSTED
+        if not any(s.gathers for s in bucket.sources) or not transfer.takes_part(transfer.order[0]):
+            posted += [0] * POSTED  # no part of this bucket here
             continue
         pace = carried(previous.pace, transfer.kept.pace, bucket.index)
         start = time.perf_counter()
-        posted += _count_bucket(transfer, bucket, pieces, pace)
+        posted += _count_bucket(transfer, bucket, pace)
         pace.count_s = time.perf_counter() - start
         posted += pace.posted(transfer.plain_when_faster)
     return posted
 
 
-def _count_bucket(
-    transfer: BucketTransfer,
-    bucket: ExportBucket,
-    pieces: list[tuple[AxisGather, torch.Tensor, int]],
-    pace: BucketPace,
-) -> list[int]:
+def _count_bucket(transfer: BucketTransfer, bucket: ExportBucket, pace: BucketPace) -> list[int]:
     """One bucket's count and ``STEPS`` size on this rank (:func:`count_changes`)."""
     assert transfer.previous is not None
     sharded = [s for s in bucket.sources if s.gathers]
     dtype = sharded[0].dtype
     kept = transfer.previous.parts.get(bucket.index)
-    base = kept if kept is not None else held_rows(transfer, sharded, pieces)
     length = part_layout(sharded, [s.gathers[0] for s in sharded])[1] // dtype.itemsize
     left, run = transfer.previous.dense.get(bucket.index, (0, 0))
     if left:
         transfer.kept.dense[bucket.index] = (left - 1, run)
     slow = bucket.index in transfer.paced  # the same on every rank
     transfer.counts.paced_buckets += slow
-    if base is None or ((left or slow) and kept is None):
-        # No base (the receiver no longer holds the last export), or a run with nothing kept
-        # to refresh: the bucket moves whole, uncompared.
+    if (left or slow) and kept is None:
+        # A run with nothing kept to refresh: the bucket moves whole, uncompared (its pieces
+        # are not even read here: the move reads them).
+        transfer.changes[bucket.index] = None
+        return [length, 0]
+    pieces = transfer.first_pieces(bucket)
+    base = kept if kept is not None else held_rows(transfer, sharded, pieces)
+    if base is None:  # the receiver no longer holds the last export: the bucket moves whole
         transfer.changes[bucket.index] = None
         return [length, 0]
     # A bucket found dense, or slow, lately is cast into its part uncompared: a full export's

@@ -144,6 +144,10 @@ class BucketTransfer:
     paced: set[int] = field(default_factory=set)
     """Buckets this delta export sends plain, uncompared: their delta did not pay lately."""
     changes: dict[int, LocalChanges | None] = field(default_factory=dict)
+    read: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Pieces a delta's count read, by key, for the bucket's move: read once (reading every
+    tensor's piece, a DTensor's ``to_local``, took 2.3 to 2.5 ms of a 5M model's export of about
+    20 ms, measured)."""
     """A delta's changes per bucket, found by the count (None: too many, the bucket is plain)."""
 
     # Who takes part -------------------------------------------------------------------
@@ -186,7 +190,8 @@ class BucketTransfer:
             return []
         gathers = [_first_gather(s) for s in sharded]
         offsets, _ = part_layout(sharded, gathers)
-        return [(g, s.local(), o) for s, g, o in zip(sharded, gathers, offsets, strict=True)]
+        self.read.update((s.key, s.local()) for s in sharded)
+        return [(g, self.read[s.key], o) for s, g, o in zip(sharded, gathers, offsets, strict=True)]
 
     def _first_pack(
         self,
@@ -247,7 +252,8 @@ class BucketTransfer:
     def _gather_whole(
         self, bucket: ExportBucket, sharded: list[TensorSource]
     ) -> dict[str, torch.Tensor] | None:
-        current = {s.key: s.local() for s in sharded}
+        read = [self.read.pop(s.key, None) for s in sharded]
+        current = {s.key: s.local() if r is None else r for s, r in zip(sharded, read, strict=True)}
         first = True
         for mesh_dim in self.order:
             batch = [s for s in sharded if any(st.mesh_dim == mesh_dim for st in s.gathers)]
