@@ -59,7 +59,9 @@ def main() -> None:
         train_step(model, optimizer, size, rank)
 
     options = ExportOptions(dtype=torch.bfloat16)
-    paced_options = ExportOptions(dtype=torch.bfloat16, plain_when_faster=paced)
+    paced_options = (
+        ExportOptions(dtype=torch.bfloat16, plain_when_faster=True) if paced else options
+    )
     full, delta = WeightExporter(model, options), WeightExporter(model, paced_options)
     targets: list[Any] = (
         [build(size, torch.bfloat16) for _ in range(2)] if rank == 0 else [None] * 2
@@ -94,7 +96,7 @@ def main() -> None:
                 "full_bytes": int(sent[0]),
                 "delta_bytes": int(sent[1]),
                 "plain_buckets": report.counts.plain_buckets,
-                "paced_buckets": report.counts.paced_buckets,
+                "paced_buckets": getattr(report.counts, "paced_buckets", 0),  # older code: none
                 "buckets": report.buckets,
                 "changed": changed / sum(v.numel() for v in held.values()) if rank == 0 else 0.0,
             }
