@@ -72,18 +72,21 @@ def test_export_against_trl_pattern(benchmark: Any, size: str, transport: str) -
     assert r["wire_ours"] == full_wire  # the minimum bytes: each rank's half once, in bf16
 
 
+@pytest.mark.parametrize("paced", [False, True], ids=["delta", "paced"])
 @pytest.mark.parametrize("lr", ["1e-6", "1e-5", "1e-3"])
 @pytest.mark.parametrize("size", SIZES)
-def test_delta_against_full(benchmark: Any, size: str, lr: str) -> None:
+def test_delta_against_full(benchmark: Any, size: str, lr: str, paced: bool) -> None:
     """A delta sync's trainer-side time against a full one's, paired round by round
     (benchmarks/export_delta_run.py): at lr 1e-6 a few percent of the bf16 elements change; at
-    1e-5 and 1e-3 more than 1/8 do, and the delta's buckets go plain. Times only: glibc's
-    default allocator (the low mmap threshold the RSS runs use would charge each chunk's
-    temporaries a page fault)."""
+    1e-5 and 1e-3 more than 1/8 do, and the delta's buckets go plain. ``paced``: the delta
+    exporter with ``plain_when_faster``, 24 rounds (its comparisons are a few of them). Times
+    only: glibc's default allocator (the low mmap threshold the RSS runs use would charge each
+    chunk's temporaries a page fault)."""
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(ROOT / "benchmarks" / "export_delta_run.py"), size, lr, "5"]
+    cmd += [str(ROOT / "benchmarks" / "export_delta_run.py"), size, lr]
+    cmd += ["24", "paced"] if paced else ["5"]
     results: dict[str, Any] = {}
 
     def measure() -> None:
@@ -101,6 +104,8 @@ def test_delta_against_full(benchmark: Any, size: str, lr: str) -> None:
         f"{results['delta_s_median']:.3f} s; delta/full per round {ratios} "
         f"(median {results['ratio_median']:.2f}); changed {100 * rows[-1]['changed']:.2f}%; "
         f"bytes {100 * rows[-1]['delta_bytes'] / rows[-1]['full_bytes']:.2f}% of full; plain "
-        f"buckets {rows[-1]['plain_buckets']}/{rows[-1]['buckets']}\n"
+        f"buckets {rows[-1]['plain_buckets']}/{rows[-1]['buckets']}; rounds paced "
+        f"{sum(1 for row in rows if row['paced_buckets'])}/{len(rows)}; all rounds' delta "
+        f"{sum(r['delta_s'] for r in rows) / sum(r['full_s'] for r in rows):.2f}x the full's\n"
     )
     assert all(row["delta_bytes"] <= row["full_bytes"] for row in rows)
