@@ -1,6 +1,6 @@
 """Where a delta export's time goes, stage by stage on each rank, beside a full export's.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/export_delta_profile.py SIZE LR ROUNDS
+Usage: torchrun --nproc-per-node 2 benchmarks/export_delta_profile.py SIZE LR ROUNDS [paced]
 
 The model of ``SIZE`` (``benchmarks/export_run.py``'s, fp32 masters, W=2) takes an AdamW step
 at ``LR`` each round; then a full export and a delta export (bf16, into ``ModuleReceiver`` in
@@ -8,8 +8,9 @@ rank 0's process) run under torch's profiler. The stages are the profiler's own 
 (self CPU time: ``aten::copy_`` is the cast, ``aten::ne`` the comparison, ``aten::nonzero``
 the positions, ...) and named ranges around the export's steps (the count, the encoding, the
 gathers, the decoding, the split into tensors, the receiver's load). Prints one JSON line per
-rank: per export kind, seconds per stage summed over the rounds, the wall time, and the count of
-kernels launched per export outside the receiver.
+rank: per export kind, seconds per stage per export (the mean over its syncs), the wall time,
+and the count of kernels launched per export outside the receiver. ``paced``: the delta
+exporter with ``plain_when_faster``, its rows from the syncs it sent plain, uncompared, only.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def _trainer_kernels(prof: Any) -> int:
 
 def main() -> None:
     size, lr, rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    paced = sys.argv[4:] == ["paced"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     _instrument()
@@ -135,14 +137,17 @@ def main() -> None:
 
     model, optimizer = sharded(size, lr)
     options = ExportOptions(dtype=torch.bfloat16)
-    full, delta = WeightExporter(model, options), WeightExporter(model, options)
+    paced_options = (
+        ExportOptions(dtype=torch.bfloat16, plain_when_faster=True) if paced else options
+    )
+    full, delta = WeightExporter(model, options), WeightExporter(model, paced_options)
     targets = [build(size, torch.bfloat16) for _ in range(2)] if rank == 0 else [None] * 2
     into = [ModuleReceiver(t) if t is not None else None for t in targets]
     train_step(model, optimizer, size, rank)
     full.export(into[0])
     delta.export(into[1], delta=True)
     result: dict[str, Any] = {"rank": rank, "size": size, "lr": lr}
-    walls: dict[str, float] = {"full": 0.0, "delta": 0.0}
+    walls: dict[str, list[float]] = {"full": [], "delta": []}
     profiles: dict[str, Any] = {}
     changed = []
     for _ in range(rounds):
@@ -152,16 +157,19 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
                 report = exporter.export(receiver, delta=kind == "delta")
-                walls[kind] += time.perf_counter() - start
-            profiles.setdefault(kind, []).append(_stages(prof))
+                wall = time.perf_counter() - start
             if kind == "delta":
                 changed.append(report.counts.plain_buckets)
+                if paced and not report.counts.paced_buckets:
+                    continue  # paced: the syncs that went plain uncompared only
+            walls[kind].append(wall)
+            profiles.setdefault(kind, []).append(_stages(prof))
     for kind, rows in profiles.items():
         total: dict[str, float] = {}
         for row in rows:
             for key, value in row.items():
-                total[key] = total.get(key, 0.0) + value / rounds
-        result[kind] = {"wall_s": walls[kind] / rounds, **total}
+                total[key] = total.get(key, 0.0) + value / len(rows)
+        result[kind] = {"wall_s": sum(walls[kind]) / len(rows), "syncs": len(rows), **total}
     result["plain_buckets"] = changed
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
