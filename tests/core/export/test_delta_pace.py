@@ -5,7 +5,7 @@ advance it by a set amount; nothing else does), so the choice is the same at eve
 the comparisons cost more than the moves, every bucket goes plain, uncompared, for a run of
 syncs, then is compared again; where they cost less, or the option is off, every sync compares.
 Every sync equals ``full_tensor()`` in bf16 either way, and a sync whose buckets all go plain
-skips the counts' all-gather.
+skips the counts' all-gather; so does one whose buckets are all in a dense run, agreed.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def _driven(compare_s: float, move_s: float, probe_share: float) -> Iterator[Non
         delta_pace.PROBE_SHARE = share
 
 
-def _syncs(rank: int, world_size: int, compare_s: float, on: bool) -> Any:
-    """A full export, then 14 deltas after a small step each: per sync, what it did."""
+def _syncs(rank: int, world_size: int, compare_s: float, on: bool, dense: bool = False) -> Any:
+    """A full export, then 14 deltas after a step each (small, or moving every element where
+    ``dense``): per sync, what it did."""
     from shardkit.core.export import ModuleReceiver
     from shardkit.core.export.exporter import ExportOptions, WeightExporter
 
@@ -85,6 +86,10 @@ def _syncs(rank: int, world_size: int, compare_s: float, on: bool) -> Any:
         rows = []
         for sync in range(14):
             perturb(model, sync)
+            if dense:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.125)  # every bucket dense
             report = exporter.export(receiver, delta=True)
             oracle = full_state(model, torch.bfloat16)  # a collective: every rank
             held = target.state_dict()
@@ -129,8 +134,25 @@ def test_a_delta_that_pays_or_an_exporter_that_does_not_ask_compares_every_sync(
     rows = run_on_ranks(2, _syncs, compare_s=compare_s, on=on)
     for rank_rows in rows:
         assert all(row[4] for row in rank_rows)
-        # Each sync compares (a bucket found dense skips its comparisons on its own).
-        assert all(row[0] > 0 and row[1] == 0 for row in rank_rows)
+        assert all(row[0] > 0 for row in rank_rows)  # none went plain for being slow
+        if on:  # a bucket found dense goes plain on every rank alike: the others are compared
+            assert all(row[0] + row[1] == row[5] for row in rank_rows)
+        else:  # each rank runs its dense buckets on its own: none paced
+            assert all(row[1] == 0 for row in rank_rows)
+
+
+def test_a_dense_bucket_goes_plain_on_every_rank_alike_without_the_counts() -> None:
+    """Comparisons that pay (0.5 s against 1 s moves), but every bucket dense: the runs of a
+    dense bucket (1, 2, 4, 8 syncs: compared at 1, 3, 6, 11), agreed, so that the syncs between
+    skip the counts' all-gather as paced ones do."""
+    rows = run_on_ranks(2, _syncs, compare_s=0.5, on=True, dense=True)
+    for rank_rows in rows:
+        assert all(row[4] for row in rank_rows)
+        buckets = rank_rows[0][5]
+        assert [i + 1 for i, row in enumerate(rank_rows) if row[0]] == [1, 3, 6, 11]
+        assert all(row[2] == buckets for row in rank_rows)  # plain throughout
+        skipped = [row for row in rank_rows if not row[0]]
+        assert all(row[1] == buckets and row[3] == buckets + 2 for row in skipped)
 
 
 def test_the_run_follows_the_slowest_ranks_and_spreads_the_comparisons_cost() -> None:

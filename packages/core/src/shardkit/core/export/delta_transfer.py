@@ -153,7 +153,7 @@ def _count_bucket(transfer: BucketTransfer, bucket: ExportBucket, pace: BucketPa
         transfer.kept.parts[bucket.index] = kept
         transfer.packed[bucket.index] = (kept, [offset for _, _, offset in pieces])
     transfer.changes[bucket.index] = found
-    pace.compared = found is not None
+    pace.compared, pace.dense = found is not None, not skip and found is None
     return [length, 0] if found is None else [found.count, found.steps_bytes()]
 
 

@@ -99,9 +99,10 @@ class ExportOptions:
     """
     plain_when_faster: bool = False
     """Under ``delta``: a bucket whose delta was measured slower than moving it whole (on the
-    slowest rank) goes plain, uncompared, for a run of syncs, then is compared again
-    (``delta_pace.py``). On one host a compared delta is slower than a full export: with this,
-    a delta export costs about a full export's time there, and a full export's bytes."""
+    slowest rank), or found dense, goes plain, uncompared, on every rank for a run of syncs,
+    then is compared again (``delta_pace.py``). On one host a compared delta is slower than a
+    full export: with this, a delta export costs about a full export's time there, and a full
+    export's bytes."""
 
     def __post_init__(self) -> None:
         if self.to not in ("first", "all"):
