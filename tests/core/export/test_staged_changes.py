@@ -85,6 +85,27 @@ def test_a_staged_delta_holds_its_changes_and_commits_them_in_place() -> None:
     assert all(torch.equal(expected[n], t) for n, t in module.state_dict().items())
 
 
+def test_staged_changes_do_not_depend_on_the_buffer_they_came_in() -> None:
+    # A transport's bucket views its buffer only while it is handed over (the shared-memory
+    # transport reuses two segments in turn): changes kept by reference until the commit
+    # wrote what a later bucket left there (found by the slow shared-memory test: an
+    # embedding's elements wrong after a delta of five buckets).
+    module = _module()
+    receiver = ModuleReceiver(module)
+    receiver.version = 0
+    changes = {n: _changes(t, 64, i) for i, (n, t) in enumerate(module.state_dict().items())}
+    expected = _expected(module, changes)
+    receiver.begin(_manifest(module, 1))
+    receiver.receive(WeightBucket(0, changed=tuple(changes.items())))
+    for changed in changes.values():  # the buffer reused by the next bucket
+        changed.indices.fill_(0)
+        changed.values.fill_(7.0)
+        assert changed.steps is not None
+        changed.steps.fill_(1)
+    receiver.commit()
+    assert all(torch.equal(expected[n], t) for n, t in module.state_dict().items())
+
+
 def test_a_commit_whose_write_raises_partway_puts_every_tensor_back() -> None:
     module = _module()
     receiver = ModuleReceiver(module)

@@ -27,6 +27,7 @@ delta with that copy on the receiving rank instead of keeping a part there.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Protocol, TypeGuard
 
 import torch
@@ -171,7 +172,9 @@ class ModuleReceiver:
             changes.check_fits(name, target)  # refused now, not at the commit
             tied = [n for n in staged.names() if _shares(target, self._targets[n])]
             if not tied:
-                staged.changes[name] = changes  # a few bytes a change, not a copy
+                # A copy of the changes alone (a few bytes a change, not of the tensor): a
+                # transport's bucket views its reused buffer only while it is handed over.
+                staged.changes[name] = _kept(changes)
                 continue
             # A tied tensor staged under another name too: written in place, its steps would
             # be added twice, so every name of it takes a whole new copy, as before deltas
@@ -236,3 +239,14 @@ def _applied(target: torch.Tensor, changes: ChangedElements) -> torch.Tensor:
     new = target.clone()
     changes.apply_to(new)
     return new
+
+
+def _kept(changes: ChangedElements) -> ChangedElements:
+    """``changes`` with tensors of their own, to hold past the bucket's hand-over."""
+    return dataclasses.replace(
+        changes,
+        indices=changes.indices.clone(),
+        values=changes.values.clone(),
+        stepped=None if changes.stepped is None else changes.stepped.clone(),
+        steps=None if changes.steps is None else changes.steps.clone(),
+    )
