@@ -226,6 +226,7 @@ def test_the_217m_chosen_plan_fits_its_share_of_the_reserved_peak() -> None:
     # The GPU chunk's point itself (slow list: the search takes about 10 s of CPU): a plan
     # under 0.6 of the default's reserved peak exists, found without a GPU.
     from benchmarks.cuda_planner_run import predict
+
     from shardkit.tools.plan.timing.hardware import H200
 
     default, chosen = predict("217m", 8, 0.6, H200, False, "cuda")
