@@ -18,18 +18,9 @@ import time
 
 import torch
 
+from shardkit.core.export import delta_encoding as codec
 from shardkit.core.export.axis_gathers import AxisGather, TensorSource
 from shardkit.core.export.buckets import ExportBucket
-from shardkit.core.export.delta_encoding import (
-    DENSE,
-    Decoded,
-    Encoding,
-    as_decoded,
-    choose_encoding,
-    decode,
-    encode,
-    local_changes,
-)
 from shardkit.core.export.delta_find import HeldRows, refresh_part
 from shardkit.core.export.delta_pace import POSTED, BucketPace, carried, moved
 from shardkit.core.export.messages import ChangedElements, WeightBucket
@@ -72,7 +63,7 @@ def _move_changes(transfer: BucketTransfer, bucket: ExportBucket) -> WeightBucke
         transfer.watch.raise_if_failed()
     sharded = [s for s in bucket.sources if s.gathers]
     choice = _choose(transfer, bucket) if sharded else None
-    if choice is not None and choice[0] is Encoding.PLAIN:
+    if choice is not None and choice[0] is codec.Encoding.PLAIN:
         transfer.counts.plain_buckets += 1
         transfer.changes.pop(bucket.index, None)
         return transfer.move(bucket)
@@ -143,7 +134,7 @@ def _count_bucket(transfer: BucketTransfer, bucket: ExportBucket, pace: BucketPa
     # A bucket found dense, or slow, lately is cast into its part uncompared: a full export's
     # cost.
     skip = bool(left) or slow
-    found = refresh_part(pieces, base, dtype, limit=-1 if skip else length // DENSE)
+    found = refresh_part(pieces, base, dtype, limit=-1 if skip else length // codec.DENSE)
     transfer.counts.compared_buckets += not skip
     if not skip and found is None:  # compared and dense again: skip twice as many syncs
         run = min(max(1, 2 * run), DENSE_RUN)
@@ -195,14 +186,16 @@ def held_rows(
     return HeldRows(tuple(rows), layout // sharded[0].dtype.itemsize)
 
 
-def _choose(transfer: BucketTransfer, bucket: ExportBucket) -> tuple[Encoding, int, list[int]]:
+def _choose(
+    transfer: BucketTransfer, bucket: ExportBucket
+) -> tuple[codec.Encoding, int, list[int]]:
     """The bucket's encoding, its padded size and each member's count (every member agrees)."""
     sharded = [s for s in bucket.sources if s.gathers]
     # Every member's part has the same length: each tensor's padded rows per part.
     itemsize = sharded[0].dtype.itemsize
     length = sum(-(-s.gathers[0].padded_numel * itemsize // 8) * 8 for s in sharded) // itemsize
     if bucket.index in transfer.paced:  # agreed before the count (no counts where all are)
-        return Encoding.PLAIN, length * itemsize, []
+        return codec.Encoding.PLAIN, length * itemsize, []
     assert transfer.all_counts is not None and transfer.groups is not None
     entry = transfer.groups.axes[transfer.order[0]]
     assert entry is not None
@@ -211,8 +204,8 @@ def _choose(transfer: BucketTransfer, bucket: ExportBucket) -> tuple[Encoding, i
     counts = [int(row[POSTED * bucket.index]) for row in rows]
     steps = [int(row[POSTED * bucket.index + 1]) for row in rows]
     if max(counts) == 0:
-        return Encoding.INDICES, 0, counts
-    encoding, size = choose_encoding(counts, steps, length, itemsize)
+        return codec.Encoding.INDICES, 0, counts
+    encoding, size = codec.choose_encoding(counts, steps, length, itemsize)
     return encoding, size, counts
 
 
@@ -220,7 +213,7 @@ def plain_changes(transfer: BucketTransfer, source: TensorSource) -> ChangedElem
     """The changes of a tensor no gather moves (a buffer), on the receiving rank."""
     assert transfer.previous is not None
     now = source.local().to(source.dtype, copy=True).reshape(-1)
-    changes = local_changes(now, transfer.previous.plain[source.key].reshape(-1))
+    changes = codec.local_changes(now, transfer.previous.plain[source.key].reshape(-1))
     transfer.kept.plain[source.key] = now.view(source.shape)
     return ChangedElements(changes.positions, changes.values)
 
@@ -229,7 +222,7 @@ def gather_changes(
     transfer: BucketTransfer,
     bucket: ExportBucket,
     sharded: list[TensorSource],
-    choice: tuple[Encoding, int, list[int]] | None,
+    choice: tuple[codec.Encoding, int, list[int]] | None,
 ) -> dict[str, ChangedElements] | None:
     """Gather every rank's changes of ``bucket``'s sharded tensors; by key where received."""
     assert transfer.previous is not None and transfer.groups is not None
@@ -250,7 +243,7 @@ def gather_changes(
     if max(counts) == 0:
         empty = torch.empty(0, dtype=torch.int64, device=buffer.device)
         nothing = torch.empty(0, dtype=dtype, device=buffer.device)
-        decoded = [Decoded(empty, nothing, empty, empty.to(torch.int8))] * len(counts)
+        decoded = [codec.Decoded(empty, nothing, empty, empty.to(torch.int8))] * len(counts)
     else:
         what = (
             f"bucket {bucket.index} ({sharded[0].name}, ...): changes along mesh dim "
@@ -259,7 +252,7 @@ def gather_changes(
         # A gathering rank that only receives never reads its own row: it is not encoded.
         sends = transfer.to_all or me != 0
         message = (
-            encode(changes, encoding, size)
+            codec.encode(changes, encoding, size)
             if sends
             else torch.empty(size, dtype=torch.uint8, device=buffer.device)
         )
@@ -268,9 +261,9 @@ def gather_changes(
             return None
         # This rank's own row needs no decoding: its changes are at hand.
         decoded = [
-            as_decoded(changes, encoding)
+            codec.as_decoded(changes, encoding)
             if rank == me
-            else decode(message, count, changes.length, dtype, encoding)
+            else codec.decode(message, count, changes.length, dtype, encoding)
             for rank, (count, message) in enumerate(zip(counts, out.unbind(0), strict=True))
         ]
     if not receives:
@@ -280,7 +273,7 @@ def gather_changes(
 
 
 def split_changes(
-    sharded: list[TensorSource], starts: list[int], decoded: list[Decoded]
+    sharded: list[TensorSource], starts: list[int], decoded: list[codec.Decoded]
 ) -> dict[str, ChangedElements]:
     """Each tensor's changes in the full tensor, from every rank's decoded message.
 
@@ -335,7 +328,7 @@ def _place_runs(
 
 
 def _split_each(
-    sharded: list[TensorSource], starts: list[int], decoded: list[Decoded]
+    sharded: list[TensorSource], starts: list[int], decoded: list[codec.Decoded]
 ) -> dict[str, ChangedElements]:
     """:func:`split_changes` tensor by tensor, where some cut is not along dim 0."""
     edges = torch.tensor(
