@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
-from shardkit.core.export import ExportedTensor, ExportManifest
+from shardkit.core.export import ExportedTensor, ExportManifest, vllm_worker_load
 from shardkit.core.export import vllm_slices_worker as worker_side
 from shardkit.core.export.tp_export import SlicedBucket
 from shardkit.core.export.tp_slices import EngineTP, engine_window
@@ -110,7 +110,7 @@ def _stand_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         worker_side, "choose_path", lambda w, p: ("reload_weights", torch.bfloat16, "stand-in")
     )
-    monkeypatch.setattr(worker_side, "load_on_worker", load)
+    monkeypatch.setattr(vllm_worker_load, "load_on_worker", load)  # the commit's load
 
 
 def _manifest(dtype: torch.dtype = torch.bfloat16) -> ExportManifest:

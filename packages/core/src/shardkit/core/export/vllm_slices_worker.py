@@ -10,7 +10,7 @@ as it comes (copied out of the reused segment), and at the export's end loads th
 call through vLLM's own loaders, each window a
 :class:`~shardkit.core.export.windowed_weight.WindowedWeight`: the loaders narrow it to their
 rank's part, which is the window, and a narrow outside it raises (a wrong cut never loads).
-That load keeps the model as it was (``vllm_versions.commit_staged`` with ``hold``) until the
+That load keeps the model as it was (``vllm_worker_load.commit_on_worker`` with ``hold``) until the
 trainer's driver settles it on every worker (``shardkit_settle``): kept once every trainer
 rank agreed, undone if any failed, so the engine's K ranks serve one export, complete.
 
@@ -32,8 +32,8 @@ from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.shared_memory import serve_connection
 from shardkit.core.export.tp_slices import Window
 from shardkit.core.export.vllm_server_worker import accept_within
-from shardkit.core.export.vllm_versions import commit_staged, drop_staged, stage_on_worker
-from shardkit.core.export.vllm_worker_load import choose_path, load_on_worker, worker_model
+from shardkit.core.export.vllm_versions import drop_staged, stage_on_worker
+from shardkit.core.export.vllm_worker_load import choose_path, commit_on_worker
 from shardkit.core.export.windowed_weight import windowed
 
 __all__ = ["serve_slices_on_worker", "tp_place_of_worker", "window_table", "windows_of_table"]
@@ -124,16 +124,8 @@ class _SliceWorkerReceiver:
 
     def finish(self) -> None:
         """Every bucket staged: all loaded in one call, held until the driver settles it."""
-        worker, path = self.worker, self.path
         try:
-            commit_staged(
-                worker,
-                self.export_id,
-                worker_model(worker),
-                lambda tensors: load_on_worker(worker, path, tensors),
-                path,
-                hold=True,
-            )
+            commit_on_worker(self.worker, self.export_id, self.path, hold=True)
         except Exception as error:  # put back already; the driver reads why in the answer
             self.failure = f"{type(error).__name__}: {error}"
             raise

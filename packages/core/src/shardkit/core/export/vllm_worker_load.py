@@ -25,14 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from shardkit.core.export.vllm_versions import commit_staged
 
-__all__ = [
-    "LoadPath",
-    "choose_path",
-    "commit_on_worker",
-    "load_on_worker",
-    "probe_worker",
-    "worker_model",
-]
+__all__ = ["LoadPath", "choose_path", "commit_on_worker", "load_on_worker", "probe_worker"]
 
 LoadPath = Literal["auto", "load_weights", "reload_weights"]
 """How tensors enter the engine: ``"load_weights"`` (the model's loader, weights unprocessed),
@@ -53,14 +46,13 @@ def commit_on_worker(worker: Any, version: int, path: str, hold: bool = False) -
     See :func:`~shardkit.core.export.vllm_versions.commit_staged` (the model put back as it
     was if the load raises; with ``hold``, kept so until settled).
     """
-    model = worker_model(worker)
+    model = _model_of(worker)
     return commit_staged(
         worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path, hold
     )
 
 
-def worker_model(worker: Any) -> Any:
-    """The worker's model (its runner's, or the worker's own ``get_model()``)."""
+def _model_of(worker: Any) -> Any:
     runner = getattr(worker, "model_runner", None)
     if runner is not None and callable(getattr(runner, "get_model", None)):
         return runner.get_model()
@@ -98,7 +90,7 @@ def choose_path(worker: Any, path: LoadPath) -> tuple[str | None, torch.dtype, s
     """On the worker: the path its model and worker allow (None: none), its dtype, and why."""
     config = worker.model_runner.model_config
     dtype = config.dtype
-    model = worker_model(worker)
+    model = _model_of(worker)
     has_reload = callable(getattr(worker, "reload_weights", None))
     processed = _processed_parameters(model)
     quantized = getattr(config, "quantization", None) is not None
@@ -134,7 +126,7 @@ def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor
             try:
                 worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
             except Exception as error:
-                restored = _restore_unfinished_layers(worker_model(worker))
+                restored = _restore_unfinished_layers(_model_of(worker))
                 raise RuntimeError(
                     f"{type(error).__name__}: {error} (the layers not yet processed "
                     + (
@@ -144,7 +136,7 @@ def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor
                     )
                 ) from error
         return
-    model = worker_model(worker)
+    model = _model_of(worker)
     with torch.no_grad():
         model.load_weights(iter(tensors))
 
