@@ -8,6 +8,10 @@ Usage::
     python benchmarks/cuda_muon_run.py point CONFIG SIZE WORLD [--device cuda|cpu]
         [--steps 10] [--warmup 2] [--rounds 6]
 
+``--foreach`` (any mode) opens Muon's foreach elementwise path on the device (``muon.
+_FOREACH_DEVICES``, shut on CUDA until a parity run with it keeps every bit): the momentum,
+the blend, the cast, the decay and the add as five operators a step, not five a matrix.
+
 ``parity`` (one rank, NCCL on CUDA, deterministic algorithms): the GPT in fp32, trained
 ``steps`` steps by shardkit's Muon on ``fully_shard``'s blocks' matrices (AdamW on the rest)
 and by ``torch.optim.Muon`` on the same matrices of the unsharded model, same seed and data.
@@ -298,7 +302,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=0, help="default: parity 3, point 10")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--foreach", action="store_true",
+        help="open Muon's foreach elementwise path on --device (a probe: shut on CUDA)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.foreach:
+        from shardkit.core.optim import muon
+
+        muon._FOREACH_DEVICES = muon._FOREACH_DEVICES | {args.device}
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.mode == "parity":
@@ -319,6 +331,7 @@ def main(argv: list[str]) -> None:
             config, size, world, device=args.device, steps=args.steps or 10,
             warmup=args.warmup, rounds=args.rounds,
         )  # fmt: skip
+    record["foreach"] = args.foreach
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()
 

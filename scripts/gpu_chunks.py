@@ -408,7 +408,7 @@ def chunks(points: tuple[tuple[str, int], ...] = SCALE_POINTS) -> dict[str, Chun
     # Issue 74: the weight export on NCCL, into the GPU and through both transports (a guess).
     table["export"] = Chunk(export("cuda", "150m", syncs=10, rounds=5), 90)
     # Issue 83: Muon's bits at one GPU, batching's, its step over AdamW's against the floor.
-    table["muon"] = Chunk(muon("cuda", "217m", (("217m", 1), ("217m", 8))), 120)
-    table["muon-7.5b-w64"] = Chunk(muon("cuda", "217m", (("7.5b", 64),), checks=False), 60)
+    table["muon"] = Chunk(muon("cuda", "217m", (("217m", 1), ("217m", 8))), 170)
+    table["muon-7.5b-w64"] = Chunk(muon("cuda", "217m", (("7.5b", 64),), checks=False), 80)
     table["pytest-gpu"] = Chunk(pytest_gpu, 480, default=False)
     return {name: Chunk(_timed(name, c.run), c.seconds, c.default) for name, c in table.items()}

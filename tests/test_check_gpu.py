@@ -59,6 +59,8 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         ),
         "Muon on fully_shard vs torch.optim.Muon unsharded, fake-tiny fp32, W=1 (gloo, cpu),"
         " deterministic",
+        "Muon (foreach elementwise opened) on fully_shard vs torch.optim.Muon unsharded,"
+        " fake-tiny fp32, W=1 (gloo, cpu), deterministic",
         "Newton-Schulz batched vs one matrix at a time, fake-tiny's shapes (cpu)",
         "Muon step, fake-tiny W=1 (fp32, cpu): over AdamW vs the floor, peak",
         "Muon step, fake-tiny W=8 (bf16 + AC, fake group, cpu): over AdamW vs the floor, peak",
@@ -72,9 +74,18 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
     # Issue 83's chunk: Muon on the sharded model has the unsharded torch.optim.Muon's bits;
     # at W=8 this rank updates its share of the whole matrices, with two collectives.
     assert "bit-identical" in rows[12]["figures"], rows[12]
-    muon = {(r.get("config"), r.get("world")): r for r in results["records"]["muon"]}
-    parity = next(r for r in results["records"]["muon"] if r.get("case") == "muon-parity")
-    assert parity["identical"] and parity["matrices"] == 8, parity
+    # The CPU's foreach operators are the per-tensor ones in a loop: the probe keeps the bits.
+    assert "bit-identical" in rows[13]["figures"] and "may open" in rows[13]["figures"], rows[13]
+    muon = {
+        (r.get("config"), r.get("world")): r
+        for r in results["records"]["muon"]
+        if not r.get("foreach")
+    }
+    parities = [r for r in results["records"]["muon"] if r.get("case") == "muon-parity"]
+    assert [p["foreach"] for p in parities] == [False, True], parities
+    assert all(p["identical"] and p["matrices"] == 8 for p in parities), parities
+    opened = [r for r in results["records"]["muon"] if r.get("foreach") and "config" in r]
+    assert sorted(r["world"] for r in opened) == [1, 8], opened
     assert muon["muon", 1]["muon_stats"]["updates"] == 8, muon["muon", 1]
     assert muon["muon", 8]["muon_stats"] == {**muon["muon", 8]["muon_stats"], "updates": 1,
                                              "collectives": 2}, muon["muon", 8]  # fmt: skip

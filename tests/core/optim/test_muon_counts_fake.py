@@ -27,7 +27,7 @@ from collections import Counter
 import pytest
 import torch
 
-from shardkit.core.optim import WholeMatrixOptimizer
+from shardkit.core.optim import WholeMatrixOptimizer, muon
 from shardkit.tools.records import Phase
 from shardkit.tools.track.comm import CommTracker
 from shardkit.tools.track.ops import OpCounter
@@ -123,12 +123,9 @@ def test_a_step_moves_adamws_bytes_plus_the_exchange(model: str, world: int) -> 
     )
 
 
-@pytest.mark.parametrize("world", [8, 64])
-def test_the_moves_launch_a_few_operators_whatever_the_blocks(world: int) -> None:
-    # Each block copied alone into its part and out of it, and each piece of an owned matrix
-    # copied into place, was 4 dispatches a piece (at W=64 on 128 matrices about 380 copies
-    # and 2,300 dispatches a step, the host's time on a GPU). Packed by one cat a part-set and
-    # joined by one cat a matrix, the moves are counted in operators, not pieces.
+def _counted_step(world: int) -> tuple[OpCounter, int, int]:
+    """Rank 0's second Muon step on the 8M GPT's blocks (32 matrices) at W: its operators,
+    the matrices it owns, the matrices in all."""
     with fake_rank(world, 0):
         gpt = sharded_gpt("d256x8", world)
         for p in gpt.parameters():
@@ -138,9 +135,46 @@ def test_the_moves_launch_a_few_operators_whatever_the_blocks(world: int) -> Non
         with OpCounter() as ops:
             whole.step()
         assert isinstance(whole, WholeMatrixOptimizer) and whole.last_step_stats is not None
-        owned = whole.last_step_stats.updates
+        matrices = sum(len(g["params"]) for g in whole.param_groups)
+        return ops, whole.last_step_stats.updates, matrices
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_the_moves_launch_a_few_operators_whatever_the_blocks(world: int) -> None:
+    # Each block copied alone into its part and out of it, and each piece of an owned matrix
+    # copied into place, was 4 dispatches a piece (at W=64 on 128 matrices about 380 copies
+    # and 2,300 dispatches a step, the host's time on a GPU). Packed by one cat a part-set and
+    # joined by one cat a matrix, the moves are counted in operators, not pieces.
+    ops, owned, matrices = _counted_step(world)
     moved = sum(ops.by_op[name] for name in ("aten.copy_", "aten.cat", "aten.clone"))
     print(f"d256x8 W={world}, rank 0: {ops.launches} launches, {moved} of them moves, "
           f"{owned} matrices owned, {ops.total} dispatches")  # fmt: skip
     assert moved <= 2 + owned, ops.top(12)  # the two packs; each owned matrix's rows joined
-    assert ops.total < 3 * ops.launches, ops.top(12)  # views: about one a piece, not four
+    # Pieces: this rank's block of each matrix out, its update's block back, and every block
+    # of each matrix it owns in. Views and slices: about two a piece, not three or four.
+    pieces = 2 * matrices + owned * world
+    assert ops.by_op["aten.view"] + ops.by_op["aten.slice"] <= 2.5 * pieces, ops.top(12)
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_the_elementwise_parts_launch_a_few_operators_whatever_the_matrices(
+    world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's Muon runs five elementwise operators a matrix (the momentum, the nesterov blend,
+    # the bf16 cast, the weight decay, the add): 160 launches a step on these 32 matrices at
+    # any W, nine in ten of the step's (172 at W=8). As foreach operators they are five a
+    # step, and one add more for each other adjusted learning rate (it depends on the shape:
+    # three here). The path opens per device (``muon._FOREACH_DEVICES``, shut by default):
+    # opened on the CPU here, as on a GPU whose check says its foreach kernels keep the bits.
+    monkeypatch.setattr(muon, "_FOREACH_DEVICES", frozenset({"cpu"}))
+    ops, owned, matrices = _counted_step(world)
+    foreach = sum(n for name, n in ops.by_op.items() if name.startswith("aten._foreach"))
+    per_tensor = sum(
+        ops.by_op[name] for name in ("aten.lerp_", "aten.lerp", "aten.mul_", "aten.add_")
+    )
+    print(f"d256x8 W={world}, rank 0: {ops.launches} launches for {matrices} matrices, "
+          f"{foreach} foreach, {per_tensor} per-tensor elementwise")  # fmt: skip
+    assert per_tensor == 0, ops.top(12)
+    assert foreach <= 4 + 3, ops.top(12)
+    # The rest: the moves (above), the two collectives and a few buffers' zeros.
+    assert ops.launches <= 2 + owned + foreach + 8, ops.top(12)

@@ -31,6 +31,17 @@ __all__ = ["MUON_RULE", "Muon"]
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
+# Devices where Muon's elementwise parts run as foreach operators: a few a step (on a GPU, a
+# launch each) instead of five a matrix, each tensor with the per-tensor operators' bits. None
+# by default. The CPU's foreach operators are its per-tensor kernels in a loop: the same bits
+# (tests/core/optim/test_muon_foreach.py), no launches to save, and slower (host-32's blocks at
+# W=8 on the fake group, Muon's step alone: 69.2 against 65.8 ms median of 40, each part now
+# streaming every matrix where one at a time kept a matrix's rows in cache for all three).
+# CUDA's fast foreach kernels are kernels of their own: shut until a check on the device
+# (``benchmarks/cuda_muon_run.py parity --foreach``, in ``make check-gpu``'s muon chunk) says
+# they keep the bits.
+_FOREACH_DEVICES: frozenset[str] = frozenset()
+
 
 def _prepare(
     param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], options: Options
@@ -62,6 +73,13 @@ def _apply(
         lr = lr.squeeze()  # torch's Muon takes a 1-element tensor as a 0-dim one
     param.mul_(1 - lr * options["weight_decay"])
     step = adjusted_lr(lr, options["adjust_lr_fn"], shape)
+    # A tensor lr makes a 0-dim tensor alpha, which add_ takes (torch's Muon passes it too),
+    # though torch's stubs say a number.
+    param.add_(_laid_out(param, update, shape), alpha=-step)  # type: ignore[arg-type]
+
+
+def _laid_out(param: torch.Tensor, update: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``update`` in the layout whose ``add_`` kernel torch's Muon meets, for its bits."""
     if update.dtype == param.dtype and shape[0] > shape[1] and update.stride(-1) == 1:
         # torch's Muon adds a tall matrix's update as the transpose Newton-Schulz returns. A
         # CPU add_ of two bf16 tensors takes the vectorized kernel (one fused rounding) only
@@ -69,16 +87,68 @@ def _apply(
         # that came back contiguous from the owner are given the transposed layout, so that
         # bf16 parameters take torch's kernel and its bits. (An fp32 parameter casts the bf16
         # update in the scalar kernel whatever the layout.)
-        update = update.mT.contiguous().mT
-    elif update.dtype == param.dtype and shape[0] <= shape[1] and not update.is_contiguous():
+        return update.mT.contiguous().mT
+    if update.dtype == param.dtype and shape[0] <= shape[1] and not update.is_contiguous():
         # The other way round: torch adds a wide or square matrix's update contiguous, in the
         # vectorized kernel. The owner's own block of a matrix cut by columns (TP's
         # RowwiseParallel) is a slice of the whole update, its rows shorter than a vector:
         # the scalar kernel, one bf16 rounding more, unless copied contiguous.
-        update = update.contiguous()
-    # A tensor lr makes a 0-dim tensor alpha, which add_ takes (torch's Muon passes it too),
-    # though torch's stubs say a number.
-    param.add_(update, alpha=-step)  # type: ignore[arg-type]
+        return update.contiguous()
+    return update
+
+
+def _foreach_on(tensors: list[torch.Tensor]) -> bool:
+    """Whether the foreach path is open where these tensors live (``_FOREACH_DEVICES``)."""
+    return bool(tensors) and all(t.device.type in _FOREACH_DEVICES for t in tensors)
+
+
+def _prepare_all(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    options: Options,
+) -> list[torch.Tensor]:
+    if not _foreach_on(grads):
+        return [_prepare(p, g, s, options) for p, g, s in zip(params, grads, states, strict=True)]
+    momentum = options["momentum"]
+    bufs = [state["momentum_buffer"] for state in states]
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    updates = list(torch._foreach_lerp(grads, bufs, momentum)) if options["nesterov"] else bufs
+    # ``.bfloat16()`` of each, as ``_prepare``: a bf16 one as it is, the others copied (and
+    # rounded) in one foreach copy.
+    narrow = [u if u.dtype == torch.bfloat16 else torch.empty_like(u, dtype=torch.bfloat16)
+              for u in updates]  # fmt: skip
+    cast = [i for i, u in enumerate(updates) if u is not narrow[i]]
+    if cast:
+        torch._foreach_copy_([narrow[i] for i in cast], [updates[i] for i in cast])
+    return narrow
+
+
+def _apply_all(
+    params: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    options: Options,
+    shapes: list[tuple[int, int]],
+) -> None:
+    lr = options["lr"]
+    if isinstance(lr, torch.Tensor) or not _foreach_on(params):
+        for param, update, shape in zip(params, updates, shapes, strict=True):
+            _apply(param, update, options, shape)
+        return
+    # The decay as a 0-dim tensor: the CPU's foreach mul by a number rounds a bf16 or fp16
+    # tensor's product otherwise than ``mul_`` by the same number (found by the bf16 tests);
+    # by a 0-dim float64 tensor it is ``mul_``'s, bit for bit.
+    decay = torch.tensor(1 - lr * options["weight_decay"], dtype=torch.float64)
+    torch._foreach_mul_(params, decay)
+    # One add a learning rate: the adjusted one depends on the matrix's shape.
+    by_step: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for param, update, shape in zip(params, updates, shapes, strict=True):
+        step = float(adjusted_lr(lr, options["adjust_lr_fn"], shape))
+        targets, sources = by_step.setdefault(step, ([], []))
+        targets.append(param)
+        sources.append(_laid_out(param, update, shape))
+    for step, (targets, sources) in by_step.items():
+        torch._foreach_add_(targets, sources, alpha=-step)
 
 
 def _bf16(dtype: torch.dtype) -> torch.dtype:
@@ -94,6 +164,8 @@ MUON_RULE = WholeMatrixRule(
     update_batch=_update_batch,
     update_dtype=_bf16,
     apply=_apply,
+    prepare_all=_prepare_all,
+    apply_all=_apply_all,
 )
 """Muon as a whole-matrix rule: nesterov momentum on rows, Newton-Schulz whole, lr on rows."""
 

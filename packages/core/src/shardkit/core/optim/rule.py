@@ -10,6 +10,10 @@ A rule says only the arithmetic, in three parts:
 - ``update`` runs once in the whole job, on the matrix's owner, on the whole matrix;
 - ``apply``, elementwise again, runs on each rank's rows with the update's rows.
 
+A rule may also give ``prepare`` and ``apply`` over a list of tensors at once (``prepare_all``,
+``apply_all``, as it may give ``update_batch``): the same bits, in a few foreach operators a
+step where one at a time is a few a matrix, each a launch on a GPU.
+
 Everything else is :class:`~shardkit.core.optim.whole_matrix.WholeMatrixOptimizer`'s: which
 rank owns which matrix (balanced by ``cost``), batching matrices of one shape on an owner, and
 the two exchanges that carry rows to owners and updates back. Elementwise arithmetic on rows
@@ -27,10 +31,19 @@ import torch
 
 from shardkit.core.optim.newton_schulz import newton_schulz_cost
 
-__all__ = ["Options", "WholeMatrixRule", "momentum_state"]
+__all__ = ["ApplyAll", "Options", "PrepareAll", "WholeMatrixRule", "momentum_state"]
 
 Options = Mapping[str, Any]
 """A parameter group's hyperparameters (the optimizer's ``param_groups[i]``)."""
+
+
+PrepareAll = Callable[
+    [list[torch.Tensor], list[torch.Tensor], list[dict[str, torch.Tensor]], Options],
+    list[torch.Tensor],
+]
+"""(parameters' rows, gradients' rows, states' rows, options) -> ``prepare``'s result of each."""
+ApplyAll = Callable[[list[torch.Tensor], list[torch.Tensor], Options, list[tuple[int, int]]], None]
+"""(parameters' rows, updates' rows, options, each whole matrix's shape): ``apply`` of each."""
 
 
 def momentum_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -64,6 +77,12 @@ class WholeMatrixRule:
     receive from it, before the owner has computed anything."""
     apply: Callable[[torch.Tensor, torch.Tensor, Options, tuple[int, int]], None]
     """(parameter rows, update rows, options, the whole matrix's shape): the step, in place."""
+    prepare_all: PrepareAll | None = None
+    """``prepare`` over one group's parameters at once, each with ``prepare``'s bits (foreach
+    operators: a few launches a step, not a few a matrix); None: ``prepare`` one at a time."""
+    apply_all: ApplyAll | None = None
+    """``apply`` over matrices of one group at once, each with ``apply``'s bits; None: one at a
+    time."""
     cost: Callable[[tuple[int, int]], int] = newton_schulz_cost
     """The work of one ``update`` on a matrix of this shape, in any unit: owners are balanced
     by it (Newton-Schulz's m * n * min(m, n) by default)."""

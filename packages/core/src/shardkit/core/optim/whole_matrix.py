@@ -38,30 +38,14 @@ from shardkit.core.optim.exchange import Packing, packing, start_gather, start_s
 from shardkit.core.optim.matrices import MatrixPlacement, placement_of
 from shardkit.core.optim.owners import assign_owners, rounds
 from shardkit.core.optim.replica_check import check_replicas
-from shardkit.core.optim.routes import Traffic, routes
+from shardkit.core.optim.routes import routes
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.state_checks import check_loadable
+from shardkit.core.optim.step_stats import StepStats, Tally
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.runtime.groups import mesh_group
 
 __all__ = ["StepStats", "WholeMatrixOptimizer"]
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What this rank's last step did: its share of the updates, its collectives, its bytes."""
-
-    updates: int
-    """Whole-matrix updates this rank ran (the matrices it owns, and those it holds whole)."""
-    cost: int
-    """Their summed cost (``WholeMatrixRule.cost``: Newton-Schulz's m * n * min(m, n))."""
-    collectives: int
-    """Collectives issued: two per process group with sharded matrices (rows out, rows back),
-    and round (``WholeMatrixOptimizer.exchange_rounds``) that holds any of them."""
-    bytes_sent: int
-    """Bytes sent to other ranks in them."""
-    bytes_received: int
-    """Bytes received from other ranks in them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,29 +65,6 @@ class _Plan:
     """Each round's exchanges: blocks to owners, update blocks back (their layouts)."""
     back: list[torch.dtype]
     """Each update's dtype (``update_dtype``)."""
-
-
-@dataclass(slots=True)
-class _Tally:
-    """What a step has done so far on this rank (StepStats once it ends)."""
-
-    updates: int = 0
-    cost: int = 0
-    collectives: int = 0
-    sent: int = 0
-    received: int = 0
-
-    def updated(self, rule: WholeMatrixRule, shape: tuple[int, int]) -> None:
-        self.updates += 1
-        self.cost += rule.cost(shape)
-
-    def exchanged(self, traffic: Traffic) -> None:
-        self.collectives += 1
-        self.sent += traffic.sent
-        self.received += traffic.received
-
-    def stats(self) -> StepStats:
-        return StepStats(self.updates, self.cost, self.collectives, self.sent, self.received)
 
 
 class WholeMatrixOptimizer(torch.optim.Optimizer):
@@ -207,10 +168,12 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_replicas()
         matrices, blocks = self._prepared()
-        tally = _Tally()
+        tally = Tally()
         for m, block in zip(matrices, blocks, strict=True):
             if m.placement.group is None:  # whole here: no owner but this rank
-                self._apply(m, self.rule.update(block, m.options))
+                # Applied at once, one at a time: holding every whole update for one
+                # ``apply_all`` would add them all to the step's peak.
+                self._apply([(m, self.rule.update(block, m.options))])
                 tally.updated(self.rule, m.placement.shape)
         for indices in _by_group(matrices).values():
             self._step_sharded([matrices[i] for i in indices], [blocks[i] for i in indices], tally)
@@ -236,24 +199,15 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
     def _prepared(self) -> tuple[list[_Matrix], list[torch.Tensor]]:
         """The matrices with gradients, in group order, and this rank's block of each.
 
-        The rule's ``prepare`` runs once per parameter: a stack's experts share its state.
+        The rule's ``prepare`` runs once per parameter (a stack's experts share its state),
+        over a group's parameters at once where the rule has ``prepare_all``.
         """
         matrices: list[_Matrix] = []
         blocks: list[torch.Tensor] = []
         for index, group in enumerate(self.param_groups):
-            for name, param in _named(group, index):
-                grad = param.grad
-                if grad is None:
-                    continue
-                if torch.is_complex(param):
-                    raise RuntimeError(
-                        f"{name}: {self.rule.name} does not support complex parameters"
-                    )
-                if grad.is_sparse:
-                    raise RuntimeError(
-                        f"{name}: {self.rule.name} does not support sparse gradients"
-                    )
-                rows = self._prepare(param, grad, group)
+            stepped = [(name, p) for name, p in _named(group, index) if p.grad is not None]
+            prepared = self._prepare(stepped, group)
+            for (name, param), rows in zip(stepped, prepared, strict=True):
                 for placement in self._placement(param, name):
                     matrices.append(_Matrix(param, group, placement))
                     blocks.append(_block(rows, placement))
@@ -267,21 +221,59 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             known = self._placements[id(param)] = (param, placement)
         return known[1]
 
-    def _prepare(self, param: torch.Tensor, grad: torch.Tensor, options: Options) -> torch.Tensor:
-        """The rule's ``prepare`` on this rank's shard; the state made on first use."""
-        state = self.state[param]
-        if not state:
-            state.update(self.rule.init_state(grad))
-        local = {k: _local(v) for k, v in state.items()}
-        return self.rule.prepare(_local(param), _local(grad), local, options)
+    def _prepare(
+        self, named: list[tuple[str, torch.Tensor]], options: Options
+    ) -> list[torch.Tensor]:
+        """The rule's ``prepare`` of one group's parameters on this rank's shards.
 
-    def _apply(self, m: _Matrix, update: torch.Tensor) -> None:
-        param = _block(_local(m.param), m.placement)
-        if param.numel():  # a rank that holds none of the matrix has nothing to apply
-            self.rule.apply(param, update, m.options, m.placement.shape)
+        Their state is made on first use.
+        """
+        grads: list[torch.Tensor] = []
+        states: list[dict[str, torch.Tensor]] = []
+        for name, param in named:
+            grad = param.grad
+            assert grad is not None
+            if torch.is_complex(param):
+                raise RuntimeError(f"{name}: {self.rule.name} does not support complex parameters")
+            if grad.is_sparse:
+                raise RuntimeError(f"{name}: {self.rule.name} does not support sparse gradients")
+            state = self.state[param]
+            if not state:
+                state.update(self.rule.init_state(grad))
+            grads.append(_local(grad))
+            states.append({k: _local(v) for k, v in state.items()})
+        locals_ = [_local(p) for _, p in named]
+        if self.rule.prepare_all is not None:
+            return self.rule.prepare_all(locals_, grads, states, options)
+        return [
+            self.rule.prepare(p, g, s, options)
+            for p, g, s in zip(locals_, grads, states, strict=True)
+        ]
+
+    def _apply(self, updates: Iterable[tuple[_Matrix, torch.Tensor]]) -> None:
+        """The rule's ``apply`` of each update to this rank's block.
+
+        A group's at once where the rule has ``apply_all``.
+        """
+        by_group: dict[int, tuple[Options, list[Any], list[Any], list[Any]]] = {}
+        for m, update in updates:
+            param = _block(_local(m.param), m.placement)
+            if param.numel():  # a rank that holds none of the matrix has nothing to apply
+                _, params, rows, shapes = by_group.setdefault(
+                    id(m.options), (m.options, [], [], [])
+                )
+                params.append(param)
+                rows.append(update)
+                shapes.append(m.placement.shape)
+        for options, params, rows, shapes in by_group.values():
+            if self.rule.apply_all is not None:
+                self.rule.apply_all(params, rows, options, shapes)
+                continue
+            for param, update, shape in zip(params, rows, shapes, strict=True):
+                self.rule.apply(param, update, options, shape)
 
     def _step_sharded(
-        self, matrices: list[_Matrix], blocks: list[torch.Tensor], tally: _Tally
+        self, matrices: list[_Matrix], blocks: list[torch.Tensor], tally: Tally
     ) -> None:
         """Steps 2 to 5 for one process group's sharded matrices."""
         group = matrices[0].placement.group
@@ -301,8 +293,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             returns.append(start_scatter(placements, home, results, group, device))
             tally.exchanged(home.traffic)
         for arrival in returns:
-            for i, update in arrival.wait().items():
-                self._apply(matrices[i], update)
+            self._apply((matrices[i], update) for i, update in arrival.wait().items())
 
     def _plan_of(
         self, placements: list[MatrixPlacement], dtypes: list[torch.dtype], group: dist.ProcessGroup
