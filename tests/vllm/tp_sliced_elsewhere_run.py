@@ -12,6 +12,10 @@ engine's greedy tokens, top-5 log-probabilities and every parameter of each engi
 back on its worker as digests) must equal a fresh TP=2 engine's started from T1. Then moved
 weights whose export rank 1 refuses after every worker loaded them: the engine must serve T1
 again, complete (every worker's load undone). Rank 0 writes ``result.json`` into ``--out``.
+
+With ``--one-engine`` (torchrun at W=4: more trainer ranks than engine ranks), the exporter is
+``SlicedExporter(one_engine=True)``: trainer ranks 0 and 1 take engine ranks 0 and 1's windows,
+ranks 2 and 3 only send; the same three syncs, against the same fresh engine.
 """
 
 from __future__ import annotations
@@ -122,9 +126,53 @@ def run(out: Path, rank: int) -> dict[str, Any]:
         with contextlib.suppress(Exception):  # its worker is dead: the engine may be too
             llm.llm_engine.engine_core.shutdown()
         del llm
-        fresh = engine(out / "trained")
-        found["fresh"] = observe(fresh)
-        fresh.llm_engine.engine_core.shutdown()
+        found["fresh"] = observe_fresh(out)
+    return found
+
+
+def observe_fresh(out: Path) -> dict[str, Any]:
+    """What a fresh TP=2 engine started from the trainer's weights serves (the oracle)."""
+    fresh = engine(out / "trained")
+    found = observe(fresh)
+    fresh.llm_engine.engine_core.shutdown()
+    return found
+
+
+def run_one_engine(out: Path, rank: int) -> dict[str, Any]:
+    """W=4 into the TP=2 engine: the first two ranks receive, the others only send."""
+    tp, model, first = sharded_trainer(out, rank)
+    key = shared_key()
+    llm = engine(out / "initial") if rank == 0 else None
+    dist.barrier()
+    found: dict[str, Any] = {"rank": rank, "served": []}
+    if llm is not None:
+        found["before"] = observe(llm)
+    exporter = SlicedExporter(
+        model, tp, dtype=DTYPE, bucket_bytes=2**20, bound_s=BOUND_S, one_engine=True
+    )
+    receiver = remote_slice_receiver(exporter, authkey=key, llm=llm)
+    found["receives"] = receiver is not None
+    kept = [p.detach().clone() for p in model.parameters()]
+    reports = []
+    for sync, shift in (("first", None), ("moved", 0.01), ("again", None)):
+        with torch.no_grad():
+            for param, was in zip(model.parameters(), kept, strict=True):
+                param.copy_(was if shift is None else was + shift)
+        reports.append(exporter.export(receiver))
+        if llm is not None:
+            assert receiver is not None
+            found["served"].append(receiver.served)
+            found[sync] = observe(llm)
+    found["reports"] = [
+        {"window_bytes": r.window_bytes, "received_bytes": r.received_bytes,
+         "copied_bytes": r.copied_bytes, "sent_bytes": r.sent_bytes}
+        for r in reports
+    ]  # fmt: skip
+    found["model_bytes"] = sum(t.numel() * t.element_size() for t in first.values())
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        found["fresh"] = observe_fresh(out)
     return found
 
 
@@ -211,9 +259,11 @@ def main() -> int:
     engine_environment()
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--one-engine", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    write_results(args.out, run(args.out, dist.get_rank()))
+    scenario = run_one_engine if args.one_engine else run
+    write_results(args.out, scenario(args.out, dist.get_rank()))
     return 0
 
 
