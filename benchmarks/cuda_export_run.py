@@ -21,10 +21,13 @@ its exporter (full first, then deltas):
   beside a GPU trainer, or verl's mode without IPC). Their receivers check every payload
   before they write.
 
-Then ``--rounds`` full exports into the colocated receiver are timed beside trl's pattern
-(``export_run.trl_sync``: one ``full_tensor()`` per parameter, cast and handed over alone),
-alternating which goes first, the device synchronised around each; and the peak allocated
-memory each adds, beside a training step's. Rank 0 prints one JSON line per engine.
+Then ``--rounds`` rounds into the colocated receiver, the device synchronised around each
+timing: a training step at lr 1e-6, a delta export timed (issue 86: at most 0.3x a full
+export's time where at most 5% of the elements change; on one GPU the receiver's part is in
+it), then a full export timed beside trl's pattern (``export_run.trl_sync``: one
+``full_tensor()`` per parameter, cast and handed over alone), alternating which goes first;
+and the peak allocated memory each adds, beside a training step's. The receiver is checked
+bit for bit once more after the last round. Rank 0 prints one JSON line per engine.
 """
 
 from __future__ import annotations
@@ -145,10 +148,22 @@ def run_engine(impl: str, args: argparse.Namespace) -> dict[str, Any]:
     trl_receiver = (
         ModuleReceiver(build(args.size, torch.bfloat16).to(device)) if rank == 0 else None
     )
-    times: dict[str, list[float]] = {"ours": [], "trl": []}
-    peaks: dict[str, float] = {"ours": 0.0, "trl": 0.0}
+    times: dict[str, list[float]] = {"ours": [], "trl": [], "delta": []}
+    peaks: dict[str, float] = {"ours": 0.0, "trl": 0.0, "delta": 0.0}
     ours = exporters["colocated"]
+    delta_bytes: list[int] = []
     for r in range(args.rounds):
+        # A delta after one step at lr 1e-6 (issue 86's case), relative to the last round's
+        # full export, then the full export and trl's pattern on the same weights.
+        step(args.syncs + r)
+        dist.barrier()
+        seconds, peak = _peak_added(
+            device, lambda: delta_bytes.append(
+                ours.export(receivers.get("colocated"), delta=True).counts.handed_bytes
+            ),
+        )  # fmt: skip
+        times["delta"].append(seconds)
+        peaks["delta"] = max(peaks["delta"], peak)
         for kind in ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
             dist.barrier()
             work: Callable[[], object] = (
@@ -159,6 +174,7 @@ def run_engine(impl: str, args: argparse.Namespace) -> dict[str, Any]:
             seconds, peak = _peak_added(device, work)
             times[kind].append(seconds)
             peaks[kind] = max(peaks[kind], peak)
+    wrong += [f"after the timed rounds: {name}" for name in _mismatches(model, replica)[:3]]
     for close in closers:
         close()
     ours_s, trl_s = statistics.median(times["ours"]), statistics.median(times["trl"])
@@ -183,6 +199,10 @@ def run_engine(impl: str, args: argparse.Namespace) -> dict[str, Any]:
         "trl_s": trl_s,
         "export_vs_trl": ours_s / trl_s,
         "export_peak_mib": peaks["ours"],
+        "delta_s": statistics.median(times["delta"]),
+        "delta_vs_full": statistics.median(times["delta"]) / ours_s,
+        "delta_share": statistics.median(delta_bytes) / full if full else None,
+        "delta_peak_mib": peaks["delta"],
         "trl_peak_mib": peaks["trl"],
         "step_s": step_s,
         "step_peak_mib": step_peak,

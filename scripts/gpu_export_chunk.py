@@ -8,7 +8,9 @@ sync, full and delta exports), and bf16 copies in other processes behind the sha
 and the process-group transports (device to host). Then full exports are timed beside trl's
 per-parameter pattern, with the peak allocated memory each adds beside a training step's.
 The peak is judged: at most two buckets beyond the copy rank 0's all-or-nothing receiver
-stages until the commit (issue 86; the whole model for a full export), and at most trl's.
+stages until the commit (issue 86; the whole model for a full export), and at most trl's. A
+delta export after a step at lr 1e-6 is timed against the full one and reported (issue 86's
+0.3x where at most 5% changes; on the CPU the comparison alone outweighs a full export).
 
 On one GPU the mesh has one rank: the export's collectives run (NCCL, a group of one) but
 move nothing between GPUs, so the time says what the export costs around its gathers, not
@@ -84,6 +86,12 @@ def export_rows(
             f"{staged:.0f} and two buckets), a step's {r['step_peak_mib']:.0f} {unit} "
             f"({r['step_s'] * 1e3:.0f} ms)"
         )
+        if r.get("delta_s") is not None:  # reported: issue 86's delta target is 0.3x, <= 5%
+            figures += (
+                f"; a delta after a step at lr 1e-6 {r['delta_s'] * 1e3:.1f} ms, "
+                f"{r['delta_vs_full']:.2f}x the full export's ({r['delta_share'] or 0:.1%} of its "
+                f"bytes), peak added {r['delta_peak_mib']:.0f} {unit}"
+            )
         # Judged: issue 74's memory bound with issue 86's staging, and at most trl's pattern's
         # peak (issue 86). Time is reported, not judged: issue 74's 0.3x is for gathers between
         # ranks, and on one GPU there are none (the ratio is the costs around them).
