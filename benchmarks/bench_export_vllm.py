@@ -3,18 +3,20 @@
 One command, under the vLLM environment (``make check-vllm`` sets it up)::
 
     .venv-vllm/bin/python benchmarks/bench_export_vllm.py [SIZES] [ROUNDS] [BUCKETS_MIB]
+        [MODES] [PLACEMENTS] [RATES]
 
 ``SIZES``: ``5m``, ``150m`` or ``5m,150m`` (the default); ``ROUNDS``: syncs measured per
 mode (default 3, after a warm-up sync); ``BUCKETS_MIB``: the exports' ``bucket_bytes`` to
 run, in MiB (default ``512,64``: the default and a small one; trl's pattern has no buckets
 and runs once). Every combination of placement (``colocated``: an engine in each trainer
 process; ``process``: rank 0's engine core in a process of its own), mode (``trl``, ``full``,
-``delta``), bucket size and learning rate (1e-6, 1e-5) runs in fresh processes
-(``benchmarks/export_vllm_run.py``), so each mode's peak RSS is its own. Prints one table row
-per combination (medians over the rounds; peak RSS per trainer rank) and writes every round to
-``benchmarks/.results/export_vllm.json``. Here, at load 5-45 on 2 cores, 5M took 36 minutes
-(most of it starting engines); 150M should take about an hour and a half. A script, not a
-pytest benchmark: the default environment has no vLLM.
+``delta``, ``streamed``: full exports with no mirror and no versions), bucket size and
+learning rate (1e-6, 1e-5) runs in fresh processes (``benchmarks/export_vllm_run.py``; comma
+lists in the last three arguments run part of the grid), so each mode's peak RSS is its own.
+Prints one table row per combination (medians over the rounds; peak RSS per trainer rank) and
+writes every round to ``benchmarks/.results/export_vllm.json``. Here, at load 5-45 on 2 cores,
+5M took 36 minutes (most of it starting engines); 150M should take about an hour and a half.
+A script, not a pytest benchmark: the default environment has no vLLM.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENTS = ("colocated", "process")
-MODES = ("trl", "full", "delta")
+MODES = ("trl", "full", "delta", "streamed")
 RATES = ("1e-6", "1e-5")
 
 
@@ -70,6 +72,10 @@ def main(argv: list[str]) -> None:
     sizes = (argv[0] if argv else "5m,150m").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 3
     buckets = [int(b) for b in (argv[2] if len(argv) > 2 else "512,64").split(",")]
+    # Part of the grid: comma lists of modes, placements, rates (default: all).
+    modes = argv[3].split(",") if len(argv) > 3 else list(MODES)
+    placements = argv[4].split(",") if len(argv) > 4 else list(PLACEMENTS)
+    rates = argv[5].split(",") if len(argv) > 5 else list(RATES)
     print(os.getloadavg(), flush=True)
     head = (
         "| model | engine | lr | mode | bucket_bytes | sync | trainer side | engine load | "
@@ -80,9 +86,9 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for size in sizes:
             folder = Path(scratch) / size  # the engines' initial weights, written once
-            for placement in PLACEMENTS:
-                for lr in RATES:
-                    for mode in MODES:
+            for placement in placements:
+                for lr in rates:
+                    for mode in modes:
                         # trl's pattern has no buckets: once per placement and rate
                         for bucket in buckets[:1] if mode == "trl" else buckets:
                             result = run_mode(size, placement, mode, lr, rounds, folder, bucket)

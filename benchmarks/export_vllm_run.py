@@ -20,7 +20,9 @@ process, one ``reload_weights`` over a generator of them, as trl's per-parameter
 ``load_weights`` would be on a GPU build (vLLM's CPU build repacks layers after loading and
 takes whole layers only); in another process, one RPC per parameter staged on the worker and
 one commit, as trl's server mode sends one parameter per call), ``full`` or ``delta``
-(``WeightExporter`` into ``vllm_receiver``, bf16; a delta's first sync is full).
+(``WeightExporter`` into ``vllm_receiver``, bf16; a delta's first sync is full), or
+``streamed``: full exports into ``vllm_receiver(keep_mirror=False, all_or_nothing=False)``,
+each bucket loaded as it arrives and no copy of the model kept (no deltas, no versions).
 
 Per sync: the whole sync (its slowest rank), the engine's load (the receiving ranks' slowest
 time inside it) and the trainer side (the one less the other), the bytes the trainer ranks sent each
@@ -156,7 +158,10 @@ def main() -> None:
     to: Literal["first", "all"] = "all" if PLACEMENT == "colocated" else "first"
     options = ExportOptions(dtype=torch.bfloat16, to=to, bucket_bytes=bucket_mib * 2**20)
     exporter = WeightExporter(model, options)
-    receiver = vllm_receiver(engine) if engine is not None else None
+    kept = MODE != "streamed"
+    receiver = (
+        vllm_receiver(engine, keep_mirror=kept, all_or_nothing=kept) if engine is not None else None
+    )
     trl = TrlPattern(model, engine)
     rows: list[dict[str, Any]] = []
     for r in range(rounds + 1):

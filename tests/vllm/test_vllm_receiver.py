@@ -146,6 +146,19 @@ def test_a_load_failing_at_the_commit_leaves_the_engine_serving_what_it_served(
     assert receiver.serving_version() == 5
 
 
+def test_the_lean_receiver_streams_full_exports_and_keeps_no_copy(engines: Engines) -> None:
+    # keep_mirror=False, all_or_nothing=False: each bucket loaded as it arrives, nothing of
+    # the model kept on this side; a delta has nothing to apply to and is refused unwritten.
+    receiver = vllm_receiver(engines.receiving, keep_mirror=False, all_or_nothing=False)
+    export_into(receiver, *full_export(engines.second, export_id=0))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+    assert receiver.mirror == {} and not receiver.holds_exports
+    with pytest.raises(WeightLoadError, match="keep_mirror=True"):
+        receiver.begin(delta_export(engines.second, engines.third, export_id=1)[0])
+    receiver.abort(RuntimeError("refused"))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+
+
 def test_a_streamed_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:
     # The manifest fits; one tensor of the second layer's bucket does not (a sender's bug).
     receiver = VLLMReceiver(engines.receiving, all_or_nothing=False)

@@ -272,10 +272,21 @@ def _checkpoint_shapes(llm: Any) -> dict[str, tuple[int, ...]] | None:
 
 
 def vllm_receiver(
-    llm: Any, *, path: LoadPath = "auto", bound_s: float | None = None
+    llm: Any,
+    *,
+    path: LoadPath = "auto",
+    bound_s: float | None = None,
+    keep_mirror: bool = True,
+    all_or_nothing: bool = True,
 ) -> VLLMReceiver:
-    """The receiver for a ``vllm.LLM`` (see :class:`VLLMReceiver`)."""
-    return VLLMReceiver(llm, path=path, bound_s=bound_s)
+    """The receiver for a ``vllm.LLM`` (see :class:`VLLMReceiver`).
+
+    ``keep_mirror=False, all_or_nothing=False`` is the leanest: full exports only, each bucket
+    loaded as it arrives, no copy of the model kept (docs/guide/export.md, "A sync's peak").
+    """
+    return VLLMReceiver(
+        llm, path=path, bound_s=bound_s, keep_mirror=keep_mirror, all_or_nothing=all_or_nothing
+    )
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
