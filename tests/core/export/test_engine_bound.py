@@ -124,6 +124,40 @@ def test_a_failed_commit_keeps_the_version_and_a_full_export_the_mirror_once() -
         receiver.begin(ExportManifest(2, "delta", manifest.tensors, 1))
 
 
+def test_a_dense_delta_holds_each_tensor_once_and_a_failure_drops_the_mix() -> None:
+    # A delta whose bucket went plain (dense: sent whole) replaces the mirror's tensor as it
+    # arrives: version k's is not held beside k+1's until the commit. vLLM's worker puts the
+    # engine back itself, so a failure after that drops the mirror (it mixes two versions)
+    # and the next delta is refused before anything is written: the exporter sends in full.
+    from shardkit.core.errors import WeightLoadError
+
+    engine = StandInEngine()
+    receiver = VLLMReceiver(engine, bound_s=5)
+    manifest, bucket = _manifest()
+    receiver.begin(manifest)
+    receiver.receive(bucket)
+    receiver.finish()
+    old = receiver.mirror["w"]
+    dense = WeightBucket(0, full=(("w", torch.full((2, 3), 2.0, dtype=torch.bfloat16)),))
+    receiver.begin(ExportManifest(1, "delta", manifest.tensors, 1))
+    receiver.receive(dense)
+    assert "w" not in receiver.mirror  # dropped: only export 1's tensor is held now
+    receiver.commit()
+    receiver.finish()
+    assert receiver.version == 1 and receiver.mirror["w"].eq(2.0).all()
+    assert receiver.mirror["w"] is not old
+    engine.refuse_commit = True
+    receiver.begin(ExportManifest(2, "delta", manifest.tensors, 1))
+    receiver.receive(dense)
+    with pytest.raises(WeightLoadError):
+        receiver.commit()
+    receiver.abort(RuntimeError("the commit failed"))
+    assert receiver.mirror == {} and receiver.version is None
+    assert receiver.serving_version() == 1  # the engine put itself back
+    with pytest.raises(WeightLoadError, match="holds none"):
+        receiver.begin(ExportManifest(3, "delta", manifest.tensors, 1))
+
+
 def test_a_call_past_the_bound_raises_and_others_pass_through() -> None:
     assert bounded(lambda: 7, "a call", 1.0) == 7
     with pytest.raises(ValueError, match="its own"):

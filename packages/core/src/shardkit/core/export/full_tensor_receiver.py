@@ -157,6 +157,11 @@ class FullTensorReceiver:
                 # Kept past this call (a transport's tensors view its buffer only during it).
                 tensor = tensor.clone() if tensor.data_ptr() else tensor
             if self.keep_mirror:
+                if self._patches_mirror and self.mirror.pop(name, None) is not None:
+                    # A plain bucket of a delta export (dense: sent whole): version k's
+                    # tensor dropped as k+1's arrives, not held beside it until the commit
+                    # (the model twice at a dense delta's peak); the mirror mixes versions.
+                    self._patched = True
                 self._next_mirror[name] = tensor
             tensors.append((name, tensor))
         for name, changes in bucket.changed:
