@@ -88,13 +88,19 @@ def test_an_engine_elsewhere_without_a_route_is_refused_naming_the_settings(
     assert engine.calls == []  # refused before anything was sent
 
 
-def test_through_the_extension_only_method_names_and_bytes_travel() -> None:
+def _exported_once() -> tuple[StandInEngine, VLLMReceiver, ExportManifest]:
+    """A stand-in engine elsewhere, its receiver, and export 0 (one tensor) gone through."""
     engine = StandInEngine()
     receiver = VLLMReceiver(engine, bound_s=5)
     manifest, bucket = _manifest()
     receiver.begin(manifest)
     receiver.receive(bucket)
     receiver.finish()
+    return engine, receiver, manifest
+
+
+def test_through_the_extension_only_method_names_and_bytes_travel() -> None:
+    engine, receiver, _ = _exported_once()
     assert engine.calls == ["shardkit_probe", "shardkit_stage", "shardkit_commit"]
     assert isinstance(engine.loaded[0], bytes)  # safetensors bytes, no tensor objects
     assert receiver.serving_version() == 0 == receiver.version
@@ -131,12 +137,7 @@ def test_a_dense_delta_holds_each_tensor_once_and_a_failure_drops_the_mix() -> N
     # and the next delta is refused before anything is written: the exporter sends in full.
     from shardkit.core.errors import WeightLoadError
 
-    engine = StandInEngine()
-    receiver = VLLMReceiver(engine, bound_s=5)
-    manifest, bucket = _manifest()
-    receiver.begin(manifest)
-    receiver.receive(bucket)
-    receiver.finish()
+    engine, receiver, manifest = _exported_once()
     old = receiver.mirror["w"]
     dense = WeightBucket(0, full=(("w", torch.full((2, 3), 2.0, dtype=torch.bfloat16)),))
     receiver.begin(ExportManifest(1, "delta", manifest.tensors, 1))
