@@ -6,7 +6,10 @@ The oracle is a fresh TP=2 engine started from the trainer's weights: after the 
 engine's greedy tokens and log-probabilities equal it, and so does every parameter of each
 engine rank, read back (fused q/k/v and gate/up, the vocab partitions with their padding).
 A third export that fails at rank 1's commit leaves both engine ranks serving the second,
-complete: rank 0's commit, which went through, is undone (all or nothing).
+complete: rank 0's commit, which went through, is undone (all or nothing). At W=4 the trainer
+feeds two such engines in its four processes (vLLM's data parallel over the launcher's ranks,
+as verl's hybrid engine runs them): rank ``i`` is engine rank ``i % 2`` of engine ``i // 2``,
+and the refusal at rank 1 leaves all four engine ranks serving the second export.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,17 +29,21 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("tp_sliced_run.py")
 # vLLM's CPU build names the TP group's shared memory after the group alone: a TP=2 engine
 # killed before it ends leaves these behind, and the next one fails to create them (errno 17).
-STALE = [Path("/dev/shm") / f"-tp:0-[0-1]-cpushm_{rank}" for rank in range(2)]
+STALE = [
+    Path("/dev/shm") / f"-tp:0-[{group}]-cpushm_{rank}"
+    for group in ("0-1", "2-3")
+    for rank in (0, 1)
+]
 
 
-def _phase(out: Path, phase: str) -> subprocess.CompletedProcess[str]:
+def _phase(out: Path, phase: str, world: int) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(world),
         str(SCRIPT),
         "--out",
         str(out),
@@ -48,14 +56,15 @@ def _phase(out: Path, phase: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_tp2_engine_takes_its_slices_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, 4], ids=["one-engine", "two-engines"])
+def test_a_tp2_engine_takes_its_slices_bit_for_bit(tmp_path: Path, world: int) -> None:
     stale = [str(p) for p in STALE if p.exists()]
     assert not stale, f"a TP=2 vLLM engine left its shared memory behind (remove it): {stale}"
     for phase in ("sync", "fresh"):
-        result = _phase(tmp_path, phase)
+        result = _phase(tmp_path, phase, world)
         assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
 
-    for rank in range(2):
+    for rank in range(world):
         synced = json.loads((tmp_path / f"synced_outputs_{rank}.json").read_text())
         fresh = json.loads((tmp_path / f"fresh_outputs_{rank}.json").read_text())
         assert synced == fresh  # tokens and top-5 log-probabilities, every step

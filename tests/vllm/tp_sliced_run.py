@@ -1,4 +1,6 @@
-"""A TP-sliced export at W=2 into a colocated vLLM engine of TP degree 2 (run with torchrun).
+"""A TP-sliced export at W=2 (or 4: two engines) into a colocated vLLM engine of TP degree 2.
+
+Run with torchrun.
 
 Each rank holds one shard of the trainer (a tiny Qwen2, ``fully_shard`` per decoder layer and
 at the root) and one rank of the engine (vLLM's ``external_launcher``, ``tensor_parallel_size
@@ -46,8 +48,11 @@ PROMPTS = ([3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26])
 
 
 def start_engine(folder: Path) -> Any:
-    """This rank's part of a TP=2 engine on ``folder``, in this process."""
-    return start_demo_engine(folder, seed=0, max_num_seqs=4, tensor_parallel_size=2)
+    """This rank's part of a TP=2 engine on ``folder``, in this process (W / 2 engines: vLLM's
+    data parallel over the launcher's ranks, rank ``i`` engine rank ``i % 2``)."""
+    engines = dist.get_world_size() // 2
+    more: dict[str, Any] = {"data_parallel_size": engines} if engines > 1 else {}
+    return start_demo_engine(folder, seed=0, max_num_seqs=4, tensor_parallel_size=2, **more)
 
 
 def greedy(llm: Any) -> list[list[Any]]:
@@ -189,13 +194,13 @@ def run_sync(out: Path, rank: int) -> dict[str, Any]:
     return {
         "rank": rank,
         "outputs_changed": after != before,
-        "windows_wrong_first": windows_match(tp, trained, synced, rank),
+        "windows_wrong_first": windows_match(tp, trained, synced, rank % 2),
         "windows_wrong_second": windows_match(
-            tp, moved, llm.collective_rpc(partition_tensors)[0], rank
+            tp, moved, llm.collective_rpc(partition_tensors)[0], rank % 2
         ),
         "second_window_bytes": second.window_bytes,
         "third_error": third_error,
-        "windows_wrong_after_failure": windows_match(tp, moved, kept, rank),
+        "windows_wrong_after_failure": windows_match(tp, moved, kept, rank % 2),
         "served_as_second_after_failure": served_after_failure == served_second,
         "versions": [receiver.version, refusing.version],
         "seconds": [report.seconds, second.seconds],
