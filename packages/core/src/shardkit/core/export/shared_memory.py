@@ -28,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import threading
 from collections.abc import Callable
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -42,6 +40,7 @@ from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export import wire
 from shardkit.core.export.messages import ExportManifest, WeightBucket
 from shardkit.core.export.receivers import WeightReceiver
+from shardkit.core.export.shared_segments import MappedSegment, attach, release
 
 __all__ = ["SharedMemorySender", "serve_connection", "serve_shared_memory"]
 
@@ -154,7 +153,7 @@ class SharedMemorySender:
             self._drop_connection()
         segments, self._segments = self._segments, [None, None]
         for segment in filter(None, segments):
-            _release(segment, unlink=True)
+            release(segment, unlink=True)
 
     def __enter__(self) -> SharedMemorySender:
         return self
@@ -173,7 +172,7 @@ class SharedMemorySender:
         segment = self._segments[slot]
         if segment is None or segment.size < nbytes:
             if segment is not None:
-                _release(segment, unlink=True)  # the receiving process maps the new one
+                release(segment, unlink=True)  # the receiving process maps the new one
             segment = SharedMemory(create=True, size=max(nbytes, self._size_hint))
             self._segments[slot] = segment
         return segment
@@ -277,7 +276,7 @@ class _ServingSession:
         self.conn, self.receiver = conn, receiver
         self.manifest: ExportManifest | None = None
         self.failure: str | None = None
-        self.segments: dict[int, SharedMemory] = {}
+        self.segments: dict[int, MappedSegment] = {}
         self.finished = 0
 
     def run(self) -> bool:
@@ -299,7 +298,7 @@ class _ServingSession:
             return False
         finally:
             for segment in self.segments.values():
-                _release(segment, unlink=False)
+                release(segment, unlink=False)
 
     def _handle(self, op: object, control: dict[str, Any], header: bytes) -> str | None:
         """Do what ``op`` asks; the error text, or None."""
@@ -348,13 +347,13 @@ class _ServingSession:
             self.receiver.finish()
             self.finished += 1
 
-    def _map(self, slot: int, name: str) -> SharedMemory:
+    def _map(self, slot: int, name: str) -> MappedSegment:
         held = self.segments.get(slot)
         if held is not None and held.name == name:
             return held
         if held is not None:
-            _release(held, unlink=False)
-        segment = _attach(name)
+            release(held, unlink=False)
+        segment = attach(name)
         self.segments[slot] = segment
         return segment
 
@@ -391,24 +390,3 @@ def _connect(address: Address, authkey: bytes, bound_s: float) -> Connection:
     raise WeightExportError(
         f"could not reach the receiving process at {address} within {bound_s:g} s ({reason})"
     )
-
-
-def _attach(name: str) -> SharedMemory:
-    """Map the sender's segment ``name``; the sender owns it (it alone unlinks it)."""
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, track=False)
-    segment = SharedMemory(name=name)
-    # Before 3.13 attaching registers the segment with this process's resource tracker, which
-    # would unlink it (the sender's) when this process exits.
-    resource_tracker.unregister("/" + segment.name, "shared_memory")
-    return segment
-
-
-def _release(segment: SharedMemory, *, unlink: bool) -> None:
-    try:
-        segment.close()
-    except BufferError:  # a receiver kept a tensor of it: mapped until that is freed
-        logger.warning("shared segment %s is still viewed; left mapped", segment.name)
-    if unlink:
-        with contextlib.suppress(FileNotFoundError):
-            segment.unlink()
