@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardkit.core.optim import MUON_RULE
 from shardkit.core.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
+    batches_on,
     newton_schulz_cost,
     orthogonalize,
     orthogonalize_batch,
@@ -93,7 +94,8 @@ def newton_schulz_share(
     """Seconds to orthogonalize this rank's share of ``shapes`` alone (the fastest of
     ``repeats``), owners and batches as shardkit's Muon makes them, on random bf16 input on
     ``device`` (a CUDA device is synchronized around each repeat: its kernels are timed)."""
-    owners = assign_owners([newton_schulz_cost(s) for s in shapes], world)
+    costs = [newton_schulz_cost(s) for s in shapes]
+    owners = assign_owners(costs, world, tall=[m > n for m, n in shapes])
     by_shape: defaultdict[tuple[int, int], int] = defaultdict(int)
     for shape, owner in zip(shapes, owners, strict=True):
         if owner == rank:
@@ -110,10 +112,11 @@ def newton_schulz_share(
         synchronize()
         started = time.perf_counter()
         for batch in inputs:
-            if batch.size(0) > 1:
+            if batch.size(0) > 1 and batches_on(batch.device):
                 orthogonalize_batch(batch, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
-            else:
-                orthogonalize(batch[0], DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+            else:  # as the step: one at a time where batching would only loop
+                for matrix in batch:
+                    orthogonalize(matrix, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
         synchronize()
         best = min(best, time.perf_counter() - started)
     return best

@@ -108,6 +108,28 @@ def test_a_matrix_held_whole_is_owned_where_it_is_held() -> None:
     ) == [12, 12]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_owner_gets_its_share_of_tall_and_wide_matrices_of_one_cost(world: int) -> None:
+    # A GPT's blocks, in the step's order: qkv (3d, d), proj (d, d), up (4d, d), down (d, 4d).
+    # Up and down cost the same; by order alone every up projection went to even ranks at
+    # W=2 (and to ranks 0 and 2 at W=4), every down projection to the others.
+    d = 256
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * 8
+    costs = [newton_schulz_cost(s) for s in shapes]
+    tall = [m > n for m, n in shapes]
+    by_order = assign_owners(costs, world)
+    assert {o for o, s in zip(by_order, shapes, strict=True) if s == (4 * d, d)} == {0, 2} & set(
+        range(world)
+    )
+    owners = assign_owners(costs, world, tall=tall)
+    for rank in range(world):
+        mine = Counter(s for s, o in zip(shapes, owners, strict=True) if o == rank)
+        assert mine == Counter({s: 8 // world for s in set(shapes)}), (rank, mine)
+    # The cost balance is what it was: only which of two equal matrices goes where changed.
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
+    assert loads == [sum(costs) // world] * world
+
+
 def test_one_copy_of_each_block_from_the_owners_own_replica() -> None:
     # HSDP 2 x 2 (group ranks 0, 1 the first replica; 2, 3 the second): rows 0-3 on ranks 0
     # and 2, rows 3-6 on ranks 1 and 3. An owner gathers within its own replica.

@@ -54,12 +54,20 @@ def event_recorder(events: list[Event]) -> Any:
 
 
 def optimizer_memory(timeline: list[MemorySample]) -> tuple[int, int]:
-    """(the most optimizer-state bytes, the optimizer phase's most comm + other bytes) of a
-    tracked timeline: what a plan's state and its step's transient are checked against."""
+    """(the most optimizer-state bytes, the optimizer phase's most comm + other bytes above
+    what was live as it began) of a tracked timeline: what a plan's state and its step's
+    transient are checked against.
+
+    What the step adds, not what the backward left: the sample before the phase is the base
+    (the 8M GPT at W=4 on the fake group: a 2 MiB buffer of the backward's collectives is
+    still counted as live when Muon's step begins, and only within it is its free logged).
+    """
     state = max(p.by_category[Category.OPTIMIZER_STATE] for p in timeline)
-    transient = max(
-        p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
-        for p in timeline
-        if p.phase is Phase.OPTIMIZER
-    )
-    return state, transient
+    first = next(i for i, p in enumerate(timeline) if p.phase is Phase.OPTIMIZER)
+    base = timeline[max(first - 1, 0)]
+
+    def comm_and_other(p: MemorySample) -> int:
+        return p.by_category[Category.COMM_BUFFERS] + p.by_category[Category.OTHER]
+
+    transient = max(comm_and_other(p) for p in timeline if p.phase is Phase.OPTIMIZER)
+    return state, transient - comm_and_other(base)

@@ -75,18 +75,22 @@ def test_muons_state_exact_and_its_step_near_the_tracked(rank: int) -> None:
 def test_the_owner_of_the_largest_holds_its_matrices_whole() -> None:
     # Two 64 x 32 matrices and a 16 x 16 over 2 ranks, half the rows of each on each: the
     # largest first, so rank 0 owns a 64 x 32, rank 1 the other, and the 16 x 16 goes to rank
-    # 0 (equal loads: the lower rank). Each rank's peak is while it iterates: its rows (bf16),
-    # its matrices whole twice (received, updated) and the 64 x 32's Newton-Schulz
-    # temporaries (the stack, two iterates, two 32 x 32 Gram products).
+    # 0 (equal loads: the lower rank). Each rank's peak is its last matrix orthogonalized: its
+    # matrices whole twice (the inputs, the updates so far; its rows are let go of once the
+    # first exchange is in) and the 64 x 32's Newton-Schulz temporaries (an iterate and the
+    # next, two 32 x 32 Gram products).
     matrices = [((64, 32), 32), ((64, 32), 32), ((16, 16), 8)]
     rows = (32 * 32 + 32 * 32 + 8 * 16) * 2
-    batch = (3 * 64 * 32 + 2 * 32 * 32) * 2
+    newton_schulz = (2 * 64 * 32 + 2 * 32 * 32) * 2
     owned = {0: (64 * 32 + 16 * 16) * 2, 1: 64 * 32 * 2}
     for rank, whole in owned.items():
-        assert matrices_scratch(matrices, rank, 2) == rows + 2 * whole + batch
+        assert matrices_scratch(matrices, rank, 2) == 2 * whole + newton_schulz
+        # The other moments stay below it: the first exchange posted, the wholes joined.
+        assert rows + rows // 2 + whole // 2 < 2 * whole + newton_schulz
+        assert rows + whole // 2 + whole < 2 * whole + newton_schulz
     # One rank: no exchange; each matrix updated alone, beside every matrix's bf16 rows.
     alone = [((64, 32), 64), ((64, 32), 64)]
-    assert matrices_scratch(alone, 0, 1) == 2 * 64 * 32 * 2 + batch
+    assert matrices_scratch(alone, 0, 1) == 2 * 64 * 32 * 2 + newton_schulz
 
 
 def test_shardkit_plan_takes_optimizer_muon(capsys: pytest.CaptureFixture[str]) -> None:

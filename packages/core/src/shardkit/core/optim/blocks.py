@@ -63,6 +63,11 @@ class MatrixPlacement:
     """Whether its replicas on some axis were given by the user's word (``replicated_over``),
     not by its placements: the step checks them once before it trusts them."""
 
+    @property
+    def tall(self) -> bool:
+        """More rows than columns: Newton-Schulz runs on its transpose (``assign_owners``)."""
+        return self.shape[0] > self.shape[1]
+
     def whole_on(self) -> tuple[int, ...]:
         """The group ranks that hold the whole matrix (its owner there moves no rows in)."""
         whole = Block(0, self.shape[0], 0, self.shape[1])

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.core.optim.blocks import MatrixPlacement
-from shardkit.core.optim.routes import Piece, Route, Traffic, part_sizes
+from shardkit.core.optim.routes import Piece, Route, Traffic, part_sizes, row_joins
 from shardkit.core.runtime.byte_exchange import start_exchange_bytes
 from shardkit.core.runtime.handles import WorkHandle
 
@@ -77,17 +77,7 @@ def packing(route: Route, matrices: list[MatrixPlacement]) -> Packing:
     dtypes = {p.dtype for p in (*outgoing, *incoming)}
     unpadded = all(p.nbytes == _raw_bytes(p) for p in (*outgoing, *incoming))
     dtype = next(iter(dtypes)) if len(dtypes) == 1 and unpadded else None
-    rows: dict[int, tuple[int, ...]] = {}
-    for i in route.owned:
-        sources = [(p.block, k) for k, p in enumerate(incoming) if p.matrix == i]
-        if i in route.kept:
-            sources.append((matrices[i].blocks[route.rank], -1))
-        sources.sort(key=lambda source: source[0].row0)
-        m, n = matrices[i].shape
-        tiles = [(b.row0, b.row1) for b, _ in sources if b.col0 == 0 and b.col1 == n]
-        edges = [0, *(row1 for _, row1 in tiles)]
-        if len(tiles) == len(sources) and [r0 for r0, _ in tiles] == edges[:-1] and edges[-1] == m:
-            rows[i] = tuple(k for _, k in sources)
+    rows = row_joins(route, matrices)
     send_sizes, receive_sizes = part_sizes(route.outgoing), part_sizes(route.incoming)
     traffic = Traffic(sum(send_sizes), sum(receive_sizes))
     numels = [_raw_bytes(p) // p.dtype.itemsize for p in incoming]
@@ -117,10 +107,24 @@ class Arrival:
     read: Callable[[list[tuple[Piece, torch.Tensor]]], dict[int, torch.Tensor]]
 
     def wait(self) -> dict[int, torch.Tensor]:
-        """Block until it is in; then its tensors by matrix index."""
+        """Block until it is in; then its tensors by matrix index.
+
+        Once only: what it read is let go of here (the received buffer, and what ``read``
+        built), so that the first exchange's buffers and whole matrices are not held through
+        the second's.
+        """
         self.handle.wait()
-        self.sent = self.received[:0]  # free now
-        return self.read(_unpack(self.received, self.packing))
+        # Free now; a new empty tensor, as a view (even of no element) would hold the storage.
+        self.sent = torch.empty(0, dtype=torch.uint8, device=self.received.device)
+        try:
+            return self.read(_unpack(self.received, self.packing))
+        finally:
+            self.received = self.sent  # views read out of it keep what they need of it
+            self.read = _read_once
+
+
+def _read_once(pieces: list[tuple[Piece, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    raise AssertionError("an exchange's arrival is read once")
 
 
 def start_gather(

@@ -20,6 +20,7 @@ from torch.optim.optimizer import ParamsT
 from shardkit.core.optim.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     adjusted_lr,
+    batches_on,
     check_newton_schulz,
     orthogonalize,
     orthogonalize_batch,
@@ -162,6 +163,7 @@ MUON_RULE = WholeMatrixRule(
     prepare=_prepare,
     update=_update,
     update_batch=_update_batch,
+    batches_on=batches_on,
     update_dtype=_bf16,
     apply=_apply,
     prepare_all=_prepare_all,

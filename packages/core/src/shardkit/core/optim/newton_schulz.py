@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "adjusted_lr",
+    "batches_on",
     "check_newton_schulz",
     "newton_schulz_cost",
     "orthogonalize",
@@ -31,6 +32,11 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 # and other devices pick their kernels by batch size. Matrices go one at a time until a check
 # there (tests/core/optim/test_newton_schulz.py) says otherwise.
 _BATCHED_DEVICES: frozenset[str] = frozenset()
+
+
+def batches_on(device: torch.device) -> bool:
+    """Whether :func:`orthogonalize_batch` batches its matmuls on ``device`` (else it loops)."""
+    return device.type in _BATCHED_DEVICES
 
 
 def check_newton_schulz(coefficients: tuple[float, ...], steps: int) -> None:
@@ -76,7 +82,7 @@ def orthogonalize_batch(
     The norms and divisions stay per matrix (a batched norm sums in another order); the
     matmuls are batched where ``_BATCHED_DEVICES`` says that keeps the bits.
     """
-    if matrices.device.type not in _BATCHED_DEVICES:
+    if not batches_on(matrices.device):
         return torch.stack([orthogonalize(m, coefficients, steps, eps) for m in matrices])
     tall = matrices.size(1) > matrices.size(2)
     x = matrices.bfloat16()

@@ -19,7 +19,7 @@ import torch
 
 from shardkit.core.optim.blocks import Block, MatrixPlacement
 
-__all__ = ["ALIGN", "Piece", "Route", "Traffic", "part_sizes", "routes"]
+__all__ = ["ALIGN", "Piece", "Route", "Traffic", "part_sizes", "routes", "row_joins"]
 
 ALIGN = 16  # bytes: the widest element (complex128) a piece may be read back as
 
@@ -133,3 +133,26 @@ def routes(
 def part_sizes(parts: tuple[tuple[Piece, ...], ...]) -> list[int]:
     """Each part's bytes."""
     return [sum(p.nbytes for p in part) for part in parts]
+
+
+def row_joins(route: Route, matrices: list[MatrixPlacement]) -> dict[int, tuple[int, ...]]:
+    """The owned matrices whose sources are full-width row blocks that tile them.
+
+    For each, the order (by row) of its incoming pieces (indices into the route's incoming
+    pieces, all parts in order; -1: this rank's own block), so that one ``cat`` makes it
+    whole once all is in. The others are copied into place block by block as they come, into
+    a whole made before the exchange is in (the planner counts it then).
+    """
+    incoming = [p for part in route.incoming for p in part]
+    rows: dict[int, tuple[int, ...]] = {}
+    for i in route.owned:
+        sources = [(p.block, k) for k, p in enumerate(incoming) if p.matrix == i]
+        if i in route.kept:
+            sources.append((matrices[i].blocks[route.rank], -1))
+        sources.sort(key=lambda source: source[0].row0)
+        m, n = matrices[i].shape
+        tiles = [(b.row0, b.row1) for b, _ in sources if b.col0 == 0 and b.col1 == n]
+        edges = [0, *(row1 for _, row1 in tiles)]
+        if len(tiles) == len(sources) and [r0 for r0, _ in tiles] == edges[:-1] and edges[-1] == m:
+            rows[i] = tuple(k for _, k in sources)
+    return rows

@@ -51,6 +51,11 @@ def momentum_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"momentum_buffer": torch.zeros_like(grad, memory_format=torch.preserve_format)}
 
 
+def _always(device: torch.device) -> bool:
+    del device
+    return True
+
+
 def _same_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
@@ -72,6 +77,10 @@ class WholeMatrixRule:
     """(whole matrix (m, n), options) -> the whole update (m, n), on the matrix's owner."""
     update_batch: Callable[[torch.Tensor, Options], torch.Tensor] | None = None
     """(B, m, n) of one shape -> (B, m, n), each with ``update``'s bits; None: one at a time."""
+    batches_on: Callable[[torch.device], bool] = _always
+    """Whether ``update_batch`` batches on this device. Where it would only loop over the
+    matrices, the optimizer calls ``update`` one at a time instead: stacking them for it would
+    copy every matrix in and every update out, on the owner's peak, for nothing."""
     update_dtype: Callable[[torch.dtype], torch.dtype] = _same_dtype
     """The dtype ``update`` returns for a matrix of ``prepare``'s dtype: ranks size what they
     receive from it, before the owner has computed anything."""

@@ -19,6 +19,13 @@ A 3-D parameter is a stack of E matrices (MoE experts), each placed and owned on
 Matrices this rank holds whole alone (plain tensors, a mesh of one rank) skip 2 and 4. The
 optimizer's state is the rule's elementwise state, kept as DTensors like the parameters, so
 ``state_dict()`` and ``load_state_dict()`` are torch's own.
+
+The step's memory: a group's rows are let go of once its first exchange has them all, and
+each round's whole matrices once they are orthogonalized, so an owner holds its updates and
+the second exchange's buffers, not every stage's tensors at once.
+
+Next to split off: one group's round trip (``_step_sharded``, ``_plan_of``,
+``_update_owned`` and ``_Plan``: steps 2 to 4) into ``owner_round_trip.py``.
 """
 
 from __future__ import annotations
@@ -176,7 +183,10 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                 self._apply([(m, self.rule.update(block, m.options))])
                 tally.updated(self.rule, m.placement.shape)
         for indices in _by_group(matrices).values():
-            self._step_sharded([matrices[i] for i in indices], [blocks[i] for i in indices], tally)
+            rows = [blocks[i] for i in indices]
+            for i in indices:  # the group's exchange lets go of its rows once they are in
+                blocks[i] = _LET_GO
+            self._step_sharded([matrices[i] for i in indices], rows, tally)
         self.last_step_stats = tally.stats()
         return loss
 
@@ -285,9 +295,15 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         arrivals = [start_gather(placements, there, blocks, group) for there, _ in plan.rounds]
         device = _local(matrices[0].param).device
         returns = []
-        for arrival, (there, home) in zip(arrivals, plan.rounds, strict=True):
+        for round_index, (arrival, (there, home)) in enumerate(
+            zip(arrivals, plan.rounds, strict=True)
+        ):
             tally.exchanged(there.traffic)
-            results = self._update_owned(matrices, arrival.wait(), plan.back)
+            wholes = arrival.wait()
+            if round_index == len(arrivals) - 1:
+                blocks.clear()  # every round is in: the rows are not needed any more
+            results = self._update_owned(matrices, wholes, plan.back)
+            del wholes  # orthogonalized: not held through the updates' exchange
             for i in results:
                 tally.updated(self.rule, placements[i].shape)
             returns.append(start_scatter(placements, home, results, group, device))
@@ -308,7 +324,12 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         plan = self._plans.get(key)
         if plan is None:
             costs = [self.rule.cost(p.shape) for p in placements]
-            owners = assign_owners(costs, group.size(), [p.whole_on() for p in placements])
+            owners = assign_owners(
+                costs,
+                group.size(),
+                [p.whole_on() for p in placements],
+                [p.tall for p in placements],
+            )
             back = [self.rule.update_dtype(d) for d in dtypes]
             there, home = routes(placements, owners, dtypes, back, group.rank())
             cut = [frozenset(r) for r in rounds(costs, owners, rounds_wanted)]
@@ -332,11 +353,21 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         results: dict[int, torch.Tensor] = {}
         for indices in batches.values():
             options = matrices[indices[0]].options
-            if self.rule.update_batch is not None and len(indices) > 1:
-                stacked = self.rule.update_batch(torch.stack([wholes[i] for i in indices]), options)
+            batch = self.rule.update_batch
+            if (
+                batch is not None
+                and len(indices) > 1
+                and self.rule.batches_on(wholes[indices[0]].device)
+            ):
+                stacked = batch(torch.stack([wholes[i] for i in indices]), options)
                 results.update(zip(indices, stacked.unbind(0), strict=True))
             else:
-                results.update((i, self.rule.update(wholes[i], options)) for i in indices)
+                # Contiguous as each comes: the exchange sends row blocks, and a tall matrix's
+                # update comes transposed (Newton-Schulz iterates on the wide side); copied
+                # there, every such update would be held twice while the buffers are packed.
+                results.update(
+                    (i, self.rule.update(wholes[i], options).contiguous()) for i in indices
+                )
         for i, update in results.items():
             if update.dtype != dtypes[i] or update.shape != wholes[i].shape:
                 name = matrices[i].placement.name
@@ -346,6 +377,10 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                     "(WholeMatrixRule.update_dtype)"
                 )
         return results
+
+
+_LET_GO = torch.empty(0)
+"""What a sharded matrix's rows become in the step's list once its group's exchange has them."""
 
 
 def _named(group: Options, index: int) -> Iterable[tuple[str, torch.Tensor]]:

@@ -8,13 +8,13 @@ sit in the root or are not 2-D).
 - State: Muon keeps one buffer per matrix, the momentum, shaped as the local shard; AdamW two
   and its 4-byte ``step``.
 - The step's transient (*approximate*; ``shardkit.core.optim.whole_matrix`` and ``exchange``):
-  every rank keeps its rows of every matrix in bf16 for the step (what the first exchange
-  sends); the owner receives its matrices whole (bf16), orthogonalizes them one shape at a
-  time (a batch: its stack, the normalized copy, the next iterate, and the two (k, k) Gram
-  products, k the smaller side), and keeps each whole update until the second exchange has
-  sent it, whose buffers hold the owned updates out and this rank's rows back. The peak is
-  the larger of the last batch's iteration and that second exchange, highest on the rank
-  that owns the most (the largest matrices go first, to rank 0). Matrices whole on a rank
+  every rank keeps its rows of every matrix in bf16 until the first exchange is in (what it
+  sends); the owner joins its matrices whole (bf16) from them and the received blocks,
+  orthogonalizes them one at a time (an iterate and the next one beside it, and the two
+  (k, k) Gram products, k the smaller side), lets each whole go once orthogonalized, and
+  keeps each update until the second exchange has sent it, whose buffers hold the owned
+  updates' blocks out and this rank's rows back. The peak is the largest of those three
+  moments (:func:`_scratch`), highest on the rank that owns the most. Matrices whole on a rank
   (one shard rank) are updated one at a time, with no exchange. Owners are the core's own assignment
   (``assign_owners`` by Newton-Schulz cost), so the planned rank's share is what it will get.
 - The step's collectives and work (:func:`muon_step`): the two all-to-alls of the exchange
@@ -36,7 +36,7 @@ import torch
 
 from shardkit.core.optim.newton_schulz import newton_schulz_cost
 from shardkit.core.optim.owners import assign_owners
-from shardkit.core.optim.routes import routes
+from shardkit.core.optim.routes import routes, row_joins
 from shardkit.tools.plan.groups import GroupSpec
 from shardkit.tools.plan.muon_blocks import TPCuts, matrix_placement
 from shardkit.tools.plan.op_costs import OpCost
@@ -93,7 +93,8 @@ def matrices_scratch(matrices: Sequence[Matrix], rank: int, world: int) -> int:
     held = sum(local * shape[1] for shape, local in matrices)
     if world == 1:
         return _scratch(held, shapes, world)
-    owners = assign_owners([newton_schulz_cost(s) for s in shapes], world)
+    costs = [newton_schulz_cost(s) for s in shapes]
+    owners = assign_owners(costs, world, tall=[m > n for m, n in shapes])
     return _scratch(held, [s for s, o in zip(shapes, owners, strict=True) if o == rank], world)
 
 
@@ -105,26 +106,56 @@ def step_scratch(step: MuonStep | None) -> int:
     """
     if step is None:
         return 0
-    return _scratch(step.held, list(step.owned), step.world)
+    moved = None
+    if len(step.calls) == 2 and len(step.received) == 2:
+        (_, rows_out), (_, updates_out) = step.calls
+        moved = (rows_out, step.received[0], updates_out, step.received[1])
+    return _scratch(step.held, list(step.owned), step.world, moved, step.early)
 
 
-def _scratch(held: int, owned: Sequence[tuple[int, int]], world: int) -> int:
-    """The step's peak beyond the state: ``held`` elements of rows, ``owned`` whole here."""
+def _scratch(
+    held: int,
+    owned: Sequence[tuple[int, int]],
+    world: int,
+    moved: tuple[int, int, int, int] | None = None,
+    early: int = 0,
+) -> int:
+    """The step's peak beyond the state: ``held`` elements of rows, ``owned`` whole here.
+
+    Four moments, each holding what the core's step holds then (the rows let go of once the
+    first exchange is in, the wholes once orthogonalized, each exchange's buffers once read):
+    the first exchange posted (the rows, both its buffers, the wholes made before it is in),
+    the wholes being joined (the rows, the received blocks of the owned matrices, the wholes),
+    the last matrix orthogonalized (the wholes, the updates so far, one matrix's
+    temporaries: no device batches yet, ``newton_schulz.batches_on``), and the updates sent
+    (the updates, the blocks of them that leave, this rank's rows that come back).
+    """
     rows = held * _BF16
     if world == 1:  # every matrix whole here: updated one at a time, no exchange
-        return rows + max((_batch_bytes(s, 1) for s in owned), default=0)
+        return rows + max((_newton_schulz_bytes(s) for s in owned), default=0)
     wholes = sum(m * n for m, n in owned) * _BF16
-    batch = max((_batch_bytes(s, count) for s, count in Counter(owned).items()), default=0)
-    iterating = rows + 2 * wholes + batch  # received wholes and updates so far, last batch
-    sending = 2 * rows + 3 * wholes  # rows, wholes, updates, the send and receive buffers
-    return max(iterating, sending)
+    if moved is None:  # rows cut evenly: the other ranks hold (W - 1) / W of each matrix
+        others = (world - 1) / world
+        theirs = int(others * rows)
+        moved = (theirs, int(others * wholes), int(others * wholes), theirs)
+    rows_out, blocks_in, updates_out, rows_back = moved
+    one_at_a_time = max((_newton_schulz_bytes(s) for s in set(owned)), default=0)
+    posting = rows + rows_out + blocks_in + early
+    joining = rows + blocks_in + wholes
+    iterating = 2 * wholes + one_at_a_time
+    sending = wholes + updates_out + rows_back
+    return max(posting, joining, iterating, sending)
 
 
-def _batch_bytes(shape: tuple[int, int], count: int) -> int:
-    """Newton-Schulz's temporaries for ``count`` matrices of ``shape`` batched."""
+def _newton_schulz_bytes(shape: tuple[int, int]) -> int:
+    """Newton-Schulz's temporaries for one matrix of ``shape``.
+
+    An iterate and the next one beside it (the first is the normalized copy), and the two
+    (k, k) Gram products.
+    """
     m, n = shape
     k = min(m, n)
-    return count * (3 * m * n + 2 * k * k) * _BF16
+    return (2 * m * n + 2 * k * k) * _BF16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,6 +174,12 @@ class MuonStep:
     """(input bytes, sent bytes) of each all-to-all, in issue order: rows out, update back."""
     held: int = 0
     """Elements of Muon's matrices this rank holds (its blocks)."""
+    received: tuple[int, ...] = ()
+    """Bytes each all-to-all brings this rank from the others, in ``calls``' order."""
+    early: int = 0
+    """Bytes of the owned matrices made whole before the first exchange is in: those whose
+    blocks are not full-width rows (TP's column blocks) are copied into place as they come,
+    where row blocks are joined by one ``cat`` once all is in."""
 
 
 def muon_step(
@@ -183,12 +220,15 @@ def muon_step(
         return MuonStep(
             world=1, matrices=len(params), owned=owned, flops=_flops(owned), calls=(), held=held
         )
-    owners = assign_owners(costs, world, [m.whole_on() for m in placements])
+    owners = assign_owners(
+        costs, world, [m.whole_on() for m in placements], [m.tall for m in placements]
+    )
     bf16 = [torch.bfloat16] * len(placements)
     there, home = routes(placements, owners, bf16, bf16, rank)
     owned = tuple(m.shape for m, o in zip(placements, owners, strict=True) if o == rank)
     calls = tuple((r.traffic().sent, r.traffic().sent) for r in (there, home))  # no own part
     held = sum(m.blocks[rank].shape[0] * m.blocks[rank].shape[1] for m in placements)
+    joined = row_joins(there, placements)
     return MuonStep(
         world=world,
         matrices=len(params),
@@ -196,6 +236,12 @@ def muon_step(
         flops=_flops(owned),
         calls=calls,
         held=held,
+        received=tuple(r.traffic().received for r in (there, home)),
+        early=sum(
+            placements[i].shape[0] * placements[i].shape[1] * _BF16
+            for i in there.owned
+            if i not in joined
+        ),
     )
 
 
