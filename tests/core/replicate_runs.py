@@ -62,7 +62,8 @@ def apis(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
 def wrap(impl: str, model: nn.Module, layout: str, mixed: bool, world_size: int) -> None:
     """Apply ``impl``'s APIs to ``model``'s blocks and root as ``layout`` says."""
     replicate, fully_shard = apis(impl)
-    mesh = init_device_mesh("cpu", (world_size,))
+    # Named: torch's replicate before 2.11 refuses a mesh without names.
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mixed:
         from shardkit.core import MixedPrecisionPolicy

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -159,6 +160,14 @@ def _both_engines(rank: int, world_size: int, kind: str, dtype: str) -> dict[str
     }
 
 
+# torch's pipelining before its stage metadata was rewritten (2.10 here; 2.13 and 2.15 run
+# it) compares a stage's outputs' strides with its meta run's: the head's output, 3 columns
+# over 2 TP ranks, comes back as rows of 4 with a stride of 4, and the stage is refused with
+# either engine (TP's layout, not FSDP's).
+_STRICT_STRIDES = hasattr(pipelining_utils, "validate_tensor_metadata")
+
+
+@pytest.mark.skipif(_STRICT_STRIDES, reason="torch's pipelining checks output strides strictly")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_pp_x_tp_stages_give_torchs_bits(kind: str, dtype: str) -> None:

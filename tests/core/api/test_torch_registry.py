@@ -32,6 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import (
 
 import shardkit.core
 from tests.core.fake_group import fake_mesh
+from tests.core.torch_releases import INSTALLED
 
 WORLD = 2
 ENGINES = {"torch": torch_fully_shard, "shardkit": shardkit.core.fully_shard}
@@ -153,7 +154,14 @@ def _pending(fs: Any, mesh: DeviceMesh) -> list[tuple[str, list[str]]]:
 
 
 def test_modules_to_run_forward_reads_as_torchs(mesh: DeviceMesh) -> None:
-    theirs = _pending(torch_fully_shard, mesh)
+    try:
+        theirs = _pending(torch_fully_shard, mesh)
+    except RuntimeError as error:
+        if INSTALLED >= (2, 13) or "data is not allocated yet" not in str(error):
+            raise
+        # The oracle cannot run the program there (its backward reads a freed parameter).
+        first = str(error).splitlines()[0]
+        pytest.skip(f"torch {torch.__version__}'s own fully_shard fails this program: {first}")
     pending = {point: names for point, names in theirs if names}
     # The list call mid-pass; the standalone head call starts a pass of its own, which the end
     # of backward closes.

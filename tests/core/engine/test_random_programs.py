@@ -28,8 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from harness.pool import run_on_ranks
+from harness.report import RankTaskError
 from tests.core.engine import random_programs
 from tests.core.parity import fully_shard_of, torch_policy
+from tests.core.torch_releases import INSTALLED
 
 DEFAULT_SEEDS = range(40)  # about 5 s at W=2
 SOAK_SEEDS = range(40, 640)  # about 75 s
@@ -73,10 +75,20 @@ def test_a_list_group_fed_the_batch_then_a_cast_keeps_every_gradient() -> None:
     # The program: fully_shard([a, b]) with cast_forward_inputs. a's call has no input
     # to watch (the batch), b's has one (a's output, cast): the group ended at b's inputs and
     # the callback's second reduction, of a's gradient, left b's gradient None.
-    theirs = run_on_ranks(2, _grouped_cast_grads, engine="torch")
     ours = run_on_ranks(2, _grouped_cast_grads, engine="shardkit")
     for rank in range(2):
         assert set(ours[rank]) == {"a.weight", "b.weight"}
+        assert all(grad is not None for grad in ours[rank].values()), rank
+    try:
+        theirs = run_on_ranks(2, _grouped_cast_grads, engine="torch")
+    except RankTaskError as error:
+        if INSTALLED >= (2, 13) or "expected m1 and m2 to have the same dtype" not in str(error):
+            raise
+        # torch's own engine cannot run the program there: a list group's inputs are cast
+        # once, at its first module, so b meets fp32 with bf16 weights. shardkit's gradients
+        # are checked to be there, not against torch's.
+        return
+    for rank in range(2):
         for name, want in theirs[rank].items():
             got = ours[rank][name]
             assert want is not None and got is not None, (rank, name, got)
