@@ -192,24 +192,42 @@ def _tail(log: Path) -> str:
 
 def tp_segments() -> set[Path]:
     """The shared-memory segments of vLLM's CPU tensor-parallel groups on this host now."""
-    return set(Path("/dev/shm").glob("vllm_dist_*-tp:*cpushm_*"))
+    return segments(TP_SEGMENTS)
+
+
+TP_SEGMENTS = "vllm_dist_*-tp:*cpushm_*"
+"""vLLM's CPU tensor-parallel groups' segments (4 MiB each, named by a fresh id)."""
+RING_BUFFERS = "psm_*"
+"""``multiprocessing.shared_memory``'s segments: vLLM's message queues between an engine's
+processes (``ShmRingBuffer``: chunks of 4 to 24 MiB, tens to hundreds of MiB each), and the
+export's own (which it unlinks itself)."""
+
+
+def segments(pattern: str) -> set[Path]:
+    """The shared-memory segments on this host now whose names match ``pattern``."""
+    return set(Path("/dev/shm").glob(pattern))
 
 
 def remove_orphaned_tp_segments(before: set[Path]) -> list[str]:
-    """Removes the tensor-parallel segments made since ``before`` that no process maps.
+    """:func:`remove_orphaned_segments` of vLLM's tensor-parallel groups."""
+    return remove_orphaned_segments(before, TP_SEGMENTS)
 
-    A TP engine killed, or shut down with its process, leaves its group's segments behind
-    (4 MiB each, named by a fresh id: nothing reuses them). Only orphans are removed: an
-    engine of another job on this host still maps its own.
+
+def remove_orphaned_segments(before: set[Path], pattern: str) -> list[str]:
+    """Removes the segments matching ``pattern`` made since ``before`` that no process maps.
+
+    An engine killed, or shut down with its process, leaves its segments behind (named by a
+    fresh id: nothing reuses them), in memory until the host reboots. Only orphans are
+    removed: an engine of another job on this host still maps its own.
     """
     mapped: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         lines: list[str] = []
         with contextlib.suppress(OSError):  # a process that ended meanwhile, or not ours
             lines = maps.read_text().splitlines()
-        mapped |= {line.rsplit("/", 1)[-1].strip() for line in lines if "vllm_dist_" in line}
+        mapped |= {line.rsplit("/", 1)[-1].strip() for line in lines if "/dev/shm/" in line}
     removed = []
-    for segment in sorted(tp_segments() - before):
+    for segment in sorted(segments(pattern) - before):
         if segment.name not in mapped:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
