@@ -88,3 +88,48 @@ def test_a_segment_still_viewed_stays_mapped_and_closes_later() -> None:
     finally:
         release(segment, unlink=True)
     assert not os.path.exists(f"/dev/shm/{segment.name}")
+
+
+class _Untouched:
+    """A receiver that fails the test if a bucket reaches it."""
+
+    def receive(self, bucket: object) -> None:
+        raise AssertionError(f"a bucket reached the receiver: {bucket!r}")
+
+
+@pytest.mark.parametrize(
+    ("segment", "why"),
+    [
+        ("psm_no_such_segment", "FileNotFoundError"),
+        ("../../etc/passwd", "Error"),  # not a name: shm_open refuses a path
+        ("", "malformed bucket message"),
+        (None, "malformed bucket message"),
+    ],
+)
+def test_a_bucket_naming_no_segment_of_the_sender_is_refused(segment: object, why: str) -> None:
+    from shardkit.core.export.messages import ExportManifest
+    from shardkit.core.export.shared_memory import _ServingSession
+
+    session = _ServingSession(None, _Untouched())  # type: ignore[arg-type]
+    session.manifest = ExportManifest(export_id=0, kind="full", tensors=(), bucket_count=1)
+    control = {"op": "bucket", "payload_bytes": 64, "slot": 0, "segment": segment}
+    error = session._handle("bucket", control, b"")
+    assert error is not None and why in error, error
+    assert session.segments == {}  # nothing mapped, nothing handed on
+
+
+def test_a_segment_smaller_than_its_bucket_is_refused() -> None:
+    from shardkit.core.export.messages import ExportManifest
+    from shardkit.core.export.shared_memory import _ServingSession
+
+    small = SharedMemory(create=True, size=4096)
+    try:
+        session = _ServingSession(None, _Untouched())  # type: ignore[arg-type]
+        session.manifest = ExportManifest(export_id=0, kind="full", tensors=(), bucket_count=1)
+        control = {"op": "bucket", "payload_bytes": 1 << 20, "slot": 0, "segment": small.name}
+        error = session._handle("bucket", control, b"")
+        assert error is not None and "holds 4096 bytes, not 1048576" in error, error
+        for mapped in session.segments.values():
+            release(mapped, unlink=False)
+    finally:
+        release(small, unlink=True)
