@@ -17,7 +17,12 @@ load hits all of them alike. Recorded in each result's ``extra_info``:
   steps alone (each step is timed as its forward and backward, then its optimizers' step, each
   from a barrier; the first part is the same code on the same batches in every
   configuration), so that a 2 to 7 s step's own spread does not swamp a 50 ms floor;
-- the peak tensor bytes per rank of one step of each (the memory tracker's), against AdamW's.
+- the peak tensor bytes per rank of one step of each (the memory tracker's), against AdamW's;
+- the owner layout's prototype (``muon_owner_layout.py``), issue 83's other design:
+  ``owner_over_floor_optimizer`` is (its optimizers' part - the row layout's) / the floor, the
+  two moving the same bytes in the same harness, so what is left is what Muon adds there;
+  ``owner_bytes`` and ``rows_bytes`` its and its peer's bytes a rank a step (no peak: the
+  harness keeps the matrices whole on every rank, which no FSDP does).
 
 Nothing is asserted on time: run it on a quiet machine. The whole grid:
 ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/bench_muon.py -q -s``; a smoke run
@@ -92,6 +97,11 @@ def measure(size: str, world: int, scale: int, rounds: int,
     peaks = {
         c: max(run_on_ranks(world, muon_run.peak_bytes, timeout_s=_TIMEOUT_S, config=c, step=1))
         for c in configs
+        if c not in muon_run.LAYOUTS
+    }
+    layouts = {
+        c: run_on_ranks(world, muon_run.layout_bytes, timeout_s=_TIMEOUT_S, config=c)[0]
+        for c in muon_run.LAYOUTS
     }
     run_on_ranks(world, muon_run.teardown)
     adamw = steps["adamw"]
@@ -101,8 +111,9 @@ def measure(size: str, world: int, scale: int, rounds: int,
         out[f"{config}_vs_adamw"] = statistics.median(
             t / a for t, a in zip(steps[config], adamw, strict=True)
         )
-        out[f"{config}_peak_mib"] = peaks[config] / 2**20
-        out[f"{config}_peak_vs_adamw"] = peaks[config] / peaks["adamw"]
+        if config in peaks:
+            out[f"{config}_peak_mib"] = peaks[config] / 2**20
+            out[f"{config}_peak_vs_adamw"] = peaks[config] / peaks["adamw"]
     out["over_floor"] = statistics.median(
         (m - a) / f for m, a, f in zip(steps["muon"], adamw, floors, strict=True)
     )
@@ -112,6 +123,13 @@ def measure(size: str, world: int, scale: int, rounds: int,
         (m - a) / f
         for m, a, f in zip(optimizer_parts["muon"], optimizer_parts["adamw"], floors, strict=True)
     )
+    out["owner_over_floor_optimizer"] = statistics.median(
+        (o - r) / f
+        for o, r, f in zip(optimizer_parts["owner"], optimizer_parts["rows"], floors, strict=True)
+    )
+    for config, (sent, padding) in layouts.items():
+        out[f"{config}_bytes"] = sent
+        out[f"{config}_padding"] = padding
     return out
 
 
@@ -132,8 +150,10 @@ def test_summary() -> None:
     lines = [
         "| point | AdamW (ms) | Muon (ms) | over the floor: steps | over the floor: optimizer "
         "parts | optimizers' part: AdamW / Muon (ms) | Muon / AdamW | torch's Muon / AdamW "
-        "| gather-everything / AdamW | Newton-Schulz floor (ms) | peak: Muon / AdamW |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gather-everything / AdamW | Newton-Schulz floor (ms) | peak: Muon / AdamW "
+        "| owner layout (prototype) over the floor: optimizer parts | optimizers' part: rows / "
+        "owner (ms) | owner layout's bytes / rows' |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in _RESULTS.items():
         ratios = " | ".join(f"{r[f'{c}_vs_adamw']:.2f}" for c in columns)
@@ -142,7 +162,9 @@ def test_summary() -> None:
             f"{r['over_floor']:.2f} | {r['over_floor_optimizer']:.2f} | "
             f"{r['adamw_optimizer_s'] * 1e3:.1f} / {r['muon_optimizer_s'] * 1e3:.1f} | "
             f"{ratios} | {r['floor_s'] * 1e3:.0f} | "
-            f"{r['muon_peak_vs_adamw']:.2f} |"
+            f"{r['muon_peak_vs_adamw']:.2f} | {r['owner_over_floor_optimizer']:.2f} | "
+            f"{r['rows_optimizer_s'] * 1e3:.1f} / {r['owner_optimizer_s'] * 1e3:.1f} | "
+            f"{r['owner_bytes'] / r['rows_bytes']:.3f} |"
         )
     table = "\n".join(lines)
     print("\n" + table)

@@ -5,6 +5,7 @@ and "70b" built on the meta device, which only a sharded engine materializes, 1/
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -126,12 +127,15 @@ def build(
     world_size: int,
     options: Options | None = None,
     device: str = "cpu",
+    left_whole: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The model wrapped by ``impl`` and AdamW.
 
     ``impl``: 'shardkit', 'torch' (torch's fully_shard), 'fsdp1' (torch's
     FullyShardedDataParallel), 'ddp' or 'local' (no wrapper). ``device``: 'cpu' (gloo) or
-    'cuda' (NCCL; the current CUDA device must be set already).
+    'cuda' (NCCL; the current CUDA device must be set already). ``left_whole`` (a sharded
+    engine only): the parameters, by name, that ``fully_shard`` leaves alone
+    (``ignored_params``: not sharded, not reduced), for a caller that moves them itself.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -176,9 +180,15 @@ def build(
             # passes it (shardkit ignored torch's class until 2026-11-27)
             kwargs["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=True)
         mesh = init_device_mesh(device, (world_size,))
+        whole = {id(p) for n, p in model.named_parameters() if left_whole and left_whole(n, p)}
+
+        def left_alone(module: nn.Module) -> dict[str, Any]:  # passed only where there are any
+            ignored = {p for p in module.parameters() if id(p) in whole}
+            return {"ignored_params": ignored} if ignored else {}
+
         for block in model.blocks:
-            api.fully_shard(block, mesh=mesh, **kwargs)
-        api.fully_shard(model, mesh=mesh, **kwargs)
+            api.fully_shard(block, mesh=mesh, **left_alone(block), **kwargs)
+        api.fully_shard(model, mesh=mesh, **left_alone(model), **kwargs)
         if options.meta:
             model.to_empty(device=device)
             _init_sharded(model)

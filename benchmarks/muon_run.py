@@ -9,7 +9,12 @@ and the rounds alternate between them with nothing rebuilt:
   groups);
 - ``torch-muon``: ``torch.optim.Muon`` on the same shards, AdamW on the rest, its refusal
   bypassed (``muon_baselines.unhooked_step``): wrong, a floor;
-- ``gather``: ``muon_baselines.GatherEverythingMuon``, AdamW on the rest.
+- ``gather``: ``muon_baselines.GatherEverythingMuon``, AdamW on the rest;
+- ``owner``: the owner layout's prototype (``muon_owner_layout.OwnerLayout``): the blocks'
+  matrices left whole by ``fully_shard``, reduced whole onto their owners, torch's Muon there,
+  all-gathered back; AdamW on the rest as in ``muon``;
+- ``rows``: the same harness in FSDP's row layout with AdamW on the matrices
+  (``muon_owner_layout.RowLayout``): ``owner``'s peer, the two moving the same bytes.
 
 A step's batch is the size's benchmark batch (``gpt.batch``) times ``scale``: ``scale``
 consecutive batches, one sequence after another, so 8 is eight times the tokens.
@@ -29,14 +34,16 @@ import torch.nn.functional as F
 
 from benchmarks import gpt
 from benchmarks.muon_baselines import GatherEverythingMuon, newton_schulz_share, unhooked_step
+from benchmarks.muon_owner_layout import OwnerLayout, RowLayout
 
-CONFIGS = ("adamw", "muon", "torch-muon", "gather")
+CONFIGS = ("adamw", "muon", "torch-muon", "gather", "owner", "rows")
+LAYOUTS = ("owner", "rows")
 MUON_LR = 0.02
 
 _STATE: dict[str, Any] = {}
 
 
-def _takes_muon(name: str, param: torch.Tensor) -> bool:
+def takes_muon(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 2 and name.startswith("blocks.")
 
 
@@ -44,8 +51,8 @@ def _optimizers(model: Any, config: str, adamw: torch.optim.Optimizer) -> list[A
     if config == "adamw":
         return [adamw]
     named = list(model.named_parameters())
-    matrices = [(n, p) for n, p in named if _takes_muon(n, p)]
-    others = [p for n, p in named if not _takes_muon(n, p)]
+    matrices = [(n, p) for n, p in named if takes_muon(n, p)]
+    others = [p for n, p in named if not takes_muon(n, p)]
     rest = torch.optim.AdamW(others, lr=1e-3, weight_decay=0.01)
     if config == "muon":
         from shardkit.core.optim import Muon
@@ -53,6 +60,10 @@ def _optimizers(model: Any, config: str, adamw: torch.optim.Optimizer) -> list[A
         return [Muon(matrices, lr=MUON_LR), rest]
     if config == "torch-muon":
         return [torch.optim.Muon([p for _, p in matrices], lr=MUON_LR), rest]
+    if config == "owner":
+        return [OwnerLayout([p for _, p in matrices], lr=MUON_LR), rest]
+    if config == "rows":
+        return [RowLayout([p for _, p in matrices]), rest]
     assert config == "gather", config
     return [GatherEverythingMuon([p for _, p in matrices], lr=MUON_LR), rest]
 
@@ -62,13 +73,14 @@ def setup(rank: int, world_size: int, size: str, scale: int, configs: tuple[str,
     _STATE.clear()
     _STATE.update(size=size, scale=scale)
     for config in configs:
-        model, adamw = gpt.build("shardkit", size, world_size)
+        left_whole = takes_muon if config in LAYOUTS else None
+        model, adamw = gpt.build("shardkit", size, world_size, left_whole=left_whole)
         _STATE[config] = (model, _optimizers(model, config, adamw))
         for step in range(2):  # lazy init, the allocator, the optimizers' state
             step_seconds(rank, world_size, config, step)
     model = _STATE[configs[0]][0]
     _STATE["shapes"] = [(p.size(0), p.size(1)) for n, p in model.named_parameters()
-                        if _takes_muon(n, p)]  # fmt: skip
+                        if takes_muon(n, p)]  # fmt: skip
 
 
 def _batch(rank: int, world_size: int, step: int) -> torch.Tensor:
@@ -136,9 +148,27 @@ def peak_bytes(rank: int, world_size: int, config: str, step: int) -> int:
 
     model, opts = _STATE[config]
     data = _batch(rank, world_size, step)
-    with MemoryTracker(model, optimizers=opts) as tracker:
+    optimizers = [o for o in opts if isinstance(o, torch.optim.Optimizer)]  # not the layouts
+    with MemoryTracker(model, optimizers=optimizers) as tracker:
         _train_step(config, data)
     return sum(tracker.report().peak.by_category.values())
+
+
+def layout_bytes(rank: int, world_size: int, config: str) -> tuple[int, int]:
+    """A layout's bytes on the wire a step, this rank (its reduce-scatter and all-gather), and
+    the elements of padding in its flat buffer."""
+    layout = _STATE[config][1][0]
+    return layout.bytes_sent, layout.padding
+
+
+def full_parameters(rank: int, world_size: int, config: str) -> dict[str, torch.Tensor]:
+    """``config``'s model's parameters, whole (the layouts' matrices are whole already)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in _STATE[config][0].named_parameters()
+    }
 
 
 def teardown(rank: int, world_size: int) -> None:
