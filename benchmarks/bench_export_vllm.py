@@ -7,10 +7,11 @@ One command, under the vLLM environment (``make check-vllm`` sets it up)::
 
 ``SIZES``: ``5m``, ``150m`` or ``5m,150m`` (the default); ``ROUNDS``: syncs measured per
 mode (default 3, after a warm-up sync); ``BUCKETS_MIB``: the exports' ``bucket_bytes`` to
-run, in MiB (default ``512,64``: the default and a small one; trl's pattern has no buckets
-and runs once). Every combination of placement (``colocated``: an engine in each trainer
-process; ``process``: rank 0's engine core in a process of its own), mode (``trl``, ``full``,
-``delta``, ``streamed``: full exports with no mirror and no versions), bucket size and
+run, in MiB (default ``64,512``: the default, and the default before 2026-11-30; trl's
+pattern has no buckets and runs once). Every combination of placement (``colocated``: an
+engine in each trainer process; ``process``: rank 0's engine core in a process of its own),
+mode (``trl``, ``full``, ``delta``, ``streamed``: full exports with no mirror and no
+versions, ``files``: deltas streamed, the mirror in files), bucket size and
 learning rate (1e-6, 1e-5) runs in fresh processes (``benchmarks/export_vllm_run.py``; comma
 lists in the last three arguments run part of the grid), so each mode's peak RSS is its own.
 Prints one table row per combination (medians over the rounds; peak RSS per trainer rank) and
@@ -32,7 +33,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENTS = ("colocated", "process")
-MODES = ("trl", "full", "delta", "streamed")
+MODES = ("trl", "full", "delta", "streamed", "files")
 RATES = ("1e-6", "1e-5")
 
 
@@ -71,7 +72,7 @@ def row(result: dict[str, Any]) -> str:
 def main(argv: list[str]) -> None:
     sizes = (argv[0] if argv else "5m,150m").split(",")
     rounds = int(argv[1]) if len(argv) > 1 else 3
-    buckets = [int(b) for b in (argv[2] if len(argv) > 2 else "512,64").split(",")]
+    buckets = [int(b) for b in (argv[2] if len(argv) > 2 else "64,512").split(",")]
     # Part of the grid: comma lists of modes, placements, rates (default: all).
     modes = argv[3].split(",") if len(argv) > 3 else list(MODES)
     placements = argv[4].split(",") if len(argv) > 4 else list(PLACEMENTS)

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node 2 benchmarks/export_vllm_run.py SIZE PLACEMENT MODE LR ROUNDS
 DIR [BUCKET_MIB] (under .venv-vllm; ``benchmarks/bench_export_vllm.py`` runs every
-combination). ``BUCKET_MIB``: the export's ``bucket_bytes`` (default 512, ``ExportOptions``'
+combination). ``BUCKET_MIB``: the export's ``bucket_bytes`` (default 64, ``ExportOptions``'
 default; trl's pattern has no buckets and ignores it).
 
 The trainer is ``benchmarks/export_run.py``'s Qwen2-style model of ``SIZE`` (fp32 masters,
@@ -22,7 +22,9 @@ takes whole layers only); in another process, one RPC per parameter staged on th
 one commit, as trl's server mode sends one parameter per call), ``full`` or ``delta``
 (``WeightExporter`` into ``vllm_receiver``, bf16; a delta's first sync is full), or
 ``streamed``: full exports into ``vllm_receiver(keep_mirror=False, all_or_nothing=False)``,
-each bucket loaded as it arrives and no copy of the model kept (no deltas, no versions).
+each bucket loaded as it arrives and no copy of the model kept (no deltas, no versions), or
+``files``: delta exports into ``vllm_receiver(all_or_nothing=False, mirror_dir=DIR/mirror)``,
+each bucket loaded as it arrives, the mirror in files (no versions).
 
 Per sync: the whole sync (its slowest rank), the engine's load (the receiving ranks' slowest
 time inside it) and the trainer side (the one less the other), the bytes the trainer ranks sent each
@@ -135,7 +137,7 @@ class TrlPattern:
 
 def main() -> None:
     lr, rounds, folder = float(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
-    bucket_mib = int(sys.argv[7]) if len(sys.argv) > 7 else 512
+    bucket_mib = int(sys.argv[7]) if len(sys.argv) > 7 else 64
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
@@ -158,9 +160,12 @@ def main() -> None:
     to: Literal["first", "all"] = "all" if PLACEMENT == "colocated" else "first"
     options = ExportOptions(dtype=torch.bfloat16, to=to, bucket_bytes=bucket_mib * 2**20)
     exporter = WeightExporter(model, options)
-    kept = MODE != "streamed"
+    kept, staged = MODE != "streamed", MODE not in ("streamed", "files")
+    mirror_dir = folder / "mirror" if MODE == "files" else None
     receiver = (
-        vllm_receiver(engine, keep_mirror=kept, all_or_nothing=kept) if engine is not None else None
+        vllm_receiver(engine, keep_mirror=kept, all_or_nothing=staged, mirror_dir=mirror_dir)
+        if engine is not None
+        else None
     )
     trl = TrlPattern(model, engine)
     rows: list[dict[str, Any]] = []
@@ -173,7 +178,7 @@ def main() -> None:
             plain = 0
         else:
             begin = time.perf_counter()
-            report = exporter.export(receiver, delta=MODE == "delta")
+            report = exporter.export(receiver, delta=MODE in ("delta", "files"))
             seconds, engine_s = time.perf_counter() - begin, report.handoff_seconds
             sent, plain = report.counts.sent_bytes, report.counts.plain_buckets
         top = peak()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export import ExportedTensor, ExportManifest, WeightBucket
+from shardkit.core.export.mirror_files import MirrorFiles
 from shardkit.core.export.vllm import VLLMReceiver, engine_dtype, vllm_receiver
 from shardkit.core.export.vllm_worker import choose_path
 from tests.vllm.engines import (
@@ -157,6 +159,24 @@ def test_the_lean_receiver_streams_full_exports_and_keeps_no_copy(engines: Engin
         receiver.begin(delta_export(engines.second, engines.third, export_id=1)[0])
     receiver.abort(RuntimeError("refused"))
     assert greedy(engines.receiving) == greedy(engines.second_engine)
+
+
+def test_deltas_stream_in_with_the_mirror_in_files(engines: Engines, tmp_path: Path) -> None:
+    # all_or_nothing=False, mirror_dir: each bucket loaded as it arrives, the last export in
+    # files (vLLM's CPU build cannot give its weights back), nothing of the model in memory.
+    receiver = vllm_receiver(engines.receiving, all_or_nothing=False, mirror_dir=tmp_path)
+    export_into(receiver, *full_export(engines.second, export_id=0))
+    assert isinstance(receiver.mirror, MirrorFiles) and len(receiver.mirror) == len(engines.second)
+    for export_id, (before, after) in enumerate(
+        [(engines.second, engines.third), (engines.third, engines.second)], start=1
+    ):
+        export_into(receiver, *delta_export(before, after, export_id=export_id))
+        assert receiver.version == export_id
+        assert all(torch.equal(receiver.mirror[n], t) for n, t in after.items())
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+    export_into(receiver, *delta_export(engines.second, engines.third, export_id=3))
+    assert greedy(engines.receiving) == greedy(engines.third_engine)
+    assert len(list(receiver.mirror.folder.iterdir())) == len(engines.third)
 
 
 def test_a_streamed_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:

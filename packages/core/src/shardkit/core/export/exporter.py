@@ -74,8 +74,9 @@ class ExportOptions:
 
     dtype: torch.dtype | None = None
     """The receiver's dtype (floating tensors are cast to it on the shard); None: as stored."""
-    bucket_bytes: int = 512 * 2**20
-    """A bucket's bound, in the export dtype (a larger layer is a bucket alone)."""
+    bucket_bytes: int = 64 * 2**20
+    """A bucket's bound, in the export dtype (a larger layer is a bucket alone); why 64 MiB:
+    docs/guide/export.md, "The default bucket"."""
     to: Literal["first", "all"] = "first"
     """``"first"``: one rank receives (the mesh's first, or under a kept axis the first of each
     of its coordinates): a gather. ``"all"``: every rank receives (colocated engines on every

@@ -12,13 +12,15 @@ a delta, and the staged loads' commit and abort are a concept of their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, MutableMapping
 from typing import ClassVar
 
 import torch
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export.messages import ExportManifest, WeightBucket
+from shardkit.core.export.mirror_files import MirrorFiles
 from shardkit.core.export.versions import StagedLoads, Tensors, partial_load_error
 
 __all__ = ["FullTensorReceiver", "TensorLoader"]
@@ -41,9 +43,18 @@ class FullTensorReceiver:
             load the mirror's tensors of the buckets already loaded back (memory: the staged
             export, one more copy of what it changes). False calls ``load`` per bucket as it
             comes.
+        mirror_dir: keep the mirror in files under this folder (a private folder of its own
+            is made there and removed with the receiver) instead of in memory: the process
+            then holds one bucket's tensors at a time and a delta reads the tensors it changes
+            back from the files (``mirror_files.py``). Where the mirror is patched in place
+            (streamed, or an engine that puts itself back) the files are rewritten in place
+            and dropped if an export fails; otherwise the last export's stay whole until the
+            commit. For deltas where the engine cannot give its weights back and memory is
+            what runs out; use a disk, not a tmpfs such as /dev/shm, which is memory again.
 
     Raises:
-        ValueError: ``all_or_nothing`` without ``keep_mirror`` (nothing to load back).
+        ValueError: ``all_or_nothing`` without ``keep_mirror`` (nothing to load back), or
+            ``mirror_dir`` without it.
     """
 
     loads_back_itself: ClassVar[bool] = False
@@ -57,7 +68,13 @@ class FullTensorReceiver:
         | None = None,
         keep_mirror: bool = True,
         all_or_nothing: bool = True,
+        mirror_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if mirror_dir is not None and not keep_mirror:
+            raise ValueError(
+                "FullTensorReceiver(mirror_dir=...) keeps the mirror in files: it needs "
+                "keep_mirror=True"
+            )
         if all_or_nothing and not keep_mirror and not self.loads_back_itself:
             raise ValueError(
                 "FullTensorReceiver(all_or_nothing=True) needs keep_mirror=True: the mirror is "
@@ -67,15 +84,24 @@ class FullTensorReceiver:
         self.transform = transform
         self.keep_mirror = keep_mirror
         self.all_or_nothing = all_or_nothing
-        self.mirror: dict[str, torch.Tensor] = {}
+        self._mirror_dir = mirror_dir
+        self.mirror = self._store("mirror")
         self.version: int | None = None
         """The export loaded complete, which the mirror holds (None: none, or one failed)."""
         self._manifest: ExportManifest | None = None
-        self._next_mirror: dict[str, torch.Tensor] = {}
+        self._next_mirror = self._store("next")
         self._patched = False
         """A delta was patched into the mirror in place since the last commit."""
         self._staged = StagedLoads()
         self.loaded: list[str] = []
+
+    def _store(self, label: str) -> MutableMapping[str, torch.Tensor]:
+        """An empty mirror: a dict, or files under ``mirror_dir``."""
+        return {} if self._mirror_dir is None else MirrorFiles(self._mirror_dir, label)
+
+    @property
+    def _mirror_in_files(self) -> bool:
+        return isinstance(self.mirror, MirrorFiles)
 
     def begin(self, manifest: ExportManifest) -> None:
         """Check a delta against the mirror (the export it is relative to, all tensors)."""
@@ -90,12 +116,14 @@ class FullTensorReceiver:
                     "full first (exporter.reset())"
                 )
             _check_mirror(self.mirror, manifest)
-        elif self.loads_back_itself:
+        elif self.loads_back_itself and not self._mirror_in_files:
             # Nothing loads the mirror back here: a full export replaces it whole, so it is
             # not held twice (a delta after a failed full export is refused: "not held").
-            self.mirror = {}
+            # Files are rewritten in place instead (and dropped if the export fails).
+            self.mirror.clear()
         self._manifest, self.loaded = manifest, []
-        self._next_mirror, self._staged = {}, StagedLoads()
+        self._next_mirror.clear()
+        self._staged = StagedLoads()
 
     def receive(self, bucket: WeightBucket) -> None:
         """Rebuild the bucket's whole tensors; stage them (or hand them to ``load``)."""
@@ -146,17 +174,26 @@ class FullTensorReceiver:
         Where the mirror is never loaded back (the engine puts itself back, or loads come
         bucket by bucket and a failure leaves a mix anyway), each changed tensor is patched
         where it lies, not rebuilt beside it: no second copy of the model during a delta.
+        A mirror in files is rewritten in place there (its pages are in the page cache
+        already: several times faster than new files); elsewhere a tensor is read into a new
+        one and written to new files, and the last export's stay whole until the commit.
         """
         return self.loads_back_itself or not self.all_or_nothing
 
     def _whole_tensors(self, bucket: WeightBucket) -> Tensors:
         """The bucket's whole tensors; the mirror untouched unless :attr:`_patches_mirror`."""
         tensors: Tensors = []
+        # Kept past this call (a transport's tensors view its buffer only during it); a
+        # mirror in files writes them out during it instead.
+        kept = self.all_or_nothing or (self.keep_mirror and not self._mirror_in_files)
+        in_place = self._patches_mirror and self._mirror_in_files
         for name, tensor in bucket.full:
-            if self.keep_mirror or self.all_or_nothing:
-                # Kept past this call (a transport's tensors view its buffer only during it).
+            if kept:
                 tensor = tensor.clone() if tensor.data_ptr() else tensor
-            if self.keep_mirror:
+            if in_place:
+                self.mirror[name] = tensor  # its file rewritten: the mirror mixes versions
+                self._patched = True
+            elif self.keep_mirror:
                 if self._patches_mirror and self.mirror.pop(name, None) is not None:
                     # A plain bucket of a delta export (dense: sent whole): version k's
                     # tensor dropped as k+1's arrives, not held beside it until the commit
@@ -165,15 +202,18 @@ class FullTensorReceiver:
                 self._next_mirror[name] = tensor
             tensors.append((name, tensor))
         for name, changes in bucket.changed:
-            mirrored = self.mirror[name]
+            mirrored = self.mirror[name]  # from a file: a new tensor already
             if changes.count:
                 if self._patches_mirror:
                     self._patched = True  # the mirror now mixes two versions until the commit
-                else:
+                elif not self._mirror_in_files:
                     # A copy patched: the mirror keeps the version that serves until the commit.
                     mirrored = mirrored.clone()
                 changes.apply_to(mirrored)
-                self._next_mirror[name] = mirrored
+                if in_place:
+                    self.mirror[name] = mirrored
+                else:
+                    self._next_mirror[name] = mirrored
             tensors.append((name, mirrored))
         return tensors
 
@@ -187,8 +227,14 @@ class FullTensorReceiver:
             except WeightLoadError as error:
                 raise WeightLoadError(f"export {self._manifest.export_id}: {error}") from error
             self.loaded = [entry.name for entry in self._manifest.tensors]
-        self.mirror.update(self._next_mirror)
-        self._next_mirror = {}
+        if isinstance(self.mirror, MirrorFiles) and isinstance(self._next_mirror, MirrorFiles):
+            self.mirror.take_from(self._next_mirror)  # renamed into place, not copied
+            if self._manifest.kind == "full":  # rewritten in place: drop what it no longer has
+                for name in set(self.mirror) - {e.name for e in self._manifest.tensors}:
+                    del self.mirror[name]
+        else:
+            self.mirror.update(self._next_mirror)
+            self._next_mirror.clear()
         self._patched = False
         self.version = self._manifest.export_id
         self._manifest = None
@@ -206,19 +252,31 @@ class FullTensorReceiver:
         if self._manifest is not None and not self.all_or_nothing:
             self.version = None  # loaded bucket by bucket: part of it may be in
         if self._patched:
-            self.mirror, self.version, self._patched = {}, None, False
+            self.mirror.clear()
+            self.version, self._patched = None, False
         self._manifest = None
-        self._next_mirror, self._staged = {}, StagedLoads()
+        self._next_mirror.clear()
+        self._staged = StagedLoads()
 
 
-def _check_mirror(mirror: dict[str, torch.Tensor], manifest: ExportManifest) -> None:
+def _held_spec(
+    mirror: MutableMapping[str, torch.Tensor], name: str
+) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype the mirror holds under ``name``, reading no file."""
+    if isinstance(mirror, MirrorFiles):
+        return mirror.spec(name)
+    held = mirror.get(name)
+    return None if held is None else (tuple(held.shape), held.dtype)
+
+
+def _check_mirror(mirror: MutableMapping[str, torch.Tensor], manifest: ExportManifest) -> None:
     problems = []
     for entry in manifest.tensors:
-        held = mirror.get(entry.name)
+        held = _held_spec(mirror, entry.name)
         if held is None:
             problems.append(f"{entry.name}: not held")
-        elif tuple(held.shape) != entry.shape or held.dtype != entry.dtype:
-            problems.append(f"{entry.name}: held as {list(held.shape)} {held.dtype}")
+        elif held != (entry.shape, entry.dtype):
+            problems.append(f"{entry.name}: held as {list(held[0])} {held[1]}")
     if problems:
         raise WeightLoadError(
             f"delta export {manifest.export_id} does not match the weights held; nothing was "

@@ -158,7 +158,7 @@ class SlicedExporter:
         engine: EngineTP,
         *,
         dtype: torch.dtype | None = None,
-        bucket_bytes: int = 512 * 2**20,
+        bucket_bytes: int = 64 * 2**20,
         layer_of: Callable[[str], str] = default_layer_of,
         rename: Callable[[str], str | None] | None = None,
         bound_s: float | None = None,

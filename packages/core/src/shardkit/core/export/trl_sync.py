@@ -46,7 +46,7 @@ class TrlExportSync:
     """Send only the changed elements after the first sync (a bucket changed past 1/8 goes
     plain: never larger than a full export)."""
     bucket_bytes: int | None = None
-    """The export's bucket bound (None: the exporter's default, 512 MiB)."""
+    """The export's bucket bound (None: the exporter's default, 64 MiB)."""
     reports: list[ExportReport] = field(default_factory=list)
     """Every sync's report, in order."""
     _exporter: WeightExporter | None = None

@@ -206,6 +206,9 @@ class VLLMReceiver(FullTensorReceiver):
         bound_s: the longest wait for one call into an engine in another process (default
             ``SHARDKIT_EXPORT_BOUND``): past it the export fails on every rank.
         all_or_nothing: stage and commit (the default); False loads each bucket as it comes.
+        mirror_dir: keep the mirror in files under this folder, not in memory (see
+            :class:`FullTensorReceiver`): with ``all_or_nothing=False``, deltas at one bucket's
+            memory.
     """
 
     loads_back_itself = True  # the worker puts its model back (vllm_versions.py)
@@ -218,9 +221,15 @@ class VLLMReceiver(FullTensorReceiver):
         keep_mirror: bool = True,
         bound_s: float | None = None,
         all_or_nothing: bool = True,
+        mirror_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self._loader = _Loader(EngineCalls(llm, bound_s), path)
-        super().__init__(self._loader, keep_mirror=keep_mirror, all_or_nothing=all_or_nothing)
+        super().__init__(
+            self._loader,
+            keep_mirror=keep_mirror,
+            all_or_nothing=all_or_nothing,
+            mirror_dir=mirror_dir,
+        )
         self.llm = llm
         self.dtype = engine_dtype(llm)
         self._checkpoint: dict[str, tuple[int, ...]] | None = _checkpoint_shapes(llm)
@@ -278,14 +287,22 @@ def vllm_receiver(
     bound_s: float | None = None,
     keep_mirror: bool = True,
     all_or_nothing: bool = True,
+    mirror_dir: str | os.PathLike[str] | None = None,
 ) -> VLLMReceiver:
     """The receiver for a ``vllm.LLM`` (see :class:`VLLMReceiver`).
 
     ``keep_mirror=False, all_or_nothing=False`` is the leanest: full exports only, each bucket
     loaded as it arrives, no copy of the model kept (docs/guide/export.md, "A sync's peak").
+    ``all_or_nothing=False, mirror_dir=...`` takes deltas as well, its copy of the model in
+    files.
     """
     return VLLMReceiver(
-        llm, path=path, bound_s=bound_s, keep_mirror=keep_mirror, all_or_nothing=all_or_nothing
+        llm,
+        path=path,
+        bound_s=bound_s,
+        keep_mirror=keep_mirror,
+        all_or_nothing=all_or_nothing,
+        mirror_dir=mirror_dir,
     )
 
 

@@ -30,7 +30,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     exporting.add_argument("--export-dtype", type=dtype_argument, help="the export's dtype (bf16)")
     exporting.add_argument(
-        "--export-bucket-mib", type=float, default=512.0, help="a bucket's bound, MiB"
+        "--export-bucket-mib", type=float, default=64.0, help="a bucket's bound, MiB"
     )
     exporting.add_argument(
         "--export-to", choices=("first", "all"), default="first", help="who receives"

@@ -51,7 +51,7 @@ __all__ = [
     "export_cost",
 ]
 
-DEFAULT_EXPORT_BUCKET_BYTES = 512 * 2**20
+DEFAULT_EXPORT_BUCKET_BYTES = 64 * 2**20
 """``ExportOptions.bucket_bytes``' default."""
 _HEAD_BYTES = 3 * 8  # the agreement: plan digest, export number, kind
 _END_BYTES = 8

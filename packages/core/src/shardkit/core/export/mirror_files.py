@@ -1,0 +1,131 @@
+"""A receiver's mirror in files: the last export's tensors on disk, read back one at a time.
+
+A delta export is relative to the last one, which a receiver that hands whole tensors to an
+engine (``FullTensorReceiver``) must hold itself where the engine cannot give its weights back
+(vLLM's CPU build repacks its linear layers after loading them). In memory that copy is the
+whole model in the export dtype, on the receiving rank, for the whole run. :class:`MirrorFiles`
+keeps each tensor in a file of its own in a private folder instead: written as it arrives,
+read back into a fresh tensor when a delta changes it, so the process holds one bucket's
+tensors at a time. The files sit in the page cache or on disk, which the kernel may write out
+and reclaim; they are read and written with plain calls, never mapped, so no page of them
+counts in the process's resident memory. Files are named by a counter, never by a tensor's
+name, and every read is checked against the size written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardkit.core.errors import WeightLoadError
+
+__all__ = ["MirrorFiles"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """``tensor``'s bytes (contiguous, on the CPU), without a copy where it is already so."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+class MirrorFiles(MutableMapping[str, torch.Tensor]):
+    """Tensors by name, each in a file under a private folder made in ``parent``.
+
+    Reading a name gives a new tensor each time (changing it changes no file); storing one
+    writes its bytes at once. The folder is removed with the object, or by :meth:`close`.
+    """
+
+    def __init__(self, parent: str | os.PathLike[str], label: str = "mirror") -> None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix=f"shardkit-{label}-", dir=parent))
+        self._held: dict[str, _Held] = {}
+        self._numbers = itertools.count()
+        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """The shape and dtype held under ``name``, read from no file (None: not held)."""
+        held = self._held.get(name)
+        return None if held is None else (held.shape, held.dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        held = self._held[name]
+        tensor = torch.empty(held.shape, dtype=held.dtype)
+        with open(held.path, "rb") as file:
+            read = file.readinto(_bytes_of(tensor)) if held.nbytes else 0
+            extra = file.read(1)
+        if read != held.nbytes or extra:
+            raise WeightLoadError(
+                f"the receiver's mirror file of {name} ({held.path}) holds other than the "
+                f"{held.nbytes} bytes written to it: changed outside this process"
+            )
+        return tensor
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        old = self._held.get(name)
+        if old is not None and old.shape == tuple(tensor.shape) and old.dtype == tensor.dtype:
+            # Rewritten in place: its pages are in the page cache already, where a new file
+            # allocates them and the old one's are freed (measured several times slower).
+            with open(old.path, "r+b") as file:
+                file.write(_bytes_of(tensor))
+            return
+        path = self.folder / f"{next(self._numbers)}.bin"
+        with open(path, "xb") as file:
+            file.write(_bytes_of(tensor))
+        self._replace(name, _Held(path, tuple(tensor.shape), tensor.dtype))
+
+    def __delitem__(self, name: str) -> None:
+        self._held.pop(name).path.unlink(missing_ok=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._held))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._held
+
+    def clear(self) -> None:
+        """Forget every tensor and remove its file (the folder stays)."""
+        for held in self._held.values():
+            held.path.unlink(missing_ok=True)
+        self._held.clear()
+
+    def take_from(self, other: MirrorFiles) -> None:
+        """Move every file of ``other`` here (renamed, not copied), replacing what it names."""
+        for name, held in other._held.items():
+            path = self.folder / f"{next(self._numbers)}.bin"
+            os.replace(held.path, path)
+            self._replace(name, _Held(path, held.shape, held.dtype))
+        other._held.clear()
+
+    def _replace(self, name: str, held: _Held) -> None:
+        old = self._held.get(name)
+        self._held[name] = held
+        if old is not None:
+            old.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove the folder and every file in it."""
+        self._held.clear()
+        self._remove()
