@@ -70,13 +70,16 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
     assert not other_folder.exists()
 
 
-@pytest.mark.parametrize("change", ["shorter", "longer"])
+@pytest.mark.parametrize("change", ["shorter", "longer", "removed"])
 def test_a_file_changed_from_outside_is_refused_by_name(tmp_path: Path, change: str) -> None:
     files = MirrorFiles(tmp_path)
     files["model.layers.0.mlp.up_proj.weight"] = torch.randn(8, 8)
     (path,) = files.folder.iterdir()
     data = path.read_bytes()
-    path.write_bytes(data[:-4] if change == "shorter" else data + b"\0")
+    if change == "removed":
+        path.unlink()
+    else:
+        path.write_bytes(data[:-4] if change == "shorter" else data + b"\0")
     with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
         files["model.layers.0.mlp.up_proj.weight"]
 

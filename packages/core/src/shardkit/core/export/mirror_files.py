@@ -70,9 +70,14 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         held = self._held[name]
         tensor = torch.empty(held.shape, dtype=held.dtype)
-        with open(held.path, "rb") as file:
-            read = file.readinto(_bytes_of(tensor)) if held.nbytes else 0
-            extra = file.read(1)
+        try:
+            with open(held.path, "rb") as file:
+                read = file.readinto(_bytes_of(tensor)) if held.nbytes else 0
+                extra = file.read(1)
+        except OSError as error:
+            raise WeightLoadError(
+                f"the receiver's mirror file of {name} ({held.path}) cannot be read: {error}"
+            ) from error
         if read != held.nbytes or extra:
             raise WeightLoadError(
                 f"the receiver's mirror file of {name} ({held.path}) holds other than the "
