@@ -11,10 +11,12 @@ run, in MiB (default ``64,512``: the default, and the default before 2026-11-30;
 pattern has no buckets and runs once). Every combination of placement (``colocated``: an
 engine in each trainer process; ``process``: rank 0's engine core in a process of its own),
 mode (``trl``, ``full``, ``delta``, ``streamed``: full exports with no mirror and no
-versions, ``files``: deltas streamed, the mirror in files), bucket size and
+versions, ``files``: deltas streamed, the mirror in files, ``versioned``: deltas all or
+nothing, the mirror and the staged export in files), bucket size and
 learning rate (1e-6, 1e-5) runs in fresh processes (``benchmarks/export_vllm_run.py``; comma
 lists in the last three arguments run part of the grid), so each mode's peak RSS is its own.
-Prints one table row per combination (medians over the rounds; peak RSS per trainer rank) and
+Prints one table row per combination (medians over the rounds; peak RSS per trainer rank, the
+highest of the rounds, and apart that of the first sync, a warm-up not counted in the rest) and
 writes every round to ``benchmarks/.results/export_vllm.json``. Here, at load 5-45 on 2 cores,
 5M took 36 minutes (most of it starting engines); 150M should take about an hour and a half.
 A script, not a pytest benchmark: the default environment has no vLLM.
@@ -33,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENTS = ("colocated", "process")
-MODES = ("trl", "full", "delta", "streamed", "files")
+MODES = ("trl", "full", "delta", "streamed", "files", "versioned")
 RATES = ("1e-6", "1e-5")
 
 
@@ -60,12 +62,16 @@ def row(result: dict[str, Any]) -> str:
         return float(statistics.median(r[key] for r in rows))
 
     peaks = [max(r["peak_rss_mib"][i] for r in rows) for i in range(2)]
+    rises = [max(r["peak_above_start_mib"][i] for r in rows) for i in range(2)]
+    first = result.get("first_sync") or {}
+    firsts = first.get("peak_rss_mib", [float("nan")] * 2)
     bucket = "-" if result["mode"] == "trl" else f"{result['bucket_mib']} MiB"
     return (
         f"| {result['size']} | {result['placement']} | {result['lr']:g} | {result['mode']} | "
         f"{bucket} | "
         f"{median('sync_s'):.3f} | {median('trainer_s'):.3f} | {median('engine_s'):.3f} | "
-        f"{median('bytes') / 2**20:.2f} MiB | r0 {peaks[0]:.0f}, r1 {peaks[1]:.0f} MiB |"
+        f"{median('bytes') / 2**20:.2f} MiB | r0 {peaks[0]:.0f} ({rises[0]:.0f}), "
+        f"r1 {peaks[1]:.0f} ({rises[1]:.0f}) MiB | r0 {firsts[0]:.0f}, r1 {firsts[1]:.0f} MiB |"
     )
 
 
@@ -80,9 +86,9 @@ def main(argv: list[str]) -> None:
     print(os.getloadavg(), flush=True)
     head = (
         "| model | engine | lr | mode | bucket_bytes | sync | trainer side | engine load | "
-        "bytes | peak RSS |"
+        "bytes | peak RSS (above the sync's start) | the first sync's peak RSS |"
     )
-    print(head + "\n" + "|---" * 10 + "|", flush=True)
+    print(head + "\n" + "|---" * 11 + "|", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for size in sizes:

@@ -24,7 +24,9 @@ one commit, as trl's server mode sends one parameter per call), ``full`` or ``de
 ``streamed``: full exports into ``vllm_receiver(keep_mirror=False, all_or_nothing=False)``,
 each bucket loaded as it arrives and no copy of the model kept (no deltas, no versions), or
 ``files``: delta exports into ``vllm_receiver(all_or_nothing=False, mirror_dir=DIR/mirror)``,
-each bucket loaded as it arrives, the mirror in files (no versions).
+each bucket loaded as it arrives, the mirror in files (no versions), or ``versioned``: delta
+exports into ``vllm_receiver(mirror_dir=DIR/mirror)``, all or nothing (versions), the mirror
+in files and the staged export in files on the engine's worker.
 
 Per sync: the whole sync (its slowest rank), the engine's load (the receiving ranks' slowest
 time inside it) and the trainer side (the one less the other), the bytes the trainer ranks sent each
@@ -161,7 +163,7 @@ def main() -> None:
     options = ExportOptions(dtype=torch.bfloat16, to=to, bucket_bytes=bucket_mib * 2**20)
     exporter = WeightExporter(model, options)
     kept, staged = MODE != "streamed", MODE not in ("streamed", "files")
-    mirror_dir = folder / "mirror" if MODE == "files" else None
+    mirror_dir = folder / "mirror" if MODE in ("files", "versioned") else None
     receiver = (
         vllm_receiver(engine, keep_mirror=kept, all_or_nothing=staged, mirror_dir=mirror_dir)
         if engine is not None
@@ -169,6 +171,7 @@ def main() -> None:
     )
     trl = TrlPattern(model, engine)
     rows: list[dict[str, Any]] = []
+    first: dict[str, Any] = {}
     for r in range(rounds + 1):
         train_step(model, optimizer, SIZE, rank)
         dist.barrier()
@@ -178,7 +181,7 @@ def main() -> None:
             plain = 0
         else:
             begin = time.perf_counter()
-            report = exporter.export(receiver, delta=MODE in ("delta", "files"))
+            report = exporter.export(receiver, delta=MODE in ("delta", "files", "versioned"))
             seconds, engine_s = time.perf_counter() - begin, report.handoff_seconds
             sent, plain = report.counts.sent_bytes, report.counts.plain_buckets
         top = peak()
@@ -190,21 +193,23 @@ def main() -> None:
         dist.all_reduce(wire)
         peaks = [torch.zeros(2) for _ in range(dist.get_world_size())]
         dist.all_gather(peaks, torch.tensor([top, top - base]))
+        row = {
+            "sync_s": whole,
+            "trainer_s": trainer_side,
+            "engine_s": load,
+            "bytes": int(wire),
+            "plain_buckets": plain,
+            "peak_rss_mib": [round(float(p[0]), 1) for p in peaks],
+            "peak_above_start_mib": [round(float(p[1]), 1) for p in peaks],
+        }
         if r:  # the first sync warms up (and a delta's first is full)
-            rows.append(
-                {
-                    "sync_s": whole,
-                    "trainer_s": trainer_side,
-                    "engine_s": load,
-                    "bytes": int(wire),
-                    "plain_buckets": plain,
-                    "peak_rss_mib": [round(float(p[0]), 1) for p in peaks],
-                    "peak_above_start_mib": [round(float(p[1]), 1) for p in peaks],
-                }
-            )
+            rows.append(row)
+        else:  # reported apart: a receiver's first sync may hold what later ones do not
+            first = row
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         line = dict(size=SIZE, placement=PLACEMENT, mode=MODE, lr=lr, params=params, rows=rows)
+        line["first_sync"] = first
         line.update(bucket_mib=bucket_mib, buckets=len(exporter.buckets))
         print(json.dumps(line), flush=True)
     if PLACEMENT == "process" and engine is not None:

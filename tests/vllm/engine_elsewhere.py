@@ -83,6 +83,21 @@ def main() -> None:
     out["bad_commit"] = _timed_error(lambda: engines.export_into(receiver, *bad))
     out["serving_after_bad"] = receiver.serving_version()
     out["same_after_bad"] = engines.greedy(receiving) == received
+    # All or nothing with the mirror in files: the engine's process loads each export from
+    # the files the receiver wrote on this host, and puts the last one back from its files.
+    in_files = VLLMReceiver(receiving, bound_s=BOUND_S, mirror_dir=root / "mirror")
+    in_files._checkpoint = None
+    out["files_full"] = _timed_error(
+        lambda: engines.export_into(in_files, *engines.full_export(second, export_id=3))
+    )
+    out["files_delta"] = _timed_error(
+        lambda: engines.export_into(in_files, *engines.delta_export(second, third, export_id=4))
+    )
+    out["files_same"] = engines.greedy(receiving) == received
+    bad = engines.with_a_bad_tensor(second, "model.layers.1.mlp.up_proj.weight", export_id=5)
+    out["files_bad_commit"] = _timed_error(lambda: engines.export_into(in_files, *bad))
+    out["files_serving_after_bad"] = in_files.serving_version()
+    out["files_same_after_bad"] = engines.greedy(receiving) == received
     reference = _engine(
         engines.save_weights_beside(root / "first", root / "third", third), extension=True
     )
@@ -95,7 +110,7 @@ def main() -> None:
         os.kill(core.pid or 0, signal.SIGKILL)
     out["killed"] = len(cores)
     out["after_kill"] = _timed_error(
-        lambda: engines.export_into(receiver, *engines.full_export(third, export_id=3))
+        lambda: engines.export_into(receiver, *engines.full_export(third, export_id=6))
     )
     print(json.dumps(out), flush=True)
     os._exit(0)  # vLLM's client threads of the dead engine would hold the exit

@@ -6,8 +6,9 @@ fresh interpreter): without shardkit's worker extension the receiver refuses the
 ``begin``, naming the settings, at once; with it a full and a delta export go through by
 method name and the engine's greedy tokens and log-probabilities equal a fresh engine's on
 the weights sent; a commit whose load raises in the engine's process leaves the version the
-worker served, and its outputs; and once its engine core is killed, the next export raises
-within the bound.
+worker served, and its outputs (also with the mirror in files, the engine's process loading
+each export from the files and putting the last one back from its own); and once its engine
+core is killed, the next export raises within the bound.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def test_an_engine_in_its_own_process_takes_exports_or_ends_them_within_the_boun
     failed = found["bad_commit"]["error"]
     assert "export 2" in failed and "put back" in failed and "serves export 1" in failed, failed
     assert found["same_after_bad"]
+    assert found["files_full"]["error"] is None and found["files_delta"]["error"] is None
+    assert found["files_same"] and found["files_same_after_bad"]
+    failed = found["files_bad_commit"]["error"]
+    assert "export 5" in failed and "loaded again from their files" in failed, failed
+    assert "serves export 4" in failed and found["files_serving_after_bad"] == 4
     after = found["after_kill"]
     assert found["killed"] >= 1 and after["error"] is not None
     assert "did not answer" in after["error"] or "EngineDead" in after["error"]

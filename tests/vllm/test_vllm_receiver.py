@@ -179,6 +179,57 @@ def test_deltas_stream_in_with_the_mirror_in_files(engines: Engines, tmp_path: P
     assert len(list(receiver.mirror.folder.iterdir())) == len(engines.third)
 
 
+def test_versions_in_files_load_at_the_commit_and_put_the_last_back(
+    engines: Engines, tmp_path: Path
+) -> None:
+    # All or nothing with the mirror in files: each export is written to files beside the
+    # last one's, nothing is staged on the worker, and the commit has the worker load the
+    # files (vllm_files.py); a load that raises is followed by the last export's files.
+    receiver = vllm_receiver(engines.receiving, mirror_dir=tmp_path)
+    export_into(receiver, *full_export(engines.second, export_id=0))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+    export_into(receiver, *delta_export(engines.second, engines.third, export_id=1))
+    assert greedy(engines.receiving) == greedy(engines.third_engine)
+    assert receiver.serving_version() == 1 == receiver.version
+    assert receiver._staged.loads == [] and len(receiver._next_mirror) == 0
+    before = greedy(engines.receiving)
+    bad_name = "model.layers.1.self_attn.q_proj.weight"
+
+    with pytest.raises(WeightLoadError) as caught:
+        export_into(receiver, *with_a_bad_tensor(engines.second, bad_name, export_id=2))
+
+    message = str(caught.value)
+    assert "export 2" in message and "loaded again from their files" in message
+    assert "serves export 1" in message
+    assert receiver.serving_version() == 1 == receiver.version
+    assert greedy(engines.receiving) == before  # version 1, complete
+    # Its files were never touched: a delta against version 1 applies.
+    mirror = receiver.mirror
+    assert isinstance(mirror, MirrorFiles)
+    assert all(torch.equal(mirror[n], t) for n, t in engines.third.items())
+    export_into(receiver, *delta_export(engines.third, engines.second, export_id=2))
+    assert greedy(engines.receiving) == greedy(engines.second_engine)
+    assert receiver.serving_version() == 2
+
+
+def test_a_first_export_in_files_that_fails_puts_back_the_checkpoint_the_engine_started_from(
+    engines: Engines, tmp_path: Path
+) -> None:
+    # Nothing is in files before the first export into an engine: the worker puts back the
+    # safetensors folder the engine started from (here the reference engine of the second
+    # weights, which no export has touched), read from disk, not a copy kept in memory.
+    engine = engines.second_engine
+    before = greedy(engine)
+    receiver = vllm_receiver(engine, mirror_dir=tmp_path)
+    bad_name = "model.layers.1.self_attn.q_proj.weight"
+
+    with pytest.raises(WeightLoadError, match="from the checkpoint it started from"):
+        export_into(receiver, *with_a_bad_tensor(engines.third, bad_name, export_id=0))
+
+    assert receiver.serving_version() is None and receiver.version is None
+    assert greedy(engine) == before
+
+
 def test_a_streamed_load_failing_partway_names_the_tensors_written(engines: Engines) -> None:
     # The manifest fits; one tensor of the second layer's bucket does not (a sender's bug).
     receiver = VLLMReceiver(engines.receiving, all_or_nothing=False)

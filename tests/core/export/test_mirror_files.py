@@ -56,9 +56,27 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
     assert sorted(held) == ["a", "b", "c"] and len(incoming) == 0
     assert not list(incoming.folder.iterdir())
     assert torch.equal(held["a"], torch.full((4,), 3.0)) and torch.equal(held["b"], torch.ones(2))
-    assert len(list(held.folder.iterdir())) == 3
+    # "a"'s file replaced is kept as the next store's spare: its next "a" is written into it
+    # in place (same inode: its pages reused), and a spare of another shape is removed.
+    files = sorted(held.folder.iterdir())
+    assert len(files) == 4
+    spare = next(f for f in files if f.read_bytes() == torch.full((4,), 2.0).numpy().tobytes())
+    inode = spare.stat().st_ino
+    incoming["a"] = torch.full((4,), 5.0)
+    assert (
+        spare.stat().st_ino == inode
+        and spare.read_bytes() == torch.full((4,), 5.0).numpy().tobytes()
+    )
+    assert len(list(held.folder.iterdir())) == 4 and not list(incoming.folder.iterdir())
+    held.take_from(incoming)
+    assert torch.equal(held["a"], torch.full((4,), 5.0))
+    incoming["a"] = torch.zeros(3)  # the spare (4 elements) does not fit: removed, a new file
+    assert len(list(held.folder.iterdir())) == 3 and len(list(incoming.folder.iterdir())) == 1
+    incoming.clear()
     del held["b"]
     assert "b" not in held and len(list(held.folder.iterdir())) == 2
+    held.take_from(incoming)
+    held["c"] = torch.zeros(1)
     held.clear()
     assert len(held) == 0 and not list(held.folder.iterdir())
     folder = held.folder
@@ -143,7 +161,9 @@ def test_deltas_rebuilt_from_files_load_exactly_full_tensor(
     assert receiving["kinds"] == ["full"] + ["delta"] * 4
     assert receiving["wrong_loads"] == [] and receiving["wrong_files"] == []
     assert receiving["in_memory"] == [0] * 5  # nothing of the model held between syncs
-    assert receiving["files"] == receiving["tensors"]  # one file a tensor, the old ones gone
+    # One file a tensor; all or nothing, the last version's files stay too, as the spares the
+    # next export is written into in place (no more: the older ones gone).
+    assert receiving["files"] == receiving["tensors"] * (2 if all_or_nothing else 1)
 
 
 def test_a_delta_failing_partway_drops_the_files_and_the_next_export_is_full(

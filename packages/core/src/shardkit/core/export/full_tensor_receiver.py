@@ -168,6 +168,15 @@ class FullTensorReceiver:
         return self.mirror.get(name)
 
     @property
+    def _keeps_tensors(self) -> bool:
+        """Whether a bucket's tensors are held past its ``receive`` (so copied out of it).
+
+        A transport's tensors view its buffer only during the call: the staged loads and a
+        mirror in memory keep them; a mirror in files writes them out during it instead.
+        """
+        return self.all_or_nothing or (self.keep_mirror and not self._mirror_in_files)
+
+    @property
     def _patches_mirror(self) -> bool:
         """Whether a delta is applied to the mirror in place.
 
@@ -183,9 +192,7 @@ class FullTensorReceiver:
     def _whole_tensors(self, bucket: WeightBucket) -> Tensors:
         """The bucket's whole tensors; the mirror untouched unless :attr:`_patches_mirror`."""
         tensors: Tensors = []
-        # Kept past this call (a transport's tensors view its buffer only during it); a
-        # mirror in files writes them out during it instead.
-        kept = self.all_or_nothing or (self.keep_mirror and not self._mirror_in_files)
+        kept = self._keeps_tensors
         in_place = self._patches_mirror and self._mirror_in_files
         for name, tensor in bucket.full:
             if kept:

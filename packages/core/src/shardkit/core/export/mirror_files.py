@@ -15,7 +15,6 @@ name, and every read is checked against the size written.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ import torch
 
 from shardkit.core.errors import WeightLoadError
 
-__all__ = ["MirrorFiles"]
+__all__ = ["MirrorFiles", "read_tensor_file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,15 +36,37 @@ class _Held:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """``tensor``'s bytes (contiguous, on the CPU), without a copy where it is already so."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data
+
+
+def read_tensor_file(
+    path: Path, shape: tuple[int, ...], dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """A new tensor of ``shape`` and ``dtype`` read from ``path``, which must hold its bytes.
+
+    Read with plain calls, never mapped. Raises ``WeightLoadError`` naming ``name`` where the
+    file cannot be read or holds more or fewer bytes.
+    """
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * dtype.itemsize
+    try:
+        with open(path, "rb") as file:
+            read = file.readinto(_bytes_of(tensor)) if nbytes else 0
+            extra = file.read(1)
+    except OSError as error:
+        raise WeightLoadError(
+            f"the receiver's mirror file of {name} ({path}) cannot be read: {error}"
+        ) from error
+    if read != nbytes or extra:
+        raise WeightLoadError(
+            f"the receiver's mirror file of {name} ({path}) holds other than the "
+            f"{nbytes} bytes written to it: changed outside this process"
+        )
+    return tensor
 
 
 class MirrorFiles(MutableMapping[str, torch.Tensor]):
@@ -59,6 +80,8 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
         Path(parent).mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix=f"shardkit-{label}-", dir=parent))
         self._held: dict[str, _Held] = {}
+        self._spare: dict[str, _Held] = {}
+        """Files a tensor's next version may be written into in place (``take_from``)."""
         self._numbers = itertools.count()
         self._remove = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
 
@@ -69,30 +92,34 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         held = self._held[name]
-        tensor = torch.empty(held.shape, dtype=held.dtype)
-        try:
-            with open(held.path, "rb") as file:
-                read = file.readinto(_bytes_of(tensor)) if held.nbytes else 0
-                extra = file.read(1)
-        except OSError as error:
-            raise WeightLoadError(
-                f"the receiver's mirror file of {name} ({held.path}) cannot be read: {error}"
-            ) from error
-        if read != held.nbytes or extra:
-            raise WeightLoadError(
-                f"the receiver's mirror file of {name} ({held.path}) holds other than the "
-                f"{held.nbytes} bytes written to it: changed outside this process"
-            )
-        return tensor
+        return read_tensor_file(held.path, held.shape, held.dtype, name)
+
+    def file_of(self, name: str) -> tuple[str, list[int], str]:
+        """Where ``name`` is held: its file's path, its shape and its dtype's name.
+
+        Plain values, as vLLM's RPC carries them: an engine's worker on this host reads the
+        file itself (``vllm_files.py``).
+        """
+        held = self._held[name]
+        return str(held.path), list(held.shape), str(held.dtype).removeprefix("torch.")
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        shape, dtype = tuple(tensor.shape), tensor.dtype
         old = self._held.get(name)
-        if old is not None and old.shape == tuple(tensor.shape) and old.dtype == tensor.dtype:
+        if old is not None and (old.shape, old.dtype) == (shape, dtype):
             # Rewritten in place: its pages are in the page cache already, where a new file
             # allocates them and the old one's are freed (measured several times slower).
             with open(old.path, "r+b") as file:
                 file.write(_bytes_of(tensor))
             return
+        spare = self._spare.pop(name, None)
+        if spare is not None and (spare.shape, spare.dtype) == (shape, dtype):
+            with open(spare.path, "r+b") as file:  # in place too, for the same reason
+                file.write(_bytes_of(tensor))
+            self._replace(name, spare)
+            return
+        if spare is not None:
+            spare.path.unlink(missing_ok=True)
         path = self.folder / f"{next(self._numbers)}.bin"
         with open(path, "xb") as file:
             file.write(_bytes_of(tensor))
@@ -111,17 +138,28 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
         return name in self._held
 
     def clear(self) -> None:
-        """Forget every tensor and remove its file (the folder stays)."""
-        for held in self._held.values():
+        """Forget every tensor and remove its file, and the spare files (the folder stays)."""
+        for held in [*self._held.values(), *self._spare.values()]:
             held.path.unlink(missing_ok=True)
         self._held.clear()
+        self._spare.clear()
 
     def take_from(self, other: MirrorFiles) -> None:
-        """Move every file of ``other`` here (renamed, not copied), replacing what it names."""
+        """Move every file of ``other`` here (renamed, not copied), replacing what it names.
+
+        The files replaced become ``other``'s spares: the next version of the same tensor
+        written there goes into one in place, its pages reused (a store that takes each
+        export in turn, as a receiver's next mirror does, allocates no new pages).
+        """
         for name, held in other._held.items():
             path = self.folder / f"{next(self._numbers)}.bin"
             os.replace(held.path, path)
-            self._replace(name, _Held(path, held.shape, held.dtype))
+            old = self._held.get(name)
+            self._held[name] = _Held(path, held.shape, held.dtype)
+            if old is not None and name not in other._spare:
+                other._spare[name] = old
+            elif old is not None:
+                old.path.unlink(missing_ok=True)
         other._held.clear()
 
     def _replace(self, name: str, held: _Held) -> None:
@@ -131,6 +169,9 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
             old.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Remove the folder and every file in it."""
+        """Remove the folder and every file in it, and the spare files (maybe elsewhere)."""
+        for spare in self._spare.values():
+            spare.path.unlink(missing_ok=True)
         self._held.clear()
+        self._spare.clear()
         self._remove()

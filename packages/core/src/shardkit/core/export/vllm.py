@@ -34,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 
 from shardkit.core.errors import WeightExportError, WeightLoadError
 from shardkit.core.export.messages import ExportManifest
+from shardkit.core.export.mirror_files import MirrorFiles
 from shardkit.core.export.receivers import FullTensorReceiver, TensorLoader
 from shardkit.core.export.vllm_checks import check_manifest, checkpoint_shapes
 from shardkit.core.export.vllm_rpc import EngineCalls
@@ -136,16 +137,23 @@ class _Loader:
         """Stage one bucket of export ``version`` on the worker (``vllm_versions.py``)."""
         self.calls.stage(version, self._payload(tensors))
 
-    def commit(self, version: int) -> None:
-        """Load export ``version``'s staged buckets in one call on the worker.
+    def commit(self, version: int, files: tuple[list[Any], list[Any]] | None = None) -> None:
+        """Load export ``version`` in one call on the worker: its staged buckets, or ``files``.
+
+        ``files``: the files to load and those to put back if that raises
+        (``vllm_files.py``), where nothing was staged on the worker.
 
         Raises:
             WeightExportError: the engine did not answer within the bound.
-            WeightLoadError: the load raised (the worker put its model back as it was).
+            WeightLoadError: the load raised (the worker put its model back as it was), or
+                the worker refused the files (nothing loaded).
         """
         chosen = self.ready()
         try:
-            self.calls.commit(version, chosen.path)
+            if files is None:
+                self.calls.commit(version, chosen.path)
+            else:
+                self.calls.commit_files(version, chosen.path, *files)
         except WeightExportError:
             raise
         except Exception as error:
@@ -207,8 +215,12 @@ class VLLMReceiver(FullTensorReceiver):
             ``SHARDKIT_EXPORT_BOUND``): past it the export fails on every rank.
         all_or_nothing: stage and commit (the default); False loads each bucket as it comes.
         mirror_dir: keep the mirror in files under this folder, not in memory (see
-            :class:`FullTensorReceiver`): with ``all_or_nothing=False``, deltas at one bucket's
-            memory.
+            :class:`FullTensorReceiver`): deltas at one bucket's memory. All or nothing, each
+            export is written to files beside the last one and the engine's worker, on this
+            host, loads it from them at the commit and puts the last one back from its files
+            if the load raises (``vllm_files.py``): versions with no copy of the model held
+            in memory on either side (the first export into an engine excepted: nothing is in
+            files yet, so the worker copies the engine's tensors to put back).
     """
 
     loads_back_itself = True  # the worker puts its model back (vllm_versions.py)
@@ -248,14 +260,48 @@ class VLLMReceiver(FullTensorReceiver):
         check_manifest(manifest, self.dtype, self._checkpoint)
         super().begin(manifest)
 
+    @property
+    def _commits_files(self) -> bool:
+        """All or nothing with the mirror in files: the worker loads the export from them."""
+        return self.all_or_nothing and self._mirror_in_files
+
+    @property
+    def _patches_mirror(self) -> bool:
+        # Committed from files, the last export's files stay whole until the commit: they
+        # are what the worker puts back if the load raises.
+        return not self._commits_files and super()._patches_mirror
+
+    @property
+    def _keeps_tensors(self) -> bool:
+        return not self._commits_files and super()._keeps_tensors
+
     def _stage(self, names: list[str], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._commits_files:
+            return  # written to files as they came: the commit names them
         assert self._manifest is not None
         self._loader.stage(self._manifest.export_id, tensors)
 
     def _apply(self) -> None:
         assert self._manifest is not None
-        self._loader.commit(self._manifest.export_id)
+        files = self._export_files() if self._commits_files else None
+        self._loader.commit(self._manifest.export_id, files)
         self._forget_prefixes()  # at once: their keys and values are the old weights'
+
+    def _export_files(self) -> tuple[list[Any], list[Any]]:
+        """The files the worker loads, and those it puts back if the load raises.
+
+        To load: this export's file of each tensor where it wrote one, else the last
+        export's. To put back: the last export's of the same tensors (none where not all are
+        held).
+        """
+        assert self._manifest is not None
+        mirror, written = self.mirror, self._next_mirror
+        assert isinstance(mirror, MirrorFiles) and isinstance(written, MirrorFiles)
+        names = [entry.name for entry in self._manifest.tensors]
+        load = [[n, *(written if n in written else mirror).file_of(n)] for n in names]
+        held = self.version is not None and all(n in mirror for n in names)
+        back = [[n, *mirror.file_of(n)] for n in names] if held else []
+        return load, back
 
     def serving_version(self) -> int | None:
         """The export vLLM's worker serves, complete (None: the weights it started with).
@@ -293,8 +339,8 @@ def vllm_receiver(
 
     ``keep_mirror=False, all_or_nothing=False`` is the leanest: full exports only, each bucket
     loaded as it arrives, no copy of the model kept (docs/guide/export.md, "A sync's peak").
-    ``all_or_nothing=False, mirror_dir=...`` takes deltas as well, its copy of the model in
-    files.
+    ``mirror_dir=...`` takes deltas and keeps versions with the model's copies in files, not
+    memory (``all_or_nothing=False`` as well: streamed, no versions).
     """
     return VLLMReceiver(
         llm,

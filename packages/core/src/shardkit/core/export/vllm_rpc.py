@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from shardkit.core.errors import WeightExportError
+from shardkit.core.export.vllm_files import commit_files_on_worker
 from shardkit.core.export.vllm_versions import serving_version, settle_held, stage_on_worker
 from shardkit.core.export.vllm_worker import EXTENSION
 from shardkit.core.export.vllm_worker_load import commit_on_worker, load_on_worker, probe_worker
@@ -154,6 +155,11 @@ class EngineCalls:
         args = (version, path, hold) if hold else (version, path)
         done = self._call("shardkit_commit", commit_on_worker, args, "the commit")
         return int(done)
+
+    def commit_files(self, version: int, path: str, load: list[Any], back: list[Any]) -> int:
+        """Load export ``version`` from files in one call on the worker (``vllm_files.py``)."""
+        args = (version, path, load, back)
+        return int(self._call("shardkit_commit_files", commit_files_on_worker, args, "the commit"))
 
     def settle(self, keep: bool) -> int | None:
         """A held commit kept or undone on the worker; the version it then serves."""

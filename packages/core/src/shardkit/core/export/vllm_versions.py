@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 __all__ = [
+    "commit_loads",
     "commit_staged",
     "drop_staged",
     "serving_version",
@@ -118,6 +119,47 @@ def commit_staged(
         state.staging, state.staged = None, []
     if hold:
         state.held, state.held_from = before, state.serving
+    state.serving = version
+    return version
+
+
+def commit_loads(
+    worker: Any,
+    version: int,
+    path: str,
+    load: Callable[[], None],
+    put_back: Callable[[], str],
+) -> int:
+    """On the worker: ``load()`` makes export ``version`` serve; its number.
+
+    The commit of an export staged elsewhere (``vllm_files.py``: in files). If ``load``
+    raises, ``put_back()`` returns the model to what served before and says how; if that
+    raises too, the worker serves a mix (its version None) and says so.
+
+    Raises:
+        RuntimeError: the load raised (the error says whether the model was put back).
+    """
+    state = _state(worker)
+    if state.held is not None:  # an earlier held commit never settled: it stands
+        state.held, state.held_from = None, None
+    state.staging, state.staged = None, []
+    try:
+        load()
+    except Exception as error:
+        serving = state.serving
+        try:
+            how = put_back()
+        except Exception as again:
+            state.serving = None
+            raise RuntimeError(
+                f"vLLM's {path} of export {version} raised: {error}. Putting export "
+                f"{serving} back raised too ({type(again).__name__}: {again}): the engine "
+                "holds a mix of the two until a full export goes through"
+            ) from error
+        raise RuntimeError(
+            f"vLLM's {path} of export {version} raised: {error}. The model was put back "
+            f"({how}): it serves export {serving}, complete"
+        ) from error
     state.serving = version
     return version
 

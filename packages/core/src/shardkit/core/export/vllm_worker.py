@@ -4,7 +4,8 @@ vLLM's ``worker_extension_cls`` (``EXTENSION``) adds these methods to the worker
 core in a process of its own, where ``collective_rpc`` reaches them by name: plain strings,
 ints and bytes travel, no pickled function (vLLM refuses those unless
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Each method hands on to the module that does the
-work: ``vllm_worker_load`` (a bucket loaded, a staged version committed), ``vllm_versions``
+work: ``vllm_worker_load`` (a bucket loaded, a staged version committed), ``vllm_files`` (an
+export committed from files), ``vllm_versions``
 (staging, the version served), ``vllm_server_worker`` (one export served into a
 ``vllm serve``), ``vllm_slices_worker`` (one engine rank's windows of a TP-sliced export)
 and ``vllm_read_back`` (digests of the weights the engine computes with). The functions of
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardkit.core.export.vllm_files import commit_files_on_worker
 from shardkit.core.export.vllm_read_back import partition_digests, served_digests
 from shardkit.core.export.vllm_server_worker import serve_export_on_worker
 from shardkit.core.export.vllm_slices_worker import serve_slices_on_worker, tp_place_of_worker
@@ -64,6 +66,12 @@ class ShardkitWorkerExtension:
     def shardkit_commit(self, version: int, path: str, hold: bool = False) -> int:
         """See :func:`commit_on_worker`."""
         return commit_on_worker(self, version, path, hold)
+
+    def shardkit_commit_files(
+        self, version: int, path: str, load: list[Any], back: list[Any]
+    ) -> int:
+        """See :func:`~shardkit.core.export.vllm_files.commit_files_on_worker`."""
+        return commit_files_on_worker(self, version, path, load, back)
 
     def shardkit_settle(self, keep: bool) -> int | None:
         """See :func:`~shardkit.core.export.vllm_versions.settle_held`."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -25,7 +25,14 @@ from safetensors.torch import load as load_safetensors
 
 from shardkit.core.export.vllm_versions import commit_staged
 
-__all__ = ["LoadPath", "choose_path", "commit_on_worker", "load_on_worker", "probe_worker"]
+__all__ = [
+    "LoadPath",
+    "choose_path",
+    "commit_on_worker",
+    "load_on_worker",
+    "model_of",
+    "probe_worker",
+]
 
 LoadPath = Literal["auto", "load_weights", "reload_weights"]
 """How tensors enter the engine: ``"load_weights"`` (the model's loader, weights unprocessed),
@@ -46,13 +53,14 @@ def commit_on_worker(worker: Any, version: int, path: str, hold: bool = False) -
     See :func:`~shardkit.core.export.vllm_versions.commit_staged` (the model put back as it
     was if the load raises; with ``hold``, kept so until settled).
     """
-    model = _model_of(worker)
+    model = model_of(worker)
     return commit_staged(
         worker, version, model, lambda tensors: load_on_worker(worker, path, tensors), path, hold
     )
 
 
-def _model_of(worker: Any) -> Any:
+def model_of(worker: Any) -> Any:
+    """The worker's model (``model_runner.get_model()`` where vLLM offers it)."""
     runner = getattr(worker, "model_runner", None)
     if runner is not None and callable(getattr(runner, "get_model", None)):
         return runner.get_model()
@@ -90,7 +98,7 @@ def choose_path(worker: Any, path: LoadPath) -> tuple[str | None, torch.dtype, s
     """On the worker: the path its model and worker allow (None: none), its dtype, and why."""
     config = worker.model_runner.model_config
     dtype = config.dtype
-    model = _model_of(worker)
+    model = model_of(worker)
     has_reload = callable(getattr(worker, "reload_weights", None))
     processed = _processed_parameters(model)
     quantized = getattr(config, "quantization", None) is not None
@@ -118,15 +126,21 @@ def _why(processed: Sequence[str]) -> str:
     )
 
 
-def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor]] | bytes) -> None:
-    """On the worker: load one bucket's tensors (or their safetensors bytes) by ``path``."""
+def load_on_worker(
+    worker: Any, path: str, payload: Iterable[tuple[str, torch.Tensor]] | bytes
+) -> None:
+    """On the worker: load one bucket's tensors (or their safetensors bytes) by ``path``.
+
+    The tensors may come from an iterator (read from files one at a time, ``vllm_files``):
+    each call takes whole layers, in one pass.
+    """
     tensors = list(load_safetensors(payload).items()) if isinstance(payload, bytes) else payload
     if path == "reload_weights":
         with _quiet(_RELOAD_LOGGERS):
             try:
                 worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
             except Exception as error:
-                restored = _restore_unfinished_layers(_model_of(worker))
+                restored = _restore_unfinished_layers(model_of(worker))
                 raise RuntimeError(
                     f"{type(error).__name__}: {error} (the layers not yet processed "
                     + (
@@ -136,7 +150,7 @@ def load_on_worker(worker: Any, path: str, payload: list[tuple[str, torch.Tensor
                     )
                 ) from error
         return
-    model = _model_of(worker)
+    model = model_of(worker)
     with torch.no_grad():
         model.load_weights(iter(tensors))
 
