@@ -3,11 +3,12 @@ what it serves after every export's end (tests/vllm/test_version_kills.py).
 
 Usage (the authkey in ``SHARDKIT_TEST_AUTHKEY``)::
 
-    python -m tests.vllm.engine_versions FOLDER ADDRESS OUT
+    python -m tests.vllm.engine_versions FOLDER ADDRESS OUT [files]
 
 It starts vLLM's engine on ``FOLDER``'s model (its core in this process), serves exports from
 a ``SharedMemorySender`` at ``ADDRESS`` into a ``VLLMReceiver`` (all or nothing: staged, then
-committed in one call on the worker), and after every export that finished or was aborted
+committed in one call on the worker; with ``files``, its mirror under ``OUT/mirror`` and each
+export loaded from files at the commit), and after every export that finished or was aborted
 (its sender killed, the trainer's verdict) writes what the engine serves, read back tensor by
 tensor through its kernels (``served_weights.py``), to ``OUT/served_<n>.safetensors``, then a
 line ``{"n", "outcome", "export", "version"}`` to ``OUT/events.jsonl``. ``OUT/ready`` once it
@@ -41,8 +42,8 @@ AUTHKEY_ENV = "SHARDKIT_TEST_AUTHKEY"
 class RecordingReceiver(VLLMReceiver):
     """A ``VLLMReceiver`` that writes what the engine serves after each export's end."""
 
-    def __init__(self, llm: Any, out: Path) -> None:
-        super().__init__(llm, bound_s=60)
+    def __init__(self, llm: Any, out: Path, *, in_files: bool) -> None:
+        super().__init__(llm, bound_s=60, mirror_dir=out / "mirror" if in_files else None)
         self.out = out
         self.events = 0
         self.current: ExportManifest | None = None
@@ -78,7 +79,8 @@ class RecordingReceiver(VLLMReceiver):
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="engine: %(message)s")
     folder, address, out = Path(argv[0]), argv[1], Path(argv[2])
-    receiver = RecordingReceiver(start_engine(folder), out)
+    in_files = argv[3:] == ["files"]
+    receiver = RecordingReceiver(start_engine(folder), out, in_files=in_files)
     authkey = bytes.fromhex(os.environ[AUTHKEY_ENV])
     serve_shared_memory(address, authkey, receiver, ready=lambda: (out / "ready").touch())
 

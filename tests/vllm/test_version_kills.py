@@ -5,7 +5,9 @@ through shared memory from a W=2 trainer: a transformers Qwen2 of the engine's s
 by ``fully_shard`` per layer, AdamW, a full export and then deltas. In each of 20 trials one
 trainer rank, drawn at random (rank 0 holds the sender: the receiving side's process), is
 killed at a random time in a random sync's export (a timer drawn up to 1.5 times the last
-export's time, so some kills land after the export, in the next step). Then the engine serves
+export's time, so some kills land after the export, in the next step). Twice: the receiver's
+copies in memory (the default), and in files (``mirror_dir``: each export loaded from files at
+the commit, the last one's files put back if that raises). Then the engine serves
 the version in flight (committed before the kill) or the one before it, and every tensor it
 serves, read back through its kernels, equals that version's ``full_tensor()`` bit for bit.
 """
@@ -37,14 +39,17 @@ TRIALS = 20
 SYNCS = 3
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+@pytest.fixture(scope="module", params=["in-memory", "in-files"])
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Path, str]]:
     out = tmp_path_factory.mktemp("engine_versions")
     save_tiny_qwen2(out / "model", seed=0)
     address = str(out / "engine.sock")
     command = [sys.executable, "-m", "tests.vllm.engine_versions", str(out / "model"), address]
+    command += [str(out), *(["files"] if request.param == "in-files" else [])]
     env = {**os.environ, "SHARDKIT_TEST_AUTHKEY": AUTHKEY.hex(), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([*command, str(out)], cwd=ROOT, env=env)
+    process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 300
         while not (out / "ready").exists():
