@@ -25,8 +25,20 @@ def test_a_layer_is_never_split_across_buckets() -> None:
     bucket_of = {t.name: t.bucket for t in manifest.tensors}
     layer0 = [n for n in bucket_of if n.startswith("model.layers.0.")]
     assert len({bucket_of[n] for n in layer0}) == 1 and len(layer0) == 12
-    roomy = WeightExporter(Decoder(), ExportOptions(bucket_bytes=2**30)).manifest("full", 0)
-    assert roomy.bucket_count == 1
+    roomy = ExportOptions(bucket_bytes=2**30, min_buckets=1)
+    assert WeightExporter(Decoder(), roomy).manifest("full", 0).bucket_count == 1
+    # By default a model smaller than min_buckets (4) buckets of bucket_bytes is still cut
+    # into about that many, each of whole layers and at most a quarter of the export.
+    exporter = WeightExporter(Decoder(), ExportOptions(bucket_bytes=2**30))
+    quarter = -(-sum(b.nbytes for b in exporter.buckets) // 4)
+    sizes = [b.nbytes for b in exporter.buckets]
+    largest_layer = max(
+        sum(s.nbytes for s in b.sources if s.name.startswith("model.layers.0."))
+        for b in exporter.buckets
+    )
+    assert len(sizes) >= 4 and all(n <= max(quarter, largest_layer) for n in sizes), sizes
+    with pytest.raises(ValueError, match="min_buckets must be positive"):
+        ExportOptions(min_buckets=0)
 
 
 def test_rename_maps_and_drops_and_refuses_collisions() -> None:

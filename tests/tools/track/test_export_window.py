@@ -19,7 +19,7 @@ from tests.core.export.export_models import Decoder, sharded
 
 def test_a_window_measures_the_exports_own_memory_peak() -> None:
     model = Decoder()
-    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16))
+    exporter = WeightExporter(model, ExportOptions(dtype=torch.bfloat16, min_buckets=1))
     with pytest.raises(RuntimeError, match="enter and leave"):
         ExportWindow().measure()
     with MemoryTracker(model) as memory, ExportWindow(memory=memory) as window:

@@ -107,11 +107,23 @@ def export_sources(
 
 
 def plan_buckets(
-    sources: list[TensorSource], bucket_bytes: int, layer_of: Callable[[str], str]
+    sources: list[TensorSource],
+    bucket_bytes: int,
+    layer_of: Callable[[str], str],
+    min_buckets: int = 1,
 ) -> list[ExportBucket]:
-    """Whole layers packed into buckets of at most ``bucket_bytes`` (a larger layer alone)."""
+    """Whole layers packed into buckets of at most ``bucket_bytes`` (a larger layer alone).
+
+    With ``min_buckets``, the bound is also at most the export's bytes over ``min_buckets``,
+    so a model smaller than that many buckets is still cut (where its layers allow): a sync
+    then holds part of it at a time, not all of it.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if min_buckets <= 0:
+        raise ValueError(f"min_buckets must be positive, got {min_buckets}")
+    total = sum(s.nbytes for s in sources)
+    bucket_bytes = min(bucket_bytes, max(1, -(-total // min_buckets)))
     layers: dict[str, list[TensorSource]] = {}
     for source in sources:
         layers.setdefault(layer_of(source.name), []).append(source)

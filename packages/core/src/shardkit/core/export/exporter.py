@@ -33,27 +33,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import nn
 
 from shardkit.core.errors import WeightExportError
 from shardkit.core.export.axis_gathers import export_order, mesh_of
-from shardkit.core.export.buckets import (
-    default_layer_of,
-    export_sources,
-    plan_buckets,
-    plan_digest,
-)
+from shardkit.core.export.buckets import export_sources, plan_buckets, plan_digest
 from shardkit.core.export.delta_pace import all_paced, settle, start_runs
 from shardkit.core.export.delta_transfer import count_changes, move_bucket
+from shardkit.core.export.export_options import ExportOptions, ExportReport
 from shardkit.core.export.messages import ExportedTensor, ExportKind, ExportManifest
 from shardkit.core.export.receivers import WeightReceiver, holds_export
-from shardkit.core.export.transfer import BucketTransfer, PreviousExport, TransferCounts
+from shardkit.core.export.transfer import BucketTransfer, PreviousExport
 from shardkit.core.runtime.export.export_groups import (
     ExportGroups,
     ExportWatch,
@@ -66,70 +59,6 @@ from shardkit.core.runtime.groups import global_rank, is_distributed
 __all__ = ["ExportOptions", "ExportReport", "WeightExporter", "export_weights"]
 
 _EXPORTERS = itertools.count()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ExportOptions:
-    """How a :class:`WeightExporter` exports."""
-
-    dtype: torch.dtype | None = None
-    """The receiver's dtype (floating tensors are cast to it on the shard); None: as stored."""
-    bucket_bytes: int = 64 * 2**20
-    """A bucket's bound, in the export dtype (a larger layer is a bucket alone); why 64 MiB:
-    docs/guide/export.md, "The default bucket"."""
-    to: Literal["first", "all"] = "first"
-    """``"first"``: one rank receives (the mesh's first, or under a kept axis the first of each
-    of its coordinates): a gather. ``"all"``: every rank receives (colocated engines on every
-    rank): an all-gather."""
-    keep_axes: tuple[str, ...] = ()
-    """Mesh axes the receiver keeps sharded (``("tp",)``: a receiver with the model's TP
-    degree gets its TP part, with no TP gather)."""
-    layer_of: Callable[[str], str] = default_layer_of
-    """A name's layer: the tensors of one layer arrive in one bucket."""
-    rename: Callable[[str], str | None] | None = None
-    """The receiver's name for a tensor (None leaves it out)."""
-    include_tied: bool = False
-    """Send a tied tensor under each of its names (default: once, under the first)."""
-    first_version: int = 0
-    """The number of the first export, the version it installs (a trainer restarted from a
-    checkpoint continues its receivers' versions, which a receiver's ``version`` tells)."""
-    bound_s: float | None = None
-    """How late a rank may be before every rank raises.
-
-    Default ``SHARDKIT_EXPORT_BOUND``, 300 s. A receiver's load of one bucket counts against it.
-    """
-    plain_when_faster: bool = False
-    """Under ``delta``: a bucket whose delta was measured slower than moving it whole (on the
-    slowest rank), or found dense, goes plain, uncompared, on every rank for a run of syncs,
-    then is compared again (``delta_pace.py``). On one host a compared delta is slower than a
-    full export: with this, a delta export costs about a full export's time there, and a full
-    export's bytes."""
-
-    def __post_init__(self) -> None:
-        if self.to not in ("first", "all"):
-            raise ValueError(f"to must be 'first' or 'all', got {self.to!r}")
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-
-
-@dataclass(frozen=True, slots=True)
-class ExportReport:
-    """What one export did on this rank."""
-
-    export_id: int
-    kind: ExportKind
-    receiving: bool
-    """This rank handed the buckets to a receiver."""
-    buckets: int
-    counts: TransferCounts
-    """Collectives and bytes on this rank."""
-    seconds: float
-    """The whole export on this rank."""
-    handoff_seconds: float
-    """Of that, in the receiver (the receiving rank)."""
-    version: int
-    """The version this export installed: its number, which its receivers now serve (every
-    receiving rank committed it before any rank returned)."""
 
 
 class WeightExporter:
@@ -170,7 +99,10 @@ class WeightExporter:
         )
         self.keep_dims = keep
         self.order = export_order([s.tensor for s in sources], keep, self.mesh)
-        self.buckets = plan_buckets(sources, self.options.bucket_bytes, self.options.layer_of)
+        options = self.options
+        self.buckets = plan_buckets(
+            sources, options.bucket_bytes, options.layer_of, options.min_buckets
+        )
         self.digest = plan_digest(self.buckets)
         coord = self.mesh.get_coordinate() if self.mesh is not None else None
         self.receiving = (

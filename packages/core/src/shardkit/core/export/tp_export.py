@@ -140,6 +140,8 @@ class SlicedExporter:
         engine: the engine's degree and head counts (:meth:`EngineTP.from_config`).
         dtype: the engine's dtype (floating tensors cast on the sender); None: as stored.
         bucket_bytes: a bucket's bound in the export dtype (whole layers; a larger layer alone).
+        min_buckets: buckets are also at most the export's bytes over this
+            (``ExportOptions.min_buckets``).
         layer_of: a name's layer (its tensors arrive in one bucket).
         rename: the engine's name for a tensor (None leaves it out).
         bound_s: how late a rank may be before every rank raises (``SHARDKIT_EXPORT_BOUND``).
@@ -159,6 +161,7 @@ class SlicedExporter:
         *,
         dtype: torch.dtype | None = None,
         bucket_bytes: int = 64 * 2**20,
+        min_buckets: int = 4,
         layer_of: Callable[[str], str] = default_layer_of,
         rename: Callable[[str], str | None] | None = None,
         bound_s: float | None = None,
@@ -184,7 +187,7 @@ class SlicedExporter:
         sources = export_sources(
             model, dtype=dtype, keep_dims=set(), rename=rename, include_tied=False, root=self.mesh
         )
-        self.buckets = plan_buckets(sources, bucket_bytes, layer_of)
+        self.buckets = plan_buckets(sources, bucket_bytes, layer_of, min_buckets)
         self.digest = plan_digest(self.buckets) ^ engine.degree ^ (one_engine << 16)
         self._planned = {b.index: [self._plan(s) for s in b.sources] for b in self.buckets}
 

@@ -107,13 +107,14 @@ def plan_export_buckets(
     bucket_bytes: int,
     dtype: torch.dtype | None,
     layer_of: Callable[[str], str] = default_layer_of,
+    min_buckets: int = 1,
 ) -> list[ExportBucketModel]:
     """The export's buckets (``plan_buckets``) of ``tensors`` in the export dtype."""
     by_key = {t.source.key: t for t in tensors}
     cast = [dataclasses.replace(t.source, dtype=t.export_dtype(dtype)) for t in tensors]
     return [
         ExportBucketModel(b.index, tuple(by_key[s.key] for s in b.sources), b.nbytes)
-        for b in plan_buckets(cast, bucket_bytes, layer_of)
+        for b in plan_buckets(cast, bucket_bytes, layer_of, min_buckets)
     ]
 
 

@@ -45,6 +45,7 @@ from shardkit.tools.plan.timing.hardware import Hardware
 
 __all__ = [
     "DEFAULT_EXPORT_BUCKET_BYTES",
+    "DEFAULT_EXPORT_MIN_BUCKETS",
     "ExportCost",
     "ExportSpec",
     "RankCounts",
@@ -53,6 +54,8 @@ __all__ = [
 
 DEFAULT_EXPORT_BUCKET_BYTES = 64 * 2**20
 """``ExportOptions.bucket_bytes``' default."""
+DEFAULT_EXPORT_MIN_BUCKETS = 4
+"""``ExportOptions.min_buckets``' default."""
 _HEAD_BYTES = 3 * 8  # the agreement: plan digest, export number, kind
 _END_BYTES = 8
 _ALIGN = 8
@@ -73,6 +76,8 @@ class ExportSpec:
     """The export dtype (floating tensors are cast to it); None: as stored."""
     bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES
     """A bucket's bound, in the export dtype."""
+    min_buckets: int = DEFAULT_EXPORT_MIN_BUCKETS
+    """Buckets are also at most the export's bytes over this (``ExportOptions.min_buckets``)."""
     to: Literal["first", "all"] = "first"
     """Who receives: the mesh's first rank (a gather), or every rank (an all-gather)."""
     delta_fraction: float | None = None
@@ -84,8 +89,11 @@ class ExportSpec:
     def __post_init__(self) -> None:
         if self.to not in ("first", "all"):
             raise ValueError(f"to must be 'first' or 'all', got {self.to!r}")
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.bucket_bytes <= 0 or self.min_buckets <= 0:
+            raise ValueError(
+                f"bucket_bytes and min_buckets must be positive, got {self.bucket_bytes} "
+                f"and {self.min_buckets}"
+            )
         if self.world_size % (self.replicas * self.tp_degree):
             raise ValueError(
                 f"replicas {self.replicas} x tp_degree {self.tp_degree} does not divide the "
@@ -173,7 +181,9 @@ def export_cost(
         hardware: whose links price the time (None: no time).
     """
     mesh = spec.mesh
-    buckets = plan_export_buckets(tensors, spec.bucket_bytes, spec.dtype)
+    buckets = plan_export_buckets(
+        tensors, spec.bucket_bytes, spec.dtype, min_buckets=spec.min_buckets
+    )
     gathers = _Gathers(mesh, mesh.order(tensors), spec)
     delta = spec.delta_fraction is not None
     control = [_HEAD_BYTES, _END_BYTES] + ([16 * len(buckets)] if delta else [])
