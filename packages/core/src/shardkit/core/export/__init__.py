@@ -20,12 +20,12 @@ from shardkit.core.export.buckets import (
     export_sources,
     plan_buckets,
 )
-from shardkit.core.export.exporter import (
+from shardkit.core.export.export_options import (
     ExportOptions,
     ExportReport,
-    WeightExporter,
-    export_weights,
+    check_shape_options,
 )
+from shardkit.core.export.exporter import WeightExporter, export_weights
 from shardkit.core.export.group_transport import (
     GroupSender,
     ReceiverGroupSpec,
@@ -67,6 +67,7 @@ __all__ = [
     "WeightBucket",
     "WeightExporter",
     "WeightReceiver",
+    "check_shape_options",
     "default_layer_of",
     "export_sources",
     "export_weights",

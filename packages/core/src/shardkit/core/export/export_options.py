@@ -17,7 +17,7 @@ from shardkit.core.export.buckets import default_layer_of
 from shardkit.core.export.messages import ExportKind
 from shardkit.core.export.transfer import TransferCounts
 
-__all__ = ["ExportOptions", "ExportReport"]
+__all__ = ["ExportOptions", "ExportReport", "check_shape_options"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,13 +61,21 @@ class ExportOptions:
     export's bytes."""
 
     def __post_init__(self) -> None:
-        if self.to not in ("first", "all"):
-            raise ValueError(f"to must be 'first' or 'all', got {self.to!r}")
-        if self.bucket_bytes <= 0 or self.min_buckets <= 0:
-            raise ValueError(
-                f"bucket_bytes and min_buckets must be positive, got {self.bucket_bytes} "
-                f"and {self.min_buckets}"
-            )
+        check_shape_options(self.to, self.bucket_bytes, self.min_buckets)
+
+
+def check_shape_options(to: str, bucket_bytes: int, min_buckets: int) -> None:
+    """Who receives and how buckets are cut, checked (here and by the planner's spec).
+
+    Raises:
+        ValueError: ``to`` is not ``"first"`` or ``"all"``, or a bound is not positive.
+    """
+    if to not in ("first", "all"):
+        raise ValueError(f"to must be 'first' or 'all', got {to!r}")
+    if bucket_bytes <= 0 or min_buckets <= 0:
+        raise ValueError(
+            f"bucket_bytes and min_buckets must be positive, got {bucket_bytes} and {min_buckets}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

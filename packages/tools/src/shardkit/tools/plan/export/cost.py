@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from shardkit.core.export import check_shape_options
 from shardkit.tools.plan.export.axis_gathers import (
     ExportBucketModel,
     ExportMesh,
@@ -87,13 +88,7 @@ class ExportSpec:
     rows, unpadded (the export's direct path); elsewhere as one packed, padded gather."""
 
     def __post_init__(self) -> None:
-        if self.to not in ("first", "all"):
-            raise ValueError(f"to must be 'first' or 'all', got {self.to!r}")
-        if self.bucket_bytes <= 0 or self.min_buckets <= 0:
-            raise ValueError(
-                f"bucket_bytes and min_buckets must be positive, got {self.bucket_bytes} "
-                f"and {self.min_buckets}"
-            )
+        check_shape_options(self.to, self.bucket_bytes, self.min_buckets)
         if self.world_size % (self.replicas * self.tp_degree):
             raise ValueError(
                 f"replicas {self.replicas} x tp_degree {self.tp_degree} does not divide the "
