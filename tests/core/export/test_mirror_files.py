@@ -49,16 +49,16 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
     held, incoming = MirrorFiles(tmp_path, "mirror"), MirrorFiles(tmp_path, "next")
     held["a"], held["b"] = torch.zeros(4), torch.ones(2)
     held["a"] = torch.full((4,), 2.0)  # replaced: one file for "a"
-    assert len(list(held.folder.iterdir())) == 2
+    assert len(list(held.folder.glob("*.bin"))) == 2
     incoming["a"] = torch.full((4,), 3.0)
     incoming["c"] = torch.full((1,), 4.0)
     held.take_from(incoming)
     assert sorted(held) == ["a", "b", "c"] and len(incoming) == 0
-    assert not list(incoming.folder.iterdir())
+    assert not list(incoming.folder.glob("*.bin"))
     assert torch.equal(held["a"], torch.full((4,), 3.0)) and torch.equal(held["b"], torch.ones(2))
     # "a"'s file replaced is kept as the next store's spare: its next "a" is written into it
     # in place (same inode: its pages reused), and a spare of another shape is removed.
-    files = sorted(held.folder.iterdir())
+    files = sorted(held.folder.glob("*.bin"))
     assert len(files) == 4
     spare = next(f for f in files if f.read_bytes() == torch.full((4,), 2.0).numpy().tobytes())
     inode = spare.stat().st_ino
@@ -67,18 +67,20 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
         spare.stat().st_ino == inode
         and spare.read_bytes() == torch.full((4,), 5.0).numpy().tobytes()
     )
-    assert len(list(held.folder.iterdir())) == 4 and not list(incoming.folder.iterdir())
+    assert len(list(held.folder.glob("*.bin"))) == 4 and not list(incoming.folder.glob("*.bin"))
     held.take_from(incoming)
     assert torch.equal(held["a"], torch.full((4,), 5.0))
     incoming["a"] = torch.zeros(3)  # the spare (4 elements) does not fit: removed, a new file
-    assert len(list(held.folder.iterdir())) == 3 and len(list(incoming.folder.iterdir())) == 1
+    assert (
+        len(list(held.folder.glob("*.bin"))) == 3 and len(list(incoming.folder.glob("*.bin"))) == 1
+    )
     incoming.clear()
     del held["b"]
-    assert "b" not in held and len(list(held.folder.iterdir())) == 2
+    assert "b" not in held and len(list(held.folder.glob("*.bin"))) == 2
     held.take_from(incoming)
     held["c"] = torch.zeros(1)
     held.clear()
-    assert len(held) == 0 and not list(held.folder.iterdir())
+    assert len(held) == 0 and not list(held.folder.glob("*.bin"))
     folder = held.folder
     held.close()
     assert not folder.exists()
@@ -92,7 +94,7 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
 def test_a_file_changed_from_outside_is_refused_by_name(tmp_path: Path, change: str) -> None:
     files = MirrorFiles(tmp_path)
     files["model.layers.0.mlp.up_proj.weight"] = torch.randn(8, 8)
-    (path,) = files.folder.iterdir()
+    (path,) = files.folder.glob("*.bin")
     data = path.read_bytes()
     if change == "removed":
         path.unlink()
@@ -147,7 +149,7 @@ def _syncs(
         out["wrong_files"] += [n for n, t in oracle.items() if not torch.equal(held[n], t)]
         out["in_memory"].append(len(receiver._next_mirror) + len(receiver._staged.loads))
         assert isinstance(held, MirrorFiles)
-        out["files"] = len(list(held.folder.iterdir()))
+        out["files"] = len(list(held.folder.glob("*.bin")))
         out["tensors"] = len(oracle)
     return out
 

@@ -9,7 +9,8 @@ read back into a fresh tensor when a delta changes it, so the process holds one 
 tensors at a time. The files sit in the page cache or on disk, which the kernel may write out
 and reclaim; they are read and written with plain calls, never mapped, so no page of them
 counts in the process's resident memory. Files are named by a counter, never by a tensor's
-name, and every read is checked against the size written.
+name, and every read is checked against the size written. A folder that a killed process left
+is removed by the next one made beside it (``stale_folders.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from shardkit.core.errors import WeightLoadError
+from shardkit.core.export.stale_folders import mark_owner, remove_stale
 
 __all__ = ["MirrorFiles", "read_tensor_file"]
 
@@ -73,12 +75,15 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
     """Tensors by name, each in a file under a private folder made in ``parent``.
 
     Reading a name gives a new tensor each time (changing it changes no file); storing one
-    writes its bytes at once. The folder is removed with the object, or by :meth:`close`.
+    writes its bytes at once. The folder is removed with the object, or by :meth:`close`, or,
+    if its process is killed, by the next ``MirrorFiles`` made under ``parent`` on this host.
     """
 
     def __init__(self, parent: str | os.PathLike[str], label: str = "mirror") -> None:
         Path(parent).mkdir(parents=True, exist_ok=True)
+        remove_stale(Path(parent))  # folders of receivers killed before they could
         self.folder = Path(tempfile.mkdtemp(prefix=f"shardkit-{label}-", dir=parent))
+        mark_owner(self.folder)
         self._held: dict[str, _Held] = {}
         self._spare: dict[str, _Held] = {}
         """Files a tensor's next version may be written into in place (``take_from``)."""
