@@ -90,6 +90,21 @@ def test_replacing_moving_and_clearing_remove_the_files_they_replace(tmp_path: P
     assert not other_folder.exists()
 
 
+def test_a_span_reads_those_elements_alone_and_is_checked(tmp_path: Path) -> None:
+    files = MirrorFiles(tmp_path)
+    tensor = torch.randn(6, 5).bfloat16()
+    files["w"] = tensor
+    flat = tensor.reshape(-1)
+    for start, count in [(0, 30), (10, 5), (29, 1), (30, 0)]:
+        assert torch.equal(files.read_span("w", start, count), flat[start : start + count])
+    with pytest.raises(ValueError, match=r"w: elements 28:33 of 30"):
+        files.read_span("w", 28, 5)
+    (path,) = files.folder.glob("*.bin")
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(WeightLoadError, match="changed outside this process"):
+        files.read_span("w", 0, 4)
+
+
 @pytest.mark.parametrize("change", ["shorter", "longer", "removed"])
 def test_a_file_changed_from_outside_is_refused_by_name(tmp_path: Path, change: str) -> None:
     files = MirrorFiles(tmp_path)

@@ -166,22 +166,28 @@ def held_rows(
     entry = transfer.groups.axes[transfer.order[0]]
     assert entry is not None
     me = entry[1].index(global_rank())
+    # A receiver whose copy is in files reads this rank's rows alone (held_span).
+    span_of = getattr(receiver, "held_span", None)
     rows: list[torch.Tensor] = []
     for source, (gather, piece, _) in zip(sharded, pieces, strict=True):
-        whole = receiver.held_tensor(source.name)
-        if (
-            whole is None
-            or gather.tensor_dim != 0
-            or tuple(whole.shape) != gather.shape
-            or whole.dtype != source.dtype
-            or not whole.is_contiguous()
-            or not piece.is_contiguous()
-            or whole.device != piece.device
-        ):
+        if gather.tensor_dim != 0 or not piece.is_contiguous():
             return None
         start, count = chunk_rows(gather.shape[0], gather.parts, me)
-        row = piece.numel() // max(count, 1)
-        rows.append(whole.reshape(-1)[start * row : start * row + piece.numel()])
+        first = start * (piece.numel() // max(count, 1))
+        if callable(span_of):
+            found = span_of(source.name, first, piece.numel())
+            if found is None:
+                return None
+            shape, dtype, span = found
+        else:
+            whole = receiver.held_tensor(source.name)
+            if whole is None or not whole.is_contiguous():
+                return None
+            shape, dtype = tuple(whole.shape), whole.dtype
+            span = whole.reshape(-1)[first : first + piece.numel()]
+        if shape != gather.shape or dtype != source.dtype or span.device != piece.device:
+            return None
+        rows.append(span)
     layout = part_layout(sharded, [s.gathers[0] for s in sharded])[1]
     return HeldRows(tuple(rows), layout // sharded[0].dtype.itemsize)
 

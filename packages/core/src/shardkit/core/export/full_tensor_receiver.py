@@ -167,6 +167,24 @@ class FullTensorReceiver:
             return None
         return self.mirror.get(name)
 
+    def held_span(
+        self, name: str, start: int, count: int
+    ) -> tuple[tuple[int, ...], torch.dtype, torch.Tensor] | None:
+        """The mirror's ``name``: its shape, its dtype and a flat run of its elements.
+
+        The run is elements ``[start, start + count)``; None where ``name`` is not held. From
+        files only those elements are read (a delta's base rows on the receiving rank).
+        """
+        if self.version is None or self._manifest is not None:
+            return None
+        if isinstance(self.mirror, MirrorFiles):
+            spec = self.mirror.spec(name)
+            return None if spec is None else (*spec, self.mirror.read_span(name, start, count))
+        held = self.mirror.get(name)
+        if held is None or not held.is_contiguous():
+            return None
+        return tuple(held.shape), held.dtype, held.reshape(-1)[start : start + count]
+
     @property
     def _keeps_tensors(self) -> bool:
         """Whether a bucket's tensors are held past its ``receive`` (so copied out of it).

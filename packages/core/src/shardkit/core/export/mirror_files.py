@@ -16,6 +16,7 @@ is removed by the next one made beside it (``stale_folders.py``).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -98,6 +99,35 @@ class MirrorFiles(MutableMapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         held = self._held[name]
         return read_tensor_file(held.path, held.shape, held.dtype, name)
+
+    def read_span(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements ``[start, start + count)`` of ``name``, flat, read from no more of its file.
+
+        Raises:
+            ValueError: the span is not within the tensor.
+            WeightLoadError: the file cannot be read or is no longer the size written.
+        """
+        held = self._held[name]
+        numel = math.prod(held.shape)
+        if start < 0 or count < 0 or start + count > numel:
+            raise ValueError(f"{name}: elements {start}:{start + count} of {numel}")
+        span = torch.empty(count, dtype=held.dtype)
+        itemsize = held.dtype.itemsize
+        try:
+            with open(held.path, "rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                file.seek(start * itemsize)
+                read = file.readinto(_bytes_of(span)) if count else 0
+        except OSError as error:
+            raise WeightLoadError(
+                f"the receiver's mirror file of {name} ({held.path}) cannot be read: {error}"
+            ) from error
+        if size != numel * itemsize or read != count * itemsize:
+            raise WeightLoadError(
+                f"the receiver's mirror file of {name} ({held.path}) holds other than the "
+                f"{numel * itemsize} bytes written to it: changed outside this process"
+            )
+        return span
 
     def file_of(self, name: str) -> tuple[str, list[int], str]:
         """Where ``name`` is held: its file's path, its shape and its dtype's name.
