@@ -4,6 +4,7 @@
 time); a process killed with SIGKILL runs no cleanup, so the next ``MirrorFiles`` under the
 same parent removes the folders whose owners on this host no longer run, and leaves a running
 owner's, another host's, one whose owner file is missing, and anything that is not a folder.
+A process that ends with ``os._exit`` (as vLLM scripts do) runs no cleanup either.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardkit.core.export.mirror_files import MirrorFiles
@@ -23,13 +25,15 @@ from shardkit.core.export.stale_folders import OWNER_FILE, process_start, remove
 
 ROOT = Path(__file__).resolve().parents[3]
 
-_KILLED = """
+_ENDED = """
 import os, signal, sys, torch
 from shardkit.core.export.mirror_files import MirrorFiles
 files = MirrorFiles(sys.argv[1])
 files["w"] = torch.ones(1000)
 print(files.folder, flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)  # as vLLM scripts end: no finalizer runs
 """
 
 
@@ -42,15 +46,16 @@ def _folder_of(parent: Path, owner: dict[str, object] | None) -> Path:
     return folder
 
 
-def test_a_killed_receivers_folder_is_removed_by_the_next_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["killed", "os-exit"])
+def test_a_killed_receivers_folder_is_removed_by_the_next_one(tmp_path: Path, end: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED, str(tmp_path)],
+        [sys.executable, "-c", _ENDED, str(tmp_path), end],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert done.returncode == (-signal.SIGKILL if end == "killed" else 0), done.stderr[-2000:]
     left = Path(done.stdout.strip())
     assert left.is_dir() and (left / "0.bin").stat().st_size == 4000  # no cleanup ran
 

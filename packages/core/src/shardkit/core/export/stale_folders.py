@@ -2,8 +2,9 @@
 
 A receiver's mirror in files (``mirror_files.py``) removes its folder when it is closed or
 collected, which a process that exits runs. A process killed (SIGKILL, the kernel's OOM killer,
-the end of a job's allocation) runs nothing, and its folder (the model in the export dtype,
-once or twice) would stay on the disk for good, one more for every such restart. So each
+the end of a job's allocation), or one that ends with ``os._exit`` (vLLM's threads can hold a
+normal exit, so scripts around it often do), runs nothing, and its folder (the model in the
+export dtype, once or twice) would stay on the disk for good, one more for every such run. So each
 folder holds an ``owner.json`` (this host's name, the process's id and its start time), and
 a new folder made beside it first removes those whose owner is on this host and no longer
 running: no process with that id, or one that started at another time (the id was reused).
