@@ -30,13 +30,14 @@ import re
 import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardkit.core.export.mirror_files import read_tensor_file
-from shardkit.core.export.vllm_versions import commit_loads, serving_version, snapshot
+from shardkit.core.export.vllm_versions import commit_loads, restored, serving_version, snapshot
 from shardkit.core.export.vllm_worker_load import load_on_worker, model_of
 
 __all__ = ["FileEntry", "TensorFile", "checked_files", "commit_files_on_worker", "started_from"]
@@ -196,14 +197,10 @@ def commit_files_on_worker(
             load_on_worker(worker, path, _read_all(old))
             return how
 
-    else:
-        before = snapshot(model_of(worker))
-
-        def put_back() -> str:
-            before.restore()
-            return "as it was, from a copy in memory"
-
-    return commit_loads(worker, version, path, load_new, put_back)
+        return commit_loads(worker, version, path, load_new, put_back)
+    # Nothing in files to put back: a copy in memory, as a staged commit keeps.
+    before = snapshot(model_of(worker))
+    return commit_loads(worker, version, path, load_new, partial(restored, before))
 
 
 # safetensors' dtype names: what a checkpoint's header may say.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "commit_loads",
     "commit_staged",
     "drop_staged",
+    "restored",
     "serving_version",
     "settle_held",
     "snapshot",
@@ -104,23 +106,18 @@ def commit_staged(
             f"export {version} has nothing staged on vLLM's worker (staged: {state.staging}); "
             f"it serves export {state.serving}"
         )
-    if state.held is not None:  # an earlier held commit never settled: it stands
-        state.held, state.held_from = None, None
+    staged, serving = state.staged, state.serving
     before = snapshot(model)
-    try:
-        load(state.staged)
-    except Exception as error:
-        before.restore()
-        raise RuntimeError(
-            f"vLLM's {path} of export {version} raised: {error}. The model was put back as "
-            f"it was: it serves export {state.serving}, complete"
-        ) from error
-    finally:
-        state.staging, state.staged = None, []
+    commit_loads(worker, version, path, lambda: load(staged), partial(restored, before))
     if hold:
-        state.held, state.held_from = before, state.serving
-    state.serving = version
+        state.held, state.held_from = before, serving
     return version
+
+
+def restored(before: ModelSnapshot) -> str:
+    """Put the model back from ``before``; how, in words (a commit's put-back)."""
+    before.restore()
+    return "as it was, from a copy in memory"
 
 
 def commit_loads(
