@@ -24,9 +24,12 @@ its exporter (full first, then deltas):
 Then ``--rounds`` rounds into the colocated receiver, the device synchronised around each
 timing: a training step at lr 1e-6, a delta export timed (issue 86: at most 0.3x a full
 export's time where at most 5% of the elements change; on one GPU the receiver's part is in
-it), then a full export timed beside trl's pattern (``export_run.trl_sync``: one
-``full_tensor()`` per parameter, cast and handed over alone), alternating which goes first;
-and the peak allocated memory each adds, beside a training step's. The receiver is checked
+it), then a delta and a full export into the ``shm`` receiver (its process on the host: the
+wire is the device-to-host copy, where the delta's few percent of the bytes should pay for its
+comparison on the device; the host process's load of what it is handed is in both times), then
+a full export timed beside trl's pattern (``export_run.trl_sync``: one ``full_tensor()`` per
+parameter, cast and handed over alone), alternating which goes first; and the peak allocated
+memory each adds, beside a training step's. The receiver is checked
 bit for bit once more after the last round. Rank 0 prints one JSON line per engine.
 """
 
@@ -145,31 +148,51 @@ def run_engine(impl: str, args: argparse.Namespace) -> dict[str, Any]:
             handed[transport].append(report.counts.handed_bytes)
         wrong += [f"sync {sync}: {name}" for name in _mismatches(model, replica)[:3]]
     # Timing: full exports against trl's pattern into receivers of the same kind.
-    trl_receiver = (
-        ModuleReceiver(build(args.size, torch.bfloat16).to(device)) if rank == 0 else None
-    )
-    times: dict[str, list[float]] = {"ours": [], "trl": [], "delta": []}
+    # The full exports timed go through exporters and receivers of their own: an exporter's
+    # delta after its own full export is full again (a full export keeps no part to compare
+    # with), so the delta exporters above export deltas only.
+    full_receivers: dict[str, Any] = {"trl": None, "colocated": None, "shm": None}
+    if rank == 0:
+        full_receivers["trl"] = ModuleReceiver(build(args.size, torch.bfloat16).to(device))
+        full_receivers["colocated"] = ModuleReceiver(build(args.size, torch.bfloat16).to(device))
+        full_receivers["shm"], close = _receiver("shm", args.size)
+        closers.append(close)
+    full_exporters = {t: WeightExporter(model, options) for t in ("colocated", "shm")}
+    times: dict[str, list[float]] = {k: [] for k in ("ours", "trl", "delta", "host", "host_delta")}
     peaks: dict[str, float] = {"ours": 0.0, "trl": 0.0, "delta": 0.0}
-    ours = exporters["colocated"]
     delta_bytes: list[int] = []
     for r in range(args.rounds):
         # A delta after one step at lr 1e-6 (issue 86's case), relative to the last round's
-        # full export, then the full export and trl's pattern on the same weights.
+        # delta, then a full export and trl's pattern on the same weights.
         step(args.syncs + r)
         dist.barrier()
         seconds, peak = _peak_added(
             device, lambda: delta_bytes.append(
-                ours.export(receivers.get("colocated"), delta=True).counts.handed_bytes
+                exporters["colocated"].export(receivers.get("colocated"), delta=True)
+                .counts.handed_bytes
             ),
         )  # fmt: skip
         times["delta"].append(seconds)
         peaks["delta"] = max(peaks["delta"], peak)
-        for kind in ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
+        # The same into the shared-memory receivers' processes on the host: the wire is the
+        # device-to-host copy, where a delta's few percent of the bytes should pay for its
+        # comparison on the device (on one CPU host, with no such wire, it cannot).
+        for kind in ("host_delta", "host") if r % 2 == 0 else ("host", "host_delta"):
             dist.barrier()
             work: Callable[[], object] = (
-                (lambda: trl_sync(model, trl_receiver))
+                functools.partial(exporters["shm"].export, receivers.get("shm"), delta=True)
+                if kind == "host_delta"
+                else functools.partial(full_exporters["shm"].export, full_receivers["shm"])
+            )
+            times[kind].append(_peak_added(device, work)[0])
+        for kind in ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
+            dist.barrier()
+            work = (
+                functools.partial(trl_sync, model, full_receivers["trl"])
                 if kind == "trl"
-                else (lambda: ours.export(receivers.get("colocated")))
+                else functools.partial(
+                    full_exporters["colocated"].export, full_receivers["colocated"]
+                )
             )
             seconds, peak = _peak_added(device, work)
             times[kind].append(seconds)
@@ -203,6 +226,11 @@ def run_engine(impl: str, args: argparse.Namespace) -> dict[str, Any]:
         "delta_vs_full": statistics.median(times["delta"]) / ours_s,
         "delta_share": statistics.median(delta_bytes) / full if full else None,
         "delta_peak_mib": peaks["delta"],
+        "host_full_s": statistics.median(times["host"]),
+        "host_delta_s": statistics.median(times["host_delta"]),
+        "host_delta_vs_full": statistics.median(
+            d / f for d, f in zip(times["host_delta"], times["host"], strict=True)
+        ),
         "trl_peak_mib": peaks["trl"],
         "step_s": step_s,
         "step_peak_mib": step_peak,

@@ -71,6 +71,7 @@ def test_cpu_smoke_runs_the_fake_group_points(tmp_path: Path) -> None:
         assert record["identical"] and not record["errors"], record
         assert set(record["exports"].values()) == {record["syncs"]}, record
         assert 0 < record["delta_share_max"] < 0.5, record
+        assert record["host_delta_s"] > 0 and record["host_full_s"] > 0, record
     # Issue 83's chunk: Muon on the sharded model has the unsharded torch.optim.Muon's bits;
     # at W=8 this rank updates its share of the whole matrices, with two collectives.
     assert "bit-identical" in rows[12]["figures"], rows[12]

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardkit.core.export import delta_find
 from shardkit.core.export.axis_gathers import AxisGather
 from shardkit.core.export.delta_encoding import DENSE, local_changes
+from tests.core.export.dispatch_counts import CountKernels
 
 SHAPES = [(3000, 96), (37, 5), (1000, 300), (64,)]
 
@@ -53,6 +53,47 @@ def test_the_sample_tells_a_dense_part_and_writes_nothing(share: float, dense: b
     scratch = torch.empty(delta_find.SPAN_ELEMENTS, dtype=torch.bfloat16)
     assert delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch) is dense
     assert torch.equal(part, before)
+
+
+def _sampled_window_by_window(
+    pieces: list[tuple[AxisGather, torch.Tensor, int]], part: torch.Tensor
+) -> tuple[int, int]:
+    """The sample's changed and seen elements, one window at a time: the oracle."""
+    changed = seen = 0
+    stride, window = delta_find.SAMPLE_STRIDE, delta_find.SAMPLE_WINDOW
+    for _, piece, offset in pieces:
+        flat, first = piece.reshape(-1), offset // 2
+        kept = part[offset : offset + 2 * flat.numel()].view(torch.int16)
+        for at in range(-(-first // stride) * stride - first, flat.numel(), stride):
+            new = flat[at : at + window].to(torch.bfloat16).view(torch.int16)
+            changed += int((new != kept[at : at + window]).sum())
+            seen += new.numel()
+    return changed, seen
+
+
+@pytest.mark.parametrize("scratch_windows", [1, 3, 1000])
+@pytest.mark.parametrize("share", [0.1, 0.2])
+def test_the_sample_reads_its_windows_at_once_and_one_count_a_part(
+    scratch_windows: int, share: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The windows as one strided view a piece (in batches of what the scratch holds), their
+    changes summed where they are counted: the same verdict as window by window, with ops a
+    piece, not a window, and one count read back a part (on a GPU each read waits for the
+    device: 283 a part of 75M elements before)."""
+    monkeypatch.setattr(delta_find, "SAMPLE_STRIDE", 64)
+    monkeypatch.setattr(delta_find, "SAMPLE_WINDOW", 8)
+    pieces, part = _pieces()
+    _move(pieces, share)
+    changed, seen = _sampled_window_by_window(pieces, part)
+    assert seen > 5000  # thousands of windows, some cut short by a piece's end
+    scratch = torch.empty(8 * scratch_windows, dtype=torch.bfloat16)
+    with CountKernels() as counted:  # type: ignore[no-untyped-call]
+        dense = delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch)
+    assert dense is (changed * DENSE > seen) is (share > 1 / DENSE)
+    assert counted.reads == 1
+    # 4 ops (cast, compare, count, sum) a batch of windows, plus each piece's short window
+    batches = seen // 8 // scratch_windows + len(pieces)
+    assert counted.kernels <= 4 * (batches + len(pieces)) + 1, counted.kernels
 
 
 @pytest.mark.parametrize("share", [0.01, 0.3])
@@ -145,25 +186,6 @@ def test_a_part_found_past_its_limit_is_refreshed_and_goes_plain(
         assert torch.equal(part, _packed(pieces, part.numel()))
 
 
-class _CountKernels(TorchDispatchMode):
-    """Counts the ops that run a kernel (views, slices and the like excluded)."""
-
-    kernels = 0
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        self.kernels += not func.is_view and func not in _VIEWS
-        return func(*args, **(kwargs or {}))
-
-
-_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.slice.Tensor}
-
-
 @pytest.mark.parametrize("span", [1000, 1 << 22])
 def test_a_sparse_part_costs_a_fixed_number_of_ops_a_span(
     span: int, monkeypatch: pytest.MonkeyPatch
@@ -179,7 +201,7 @@ def test_a_sparse_part_costs_a_fixed_number_of_ops_a_span(
     _move(pieces, 0.01)
     length = part.numel() // 2
     spans = -(-length // delta_find._span(length))
-    with _CountKernels() as counted:  # type: ignore[no-untyped-call]
+    with CountKernels() as counted:  # type: ignore[no-untyped-call]
         found = delta_find.refresh_part(pieces, part, torch.bfloat16, limit=part.numel())
     assert found is not None and found.count > 0
     # copies and zeroings: at most one each per piece a span covers (spans + pieces of them)

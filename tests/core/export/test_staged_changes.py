@@ -24,6 +24,7 @@ from shardkit.core.export.messages import (
     ExportManifest,
     WeightBucket,
 )
+from tests.core.export.dispatch_counts import CountKernels
 
 
 def _module() -> nn.Module:
@@ -134,6 +135,39 @@ def test_changes_that_do_not_fit_are_refused_when_staged_nothing_written() -> No
     with pytest.raises(WeightLoadError, match=f"{name}: the changes do not fit the tensor"):
         receiver.receive(WeightBucket(0, changed=((name, outside),)))
     assert torch.equal(module.state_dict()[name], before)
+
+
+def test_a_buckets_changes_are_checked_at_once_every_misfit_named() -> None:
+    """The positions' bounds of every tensor of a bucket read back in one go, not one number at
+    a time (on a GPU each read waits for the device; checked tensor by tensor, a 150M model's
+    delta read 568 numbers alone), and each tensor that cannot take its changes named, nothing
+    staged."""
+    module = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(12))).to(torch.bfloat16)
+    state = module.state_dict()
+    changes = {n: _changes(t, 5, i) for i, (n, t) in enumerate(state.items())}
+    expected = _expected(module, changes)
+    receiver = ModuleReceiver(module)
+    receiver.version = 0
+    receiver.begin(_manifest(module, 1))
+    with CountKernels() as counted:  # type: ignore[no-untyped-call]
+        receiver.receive(WeightBucket(0, changed=tuple(changes.items())))
+    assert counted.reads == 0  # was 4 a tensor: 48
+    receiver.commit()
+    assert all(torch.equal(expected[n], t) for n, t in module.state_dict().items())
+
+    names = list(state)
+    bad = {
+        names[3]: ChangedElements(torch.tensor([0, 256]), torch.zeros(2, dtype=torch.bfloat16)),
+        names[7]: ChangedElements(torch.tensor([-1]), torch.zeros(1, dtype=torch.bfloat16)),
+    }
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+    receiver.begin(_manifest(module, 2))
+    with pytest.raises(WeightLoadError) as raised:
+        receiver.receive(WeightBucket(0, changed=((names[0], changes[names[0]]), *bad.items())))
+    for name in bad:
+        assert f"{name}: the changes do not fit the tensor" in str(raised.value)
+    assert names[0] not in str(raised.value)
+    assert all(torch.equal(before[n], t) for n, t in module.state_dict().items())
 
 
 class _Tied(nn.Module):

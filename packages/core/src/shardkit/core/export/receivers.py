@@ -35,7 +35,12 @@ from torch import nn
 
 from shardkit.core.errors import WeightLoadError
 from shardkit.core.export.full_tensor_receiver import FullTensorReceiver, TensorLoader
-from shardkit.core.export.messages import ChangedElements, ExportManifest, WeightBucket
+from shardkit.core.export.messages import (
+    ChangedElements,
+    ExportManifest,
+    WeightBucket,
+    check_changes_fit,
+)
 from shardkit.core.export.transfer import HoldsExport
 from shardkit.core.export.versions import StagedTensors, partial_load_error
 
@@ -163,13 +168,11 @@ class ModuleReceiver:
 
     def _stage(self, bucket: WeightBucket) -> None:
         staged = self._staged
+        changed = [(n, c, self._contiguous(n)) for n, c in bucket.changed if c.count]
+        check_changes_fit(changed)  # refused now, not at the commit; the bucket at once
         for name, tensor in bucket.full:
             staged.values[name] = tensor.detach().clone()
-        for name, changes in bucket.changed:
-            if not changes.count:
-                continue
-            target = self._contiguous(name)
-            changes.check_fits(name, target)  # refused now, not at the commit
+        for name, changes, target in changed:
             tied = [n for n in staged.names() if _shares(target, self._targets[n])]
             if not tied:
                 # A copy of the changes alone (a few bytes a change, not of the tensor): a
