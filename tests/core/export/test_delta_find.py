@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.core.export import delta_find
+from shardkit.core.export import delta_find, delta_sample
 from shardkit.core.export.axis_gathers import AxisGather
 from shardkit.core.export.delta_encoding import DENSE, local_changes
 from tests.core.export.dispatch_counts import CountKernels
@@ -37,6 +37,13 @@ def _packed(pieces: list[tuple[AxisGather, torch.Tensor, int]], nbytes: int) -> 
     return part
 
 
+def _kept(
+    pieces: list[tuple[AxisGather, torch.Tensor, int]], part: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each piece's last exported elements in a kept bf16 part, as int16 (views)."""
+    return [part[offset : offset + 2 * p.numel()].view(torch.int16) for _, p, offset in pieces]
+
+
 def _move(pieces: list[tuple[AxisGather, torch.Tensor, int]], share: float) -> None:
     """Move about ``share`` of every piece's elements by far more than a bf16 unit."""
     generator = torch.Generator().manual_seed(int(share * 1000))
@@ -51,7 +58,7 @@ def test_the_sample_tells_a_dense_part_and_writes_nothing(share: float, dense: b
     _move(pieces, share)
     before = part.clone()
     scratch = torch.empty(delta_find.SPAN_ELEMENTS, dtype=torch.bfloat16)
-    assert delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch) is dense
+    assert delta_sample.sample_is_dense(pieces, _kept(pieces, part), scratch) is dense
     assert torch.equal(part, before)
 
 
@@ -60,7 +67,7 @@ def _sampled_window_by_window(
 ) -> tuple[int, int]:
     """The sample's changed and seen elements, one window at a time: the oracle."""
     changed = seen = 0
-    stride, window = delta_find.SAMPLE_STRIDE, delta_find.SAMPLE_WINDOW
+    stride, window = delta_sample.SAMPLE_STRIDE, delta_sample.SAMPLE_WINDOW
     for _, piece, offset in pieces:
         flat, first = piece.reshape(-1), offset // 2
         kept = part[offset : offset + 2 * flat.numel()].view(torch.int16)
@@ -80,15 +87,15 @@ def test_the_sample_reads_its_windows_at_once_and_one_count_a_part(
     changes summed where they are counted: the same verdict as window by window, with ops a
     piece, not a window, and one count read back a part (on a GPU each read waits for the
     device: 283 a part of 75M elements before)."""
-    monkeypatch.setattr(delta_find, "SAMPLE_STRIDE", 64)
-    monkeypatch.setattr(delta_find, "SAMPLE_WINDOW", 8)
+    monkeypatch.setattr(delta_sample, "SAMPLE_STRIDE", 64)
+    monkeypatch.setattr(delta_sample, "SAMPLE_WINDOW", 8)
     pieces, part = _pieces()
     _move(pieces, share)
     changed, seen = _sampled_window_by_window(pieces, part)
     assert seen > 5000  # thousands of windows, some cut short by a piece's end
     scratch = torch.empty(8 * scratch_windows, dtype=torch.bfloat16)
     with CountKernels() as counted:  # type: ignore[no-untyped-call]
-        dense = delta_find.sample_is_dense(pieces, part, torch.bfloat16, scratch)
+        dense = delta_sample.sample_is_dense(pieces, _kept(pieces, part), scratch)
     assert dense is (changed * DENSE > seen) is (share > 1 / DENSE)
     assert counted.reads == 1
     # 4 ops (cast, compare, count, sum) a batch of windows, plus each piece's short window
@@ -207,3 +214,15 @@ def test_a_sparse_part_costs_a_fixed_number_of_ops_a_span(
     # copies and zeroings: at most one each per piece a span covers (spans + pieces of them)
     fills = 2 * (spans + len(pieces))
     assert counted.kernels <= 22 * spans + fills + 30, (counted.kernels, spans)
+
+
+def test_a_gpu_part_walks_full_spans_a_cpu_part_sixteenths() -> None:
+    """A 64 MiB bucket's part at W=2 (16M bf16 elements): 16 spans on the CPU (its scratch a
+    small share of the part), 4 on a GPU, where each span costs its launches and two waits for
+    the device whatever its bytes; a part smaller than a span is one span on a GPU."""
+    part = 16 * 2**20
+    assert -(-part // delta_find._span(part, "cpu")) == 16
+    assert -(-part // delta_find._span(part, "cuda")) == 4
+    assert delta_find._span(1000, "cuda") == delta_find.SPAN_ELEMENTS
+    assert delta_find._span(1000, "cpu") == delta_find.SMALLEST_SPAN
+    assert delta_find._span(2**30, "cpu") == delta_find.SPAN_ELEMENTS

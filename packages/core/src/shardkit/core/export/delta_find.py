@@ -18,7 +18,7 @@ not two parts.
 
 Before that, a sample of the part (1/16, cast and compared, nothing written) tells a part
 most of which changed (a high learning rate): it is cast straight into place, uncompared, as
-a full export packs it, and the bucket moves whole (:func:`sample_is_dense`).
+a full export packs it, and the bucket moves whole (``delta_sample.py``).
 
 An export that fails after this leaves the kept part half new: the exporter then forgets it
 (the next export is full), as it forgets any failed export's.
@@ -39,30 +39,26 @@ from dataclasses import dataclass, field
 import torch
 
 from shardkit.core.export.axis_gathers import AxisGather
-from shardkit.core.export.delta_encoding import DENSE, WIDTH, LocalChanges
+from shardkit.core.export.delta_encoding import WIDTH, LocalChanges
+from shardkit.core.export.delta_sample import sample_is_dense
 
 __all__ = [
     "HeldRows",
-    "SAMPLE_STRIDE",
-    "SAMPLE_WINDOW",
     "SMALLEST_SPAN",
     "SPAN_ELEMENTS",
     "refresh_part",
-    "sample_is_dense",
 ]
 
 SPAN_ELEMENTS = 1 << 22
 """Elements per span (a multiple of 8, so every span starts on an 8-byte word): 8 MiB of
 bf16 scratch. On a part of 75M elements at 3.4% changed, spans of 2^22 took 0.35 s and of
 2^20 0.42 s (the compare is bound by memory, not by the cache), launching a quarter of the
-ops. A smaller part walks spans of 1/16 of it (2^18 elements at least): its scratch, held
-during the count, stays a small share of the part it holds anyway."""
+ops. On the CPU a smaller part walks spans of 1/16 of it (2^18 elements at least): its
+scratch, held during the count, stays a small share of the part it holds anyway; on a GPU,
+where a span costs launches and waits rather than bytes, every part walks spans of this
+size (``_span``)."""
 SMALLEST_SPAN = 1 << 18
 """The fewest elements a span holds (unless :data:`SPAN_ELEMENTS` is fewer)."""
-SAMPLE_WINDOW = 1 << 14
-"""Elements per window of the sample that tells a dense part before its comparison."""
-SAMPLE_STRIDE = 1 << 18
-"""One window every this many elements of the part: a sample of 1/16."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +93,9 @@ def refresh_part(
     length = part.length if isinstance(part, HeldRows) else part.numel() // dtype.itemsize
     device = pieces[0][1].device if pieces else "cpu"
     segments = _segments(pieces, dtype, length)
-    span = _span(length)
+    span = _span(length, device)
     scratch = torch.empty(min(span, length), dtype=dtype, device=device)
-    if limit >= 0 and sample_is_dense(pieces, part, dtype, scratch):
+    if limit >= 0 and sample_is_dense(pieces, _kept_elements(pieces, part, dtype), scratch):
         if held is not None:
             return None  # nothing kept to refresh: the bucket moves whole
         limit = -1  # nothing compared: every span is cast straight into place
@@ -248,8 +244,17 @@ def _joined(
     return positions, values, steps
 
 
-def _span(length: int) -> int:
-    """Elements per span of a part of ``length`` (a multiple of 8)."""
+def _span(length: int, device: torch.device | str = "cpu") -> int:
+    """Elements per span of a part of ``length`` on ``device`` (a multiple of 8).
+
+    On the CPU a part under 16 full spans walks spans of 1/16 of it, so that its scratch stays
+    a small share of it. On a GPU a span's cost is its launches (about 22) and its two waits
+    for the device (each ``nonzero`` reads its count back), not its bytes: every part walks
+    full spans there (a 64 MiB bucket's part at W=2, 16M elements: 4 spans and 8 waits, not
+    16 and 32), its scratch a span's, as a large part's is on the CPU.
+    """
+    if torch.device(device).type != "cpu":
+        return SPAN_ELEMENTS
     share = max(SMALLEST_SPAN, length // 16) // 8 * 8
     return min(SPAN_ELEMENTS, share)
 
@@ -319,68 +324,6 @@ def _fill(out: torch.Tensor, segments: list[_Segment], start: int) -> None:
             out[max(lo, valid) - start : hi - start].zero_()
 
 
-def sample_is_dense(
-    pieces: Sequence[tuple[AxisGather, torch.Tensor, int]],
-    part: torch.Tensor | HeldRows,
-    dtype: torch.dtype,
-    scratch: torch.Tensor,
-) -> bool:
-    """Whether more than 1/``DENSE`` of a sample of the part changed (nothing is written).
-
-    The sample: a window of ``SAMPLE_WINDOW`` elements every ``SAMPLE_STRIDE`` of the part
-    (1/16), of the dim-0 pieces, cast into ``scratch`` and compared element by element. A part
-    mostly changed would otherwise be compared, and its positions built, until its count
-    passed the limit (at 30% changed, 40% of it); a sparse one pays 1/16 of a comparison more.
-
-    A piece's windows are read as one strided view (as many as ``scratch`` holds at a time),
-    and their counts are summed where they are computed: a few ops a piece and one read of
-    the sum a part. Window by window, a 75M-element part launched about 1,100 kernels and read
-    283 counts back, each a wait for the device on a GPU.
-    """
-    itemsize, width = dtype.itemsize, WIDTH[dtype.itemsize]
-    window = min(SAMPLE_WINDOW, scratch.numel())
-    batch = scratch.numel() // window  # windows cast at once
-    changed = torch.zeros((), dtype=torch.int64, device=scratch.device)
-    seen = 0
-    for index, (gather, piece, offset) in enumerate(pieces):
-        if gather.tensor_dim != 0 or not piece.is_contiguous():
-            continue  # packed whole before it is cast: not sampled
-        flat = piece.reshape(-1)
-        first = offset // itemsize
-        kept = (
-            part.rows[index].view(width)
-            if isinstance(part, HeldRows)
-            else part[offset : offset + flat.numel() * itemsize].view(width)
-        )
-        # The windows lie at multiples of the stride in the part, not in each tensor, so
-        # that small tensors are not all sampled.
-        start = -(-first // SAMPLE_STRIDE) * SAMPLE_STRIDE - first
-        whole = max(0, -(-(flat.numel() - window - start + 1) // SAMPLE_STRIDE))
-        for at in range(0, whole, batch):
-            count = min(batch, whole - at)
-            first_at = start + at * SAMPLE_STRIDE
-            windows = scratch[: count * window].view(count, window)
-            windows.copy_(_windows(flat, first_at, count, window))
-            old = _windows(kept, first_at, count, window)
-            changed.add_(torch.count_nonzero(windows.view(width) != old))
-            seen += count * window
-        last = start + whole * SAMPLE_STRIDE  # a window cut short by the piece's end
-        if last < flat.numel():
-            tail = scratch[: flat.numel() - last]
-            tail.copy_(flat[last:])
-            changed.add_(torch.count_nonzero(tail.view(width) != kept[last:]))
-            seen += flat.numel() - last
-    return seen > 0 and int(changed) * DENSE > seen
-
-
-def _windows(flat: torch.Tensor, first: int, count: int, window: int) -> torch.Tensor:
-    """``count`` windows of ``window`` elements, ``SAMPLE_STRIDE`` apart, from ``first``.
-
-    One strided view of ``flat``, no copy.
-    """
-    return flat.as_strided((count, window), (SAMPLE_STRIDE, 1), flat.storage_offset() + first)
-
-
 def _flat_padded(gather: AxisGather, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The piece's elements in the part's order, as stored (cast span by span later).
 
@@ -392,3 +335,21 @@ def _flat_padded(gather: AxisGather, piece: torch.Tensor, dtype: torch.dtype) ->
     packed = torch.empty(gather.padded_numel, dtype=dtype, device=piece.device)
     gather.pack(piece, packed)
     return packed
+
+
+def _kept_elements(
+    pieces: Sequence[tuple[AxisGather, torch.Tensor, int]],
+    part: torch.Tensor | HeldRows,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Per piece, the last export's elements in the base, as integers of the element's width.
+
+    Views: a kept part's bytes at the piece's offset, or the receiver's rows.
+    """
+    width = WIDTH[dtype.itemsize]
+    if isinstance(part, HeldRows):
+        return [rows.view(width) for rows in part.rows]
+    return [
+        part[offset : offset + piece.numel() * dtype.itemsize].view(width)
+        for _, piece, offset in pieces
+    ]
