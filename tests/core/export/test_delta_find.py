@@ -226,3 +226,33 @@ def test_a_gpu_part_walks_full_spans_a_cpu_part_sixteenths() -> None:
     assert delta_find._span(1000, "cuda") == delta_find.SPAN_ELEMENTS
     assert delta_find._span(1000, "cpu") == delta_find.SMALLEST_SPAN
     assert delta_find._span(2**30, "cpu") == delta_find.SPAN_ELEMENTS
+
+
+@pytest.mark.parametrize("share", [0.1, 0.2])
+def test_the_sample_over_the_receivers_rows_is_the_sample_over_a_kept_part(
+    share: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's rows of whole tensors (off the 8-byte words, no padding) as the base: the
+    sample reads the same windows of the same bits as over a kept part, and tells the same."""
+    monkeypatch.setattr(delta_sample, "SAMPLE_STRIDE", 64)
+    monkeypatch.setattr(delta_sample, "SAMPLE_WINDOW", 8)
+    torch.manual_seed(0)
+    pieces, rows, offset = [], [], 0
+    for shape in SHAPES:
+        gather = AxisGather(0, 0, 2, shape)
+        whole = (torch.randn(shape) * 0.02).to(torch.bfloat16)
+        count = gather.piece_shape(1)[0]
+        start = gather.shape[0] - count
+        pieces.append((gather, whole[start : start + count].float(), offset))
+        rows.append(whole[start:].reshape(-1))
+        offset += -(-gather.padded_numel * 2 // 8) * 8
+    part = _packed(pieces, offset)
+    _move(pieces, share)
+    held = delta_find.HeldRows(tuple(rows), offset // 2)
+    scratch = torch.empty(8 * 5, dtype=torch.bfloat16)
+    over_rows = delta_find._kept_elements(pieces, held, torch.bfloat16)
+    over_part = delta_find._kept_elements(pieces, part, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(over_rows, over_part, strict=True))
+    changed, seen = _sampled_window_by_window(pieces, part)
+    dense = delta_sample.sample_is_dense(pieces, over_rows, scratch)
+    assert dense is (changed * DENSE > seen) is (share > 1 / DENSE)
