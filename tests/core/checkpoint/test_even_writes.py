@@ -24,30 +24,9 @@ from torch.distributed.tensor import Replicate, Shard
 from harness.pool import run_on_ranks
 from shardkit.core.checkpoint.local_plan.chunk_writers import SaveLayout, ValueLayout, mesh_key
 from tests.core.checkpoint.checkpoint_app import TrainingApp, same_state, state_of
+from tests.core.checkpoint.layouts import llama_8b_layout
 
 FLOAT = TensorProperties(dtype=torch.float32)
-
-
-def _llama_8b(world: int, replica: int = 8) -> list[ValueLayout]:
-    """An 8B Llama's parameters and AdamW moments, HSDP with ``replica`` ranks a replica."""
-    mesh = np.arange(world, dtype=np.int64).reshape(world // replica, replica)
-    key, placements = mesh_key(mesh), (Replicate(), Shard(0))
-    dim, ffn, kv, vocab = 4096, 14336, 1024, 128256
-    shapes: list[tuple[str, tuple[int, ...]]] = [("embed", (vocab, dim))]
-    for i in range(32):
-        shapes += [(f"{i}.wq", (dim, dim)), (f"{i}.wk", (kv, dim)), (f"{i}.wv", (kv, dim))]
-        shapes += [(f"{i}.wo", (dim, dim)), (f"{i}.w1", (ffn, dim)), (f"{i}.w2", (dim, ffn))]
-        shapes += [(f"{i}.w3", (ffn, dim)), (f"{i}.norm_a", (dim,)), (f"{i}.norm_f", (dim,))]
-    shapes += [("norm", (dim,)), ("output", (vocab, dim))]
-    values = []
-    for kind in ("param", "exp_avg", "exp_avg_sq"):
-        values += [
-            ValueLayout(f"{kind}.{n}", "dtensor", s, FLOAT, mesh, placements, key)
-            for n, s in shapes
-        ]
-    values.append(ValueLayout("step", "tensor", (), FLOAT))
-    values.append(ValueLayout("lr", "bytes"))
-    return values
 
 
 def _bytes_per_rank(layout: SaveLayout) -> np.ndarray:
@@ -61,7 +40,7 @@ def _bytes_per_rank(layout: SaveLayout) -> np.ndarray:
 
 @pytest.mark.parametrize("world", [1024, 8192])
 def test_the_busiest_rank_writes_at_most_a_quarter_more_than_the_mean(world: int) -> None:
-    values = _llama_8b(world)
+    values = llama_8b_layout(world)
     even = _bytes_per_rank(SaveLayout.from_values(values, world))
     assert even.max() <= 1.25 * even.mean(), (even.max() / even.mean(), even.min())
     # The earlier rule (whole chunks, the replicas taking turns tensor by tensor) does not.
@@ -115,10 +94,10 @@ def _check_layout(layout: SaveLayout, ranks: list[int]) -> None:
 
 
 def test_pieces_tile_their_chunks_and_every_view_of_the_writers_agrees() -> None:
-    layout = SaveLayout.from_values(_llama_8b(1024), 1024)
+    layout = SaveLayout.from_values(llama_8b_layout(1024), 1024)
     assert any(s.pieces > 1 for shares in layout.shares() for s in shares.values())
     _check_layout(layout, [0, 1, 7, 8, 500, 1023])
-    again = SaveLayout.from_values(_llama_8b(1024), 1024)  # another rank computes the same
+    again = SaveLayout.from_values(llama_8b_layout(1024), 1024)  # another rank computes the same
     assert again.written() == layout.written()
 
 
@@ -143,7 +122,7 @@ def test_a_record_of_version_1_keeps_its_rule(tmp_path: Path) -> None:
     """Checkpoints written before the bytes rule (whole chunks by turns) still load."""
     from shardkit.core.checkpoint.local_plan.layout_record import read_record, write_record
 
-    values = _llama_8b(64)
+    values = llama_8b_layout(64)
     for rule, version in (("turns", b"1"), ("bytes", b"3")):
         layout = SaveLayout.from_values(values, 64, rule=rule)
         write_record(tmp_path, layout, np.zeros((2, 3), dtype=np.int64))

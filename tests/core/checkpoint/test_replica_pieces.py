@@ -23,7 +23,7 @@ from shardkit.core.checkpoint.local_plan.replica_pieces import (
     ReplicaLoads,
     replica_line,
 )
-from tests.core.checkpoint.test_even_writes import _llama_8b
+from tests.core.checkpoint.layouts import llama_8b_layout
 
 
 class _MadeUpIndexes(ChunkSources):
@@ -78,7 +78,7 @@ def _written_chunk_items(layout: SaveLayout, rank: int) -> int:
 
 @pytest.mark.parametrize("world", [1024, 8192])
 def test_a_rank_plans_only_what_it_wrote_at_the_same_layout(world: int) -> None:
-    layout = SaveLayout.from_values(_llama_8b(world), world)
+    layout = SaveLayout.from_values(llama_8b_layout(world), world)
     for rank in (0, world // 2 + 3, world - 1):
         items, writers, _ = _plan(layout, layout, rank)
         assert items == _written_chunk_items(layout, rank), rank
@@ -91,15 +91,15 @@ def test_the_items_a_rank_plans_do_not_grow_with_the_replicas() -> None:
     """Split by tensors, the replica that drew the embedding planned its every row piece."""
     most = []
     for world in (1024, 8192):
-        layout = SaveLayout.from_values(_llama_8b(world), world)
+        layout = SaveLayout.from_values(llama_8b_layout(world), world)
         most.append(max(_plan(layout, layout, rank)[0] for rank in (0, 7, world - 1)))
     assert most[1] <= most[0], most
 
 
 def test_replicas_split_a_resharded_shard_alike_and_evenly() -> None:
     """Saved at 512 (64 replicas), loaded at 256 (32): each replica computes the split."""
-    saved = SaveLayout.from_values(_llama_8b(512), 512)
-    loading = SaveLayout.from_values(_llama_8b(256), 256)
+    saved = SaveLayout.from_values(llama_8b_layout(512), 512)
+    loading = SaveLayout.from_values(llama_8b_layout(256), 256)
     line = [r for r in range(256) if r % 8 == 3]  # the replicas of shard 3
     plans = [_plan(saved, loading, rank) for rank in line]
     loads = plans[0][2]

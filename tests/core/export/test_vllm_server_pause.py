@@ -10,12 +10,8 @@ ends ``begin`` within the bound, and the exporter's ``abort`` resumes the server
 
 from __future__ import annotations
 
-import contextlib
-import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -24,6 +20,7 @@ import torch
 from shardkit.core.errors import WeightExportError
 from shardkit.core.export import ExportedTensor, ExportManifest
 from shardkit.core.export.vllm_server import VLLMServerReceiver
+from tests.core.export.stand_in_server import Answer, StandInServer
 
 BOUND_S = 1.0
 MANIFEST = ExportManifest(
@@ -32,59 +29,14 @@ MANIFEST = ExportManifest(
     tensors=(ExportedTensor("w", (2, 2), torch.bfloat16, 0),),
     bucket_count=1,
 )
-Answer = Callable[[str, dict[str, Any]], tuple[int, Any]]
-
-
-class _Server:
-    """A stand-in for ``vllm serve``'s endpoints: ``answer(path, body)`` gives (status, JSON);
-    every request is recorded as ``(path, body)``."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self._answer({})
-
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                self._answer(json.loads(self.rfile.read(length) or b"{}"))
-
-            def _answer(self, body: dict[str, Any]) -> None:
-                outer.seen.append((self.path, body))
-                status, content = answer(self.path, body)
-                data = json.dumps(content).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                with contextlib.suppress(OSError):  # the receiver gave up waiting: its bound
-                    self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        serve = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        serve.start()
-
-    def paths(self) -> list[str]:
-        return [path for path, _ in self.seen]
-
-    def served(self) -> bool:
-        """Whether the worker was asked to serve an export."""
-        return any(body.get("method") == "shardkit_serve_export" for _, body in self.seen)
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[Answer], _Server]]:
-    started: list[_Server] = []
+def serve() -> Iterator[Callable[[Answer], StandInServer]]:
+    started: list[StandInServer] = []
 
-    def start(answer: Answer) -> _Server:
-        started.append(_Server(answer))
+    def start(answer: Answer) -> StandInServer:
+        started.append(StandInServer(answer))
         return started[-1]
 
     yield start
@@ -114,7 +66,7 @@ def _vllm(*, paused: bool = False, pause_s: float = 0.0, has_pause: bool = True)
 
 
 def test_a_vllm_without_pause_is_refused_in_begin_by_name(
-    serve: Callable[[Answer], _Server],
+    serve: Callable[[Answer], StandInServer],
 ) -> None:
     server = serve(_vllm(has_pause=False))
     receiver = VLLMServerReceiver(server.url, bound_s=BOUND_S)
@@ -125,7 +77,7 @@ def test_a_vllm_without_pause_is_refused_in_begin_by_name(
 
 
 def test_a_server_paused_by_another_client_is_refused_and_left_paused(
-    serve: Callable[[Answer], _Server],
+    serve: Callable[[Answer], StandInServer],
 ) -> None:
     server = serve(_vllm(paused=True))
     receiver = VLLMServerReceiver(server.url, bound_s=BOUND_S)
@@ -136,7 +88,7 @@ def test_a_server_paused_by_another_client_is_refused_and_left_paused(
 
 
 def test_a_pause_that_does_not_come_within_the_bound_ends_begin_and_abort_resumes(
-    serve: Callable[[Answer], _Server],
+    serve: Callable[[Answer], StandInServer],
 ) -> None:
     server = serve(_vllm(pause_s=BOUND_S + 2))  # requests in flight that do not finish
     receiver = VLLMServerReceiver(server.url, bound_s=BOUND_S)

@@ -272,11 +272,11 @@ def _server_of(engine: StandInEngine) -> Any:
 def test_a_server_is_paused_around_the_workers_load_and_resumed(
     tmp_path: Path, fails: bool
 ) -> None:
-    from tests.core.export.test_vllm_server_pause import _Server
+    from tests.core.export.stand_in_server import StandInServer
 
     engine = StandInEngine()
     engine.workers[1].fail = fails
-    server = _Server(_server_of(engine))
+    server = StandInServer(_server_of(engine))
     try:
         receivers = _receivers(engine, tmp_path)
         receivers[0] = VLLMRemoteSliceReceiver(

@@ -222,9 +222,9 @@ def test_under_hsdp_a_values_split_costs_more_with_more_replicas() -> None:
 def test_under_hsdp_a_rank_plans_the_items_it_wrote() -> None:
     """The replicas split their shard's saved items (``replica_pieces``): each, what it wrote."""
     from shardkit.tools.plan.checkpoint.load_cost import most_overlaps
-    from tests.core.checkpoint.test_even_writes import _llama_8b
+    from tests.core.checkpoint.layouts import llama_8b_layout
 
-    layout = SaveLayout.from_values(_llama_8b(256), 256)  # pieces: a shard meets several
+    layout = SaveLayout.from_values(llama_8b_layout(256), 256)  # pieces: a shard meets several
     plain = sum(v.kind != "dtensor" for v in layout.values)
     chunked = {v.fqn for v in layout.values if v.kind == "dtensor"}
     wrote = [sum(i.index.fqn in chunked for i in layout.items_of(r)) for r in range(256)]
