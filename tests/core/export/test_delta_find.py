@@ -135,14 +135,15 @@ def _same_changes(found: Any, oracle: Any) -> None:
     assert torch.equal(found.steps, oracle.steps.clamp(-128, 128).to(torch.int8))
 
 
-@pytest.mark.parametrize("share", [0.01, 0.3])
-@pytest.mark.parametrize("span", [1000, 1 << 22])
-def test_the_receivers_rows_as_the_base_give_the_kept_parts_changes(
-    share: float, span: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Rank 1's rows of whole tensors (at offsets off the 8-byte words, no padding) compared in
-    place of a kept part: the same changes, bit for bit, and the rows never written."""
-    monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
+def _rank_one_of_wholes() -> tuple[
+    list[tuple[AxisGather, torch.Tensor, int]],
+    list[tuple[torch.Tensor, int]],
+    tuple[torch.Tensor, ...],
+    int,
+]:
+    """Rank 1's fp32 pieces (part 1 of 2 along dim 0) of bf16 whole tensors, each whole tensor
+    with its first row of rank 1's, the receiver's rows of them (flat views, at offsets off the
+    8-byte words, no padding), and the part's bytes."""
     torch.manual_seed(0)
     pieces, wholes, offset = [], [], 0
     for shape in SHAPES:
@@ -153,12 +154,21 @@ def test_the_receivers_rows_as_the_base_give_the_kept_parts_changes(
         pieces.append((gather, whole[start : start + count].float(), offset))
         wholes.append((whole, start))
         offset += -(-gather.padded_numel * 2 // 8) * 8
+    rows = tuple(whole[start:].reshape(-1) for whole, start in wholes)
+    return pieces, wholes, rows, offset
+
+
+@pytest.mark.parametrize("share", [0.01, 0.3])
+@pytest.mark.parametrize("span", [1000, 1 << 22])
+def test_the_receivers_rows_as_the_base_give_the_kept_parts_changes(
+    share: float, span: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's rows of whole tensors (at offsets off the 8-byte words, no padding) compared in
+    place of a kept part: the same changes, bit for bit, and the rows never written."""
+    monkeypatch.setattr(delta_find, "SPAN_ELEMENTS", span)
+    pieces, wholes, held_rows, offset = _rank_one_of_wholes()
     old = _packed(pieces, offset)
     _move(pieces, share)
-    held_rows = tuple(
-        whole[start:].reshape(-1)[: piece.numel()]
-        for (whole, start), (_, piece, _) in zip(wholes, pieces, strict=True)
-    )
     before = [whole.clone() for whole, _ in wholes]
     length = offset // 2
     held = delta_find.HeldRows(held_rows, length)
@@ -236,19 +246,10 @@ def test_the_sample_over_the_receivers_rows_is_the_sample_over_a_kept_part(
     sample reads the same windows of the same bits as over a kept part, and tells the same."""
     monkeypatch.setattr(delta_sample, "SAMPLE_STRIDE", 64)
     monkeypatch.setattr(delta_sample, "SAMPLE_WINDOW", 8)
-    torch.manual_seed(0)
-    pieces, rows, offset = [], [], 0
-    for shape in SHAPES:
-        gather = AxisGather(0, 0, 2, shape)
-        whole = (torch.randn(shape) * 0.02).to(torch.bfloat16)
-        count = gather.piece_shape(1)[0]
-        start = gather.shape[0] - count
-        pieces.append((gather, whole[start : start + count].float(), offset))
-        rows.append(whole[start:].reshape(-1))
-        offset += -(-gather.padded_numel * 2 // 8) * 8
+    pieces, _, rows, offset = _rank_one_of_wholes()
     part = _packed(pieces, offset)
     _move(pieces, share)
-    held = delta_find.HeldRows(tuple(rows), offset // 2)
+    held = delta_find.HeldRows(rows, offset // 2)
     scratch = torch.empty(8 * 5, dtype=torch.bfloat16)
     over_rows = delta_find._kept_elements(pieces, held, torch.bfloat16)
     over_part = delta_find._kept_elements(pieces, part, torch.bfloat16)

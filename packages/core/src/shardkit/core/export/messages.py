@@ -122,8 +122,8 @@ def check_changes_fit(items: Sequence[tuple[str, ChangedElements, torch.Tensor]]
 
     ``items``: per tensor, its name, its changes and the tensor that would take them. Every
     tensor's lowest and highest positions are read back together, once per device: where the
-    changes live on a GPU each read waits for it (a bucket of a 150M model checked tensor by
-    tensor read 568 values back, each alone).
+    changes live on a GPU each read waits for it (a 150M model's delta, checked tensor by
+    tensor, read 568 values back, each alone).
 
     Raises:
         ValueError: naming each tensor whose changes do not fit, and why.
