@@ -1,4 +1,5 @@
-"""FSDP1's optimizer-state APIs take shardkit's Muon (beside AdamW), and training goes on alike.
+"""FSDP1's optimizer-state APIs take shardkit's Muon (beside AdamW, or with it as one
+``MuonWithAdamW``), and training goes on alike.
 
 A model wrapped by ``shardkit.legacy``'s FSDP (``use_orig_params=True``: Muon needs the
 matrices, not FSDP1's flat 1-D parameters) trains 2 steps with Muon on its blocks' matrices
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.pool import run_on_ranks
-from shardkit.core.optim import Muon
+from shardkit.core.optim import Muon, MuonWithAdamW
 from tests.core import models
 from tests.legacy.ckpt_support import load_into, state_dict_of
 from tests.legacy.legacy_parity import LegacyRun, full_params, lib, rank_batch, wrap_model
@@ -30,10 +31,17 @@ RUN = LegacyRun(model="gpt", extra={"use_orig_params": True})
 SAVED_AT, STEPS = 2, 5
 
 
-def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+def _optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """Muon beside AdamW ("pair"), or the two as one ``MuonWithAdamW`` ("one")."""
     matrices = [(n, p) for n, p in model.named_parameters() if p.dim() == 2 and "blocks." in n]
     taken = {id(p) for _, p in matrices}
     others = [p for p in model.parameters() if id(p) not in taken]
+    if kind == "one":
+        groups = [
+            {"params": matrices, "use_muon": True, "lr": 0.02},
+            {"params": others, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1},
+        ]
+        return [MuonWithAdamW(groups)]
     return [Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=1e-3, weight_decay=0.1)]
 
 
@@ -73,9 +81,9 @@ def _load(model: nn.Module, opts: list[torch.optim.Optimizer], saved: list[Any],
             opt.load_state_dict(_fsdp("optim_state_dict_to_load", model, opt, osd))
 
 
-def _body(rank: int, world_size: int, form: str) -> dict[str, Any]:
+def _body(rank: int, world_size: int, form: str, optimizer: str) -> dict[str, Any]:
     model = wrap_model("shardkit", RUN)
-    opts = _optimizers(model)
+    opts = _optimizers(model, optimizer)
     _train(model, opts, range(SAVED_AT))
     kind = "FULL_STATE_DICT" if form == "full_optim_state_dict" else form
     model_sd = copy.deepcopy(state_dict_of("shardkit", model, kind))
@@ -85,7 +93,7 @@ def _body(rank: int, world_size: int, form: str) -> dict[str, Any]:
     straight = full_params("shardkit", model)
 
     fresh = wrap_model("shardkit", RUN, models.build(RUN.model, seed=7))
-    fresh_opts = _optimizers(fresh)
+    fresh_opts = _optimizers(fresh, optimizer)
     load_into("shardkit", fresh, kind, model_sd)
     _load(fresh, fresh_opts, saved, form)
     _train(fresh, fresh_opts, range(SAVED_AT, STEPS))
@@ -104,8 +112,11 @@ def _body(rank: int, world_size: int, form: str) -> dict[str, Any]:
         pytest.param("full_optim_state_dict", marks=pytest.mark.slow),
     ],
 )
-def test_fsdp1_optimizer_state_apis_take_muon(form: str) -> None:
-    for rank, result in enumerate(run_on_ranks(2, _body, form=form)):
+@pytest.mark.parametrize("optimizer", ["pair", "one"])
+def test_fsdp1_optimizer_state_apis_take_muon(form: str, optimizer: str) -> None:
+    one = optimizer == "one"
+    keys = {"momentum_buffer"} | ({"exp_avg", "exp_avg_sq", "step"} if one else set())
+    for rank, result in enumerate(run_on_ranks(2, _body, form=form, optimizer=optimizer)):
         if rank == 0 or form != "full_optim_state_dict":  # rank 0's alone, there
-            assert result["momentum_keys"] == {"momentum_buffer"}, rank
+            assert result["momentum_keys"] == keys, rank
         assert result["differs"] == [], (rank, result["differs"])

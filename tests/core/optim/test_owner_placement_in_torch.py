@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -37,12 +38,13 @@ def _owned(whole: torch.Tensor, owner: int, rank: int) -> DTensor:
 def _probe_body(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     torch.manual_seed(0)
     first, second = torch.randn(4, 3), torch.randn(6, 3)
-    weights = [
-        torch.nn.Parameter(_owned(t, owner, rank)) for owner, t in enumerate((first, second))
-    ]
+    owned = [_owned(t, owner, rank) for owner, t in enumerate((first, second))]
+    weights = [torch.nn.Parameter(t) for t in owned]
+    total = owned[0].sum()
+    assert isinstance(total, DTensor)
     out: dict[str, Any] = {
-        "full_shape": tuple(weights[0].full_tensor().shape),
-        "sum": float(weights[0].detach().sum().to_local()),
+        "full_shape": tuple(owned[0].full_tensor().shape),
+        "sum": float(total.to_local()),
         "true_sum": float(first.sum()),
     }
     for weight in weights:
@@ -52,13 +54,13 @@ def _probe_body(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         out["clip"] = "ran"
     except RuntimeError as error:
         out["clip"] = str(error)
-    dcp.save({"first": weights[0], "second": weights[1]}, checkpoint_id=folder)
+    dcp_save({"first": weights[0], "second": weights[1]}, checkpoint_id=folder)
     mesh = init_device_mesh("cpu", (world_size,))
     rows = {
         "first": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
         "second": distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)]),
     }
-    dcp.load(rows, checkpoint_id=folder)
+    dcp_load(rows, checkpoint_id=folder)
     out["dcp_rows_equal"] = torch.equal(
         rows["first"].to_local(), first.chunk(world_size)[rank]
     ) and torch.equal(rows["second"].to_local(), second.chunk(world_size)[rank])

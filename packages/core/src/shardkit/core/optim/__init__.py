@@ -4,7 +4,8 @@
 are sharded by ``fully_shard`` (shardkit's or torch's): same arguments, defaults and bits, each
 matrix orthogonalized once in the job, whole, on one rank. Other whole-matrix updates plug in
 as a :class:`WholeMatrixRule` (:class:`ColumnNormSGD` is one). :func:`split_matrices` splits a
-model's parameters into Muon's and AdamW's. See docs/guide/muon.md.
+model's parameters into Muon's and AdamW's; :class:`MuonWithAdamW` steps both kinds as one
+optimizer. See docs/guide/muon.md.
 """
 
 from shardkit.core.errors import ShardedMatrixError
@@ -13,16 +14,19 @@ from shardkit.core.optim.muon import MUON_RULE, Muon
 from shardkit.core.optim.param_split import ParamSplit, split_matrices
 from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.optim.whole_matrix import StepStats, WholeMatrixOptimizer
+from shardkit.core.optim.with_adamw import USE_MUON, MuonWithAdamW
 
 __all__ = [
     "COLUMN_NORM_RULE",
     "ColumnNormSGD",
     "MUON_RULE",
     "Muon",
+    "MuonWithAdamW",
     "Options",
     "ParamSplit",
     "ShardedMatrixError",
     "StepStats",
+    "USE_MUON",
     "WholeMatrixOptimizer",
     "WholeMatrixRule",
     "split_matrices",

@@ -21,7 +21,7 @@ fine, as in torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +31,15 @@ from shardkit.core.optim.rule import Options, WholeMatrixRule
 from shardkit.core.runtime.dtensors import local_of
 from shardkit.core.runtime.p2p.agreement import everyone, raise_shared
 
-__all__ = ["Loadable", "check_loadable"]
+__all__ = [
+    "Loadable",
+    "check_loadable",
+    "check_saved_group",
+    "check_state_dict",
+    "check_state_value",
+    "named_params",
+    "saved_parts",
+]
 
 _PARAMS, _NAMES = "params", "param_names"
 
@@ -60,27 +68,23 @@ def check_loadable(optimizer: Loadable, state_dict: Any) -> None:
     """
     sharded = any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g[_PARAMS])
     if not sharded:
-        _check(optimizer, state_dict)
+        check_state_dict(optimizer, state_dict)
         return
-    raise_shared(everyone(lambda: _check(optimizer, state_dict)))
+    raise_shared(everyone(lambda: check_state_dict(optimizer, state_dict)))
 
 
-def _check(optimizer: Loadable, state_dict: Any) -> None:
+def check_state_dict(optimizer: Loadable, state_dict: Any) -> None:
+    """:func:`check_loadable` on this rank alone: the caller shares what it finds.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_loadable`, unshared.
+    """
     name = optimizer.rule.name
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise TypeError(f"{name}: a state dict has 'state' and 'param_groups', this one does not")
-    saved_groups, state = state_dict["param_groups"], state_dict["state"]
-    if not isinstance(saved_groups, list) or not isinstance(state, Mapping):
-        raise TypeError(f"{name}: 'param_groups' must be a list and 'state' a mapping")
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"{name}: the state dict has {len(saved_groups)} parameter groups, this optimizer "
-            f"has {len(optimizer.param_groups)}"
-        )
+    saved_groups, state = saved_parts(name, state_dict, len(optimizer.param_groups))
     by_index: dict[Any, tuple[str, torch.Tensor]] = {}
     for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
-        named = _named(group, index)
-        _check_group(optimizer, saved, group, named, index)
+        named = named_params(group, index)
+        check_saved_group(name, optimizer.check_options, saved, group, named, index)
         by_index.update(zip(saved[_PARAMS], named, strict=True))
     keys = frozenset(optimizer.rule.init_state(torch.empty(1, 1, device="meta")))
     for index, entry in state.items():
@@ -92,19 +96,47 @@ def _check(optimizer: Loadable, state_dict: Any) -> None:
         _check_entry(name, by_index[index], entry, keys)
 
 
-def _check_group(
-    optimizer: Loadable,
+def saved_parts(
+    optimizer_name: str, state_dict: Any, groups: int
+) -> tuple[list[Any], Mapping[Any, Any]]:
+    """``state_dict``'s saved groups and state, once it has their types and ``groups`` groups.
+
+    Raises:
+        TypeError: not a state dict, or 'param_groups' not a list, 'state' not a mapping.
+        ValueError: another number of groups.
+    """
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise TypeError(
+            f"{optimizer_name}: a state dict has 'state' and 'param_groups', this one does not"
+        )
+    saved_groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, list) or not isinstance(state, Mapping):
+        raise TypeError(f"{optimizer_name}: 'param_groups' must be a list and 'state' a mapping")
+    if len(saved_groups) != groups:
+        raise ValueError(
+            f"{optimizer_name}: the state dict has {len(saved_groups)} parameter groups, this "
+            f"optimizer has {groups}"
+        )
+    return saved_groups, state
+
+
+def check_saved_group(
+    optimizer_name: str,
+    check_options: Callable[[Options], None],
     saved: Any,
     group: dict[str, Any],
     named: list[tuple[str, torch.Tensor]],
     index: int,
 ) -> None:
-    """Refuse a saved group unlike ``group``.
+    """Refuse a saved group unlike ``group``, the ``index``-th of optimizer ``optimizer_name``.
 
     Its parameters must be the same (by count, and by name where both have names), with every
-    hyperparameter the optimizer's group has, at values the optimizer accepts.
+    hyperparameter the optimizer's group has, at values ``check_options`` accepts.
+
+    Raises:
+        TypeError, ValueError: naming the group and its first parameter.
     """
-    where = f"{optimizer.rule.name}: parameter group {index} (first parameter {named[0][0]})"
+    where = f"{optimizer_name}: parameter group {index} (first parameter {named[0][0]})"
     if not isinstance(saved, Mapping) or not isinstance(saved.get(_PARAMS), list):
         raise TypeError(f"{where}: the saved group is not a mapping with a 'params' list")
     if len(saved[_PARAMS]) != len(named):
@@ -125,7 +157,7 @@ def _check_group(
             f"{where}: the saved group has no {missing}: the state of another optimizer?"
         )
     try:
-        optimizer.check_options(saved)
+        check_options(saved)
     except (ValueError, TypeError) as error:
         raise ValueError(f"{where}: a saved hyperparameter is refused: {error}") from None
 
@@ -148,10 +180,16 @@ def _check_entry(
             f"(extra {extra}, missing {missing})"
         )
     for key, value in entry.items():
-        _check_value(f"{where}: state {key!r}", param, value)
+        check_state_value(f"{where}: state {key!r}", param, value)
 
 
-def _check_value(where: str, param: torch.Tensor, value: Any) -> None:
+def check_state_value(where: str, param: torch.Tensor, value: Any) -> None:
+    """Refuse a state tensor unfit for ``param``: another shape, dtype or layout, not finite.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: the rest, prefixed with ``where``.
+    """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} is a {type(value).__name__}, not a tensor")
     if value.shape != param.shape:
@@ -194,7 +232,7 @@ def _check_layout(where: str, param: DTensor, value: DTensor) -> None:
         )
 
 
-def _named(group: Mapping[str, Any], index: int) -> list[tuple[str, torch.Tensor]]:
+def named_params(group: Mapping[str, Any], index: int) -> list[tuple[str, torch.Tensor]]:
     """Each parameter of ``group`` with the name errors give it (as the optimizer's steps do)."""
     params: list[torch.Tensor] = group[_PARAMS]
     names: list[str] | None = group.get(_NAMES)
