@@ -227,3 +227,61 @@ def test_groups_say_their_optimizer_and_each_is_checked_when_added() -> None:
     muon, adamw = one.param_groups
     assert (muon["lr"], muon["weight_decay"], muon["momentum"]) == (1e-3, 0.1, 0.95)
     assert (adamw["lr"], adamw["weight_decay"], adamw["betas"]) == (1e-3, 1e-2, (0.9, 0.999))
+
+
+def _trainer_run(out: Path, steps: int, resume: str | None = None) -> dict[str, torch.Tensor]:
+    """A tiny Qwen2 trained by transformers' Trainer with one MuonWithAdamW and a scheduler."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+
+    from shardkit.core.optim import split_matrices
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = Qwen2ForCausalLM(config)
+    split = split_matrices(model)
+    optimizer = MuonWithAdamW(
+        [
+            {"params": split.matrices, "use_muon": True, "lr": 0.02},
+            {"params": split.others, "use_muon": False, "lr": 3e-4},
+        ]
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        {
+            "input_ids": torch.randint(0, 64, (16,), generator=gen),
+            "labels": torch.randint(0, 64, (16,), generator=gen),
+        }
+        for _ in range(12)
+    ]
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="steps",
+        save_steps=2,
+        seed=0,
+        data_seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler))
+    trainer.train(resume_from_checkpoint=resume)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_transformers_trainer_takes_it_and_resumes_it_bit_for_bit(tmp_path: Path) -> None:
+    # Trainer takes one optimizer: the pair would not fit. Its checkpoint holds this object's
+    # state dict (optimizer.pt), which its resume loads through MuonWithAdamW.load_state_dict.
+    straight = _trainer_run(tmp_path / "straight", 5)
+    _trainer_run(tmp_path / "stopped", 2)
+    resumed = _trainer_run(tmp_path / "stopped", 5, resume=str(tmp_path / "stopped/checkpoint-2"))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[n], resumed[n]) for n in straight)
