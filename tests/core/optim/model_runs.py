@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardkit.core import MixedPrecisionPolicy
-from shardkit.core.optim import Muon, split_matrices
+from shardkit.core.optim import Muon, MuonWithAdamW, split_matrices
 from tests.core.interop.hf_models import tiny_qwen2
 from tests.core.optim.muon_runs import ADAMW_LR, LR, step_against
 from tests.core.optim.placement_runs import ExpertwiseMuon
@@ -62,6 +62,8 @@ class Case:
     """The model in bf16, reduced in fp32: Muon's momentum in bf16 too."""
     replicated_over: bool = False
     """Under "tp": Muon told that the TP ranks hold the same matrices TP leaves whole."""
+    one: bool = False
+    """The placed model's Muon and AdamW as one ``MuonWithAdamW`` (the copy keeps the pair)."""
 
 
 def build(model: str) -> nn.Module:
@@ -157,11 +159,22 @@ def place(case: Case, model: nn.Module, impl: str, world_size: int) -> tuple[int
 
 
 def _optimizers(
-    model: nn.Module, *, placed: bool, replicated_over: DeviceMesh | None = None
+    model: nn.Module,
+    *,
+    placed: bool,
+    replicated_over: DeviceMesh | None = None,
+    one: bool = False,
 ) -> tuple[list[Any], int]:
-    """Muon (shardkit's, or torch's expert by expert) and AdamW; how many matrices Muon has."""
+    """Muon (shardkit's, or torch's expert by expert) and AdamW, or with ``one`` the two as
+    one ``MuonWithAdamW``; how many matrices Muon has."""
     split = split_matrices(model, head=_head(model), stacks=True)
     count = sum(len(p) if p.dim() == 3 else 1 for _, p in split.matrices)
+    if one:
+        groups = [
+            {"params": split.matrices, "use_muon": True, "lr": LR},
+            {"params": split.others, "use_muon": False, "lr": ADAMW_LR, "weight_decay": 0.1},
+        ]
+        return [MuonWithAdamW(groups, replicated_over=replicated_over)], count
     muon = (
         Muon(split.matrices, lr=LR, replicated_over=replicated_over)
         if placed
@@ -211,8 +224,11 @@ def compare_body(
     if case.bf16_params:
         reference, model = reference.to(torch.bfloat16), model.to(torch.bfloat16)
     dp_rank, dp_size = place(case, model, impl, world_size)
-    ours, matrices = _optimizers(model, placed=True, replicated_over=_tp_mesh(model, case))
+    ours, matrices = _optimizers(
+        model, placed=True, replicated_over=_tp_mesh(model, case), one=case.one
+    )
     theirs, _ = _optimizers(reference, placed=False)
+    muon = ours[0].muon if case.one else ours[0]
     ref_params = dict(reference.named_parameters())
     out: dict[str, Any] = {"equal": [], "max_diff": [], "stats": [], "matrices": matrices}
     for step in range(steps):
@@ -220,12 +236,12 @@ def compare_body(
         equal, max_diff = step_against(model, ref_params, [*ours, *theirs])
         out["equal"].append(equal)
         out["max_diff"].append(max_diff)
-        out["stats"].append(astuple(ours[0].last_step_stats))
-    out["muon"] = [n for group in ours[0].param_groups for n in group["param_names"]]
+        out["stats"].append(astuple(muon.last_step_stats))
+    out["muon"] = [n for group in muon.param_groups for n in group["param_names"]]
     # Under TP, Muon's matrices that TP left whole: DTensors of the dp axis alone.
     out["dp_only"] = sum(
         len(p) if p.dim() == 3 else 1
-        for group in ours[0].param_groups
+        for group in muon.param_groups
         for p in group["params"]
         if case.layout == "tp" and "tp" not in (p.device_mesh.mesh_dim_names or ())
     )

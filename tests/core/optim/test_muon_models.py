@@ -101,3 +101,12 @@ def test_moe_under_fsdp_x_tp_told_the_tp_axis_orthogonalizes_each_matrix_once(
 @pytest.mark.parametrize(("case", "world"), [pytest.param(*c, id=_id(*c)) for c in PATHS])
 def test_ten_steps_bit_for_bit_on_each_training_path(case: Case, world: int, impl: str) -> None:
     _check(run_on_ranks(world, compare_body, impl=impl, case=case, steps=STEPS))
+
+
+@pytest.mark.parametrize("impl", ["shardkit", "torch"])
+@pytest.mark.parametrize("layout", ["hsdp", "tp"])
+def test_one_muon_with_adamw_keeps_the_bits_on_hsdp_and_fsdp_x_tp(layout: str, impl: str) -> None:
+    # MuonWithAdamW in place of the pair, on the meshes whose placements Muon works hardest
+    # for: the same ten steps of torch's Muon and AdamW, every matrix once in the job.
+    case = Case(model="qwen2", layout=layout, one=True)
+    _check(run_on_ranks(4, compare_body, impl=impl, case=case, steps=STEPS))
