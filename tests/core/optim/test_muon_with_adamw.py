@@ -231,20 +231,12 @@ def test_groups_say_their_optimizer_and_each_is_checked_when_added() -> None:
 
 def _trainer_run(out: Path, steps: int, resume: str | None = None) -> dict[str, torch.Tensor]:
     """A tiny Qwen2 trained by transformers' Trainer with one MuonWithAdamW and a scheduler."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from shardkit.core.optim import split_matrices
+    from tests.core.interop.hf_models import tiny_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = tiny_qwen2(seed=0)
     split = split_matrices(model)
     optimizer = MuonWithAdamW(
         [
@@ -285,3 +277,63 @@ def test_transformers_trainer_takes_it_and_resumes_it_bit_for_bit(tmp_path: Path
     resumed = _trainer_run(tmp_path / "stopped", 5, resume=str(tmp_path / "stopped/checkpoint-2"))
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[n], resumed[n]) for n in straight)
+
+
+def _bent(state_dict: dict[str, Any], case: str) -> dict[str, Any]:
+    """A copy of ``state_dict`` made hostile as ``case`` says (AdamW's entry 2, a bias)."""
+    bent = copy.deepcopy(state_dict)
+    entry = bent["state"][2]
+    if case == "truncated":
+        bent["param_groups"] = bent["param_groups"][:1]
+    elif case == "params not a list":
+        bent["param_groups"][1]["params"] = "2,3"
+    elif case == "unlisted state":
+        bent["state"][99] = entry
+    elif case == "missing key":
+        del entry["exp_avg_sq"]
+    elif case == "moment shape":
+        entry["exp_avg"] = torch.zeros(3)
+    elif case == "moment dtype":
+        entry["exp_avg"] = entry["exp_avg"].double()
+    elif case == "step":
+        entry["step"] = torch.tensor(float("inf"))
+    elif case == "not a mapping":
+        bent["state"][2] = [entry["exp_avg"]]
+    return bent
+
+
+_HOSTILE = {
+    "truncated": "the state dict has 1 parameter groups, this optimizer has 2",
+    "params not a list": "parameter group 1 (first parameter 0.bias): the saved group is not",
+    "unlisted state": "state for parameter 99, which none of its parameter groups lists",
+    "missing key": "AdamW: 0.bias: its state has keys ['exp_avg', 'step'], AdamW keeps",
+    "moment shape": "AdamW: 0.bias: state 'exp_avg' has shape (3,), the parameter (8,)",
+    "moment dtype": "AdamW: 0.bias: state 'exp_avg' is torch.float64, the parameter",
+    "step": "AdamW: 0.bias: state 'step' is inf, not a finite count of steps",
+    "not a mapping": "AdamW: 0.bias: its state is a list, not a mapping",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_a_hostile_state_dict_is_refused_by_name_and_nothing_loads(case: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    one = MuonWithAdamW(
+        [
+            {"params": [(n, p) for n, p in named if p.dim() == 2], "use_muon": True},
+            {"params": [(n, p) for n, p in named if p.dim() == 1], "use_muon": False},
+        ]
+    )
+    model(torch.ones(3, 4)).sum().backward()
+    one.step()
+    saved = one.state_dict()
+    assert sorted(saved["state"][2]) == ["exp_avg", "exp_avg_sq", "step"]  # 0.bias, AdamW's
+    before = copy.deepcopy(saved)
+    with pytest.raises((ValueError, TypeError)) as raised:
+        one.load_state_dict(_bent(saved, case))
+    assert _HOSTILE[case] in str(raised.value)
+    after = one.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for index, entry in before["state"].items():
+        assert all(torch.equal(v, after["state"][index][k]) for k, v in entry.items())
